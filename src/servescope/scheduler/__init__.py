@@ -1,0 +1,1 @@
+"""servescope.scheduler"""
