@@ -1,0 +1,114 @@
+"""ModelRunner: the only place that turns a scheduler decision into tensors.
+
+Shape legend: T tokens in the step, B sequences, M max blocks per sequence, N blocks,
+S block size, Hkv KV heads, D head dim, V vocabulary, L layers.
+
+It owns the model weights and the paged KV cache (per layer a K and a V tensor of shape
+[N, S, Hkv, D]); it never decides anything: what runs is in the SchedulerOutput.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from servescope.config import ModelConfig
+from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepBatch:
+    """The flat tensors of one step, before the forward pass."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [B]: index in T of each sequence's last new token
+    num_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, backend: AttentionBackend,
+                 num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.cfg = model_config
+        self.backend = backend
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_dtype = kv_dtype
+        shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+        # one K and one V tensor per layer: [N, S, Hkv, D]
+        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=device),
+                           torch.zeros(shape, dtype=kv_dtype, device=device))
+                          for _ in range(model_config.num_hidden_layers)]
+        self.graph_runner = None  # set by the engine when CUDA graphs are on (cuda_graphs.py)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_cache_bytes // (self.num_blocks * self.block_size)
+
+    def prepare(self, scheduled) -> StepBatch:
+        """scheduled: list of ScheduledSequence (decodes first). Builds flat host lists, then one
+        copy per tensor to the device."""
+        s = self.block_size
+        input_ids, positions, slots, query_lens, context_lens, tables = [], [], [], [], [], []
+        num_decode = 0
+        for seq in scheduled:
+            start, n = seq.num_computed_tokens, seq.num_new_tokens
+            toks = seq.request.all_token_ids
+            input_ids.extend(toks[start:start + n])
+            positions.extend(range(start, start + n))
+            blocks = seq.block_ids
+            slots.extend(blocks[p // s] * s + p % s for p in range(start, start + n))
+            query_lens.append(n)
+            context_lens.append(start + n)
+            tables.append(blocks)
+            if n == 1 and num_decode == len(query_lens) - 1:
+                num_decode += 1  # decodes lead the batch; count the leading run of 1-token queries
+        max_blocks = max(len(t) for t in tables)
+        table_rows = [t + [0] * (max_blocks - len(t)) for t in tables]
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(table_rows, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            query_lens_cpu=query_lens,
+            context_lens_cpu=context_lens,
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+            num_decode_seqs=num_decode,
+        )
+        return StepBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor([x - 1 for x in qsl[1:]], dtype=torch.int64, device=dev),
+            num_tokens=len(input_ids),
+        )
+
+    @torch.inference_mode()
+    def execute(self, scheduled, sample_rows: Optional[list] = None) -> torch.Tensor:
+        """Run one step. Returns float32 logits [B', V] for the rows in sample_rows (indices into
+        `scheduled`; default all)."""
+        batch = self.prepare(scheduled)
+        if self.graph_runner is not None and batch.meta.is_decode_only and self.graph_runner.can_run(batch):
+            hidden = self.graph_runner.run(batch)  # [B, Dm], already the last token of each
+            rows = hidden if sample_rows is None else hidden[sample_rows]
+            return self.model.compute_logits(rows)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
+        idx = batch.logits_indices if sample_rows is None else batch.logits_indices[sample_rows]
+        return self.model.compute_logits(hidden[idx])  # [B', Dm] -> [B', V]

@@ -1,0 +1,83 @@
+"""The attention interface: what a backend receives each step and what it must do.
+
+Shape legend:
+  T  tokens in the step (all sequences, flat, no padding)
+  B  sequences in the step
+  H  query heads, Hkv KV heads, D head dim
+  N  KV blocks in the cache, S block size (tokens per block)
+  M  max blocks per sequence in this step's block table
+
+Invariant: a step first writes the K and V of all its T new tokens into the paged cache
+(`store_kv`), then computes attention of every query over its sequence's cached keys
+(`forward`). Because every write of a layer happens before any read of that layer, a
+sequence may read a block that another sequence of the same step has just written (a
+prefix-cache hit on a block computed in this step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Built by the ModelRunner once per step; read by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot (block * S + offset) of each new token
+    block_tables: torch.Tensor  # [B, M] int32: the blocks of each sequence, padded with 0
+    context_lens: torch.Tensor  # [B] int32: tokens in the cache for each sequence after this step
+    query_start_loc: torch.Tensor  # [B+1] int32: offsets of each sequence's new tokens in the flat T
+    # Host copies so that backends can loop and slice without a device sync.
+    query_lens_cpu: list
+    context_lens_cpu: list
+    max_query_len: int
+    max_context_len: int
+    num_decode_seqs: int = 0  # the first num_decode_seqs sequences have query_len == 1 (decodes first)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decode_seqs == self.num_seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+class AttentionBackend:
+    """One implementation per kernel family; chosen once at engine start-up."""
+
+    name = "base"
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        """Write k, v [T, Hkv, D] into k_cache, v_cache [N, S, Hkv, D] at meta.slot_mapping."""
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, H, D]; k, v [T, Hkv, D] (this step's, already stored) -> out [T, H, D]."""
+        raise NotImplementedError
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto` picks Triton on CUDA when it imports, else the torch reference."""
+    from servescope.model.attention.torch_ref import TorchAttentionBackend
+
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchAttentionBackend()
+    try:
+        from servescope.model.attention.triton_backend import TritonAttentionBackend
+    except ImportError as e:  # triton missing: only an error when asked for explicitly
+        if name == "triton":
+            raise RuntimeError(f"attention backend 'triton' is not available: {e}") from e
+        return TorchAttentionBackend()
+    return TritonAttentionBackend()
+
+

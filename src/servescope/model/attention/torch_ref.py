@@ -1,0 +1,80 @@
+"""Reference attention in plain PyTorch: runs everywhere, is the oracle in tests.
+
+Shape legend: T tokens, B sequences, H query heads, Hkv KV heads, D head dim,
+N blocks, S block size, M blocks per sequence, L context length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def store_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        n, s, hkv, d = k_cache.shape
+        # [N, S, Hkv, D] -> [N*S, Hkv, D]: a slot is block * S + offset
+        k_cache.view(n * s, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(n * s, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        nd = meta.num_decode_seqs
+        if nd:
+            # decodes come first in the flat layout: tokens [0, nd) are one query each
+            out[:nd] = self._paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                          meta.context_lens[:nd], max(meta.context_lens_cpu[:nd]), scale)
+        start = nd
+        for i in range(nd, meta.num_seqs):
+            qlen = meta.query_lens_cpu[i]
+            ctx = meta.context_lens_cpu[i]
+            qi = q[start:start + qlen]  # [q, H, D]
+            if ctx == qlen:
+                # nothing cached before: causal attention over this step's own k, v
+                out[start:start + qlen] = _sdpa(qi, k[start:start + qlen], v[start:start + qlen], scale, causal=True)
+            else:
+                nblk = (ctx + k_cache.shape[1] - 1) // k_cache.shape[1]
+                blocks = meta.block_tables[i, :nblk].long()
+                # [nblk, S, Hkv, D] -> [nblk*S, Hkv, D] -> [ctx, Hkv, D]
+                ki = k_cache[blocks].flatten(0, 1)[:ctx]
+                vi = v_cache[blocks].flatten(0, 1)[:ctx]
+                # query j sits at position ctx - qlen + j and sees keys 0 .. ctx - qlen + j
+                qpos = torch.arange(ctx - qlen, ctx, device=q.device)
+                mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # [q, ctx]
+                out[start:start + qlen] = _sdpa(qi, ki.to(q.dtype), vi.to(q.dtype), scale, mask=mask)
+            start += qlen
+        return out
+
+    @staticmethod
+    def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, max_ctx: int, scale: float):
+        b, h, d = q.shape
+        s = k_cache.shape[1]
+        nblk = (max_ctx + s - 1) // s
+        tables = block_tables[:, :nblk].long()  # [B, M]
+        # [B, M, S, Hkv, D] -> [B, M*S, Hkv, D]
+        keys = k_cache[tables].flatten(1, 2)
+        vals = v_cache[tables].flatten(1, 2)
+        hkv = keys.shape[2]
+        valid = torch.arange(nblk * s, device=q.device)[None, :] < context_lens[:, None]  # [B, M*S]
+        # q [B, H, D] -> [B, Hkv, H/Hkv, D]; keys [B, L, Hkv, D] -> [B, Hkv, L, D]
+        qg = q.view(b, hkv, h // hkv, d)
+        kt = keys.permute(0, 2, 1, 3).to(q.dtype)
+        vt = vals.permute(0, 2, 1, 3).to(q.dtype)
+        mask = valid[:, None, None, :]  # [B, 1, 1, L]
+        o = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask, scale=scale)  # [B, Hkv, H/Hkv, D]
+        return o.reshape(b, h, d)
+
+
+def _sdpa(q, k, v, scale, causal=False, mask=None):
+    """q [q, H, D], k, v [L, Hkv, D] -> [q, H, D]; grouped-query heads via enable_gqa."""
+    # [q, H, D] -> [1, H, q, D]; [L, Hkv, D] -> [1, Hkv, L, D]
+    qt = q.transpose(0, 1)[None]
+    kt = k.transpose(0, 1)[None]
+    vt = v.transpose(0, 1)[None]
+    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=causal and mask is None,
+                                       scale=scale, enable_gqa=kt.shape[1] != qt.shape[1])
+    return o[0].transpose(0, 1)  # [1, H, q, D] -> [q, H, D]
