@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Sequence
 
 from rich.table import Table
@@ -22,7 +24,7 @@ def render_result_table(result: BenchmarkResult) -> Table:
     table.add_column("metric", style="bold")
     table.add_column("value", justify="right")
     cfg = result.config
-    if "max_concurrency" in cfg:
+    if cfg.get("max_concurrency") is not None:
         table.add_row("Maximum request concurrency:", str(cfg["max_concurrency"]))
     if "request_rate" in cfg:
         table.add_row("Request rate (req/s):", str(cfg["request_rate"]))
@@ -80,3 +82,13 @@ def plot_sweep(results: Sequence[BenchmarkResult], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.savefig(path, dpi=120)
+
+
+def save_results_json(results: BenchmarkResult | Sequence[BenchmarkResult], path: str | Path,
+                      include_records: bool = False) -> None:
+    """Write one result (a JSON object) or several (a JSON list) with `to_dict`'s stable keys."""
+    if isinstance(results, BenchmarkResult):
+        data = results.to_dict(include_records)
+    else:
+        data = [r.to_dict(include_records) for r in results]
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from servescope.bench.arrivals import arrival_times
 from servescope.bench.datasets import BenchRequest, encode_text
-from servescope.bench.metrics import BenchmarkResult, RequestRecord, compute_metrics
+from servescope.bench.metrics import BenchmarkResult, RequestRecord, compute_metrics, parse_goodput
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +201,9 @@ async def run_serve_benchmark_async(
         raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
     if not requests:
         raise ValueError("no requests to send")
+    if any(not 0 <= p <= 100 for p in percentiles):
+        raise ValueError(f"percentiles must be in [0, 100], got {percentiles}")
+    slos_ms = parse_goodput(goodput)  # a bad SLO spec must fail before the run, not after it
     url = endpoint_url(base_url, endpoint)
     chat = is_chat_endpoint(endpoint)
     payloads = [build_payload(r, model, chat, ignore_eos, extra_body) for r in requests]
@@ -248,7 +251,7 @@ async def run_serve_benchmark_async(
         "burstiness": burstiness, "max_concurrency": max_concurrency, "ignore_eos": ignore_eos,
         "seed": seed,
     }
-    return compute_metrics(records, duration, goodput=goodput, percentiles=percentiles, config=config)
+    return compute_metrics(records, duration, goodput=slos_ms or None, percentiles=percentiles, config=config)
 
 
 def run_serve_benchmark(*args: Any, **kwargs: Any) -> BenchmarkResult:
