@@ -29,7 +29,7 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device: 
     for name, p in expected.items():
         if tuple(sd[name].shape) != tuple(p.shape):
             raise ModelLoadError(f"tensor {name} has shape {tuple(sd[name].shape)}, expected {tuple(p.shape)}")
-    model = model.to_empty(device=device)
+    model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(sd[name].to(dtype))

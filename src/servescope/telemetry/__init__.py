@@ -1,1 +1,1 @@
-"""servescope.telemetry"""
+"""Step records, request metrics and trace export: plain data, no torch."""

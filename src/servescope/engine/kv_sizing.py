@@ -1,0 +1,62 @@
+"""How many KV blocks the engine allocates: from bytes, a fraction of free memory, or a default."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from servescope.config import EngineConfig, ModelConfig
+from servescope.errors import EngineConfigError
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2 in float32
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
+    """2 (K and V) * layers * KV heads * head dim * bytes per element."""
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, kv_dtype: torch.dtype, device: torch.device) -> int:
+    per_block = kv_bytes_per_token(cfg, kv_dtype) * config.block_size
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory_bytes is not None:
+        budget = config.kv_cache_memory_bytes
+        source = f"kv_cache_memory_bytes={budget}"
+    elif config.kv_cache_memory_fraction is not None:
+        free = available_memory_bytes(device)
+        budget = int(free * config.kv_cache_memory_fraction)
+        source = f"{config.kv_cache_memory_fraction:.0%} of {free / 2**30:.1f} GiB free"
+    elif device.type == "cuda":
+        free = available_memory_bytes(device)
+        # keep room for activations of the largest step and the CUDA graphs' pool
+        budget = int(free * 0.85) - (2 << 30)
+        source = f"85% of {free / 2**30:.1f} GiB free, less 2 GiB for activations"
+    else:
+        budget = min(CPU_DEFAULT_KV_BYTES, available_memory_bytes(device) // 4)
+        source = "CPU default (1 GiB)"
+    blocks = budget // per_block
+    if blocks < 1:
+        raise EngineConfigError(
+            f"KV cache memory ({source}) is smaller than one block ({per_block} bytes = {config.block_size} "
+            f"tokens x {per_block // config.block_size} bytes per token)")
+    logger.debug("KV budget from %s", source)
+    return int(blocks)

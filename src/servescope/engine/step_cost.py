@@ -1,0 +1,63 @@
+"""Annotates each StepRecord with the cost model's FLOPs, bytes, bound and predicted time.
+
+The engine calls analysis/ (pure functions); analysis never imports the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from servescope.analysis.cost_model import step_cost
+from servescope.analysis.hardware import HardwareSpec, get_hardware
+from servescope.config import ModelConfig
+from servescope.errors import InvalidParameterError
+from servescope.telemetry.step_record import StepRecord
+
+logger = logging.getLogger(__name__)
+
+_DT = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def hardware_for_device(device: torch.device, name: Optional[str] = None) -> HardwareSpec:
+    """The spec to predict with: the named one, else the GPU's datasheet, else the CPU probe."""
+    if name:
+        return get_hardware(name)
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device).lower()
+        for key in ("h200", "h100", "a100", "l40s", "l4", "4090", "mi300x"):
+            if key in gpu:
+                try:
+                    return get_hardware(key)
+                except InvalidParameterError:
+                    break
+        logger.warning("no datasheet spec for %s; predictions use the H100 spec", gpu)
+        return get_hardware("h100")
+    return get_hardware("local-cpu")
+
+
+class StepCostPredictor:
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+                 quantization: Optional[str], hardware: Optional[str]):
+        self.cfg = cfg
+        self.hw = hardware_for_device(device, hardware)
+        self.act_dtype = _DT[dtype]
+        self.weight_dtype = "int8" if quantization == "int8" else self.act_dtype
+        self.kv_dtype = _DT[kv_dtype]
+
+    def predict(self, seqs: list, num_logits: int):
+        return step_cost(self.cfg, seqs, self.hw, self.weight_dtype, self.kv_dtype, self.act_dtype,
+                         num_logits=num_logits)
+
+    def annotate(self, rec: StepRecord, seqs: list, num_logits: int) -> None:
+        """seqs: [(num_new_tokens, num_context_tokens_before)] of the step."""
+        cost = self.predict(seqs, num_logits)
+        rec.predicted_seconds = cost.predicted_seconds
+        rec.flops = cost.flops
+        rec.bytes = cost.bytes
+        rec.flops_by_group = {o.name: o.flops for o in cost.ops}
+        rec.bytes_by_group = {o.name: o.bytes for o in cost.ops}
+        rec.bound = cost.bound
+        rec.hardware = self.hw.name

@@ -1,0 +1,64 @@
+"""StepRecord: what one engine step did, what it cost, and what the cost model predicted."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+
+@dataclass
+class StepRecord:
+    step: int
+    start_time: float  # perf_counter seconds
+    wall_seconds: float
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    context_lens: list  # tokens in the cache per sequence after the step
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    kv_usage: float  # referenced blocks / all blocks
+    num_running: int
+    num_waiting: int
+    num_preemptions_total: int
+    # from the cost model (None when prediction is off)
+    predicted_seconds: Optional[float] = None
+    flops: Optional[float] = None
+    bytes: Optional[float] = None
+    flops_by_group: dict = field(default_factory=dict)
+    bytes_by_group: dict = field(default_factory=dict)
+    bound: Optional[str] = None  # "compute" | "memory"
+    hardware: Optional[str] = None
+
+    @property
+    def phase(self) -> str:
+        if self.num_prefill_tokens and self.num_decode_tokens:
+            return "mixed"
+        return "prefill" if self.num_prefill_tokens else "decode"
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def achieved_flops_per_s(self) -> Optional[float]:
+        return None if self.flops is None or self.wall_seconds <= 0 else self.flops / self.wall_seconds
+
+    @property
+    def achieved_bytes_per_s(self) -> Optional[float]:
+        return None if self.bytes is None or self.wall_seconds <= 0 else self.bytes / self.wall_seconds
+
+    @property
+    def prediction_error(self) -> Optional[float]:
+        """(predicted - measured) / measured."""
+        if self.predicted_seconds is None or self.wall_seconds <= 0:
+            return None
+        return (self.predicted_seconds - self.wall_seconds) / self.wall_seconds
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(phase=self.phase, achieved_flops_per_s=self.achieved_flops_per_s,
+                 achieved_bytes_per_s=self.achieved_bytes_per_s, prediction_error=self.prediction_error)
+        return d
