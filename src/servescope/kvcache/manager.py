@@ -1,0 +1,252 @@
+"""KVCacheManager: each request's block table on top of the allocator and the prefix cache.
+
+Invariants (check_invariants() asserts them; tests call it after every sequence of operations):
+  - every block is in exactly one of: the free list, the evictable LRU, used (ref count >= 1);
+  - a block's ref count equals the number of request block tables that hold it;
+  - block i of a request holds the KV of its tokens [i*S, (i+1)*S) (S = block_size); a request
+    holds exactly ceil(tokens allocated / S) blocks;
+  - a block is cached (hashed) only while it is full and its hash is final: the hash of block i
+    of a request is the chain hash of that request's first (i+1)*S tokens;
+  - a block is hashed when the step that computes its last token is scheduled (allocate_slots),
+    so a request admitted later in the same step can hit it: the engine writes all KV of a
+    layer before any attention of that layer reads it.
+Pure Python, no torch: tested on plain integers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol, Sequence
+
+from servescope.config import CacheConfig
+from servescope.kvcache.block_allocator import BlockAllocator
+from servescope.kvcache.prefix_cache import BlockHash, PrefixCache, hash_full_blocks
+
+logger = logging.getLogger(__name__)
+
+
+class SequenceLike(Protocol):
+    """What the manager reads from a request (scheduler.Request satisfies it)."""
+
+    request_id: str
+    num_computed_tokens: int
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, config: CacheConfig):
+        self.config = config
+        self.block_size = config.block_size
+        self.num_blocks = config.num_blocks
+        self.enable_prefix_caching = config.enable_prefix_caching
+        self.allocator = BlockAllocator(config.num_blocks)
+        self.prefix_cache = PrefixCache()
+        self._blocks: dict[str, list[int]] = {}  # request id -> block table
+        self._hashes: dict[str, list[BlockHash]] = {}  # request id -> hashes of its full blocks so far
+        self._num_hashed: dict[str, int] = {}  # request id -> its leading blocks already offered to the cache
+        # metrics, in tokens, counted at each admission (a request re-tried every step counts once)
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # -- sizes -----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can get: free plus evictable."""
+        return self.allocator.num_free + self.prefix_cache.num_evictable
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks with a hash in the prefix cache, used or evictable."""
+        return self.prefix_cache.num_cached
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return self.prefix_cache.num_evictable
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request (0..1)."""
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return list(self._blocks.get(request_id, ()))
+
+    # -- prefix cache lookup ---------------------------------------------------------------
+    def get_computed_blocks(self, request: SequenceLike) -> tuple[list[int], int]:
+        """Longest cached prefix of the request's FULL blocks, and how many tokens it covers.
+
+        Never all tokens: the last token must be recomputed because its logits are needed, so at
+        most (num_tokens - 1) // S blocks can hit (a fully cached prompt drops its last block).
+        Touches nothing: allocate_slots() takes the blocks.
+        """
+        if not self.enable_prefix_caching or request.request_id in self._blocks:
+            return [], 0
+        max_hit = (request.num_tokens - 1) // self.block_size
+        hashes = self._request_hashes(request, max_hit)
+        blocks: list[int] = []
+        for h in hashes[:max_hit]:
+            b = self.prefix_cache.lookup(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks, len(blocks) * self.block_size
+
+    def _request_hashes(self, request: SequenceLike, num_full: int) -> list[BlockHash]:
+        known = self._hashes.get(request.request_id, [])
+        if len(known) < num_full:
+            known = hash_full_blocks(request.all_token_ids, self.block_size, known, limit=num_full)
+            self._hashes[request.request_id] = known
+        return known
+
+    # -- allocation ------------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        request: SequenceLike,
+        num_new_tokens: int,
+        computed_blocks: list[int] | None = None,
+        num_computed_from_cache: int = 0,
+    ) -> bool:
+        """Make the request hold blocks for num_computed_tokens + num_computed_from_cache +
+        num_new_tokens tokens (call before advancing request.num_computed_tokens).
+
+        computed_blocks/num_computed_from_cache come from get_computed_blocks() and are only
+        given at admission, when the request holds nothing. Returns False, changing nothing, if
+        free + evictable blocks do not suffice. Afterwards every block that the scheduled tokens
+        fill is hashed into the prefix cache.
+        """
+        rid = request.request_id
+        computed_blocks = computed_blocks or []
+        held = self._blocks.get(rid, [])
+        if computed_blocks:
+            assert not held and request.num_computed_tokens == 0, f"{rid}: cache hit for a request that holds blocks"
+            assert num_computed_from_cache == len(computed_blocks) * self.block_size
+        admitting = not held
+        total = request.num_computed_tokens + num_computed_from_cache + num_new_tokens
+        num_new_blocks = self.num_blocks_for(total) - len(held) - len(computed_blocks)
+        # Hit blocks that sit in the evictable list stop being available once we take them.
+        num_hit_evictable = sum(1 for b in computed_blocks if self.allocator.ref_count(b) == 0)
+        if num_new_blocks > self.num_free_blocks - num_hit_evictable:
+            return False
+
+        table = self._blocks.setdefault(rid, held)
+        for b in computed_blocks:
+            if self.allocator.ref_count(b) == 0:
+                self.prefix_cache.take(b)
+            self.allocator.incref(b)
+            table.append(b)
+        if computed_blocks:
+            self._num_hashed[rid] = len(computed_blocks)
+        for _ in range(num_new_blocks):
+            table.append(self._allocate_block())
+
+        if admitting and self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_computed_from_cache
+        self._cache_full_blocks(request, min(total, request.num_tokens))
+        return True
+
+    def _allocate_block(self) -> int:
+        if self.allocator.num_free == 0:
+            # Reuse the least recently freed cached block: its hash dies with it.
+            self.allocator.release(self.prefix_cache.evict())
+        return self.allocator.allocate()
+
+    def _cache_full_blocks(self, request: SequenceLike, num_tokens: int) -> None:
+        """Hash the request's blocks that are full within its first num_tokens tokens."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        table = self._blocks[rid]
+        num_full = min(num_tokens // self.block_size, len(table))
+        start = self._num_hashed.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self._request_hashes(request, num_full)
+        for i in range(start, num_full):
+            # False when another block already holds this content: this one stays private.
+            self.prefix_cache.insert(hashes[i], table[i])
+        self._num_hashed[rid] = num_full
+
+    # -- release ---------------------------------------------------------------------------
+    def free(self, request: SequenceLike) -> None:
+        """Drop the request's hold on its blocks (call before resetting num_computed_tokens).
+
+        Blocks go back from the tail of the sequence first, so that in the evictable LRU the
+        tail is evicted before the prefix it extends (prefixes are the blocks others can hit).
+        A cached block whose KV was never written (hashed for a step that did not complete,
+        i.e. at or past num_computed_tokens) loses its hash instead of becoming evictable.
+        """
+        rid = request.request_id
+        table = self._blocks.pop(rid, [])
+        self._hashes.pop(rid, None)
+        self._num_hashed.pop(rid, None)
+        num_written = request.num_computed_tokens // self.block_size
+        for i in range(len(table) - 1, -1, -1):
+            b = table[i]
+            if self.allocator.decref(b) > 0:
+                continue
+            if self.prefix_cache.is_cached(b) and i < num_written:
+                self.prefix_cache.add_evictable(b)
+            else:
+                if self.prefix_cache.is_cached(b):
+                    self.prefix_cache.uncache(b)
+                self.allocator.release(b)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every hash (e.g. after weights change). Evictable blocks become free; blocks in
+        use keep their KV but can no longer be hit. Returns the number of hashes dropped."""
+        n = self.prefix_cache.num_cached
+        for b in self.prefix_cache.clear():
+            self.allocator.release(b)
+        # Blocks already offered stay "offered": they will not be re-hashed.
+        logger.info("prefix cache reset: %d block hashes dropped", n)
+        return n
+
+    # -- invariants ------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        alloc, cache = self.allocator, self.prefix_cache
+        cache.check_invariants()
+        owners = [0] * self.num_blocks
+        for rid, table in self._blocks.items():
+            assert len(set(table)) == len(table), f"{rid}: a block appears twice in its table {table}"
+            for b in table:
+                owners[b] += 1
+            hashes = self._hashes.get(rid, [])
+            assert self._num_hashed.get(rid, 0) <= len(table), f"{rid}: more blocks offered than held"
+            for i, b in enumerate(table):
+                h = cache.hash_of(b)
+                if h is not None and i < self._num_hashed.get(rid, 0):
+                    assert i < len(hashes) and hashes[i] == h, f"{rid}: block {b} (#{i}) cached under a foreign hash"
+        free = set(alloc.free_block_ids())
+        assert len(free) == alloc.num_free, "a block is on the free list twice"
+        evictable = set(cache.evictable_blocks())
+        for b in range(self.num_blocks):
+            states = (b in free) + (b in evictable) + (alloc.ref_count(b) > 0)
+            assert states == 1, (
+                f"block {b}: free={b in free} evictable={b in evictable} ref={alloc.ref_count(b)}"
+            )
+            assert alloc.ref_count(b) == owners[b], f"block {b}: ref {alloc.ref_count(b)} but {owners[b]} owners"
+            if b in free:
+                assert not cache.is_cached(b), f"free block {b} is still cached"
+        if not self.enable_prefix_caching:
+            assert cache.num_cached == 0

@@ -1,0 +1,126 @@
+"""Prefix cache: block hashes, the hash -> block table, and the LRU list of evictable blocks.
+
+A block's hash is sha256(parent hash || its token ids), so equal hashes mean equal whole
+prefixes, not just equal blocks. Invariants:
+  - a block is in the cache only while it is FULL and its hash is final (a partly filled
+    block is never hashed, hence never shared);
+  - one hash maps to at most one block (a second block with the same content stays
+    uncached and is simply freed when its owner lets go);
+  - an evictable block is cached, has ref count 0 and is off the free list; it stays
+    reusable until it is evicted to satisfy an allocation (least recently freed first).
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+BlockHash = bytes  # 32-byte sha256 digest
+
+_ROOT = b"servescope-kv-root"  # the parent "hash" of a sequence's first block
+
+
+def hash_block_tokens(parent: Optional[BlockHash], token_ids: Sequence[int]) -> BlockHash:
+    """Stable (process- and run-independent) hash of one full block and everything before it."""
+    h = hashlib.sha256(parent if parent is not None else _ROOT)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
+
+
+def hash_full_blocks(
+    token_ids: Sequence[int], block_size: int, known: Sequence[BlockHash] = (), limit: Optional[int] = None
+) -> list[BlockHash]:
+    """Hashes of the full blocks of token_ids (at most `limit` of them), extending the `known` prefix."""
+    n = len(token_ids) // block_size
+    if limit is not None:
+        n = min(n, limit)
+    out = list(known[:n])
+    parent = out[-1] if out else None
+    for i in range(len(out), n):
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+class PrefixCache:
+    """hash <-> block maps plus the evictable LRU (first entry = least recently freed = evicted first)."""
+
+    def __init__(self):
+        self._block_of: dict[BlockHash, int] = {}
+        self._hash_of: dict[int, BlockHash] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+
+    # -- lookups ---------------------------------------------------------------------------
+    def lookup(self, h: BlockHash) -> Optional[int]:
+        return self._block_of.get(h)
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._hash_of
+
+    def hash_of(self, block: int) -> Optional[BlockHash]:
+        return self._hash_of.get(block)
+
+    def is_evictable(self, block: int) -> bool:
+        return block in self._evictable
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._hash_of)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def evictable_blocks(self) -> list[int]:
+        """Evictable blocks, next to be evicted first."""
+        return list(self._evictable)
+
+    # -- updates ---------------------------------------------------------------------------
+    def insert(self, h: BlockHash, block: int) -> bool:
+        """Cache a full block under h. False (and nothing changes) if h is already cached by
+        another block, or this block already has a hash."""
+        if h in self._block_of or block in self._hash_of:
+            return False
+        self._block_of[h] = block
+        self._hash_of[block] = h
+        return True
+
+    def uncache(self, block: int) -> None:
+        """Forget a block's hash (it must not be evictable: evict() or take() it first)."""
+        assert block not in self._evictable, f"uncache of evictable block {block}"
+        h = self._hash_of.pop(block)
+        del self._block_of[h]
+
+    def add_evictable(self, block: int) -> None:
+        """A cached block's last owner let go: it becomes the most recently freed evictable block."""
+        assert block in self._hash_of, f"block {block} is not cached"
+        assert block not in self._evictable, f"block {block} is already evictable"
+        self._evictable[block] = None
+
+    def take(self, block: int) -> None:
+        """A cache hit revives an evictable block: it is no longer a candidate for eviction."""
+        del self._evictable[block]
+
+    def evict(self) -> int:
+        """Drop the least recently freed evictable block from the cache and return it (ref 0)."""
+        block, _ = self._evictable.popitem(last=False)
+        self.uncache(block)
+        return block
+
+    def clear(self) -> list[int]:
+        """Forget every hash; return the blocks that were evictable (now merely held, ref 0)."""
+        evictable = list(self._evictable)
+        self._evictable.clear()
+        self._block_of.clear()
+        self._hash_of.clear()
+        return evictable
+
+    def check_invariants(self) -> None:
+        assert len(self._block_of) == len(self._hash_of)
+        for h, b in self._block_of.items():
+            assert self._hash_of.get(b) == h, f"block {b}: hash maps disagree"
+        for b in self._evictable:
+            assert b in self._hash_of, f"evictable block {b} is not cached"
