@@ -1,0 +1,249 @@
+"""Load a GGUF file: config from its metadata, tensors dequantised to float32 under HF key names.
+
+Dequantisation uses the `gguf` package (F32, F16, BF16, Q4_0, Q4_1, Q5_x, Q8_0 and the K-quants it
+implements). llama.cpp's converter permutes the rows of Q and K for the "llama" architecture so
+that its rotary kernel can rotate adjacent pairs; HF checkpoints rotate the two halves of each head
+("rotate_half"). We undo that permutation here, exactly as transformers' GGUF loader does, so the
+weights are bit-identical to what `AutoModelForCausalLM.from_pretrained(..., gguf_file=...)` gets.
+Qwen2/Qwen3 GGUFs are not permuted (llama.cpp runs them with NEOX-style rope).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import numpy as np
+import torch
+
+from servescope.config import ModelConfig, RopeScaling
+from servescope.errors import InvalidParameterError, ModelLoadError
+from servescope.model.loader import LoadedSource, TokenizerSource, check_state_dict
+
+logger = logging.getLogger(__name__)
+
+# GGUF general.architecture -> our family. Mistral GGUFs say "llama" (detected from general.name).
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """Map a GGUF tensor name to its HF checkpoint key; None for tensors we do not use (rope_freqs)."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def reverse_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's `permute` of Q/K rows: per head, interleaved pairs -> two halves.
+
+    w: [n_head * D, ...] (weight [n_head*D, hidden] or bias [n_head*D]).
+    """
+    d_half = w.shape[0] // n_head // 2
+    # [n_head, D/2, 2, ...] -> [n_head, 2, D/2, ...]: row 2j (+1) of a head goes back to j (+ D/2)
+    return w.reshape(n_head, d_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str) -> LoadedSource:
+    """Read a .gguf file into a LoadedSource. Raises ModelLoadError naming the file on any problem."""
+    try:
+        import gguf
+    except ImportError as e:  # pragma: no cover - gguf is a dependency
+        raise ModelLoadError(f"{path}: reading GGUF files needs the `gguf` package (pip install gguf)") from e
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # corrupt header, truncated metadata, random bytes
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+    meta = _Metadata(reader, path)
+    config = _config_from_metadata(meta, reader, path)
+    state_dict = _read_tensors(reader, config, meta.arch, path)
+    state_dict = check_state_dict(state_dict, config, path)
+
+    eos_ids = list(config.eos_token_ids)
+    chat_template = meta.get("tokenizer.chat_template")
+    generation_config = {"eos_token_id": eos_ids}
+    if config.bos_token_id is not None:
+        generation_config["bos_token_id"] = config.bos_token_id
+    pad = meta.get("tokenizer.ggml.padding_token_id")
+    if pad is not None:
+        generation_config["pad_token_id"] = int(pad)
+    return LoadedSource(
+        config=config,
+        state_dict=state_dict,
+        tokenizer_source=TokenizerSource(
+            path=os.path.dirname(os.path.abspath(path)),
+            gguf_file=os.path.basename(path),
+            chat_template=chat_template,
+            eos_token_ids=tuple(eos_ids),
+        ),
+        path=path,
+        format="gguf",
+        chat_template=chat_template,
+        generation_config=generation_config,
+    )
+
+
+class _Metadata:
+    """Typed access to GGUF key/value metadata."""
+
+    def __init__(self, reader, path: str):
+        self.reader, self.path = reader, path
+        self.raw_arch = self.get("general.architecture")
+        if self.raw_arch is None:
+            raise ModelLoadError(f"{path}: GGUF metadata has no general.architecture")
+        self.arch = self.raw_arch
+
+    def get(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        try:
+            return f.contents()
+        except Exception as e:
+            raise ModelLoadError(f"{self.path}: unreadable GGUF metadata {key} ({e})") from None
+
+    def arch_key(self, suffix: str, default=None, required: bool = False):
+        v = self.get(f"{self.arch}.{suffix}", default)
+        if v is None and required:
+            raise ModelLoadError(f"{self.path}: GGUF metadata is missing {self.arch}.{suffix}")
+        if isinstance(v, list):  # per-layer values: we support uniform layers only
+            if len(set(v)) != 1:
+                raise ModelLoadError(f"{self.path}: {self.arch}.{suffix} varies per layer ({v[:4]}...), unsupported")
+            v = v[0]
+        return v
+
+
+def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
+    arch = meta.raw_arch
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: llama (Llama 2/3, SmolLM, Mistral), "
+            f"qwen2, qwen3"
+        )
+    family = GGUF_ARCHITECTURES[arch]
+    name = meta.get("general.name") or os.path.basename(path)
+    if family == "llama" and "mistral" in str(name).lower():
+        family = "mistral"
+    tensor_names = {t.name for t in reader.tensors}
+    hidden = int(meta.arch_key("embedding_length", required=True))
+    heads = int(meta.arch_key("attention.head_count", required=True))
+    kv_heads = int(meta.arch_key("attention.head_count_kv", heads))
+    head_dim = int(meta.arch_key("attention.key_length", hidden // heads))
+    rope_dim = meta.arch_key("rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise ModelLoadError(f"{path}: partial rotary embedding (rope.dimension_count {rope_dim} != head_dim "
+                             f"{head_dim}) is not supported")
+    tokens = meta.reader.fields.get("tokenizer.ggml.tokens")
+    vocab = meta.arch_key("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        raise ModelLoadError(f"{path}: cannot tell the vocabulary size (no {arch}.vocab_size, no token list)")
+    eos_ids = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        v = meta.get(key)
+        if v is not None and int(v) not in eos_ids:
+            eos_ids.append(int(v))
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    try:
+        return ModelConfig(
+            architecture=family,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(meta.arch_key("feed_forward_length", required=True)),
+            num_hidden_layers=int(meta.arch_key("block_count", required=True)),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=int(meta.arch_key("context_length", 4096)),
+            rms_norm_eps=float(meta.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(meta.arch_key("rope.freq_base", 10000.0)),
+            rope_scaling=_rope_scaling(meta, reader, head_dim, path),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            qk_norm=family == "qwen3" or "blk.0.attn_q_norm.weight" in tensor_names,
+            bos_token_id=int(bos) if bos is not None else None,
+            eos_token_ids=tuple(eos_ids),
+            name=str(name),
+        )
+    except InvalidParameterError as e:
+        raise ModelLoadError(f"{path}: invalid model config in GGUF metadata: {e.message}") from None
+
+
+def _rope_scaling(meta: _Metadata, reader, head_dim: int, path: str):
+    rtype = meta.arch_key("rope.scaling.type")
+    if rtype in (None, "none"):
+        # Llama 3.1+ GGUFs carry llama3 scaling as a `rope_freqs` tensor of per-frequency divisors
+        # instead of metadata. The divisor is `factor` for low frequencies; low/high_freq_factor and
+        # the original context (1, 4, 8192) are the same in every Llama 3.1/3.2/3.3 release.
+        for t in reader.tensors:
+            if t.name == "rope_freqs.weight":
+                factor = float(np.max(np.asarray(t.data, dtype=np.float32)))
+                if factor > 1.0:
+                    logger.info("%s: rope_freqs tensor found: using llama3 rope scaling, factor %g", path, factor)
+                    return RopeScaling(rope_type="llama3", factor=factor)
+        return None
+    if rtype == "linear":
+        return RopeScaling(rope_type="linear", factor=float(meta.arch_key("rope.scaling.factor", 1.0)))
+    raise ModelLoadError(f"{path}: unsupported rope scaling type {rtype!r} (supported: none, linear, llama3)")
+
+
+def _read_tensors(reader, config: ModelConfig, arch: str, path: str) -> dict:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    file_size = os.path.getsize(path)
+    state_dict = {}
+    for t in reader.tensors:
+        hf_name = gguf_to_hf_name(t.name)
+        if hf_name is None:
+            logger.debug("%s: skipping tensor %s", path, t.name)
+            continue
+        if t.data_offset + t.n_bytes > file_size or t.data.nbytes != t.n_bytes:
+            raise ModelLoadError(
+                f"{path}: truncated file: tensor {t.name} needs bytes {t.data_offset}..{t.data_offset + t.n_bytes} "
+                f"but the file has {file_size} bytes"
+            )
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(
+                f"{path}: tensor {t.name} uses quantisation {t.tensor_type.name}, which the gguf package cannot "
+                f"dequantise"
+            ) from None
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot dequantise tensor {t.name} ({type(e).__name__}: {e})") from None
+        if w.size != int(np.prod(shape)):
+            raise ModelLoadError(f"{path}: tensor {t.name} has {w.size} values, its header says {list(shape)}")
+        w = w.reshape(shape)
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = reverse_llama_permute(w, config.num_attention_heads)
+        elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = reverse_llama_permute(w, config.num_key_value_heads)
+        if t.tensor_type == GGMLQuantizationType.F32 or not w.flags.writeable:
+            w = w.copy()  # F32 "dequantisation" is a view of the memory-mapped file
+        state_dict[hf_name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+    return state_dict

@@ -1,0 +1,146 @@
+"""Tokenizer: a thin wrapper over a transformers tokenizer, plus our own chat-template rendering.
+
+Sources are local only (`local_files_only=True`): a Hugging Face directory, or a GGUF file whose
+tokenizer transformers converts. That conversion takes seconds (it parses ~100k vocabulary and
+merge entries), so the converted tokenizer is saved once under the servescope cache directory
+(`$SERVESCOPE_CACHE_DIR`, default `~/.cache/servescope`; set it to "off" to disable) keyed by the
+GGUF's path, size and mtime, and reloaded from there in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from typing import Iterable, Optional, Union
+
+from servescope.errors import ModelLoadError
+from servescope.model.loader import LoadedSource, TokenizerSource
+from servescope.tokenizer.chat_template import CHATML_TEMPLATE, compile_chat_template, render_chat_template
+
+logger = logging.getLogger(__name__)
+
+_SPECIAL_ATTRS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class Tokenizer:
+    """Encode/decode text, know the end-of-sequence ids, render chat prompts.
+
+    `decode` never applies transformers' `clean_up_tokenization_spaces`, so that incremental
+    detokenisation (which decodes small windows) concatenates to exactly `decode(all_ids)`.
+    """
+
+    def __init__(self, hf_tokenizer, chat_template: Optional[str] = None, eos_token_ids: Iterable[int] = (),
+                 name: str = ""):
+        self.hf = hf_tokenizer
+        self.name = name
+        own = chat_template or getattr(hf_tokenizer, "chat_template", None)
+        if isinstance(own, dict):  # several named templates: use the default one
+            own = own.get("default") or next(iter(own.values()), None)
+        self.has_chat_template = bool(own)
+        self.chat_template: str = own or CHATML_TEMPLATE
+        try:
+            compile_chat_template(self.chat_template)
+        except Exception as e:
+            raise ModelLoadError(f"{name or 'tokenizer'}: the chat template does not compile ({e})") from None
+        eos = set(int(i) for i in eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids: frozenset = frozenset(eos)
+        self.bos_token_id: Optional[int] = hf_tokenizer.bos_token_id
+        special = set(hf_tokenizer.all_special_ids)
+        special.update(i for i, t in hf_tokenizer.added_tokens_decoder.items() if getattr(t, "special", False))
+        self.special_token_ids: frozenset = frozenset(special)
+        self.special_tokens = {a: str(getattr(hf_tokenizer, a)) for a in _SPECIAL_ATTRS
+                               if getattr(hf_tokenizer, a, None) is not None}
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer can produce (base vocabulary + added tokens)."""
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. Use add_special_tokens=False for prompts rendered by a chat template."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                              clean_up_tokenization_spaces=False)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The raw vocabulary entry of one id (byte-level BPE shows spaces as 'Ġ')."""
+        return self.hf.convert_ids_to_tokens(int(token_id))
+
+    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render a conversation to the prompt string (encode it with add_special_tokens=False)."""
+        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                    special_tokens=self.special_tokens, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, eos={sorted(self.eos_token_ids)})"
+
+
+def load_tokenizer(source: Union[LoadedSource, TokenizerSource, str]) -> Tokenizer:
+    """Load the tokenizer of a model source (LoadedSource, TokenizerSource, HF dir or .gguf path)."""
+    if isinstance(source, LoadedSource):
+        source = source.tokenizer_source
+    elif isinstance(source, str):
+        path = os.path.abspath(os.path.expanduser(source))
+        source = (TokenizerSource(os.path.dirname(path), os.path.basename(path)) if os.path.isfile(path)
+                  else TokenizerSource(path))
+    hf = _load_hf_tokenizer(source)
+    name = source.gguf_file or os.path.basename(os.path.normpath(source.path))
+    return Tokenizer(hf, chat_template=source.chat_template, eos_token_ids=source.eos_token_ids, name=name)
+
+
+def _load_hf_tokenizer(source: TokenizerSource):
+    from transformers import AutoTokenizer
+
+    where = os.path.join(source.path, source.gguf_file) if source.gguf_file else source.path
+    if not os.path.exists(where):
+        raise ModelLoadError(f"{where}: tokenizer source not found")
+    cache_dir = _cache_dir_for(where) if source.gguf_file else None
+    if cache_dir and os.path.isfile(os.path.join(cache_dir, "tokenizer.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cache_dir, local_files_only=True)
+        except Exception as e:
+            logger.warning("ignoring unreadable tokenizer cache %s (%s)", cache_dir, e)
+    try:
+        kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+        hf = AutoTokenizer.from_pretrained(source.path, local_files_only=True, **kw)
+    except Exception as e:
+        raise ModelLoadError(f"{where}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+    if cache_dir:
+        _save_cache(hf, cache_dir)
+    return hf
+
+
+def _cache_dir_for(gguf_path: str) -> Optional[str]:
+    root = os.environ.get("SERVESCOPE_CACHE_DIR")
+    if root is not None and root.lower() in ("", "0", "off", "none"):
+        return None
+    root = root or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "servescope")
+    try:
+        import transformers
+
+        st = os.stat(gguf_path)
+        key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    except OSError:
+        return None
+    return os.path.join(root, "tokenizers", hashlib.sha256(key.encode()).hexdigest()[:20])
+
+
+def _save_cache(hf, cache_dir: str) -> None:
+    """Save atomically (write to a temp dir, then rename) so concurrent loaders never see half a cache."""
+    try:
+        os.makedirs(os.path.dirname(cache_dir), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(cache_dir), prefix=".tmp-")
+        hf.save_pretrained(tmp)
+        try:
+            os.rename(tmp, cache_dir)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    except Exception as e:
+        logger.warning("could not cache the converted tokenizer in %s (%s)", cache_dir, e)

