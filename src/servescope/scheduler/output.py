@@ -1,0 +1,48 @@
+"""SchedulerOutput: what one step computes, handed from the scheduler to the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from servescope.scheduler.request import Request
+
+
+@dataclass
+class ScheduledSequence:
+    """One request's share of a step: tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)."""
+
+    request: Request
+    num_new_tokens: int
+    num_computed_tokens: int  # before this step: the position of the first new token
+    block_ids: list[int]  # the full block table after allocation (a copy)
+    is_prefill: bool  # some of these tokens are prompt or recompute tokens
+    will_sample: bool  # the step reaches the request's last token: its logits are due
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def context_len(self) -> int:
+        """Tokens this sequence attends over after the step."""
+        return self.num_computed_tokens + self.num_new_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)  # decodes first, then prefills
+    total_num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_requests: list[Request] = field(default_factory=list)  # finished by the scheduler itself
+    num_waiting: int = 0
+    num_running: int = 0
+
+    @property
+    def num_scheduled_seqs(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

@@ -1,0 +1,309 @@
+"""Scheduler: continuous batching with chunked prefill, prefix caching and preemption.
+
+There is no prefill phase nor decode phase. Each request has num_computed_tokens (tokens whose KV
+is cached) and num_tokens (prompt + outputs); every step the scheduler gives each request a
+number of new tokens so that num_computed_tokens catches up with num_tokens. A decode is a
+request one token behind; a prefill chunk is a request further behind. When a step brings a
+request level (num_computed + num_new == num_tokens) its last token's logits are sampled and
+the request is one token behind again. Pure Python: no torch, no model.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import time
+from typing import Callable, Optional
+
+from servescope.config import SchedulerConfig
+from servescope.errors import InvalidParameterError
+from servescope.kvcache.manager import KVCacheManager
+from servescope.scheduler.output import ScheduledSequence, SchedulerOutput
+from servescope.scheduler.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.config = config
+        self.kv_manager = kv_manager
+        self.block_size = kv_manager.block_size
+        if config.block_size != kv_manager.block_size:
+            logger.warning(
+                "SchedulerConfig.block_size (%d) differs from the KV cache's (%d); using the cache's",
+                config.block_size, kv_manager.block_size,
+            )
+        self._clock = clock  # stamps first_scheduled_time; use the clock arrival_time comes from
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._waiting: list[Request] = []  # sorted by _order_key
+        self._running: list[Request] = []  # in admission order
+        self._order: dict[str, tuple] = {}  # request id -> (priority, arrival_time, add sequence)
+        self._seq = itertools.count()
+        self._finished_to_report: list[Request] = []
+        self._num_preemptions = 0
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._num_preemptions
+
+    def has_unfinished(self) -> bool:
+        """True while a request waits, runs, or finished here and is not yet reported by schedule()."""
+        return bool(self._waiting or self._running or self._finished_to_report)
+
+    def get_request(self, request_id: str) -> Optional[Request]:
+        return self._requests.get(request_id)
+
+    def _order_key(self, request: Request) -> tuple:
+        return self._order[request.request_id]
+
+    # -- admission control -----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request. One that can never run (empty, longer than max_model_len - 1, or
+        whose prompt + 1 token needs more blocks than the whole cache) is finished at once with
+        FINISHED_ERROR and reported in the next SchedulerOutput.finished_requests."""
+        rid = request.request_id
+        if rid in self._requests:
+            raise InvalidParameterError("request_id", f"request id {rid!r} is already in use")
+        error = self._never_fits(request.num_prompt_tokens)
+        if error is not None:
+            self._finish_with_error(request, error)
+            return
+        request.status = RequestStatus.WAITING
+        self._requests[rid] = request
+        self._order[rid] = (request.priority, request.arrival_time, next(self._seq))
+        bisect.insort(self._waiting, request, key=self._order_key)
+
+    def _never_fits(self, num_prompt_tokens: int) -> Optional[str]:
+        max_len = self.config.max_model_len
+        if num_prompt_tokens == 0:
+            return "the prompt is empty; it needs at least one token"
+        if num_prompt_tokens > max_len - 1:
+            return (
+                f"the prompt has {num_prompt_tokens} tokens but max_model_len is {max_len}: it must "
+                f"leave room for at least one generated token (at most {max_len - 1} prompt tokens)"
+            )
+        need = self.kv_manager.num_blocks_for(num_prompt_tokens + 1)
+        if need > self.kv_manager.num_blocks:
+            return (
+                f"the prompt has {num_prompt_tokens} tokens; with one generated token it needs {need} KV "
+                f"blocks of {self.block_size} tokens, but the whole cache holds {self.kv_manager.num_blocks} "
+                f"({self.kv_manager.num_blocks * self.block_size} tokens)"
+            )
+        return None
+
+    def _finish_with_error(self, request: Request, error: str) -> None:
+        logger.warning("request %s cannot be served: %s", request.request_id, error)
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = error
+        self._finished_to_report.append(request)
+
+    # -- the step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's tokens.
+
+        Budgets: at most max_num_batched_tokens tokens and max_num_seqs sequences.
+
+        1. RUNNING requests, in admission order. Each gets
+           num_new_tokens = min(num_tokens - num_computed_tokens, tokens left in the budget):
+           1 for a decode, a chunk for a partly prefilled request (without chunked prefill a
+           request that does not fit whole waits for the next step). If its blocks cannot be
+           allocated, the lowest-priority running request -- the largest (priority, arrival),
+           i.e. the latest of the lowest-priority class, possibly the request itself -- is
+           preempted: its blocks are freed, num_computed_tokens = 0, status PREEMPTED, and it
+           goes back to the waiting queue (at the front of its priority class); if it was
+           already scheduled this step it is taken out of the step. Then allocation is retried.
+        2. Only if nothing was preempted: WAITING requests in (priority, arrival) order. Each
+           takes its longest prefix-cache hit (never the last token), then
+           num_new_tokens = min(num_tokens - num_computed_tokens, tokens left) (without
+           chunked prefill only if the whole remainder fits). A preempted request recomputes
+           prompt + outputs so far and may hit the cache. The first request whose blocks
+           cannot be allocated stops admission (FCFS: nobody skips ahead).
+
+        The token budget never splits a request's KV: allocation precedes the budget charge, and
+        a request gets blocks only for tokens it is scheduled for.
+        """
+        kv = self.kv_manager
+        token_budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledSequence] = {}  # insertion order = order chosen
+        preempted: list[str] = []
+        finished: list[Request] = self._finished_to_report
+        self._finished_to_report = []
+
+        # 1. running requests
+        i = 0
+        while i < len(self._running) and token_budget > 0:
+            req = self._running[i]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new <= 0:  # nothing to compute (the engine sampled no token for it); skip
+                i += 1
+                continue
+            if kv.num_blocks_for(req.num_tokens) > kv.num_blocks:
+                # It outgrew the whole cache: no amount of preemption helps.
+                self._running.pop(i)
+                self._finish_outgrown(req)
+                finished.append(req)
+                continue
+            if num_new > token_budget and not self.config.enable_chunked_prefill:
+                i += 1
+                continue
+            num_new = min(num_new, token_budget)
+            start = req.num_computed_tokens
+            while not kv.allocate_slots(req, num_new):
+                victim = max(self._running, key=self._order_key)
+                j = self._running.index(victim)
+                self._running.pop(j)
+                if j < i:
+                    i -= 1
+                undone = scheduled.pop(victim.request_id, None)
+                if undone is not None:
+                    token_budget += undone.num_new_tokens
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                scheduled[req.request_id] = self._make_seq(req, start, num_new)
+                token_budget -= num_new
+                i += 1
+
+        # 2. waiting requests
+        if not preempted:
+            while self._waiting and token_budget > 0 and len(self._running) < self.config.max_num_seqs:
+                req = self._waiting[0]
+                if kv.num_blocks_for(req.num_tokens) > kv.num_blocks:
+                    self._waiting.pop(0)
+                    self._finish_outgrown(req)
+                    finished.append(req)
+                    continue
+                computed_blocks, num_cached = kv.get_computed_blocks(req)
+                num_new = req.num_tokens - num_cached
+                if num_new > token_budget and not self.config.enable_chunked_prefill:
+                    break
+                num_new = min(num_new, token_budget)
+                if not kv.allocate_slots(req, num_new, computed_blocks, num_cached):
+                    break
+                self._waiting.pop(0)
+                self._running.append(req)
+                req.status = RequestStatus.RUNNING
+                req.num_computed_tokens = num_cached
+                req.num_cached_tokens = num_cached
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = self._clock()
+                scheduled[req.request_id] = self._make_seq(req, num_cached, num_new)
+                token_budget -= num_new
+
+        seqs = list(scheduled.values())
+        seqs = [s for s in seqs if not s.is_prefill] + [s for s in seqs if s.is_prefill]
+        num_prefill = sum(s.num_new_tokens for s in seqs if s.is_prefill)
+        num_total = sum(s.num_new_tokens for s in seqs)
+        return SchedulerOutput(
+            scheduled=seqs,
+            total_num_scheduled_tokens=num_total,
+            num_prefill_tokens=num_prefill,
+            num_decode_tokens=num_total - num_prefill,
+            preempted_request_ids=preempted,
+            finished_requests=finished,
+            num_waiting=len(self._waiting),
+            num_running=len(self._running),
+        )
+
+    def _make_seq(self, req: Request, start: int, num_new: int) -> ScheduledSequence:
+        return ScheduledSequence(
+            request=req,
+            num_new_tokens=num_new,
+            num_computed_tokens=start,
+            block_ids=self.kv_manager.get_block_ids(req.request_id),
+            is_prefill=start < req.num_tokens - 1,
+            will_sample=start + num_new == req.num_tokens,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        """Drop a request's KV and queue it again (it recomputes later). Not in _running any more."""
+        self.kv_manager.free(req)  # before resetting num_computed_tokens: free() reads it
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self._num_preemptions += 1
+        bisect.insort(self._waiting, req, key=self._order_key)
+        logger.debug("preempted %s (%d tokens)", req.request_id, req.num_tokens)
+
+    def _finish_outgrown(self, req: Request) -> None:
+        """A request whose tokens need more blocks than the whole cache holds can never run
+        again: it ends with FINISHED_ERROR instead of being preempted forever. (The engine caps
+        max_model_len to the cache, so this is a guard, not a normal path.)"""
+        need = self.kv_manager.num_blocks_for(req.num_tokens)
+        self.kv_manager.free(req)
+        req.status = RequestStatus.FINISHED_ERROR
+        req.error = (
+            f"the request grew to {req.num_tokens} tokens, which need {need} KV blocks of {self.block_size} "
+            f"tokens, but the whole cache holds {self.kv_manager.num_blocks}"
+        )
+        logger.warning("request %s: %s", req.request_id, req.error)
+        self._forget(req)
+
+    # -- after the model ran ---------------------------------------------------------------
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Advance num_computed_tokens by what the step computed and append sampled tokens.
+
+        Blocks that the sampled tokens will fill are hashed when the step that computes their
+        KV is scheduled (allocate_slots), so nothing is hashed here. Requests finished since
+        schedule() (aborted in between) are skipped.
+        """
+        for seq in output.scheduled:
+            req = seq.request
+            if req.status is not RequestStatus.RUNNING or self._requests.get(req.request_id) is not req:
+                continue
+            assert req.num_computed_tokens == seq.num_computed_tokens, f"{req.request_id}: step applied twice"
+            req.num_computed_tokens += seq.num_new_tokens
+            if seq.will_sample:
+                tok = sampled.get(req.request_id)
+                if tok is not None:
+                    req.append_output_token(tok)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Finish a request wherever it is (waiting, mid-prefill, decoding) and free its blocks
+        at once. Unknown or already finished ids are ignored.
+
+        Call it between update_from_output() and the next schedule(): a request in the step
+        being run may be sharing blocks that this step writes for it.
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_request needs a FINISHED_* status, got {status}")
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        if req in self._running:
+            self._running.remove(req)
+        else:
+            self._waiting.remove(req)
+        self.kv_manager.free(req)
+        req.status = status
+        self._forget(req)
+
+    def _forget(self, req: Request) -> None:
+        del self._requests[req.request_id]
+        del self._order[req.request_id]
+
+    def discard_kv(self, request_id: str) -> None:
+        """Drop a running request's KV but keep it running in place: next step recomputes all
+        its tokens (the no-KV-cache baseline)."""
+        req = self._requests[request_id]
+        assert req.status is RequestStatus.RUNNING, f"discard_kv of a {req.status.name} request"
+        self.kv_manager.free(req)
+        req.num_computed_tokens = 0
