@@ -1,0 +1,168 @@
+"""`servescope generate` and `servescope chat`: stream text, then show what the engine did."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from servescope.cli import engine_config_from_args, sampling_params_from_args
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _fmt_rate(x, unit) -> str:
+    if x is None:
+        return "-"
+    for p, s in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= p:
+            return f"{x / p:.1f} {s}{unit}"
+    return f"{x:.1f} {unit}"
+
+
+def stream_one(engine, prompt, params, out=sys.stdout) -> tuple:
+    """Add one request, print its text as it grows; return (final RequestOutput, its step records)."""
+    first_step = len(engine.step_records)
+    engine.add_request("cli-0", prompt, params)
+    printed = 0
+    final = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            text = o.outputs[0].text
+            if len(text) > printed:
+                out.write(text[printed:])
+                out.flush()
+                printed = len(text)
+            if o.finished:
+                final = o
+    out.write("\n")
+    steps = list(engine.step_records)[first_step:]
+    return final, steps
+
+
+def internals_summary(engine, final, steps) -> list:
+    """Rich tables: the request's latency and the engine's per-phase work."""
+    m = final.outputs[0].metrics
+    pre = [s for s in steps if s.num_prefill_tokens]
+    dec = [s for s in steps if not s.num_prefill_tokens and s.num_decode_tokens]
+    t_pre = sum(s.wall_seconds for s in pre)
+    t_dec = sum(s.wall_seconds for s in dec)
+    n_pre = sum(s.num_prefill_tokens for s in pre)
+    n_dec = sum(s.num_decode_tokens for s in dec)
+    req = Table(title="request", show_header=False, box=None, pad_edge=False)
+    req.add_column(style="bold")
+    req.add_column(justify="right")
+    req.add_row("prompt tokens", str(len(final.prompt_token_ids)))
+    req.add_row("output tokens", f"{m.num_output_tokens}  (finish: {final.outputs[0].finish_reason})")
+    req.add_row("TTFT", f"{m.ttft * 1e3:.1f} ms" if m.ttft is not None else "-")
+    req.add_row("TPOT", f"{m.tpot * 1e3:.1f} ms  ({1 / m.tpot:.1f} tokens/s)" if m.tpot else "-")
+    req.add_row("KV cache bytes per token", f"{engine.kv_bytes_per_token:,} B  ({_fmt_bytes(engine.kv_bytes_per_token)})")
+    used = (len(final.prompt_token_ids) + m.num_output_tokens) * engine.kv_bytes_per_token
+    req.add_row("KV cache in use (this request)", _fmt_bytes(used))
+    req.add_row("KV cache allocated", f"{_fmt_bytes(engine.runner.kv_cache_bytes)} "
+                                     f"({engine.cache_config.num_blocks} blocks x {engine.cache_config.block_size})")
+    req.add_row("weights", f"{_fmt_bytes(engine.weight_bytes)}  ({str(engine.dtype).replace('torch.', '')}"
+                           f"{', int8 linear weights' if engine.config.quantization else ''})")
+    phases = Table(title="phases (measured, with the cost model's prediction on " +
+                   (steps[0].hardware or "?") + ")" if steps else "phases")
+    for col in ("phase", "steps", "tokens", "time", "tokens/s", "FLOP/s", "bytes/s", "bound", "predicted"):
+        phases.add_column(col, justify="right" if col not in ("phase", "bound") else "left")
+    for name, ss, t, n in (("prefill", pre, t_pre, n_pre), ("decode", dec, t_dec, n_dec)):
+        if not ss:
+            continue
+        flops = sum(s.flops or 0 for s in ss)
+        byts = sum(s.bytes or 0 for s in ss)
+        pred = sum(s.predicted_seconds or 0 for s in ss)
+        bounds = {s.bound for s in ss if s.bound}
+        phases.add_row(name, str(len(ss)), str(n), f"{t * 1e3:.1f} ms", f"{n / t:.1f}" if t else "-",
+                       _fmt_rate(flops / t if t else None, "FLOP/s"), _fmt_rate(byts / t if t else None, "B/s"),
+                       "/".join(sorted(bounds)) or "-", f"{pred * 1e3:.1f} ms" if pred else "-")
+    return [req, phases]
+
+
+def _engine_from_args(a):
+    from servescope.engine.llm_engine import LLMEngine
+
+    return LLMEngine(engine_config_from_args(a))
+
+
+def run_generate(a) -> int:
+    params = sampling_params_from_args(a)
+    console = Console(stderr=False)
+    with console.status("loading model ...", spinner="dots") if console.is_terminal else _nullctx():
+        engine = _engine_from_args(a)
+    prompt = a.prompt
+    if a.chat:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    final, steps = stream_one(engine, prompt, params)
+    console.print()
+    for t in internals_summary(engine, final, steps):
+        console.print(t)
+    if a.steps:
+        console.print(step_table(steps))
+    if a.trace:
+        from servescope.telemetry.trace import write_chrome_trace
+
+        write_chrome_trace(a.trace, steps, [final])
+        console.print(f"trace written to {a.trace} (open it in https://ui.perfetto.dev)")
+    return 0
+
+
+def step_table(steps) -> Table:
+    t = Table(title="steps")
+    for col in ("step", "phase", "tokens", "ctx", "ms", "pred ms", "GB/s", "GFLOP/s", "bound", "KV blocks"):
+        t.add_column(col, justify="right")
+    for s in steps:
+        t.add_row(str(s.step), s.phase, str(s.num_tokens), str(max(s.context_lens or [0])),
+                  f"{s.wall_seconds * 1e3:.1f}", f"{(s.predicted_seconds or 0) * 1e3:.1f}",
+                  f"{(s.achieved_bytes_per_s or 0) / 1e9:.1f}", f"{(s.achieved_flops_per_s or 0) / 1e9:.1f}",
+                  s.bound or "-", str(s.kv_blocks_used))
+    return t
+
+
+def run_chat(a) -> int:
+    params = sampling_params_from_args(a)
+    engine = _engine_from_args(a)
+    console = Console()
+    messages = [{"role": "system", "content": a.system}] if a.system else []
+    console.print("[bold]servescope chat[/bold] — empty line or Ctrl-D to quit, /stats for the last turn's internals")
+    last = None
+    while True:
+        try:
+            user = input("you> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        if user.strip() == "/stats":
+            if last:
+                for t in internals_summary(engine, *last):
+                    console.print(t)
+            continue
+        messages.append({"role": "user", "content": user})
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        sys.stdout.write("assistant> ")
+        final, steps = stream_one(engine, ids, params)
+        last = (final, steps)
+        messages.append({"role": "assistant", "content": final.outputs[0].text})
+        m = final.outputs[0].metrics
+        console.print(f"[dim]{m.num_output_tokens} tokens, TTFT {m.ttft * 1e3:.0f} ms"
+                      + (f", {1 / m.tpot:.1f} tokens/s" if m.tpot else "") + "[/dim]")
+    return 0
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
