@@ -78,5 +78,6 @@ def mask_tokens(logits: torch.Tensor, rows: Sequence[int], token_ids: Sequence[i
     if rows:
         r = host_to_device(list(rows), torch.long, logits.device)
         t = host_to_device(list(token_ids), torch.long, logits.device)
-        logits.index_put_((r, t), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+        # a device-side fill, not torch.tensor(-inf, device=...), which would be a blocking copy
+        logits.index_put_((r, t), torch.full((len(rows),), float("-inf"), dtype=logits.dtype, device=logits.device))
     return logits
