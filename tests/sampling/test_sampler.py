@@ -10,9 +10,8 @@ from servescope.sampling import Sampler, SamplingState, make_generator
 
 
 def state(prompt=(1,), output=(), device="cpu", **kw):
-    return SamplingState.new(SamplingParams(**kw), list(prompt), device) if not output else SamplingState(
-        SamplingParams(**kw), list(prompt), list(output), make_generator(kw.get("seed"), device)
-    )
+    params = SamplingParams(**kw)
+    return SamplingState(params, list(prompt), list(output), make_generator(params.seed, device))
 
 
 def test_greedy_equals_argmax_ties_to_lowest_index():
