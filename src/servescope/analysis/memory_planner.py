@@ -1,0 +1,108 @@
+"""Where device memory goes: weights, activations, and the KV cache that gets whatever is left.
+
+The KV cache is paged in blocks of `block_size` tokens, so a sequence of n tokens holds
+ceil(n / block_size) blocks; the planner counts whole blocks, as the block allocator does.
+Activations are an estimate of the peak live tensors of one step of `max_num_batched_tokens`
+tokens (see `activation_bytes`); pass `activation_reserve_bytes` to override it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from servescope.analysis.cost_model import kv_cache_bytes_per_token, resolve_dtypes, weight_bytes
+from servescope.analysis.hardware import DTYPE_BYTES
+from servescope.config import ModelConfig
+from servescope.errors import InvalidParameterError
+
+
+def activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, act_dtype: str = "bfloat16",
+                     max_num_seqs: Optional[int] = None) -> int:
+    """Peak activation memory of one step of T tokens, summing the tensors alive at once in an
+    unfused forward: residual and normed hidden [T, d] x2, q/k/v [T, q + 2kv], attention output
+    [T, q], gate/up/act [T, i] x3, plus float32 logits [B, V] for B = min(T, max_num_seqs) rows.
+    Generous by design: a plan should not run out of memory at its first long prompt."""
+    T = int(max_num_batched_tokens)
+    B = T if max_num_seqs is None else min(T, int(max_num_seqs))
+    ab = DTYPE_BYTES[act_dtype]
+    per_token = 2 * cfg.hidden_size + 2 * cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size
+    return T * per_token * ab + B * cfg.vocab_size * 4
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """An itemised memory budget. All sizes in bytes."""
+
+    memory_bytes: int
+    weight_bytes: int
+    activation_bytes: int
+    kv_bytes_per_token: int
+    block_size: int
+    kv_bytes_per_block: int
+    context_len: int
+    blocks_per_sequence: int
+    kv_bytes_per_sequence: int  # whole blocks at context_len
+    free_for_kv_bytes: int  # memory - weights - activations (0 if negative)
+    num_kv_blocks: int
+    max_concurrent_sequences: int  # sequences of context_len that fit at once
+    fits: bool  # weights + activations fit at all and at least one sequence fits
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["kv_cache_tokens"] = self.kv_cache_tokens
+        return d
+
+
+def plan_memory(cfg: ModelConfig, memory_bytes: int, weight_dtype: str = "bfloat16",
+                kv_dtype: Optional[str] = None, context_len: Optional[int] = None, block_size: int = 16,
+                *, act_dtype: Optional[str] = None, max_num_batched_tokens: int = 2048,
+                max_num_seqs: Optional[int] = None, activation_reserve_bytes: Optional[int] = None,
+                memory_utilization: float = 1.0) -> MemoryPlan:
+    """Budget `memory_bytes * memory_utilization` for weights, one step's activations and the KV
+    cache; count how many sequences of `context_len` tokens (default: the model's maximum) fit."""
+    if memory_bytes <= 0:
+        raise InvalidParameterError("memory_bytes", f"memory_bytes must be positive, got {memory_bytes}")
+    if block_size <= 0:
+        raise InvalidParameterError("block_size", f"block_size must be positive, got {block_size}")
+    if not 0 < memory_utilization <= 1:
+        raise InvalidParameterError("memory_utilization", f"memory_utilization must be in (0, 1], got {memory_utilization}")
+    ctx = cfg.max_position_embeddings if context_len is None else int(context_len)
+    if ctx < 1:
+        raise InvalidParameterError("context_len", f"context_len must be at least 1, got {ctx}")
+    wdt, adt, kdt = resolve_dtypes(weight_dtype, act_dtype, kv_dtype)
+    budget = int(memory_bytes * memory_utilization)
+    w = weight_bytes(cfg, wdt, adt)
+    act = (activation_bytes(cfg, max_num_batched_tokens, adt, max_num_seqs)
+           if activation_reserve_bytes is None else int(activation_reserve_bytes))
+    per_tok = kv_cache_bytes_per_token(cfg, kdt)
+    per_block = per_tok * block_size
+    blocks_per_seq = math.ceil(ctx / block_size)
+    free = max(budget - w - act, 0)
+    num_blocks = free // per_block
+    max_seqs = num_blocks // blocks_per_seq
+    return MemoryPlan(
+        memory_bytes=int(memory_bytes), weight_bytes=w, activation_bytes=act, kv_bytes_per_token=per_tok,
+        block_size=block_size, kv_bytes_per_block=per_block, context_len=ctx,
+        blocks_per_sequence=blocks_per_seq, kv_bytes_per_sequence=blocks_per_seq * per_block,
+        free_for_kv_bytes=free, num_kv_blocks=num_blocks, max_concurrent_sequences=max_seqs,
+        fits=max_seqs >= 1,
+    )
+
+
+def max_context_for_concurrency(cfg: ModelConfig, memory_bytes: int, concurrency: int,
+                                weight_dtype: str = "bfloat16", kv_dtype: Optional[str] = None,
+                                block_size: int = 16, *, cap_at_model_max: bool = True, **plan_kw) -> int:
+    """The longest context (a multiple of block_size) at which `concurrency` sequences fit at once;
+    0 if not even one block each fits. Capped at cfg.max_position_embeddings unless told not to."""
+    if concurrency < 1:
+        raise InvalidParameterError("concurrency", f"concurrency must be at least 1, got {concurrency}")
+    plan = plan_memory(cfg, memory_bytes, weight_dtype, kv_dtype, context_len=block_size,
+                       block_size=block_size, **plan_kw)
+    ctx = (plan.num_kv_blocks // concurrency) * block_size
+    return min(ctx, cfg.max_position_embeddings) if cap_at_model_max else ctx
