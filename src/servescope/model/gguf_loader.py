@@ -178,8 +178,8 @@ def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             max_position_embeddings=int(meta.arch_key("context_length", 4096)),
-            rms_norm_eps=float(meta.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(meta.arch_key("rope.freq_base", 10000.0)),
+            rms_norm_eps=_f32(meta.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=_f32(meta.arch_key("rope.freq_base", 10000.0)),
             rope_scaling=_rope_scaling(meta, reader, head_dim, path),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
@@ -190,6 +190,11 @@ def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
         )
     except InvalidParameterError as e:
         raise ModelLoadError(f"{path}: invalid model config in GGUF metadata: {e.message}") from None
+
+
+def _f32(v) -> float:
+    """A float32 metadata value as the shortest decimal that round-trips (1e-05, not 9.9999997e-06)."""
+    return float(repr(np.float32(v)).removeprefix("np.float32(").removesuffix(")"))
 
 
 def _rope_scaling(meta: _Metadata, reader, head_dim: int, path: str):

@@ -1,0 +1,117 @@
+"""Write tiny GGUF files from an HF state dict, the way llama.cpp's converter does.
+
+For arch "llama" the Q and K rows are permuted (llama.cpp's `permute`), so a loader that forgets
+to reverse the permutation gets different weights. 2-D weights are stored in `qtype`; 1-D tensors
+(norms, biases) stay F32 as llama.cpp keeps them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+HF_TO_GGUF_LAYER = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+HF_TO_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def hf_to_gguf_name(name: str) -> str:
+    if name in HF_TO_GGUF_GLOBAL:
+        return HF_TO_GGUF_GLOBAL[name]
+    _, _, layer, rest = name.split(".", 3)  # model.layers.N.<module>.<param>
+    module, param = rest.rsplit(".", 1)
+    return f"blk.{layer}.{HF_TO_GGUF_LAYER[module]}.{param}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_stored_values(name: str, w: np.ndarray, config, arch: str, qtype) -> np.ndarray:
+    """What a loader should get back for HF tensor `name`: quantised then dequantised (unpermuted)."""
+    import gguf
+
+    if w.ndim == 2:
+        w = gguf.quants.dequantize(gguf.quants.quantize(_permute(name, w, config, arch), qtype), qtype)
+        w = _unpermute(name, w.reshape(-1, w.shape[-1]), config, arch)
+    return np.asarray(w, dtype=np.float32)
+
+
+def _permute(name, w, config, arch):
+    if arch != "llama":
+        return w
+    if ".q_proj." in name:
+        return llama_cpp_permute(w, config.num_attention_heads)
+    if ".k_proj." in name:
+        return llama_cpp_permute(w, config.num_key_value_heads)
+    return w
+
+
+def _unpermute(name, w, config, arch):
+    if arch != "llama" or not (".q_proj." in name or ".k_proj." in name):
+        return w
+    n = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+    d_half = w.shape[0] // n // 2
+    return w.reshape(n, d_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=None, name: str = "tiny",
+                    drop: tuple = (), replace: dict | None = None, chat_template: str | None = None,
+                    token_count: int | None = None) -> str:
+    """Write `state_dict` (HF names) with `config` (a servescope ModelConfig) as a GGUF file.
+
+    drop: HF names to leave out; replace: {HF name: array} written instead of the real tensor.
+    """
+    import gguf
+
+    qtype = qtype if qtype is not None else gguf.GGMLQuantizationType.F32
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(name)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(config.rope_theta)
+    w.add_vocab_size(config.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if token_count:
+        w.add_token_list([f"t{i}" for i in range(token_count)])
+    if chat_template:
+        w.add_chat_template(chat_template)
+    for hf_name, t in state_dict.items():
+        if hf_name in drop:
+            continue
+        a = np.asarray((replace or {}).get(hf_name, t.numpy() if hasattr(t, "numpy") else t), dtype=np.float32)
+        a = _permute(hf_name, a, config, arch)
+        if a.ndim == 2 and qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(hf_to_gguf_name(hf_name), a.astype(np.float16))
+        elif a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(hf_to_gguf_name(hf_name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(hf_to_gguf_name(hf_name), a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
