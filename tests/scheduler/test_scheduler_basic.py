@@ -3,10 +3,10 @@
 import pytest
 
 from servescope.scheduler.request import RequestStatus
-from conftest import seqs
+from scheduler_harness import Harness as make, seqs
 
 
-def test_prefill_then_decode_grows_blocks_at_boundaries(make):
+def test_prefill_then_decode_grows_blocks_at_boundaries():
     h = make(block_size=4)
     a = h.add("a", 6)
     assert a.status is RequestStatus.WAITING and a.num_cached_tokens == -1
@@ -30,7 +30,7 @@ def test_prefill_then_decode_grows_blocks_at_boundaries(make):
     assert a.num_tokens == 10 and a.num_computed_tokens == 9
 
 
-def test_chunked_prefill_chunk_16(make):
+def test_chunked_prefill_chunk_16():
     h = make(block_size=4, budget=16)
     a = h.add("a", 40)
     outs = [h.step() for _ in range(4)]
@@ -41,7 +41,7 @@ def test_chunked_prefill_chunk_16(make):
     assert a.output_token_ids == [1000, 1001]
 
 
-def test_chunked_prefill_chunk_1(make):
+def test_chunked_prefill_chunk_1():
     h = make(block_size=1, budget=1, num_blocks=16)
     a = h.add("a", 5)
     outs = [h.step() for _ in range(6)]
@@ -52,7 +52,7 @@ def test_chunked_prefill_chunk_1(make):
     assert h.blocks("a") == [0, 1, 2, 3, 4, 5]
 
 
-def test_decode_and_prefill_mix_under_token_budget(make):
+def test_decode_and_prefill_mix_under_token_budget():
     h = make(block_size=4, budget=8)
     h.add("a", 6)
     assert seqs(h.step()) == [("a", 0, 6)]
@@ -66,7 +66,7 @@ def test_decode_and_prefill_mix_under_token_budget(make):
     assert seqs(h.step()) == [("a", 8, 1), ("b", 10, 1)]
 
 
-def test_decodes_are_listed_before_prefills(make):
+def test_decodes_are_listed_before_prefills():
     h = make(block_size=4, budget=32)
     h.add("a", 5)
     h.add("b", 5)
@@ -78,7 +78,7 @@ def test_decodes_are_listed_before_prefills(make):
     assert [s.is_prefill for s in out.scheduled] == [False, True]
 
 
-def test_whole_prompt_waits_when_chunking_is_disabled(make):
+def test_whole_prompt_waits_when_chunking_is_disabled():
     h = make(block_size=4, budget=16, max_model_len=16, chunked=False)
     h.add("a", 10)
     h.add("b", 10)
@@ -86,7 +86,7 @@ def test_whole_prompt_waits_when_chunking_is_disabled(make):
     assert seqs(h.step()) == [("a", 10, 1), ("b", 0, 10)]
 
 
-def test_max_num_seqs(make):
+def test_max_num_seqs():
     h = make(max_seqs=2)
     for r in "abc":
         h.add(r, 3)
@@ -94,7 +94,7 @@ def test_max_num_seqs(make):
     assert [s.request_id for s in out.scheduled] == ["a", "b"] and out.num_waiting == 1
 
 
-def test_priority_then_arrival_order(make):
+def test_priority_then_arrival_order():
     h = make(max_seqs=1)
     h.add("low", 3, priority=1)
     h.add("hi1", 3, priority=0)
@@ -110,7 +110,7 @@ def test_priority_then_arrival_order(make):
     assert order == ["hi1", "hi2", "low", "lowest"]
 
 
-def test_fcfs_admission_does_not_skip_ahead(make):
+def test_fcfs_admission_does_not_skip_ahead():
     h = make(block_size=4, num_blocks=4, budget=64)
     h.add("a", 9)  # 3 blocks
     h.step()
@@ -120,7 +120,7 @@ def test_fcfs_admission_does_not_skip_ahead(make):
     assert seqs(out) == [("a", 9, 1)] and out.num_waiting == 2
 
 
-def test_duplicate_request_id_is_rejected(make):
+def test_duplicate_request_id_is_rejected():
     h = make()
     h.add("a", 3)
     with pytest.raises(ValueError):

@@ -1,10 +1,10 @@
 """Prefix-cache admission, preemption, errors and finishing, with exact block ids and ref counts."""
 
 from servescope.scheduler.request import RequestStatus
-from conftest import seqs
+from scheduler_harness import Harness as make, seqs
 
 
-def test_same_step_prefix_hit(make):
+def test_same_step_prefix_hit():
     h = make(block_size=4)
     prompt = list(range(10))
     a = h.add("a", prompt)
@@ -19,7 +19,7 @@ def test_same_step_prefix_hit(make):
     assert (h.kv.prefix_cache_queries, h.kv.prefix_cache_hits) == (20, 8)
 
 
-def test_identical_prompt_multiple_of_block_size_recomputes_last_block(make):
+def test_identical_prompt_multiple_of_block_size_recomputes_last_block():
     h = make(block_size=4)
     h.add("a", list(range(8)))
     h.add("b", list(range(8)))
@@ -30,7 +30,7 @@ def test_identical_prompt_multiple_of_block_size_recomputes_last_block(make):
     assert out.num_prefill_tokens == 12
 
 
-def test_shared_prompt_blocks_have_refcount_two_like_n2(make):
+def test_shared_prompt_blocks_have_refcount_two_like_n2():
     h = make(block_size=4)
     prompt = list(range(13))
     h.add("x#0", prompt)
@@ -47,7 +47,7 @@ def test_shared_prompt_blocks_have_refcount_two_like_n2(make):
     assert h.kv.num_used_blocks == 0 and h.kv.prefix_cache.evictable_blocks() == [2, 1, 0]
 
 
-def test_later_request_hits_finished_requests_blocks(make):
+def test_later_request_hits_finished_requests_blocks():
     h = make(block_size=4)
     h.add("a", list(range(10)))
     h.step()
@@ -58,7 +58,7 @@ def test_later_request_hits_finished_requests_blocks(make):
     assert out.scheduled[0].block_ids == [0, 1, 3]
 
 
-def test_preemption_when_blocks_run_out(make):
+def test_preemption_when_blocks_run_out():
     h = make(block_size=4, num_blocks=4)
     a = h.add("a", 7)
     b = h.add("b", 7)
@@ -84,7 +84,7 @@ def test_preemption_when_blocks_run_out(make):
     assert out.scheduled[0].is_prefill and out.scheduled[0].will_sample
 
 
-def test_preempted_request_goes_to_front_of_waiting(make):
+def test_preempted_request_goes_to_front_of_waiting():
     h = make(block_size=4, num_blocks=4, max_seqs=2)
     h.add("a", 7)
     h.add("b", 7)
@@ -96,7 +96,7 @@ def test_preempted_request_goes_to_front_of_waiting(make):
     assert [r.request_id for r in h.sched._waiting] == ["b", "c"]
 
 
-def test_lowest_priority_preempts_itself(make):
+def test_lowest_priority_preempts_itself():
     h = make(block_size=4, num_blocks=4)
     a = h.add("a", 7, priority=1)
     b = h.add("b", 7, priority=0)
@@ -107,7 +107,7 @@ def test_lowest_priority_preempts_itself(make):
     assert a.status is RequestStatus.PREEMPTED and b.status is RequestStatus.RUNNING
 
 
-def test_self_preemption_frees_blocks_for_others(make):
+def test_self_preemption_frees_blocks_for_others():
     h = make(block_size=4, num_blocks=4)
     a = h.add("a", 7, priority=1)
     b = h.add("b", 6, priority=0)  # admitted first: higher priority
@@ -124,7 +124,7 @@ def test_self_preemption_frees_blocks_for_others(make):
     assert a.status is RequestStatus.PREEMPTED and c.status is RequestStatus.WAITING
 
 
-def test_victim_scheduled_earlier_in_the_step_is_taken_out(make):
+def test_victim_scheduled_earlier_in_the_step_is_taken_out():
     h = make(block_size=4, num_blocks=5, budget=64)
     x = h.add("x", 4, priority=1)  # admitted first, so first in running order; lowest priority
     h.step()
@@ -141,7 +141,7 @@ def test_victim_scheduled_earlier_in_the_step_is_taken_out(make):
     assert h.blocks("y") == [2, 3, 4, 1] and h.kv.prefix_cache.evictable_blocks() == [0]
 
 
-def test_can_never_fit_request_errors_at_once(make):
+def test_can_never_fit_request_errors_at_once():
     h = make(block_size=4, num_blocks=4, max_model_len=32)
     bad = h.add("bad", 16)  # 16 + 1 tokens need 5 blocks of 4; the cache has 4
     ok = h.add("ok", 15)
@@ -161,7 +161,7 @@ def test_can_never_fit_request_errors_at_once(make):
     assert out.finished_requests == [r, e] and not h2.sched.has_unfinished()
 
 
-def test_request_that_outgrows_the_cache_errors_instead_of_hanging(make):
+def test_request_that_outgrows_the_cache_errors_instead_of_hanging():
     h = make(block_size=4, num_blocks=2, max_model_len=64)
     a = h.add("a", 6)
     for _ in range(3):
@@ -172,7 +172,7 @@ def test_request_that_outgrows_the_cache_errors_instead_of_hanging(make):
     assert not h.sched.has_unfinished() and h.kv.num_used_blocks == 0
 
 
-def test_finish_request_frees_waiting_midprefill_and_decoding(make):
+def test_finish_request_frees_waiting_midprefill_and_decoding():
     h = make(block_size=4, budget=8)
     waiting = h.add("w0", 3)
     h.sched.finish_request("w0", RequestStatus.FINISHED_ABORTED)
@@ -198,7 +198,7 @@ def test_finish_request_frees_waiting_midprefill_and_decoding(make):
     assert dec.status is RequestStatus.FINISHED_LENGTH
 
 
-def test_abort_between_schedule_and_update(make):
+def test_abort_between_schedule_and_update():
     h = make(block_size=4)
     a = h.add("a", 9)
     out = h.sched.schedule()
@@ -210,7 +210,7 @@ def test_abort_between_schedule_and_update(make):
     assert a.num_computed_tokens == 0 and a.output_token_ids == []
 
 
-def test_discard_kv_keeps_request_running(make):
+def test_discard_kv_keeps_request_running():
     h = make(block_size=4, caching=False)
     a = h.add("a", 5)
     h.step()

@@ -1,8 +1,6 @@
-"""Helpers for scheduler tests: a scheduler over a small cache, requests of plain integer tokens."""
+"""Helpers for scheduler tests (a uniquely named module, not conftest, so imports never clash): a scheduler over a small cache, requests of plain integer tokens."""
 
 import itertools
-
-import pytest
 
 from servescope.config import CacheConfig, SamplingParams, SchedulerConfig
 from servescope.kvcache.manager import KVCacheManager
@@ -55,11 +53,6 @@ class Harness:
 
     def refs(self, blocks):
         return [self.kv.allocator.ref_count(b) for b in blocks]
-
-
-@pytest.fixture
-def make():
-    return Harness
 
 
 def seqs(out):
