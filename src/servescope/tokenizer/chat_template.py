@@ -171,10 +171,18 @@ def _dict(*args, **kwargs):
     return dict(*args, **kwargs)
 
 
+class _StrictSandbox(ImmutableSandboxedEnvironment):
+    """Fail loudly on unsafe attribute access (the stock sandbox renders it as an empty string)."""
+
+    def unsafe_undefined(self, obj, attribute):
+        raise jinja2.exceptions.SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+
 @lru_cache(maxsize=16)
 def compile_chat_template(template: str) -> jinja2.Template:
     """Compile a template in the sandbox. Raises jinja2.TemplateSyntaxError on a broken template."""
-    env = ImmutableSandboxedEnvironment(
+    env = _StrictSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson

@@ -6,7 +6,7 @@ on its left neighbour (SentencePiece's leading space). So, as in vLLM's detokeni
 we keep two offsets into the id list:
 
     ids:  ... [prefix_offset ........ read_offset ........ end)
-               \__ context, already emitted __/ \__ not yet emitted __/
+              |<- context, already emitted ->|<- not yet emitted ->|
 
 and decode the short window from prefix_offset twice: without and with the unread tokens. The
 difference is the new text. Invariant: text emitted so far == decode(output ids up to read_offset).
