@@ -183,3 +183,29 @@ def test_gguf_shape_mismatch(tmp_path, tiny_sources):
                            replace={"model.layers.0.mlp.up_proj.weight": bad})
     with pytest.raises(ModelLoadError, match=r"m.gguf.*shape mismatch.*layers.0.mlp.up_proj.weight"):
         load_model_source(path)
+
+
+def test_rope_scaling_from_gguf(tmp_path, tiny_sources):
+    src = tiny_sources["llama"]
+    # Llama 3.1 style: a rope_freqs tensor of per-frequency divisors (1 ... factor), no metadata
+    freqs = np.concatenate([np.ones(4), np.linspace(1, 8, 4)]).astype(np.float32)
+    got = load_model_source(write_tiny_gguf(tmp_path / "a.gguf", src.config, src.state_dict,
+                                            extra_tensors={"rope_freqs.weight": freqs}))
+    assert got.config.rope_scaling.rope_type == "llama3" and got.config.rope_scaling.factor == 8.0
+    assert "rope_freqs.weight" not in got.state_dict
+    got = load_model_source(write_tiny_gguf(tmp_path / "b.gguf", src.config, src.state_dict,
+                                            rope_scaling=("linear", 2.0)))
+    assert got.config.rope_scaling.rope_type == "linear" and got.config.rope_scaling.factor == 2.0
+    with pytest.raises(ModelLoadError, match=r"c.gguf.*unsupported rope scaling type 'yarn'"):
+        load_model_source(write_tiny_gguf(tmp_path / "c.gguf", src.config, src.state_dict,
+                                          rope_scaling=("yarn", 4.0)))
+
+
+def test_vocab_size_from_token_list(tmp_path, tiny_sources):
+    import gguf as g
+
+    src = tiny_sources["qwen3"]
+    path = write_tiny_gguf(tmp_path / "m.gguf", src.config, src.state_dict, arch="qwen3", token_count=256)
+    r = g.GGUFReader(path)
+    assert len(r.fields["tokenizer.ggml.tokens"].data) == 256 and "qwen3.vocab_size" not in r.fields
+    assert load_model_source(path).config.vocab_size == 256

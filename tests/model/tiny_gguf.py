@@ -72,10 +72,13 @@ def _unpermute(name, w, config, arch):
 
 def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=None, name: str = "tiny",
                     drop: tuple = (), replace: dict | None = None, chat_template: str | None = None,
-                    token_count: int | None = None) -> str:
+                    token_count: int | None = None, extra_tensors: dict | None = None,
+                    rope_scaling: tuple | None = None) -> str:
     """Write `state_dict` (HF names) with `config` (a servescope ModelConfig) as a GGUF file.
 
     drop: HF names to leave out; replace: {HF name: array} written instead of the real tensor.
+    extra_tensors: {GGUF name: array} added as is (e.g. rope_freqs.weight);
+    rope_scaling: (type, factor) written as {arch}.rope.scaling.type / .factor metadata.
     """
     import gguf
 
@@ -92,9 +95,13 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
     w.add_value_length(config.head_dim)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_rope_freq_base(config.rope_theta)
-    w.add_vocab_size(config.vocab_size)
+    if not token_count:  # with a token list the loader must take the vocabulary size from it
+        w.add_vocab_size(config.vocab_size)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if rope_scaling:
+        w.add_string(f"{arch}.rope.scaling.type", rope_scaling[0])
+        w.add_float32(f"{arch}.rope.scaling.factor", rope_scaling[1])
     if token_count:
         w.add_token_list([f"t{i}" for i in range(token_count)])
     if chat_template:
@@ -110,6 +117,8 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
             w.add_tensor(hf_to_gguf_name(hf_name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(hf_to_gguf_name(hf_name), a)
+    for gguf_name, a in (extra_tensors or {}).items():
+        w.add_tensor(gguf_name, np.asarray(a, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
