@@ -1,0 +1,69 @@
+"""Where and with what a benchmark ran: CPU model, cores, torch threads, library versions, date.
+
+Every result JSON carries this block, so a figure in docs/BENCHMARKS.md can always be traced to
+its machine and software.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import os
+import platform
+
+
+def _version(dist: str):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags(wanted=("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")) -> list:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [w for w in wanted if w in have]
+    except OSError:
+        pass
+    return []
+
+
+def environment_info() -> dict:
+    """Machine, versions and date (UTC, ISO 8601). Imports torch (the benchmarks need it anyway)."""
+    import torch
+
+    info = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "machine": {
+            "cpu": cpu_model(),
+            "cpu_flags": cpu_flags(),
+            "logical_cpus": os.cpu_count(),
+            "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "servescope": _version("servescope"),
+            "torch": torch.__version__,
+            "transformers": _version("transformers"),
+            "llama_cpp_python": _version("llama_cpp_python"),
+        },
+    }
+    if torch.cuda.is_available():
+        info["machine"]["gpu"] = torch.cuda.get_device_name(0)
+    return info

@@ -1,0 +1,121 @@
+"""Latency of one batch: B prompts of the same length, each generating the same number of tokens.
+
+Reports, per iteration and as medians over iterations:
+- TTFT (arrival -> first token) and TPOT ((E2E - TTFT) / (out - 1)) of each request;
+- the engine's steps split by phase (prefill, decode, mixed): median step time, tokens/s, the
+  cost model's FLOPs and bytes divided by measured time (achieved FLOP/s, GB/s), the share of the
+  hardware roofline that is (FLOP/s over peak matmul rate of the dtype, bytes/s over the memory
+  bandwidth), and predicted vs measured step time.
+
+Each iteration uses fresh random prompts (seed + iteration) so the prefix cache never turns a
+later iteration's prefill into a cache hit.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Optional, Sequence
+
+from servescope.bench.datasets import random_requests
+
+PHASES = ("prefill", "decode", "mixed")
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def phase_breakdown(steps: Sequence, peak_flops: Optional[float], bandwidth: Optional[float]) -> dict:
+    """Aggregate StepRecords by phase. Rates are time-weighted (sum of work / sum of seconds)."""
+    out = {}
+    for phase in PHASES:
+        ss = [s for s in steps if s.phase == phase]
+        if not ss:
+            continue
+        secs = sum(s.wall_seconds for s in ss)
+        toks = sum(s.num_tokens for s in ss)
+        d = {
+            "num_steps": len(ss),
+            "seconds": secs,
+            "tokens": toks,
+            "median_step_seconds": statistics.median(s.wall_seconds for s in ss),
+            "tokens_per_s": toks / secs if secs > 0 else None,
+        }
+        if all(s.flops is not None and s.bytes is not None for s in ss) and secs > 0:
+            flops = sum(s.flops for s in ss)
+            nbytes = sum(s.bytes for s in ss)
+            pred = sum(s.predicted_seconds for s in ss)
+            d.update({
+                "achieved_flops_per_s": flops / secs,
+                "achieved_bytes_per_s": nbytes / secs,
+                "pct_of_peak_flops": 100.0 * flops / secs / peak_flops if peak_flops else None,
+                "pct_of_bandwidth": 100.0 * nbytes / secs / bandwidth if bandwidth else None,
+                "predicted_seconds": pred,
+                "predicted_over_measured": pred / secs,
+                "median_predicted_step_seconds": statistics.median(s.predicted_seconds for s in ss),
+                "bound": statistics.mode(s.bound for s in ss),
+            })
+        out[phase] = d
+    return out
+
+
+def latency_prompts(batch_size: int, input_len: int, output_len: int, vocab_size: int, seed: int) -> list:
+    return random_requests(batch_size, input_len, output_len, vocab_size=vocab_size, seed=seed)
+
+
+def run_engine_latency(llm, batch_size: int, input_len: int, output_len: int, iters: int = 3,
+                       warmup: bool = True, seed: int = 0, hardware=None, dtype: str = "float32",
+                       on_iteration: Optional[Callable[[int, dict], None]] = None) -> dict:
+    """Time `iters` batches through a servescope LLM. `hardware`: a HardwareSpec for the roofline."""
+    from servescope.config import SamplingParams
+
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    if warmup:  # the same shapes, few tokens: first-call allocations and kernel choice stay out
+        w = latency_prompts(batch_size, input_len, output_len, vocab, seed + 10_000)
+        llm.generate([r.prompt for r in w], params.replace(max_tokens=min(output_len, 4)))
+    peak = hardware.flops(dtype) if hardware is not None else None
+    bw = hardware.memory_bandwidth if hardware is not None else None
+    runs, all_steps = [], []
+    for it in range(iters):
+        reqs = latency_prompts(batch_size, input_len, output_len, vocab, seed + it)
+        first = len(engine.step_records)
+        t0 = time.perf_counter()
+        outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        steps = list(engine.step_records)[first:]
+        all_steps.extend(steps)
+        ms = [o.metrics for o in outs]
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        runs.append({
+            "wall_seconds": wall,
+            "ttft_s": _median(m.ttft for m in ms),
+            "max_ttft_s": max(m.ttft for m in ms),
+            "tpot_s": _median(m.tpot for m in ms),
+            "e2e_s": _median(m.e2e for m in ms),
+            "output_tokens": n_out,
+            "output_tokens_per_s": n_out / wall,
+            "num_steps": len(steps),
+        })
+        if on_iteration is not None:
+            on_iteration(it, runs[-1])
+    phases = phase_breakdown(all_steps, peak, bw)
+    dec = phases.get("decode")
+    res = {
+        "ttft_s": _median(r["ttft_s"] for r in runs),
+        "tpot_s": _median(r["tpot_s"] for r in runs),
+        "e2e_s": _median(r["e2e_s"] for r in runs),
+        "wall_seconds": _median(r["wall_seconds"] for r in runs),
+        "output_tokens_per_s": _median(r["output_tokens_per_s"] for r in runs),
+        # the decode rate the steps achieve: batch tokens per median decode step
+        "decode_tokens_per_s": (batch_size / dec["median_step_seconds"]) if dec else None,
+        "phases": phases,
+        "iterations": runs,
+        "_steps": all_steps,
+    }
+    if hardware is not None:
+        res["hardware"] = {"name": hardware.name, "memory_bandwidth": bw, "peak_flops": peak, "dtype": dtype}
+    return res
