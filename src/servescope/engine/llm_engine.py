@@ -280,7 +280,8 @@ class LLMEngine:
                 m = self._samples[seq.request.request_id][1].metrics
                 if m.first_scheduled_time is None:
                     m.first_scheduled_time = t0
-            logits = self.runner.execute(out.scheduled, sample_rows) if sample_rows else None
+            # always run the model: a middle prefill chunk samples nothing but must write its KV
+            logits = self.runner.execute(out.scheduled, sample_rows)
             if sample_rows:
                 states = [self._samples[out.scheduled[i].request.request_id][1].state for i in sample_rows]
                 so = self.sampler(logits, states)
@@ -291,8 +292,8 @@ class LLMEngine:
                     if sample.logprobs is not None and so.logprobs[j] is not None:
                         sample.logprobs.append(so.logprobs[j])
                         sample.cumulative_logprob += so.logprobs[j].logprob
-            elif self.runner.device.type == "cuda":
-                torch.cuda.synchronize()
+            elif self.device.type == "cuda":
+                torch.cuda.synchronize()  # so that the step's wall time covers its GPU work
         self.scheduler.update_from_output(out, sampled)
         t1 = time.perf_counter()
         for rid, tok in sampled.items():

@@ -229,7 +229,9 @@ class Scheduler:
             num_new_tokens=num_new,
             num_computed_tokens=start,
             block_ids=self.kv_manager.get_block_ids(req.request_id),
-            is_prefill=start < req.num_tokens - 1,
+            # prompt (or recompute) tokens: everything before the last known token, and a whole
+            # one-token prompt on its first step
+            is_prefill=start < req.num_tokens - 1 or start < req.num_prompt_tokens,
             will_sample=start + num_new == req.num_tokens,
         )
 

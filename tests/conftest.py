@@ -1,0 +1,36 @@
+"""Shared fixtures: the embedded SmolLM2 engine (loaded once per session) and tiny models."""
+
+import os
+import sys
+
+import pytest
+
+# tests/model holds the tiny-model builders that many test packages reuse
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "model"))
+
+# Tests run on 2 shared cores: keep torch from oversubscribing them.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    """The embedded model in float32 with a small KV cache, shared by the end-to-end tests.
+    Tests must leave it idle (every request finished or aborted)."""
+    from servescope import LLM
+
+    llm = LLM(num_kv_blocks=512, max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=512)
+    yield llm
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' own load of the same GGUF (dequantised to float32), the reference."""
+    from transformers import AutoModelForCausalLM
+
+    from servescope.model.loader import resolve_model_path
+
+    path = resolve_model_path("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 torch_dtype="float32")
+    return model.eval()

@@ -1,0 +1,92 @@
+"""Our forward pass equals transformers' on the same weights: logits and greedy continuations."""
+
+import pytest
+import torch
+
+from helpers import paged_logits
+from servescope import LLM, SamplingParams
+
+TOL = 5e-4  # max |logit difference| in float32 (HF eager vs SDPA differ by ~6e-5 on SmolLM2)
+
+TEXT = ("The history of the city begins in the third century, when a small fishing village grew "
+        "around the harbour. Merchants came from the south with salt, wine and cloth, and the town "
+        "built walls, a market and a church. ")
+
+
+def _prompt_ids(tok, n_min=300):
+    ids = tok.encode(TEXT * 8)
+    assert len(ids) >= n_min
+    return ids[:n_min]
+
+
+def test_smollm2_logits_match_transformers(smollm2_llm, smollm2_hf):
+    ids = _prompt_ids(smollm2_llm.tokenizer)
+    with torch.no_grad():
+        ref = smollm2_hf(torch.tensor([ids])).logits[0]
+    ours = paged_logits(smollm2_llm.engine, ids, chunk=128, decode_from=len(ids) - 8)
+    diff = (ours - ref).abs().max().item()
+    assert diff <= TOL, f"max |logit diff| {diff:.2e}"
+    assert ref.abs().max() > 10  # real logits, not a degenerate model
+
+
+def test_smollm2_greedy_matches_transformers_generate(smollm2_llm, smollm2_hf):
+    tok = smollm2_llm.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Write a short poem about the sea."}])
+    ids = tok.encode(text, add_special_tokens=False)
+    with torch.no_grad():
+        ref = smollm2_hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                  attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+    out = smollm2_llm.generate(ids, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+    assert out.token_ids == ref
+    assert "paris" in smollm2_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                                       SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text.lower()
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_plain", "mistral", "qwen2", "qwen3"])
+def test_tiny_family_parity(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+    from tiny_models import make_tiny_hf_model
+
+    path = make_tiny_hf_model(tmp_path, family)
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=512)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 49152, (260,), generator=g).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    ours = paged_logits(llm.engine, ids, chunk=100, decode_from=250)
+    diff = (ours - ref).abs().max().item()
+    assert diff <= TOL, f"{family}: max |logit diff| {diff:.2e}"
+    with torch.no_grad():
+        gen = hf.generate(torch.tensor([ids[:40]]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
+                          attention_mask=torch.ones(1, 40, dtype=torch.long))[0, 40:].tolist()
+    out = llm.generate(ids[:40], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == gen
+
+
+def test_paged_decode_equals_recompute(smollm2_llm):
+    """Decoding through the paged cache gives the logits of recomputing the whole sequence."""
+    engine = smollm2_llm.engine
+    ids = _prompt_ids(smollm2_llm.tokenizer, 120)
+    full = paged_logits(engine, ids)  # one prefill over everything: no cache reads
+    stepped = paged_logits(engine, ids, chunk=16, decode_from=60)  # chunks, then 60 decode steps
+    assert (full - stepped).abs().max().item() <= TOL
+
+
+def test_no_kv_cache_mode_matches_cached(tmp_path):
+    from tiny_models import make_tiny_hf_model
+
+    path = str(make_tiny_hf_model(tmp_path, "llama"))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    prompts = [[5, 6, 7, 8, 9] * 7, [100, 200, 300]]
+    a = LLM(model=path, num_kv_blocks=64, max_model_len=256).generate(prompts, params)
+    recompute = LLM(model=path, num_kv_blocks=64, max_model_len=256, no_kv_cache=True)
+    b = recompute.generate(prompts, params)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert abs(lx.logprob - ly.logprob) <= TOL
+    # the recompute engine prefilled the whole sequence at every step
+    recs = list(recompute.engine.step_records)
+    assert max(r.num_prefill_tokens for r in recs) >= len(prompts[0]) + 10
+    assert recompute.engine.kv_manager.num_used_blocks == 0
