@@ -1,0 +1,102 @@
+"""build_app: the FastAPI application in front of an AsyncEngine.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus text, this app's own registry), GET /v1/internals?n=N (the last N step
+records and the KV cache state, read on the engine thread).
+
+Several apps may share one AsyncEngine (e.g. with different max_queue); each keeps its own metrics.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from typing import Optional
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response
+
+from servescope.engine.async_engine import AsyncEngine
+from servescope.server.errors import error_response, install_error_handlers
+from servescope.server.metrics import CONTENT_TYPE, ServerMetrics
+from servescope.server.middleware import GuardMiddleware
+from servescope.server.protocol import ChatCompletionRequest, CompletionRequest
+from servescope.server.serving_chat import create_chat_completion
+from servescope.server.serving_common import ServingContext, TokenText
+from servescope.server.serving_completions import create_completion
+
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+MAX_INTERNALS_STEPS = 10_000
+
+
+def _json_safe(x):
+    """NaN/inf -> None, recursively (JSON has neither)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def build_app(async_engine: AsyncEngine, model_name: str = "servescope",
+              max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES, api_key: Optional[str] = None,
+              max_n: int = 8, max_queue: Optional[int] = None) -> FastAPI:
+    if max_n < 1:
+        raise ValueError(f"max_n must be at least 1, got {max_n}")
+    if max_queue is not None and max_queue < 1:
+        raise ValueError(f"max_queue must be at least 1, got {max_queue}")
+    app = FastAPI(title="servescope", version="0.1.0",
+                  description="OpenAI-compatible API of the servescope engine.")
+    ctx = ServingContext(engine=async_engine, model_name=model_name, max_n=max_n, max_queue=max_queue,
+                         token_text=TokenText(async_engine.tokenizer))
+    metrics = ServerMetrics(model_name)
+    async_engine.output_listeners.append(metrics.on_output)
+    app.state.ctx = ctx
+    app.state.metrics = metrics
+    app.state.async_engine = async_engine
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, max_body_bytes=max_body_bytes, api_key=api_key)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(ctx, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(ctx, body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": ctx.created, "owned_by": "servescope",
+            "max_model_len": async_engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.is_running:
+            return error_response(503, "the engine is not running", code="engine_closed")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        if async_engine.is_running:
+            metrics.update_state(await async_engine.run_on_engine(lambda e: e.kv_cache_state()))
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/internals")
+    async def internals(n: int = Query(100, ge=0, le=MAX_INTERNALS_STEPS,
+                                       description="how many of the latest step records")):
+        def read(engine):
+            recs = engine.step_records
+            last = list(itertools.islice(reversed(recs), n))[::-1]
+            return {"steps": [r.as_dict() for r in last], "kv_cache": engine.kv_cache_state(),
+                    "num_unfinished": engine.num_unfinished}
+
+        data = await async_engine.run_on_engine(read)
+        data["num_in_flight"] = async_engine.num_inflight
+        return JSONResponse(_json_safe(data))
+
+    return app

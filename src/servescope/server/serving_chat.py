@@ -1,0 +1,115 @@
+"""POST /v1/chat/completions: messages -> the model's (sandboxed) chat template -> n choices."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from servescope.errors import InvalidParameterError
+from servescope.server.errors import error_body, to_api_error
+from servescope.server.protocol import MAX_LOGPROBS, ChatCompletionRequest
+from servescope.server.serving_common import (SSE_DONE, ServingContext, SSEResponse, check_finish, check_model,
+                                              finite, merge_streams, new_id, run_until_disconnect,
+                                              sampling_params, sse, start_streams)
+
+
+def _logprob_content(ctx: ServingContext, entries: list, top_n: int) -> list:
+    tt = ctx.token_text
+    content = []
+    for e in entries:
+        content.append({
+            "token": tt.text(e.token_id), "logprob": finite(e.logprob), "bytes": tt.bytes(e.token_id),
+            "top_logprobs": [{"token": tt.text(tid), "logprob": finite(lp), "bytes": tt.bytes(tid)}
+                             for tid, lp in e.top[:top_n]]})
+    return content
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request):
+    check_model(ctx, req.model)
+    top_n = None
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidParameterError("top_logprobs", f"top_logprobs must be between 0 and {MAX_LOGPROBS}, "
+                                                        f"got {req.top_logprobs}")
+        if not req.logprobs:
+            raise InvalidParameterError("top_logprobs", "top_logprobs needs logprobs: true")
+    if req.logprobs:
+        top_n = req.top_logprobs or 0
+    mt_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    # validate the cheap fields before rendering the template (max_tokens checked again below)
+    sampling_params(ctx, req, max_tokens=max_tokens if max_tokens is not None else ctx.engine.max_model_len - 1,
+                    logprobs=top_n,
+                    max_tokens_param=mt_param)
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    _, ids = await ctx.engine.render_chat(messages)
+    if max_tokens is None:  # OpenAI: as many as the context allows
+        max_tokens = max(1, ctx.engine.max_model_len - len(ids))
+    params = sampling_params(ctx, req, max_tokens=max_tokens, logprobs=top_n, max_tokens_param=mt_param)
+    streams = await start_streams(ctx, [ids], params, max_tokens_param=mt_param)
+    rid, created, n = new_id("chatcmpl"), ctx.created, params.n
+    usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": 0}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        gen = _stream(ctx, streams, n, rid, created, top_n, usage, include_usage)
+        return SSEResponse(gen, on_close=lambda: [s.abort() for s in streams])
+
+    async def collect():
+        async for _, out in merge_streams(streams):
+            if out.finished:
+                return out
+
+    out = await run_until_disconnect(request, collect())
+    choices = []
+    for o in out.outputs:
+        lp = None
+        if top_n is not None:
+            lp = {"content": _logprob_content(ctx, o.logprobs or [], top_n), "refusal": None}
+        choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text},
+                        "logprobs": lp, "finish_reason": check_finish(o, out.error)})
+        usage["completion_tokens"] += len(o.token_ids)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
+            "choices": choices, "usage": usage}
+
+
+async def _stream(ctx, streams, n, rid, created, top_n, usage, include_usage):
+    def chunk(choices, with_usage=None) -> str:
+        obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
+               "choices": choices}
+        if include_usage:
+            obj["usage"] = with_usage
+        return sse(obj)
+
+    sent_text = [""] * n
+    sent_lp = [0] * n
+    done = [False] * n
+    try:
+        for i in range(n):  # the role first, as OpenAI does
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        async for _, out in merge_streams(streams):
+            for o in out.outputs:
+                i = o.index
+                if done[i]:
+                    continue
+                finish = check_finish(o, out.error)
+                delta = o.text[len(sent_text[i]):] if o.text.startswith(sent_text[i]) else ""
+                new_lp = (o.logprobs or [])[sent_lp[i]:] if top_n is not None else []
+                if not delta and not new_lp and finish is None:
+                    continue
+                if delta:
+                    sent_text[i] = o.text
+                sent_lp[i] += len(new_lp)
+                lp = {"content": _logprob_content(ctx, new_lp, top_n), "refusal": None} if top_n is not None else None
+                if finish is not None:
+                    done[i] = True
+                    usage["completion_tokens"] += len(o.token_ids)
+                yield chunk([{"index": i, "delta": {"content": delta} if delta or finish is None else {},
+                              "logprobs": lp, "finish_reason": finish}])
+        if include_usage:
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            yield chunk([], with_usage=usage)
+    except Exception as e:  # noqa: BLE001 - after the 200 went out, errors travel in the stream
+        a = to_api_error(e)
+        yield sse(error_body(a.status, a.message, a.param, a.code, a.type))
+    yield SSE_DONE

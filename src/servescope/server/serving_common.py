@@ -1,0 +1,253 @@
+"""What completions and chat share: request -> SamplingParams, queuing several prompts at once,
+merging their streams, token text/bytes for logprobs, SSE framing, and aborting on disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Optional
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from servescope.config import SamplingParams
+from servescope.engine.async_engine import AsyncEngine, RequestStream
+from servescope.engine.outputs import CompletionOutput
+from servescope.errors import InvalidParameterError
+from servescope.server.errors import APIError
+from servescope.server.protocol import MAX_LOGPROBS
+
+logger = logging.getLogger(__name__)
+
+SEED_LIMIT = 2**63 - 1024  # torch seeds are 64-bit; n samples use seed + i
+MAX_REPETITION_PENALTY = 10.0
+MIN_REPETITION_PENALTY = 0.01
+MAX_STOP_STRINGS = 16
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    model_name: str
+    max_n: int = 8
+    max_queue: Optional[int] = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    token_text: Optional["TokenText"] = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_model(ctx: ServingContext, model: Optional[str]) -> None:
+    if model is not None and model != ctx.model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {ctx.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+def sampling_params(ctx: ServingContext, req, *, max_tokens: int, logprobs: Optional[int],
+                    max_tokens_param: str = "max_tokens") -> SamplingParams:
+    """Server-side limits first (n cap, seed range, penalties), then SamplingParams' own checks,
+    which name the field."""
+    n = 1 if req.n is None else req.n
+    if n < 1 or n > ctx.max_n:
+        raise InvalidParameterError("n", f"n must be between 1 and {ctx.max_n} on this server, got {n}")
+    if req.seed is not None and not -SEED_LIMIT <= req.seed <= SEED_LIMIT:
+        raise InvalidParameterError("seed", f"seed must be a 64-bit integer (|seed| <= {SEED_LIMIT})")
+    if req.repetition_penalty is not None and not (
+            MIN_REPETITION_PENALTY <= req.repetition_penalty <= MAX_REPETITION_PENALTY):
+        raise InvalidParameterError("repetition_penalty", f"repetition_penalty must be in "
+                                    f"[{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], got {req.repetition_penalty}")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise InvalidParameterError("logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidParameterError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    top_k = req.top_k if req.top_k is not None else 0
+    if top_k >= ctx.engine.vocab_size:
+        top_k = 0  # every token is in the top k: off
+    if max_tokens is not None and max_tokens > ctx.engine.max_model_len:
+        raise InvalidParameterError(max_tokens_param, f"{max_tokens_param} ({max_tokens}) is beyond this model's "
+                                                      f"context of {ctx.engine.max_model_len} tokens")
+    try:
+        return SamplingParams(
+            n=n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+            frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+            seed=req.seed, stop=tuple(stop), max_tokens=max_tokens,
+            min_tokens=req.min_tokens or 0, ignore_eos=bool(req.ignore_eos), logprobs=logprobs)
+    except InvalidParameterError as e:
+        raise rename_param(e, max_tokens_param) from None
+
+
+def rename_param(e: InvalidParameterError, max_tokens_param: str) -> InvalidParameterError:
+    if e.param == "max_tokens" and max_tokens_param != "max_tokens":
+        return InvalidParameterError(max_tokens_param, e.message.replace("max_tokens", max_tokens_param))
+    return e
+
+
+async def start_streams(ctx: ServingContext, prompts: list, params: SamplingParams,
+                        max_tokens_param: str = "max_tokens") -> list:
+    """Queue every prompt (token ids); all or nothing: on an error the ones queued are aborted."""
+    ctx.engine.check_capacity(len(prompts), ctx.max_queue)
+    streams: list[RequestStream] = []
+    try:
+        for ids in prompts:
+            rid = ctx.engine.new_request_id()
+            streams.append(await ctx.engine.add_request(rid, ids, params, max_queue=ctx.max_queue))
+    except InvalidParameterError as e:
+        for s in streams:
+            s.abort()
+        raise rename_param(e, max_tokens_param) from None
+    except BaseException:
+        for s in streams:
+            s.abort()
+        raise
+    return streams
+
+
+_END = object()
+
+
+async def merge_streams(streams: list) -> AsyncIterator[tuple]:
+    """(prompt index, newest RequestOutput) from several streams as they come; leaving early or an
+    error aborts every stream."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream):
+        try:
+            async for out in s:
+                q.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            q.put_nowait((i, e))
+        finally:
+            q.put_nowait((i, _END))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await q.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+def check_finish(o: CompletionOutput, error: Optional[str]) -> Optional[str]:
+    """The OpenAI finish_reason of a sample; engine-side failures become errors."""
+    if o.finish_reason in (None, "stop", "length"):
+        return o.finish_reason
+    raise APIError(500, f"the request failed in the engine: {error or o.finish_reason}", code="engine_error")
+
+
+async def run_until_disconnect(request: Request, coro):
+    """Await coro; if the client disconnects first, cancel it (its finally blocks abort the engine
+    requests) and give up."""
+    task = asyncio.ensure_future(coro)
+
+    async def wait_disconnect():
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task.cancelled() or not task.done():
+        await asyncio.gather(task, return_exceptions=True)
+        raise APIError(499, "the client disconnected", code="client_disconnected")
+    return task.result()
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that calls `on_close` however the response ends (done, error, client gone)."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kw):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def finite(x: float) -> float:
+    """JSON has no -inf/NaN: a token the model rules out gets a very negative logprob instead."""
+    return x if math.isfinite(x) else -9999.0
+
+
+class TokenText:
+    """Per-token strings and raw bytes for logprobs, cached by token id."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, list] = {}
+        self._byte_decoder = _byte_level_decoder()
+
+    def text(self, tid: int) -> str:
+        s = self._text.get(tid)
+        if s is None:
+            s = self.tok.decode([tid], skip_special_tokens=False) if self.tok is not None else f"<{tid}>"
+            self._text[tid] = s
+        return s
+
+    def bytes(self, tid: int) -> list:
+        b = self._bytes.get(tid)
+        if b is None:
+            raw = None
+            if self.tok is not None:
+                piece = self.tok.id_to_token(tid)
+                # byte-level BPE stores bytes as printable characters ('Ġ' is a space): map them back,
+                # so a token holding part of a UTF-8 character reports its true bytes
+                if isinstance(piece, str) and piece and all(ch in self._byte_decoder for ch in piece):
+                    raw = bytes(self._byte_decoder[ch] for ch in piece)
+            if raw is None:
+                raw = self.text(tid).encode("utf-8")
+            b = list(raw)
+            self._bytes[tid] = b
+        return b
+
+
+def _byte_level_decoder() -> dict:
+    """Inverse of GPT-2's bytes_to_unicode table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
