@@ -46,7 +46,8 @@ def test_chunked_prefill_chunk_1():
     a = h.add("a", 5)
     outs = [h.step() for _ in range(6)]
     assert [seqs(o) for o in outs] == [[("a", i, 1)] for i in range(6)]
-    assert [o.scheduled[0].is_prefill for o in outs] == [True, True, True, True, False, False]
+    # the last prompt token (position 4) is still a prompt token: prefill
+    assert [o.scheduled[0].is_prefill for o in outs] == [True, True, True, True, True, False]
     assert [o.scheduled[0].will_sample for o in outs] == [False, False, False, False, True, True]
     assert a.output_token_ids == [1000, 1001]
     assert h.blocks("a") == [0, 1, 2, 3, 4, 5]
