@@ -4,7 +4,9 @@ On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERP
 here before triton is imported), so shapes are kept small.
 """
 
+import importlib
 import os
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton")
+
+if not torch.cuda.is_available() and "servescope.model.attention.triton_kernels" in sys.modules:
+    # triton.jit picks the interpreter when a kernel is defined: re-define them if an earlier
+    # import (another test) happened before TRITON_INTERPRET was set
+    importlib.reload(sys.modules["servescope.model.attention.triton_kernels"])
+    if "servescope.model.attention.triton_backend" in sys.modules:
+        importlib.reload(sys.modules["servescope.model.attention.triton_backend"])
 
 from servescope.model.attention.backend import AttentionMetadata  # noqa: E402
 from servescope.model.attention.torch_ref import TorchAttentionBackend  # noqa: E402

@@ -1,0 +1,551 @@
+#!/usr/bin/env python
+"""One script for a lent GPU (written for an H200): correctness first, then speed.
+
+  python benchmarks/gpu.py                # full run, well under 8 minutes on an H200
+  python benchmarks/gpu.py --quick        # fewer tokens
+  python benchmarks/gpu.py --dry-run-cpu  # everything tiny on the CPU (torch backend; Triton kernels
+                                          # in the interpreter): a smoke test of this script
+
+Sections (each has a timeout and its own try/except, so one failure keeps the rest of the table):
+  kernels        Triton store/decode kernels vs the torch reference; decode kernel GB/s
+  hardware       device-to-device copy bandwidth, bf16 matmul rate (8192^3)
+  vs_hf_*        our engine (random weights) vs transformers LlamaForCausalLM with the same
+                 weights: greedy tokens equal, per-token logprobs; CUDA-graph vs eager decode
+  8b_*           Llama-3-8B shaped, bf16, random weights: batch-1 decode tokens/s and GB/s,
+                 throughput at batch 64 and 256, transformers generate for the ratio
+The table is printed at the end and written to $OUT/gpu_results.json when OUT is set.
+No weights and no network: models are random-initialised from shipped config presets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+if "--dry-run-cpu" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any import of triton
+
+import torch  # noqa: E402
+
+from servescope import LLM, SamplingParams  # noqa: E402
+
+T_START = time.perf_counter()
+ROWS: list = []  # {"section", "metric", "value", "unit", "note"}
+SECTIONS: list = []  # {"section", "status", "seconds", "error"}
+STATE: dict = {}  # objects shared between sections (the 8B engine)
+
+
+class SectionTimeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise SectionTimeout("section timed out")
+
+
+def record(section: str, metric: str, value, unit: str = "", note: str = "") -> None:
+    if isinstance(value, float):
+        value = float(f"{value:.6g}")
+    ROWS.append({"section": section, "metric": metric, "value": value, "unit": unit, "note": note})
+
+
+def run_section(name: str, fn, timeout_s: int, budget_s: float) -> None:
+    left = budget_s - (time.perf_counter() - T_START)
+    if left < 10:
+        SECTIONS.append({"section": name, "status": "skipped", "seconds": 0.0, "error": "time budget spent"})
+        return
+    t0 = time.perf_counter()
+    status, err = "ok", ""
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(max(1, int(min(timeout_s, left))))
+    try:
+        fn(lambda metric, value, unit="", note="": record(name, metric, value, unit, note))
+    except SectionTimeout:
+        status, err = "timeout", f"over {timeout_s} s"
+    except Exception as e:  # keep going: the table is the product
+        status, err = "error", f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    finally:
+        signal.alarm(0)
+    if status == "ok" and any(r["section"] == name and r["metric"].endswith("_ok") and r["value"] is False
+                              for r in ROWS):
+        status = "FAIL"
+    secs = time.perf_counter() - t0
+    SECTIONS.append({"section": name, "status": status, "seconds": round(secs, 1), "error": err})
+    print(f"[{time.perf_counter() - T_START:6.1f}s] {name}: {status} in {secs:.1f}s {err}", flush=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, dev, iters: int, warmup: int = 2) -> float:
+    """Median seconds of fn()."""
+    for _ in range(warmup):
+        fn()
+    sync(dev)
+    times = []
+    for _ in range(iters):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def write_config(cfg_dict: dict, tmp: str, name: str) -> str:
+    """A config.json for `random:<path>` specs (a preset with fewer layers, or a tiny model)."""
+    d = os.path.join(tmp, name)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg_dict, f)
+    return d
+
+
+def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n_,), generator=g).tolist() for n_ in lens]
+
+
+def ours_generate(llm, prompts, max_tokens: int, logprobs: bool = False):
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0 if logprobs else None)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    secs = time.perf_counter() - t
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    lps = [[lp.logprob for lp in o.outputs[0].logprobs] for o in outs] if logprobs else None
+    return toks, lps, secs
+
+
+def hf_state_dict(model, cfg) -> dict:
+    """Our (possibly fused) parameters under Hugging Face names, as views: no copy."""
+    q, kv = cfg.q_size, cfg.kv_size
+    sd = {}
+    for name, t in model.state_dict().items():
+        if ".qkv_proj." in name:
+            pre, kind = name.split("qkv_proj.")
+            for part, x in zip(("q_proj.", "k_proj.", "v_proj."), t.split([q, kv, kv], dim=0)):
+                sd[pre + part + kind] = x
+        elif ".gate_up_proj." in name:
+            pre, kind = name.split("gate_up_proj.")
+            gate, up = t.chunk(2, dim=0)
+            sd[pre + "gate_proj." + kind], sd[pre + "up_proj." + kind] = gate, up
+        else:
+            sd[name] = t
+    sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])  # tied embeddings
+    return sd
+
+
+def hf_from_ours(model, cfg, device):
+    """transformers LlamaForCausalLM sharing our weights (assigned views; only rotary tables new)."""
+    import transformers
+
+    d = cfg.to_hf_dict()
+    d.pop("eos_token_id", None)  # never stop early: compare fixed-length greedy runs
+    d.pop("bos_token_id", None)
+    hf_cfg = transformers.LlamaConfig(**d)
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(hf_cfg)
+    hf.load_state_dict(hf_state_dict(model, cfg), strict=False, assign=True)
+    # rotary inv_freq is a non-persistent buffer, still on meta: rebuild it on the host, then move
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_cfg).to(device)
+    left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"transformers model has tensors without weights: {left[:4]}")
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf.eval()
+
+
+@torch.inference_mode()
+def hf_generate(hf, prompts, max_new: int, device, logits: bool = False):
+    """Greedy generate, left-padded batch. Returns (tokens per prompt, raw logprobs or None, seconds)."""
+    b, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros((b, L), dtype=torch.long)
+    mask = torch.zeros((b, L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    sync(device)
+    t = time.perf_counter()
+    out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                      do_sample=False, pad_token_id=0, output_logits=logits, return_dict_in_generate=True)
+    sync(device)
+    secs = time.perf_counter() - t
+    toks = out.sequences[:, L:].tolist()
+    lps = None
+    if logits:
+        steps = torch.stack(out.logits, dim=1).float()  # [B, n, V] raw logits
+        lp = torch.log_softmax(steps, dim=-1).gather(-1, out.sequences[:, L:, None]).squeeze(-1)
+        lps = lp.tolist()
+    return toks, lps, secs
+
+
+def compare_runs(rec, name: str, toks_a, lps_a, toks_b, lps_b, lp_tol: float, need_equal: bool):
+    """Greedy tokens equal per prompt; max |logprob diff| over the tokens before any divergence."""
+    n_eq = sum(a == b for a, b in zip(toks_a, toks_b))
+    first = []
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(toks_a, toks_b)):
+        k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        if k < len(a):
+            first.append(f"prompt {i} at token {k}")
+        if lps_a is not None and lps_b is not None:
+            upto = min(k + 1, len(lps_a[i]), len(lps_b[i]))  # the diverging step's logprob still compares
+            for j in range(upto):
+                worst = max(worst, abs(lps_a[i][j] - lps_b[i][j]))
+    rec(f"{name}_tokens_equal", f"{n_eq}/{len(toks_a)}", "prompts", ("first mismatch: " + ", ".join(first)) if first else "")
+    if lps_a is not None and lps_b is not None:
+        rec(f"{name}_max_logprob_diff", worst, "nats")
+    ok = (n_eq == len(toks_a) or not need_equal) and worst <= lp_tol
+    rec(f"{name}_ok", ok, "", f"tokens must be equal: {need_equal}; logprob tol {lp_tol}")
+
+
+# ------------------------------------------------------------------------------------------ sections
+
+
+def section_env(rec):
+    import transformers
+
+    rec("python", platform.python_version())
+    rec("torch", torch.__version__)
+    rec("transformers", transformers.__version__)
+    try:
+        import triton
+
+        rec("triton", triton.__version__)
+    except ImportError:
+        rec("triton", "missing")
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        rec("gpu", p.name, "", f"{p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs")
+
+
+def section_kernels(rec, dev, dry):
+    from servescope.model.attention.torch_ref import TorchAttentionBackend
+    from servescope.model.attention.triton_kernels import paged_decode, store_kv
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+    dtypes = [torch.float32, torch.bfloat16] + ([] if dry else [torch.float16])
+    worst = {}
+    ok = True
+    shapes = [(64, 16, 1), (128, 16, 4), (128, 32, 3)] if not dry else [(64, 16, 3)]
+    for d, s, group in shapes:
+        for dt in dtypes:
+            hkv, n = 2, 64 if not dry else 16
+            lens = [1, s, 3 * s + 7, 700] if not dry else [1, s, 37]
+            if not dry:
+                lens.append(4000)
+            n = max(n, sum((x + s - 1) // s for x in lens))
+            kc = torch.randn(n, s, hkv, d, generator=g).to(dt).to(dev)
+            vc = torch.randn(n, s, hkv, d, generator=g).to(dt).to(dev)
+            perm = torch.randperm(n, generator=g).tolist()
+            m = max((x + s - 1) // s for x in lens)
+            rows, at = [], 0
+            for x in lens:
+                k = (x + s - 1) // s
+                rows.append(perm[at:at + k] + [0] * (m - k))
+                at += k
+            bt = torch.tensor(rows, dtype=torch.int32, device=dev)
+            cl = torch.tensor(lens, dtype=torch.int32, device=dev)
+            q = torch.randn(len(lens), hkv * group, d, generator=g).to(dt).to(dev)
+            ref = TorchAttentionBackend._paged_decode(q, kc, vc, bt, cl, max(lens), d ** -0.5)
+            for splits in (None, 1):  # chosen split-K and single pass
+                out = paged_decode(q, kc, vc, bt, cl, d ** -0.5, max_context_len=max(lens), num_splits=splits)
+                err = (out.float() - ref.float()).abs().max().item()
+                key = str(dt).replace("torch.", "")
+                worst[key] = max(worst.get(key, 0.0), err)
+                ok &= err <= tol[dt] * 4
+            # store kernel vs index_copy (bit-exact)
+            t = 5
+            kk = torch.randn(t, hkv, d, generator=g).to(dt).to(dev)
+            slots = torch.randperm(n * s, generator=g)[:t].to(dev)
+            a, b = kc.clone(), kc.clone()
+            store_kv(kk, kk, a, a.clone(), slots)
+            b.view(n * s, hkv, d).index_copy_(0, slots, kk)
+            ok &= bool(torch.equal(a, b))
+    for k, v in worst.items():
+        rec(f"decode_max_abs_err_{k}", v)
+    rec("kernels_ok", bool(ok), "", "decode vs torch reference (D 64/128, S 16/32, GQA 1/3/4); store bit-exact")
+    if dry:
+        return
+    # speed at Llama-3-8B shapes (Hkv 8, D 128, G 4, S 16, bf16): KV bytes read / kernel time
+    for bsz, ctx in ((1, 32768), (64, 2048), (256, 512)):
+        s, hkv, d = 16, 8, 128
+        nblk = ctx // s
+        kc = torch.randn(bsz * nblk, s, hkv, d, device=dev, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        bt = torch.randperm(bsz * nblk, device=dev).view(bsz, nblk).int()
+        cl = torch.full((bsz,), ctx, dtype=torch.int32, device=dev)
+        q = torch.randn(bsz, 32, d, device=dev, dtype=torch.bfloat16)
+        secs = timed(lambda: paged_decode(q, kc, vc, bt, cl, d ** -0.5, max_context_len=ctx), dev, 20)
+        ref_secs = timed(lambda: TorchAttentionBackend._paged_decode(q, kc, vc, bt, cl, ctx, d ** -0.5), dev, 5)
+        gbs = 2 * kc.numel() * kc.element_size() / secs / 1e9
+        rec(f"decode_kernel_b{bsz}_ctx{ctx}", gbs, "GB/s", f"{secs * 1e6:.0f} us; torch ref {ref_secs * 1e6:.0f} us")
+        del kc, vc
+
+
+def section_hardware(rec, dev, dry):
+    n = (2 << 30) if not dry else (64 << 20)  # bytes per buffer
+    x = torch.empty(n, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    secs = timed(lambda: y.copy_(x), dev, 10 if not dry else 3)
+    bw = 2 * n / secs / 1e9
+    STATE["copy_gbs"] = bw
+    rec("copy_bandwidth", bw, "GB/s", f"{n >> 20} MiB device-to-device, read + write")
+    del x, y
+    m = 8192 if not dry else 512
+    dt = torch.bfloat16
+    a = torch.randn(m, m, device=dev, dtype=dt)
+    b = torch.randn(m, m, device=dev, dtype=dt)
+    secs = timed(lambda: a @ b, dev, 10 if not dry else 2)
+    rec("matmul_bf16", 2 * m ** 3 / secs / 1e12, "TFLOP/s", f"{m}^3")
+
+
+def section_vs_hf(rec, dev, dry, spec: str, dtype: str, graph_sizes, need_equal: bool, lp_tol: float,
+                  n_prompts: int, max_tokens: int, backend: str):
+    """Our engine vs transformers on the same random weights; CUDA-graph vs eager decode."""
+    llm = LLM(model=spec, dtype=dtype, device=dev.type, attention_backend=backend, max_num_seqs=8,
+              max_num_batched_tokens=512, max_model_len=512, kv_cache_memory_bytes=1 << 30,
+              enable_prefix_caching=False, cuda_graph_batch_sizes=tuple(graph_sizes), seed=1)
+    eng = llm.engine
+    cfg = eng.model_config
+    graphs = eng.runner.graph_runner
+    rec("engine", f"{eng.runner.backend.name}, graphs {graphs.batch_sizes if graphs else None}", "",
+        f"{cfg.num_hidden_layers} layers, {cfg.hidden_size} wide, {dtype}")
+    prompts = random_prompts(n_prompts, 5, 60, cfg.vocab_size, seed=3)
+    toks, lps, _ = ours_generate(llm, prompts, max_tokens, logprobs=True)
+    hf = hf_from_ours(eng.model, cfg, dev)
+    hf_toks, hf_lps = [], []
+    for p in prompts:  # one at a time: no padding in the oracle
+        t, lp, _ = hf_generate(hf, [p], max_tokens, dev, logits=True)
+        hf_toks += t
+        hf_lps += lp
+    compare_runs(rec, "vs_transformers", toks, lps, hf_toks, hf_lps, lp_tol, need_equal)
+    if graphs is not None:
+        eng.runner.graph_runner = None
+        try:
+            e_toks, e_lps, _ = ours_generate(llm, prompts, max_tokens, logprobs=True)
+        finally:
+            eng.runner.graph_runner = graphs
+        compare_runs(rec, "graph_vs_eager", toks, lps, e_toks, e_lps, 1e-3 if dtype == "float32" else 5e-2, True)
+    del hf, llm, eng
+
+
+def weights_read_per_decode_step(model) -> int:
+    """Bytes of weights a decode step reads: everything but the input embedding table (only B rows
+    of it are read), unless it doubles as the lm_head."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        e = model.model.embed_tokens.weight
+        total -= e.numel() * e.element_size()
+    return total
+
+
+def decode_steps(eng, since: int, batch: int | None = None) -> list:
+    recs = list(eng.step_records)[since:]
+    return [r for r in recs if r.phase == "decode" and (batch is None or r.num_decode_seqs == batch)]
+
+
+def section_8b_load(rec, dev, dry, spec, sizes):
+    t = time.perf_counter()
+    llm = LLM(model=spec, dtype="bfloat16" if not dry else "float32", device=dev.type,
+              attention_backend="triton" if not dry else "torch",
+              max_num_seqs=sizes["max_seqs"], max_num_batched_tokens=sizes["batched_tokens"],
+              max_model_len=sizes["max_len"], kv_cache_memory_bytes=sizes["kv_bytes"], seed=0)
+    STATE["llm"] = llm
+    eng = llm.engine
+    g = eng.runner.graph_runner
+    rec("load_seconds", time.perf_counter() - t, "s",
+        f"weights {eng.weight_bytes / 1e9:.2f} GB, graphs captured in "
+        f"{g.capture_seconds:.1f} s" if g else "no CUDA graphs")
+    # warm up: compile kernels for prefill and mixed steps
+    ours_generate(llm, random_prompts(2, 16, 40, eng.model_config.vocab_size, 9), 4)
+
+
+def section_8b_batch1(rec, dev, dry, sizes):
+    llm = STATE["llm"]
+    eng = llm.engine
+    vocab = eng.model_config.vocab_size
+    prompt = random_prompts(1, sizes["b1_prompt"], sizes["b1_prompt"], vocab, 11)
+    since = len(eng.step_records)
+    toks, _, secs = ours_generate(llm, prompt, sizes["b1_out"])
+    steps = decode_steps(eng, since, 1)
+    step = statistics.median(r.wall_seconds for r in steps)
+    ctx = statistics.median(sum(r.context_lens) for r in steps)
+    wbytes = weights_read_per_decode_step(eng.model)
+    kv = eng.kv_bytes_per_token * ctx
+    gbs = (wbytes + kv) / step / 1e9
+    rec("b1_decode_tokens_per_s", 1.0 / step, "tok/s", f"median of {len(steps)} decode steps, {step * 1e3:.2f} ms/step")
+    rec("b1_decode_GBps", gbs, "GB/s", f"weights {wbytes / 1e9:.2f} GB + KV {kv / 1e6:.1f} MB per step")
+    if STATE.get("copy_gbs"):
+        rec("b1_decode_pct_of_copy_bw", 100.0 * gbs / STATE["copy_gbs"], "%")
+    rec("b1_generate_tokens_per_s", len(toks[0]) / secs, "tok/s", f"end to end incl. prefill of {len(prompt[0])}")
+    STATE["b1_prompt"], STATE["b1_secs"] = prompt, secs
+
+
+def section_8b_throughput(rec, dev, dry, sizes, batch: int):
+    llm = STATE["llm"]
+    eng = llm.engine
+    prompts = random_prompts(batch, sizes["tp_lo"], sizes["tp_hi"], eng.model_config.vocab_size, 100 + batch)
+    since = len(eng.step_records)
+    toks, _, secs = ours_generate(llm, prompts, sizes["tp_out"])
+    n_out = sum(len(t) for t in toks)
+    n_in = sum(len(p) for p in prompts)
+    rec(f"b{batch}_output_tokens_per_s", n_out / secs, "tok/s",
+        f"{batch} x ({n_in // batch} avg prompt, {sizes['tp_out']} out) in {secs:.1f} s")
+    rec(f"b{batch}_total_tokens_per_s", (n_in + n_out) / secs, "tok/s")
+    full = decode_steps(eng, since, batch)
+    if full:
+        step = statistics.median(r.wall_seconds for r in full)
+        rec(f"b{batch}_decode_step_ms", step * 1e3, "ms", f"{batch / step:.0f} tok/s while all {batch} decode")
+    STATE[f"b{batch}_prompts"] = prompts
+    STATE[f"b{batch}_secs"] = secs
+
+
+def section_8b_vs_hf(rec, dev, dry, sizes):
+    llm = STATE["llm"]
+    eng = llm.engine
+    hf = hf_from_ours(eng.model, eng.model_config, dev)
+    hf_generate(hf, [[5] * 8], 2, dev)  # warm-up
+    # batch 1: the same prompt, the same number of new tokens
+    prompt = STATE.get("b1_prompt") or random_prompts(1, sizes["b1_prompt"], sizes["b1_prompt"],
+                                                      eng.model_config.vocab_size, 11)
+    n = sizes["hf_out"]
+    _, _, ours = ours_generate(llm, prompt, n)
+    _, _, theirs = hf_generate(hf, prompt, n, dev)
+    rec("hf_b1_tokens_per_s", n / theirs, "tok/s", f"transformers generate, {n} new tokens")
+    rec("ours_b1_tokens_per_s", n / ours, "tok/s", "same workload, end to end")
+    rec("speedup_b1_vs_transformers", theirs / ours, "x")
+    hb = sizes["hf_batch"]
+    prompts = random_prompts(hb, sizes["tp_lo"], sizes["tp_hi"], eng.model_config.vocab_size, 7)
+    _, _, ours = ours_generate(llm, prompts, n)
+    _, _, theirs = hf_generate(hf, prompts, n, dev)
+    rec(f"hf_b{hb}_tokens_per_s", hb * n / theirs, "tok/s", "transformers generate, left-padded batch")
+    rec(f"ours_b{hb}_tokens_per_s", hb * n / ours, "tok/s", "same workload, end to end")
+    rec(f"speedup_b{hb}_vs_transformers", theirs / ours, "x")
+    del hf
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def tiny_config(tied: bool = False) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "tie_word_embeddings": tied}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer tokens per measurement")
+    ap.add_argument("--dry-run-cpu", action="store_true", help="tiny models on the CPU (smoke test of this script)")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds; later sections are skipped past it")
+    args = ap.parse_args(argv)
+    dry, quick = args.dry_run_cpu, args.quick or args.dry_run_cpu
+    if not dry and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run-cpu for a smoke test", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda" if not dry else "cpu")
+    torch.manual_seed(0)
+    tmp = tempfile.mkdtemp(prefix="servescope_gpu_")
+    from servescope.analysis.presets import preset_hf_dict
+
+    if dry:
+        tiny = "random:" + write_config(tiny_config(), tmp, "tiny")
+        smol_spec = "random:" + write_config(tiny_config(tied=True), tmp, "tiny-tied")  # SmolLM2 ties embeddings
+        llama_shape_spec = big_spec = tiny
+    else:
+        smol_spec = "random:smollm2-135m"
+        short = dict(preset_hf_dict("llama-3-8b"), num_hidden_layers=2)
+        short.pop("_source", None)
+        llama_shape_spec = "random:" + write_config(short, tmp, "llama-3-8b-2layers")
+        big_spec = "random:llama-3-8b"
+    sizes = {
+        "max_seqs": 256 if not dry else 8, "batched_tokens": 8192 if not dry else 512,
+        "max_len": 1024 if not dry else 256, "kv_bytes": (40 << 30) if not dry else (64 << 20),
+        "b1_prompt": 128 if not dry else 16, "b1_out": 128 if quick else 256,
+        "tp_lo": 128 if not dry else 8, "tp_hi": 512 if not dry else 32, "tp_out": 128 if quick else 256,
+        "hf_out": 64 if quick else 128, "hf_batch": 64 if not dry else 4,
+    }
+    if dry:
+        sizes.update(b1_out=8, tp_out=8, hf_out=8)
+    batches = (64, 256) if not dry else (4, 8)
+    graph_sizes = (1, 2, 4, 8)
+    backend = "triton" if not dry else "torch"
+    budget = args.budget
+    sec = lambda name, fn, timeout: run_section(name, fn, timeout, budget)  # noqa: E731
+
+    sec("env", section_env, 30)
+    sec("kernels", lambda r: section_kernels(r, dev, dry), 120)
+    sec("hardware", lambda r: section_hardware(r, dev, dry), 60)
+    sec("vs_hf_smollm2_fp32", lambda r: section_vs_hf(
+        r, dev, dry, smol_spec, "float32", graph_sizes, True, 1e-3, 4, 24 if quick else 48, backend), 120)
+    sec("vs_hf_llama3shape_fp32", lambda r: section_vs_hf(
+        r, dev, dry, llama_shape_spec, "float32", graph_sizes, True, 1e-3, 3, 16 if quick else 32, backend), 120)
+    sec("vs_hf_llama3shape_bf16", lambda r: section_vs_hf(
+        r, dev, dry, llama_shape_spec, "bfloat16", graph_sizes, False, 0.25, 3, 16 if quick else 32, backend), 120)
+    sec("8b_load", lambda r: section_8b_load(r, dev, dry, big_spec, sizes), 180)
+    if "llm" in STATE:
+        sec("8b_batch1", lambda r: section_8b_batch1(r, dev, dry, sizes), 60)
+        for b in batches:
+            sec(f"8b_batch{b}", lambda r, b=b: section_8b_throughput(r, dev, dry, sizes, b), 120)
+        sec("8b_vs_transformers", lambda r: section_8b_vs_hf(r, dev, dry, sizes), 150)
+    STATE.clear()
+
+    print_table()
+    out = os.environ.get("OUT")
+    if out:
+        path = os.path.join(out, "gpu_results.json")
+        with open(path, "w") as f:
+            json.dump({"mode": "dry-run-cpu" if dry else ("quick" if quick else "full"),
+                       "total_seconds": round(time.perf_counter() - T_START, 1),
+                       "sections": SECTIONS, "rows": ROWS}, f, indent=1)
+        print(f"wrote {path}")
+    return 0 if all(s["status"] == "ok" for s in SECTIONS) else 1
+
+
+def print_table() -> None:
+    w = max([len(r["section"]) for r in ROWS] + [7])
+    m = max([len(r["metric"]) for r in ROWS] + [6])
+    print()
+    print(f"{'section':<{w}}  {'metric':<{m}}  {'value':>14}  unit    note")
+    for r in ROWS:
+        v = r["value"]
+        vs = f"{v:,.4g}" if isinstance(v, float) else str(v)
+        print(f"{r['section']:<{w}}  {r['metric']:<{m}}  {vs:>14}  {r['unit']:<6}  {r['note']}")
+    print()
+    for s in SECTIONS:
+        print(f"{s['section']:<{w}}  {s['status']:<8} {s['seconds']:6.1f}s  {s['error']}")
+    print(f"total {time.perf_counter() - T_START:.1f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
