@@ -1,0 +1,54 @@
+"""`servescope serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn), loopback by default."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_parsers(sub) -> None:
+    from servescope.cli import _positive_int, add_engine_args
+
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-queue", type=_positive_int, default=256, metavar="N",
+                   help="requests in flight (waiting + running) before new ones get 429")
+    s.add_argument("--max-body-bytes", type=_positive_int, default=8 * 2**20, metavar="N",
+                   help="largest request body accepted (413 above)")
+    s.add_argument("--api-key", default=os.environ.get("SERVESCOPE_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $SERVESCOPE_API_KEY)")
+    s.add_argument("--max-n", type=_positive_int, default=8, metavar="N", help="largest n (choices per prompt)")
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients send (default: --model, or smollm2-135m)")
+    add_engine_args(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from servescope.cli import engine_config_from_args
+    from servescope.engine.async_engine import AsyncEngine
+    from servescope.engine.llm_engine import LLMEngine
+    from servescope.server.app import build_app
+
+    if not 0 <= args.port <= 65535:
+        sys.stderr.write(f"servescope: error: --port must be in 0..65535, got {args.port}\n")
+        return 2
+    name = args.served_model_name or args.model or "smollm2-135m"
+    engine = LLMEngine(engine_config_from_args(args))
+    async_engine = AsyncEngine(engine)
+    app = build_app(async_engine, model_name=name, max_body_bytes=args.max_body_bytes, api_key=args.api_key,
+                    max_n=args.max_n, max_queue=args.max_queue)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"servescope: serving {name!r} at http://{host}:{args.port}/v1 "
+          f"(max_model_len {engine.max_model_len}, KV {engine.cache_config.num_blocks} blocks)", flush=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print("servescope: warning: listening beyond loopback without --api-key", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        async_engine.shutdown()
+    return 0
