@@ -1,0 +1,304 @@
+"""`servescope explain | lab | hardware`: the analysis layer and the labs on the command line.
+
+explain   the cost model's account of a workload (per-phase FLOPs, bytes, intensity, bound, time),
+          optionally plotted on the roofline and checked against the local engine (--measure)
+lab       list / run the labs (PNG plots + markdown report per lab)
+hardware  list the hardware specs; probe the local CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+def _positive_int(s: str) -> int:
+    from servescope.cli import _positive_int as p
+
+    return p(s)
+
+
+def add_parsers(sub) -> None:
+    e = sub.add_parser("explain", help="predict a workload's cost on a machine (cost model, roofline, memory)")
+    src = e.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, metavar="PATH_OR_NAME",
+                     help="a HF directory (config only), a .gguf file, or smollm2-135m (default)")
+    src.add_argument("--config", default=None, metavar="PRESET_OR_JSON",
+                     help="a preset (llama-3-8b, ...) or a config.json path; no weights needed")
+    e.add_argument("--hardware", default="H100-SXM", help="hardware spec name (servescope hardware list)")
+    e.add_argument("--batch", type=_positive_int, default=1)
+    e.add_argument("--prompt-len", type=_positive_int, default=512)
+    e.add_argument("--output-len", type=_positive_int, default=128)
+    e.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "int8"],
+                   help="weight dtype (int8: weight-only, activations bfloat16)")
+    e.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="KV cache dtype (default: the activation dtype)")
+    e.add_argument("--memory", type=_positive_int, default=None, metavar="BYTES",
+                   help="device memory for the plan (default: the hardware's)")
+    e.add_argument("--json", action="store_true", help="print the result as JSON")
+    e.add_argument("--plot", default=None, metavar="FILE", help="write the roofline with each op placed on it")
+    e.add_argument("--measure", action="store_true",
+                   help="run the workload on the local engine and compare with the local-cpu prediction")
+    e.add_argument("--threads", type=_positive_int, default=None, help="torch threads for --measure")
+
+    lab = sub.add_parser("lab", help="run a lab: an experiment with plots and a report (lab list)")
+    lab.add_argument("name", help="a lab name, 'list' or 'all'")
+    lab.add_argument("--out", default=None, metavar="DIR", help="output directory (default ./lab-out/NAME)")
+    lab.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, not a measurement")
+    lab.add_argument("--model", default=None, help="model to run (default: the embedded SmolLM2-135M)")
+    lab.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    lab.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
+    lab.add_argument("--hardware", default=None, help="spec the engine predicts with (default: local-cpu probe)")
+
+    hw = sub.add_parser("hardware", help="hardware specs: list them, probe the local CPU")
+    hw_sub = hw.add_subparsers(dest="hardware_command", metavar="ACTION")
+    hw_sub.add_parser("list", help="print every spec")
+    probe = hw_sub.add_parser("probe", help="measure the local CPU (cached; --force re-measures)")
+    probe.add_argument("--force", action="store_true")
+    probe.add_argument("--threads", type=_positive_int, default=None)
+
+
+def run(args) -> int:
+    if args.command == "explain":
+        return run_explain(args)
+    if args.command == "lab":
+        return run_lab_command(args)
+    if args.command == "hardware":
+        return run_hardware(args)
+    sys.stderr.write(f"servescope: error: unknown command {args.command!r}\n")
+    return EXIT_USAGE
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+# --------------------------------------------------------------------------- hardware
+
+def hardware_table(specs):
+    from rich.table import Table
+
+    t = Table(title="hardware specs (dense peaks; GB = 1e9 bytes)")
+    for col in ("name", "kind", "bf16 TFLOP/s", "fp32 TFLOP/s", "bandwidth GB/s", "memory GB", "ridge bf16", "source"):
+        t.add_column(col, justify="left" if col in ("name", "kind", "source") else "right",
+                     overflow="fold", max_width=60 if col == "source" else None)
+    for s in specs:
+        t.add_row(s.name, s.kind, f"{s.flops('bfloat16') / 1e12:.3g}", f"{s.flops('float32') / 1e12:.3g}",
+                  f"{s.memory_bandwidth / 1e9:,.0f}", f"{s.memory_bytes / 1e9:.0f}",
+                  f"{s.ridge_point('bfloat16'):.0f}", s.source)
+    return t
+
+
+def run_hardware(args) -> int:
+    from servescope.analysis.hardware import HARDWARE_SPECS, get_hardware
+
+    action = getattr(args, "hardware_command", None) or "list"
+    con = _console()
+    if action == "probe":
+        import torch
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        with con.status("probing the local CPU (memory bandwidth, matmul FLOP/s)..."):
+            spec = get_hardware("local-cpu", force_probe=args.force)
+        con.print(hardware_table([spec]))
+        con.print(spec.notes)
+        return 0
+    specs = list(HARDWARE_SPECS.values())
+    from servescope.analysis.probe import _cache_key, default_cache_path
+
+    # the local CPU is listed when it was probed already (listing never starts a probe)
+    try:
+        import torch
+
+        cache = json.loads(default_cache_path().read_text())
+        entry = cache.get(_cache_key(torch.get_num_threads()))
+        if entry:
+            from servescope.analysis.hardware import HardwareSpec
+
+            specs.append(HardwareSpec.from_dict(entry))
+    except (OSError, ValueError, ImportError):
+        entry = None
+    con.print(hardware_table(specs))
+    if not entry:
+        con.print("local-cpu: not probed yet; run `servescope hardware probe`")
+    return 0
+
+
+# --------------------------------------------------------------------------- explain
+
+def load_model_config(args):
+    """The ModelConfig to explain: --config (preset or JSON), else --model (HF dir: config.json only;
+    .gguf: read through the loader), else the embedded model's preset."""
+    from servescope.analysis.presets import list_presets, load_preset
+
+    if args.config:
+        return load_preset(args.config)
+    model = args.model
+    if model is None or model.lower() in ("smollm2-135m", "smollm2", "smollm2-135m-instruct"):
+        return load_preset("smollm2-135m")
+    p = Path(model).expanduser()
+    if p.is_dir() and (p / "config.json").is_file():
+        return load_preset(p)
+    if p.is_file() and p.suffix == ".gguf":
+        from servescope.model.loader import load_model_source
+
+        return load_model_source(str(p)).config  # reads (and dequantises) the weights too
+    if model.lower() in list_presets():
+        return load_preset(model)
+    from servescope.errors import InvalidParameterError
+
+    raise InvalidParameterError("model", f"{model!r} is not a model directory, a .gguf file or a preset "
+                                         f"({', '.join(list_presets())})")
+
+
+def run_explain(args) -> int:
+    from servescope.analysis.explain import explain, render_explain_table
+    from servescope.analysis.hardware import get_hardware
+
+    cfg = load_model_config(args)
+    hw = get_hardware(args.hardware)
+    result = explain(cfg, hw, batch=args.batch, prompt_len=args.prompt_len, output_len=args.output_len,
+                     weight_dtype=args.dtype, kv_dtype=args.kv_dtype, memory_bytes=args.memory)
+    if args.plot:
+        result["plot"] = str(plot_explain(result, hw, args.plot))
+    if args.measure:
+        result["measure"] = measure_workload(args, cfg)
+    if args.json:
+        sys.stdout.write(json.dumps(result, indent=2, default=_json_safe) + "\n")
+        return 0
+    con = _console()
+    con.print(render_explain_table(result))
+    if args.plot:
+        con.print(f"roofline written to {result['plot']}")
+    if args.measure:
+        con.print(measure_table(result["measure"]))
+    return 0
+
+
+def _json_safe(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    return str(o)
+
+
+def roofline_points(result: dict) -> list:
+    """(label, intensity, predicted FLOP/s) of every op with FLOPs and bytes in every phase."""
+    points = []
+    for ph in result["phases"]:
+        tag = "P" if ph["name"] == "prefill" else "D"
+        for o in ph["ops"]:
+            if o["flops"] > 0 and o["bytes"] > 0 and o["predicted_seconds"] > 0:
+                points.append((f"{tag}:{o['name']}", o["arithmetic_intensity"], o["flops"] / o["predicted_seconds"]))
+    return points
+
+
+def plot_explain(result: dict, hw, path) -> Path:
+    from servescope.analysis.roofline import plot_roofline
+
+    w = result["workload"]
+    return plot_roofline(hw, roofline_points(result), path, dtype=w["act_dtype"],
+                         title=f"{result['model']} on {hw.name}: batch {w['batch']}, prompt {w['prompt_len']} "
+                               f"(P = prefill, D = decode ops)")
+
+
+def measure_workload(args, cfg) -> dict:
+    """Run batch x prompt-len prompts for output-len tokens (greedy, ignore_eos) on the local engine and
+    compare each phase with the cost model on the local-cpu spec: prefill = the steps with prefill
+    tokens (summed), decode = the median decode step."""
+    import random
+
+    from servescope.analysis.explain import explain
+    from servescope.analysis.hardware import get_hardware
+    from servescope.config import EngineConfig
+    from servescope.engine.llm_engine import LLMEngine
+    from servescope.labs.common import blocks_for, median, random_prompt, rel_error, run_to_completion, warm_up
+
+    if args.dtype == "float16":
+        from servescope.errors import InvalidParameterError
+
+        raise InvalidParameterError("dtype", "--measure runs on the CPU: use float32 or bfloat16")
+    model = args.model if args.model else (f"random:{args.config}" if args.config else None)
+    engine_dtype = "bfloat16" if args.dtype == "int8" else args.dtype
+    total = args.prompt_len + args.output_len
+    tokens = args.batch * args.prompt_len
+    engine = LLMEngine(EngineConfig(
+        model=model, dtype=engine_dtype, quantization="int8" if args.dtype == "int8" else None,
+        kv_cache_dtype=args.kv_dtype or "auto", max_num_seqs=args.batch, enable_prefix_caching=False,
+        enable_chunked_prefill=False, max_num_batched_tokens=max(tokens, 1024), max_model_len=total + 16,
+        num_kv_blocks=args.batch * blocks_for(total, margin=1) + 8, num_threads=args.threads,
+        hardware="local-cpu"))
+    rng = random.Random(0)
+    warm_up(engine, rng)
+    prompts = [random_prompt(rng, args.prompt_len, engine.model_config.vocab_size) for _ in range(args.batch)]
+    _, recs = run_to_completion(engine, prompts, args.output_len, "m")
+    hw = get_hardware("local-cpu")
+    pred = explain(engine.model_config, hw, batch=args.batch, prompt_len=args.prompt_len,
+                   output_len=args.output_len, weight_dtype=args.dtype, kv_dtype=args.kv_dtype)
+    by_name = {p["name"]: p for p in pred["phases"]}
+    pre = [r for r in recs if r.num_prefill_tokens]
+    dec = [r for r in recs if r.phase == "decode"]
+    phases = []
+    if pre:
+        m = sum(r.wall_seconds for r in pre)
+        p = by_name["prefill"]["predicted_seconds"]
+        phases.append({"name": "prefill", "steps": len(pre), "measured_seconds": m, "predicted_seconds": p,
+                       "error": rel_error(p, m)})
+    if dec and "decode" in by_name:
+        m = median([r.wall_seconds for r in dec])
+        p = by_name["decode"]["predicted_seconds"]
+        phases.append({"name": "decode", "steps": len(dec), "measured_seconds": m, "predicted_seconds": p,
+                       "error": rel_error(p, m)})
+    return {"hardware": hw.name, "model": engine.model_config.name or str(engine.source_path), "phases": phases,
+            "note": "prefill: sum of the steps with prefill tokens; decode: median decode step; "
+                    "error = (predicted - measured) / measured; the roofline has no per-step overhead"}
+
+
+def measure_table(m: dict):
+    from rich.table import Table
+
+    t = Table(title=f"measured on this machine vs predicted ({m['hardware']})")
+    for col in ("phase", "steps", "measured", "predicted", "error"):
+        t.add_column(col, justify="left" if col == "phase" else "right")
+    for p in m["phases"]:
+        t.add_row(p["name"], str(p["steps"]), f"{p['measured_seconds'] * 1e3:.2f} ms",
+                  f"{p['predicted_seconds'] * 1e3:.2f} ms", f"{100 * p['error']:+.1f}%")
+    return t
+
+
+# --------------------------------------------------------------------------- labs
+
+def run_lab_command(args) -> int:
+    from servescope.labs import LABS, all_labs, run_lab
+    from servescope.labs.common import LabOptions, LabSession
+
+    con = _console()
+    labs = all_labs()
+    if args.name == "list":
+        width = max(len(n) for n in labs)
+        for name, (_, desc) in labs.items():
+            sys.stdout.write(f"{name:<{width}}  {desc}\n")
+        return 0
+    if args.name != "all" and args.name not in labs:
+        sys.stderr.write(f"servescope: error: unknown lab {args.name!r}; labs: {', '.join(labs)}, all\n")
+        return EXIT_USAGE
+    names = list(LABS) if args.name == "all" else [args.name]
+    base = Path(args.out) if args.out else Path("lab-out")
+    session = None
+    for name in names:
+        out = base / name if (args.name == "all" or not args.out) else base
+        opts = LabOptions(out=out, quick=args.quick, model=args.model, dtype=args.dtype, threads=args.threads,
+                          hardware=args.hardware)
+        session = session or LabSession(opts)
+        with con.status(f"lab {name}: running..."):
+            result = run_lab(name, opts, session)
+        con.print(f"[bold]{name}[/bold] ({result.seconds:.0f} s): report {result.report}; plots: "
+                  + ", ".join(str(p) for p in result.plots))
+    return 0

@@ -1,0 +1,260 @@
+"""What every lab shares: options, an engine factory that loads the model once, workload drivers
+that return the engine's own StepRecords, and small report/plot helpers.
+
+A lab measures with the engine itself (`LLMEngine.step_records`: wall time and the cost model's
+prediction of each step), never with a separate timing harness, so a lab checks the same numbers
+a user sees in `servescope generate` and in traces.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LabOptions:
+    out: Path  # the directory the report, plots and results.json go to
+    quick: bool = False  # tiny sizes (tests, smoke runs): the plot shows the mechanics, not the effect
+    model: Optional[str] = None  # None: the embedded SmolLM2-135M
+    dtype: str = "float32"
+    threads: Optional[int] = None  # torch threads (None: torch's default)
+    hardware: Optional[str] = None  # spec the engine predicts with (None: the local CPU probe)
+    seed: int = 0
+
+
+@dataclass
+class LabResult:
+    name: str
+    out: Path
+    report: Path
+    plots: list = field(default_factory=list)
+    summary: dict = field(default_factory=dict)  # the headline numbers (also in results.json)
+    seconds: float = 0.0
+
+
+# --------------------------------------------------------------------------- engines
+
+class LabSession:
+    """Builds engines for the labs, loading the model weights once per (model, dtype).
+
+    Each engine has its own KV cache, scheduler and config (chunking on or off, no KV cache, ...),
+    but they share one nn.Module: the engine never changes the module after optimize_model, which
+    is idempotent, so reusing it is safe.
+    """
+
+    def __init__(self, opts: LabOptions):
+        self.opts = opts
+        self._loaded: dict = {}
+
+    def engine(self, **config_overrides):
+        from servescope.config import EngineConfig
+        from servescope.engine.llm_engine import LLMEngine
+
+        o = self.opts
+        cfg = EngineConfig(**{"model": o.model, "dtype": o.dtype, "num_threads": o.threads,
+                              "hardware": o.hardware, "seed": o.seed, "enable_prefix_caching": False,
+                              **config_overrides})
+        key = (cfg.model, cfg.dtype, cfg.device)
+        loaded = self._loaded.get(key)
+        if loaded is None:
+            engine = LLMEngine(cfg)
+            self._loaded[key] = (engine.model, engine.model_config, engine.tokenizer, engine.source_path)
+            return engine
+        return _PreloadedEngine(loaded, cfg)
+
+
+def _preloaded_engine_class():
+    from servescope.engine.llm_engine import LLMEngine
+
+    class PreloadedEngine(LLMEngine):
+        """An LLMEngine whose _load returns an already loaded model (the labs' shared weights)."""
+
+        def __init__(self, loaded, config):
+            self._preloaded = loaded
+            super().__init__(config)
+
+        def _load(self, config):
+            return self._preloaded
+
+    return PreloadedEngine
+
+
+def _PreloadedEngine(loaded, cfg):  # noqa: N802 (a factory that reads like the class it builds)
+    return _preloaded_engine_class()(loaded, cfg)
+
+
+def blocks_for(tokens: int, block_size: int = 16, margin: int = 4) -> int:
+    """KV blocks to hold `tokens` tokens in total (plus a few spare)."""
+    return -(-int(tokens) // block_size) + margin
+
+
+# --------------------------------------------------------------------------- workloads
+
+def random_prompt(rng: random.Random, n: int, vocab_size: int) -> list:
+    """n random token ids (no special ids at the bottom of the vocabulary); random so that no two
+    prompts share a prefix and the prefix cache never shortens a measurement."""
+    lo = min(100, vocab_size // 2)
+    return [rng.randrange(lo, vocab_size) for _ in range(n)]
+
+
+def greedy(max_tokens: int):
+    from servescope.config import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_to_completion(engine, prompts: Sequence[list], max_tokens: int, prefix: str = "r") -> tuple:
+    """Queue every prompt, step until all finish. Returns (final RequestOutputs in order, the
+    StepRecords of these steps)."""
+    first_step = engine.step_records[-1].step + 1 if engine.step_records else 1
+    ids = [f"{prefix}{i}-{time.perf_counter_ns()}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, greedy(max_tokens))
+    final = {}
+    while len(final) < len(ids):
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        if not engine.has_unfinished() and len(final) < len(ids):
+            raise RuntimeError("the engine stopped with requests unfinished")
+    recs = [r for r in engine.step_records if r.step >= first_step]
+    return [final[i] for i in ids], recs
+
+
+def warm_up(engine, rng: random.Random, prompt_len: int = 32, batch: int = 2, max_tokens: int = 4) -> None:
+    """One small run so that first-call costs (allocator, thread pool, kernel choice) are paid."""
+    vocab = engine.model_config.vocab_size
+    run_to_completion(engine, [random_prompt(rng, prompt_len, vocab) for _ in range(batch)], max_tokens, "warm")
+
+
+def seqs_of(rec) -> Optional[list]:
+    """[(num_new_tokens, context_before)] of a pure-decode step or a single-sequence prefill step,
+    rebuilt from its record (a StepRecord keeps context lengths after the step); None otherwise."""
+    if rec.phase == "decode":
+        return [(1, c - 1) for c in rec.context_lens]
+    if rec.phase == "prefill" and rec.num_prefill_seqs == 1 and len(rec.context_lens) == 1:
+        n = rec.num_prefill_tokens
+        return [(n, rec.context_lens[0] - n)]
+    return None
+
+
+def median(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else math.nan
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return math.nan
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def rel_error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured."""
+    return (predicted - measured) / measured if measured else math.nan
+
+
+def lab_hardware(opts: LabOptions):
+    """The spec the engine predicts with (the same one its StepRecords use)."""
+    from servescope.analysis.hardware import get_hardware
+
+    return get_hardware(opts.hardware or "local-cpu")
+
+
+def act_dtype_name(opts: LabOptions) -> str:
+    return "float32" if opts.dtype in ("float32", "auto") else opts.dtype
+
+
+# --------------------------------------------------------------------------- output
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+    def cell(v) -> str:
+        if isinstance(v, float):
+            if math.isnan(v):
+                return "-"
+            return f"{v:.4g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_report(out: Path, title: str, sections: Sequence[tuple], plots: Sequence[Path] = (),
+                 results: Optional[dict] = None, footer: str = "") -> Path:
+    """report.md: a title, then (heading, markdown body) sections, the plots inline; results.json
+    beside it holds the raw numbers. Both are written whole (temp file + rename)."""
+    out.mkdir(parents=True, exist_ok=True)
+    parts = [f"# {title}", ""]
+    for heading, body in sections:
+        parts += [f"## {heading}", "", body.strip(), ""]
+    if plots:
+        parts += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    if footer:
+        parts += [footer.strip(), ""]
+    path = out / "report.md"
+    _atomic_write(path, "\n".join(parts))
+    if results is not None:
+        _atomic_write(out / "results.json", json.dumps(results, indent=2, default=_json_default))
+    return path
+
+
+def _json_default(o):
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def new_figure(ncols: int = 1, nrows: int = 1, size: tuple = (6.0, 4.2)):
+    """A matplotlib Figure on the Agg canvas (never touches pyplot's global backend) and its axes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(size[0] * ncols, size[1] * nrows), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(ncols * nrows)]
+    return fig, axes
+
+
+def save_figure(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(str(path))
+    return path
+
+
+def context_line(opts: LabOptions, engine, hw) -> str:
+    """One line naming what ran where, for every report."""
+    import torch
+
+    return (f"Model `{engine.model_config.name or engine.source_path}` ({opts.dtype}, "
+            f"{engine.weight_bytes / 2**20:.0f} MiB of weights, {engine.model_config.num_hidden_layers} layers), "
+            f"torch {torch.__version__} with {torch.get_num_threads()} threads; predictions: roofline of "
+            f"`{hw.name}` ({hw.flops(act_dtype_name(opts)) / 1e9:.0f} GFLOP/s {act_dtype_name(opts)}, "
+            f"{hw.memory_bandwidth / 1e9:.1f} GB/s{', probed' if hw.kind == 'cpu' else ''})."
+            + (" **Quick mode: tiny sizes, the effect may not show.**" if opts.quick else ""))
+
+
+Runner = Callable[[LabOptions, LabSession], LabResult]

@@ -1,0 +1,178 @@
+"""Lab `validate`: the cost model's predicted step time against the engine's measured step time.
+
+Points: decode steps at batch 1..32 (every sequence at the same short context) and single-prompt
+prefill steps of 128..2048 tokens (one step each, chunked prefill off). Measured = median wall time
+of like steps; predicted = the roofline on the probed spec (what every StepRecord carries).
+
+The raw roofline counts only FLOPs and bytes. A CPU engine written in PyTorch also pays a fixed
+cost per step (Python scheduling, building tensors, sampling) and per op (dispatch of ~10 small
+ops per layer), and its matmuls reach a fraction of the probed peak. So a second prediction is
+calibrated with two constants fitted on two points only -- decode batch 1 (memory-bound: fixes the
+overhead) and prefill 512 (compute-bound: fixes the compute efficiency):
+    t = step_cost(..., efficiency={"compute": e}, overhead_s=o)
+and every other point is a prediction, not a fit. Memory efficiency stays 1: the probe measured
+the bandwidth the engine can reach.
+"""
+
+from __future__ import annotations
+
+import random
+
+from servescope.labs.common import (
+    LabOptions, LabResult, LabSession, act_dtype_name, blocks_for, context_line, lab_hardware, md_table, median,
+    new_figure, random_prompt, rel_error, run_to_completion, save_figure, seqs_of, warm_up, write_report,
+)
+
+DECODE_CONTEXT = 128
+FIT_DECODE_BATCH = 1
+FIT_PREFILL_LEN = 512
+TOLERANCE = 0.25
+
+
+def points(quick: bool) -> tuple:
+    """(decode batch sizes, prefill lengths)."""
+    if quick:
+        return [1, 2], [32, 64]
+    return [1, 2, 4, 8, 16, 32], [128, 256, 512, 1024, 2048]
+
+
+def fit_calibration(predict, t_decode: float, t_prefill: float) -> tuple:
+    """Solve for (overhead o, compute efficiency e) so that predict(kind, e, o) matches both points:
+    predict("decode", e, o) == t_decode and predict("prefill", e, o) == t_prefill.
+
+    The prediction is o + (a sum of max(compute / e, memory) terms): increasing in 1/e and in o.
+    For each e, o is whatever closes the decode point; then bisect e on the prefill point. If the
+    decode step is faster than its roofline (o would be negative), o = 0. If even e = 1 predicts
+    prefill too slow, e = 1."""
+    def o_for(e):
+        return max(t_decode - predict("decode", e, 0.0), 0.0)
+
+    def gap(e):
+        return predict("prefill", e, o_for(e)) - t_prefill  # decreasing in e
+
+    lo, hi = 1e-3, 1.0
+    if gap(hi) >= 0:
+        return o_for(hi), hi
+    if gap(lo) <= 0:
+        return o_for(lo), lo
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if gap(mid) > 0:
+            lo = mid
+        else:
+            hi = mid
+    e = (lo + hi) / 2
+    return o_for(e), e
+
+
+def error_summary(errors: list) -> dict:
+    abs_e = [abs(x) for x in errors]
+    return {"max_abs": max(abs_e), "mean_abs": sum(abs_e) / len(abs_e),
+            "within_tolerance": sum(1 for x in abs_e if x <= TOLERANCE), "count": len(abs_e)}
+
+
+def run(opts: LabOptions, session: LabSession) -> LabResult:
+    from servescope.analysis.cost_model import step_cost
+
+    batches, lens = points(opts.quick)
+    reps = 1 if opts.quick else 3
+    dec_steps = 3 if opts.quick else 6
+    max_len = max(lens) + 16
+    engine = session.engine(max_num_seqs=max(batches), enable_chunked_prefill=False,
+                            max_num_batched_tokens=max(max_len, max(batches) * DECODE_CONTEXT),
+                            max_model_len=max(max_len, DECODE_CONTEXT + dec_steps + 16),
+                            num_kv_blocks=max(blocks_for(max_len), max(batches) * blocks_for(
+                                DECODE_CONTEXT + dec_steps + 1, margin=1)) + 8)
+    hw = lab_hardware(opts)
+    dt = act_dtype_name(opts)
+    cfg = engine.model_config
+    rng = random.Random(opts.seed)
+    warm_up(engine, rng)
+    warm_up(engine, rng, prompt_len=min(lens[-1], 512), batch=1, max_tokens=1)
+    vocab = cfg.vocab_size
+    measured = []  # (phase, size, median wall, median raw prediction, seqs of a representative step)
+    for b in batches:
+        _, recs = run_to_completion(engine, [random_prompt(rng, DECODE_CONTEXT, vocab) for _ in range(b)],
+                                    dec_steps + 1, f"v{b}-")
+        dec = [r for r in recs if r.phase == "decode" and r.num_decode_seqs == b]
+        mid = dec[len(dec) // 2]
+        measured.append(("decode", b, median([r.wall_seconds for r in dec]),
+                         median([r.predicted_seconds for r in dec]), seqs_of(mid)))
+    for n in lens:
+        recs = []
+        for _ in range(1 if n >= 2048 else reps):
+            _, rr = run_to_completion(engine, [random_prompt(rng, n, vocab)], 1, f"v{n}-")
+            recs += [r for r in rr if r.phase == "prefill"]
+        measured.append(("prefill", n, median([r.wall_seconds for r in recs]),
+                         median([r.predicted_seconds for r in recs]), seqs_of(recs[0])))
+
+    def predict_point(p, e, o):
+        return step_cost(cfg, p[4], hw, dt, dt, dt, efficiency={"compute": e}, overhead_s=o).predicted_seconds
+
+    fit_dec = next(p for p in measured if p[0] == "decode" and p[1] == (FIT_DECODE_BATCH if not opts.quick else batches[0]))
+    fit_pre_len = FIT_PREFILL_LEN if FIT_PREFILL_LEN in lens else lens[len(lens) // 2]
+    fit_pre = next(p for p in measured if p[0] == "prefill" and p[1] == fit_pre_len)
+    overhead, eff = fit_calibration(lambda kind, e, o: predict_point(fit_dec if kind == "decode" else fit_pre, e, o),
+                                    fit_dec[2], fit_pre[2])
+    rows, table = [], []
+    for p in measured:
+        raw = p[3]
+        cal = predict_point(p, eff, overhead)
+        fitted = p is fit_dec or p is fit_pre
+        rows.append({"phase": p[0], "size": p[1], "measured_s": p[2], "raw_predicted_s": raw,
+                     "raw_error": rel_error(raw, p[2]), "calibrated_s": cal, "calibrated_error": rel_error(cal, p[2]),
+                     "fitted_here": fitted})
+        table.append([p[0], p[1], p[2] * 1e3, raw * 1e3, 100 * rel_error(raw, p[2]), cal * 1e3,
+                      100 * rel_error(cal, p[2]), "fit" if fitted else "predicted"])
+    per_phase = {}
+    for phase in ("decode", "prefill"):
+        rs = [r for r in rows if r["phase"] == phase]
+        per_phase[phase] = {"raw": error_summary([r["raw_error"] for r in rs]),
+                            "calibrated_held_out": error_summary([r["calibrated_error"] for r in rs
+                                                                  if not r["fitted_here"]] or [0.0])}
+
+    fig, (ax1, ax2) = new_figure(2)
+    for ax, phase, xlabel in ((ax1, "decode", "decode batch size"), (ax2, "prefill", "prompt tokens")):
+        rs = [r for r in rows if r["phase"] == phase]
+        x = [r["size"] for r in rs]
+        ax.plot(x, [r["measured_s"] * 1e3 for r in rs], "o-", label="measured (median)")
+        ax.plot(x, [r["raw_predicted_s"] * 1e3 for r in rs], "s--", label="roofline (probed peaks)")
+        ax.plot(x, [r["calibrated_s"] * 1e3 for r in rs], "^:", label=f"calibrated: +{overhead * 1e3:.1f} ms, "
+                                                                        f"compute eff {eff:.2f}")
+        fx = [r["size"] for r in rs if r["fitted_here"]]
+        ax.plot(fx, [r["measured_s"] * 1e3 for r in rs if r["fitted_here"]], "k*", markersize=12,
+                label="fit point")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(x, [str(v) for v in x])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("step time (ms)")
+        ax.set_title(f"{phase}: predicted vs measured")
+        ax.grid(True, which="both", linewidth=0.3)
+        ax.legend(fontsize=7)
+    plot = save_figure(fig, opts.out / "validation.png")
+
+    summary = {"points": rows, "per_phase": per_phase, "fitted_overhead_s": overhead,
+               "fitted_overhead_per_layer_s": overhead / cfg.num_hidden_layers, "fitted_compute_efficiency": eff,
+               "fit_points": {"decode_batch": fit_dec[1], "prefill_tokens": fit_pre[1]},
+               "hardware": hw.to_dict(), "decode_context": DECODE_CONTEXT}
+
+    def fmt(s):
+        return f"max {100 * s['max_abs']:.0f}%, mean {100 * s['mean_abs']:.0f}%, {s['within_tolerance']}/{s['count']} within 25%"
+
+    phase_rows = [[ph, fmt(v["raw"]), fmt(v["calibrated_held_out"])] for ph, v in per_phase.items()]
+    sections = [
+        ("Setup", context_line(opts, engine, hw) + f"\n\nDecode: batch b of {DECODE_CONTEXT}-token random prompts, "
+         f"median of {dec_steps} decode steps. Prefill: one prompt, one step, median of {reps} runs "
+         "(1 for 2048). Regenerate with `servescope lab validate` (add `--out DIR`)."),
+        ("Fitted constants",
+         f"Fitted on decode batch {fit_dec[1]} and prefill {fit_pre[1]} only: per-step overhead "
+         f"o = {overhead * 1e3:.2f} ms (= {overhead / cfg.num_hidden_layers * 1e6:.0f} µs per layer over "
+         f"{cfg.num_hidden_layers} layers), compute efficiency e = {eff:.3f} of the probed "
+         f"{hw.flops(dt) / 1e9:.0f} GFLOP/s; memory efficiency 1 (probed {hw.memory_bandwidth / 1e9:.1f} GB/s)."),
+        ("Per point", md_table(["phase", "size", "measured ms", "roofline ms", "roofline err %", "calibrated ms",
+                                "calibrated err %", "role"], table)),
+        ("Per phase", md_table(["phase", "raw roofline |error|", "calibrated |error| (held-out points)"], phase_rows)),
+    ]
+    report = write_report(opts.out, "Cost model validation: predicted vs measured step time", sections, [plot], summary)
+    return LabResult("validate", opts.out, report, [plot], summary)
