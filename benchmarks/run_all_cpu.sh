@@ -17,7 +17,7 @@ OUT="${OUT:-benchmarks/results}"
 THREADS="${THREADS:-$(nproc)}"
 ONLY="${ONLY:-}"
 mkdir -p "$OUT" docs/img
-: > "$OUT/failures.txt"
+[[ -z "$ONLY" ]] && : > "$OUT/failures.txt"
 
 run() {
   local name=$1; shift
@@ -27,6 +27,12 @@ run() {
   "$@" || echo "$name failed (exit $?): $*" | tee -a "$OUT/failures.txt"
   echo "== $name took $((SECONDS - t0)) s"
 }
+
+# re-measure the roofline (memory bandwidth, matmul rates) at this thread count on the machine as it is
+# now: the probe's result is cached per CPU and thread count, and the % of roofline figures divide by it
+run probe $PY -c "import torch; torch.set_num_threads($THREADS)
+from servescope.analysis.probe import probe_local_hardware as p; s = p(force=True)
+print(f'probe: {s.memory_bandwidth / 1e9:.1f} GB/s, ' + ', '.join(f'{k} {v / 1e9:.0f} GFLOP/s' for k, v in s.peak_flops.items()))"
 
 LAT="$SS bench latency --threads $THREADS --iters 3"
 # issue 3 / issue 7: 64 requests, input 32..512, output 32..256, ignore_eos, seed 0; HF in padded batches of 16
