@@ -1,0 +1,66 @@
+"""One engine (the embedded SmolLM2-135M, float32, on the CPU) per test session, behind real uvicorn
+servers on 127.0.0.1: `server` (API key, the default limits) and `small_queue_server` (max_queue 4),
+both sharing one AsyncEngine."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from servescope.engine.async_engine import AsyncEngine
+from servescope.engine.llm_engine import LLMEngine
+from servescope.server.app import build_app
+from .server_utils import LiveServer
+
+MODEL = "smollm2-135m"
+API_KEY = "sk-servescope-test"
+MAX_BODY = 256 * 1024
+SMALL_QUEUE = 4
+
+
+@pytest.fixture(scope="session")
+def async_engine():
+    ae = AsyncEngine(LLMEngine())
+    yield ae
+    ae.shutdown()
+
+
+@pytest.fixture(scope="session")
+def app(async_engine):
+    return build_app(async_engine, model_name=MODEL, max_body_bytes=MAX_BODY, api_key=API_KEY, max_n=8,
+                     max_queue=256)
+
+
+@pytest.fixture(scope="session")
+def server(app):
+    s = LiveServer(app).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def small_queue_server(async_engine):
+    s = LiveServer(build_app(async_engine, model_name=MODEL, max_queue=SMALL_QUEUE)).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    """The real openai SDK, validating every response against its models."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300,
+                         _strict_response_validation=True)
+
+
+@pytest.fixture(scope="session")
+def lenient_client(server):
+    """For streamed completions only: the SDK's Completion model requires a finish_reason, while the
+    OpenAI API (and this server) send null until the last chunk, so strict validation cannot pass."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=300, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        yield c
