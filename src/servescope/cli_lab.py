@@ -83,17 +83,24 @@ def _console():
 # --------------------------------------------------------------------------- hardware
 
 def hardware_table(specs):
+    """Specs as a rich table (the numbers), then one line per spec with its source."""
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
     t = Table(title="hardware specs (dense peaks; GB = 1e9 bytes)")
-    for col in ("name", "kind", "bf16 TFLOP/s", "fp32 TFLOP/s", "bandwidth GB/s", "memory GB", "ridge bf16", "source"):
-        t.add_column(col, justify="left" if col in ("name", "kind", "source") else "right",
-                     overflow="fold", max_width=60 if col == "source" else None)
+    for col in ("name", "kind", "bf16 TF/s", "fp32 TF/s", "GB/s", "mem GB", "ridge"):
+        t.add_column(col, justify="left" if col in ("name", "kind") else "right", no_wrap=True)
+    def tf(x):
+        x /= 1e12
+        return f"{x:,.0f}" if x >= 100 else (f"{x:.1f}" if x >= 1 else f"{x:.3f}")
+
     for s in specs:
-        t.add_row(s.name, s.kind, f"{s.flops('bfloat16') / 1e12:.3g}", f"{s.flops('float32') / 1e12:.3g}",
+        t.add_row(s.name, s.kind, tf(s.flops("bfloat16")), tf(s.flops("float32")),
                   f"{s.memory_bandwidth / 1e9:,.0f}", f"{s.memory_bytes / 1e9:.0f}",
-                  f"{s.ridge_point('bfloat16'):.0f}", s.source)
-    return t
+                  f"{s.ridge_point('bfloat16'):.0f}")
+    sources = Text("sources:\n" + "\n".join(f"  {s.name}: {s.source}" for s in specs))
+    return Group(t, sources)
 
 
 def run_hardware(args) -> int:

@@ -209,8 +209,20 @@ def write_report(out: Path, title: str, sections: Sequence[tuple], plots: Sequen
     path = out / "report.md"
     _atomic_write(path, "\n".join(parts))
     if results is not None:
-        _atomic_write(out / "results.json", json.dumps(results, indent=2, default=_json_default))
+        _atomic_write(out / "results.json", json.dumps(_finite(results), indent=2, default=_json_default,
+                                                       allow_nan=False))
     return path
+
+
+def _finite(o):
+    """A copy with every non-finite float as None (JSON has no NaN or Infinity)."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
 
 
 def _json_default(o):

@@ -94,6 +94,8 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
              100 * p["flops_per_s"] / attainable_flops(hw, p["intensity"], dt), p["bound"]] for p in points]
     best_pf = max((p for p in points if p["phase"] == "prefill"), key=lambda p: p["flops_per_s"])
     best_dec = max((p for p in points if p["phase"] == "decode"), key=lambda p: p["bytes_per_s"])
+    pf_ai = [p["intensity"] for p in points if p["phase"] == "prefill"]
+    dec1 = next(p for p in points if p["phase"] == "decode")
     summary = {"points": points, "ridge_point": hw.ridge_point(dt), "peak_flops": hw.flops(dt),
                "memory_bandwidth": hw.memory_bandwidth}
     sections = [
@@ -104,9 +106,10 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
                               "% of roofline", "bound (model)"], rows)),
         ("What it shows",
          f"The ridge point of this machine is {hw.ridge_point(dt):.1f} FLOP/B. Prefill steps have an intensity "
-         f"in the hundreds of FLOP/B and reach up to {best_pf['flops_per_s'] / 1e9:.0f} GFLOP/s "
+         f"of {min(pf_ai):.0f} to {max(pf_ai):.0f} FLOP/B (growing with the prompt) and reach up to {best_pf['flops_per_s'] / 1e9:.0f} GFLOP/s "
          f"({100 * best_pf['flops_per_s'] / hw.flops(dt):.0f}% of the probed matmul peak): compute-bound. "
-         f"Decode at batch 1 does ~0.5 FLOP per byte (every weight read for one token) and is limited by "
+         f"Decode at batch {dec1['size']} does {dec1['intensity']:.2f} FLOP per byte (every weight read for one "
+         f"token per sequence) and is limited by "
          f"bandwidth: the best decode step moved {best_dec['bytes_per_s'] / 1e9:.1f} GB/s "
          f"({100 * best_dec['bytes_per_s'] / hw.memory_bandwidth:.0f}% of the probed read bandwidth). "
          "Batching decode moves its point to the right, towards the ridge. The gap below the roof is the "
