@@ -39,7 +39,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     max_len = max(lens) + 16
     engine = session.engine(max_num_seqs=2, enable_chunked_prefill=False, max_model_len=max_len,
                             max_num_batched_tokens=max_len, num_kv_blocks=blocks_for(max_len) + 8)
-    hw = lab_hardware(opts)
+    hw = lab_hardware(opts, engine)
     dt = act_dtype_name(opts)
     cfg = engine.model_config
     rng = random.Random(opts.seed)

@@ -39,7 +39,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     engine = session.engine(max_num_seqs=max_b, max_num_batched_tokens=max(max_b * PROMPT_LEN, 1024),
                             num_kv_blocks=max_b * blocks_for(PROMPT_LEN + steps + 1, margin=1) + 8,
                             max_model_len=PROMPT_LEN + steps + 16)
-    hw = lab_hardware(opts)
+    hw = lab_hardware(opts, engine)
     cfg = engine.model_config
     rng = random.Random(opts.seed)
     warm_up(engine, rng)

@@ -74,7 +74,6 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     long_len, out_len, lead = sizes(opts.quick)
     chunk = 32 if opts.quick else CHUNK
     max_len = long_len + 32
-    hw = lab_hardware(opts)
     results = {}
     for label, extra in (("no chunking", {"enable_chunked_prefill": False, "max_num_batched_tokens": max_len}),
                          (f"chunked ({chunk} tokens/step)", {"enable_chunked_prefill": True,
@@ -86,6 +85,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
         warm_up(engine, rng)
         results[label] = run_scenario(engine, rng, long_len, out_len, lead, chunk if extra["enable_chunked_prefill"] else None)
 
+    hw = lab_hardware(opts, engine)
     fig, (ax1, ax2) = new_figure(2)
     for (label, r), color in zip(results.items(), ("tab:red", "tab:blue")):
         order = sorted(range(len(r["itls"])), key=lambda i: r["itl_times"][i])

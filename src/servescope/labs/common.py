@@ -168,11 +168,12 @@ def rel_error(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured if measured else math.nan
 
 
-def lab_hardware(opts: LabOptions):
-    """The spec the engine predicts with (the same one its StepRecords use)."""
-    from servescope.analysis.hardware import get_hardware
+def lab_hardware(opts: LabOptions, engine):
+    """The spec `engine` predicts with (the one its StepRecords use). Call it after building the
+    engine: the local probe is keyed by torch's thread count, which the engine sets."""
+    from servescope.engine.step_cost import hardware_for_device
 
-    return get_hardware(opts.hardware or "local-cpu")
+    return hardware_for_device(engine.device, opts.hardware)
 
 
 def act_dtype_name(opts: LabOptions) -> str:

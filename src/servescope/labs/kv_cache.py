@@ -39,7 +39,6 @@ def linear_fit(x, y) -> tuple:
 def run(opts: LabOptions, session: LabSession) -> LabResult:
     n_cache, n_nocache = lengths(opts.quick)
     max_len = PROMPT_LEN + n_cache + 16
-    hw = lab_hardware(opts)
     rng = random.Random(opts.seed)
     results = {}
     engines = {}
@@ -52,6 +51,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
         results[mode] = {"records": recs[1:], "prefill": recs[0]}  # step 0 is the prompt's prefill
         engines[mode] = engine
     engine = engines["with cache"]
+    hw = lab_hardware(opts, engine)
     cfg = engine.model_config
 
     fig, (ax1, ax2) = new_figure(2)
@@ -77,7 +77,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     ax1.grid(True, linewidth=0.3)
 
     # KV bytes: the formula (per token x context) and what the block allocator actually holds
-    recs = results["with cache"]["records"]
+    recs = results["with cache"]["records"][:-1]  # the last step finishes the request and frees its blocks
     ctx = [max(r.context_lens) for r in recs]
     held = [r.kv_blocks_used * engine.cache_config.block_size * engine.kv_bytes_per_token for r in recs]
     ax2.plot(ctx, [c * engine.kv_bytes_per_token / 2**20 for c in ctx], "-", label="2·L·Hkv·D·bytes × context")

@@ -70,7 +70,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     engine = session.engine(max_num_seqs=max_c, max_num_batched_tokens=1024,
                             max_model_len=prompt_len + out_len + 16,
                             num_kv_blocks=max_c * blocks_for(prompt_len + out_len, margin=1) + 8)
-    hw = lab_hardware(opts)
+    hw = lab_hardware(opts, engine)
     rng = random.Random(opts.seed)
     warm_up(engine, rng)
     points = [closed_loop(engine, rng, c, max(2 * c, 4), prompt_len, out_len) for c in levels]

@@ -49,7 +49,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
                             enable_chunked_prefill=False, max_model_len=max_len + 16,
                             num_kv_blocks=max(blocks_for(max_len + 16),
                                               max_b * blocks_for(DECODE_CONTEXT + dec_steps + 1, margin=1)) + 8)
-    hw = lab_hardware(opts)
+    hw = lab_hardware(opts, engine)
     dt = act_dtype_name(opts)
     rng = random.Random(opts.seed)
     warm_up(engine, rng)

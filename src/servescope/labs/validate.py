@@ -83,7 +83,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
                             max_model_len=max(max_len, DECODE_CONTEXT + dec_steps + 16),
                             num_kv_blocks=max(blocks_for(max_len), max(batches) * blocks_for(
                                 DECODE_CONTEXT + dec_steps + 1, margin=1)) + 8)
-    hw = lab_hardware(opts)
+    hw = lab_hardware(opts, engine)
     dt = act_dtype_name(opts)
     cfg = engine.model_config
     rng = random.Random(opts.seed)
