@@ -163,16 +163,16 @@ def test_bench_throughput_tiny_with_hf_baseline(tiny_model, tmp_path):
 def test_bench_latency_tiny_with_hf_baseline(tiny_model, tmp_path):
     out = tmp_path / "l.json"
     rc = main(["bench", "latency", "--model", tiny_model, "--batch-size", "2", "--input-len", "20",
-               "--output-len", "4", "--iters", "2", "--baseline", "hf", "--json", str(out), *ENGINE])
+               "--output-len", "8", "--iters", "2", "--baseline", "hf", "--json", str(out), *ENGINE])
     assert rc == 0
     d = json.loads(out.read_text())
-    assert d["shape"] == {"batch_size": 2, "input_len": 20, "output_len": 4, "iters": 2, "seed": 0}
+    assert d["shape"] == {"batch_size": 2, "input_len": 20, "output_len": 8, "iters": 2, "seed": 0}
     ours, hf = d["results"]["servescope"], d["results"]["hf"]
     assert len(ours["iterations"]) == 2
     assert ours["ttft_s"] > 0 and ours["tpot_s"] > 0 and ours["decode_tokens_per_s"] > 0
-    assert all(it["output_tokens"] == 8 for it in ours["iterations"])
+    assert all(it["output_tokens"] == 16 for it in ours["iterations"])
     dec = ours["phases"]["decode"]
-    assert dec["num_steps"] == 2 * 3  # 3 decode steps per iteration after the prefill's first token
+    assert dec["num_steps"] == 2 * 7  # 7 decode steps per iteration after the prefill's first token
     assert dec["achieved_bytes_per_s"] > 0 and dec["pct_of_bandwidth"] > 0 and dec["predicted_over_measured"] > 0
     assert "prefill" in ours["phases"]
     assert ours["hardware"]["memory_bandwidth"] > 0 and ours["hardware"]["peak_flops"] > 0

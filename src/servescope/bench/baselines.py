@@ -29,6 +29,8 @@ LLAMA_CPP_INSTALL = (
 
 # ----------------------------------------------------------------------------------- transformers
 
+HF_MIN_DECODE_TOKENS = 8  # below this the transformers decode rate (a difference of two runs) is noise
+
 
 def hf_model_source(model: Optional[str]) -> dict:
     """How transformers loads the model servescope calls `model`: from_pretrained kwargs or a config."""
@@ -149,9 +151,15 @@ def run_hf_latency(hf, batch_size: int, input_len: int, output_len: int, vocab_s
            "iterations": [{"ttft_s": a, "e2e_s": b} for a, b in zip(ttfts, totals + [None] * len(ttfts))]}
     if totals:
         e2e = statistics.median(totals)
-        tpot = max(e2e - ttft, 1e-12) / (output_len - 1)
-        res.update({"e2e_s": e2e, "tpot_s": tpot, "decode_tokens_per_s": batch_size / tpot,
-                    "output_tokens_per_s": batch_size * output_len / e2e})
+        res.update({"e2e_s": e2e, "output_tokens_per_s": batch_size * output_len / e2e})
+        # the decode time is a difference of two runs that both prefill: with few new tokens it is
+        # mostly noise (or negative), so no decode rate is derived from it
+        if output_len >= HF_MIN_DECODE_TOKENS and e2e > ttft:
+            tpot = (e2e - ttft) / (output_len - 1)
+            res.update({"tpot_s": tpot, "decode_tokens_per_s": batch_size / tpot})
+        else:
+            res["note"] = (f"no decode rate: it needs --output-len >= {HF_MIN_DECODE_TOKENS} (the decode time is "
+                           f"time(out) - time(1))")
     return res
 
 
