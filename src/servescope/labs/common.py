@@ -260,14 +260,20 @@ def save_figure(fig, path: Path) -> Path:
 
 def context_line(opts: LabOptions, engine, hw) -> str:
     """One line naming what ran where, for every report."""
+    import os
+
     import torch
 
+    try:
+        load = f" Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (timings are noisy when it exceeds the thread count)."
+    except OSError:
+        load = ""
     return (f"Model `{engine.model_config.name or engine.source_path}` ({opts.dtype}, "
             f"{engine.weight_bytes / 2**20:.0f} MiB of weights, {engine.model_config.num_hidden_layers} layers), "
             f"torch {torch.__version__} with {torch.get_num_threads()} threads; predictions: roofline of "
             f"`{hw.name}` ({hw.flops(act_dtype_name(opts)) / 1e9:.0f} GFLOP/s {act_dtype_name(opts)}, "
             f"{hw.memory_bandwidth / 1e9:.1f} GB/s{', probed' if hw.kind == 'cpu' else ''})."
-            + (" **Quick mode: tiny sizes, the effect may not show.**" if opts.quick else ""))
+            + load + (" **Quick mode: tiny sizes, the effect may not show.**" if opts.quick else ""))
 
 
 Runner = Callable[[LabOptions, LabSession], LabResult]
