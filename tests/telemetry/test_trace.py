@@ -108,3 +108,34 @@ def test_write_is_atomic_on_error(tmp_path):
         write_chrome_trace(path, bad)
     assert path.read_text() == "old"
     assert os.listdir(tmp_path) == ["t.json"]  # no temp file left behind
+
+
+def test_trace_of_a_real_engine_run(tmp_path):
+    """Records and metrics from the engine itself (tiny random model) make a well-formed trace."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "model"))
+    from tiny_models import make_tiny_hf_model
+
+    from servescope.config import SamplingParams
+    from servescope.engine.llm import LLM
+
+    llm = LLM(model=str(make_tiny_hf_model(tmp_path, "llama")), num_kv_blocks=64, max_model_len=256,
+              num_threads=1, hardware="A100-80GB", max_num_batched_tokens=64)
+    outs = llm.generate([[5] * 40, [7] * 100, [9] * 3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    steps = list(llm.engine.step_records)
+    trace = json.loads(write_chrome_trace(tmp_path / "run.json", steps, outs).read_text())
+    ev = trace["traceEvents"]
+    slices = [e for e in ev if e["ph"] == "X"]
+    assert len(slices) == len(steps)
+    assert {e["name"] for e in slices} <= {"prefill", "decode", "mixed"}
+    assert sum(e["args"]["tokens"] for e in slices) == sum(s.num_tokens for s in steps)
+    assert all(e["args"]["predicted_ms"] > 0 for e in slices)
+    ts = [e["ts"] for e in ev if e["ph"] != "M"]
+    assert ts == sorted(ts) and min(ts) >= 0
+    # chunked prefill (64-token budget): the 100-token prompt's prefill spans several steps
+    begins = [e for e in ev if e["ph"] == "b" and e["name"] == "prefill"]
+    assert len(begins) == 3
+    for e in ev:
+        if e["ph"] == "X":
+            assert e["dur"] >= 0
