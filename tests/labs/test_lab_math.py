@@ -12,7 +12,7 @@ from servescope.labs.batching import overhead_fit
 from servescope.labs.chunked_prefill import stall_window
 from servescope.labs.common import md_table, percentile, rel_error, seqs_of, write_report
 from servescope.labs.kv_cache import linear_fit
-from servescope.labs.validate import error_summary, fit_calibration
+from servescope.labs.validate import error_summary, fit_calibration, fit_decode_efficiency
 from servescope.telemetry.step_record import StepRecord
 
 
@@ -113,3 +113,13 @@ def test_registry_names():
     assert list(LABS) == ["prefill-vs-decode", "kv-cache", "attention-scaling", "batching",
                           "latency-vs-throughput", "chunked-prefill"]
     assert "validate" in all_labs()
+
+
+def test_fit_decode_efficiency_bisects_and_clamps():
+    predict = lambda ed: 0.01 + 0.05 / ed  # noqa: E731 (falls as the efficiency grows)
+    assert fit_decode_efficiency(predict, 0.01 + 0.05 / 0.4) == pytest.approx(0.4, rel=1e-6)
+    assert fit_decode_efficiency(predict, 0.05) == 1.0  # faster than the roofline at e_d = 1
+
+
+def test_error_summary_of_nothing():
+    assert error_summary([])["count"] == 0

@@ -65,8 +65,26 @@ def fit_calibration(predict, t_decode: float, t_prefill: float) -> tuple:
     return o_for(e), e
 
 
+def fit_decode_efficiency(predict_big, t_big: float, lo: float = 1e-3, hi: float = 1.0) -> float:
+    """The decode compute efficiency e_d with predict_big(e_d) == t_big (the largest decode batch),
+    by bisection; predict_big falls as e_d grows. 1 when even e_d = 1 predicts too slow."""
+    if predict_big(hi) >= t_big:
+        return hi
+    if predict_big(lo) <= t_big:
+        return lo
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if predict_big(mid) > t_big:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 def error_summary(errors: list) -> dict:
     abs_e = [abs(x) for x in errors]
+    if not abs_e:
+        return {"max_abs": float("nan"), "mean_abs": float("nan"), "within_tolerance": 0, "count": 0}
     return {"max_abs": max(abs_e), "mean_abs": sum(abs_e) / len(abs_e),
             "within_tolerance": sum(1 for x in abs_e if x <= TOLERANCE), "count": len(abs_e)}
 
@@ -106,42 +124,59 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
         measured.append(("prefill", n, median([r.wall_seconds for r in recs]),
                          median([r.predicted_seconds for r in recs]), seqs_of(recs[0])))
 
-    def predict_point(p, e, o):
-        return step_cost(cfg, p[4], hw, dt, dt, dt, efficiency={"compute": e}, overhead_s=o).predicted_seconds
+    def predict_point(p, e, o, e_dec=None):
+        eff = e_dec if (e_dec is not None and p[0] == "decode") else e
+        return step_cost(cfg, p[4], hw, dt, dt, dt, efficiency={"compute": eff}, overhead_s=o).predicted_seconds
 
     fit_dec = next(p for p in measured if p[0] == "decode" and p[1] == (FIT_DECODE_BATCH if not opts.quick else batches[0]))
+    fit_big = next(p for p in measured if p[0] == "decode" and p[1] == max(batches))
     fit_pre_len = FIT_PREFILL_LEN if FIT_PREFILL_LEN in lens else lens[len(lens) // 2]
     fit_pre = next(p for p in measured if p[0] == "prefill" and p[1] == fit_pre_len)
-    overhead, eff = fit_calibration(lambda kind, e, o: predict_point(fit_dec if kind == "decode" else fit_pre, e, o),
-                                    fit_dec[2], fit_pre[2])
+
+    def fit_oe(e_dec):
+        return fit_calibration(lambda kind, e, o: predict_point(fit_dec if kind == "decode" else fit_pre, e, o, e_dec),
+                               fit_dec[2], fit_pre[2])
+
+    overhead, eff = fit_oe(None)
+    e_dec = fit_decode_efficiency(lambda ed: predict_point(fit_big, *fit_oe(ed)[::-1], ed), fit_big[2])
+    overhead3, eff3 = fit_oe(e_dec)
+    cal_a = {"name": "A", "fit": [fit_dec, fit_pre], "predict": lambda p: predict_point(p, eff, overhead)}
+    cal_b = {"name": "B", "fit": [fit_dec, fit_pre, fit_big],
+             "predict": lambda p: predict_point(p, eff3, overhead3, e_dec)}
     rows, table = [], []
     for p in measured:
         raw = p[3]
-        cal = predict_point(p, eff, overhead)
-        fitted = p is fit_dec or p is fit_pre
-        rows.append({"phase": p[0], "size": p[1], "measured_s": p[2], "raw_predicted_s": raw,
-                     "raw_error": rel_error(raw, p[2]), "calibrated_s": cal, "calibrated_error": rel_error(cal, p[2]),
-                     "fitted_here": fitted})
-        table.append([p[0], p[1], p[2] * 1e3, raw * 1e3, 100 * rel_error(raw, p[2]), cal * 1e3,
-                      100 * rel_error(cal, p[2]), "fit" if fitted else "predicted"])
+        row = {"phase": p[0], "size": p[1], "measured_s": p[2], "raw_predicted_s": raw,
+               "raw_error": rel_error(raw, p[2])}
+        cells = [p[0], p[1], p[2] * 1e3, raw * 1e3, 100 * rel_error(raw, p[2])]
+        for cal in (cal_a, cal_b):
+            t = cal["predict"](p)
+            fitted = any(p is f for f in cal["fit"])
+            row.update({f"calibrated_{cal['name']}_s": t, f"calibrated_{cal['name']}_error": rel_error(t, p[2]),
+                        f"fitted_in_{cal['name']}": fitted})
+            cells += [t * 1e3, "fit" if fitted else f"{100 * rel_error(t, p[2]):+.1f}"]
+        rows.append(row)
+        table.append(cells)
     per_phase = {}
     for phase in ("decode", "prefill"):
         rs = [r for r in rows if r["phase"] == phase]
-        per_phase[phase] = {"raw": error_summary([r["raw_error"] for r in rs]),
-                            "calibrated_held_out": error_summary([r["calibrated_error"] for r in rs
-                                                                  if not r["fitted_here"]] or [0.0])}
+        per_phase[phase] = {"raw": error_summary([r["raw_error"] for r in rs])}
+        for c in ("A", "B"):
+            held = [r[f"calibrated_{c}_error"] for r in rs if not r[f"fitted_in_{c}"]]
+            per_phase[phase][f"calibrated_{c}_held_out"] = error_summary(held)
 
     fig, (ax1, ax2) = new_figure(2)
     for ax, phase, xlabel in ((ax1, "decode", "decode batch size"), (ax2, "prefill", "prompt tokens")):
         rs = [r for r in rows if r["phase"] == phase]
         x = [r["size"] for r in rs]
-        ax.plot(x, [r["measured_s"] * 1e3 for r in rs], "o-", label="measured (median)")
+        ax.plot(x, [r["measured_s"] * 1e3 for r in rs], "o-", linewidth=2, label="measured (median)")
         ax.plot(x, [r["raw_predicted_s"] * 1e3 for r in rs], "s--", label="roofline (probed peaks)")
-        ax.plot(x, [r["calibrated_s"] * 1e3 for r in rs], "^:", label=f"calibrated: +{overhead * 1e3:.1f} ms, "
-                                                                        f"compute eff {eff:.2f}")
-        fx = [r["size"] for r in rs if r["fitted_here"]]
-        ax.plot(fx, [r["measured_s"] * 1e3 for r in rs if r["fitted_here"]], "k*", markersize=12,
-                label="fit point")
+        ax.plot(x, [r["calibrated_A_s"] * 1e3 for r in rs], "^:", label=f"A: +{overhead * 1e3:.1f} ms, eff {eff:.2f}")
+        ax.plot(x, [r["calibrated_B_s"] * 1e3 for r in rs], "v-.", label=f"B: +{overhead3 * 1e3:.1f} ms, eff {eff3:.2f}, "
+                                                                          f"decode eff {e_dec:.2f}")
+        fx = [r["size"] for r in rs if r["fitted_in_B"]]
+        ax.plot(fx, [r["measured_s"] * 1e3 for r in rs if r["fitted_in_B"]], "k*", markersize=12,
+                label="fit points (A: all but the largest batch)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(x, [str(v) for v in x])
@@ -152,27 +187,42 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
         ax.legend(fontsize=7)
     plot = save_figure(fig, opts.out / "validation.png")
 
-    summary = {"points": rows, "per_phase": per_phase, "fitted_overhead_s": overhead,
-               "fitted_overhead_per_layer_s": overhead / cfg.num_hidden_layers, "fitted_compute_efficiency": eff,
-               "fit_points": {"decode_batch": fit_dec[1], "prefill_tokens": fit_pre[1]},
+    summary = {"points": rows, "per_phase": per_phase,
+               "calibration_A": {"overhead_s": overhead, "overhead_per_layer_s": overhead / cfg.num_hidden_layers,
+                                 "compute_efficiency": eff,
+                                 "fit_points": [f"decode b={fit_dec[1]}", f"prefill {fit_pre[1]}"]},
+               "calibration_B": {"overhead_s": overhead3, "overhead_per_layer_s": overhead3 / cfg.num_hidden_layers,
+                                 "compute_efficiency": eff3, "decode_compute_efficiency": e_dec,
+                                 "fit_points": [f"decode b={fit_dec[1]}", f"decode b={fit_big[1]}",
+                                                f"prefill {fit_pre[1]}"]},
                "hardware": hw.to_dict(), "decode_context": DECODE_CONTEXT}
 
     def fmt(s):
+        if not s["count"]:
+            return "no held-out point"
         return f"max {100 * s['max_abs']:.0f}%, mean {100 * s['mean_abs']:.0f}%, {s['within_tolerance']}/{s['count']} within 25%"
 
-    phase_rows = [[ph, fmt(v["raw"]), fmt(v["calibrated_held_out"])] for ph, v in per_phase.items()]
+    phase_rows = [[ph, fmt(v["raw"]), fmt(v["calibrated_A_held_out"]), fmt(v["calibrated_B_held_out"])]
+                  for ph, v in per_phase.items()]
     sections = [
         ("Setup", context_line(opts, engine, hw) + f"\n\nDecode: batch b of {DECODE_CONTEXT}-token random prompts, "
          f"median of {dec_steps} decode steps. Prefill: one prompt, one step, median of {reps} runs "
          "(1 for 2048). Regenerate with `servescope lab validate` (add `--out DIR`)."),
         ("Fitted constants",
-         f"Fitted on decode batch {fit_dec[1]} and prefill {fit_pre[1]} only: per-step overhead "
+         f"Raw roofline: no constants (probed {hw.flops(dt) / 1e9:.0f} GFLOP/s {dt}, "
+         f"{hw.memory_bandwidth / 1e9:.1f} GB/s).\n\n"
+         f"**A** (2 constants, fitted on decode batch {fit_dec[1]} and prefill {fit_pre[1]}): per-step overhead "
          f"o = {overhead * 1e3:.2f} ms (= {overhead / cfg.num_hidden_layers * 1e6:.0f} µs per layer over "
-         f"{cfg.num_hidden_layers} layers), compute efficiency e = {eff:.3f} of the probed "
-         f"{hw.flops(dt) / 1e9:.0f} GFLOP/s; memory efficiency 1 (probed {hw.memory_bandwidth / 1e9:.1f} GB/s)."),
-        ("Per point", md_table(["phase", "size", "measured ms", "roofline ms", "roofline err %", "calibrated ms",
-                                "calibrated err %", "role"], table)),
-        ("Per phase", md_table(["phase", "raw roofline |error|", "calibrated |error| (held-out points)"], phase_rows)),
+         f"{cfg.num_hidden_layers} layers), compute efficiency e = {eff:.3f}.\n\n"
+         f"**B** (3 constants, fitted on decode batch {fit_dec[1]}, decode batch {fit_big[1]} and prefill "
+         f"{fit_pre[1]}): o = {overhead3 * 1e3:.2f} ms, prefill compute efficiency e = {eff3:.3f} and decode "
+         f"compute efficiency e_d = {e_dec:.3f}: matmuls of a few rows (decode) use the cores worse than the "
+         "probe's square ones.\n\nMemory efficiency is 1 in both. Every point not marked "
+         "`fit` is a prediction."),
+        ("Per point", md_table(["phase", "size", "measured ms", "roofline ms", "roofline err %", "A ms", "A err %",
+                                "B ms", "B err %"], table)),
+        ("Per phase", md_table(["phase", "raw roofline |error|", "A |error| (held-out)", "B |error| (held-out)"],
+                               phase_rows)),
     ]
     report = write_report(opts.out, "Cost model validation: predicted vs measured step time", sections, [plot], summary)
     return LabResult("validate", opts.out, report, [plot], summary)
