@@ -62,6 +62,7 @@ class RequestStream:
         self._engine = engine
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._pending_error: Optional[BaseException] = None
         self._done = False  # the consumer has seen the end (finished output or an error)
         self._held = True  # counts toward the engine's in-flight total (released exactly once)
         self._seen_tokens = 0  # engine thread only: output tokens already reported to listeners
@@ -80,9 +81,16 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        if self._pending_error is not None:
+            item, self._pending_error = self._pending_error, None
+        else:
+            item = await self._queue.get()
         while not isinstance(item, BaseException) and not self._queue.empty():
-            item = self._queue.get_nowait()  # outputs are cumulative: the newest one suffices
+            nxt = self._queue.get_nowait()  # outputs are cumulative: the newest one suffices
+            if isinstance(nxt, BaseException):
+                self._pending_error = nxt  # hand out what came before the error first
+                break
+            item = nxt
         if isinstance(item, BaseException):
             self._done = True
             raise item

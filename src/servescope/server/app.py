@@ -18,7 +18,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from servescope.engine.async_engine import AsyncEngine
-from servescope.server.errors import error_response, install_error_handlers
+from servescope.server.errors import error_response, install_error_handlers, to_api_error
 from servescope.server.metrics import CONTENT_TYPE, ServerMetrics
 from servescope.server.middleware import GuardMiddleware
 from servescope.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -62,11 +62,17 @@ def build_app(async_engine: AsyncEngine, model_name: str = "servescope",
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await create_completion(ctx, body, request)
+        try:
+            return await create_completion(ctx, body, request)
+        except Exception as e:  # answered here: Starlette's catch-all would re-raise and drop the connection
+            raise to_api_error(e) from None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await create_chat_completion(ctx, body, request)
+        try:
+            return await create_chat_completion(ctx, body, request)
+        except Exception as e:
+            raise to_api_error(e) from None
 
     @app.get("/v1/models")
     async def models():
