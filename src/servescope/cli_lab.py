@@ -8,7 +8,6 @@ hardware  list the hardware specs; probe the local CPU
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys

@@ -79,6 +79,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     ax2.grid(True, linewidth=0.3)
     plot = save_figure(fig, opts.out / "attention_scaling.png")
 
+    c_attn = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim / hw.flops(dt)
     rows = [[n, t * 1e3, s * 1e3, p * 1e3, 100 * rel_error(p, s), 100 * sh, 100 * quadratic_share(fit, n)]
             for n, t, s, p, sh in zip(lens, ttft, step_s, pred, attn_share)]
     summary = {"prompt_lengths": lens, "ttft_s": ttft, "prefill_step_s": step_s, "predicted_s": pred,
@@ -92,7 +93,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
         ("Fit", f"Measured: TTFT = {a * 1e3:.2f} ms + {b * 1e6:.2f} µs·n + {c * 1e9:.4f} ns·n².\n\n"
          f"Roofline prediction fitted the same way: {pfit[0] * 1e3:.2f} ms + {pfit[1] * 1e6:.2f} µs·n + "
          f"{pfit[2] * 1e9:.4f} ns·n². The model's attention FLOPs alone give "
-         f"c = 2·L·H·D / peak = {2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim / hw.flops(dt) * 1e9:.4f} ns "
+         f"c = 2·L·H·D / peak = {c_attn * 1e9:.4f} ns "
          f"(causal: n(n+1)/2 keys x 4·H·D FLOPs per layer)."),
         ("What it shows",
          f"At n = {n_max} the n² term is {100 * quadratic_share(fit, n_max):.0f}% of the fitted TTFT and the cost "

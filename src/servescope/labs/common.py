@@ -265,7 +265,8 @@ def context_line(opts: LabOptions, engine, hw) -> str:
     import torch
 
     try:
-        load = f" Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (timings are noisy when it exceeds the thread count)."
+        load = (f" Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs "
+                "(timings are noisy when it exceeds the thread count).")
     except OSError:
         load = ""
     return (f"Model `{engine.model_config.name or engine.source_path}` ({opts.dtype}, "

@@ -99,8 +99,9 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     ratio = at(wo, common) / at(w, common)
     summary["speedup_at_common_position"] = ratio
     summary["common_position"] = common
+    per_elem = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
     kv_formula = (f"2 x {cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} KV heads x {cfg.head_dim} "
-                  f"head dim x {engine.kv_bytes_per_token // (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim)} "
+                  f"head dim x {engine.kv_bytes_per_token // per_elem} "
                   f"bytes = {engine.kv_bytes_per_token} bytes per token")
     sections = [
         ("Setup", context_line(opts, engine, hw) + f"\n\nOne request: a {PROMPT_LEN}-token random prompt, greedy; "

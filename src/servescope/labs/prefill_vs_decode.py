@@ -106,7 +106,8 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
                               "% of roofline", "bound (model)"], rows)),
         ("What it shows",
          f"The ridge point of this machine is {hw.ridge_point(dt):.1f} FLOP/B. Prefill steps have an intensity "
-         f"of {min(pf_ai):.0f} to {max(pf_ai):.0f} FLOP/B (growing with the prompt) and reach up to {best_pf['flops_per_s'] / 1e9:.0f} GFLOP/s "
+         f"of {min(pf_ai):.0f} to {max(pf_ai):.0f} FLOP/B (growing with the prompt) and reach up to "
+         f"{best_pf['flops_per_s'] / 1e9:.0f} GFLOP/s "
          f"({100 * best_pf['flops_per_s'] / hw.flops(dt):.0f}% of the probed matmul peak): compute-bound. "
          f"Decode at batch {dec1['size']} does {dec1['intensity']:.2f} FLOP per byte (every weight read for one "
          f"token per sequence) and is limited by "
