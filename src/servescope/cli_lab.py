@@ -213,30 +213,13 @@ def roofline_points(result: dict) -> list:
 
 def plot_explain(result: dict, hw, path) -> Path:
     """The hardware's roofline with each op of prefill (circles) and decode (squares) placed at its
-    intensity and predicted FLOP/s, named in a legend (ops crowd together: labels would collide)."""
-    from servescope.analysis.roofline import attainable_flops
-    from servescope.labs.common import new_figure, save_figure
+    intensity and predicted FLOP/s, named in a legend."""
+    from servescope.labs.common import plot_roofline_legend
 
     w = result["workload"]
-    dt = w["act_dtype"]
-    points = roofline_points(result)
-    ridge = hw.ridge_point(dt)
-    xs_pts = [p[1] for p in points]
-    lo, hi = min([ridge / 300] + [x / 3 for x in xs_pts]), max([ridge * 30] + [x * 3 for x in xs_pts])
-    xs = [lo * (hi / lo) ** (k / 199) for k in range(200)]
-    fig, (ax,) = new_figure(1, size=(9.0, 5.5))
-    ax.loglog(xs, [attainable_flops(hw, x, dt) for x in xs], color="black", linewidth=2,
-              label=f"roofline: {hw.flops(dt) / 1e12:.3g} TFLOP/s, {hw.memory_bandwidth / 1e9:,.0f} GB/s")
-    ax.axvline(ridge, color="gray", linestyle=":", linewidth=1, label=f"ridge {ridge:.0f} FLOP/B")
-    for label, x, y in points:
-        ax.plot([x], [y], marker="o" if label.startswith("P") else "s", linestyle="none", markersize=8,
-                alpha=0.8, label=label)
-    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
-    ax.set_ylabel("predicted FLOP/s")
-    ax.set_title(f"{result['model']} on {hw.name}: batch {w['batch']}, prompt {w['prompt_len']}, {dt}")
-    ax.grid(True, which="both", linewidth=0.3)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    return save_figure(fig, Path(path))
+    return plot_roofline_legend(hw, roofline_points(result), Path(path), w["act_dtype"],
+                                f"{result['model']} on {hw.name}: batch {w['batch']}, prompt {w['prompt_len']}, "
+                                f"{w['act_dtype']}")
 
 
 def measure_workload(args, cfg) -> dict:

@@ -44,13 +44,20 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     cfg = engine.model_config
     rng = random.Random(opts.seed)
     warm_up(engine, rng, prompt_len=64, batch=1)
+    # measure in a shuffled order: a drift in machine load over the run then adds noise to the fit
+    # instead of bending it (ascending order would turn "the machine got quieter" into curvature)
+    order = list(lens)
+    random.Random(opts.seed).shuffle(order)
+    measured = {}
+    for n in order:
+        outs, recs = run_to_completion(engine, [random_prompt(rng, n, cfg.vocab_size)], 1, f"a{n}-")
+        pre = [r for r in recs if r.phase == "prefill"]
+        measured[n] = (outs[0].metrics.ttft, sum(r.wall_seconds for r in pre), sum(r.predicted_seconds for r in pre))
     ttft, step_s, pred, attn_share = [], [], [], []
     for n in lens:
-        outs, recs = run_to_completion(engine, [random_prompt(rng, n, cfg.vocab_size)], 1, f"a{n}-")
-        ttft.append(outs[0].metrics.ttft)
-        pre = [r for r in recs if r.phase == "prefill"]
-        step_s.append(sum(r.wall_seconds for r in pre))
-        pred.append(sum(r.predicted_seconds for r in pre))
+        ttft.append(measured[n][0])
+        step_s.append(measured[n][1])
+        pred.append(measured[n][2])
         cost = step_cost(cfg, [(n, 0)], hw, dt, dt, dt, num_logits=1)
         attn_share.append(cost.op("attention").seconds / cost.predicted_seconds)
     fit = quadratic_fit(lens, ttft)

@@ -258,6 +258,32 @@ def save_figure(fig, path: Path) -> Path:
     return path
 
 
+def plot_roofline_legend(hw, points: Sequence[tuple], path: Path, dtype: str, title: str) -> Path:
+    """The roofline of `hw` with (label, intensity FLOP/B, FLOP/s) points named in a legend rather
+    than annotated (points crowd near the ridge and labels would print over each other).
+    A label starting with "D" gets a square marker (decode), anything else a circle."""
+    from servescope.analysis.roofline import attainable_flops
+
+    ridge = hw.ridge_point(dtype)
+    xs_pts = [p[1] for p in points if p[1] > 0]
+    lo, hi = min([ridge / 300] + [x / 3 for x in xs_pts]), max([ridge * 30] + [x * 3 for x in xs_pts])
+    xs = [lo * (hi / lo) ** (k / 199) for k in range(200)]
+    fig, (ax,) = new_figure(1, size=(9.0, 5.5))
+    ax.loglog(xs, [attainable_flops(hw, x, dtype) for x in xs], color="black", linewidth=2,
+              label=f"roofline: {hw.flops(dtype) / 1e9:,.0f} GFLOP/s, {hw.memory_bandwidth / 1e9:,.1f} GB/s")
+    ax.axvline(ridge, color="gray", linestyle=":", linewidth=1, label=f"ridge {ridge:.1f} FLOP/B")
+    for label, x, y in points:
+        if x > 0 and y > 0 and math.isfinite(x):
+            ax.plot([x], [y], marker="s" if str(label).lower().startswith("d") else "o", linestyle="none",
+                    markersize=8, alpha=0.8, label=str(label))
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("FLOP/s")
+    ax.set_title(title)
+    ax.grid(True, which="both", linewidth=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return save_figure(fig, Path(path))
+
+
 def context_line(opts: LabOptions, engine, hw) -> str:
     """One line naming what ran where, for every report."""
     import os

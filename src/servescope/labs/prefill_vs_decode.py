@@ -14,7 +14,7 @@ import random
 
 from servescope.labs.common import (
     LabOptions, LabResult, LabSession, act_dtype_name, blocks_for, context_line, lab_hardware, md_table, median,
-    new_figure, random_prompt, run_to_completion, save_figure, warm_up, write_report,
+    new_figure, plot_roofline_legend, random_prompt, run_to_completion, save_figure, warm_up, write_report,
 )
 
 DECODE_CONTEXT = 32
@@ -39,7 +39,7 @@ def step_point(recs: list) -> dict:
 
 
 def run(opts: LabOptions, session: LabSession) -> LabResult:
-    from servescope.analysis.roofline import attainable_flops, plot_roofline
+    from servescope.analysis.roofline import attainable_flops
 
     lens, batches = sizes(opts.quick)
     max_b, max_len = max(batches), max(lens)
@@ -67,9 +67,8 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
         recs = [r for r in rr if r.phase == "decode" and r.num_decode_seqs == b]
         points.append({"phase": "decode", "label": f"decode b={b}", "size": b, **step_point(recs)})
 
-    roof = plot_roofline(hw, [(p["label"], p["intensity"], p["flops_per_s"]) for p in points],
-                         opts.out / "roofline.png", dtype=dt,
-                         title=f"Achieved FLOP/s of engine steps on {hw.name} ({dt})")
+    roof = plot_roofline_legend(hw, [(p["label"], p["intensity"], p["flops_per_s"]) for p in points],
+                                opts.out / "roofline.png", dt, f"Achieved FLOP/s of engine steps on {hw.name} ({dt})")
     fig, (ax1, ax2) = new_figure(2)
     for phase, marker in (("prefill", "o-"), ("decode", "s-")):
         pts = [p for p in points if p["phase"] == phase]
