@@ -59,17 +59,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, H, D]; k [T, Hkv, D] -> rotated q, k (same shapes and dtype)."""
-        cos = self.cos[positions][:, None, :]  # [T, 1, D/2]
-        sin = self.sin[positions][:, None, :]
+    def table(self, positions: torch.Tensor) -> tuple:
+        """cos, sin [T, 1, D/2] for the step's positions: looked up once per step, used by every layer."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+    @staticmethod
+    def apply(cos_sin: tuple, q: torch.Tensor, k: torch.Tensor):
+        """q [T, H, D]; k [T, Hkv, D] -> rotated q, k (same shapes and dtype)."""
+        cos, sin = cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)  # [T, h, D/2] each
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    return out.to(x.dtype)  # a no-op in float32
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,7 @@ class LlamaAttention(nn.Module):
             return qkv.split([q_size, kv_size, kv_size], dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, positions, x, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata,
+    def forward(self, cos_sin: tuple, x, kv_cache, meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.project_qkv(x)
@@ -57,7 +57,7 @@ class LlamaAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(cos_sin, q, k)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta)
         o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
@@ -88,8 +88,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, h, rotary, kv_cache, meta, backend):
-        h = h + self.self_attn(positions, self.input_layernorm(h), rotary, kv_cache, meta, backend)
+    def forward(self, cos_sin, h, kv_cache, meta, backend):
+        h = h + self.self_attn(cos_sin, self.input_layernorm(h), kv_cache, meta, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -114,13 +114,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.int8_head: Optional[nn.Module] = None  # set by quantize.quantize_int8
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, Dm] after the final norm."""
         h = self.model.embed_tokens(input_ids)  # [T] -> [T, Dm]
+        cos_sin = self.rotary.table(positions)  # once per step, shared by all layers
         for layer, kv in zip(self.model.layers, kv_caches):
-            h = layer(positions, h, self.rotary, kv, meta, backend)
+            h = layer(cos_sin, h, kv, meta, backend)
         return self.model.norm(h)
 
     def lm_head_weight(self) -> torch.Tensor:
@@ -128,6 +130,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, Dm] (only the rows whose next token is due) -> logits [B, V] in float32."""
+        if self.int8_head is not None:
+            return self.int8_head(hidden).float()
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()

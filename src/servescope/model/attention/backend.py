@@ -16,7 +16,7 @@ prefix-cache hit on a block computed in this step).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 import torch
@@ -36,6 +36,8 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     num_decode_seqs: int = 0  # the first num_decode_seqs sequences have query_len == 1 (decodes first)
+    # Per-step values a backend derives once and reuses in every layer (masks, gathered indices).
+    scratch: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

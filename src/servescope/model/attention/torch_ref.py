@@ -27,7 +27,8 @@ class TorchAttentionBackend(AttentionBackend):
         if nd:
             # decodes come first in the flat layout: tokens [0, nd) are one query each
             out[:nd] = self._paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                          meta.context_lens[:nd], max(meta.context_lens_cpu[:nd]), scale)
+                                          meta.context_lens[:nd], max(meta.context_lens_cpu[:nd]), scale,
+                                          meta.scratch)
         start = nd
         for i in range(nd, meta.num_seqs):
             qlen = meta.query_lens_cpu[i]
@@ -37,34 +38,44 @@ class TorchAttentionBackend(AttentionBackend):
                 # nothing cached before: causal attention over this step's own k, v
                 out[start:start + qlen] = _sdpa(qi, k[start:start + qlen], v[start:start + qlen], scale, causal=True)
             else:
-                nblk = (ctx + k_cache.shape[1] - 1) // k_cache.shape[1]
-                blocks = meta.block_tables[i, :nblk].long()
+                key = ("prefill", i)
+                if key not in meta.scratch:
+                    nblk = (ctx + k_cache.shape[1] - 1) // k_cache.shape[1]
+                    blocks = meta.block_tables[i, :nblk].long()
+                    # query j sits at position ctx - qlen + j and sees keys 0 .. ctx - qlen + j
+                    qpos = torch.arange(ctx - qlen, ctx, device=q.device)
+                    mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # [q, ctx]
+                    meta.scratch[key] = (blocks, mask)
+                blocks, mask = meta.scratch[key]
                 # [nblk, S, Hkv, D] -> [nblk*S, Hkv, D] -> [ctx, Hkv, D]
                 ki = k_cache[blocks].flatten(0, 1)[:ctx]
                 vi = v_cache[blocks].flatten(0, 1)[:ctx]
-                # query j sits at position ctx - qlen + j and sees keys 0 .. ctx - qlen + j
-                qpos = torch.arange(ctx - qlen, ctx, device=q.device)
-                mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # [q, ctx]
                 out[start:start + qlen] = _sdpa(qi, ki.to(q.dtype), vi.to(q.dtype), scale, mask=mask)
             start += qlen
         return out
 
     @staticmethod
-    def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, max_ctx: int, scale: float):
+    def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, max_ctx: int, scale: float,
+                      scratch: dict | None = None):
         b, h, d = q.shape
         s = k_cache.shape[1]
         nblk = (max_ctx + s - 1) // s
-        tables = block_tables[:, :nblk].long()  # [B, M]
+        cached = scratch.get("decode") if scratch is not None else None
+        if cached is None:
+            tables = block_tables[:, :nblk].long()  # [B, M]
+            valid = torch.arange(nblk * s, device=q.device)[None, :] < context_lens[:, None]  # [B, M*S]
+            cached = (tables, valid[:, None, None, :])  # mask [B, 1, 1, M*S]
+            if scratch is not None:
+                scratch["decode"] = cached
+        tables, mask = cached
         # [B, M, S, Hkv, D] -> [B, M*S, Hkv, D]
         keys = k_cache[tables].flatten(1, 2)
         vals = v_cache[tables].flatten(1, 2)
         hkv = keys.shape[2]
-        valid = torch.arange(nblk * s, device=q.device)[None, :] < context_lens[:, None]  # [B, M*S]
         # q [B, H, D] -> [B, Hkv, H/Hkv, D]; keys [B, L, Hkv, D] -> [B, Hkv, L, D]
         qg = q.view(b, hkv, h // hkv, d)
         kt = keys.permute(0, 2, 1, 3).to(q.dtype)
         vt = vals.permute(0, 2, 1, 3).to(q.dtype)
-        mask = valid[:, None, None, :]  # [B, 1, 1, L]
         o = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask, scale=scale)  # [B, Hkv, H/Hkv, D]
         return o.reshape(b, h, d)
 

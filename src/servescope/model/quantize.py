@@ -1,0 +1,92 @@
+"""Weight-only int8 quantization (per output channel, symmetric), applied after loading.
+
+Each linear weight W [N, K] becomes int8 Q [N, K] and a scale s [N] with W ~= s[:, None] * Q,
+s = max|W[n, :]| / 127. Activations stay in the model dtype; the matmul dequantises on the fly
+(torch's `_weight_int8pack_mm` kernel where it exists), so decode reads a quarter of the float32
+bytes. The output head is quantised too (for tied embeddings, a separate int8 copy: the
+embedding lookup keeps full precision).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def quantize_per_channel(w: torch.Tensor) -> tuple:
+    """w [N, K] float -> (int8 [N, K], scale [N] float32)."""
+    wf = w.float()
+    scale = wf.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    q = torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias, act_dtype: torch.dtype):
+        super().__init__()
+        q, scale = quantize_per_channel(weight)
+        self.register_buffer("weight_int8", q)
+        self.register_buffer("scale", scale.to(act_dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(act_dtype), requires_grad=False)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self._use_kernel = _kernel_works(q.device, act_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [.., K] -> [M, K]
+        if self._use_kernel:
+            y = torch._weight_int8pack_mm(x2.contiguous(), self.weight_int8, self.scale)
+        else:  # dequantise, then a normal matmul (correct everywhere, not the fast path)
+            y = F.linear(x2, self.weight_int8.to(x.dtype)) * self.scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+_KERNEL_OK: dict = {}
+
+
+def _kernel_works(device: torch.device, dtype: torch.dtype) -> bool:
+    key = (device.type, dtype)
+    if key not in _KERNEL_OK:
+        try:
+            x = torch.randn(2, 64, device=device, dtype=dtype)
+            w = torch.randint(-127, 127, (32, 64), device=device, dtype=torch.int8)
+            s = torch.rand(32, device=device, dtype=dtype)
+            ref = F.linear(x, w.to(dtype)) * s
+            out = torch._weight_int8pack_mm(x, w, s)
+            _KERNEL_OK[key] = bool(torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2))
+        except (RuntimeError, AttributeError, NotImplementedError):
+            _KERNEL_OK[key] = False
+        logger.info("int8 weight-only kernel on %s/%s: %s", device.type, dtype, _KERNEL_OK[key])
+    return _KERNEL_OK[key]
+
+
+class Int8Head(nn.Module):
+    """The output projection in int8 (used for logits only)."""
+
+    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype):
+        super().__init__()
+        self.proj = Int8Linear(weight, None, act_dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.proj(hidden)
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """Replace every nn.Linear inside the decoder layers, and the output head, by Int8Linear."""
+    act_dtype = model.model.embed_tokens.weight.dtype
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, Int8Linear(child.weight.data, child.bias, act_dtype))
+    model.int8_head = Int8Head(model.lm_head_weight().data, act_dtype)
+    if model.lm_head is not None:
+        model.lm_head = None  # the float head is no longer read; free it
+    return model
