@@ -99,7 +99,8 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
          f"compute-bound at batch {crit:.1f} on this machine (ridge {hw.ridge_point(act_dtype_name(opts)):.1f} "
          f"FLOP/B); past it the step time rises with the batch (x{meas[-1] / meas[0]:.2f} at batch {sizes[-1]}). "
          f"The fitted overhead ({overhead * 1e3:.2f} ms per step) is the engine's fixed cost outside the "
-         f"roofline: Python scheduling and ~{cfg.num_hidden_layers * 12} op dispatches per step."),
+         f"roofline: Python scheduling, sampling and the dispatch of every op of all "
+         f"{cfg.num_hidden_layers} layers."),
     ]
     report = write_report(opts.out, "Lab: batching (the memory-bandwidth bottleneck)", sections, [plot], summary)
     return LabResult("batching", opts.out, report, [plot], summary)
