@@ -21,6 +21,17 @@ class LLM:
                                              **engine_kwargs))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        llm._ids = itertools.count()
+        return llm
+
+    def with_config(self, **overrides) -> "LLM":
+        """Same weights, other engine settings (see LLMEngine.with_config)."""
+        return LLM.from_engine(self.engine.with_config(**overrides))
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

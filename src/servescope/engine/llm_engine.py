@@ -77,7 +77,7 @@ class _Group:
 
 
 class LLMEngine:
-    def __init__(self, config: Optional[EngineConfig] = None, **kwargs):
+    def __init__(self, config: Optional[EngineConfig] = None, _shared: Optional["LLMEngine"] = None, **kwargs):
         self.config = config = config or EngineConfig(**kwargs)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -90,16 +90,20 @@ class LLMEngine:
         self.dtype = DTYPES[dtype_name]
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
         t0 = time.perf_counter()
-        self.model, self.model_config, self.tokenizer, self.source_path = self._load(config)
+        if _shared is not None:
+            # same weights, new KV cache and scheduler (tests and labs compare engine settings)
+            self.model, self.model_config = _shared.model, _shared.model_config
+            self.tokenizer, self.source_path = _shared.tokenizer, _shared.source_path
+        else:
+            self.model, self.model_config, self.tokenizer, self.source_path = self._load(config)
+            from servescope.model.optimize import optimize_model
+
+            self.model = optimize_model(self.model, quantization=config.quantization)
         cfg = self.model_config
         self.load_seconds = time.perf_counter() - t0
-
-        from servescope.model.optimize import optimize_model
-
-        self.model = optimize_model(self.model, quantization=config.quantization)
+        rot = {id(self.model.rotary.cos), id(self.model.rotary.sin)}
         self.weight_bytes = sum(t.numel() * t.element_size() for t in
-                                itertools.chain(self.model.parameters(), self.model.buffers())
-                                if t is not self.model.rotary.cos and t is not self.model.rotary.sin)
+                                itertools.chain(self.model.parameters(), self.model.buffers()) if id(t) not in rot)
 
         blocks = num_kv_blocks(config, cfg, self.kv_dtype, self.device)
         capacity = blocks * config.block_size
@@ -144,6 +148,14 @@ class LLMEngine:
             self._cost = StepCostPredictor(cfg, self.device, self.dtype, self.kv_dtype, config.quantization,
                                            config.hardware)
         self._maybe_cuda_graphs()
+
+    def with_config(self, **overrides) -> "LLMEngine":
+        """A new engine on the same weights with other settings (KV size, chunking, caching...).
+        Weight-changing settings (model, dtype, device, quantization) must stay the same."""
+        for k in ("model", "dtype", "device", "quantization"):
+            if k in overrides and overrides[k] != getattr(self.config, k):
+                raise EngineConfigError(f"with_config cannot change {k}; build a new engine")
+        return LLMEngine(self.config.replace(**overrides), _shared=self)
 
     # ---------------------------------------------------------------- loading
     def _load(self, config: EngineConfig):

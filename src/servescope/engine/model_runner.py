@@ -76,29 +76,34 @@ class ModelRunner:
             if n == 1 and num_decode == len(query_lens) - 1:
                 num_decode += 1  # decodes lead the batch; count the leading run of 1-token queries
         max_blocks = max(len(t) for t in tables)
-        table_rows = [t + [0] * (max_blocks - len(t)) for t in tables]
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
-        dev = self.device
+        t, b = len(input_ids), len(query_lens)
+        # One host buffer, one copy to the device, then views: on a GPU each separate small copy
+        # would cost a synchronous transfer. Layout: ids, positions, slots [T] | logits index,
+        # context lens [B] | query starts [B+1] | block table [B*M].
+        flat = input_ids + positions + slots + [x - 1 for x in qsl[1:]] + context_lens + qsl
+        for row in tables:
+            flat.extend(row)
+            flat.extend([0] * (max_blocks - len(row)))
+        buf = torch.tensor(flat, dtype=torch.int64)
+        if self.device.type != "cpu":
+            buf = buf.to(self.device, non_blocking=True)
+        o = 3 * t
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(table_rows, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            slot_mapping=buf[2 * t:3 * t],
+            block_tables=buf[o + 3 * b + 1:].view(b, max_blocks).to(torch.int32),
+            context_lens=buf[o + b:o + 2 * b].to(torch.int32),
+            query_start_loc=buf[o + 2 * b:o + 3 * b + 1].to(torch.int32),
             query_lens_cpu=query_lens,
             context_lens_cpu=context_lens,
             max_query_len=max(query_lens),
             max_context_len=max(context_lens),
             num_decode_seqs=num_decode,
         )
-        return StepBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta=meta,
-            logits_indices=torch.tensor([x - 1 for x in qsl[1:]], dtype=torch.int64, device=dev),
-            num_tokens=len(input_ids),
-        )
+        return StepBatch(input_ids=buf[:t], positions=buf[t:2 * t], meta=meta,
+                         logits_indices=buf[o:o + b], num_tokens=t)
 
     @torch.inference_mode()
     def execute(self, scheduled, sample_rows: Optional[list] = None) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servescope.config import RopeScaling
+from servescope.model import fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -23,9 +24,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # computed in float32 like Hugging Face, then cast back before the weight multiply
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return fused_ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -> torch.Tensor:
@@ -66,17 +65,4 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def apply(cos_sin: tuple, q: torch.Tensor, k: torch.Tensor):
         """q [T, H, D]; k [T, Hkv, D] -> rotated q, k (same shapes and dtype)."""
-        cos, sin = cos_sin
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)  # [T, h, D/2] each
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)  # a no-op in float32
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] -> [T, I]: silu(gate) * up."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+        return fused_ops.rotary(q, k, *cos_sin)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servescope.config import ModelConfig
+from servescope.model import fused_ops
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
 from servescope.model.layers import RMSNorm, RotaryEmbedding
 
@@ -74,10 +75,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, 2I] -> 2 x [T, I]
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, Dm]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -88,9 +87,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, cos_sin, h, kv_cache, meta, backend):
-        h = h + self.self_attn(cos_sin, self.input_layernorm(h), kv_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, cos_sin, h, residual, kv_cache, meta, backend):
+        """h: this layer's input before the residual add of the previous layer's MLP output
+        (residual None for the first layer). Returns (mlp output, residual stream) so that each
+        residual add is fused into the following norm."""
+        ln = self.input_layernorm
+        if residual is None:
+            residual, x = h, ln(h)
+        else:
+            x, residual = fused_ops.add_rms_norm(h, residual, ln.weight, ln.eps)
+        attn = self.self_attn(cos_sin, x, kv_cache, meta, backend)
+        ln = self.post_attention_layernorm
+        x, residual = fused_ops.add_rms_norm(attn, residual, ln.weight, ln.eps)
+        return self.mlp(x), residual
 
 
 class LlamaBackbone(nn.Module):
@@ -121,9 +130,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> hidden states [T, Dm] after the final norm."""
         h = self.model.embed_tokens(input_ids)  # [T] -> [T, Dm]
         cos_sin = self.rotary.table(positions)  # once per step, shared by all layers
+        residual = None
         for layer, kv in zip(self.model.layers, kv_caches):
-            h = layer(cos_sin, h, kv, meta, backend)
-        return self.model.norm(h)
+            h, residual = layer(cos_sin, h, residual, kv, meta, backend)
+        norm = self.model.norm
+        return fused_ops.add_rms_norm(h, residual, norm.weight, norm.eps)[0]
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
