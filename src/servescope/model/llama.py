@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servescope.config import ModelConfig
-from servescope.model import fused_ops
+from servescope.model import cpu_kernels, fused_ops
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
 from servescope.model.layers import RMSNorm, RotaryEmbedding
 
@@ -124,6 +124,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.int8_head: Optional[nn.Module] = None  # set by quantize.quantize_int8
+        self.cpu_gemv = False  # set by optimize.use_cpu_gemv
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -143,6 +144,9 @@ class LlamaForCausalLM(nn.Module):
         """hidden [B, Dm] (only the rows whose next token is due) -> logits [B, V] in float32."""
         if self.int8_head is not None:
             return self.int8_head(hidden).float()
+        w = self.lm_head_weight()
+        if self.cpu_gemv and cpu_kernels.use_gemv(hidden, w):
+            return cpu_kernels.gemv(hidden, w)
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()

@@ -4,6 +4,7 @@ structure, never the checkpoint names the loader copies into.
 - fuse_projections: q/k/v -> one qkv_proj, gate/up -> one gate_up_proj (fewer, larger matmuls;
   each output element is the same dot product, so results match the unfused model).
 - int8 weight-only quantization (quantize.py), when asked for.
+- on the CPU, small-M matmuls (decode) through an AVX-512 GEMV (cpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -36,10 +37,27 @@ def fuse_projections(model: nn.Module) -> nn.Module:
     return model
 
 
+def use_cpu_gemv(model: nn.Module) -> nn.Module:
+    """On the CPU, route the decoder's small-M matmuls to the AVX-512 GEMV (csrc/cpu_gemv.cpp)."""
+    from servescope.model import cpu_kernels
+
+    if not cpu_kernels.available():
+        return model
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(parent, name, cpu_kernels.CpuLinear(child))
+    model.cpu_gemv = True
+    return model
+
+
 def optimize_model(model: nn.Module, quantization: str | None = None) -> nn.Module:
     model = fuse_projections(model)
     if quantization == "int8":
         from servescope.model.quantize import quantize_int8
 
         model = quantize_int8(model)
+    if next(model.parameters()).device.type == "cpu":
+        model = use_cpu_gemv(model)
     return model

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servescope.model import cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,10 +37,15 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(act_dtype), requires_grad=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self._use_kernel = _kernel_works(q.device, act_dtype)
+        self._scale_f32 = scale.float()
+        self._bias_f32 = None if bias is None else bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [.., K] -> [M, K]
+        if cpu_kernels.use_gemv(x2, self.weight_int8):  # decode on the CPU: stream int8 once
+            y = cpu_kernels.gemv(x2, self.weight_int8, self._scale_f32, self._bias_f32).to(x.dtype)
+            return y.reshape(*shape[:-1], self.out_features)
         if self._use_kernel:
             y = torch._weight_int8pack_mm(x2.contiguous(), self.weight_int8, self.scale)
         else:  # dequantise, then a normal matmul (correct everywhere, not the fast path)

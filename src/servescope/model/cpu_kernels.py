@@ -1,0 +1,88 @@
+"""The CPU decode GEMV extension (csrc/cpu_gemv.cpp), compiled on first use and cached.
+
+`gemv(x, w, scale=None, bias=None)` -> float32 [M, N] for M <= 4 rows, weights float32, bfloat16
+or int8 (per-row scale). `available()` is False where it cannot be built (no compiler, no AVX-512,
+SERVESCOPE_CPU_KERNELS=0); callers then use the eager PyTorch path, which tests compare against.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Up to how many rows (tokens) the GEMV beats PyTorch's own kernel, by weight dtype (measured on a
+# 2-core AVX-512 machine, see docs/BENCHMARKS.md): float32 BLAS is slow at small M; bfloat16's
+# oneDNN kernel catches up at M = 2..4; int8 has no fast eager kernel for float32 activations.
+MAX_ROWS = {torch.float32: 6, torch.bfloat16: 2, torch.int8: 16}
+_lock = threading.Lock()
+_mod = None
+_tried = False
+_EMPTY = torch.empty(0)
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return all(f in flags.split() for f in ("avx512f", "avx512bw", "avx512vl", "fma"))
+
+
+def load():
+    """The compiled module, or None. Compiling takes a minute once; the result is cached by torch."""
+    global _mod, _tried
+    if _tried:
+        return _mod
+    with _lock:
+        if _tried:
+            return _mod
+        _tried = True
+        if os.environ.get("SERVESCOPE_CPU_KERNELS", "1") == "0" or not _cpu_has_avx512():
+            return None
+        try:
+            from torch.utils.cpp_extension import load as load_ext
+
+            src = os.path.join(os.path.dirname(__file__), "csrc", "cpu_gemv.cpp")
+            t0 = time.perf_counter()
+            _mod = load_ext(name="servescope_cpu_gemv", sources=[src], verbose=False,
+                            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"])
+            logger.info("CPU GEMV kernels ready (%.1f s)", time.perf_counter() - t0)
+        except Exception as e:  # no compiler, headers, ninja...: the eager path still works
+            logger.warning("CPU GEMV kernels unavailable, using eager PyTorch: %s", str(e).splitlines()[0][:200])
+            _mod = None
+        return _mod
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, scale=None, bias=None) -> torch.Tensor:
+    """x [M, K], w [N, K] (float32 | bfloat16 | int8 with scale [N] float32) -> float32 [M, N]."""
+    return _mod.gemv(x, w, _EMPTY if scale is None else scale, _EMPTY if bias is None else bias)
+
+
+def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and _mod is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS.get(w.dtype, 0)
+
+
+class CpuLinear(torch.nn.Module):
+    """nn.Linear whose small-M (decode) calls go to the GEMV kernel; larger M to F.linear."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self._bias_f32 = None if linear.bias is None else linear.bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_gemv(x, self.weight):
+            return gemv(x, self.weight, None, self._bias_f32).to(x.dtype)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
