@@ -51,8 +51,11 @@ def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, kv_dtype: torch.dtype,
         budget = int(free * 0.85) - (2 << 30)
         source = f"85% of {free / 2**30:.1f} GiB free, less 2 GiB for activations"
     else:
-        budget = min(CPU_DEFAULT_KV_BYTES, available_memory_bytes(device) // 4)
-        source = "CPU default (1 GiB)"
+        # enough for max_num_seqs sequences of the full context, at most 1 GiB or a quarter of RAM
+        max_len = config.max_model_len or cfg.max_position_embeddings
+        useful = per_block * config.max_num_seqs * -(-max_len // config.block_size)
+        budget = min(CPU_DEFAULT_KV_BYTES, available_memory_bytes(device) // 4, useful)
+        source = "CPU default (max_num_seqs full contexts, at most 1 GiB)"
     blocks = budget // per_block
     if blocks < 1:
         raise EngineConfigError(

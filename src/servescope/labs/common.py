@@ -48,8 +48,7 @@ class LabSession:
     """Builds engines for the labs, loading the model weights once per (model, dtype).
 
     Each engine has its own KV cache, scheduler and config (chunking on or off, no KV cache, ...),
-    but they share one nn.Module: the engine never changes the module after optimize_model, which
-    is idempotent, so reusing it is safe.
+    but they share one nn.Module (LLMEngine's `_shared`): the model holds no per-request state.
     """
 
     def __init__(self, opts: LabOptions):
@@ -65,32 +64,12 @@ class LabSession:
                               "hardware": o.hardware, "seed": o.seed, "enable_prefix_caching": False,
                               **config_overrides})
         key = (cfg.model, cfg.dtype, cfg.device)
-        loaded = self._loaded.get(key)
-        if loaded is None:
-            engine = LLMEngine(cfg)
-            self._loaded[key] = (engine.model, engine.model_config, engine.tokenizer, engine.source_path)
+        first = self._loaded.get(key)
+        if first is None:
+            self._loaded[key] = engine = LLMEngine(cfg)
             return engine
-        return _PreloadedEngine(loaded, cfg)
-
-
-def _preloaded_engine_class():
-    from servescope.engine.llm_engine import LLMEngine
-
-    class PreloadedEngine(LLMEngine):
-        """An LLMEngine whose _load returns an already loaded model (the labs' shared weights)."""
-
-        def __init__(self, loaded, config):
-            self._preloaded = loaded
-            super().__init__(config)
-
-        def _load(self, config):
-            return self._preloaded
-
-    return PreloadedEngine
-
-
-def _PreloadedEngine(loaded, cfg):  # noqa: N802 (a factory that reads like the class it builds)
-    return _preloaded_engine_class()(loaded, cfg)
+        # same weights, this lab's settings: a new KV cache and scheduler on the loaded model
+        return LLMEngine(cfg, _shared=first)
 
 
 def blocks_for(tokens: int, block_size: int = 16, margin: int = 4) -> int:
