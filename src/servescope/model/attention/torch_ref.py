@@ -1,5 +1,8 @@
 """Reference attention in plain PyTorch: runs everywhere, is the oracle in tests.
 
+On the CPU, store_kv and the decode rows go to the C++ kernels of cpu_ops.py when they are built
+(one call each instead of ~10 eager ops per layer); SERVESCOPE_CPU_KERNELS=0 keeps the torch code.
+
 Shape legend: T tokens, B sequences, H query heads, Hkv KV heads, D head dim,
 N blocks, S block size, M blocks per sequence, L context length.
 """
@@ -9,22 +12,36 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from servescope.model import cpu_ops
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def _cpu_kernels(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype in cpu_ops.DTYPES and cache.dtype in cpu_ops.DTYPES
+            and cpu_ops.load() is not None)
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def store_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        if _cpu_kernels(k, k_cache) and v.dtype in cpu_ops.DTYPES:
+            cpu_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            return
         n, s, hkv, d = k_cache.shape
         # [N, S, Hkv, D] -> [N*S, Hkv, D]: a slot is block * S + offset
         k_cache.view(n * s, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(n * s, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
         nd = meta.num_decode_seqs
-        if nd:
+        cpu = nd and _cpu_kernels(q, k_cache)
+        if cpu and nd == meta.num_seqs:  # decode only: the kernel's output is the result
+            return cpu_ops.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        out = torch.empty_like(q)
+        if cpu:
+            cpu_ops.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale, out=out[:nd])
+        elif nd:
             # decodes come first in the flat layout: tokens [0, nd) are one query each
             out[:nd] = self._paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
                                           meta.context_lens[:nd], max(meta.context_lens_cpu[:nd]), scale,

@@ -1,0 +1,464 @@
+// The small per-layer ops of decode on the CPU, one C++ call each: rms_norm, add_rms_norm, rotary,
+// silu_mul, store_kv and paged decode attention.
+//
+// Why: at batch 1 each of these is 3..14 eager PyTorch ops of 3-10 us of dispatch overhead apiece
+// over a few hundred numbers; a decoder layer spent more time in that overhead than in arithmetic.
+// Numerics follow the torch references in fused_ops.py / attention/torch_ref.py: math in float32,
+// intermediate roundings to the tensor dtype (bfloat16) where the reference has them. Built with
+// -ffp-contract=off so that the element-wise ops round like the eager ones (explicit FMAs only
+// in reductions). Rows are split over torch's thread pool (at::parallel_for) only when there is
+// enough work to pay for waking it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
+inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+inline __m256i f32_to_bf16(__m512 v) {  // round to nearest even, like c10::BFloat16
+#ifdef __AVX512BF16__
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
+}
+
+inline __m512 ld(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 ld(const bf16* p, __mmask16 m) { return bf16_to_f32(_mm256_maskz_loadu_epi16(m, p)); }
+inline void st(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void st(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, f32_to_bf16(v)); }
+
+// v rounded to T and widened back (the rounding an eager op in dtype T does to its result)
+template <typename T> inline __m512 rnd(__m512 v);
+template <> inline __m512 rnd<float>(__m512 v) { return v; }
+template <> inline __m512 rnd<bf16>(__m512 v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+// exp(x) for float32 lanes (Cephes polynomial, ~1 ulp), exp(-inf) = 0
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.72f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+// grain (rows per task) so that a task has at least ~min_work elements of work
+inline int64_t grain_for(int64_t work_per_row, int64_t min_work = 16384) {
+  return std::max<int64_t>(1, min_work / std::max<int64_t>(1, work_per_row));
+}
+
+// ---------------------------------------------------------------------------------------------
+// rms_norm / add_rms_norm. Reference: xf = x.float(); xf *= rsqrt(mean(xf^2) + eps);
+// y = w * xf.to(dtype); with a residual, x := x + residual (in dtype) first, also returned.
+template <typename T>
+void norm_rows(const T* x, int64_t xs, const T* r, int64_t rs, T* h, T* y, const T* w, int64_t rows, int64_t n,
+               float eps) {
+  at::parallel_for(0, rows, grain_for(n), [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      const T* xi = x + i * xs;
+      T* yi = y + i * n;
+      __m512 acc = _mm512_setzero_ps();
+      if (r) {
+        const T* ri = r + i * rs;
+        T* hi = h + i * n;
+        for (int64_t k = 0; k < n; k += 16) {
+          __mmask16 m = tail_mask(n - k);
+          __m512 v = rnd<T>(_mm512_add_ps(ld(xi + k, m), ld(ri + k, m)));
+          st(hi + k, v, m);
+          acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        xi = hi;
+      } else {
+        for (int64_t k = 0; k < n; k += 16) {
+          __m512 v = ld(xi + k, tail_mask(n - k));
+          acc = _mm512_fmadd_ps(v, v, acc);
+        }
+      }
+      float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)n + eps);
+      __m512 iv = _mm512_set1_ps(inv);
+      for (int64_t k = 0; k < n; k += 16) {
+        __mmask16 m = tail_mask(n - k);
+        __m512 v = rnd<T>(_mm512_mul_ps(ld(xi + k, m), iv));
+        st(yi + k, _mm512_mul_ps(ld(w + k, m), v), m);
+      }
+    }
+  });
+}
+
+// x [R, n] with unit stride in the last dim (a row stride is allowed), else made contiguous
+torch::Tensor rows2d(const torch::Tensor& x) {
+  int64_t n = x.size(-1);
+  if (x.dim() == 2 && x.stride(1) == 1) return x;
+  return x.contiguous().view({-1, n});
+}
+
+std::vector<torch::Tensor> norm_common(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor w,
+                                       double eps) {
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(-1) && w.is_contiguous(), "rms_norm: weight shape");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "rms_norm: weight dtype must match x");
+  auto x2 = rows2d(x);
+  int64_t rows = x2.size(0), n = x2.size(1);
+  auto y = torch::empty(x.sizes(), x.options());
+  torch::Tensor h, r2;
+  if (residual) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(), "add_rms_norm: residual");
+    r2 = rows2d(*residual);
+    h = torch::empty(x.sizes(), x.options());
+  }
+  if (x.scalar_type() == torch::kFloat32) {
+    norm_rows<float>(x2.data_ptr<float>(), x2.stride(0), residual ? r2.data_ptr<float>() : nullptr,
+                     residual ? r2.stride(0) : 0, residual ? h.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                     w.data_ptr<float>(), rows, n, (float)eps);
+  } else if (x.scalar_type() == torch::kBFloat16) {
+    norm_rows<bf16>(x2.data_ptr<bf16>(), x2.stride(0), residual ? r2.data_ptr<bf16>() : nullptr,
+                    residual ? r2.stride(0) : 0, residual ? h.data_ptr<bf16>() : nullptr, y.data_ptr<bf16>(),
+                    w.data_ptr<bf16>(), rows, n, (float)eps);
+  } else {
+    TORCH_CHECK(false, "rms_norm: float32 or bfloat16 only");
+  }
+  if (residual) return {y, h};
+  return {y};
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) { return norm_common(x, c10::nullopt, w, eps)[0]; }
+
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+  return norm_common(x, residual, w, eps);
+}
+
+// ---------------------------------------------------------------------------------------------
+// rotary, rotate-half: out = cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin), float32 math.
+template <typename T>
+void rotary_impl(const torch::Tensor& q, const torch::Tensor& k, torch::Tensor& qo, torch::Tensor& ko,
+                 const float* cos, const float* sin, int64_t cs) {
+  int64_t t = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2), half = d / 2;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  T* qop = qo.data_ptr<T>();
+  T* kop = ko.data_ptr<T>();
+  int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
+  int64_t heads = hq + hk;
+  at::parallel_for(0, t * heads, grain_for(d), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int64_t ti = r / heads, hi = r % heads;
+      const T* src;
+      T* dst;
+      if (hi < hq) {
+        src = qp + ti * qs0 + hi * qs1;
+        dst = qop + (ti * hq + hi) * d;
+      } else {
+        src = kp + ti * ks0 + (hi - hq) * ks1;
+        dst = kop + (ti * hk + hi - hq) * d;
+      }
+      const float* c = cos + ti * cs;
+      const float* s = sin + ti * cs;
+      for (int64_t j = 0; j < half; j += 16) {
+        __mmask16 m = tail_mask(half - j);
+        __m512 x1 = ld(src + j, m), x2 = ld(src + half + j, m);
+        __m512 cv = _mm512_maskz_loadu_ps(m, c + j), sv = _mm512_maskz_loadu_ps(m, s + j);
+        st(dst + j, _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv)), m);
+        st(dst + half + j, _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv)), m);
+      }
+    }
+  });
+}
+
+// q [T, H, D], k [T, Hkv, D] (any strides with a unit last stride), cos, sin [T, 1, D/2] float32
+std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(2) % 2 == 0,
+              "rotary: shapes");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "rotary: q, k dtype");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32, "rotary: cos/sin float32");
+  int64_t t = q.size(0), half = q.size(2) / 2;
+  if (q.stride(2) != 1) q = q.contiguous();
+  if (k.stride(2) != 1) k = k.contiguous();
+  auto c2 = cos.reshape({t, half});
+  auto s2 = sin.reshape({t, half});
+  if (c2.stride(1) != 1) c2 = c2.contiguous();
+  if (s2.stride(1) != 1 || s2.stride(0) != c2.stride(0)) {
+    c2 = c2.contiguous();
+    s2 = s2.contiguous();
+  }
+  auto qo = torch::empty(q.sizes(), q.options());
+  auto ko = torch::empty(k.sizes(), k.options());
+  if (q.scalar_type() == torch::kFloat32)
+    rotary_impl<float>(q, k, qo, ko, c2.data_ptr<float>(), s2.data_ptr<float>(), c2.stride(0));
+  else if (q.scalar_type() == torch::kBFloat16)
+    rotary_impl<bf16>(q, k, qo, ko, c2.data_ptr<float>(), s2.data_ptr<float>(), c2.stride(0));
+  else
+    TORCH_CHECK(false, "rotary: float32 or bfloat16 only");
+  return {qo, ko};
+}
+
+// ---------------------------------------------------------------------------------------------
+// silu_mul: [T, 2I] -> [T, I], silu(g) = g / (1 + exp(-g)), then * up (each rounded to dtype).
+template <typename T>
+void silu_mul_impl(const T* x, int64_t xs, T* y, int64_t rows, int64_t inner) {
+  at::parallel_for(0, rows, grain_for(inner), [&](int64_t r0, int64_t r1) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = r0; i < r1; ++i) {
+      const T* g = x + i * xs;
+      const T* u = g + inner;
+      T* o = y + i * inner;
+      for (int64_t j = 0; j < inner; j += 16) {
+        __mmask16 m = tail_mask(inner - j);
+        __m512 gv = ld(g + j, m);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        __m512 s = rnd<T>(_mm512_div_ps(gv, _mm512_add_ps(one, e)));
+        st(o + j, _mm512_mul_ps(s, ld(u + j, m)), m);
+      }
+    }
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor x) {
+  TORCH_CHECK(x.size(-1) % 2 == 0, "silu_mul: last dim must be even");
+  auto x2 = rows2d(x);
+  int64_t rows = x2.size(0), inner = x2.size(1) / 2;
+  auto sizes = x.sizes().vec();
+  sizes.back() = inner;
+  auto y = torch::empty(sizes, x.options());
+  if (x.scalar_type() == torch::kFloat32)
+    silu_mul_impl<float>(x2.data_ptr<float>(), x2.stride(0), y.data_ptr<float>(), rows, inner);
+  else if (x.scalar_type() == torch::kBFloat16)
+    silu_mul_impl<bf16>(x2.data_ptr<bf16>(), x2.stride(0), y.data_ptr<bf16>(), rows, inner);
+  else
+    TORCH_CHECK(false, "silu_mul: float32 or bfloat16 only");
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// store_kv: cache.view(N*S, Hkv, D)[slot[t]] = src[t] (converted to the cache dtype)
+template <typename S, typename C>
+void copy_rows(const S* src, int64_t s0, int64_t s1, C* cache, const int64_t* slots, int64_t t, int64_t hkv,
+               int64_t d) {
+  at::parallel_for(0, t, grain_for(hkv * d, 65536), [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      C* dst = cache + slots[i] * hkv * d;
+      for (int64_t h = 0; h < hkv; ++h) {
+        const S* sp = src + i * s0 + h * s1;
+        C* dp = dst + h * d;
+        if constexpr (std::is_same<S, C>::value) {
+          std::memcpy(dp, sp, d * sizeof(C));
+        } else {
+          for (int64_t j = 0; j < d; j += 16) {
+            __mmask16 m = tail_mask(d - j);
+            st(dp + j, ld(sp + j, m), m);
+          }
+        }
+      }
+    }
+  });
+}
+
+template <typename C>
+void store_one(torch::Tensor src, torch::Tensor cache, const int64_t* slots) {
+  int64_t t = src.size(0), hkv = src.size(1), d = src.size(2);
+  if (src.stride(2) != 1) src = src.contiguous();
+  if (src.scalar_type() == torch::kFloat32)
+    copy_rows<float, C>(src.data_ptr<float>(), src.stride(0), src.stride(1), cache.data_ptr<C>(), slots, t, hkv, d);
+  else if (src.scalar_type() == torch::kBFloat16)
+    copy_rows<bf16, C>(src.data_ptr<bf16>(), src.stride(0), src.stride(1), cache.data_ptr<C>(), slots, t, hkv, d);
+  else
+    TORCH_CHECK(false, "store_kv: k/v float32 or bfloat16 only");
+}
+
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "store_kv: shapes");
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3) && v.sizes() == k.sizes() &&
+              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "store_kv: shapes");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == k.size(0),
+              "store_kv: slot_mapping int64 [T]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  if (k_cache.scalar_type() == torch::kFloat32) {
+    store_one<float>(k, k_cache, sp);
+    store_one<float>(v, v_cache, sp);
+  } else if (k_cache.scalar_type() == torch::kBFloat16) {
+    store_one<bf16>(k, k_cache, sp);
+    store_one<bf16>(v, v_cache, sp);
+  } else {
+    TORCH_CHECK(false, "store_kv: cache float32 or bfloat16 only");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// paged decode attention: one query per sequence over its cached keys, read in place from the
+// blocks. One task per (sequence, KV head): the G = H/Hkv query heads of the group share each
+// K and V row (loaded once). Online softmax over chunks of up to CH positions within a block.
+constexpr int64_t CH = 32;
+constexpr int64_t HT = 8;  // query heads per register tile
+
+template <typename Q, typename C>
+void decode_impl(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, int64_t S, int64_t hkv, int64_t d,
+                 const int32_t* bt, int64_t bts, const int32_t* cl, int64_t b, int64_t h, float scale, Q* out,
+                 int64_t os0, int64_t os1) {
+  const int64_t g = h / hkv;
+  const int64_t row = hkv * d;  // elements between consecutive positions of one head in the cache
+  int64_t max_ctx = 1;
+  for (int64_t i = 0; i < b; ++i) max_ctx = std::max<int64_t>(max_ctx, cl[i]);
+  at::parallel_for(0, b * hkv, grain_for(max_ctx * g * d, 32768), [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(2 * g * d + g * CH + 2 * g);
+    float* qf = buf.data();         // [G, D] queries in float32
+    float* acc = qf + g * d;        // [G, D] running sum of p * v
+    float* sc = acc + g * d;        // [G, CH] scores / probabilities of the chunk
+    float* mx = sc + g * CH;        // [G] running max
+    float* den = mx + g;            // [G] running sum of p
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t bi = item / hkv, kh = item % hkv;
+      for (int64_t i = 0; i < g; ++i) {
+        const Q* qi = q + bi * qs0 + (kh * g + i) * qs1;
+        for (int64_t j = 0; j < d; j += 16) {
+          __mmask16 m = tail_mask(d - j);
+          _mm512_mask_storeu_ps(qf + i * d + j, m, ld(qi + j, m));
+        }
+        mx[i] = -std::numeric_limits<float>::infinity();
+        den[i] = 0.f;
+      }
+      std::fill(acc, acc + g * d, 0.f);
+      const int64_t ctx = cl[bi];
+      const int32_t* table = bt + bi * bts;
+      for (int64_t p = 0; p < ctx;) {
+        const int64_t blk = table[p / S], off = p % S;
+        const int64_t n = std::min<int64_t>({CH, S - off, ctx - p});
+        const C* kb = kc + ((blk * S + off) * hkv + kh) * d;
+        const C* vb = vc + ((blk * S + off) * hkv + kh) * d;
+        // scores[i][t] = scale * q_i . k_t
+        for (int64_t t = 0; t < n; ++t) {
+          const C* kr = kb + t * row;
+          for (int64_t i0h = 0; i0h < g; i0h += HT) {
+            const int64_t nh = std::min<int64_t>(HT, g - i0h);
+            __m512 a[HT];
+            for (int64_t i = 0; i < nh; ++i) a[i] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < d; j += 16) {
+              __mmask16 m = tail_mask(d - j);
+              __m512 kv = ld(kr + j, m);
+              for (int64_t i = 0; i < nh; ++i)
+                a[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qf + (i0h + i) * d + j), kv, a[i]);
+            }
+            for (int64_t i = 0; i < nh; ++i) sc[(i0h + i) * CH + t] = _mm512_reduce_add_ps(a[i]) * scale;
+          }
+        }
+        // online softmax: rescale the running sums by exp(old max - new max)
+        for (int64_t i = 0; i < g; ++i) {
+          float* s = sc + i * CH;
+          float cmax = s[0];
+          for (int64_t t = 1; t < n; ++t) cmax = std::max(cmax, s[t]);
+          const float mnew = std::max(mx[i], cmax);
+          const float corr = std::exp(mx[i] - mnew);
+          mx[i] = mnew;
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t t = 0; t < n; t += 16) {
+            __mmask16 m = tail_mask(n - t);
+            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), _mm512_set1_ps(mnew)));
+            e = _mm512_maskz_mov_ps(m, e);
+            _mm512_mask_storeu_ps(s + t, m, e);
+            sum = _mm512_add_ps(sum, e);
+          }
+          den[i] = den[i] * corr + _mm512_reduce_add_ps(sum);
+          if (corr != 1.0f) {
+            __m512 cv = _mm512_set1_ps(corr);
+            float* ai = acc + i * d;
+            for (int64_t j = 0; j < d; j += 16) {
+              __mmask16 m = tail_mask(d - j);
+              _mm512_mask_storeu_ps(ai + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, ai + j), cv));
+            }
+          }
+        }
+        // acc_i += sum_t p[i][t] * v_t
+        for (int64_t t = 0; t < n; ++t) {
+          const C* vr = vb + t * row;
+          for (int64_t j = 0; j < d; j += 16) {
+            __mmask16 m = tail_mask(d - j);
+            __m512 vv = ld(vr + j, m);
+            for (int64_t i = 0; i < g; ++i) {
+              float* ai = acc + i * d + j;
+              _mm512_mask_storeu_ps(ai, m, _mm512_fmadd_ps(_mm512_set1_ps(sc[i * CH + t]), vv,
+                                                           _mm512_maskz_loadu_ps(m, ai)));
+            }
+          }
+        }
+        p += n;
+      }
+      for (int64_t i = 0; i < g; ++i) {
+        Q* o = out + bi * os0 + (kh * g + i) * os1;
+        __m512 inv = _mm512_set1_ps(den[i] > 0.f ? 1.0f / den[i] : 0.f);
+        for (int64_t j = 0; j < d; j += 16) {
+          __mmask16 m = tail_mask(d - j);
+          st(o + j, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, acc + i * d + j), inv), m);
+        }
+      }
+    }
+  });
+}
+
+// q [B, H, D]; caches [N, S, Hkv, D]; block_tables [B, M] int32; context_lens [B] int32 -> [B, H, D].
+// `out`, when given (numel > 0), is written instead of a new tensor.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                           torch::Tensor context_lens, double scale, torch::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_decode: shapes");
+  int64_t b = q.size(0), h = q.size(1), d = q.size(2), S = k_cache.size(1), hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && h % hkv == 0, "paged_decode: heads / head dim");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.dim() == 2 && block_tables.size(0) >= b &&
+                  block_tables.stride(1) == 1, "paged_decode: block_tables int32 [B, M]");
+  TORCH_CHECK(context_lens.scalar_type() == torch::kInt32 && context_lens.is_contiguous() && context_lens.numel() >= b,
+              "paged_decode: context_lens int32 [B]");
+  if (q.stride(2) != 1) q = q.contiguous();
+  if (out.numel() == 0) out = torch::empty({b, h, d}, q.options());
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.stride(2) == 1,
+              "paged_decode: out");
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* cl = context_lens.data_ptr<int32_t>();
+  int64_t bts = block_tables.stride(0);
+  auto run = [&](auto qtag, auto ctag) {
+    using Q = decltype(qtag);
+    using C = decltype(ctag);
+    decode_impl<Q, C>(q.data_ptr<Q>(), q.stride(0), q.stride(1), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), S, hkv,
+                      d, bt, bts, cl, b, h, (float)scale, out.data_ptr<Q>(), out.stride(0), out.stride(1));
+  };
+  auto qt = q.scalar_type(), ct = k_cache.scalar_type();
+  if (qt == torch::kFloat32 && ct == torch::kFloat32) run(float(), float());
+  else if (qt == torch::kFloat32 && ct == torch::kBFloat16) run(float(), bf16());
+  else if (qt == torch::kBFloat16 && ct == torch::kBFloat16) run(bf16(), bf16());
+  else if (qt == torch::kBFloat16 && ct == torch::kFloat32) run(bf16(), float());
+  else TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only");
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "rms_norm(x, w, eps)");
+  m.def("add_rms_norm", &add_rms_norm, "add_rms_norm(x, residual, w, eps) -> [y, x + residual]");
+  m.def("rotary", &rotary, "rotary(q, k, cos, sin) -> [q', k'] (rotate-half)");
+  m.def("silu_mul", &silu_mul, "silu_mul(gate_up) -> silu(gate) * up");
+  m.def("store_kv", &store_kv, "store_kv(k, v, k_cache, v_cache, slot_mapping), in place");
+  m.def("paged_decode", &paged_decode, "paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)");
+}

@@ -1,0 +1,191 @@
+"""The CPU op extension (csrc/cpu_ops.cpp) against the torch references in fused_ops.py and
+attention/torch_ref.py: float32 tight, bfloat16 loose; and the engine's greedy tokens with and
+without it."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from servescope.model import cpu_ops, fused_ops
+from servescope.model.attention.torch_ref import TorchAttentionBackend
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="CPU op extension not built here")
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _ref_rms_norm(x, w, eps):
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def _ref_rotate(x, cos, sin):
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def _close(a, b, dtype):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    torch.testing.assert_close(a.float(), b.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("dm", [64, 576, 100])
+def test_rms_norm(dtype, t, dm):
+    g = torch.Generator().manual_seed(t * dm)
+    x = torch.randn(t, dm, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(dm, generator=g)).to(dtype)
+    _close(cpu_ops.rms_norm(x, w, 1e-5), _ref_rms_norm(x, w, 1e-5), dtype)
+    # through the dispatch point
+    _close(fused_ops.rms_norm(x, w, 1e-5), _ref_rms_norm(x, w, 1e-5), dtype)
+    # a strided [T, H, D] view (q of a fused qkv, as qk-norm sees it)
+    qkv = torch.randn(t, 3 * dm, generator=g).to(dtype)
+    q = qkv[:, :dm].view(t, 4, dm // 4) if dm % 4 == 0 else qkv[:, :dm].view(t, 1, dm)
+    wq = w[: q.shape[-1]].contiguous()
+    _close(cpu_ops.rms_norm(q, wq, 1e-6), _ref_rms_norm(q, wq, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 5])
+def test_add_rms_norm(dtype, t):
+    g = torch.Generator().manual_seed(t)
+    x, r = (torch.randn(t, 576, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    y, h = cpu_ops.add_rms_norm(x, r, w, 1e-5)
+    href = x + r
+    assert torch.equal(h, href)  # the residual stream is exact in its dtype
+    _close(y, _ref_rms_norm(href, w, 1e-5), dtype)
+    y2, h2 = fused_ops.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(y2, y) and torch.equal(h2, h)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 4, 16), (6, 2, 40)])
+def test_rotary_strided_from_fused_qkv(dtype, t, h, hkv, d):
+    g = torch.Generator().manual_seed(h * d + t)
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g).to(dtype)
+    q, k, _ = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.view(t, h, d), k.view(t, hkv, d)
+    assert t == 1 or (not q.is_contiguous() and not k.is_contiguous())
+    pos = torch.randint(0, 500, (t,), generator=g).float()
+    freqs = torch.outer(pos, 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+    cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    qo, ko = cpu_ops.rotary(q, k, cos, sin)
+    qr, kr = _ref_rotate(q, cos, sin), _ref_rotate(k, cos, sin)
+    if dtype == torch.float32:  # same operations in the same order: bit-exact
+        assert torch.equal(qo, qr) and torch.equal(ko, kr)
+    _close(qo, qr, dtype)
+    _close(ko, kr, dtype)
+    qo2, ko2 = fused_ops.rotary(q, k, cos, sin)
+    assert torch.equal(qo2, qo) and torch.equal(ko2, ko)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("inner", [1536, 40])
+def test_silu_mul(dtype, t, inner):
+    g = torch.Generator().manual_seed(inner + t)
+    gu = (3 * torch.randn(t, 2 * inner, generator=g)).to(dtype)
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -20.0]).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    _close(cpu_ops.silu_mul(gu), ref, dtype)
+    _close(fused_ops.silu_mul(gu), ref, dtype)
+
+
+def _paged_setup(dtype, b, h, hkv, d, ctx_lens, s=16, nblocks=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(nblocks, s, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(nblocks, s, hkv, d, generator=g).to(dtype)
+    m = max((c + s - 1) // s for c in ctx_lens) + 1  # one padding column
+    perm = torch.randperm(nblocks, generator=g)
+    tables = torch.zeros(b, m, dtype=torch.int32)
+    used = 0
+    for i, c in enumerate(ctx_lens):
+        nb = (c + s - 1) // s
+        tables[i, :nb] = perm[used:used + nb].int()
+        used += nb
+    q = torch.randn(b, h, d, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(ctx_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("ctx_lens", [[1], [16], [17], [100], [1, 16, 17, 100, 5]])
+def test_paged_decode(dtype, group, ctx_lens):
+    hkv, d = 3, 64
+    h = hkv * group
+    q, kc, vc, tables, lens = _paged_setup(dtype, len(ctx_lens), h, hkv, d, ctx_lens, seed=len(ctx_lens) + group)
+    ref = TorchAttentionBackend._paged_decode(q, kc, vc, tables, lens, max(ctx_lens), d ** -0.5)
+    out = cpu_ops.paged_decode(q, kc, vc, tables, lens, d ** -0.5)
+    _close(out, ref, dtype)
+    # into a preallocated (strided) output, from a strided q
+    qkv = torch.zeros(len(ctx_lens), h + 2 * hkv, d, dtype=dtype)
+    qkv[:, :h] = q
+    buf = torch.zeros(len(ctx_lens), h, d, dtype=dtype)
+    cpu_ops.paged_decode(qkv[:, :h], kc, vc, tables, lens, d ** -0.5, out=buf)
+    assert torch.equal(buf, out)
+
+
+@pytest.mark.parametrize("d", [16, 40])
+def test_paged_decode_other_head_dims_and_block_size(d):
+    q, kc, vc, tables, lens = _paged_setup(torch.float32, 2, 4, 2, d, [70, 3], s=64, seed=d)
+    ref = TorchAttentionBackend._paged_decode(q, kc, vc, tables, lens, 70, 0.3)
+    _close(cpu_ops.paged_decode(q, kc, vc, tables, lens, 0.3), ref, torch.float32)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("t", [1, 5])
+def test_store_kv_strided(dtype, cache_dtype, t):
+    g = torch.Generator().manual_seed(t)
+    hkv, d, h = 3, 64, 9
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g).to(dtype)
+    _, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    k, v = k.view(t, hkv, d), v.view(t, hkv, d)
+    kc, vc = torch.zeros(8, 16, hkv, d, dtype=cache_dtype), torch.zeros(8, 16, hkv, d, dtype=cache_dtype)
+    slots = torch.randperm(8 * 16, generator=g)[:t]
+    cpu_ops.store_kv(k, v, kc, vc, slots)
+    kr, vr = torch.zeros_like(kc), torch.zeros_like(vc)
+    kr.view(-1, hkv, d).index_copy_(0, slots, k.to(cache_dtype))
+    vr.view(-1, hkv, d).index_copy_(0, slots, v.to(cache_dtype))
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
+def test_engine_greedy_tokens_match_torch_reference(tmp_path, monkeypatch):
+    from servescope import LLM, SamplingParams
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny_models import make_tiny_hf_model
+
+    import servescope.tokenizer
+
+    path = make_tiny_hf_model(tmp_path, "llama", vocab_size=512, with_tokenizer=False)
+    monkeypatch.setattr(servescope.tokenizer, "load_tokenizer", lambda source: None)  # token ids in and out
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run():
+        # a 120-token prompt prefilled in chunks of 32 while the short ones decode: mixed steps
+        llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+        prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [(i * 7) % 500 + 3 for i in range(120)]]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+
+    calls = {}
+    for name in ("rms_norm", "add_rms_norm", "rotary", "silu_mul", "store_kv", "paged_decode"):
+        def spy(*a, _f=getattr(cpu_ops, name), _n=name, **kw):
+            calls[_n] = calls.get(_n, 0) + 1
+            if kw.get("out") is not None:
+                calls["mixed"] = calls.get("mixed", 0) + 1
+            return _f(*a, **kw)
+        monkeypatch.setattr(cpu_ops, name, spy)
+    with_kernels = run()
+    assert set(calls) == {"rms_norm", "add_rms_norm", "rotary", "silu_mul", "store_kv", "paged_decode", "mixed"}, calls
+    monkeypatch.setattr(cpu_ops, "_mod", None)  # load() -> None: the torch references everywhere
+    assert run() == with_kernels
