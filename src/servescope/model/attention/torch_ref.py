@@ -9,6 +9,8 @@ N blocks, S block size, M blocks per sequence, L context length.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -93,7 +95,8 @@ class TorchAttentionBackend(AttentionBackend):
         qg = q.view(b, hkv, h // hkv, d)
         kt = keys.permute(0, 2, 1, 3).to(q.dtype)
         vt = vals.permute(0, 2, 1, 3).to(q.dtype)
-        o = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask, scale=scale)  # [B, Hkv, H/Hkv, D]
+        with _sdpa_backends(q.device):
+            o = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask, scale=scale)  # [B, Hkv, H/Hkv, D]
         return o.reshape(b, h, d)
 
 
@@ -103,6 +106,23 @@ def _sdpa(q, k, v, scale, causal=False, mask=None):
     qt = q.transpose(0, 1)[None]
     kt = k.transpose(0, 1)[None]
     vt = v.transpose(0, 1)[None]
-    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=causal and mask is None,
-                                       scale=scale, enable_gqa=kt.shape[1] != qt.shape[1])
+    with _sdpa_backends(q.device):
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=causal and mask is None,
+                                           scale=scale, enable_gqa=kt.shape[1] != qt.shape[1])
     return o[0].transpose(0, 1)  # [1, H, q, D] -> [q, H, D]
+
+
+_GPU_BACKENDS = None
+
+
+def _sdpa_backends(device: torch.device):
+    """On CUDA, keep SDPA off cuDNN: it builds an execution plan for every new sequence length
+    (measured on an H200: a 30-sequence 8192-token prefill step took 4.9 s instead of ~0.1 s)."""
+    global _GPU_BACKENDS
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if _GPU_BACKENDS is None:
+        _GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(_GPU_BACKENDS)
