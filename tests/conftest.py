@@ -12,6 +12,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "model"))
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# Without a GPU the Triton kernels run in Triton's interpreter. It must be chosen before anything
+# imports triton (the model imports its fused kernels at import time), so it is set here, once.
+if _no_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(scope="session")
 def smollm2_llm():
     """The embedded model in float32 with a small KV cache, shared by the end-to-end tests.

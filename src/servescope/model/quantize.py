@@ -36,7 +36,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale.to(act_dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(act_dtype), requires_grad=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self._use_kernel = _kernel_works(q.device, act_dtype)
+        # torch's int8 kernel is only fast on GPUs; on the CPU large-M (prefill) calls dequantise and
+        # use the BLAS GEMM (compute-bound anyway), small-M (decode) calls use the GEMV extension.
+        self._use_kernel = q.device.type != "cpu" and _kernel_works(q.device, act_dtype)
         self._scale_f32 = scale.float()
         self._bias_f32 = None if bias is None else bias.detach().float()
 
