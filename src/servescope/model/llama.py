@@ -125,6 +125,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.int8_head: Optional[nn.Module] = None  # set by quantize.quantize_int8
         self.cpu_gemv = False  # set by optimize.use_cpu_gemv
+        self.cpu_head_packed = None  # the output head in oneDNN's layout (optimize.use_cpu_gemv)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -147,6 +148,8 @@ class LlamaForCausalLM(nn.Module):
         w = self.lm_head_weight()
         if self.cpu_gemv and cpu_kernels.use_gemv(hidden, w):
             return cpu_kernels.gemv(hidden, w)
+        if self.cpu_head_packed is not None and hidden.dtype == w.dtype:
+            return cpu_kernels.onednn_linear(hidden, self.cpu_head_packed).float()
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()

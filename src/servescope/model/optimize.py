@@ -38,7 +38,8 @@ def fuse_projections(model: nn.Module) -> nn.Module:
 
 
 def use_cpu_gemv(model: nn.Module) -> nn.Module:
-    """On the CPU, route the decoder's small-M matmuls to the AVX-512 GEMV (csrc/cpu_gemv.cpp)."""
+    """On the CPU, route the decoder's small-M matmuls to the AVX-512 GEMV (csrc/cpu_gemv.cpp) and
+    the larger ones (prefill, big decode batches) to oneDNN's GEMM on prepacked weights."""
     from servescope.model import cpu_kernels
 
     if not cpu_kernels.available():
@@ -49,6 +50,8 @@ def use_cpu_gemv(model: nn.Module) -> nn.Module:
                 if type(child) is nn.Linear:
                     setattr(parent, name, cpu_kernels.CpuLinear(child))
     model.cpu_gemv = True
+    if model.int8_head is None:
+        model.cpu_head_packed = cpu_kernels.pack_for_onednn(model.lm_head_weight())
     return model
 
 
