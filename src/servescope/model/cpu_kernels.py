@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 
 import torch
+
+from servescope.model.cpu_extension import CpuExtension
 
 logger = logging.getLogger(__name__)
 
@@ -20,44 +20,16 @@ logger = logging.getLogger(__name__)
 # 2-core AVX-512 machine, see docs/BENCHMARKS.md): float32 BLAS is slow at small M; bfloat16's
 # oneDNN kernel catches up at M = 2..4; int8 has no fast eager kernel for float32 activations.
 MAX_ROWS = {torch.float32: 6, torch.bfloat16: 2, torch.int8: 16}
-_lock = threading.Lock()
+_EXT = CpuExtension("servescope_cpu_gemv", "cpu_gemv.cpp", "CPU GEMV kernels")
 _mod = None
-_tried = False
 _EMPTY = torch.empty(0)
 
 
-def _cpu_has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return all(f in flags.split() for f in ("avx512f", "avx512bw", "avx512vl", "fma"))
-
-
 def load():
-    """The compiled module, or None. Compiling takes a minute once; the result is cached by torch."""
-    global _mod, _tried
-    if _tried:
-        return _mod
-    with _lock:
-        if _tried:
-            return _mod
-        _tried = True
-        if os.environ.get("SERVESCOPE_CPU_KERNELS", "1") == "0" or not _cpu_has_avx512():
-            return None
-        try:
-            from torch.utils.cpp_extension import load as load_ext
-
-            src = os.path.join(os.path.dirname(__file__), "csrc", "cpu_gemv.cpp")
-            t0 = time.perf_counter()
-            _mod = load_ext(name="servescope_cpu_gemv", sources=[src], verbose=False,
-                            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"])
-            logger.info("CPU GEMV kernels ready (%.1f s)", time.perf_counter() - t0)
-        except Exception as e:  # no compiler, headers, ninja...: the eager path still works
-            logger.warning("CPU GEMV kernels unavailable, using eager PyTorch: %s", str(e).splitlines()[0][:200])
-            _mod = None
-        return _mod
+    """The compiled module, or None (see cpu_extension.py)."""
+    global _mod
+    _mod = _EXT.load()
+    return _mod
 
 
 def available() -> bool:

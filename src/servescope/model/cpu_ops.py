@@ -11,58 +11,25 @@ which the tests compare against.
 from __future__ import annotations
 
 import logging
-import os
-import threading
-import time
 
 import torch
+
+from servescope.model.cpu_extension import CpuExtension
 
 logger = logging.getLogger(__name__)
 
 DTYPES = (torch.float32, torch.bfloat16)
-_lock = threading.Lock()
+# -ffp-contract=off: no fused multiply-adds where the torch reference rounds each step
+_EXT = CpuExtension("servescope_cpu_ops", "cpu_ops.cpp", "CPU op kernels", extra_cflags=["-ffp-contract=off"])
 _mod = None
-_tried = False
 _EMPTY = torch.empty(0)
 
 
-def _cpu_flags() -> set:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.split())
-
-
 def load():
-    """The compiled module, or None. Compiling takes a minute once; the result is cached by torch."""
-    global _mod, _tried
-    if _tried:
-        return _mod
-    with _lock:
-        if _tried:
-            return _mod
-        flags = _cpu_flags()
-        if os.environ.get("SERVESCOPE_CPU_KERNELS", "1") == "0" or not {
-                "avx512f", "avx512bw", "avx512vl", "fma"} <= flags:
-            _tried = True
-            return None
-        try:
-            from torch.utils.cpp_extension import load as load_ext
-
-            src = os.path.join(os.path.dirname(__file__), "csrc", "cpu_ops.cpp")
-            cflags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-ffp-contract=off"]
-            if "avx512_bf16" in flags:
-                cflags.append("-mavx512bf16")
-            t0 = time.perf_counter()
-            _mod = load_ext(name="servescope_cpu_ops", sources=[src], verbose=False, extra_cflags=cflags)
-            logger.info("CPU op kernels ready (%.1f s)", time.perf_counter() - t0)
-        except Exception as e:  # no compiler, headers, ninja...: the torch references still work
-            logger.warning("CPU op kernels unavailable, using eager PyTorch: %s", str(e).splitlines()[0][:200])
-            _mod = None
-        _tried = True
-        return _mod
+    """The compiled module, or None (see cpu_extension.py)."""
+    global _mod
+    _mod = _EXT.load()
+    return _mod
 
 
 def available() -> bool:

@@ -1,0 +1,62 @@
+"""Build-on-first-use C++ extensions for the CPU (csrc/*.cpp), with an eager fallback.
+
+An extension is compiled once by torch.utils.cpp_extension (about 30 s here; cached by torch
+afterwards) when the CPU has AVX-512 and SERVESCOPE_CPU_KERNELS is not "0"; anything that stops
+the build (no compiler, headers or ninja) leaves `load()` returning None and callers on PyTorch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+logger = logging.getLogger(__name__)
+
+BASE_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
+_REQUIRED = {"avx512f", "avx512bw", "avx512vl", "fma"}
+
+
+def cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.split())
+
+
+class CpuExtension:
+    def __init__(self, name: str, source: str, what: str, extra_cflags=()):
+        self.name, self.what = name, what
+        self.source = os.path.join(os.path.dirname(__file__), "csrc", source)
+        self.extra_cflags = list(extra_cflags)
+        self._lock = threading.Lock()
+        self._mod = None
+        self._tried = False
+
+    def load(self):
+        """The compiled module, or None."""
+        if self._tried:
+            return self._mod
+        with self._lock:
+            if self._tried:
+                return self._mod
+            flags = cpu_flags()
+            if os.environ.get("SERVESCOPE_CPU_KERNELS", "1") != "0" and _REQUIRED <= flags:
+                try:
+                    from torch.utils.cpp_extension import load as load_ext
+
+                    cflags = BASE_CFLAGS + self.extra_cflags
+                    if "avx512_bf16" in flags:
+                        cflags.append("-mavx512bf16")
+                    t0 = time.perf_counter()
+                    self._mod = load_ext(name=self.name, sources=[self.source], verbose=False, extra_cflags=cflags)
+                    logger.info("%s ready (%.1f s)", self.what, time.perf_counter() - t0)
+                except Exception as e:  # no compiler, headers, ninja...: the eager path still works
+                    logger.warning("%s unavailable, using eager PyTorch: %s", self.what,
+                                   str(e).splitlines()[0][:200])
+                    self._mod = None
+            self._tried = True
+            return self._mod
