@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 
 from rich.console import Console
 from rich.table import Table
@@ -70,10 +69,10 @@ def internals_summary(engine, final, steps) -> list:
                                      f"({engine.cache_config.num_blocks} blocks x {engine.cache_config.block_size})")
     req.add_row("weights", f"{_fmt_bytes(engine.weight_bytes)}  ({str(engine.dtype).replace('torch.', '')}"
                            f"{', int8 linear weights' if engine.config.quantization else ''})")
-    phases = Table(title="phases (measured, with the cost model's prediction on " +
-                   (steps[0].hardware or "?") + ")" if steps else "phases")
-    for col in ("phase", "steps", "tokens", "time", "tokens/s", "FLOP/s", "bytes/s", "bound", "predicted"):
-        phases.add_column(col, justify="right" if col not in ("phase", "bound") else "left")
+    hw = (steps[0].hardware or "?") if steps else "?"
+    phases = Table(title=f"phases: measured, and predicted by the cost model for {hw}")
+    for col in ("phase", "steps", "tokens", "ms", "tok/s", "GFLOP/s", "GB/s", "bound", "pred ms"):
+        phases.add_column(col, justify="left" if col in ("phase", "bound") else "right")
     for name, ss, t, n in (("prefill", pre, t_pre, n_pre), ("decode", dec, t_dec, n_dec)):
         if not ss:
             continue
@@ -81,9 +80,9 @@ def internals_summary(engine, final, steps) -> list:
         byts = sum(s.bytes or 0 for s in ss)
         pred = sum(s.predicted_seconds or 0 for s in ss)
         bounds = {s.bound for s in ss if s.bound}
-        phases.add_row(name, str(len(ss)), str(n), f"{t * 1e3:.1f} ms", f"{n / t:.1f}" if t else "-",
-                       _fmt_rate(flops / t if t else None, "FLOP/s"), _fmt_rate(byts / t if t else None, "B/s"),
-                       "/".join(sorted(bounds)) or "-", f"{pred * 1e3:.1f} ms" if pred else "-")
+        phases.add_row(name, str(len(ss)), str(n), f"{t * 1e3:.1f}", f"{n / t:.1f}" if t else "-",
+                       f"{flops / t / 1e9:.1f}" if t else "-", f"{byts / t / 1e9:.1f}" if t else "-",
+                       "/".join(sorted(bounds)) or "-", f"{pred * 1e3:.1f}" if pred else "-")
     return [req, phases]
 
 

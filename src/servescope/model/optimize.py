@@ -40,8 +40,9 @@ def fuse_projections(model: nn.Module) -> nn.Module:
 def use_cpu_gemv(model: nn.Module) -> nn.Module:
     """On the CPU, route the decoder's small-M matmuls to the AVX-512 GEMV (csrc/cpu_gemv.cpp) and
     the larger ones (prefill, big decode batches) to oneDNN's GEMM on prepacked weights."""
-    from servescope.model import cpu_kernels
+    from servescope.model import cpu_kernels, cpu_ops
 
+    cpu_ops.load()  # build both extensions now (once, ~30 s each), not inside the first step's timing
     if not cpu_kernels.available():
         return model
     for layer in model.model.layers:
