@@ -11,23 +11,14 @@ import importlib.metadata
 import os
 import platform
 
+from servescope.analysis.probe import cpu_model
+
 
 def _version(dist: str):
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def cpu_flags(wanted=("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")) -> list:
