@@ -187,5 +187,5 @@ def test_engine_greedy_tokens_match_torch_reference(tmp_path, monkeypatch):
         monkeypatch.setattr(cpu_ops, name, spy)
     with_kernels = run()
     assert set(calls) == {"rms_norm", "add_rms_norm", "rotary", "silu_mul", "store_kv", "paged_decode", "mixed"}, calls
-    monkeypatch.setattr(cpu_ops, "_mod", None)  # load() -> None: the torch references everywhere
+    monkeypatch.setattr(cpu_ops._EXT, "mod", None)  # load() -> None: the torch references everywhere
     assert run() == with_kernels

@@ -33,16 +33,16 @@ class CpuExtension:
         self.source = os.path.join(os.path.dirname(__file__), "csrc", source)
         self.extra_cflags = list(extra_cflags)
         self._lock = threading.Lock()
-        self._mod = None
+        self.mod = None  # the compiled module once load() succeeded
         self._tried = False
 
     def load(self):
         """The compiled module, or None."""
         if self._tried:
-            return self._mod
+            return self.mod
         with self._lock:
             if self._tried:
-                return self._mod
+                return self.mod
             flags = cpu_flags()
             if os.environ.get("SERVESCOPE_CPU_KERNELS", "1") != "0" and _REQUIRED <= flags:
                 try:
@@ -52,11 +52,14 @@ class CpuExtension:
                     if "avx512_bf16" in flags:
                         cflags.append("-mavx512bf16")
                     t0 = time.perf_counter()
-                    self._mod = load_ext(name=self.name, sources=[self.source], verbose=False, extra_cflags=cflags)
+                    self.mod = load_ext(name=self.name, sources=[self.source], verbose=False, extra_cflags=cflags)
                     logger.info("%s ready (%.1f s)", self.what, time.perf_counter() - t0)
                 except Exception as e:  # no compiler, headers, ninja...: the eager path still works
                     logger.warning("%s unavailable, using eager PyTorch: %s", self.what,
                                    str(e).splitlines()[0][:200])
-                    self._mod = None
+                    self.mod = None
             self._tried = True
-            return self._mod
+            return self.mod
+
+    def available(self) -> bool:
+        return self.load() is not None

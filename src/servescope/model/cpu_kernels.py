@@ -21,28 +21,18 @@ logger = logging.getLogger(__name__)
 # oneDNN kernel catches up at M = 2..4; int8 has no fast eager kernel for float32 activations.
 MAX_ROWS = {torch.float32: 6, torch.bfloat16: 2, torch.int8: 16}
 _EXT = CpuExtension("servescope_cpu_gemv", "cpu_gemv.cpp", "CPU GEMV kernels")
-_mod = None
 _EMPTY = torch.empty(0)
-
-
-def load():
-    """The compiled module, or None (see cpu_extension.py)."""
-    global _mod
-    _mod = _EXT.load()
-    return _mod
-
-
-def available() -> bool:
-    return load() is not None
+load = _EXT.load  # the compiled module, or None (see cpu_extension.py)
+available = _EXT.available
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale=None, bias=None) -> torch.Tensor:
     """x [M, K], w [N, K] (float32 | bfloat16 | int8 with scale [N] float32) -> float32 [M, N]."""
-    return _mod.gemv(x, w, _EMPTY if scale is None else scale, _EMPTY if bias is None else bias)
+    return _EXT.mod.gemv(x, w, _EMPTY if scale is None else scale, _EMPTY if bias is None else bias)
 
 
 def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and _mod is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS.get(w.dtype, 0)
+    return x.device.type == "cpu" and _EXT.mod is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS.get(w.dtype, 0)
 
 
 def pack_for_onednn(w: torch.Tensor):

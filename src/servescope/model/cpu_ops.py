@@ -21,43 +21,33 @@ logger = logging.getLogger(__name__)
 DTYPES = (torch.float32, torch.bfloat16)
 # -ffp-contract=off: no fused multiply-adds where the torch reference rounds each step
 _EXT = CpuExtension("servescope_cpu_ops", "cpu_ops.cpp", "CPU op kernels", extra_cflags=["-ffp-contract=off"])
-_mod = None
 _EMPTY = torch.empty(0)
-
-
-def load():
-    """The compiled module, or None (see cpu_extension.py)."""
-    global _mod
-    _mod = _EXT.load()
-    return _mod
-
-
-def available() -> bool:
-    return load() is not None
+load = _EXT.load  # the compiled module, or None (see cpu_extension.py)
+available = _EXT.available
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return _mod.rms_norm(x, w, eps)
+    return _EXT.mod.rms_norm(x, w, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float) -> tuple:
-    y, h = _mod.add_rms_norm(x, residual, w, eps)
+    y, h = _EXT.mod.add_rms_norm(x, residual, w, eps)
     return y, h
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
-    qo, ko = _mod.rotary(q, k, cos, sin)
+    qo, ko = _EXT.mod.rotary(q, k, cos, sin)
     return qo, ko
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    return _mod.silu_mul(gate_up)
+    return _EXT.mod.silu_mul(gate_up)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    _mod.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    _EXT.mod.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, out=None) -> torch.Tensor:
     """q [B, H, D]; caches [N, S, Hkv, D]; block_tables [>=B, M] int32; context_lens [>=B] int32 -> [B, H, D]."""
-    return _mod.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, _EMPTY if out is None else out)
+    return _EXT.mod.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, _EMPTY if out is None else out)
