@@ -16,10 +16,13 @@ from servescope.model.cpu_extension import CpuExtension
 
 logger = logging.getLogger(__name__)
 
-# Up to how many rows (tokens) the GEMV beats PyTorch's own kernel, by weight dtype (measured on a
-# 2-core AVX-512 machine, see docs/BENCHMARKS.md): float32 BLAS is slow at small M; bfloat16's
-# oneDNN kernel catches up at M = 2..4; int8 has no fast eager kernel for float32 activations.
-MAX_ROWS = {torch.float32: 6, torch.bfloat16: 2, torch.int8: 16}
+# Up to how many rows (tokens) the GEMV beats oneDNN's GEMM on prepacked weights, by weight dtype
+# (measured on a 2-core AVX-512 machine over the 30 layers of SmolLM2, cold cache; see
+# docs/BENCHMARKS.md): the GEMV streams the weights at ~85% of a plain read, but its work grows
+# with the rows while oneDNN's blocked kernel stays near the weight-read time up to M ~ 8 (float32:
+# 16.9 / 18.2 / 20.6 ms at M = 1 / 2 / 3 vs oneDNN 24.1 / 26.1 / 19.6; bfloat16: 8.7 / 13.1 / 16.9 vs
+# 18.0 / ~17 / ~16.5). int8 has no fast eager kernel for float32 activations.
+MAX_ROWS = {torch.float32: 2, torch.bfloat16: 3, torch.int8: 16}
 _EXT = CpuExtension("servescope_cpu_gemv", "cpu_gemv.cpp", "CPU GEMV kernels")
 _EMPTY = torch.empty(0)
 load = _EXT.load  # the compiled module, or None (see cpu_extension.py)
@@ -38,12 +41,12 @@ def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
 def pack_for_onednn(w: torch.Tensor):
     """The weight reordered into oneDNN's blocked layout, or None where that is unavailable.
 
-    Measured here (2 threads, float32): the prepacked oneDNN GEMM runs the decoder's shapes at
-    about 200-220 GFLOP/s against 95-190 for torch's default BLAS path at M = 16..256, and the
-    49152-row output head at 2-3x the speed. Costs a second copy of the weight in memory."""
-    # float32 only: for bfloat16 the prepacked path made a 2048-token prefill 1.2x slower than
-    # torch's own bfloat16 kernel here (TTFT 2.84 s vs 2.38 s), so bfloat16 keeps F.linear
-    if w.device.type != "cpu" or w.dtype != torch.float32:
+    Measured here (2 threads, the decoder's four shapes over 30 layers): float32 runs at about
+    200-220 GFLOP/s against 95-190 for torch's default BLAS path at M = 16..256, and the 49152-row
+    output head at 2-3x the speed; bfloat16 beats F.linear at every M from 1 to 2048 (M = 16: 207 vs
+    117 GFLOP/s; M = 2048: 412 vs 390, the probe's peak being 417). Costs a second copy of the
+    weight in memory."""
+    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
         return None
     if os.environ.get("SERVESCOPE_CPU_KERNELS", "1") == "0" or not torch.backends.mkldnn.is_available():
         return None

@@ -23,63 +23,59 @@ inline __m512 load_w(const int8_t* p, __mmask16 m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
 
+constexpr int U = 4;  // 16-wide chunks of K per loop iteration (independent accumulators)
+
 template <typename W, int M>
-void rows4(const float* x, int64_t K, const W* w, int64_t ldw, int64_t n, int64_t nrows, float* acc_out) {
-  // acc_out[m * 4 + r] = dot(x[m], w[n + r]) for r < nrows (nrows <= 4)
-  __m512 acc[M][4];
+inline void row_dot(const float* x, int64_t K, const W* wr, float* out, int64_t ldo) {
+  // out[m * ldo] = dot(x[m], wr) for m < M. The weight row is read front to back once.
+  __m512 acc[M][U];
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
-  const W* wr[4];
-  for (int r = 0; r < 4; ++r) wr[r] = w + (n + (r < nrows ? r : 0)) * ldw;
+    for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 wv[4];
-    for (int r = 0; r < 4; ++r) wv[r] = load_w(wr[r] + k, (__mmask16)0xFFFF);
-    for (int m = 0; m < M; ++m) {
-      __m512 xv = _mm512_loadu_ps(x + m * K + k);
-      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
-    }
+  for (; k + 16 * U <= K; k += 16 * U) {
+    __m512 wv[U];
+    for (int u = 0; u < U; ++u) wv[u] = load_w(wr + k + 16 * u, (__mmask16)0xFFFF);
+    for (int m = 0; m < M; ++m)
+      for (int u = 0; u < U; ++u) acc[m][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k + 16 * u), wv[u], acc[m][u]);
   }
-  if (k < K) {
-    __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
-    __m512 wv[4];
-    for (int r = 0; r < 4; ++r) wv[r] = load_w(wr[r] + k, mask);
-    for (int m = 0; m < M; ++m) {
-      __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * K + k);
-      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
-    }
+  for (; k < K; k += 16) {
+    __mmask16 mask = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+    __m512 wv = load_w(wr + k, mask);
+    for (int m = 0; m < M; ++m) acc[m][0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + m * K + k), wv, acc[m][0]);
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < 4; ++r) acc_out[m * 4 + r] = _mm512_reduce_add_ps(acc[m][r]);
+  for (int m = 0; m < M; ++m) {
+    __m512 s = acc[m][0];
+    for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[m][u]);
+    out[m * ldo] = _mm512_reduce_add_ps(s);
+  }
 }
 
 template <typename W>
 void gemv_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* scale, const float* bias,
                float* y) {
-  // y [M, N]. Each task owns blocks of 4 rows of W and runs every group of up to 4 rows of x
-  // against them: the 4 weight rows stream from memory once and stay in L1 for the later groups.
-  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t b0, int64_t b1) {
-    float acc[16];
-    for (int64_t b = b0; b < b1; ++b) {
-      int64_t n = b * 4;
-      int64_t nrows = std::min<int64_t>(4, N - n);
+  // y [M, N]. Each task owns a contiguous range of W's rows and reads it front to back, one row at
+  // a time (a single sequential stream per thread is what the hardware prefetcher follows best:
+  // interleaving 4 rows measured ~15% slower here); every group of up to 4 rows of x runs against
+  // the row while it sits in L1.
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const W* wr = w + n * K;
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        int64_t mm = std::min<int64_t>(4, M - m0);
         const float* xm = x + m0 * K;
-        switch (mm) {
-          case 1: rows4<W, 1>(xm, K, w, K, n, nrows, acc); break;
-          case 2: rows4<W, 2>(xm, K, w, K, n, nrows, acc); break;
-          case 3: rows4<W, 3>(xm, K, w, K, n, nrows, acc); break;
-          default: rows4<W, 4>(xm, K, w, K, n, nrows, acc); break;
+        float* out = y + m0 * N + n;
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 1: row_dot<W, 1>(xm, K, wr, out, N); break;
+          case 2: row_dot<W, 2>(xm, K, wr, out, N); break;
+          case 3: row_dot<W, 3>(xm, K, wr, out, N); break;
+          default: row_dot<W, 4>(xm, K, wr, out, N); break;
         }
-        for (int64_t m = 0; m < mm; ++m)
-          for (int64_t r = 0; r < nrows; ++r) {
-            float v = acc[m * 4 + r];
-            if (scale) v *= scale[n + r];
-            if (bias) v += bias[n + r];
-            y[(m0 + m) * N + n + r] = v;
-          }
       }
+      if (scale || bias)
+        for (int64_t m = 0; m < M; ++m) {
+          float& v = y[m * N + n];
+          if (scale) v *= scale[n];
+          if (bias) v += bias[n];
+        }
     }
   });
 }

@@ -1,0 +1,65 @@
+"""The decode GEMV extension (csrc/cpu_gemv.cpp) and CpuLinear's dispatch against plain torch
+matmuls: every weight dtype, row counts on both sides of each group of 4, K with and without a
+tail (K % 64 != 0, K % 16 != 0), scale and bias."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from servescope.model import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU GEMV extension not built here")
+
+
+def _ref(x, w, scale=None, bias=None):
+    y = x.double() @ w.double().t()
+    if scale is not None:
+        y = y * scale.double()
+    if bias is not None:
+        y = y + bias.double()
+    return y.float()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 9])
+@pytest.mark.parametrize("k", [64, 100, 576, 1536])
+@pytest.mark.parametrize("n", [1, 7, 200])
+def test_gemv_float32(m, k, n):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    torch.testing.assert_close(cpu_kernels.gemv(x, w), _ref(x, w), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cpu_kernels.gemv(x, w, None, bias), _ref(x, w, bias=bias), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("k", [100, 576])
+def test_gemv_bfloat16_weights_and_activations(m, k):
+    g = torch.Generator().manual_seed(k + m)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(300, k, generator=g).bfloat16()
+    # the kernel widens both to float32 exactly and accumulates in float32
+    torch.testing.assert_close(cpu_kernels.gemv(x, w), _ref(x, w), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("k", [80, 576])
+def test_gemv_int8_with_scale(m, k):
+    g = torch.Generator().manual_seed(k * 3 + m)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randint(-127, 128, (130, k), generator=g, dtype=torch.int8)
+    scale, bias = torch.rand(130, generator=g) / 100, torch.randn(130, generator=g)
+    torch.testing.assert_close(cpu_kernels.gemv(x, w, scale, bias), _ref(x, w, scale, bias), atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 6, 7, 64])
+def test_cpu_linear_matches_f_linear(dtype, m):
+    """Both sides of MAX_ROWS: the GEMV below it, oneDNN (or F.linear) above."""
+    torch.manual_seed(m)
+    lin = torch.nn.Linear(576, 320, bias=True).to(dtype).requires_grad_(False)
+    x = torch.randn(m, 576).to(dtype)
+    cl = cpu_kernels.CpuLinear(lin)
+    out = cl(x)
+    assert out.dtype == dtype and out.shape == (m, 320)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), _ref(x.float(), lin.weight.float(), bias=lin.bias.float()), **tol)
