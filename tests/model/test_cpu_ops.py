@@ -135,6 +135,21 @@ def test_paged_decode(dtype, group, ctx_lens):
     assert torch.equal(buf, out)
 
 
+@pytest.mark.parametrize("d,hkv,group", [(64, 2, 5), (64, 1, 8), (128, 2, 4), (128, 1, 3)])
+@pytest.mark.parametrize("s", [8, 16, 32])
+@pytest.mark.parametrize("q_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                 (torch.float32, torch.bfloat16)])
+def test_paged_decode_register_tiled_path(d, hkv, group, s, q_dtype, cache_dtype):
+    """Head dims 64 and 128 take the register-tiled kernel: head groups that do not fill a tile,
+    keys split by blocks of 8 / 16 / 32 and by context lengths that end mid-block."""
+    ctx_lens = [1, 15, 16, 33, 200, 47]
+    q, kc, vc, tables, lens = _paged_setup(cache_dtype, len(ctx_lens), hkv * group, hkv, d, ctx_lens, s=s,
+                                           nblocks=128, seed=d + s + group)
+    q = q.to(q_dtype)
+    ref = TorchAttentionBackend._paged_decode(q, kc, vc, tables, lens, max(ctx_lens), d ** -0.5)
+    _close(cpu_ops.paged_decode(q, kc, vc, tables, lens, d ** -0.5), ref, q_dtype)
+
+
 @pytest.mark.parametrize("d", [16, 40])
 def test_paged_decode_other_head_dims_and_block_size(d):
     q, kc, vc, tables, lens = _paged_setup(torch.float32, 2, 4, 2, d, [70, 3], s=64, seed=d)
