@@ -112,7 +112,7 @@ def run_hardware(args) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        with con.status("probing the local CPU (memory bandwidth, matmul FLOP/s)..."):
+        with con.status("probing the local CPU (memory bandwidth, matmul FLOP/s, the engine's host overhead)..."):
             spec = get_hardware("local-cpu", force_probe=args.force)
         con.print(hardware_table([spec]))
         con.print(spec.notes)

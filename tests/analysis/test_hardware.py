@@ -71,6 +71,8 @@ def test_probe_measures_caches_and_forces(tmp_path, monkeypatch):
     assert spec.name == "local-cpu" and spec.kind == "cpu"
     assert spec.memory_bandwidth > 1e8 and spec.flops("float32") > 1e7 and spec.flops("bfloat16") > 1e6
     assert spec.memory_bytes > 2**28
+    # the engine's host work, measured on a tiny model: some microseconds per layer, not seconds
+    assert 1e-7 < spec.layer_overhead_s < 5e-3 and 0 <= spec.step_overhead_s < 0.05
     stored = json.loads(cache.read_text())
     assert len(stored) == 1 and "threads=" in next(iter(stored))
 
@@ -88,7 +90,7 @@ def test_get_hardware_local_cpu_reads_probe_cache(tmp_path, monkeypatch):
     from servescope.analysis import probe
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    probe.probe_local_hardware(bandwidth_bytes=4 * 2**20, matmul_size=64, runs=1)
+    probe.probe_local_hardware(bandwidth_bytes=4 * 2**20, matmul_size=64, runs=1, host_overhead=False)
     assert (tmp_path / "servescope" / "hardware.json").is_file()
     monkeypatch.setattr(probe, "measure_read_bandwidth", lambda *a, **k: pytest.fail("re-probed"))
     assert hardware.get_hardware("local-cpu").kind == "cpu"

@@ -13,6 +13,10 @@ What is measured and why:
   (slow) on CPUs without native support; that is measured too, with a smaller matrix.
 - int8 has no CPU matmul path in the engine (int8 weights are dequantised to the activation dtype),
   so peak_flops["int8"] is set to the bfloat16 figure and said so in `notes`.
+- step_overhead_s / layer_overhead_s: the engine's own host work per step and per decoder layer,
+  measured on the engine with a model too small to cost anything else (engine/overhead.py). The
+  cost model adds them to every step's prediction; they are measured, not fitted to the steps they
+  predict.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from servescope.analysis.hardware import HardwareSpec, LOCAL_CPU
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: host overheads measured
 
 
 def default_cache_path() -> Path:
@@ -97,11 +101,13 @@ def probe_local_hardware(
     bandwidth_bytes: int = 512 * 2**20,
     matmul_size: int = 2048,
     runs: int = 5,
+    host_overhead: bool = True,
 ) -> HardwareSpec:
     """A HardwareSpec named 'local-cpu' for this machine, measured once and cached.
 
     `bandwidth_bytes`, `matmul_size` and `runs` exist so tests can run a tiny probe; a cached
-    result is reused whatever they are (pass force=True to re-measure).
+    result is reused whatever they are (pass force=True to re-measure). host_overhead=False skips
+    the engine-overhead measurement (both overheads stay 0).
     """
     import torch
 
@@ -130,6 +136,14 @@ def probe_local_hardware(
     fp16 = measure_matmul_flops("float16", n16, 1)
     if 2.0 * matmul_size**3 / fp16 < 0.5:
         fp16 = measure_matmul_flops("float16", matmul_size, runs)
+    step_oh = layer_oh = 0.0
+    if host_overhead:
+        try:
+            from servescope.engine.overhead import measure_host_overhead
+
+            step_oh, layer_oh = measure_host_overhead()
+        except Exception as e:  # the peaks stand on their own; predictions then carry no overhead
+            logger.warning("host overhead not measured (%s); predictions will not include it", e)
     elapsed = time.perf_counter() - t0
     spec = HardwareSpec(
         name=LOCAL_CPU,
@@ -139,7 +153,10 @@ def probe_local_hardware(
         memory_bytes=total_memory_bytes(),
         notes=(f"measured by probe_local_hardware on {cpu_model()} with {threads} torch threads in "
                f"{elapsed:.1f} s; int8 = bfloat16 figure (int8 weights are dequantised); "
-               f"memory_bytes = physical RAM"),
+               f"memory_bytes = physical RAM; host overhead {step_oh * 1e3:.2f} ms per step + "
+               f"{layer_oh * 1e6:.0f} us per layer (engine/overhead.py)"),
+        step_overhead_s=step_oh,
+        layer_overhead_s=layer_oh,
         source=(f"probe: torch.sum over {bandwidth_bytes / 2**20:.0f} MiB float32, torch.mm {matmul_size}^3, "
                 f"median of {runs}; torch {torch.__version__}"),
     )

@@ -461,9 +461,20 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
                  int64_t os0, int64_t os1) {
   constexpr int D = 16 * NJ, HT = 16 / NJ;
   const int64_t g = h / hkv, row = hkv * D;
-  int64_t max_ctx = 1;
-  for (int64_t i = 0; i < b; ++i) max_ctx = std::max<int64_t>(max_ctx, cl[i]);
-  at::parallel_for(0, b * hkv, grain_for(max_ctx * g * D, 32768), [&](int64_t i0, int64_t i1) {
+  // Items (sequence, KV head) cost in proportion to their context: split them into one contiguous
+  // range per thread of about equal total context (an equal count of items left one thread with
+  // the long sequences of a mixed batch: 3-12% slower at batch 8-34), and stay on one thread when
+  // the whole step is small. (Items of one sequence with all its KV heads, to read each block front
+  // to back, measured no faster.)
+  const int64_t items = b * hkv;
+  std::vector<int64_t> cum(items + 1, 0);
+  for (int64_t it = 0; it < items; ++it) cum[it + 1] = cum[it] + cl[it / hkv] + 16;
+  const int64_t total = cum[items];
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>({(int64_t)at::get_num_threads(), items,
+                                                             total * g * D / 32768}));
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    const int64_t i0 = std::lower_bound(cum.begin(), cum.end(), total * t0 / nt) - cum.begin();
+    const int64_t i1 = t1 >= nt ? items : std::lower_bound(cum.begin(), cum.end(), total * t1 / nt) - cum.begin();
     std::vector<float> buf(2 * g * D + 16 * g + 2 * g + 2 * 16 * D);
     float* qf = buf.data();    // [G, D] queries in float32, pre-scaled
     float* acc = qf + g * D;   // [G, D] running sum of p * v
