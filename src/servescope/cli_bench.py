@@ -355,15 +355,21 @@ def run_latency(args) -> int:
                   _fmt(r["decode_tokens_per_s"]))
     con.print(t)
     p = Table(title="servescope steps by phase (time-weighted rates)", box=None, pad_edge=False)
-    for col in ("phase", "steps", "median step ms", "tok/s", "GB/s", "% BW", "GFLOP/s", "% peak", "bound",
-                "pred/meas"):
+    for col in ("phase", "steps", "median step ms", "tok/s", "GB/s", "% BW", "% BW now", "GFLOP/s", "% peak",
+                "bound", "pred/meas"):
         p.add_column(col, justify="left" if col == "phase" else "right")
     for phase, d in ours["phases"].items():
         p.add_row(phase, str(d["num_steps"]), _fmt(d["median_step_seconds"], 1e3, 2), _fmt(d["tokens_per_s"]),
                   _fmt(d.get("achieved_bytes_per_s"), 1e-9, 1), _fmt(d.get("pct_of_bandwidth"), 1, 0, "%"),
+                  _fmt(d.get("pct_of_session_bandwidth"), 1, 0, "%"),
                   _fmt(d.get("achieved_flops_per_s"), 1e-9, 1), _fmt(d.get("pct_of_peak_flops"), 1, 0, "%"),
                   str(d.get("bound", "-")), _fmt(d.get("predicted_over_measured"), 1, 2))
     con.print(p)
+    sb = ours.get("session_bandwidth")
+    if sb:
+        con.print(f"% BW: of the probe's cached bandwidth; % BW now: of the read bandwidth measured around the "
+                  f"iterations (median {sb['median'] / 1e9:.1f} GB/s, {sb['min'] / 1e9:.1f}..{sb['max'] / 1e9:.1f} "
+                  f"over {len(sb['samples'])} samples)")
     for k, v in ratios.items():
         what, name = k.rsplit("_vs_", 1)
         label = "decode tokens/s" if what.startswith("decode") else "TTFT"

@@ -163,6 +163,45 @@ def test_cpu_spec_prediction_uses_its_own_peaks():
     assert s.predicted_seconds > weight_bytes(SMOL, "float32") / 20e9 * 0.9
 
 
+def test_measured_linear_rates_bound_the_linear_ops():
+    """A spec with measured kernel rates: a linear op takes at least weight bytes / rate(M), M = rows
+    (log-log interpolated between measured M), other ops and uncovered M keep the roofline."""
+    cpu = HardwareSpec(name="toy", kind="cpu", memory_bandwidth=20e9, memory_bytes=2**34,
+                       peak_flops={"float32": 150e9, "bfloat16": 600e9, "float16": 5e9, "int8": 600e9})
+    assert cpu.linear_rate("float32", 4) is None
+    rates = cpu.replace(linear_rates={"float32": [[1, 10e9], [4, 10e9], [16, 2.5e9]]})
+    assert rates.linear_rate("float32", 4) == pytest.approx(10e9)
+    assert rates.linear_rate("float32", 8) == pytest.approx(5e9)  # halfway in log M: geometric mean
+    assert rates.linear_rate("float32", 32) is None and rates.linear_rate("bfloat16", 1) is None
+    plain, slow = decode_cost(SMOL, 8, 0, cpu, "float32"), decode_cost(SMOL, 8, 0, rates, "float32")
+    for name in ("qkv_proj", "attn_out_proj", "mlp"):
+        op = slow.op(name)
+        assert op.kernel_seconds == pytest.approx(op.weight_bytes / 5e9)
+        assert op.seconds == pytest.approx(max(op.kernel_seconds, plain.op(name).seconds))
+    assert slow.op("lm_head").kernel_seconds == pytest.approx(slow.op("lm_head").weight_bytes / 5e9)
+    assert slow.op("attention").kernel_seconds == 0 and slow.op("kv_read").seconds == plain.op("kv_read").seconds
+    big = step_cost(SMOL, [(64, 0)], rates, "float32")  # 64 rows: beyond the table, roofline only
+    assert big.op("mlp").kernel_seconds == 0
+    with pytest.raises(InvalidParameterError):
+        cpu.replace(linear_rates={"float32": [[4, 1e9], [2, 1e9]]})
+    assert HardwareSpec.from_dict(rates.to_dict()) == rates
+
+
+def test_measured_decode_attention_rate_prices_decode_sequences_only():
+    cpu = HardwareSpec(name="toy", kind="cpu", memory_bandwidth=20e9, memory_bytes=2**34,
+                       peak_flops={"float32": 150e9, "bfloat16": 600e9, "float16": 5e9, "int8": 600e9})
+    slow = cpu.replace(decode_attention_flops={"float32": 10e9})
+    seqs = [(1, 300), (1, 40), (64, 100)]
+    plain, s = step_cost(SMOL, seqs, cpu, "float32"), step_cost(SMOL, seqs, slow, "float32")
+    dec, pre = attention_flops(SMOL, seqs[:2]), attention_flops(SMOL, seqs[2:])
+    assert s.op("attention").kernel_seconds == pytest.approx(dec / 10e9 + pre / 150e9)
+    assert plain.op("attention").kernel_seconds == 0
+    assert s.op("attention").seconds == pytest.approx(max(plain.op("attention").seconds, dec / 10e9 + pre / 150e9))
+    assert step_cost(SMOL, [(8, 0)], slow, "float32").op("attention").kernel_seconds == 0  # no decode sequence
+    with pytest.raises(InvalidParameterError):
+        cpu.replace(decode_attention_flops={"float32": 0.0})
+
+
 def test_model_config_roundtrip_tiny():
     cfg = ModelConfig(architecture="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4)

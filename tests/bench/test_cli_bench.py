@@ -176,6 +176,10 @@ def test_bench_latency_tiny_with_hf_baseline(tiny_model, tmp_path):
     assert dec["achieved_bytes_per_s"] > 0 and dec["pct_of_bandwidth"] > 0 and dec["predicted_over_measured"] > 0
     assert "prefill" in ours["phases"]
     assert ours["hardware"]["memory_bandwidth"] > 0 and ours["hardware"]["peak_flops"] > 0
+    # the read bandwidth sampled before each iteration and after the last, and the share of it
+    sb = ours["session_bandwidth"]
+    assert len(sb["samples"]) == 3 and sb["min"] <= sb["median"] <= sb["max"] and sb["min"] > 1e8
+    assert dec["pct_of_session_bandwidth"] == pytest.approx(100 * dec["achieved_bytes_per_s"] / sb["median"])
     assert hf["ttft_s"] > 0 and hf["decode_tokens_per_s"] > 0 and len(hf["iterations"]) == 2
     assert set(d["ratios"]) == {"decode_tokens_per_s_vs_hf", "ttft_vs_hf"}
 

@@ -63,3 +63,24 @@ def test_cpu_linear_matches_f_linear(dtype, m):
     assert out.dtype == dtype and out.shape == (m, 320)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), _ref(x.float(), lin.weight.float(), bias=lin.bias.float()), **tol)
+
+
+def test_kernel_probe_rates_shape():
+    """The probe's table (model/kernel_probe.py): one [M, bytes/s] row per M, ascending, positive,
+    and accepted by HardwareSpec."""
+    from servescope.analysis.hardware import get_hardware
+    from servescope.model.kernel_probe import measure_linear_rates
+
+    rates = measure_linear_rates("float32", rows=(1, 3, 16), num_matrices=2, size=128, runs=1)
+    assert [m for m, _ in rates] == [1, 3, 16] and all(r > 0 for _, r in rates)
+    spec = get_hardware("H100-SXM").replace(kind="cpu", linear_rates={"float32": rates})
+    assert spec.linear_rate("float32", 2) > 0
+
+
+def test_kernel_probe_decode_attention_rate():
+    from servescope.model import cpu_ops
+    from servescope.model.kernel_probe import measure_decode_attention_flops
+
+    if not cpu_ops.available():
+        pytest.skip("CPU op extension not built here")
+    assert measure_decode_attention_flops("float32", batch=2, context=32, runs=1) > 1e6

@@ -6,6 +6,10 @@ L layers, d hidden, q = H*D query width, kv = Hkv*D key (and value) width, i int
 
 Per op group we count FLOPs and bytes moved, and predict
     time = max(flops / (peak[act_dtype] * eff["compute"]), bytes / (bandwidth * eff["memory"]))
+and, for the linear ops on a spec with measured kernel rates (the local CPU probe), no faster than
+    weight_bytes / linear_rate(weight_dtype, M)
+(a GEMV or a matmul of a few rows reaches neither ceiling; see hardware.py), and decode attention
+no faster than attention FLOPs / the measured FLOP/s of the decode-attention kernel.
 The step's prediction is the sum over ops plus a fixed overhead (hw.step_overhead_s +
 L * hw.layer_overhead_s, or `overhead_s`). Summing per-op times assumes ops do not overlap, which
 is how an unfused engine runs (the torch attention backend gathers KV, then calls SDPA).
@@ -40,6 +44,7 @@ from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+_LINEAR_OPS = ("qkv_proj", "attn_out_proj", "mlp", "lm_head")
 OP_NAMES = ("embedding", "qkv_proj", "attention", "kv_write", "kv_read", "attn_out_proj", "mlp",
             "norms_rope_misc", "lm_head")
 
@@ -172,10 +177,11 @@ class OpCost:
     weight_bytes: float
     compute_seconds: float
     memory_seconds: float
+    kernel_seconds: float = 0.0  # weight bytes / the measured linear-kernel rate (hw.linear_rates), or 0
 
     @property
     def seconds(self) -> float:
-        return max(self.compute_seconds, self.memory_seconds)
+        return max(self.compute_seconds, self.memory_seconds, self.kernel_seconds)
 
     @property
     def bound(self) -> str:
@@ -189,7 +195,7 @@ class OpCost:
         return {"name": self.name, "flops": self.flops, "bytes": self.bytes, "weight_bytes": self.weight_bytes,
                 "arithmetic_intensity": self.arithmetic_intensity, "predicted_seconds": self.seconds,
                 "compute_seconds": self.compute_seconds, "memory_seconds": self.memory_seconds,
-                "bound": self.bound}
+                "kernel_seconds": self.kernel_seconds, "bound": self.bound}
 
 
 @dataclass(frozen=True)
@@ -333,8 +339,27 @@ def step_cost(
     # read the selected hidden rows [n_logits, d], write logits [n_logits, V]; the full table is read
     raw.append(("lm_head", mm["lm_head"], n_logits * (d + V) * ab, V * d * eb))
 
+    # Linear ops also cannot beat the measured rate of the engine's kernel at their row count, where
+    # the spec has one (the local probe): weight bytes / rate(M), M = tokens (lm_head: logit rows).
+    # Decode attention (one query per sequence) likewise cannot beat its kernel's measured FLOP/s.
+    dec_rate = hw.decode_attention_flops.get(adt)
+    dec_seqs = [s for s in seqs if s[0] == 1]
+    attn_kernel = 0.0
+    if dec_rate and dec_seqs:
+        pre = [s for s in seqs if s[0] != 1]
+        attn_kernel = (attention_flops(cfg, dec_seqs) / (dec_rate * eff_c)
+                       + (attention_flops(cfg, pre) / peak if pre else 0.0))
+
+    def kernel_s(name: str, w: float) -> float:
+        if name == "attention":
+            return attn_kernel
+        if name not in _LINEAR_OPS:
+            return 0.0
+        rate = hw.linear_rate(wdt, n_logits if name == "lm_head" else T)
+        return w / (rate * eff_m) if rate else 0.0
+
     ops = [OpCost(name=name, flops=float(f), bytes=float(a + w), weight_bytes=float(w),
-                  compute_seconds=f / peak, memory_seconds=(a + w) / bw)
+                  compute_seconds=f / peak, memory_seconds=(a + w) / bw, kernel_seconds=kernel_s(name, w))
            for name, f, a, w in raw]
     if overhead_s is None:
         overhead_s = hw.step_overhead_s + L * hw.layer_overhead_s

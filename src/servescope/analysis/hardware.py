@@ -11,11 +11,19 @@ Conventions (every spec follows them, so that predictions are comparable):
 - `step_overhead_s` / `layer_overhead_s`: fixed time the runtime spends per step and per layer
   outside the roofline (kernel launches, Python). Zero for datasheet specs; an engine may calibrate
   them (see `HardwareSpec.replace`) and the cost model adds them to every step.
+- `linear_rates`: {weight dtype: [[rows M, weight bytes per second], ...]}, how fast the engine's own
+  linear-layer kernels get through their weights at M rows (measured by the local probe, empty for
+  datasheet specs). A matmul of few rows is neither at the bandwidth nor at the peak: the cost model
+  takes the slower of the roofline and this measured rate (`kernel_seconds` of an op).
+- `decode_attention_flops`: {activation dtype: FLOP/s} of the engine's paged decode-attention
+  kernel with its data in cache (measured by the local probe): one query per sequence against its
+  cached keys does a few FLOPs per byte and reaches a fraction of the matmul peak.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from servescope.errors import InvalidParameterError
@@ -40,6 +48,22 @@ class HardwareSpec:
     source: str = ""
     step_overhead_s: float = 0.0  # added once per step
     layer_overhead_s: float = 0.0  # added once per decoder layer per step
+    linear_rates: dict = field(default_factory=dict)  # weight dtype -> [[M, weight bytes/s], ...], M ascending
+    decode_attention_flops: dict = field(default_factory=dict)  # activation dtype -> FLOP/s of decode attention
+
+    def linear_rate(self, weight_dtype: str, rows: int):
+        """Weight bytes/s of the measured linear kernel at `rows` rows (log-log interpolation between
+        measured points), or None outside the measured range or without a table for the dtype."""
+        pts = self.linear_rates.get(weight_dtype)
+        if not pts or rows < pts[0][0] or rows > pts[-1][0]:
+            return None
+        for (m0, r0), (m1, r1) in zip(pts, pts[1:]):
+            if m0 <= rows <= m1:
+                if m1 == m0:
+                    return float(r0)
+                f = math.log(rows / m0) / math.log(m1 / m0)
+                return float(math.exp(math.log(r0) + f * (math.log(r1) - math.log(r0))))
+        return float(pts[0][1])  # a single-point table
 
     def __post_init__(self):
         if self.kind not in ("gpu", "cpu"):
@@ -51,6 +75,13 @@ class HardwareSpec:
             raise InvalidParameterError("hardware", f"{self.name}: peaks, bandwidth and memory must be positive")
         if self.step_overhead_s < 0 or self.layer_overhead_s < 0:
             raise InvalidParameterError("hardware", f"{self.name}: overheads must be >= 0")
+        for dt, pts in self.linear_rates.items():
+            ms = [p[0] for p in pts]
+            if not pts or any(m < 1 for m in ms) or ms != sorted(ms) or any(p[1] <= 0 for p in pts):
+                raise InvalidParameterError("hardware", f"{self.name}: linear_rates[{dt!r}] must be "
+                                            "[[M >= 1, bytes/s > 0], ...] with M ascending")
+        if any(v <= 0 for v in self.decode_attention_flops.values()):
+            raise InvalidParameterError("hardware", f"{self.name}: decode_attention_flops must be positive")
 
     def flops(self, dtype: str) -> float:
         """Peak dense FLOP/s for matmuls whose inputs are `dtype`."""

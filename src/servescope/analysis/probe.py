@@ -9,7 +9,8 @@ several runs after a warm-up. It takes a few seconds; the result is cached as JS
 What is measured and why:
 - bandwidth: `x.sum()` over a float32 tensor much larger than the last-level cache (default 512 MiB):
   a pure streaming read, which is what decode does with the weights.
-- float32 / bfloat16 / float16: `torch.mm` of n x n matrices (2 n^3 FLOPs). float16 may be emulated
+- float32 / bfloat16 / float16: `torch.mm` of n x n matrices (2 n^3 FLOPs), the fastest of the runs
+  (the bandwidth is a median: its slow and fast phases on a shared VM last minutes). float16 may be emulated
   (slow) on CPUs without native support; that is measured too, with a smaller matrix.
 - int8 has no CPU matmul path in the engine (int8 weights are dequantised to the activation dtype),
   so peak_flops["int8"] is set to the bfloat16 figure and said so in `notes`.
@@ -17,12 +18,16 @@ What is measured and why:
   measured on the engine with a model too small to cost anything else (engine/overhead.py). The
   cost model adds them to every step's prediction; they are measured, not fitted to the steps they
   predict.
+- linear_rates: weight bytes/s of the engine's CPU linear kernel at 1..128 rows, float32 and
+  bfloat16, on 1024 x 1024 matrices that belong to no model (model/kernel_probe.py);
+  decode_attention_flops: FLOP/s of its paged decode-attention kernel (KV in cache).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -34,7 +39,7 @@ from servescope.analysis.hardware import HardwareSpec, LOCAL_CPU
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # 2: host overheads measured
+CACHE_VERSION = 5  # 2: host overheads; 3: linear kernel rates; 4: decode attention; 5: best-of matmul
 
 
 def default_cache_path() -> Path:
@@ -81,14 +86,21 @@ def measure_read_bandwidth(num_bytes: int = 512 * 2**20, runs: int = 5) -> float
 
 
 def measure_matmul_flops(dtype_name: str, n: int = 2048, runs: int = 5) -> float:
-    """FLOP/s of an n x n x n torch.mm in `dtype_name` (2 n^3 FLOPs per call), median of `runs`."""
+    """FLOP/s of an n x n x n torch.mm in `dtype_name` (2 n^3 FLOPs per call), the fastest of `runs`:
+    a peak is what the cores can do, and on a shared machine interference only ever slows a run
+    (one probe here read 127 GFLOP/s float32 where the others read 160-169 with the median)."""
     import torch
 
     dtype = getattr(torch, dtype_name)
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
-    t = _median_seconds(lambda: torch.mm(a, b), runs)
-    return 2.0 * n**3 / t
+    torch.mm(a, b)  # warm-up
+    best = math.inf
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
 
 
 def _cache_key(threads: int) -> str:
@@ -107,7 +119,7 @@ def probe_local_hardware(
 
     `bandwidth_bytes`, `matmul_size` and `runs` exist so tests can run a tiny probe; a cached
     result is reused whatever they are (pass force=True to re-measure). host_overhead=False skips
-    the engine-overhead measurement (both overheads stay 0).
+    the engine measurements (overheads 0, no linear_rates).
     """
     import torch
 
@@ -137,13 +149,29 @@ def probe_local_hardware(
     if 2.0 * matmul_size**3 / fp16 < 0.5:
         fp16 = measure_matmul_flops("float16", matmul_size, runs)
     step_oh = layer_oh = 0.0
+    rates: dict = {}
+    attn: dict = {}
     if host_overhead:
+        # each measurement stands alone: one that cannot run here leaves its field at 0 / empty and
+        # the predictions fall back to the peaks for that part
         try:
             from servescope.engine.overhead import measure_host_overhead
 
             step_oh, layer_oh = measure_host_overhead()
-        except Exception as e:  # the peaks stand on their own; predictions then carry no overhead
-            logger.warning("host overhead not measured (%s); predictions will not include it", e)
+        except Exception as e:
+            logger.warning("host overhead not measured (%s)", e)
+        try:
+            from servescope.model.kernel_probe import measure_linear_rates
+
+            rates = {dt: measure_linear_rates(dt) for dt in ("float32", "bfloat16")}
+        except Exception as e:
+            logger.warning("linear kernel rates not measured (%s)", e)
+        try:
+            from servescope.model.kernel_probe import measure_decode_attention_flops
+
+            attn = {dt: measure_decode_attention_flops(dt) for dt in ("float32", "bfloat16")}
+        except Exception as e:
+            logger.warning("decode attention rate not measured (%s)", e)
     elapsed = time.perf_counter() - t0
     spec = HardwareSpec(
         name=LOCAL_CPU,
@@ -157,8 +185,10 @@ def probe_local_hardware(
                f"{layer_oh * 1e6:.0f} us per layer (engine/overhead.py)"),
         step_overhead_s=step_oh,
         layer_overhead_s=layer_oh,
-        source=(f"probe: torch.sum over {bandwidth_bytes / 2**20:.0f} MiB float32, torch.mm {matmul_size}^3, "
-                f"median of {runs}; torch {torch.__version__}"),
+        linear_rates=rates,
+        decode_attention_flops=attn,
+        source=(f"probe: torch.sum over {bandwidth_bytes / 2**20:.0f} MiB float32 (median of {runs}), "
+                f"torch.mm {matmul_size}^3 (best of {runs}); torch {torch.__version__}"),
     )
     logger.info("probed %s: %.1f GB/s, fp32 %.0f GFLOP/s, bf16 %.0f GFLOP/s (%.1f s)",
                 cpu_model(), bw / 1e9, fp32 / 1e9, bf16 / 1e9, elapsed)

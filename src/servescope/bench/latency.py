@@ -9,6 +9,12 @@ Reports, per iteration and as medians over iterations:
 
 Each iteration uses fresh random prompts (seed + iteration) so the prefix cache never turns a
 later iteration's prefill into a cache hit.
+
+On the CPU the read bandwidth is also measured around the iterations (before each and after the
+last, the probe's streaming sum), and each phase's bytes/s is given as a share of that median too:
+on a shared VM the bandwidth a cached probe saw minutes earlier can be off by a factor of two
+(measured here: 23 to 54 GB/s within a minute), so the share of the bandwidth measured in the same
+minutes is the figure to read.
 """
 
 from __future__ import annotations
@@ -67,8 +73,10 @@ def latency_prompts(batch_size: int, input_len: int, output_len: int, vocab_size
 
 def run_engine_latency(llm, batch_size: int, input_len: int, output_len: int, iters: int = 3,
                        warmup: bool = True, seed: int = 0, hardware=None, dtype: str = "float32",
-                       on_iteration: Optional[Callable[[int, dict], None]] = None) -> dict:
-    """Time `iters` batches through a servescope LLM. `hardware`: a HardwareSpec for the roofline."""
+                       on_iteration: Optional[Callable[[int, dict], None]] = None,
+                       measure_bandwidth: Optional[bool] = None) -> dict:
+    """Time `iters` batches through a servescope LLM. `hardware`: a HardwareSpec for the roofline.
+    measure_bandwidth: sample the read bandwidth around the iterations (default: on the CPU)."""
     from servescope.config import SamplingParams
 
     engine = llm.engine
@@ -79,8 +87,19 @@ def run_engine_latency(llm, batch_size: int, input_len: int, output_len: int, it
         llm.generate([r.prompt for r in w], params.replace(max_tokens=min(output_len, 4)))
     peak = hardware.flops(dtype) if hardware is not None else None
     bw = hardware.memory_bandwidth if hardware is not None else None
+    if measure_bandwidth is None:
+        measure_bandwidth = engine.device.type == "cpu"
+    bw_samples = []
+
+    def sample_bandwidth():
+        if measure_bandwidth:
+            from servescope.analysis.probe import measure_read_bandwidth
+
+            bw_samples.append(measure_read_bandwidth(runs=3))
+
     runs, all_steps = [], []
     for it in range(iters):
+        sample_bandwidth()
         reqs = latency_prompts(batch_size, input_len, output_len, vocab, seed + it)
         first = len(engine.step_records)
         t0 = time.perf_counter()
@@ -102,7 +121,12 @@ def run_engine_latency(llm, batch_size: int, input_len: int, output_len: int, it
         })
         if on_iteration is not None:
             on_iteration(it, runs[-1])
+    sample_bandwidth()
     phases = phase_breakdown(all_steps, peak, bw)
+    session_bw = statistics.median(bw_samples) if bw_samples else None
+    for d in phases.values():
+        if session_bw and d.get("achieved_bytes_per_s") is not None:
+            d["pct_of_session_bandwidth"] = 100.0 * d["achieved_bytes_per_s"] / session_bw
     dec = phases.get("decode")
     res = {
         "ttft_s": _median(r["ttft_s"] for r in runs),
@@ -118,4 +142,7 @@ def run_engine_latency(llm, batch_size: int, input_len: int, output_len: int, it
     }
     if hardware is not None:
         res["hardware"] = {"name": hardware.name, "memory_bandwidth": bw, "peak_flops": peak, "dtype": dtype}
+    if bw_samples:
+        res["session_bandwidth"] = {"samples": bw_samples, "median": session_bw, "min": min(bw_samples),
+                                    "max": max(bw_samples)}
     return res

@@ -3,10 +3,12 @@
 Points: decode steps at batch 1..32 (every sequence at the same short context) and single-prompt
 prefill steps of 128..2048 tokens (one step each, chunked prefill off). Measured = median wall time
 of like steps; predicted = what every StepRecord carries: the roofline on the probed spec plus the
-host overhead the probe measured (per step + per layer, on a tiny model: engine/overhead.py).
-Nothing in that prediction is fitted to these steps.
+host overhead the probe measured (per step + per layer, on a tiny model: engine/overhead.py), with
+each linear op no faster than the rate the probe measured for the engine's linear kernel at that
+many rows (model/kernel_probe.py, on 1024 x 1024 matrices of no model). Nothing in that
+prediction is fitted to these steps.
 
-For comparison the report also shows the raw roofline (FLOPs and bytes only, no overhead), and two
+For comparison the report also shows the raw roofline (FLOPs and bytes and the two peaks only), and two
 calibrations with constants fitted on a few of the points -- decode batch 1 (memory-bound: fixes
 the overhead) and prefill 512 (compute-bound: fixes the compute efficiency):
     t = step_cost(..., efficiency={"compute": e}, overhead_s=o)
@@ -81,6 +83,13 @@ def fit_decode_efficiency(predict_big, t_big: float, lo: float = 1e-3, hi: float
     return (lo + hi) / 2
 
 
+def _rates_line(hw, dt: str) -> str:
+    pts = hw.linear_rates.get(dt) or []
+    if not pts:
+        return "none measured"
+    return ", ".join(f"M={m}: {r / 1e9:.1f} GB/s" for m, r in pts)
+
+
 def error_summary(errors: list) -> dict:
     abs_e = [abs(x) for x in errors]
     if not abs_e:
@@ -93,6 +102,16 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     from servescope.analysis.cost_model import step_cost
 
     batches, lens = points(opts.quick)
+    if opts.hardware is None and not opts.quick:
+        # probe again now, in the same minutes as the steps it predicts: on a shared VM the read
+        # bandwidth moves by tens of percent from one minute to the next (docs/VALIDATION.md)
+        import torch
+
+        from servescope.analysis.probe import probe_local_hardware
+
+        if opts.threads:
+            torch.set_num_threads(opts.threads)
+        probe_local_hardware(force=True)
     reps = 1 if opts.quick else 3
     dec_steps = 3 if opts.quick else 6
     max_len = max(lens) + 16
@@ -124,9 +143,12 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
         measured.append(("prefill", n, median([r.wall_seconds for r in recs]),
                          median([r.predicted_seconds for r in recs]), seqs_of(recs[0])))
 
+    # the roofline alone: the probed peaks without the measured overheads and kernel rates
+    peaks_only = hw.replace(step_overhead_s=0.0, layer_overhead_s=0.0, linear_rates={})
+
     def predict_point(p, e, o, e_dec=None):
         eff = e_dec if (e_dec is not None and p[0] == "decode") else e
-        return step_cost(cfg, p[4], hw, dt, dt, dt, efficiency={"compute": eff}, overhead_s=o).predicted_seconds
+        return step_cost(cfg, p[4], peaks_only, dt, dt, dt, efficiency={"compute": eff}, overhead_s=o).predicted_seconds
 
     fit_dec = next(p for p in measured if p[0] == "decode" and p[1] == (FIT_DECODE_BATCH if not opts.quick else batches[0]))
     fit_big = next(p for p in measured if p[0] == "decode" and p[1] == max(batches))
@@ -145,7 +167,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
              "predict": lambda p: predict_point(p, eff3, overhead3, e_dec)}
     rows, table = [], []
     for p in measured:
-        raw = step_cost(cfg, p[4], hw, dt, dt, dt, overhead_s=0.0).predicted_seconds
+        raw = step_cost(cfg, p[4], peaks_only, dt, dt, dt).predicted_seconds
         probed = p[3]
         row = {"phase": p[0], "size": p[1], "measured_s": p[2], "raw_predicted_s": raw,
                "raw_error": rel_error(raw, p[2]), "predicted_s": probed, "error": rel_error(probed, p[2])}
@@ -219,8 +241,10 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
          f"**Predicted** (what each StepRecord carries): probed {hw.flops(dt) / 1e9:.0f} GFLOP/s {dt}, "
          f"{hw.memory_bandwidth / 1e9:.1f} GB/s, and the host overhead the probe measured on a tiny model "
          f"({hw.step_overhead_s * 1e3:.2f} ms per step + {hw.layer_overhead_s * 1e6:.0f} µs per layer = "
-         f"{oh_total * 1e3:.2f} ms per step here): nothing fitted to these points.\n\n"
-         "**Roofline**: the same peaks without the overhead.\n\n"
+         f"{oh_total * 1e3:.2f} ms per step here), and the linear ops no faster than the engine's linear "
+         f"kernel measured by the probe at the same row count ({_rates_line(hw, dt)}): nothing fitted to "
+         "these points.\n\n"
+         "**Roofline**: the same peaks alone (no overhead, no kernel rates). A and B start from it.\n\n"
          f"**A** (2 constants, fitted on decode batch {fit_dec[1]} and prefill {fit_pre[1]}): per-step overhead "
          f"o = {overhead * 1e3:.2f} ms (= {overhead / cfg.num_hidden_layers * 1e6:.0f} µs per layer over "
          f"{cfg.num_hidden_layers} layers), compute efficiency e = {eff:.3f}.\n\n"

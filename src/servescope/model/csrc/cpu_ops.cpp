@@ -420,7 +420,8 @@ void decode_impl(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
 
 // The same attention for head dims 64 and 128 (NJ = D / 16 vectors per row), arranged so that the
 // arithmetic stays in registers: keys are taken 16 at a time (within one KV block), converted once
-// to float32 in a scratch tile, each query head's 16 dot products are summed across lanes together
+// to float32 in a scratch tile (bfloat16 queries and keys skip that: VDPBF16PS multiplies the raw
+// pairs), each query head's 16 dot products are summed across lanes together
 // (reduce16: 45 shuffles/adds instead of 16 full horizontal sums), and the p * v accumulation of a
 // tile of HT heads (HT * NJ = 16 accumulators) runs in registers over the 16 keys. Measured at
 // batch 64, context ~400, SmolLM2 bfloat16: see docs/BENCHMARKS.md.
@@ -460,6 +461,13 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
                  const int32_t* bt, int64_t bts, const int32_t* cl, int64_t b, int64_t h, float scale, Q* out,
                  int64_t os0, int64_t os1) {
   constexpr int D = 16 * NJ, HT = 16 / NJ;
+  // bfloat16 queries and keys: the scores come from VDPBF16PS on the raw pairs (products of two
+  // bfloat16 are exact in float32, summed in float32), with no float32 copy of the keys
+#ifdef __AVX512BF16__
+  constexpr bool kDot = std::is_same_v<Q, bf16> && std::is_same_v<C, bf16>;
+#else
+  constexpr bool kDot = false;
+#endif
   const int64_t g = h / hkv, row = hkv * D;
   // Items (sequence, KV head) cost in proportion to their context: split them into one contiguous
   // range per thread of about equal total context (an equal count of items left one thread with
@@ -483,10 +491,12 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
     float* den = mx + g;       // [G] running sum of p
     float* kt = den + g;       // [16, D] keys in float32 (bfloat16 caches)
     float* vt = kt + 16 * D;   // [16, D] values
+    std::vector<bf16> qb(kDot ? g * D : 0);  // [G, D] queries as they are (bfloat16), for the pair dot products
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t bi = item / hkv, kh = item % hkv;
       for (int64_t i = 0; i < g; ++i) {
         const Q* qi = q + bi * qs0 + (kh * g + i) * qs1;
+        if constexpr (kDot) std::memcpy(qb.data() + i * D, qi, D * sizeof(bf16));
         for (int j = 0; j < NJ; ++j)
           _mm512_storeu_ps(qf + i * D + 16 * j, _mm512_mul_ps(ld(qi + 16 * j, 0xFFFF), _mm512_set1_ps(scale)));
         mx[i] = -std::numeric_limits<float>::infinity();
@@ -499,20 +509,37 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
         const int64_t blk = table[p / S], off = p % S;
         const int64_t n = std::min<int64_t>({16, S - off, ctx - p});
         const __mmask16 valid = tail_mask(n);
-        int64_t kld, vld;
-        const float* kf = rows_f32<C, NJ>(kc + ((blk * S + off) * hkv + kh) * D, row, n, kt, &kld);
+        int64_t kld = 0, vld;
+        const C* kraw = kc + ((blk * S + off) * hkv + kh) * D;
+        const float* kf = kDot ? nullptr : rows_f32<C, NJ>(kraw, row, n, kt, &kld);
         const float* vf = rows_f32<C, NJ>(vc + ((blk * S + off) * hkv + kh) * D, row, n, vt, &vld);
         for (int64_t i = 0; i < g; ++i) {  // scores of head i for the n keys, then the online softmax
-          __m512 qv[NJ], part[16];
-          for (int j = 0; j < NJ; ++j) qv[j] = _mm512_loadu_ps(qf + i * D + 16 * j);
-          for (int64_t t = 0; t < 16; ++t) {
-            __m512 a = _mm512_setzero_ps();
-            if (t < n)
-              for (int j = 0; j < NJ; ++j) a = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kf + t * kld + 16 * j), a);
-            part[t] = a;
+          __m512 part[16];
+          if constexpr (kDot) {
+#ifdef __AVX512BF16__
+            __m512bh qv[NJ / 2];
+            for (int j = 0; j < NJ / 2; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qb.data() + i * D + 32 * j);
+            for (int64_t t = 0; t < 16; ++t) {
+              __m512 a = _mm512_setzero_ps();
+              if (t < n)
+                for (int j = 0; j < NJ / 2; ++j)
+                  a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(kraw + t * row + 32 * j));
+              part[t] = a;
+            }
+#endif
+          } else {
+            __m512 qv[NJ];
+            for (int j = 0; j < NJ; ++j) qv[j] = _mm512_loadu_ps(qf + i * D + 16 * j);
+            for (int64_t t = 0; t < 16; ++t) {
+              __m512 a = _mm512_setzero_ps();
+              if (t < n)
+                for (int j = 0; j < NJ; ++j) a = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kf + t * kld + 16 * j), a);
+              part[t] = a;
+            }
           }
-          __m512 sc = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
-                                           reduce16(part));
+          __m512 sum = reduce16(part);
+          if constexpr (kDot) sum = _mm512_mul_ps(sum, _mm512_set1_ps(scale));  // q unscaled: exact bf16 pairs
+          __m512 sc = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), sum);
           const float mnew = std::max(mx[i], _mm512_reduce_max_ps(sc));
           const float corr = std::exp(mx[i] - mnew);  // exp(-inf) = 0 on the first keys
           mx[i] = mnew;
