@@ -26,6 +26,8 @@ from servescope.labs.common import (
 )
 
 DECODE_CONTEXT = 128
+DECODE_ROUNDS = 2
+REPEATS = 3  # whole repeats (probe + every point), medians per point
 FIT_DECODE_BATCH = 1
 FIT_PREFILL_LEN = 512
 TOLERANCE = 0.25
@@ -83,6 +85,17 @@ def fit_decode_efficiency(predict_big, t_big: float, lo: float = 1e-3, hi: float
     return (lo + hi) / 2
 
 
+def _repeat_line(per_repeat: list) -> str:
+    parts = []
+    for i, r in enumerate(per_repeat):
+        dec = [abs(p["error"]) for p in r["points"] if p["phase"] == "decode"]
+        pre = [abs(p["error"]) for p in r["points"] if p["phase"] == "prefill"]
+        parts.append(f"repeat {i + 1}: probe {r['memory_bandwidth'] / 1e9:.1f} GB/s, {r['peak_flops'] / 1e9:.0f} "
+                     f"GFLOP/s; decode max |error| {100 * max(dec):.0f}% ({sum(e <= TOLERANCE for e in dec)}/"
+                     f"{len(dec)} within 25%), prefill max {100 * max(pre):.0f}%")
+    return "; ".join(parts)
+
+
 def _rates_line(hw, dt: str) -> str:
     pts = hw.linear_rates.get(dt) or []
     if not pts:
@@ -102,49 +115,68 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     from servescope.analysis.cost_model import step_cost
 
     batches, lens = points(opts.quick)
-    if opts.hardware is None and not opts.quick:
-        # probe again now, in the same minutes as the steps it predicts: on a shared VM the read
-        # bandwidth moves by tens of percent from one minute to the next (docs/VALIDATION.md)
-        import torch
-
-        from servescope.analysis.probe import probe_local_hardware
-
-        if opts.threads:
-            torch.set_num_threads(opts.threads)
-        probe_local_hardware(force=True)
     reps = 1 if opts.quick else 3
     dec_steps = 3 if opts.quick else 6
     max_len = max(lens) + 16
-    engine = session.engine(max_num_seqs=max(batches), enable_chunked_prefill=False,
-                            max_num_batched_tokens=max(max_len, max(batches) * DECODE_CONTEXT),
-                            max_model_len=max(max_len, DECODE_CONTEXT + dec_steps + 16),
-                            num_kv_blocks=max(blocks_for(max_len), max(batches) * blocks_for(
-                                DECODE_CONTEXT + dec_steps + 1, margin=1)) + 8)
-    hw = lab_hardware(opts, engine)
+    runs = []  # per repeat: (hw, [(phase, size, median wall, median prediction, seqs), ...])
+    for rep in range(1 if opts.quick else REPEATS):
+        if opts.hardware is None and not opts.quick:
+            # probe again now, in the same minutes as the steps it predicts: on a shared VM the read
+            # bandwidth and even the matmul rate move by tens of percent between minutes (VALIDATION.md)
+            import torch
+
+            from servescope.analysis.probe import probe_local_hardware
+
+            if opts.threads:
+                torch.set_num_threads(opts.threads)
+            probe_local_hardware(force=True)
+        # a new engine per repeat (same weights): its step predictions use the probe just taken
+        engine = session.engine(max_num_seqs=max(batches), enable_chunked_prefill=False,
+                                max_num_batched_tokens=max(max_len, max(batches) * DECODE_CONTEXT),
+                                max_model_len=max(max_len, DECODE_CONTEXT + dec_steps + 16),
+                                num_kv_blocks=max(blocks_for(max_len), max(batches) * blocks_for(
+                                    DECODE_CONTEXT + dec_steps + 1, margin=1)) + 8)
+        hw = lab_hardware(opts, engine)
+        cfg = engine.model_config
+        rng = random.Random(opts.seed + rep)
+        warm_up(engine, rng)
+        warm_up(engine, rng, prompt_len=min(lens[-1], 512), batch=1, max_tokens=1)
+        vocab = cfg.vocab_size
+        measured = []  # (phase, size, median wall, median prediction, seqs of a representative step)
+        # decode points in DECODE_ROUNDS interleaved rounds (1, 2, ..., 32, then again): a slow or fast
+        # phase of a shared machine lasts seconds, long enough to bias every step of one point
+        dec_by_b = {b: [] for b in batches}
+        for rnd in range(1 if opts.quick else DECODE_ROUNDS):
+            for b in batches:
+                _, recs = run_to_completion(engine, [random_prompt(rng, DECODE_CONTEXT, vocab) for _ in range(b)],
+                                            dec_steps + 1, f"v{rep}b{b}r{rnd}-")
+                dec_by_b[b] += [r for r in recs if r.phase == "decode" and r.num_decode_seqs == b]
+        for b in batches:
+            dec = dec_by_b[b]
+            mid = dec[len(dec) // 2]
+            measured.append(("decode", b, median([r.wall_seconds for r in dec]),
+                             median([r.predicted_seconds for r in dec]), seqs_of(mid)))
+        for n in lens:
+            recs = []
+            for _ in range(1 if n >= 2048 else reps):
+                _, rr = run_to_completion(engine, [random_prompt(rng, n, vocab)], 1, f"v{rep}n{n}-")
+                recs += [r for r in rr if r.phase == "prefill"]
+            measured.append(("prefill", n, median([r.wall_seconds for r in recs]),
+                             median([r.predicted_seconds for r in recs]), seqs_of(recs[0])))
+        runs.append((hw, measured))
     dt = act_dtype_name(opts)
-    cfg = engine.model_config
-    rng = random.Random(opts.seed)
-    warm_up(engine, rng)
-    warm_up(engine, rng, prompt_len=min(lens[-1], 512), batch=1, max_tokens=1)
-    vocab = cfg.vocab_size
-    measured = []  # (phase, size, median wall, median probed prediction, seqs of a representative step)
-    for b in batches:
-        _, recs = run_to_completion(engine, [random_prompt(rng, DECODE_CONTEXT, vocab) for _ in range(b)],
-                                    dec_steps + 1, f"v{b}-")
-        dec = [r for r in recs if r.phase == "decode" and r.num_decode_seqs == b]
-        mid = dec[len(dec) // 2]
-        measured.append(("decode", b, median([r.wall_seconds for r in dec]),
-                         median([r.predicted_seconds for r in dec]), seqs_of(mid)))
-    for n in lens:
-        recs = []
-        for _ in range(1 if n >= 2048 else reps):
-            _, rr = run_to_completion(engine, [random_prompt(rng, n, vocab)], 1, f"v{n}-")
-            recs += [r for r in rr if r.phase == "prefill"]
-        measured.append(("prefill", n, median([r.wall_seconds for r in recs]),
-                         median([r.predicted_seconds for r in recs]), seqs_of(recs[0])))
+    # each point: the median over the repeats of its measured time and of its prediction (each repeat
+    # predicted with its own probe); the per-repeat errors are kept in results.json
+    measured = [(p[0], p[1], median([m[i][2] for _, m in runs]), median([m[i][3] for _, m in runs]), p[4])
+                for i, p in enumerate(runs[0][1])]
+    hw = runs[-1][0].replace(memory_bandwidth=median([h.memory_bandwidth for h, _ in runs]),
+                             peak_flops={k: median([h.peak_flops[k] for h, _ in runs]) for k in hw.peak_flops})
+    per_repeat = [{"memory_bandwidth": h.memory_bandwidth, "peak_flops": h.flops(dt),
+                   "points": [{"phase": p[0], "size": p[1], "measured_s": p[2], "predicted_s": p[3],
+                               "error": rel_error(p[3], p[2])} for p in m]} for h, m in runs]
 
     # the roofline alone: the probed peaks without the measured overheads and kernel rates
-    peaks_only = hw.replace(step_overhead_s=0.0, layer_overhead_s=0.0, linear_rates={})
+    peaks_only = hw.replace(step_overhead_s=0.0, layer_overhead_s=0.0, linear_rates={}, decode_attention_flops={})
 
     def predict_point(p, e, o, e_dec=None):
         eff = e_dec if (e_dec is not None and p[0] == "decode") else e
@@ -196,7 +228,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
         x = [r["size"] for r in rs]
         ax.plot(x, [r["measured_s"] * 1e3 for r in rs], "o-", linewidth=2, label="measured (median)")
         ax.plot(x, [r["raw_predicted_s"] * 1e3 for r in rs], "s--", label="roofline only (probed peaks)")
-        ax.plot(x, [r["predicted_s"] * 1e3 for r in rs], "D-", label="roofline + measured host overhead")
+        ax.plot(x, [r["predicted_s"] * 1e3 for r in rs], "D-", label="predicted: roofline, probed kernel rates, host overhead")
         ax.plot(x, [r["calibrated_A_s"] * 1e3 for r in rs], "^:", label=f"A: +{overhead * 1e3:.1f} ms, eff {eff:.2f}")
         ax.plot(x, [r["calibrated_B_s"] * 1e3 for r in rs], "v-.", label=f"B: +{overhead3 * 1e3:.1f} ms, eff {eff3:.2f}, "
                                                                           f"decode eff {e_dec:.2f}")
@@ -221,7 +253,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
                                  "compute_efficiency": eff3, "decode_compute_efficiency": e_dec,
                                  "fit_points": [f"decode b={fit_dec[1]}", f"decode b={fit_big[1]}",
                                                 f"prefill {fit_pre[1]}"]},
-               "hardware": hw.to_dict(), "decode_context": DECODE_CONTEXT,
+               "hardware": hw.to_dict(), "decode_context": DECODE_CONTEXT, "repeats": per_repeat,
                "host_overhead": {"step_s": hw.step_overhead_s, "layer_s": hw.layer_overhead_s,
                                  "per_step_total_s": hw.step_overhead_s + cfg.num_hidden_layers * hw.layer_overhead_s}}
 
@@ -235,8 +267,12 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     oh_total = hw.step_overhead_s + cfg.num_hidden_layers * hw.layer_overhead_s
     sections = [
         ("Setup", context_line(opts, engine, hw) + f"\n\nDecode: batch b of {DECODE_CONTEXT}-token random prompts, "
-         f"median of {dec_steps} decode steps. Prefill: one prompt, one step, median of {reps} runs "
-         "(1 for 2048). Regenerate with `servescope lab validate` (add `--out DIR`)."),
+         f"median of {dec_steps} decode steps in each of {1 if opts.quick else DECODE_ROUNDS} interleaved rounds. Prefill: one prompt, one step, median of {reps} runs "
+         f"(1 for 2048). The whole measurement (probe, then every point) ran {len(runs)} times; each point's "
+         "measured and predicted times below are the medians over those repeats (each repeat predicted with "
+         "its own probe), the peaks shown are the probes' medians, and per-repeat errors are in "
+         f"results.json ({_repeat_line(per_repeat)}). Regenerate with `servescope lab validate` "
+         "(add `--out DIR`)."),
         ("Constants",
          f"**Predicted** (what each StepRecord carries): probed {hw.flops(dt) / 1e9:.0f} GFLOP/s {dt}, "
          f"{hw.memory_bandwidth / 1e9:.1f} GB/s, and the host overhead the probe measured on a tiny model "
@@ -250,8 +286,8 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
          f"{cfg.num_hidden_layers} layers), compute efficiency e = {eff:.3f}.\n\n"
          f"**B** (3 constants, fitted on decode batch {fit_dec[1]}, decode batch {fit_big[1]} and prefill "
          f"{fit_pre[1]}): o = {overhead3 * 1e3:.2f} ms, prefill compute efficiency e = {eff3:.3f} and decode "
-         f"compute efficiency e_d = {e_dec:.3f}: matmuls of a few rows (decode) use the cores worse than the "
-         "probe's square ones.\n\nMemory efficiency is 1 in both. Every point not marked "
+         f"compute efficiency e_d = {e_dec:.3f}" + (": matmuls of a few rows (decode) use the cores worse than "
+         "the probe's square ones" if e_dec < 0.99 else "") + ".\n\nMemory efficiency is 1 in both. Every point not marked "
          "`fit` is a prediction."),
         ("Per point", md_table(["phase", "size", "measured ms", "roofline ms", "roofline err %", "predicted ms",
                                 "predicted err %", "A ms", "A err %", "B ms", "B err %"], table)),
