@@ -420,8 +420,8 @@ void decode_impl(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
 
 // The same attention for head dims 64 and 128 (NJ = D / 16 vectors per row), arranged so that the
 // arithmetic stays in registers: keys are taken 16 at a time (within one KV block), converted once
-// to float32 in a scratch tile (bfloat16 queries and keys skip that: VDPBF16PS multiplies the raw
-// pairs), each query head's 16 dot products are summed across lanes together
+// to float32 in a scratch tile (bfloat16 queries and caches skip that: VDPBF16PS multiplies the raw
+// pairs, for q.k and for p.v), each query head's 16 dot products are summed across lanes together
 // (reduce16: 45 shuffles/adds instead of 16 full horizontal sums), and the p * v accumulation of a
 // tile of HT heads (HT * NJ = 16 accumulators) runs in registers over the 16 keys. Measured at
 // batch 64, context ~400, SmolLM2 bfloat16: see docs/BENCHMARKS.md.
@@ -455,6 +455,10 @@ inline const float* rows_f32(const C* src, int64_t stride, int64_t n, float* til
     return tile;
   }
 }
+
+// 16-bit lane k of the result takes element idx[k] of [row t (16) | row t+1 (16)]: (t[0], t+1[0], t[1], ...)
+alignas(64) constexpr int16_t kPairIndex[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
 template <typename Q, typename C, int NJ>
 void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, int64_t S, int64_t hkv,
@@ -492,6 +496,7 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
     float* kt = den + g;       // [16, D] keys in float32 (bfloat16 caches)
     float* vt = kt + 16 * D;   // [16, D] values
     std::vector<bf16> qb(kDot ? g * D : 0);  // [G, D] queries as they are (bfloat16), for the pair dot products
+    std::vector<bf16> pb(kDot ? g * 16 : 0);  // [G, 16] probabilities rounded to bfloat16 (p * v pairs)
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t bi = item / hkv, kh = item % hkv;
       for (int64_t i = 0; i < g; ++i) {
@@ -509,10 +514,11 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
         const int64_t blk = table[p / S], off = p % S;
         const int64_t n = std::min<int64_t>({16, S - off, ctx - p});
         const __mmask16 valid = tail_mask(n);
-        int64_t kld = 0, vld;
+        int64_t kld = 0, vld = 0;
         const C* kraw = kc + ((blk * S + off) * hkv + kh) * D;
         const float* kf = kDot ? nullptr : rows_f32<C, NJ>(kraw, row, n, kt, &kld);
-        const float* vf = rows_f32<C, NJ>(vc + ((blk * S + off) * hkv + kh) * D, row, n, vt, &vld);
+        const C* vraw = vc + ((blk * S + off) * hkv + kh) * D;
+        const float* vf = kDot ? nullptr : rows_f32<C, NJ>(vraw, row, n, vt, &vld);
         for (int64_t i = 0; i < g; ++i) {  // scores of head i for the n keys, then the online softmax
           __m512 part[16];
           if constexpr (kDot) {
@@ -546,6 +552,9 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
           __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mnew))));
           den[i] = den[i] * corr + _mm512_reduce_add_ps(e);
           _mm512_storeu_ps(pr + 16 * i, e);
+#ifdef __AVX512BF16__
+          if constexpr (kDot) _mm256_storeu_si256((__m256i*)(pb.data() + 16 * i), (__m256i)_mm512_cvtneps_pbh(e));
+#endif
           if (corr != 1.0f)
             for (int j = 0; j < NJ; ++j)
               _mm512_storeu_ps(acc + i * D + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 16 * j),
@@ -557,13 +566,38 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
           for (int ii = 0; ii < HT; ++ii)
             for (int j = 0; j < NJ; ++j)
               a[ii][j] = ii < nh ? _mm512_loadu_ps(acc + (i0h + ii) * D + 16 * j) : _mm512_setzero_ps();
-          for (int64_t t = 0; t < n; ++t) {
-            __m512 vv[NJ];
-            for (int j = 0; j < NJ; ++j) vv[j] = _mm512_loadu_ps(vf + t * vld + 16 * j);
-            for (int ii = 0; ii < HT; ++ii) {
-              if (ii >= nh) break;
-              const __m512 pv = _mm512_set1_ps(pr[16 * (i0h + ii) + t]);
-              for (int j = 0; j < NJ; ++j) a[ii][j] = _mm512_fmadd_ps(pv, vv[j], a[ii][j]);
+          if constexpr (kDot) {
+#ifdef __AVX512BF16__
+            // two keys at a time: VDPBF16PS adds p_t v_t[d] + p_t+1 v_t+1[d] for 16 dims d, the
+            // probabilities rounded to bfloat16 as SDPA's bfloat16 kernel rounds them for its p*v GEMM
+            const __m512i inter = _mm512_loadu_si512(kPairIndex);
+            for (int64_t t = 0; t < n; t += 2) {
+              const bool two = t + 1 < n;  // an odd tail pairs with a zero row (its p is 0 too)
+              __m512i vv[NJ];
+              for (int j = 0; j < NJ; ++j) {
+                __m256i r0 = _mm256_loadu_si256((const __m256i*)(vraw + t * row + 16 * j));
+                __m256i r1 = two ? _mm256_loadu_si256((const __m256i*)(vraw + (t + 1) * row + 16 * j))
+                                 : _mm256_setzero_si256();
+                vv[j] = _mm512_permutexvar_epi16(inter, _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1));
+              }
+              for (int ii = 0; ii < HT; ++ii) {
+                if (ii >= nh) break;
+                uint32_t pair;
+                std::memcpy(&pair, pb.data() + 16 * (i0h + ii) + t, sizeof(pair));
+                const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int j = 0; j < NJ; ++j) a[ii][j] = _mm512_dpbf16_ps(a[ii][j], pp, (__m512bh)vv[j]);
+              }
+            }
+#endif
+          } else {
+            for (int64_t t = 0; t < n; ++t) {
+              __m512 vv[NJ];
+              for (int j = 0; j < NJ; ++j) vv[j] = _mm512_loadu_ps(vf + t * vld + 16 * j);
+              for (int ii = 0; ii < HT; ++ii) {
+                if (ii >= nh) break;
+                const __m512 pv = _mm512_set1_ps(pr[16 * (i0h + ii) + t]);
+                for (int j = 0; j < NJ; ++j) a[ii][j] = _mm512_fmadd_ps(pv, vv[j], a[ii][j]);
+              }
             }
           }
           for (int ii = 0; ii < nh; ++ii)
