@@ -204,3 +204,55 @@ def test_engine_greedy_tokens_match_torch_reference(tmp_path, monkeypatch):
     assert set(calls) == {"rms_norm", "add_rms_norm", "rotary", "silu_mul", "store_kv", "paged_decode", "mixed"}, calls
     monkeypatch.setattr(cpu_ops._EXT, "mod", None)  # load() -> None: the torch references everywhere
     assert run() == with_kernels
+
+
+@pytest.mark.parametrize("block", [8, 16])
+def test_bf16_prefill_tokens_through_paged_kernel_match_sdpa(monkeypatch, block):
+    """bfloat16 steps with prefill tokens: every token is a query of the paged kernel (each sees its
+    own sequence's keys up to its position). Against the torch path (SDPA, gathered cache) on a
+    mixed step: two decodes, a fresh 37-token prompt and a 20-token chunk after 45 cached tokens."""
+    from servescope.model.attention.backend import AttentionMetadata
+
+    g = torch.Generator().manual_seed(block)
+    hkv, grp, d = 3, 3, 64
+    h = hkv * grp
+    seqs = [(1, 30), (1, 7), (37, 37), (20, 65)]  # (new tokens, context after the step)
+    nblocks = 64
+    kc = torch.randn(nblocks, block, hkv, d, generator=g).bfloat16()
+    vc = torch.randn(nblocks, block, hkv, d, generator=g).bfloat16()
+    perm, used, tables, slots = torch.randperm(nblocks, generator=g), 0, [], []
+    m = max(-(-c // block) for _, c in seqs)
+    for n, c in seqs:
+        nb = -(-c // block)
+        row = perm[used:used + nb].tolist()
+        used += nb
+        tables.append(row + [0] * (m - nb))
+        slots += [row[p // block] * block + p % block for p in range(c - n, c)]
+    t = sum(n for n, _ in seqs)
+    q = torch.randn(t, h, d, generator=g).bfloat16()
+    k = torch.randn(t, hkv, d, generator=g).bfloat16()
+    v = torch.randn(t, hkv, d, generator=g).bfloat16()
+
+    def meta():
+        qsl = [0]
+        for n, _ in seqs:
+            qsl.append(qsl[-1] + n)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots), block_tables=torch.tensor(tables, dtype=torch.int32),
+            context_lens=torch.tensor([c for _, c in seqs], dtype=torch.int32),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32), query_lens_cpu=[n for n, _ in seqs],
+            context_lens_cpu=[c for _, c in seqs], max_query_len=37, max_context_len=65, num_decode_seqs=2)
+
+    be = TorchAttentionBackend()
+    calls = []
+    real = cpu_ops.paged_decode
+    monkeypatch.setattr(cpu_ops, "paged_decode", lambda *a, **kw: calls.append(a[3].shape) or real(*a, **kw))
+    k1, v1 = kc.clone(), vc.clone()
+    be.store_kv(k, v, k1, v1, meta())
+    ours = be.forward(q, k, v, k1, v1, meta(), d ** -0.5)
+    assert calls == [(t, m)]  # one call for every token of the step
+    monkeypatch.setattr(cpu_ops._EXT, "mod", None)  # the torch path: SDPA per prefill sequence
+    k2, v2 = kc.clone(), vc.clone()
+    be.store_kv(k, v, k2, v2, meta())
+    ref = be.forward(q, k, v, k2, v2, meta(), d ** -0.5)
+    _close(ours, ref, torch.bfloat16)

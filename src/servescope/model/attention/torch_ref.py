@@ -1,7 +1,8 @@
 """Reference attention in plain PyTorch: runs everywhere, is the oracle in tests.
 
 On the CPU, store_kv and the decode rows go to the C++ kernels of cpu_ops.py when they are built
-(one call each instead of ~10 eager ops per layer); SERVESCOPE_CPU_KERNELS=0 keeps the torch code.
+(one call each instead of ~10 eager ops per layer); in bfloat16 the prefill tokens do too (each token
+a query of the paged kernel); SERVESCOPE_CPU_KERNELS=0 keeps the torch code.
 
 Shape legend: T tokens, B sequences, H query heads, Hkv KV heads, D head dim,
 N blocks, S block size, M blocks per sequence, L context length.
@@ -16,6 +17,12 @@ import torch.nn.functional as F
 
 from servescope.model import cpu_ops
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
+
+
+# bfloat16 prefill tokens go through the paged decode kernel up to this context; beyond it SDPA's
+# flash kernel is faster (measured here: a 2048-token prompt took 2.73 s that way against 2.5 s with
+# SDPA, while the offline-throughput workload's prompts of 32-512 tokens ran their attention 1.6x faster)
+PAGED_PREFILL_MAX_CONTEXT = 1024
 
 
 def _cpu_kernels(x: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -37,6 +44,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         nd = meta.num_decode_seqs
+        if (nd < meta.num_seqs and meta.max_context_len <= PAGED_PREFILL_MAX_CONTEXT and q.dtype == torch.bfloat16
+                and k_cache.dtype == torch.bfloat16 and _cpu_kernels(q, k_cache)):
+            return self._cpu_paged_all_tokens(q, k_cache, v_cache, meta, scale)
         cpu = nd and _cpu_kernels(q, k_cache)
         if cpu and nd == meta.num_seqs:  # decode only: the kernel's output is the result
             return cpu_ops.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
@@ -72,6 +82,25 @@ class TorchAttentionBackend(AttentionBackend):
                 out[start:start + qlen] = _sdpa(qi, ki.to(q.dtype), vi.to(q.dtype), scale, mask=mask)
             start += qlen
         return out
+
+    @staticmethod
+    def _cpu_paged_all_tokens(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """A step with prefill tokens, bfloat16 on the CPU: every token of the step is one query of the
+        paged decode kernel, against its own sequence's cached keys up to its own position (this
+        layer's K/V are already in the cache: store_kv runs first). That is causal attention, exact
+        per token whatever the chunking; the kernel's bfloat16 pair products run at ~100 GFLOP/s here
+        against ~50 for SDPA's bfloat16 kernel on prompts of a few hundred tokens."""
+        cached = meta.scratch.get("cpu_tokens")
+        if cached is None:
+            seq_of_tok, ctx_of_tok = [], []
+            for i, (qlen, ctx) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
+                seq_of_tok += [i] * qlen
+                ctx_of_tok += range(ctx - qlen + 1, ctx + 1)  # token j of the chunk sees keys 0 .. its position
+            idx = torch.tensor(seq_of_tok, device=q.device)
+            cached = (meta.block_tables[idx].contiguous(), torch.tensor(ctx_of_tok, dtype=torch.int32, device=q.device))
+            meta.scratch["cpu_tokens"] = cached
+        tables, lens = cached
+        return cpu_ops.paged_decode(q, k_cache, v_cache, tables, lens, scale)
 
     @staticmethod
     def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, max_ctx: int, scale: float,
