@@ -21,7 +21,9 @@ from servescope.model.attention.backend import AttentionBackend, AttentionMetada
 
 # bfloat16 prefill tokens go through the paged decode kernel up to this context; beyond it SDPA's
 # flash kernel is faster (measured here: a 2048-token prompt took 2.73 s that way against 2.5 s with
-# SDPA, while the offline-throughput workload's prompts of 32-512 tokens ran their attention 1.6x faster)
+# SDPA, while the offline-throughput workload's prompts of 32-512 tokens ran their attention 1.6x faster;
+# per 9-head prompt: 95-104 GFLOP/s against SDPA's 51-68 at 128-512 tokens, a tie at 1024). float32 keeps SDPA:
+# there the kernel is no faster (47-69 against 41-97 GFLOP/s)
 PAGED_PREFILL_MAX_CONTEXT = 1024
 
 
