@@ -301,6 +301,8 @@ def step_cost(
     T, B = sum(n for n, _ in seqs), len(seqs)
     n_logits = B if num_logits is None else int(num_logits)
     keys = sum(attended_keys(n, c) for n, c in seqs)
+    dec_keys = sum(c + 1 for n, c in seqs if n == 1)  # attended_keys(1, c): the decode sequences' share
+    attn_flops = 4 * H * D * keys * L  # = attention_flops(cfg, seqs), from the keys counted once
     context = sum(c for _, c in seqs)
     mm = matmul_flops(cfg, T, n_logits)
     lin_w = _layer_linear_bytes(cfg, wdt, adt)
@@ -313,7 +315,7 @@ def step_cost(
         # read x [T, d], write q, k, v [T, q + 2kv]
         ("qkv_proj", mm["qkv_proj"], L * T * (d + q + 2 * kv) * ab, L * lin_w["qkv_proj"]),
         # read q and the new k, v [T, q + 2kv], write out [T, q]; cached K/V are in kv_read
-        ("attention", attention_flops(cfg, seqs), L * T * (2 * q + 2 * kv) * ab, 0),
+        ("attention", attn_flops, L * T * (2 * q + 2 * kv) * ab, 0),
         ("kv_write", 0, T * kv_tok, 0),
         ("kv_read", 0, context * kv_tok, 0),
         # read attn [T, q], write [T, d]
@@ -343,12 +345,10 @@ def step_cost(
     # the spec has one (the local probe): weight bytes / rate(M), M = tokens (lm_head: logit rows).
     # Decode attention (one query per sequence) likewise cannot beat its kernel's measured FLOP/s.
     dec_rate = hw.decode_attention_flops.get(adt)
-    dec_seqs = [s for s in seqs if s[0] == 1]
     attn_kernel = 0.0
-    if dec_rate and dec_seqs:
-        pre = [s for s in seqs if s[0] != 1]
-        attn_kernel = (attention_flops(cfg, dec_seqs) / (dec_rate * eff_c)
-                       + (attention_flops(cfg, pre) / peak if pre else 0.0))
+    if dec_rate and dec_keys:
+        dec_flops = 4 * H * D * dec_keys * L
+        attn_kernel = dec_flops / (dec_rate * eff_c) + (attn_flops - dec_flops) / peak
 
     def kernel_s(name: str, w: float) -> float:
         if name == "attention":

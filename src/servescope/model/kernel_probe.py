@@ -18,6 +18,17 @@ import time
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+def _median_seconds(fn, runs: int, warmup: int = 1) -> float:
+    for _ in range(warmup):  # kernel choice, first-call allocations
+        fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def measure_linear_rates(dtype_name: str, rows=ROWS, num_matrices: int = 32, size: int = 1024,
                          runs: int = 3) -> list:
     """[[M, weight bytes/s], ...] for the engine's CPU linear kernel in `dtype_name`."""
@@ -43,13 +54,7 @@ def measure_linear_rates(dtype_name: str, rows=ROWS, num_matrices: int = 32, siz
                 for lin in lins:
                     lin(x)
 
-            once()  # warm-up: kernel choice, first-call allocations
-            times = []
-            for _ in range(runs):
-                t0 = time.perf_counter()
-                once()
-                times.append(time.perf_counter() - t0)
-            out.append([int(m), nbytes / statistics.median(times)])
+            out.append([int(m), nbytes / _median_seconds(once, runs)])
     return out
 
 
@@ -73,12 +78,9 @@ def measure_decode_attention_flops(dtype_name: str, batch: int = 32, context: in
     lens = torch.full((batch,), context, dtype=torch.int32)
     q = torch.randn(batch, kv_heads * group, head_dim, generator=gen).to(dtype)
     flops = 4 * kv_heads * group * head_dim * context * batch
-    for _ in range(3):
-        cpu_ops.paged_decode(q, kc, vc, tables, lens, head_dim ** -0.5)
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
+
+    def ten():
         for _ in range(10):
             cpu_ops.paged_decode(q, kc, vc, tables, lens, head_dim ** -0.5)
-        times.append((time.perf_counter() - t0) / 10)
-    return flops / statistics.median(times)
+
+    return flops / (_median_seconds(ten, runs) / 10)

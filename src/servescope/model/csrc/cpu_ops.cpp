@@ -501,9 +501,11 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
       const int64_t bi = item / hkv, kh = item % hkv;
       for (int64_t i = 0; i < g; ++i) {
         const Q* qi = q + bi * qs0 + (kh * g + i) * qs1;
-        if constexpr (kDot) std::memcpy(qb.data() + i * D, qi, D * sizeof(bf16));
-        for (int j = 0; j < NJ; ++j)
-          _mm512_storeu_ps(qf + i * D + 16 * j, _mm512_mul_ps(ld(qi + 16 * j, 0xFFFF), _mm512_set1_ps(scale)));
+        if constexpr (kDot)  // the pair products read q as it is; the float32 copy is not needed
+          std::memcpy(qb.data() + i * D, qi, D * sizeof(bf16));
+        else
+          for (int j = 0; j < NJ; ++j)
+            _mm512_storeu_ps(qf + i * D + 16 * j, _mm512_mul_ps(ld(qi + 16 * j, 0xFFFF), _mm512_set1_ps(scale)));
         mx[i] = -std::numeric_limits<float>::infinity();
         den[i] = 0.f;
       }
