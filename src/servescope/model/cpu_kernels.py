@@ -1,4 +1,4 @@
-"""The CPU decode GEMV extension (csrc/cpu_gemv.cpp), compiled on first use and cached.
+"""The CPU decode GEMV (in csrc/cpu_ops.cpp, the CPU kernel extension, compiled on first use and cached).
 
 `gemv(x, w, scale=None, bias=None)` -> float32 [M, N] for M <= 4 rows, weights float32, bfloat16
 or int8 (per-row scale). `available()` is False where it cannot be built (no compiler, no AVX-512,
@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from servescope.model.cpu_extension import CpuExtension
+from servescope.model import cpu_ops
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 # 16.9 / 18.2 / 20.6 ms at M = 1 / 2 / 3 vs oneDNN 24.1 / 26.1 / 19.6; bfloat16: 8.7 / 13.1 / 16.9 vs
 # 18.0 / ~17 / ~16.5). int8 has no fast eager kernel for float32 activations.
 MAX_ROWS = {torch.float32: 2, torch.bfloat16: 3, torch.int8: 16}
-_EXT = CpuExtension("servescope_cpu_gemv", "cpu_gemv.cpp", "CPU GEMV kernels")
+_EXT = cpu_ops._EXT
 _EMPTY = torch.empty(0)
 load = _EXT.load  # the compiled module, or None (see cpu_extension.py)
 available = _EXT.available

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servescope.config import ModelConfig
-from servescope.model import cpu_kernels, fused_ops
+from servescope.model import cpu_kernels, cpu_ops, fused_ops
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
 from servescope.model.layers import RMSNorm, RotaryEmbedding
 
@@ -126,12 +126,21 @@ class LlamaForCausalLM(nn.Module):
         self.int8_head: Optional[nn.Module] = None  # set by quantize.quantize_int8
         self.cpu_gemv = False  # set by optimize.use_cpu_gemv
         self.cpu_head_packed = None  # the output head in oneDNN's layout (optimize.use_cpu_gemv)
+        # all layers of a small decode step in one C++ call (optimize.build_decode_plan), up to this many tokens
+        self.cpu_decode_plan = None
+        self.cpu_decode_max_rows = 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, Dm] after the final norm."""
         h = self.model.embed_tokens(input_ids)  # [T] -> [T, Dm]
         cos_sin = self.rotary.table(positions)  # once per step, shared by all layers
+        if (self.cpu_decode_plan is not None and meta.is_decode_only and h.shape[0] <= self.cpu_decode_max_rows
+                and backend.name == "torch" and not torch.is_grad_enabled()
+                and kv_caches[0][0].dtype in cpu_ops.DTYPES):
+            # the same kernels as the loop below, issued from C++ (no Python per layer)
+            return self.cpu_decode_plan.run(h, *cos_sin, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+                                            meta.slot_mapping, meta.block_tables, meta.context_lens)
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches):
             h, residual = layer(cos_sin, h, residual, kv, meta, backend)

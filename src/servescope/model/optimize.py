@@ -4,7 +4,8 @@ structure, never the checkpoint names the loader copies into.
 - fuse_projections: q/k/v -> one qkv_proj, gate/up -> one gate_up_proj (fewer, larger matmuls;
   each output element is the same dot product, so results match the unfused model).
 - int8 weight-only quantization (quantize.py), when asked for.
-- on the CPU, small-M matmuls (decode) through an AVX-512 GEMV (cpu_kernels.py).
+- on the CPU, small-M matmuls (decode) through an AVX-512 GEMV (cpu_kernels.py), and decode steps
+  at small batch through one C++ call for all layers (build_decode_plan).
 """
 
 from __future__ import annotations
@@ -53,7 +54,60 @@ def use_cpu_gemv(model: nn.Module) -> nn.Module:
     model.cpu_gemv = True
     if model.int8_head is None:
         model.cpu_head_packed = cpu_kernels.pack_for_onednn(model.lm_head_weight())
+    model.cpu_decode_plan, model.cpu_decode_max_rows = build_decode_plan(model)
     return model
+
+
+def build_decode_plan(model: nn.Module) -> tuple:
+    """(the C++ DecodePlan over the model's layers, the most tokens per step it serves), or (None, 0)
+    where a layer has a part the plan does not cover.
+
+    The plan issues the same kernels as the modules' forward with the same weights (no copies), so it
+    serves exactly the steps where the modules would use the GEMV for every projection: decode-only
+    steps of at most MAX_ROWS tokens for the weights' dtype."""
+    from servescope.model import cpu_kernels, cpu_ops
+    from servescope.model.quantize import Int8Linear
+
+    mod = cpu_ops.load()
+    if mod is None:
+        return None, 0
+    empty = torch.empty(0)
+
+    def f32(t):
+        return empty if t is None else t
+
+    def linear(m):
+        if type(m) is cpu_kernels.CpuLinear:
+            return [m.weight.detach(), empty, f32(m._bias_f32)]
+        if type(m) is Int8Linear:
+            return [m.weight_int8, m._scale_f32, f32(m._bias_f32)]
+        return None
+
+    cfg = model.config
+    dtype = model.model.embed_tokens.weight.dtype
+    norms_of = []
+    layers, max_rows = [], []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qkv_proj is None or mlp.gate_up_proj is None:
+            return None, 0
+        parts = [linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(p is None for p in parts):
+            return None, 0
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if hasattr(attn, "q_norm"):
+            norms += [attn.q_norm, attn.k_norm]
+        norms_of += norms
+        qk = [n.weight.detach() for n in norms[2:]] or [empty, empty]
+        layers.append([norms[0].weight.detach(), *parts[0], *parts[1], norms[1].weight.detach(), *parts[2],
+                       *parts[3], *qk])
+        max_rows += [cpu_kernels.MAX_ROWS.get(p[0].dtype, 0) for p in parts]
+    norms_of.append(model.model.norm)
+    if any(n.weight.dtype != dtype or n.eps != cfg.rms_norm_eps for n in norms_of) or dtype not in cpu_ops.DTYPES:
+        return None, 0
+    plan = mod.DecodePlan(layers, model.model.norm.weight.detach(), cfg.num_attention_heads,
+                          cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+    return plan, min(max_rows)
 
 
 def optimize_model(model: nn.Module, quantization: str | None = None) -> nn.Module:

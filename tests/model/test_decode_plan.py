@@ -1,0 +1,105 @@
+"""The C++ DecodePlan (csrc/cpu_ops.cpp, optimize.build_decode_plan): all layers of a small decode
+step in one call. It must issue the same kernels as the modules' forward, so the logits of every
+step must be bit-for-bit those of the module path: float32, bfloat16 and int8 weights, biases (Qwen2),
+per-head q/k norms (Qwen3), head dims on both attention kernels (16: generic, 64: register-tiled),
+decode batches of 1..3 sequences with different context lengths."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from servescope.model import cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="CPU op extension not built here")
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny_models import make_tiny_hf_model  # noqa: E402
+
+
+def _generate_comparing(llm, prompts, sp) -> dict:
+    """Greedy generation in which every forward pass the plan serves is also run through the module
+    path on a copy of the KV cache; hidden states and caches must be equal. (Comparing two whole
+    generations would not do: oneDNN's prefill GEMMs are not bitwise repeatable from run to run.)
+    Returns the plan's calls by decode batch size."""
+    model = llm.engine.model
+    plan, forward = model.cpu_decode_plan, model.forward
+    calls: dict = {}
+
+    class Spy:
+        def run(self, h, *a):
+            calls[h.shape[0]] = calls.get(h.shape[0], 0) + 1
+            return plan.run(h, *a)
+
+    def both(input_ids, positions, kv_caches, meta, backend):
+        before = sum(calls.values())
+        copies = [(k.clone(), v.clone()) for k, v in kv_caches]
+        out = forward(input_ids, positions, kv_caches, meta, backend)
+        if sum(calls.values()) > before:  # the plan ran: now the modules on the copy
+            model.cpu_decode_plan = None
+            try:
+                ref = forward(input_ids, positions, copies, meta, backend)
+            finally:
+                model.cpu_decode_plan = spy
+            assert torch.equal(out, ref)
+            for (k, v), (kr, vr) in zip(kv_caches, copies):
+                assert torch.equal(k, kr) and torch.equal(v, vr)
+        return out
+
+    model.cpu_decode_plan = spy = Spy()
+    model.forward = both
+    try:
+        llm.generate(prompts, sp)
+    finally:
+        model.cpu_decode_plan = plan
+        del model.forward
+    return calls
+
+
+@pytest.mark.parametrize("family,head_dim,dtype,quant", [
+    ("llama_plain", 16, "float32", None),
+    ("llama_plain", 64, "float32", None),
+    ("llama_plain", 64, "bfloat16", None),
+    ("llama", 64, "float32", "int8"),
+    ("llama", 16, "bfloat16", "int8"),
+    ("qwen2", 64, "float32", None),
+    ("qwen2", 16, "bfloat16", "int8"),
+    ("qwen3", 64, "bfloat16", None),
+    ("qwen3", 16, "float32", "int8"),
+])
+def test_decode_plan_matches_module_path_bit_for_bit(tmp_path, monkeypatch, family, head_dim, dtype, quant):
+    from servescope import LLM, SamplingParams
+    import servescope.tokenizer
+
+    path = make_tiny_hf_model(tmp_path, family, vocab_size=512, with_tokenizer=False, head_dim=head_dim,
+                              num_hidden_layers=3)
+    monkeypatch.setattr(servescope.tokenizer, "load_tokenizer", lambda source: None)  # token ids in and out
+    llm = LLM(model=str(path), dtype=dtype, quantization=quant, num_kv_blocks=64, max_model_len=256)
+    model = llm.engine.model
+    assert model.cpu_decode_plan is not None
+    rows = model.cpu_decode_max_rows
+    assert rows == {"float32": 2, "bfloat16": 3}[dtype] if quant is None else rows == 16
+    # prompts of different lengths (different context lengths in one decode batch, one crossing a
+    # 16-token block); the number of prompts spans batches below and above the plan's limit
+    prompts = [[(i * 7 + j * 13) % 500 + 3 for i in range(n)] for j, n in enumerate((5, 19, 33, 2))]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for n in sorted({1, min(rows, 3), 4}):
+        calls = _generate_comparing(llm, prompts[:n], sp)
+        if n <= rows:  # every decode step of these batches went through the plan
+            assert calls == {n: 11}, calls
+        else:  # larger batches take the module path
+            assert calls == {}, calls
+
+
+def test_decode_plan_not_built_without_the_extension(tmp_path, monkeypatch):
+    from servescope import LLM
+    import servescope.tokenizer
+
+    path = make_tiny_hf_model(tmp_path, "llama_plain", vocab_size=512, with_tokenizer=False)
+    monkeypatch.setattr(servescope.tokenizer, "load_tokenizer", lambda source: None)
+    monkeypatch.setattr(cpu_ops._EXT, "mod", None)
+    llm = LLM(model=str(path), num_kv_blocks=16, max_model_len=64)
+    assert llm.engine.model.cpu_decode_plan is None
