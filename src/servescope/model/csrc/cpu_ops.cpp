@@ -460,6 +460,10 @@ inline const float* rows_f32(const C* src, int64_t stride, int64_t n, float* til
 alignas(64) constexpr int16_t kPairIndex[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
+// Prefetch distance in positions. Measured at batch 64, context 300-600, SmolLM2's heads, the KV
+// cache in memory (not in cache, as in a real step): 3-15% faster than none, 32 slightly ahead of 16.
+constexpr int64_t PF = 32;
+
 template <typename Q, typename C, int NJ>
 void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, int64_t S, int64_t hkv,
                  const int32_t* bt, int64_t bts, const int32_t* cl, int64_t b, int64_t h, float scale, Q* out,
@@ -473,144 +477,179 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
   constexpr bool kDot = false;
 #endif
   const int64_t g = h / hkv, row = hkv * D;
-  // Items (sequence, KV head) cost in proportion to their context: split them into one contiguous
-  // range per thread of about equal total context (an equal count of items left one thread with
-  // the long sequences of a mixed batch: 3-12% slower at batch 8-34), and stay on one thread when
-  // the whole step is small. (Items of one sequence with all its KV heads, to read each block front
-  // to back, measured no faster.)
-  const int64_t items = b * hkv;
+  // An item is a sequence with all its KV heads when there are enough sequences to keep the threads
+  // busy (each block's keys and values are then read whole, front to back: 3-10% faster in float32
+  // at batch 64 with the cache in memory, neutral in bfloat16), else one (sequence, KV head). Items cost in proportion to their context: split them into one contiguous range per
+  // thread of about equal total context (an equal count of items left one thread with the long
+  // sequences of a mixed batch: 3-12% slower at batch 8-34), and stay on one thread when the whole
+  // step is small.
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t hpi = b >= 2 * nthreads ? hkv : 1;  // KV heads per item
+  const int64_t items = b * hkv / hpi;
   std::vector<int64_t> cum(items + 1, 0);
-  for (int64_t it = 0; it < items; ++it) cum[it + 1] = cum[it] + cl[it / hkv] + 16;
+  for (int64_t it = 0; it < items; ++it) cum[it + 1] = cum[it] + (cl[it * hpi / hkv] + 16) * hpi;
   const int64_t total = cum[items];
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>({(int64_t)at::get_num_threads(), items,
-                                                             total * g * D / 32768}));
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>({nthreads, items, total * g * D / 32768}));
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     const int64_t i0 = std::lower_bound(cum.begin(), cum.end(), total * t0 / nt) - cum.begin();
     const int64_t i1 = t1 >= nt ? items : std::lower_bound(cum.begin(), cum.end(), total * t1 / nt) - cum.begin();
-    std::vector<float> buf(2 * g * D + 16 * g + 2 * g + 2 * 16 * D);
-    float* qf = buf.data();    // [G, D] queries in float32, pre-scaled
-    float* acc = qf + g * D;   // [G, D] running sum of p * v
-    float* pr = acc + g * D;   // [G, 16] probabilities of the current keys
-    float* mx = pr + 16 * g;   // [G] running max
-    float* den = mx + g;       // [G] running sum of p
-    float* kt = den + g;       // [16, D] keys in float32 (bfloat16 caches)
-    float* vt = kt + 16 * D;   // [16, D] values
-    std::vector<bf16> qb(kDot ? g * D : 0);  // [G, D] queries as they are (bfloat16), for the pair dot products
-    std::vector<bf16> pb(kDot ? g * 16 : 0);  // [G, 16] probabilities rounded to bfloat16 (p * v pairs)
+    const int64_t gi = g * hpi;  // query heads of an item
+    std::vector<float> buf(2 * gi * D + 16 * gi + 2 * gi + 2 * 16 * D);
+    float* qf = buf.data();     // [Gi, D] queries in float32, pre-scaled
+    float* acc_ = qf + gi * D;  // [Gi, D] running sum of p * v
+    float* pr_ = acc_ + gi * D; // [Gi, 16] probabilities of the current keys
+    float* mx_ = pr_ + 16 * gi; // [Gi] running max
+    float* den_ = mx_ + gi;     // [Gi] running sum of p
+    float* kt = den_ + gi;      // [16, D] keys in float32 (bfloat16 caches)
+    float* vt = kt + 16 * D;    // [16, D] values
+    std::vector<bf16> qb_(kDot ? gi * D : 0);  // [Gi, D] queries as they are (bfloat16), for the pair dot products
+    std::vector<bf16> pb_(kDot ? gi * 16 : 0);  // [Gi, 16] probabilities rounded to bfloat16 (p * v pairs)
+    // where the keys of item `it` at position `pos` are: (block row pointer offset, keys in this tile) or n = 0
+    auto tile_at = [&](int64_t it, int64_t pos, int64_t* n) -> int64_t {
+      const int64_t bi = it * hpi / hkv, ctx = cl[bi];
+      *n = 0;
+      if (pos >= ctx) return 0;
+      const int64_t blk = bt[bi * bts + pos / S], off = pos % S;
+      *n = std::min<int64_t>({16, S - off, ctx - pos});
+      return (blk * S + off) * hkv + it * hpi % hkv;  // in rows of D elements
+    };
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t bi = item / hkv, kh = item % hkv;
-      for (int64_t i = 0; i < g; ++i) {
-        const Q* qi = q + bi * qs0 + (kh * g + i) * qs1;
+      const int64_t bi = item * hpi / hkv, kh0 = item * hpi % hkv;
+      for (int64_t i = 0; i < gi; ++i) {
+        const Q* qi = q + bi * qs0 + (kh0 * g + i) * qs1;
         if constexpr (kDot)  // the pair products read q as it is; the float32 copy is not needed
-          std::memcpy(qb.data() + i * D, qi, D * sizeof(bf16));
+          std::memcpy(qb_.data() + i * D, qi, D * sizeof(bf16));
         else
           for (int j = 0; j < NJ; ++j)
             _mm512_storeu_ps(qf + i * D + 16 * j, _mm512_mul_ps(ld(qi + 16 * j, 0xFFFF), _mm512_set1_ps(scale)));
-        mx[i] = -std::numeric_limits<float>::infinity();
-        den[i] = 0.f;
+        mx_[i] = -std::numeric_limits<float>::infinity();
+        den_[i] = 0.f;
       }
-      std::fill(acc, acc + g * D, 0.f);
+      std::fill(acc_, acc_ + gi * D, 0.f);
       const int64_t ctx = cl[bi];
-      const int32_t* table = bt + bi * bts;
       for (int64_t p = 0; p < ctx;) {
-        const int64_t blk = table[p / S], off = p % S;
-        const int64_t n = std::min<int64_t>({16, S - off, ctx - p});
+        int64_t n = 0;
+        const int64_t r0 = tile_at(item, p, &n);
         const __mmask16 valid = tail_mask(n);
-        int64_t kld = 0, vld = 0;
-        const C* kraw = kc + ((blk * S + off) * hkv + kh) * D;
-        const float* kf = kDot ? nullptr : rows_f32<C, NJ>(kraw, row, n, kt, &kld);
-        const C* vraw = vc + ((blk * S + off) * hkv + kh) * D;
-        const float* vf = kDot ? nullptr : rows_f32<C, NJ>(vraw, row, n, vt, &vld);
-        for (int64_t i = 0; i < g; ++i) {  // scores of head i for the n keys, then the online softmax
-          __m512 part[16];
-          if constexpr (kDot) {
-#ifdef __AVX512BF16__
-            __m512bh qv[NJ / 2];
-            for (int j = 0; j < NJ / 2; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qb.data() + i * D + 32 * j);
-            for (int64_t t = 0; t < 16; ++t) {
-              __m512 a = _mm512_setzero_ps();
-              if (t < n)
-                for (int j = 0; j < NJ / 2; ++j)
-                  a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(kraw + t * row + 32 * j));
-              part[t] = a;
-            }
-#endif
-          } else {
-            __m512 qv[NJ];
-            for (int j = 0; j < NJ; ++j) qv[j] = _mm512_loadu_ps(qf + i * D + 16 * j);
-            for (int64_t t = 0; t < 16; ++t) {
-              __m512 a = _mm512_setzero_ps();
-              if (t < n)
-                for (int j = 0; j < NJ; ++j) a = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kf + t * kld + 16 * j), a);
-              part[t] = a;
+        // The blocks of a sequence lie anywhere in the cache, so the hardware prefetcher cannot
+        // guess the next one: ask for the keys and values PF positions ahead (the next item's first
+        // ones near the end of this one) while this tile computes.
+        {
+          int64_t pn = 0, pr0 = tile_at(item, p + PF, &pn);
+          if (pn == 0 && item + 1 < i1) pr0 = tile_at(item + 1, p + PF - ctx, &pn);
+          for (int64_t t = 0; t < pn; ++t) {
+            const char* kp = (const char*)(kc + (pr0 + t * hkv) * D);
+            const char* vp = (const char*)(vc + (pr0 + t * hkv) * D);
+            for (int64_t cb = 0; cb < (int64_t)(hpi * D * sizeof(C)); cb += 64) {
+              _mm_prefetch(kp + cb, _MM_HINT_T0);
+              _mm_prefetch(vp + cb, _MM_HINT_T0);
             }
           }
-          __m512 sum = reduce16(part);
-          if constexpr (kDot) sum = _mm512_mul_ps(sum, _mm512_set1_ps(scale));  // q unscaled: exact bf16 pairs
-          __m512 sc = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), sum);
-          const float mnew = std::max(mx[i], _mm512_reduce_max_ps(sc));
-          const float corr = std::exp(mx[i] - mnew);  // exp(-inf) = 0 on the first keys
-          mx[i] = mnew;
-          __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mnew))));
-          den[i] = den[i] * corr + _mm512_reduce_add_ps(e);
-          _mm512_storeu_ps(pr + 16 * i, e);
-#ifdef __AVX512BF16__
-          if constexpr (kDot) _mm256_storeu_si256((__m256i*)(pb.data() + 16 * i), (__m256i)_mm512_cvtneps_pbh(e));
-#endif
-          if (corr != 1.0f)
-            for (int j = 0; j < NJ; ++j)
-              _mm512_storeu_ps(acc + i * D + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 16 * j),
-                                                                   _mm512_set1_ps(corr)));
         }
-        for (int64_t i0h = 0; i0h < g; i0h += HT) {  // acc[i] += sum_t p[i][t] v_t, HT heads in registers
-          const int64_t nh = std::min<int64_t>(HT, g - i0h);
-          __m512 a[HT][NJ];
-          for (int ii = 0; ii < HT; ++ii)
-            for (int j = 0; j < NJ; ++j)
-              a[ii][j] = ii < nh ? _mm512_loadu_ps(acc + (i0h + ii) * D + 16 * j) : _mm512_setzero_ps();
-          if constexpr (kDot) {
+        for (int64_t kl = 0; kl < hpi; ++kl) {  // the item's KV heads, each with its g query heads
+          float* acc = acc_ + kl * g * D;
+          float* pr = pr_ + kl * g * 16;
+          float* mx = mx_ + kl * g;
+          float* den = den_ + kl * g;
+          const float* qh = qf + kl * g * D;
+          const bf16* qb = kDot ? qb_.data() + kl * g * D : nullptr;
+          bf16* pb = kDot ? pb_.data() + kl * g * 16 : nullptr;
+          int64_t kld = 0, vld = 0;
+          const C* kraw = kc + (r0 + kl) * D;
+          const float* kf = kDot ? nullptr : rows_f32<C, NJ>(kraw, row, n, kt, &kld);
+          const C* vraw = vc + (r0 + kl) * D;
+          const float* vf = kDot ? nullptr : rows_f32<C, NJ>(vraw, row, n, vt, &vld);
+          for (int64_t i = 0; i < g; ++i) {  // scores of head i for the n keys, then the online softmax
+            __m512 part[16];
+            if constexpr (kDot) {
 #ifdef __AVX512BF16__
-            // two keys at a time: VDPBF16PS adds p_t v_t[d] + p_t+1 v_t+1[d] for 16 dims d, the
-            // probabilities rounded to bfloat16 as SDPA's bfloat16 kernel rounds them for its p*v GEMM
-            const __m512i inter = _mm512_loadu_si512(kPairIndex);
-            for (int64_t t = 0; t < n; t += 2) {
-              const bool two = t + 1 < n;  // an odd tail pairs with a zero row (its p is 0 too)
-              __m512i vv[NJ];
-              for (int j = 0; j < NJ; ++j) {
-                __m256i r0 = _mm256_loadu_si256((const __m256i*)(vraw + t * row + 16 * j));
-                __m256i r1 = two ? _mm256_loadu_si256((const __m256i*)(vraw + (t + 1) * row + 16 * j))
-                                 : _mm256_setzero_si256();
-                vv[j] = _mm512_permutexvar_epi16(inter, _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1));
+              __m512bh qv[NJ / 2];
+              for (int j = 0; j < NJ / 2; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qb + i * D + 32 * j);
+              for (int64_t t = 0; t < 16; ++t) {
+                __m512 a = _mm512_setzero_ps();
+                if (t < n)
+                  for (int j = 0; j < NJ / 2; ++j)
+                    a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(kraw + t * row + 32 * j));
+                part[t] = a;
               }
-              for (int ii = 0; ii < HT; ++ii) {
-                if (ii >= nh) break;
-                uint32_t pair;
-                std::memcpy(&pair, pb.data() + 16 * (i0h + ii) + t, sizeof(pair));
-                const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
-                for (int j = 0; j < NJ; ++j) a[ii][j] = _mm512_dpbf16_ps(a[ii][j], pp, (__m512bh)vv[j]);
-              }
-            }
 #endif
-          } else {
-            for (int64_t t = 0; t < n; ++t) {
-              __m512 vv[NJ];
-              for (int j = 0; j < NJ; ++j) vv[j] = _mm512_loadu_ps(vf + t * vld + 16 * j);
-              for (int ii = 0; ii < HT; ++ii) {
-                if (ii >= nh) break;
-                const __m512 pv = _mm512_set1_ps(pr[16 * (i0h + ii) + t]);
-                for (int j = 0; j < NJ; ++j) a[ii][j] = _mm512_fmadd_ps(pv, vv[j], a[ii][j]);
+            } else {
+              __m512 qv[NJ];
+              for (int j = 0; j < NJ; ++j) qv[j] = _mm512_loadu_ps(qh + i * D + 16 * j);
+              for (int64_t t = 0; t < 16; ++t) {
+                __m512 a = _mm512_setzero_ps();
+                if (t < n)
+                  for (int j = 0; j < NJ; ++j) a = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kf + t * kld + 16 * j), a);
+                part[t] = a;
               }
             }
+            __m512 sum = reduce16(part);
+            if constexpr (kDot) sum = _mm512_mul_ps(sum, _mm512_set1_ps(scale));  // q unscaled: exact bf16 pairs
+            __m512 sc = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), sum);
+            const float mnew = std::max(mx[i], _mm512_reduce_max_ps(sc));
+            const float corr = std::exp(mx[i] - mnew);  // exp(-inf) = 0 on the first keys
+            mx[i] = mnew;
+            __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mnew))));
+            den[i] = den[i] * corr + _mm512_reduce_add_ps(e);
+            _mm512_storeu_ps(pr + 16 * i, e);
+#ifdef __AVX512BF16__
+            if constexpr (kDot) _mm256_storeu_si256((__m256i*)(pb + 16 * i), (__m256i)_mm512_cvtneps_pbh(e));
+#endif
+            if (corr != 1.0f)
+              for (int j = 0; j < NJ; ++j)
+                _mm512_storeu_ps(acc + i * D + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 16 * j),
+                                                                     _mm512_set1_ps(corr)));
           }
-          for (int ii = 0; ii < nh; ++ii)
-            for (int j = 0; j < NJ; ++j) _mm512_storeu_ps(acc + (i0h + ii) * D + 16 * j, a[ii][j]);
+          for (int64_t i0h = 0; i0h < g; i0h += HT) {  // acc[i] += sum_t p[i][t] v_t, HT heads in registers
+            const int64_t nh = std::min<int64_t>(HT, g - i0h);
+            __m512 a[HT][NJ];
+            for (int ii = 0; ii < HT; ++ii)
+              for (int j = 0; j < NJ; ++j)
+                a[ii][j] = ii < nh ? _mm512_loadu_ps(acc + (i0h + ii) * D + 16 * j) : _mm512_setzero_ps();
+            if constexpr (kDot) {
+#ifdef __AVX512BF16__
+              // two keys at a time: VDPBF16PS adds p_t v_t[d] + p_t+1 v_t+1[d] for 16 dims d, the
+              // probabilities rounded to bfloat16 as SDPA's bfloat16 kernel rounds them for its p*v GEMM
+              const __m512i inter = _mm512_loadu_si512(kPairIndex);
+              for (int64_t t = 0; t < n; t += 2) {
+                const bool two = t + 1 < n;  // an odd tail pairs with a zero row (its p is 0 too)
+                __m512i vv[NJ];
+                for (int j = 0; j < NJ; ++j) {
+                  __m256i r0 = _mm256_loadu_si256((const __m256i*)(vraw + t * row + 16 * j));
+                  __m256i r1 = two ? _mm256_loadu_si256((const __m256i*)(vraw + (t + 1) * row + 16 * j))
+                                   : _mm256_setzero_si256();
+                  vv[j] = _mm512_permutexvar_epi16(inter, _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1));
+                }
+                for (int ii = 0; ii < HT; ++ii) {
+                  if (ii >= nh) break;
+                  uint32_t pair;
+                  std::memcpy(&pair, pb + 16 * (i0h + ii) + t, sizeof(pair));
+                  const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
+                  for (int j = 0; j < NJ; ++j) a[ii][j] = _mm512_dpbf16_ps(a[ii][j], pp, (__m512bh)vv[j]);
+                }
+              }
+#endif
+            } else {
+              for (int64_t t = 0; t < n; ++t) {
+                __m512 vv[NJ];
+                for (int j = 0; j < NJ; ++j) vv[j] = _mm512_loadu_ps(vf + t * vld + 16 * j);
+                for (int ii = 0; ii < HT; ++ii) {
+                  if (ii >= nh) break;
+                  const __m512 pv = _mm512_set1_ps(pr[16 * (i0h + ii) + t]);
+                  for (int j = 0; j < NJ; ++j) a[ii][j] = _mm512_fmadd_ps(pv, vv[j], a[ii][j]);
+                }
+              }
+            }
+            for (int ii = 0; ii < nh; ++ii)
+              for (int j = 0; j < NJ; ++j) _mm512_storeu_ps(acc + (i0h + ii) * D + 16 * j, a[ii][j]);
+          }
         }
         p += n;
       }
-      for (int64_t i = 0; i < g; ++i) {
-        Q* o = out + bi * os0 + (kh * g + i) * os1;
-        __m512 inv = _mm512_set1_ps(den[i] > 0.f ? 1.0f / den[i] : 0.f);
-        for (int j = 0; j < NJ; ++j) st(o + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 16 * j), inv), 0xFFFF);
+      for (int64_t i = 0; i < gi; ++i) {
+        Q* o = out + bi * os0 + (kh0 * g + i) * os1;
+        __m512 inv = _mm512_set1_ps(den_[i] > 0.f ? 1.0f / den_[i] : 0.f);
+        for (int j = 0; j < NJ; ++j) st(o + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc_ + i * D + 16 * j), inv), 0xFFFF);
       }
     }
   });
