@@ -2,7 +2,7 @@
 step in one call. It must issue the same kernels as the modules' forward, so the logits of every
 step must be bit-for-bit those of the module path: float32, bfloat16 and int8 weights, biases (Qwen2),
 per-head q/k norms (Qwen3), head dims on both attention kernels (16: generic, 64: register-tiled),
-decode batches of 1..3 sequences with different context lengths."""
+decode batches of 1..7 sequences with different context lengths (the GEMV and oneDNN's GEMM)."""
 
 from __future__ import annotations
 
@@ -81,17 +81,29 @@ def test_decode_plan_matches_module_path_bit_for_bit(tmp_path, monkeypatch, fami
     model = llm.engine.model
     assert model.cpu_decode_plan is not None
     rows = model.cpu_decode_max_rows
-    assert rows == {"float32": 2, "bfloat16": 3}[dtype] if quant is None else rows == 16
+    # float32 / bfloat16: the GEMV up to 2 / 3 rows, oneDNN's prepacked GEMM above, any batch;
+    # int8: the GEMV up to 16 rows, and the modules above (eager dequantisation)
+    assert rows == (16 if quant else 1 << 30)
     # prompts of different lengths (different context lengths in one decode batch, one crossing a
-    # 16-token block); the number of prompts spans batches below and above the plan's limit
-    prompts = [[(i * 7 + j * 13) % 500 + 3 for i in range(n)] for j, n in enumerate((5, 19, 33, 2))]
+    # 16-token block); batches on both sides of each GEMV limit
+    prompts = [[(i * 7 + j * 13) % 500 + 3 for i in range(n)] for j, n in enumerate((5, 19, 33, 2, 40, 9, 1))]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    for n in sorted({1, min(rows, 3), 4}):
+    for n in (1, 2, 3, 7):
         calls = _generate_comparing(llm, prompts[:n], sp)
-        if n <= rows:  # every decode step of these batches went through the plan
-            assert calls == {n: 11}, calls
-        else:  # larger batches take the module path
-            assert calls == {}, calls
+        assert calls == {n: 11}, calls  # every decode step went through the plan
+
+
+def test_decode_plan_limited_to_the_int8_gemv(tmp_path, monkeypatch):
+    """int8 above 16 rows: the modules (eager dequantisation), not the plan."""
+    from servescope import LLM, SamplingParams
+    import servescope.tokenizer
+
+    path = make_tiny_hf_model(tmp_path, "llama_plain", vocab_size=512, with_tokenizer=False)
+    monkeypatch.setattr(servescope.tokenizer, "load_tokenizer", lambda source: None)
+    llm = LLM(model=str(path), quantization="int8", num_kv_blocks=64, max_model_len=64)
+    prompts = [[(i * 5 + j) % 500 + 3 for i in range(4)] for j in range(17)]
+    calls = _generate_comparing(llm, prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert calls == {}, calls
 
 
 def test_decode_plan_not_built_without_the_extension(tmp_path, monkeypatch):

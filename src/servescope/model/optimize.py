@@ -62,9 +62,10 @@ def build_decode_plan(model: nn.Module) -> tuple:
     """(the C++ DecodePlan over the model's layers, the most tokens per step it serves), or (None, 0)
     where a layer has a part the plan does not cover.
 
-    The plan issues the same kernels as the modules' forward with the same weights (no copies), so it
-    serves exactly the steps where the modules would use the GEMV for every projection: decode-only
-    steps of at most MAX_ROWS tokens for the weights' dtype."""
+    The plan issues the same kernels as the modules' forward with the same weights (no copies) and
+    the same choice between them (the GEMV up to MAX_ROWS rows, oneDNN's prepacked GEMM above), so
+    it serves decode-only steps up to any batch when every projection has a prepacked weight, and up
+    to MAX_ROWS where one has not (int8: its larger-M path is eager dequantisation)."""
     from servescope.model import cpu_kernels, cpu_ops
     from servescope.model.quantize import Int8Linear
 
@@ -73,20 +74,23 @@ def build_decode_plan(model: nn.Module) -> tuple:
         return None, 0
     empty = torch.empty(0)
 
-    def f32(t):
-        return empty if t is None else t
+    def opt(t):
+        return empty if t is None else t.detach()
 
     def linear(m):
+        """[w, scale, bias f32, packed, bias], the GEMV's row limit, the most rows served"""
         if type(m) is cpu_kernels.CpuLinear:
-            return [m.weight.detach(), empty, f32(m._bias_f32)]
+            rows = cpu_kernels.MAX_ROWS.get(m.weight.dtype, 0)
+            served = rows if m._packed is None else 1 << 30
+            return [m.weight.detach(), empty, opt(m._bias_f32), opt(m._packed), opt(m.bias)], rows, served
         if type(m) is Int8Linear:
-            return [m.weight_int8, m._scale_f32, f32(m._bias_f32)]
+            rows = cpu_kernels.MAX_ROWS[torch.int8]
+            return [m.weight_int8, m._scale_f32, opt(m._bias_f32), empty, empty], rows, rows
         return None
 
     cfg = model.config
     dtype = model.model.embed_tokens.weight.dtype
-    norms_of = []
-    layers, max_rows = [], []
+    norms_of, layers, gemv_rows, served = [], [], [], []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.qkv_proj is None or mlp.gate_up_proj is None:
@@ -99,15 +103,15 @@ def build_decode_plan(model: nn.Module) -> tuple:
             norms += [attn.q_norm, attn.k_norm]
         norms_of += norms
         qk = [n.weight.detach() for n in norms[2:]] or [empty, empty]
-        layers.append([norms[0].weight.detach(), *parts[0], *parts[1], norms[1].weight.detach(), *parts[2],
-                       *parts[3], *qk])
-        max_rows += [cpu_kernels.MAX_ROWS.get(p[0].dtype, 0) for p in parts]
+        layers.append([norms[0].weight.detach(), norms[1].weight.detach(), *qk] + [t for p in parts for t in p[0]])
+        gemv_rows.append([p[1] for p in parts])
+        served += [p[2] for p in parts]
     norms_of.append(model.model.norm)
     if any(n.weight.dtype != dtype or n.eps != cfg.rms_norm_eps for n in norms_of) or dtype not in cpu_ops.DTYPES:
         return None, 0
-    plan = mod.DecodePlan(layers, model.model.norm.weight.detach(), cfg.num_attention_heads,
+    plan = mod.DecodePlan(layers, gemv_rows, model.model.norm.weight.detach(), cfg.num_attention_heads,
                           cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
-    return plan, min(max_rows)
+    return plan, min(served)
 
 
 def optimize_model(model: nn.Module, quantization: str | None = None) -> nn.Module:

@@ -808,7 +808,19 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch:
 // bit for bit (tests/model/test_decode_plan.py), only the host time goes.
 struct PlanLinear {
   torch::Tensor w, scale, bias;  // w [N, K] float32 | bfloat16 | int8; scale [N] f32 (int8) or empty; bias [N] f32 or empty
+  torch::Tensor packed, packed_bias;  // oneDNN's prepacked weight and the bias in the model dtype (or empty)
+  int64_t gemv_rows;  // the GEMV up to this many rows, oneDNN above (CpuLinear's dispatch)
 };
+
+// oneDNN's GEMM on a prepacked weight: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], None)
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias.numel() ? c10::IValue(bias) : c10::IValue(), c10::IValue(std::string("none")),
+                          c10::IValue(c10::impl::GenericList(c10::OptionalType::create(c10::NumberType::get()))),
+                          c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
 
 struct PlanLayer {
   torch::Tensor ln1, ln2, q_norm, k_norm;  // q_norm / k_norm empty unless the model normalises q, k per head
@@ -817,22 +829,23 @@ struct PlanLayer {
 
 class DecodePlan {
  public:
-  // layers: per layer [ln1, qkv w, scale, bias, o w, scale, bias, ln2, gate_up w, scale, bias, down w, scale, bias,
-  // q_norm, k_norm] (empty tensors where absent)
-  DecodePlan(std::vector<std::vector<torch::Tensor>> layers, torch::Tensor final_norm, int64_t heads,
-             int64_t kv_heads, int64_t head_dim, double eps, double scale)
+  // layers: per layer [ln1, ln2, q_norm, k_norm, then for qkv, o, gate_up, down each: w, scale, bias, packed,
+  // packed_bias] (empty tensors where absent); gemv_rows: per layer, the four projections' GEMV limits
+  DecodePlan(std::vector<std::vector<torch::Tensor>> layers, std::vector<std::vector<int64_t>> gemv_rows,
+             torch::Tensor final_norm, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
       : final_norm_(final_norm), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
-    for (auto& t : layers) {
-      TORCH_CHECK(t.size() == 16, "DecodePlan: 16 tensors per layer");
+    TORCH_CHECK(gemv_rows.size() == layers.size(), "DecodePlan: gemv_rows per layer");
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const auto& t = layers[i];
+      TORCH_CHECK(t.size() == 24 && gemv_rows[i].size() == 4, "DecodePlan: 24 tensors and 4 limits per layer");
       PlanLayer l;
       l.ln1 = t[0];
-      l.qkv = {t[1], t[2], t[3]};
-      l.o = {t[4], t[5], t[6]};
-      l.ln2 = t[7];
-      l.gate_up = {t[8], t[9], t[10]};
-      l.down = {t[11], t[12], t[13]};
-      l.q_norm = t[14];
-      l.k_norm = t[15];
+      l.ln2 = t[1];
+      l.q_norm = t[2];
+      l.k_norm = t[3];
+      PlanLinear* lins[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+      for (int j = 0; j < 4; ++j)
+        *lins[j] = {t[4 + 5 * j], t[5 + 5 * j], t[6 + 5 * j], t[7 + 5 * j], t[8 + 5 * j], gemv_rows[i][j]};
       TORCH_CHECK(l.qkv.w.size(0) == (heads + 2 * kv_heads) * head_dim, "DecodePlan: qkv rows");
       layers_.push_back(l);
     }
@@ -877,7 +890,9 @@ class DecodePlan {
 
  private:
   static torch::Tensor linear(const torch::Tensor& x, const PlanLinear& l) {
-    return gemv(x, l.w, l.scale, l.bias).to(x.scalar_type());
+    if (x.size(0) <= l.gemv_rows) return gemv(x, l.w, l.scale, l.bias).to(x.scalar_type());
+    TORCH_CHECK(l.packed.defined() && l.packed.numel(), "DecodePlan: no prepacked weight for this batch");
+    return onednn_linear(x, l.packed, l.packed_bias);
   }
 
   std::vector<PlanLayer> layers_;
@@ -896,7 +911,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "store_kv(k, v, k_cache, v_cache, slot_mapping), in place");
   m.def("gemv", &gemv, "gemv(x, w, scale, bias): decode GEMV (float32/bfloat16/int8 weights) -> float32");
   py::class_<DecodePlan>(m, "DecodePlan")
-      .def(py::init<std::vector<std::vector<torch::Tensor>>, torch::Tensor, int64_t, int64_t, int64_t, double, double>())
+      .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, torch::Tensor, int64_t,
+                    int64_t, int64_t, double, double>())
       .def("run", &DecodePlan::run, "run(h, cos, sin, k_caches, v_caches, slots, block_tables, context_lens)");
   m.def("paged_decode", &paged_decode, "paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)");
 }
