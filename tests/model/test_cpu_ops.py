@@ -150,6 +150,26 @@ def test_paged_decode_register_tiled_path(d, hkv, group, s, q_dtype, cache_dtype
     _close(cpu_ops.paged_decode(q, kc, vc, tables, lens, d ** -0.5), ref, q_dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("ctx_lens,s", [([300], 16), ([5, 250], 16), ([40, 1, 130], 32), ([7], 8)])
+def test_paged_decode_context_split_into_parts(dtype, threads, ctx_lens, s):
+    """Fewer than two sequences per thread: each sequence's context is cut into parts (on 16-position
+    boundaries, some empty) whose partial softmax sums are merged; against the reference at several
+    thread counts (which change the number of parts)."""
+    hkv, group, d = 3, 3, 64
+    q, kc, vc, tables, lens = _paged_setup(dtype, len(ctx_lens), hkv * group, hkv, d, ctx_lens, s=s, nblocks=64,
+                                           seed=threads + len(ctx_lens))
+    ref = TorchAttentionBackend._paged_decode(q, kc, vc, tables, lens, max(ctx_lens), d ** -0.5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_ops.paged_decode(q, kc, vc, tables, lens, d ** -0.5)
+    finally:
+        torch.set_num_threads(before)
+    _close(out, ref, dtype)
+
+
 @pytest.mark.parametrize("d", [16, 40])
 def test_paged_decode_other_head_dims_and_block_size(d):
     q, kc, vc, tables, lens = _paged_setup(torch.float32, 2, 4, 2, d, [70, 3], s=64, seed=d)

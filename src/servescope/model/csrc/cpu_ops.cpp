@@ -477,18 +477,33 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
   constexpr bool kDot = false;
 #endif
   const int64_t g = h / hkv, row = hkv * D;
-  // An item is a sequence with all its KV heads when there are enough sequences to keep the threads
-  // busy (each block's keys and values are then read whole, front to back: 3-10% faster in float32
-  // at batch 64 with the cache in memory, neutral in bfloat16), else one (sequence, KV head). Items cost in proportion to their context: split them into one contiguous range per
-  // thread of about equal total context (an equal count of items left one thread with the long
-  // sequences of a mixed batch: 3-12% slower at batch 8-34), and stay on one thread when the whole
-  // step is small.
+  // An item is a sequence with all its KV heads (each block's keys and values are read whole, front
+  // to back: 3-10% faster in float32 at batch 64 with the cache in memory than items of one KV head,
+  // neutral in bfloat16) or, with fewer than two sequences per thread, a part of a sequence's context
+  // (flash-decoding: the parts' partial softmax sums are merged at the end; at batch 1 this keeps
+  // both threads busy on whole blocks, where items of one KV head split 3 heads 2:1). Items cost in
+  // proportion to their context: split them into one contiguous range per thread of about equal
+  // total context (an equal count of items left one thread with the long sequences of a mixed
+  // batch: 3-12% slower at batch 8-34), and stay on one thread when the whole step is small.
+  const int64_t hpi = hkv;  // KV heads per item
   const int64_t nthreads = at::get_num_threads();
-  const int64_t hpi = b >= 2 * nthreads ? hkv : 1;  // KV heads per item
-  const int64_t items = b * hkv / hpi;
+  const int64_t parts = b >= 2 * nthreads ? 1 : (2 * nthreads + b - 1) / b;  // context parts per sequence
+  const int64_t items = b * parts;
+  // item -> [p0, p1) of its sequence's context; parts cut at multiples of 16 positions
+  auto range_of = [&](int64_t it, int64_t* p0, int64_t* p1) {
+    const int64_t ctx = cl[it / parts], j = it % parts, per = (ctx + 16 * parts - 1) / (16 * parts) * 16;
+    *p0 = std::min(ctx, j * per);
+    *p1 = std::min(ctx, *p0 + per);
+  };
   std::vector<int64_t> cum(items + 1, 0);
-  for (int64_t it = 0; it < items; ++it) cum[it + 1] = cum[it] + (cl[it * hpi / hkv] + 16) * hpi;
+  for (int64_t it = 0; it < items; ++it) {
+    int64_t p0, p1;
+    range_of(it, &p0, &p1);
+    cum[it + 1] = cum[it] + (p1 - p0 + 16) * hpi;
+  }
   const int64_t total = cum[items];
+  // split sequences: each part's running max, sum of p and sum of p * v per query head, merged below
+  std::vector<float> partial(parts > 1 ? items * h * (D + 2) : 0);
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>({nthreads, items, total * g * D / 32768}));
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     const int64_t i0 = std::lower_bound(cum.begin(), cum.end(), total * t0 / nt) - cum.begin();
@@ -504,17 +519,20 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
     float* vt = kt + 16 * D;    // [16, D] values
     std::vector<bf16> qb_(kDot ? gi * D : 0);  // [Gi, D] queries as they are (bfloat16), for the pair dot products
     std::vector<bf16> pb_(kDot ? gi * 16 : 0);  // [Gi, 16] probabilities rounded to bfloat16 (p * v pairs)
-    // where the keys of item `it` at position `pos` are: (block row pointer offset, keys in this tile) or n = 0
+    // where the keys of item `it` at position `pos` are (block row offset, in rows of D elements), and
+    // how many of its keys from there are in this tile (0 past the item's end)
     auto tile_at = [&](int64_t it, int64_t pos, int64_t* n) -> int64_t {
-      const int64_t bi = it * hpi / hkv, ctx = cl[bi];
+      const int64_t bi = it / parts;
+      int64_t p0, p1;
+      range_of(it, &p0, &p1);
       *n = 0;
-      if (pos >= ctx) return 0;
+      if (pos >= p1) return 0;
       const int64_t blk = bt[bi * bts + pos / S], off = pos % S;
-      *n = std::min<int64_t>({16, S - off, ctx - pos});
-      return (blk * S + off) * hkv + it * hpi % hkv;  // in rows of D elements
+      *n = std::min<int64_t>({16, S - off, p1 - pos});
+      return (blk * S + off) * hkv;
     };
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t bi = item * hpi / hkv, kh0 = item * hpi % hkv;
+      const int64_t bi = item / parts, kh0 = 0;
       for (int64_t i = 0; i < gi; ++i) {
         const Q* qi = q + bi * qs0 + (kh0 * g + i) * qs1;
         if constexpr (kDot)  // the pair products read q as it is; the float32 copy is not needed
@@ -526,8 +544,9 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
         den_[i] = 0.f;
       }
       std::fill(acc_, acc_ + gi * D, 0.f);
-      const int64_t ctx = cl[bi];
-      for (int64_t p = 0; p < ctx;) {
+      int64_t p_begin, p_end;
+      range_of(item, &p_begin, &p_end);
+      for (int64_t p = p_begin; p < p_end;) {
         int64_t n = 0;
         const int64_t r0 = tile_at(item, p, &n);
         const __mmask16 valid = tail_mask(n);
@@ -536,7 +555,11 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
         // ones near the end of this one) while this tile computes.
         {
           int64_t pn = 0, pr0 = tile_at(item, p + PF, &pn);
-          if (pn == 0 && item + 1 < i1) pr0 = tile_at(item + 1, p + PF - ctx, &pn);
+          if (pn == 0 && item + 1 < i1) {
+            int64_t q0, q1;
+            range_of(item + 1, &q0, &q1);
+            pr0 = tile_at(item + 1, q0 + p + PF - p_end, &pn);
+          }
           for (int64_t t = 0; t < pn; ++t) {
             const char* kp = (const char*)(kc + (pr0 + t * hkv) * D);
             const char* vp = (const char*)(vc + (pr0 + t * hkv) * D);
@@ -646,6 +669,15 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
         }
         p += n;
       }
+      if (parts > 1) {  // [max, sum of p, sum of p * v (D)] per query head, merged below
+        float* pp = partial.data() + item * h * (D + 2);
+        for (int64_t i = 0; i < gi; ++i) {
+          pp[i * (D + 2)] = mx_[i];
+          pp[i * (D + 2) + 1] = den_[i];
+          std::memcpy(pp + i * (D + 2) + 2, acc_ + i * D, D * sizeof(float));
+        }
+        continue;
+      }
       for (int64_t i = 0; i < gi; ++i) {
         Q* o = out + bi * os0 + (kh0 * g + i) * os1;
         __m512 inv = _mm512_set1_ps(den_[i] > 0.f ? 1.0f / den_[i] : 0.f);
@@ -653,6 +685,24 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
       }
     }
   });
+  if (parts == 1) return;
+  for (int64_t bi = 0; bi < b; ++bi)  // softmax over the parts: rescale each part's sums to the common max
+    for (int64_t i = 0; i < h; ++i) {
+      float m = -std::numeric_limits<float>::infinity(), den = 0.f;
+      for (int64_t j = 0; j < parts; ++j) m = std::max(m, partial[((bi * parts + j) * h + i) * (D + 2)]);
+      __m512 acc[NJ];
+      for (int k = 0; k < NJ; ++k) acc[k] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < parts; ++j) {
+        const float* pp = partial.data() + ((bi * parts + j) * h + i) * (D + 2);
+        if (pp[1] == 0.f) continue;  // an empty part
+        const float c = std::exp(pp[0] - m);
+        den += pp[1] * c;
+        for (int k = 0; k < NJ; ++k) acc[k] = _mm512_fmadd_ps(_mm512_loadu_ps(pp + 2 + 16 * k), _mm512_set1_ps(c), acc[k]);
+      }
+      __m512 inv = _mm512_set1_ps(den > 0.f ? 1.0f / den : 0.f);
+      Q* o = out + bi * os0 + i * os1;
+      for (int k = 0; k < NJ; ++k) st(o + 16 * k, _mm512_mul_ps(acc[k], inv), 0xFFFF);
+    }
 }
 
 // q [B, H, D]; caches [N, S, Hkv, D]; block_tables [B, M] int32; context_lens [B] int32 -> [B, H, D].
