@@ -72,6 +72,10 @@ def floors(results: Path) -> list:
         if v is not None:
             add("decode batch 1 fp32, weights+KV GB/s as % of the bandwidth measured around the iterations", v, 70.0,
                 v >= 70, "decode_b1_fp32", "%")
+        pb = _res(d32, "servescope").get("paired_bandwidth")
+        if pb:
+            add("decode batch 1 fp32, weights+KV GB/s as % of the bandwidth read between its steps (every "
+                f"{pb['every_steps']} steps)", pb["pct"], 70.0, pb["pct"] >= 70, "decode_b1_fp32", "%")
     for dt in ("fp32", "bf16"):
         d = _load(results, f"ttft2048_{dt}")
         if not d:

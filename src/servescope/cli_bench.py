@@ -370,6 +370,12 @@ def run_latency(args) -> int:
         con.print(f"% BW: of the probe's cached bandwidth; % BW now: of the read bandwidth measured around the "
                   f"iterations (median {sb['median'] / 1e9:.1f} GB/s, {sb['min'] / 1e9:.1f}..{sb['max'] / 1e9:.1f} "
                   f"over {len(sb['samples'])} samples)")
+    pb = ours.get("paired_bandwidth")
+    if pb:
+        con.print(f"decode paired with the read bandwidth sampled every {pb['every_steps']} steps (one more batch): "
+                  f"{pb['achieved_bytes_per_s'] / 1e9:.1f} GB/s moved, [bold]{pb['pct']:.0f}%[/bold] of the bandwidth "
+                  f"read around each segment ({pb['min'] / 1e9:.1f}..{pb['max'] / 1e9:.1f} GB/s over "
+                  f"{len(pb['samples'])} samples)")
     for k, v in ratios.items():
         what, name = k.rsplit("_vs_", 1)
         label = "decode tokens/s" if what.startswith("decode") else "TTFT"

@@ -180,6 +180,12 @@ def test_bench_latency_tiny_with_hf_baseline(tiny_model, tmp_path):
     sb = ours["session_bandwidth"]
     assert len(sb["samples"]) == 3 and sb["min"] <= sb["median"] <= sb["max"] and sb["min"] > 1e8
     assert dec["pct_of_session_bandwidth"] == pytest.approx(100 * dec["achieved_bytes_per_s"] / sb["median"])
+    # one more batch stepped by hand, a read sample before its first step and after every 8th (here the
+    # 8th is its last: 1 prefill + 7 decode steps): one segment of decode steps between two samples
+    pb = ours["paired_bandwidth"]
+    assert pb["every_steps"] == 8 and len(pb["samples"]) == 2 and pb["decode_segments"] == 1
+    assert pb["achieved_bytes_per_s"] > 0
+    assert pb["pct"] == pytest.approx(100 * pb["achieved_bytes_per_s"] / (sum(pb["samples"]) / 2))
     assert hf["ttft_s"] > 0 and hf["decode_tokens_per_s"] > 0 and len(hf["iterations"]) == 2
     assert set(d["ratios"]) == {"decode_tokens_per_s_vs_hf", "ttft_vs_hf"}
 

@@ -14,7 +14,11 @@ On the CPU the read bandwidth is also measured around the iterations (before eac
 last, the probe's streaming sum), and each phase's bytes/s is given as a share of that median too:
 on a shared VM the bandwidth a cached probe saw minutes earlier can be off by a factor of two
 (measured here: 23 to 54 GB/s within a minute), so the share of the bandwidth measured in the same
-minutes is the figure to read.
+minutes is the figure to read. Since it also swings within a minute (samples 32..57 GB/s around
+one 10-second run here), one more batch is then run step by step with a read sample every 8 steps,
+and its decode steps are set against the samples taken just before and after them
+(`paired_decode_bandwidth`): the tightest pairing of what decode moved with what the memory could
+move at that moment.
 """
 
 from __future__ import annotations
@@ -71,6 +75,59 @@ def latency_prompts(batch_size: int, input_len: int, output_len: int, vocab_size
     return random_requests(batch_size, input_len, output_len, vocab_size=vocab_size, seed=seed)
 
 
+def paired_decode_bandwidth(llm, batch_size: int, input_len: int, output_len: int, seed: int = 0,
+                            every: int = 8, num_bytes: int = 256 * 2**20) -> Optional[dict]:
+    """One more batch of the same shape, stepped by hand, with the read bandwidth measured (a streaming
+    torch sum over `num_bytes`, the probe's measure, median of 3) before the first step, after every
+    `every` steps and after the last. Each segment of decode steps is set against the mean of the two
+    samples around it: share = sum(bytes moved) / sum(seconds x that bandwidth), the bytes decode moved
+    over those the memory could have streamed in the same seconds at the rate read around them.
+    The samples sit between steps, never inside one; a decode step re-reads all weights from memory
+    (they do not fit in the caches), so a sample does not change what the next step has to fetch."""
+    import torch
+
+    from servescope.config import SamplingParams
+
+    engine = llm.engine
+    buf = torch.ones(num_bytes // 4, dtype=torch.float32)  # ones: every page touched before timing
+
+    def sample() -> float:
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            buf.sum()
+            ts.append(time.perf_counter() - t0)
+        return num_bytes / statistics.median(ts)
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    reqs = latency_prompts(batch_size, input_len, output_len, engine.model_config.vocab_size, seed + 20_000)
+    for i, r in enumerate(reqs):
+        engine.add_request(f"bw-pair-{seed}-{i}", r.prompt, params)
+    samples = [sample()]
+    segments = []  # (bytes, seconds, bandwidth around them)
+    nbytes = secs = 0.0
+    k = 0
+    while engine.has_unfinished():
+        engine.step()
+        k += 1
+        rec = engine.step_records[-1]
+        if rec.phase == "decode" and rec.bytes:
+            nbytes += rec.bytes
+            secs += rec.wall_seconds
+        if k % every == 0 or not engine.has_unfinished():
+            samples.append(sample())
+            if secs:
+                segments.append((nbytes, secs, (samples[-2] + samples[-1]) / 2))
+            nbytes = secs = 0.0
+    if not segments:
+        return None
+    moved = sum(b for b, _, _ in segments)
+    could = sum(s * bw for _, s, bw in segments)
+    return {"pct": 100.0 * moved / could, "achieved_bytes_per_s": moved / sum(s for _, s, _ in segments),
+            "every_steps": every, "decode_segments": len(segments), "samples": samples,
+            "median": statistics.median(samples), "min": min(samples), "max": max(samples)}
+
+
 def run_engine_latency(llm, batch_size: int, input_len: int, output_len: int, iters: int = 3,
                        warmup: bool = True, seed: int = 0, hardware=None, dtype: str = "float32",
                        on_iteration: Optional[Callable[[int, dict], None]] = None,
@@ -122,6 +179,7 @@ def run_engine_latency(llm, batch_size: int, input_len: int, output_len: int, it
         if on_iteration is not None:
             on_iteration(it, runs[-1])
     sample_bandwidth()
+    paired = paired_decode_bandwidth(llm, batch_size, input_len, output_len, seed) if measure_bandwidth else None
     phases = phase_breakdown(all_steps, peak, bw)
     session_bw = statistics.median(bw_samples) if bw_samples else None
     for d in phases.values():
@@ -142,6 +200,8 @@ def run_engine_latency(llm, batch_size: int, input_len: int, output_len: int, it
     }
     if hardware is not None:
         res["hardware"] = {"name": hardware.name, "memory_bandwidth": bw, "peak_flops": peak, "dtype": dtype}
+    if paired is not None:
+        res["paired_bandwidth"] = paired
     if bw_samples:
         res["session_bandwidth"] = {"samples": bw_samples, "median": session_bw, "min": min(bw_samples),
                                     "max": max(bw_samples)}
