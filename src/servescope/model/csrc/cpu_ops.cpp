@@ -793,15 +793,54 @@ inline void row_dot(const float* x, int64_t K, const W* wr, float* out, int64_t 
   }
 }
 
+// One row of x against four rows of W read in lockstep: four memory streams per thread (one stream
+// per thread left a core at ~70% of what a streaming sum reads on one core), each x vector loaded
+// once for the four rows.
+template <typename W>
+inline void rows4_dot(const float* x, int64_t K, const W* const* wr, float* const* out) {
+  __m512 a[4][2];
+  for (int s = 0; s < 4; ++s) a[s][0] = a[s][1] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+    for (int s = 0; s < 4; ++s) {
+      a[s][0] = _mm512_fmadd_ps(x0, load_w(wr[s] + k, (__mmask16)0xFFFF), a[s][0]);
+      a[s][1] = _mm512_fmadd_ps(x1, load_w(wr[s] + k + 16, (__mmask16)0xFFFF), a[s][1]);
+    }
+  }
+  for (; k < K; k += 16) {
+    const __mmask16 mask = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+    const __m512 x0 = _mm512_maskz_loadu_ps(mask, x + k);
+    for (int s = 0; s < 4; ++s) a[s][0] = _mm512_fmadd_ps(x0, load_w(wr[s] + k, mask), a[s][0]);
+  }
+  for (int s = 0; s < 4; ++s) *out[s] = _mm512_reduce_add_ps(_mm512_add_ps(a[s][0], a[s][1]));
+}
+
 template <typename W>
 void gemv_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* scale, const float* bias,
                float* y) {
-  // y [M, N]. Each task owns a contiguous range of W's rows and reads it front to back, one row at
-  // a time (a single sequential stream per thread is what the hardware prefetcher follows best:
-  // interleaving 4 rows measured ~15% slower here); every group of up to 4 rows of x runs against
-  // the row while it sits in L1.
+  // y [M, N]. Each task owns a contiguous range of W's rows. With one row of x (decode at batch 1)
+  // the range is read as four quarters in lockstep (rows4_dot): over SmolLM2's 121 matrices that
+  // reads at 94% of a streaming sum against 77-81% for one stream per thread (same process, 2
+  // threads; 85% vs 64% on one thread). Otherwise rows go front to back one at a time (interleaving
+  // 4 adjacent rows measured ~15% slower), every group of up to 4 rows of x against the row while
+  // it sits in L1.
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
+    int64_t first = n0;  // rows before this one are done by rows4_dot
+    if (M == 1) {  // a task's rows as four quarters read in lockstep
+      const int64_t q = (n1 - n0) / 4;
+      for (int64_t i = 0; i < q; ++i) {
+        const W* wr[4];
+        float* out[4];
+        for (int s = 0; s < 4; ++s) {
+          wr[s] = w + (n0 + s * q + i) * K;
+          out[s] = y + n0 + s * q + i;
+        }
+        rows4_dot<W>(x, K, wr, out);
+      }
+      first = n0 + 4 * q;
+    }
+    for (int64_t n = first; n < n1; ++n) {
       const W* wr = w + n * K;
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const float* xm = x + m0 * K;
@@ -813,13 +852,14 @@ void gemv_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, cons
           default: row_dot<W, 4>(xm, K, wr, out, N); break;
         }
       }
-      if (scale || bias)
+    }
+    if (scale || bias)
+      for (int64_t n = n0; n < n1; ++n)
         for (int64_t m = 0; m < M; ++m) {
           float& v = y[m * N + n];
           if (scale) v *= scale[n];
           if (bias) v += bias[n];
         }
-    }
   });
 }
 
