@@ -179,7 +179,9 @@ def run_engine_latency(llm, batch_size: int, input_len: int, output_len: int, it
         if on_iteration is not None:
             on_iteration(it, runs[-1])
     sample_bandwidth()
-    paired = paired_decode_bandwidth(llm, batch_size, input_len, output_len, seed) if measure_bandwidth else None
+    paired = None
+    if measure_bandwidth and output_len >= 8:  # enough decode steps to pair (not the TTFT shapes)
+        paired = paired_decode_bandwidth(llm, batch_size, input_len, output_len, seed)
     phases = phase_breakdown(all_steps, peak, bw)
     session_bw = statistics.median(bw_samples) if bw_samples else None
     for d in phases.values():
