@@ -126,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         self.int8_head: Optional[nn.Module] = None  # set by quantize.quantize_int8
         self.cpu_gemv = False  # set by optimize.use_cpu_gemv
         self.cpu_head_packed = None  # the output head in oneDNN's layout (optimize.use_cpu_gemv)
-        # all layers of a small decode step in one C++ call (optimize.build_decode_plan), up to this many tokens
+        # all layers of a decode-only step in one C++ call (optimize.build_decode_plan), up to this many tokens
         self.cpu_decode_plan = None
         self.cpu_decode_max_rows = 0
 

@@ -4,8 +4,8 @@ structure, never the checkpoint names the loader copies into.
 - fuse_projections: q/k/v -> one qkv_proj, gate/up -> one gate_up_proj (fewer, larger matmuls;
   each output element is the same dot product, so results match the unfused model).
 - int8 weight-only quantization (quantize.py), when asked for.
-- on the CPU, small-M matmuls (decode) through an AVX-512 GEMV (cpu_kernels.py), and decode steps
-  at small batch through one C++ call for all layers (build_decode_plan).
+- on the CPU, small-M matmuls (decode) through an AVX-512 GEMV (cpu_kernels.py), and decode-only
+  steps through one C++ call for all layers (build_decode_plan).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def build_decode_plan(model: nn.Module) -> tuple:
 
     def linear(m):
         """[w, scale, bias f32, packed, bias], the GEMV's row limit, the most rows served"""
-        if type(m) is cpu_kernels.CpuLinear:
+        if type(m) is cpu_kernels.CpuLinear and m.weight.dtype == dtype:
             rows = cpu_kernels.MAX_ROWS.get(m.weight.dtype, 0)
             served = rows if m._packed is None else 1 << 30
             return [m.weight.detach(), empty, opt(m._bias_f32), opt(m._packed), opt(m.bias)], rows, served

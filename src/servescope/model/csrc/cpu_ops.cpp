@@ -889,7 +889,7 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch:
 
 
 // ---------------------------------------------------------------------------------------------
-// DecodePlan: every decoder layer of a decode step at small batch in one call.
+// DecodePlan: every decoder layer of a decode-only step in one call.
 //
 // Why: each layer is ~12 kernel calls (norms, 4 GEMVs, rotary, KV store, attention); issued from
 // Python through nn.Module dispatch they cost ~200 us of host time per layer here, about a quarter
