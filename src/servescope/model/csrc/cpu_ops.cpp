@@ -533,9 +533,9 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
       return (blk * S + off) * hkv;
     };
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t bi = item / parts, kh0 = 0;
-      for (int64_t i = 0; i < gi; ++i) {
-        const Q* qi = q + bi * qs0 + (kh0 * g + i) * qs1;
+      const int64_t bi = item / parts;
+      for (int64_t i = 0; i < gi; ++i) {  // query head i of the sequence
+        const Q* qi = q + bi * qs0 + i * qs1;
         if constexpr (kDot)  // the pair products read q as it is; the float32 copy is not needed
           std::memcpy(qb_.data() + i * D, qi, D * sizeof(bf16));
         else
@@ -680,7 +680,7 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
         continue;
       }
       for (int64_t i = 0; i < gi; ++i) {
-        Q* o = out + bi * os0 + (kh0 * g + i) * os1;
+        Q* o = out + bi * os0 + i * os1;
         __m512 inv = _mm512_set1_ps(den_[i] > 0.f ? 1.0f / den_[i] : 0.f);
         for (int j = 0; j < NJ; ++j) st(o + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc_ + i * D + 16 * j), inv), 0xFFFF);
       }
