@@ -302,7 +302,8 @@ def step_cost(
     n_logits = B if num_logits is None else int(num_logits)
     keys = sum(attended_keys(n, c) for n, c in seqs)
     dec_keys = sum(c + 1 for n, c in seqs if n == 1)  # attended_keys(1, c): the decode sequences' share
-    attn_flops = 4 * H * D * keys * L  # = attention_flops(cfg, seqs), from the keys counted once
+    flops_per_key = 4 * H * D * L  # q.k and p.v over all layers, per attended key
+    attn_flops = flops_per_key * keys  # = attention_flops(cfg, seqs), from the keys counted once
     context = sum(c for _, c in seqs)
     mm = matmul_flops(cfg, T, n_logits)
     lin_w = _layer_linear_bytes(cfg, wdt, adt)
@@ -347,7 +348,7 @@ def step_cost(
     dec_rate = hw.decode_attention_flops.get(adt)
     attn_kernel = 0.0
     if dec_rate and dec_keys:
-        dec_flops = 4 * H * D * dec_keys * L
+        dec_flops = flops_per_key * dec_keys
         attn_kernel = dec_flops / (dec_rate * eff_c) + (attn_flops - dec_flops) / peak
 
     def kernel_s(name: str, w: float) -> float:

@@ -30,12 +30,12 @@ import logging
 import math
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from servescope.analysis.hardware import HardwareSpec, LOCAL_CPU
+from servescope.timing import median_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -66,22 +66,12 @@ def total_memory_bytes() -> int:
         return 8 * 2**30  # unknown platform: a modest guess, stated in notes by the caller
 
 
-def _median_seconds(fn: Callable[[], object], runs: int) -> float:
-    fn()  # warm-up: page faults, thread pool start, kernel selection
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure_read_bandwidth(num_bytes: int = 512 * 2**20, runs: int = 5) -> float:
     """Bytes/s of a streaming float32 read (torch sum), median of `runs`."""
     import torch
 
     x = torch.ones(num_bytes // 4, dtype=torch.float32)  # ones, not empty: touch every page first
-    t = _median_seconds(lambda: x.sum(), runs)
+    t = median_seconds(lambda: x.sum(), runs)
     return x.numel() * 4 / t
 
 

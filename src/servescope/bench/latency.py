@@ -87,17 +87,13 @@ def paired_decode_bandwidth(llm, batch_size: int, input_len: int, output_len: in
     import torch
 
     from servescope.config import SamplingParams
+    from servescope.timing import median_seconds
 
     engine = llm.engine
     buf = torch.ones(num_bytes // 4, dtype=torch.float32)  # ones: every page touched before timing
 
     def sample() -> float:
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            buf.sum()
-            ts.append(time.perf_counter() - t0)
-        return num_bytes / statistics.median(ts)
+        return num_bytes / median_seconds(buf.sum, 3, warmup=0)
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     reqs = latency_prompts(batch_size, input_len, output_len, engine.model_config.vocab_size, seed + 20_000)

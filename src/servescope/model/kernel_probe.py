@@ -12,21 +12,9 @@ decode-attention kernel: its FLOP/s with the KV in cache (`decode_attention_flop
 
 from __future__ import annotations
 
-import statistics
-import time
+from servescope.timing import median_seconds
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def _median_seconds(fn, runs: int, warmup: int = 1) -> float:
-    for _ in range(warmup):  # kernel choice, first-call allocations
-        fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure_linear_rates(dtype_name: str, rows=ROWS, num_matrices: int = 32, size: int = 1024,
@@ -54,7 +42,7 @@ def measure_linear_rates(dtype_name: str, rows=ROWS, num_matrices: int = 32, siz
                 for lin in lins:
                     lin(x)
 
-            out.append([int(m), nbytes / _median_seconds(once, runs)])
+            out.append([int(m), nbytes / median_seconds(once, runs)])
     return out
 
 
@@ -83,4 +71,4 @@ def measure_decode_attention_flops(dtype_name: str, batch: int = 32, context: in
         for _ in range(10):
             cpu_ops.paged_decode(q, kc, vc, tables, lens, head_dim ** -0.5)
 
-    return flops / (_median_seconds(ten, runs) / 10)
+    return flops / (median_seconds(ten, runs) / 10)

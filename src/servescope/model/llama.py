@@ -139,8 +139,8 @@ class LlamaForCausalLM(nn.Module):
                 and backend.name == "torch" and not torch.is_grad_enabled()
                 and kv_caches[0][0].dtype in cpu_ops.DTYPES):
             # the same kernels as the loop below, issued from C++ (no Python per layer)
-            return self.cpu_decode_plan.run(h, *cos_sin, [k for k, _ in kv_caches], [v for _, v in kv_caches],
-                                            meta.slot_mapping, meta.block_tables, meta.context_lens)
+            return self.cpu_decode_plan.run(h, *cos_sin, kv_caches, meta.slot_mapping, meta.block_tables,
+                                            meta.context_lens)
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches):
             h, residual = layer(cos_sin, h, residual, kv, meta, backend)

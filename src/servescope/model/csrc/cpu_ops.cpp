@@ -486,7 +486,6 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
   // proportion to their context: split them into one contiguous range per thread of about equal
   // total context (an equal count of items left one thread with the long sequences of a mixed
   // batch: 3-12% slower at batch 8-34), and stay on one thread when the whole step is small.
-  const int64_t hpi = hkv;  // KV heads per item
   const int64_t nthreads = at::get_num_threads();
   const int64_t parts = b >= 2 * nthreads ? 1 : (2 * nthreads + b - 1) / b;  // context parts per sequence
   const int64_t items = b * parts;
@@ -500,7 +499,7 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
   for (int64_t it = 0; it < items; ++it) {
     int64_t p0, p1;
     range_of(it, &p0, &p1);
-    cum[it + 1] = cum[it] + (p1 - p0 + 16) * hpi;
+    cum[it + 1] = cum[it] + (p1 - p0 + 16) * hkv;
   }
   const int64_t total = cum[items];
   // split sequences: each part's running max, sum of p and sum of p * v per query head, merged below
@@ -509,17 +508,16 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     const int64_t i0 = std::lower_bound(cum.begin(), cum.end(), total * t0 / nt) - cum.begin();
     const int64_t i1 = t1 >= nt ? items : std::lower_bound(cum.begin(), cum.end(), total * t1 / nt) - cum.begin();
-    const int64_t gi = g * hpi;  // query heads of an item
-    std::vector<float> buf(2 * gi * D + 16 * gi + 2 * gi + 2 * 16 * D);
-    float* qf = buf.data();     // [Gi, D] queries in float32, pre-scaled
-    float* acc_ = qf + gi * D;  // [Gi, D] running sum of p * v
-    float* pr_ = acc_ + gi * D; // [Gi, 16] probabilities of the current keys
-    float* mx_ = pr_ + 16 * gi; // [Gi] running max
-    float* den_ = mx_ + gi;     // [Gi] running sum of p
-    float* kt = den_ + gi;      // [16, D] keys in float32 (bfloat16 caches)
+    std::vector<float> buf(2 * h * D + 16 * h + 2 * h + 2 * 16 * D);
+    float* qf = buf.data();     // [H, D] queries in float32, pre-scaled
+    float* acc_ = qf + h * D;  // [H, D] running sum of p * v
+    float* pr_ = acc_ + h * D; // [H, 16] probabilities of the current keys
+    float* mx_ = pr_ + 16 * h; // [H] running max
+    float* den_ = mx_ + h;     // [H] running sum of p
+    float* kt = den_ + h;      // [16, D] keys in float32 (bfloat16 caches)
     float* vt = kt + 16 * D;    // [16, D] values
-    std::vector<bf16> qb_(kDot ? gi * D : 0);  // [Gi, D] queries as they are (bfloat16), for the pair dot products
-    std::vector<bf16> pb_(kDot ? gi * 16 : 0);  // [Gi, 16] probabilities rounded to bfloat16 (p * v pairs)
+    std::vector<bf16> qb_(kDot ? h * D : 0);  // [H, D] queries as they are (bfloat16), for the pair dot products
+    std::vector<bf16> pb_(kDot ? h * 16 : 0);  // [H, 16] probabilities rounded to bfloat16 (p * v pairs)
     // where the keys of item `it` at position `pos` are (block row offset, in rows of D elements), and
     // how many of its keys from there are in this tile (0 past the item's end)
     auto tile_at = [&](int64_t it, int64_t pos, int64_t* n) -> int64_t {
@@ -534,7 +532,7 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
     };
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t bi = item / parts;
-      for (int64_t i = 0; i < gi; ++i) {  // query head i of the sequence
+      for (int64_t i = 0; i < h; ++i) {  // query head i of the sequence
         const Q* qi = q + bi * qs0 + i * qs1;
         if constexpr (kDot)  // the pair products read q as it is; the float32 copy is not needed
           std::memcpy(qb_.data() + i * D, qi, D * sizeof(bf16));
@@ -544,7 +542,7 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
         mx_[i] = -std::numeric_limits<float>::infinity();
         den_[i] = 0.f;
       }
-      std::fill(acc_, acc_ + gi * D, 0.f);
+      std::fill(acc_, acc_ + h * D, 0.f);
       int64_t p_begin, p_end;
       range_of(item, &p_begin, &p_end);
       for (int64_t p = p_begin; p < p_end;) {
@@ -564,13 +562,13 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
           for (int64_t t = 0; t < pn; ++t) {
             const char* kp = (const char*)(kc + (pr0 + t * hkv) * D);
             const char* vp = (const char*)(vc + (pr0 + t * hkv) * D);
-            for (int64_t cb = 0; cb < (int64_t)(hpi * D * sizeof(C)); cb += 64) {
+            for (int64_t cb = 0; cb < (int64_t)(hkv * D * sizeof(C)); cb += 64) {
               _mm_prefetch(kp + cb, _MM_HINT_T1);
               _mm_prefetch(vp + cb, _MM_HINT_T1);
             }
           }
         }
-        for (int64_t kl = 0; kl < hpi; ++kl) {  // the item's KV heads, each with its g query heads
+        for (int64_t kl = 0; kl < hkv; ++kl) {  // the item's KV heads, each with its g query heads
           float* acc = acc_ + kl * g * D;
           float* pr = pr_ + kl * g * 16;
           float* mx = mx_ + kl * g;
@@ -672,14 +670,14 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
       }
       if (parts > 1) {  // [max, sum of p, sum of p * v (D)] per query head, merged below
         float* pp = partial.data() + item * h * (D + 2);
-        for (int64_t i = 0; i < gi; ++i) {
+        for (int64_t i = 0; i < h; ++i) {
           pp[i * (D + 2)] = mx_[i];
           pp[i * (D + 2) + 1] = den_[i];
           std::memcpy(pp + i * (D + 2) + 2, acc_ + i * D, D * sizeof(float));
         }
         continue;
       }
-      for (int64_t i = 0; i < gi; ++i) {
+      for (int64_t i = 0; i < h; ++i) {
         Q* o = out + bi * os0 + i * os1;
         __m512 inv = _mm512_set1_ps(den_[i] > 0.f ? 1.0f / den_[i] : 0.f);
         for (int j = 0; j < NJ; ++j) st(o + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc_ + i * D + 16 * j), inv), 0xFFFF);
@@ -942,12 +940,13 @@ class DecodePlan {
     }
   }
 
-  // h [T, Dm] (the embeddings), cos/sin [T, 1, D/2] float32, caches per layer [N, S, Hkv, D], slots [T] int64,
-  // block_tables [T, M] int32, context_lens [T] int32 (one decode token per sequence) -> final-normed [T, Dm]
-  torch::Tensor run(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
-                    std::vector<torch::Tensor> v_caches, torch::Tensor slots, torch::Tensor block_tables,
-                    torch::Tensor context_lens) const {
-    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "DecodePlan: caches per layer");
+  // h [T, Dm] (the embeddings), cos/sin [T, 1, D/2] float32, kv_caches per layer (K, V) [N, S, Hkv, D] (the
+  // ModelRunner's list as it is), slots [T] int64, block_tables [T, M] int32, context_lens [T] int32 (one
+  // decode token per sequence) -> final-normed [T, Dm]
+  torch::Tensor run(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
+                    const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches, torch::Tensor slots,
+                    torch::Tensor block_tables, torch::Tensor context_lens) const {
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "DecodePlan: caches per layer");
     const int64_t t = h.size(0), qs = heads_ * head_dim_, kvs = kv_heads_ * head_dim_;
     torch::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -970,8 +969,9 @@ class DecodePlan {
         k = rms_norm(k, l.k_norm, eps_);
       }
       auto qk = rotary(q, k, cos, sin);
-      store_kv(qk[1], v, k_caches[i], v_caches[i], slots);
-      auto o = paged_decode(qk[0], k_caches[i], v_caches[i], block_tables, context_lens, scale_, torch::Tensor());
+      const auto& [k_cache, v_cache] = kv_caches[i];
+      store_kv(qk[1], v, k_cache, v_cache, slots);
+      auto o = paged_decode(qk[0], k_cache, v_cache, block_tables, context_lens, scale_, torch::Tensor());
       auto r = add_rms_norm(linear(o.reshape({t, qs}), l.o), residual, l.ln2, eps_);
       residual = r[1];
       h = linear(silu_mul(linear(r[0], l.gate_up)), l.down);
@@ -1004,6 +1004,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodePlan>(m, "DecodePlan")
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, torch::Tensor, int64_t,
                     int64_t, int64_t, double, double>())
-      .def("run", &DecodePlan::run, "run(h, cos, sin, k_caches, v_caches, slots, block_tables, context_lens)");
+      .def("run", &DecodePlan::run, "run(h, cos, sin, kv_caches, slots, block_tables, context_lens)");
   m.def("paged_decode", &paged_decode, "paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)");
 }
