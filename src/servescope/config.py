@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence, Union
 from servescope.errors import EngineConfigError, InvalidParameterError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 
 _HF_ARCH_TO_FAMILY = {
     "LlamaForCausalLM": "llama",
@@ -247,7 +248,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below SAMPLING_EPS sample by argmax (the sampler's rule, vLLM's epsilon)."""
+        return self.temperature < SAMPLING_EPS
 
     def replace(self, **kw) -> "SamplingParams":
         return dataclasses.replace(self, **kw)

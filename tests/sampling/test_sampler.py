@@ -34,6 +34,12 @@ def test_greedy_any_dtype_in_mixed_batch(dtype):
     assert ids[2] == 7
 
 
+def test_params_greedy_is_the_samplers_rule():
+    # SamplingParams.greedy and the sampler must agree on which temperatures are greedy
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=1e-6).greedy
+    assert not SamplingParams(temperature=1e-4).greedy and not SamplingParams(temperature=1.0).greedy
+
+
 def test_logits_not_mutated_and_padded_vocab_ignored():
     logits = torch.tensor([[0.0, 1.0, 2.0, 50.0]])  # column 3 is padding beyond vocab_size 3
     before = logits.clone()

@@ -30,7 +30,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from servescope.config import SamplingParams
+from servescope.config import SAMPLING_EPS, SamplingParams
 from servescope.sampling.filters import apply_top_k_top_p_min_p
 from servescope.sampling.penalties import apply_penalties, host_to_device, mask_tokens
 
@@ -45,8 +45,6 @@ __all__ = [
     "apply_top_k_top_p_min_p",
     "SAMPLING_EPS",
 ]
-
-SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 
 
 def make_generator(seed: Optional[int], device) -> Optional[torch.Generator]:
@@ -113,7 +111,7 @@ class Sampler:
         if logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits have {logits.shape[1]} columns, fewer than vocab_size {self.vocab_size}")
         logits = logits[:, : self.vocab_size]  # [B, V]: drop padded vocabulary columns
-        greedy = [s.params.temperature < SAMPLING_EPS for s in states]
+        greedy = [s.params.greedy for s in states]
         token_ids = self._sample(logits, states, greedy)  # [B] long, on device
 
         logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
