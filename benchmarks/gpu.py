@@ -12,7 +12,9 @@ Sections (each has a timeout and its own try/except, so one failure keeps the re
   vs_hf_*        our engine (random weights) vs transformers LlamaForCausalLM with the same
                  weights: greedy tokens equal, per-token logprobs; CUDA-graph vs eager decode
   8b_*           Llama-3-8B shaped, bf16, random weights: batch-1 decode tokens/s and GB/s,
-                 throughput at batch 64 and 256, transformers generate for the ratio
+                 where a batch-1 step's time goes (8b_b1_anatomy: graph replay, lm_head, host gap,
+                 the matmuls alone, kernel families), throughput at batch 64 and 256,
+                 transformers generate for the ratio
 The table is printed at the end and written to $OUT/gpu_results.json when OUT is set.
 No weights and no network: models are random-initialised from shipped config presets.
 """
@@ -414,7 +416,97 @@ def section_8b_batch1(rec, dev, dry, sizes):
     if STATE.get("copy_gbs"):
         rec("b1_decode_pct_of_copy_bw", 100.0 * gbs / STATE["copy_gbs"], "%")
     rec("b1_generate_tokens_per_s", len(toks[0]) / secs, "tok/s", f"end to end incl. prefill of {len(prompt[0])}")
-    STATE["b1_prompt"], STATE["b1_secs"] = prompt, secs
+    STATE["b1_prompt"], STATE["b1_secs"], STATE["b1_step_s"] = prompt, secs, step
+
+
+def _kernel_family(name: str) -> str:
+    """A short family for a GPU kernel name: matmul (cuBLAS/nvjet/cutlass), one of our Triton
+    kernels (by its function name), copy/fill, or the first word of anything else."""
+    low = name.lower()
+    if any(k in low for k in ("gemv", "gemm", "nvjet", "cutlass", "cublas", "sm90_xmma", "splitk")):
+        return "matmul"
+    if "memcpy" in low or "memset" in low or "fill" in low or "copy" in low:
+        return "copy/fill"
+    if name.startswith("_"):  # our Triton kernels are private functions: _paged_decode..., _rms_norm...
+        return name.split("(")[0][:40]
+    return name.split("<")[0].split("(")[0].strip()[:40]
+
+
+def section_8b_b1_anatomy(rec, dev, dry, sizes):
+    """Where one batch-1 decode step of the 8B model spends its time, measured piece by piece:
+    the step's wall time (engine records), the GPU time of the captured layers (events around one
+    graph replay), the lm_head + sampling, and what is left (host work with the GPU idle); then the
+    same weights read by the matmuls alone, back to back in one CUDA graph (the ceiling cuBLAS's
+    GEMV gives), and a per-kernel-family table of one replay (torch.profiler)."""
+    llm = STATE["llm"]
+    eng = llm.engine
+    model = eng.model
+    wall = STATE.get("b1_step_s")
+    g = eng.runner.graph_runner
+    hidden = torch.randn(1, eng.model_config.hidden_size, device=dev, dtype=model.lm_head_weight().dtype)
+    logit_s = timed(lambda: model.compute_logits(hidden).argmax(-1), dev, 20 if not dry else 2)
+    rec("lm_head_and_argmax_ms", logit_s * 1e3, "ms", "logits [1, V] in float32 + argmax")
+    layers_s = None
+    if g is not None and 1 in g.graphs:
+        g.slot_mapping[:1].fill_(-1)  # replays below must not write any KV slot
+        layers_s = timed(lambda: g.graphs[1].replay(), dev, 50)
+        rec("graph_replay_gpu_ms", layers_s * 1e3, "ms", "embedding + all layers + final norm, batch 1")
+    # every projection of a step (not the lm_head), each its own weight, back to back
+    # the decoder's projections as the engine calls them (nn.Linear here; CpuLinear in a CPU dry run)
+    linears = [m for m in model.model.layers.modules()
+               if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
+    wbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    xs = {m.weight.shape[1]: torch.randn(1, m.weight.shape[1], device=dev, dtype=m.weight.dtype) for m in linears}
+
+    def all_gemvs():
+        for m in linears:
+            m(xs[m.weight.shape[1]])
+
+    if dev.type == "cuda":
+        all_gemvs()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            all_gemvs()
+        gemv_s = timed(graph.replay, dev, 20)
+    else:
+        gemv_s = timed(all_gemvs, dev, 2)
+    gbs = wbytes / gemv_s / 1e9
+    rec("gemvs_only_ms", gemv_s * 1e3, "ms", f"{len(linears)} projections, {wbytes / 1e9:.2f} GB"
+        + (", one CUDA graph" if dev.type == "cuda" else ""))
+    rec("gemvs_only_GBps", gbs, "GB/s")
+    if STATE.get("copy_gbs"):
+        rec("gemvs_only_pct_of_copy_bw", 100.0 * gbs / STATE["copy_gbs"], "%",
+            "the ceiling of batch-1 decode with these matmul kernels and nothing else")
+    if wall and layers_s:
+        rec("step_wall_ms", wall * 1e3, "ms", "median engine step (section 8b_batch1)")
+        rec("outside_gpu_ms", (wall - layers_s - logit_s) * 1e3, "ms",
+            "wall - replay - lm_head/argmax: host work (schedule, inputs, sampling, bookkeeping) with the GPU idle")
+        rec("non_matmul_in_graph_ms", (layers_s - gemv_s) * 1e3, "ms",
+            "replay - matmuls alone: norms, rotary, KV store, attention, activation, launch gaps")
+    if dev.type != "cuda" or g is None or 1 not in g.graphs:
+        return
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    reps = 10
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.graphs[1].replay()
+        torch.cuda.synchronize()
+    fam: dict = {}
+    for e in prof.key_averages():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        f = _kernel_family(e.key)
+        t, n = fam.get(f, (0.0, 0))
+        fam[f] = (t + e.self_device_time_total, n + e.count)
+    total = sum(t for t, _ in fam.values())
+    rec("profiled_kernel_us_per_step", total / reps, "us",
+        f"sum of kernel times in one replay; replay by events {layers_s * 1e6:.0f} us" if total else
+        "the profiler saw no kernel inside the graph replay")
+    for f, (t, n) in sorted(fam.items(), key=lambda kv: -kv[1][0])[:12]:
+        rec(f"kernels[{f}]", t / reps, "us", f"{n / reps:.0f} launches per step")
 
 
 def section_8b_throughput(rec, dev, dry, sizes, batch: int):
@@ -522,6 +614,7 @@ def main(argv=None) -> int:
     sec("8b_load", lambda r: section_8b_load(r, dev, dry, big_spec, sizes), 180)
     if "llm" in STATE:
         sec("8b_batch1", lambda r: section_8b_batch1(r, dev, dry, sizes), 60)
+        sec("8b_b1_anatomy", lambda r: section_8b_b1_anatomy(r, dev, dry, sizes), 90)
         for b in batches:
             sec(f"8b_batch{b}", lambda r, b=b: section_8b_throughput(r, dev, dry, sizes, b), 120)
         sec("8b_vs_transformers", lambda r: section_8b_vs_hf(r, dev, dry, sizes), 150)

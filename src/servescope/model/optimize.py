@@ -39,11 +39,11 @@ def fuse_projections(model: nn.Module) -> nn.Module:
 
 
 def use_cpu_gemv(model: nn.Module) -> nn.Module:
-    """On the CPU, route the decoder's small-M matmuls to the AVX-512 GEMV (csrc/cpu_gemv.cpp) and
+    """On the CPU, route the decoder's small-M matmuls to the AVX-512 GEMV (csrc/cpu_ops.cpp) and
     the larger ones (prefill, big decode batches) to oneDNN's GEMM on prepacked weights."""
     from servescope.model import cpu_kernels, cpu_ops
 
-    cpu_ops.load()  # build both extensions now (once, ~30 s each), not inside the first step's timing
+    cpu_ops.load()  # build the extension now (once, ~40 s), not inside the first step's timing
     if not cpu_kernels.available():
         return model
     for layer in model.model.layers:

@@ -1,0 +1,25 @@
+"""benchmarks/gpu.py is run only when a session is lent a GPU: its CPU dry run (tiny models, the
+torch backend, Triton kernels in the interpreter) keeps every section working in between."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_script_dry_run_every_section_ok(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--dry-run-cpu"], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "gpu_results.json").read_text())
+    assert res["mode"] == "dry-run-cpu"
+    status = {s["section"]: s["status"] for s in res["sections"]}
+    for name in ("kernels", "hardware", "vs_hf_smollm2_fp32", "8b_batch1", "8b_b1_anatomy", "8b_vs_transformers"):
+        assert status.get(name) == "ok", (name, status)
+    metrics = {(r["section"], r["metric"]): r["value"] for r in res["rows"]}
+    assert metrics[("vs_hf_smollm2_fp32", "vs_transformers_ok")] is True
+    assert metrics[("8b_b1_anatomy", "gemvs_only_ms")] > 0
