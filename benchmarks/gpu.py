@@ -13,7 +13,8 @@ Sections (each has a timeout and its own try/except, so one failure keeps the re
                  weights: greedy tokens equal, per-token logprobs; CUDA-graph vs eager decode
   8b_*           Llama-3-8B shaped, bf16, random weights: batch-1 decode tokens/s and GB/s,
                  where a batch-1 step's time goes (8b_b1_anatomy: graph replay, lm_head, host gap,
-                 the matmuls alone, kernel families), throughput at batch 64 and 256,
+                 the matmuls alone, kernel families), the Triton GEMV against cuBLAS
+                 (8b_gpu_linear: per shape, then batch-1 decode), throughput at batch 64 and 256,
                  transformers generate for the ratio
 The table is printed at the end and written to $OUT/gpu_results.json when OUT is set.
 No weights and no network: models are random-initialised from shipped config presets.
@@ -417,6 +418,7 @@ def section_8b_batch1(rec, dev, dry, sizes):
         rec("b1_decode_pct_of_copy_bw", 100.0 * gbs / STATE["copy_gbs"], "%")
     rec("b1_generate_tokens_per_s", len(toks[0]) / secs, "tok/s", f"end to end incl. prefill of {len(prompt[0])}")
     STATE["b1_prompt"], STATE["b1_secs"], STATE["b1_step_s"] = prompt, secs, step
+    STATE["b1_bytes"] = wbytes + kv
 
 
 def _kernel_family(name: str) -> str:
@@ -507,6 +509,99 @@ def section_8b_b1_anatomy(rec, dev, dry, sizes):
         "the profiler saw no kernel inside the graph replay")
     for f, (t, n) in sorted(fam.items(), key=lambda kv: -kv[1][0])[:12]:
         rec(f"kernels[{f}]", t / reps, "us", f"{n / reps:.0f} launches per step")
+
+
+def _recapture(eng) -> None:
+    """Drop the engine's CUDA graphs and capture them again (they hold the kernels of the moment)."""
+    eng.runner.graph_runner = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    eng._maybe_cuda_graphs()
+
+
+def _gemv_config_sweep(rec, model, dev, dry) -> None:
+    """The Triton GEMV's block configurations at M = 1 on each decoder shape, over the model's own
+    matrices of that shape: the best one and the default's GB/s (to choose the defaults)."""
+    from servescope.model import triton_gemv
+
+    configs = [(1, 1024, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 8), (8, 512, 4), (8, 256, 4),
+               (16, 256, 4), (16, 512, 8)] if not dry else [(16, 64, 4)]  # the interpreter is slow
+    shapes: dict = {}
+    for layer in model.model.layers:
+        for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj):
+            shapes.setdefault(tuple(mod.weight.shape), []).append(mod.weight)
+    for (n, k), ws in shapes.items():
+        x = torch.randn(1, k, device=dev, dtype=ws[0].dtype)
+        nbytes = n * k * ws[0].element_size()
+        timings = {}
+        for bn, bk, nw in [(None, None, None)] + configs:
+            cfg = None if bn is None else {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
+            try:
+                timings[(bn, bk, nw)] = triton_gemv._time_per_call(
+                    lambda: [triton_gemv.gemv(x, w, config=cfg) for w in ws], 3 if not dry else 1,
+                    5 if not dry else 1) / len(ws)
+            except SectionTimeout:
+                raise
+            except Exception as e:  # one configuration that does not compile must not hide the others
+                print(f"config {(bn, bk, nw)} on {n}x{k}: {type(e).__name__}: {e}")
+        if not timings:
+            continue
+        best = min(timings, key=timings.get)
+        default = timings.get((None, None, None))
+        rec(f"gemv_{n}x{k}_m1_best_config_GBps", nbytes / timings[best] / 1e9, "GB/s",
+            f"BLOCK_N, BLOCK_K, warps = {best}; default config "
+            + (f"{nbytes / default / 1e9:.0f} GB/s" if default else "failed"))
+
+
+def section_8b_gpu_linear(rec, dev, dry, sizes):
+    """The Triton GEMV (model/triton_gemv.py) against cuBLAS for the decode matmuls of the 8B model:
+    per weight shape at M = 1 and 4 (timed by select("auto") on the model's own matrices), then
+    batch-1 decode under cuBLAS, auto and triton (graphs re-captured each time), and each run's
+    greedy tokens and logprobs against cuBLAS's. The engine is left on cuBLAS for what follows."""
+    from servescope.model import triton_gemv
+
+    llm = STATE["llm"]
+    eng = llm.engine
+    model = eng.model
+    prompt = STATE["b1_prompt"]
+    n_check = 32 if not dry else 8
+    modes = ("cublas", "auto", "triton")
+    _gemv_config_sweep(rec, model, dev, dry)
+    base = None
+    try:
+        for mode in modes:
+            choice = triton_gemv.select(model, mode)
+            if mode == "auto":
+                for (n, k, m), v in sorted(choice.items()):
+                    if m in (1, 4):
+                        nbytes = n * k * model.lm_head_weight().element_size()
+                        rec(f"gemv_{n}x{k}_m{m}_GBps", nbytes / v["triton_s"] / 1e9 if v["triton_s"] else 0.0,
+                            "GB/s", f"Triton; cuBLAS {nbytes / v['cublas_s'] / 1e9:.0f} GB/s -> {v['use']}")
+                rec("auto_triton_cases", sum(v["use"] == "triton" for v in choice.values()), "",
+                    f"of {len(choice)} (shape, M) cases")
+            _recapture(eng)
+            toks, lps, _ = ours_generate(llm, prompt, n_check, logprobs=True)
+            if base is None:
+                base = (toks, lps)
+            else:
+                same = 0
+                while same < len(toks[0]) and toks[0][same] == base[0][0][same]:
+                    same += 1
+                diff = max((abs(a - b) for a, b in zip(lps[0][:same], base[1][0][:same])), default=0.0)
+                rec(f"{mode}_vs_cublas_tokens_equal", f"{same}/{len(toks[0])}", "tokens",
+                    "greedy, random bf16 weights: near-ties may flip")
+                rec(f"{mode}_vs_cublas_max_logprob_diff", diff, "nats", "over the equal prefix")
+            since = len(eng.step_records)
+            ours_generate(llm, prompt, sizes["b1_out"])
+            step = statistics.median(r.wall_seconds for r in decode_steps(eng, since, 1))
+            rec(f"{mode}_b1_decode_tokens_per_s", 1.0 / step, "tok/s", f"{step * 1e3:.2f} ms/step")
+            if STATE.get("copy_gbs") and STATE.get("b1_bytes"):
+                rec(f"{mode}_b1_decode_pct_of_copy_bw", 100.0 * STATE["b1_bytes"] / step / 1e9 / STATE["copy_gbs"], "%")
+    finally:
+        triton_gemv.select(model, "cublas")
+        _recapture(eng)
 
 
 def section_8b_throughput(rec, dev, dry, sizes, batch: int):
@@ -615,6 +710,7 @@ def main(argv=None) -> int:
     if "llm" in STATE:
         sec("8b_batch1", lambda r: section_8b_batch1(r, dev, dry, sizes), 60)
         sec("8b_b1_anatomy", lambda r: section_8b_b1_anatomy(r, dev, dry, sizes), 90)
+        sec("8b_gpu_linear", lambda r: section_8b_gpu_linear(r, dev, dry, sizes), 180)
         for b in batches:
             sec(f"8b_batch{b}", lambda r, b=b: section_8b_throughput(r, dev, dry, sizes, b), 120)
         sec("8b_vs_transformers", lambda r: section_8b_vs_hf(r, dev, dry, sizes), 150)

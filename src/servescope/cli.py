@@ -58,6 +58,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step (baseline)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--gpu-linear", default="cublas", choices=["cublas", "triton", "auto"],
+                   help="decode matmuls on a GPU: cuBLAS, the Triton GEMV, or the faster of the two per "
+                        "shape, timed at start-up")
     g.add_argument("--quantization", default=None, choices=["int8"])
     g.add_argument("--threads", type=_positive_int, default=None)
     g.add_argument("--hardware", default=None, help="hardware spec for step predictions (default: probe / GPU)")
@@ -72,7 +75,7 @@ def engine_config_from_args(a):
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
         enable_chunked_prefill=not a.no_chunked_prefill, no_kv_cache=a.no_kv_cache,
-        attention_backend=a.attention_backend, quantization=a.quantization, num_threads=a.threads,
+        attention_backend=a.attention_backend, gpu_linear=a.gpu_linear, quantization=a.quantization, num_threads=a.threads,
         hardware=a.hardware)
 
 

@@ -325,6 +325,9 @@ class EngineConfig:
     quantization: Optional[str] = None  # None | int8
     kv_cache_dtype: str = "auto"  # auto: same as dtype
     use_cuda_graph: bool = True
+    # decode matmuls (M <= 8 rows) on a GPU: cublas (F.linear) | triton (model/triton_gemv.py) |
+    # auto (whichever is faster per weight shape and M, timed at start-up on the model's weights)
+    gpu_linear: str = "cublas"
     cuda_graph_batch_sizes: tuple = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     num_threads: Optional[int] = None
     seed: int = 0
@@ -359,6 +362,8 @@ class EngineConfig:
             raise EngineConfigError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise EngineConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.gpu_linear not in ("cublas", "triton", "auto"):
+            raise EngineConfigError(f"gpu_linear must be cublas, triton or auto, got {self.gpu_linear!r}")
         if self.quantization not in (None, "int8"):
             raise EngineConfigError(f"quantization must be int8 or unset, got {self.quantization!r}")
 

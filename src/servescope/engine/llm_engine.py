@@ -94,11 +94,13 @@ class LLMEngine:
             # same weights, new KV cache and scheduler (tests and labs compare engine settings)
             self.model, self.model_config = _shared.model, _shared.model_config
             self.tokenizer, self.source_path = _shared.tokenizer, _shared.source_path
+            self.gpu_linear_choice = _shared.gpu_linear_choice
         else:
             self.model, self.model_config, self.tokenizer, self.source_path = self._load(config)
             from servescope.model.optimize import optimize_model
 
             self.model = optimize_model(self.model, quantization=config.quantization)
+            self.gpu_linear_choice = self._maybe_triton_gemv(config)
         cfg = self.model_config
         self.load_seconds = time.perf_counter() - t0
         rot = {id(self.model.rotary.cos), id(self.model.rotary.sin)}
@@ -183,6 +185,20 @@ class LLMEngine:
         if self.tokenizer is not None:
             ids |= set(self.tokenizer.eos_token_ids)
         return tuple(sorted(ids))
+
+    def _maybe_triton_gemv(self, config) -> dict:
+        """Route the decode matmuls to the Triton GEMV (gpu_linear=triton) or to whichever of it and
+        cuBLAS is faster per shape (auto); before CUDA graphs are captured, which then hold the choice."""
+        if config.gpu_linear == "cublas" or self.device.type != "cuda":
+            return {}
+        from servescope.model import triton_gemv
+
+        if not triton_gemv.AVAILABLE:
+            raise EngineConfigError(f"gpu_linear={config.gpu_linear!r} needs triton, which is not available here")
+        choice = triton_gemv.select(self.model, config.gpu_linear)
+        logger.info("gpu_linear=%s: Triton GEMV for %d of %d (shape, M) cases", config.gpu_linear,
+                    sum(v["use"] == "triton" for v in choice.values()), len(choice))
+        return choice
 
     def _maybe_cuda_graphs(self):
         if not (self.device.type == "cuda" and self.config.use_cuda_graph and self.runner.backend.name == "triton"):
