@@ -103,7 +103,9 @@ def add_parsers(sub) -> None:
                    help="SLOs in ms, e.g. ttft:500 tpot:100 e2el:20000")
     s.add_argument("--percentiles", type=_percentiles, default=(90.0, 99.0), help="default 90,99")
     s.add_argument("--sweep", type=_rates, default=None, metavar="R1,R2,...",
-                   help="run once per request rate (overrides --request-rate)")
+                   help="run once per request rate (overrides --request-rate); the i-th rate draws its "
+                        "prompts with seed + i, so that no point finds the previous one's prompts in the "
+                        "server's prefix cache")
     s.add_argument("--plot", default=None, metavar="FILE", help="latency-vs-throughput plot of a sweep (PNG)")
     s.add_argument("--json", default=None, metavar="FILE")
     s.add_argument("--include-records", action="store_true", help="per-request records in the JSON")
@@ -424,17 +426,21 @@ def run_serve(args) -> int:
         tok = load_tokenizer(resolve_model_path(args.tokenizer)).hf
     model = args.model or _discover_model(args.base_url, args.api_key)
     lo_hi = lambda v: v if isinstance(v, tuple) else (v, v)  # noqa: E731
-    reqs = random_requests(args.num_prompts, lo_hi(args.input_len), lo_hi(args.output_len),
-                           vocab_size=None if tok is not None else args.vocab_size, seed=args.seed, tokenizer=tok)
     rates = args.sweep or [args.request_rate]
     results = []
-    for rate in rates:
+    for i, rate in enumerate(rates):
+        # fresh prompts per point (same length distribution): a server with prefix caching would
+        # otherwise serve every point after the first from the cache the first one filled
+        seed = args.seed + i
+        reqs = random_requests(args.num_prompts, lo_hi(args.input_len), lo_hi(args.output_len),
+                               vocab_size=None if tok is not None else args.vocab_size, seed=seed, tokenizer=tok)
         con.print(f"bench serve: {len(reqs)} requests to {args.base_url} ({endpoint}), model {model}, "
-                  f"rate {rate} req/s, burstiness {args.burstiness}, max concurrency {args.max_concurrency}")
+                  f"rate {rate} req/s, burstiness {args.burstiness}, max concurrency {args.max_concurrency}, "
+                  f"seed {seed}")
         res = run_serve_benchmark(
             args.base_url, model, reqs, request_rate=rate, burstiness=args.burstiness,
             max_concurrency=args.max_concurrency, goodput=args.goodput, endpoint=endpoint, api_key=args.api_key,
-            seed=args.seed, progress=not args.no_progress, ignore_eos=not args.no_ignore_eos,
+            seed=seed, progress=not args.no_progress, ignore_eos=not args.no_ignore_eos,
             request_timeout_s=args.timeout, tokenizer=tok, percentiles=args.percentiles)
         con.print(render_result_table(res))
         if res.error_counts:

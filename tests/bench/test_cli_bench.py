@@ -204,3 +204,8 @@ def test_bench_serve_cli_against_fake_server(tmp_path):
     assert all(r["completed"] == 3 and r["failed"] == 0 and r["total_output_tokens"] == 9 for r in d)
     assert d[0]["request_goodput"] > 0 and "p99_ttft_ms" in d[0] and d[0]["machine"]["cpu"]
     assert plot.stat().st_size > 0
+    # each point of the sweep sends its own prompts (seed + i): none can hit the previous point's
+    # prompts in a prefix cache
+    assert [r["config"]["seed"] for r in d] == [0, 1]
+    first, second = ({json.dumps(p["prompt"]) for p in s.state.payloads[i * 3:(i + 1) * 3]} for i in (0, 1))
+    assert len(first) == 3 and not first & second
