@@ -5,6 +5,7 @@
   python benchmarks/gpu.py --quick        # fewer tokens
   python benchmarks/gpu.py --dry-run-cpu  # everything tiny on the CPU (torch backend; Triton kernels
                                           # in the interpreter): a smoke test of this script
+  python benchmarks/gpu.py --quick --only 8b_batch1,8b_b1_anatomy   # a rerun of a few sections
 
 Sections (each has a timeout and its own try/except, so one failure keeps the rest of the table):
   kernels        Triton store/decode kernels vs the torch reference; decode kernel GB/s
@@ -662,6 +663,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer tokens per measurement")
     ap.add_argument("--dry-run-cpu", action="store_true", help="tiny models on the CPU (smoke test of this script)")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later sections are skipped past it")
+    ap.add_argument("--only", default=None, metavar="S1,S2",
+                    help="run only these sections (names as in the table; 8b_* also run what they need)")
     args = ap.parse_args(argv)
     dry, quick = args.dry_run_cpu, args.quick or args.dry_run_cpu
     if not dry and not torch.cuda.is_available():
@@ -695,7 +698,17 @@ def main(argv=None) -> int:
     graph_sizes = (1, 2, 4, 8)
     backend = "triton" if not dry else "torch"
     budget = args.budget
-    sec = lambda name, fn, timeout: run_section(name, fn, timeout, budget)  # noqa: E731
+    only = [x for x in (args.only or "").split(",") if x]
+    # the 8B sections need the engine (8b_load) and the copy bandwidth (hardware); these three the
+    # batch-1 prompt and step time of 8b_batch1
+    needed = set(only) | ({"hardware", "8b_load"} if any(o.startswith("8b") for o in only) else set())
+    if needed & {"8b_b1_anatomy", "8b_gpu_linear", "8b_vs_transformers"}:
+        needed.add("8b_batch1")
+
+    def sec(name, fn, timeout):
+        if only and name not in needed:
+            return
+        run_section(name, fn, timeout, budget)
 
     sec("env", section_env, 30)
     sec("kernels", lambda r: section_kernels(r, dev, dry), 120)
