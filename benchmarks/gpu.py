@@ -309,9 +309,14 @@ def section_kernels(rec, dev, dry):
         cl = torch.full((bsz,), ctx, dtype=torch.int32, device=dev)
         q = torch.randn(bsz, 32, d, device=dev, dtype=torch.bfloat16)
         secs = timed(lambda: paged_decode(q, kc, vc, bt, cl, d ** -0.5, max_context_len=ctx), dev, 20)
+        secs8 = timed(lambda: paged_decode(q, kc, vc, bt, cl, d ** -0.5, max_context_len=ctx, num_warps=8), dev, 20)
         ref_secs = timed(lambda: TorchAttentionBackend._paged_decode(q, kc, vc, bt, cl, ctx, d ** -0.5), dev, 5)
         gbs = 2 * kc.numel() * kc.element_size() / secs / 1e9
         rec(f"decode_kernel_b{bsz}_ctx{ctx}", gbs, "GB/s", f"{secs * 1e6:.0f} us; torch ref {ref_secs * 1e6:.0f} us")
+        diff = (paged_decode(q, kc, vc, bt, cl, d ** -0.5, max_context_len=ctx, num_warps=8).float()
+                - paged_decode(q, kc, vc, bt, cl, d ** -0.5, max_context_len=ctx).float()).abs().max().item()
+        rec(f"decode_kernel_b{bsz}_ctx{ctx}_8warps", 2 * kc.numel() * kc.element_size() / secs8 / 1e9, "GB/s",
+            f"{secs8 * 1e6:.0f} us (4 warps spill 84 bytes at D 128, 8 do not); max diff to 4 warps {diff:.2g}")
         del kc, vc
 
 

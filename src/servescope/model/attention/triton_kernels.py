@@ -201,10 +201,13 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, max_context_len: int,
-                 out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None) -> torch.Tensor:
+                 out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
+                 num_warps: int = 4) -> torch.Tensor:
     """q [B, H, D] (one query token per sequence); caches [N, S, Hkv, D]; block_tables [B, M]
     int32; context_lens [B] int32 (0 allowed: the row's output is zeros) -> out [B, H, D] in
-    q's dtype. max_context_len is a host-side upper bound used only to size split-K."""
+    q's dtype. max_context_len is a host-side upper bound used only to size split-K. num_warps:
+    of the main kernel (at head dim 128, 4 warps use 255 registers and spill 84 bytes on sm_90,
+    8 do not spill; benchmarks/gpu.py times both)."""
     bsz, h, d = q.shape
     _check_cache(k_cache)
     _check_cache(v_cache)
@@ -241,7 +244,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         NUM_HEADS=h, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=s, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION=precision,
-        num_warps=4,
+        num_warps=num_warps,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(bsz, h)](

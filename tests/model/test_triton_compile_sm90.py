@@ -1,0 +1,94 @@
+"""Every Triton kernel compiles for an H100/H200 (sm_90a) on this GPU-less machine, down to a cubin
+with ptxas (bundled with the triton wheel), without register spills. The interpreter runs the
+kernels' arithmetic in the other tests but never compiles them: a kernel that does not lower (a
+type the compiler rejects, a layout it cannot build) would otherwise first fail on a lent GPU.
+Runs in a child process: the interpreter flag of the other tests must not be set while compiling."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[2]
+
+CHILD = r'''
+import json, os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from servescope.model import triton_gemv, triton_fused
+from servescope.model.attention import triton_kernels as tk
+
+target = GPUTarget("cuda", 90, 32)
+FLOATS = {"eps", "scale_log2"}
+
+def sig(fn, dtype):
+    s = {}
+    for p in fn.params:
+        if p.is_constexpr:
+            s[p.name] = "constexpr"
+        elif p.name.endswith("_ptr"):
+            s[p.name] = {"slot_ptr": "*i64", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
+                         "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+                         "cos_ptr": "*fp32", "sin_ptr": "*fp32"}.get(p.name, dtype)
+        else:
+            s[p.name] = "fp32" if p.name in FLOATS else "i32"
+    return s
+
+CASES = [  # (kernel, pointer dtype, constexprs, warps)
+    (triton_gemv._gemv_kernel, "*bf16", dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024), 4),
+    (triton_gemv._gemv_kernel, "*bf16", dict(HAS_BIAS=True, BLOCK_M=8, BLOCK_N=16, BLOCK_K=256), 4),
+    (triton_gemv._gemv_kernel, "*fp32", dict(HAS_BIAS=False, BLOCK_M=2, BLOCK_N=8, BLOCK_K=256), 4),
+    (triton_fused._rms_norm_kernel, "*bf16", dict(BLOCK=4096, ONE_PASS=True), 8),
+    (triton_fused._add_rms_norm_kernel, "*bf16", dict(BLOCK=4096, ONE_PASS=True), 8),
+    (triton_fused._rotary_kernel, "*bf16", dict(HALF=64, BLOCK_D=64, BLOCK_H=8), 4),
+    (triton_fused._silu_mul_kernel, "*bf16", dict(BLOCK=1024), 4),
+    (tk._store_kv_kernel, "*bf16", dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK=1024), 4),
+    # Llama-3-8B's decode shapes with the wrapper's choices (BLOCK_N 64 at D 128, 4 warps)
+    (tk._paged_decode_kernel, "*bf16", dict(NUM_HEADS=32, GROUP=4, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128,
+                                            BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=4, PRECISION="tf32"), 4),
+    (tk._decode_reduce_kernel, "*bf16", dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4), 4),
+]
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+out = []
+for fn, dt, consts, warps in CASES:
+    k = triton.compile(ASTSource(fn=fn, signature=sig(fn, dt), constexprs=consts), target=target,
+                       options={"num_warps": warps})
+    spills = None
+    if os.path.exists(ptxas):
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(k.asm["ptx"])
+        info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                              capture_output=True, text=True).stderr
+        m = re.search(r"(\d+) bytes spill stores", info)
+        spills = int(m.group(1)) if m else None
+    out.append({"kernel": fn.__name__, "warps": warps, "consts": {k_: str(v) for k_, v in consts.items()},
+                "cubin": "cubin" in k.asm, "spills": spills})
+print(json.dumps(out))
+'''
+
+
+def test_every_triton_kernel_compiles_for_sm90_without_spills():
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("this triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(res) == 10
+    for r in res:
+        assert r["cubin"], r
+        # None: no ptxas to ask (the cubin was still built). The paged decode kernel at head dim 128
+        # with 4 warps uses all 255 registers and spills 84 bytes (2026-11-30, triton 3.9; 8 warps or
+        # BLOCK_N 32 do not spill): it ran at 2.9 TB/s at batch 64 on the H200 like that, and
+        # benchmarks/gpu.py times 4 against 8 warps; more than that is a regression
+        limit = 84 if r["kernel"] == "_paged_decode_kernel" and r["warps"] == 4 else 0
+        assert r["spills"] is None or r["spills"] <= limit, r
