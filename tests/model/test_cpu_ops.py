@@ -276,3 +276,105 @@ def test_bf16_prefill_tokens_through_paged_kernel_match_sdpa(monkeypatch, block)
     be.store_kv(k, v, k2, v2, meta())
     ref = be.forward(q, k, v, k2, v2, meta(), d ** -0.5)
     _close(ours, ref, torch.bfloat16)
+
+
+def _causal_ref(q, kc, vc, table, ctx, scale):
+    """float64 causal attention of T queries at positions ctx - T .. ctx - 1 over keys 0 .. ctx - 1."""
+    t, h, d = q.shape
+    s, hkv = kc.shape[1], kc.shape[2]
+    nb = -(-ctx // s)
+    keys = kc[table[:nb].long()].flatten(0, 1)[:ctx].double().repeat_interleave(h // hkv, 1)  # [ctx, H, D]
+    vals = vc[table[:nb].long()].flatten(0, 1)[:ctx].double().repeat_interleave(h // hkv, 1)
+    sc = torch.einsum("thd,khd->htk", q.double(), keys) * scale
+    qpos = torch.arange(ctx - t, ctx)
+    sc.masked_fill_(~(torch.arange(ctx)[None, :] <= qpos[:, None])[None], float("-inf"))
+    return torch.einsum("htk,khd->thd", torch.softmax(sc, -1), vals)
+
+
+@pytest.mark.skipif(not cpu_ops.prefill_attention_supported(3, 64), reason="no AVX-512 BF16 here")
+@pytest.mark.parametrize("d,hkv,group", [(64, 3, 3), (64, 2, 1), (128, 2, 4), (64, 1, 2)])
+@pytest.mark.parametrize("t,ctx,s", [(37, 37, 16), (128, 128, 16), (100, 250, 16), (16, 16, 8), (200, 333, 32)])
+def test_prefill_attention_matches_float64(d, hkv, group, t, ctx, s):
+    g = torch.Generator().manual_seed(t + ctx + d)
+    h = hkv * group
+    nblocks = -(-ctx // s) + 5
+    kc = (2 * torch.randn(nblocks, s, hkv, d, generator=g)).bfloat16()  # scores of a few units: a peaked softmax
+    vc = torch.randn(nblocks, s, hkv, d, generator=g).bfloat16()
+    table = torch.randperm(nblocks, generator=g)[:-(-ctx // s) + 1].int()  # scattered blocks, one spare entry
+    q = (2 * torch.randn(t, h, d, generator=g)).bfloat16()
+    ref = _causal_ref(q, kc, vc, table, ctx, d ** -0.5)
+    for threads in (1, 2, 3):  # items split by cost over the threads
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = cpu_ops.prefill_attention(q, kc, vc, table, ctx, d ** -0.5)
+        finally:
+            torch.set_num_threads(old)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        # bfloat16 output and probabilities: SDPA's bfloat16 kernel is off by as much
+        assert (out.double() - ref).abs().max().item() < 3e-2
+
+
+@pytest.mark.skipif(not cpu_ops.prefill_attention_supported(3, 64), reason="no AVX-512 BF16 here")
+def test_prefill_attention_rejects_what_it_cannot_do():
+    kc = torch.zeros(4, 16, 1, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="unsupported group"):
+        cpu_ops.prefill_attention(torch.zeros(3, 5, 64).bfloat16(), kc, kc, torch.arange(4).int(), 3, 0.1)
+    with pytest.raises(RuntimeError, match="block_table"):  # the table does not cover ctx
+        cpu_ops.prefill_attention(torch.zeros(3, 2, 64).bfloat16(), kc, kc, torch.arange(1).int(), 20, 0.1)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_ops.prefill_attention(torch.zeros(3, 2, 64), kc, kc, torch.arange(4).int(), 3, 0.1)
+    assert not cpu_ops.prefill_attention_supported(5, 64) and not cpu_ops.prefill_attention_supported(2, 80)
+
+
+@pytest.mark.skipif(not cpu_ops.prefill_attention_supported(3, 64), reason="no AVX-512 BF16 here")
+def test_bf16_step_with_long_prefills_uses_tiled_kernel_and_matches_sdpa(monkeypatch):
+    """A mixed bfloat16 step: two decodes, a 150-token prompt and a 130-token chunk after 170 cached
+    tokens (tiled kernel), a 20-token chunk (per-token kernel). Against the torch path (SDPA)."""
+    from servescope.model.attention import torch_ref
+    from servescope.model.attention.backend import AttentionMetadata
+
+    g = torch.Generator().manual_seed(7)
+    hkv, grp, d, block = 3, 3, 64, 16
+    h = hkv * grp
+    seqs = [(1, 30), (1, 7), (150, 150), (20, 65), (130, 300)]  # (new tokens, context after the step)
+    nblocks = 64
+    kc = torch.randn(nblocks, block, hkv, d, generator=g).bfloat16()
+    vc = torch.randn(nblocks, block, hkv, d, generator=g).bfloat16()
+    perm, used, tables, slots = torch.randperm(nblocks, generator=g), 0, [], []
+    m = max(-(-c // block) for _, c in seqs)
+    for n, c in seqs:
+        nb = -(-c // block)
+        row = perm[used:used + nb].tolist()
+        used += nb
+        tables.append(row + [0] * (m - nb))
+        slots += [row[p // block] * block + p % block for p in range(c - n, c)]
+    t = sum(n for n, _ in seqs)
+    q = torch.randn(t, h, d, generator=g).bfloat16()
+    k = torch.randn(t, hkv, d, generator=g).bfloat16()
+    v = torch.randn(t, hkv, d, generator=g).bfloat16()
+
+    def meta():
+        qsl = [0]
+        for n, _ in seqs:
+            qsl.append(qsl[-1] + n)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots), block_tables=torch.tensor(tables, dtype=torch.int32),
+            context_lens=torch.tensor([c for _, c in seqs], dtype=torch.int32),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32), query_lens_cpu=[n for n, _ in seqs],
+            context_lens_cpu=[c for _, c in seqs], max_query_len=150, max_context_len=300, num_decode_seqs=2)
+
+    be = torch_ref.TorchAttentionBackend()
+    tiled, per_token = [], []
+    real_p, real_d = cpu_ops.prefill_attention, cpu_ops.paged_decode
+    monkeypatch.setattr(cpu_ops, "prefill_attention", lambda *a: tiled.append(a[0].shape[0]) or real_p(*a))
+    monkeypatch.setattr(cpu_ops, "paged_decode", lambda *a, **kw: per_token.append(a[0].shape[0]) or real_d(*a, **kw))
+    k1, v1 = kc.clone(), vc.clone()
+    be.store_kv(k, v, k1, v1, meta())
+    ours = be.forward(q, k, v, k1, v1, meta(), d ** -0.5)
+    assert tiled == [150, 130] and per_token == [1 + 1 + 20]
+    monkeypatch.setattr(cpu_ops._EXT, "mod", None)  # the torch path: SDPA per prefill sequence
+    k2, v2 = kc.clone(), vc.clone()
+    be.store_kv(k, v, k2, v2, meta())
+    ref = be.forward(q, k, v, k2, v2, meta(), d ** -0.5)
+    _close(ours, ref, torch.bfloat16)

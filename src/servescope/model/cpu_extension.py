@@ -28,9 +28,11 @@ def cpu_flags() -> set:
 
 
 class CpuExtension:
-    def __init__(self, name: str, source: str, what: str, extra_cflags=()):
+    def __init__(self, name: str, sources, what: str, extra_cflags=()):
+        """sources: a file name under csrc/, or several compiled into the one extension."""
         self.name, self.what = name, what
-        self.source = os.path.join(os.path.dirname(__file__), "csrc", source)
+        names = [sources] if isinstance(sources, str) else list(sources)
+        self.sources = [os.path.join(os.path.dirname(__file__), "csrc", s) for s in names]
         self.extra_cflags = list(extra_cflags)
         self._lock = threading.Lock()
         self.mod = None  # the compiled module once load() succeeded
@@ -52,7 +54,7 @@ class CpuExtension:
                     if "avx512_bf16" in flags:
                         cflags.append("-mavx512bf16")
                     t0 = time.perf_counter()
-                    self.mod = load_ext(name=self.name, sources=[self.source], verbose=False, extra_cflags=cflags)
+                    self.mod = load_ext(name=self.name, sources=self.sources, verbose=False, extra_cflags=cflags)
                     logger.info("%s ready (%.1f s)", self.what, time.perf_counter() - t0)
                 except Exception as e:  # no compiler, headers, ninja...: the eager path still works
                     logger.warning("%s unavailable, using eager PyTorch: %s", self.what,

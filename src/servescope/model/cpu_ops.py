@@ -1,7 +1,8 @@
-"""The CPU per-layer op extension (csrc/cpu_ops.cpp), compiled on first use and cached.
+"""The CPU per-layer op extension (csrc/cpu_ops.cpp, csrc/prefill_attention.cpp, helpers in
+csrc/simd.h), compiled on first use and cached.
 
 One C++ call each for rms_norm, add_rms_norm, rotary, silu_mul (dispatched from fused_ops.py) and
-store_kv, paged decode attention (from attention/torch_ref.py): at batch 1 their eager PyTorch
+store_kv, paged decode attention, causal prefill attention (from attention/torch_ref.py): at batch 1 their eager PyTorch
 versions are dozens of tiny ops per layer whose dispatch overhead exceeds their arithmetic.
 `load()` is None where the extension cannot be built (no compiler, no AVX-512,
 SERVESCOPE_CPU_KERNELS=0, read once at the first call); callers then use the torch references,
@@ -20,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 DTYPES = (torch.float32, torch.bfloat16)
 # -ffp-contract=off: no fused multiply-adds where the torch reference rounds each step
-_EXT = CpuExtension("servescope_cpu_ops", "cpu_ops.cpp", "CPU op kernels", extra_cflags=["-ffp-contract=off"])
+_EXT = CpuExtension("servescope_cpu_ops", ["cpu_ops.cpp", "prefill_attention.cpp"], "CPU op kernels",
+                    extra_cflags=["-ffp-contract=off"])
 _EMPTY = torch.empty(0)
 load = _EXT.load  # the compiled module, or None (see cpu_extension.py)
 available = _EXT.available
@@ -51,3 +53,15 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, out=None) -> torch.Tensor:
     """q [B, H, D]; caches [N, S, Hkv, D]; block_tables [>=B, M] int32; context_lens [>=B] int32 -> [B, H, D]."""
     return _EXT.mod.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, _EMPTY if out is None else out)
+
+
+def prefill_attention_supported(group: int, head_dim: int) -> bool:
+    """Whether prefill_attention has a kernel for this GQA group and head dim on this CPU (AVX-512 BF16)."""
+    return _EXT.mod is not None and _EXT.mod.prefill_attention_supported(group, head_dim)
+
+
+def prefill_attention(q, k_cache, v_cache, block_table, ctx: int, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's T prefill tokens (positions ctx - T .. ctx - 1) over its
+    keys 0 .. ctx - 1 in the paged cache (this step's already stored). q [T, H, D] bfloat16;
+    block_table [>= ceil(ctx / S)] int32 -> [T, H, D]."""
+    return _EXT.mod.prefill_attention(q, k_cache, v_cache, block_table, ctx, scale)

@@ -25,6 +25,10 @@ from servescope.model.attention.backend import AttentionBackend, AttentionMetada
 # per 9-head prompt: 95-104 GFLOP/s against SDPA's 51-68 at 128-512 tokens, a tie at 1024). float32 keeps SDPA:
 # there the kernel is no faster (47-69 against 41-97 GFLOP/s)
 PAGED_PREFILL_MAX_CONTEXT = 1024
+# bfloat16 prefill sequences of at least this many tokens in the step go to the tiled causal kernel
+# (csrc/prefill_attention.cpp; 16 tokens per item): 1.2-1.4x the per-token path above at 128-2048
+# tokens and 1.25-1.7x SDPA, 0.8x the per-token path at 64 (2026-11-30, SmolLM2's heads, 2 threads)
+TILED_PREFILL_MIN_TOKENS = 128
 
 
 def _cpu_kernels(x: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -46,9 +50,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         nd = meta.num_decode_seqs
-        if (nd < meta.num_seqs and meta.max_context_len <= PAGED_PREFILL_MAX_CONTEXT and q.dtype == torch.bfloat16
-                and k_cache.dtype == torch.bfloat16 and _cpu_kernels(q, k_cache)):
-            return self._cpu_paged_all_tokens(q, k_cache, v_cache, meta, scale)
+        if (nd < meta.num_seqs and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
+                and _cpu_kernels(q, k_cache)):
+            out = self._cpu_bf16_with_prefill(q, k_cache, v_cache, meta, scale)
+            if out is not None:
+                return out
         cpu = nd and _cpu_kernels(q, k_cache)
         if cpu and nd == meta.num_seqs:  # decode only: the kernel's output is the result
             return cpu_ops.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
@@ -85,22 +91,54 @@ class TorchAttentionBackend(AttentionBackend):
             start += qlen
         return out
 
+    @classmethod
+    def _cpu_bf16_with_prefill(cls, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        """A bfloat16 step with prefill tokens on the CPU (this layer's K/V already in the cache:
+        store_kv runs first): prefill sequences of TILED_PREFILL_MIN_TOKENS or more through the tiled
+        causal kernel, every other token (decodes, short chunks) as one query of the paged decode
+        kernel. None: leave the step to SDPA (no tiled kernel for these heads and contexts beyond
+        PAGED_PREFILL_MAX_CONTEXT)."""
+        tiled = cpu_ops.prefill_attention_supported(q.shape[1] // k_cache.shape[2], q.shape[2])
+        qlens, ctxs = meta.query_lens_cpu, meta.context_lens_cpu
+        long = [i for i in range(meta.num_decode_seqs, meta.num_seqs) if tiled and qlens[i] >= TILED_PREFILL_MIN_TOKENS]
+        if not long:
+            if meta.max_context_len > PAGED_PREFILL_MAX_CONTEXT:
+                return None
+            return cls._cpu_paged_tokens(q, k_cache, v_cache, meta, scale, range(meta.num_seqs))
+        out = torch.empty_like(q)
+        starts = [0]
+        for n in qlens:
+            starts.append(starts[-1] + n)
+        rest = [i for i in range(meta.num_seqs) if i not in long]
+        if rest:
+            idx = meta.scratch.get("cpu_rest_tokens")
+            if idx is None:
+                idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rest]).to(q.device)
+                meta.scratch["cpu_rest_tokens"] = idx
+            out[idx] = cls._cpu_paged_tokens(q[idx], k_cache, v_cache, meta, scale, rest)
+        for i in long:
+            out[starts[i]:starts[i + 1]] = cpu_ops.prefill_attention(q[starts[i]:starts[i + 1]], k_cache, v_cache,
+                                                                     meta.block_tables[i], ctxs[i], scale)
+        return out
+
     @staticmethod
-    def _cpu_paged_all_tokens(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """A step with prefill tokens, bfloat16 on the CPU: every token of the step is one query of the
-        paged decode kernel, against its own sequence's cached keys up to its own position (this
-        layer's K/V are already in the cache: store_kv runs first). That is causal attention, exact
-        per token whatever the chunking; the kernel's bfloat16 pair products run at ~100 GFLOP/s here
-        against ~50 for SDPA's bfloat16 kernel on prompts of a few hundred tokens."""
-        cached = meta.scratch.get("cpu_tokens")
+    def _cpu_paged_tokens(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, seqs) -> torch.Tensor:
+        """The tokens of sequences `seqs` (q holds exactly those, in order), each as one query of the
+        paged decode kernel against its own sequence's cached keys up to its own position. That is
+        causal attention, exact per token whatever the chunking; the kernel's bfloat16 pair products
+        run at ~100 GFLOP/s here against ~50 for SDPA's bfloat16 kernel on prompts of a few hundred
+        tokens."""
+        key = ("cpu_tokens", tuple(seqs))
+        cached = meta.scratch.get(key)
         if cached is None:
             seq_of_tok, ctx_of_tok = [], []
-            for i, (qlen, ctx) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
+            for i in seqs:
+                qlen, ctx = meta.query_lens_cpu[i], meta.context_lens_cpu[i]
                 seq_of_tok += [i] * qlen
                 ctx_of_tok += range(ctx - qlen + 1, ctx + 1)  # token j of the chunk sees keys 0 .. its position
-            idx = torch.tensor(seq_of_tok, device=q.device)
+            idx = torch.tensor(seq_of_tok, device=q.device, dtype=torch.long)
             cached = (meta.block_tables[idx].contiguous(), torch.tensor(ctx_of_tok, dtype=torch.int32, device=q.device))
-            meta.scratch["cpu_tokens"] = cached
+            meta.scratch[key] = cached
         tables, lens = cached
         return cpu_ops.paged_decode(q, k_cache, v_cache, tables, lens, scale)
 
