@@ -4,6 +4,7 @@ without it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -28,6 +29,16 @@ def _ref_rms_norm(x, w, eps):
 def _ref_rotate(x, cos, sin):
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+@contextlib.contextmanager
+def _torch_threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _close(a, b, dtype):
@@ -161,12 +172,8 @@ def test_paged_decode_context_split_into_parts(dtype, threads, ctx_lens, s):
     q, kc, vc, tables, lens = _paged_setup(dtype, len(ctx_lens), hkv * group, hkv, d, ctx_lens, s=s, nblocks=64,
                                            seed=threads + len(ctx_lens))
     ref = TorchAttentionBackend._paged_decode(q, kc, vc, tables, lens, max(ctx_lens), d ** -0.5)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _torch_threads(threads):
         out = cpu_ops.paged_decode(q, kc, vc, tables, lens, d ** -0.5)
-    finally:
-        torch.set_num_threads(before)
     _close(out, ref, dtype)
 
 
@@ -226,18 +233,13 @@ def test_engine_greedy_tokens_match_torch_reference(tmp_path, monkeypatch):
     assert run() == with_kernels
 
 
-@pytest.mark.parametrize("block", [8, 16])
-def test_bf16_prefill_tokens_through_paged_kernel_match_sdpa(monkeypatch, block):
-    """bfloat16 steps with prefill tokens: every token is a query of the paged kernel (each sees its
-    own sequence's keys up to its position). Against the torch path (SDPA, gathered cache) on a
-    mixed step: two decodes, a fresh 37-token prompt and a 20-token chunk after 45 cached tokens."""
+def _mixed_bf16_step(seqs, block, seed, hkv=3, grp=3, d=64, nblocks=64):
+    """A bfloat16 step over a paged cache: seqs = [(new tokens, context after the step)], decodes
+    first. Returns q, k, v of the step's tokens, the cache and a factory of its AttentionMetadata."""
     from servescope.model.attention.backend import AttentionMetadata
 
-    g = torch.Generator().manual_seed(block)
-    hkv, grp, d = 3, 3, 64
+    g = torch.Generator().manual_seed(seed)
     h = hkv * grp
-    seqs = [(1, 30), (1, 7), (37, 37), (20, 65)]  # (new tokens, context after the step)
-    nblocks = 64
     kc = torch.randn(nblocks, block, hkv, d, generator=g).bfloat16()
     vc = torch.randn(nblocks, block, hkv, d, generator=g).bfloat16()
     perm, used, tables, slots = torch.randperm(nblocks, generator=g), 0, [], []
@@ -261,20 +263,36 @@ def test_bf16_prefill_tokens_through_paged_kernel_match_sdpa(monkeypatch, block)
             slot_mapping=torch.tensor(slots), block_tables=torch.tensor(tables, dtype=torch.int32),
             context_lens=torch.tensor([c for _, c in seqs], dtype=torch.int32),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32), query_lens_cpu=[n for n, _ in seqs],
-            context_lens_cpu=[c for _, c in seqs], max_query_len=37, max_context_len=65, num_decode_seqs=2)
+            context_lens_cpu=[c for _, c in seqs], max_query_len=max(n for n, _ in seqs),
+            max_context_len=max(c for _, c in seqs), num_decode_seqs=sum(1 for n, _ in seqs if n == 1))
+    return q, k, v, kc, vc, meta
 
+
+def _against_sdpa(monkeypatch, q, k, v, kc, vc, meta, d=64):
+    """The step through the backend with the CPU kernels, then through the torch path (SDPA per
+    prefill sequence, the extension switched off): both outputs."""
     be = TorchAttentionBackend()
-    calls = []
-    real = cpu_ops.paged_decode
-    monkeypatch.setattr(cpu_ops, "paged_decode", lambda *a, **kw: calls.append(a[3].shape) or real(*a, **kw))
     k1, v1 = kc.clone(), vc.clone()
     be.store_kv(k, v, k1, v1, meta())
     ours = be.forward(q, k, v, k1, v1, meta(), d ** -0.5)
-    assert calls == [(t, m)]  # one call for every token of the step
-    monkeypatch.setattr(cpu_ops._EXT, "mod", None)  # the torch path: SDPA per prefill sequence
+    monkeypatch.setattr(cpu_ops._EXT, "mod", None)  # load() -> None
     k2, v2 = kc.clone(), vc.clone()
     be.store_kv(k, v, k2, v2, meta())
-    ref = be.forward(q, k, v, k2, v2, meta(), d ** -0.5)
+    return ours, be.forward(q, k, v, k2, v2, meta(), d ** -0.5)
+
+
+@pytest.mark.parametrize("block", [8, 16])
+def test_bf16_prefill_tokens_through_paged_kernel_match_sdpa(monkeypatch, block):
+    """bfloat16 steps with prefill tokens: every token is a query of the paged kernel (each sees its
+    own sequence's keys up to its position). Against the torch path (SDPA, gathered cache) on a
+    mixed step: two decodes, a fresh 37-token prompt and a 20-token chunk after 45 cached tokens."""
+    seqs = [(1, 30), (1, 7), (37, 37), (20, 65)]
+    q, k, v, kc, vc, meta = _mixed_bf16_step(seqs, block, seed=block)
+    calls = []
+    real = cpu_ops.paged_decode
+    monkeypatch.setattr(cpu_ops, "paged_decode", lambda *a, **kw: calls.append(a[3].shape) or real(*a, **kw))
+    ours, ref = _against_sdpa(monkeypatch, q, k, v, kc, vc, meta)
+    assert calls == [(q.shape[0], meta().block_tables.shape[1])]  # one call for every token of the step
     _close(ours, ref, torch.bfloat16)
 
 
@@ -304,12 +322,8 @@ def test_prefill_attention_matches_float64(d, hkv, group, t, ctx, s):
     q = (2 * torch.randn(t, h, d, generator=g)).bfloat16()
     ref = _causal_ref(q, kc, vc, table, ctx, d ** -0.5)
     for threads in (1, 2, 3):  # items split by cost over the threads
-        old = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with _torch_threads(threads):
             out = cpu_ops.prefill_attention(q, kc, vc, table, ctx, d ** -0.5)
-        finally:
-            torch.set_num_threads(old)
         assert out.dtype == torch.bfloat16 and out.shape == q.shape
         # bfloat16 output and probabilities: SDPA's bfloat16 kernel is off by as much
         assert (out.double() - ref).abs().max().item() < 3e-2
@@ -331,50 +345,11 @@ def test_prefill_attention_rejects_what_it_cannot_do():
 def test_bf16_step_with_long_prefills_uses_tiled_kernel_and_matches_sdpa(monkeypatch):
     """A mixed bfloat16 step: two decodes, a 150-token prompt and a 130-token chunk after 170 cached
     tokens (tiled kernel), a 20-token chunk (per-token kernel). Against the torch path (SDPA)."""
-    from servescope.model.attention import torch_ref
-    from servescope.model.attention.backend import AttentionMetadata
-
-    g = torch.Generator().manual_seed(7)
-    hkv, grp, d, block = 3, 3, 64, 16
-    h = hkv * grp
-    seqs = [(1, 30), (1, 7), (150, 150), (20, 65), (130, 300)]  # (new tokens, context after the step)
-    nblocks = 64
-    kc = torch.randn(nblocks, block, hkv, d, generator=g).bfloat16()
-    vc = torch.randn(nblocks, block, hkv, d, generator=g).bfloat16()
-    perm, used, tables, slots = torch.randperm(nblocks, generator=g), 0, [], []
-    m = max(-(-c // block) for _, c in seqs)
-    for n, c in seqs:
-        nb = -(-c // block)
-        row = perm[used:used + nb].tolist()
-        used += nb
-        tables.append(row + [0] * (m - nb))
-        slots += [row[p // block] * block + p % block for p in range(c - n, c)]
-    t = sum(n for n, _ in seqs)
-    q = torch.randn(t, h, d, generator=g).bfloat16()
-    k = torch.randn(t, hkv, d, generator=g).bfloat16()
-    v = torch.randn(t, hkv, d, generator=g).bfloat16()
-
-    def meta():
-        qsl = [0]
-        for n, _ in seqs:
-            qsl.append(qsl[-1] + n)
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots), block_tables=torch.tensor(tables, dtype=torch.int32),
-            context_lens=torch.tensor([c for _, c in seqs], dtype=torch.int32),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32), query_lens_cpu=[n for n, _ in seqs],
-            context_lens_cpu=[c for _, c in seqs], max_query_len=150, max_context_len=300, num_decode_seqs=2)
-
-    be = torch_ref.TorchAttentionBackend()
+    q, k, v, kc, vc, meta = _mixed_bf16_step([(1, 30), (1, 7), (150, 150), (20, 65), (130, 300)], 16, seed=7)
     tiled, per_token = [], []
     real_p, real_d = cpu_ops.prefill_attention, cpu_ops.paged_decode
     monkeypatch.setattr(cpu_ops, "prefill_attention", lambda *a: tiled.append(a[0].shape[0]) or real_p(*a))
     monkeypatch.setattr(cpu_ops, "paged_decode", lambda *a, **kw: per_token.append(a[0].shape[0]) or real_d(*a, **kw))
-    k1, v1 = kc.clone(), vc.clone()
-    be.store_kv(k, v, k1, v1, meta())
-    ours = be.forward(q, k, v, k1, v1, meta(), d ** -0.5)
+    ours, ref = _against_sdpa(monkeypatch, q, k, v, kc, vc, meta)
     assert tiled == [150, 130] and per_token == [1 + 1 + 20]
-    monkeypatch.setattr(cpu_ops._EXT, "mod", None)  # the torch path: SDPA per prefill sequence
-    k2, v2 = kc.clone(), vc.clone()
-    be.store_kv(k, v, k2, v2, meta())
-    ref = be.forward(q, k, v, k2, v2, meta(), d ** -0.5)
     _close(ours, ref, torch.bfloat16)

@@ -44,6 +44,15 @@ _TARGET_PROGRAMS = 4 * 132
 if triton is not None:
 
     @triton.jit
+    def _weight_tile(w_rows, row_mask, k0, K, BLOCK_K: tl.constexpr):
+        """Columns [k0, k0 + BLOCK_K) of the program's weight rows in float32 (read once: evict first)."""
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)  # [BN, BK]
+        return w, ks, k_mask
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr):
@@ -56,20 +65,14 @@ if triton is not None:
             # one row: element-wise products summed across K chunks, one reduction at the end
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_mask = ks < K
-                w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0,
-                            eviction_policy="evict_first").to(tl.float32)  # [BN, BK], read once
+                w, ks, k_mask = _weight_tile(w_rows, row_mask, k0, K, BLOCK_K)
                 x0 = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
                 acc2 += w * x0[None, :]
             acc = tl.sum(acc2, axis=1)[None, :]  # [1, BN]
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_mask = ks < K
-                w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0,
-                            eviction_policy="evict_first").to(tl.float32)  # [BN, BK], read once
+                w, ks, k_mask = _weight_tile(w_rows, row_mask, k0, K, BLOCK_K)
                 for m in tl.static_range(BLOCK_M):
                     # rows m >= M (BLOCK_M is a power of two) re-read row M - 1; they are never stored
                     xm = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + ks, mask=k_mask,
