@@ -42,6 +42,32 @@ def test_smollm2_greedy_matches_transformers_generate(smollm2_llm, smollm2_hf):
                                        SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text.lower()
 
 
+def test_smollm2_bfloat16_as_close_to_float32_as_transformers_bfloat16(smollm2_llm, smollm2_hf):
+    """bfloat16 has no bit-exact reference: ours (one 300-token chunk and chunks of 128 through the
+    tiled prefill kernel, chunks of 64 through the per-token one, bf16 GEMV/GEMMs) must be as close
+    to the float32 reference as transformers' own bfloat16 forward (measured 2026-11-30: KL
+    2.4-2.7e-4 per position against transformers' 3.0e-4, greedy agreement 0.993-1.0 against 0.993)."""
+    import copy
+
+    ids = _prompt_ids(smollm2_llm.tokenizer)
+    with torch.no_grad():
+        ref32 = smollm2_hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        hf16 = copy.deepcopy(smollm2_hf).to(torch.bfloat16)
+        ref16 = hf16(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    del hf16
+
+    def kl_and_agreement(lp):
+        kl = (ref32.exp() * (ref32 - lp)).sum(-1).mean().item()
+        return kl, (lp.argmax(-1) == ref32.argmax(-1)).float().mean().item()
+
+    hf_kl, hf_agree = kl_and_agreement(ref16)
+    llm16 = LLM(dtype="bfloat16", num_kv_blocks=64, max_model_len=1024)
+    for chunk in (None, 128, 64):
+        lp = paged_logits(llm16.engine, ids, chunk=chunk, decode_from=len(ids) - 8).float().log_softmax(-1)
+        kl, agree = kl_and_agreement(lp)
+        assert kl <= 1.5 * hf_kl + 1e-5 and agree >= hf_agree - 0.01, (chunk, kl, agree, hf_kl, hf_agree)
+
+
 @pytest.mark.parametrize("family", ["llama", "llama_plain", "mistral", "qwen2", "qwen3"])
 def test_tiny_family_parity(tmp_path, family):
     from transformers import AutoModelForCausalLM
