@@ -103,6 +103,13 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     kv_formula = (f"2 x {cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} KV heads x {cfg.head_dim} "
                   f"head dim x {engine.kv_bytes_per_token // per_elem} "
                   f"bytes = {engine.kv_bytes_per_token} bytes per token")
+    slope_us = w["fit_slope_s_per_position"] * 1e6
+    # one cached K/V row more per layer is a fraction of a µs: a fitted slope at or below zero is the
+    # machine's step-to-step noise, not a step getting cheaper
+    with_cache_growth = (f"it grows by only {slope_us:.1f} µs per position (reading one more cached K/V row per layer)."
+                         if slope_us > 0 else
+                         f"it does not grow measurably (fitted slope {slope_us:.1f} µs per position, within the "
+                         "step-to-step noise of this machine; one more cached K/V row per layer is well under 1 µs).")
     sections = [
         ("Setup", context_line(opts, engine, hw) + f"\n\nOne request: a {PROMPT_LEN}-token random prompt, greedy; "
          f"{n_cache} tokens with the cache, {n_nocache} without (the `no_kv_cache=True` engine re-runs the "
@@ -112,9 +119,8 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
         ("What it shows",
          f"Without the cache the time per token grows by {wo['fit_slope_s_per_position'] * 1e6:.0f} µs per "
          f"position (the roofline says {wo['predicted_slope_s_per_position'] * 1e6:.0f}): each step recomputes "
-         f"all previous positions, so generating n tokens costs O(n^2). With the cache it grows by only "
-         f"{w['fit_slope_s_per_position'] * 1e6:.1f} µs per position (reading one more cached K/V row per "
-         f"layer). At position {common} the cache makes a token x{ratio:.1f} cheaper. The memory it costs: "
+         f"all previous positions, so generating n tokens costs O(n^2). With the cache " + with_cache_growth +
+         f" At position {common} the cache makes a token x{ratio:.1f} cheaper. The memory it costs: "
          f"{kv_formula}; a sequence holds whole blocks, so allocated bytes step up every "
          f"{engine.cache_config.block_size} tokens."),
     ]
