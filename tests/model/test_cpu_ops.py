@@ -310,7 +310,7 @@ def _causal_ref(q, kc, vc, table, ctx, scale):
 
 
 @pytest.mark.skipif(not cpu_ops.prefill_attention_supported(3, 64), reason="no AVX-512 BF16 here")
-@pytest.mark.parametrize("d,hkv,group", [(64, 3, 3), (64, 2, 1), (128, 2, 4), (64, 1, 2)])
+@pytest.mark.parametrize("d,hkv,group", [(64, 3, 3), (64, 2, 1), (128, 2, 4), (64, 1, 2), (128, 1, 7), (64, 1, 8)])
 @pytest.mark.parametrize("t,ctx,s", [(37, 37, 16), (128, 128, 16), (100, 250, 16), (16, 16, 8), (200, 333, 32)])
 def test_prefill_attention_matches_float64(d, hkv, group, t, ctx, s):
     g = torch.Generator().manual_seed(t + ctx + d)
@@ -333,12 +333,12 @@ def test_prefill_attention_matches_float64(d, hkv, group, t, ctx, s):
 def test_prefill_attention_rejects_what_it_cannot_do():
     kc = torch.zeros(4, 16, 1, 64).bfloat16()
     with pytest.raises(RuntimeError, match="unsupported group"):
-        cpu_ops.prefill_attention(torch.zeros(3, 5, 64).bfloat16(), kc, kc, torch.arange(4).int(), 3, 0.1)
+        cpu_ops.prefill_attention(torch.zeros(3, 9, 64).bfloat16(), kc, kc, torch.arange(4).int(), 3, 0.1)
     with pytest.raises(RuntimeError, match="block_table"):  # the table does not cover ctx
         cpu_ops.prefill_attention(torch.zeros(3, 2, 64).bfloat16(), kc, kc, torch.arange(1).int(), 20, 0.1)
     with pytest.raises(RuntimeError, match="bfloat16"):
         cpu_ops.prefill_attention(torch.zeros(3, 2, 64), kc, kc, torch.arange(4).int(), 3, 0.1)
-    assert not cpu_ops.prefill_attention_supported(5, 64) and not cpu_ops.prefill_attention_supported(2, 80)
+    assert not cpu_ops.prefill_attention_supported(9, 64) and not cpu_ops.prefill_attention_supported(2, 80)
 
 
 @pytest.mark.skipif(not cpu_ops.prefill_attention_supported(3, 64), reason="no AVX-512 BF16 here")

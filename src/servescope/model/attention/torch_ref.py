@@ -26,8 +26,9 @@ from servescope.model.attention.backend import AttentionBackend, AttentionMetada
 # there the kernel is no faster (47-69 against 41-97 GFLOP/s)
 PAGED_PREFILL_MAX_CONTEXT = 1024
 # bfloat16 prefill sequences of at least this many tokens in the step go to the tiled causal kernel
-# (csrc/prefill_attention.cpp; 16 tokens per item): 1.2-1.4x the per-token path above at 128-2048
-# tokens and 1.25-1.7x SDPA, 0.8x the per-token path at 64 (2026-11-30, SmolLM2's heads, 2 threads)
+# (csrc/prefill_attention.cpp; 16 tokens per item; GQA groups 1-8, head dims 64/128): 1.2-1.4x the
+# per-token path above at 128-2048 tokens and 1.25-1.7x SDPA on SmolLM2's heads, 2.5-3.6x SDPA with
+# enable_gqa at Llama-3 / Qwen2 head layouts; 0.8x the per-token path at 64 (2026-11-30, 2 threads)
 TILED_PREFILL_MIN_TOKENS = 128
 
 

@@ -28,8 +28,9 @@ void prefill_item(const bf16* q, int64_t qs0, int64_t qs1, const bf16* kc, const
                   const int32_t* bt, int64_t ctx, int64_t q0, int64_t T, int64_t kvh, int64_t t0, float scale,
                   bf16* out, int64_t os0, int64_t os1, float* work) {
   constexpr int DP = D / 2;
-  constexpr int DC = 4;               // head dims per PV register block: 4 G accumulators
-  constexpr int KB = G <= 3 ? 8 : 4;  // keys per QK register block: KB G accumulators
+  // register blocks: DC G accumulators for p * v, KB G for the scores (at most 24 of the 32 registers)
+  constexpr int DC = G <= 4 ? 4 : 2;  // head dims per p * v block
+  constexpr int KB = G <= 3 ? 8 : (G <= 4 ? 4 : 2);  // keys per score block
   const int64_t nt = std::min<int64_t>(QT, T - t0);
   // buffers (in `work`, 64-byte aligned floats)
   uint32_t* qtp = (uint32_t*)work;               // [G][DP][16] q pairs, lanes = tokens
@@ -178,7 +179,7 @@ void prefill_run(const torch::Tensor& q, const torch::Tensor& kc, const torch::T
 
 bool prefill_attention_supported(int64_t group, int64_t head_dim) {
 #ifdef __AVX512BF16__
-  return group >= 1 && group <= 4 && (head_dim == 64 || head_dim == 128);
+  return group >= 1 && group <= 8 && (head_dim == 64 || head_dim == 128);
 #else
   return false;
 #endif
@@ -207,7 +208,9 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
 #define SERVESCOPE_CASE(G_, D_) \
   if (h / hkv == G_ && d == D_) { prefill_run<G_, D_>(q, k_cache, v_cache, block_table, ctx, scale, out); return out; }
   SERVESCOPE_CASE(1, 64) SERVESCOPE_CASE(2, 64) SERVESCOPE_CASE(3, 64) SERVESCOPE_CASE(4, 64)
+  SERVESCOPE_CASE(5, 64) SERVESCOPE_CASE(6, 64) SERVESCOPE_CASE(7, 64) SERVESCOPE_CASE(8, 64)
   SERVESCOPE_CASE(1, 128) SERVESCOPE_CASE(2, 128) SERVESCOPE_CASE(3, 128) SERVESCOPE_CASE(4, 128)
+  SERVESCOPE_CASE(5, 128) SERVESCOPE_CASE(6, 128) SERVESCOPE_CASE(7, 128) SERVESCOPE_CASE(8, 128)
 #undef SERVESCOPE_CASE
 #endif
   return out;
