@@ -131,6 +131,22 @@ def test_engine_option_is_validated():
         EngineConfig(gpu_linear="cutlass")
 
 
+def test_engine_option_on_the_cpu_is_ignored_with_a_warning(tmp_path, caplog):
+    import json
+    import logging
+
+    from servescope.engine.llm_engine import LLMEngine
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 128,
+           "max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level(logging.WARNING, logger="servescope.engine.llm_engine"):
+        eng = LLMEngine(EngineConfig(model=f"random:{tmp_path}", gpu_linear="triton", num_kv_blocks=8))
+    assert eng.gpu_linear_choice == {}
+    assert any("CUDA devices only" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine option acts on CUDA devices only")
 @pytest.mark.parametrize("mode", ["triton", "auto"])
 def test_engine_gpu_linear_keeps_greedy_outputs(tmp_path, mode):

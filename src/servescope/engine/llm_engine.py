@@ -189,7 +189,11 @@ class LLMEngine:
     def _maybe_triton_gemv(self, config) -> dict:
         """Route the decode matmuls to the Triton GEMV (gpu_linear=triton) or to whichever of it and
         cuBLAS is faster per shape (auto); before CUDA graphs are captured, which then hold the choice."""
-        if config.gpu_linear == "cublas" or self.device.type != "cuda":
+        if config.gpu_linear == "cublas":
+            return {}
+        if self.device.type != "cuda":
+            logger.warning("gpu_linear=%s applies to CUDA devices only; ignored on %s (the CPU has its own "
+                           "decode GEMV)", config.gpu_linear, self.device.type)
             return {}
         from servescope.model import triton_gemv
 
