@@ -41,6 +41,7 @@ if "--dry-run-cpu" in sys.argv:
 import torch  # noqa: E402
 
 from servescope import LLM, SamplingParams  # noqa: E402
+from servescope.timing import median_seconds  # noqa: E402
 
 T_START = time.perf_counter()
 ROWS: list = []  # {"section", "metric", "value", "unit", "note"}
@@ -100,24 +101,8 @@ def sync(dev):
 
 
 def timed(fn, dev, iters: int, warmup: int = 2) -> float:
-    """Median seconds of fn()."""
-    for _ in range(warmup):
-        fn()
-    sync(dev)
-    times = []
-    for _ in range(iters):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    """Median seconds of fn() (CUDA events on a GPU)."""
+    return median_seconds(fn, iters, warmup, cuda=dev.type == "cuda")
 
 
 def write_config(cfg_dict: dict, tmp: str, name: str) -> str:
@@ -446,6 +431,8 @@ def section_8b_b1_anatomy(rec, dev, dry, sizes):
     graph replay), the lm_head + sampling, and what is left (host work with the GPU idle); then the
     same weights read by the matmuls alone, back to back in one CUDA graph (the ceiling cuBLAS's
     GEMV gives), and a per-kernel-family table of one replay (torch.profiler)."""
+    from servescope.model import triton_gemv
+
     llm = STATE["llm"]
     eng = llm.engine
     model = eng.model
@@ -461,8 +448,7 @@ def section_8b_b1_anatomy(rec, dev, dry, sizes):
         rec("graph_replay_gpu_ms", layers_s * 1e3, "ms", "embedding + all layers + final norm, batch 1")
     # every projection of a step (not the lm_head), each its own weight, back to back
     # the decoder's projections as the engine calls them (nn.Linear here; CpuLinear in a CPU dry run)
-    linears = [m for m in model.model.layers.modules()
-               if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
+    linears = [m for _, _, m in triton_gemv.decoder_projections(model)]
     wbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     xs = {m.weight.shape[1]: torch.randn(1, m.weight.shape[1], device=dev, dtype=m.weight.dtype) for m in linears}
 
@@ -534,10 +520,8 @@ def _gemv_config_sweep(rec, model, dev, dry) -> None:
     configs = [(1, 1024, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 8), (8, 512, 4), (8, 256, 4),
                (16, 256, 4), (16, 512, 8)] if not dry else [(16, 64, 4)]  # the interpreter is slow
     shapes: dict = {}
-    for layer in model.model.layers:
-        for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                    layer.mlp.down_proj):
-            shapes.setdefault(tuple(mod.weight.shape), []).append(mod.weight)
+    for _, _, mod in triton_gemv.decoder_projections(model):
+        shapes.setdefault(tuple(mod.weight.shape), []).append(mod.weight)
     for (n, k), ws in shapes.items():
         x = torch.randn(1, k, device=dev, dtype=ws[0].dtype)
         nbytes = n * k * ws[0].element_size()
@@ -545,7 +529,7 @@ def _gemv_config_sweep(rec, model, dev, dry) -> None:
         for bn, bk, nw in [(None, None, None)] + configs:
             cfg = None if bn is None else {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
             try:
-                timings[(bn, bk, nw)] = triton_gemv._time_per_call(
+                timings[(bn, bk, nw)] = triton_gemv.seconds_per_call(
                     lambda: [triton_gemv.gemv(x, w, config=cfg) for w in ws], 3 if not dry else 1,
                     5 if not dry else 1) / len(ws)
             except SectionTimeout:

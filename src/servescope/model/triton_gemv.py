@@ -148,31 +148,25 @@ class TritonLinear(torch.nn.Module):
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
-def _time_per_call(fn, calls: int, reps: int) -> float:
-    """Median seconds of one fn() over `reps` timed loops of `calls` calls (CUDA events on a GPU;
-    the host clock in the interpreter, where only the code path matters)."""
-    import statistics
-    import time
+def seconds_per_call(fn, calls: int = 3, reps: int = 5) -> float:
+    """Median seconds of one fn() over `reps` timed loops of `calls` calls (CUDA events on a GPU; the
+    host clock in the interpreter, where only the code path matters)."""
+    from servescope.timing import median_seconds
 
-    cuda = torch.cuda.is_available()
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        if cuda:
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3 / calls)
-        else:
-            times.append((time.perf_counter() - t0) / calls)
-    return statistics.median(times)
+    return median_seconds(lambda: [fn() for _ in range(calls)], reps, cuda=torch.cuda.is_available()) / calls
+
+
+def decoder_projections(model: torch.nn.Module) -> list:
+    """(parent, attribute name, module) of every projection of the decoder layers (the children of
+    self_attn and mlp with a 2-D weight: nn.Linear, TritonLinear, CpuLinear...), in layer order."""
+    out = []
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in parent.named_children():
+                w = getattr(child, "weight", None)
+                if isinstance(w, torch.Tensor) and w.dim() == 2:
+                    out.append((parent, name, child))
+    return out
 
 
 def select(model: torch.nn.Module, mode: str, rows=(1, 2, 4, 8)) -> dict:
@@ -184,12 +178,7 @@ def select(model: torch.nn.Module, mode: str, rows=(1, 2, 4, 8)) -> dict:
     the times (seconds per matrix) only for "auto"."""
     if mode not in ("triton", "cublas", "auto"):
         raise ValueError(f"mode must be triton, cublas or auto, got {mode!r}")
-    mods = []  # (parent, name, module)
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, child in list(parent.named_children()):
-                if type(child) in (torch.nn.Linear, TritonLinear):
-                    mods.append((parent, name, child))
+    mods = [(p, n, m) for p, n, m in decoder_projections(model) if type(m) in (torch.nn.Linear, TritonLinear)]
     by_shape: dict = {}
     for _, _, lin in mods:
         by_shape.setdefault(tuple(lin.weight.shape), []).append(lin)
@@ -203,13 +192,13 @@ def select(model: torch.nn.Module, mode: str, rows=(1, 2, 4, 8)) -> dict:
                 continue
             x = torch.randn(m, k, device=lins[0].weight.device, dtype=lins[0].weight.dtype)
             try:
-                t_tri = _time_per_call(lambda: [gemv(x, lin.weight, lin.bias) for lin in lins], 3, 5) / len(lins)
+                t_tri = seconds_per_call(lambda: [gemv(x, lin.weight, lin.bias) for lin in lins]) / len(lins)
             except Exception as e:  # a kernel that does not compile here must not stop the engine
                 logger.warning("Triton GEMV failed for %s x %s (%s: %s); using cuBLAS", (m, k), (n, k),
                                type(e).__name__, e)
                 t_tri = float("inf")
-            t_cub = _time_per_call(lambda: [torch.nn.functional.linear(x, lin.weight, lin.bias) for lin in lins],
-                                   3, 5) / len(lins)
+            t_cub = seconds_per_call(lambda: [torch.nn.functional.linear(x, lin.weight, lin.bias) for lin in lins]
+                                     ) / len(lins)
             use = "triton" if t_tri < t_cub else "cublas"
             choice[(n, k, m)] = {"use": use, "triton_s": t_tri, "cublas_s": t_cub}
             logger.info("GEMV %dx%d at M=%d: Triton %.1f us, cuBLAS %.1f us per matrix -> %s", n, k, m,
