@@ -98,29 +98,42 @@ class TorchAttentionBackend(AttentionBackend):
         store_kv runs first): prefill sequences of TILED_PREFILL_MIN_TOKENS or more through the tiled
         causal kernel, every other token (decodes, short chunks) as one query of the paged decode
         kernel. None: leave the step to SDPA (no tiled kernel for these heads and contexts beyond
-        PAGED_PREFILL_MAX_CONTEXT)."""
-        tiled = cpu_ops.prefill_attention_supported(q.shape[1] // k_cache.shape[2], q.shape[2])
-        qlens, ctxs = meta.query_lens_cpu, meta.context_lens_cpu
-        long = [i for i in range(meta.num_decode_seqs, meta.num_seqs) if tiled and qlens[i] >= TILED_PREFILL_MIN_TOKENS]
+        PAGED_PREFILL_MAX_CONTEXT). The split is the same for every layer: worked out once per step."""
+        split = meta.scratch.get("cpu_bf16_split")
+        if split is None:
+            split = meta.scratch["cpu_bf16_split"] = cls._bf16_prefill_split(q, k_cache, meta)
+        if split is None:
+            return None
+        long, rest, rest_idx, starts = split
         if not long:
-            if meta.max_context_len > PAGED_PREFILL_MAX_CONTEXT:
-                return None
-            return cls._cpu_paged_tokens(q, k_cache, v_cache, meta, scale, range(meta.num_seqs))
+            return cls._cpu_paged_tokens(q, k_cache, v_cache, meta, scale, rest)
         out = torch.empty_like(q)
+        if rest:
+            out[rest_idx] = cls._cpu_paged_tokens(q[rest_idx], k_cache, v_cache, meta, scale, rest)
+        for i in long:
+            out[starts[i]:starts[i + 1]] = cpu_ops.prefill_attention(q[starts[i]:starts[i + 1]], k_cache, v_cache,
+                                                                     meta.block_tables[i], meta.context_lens_cpu[i],
+                                                                     scale)
+        return out
+
+    @staticmethod
+    def _bf16_prefill_split(q, k_cache, meta: AttentionMetadata):
+        """(sequences for the tiled kernel, the others, the others' token indices, token starts per
+        sequence), or None for SDPA."""
+        tiled = cpu_ops.prefill_attention_supported(q.shape[1] // k_cache.shape[2], q.shape[2])
+        qlens = meta.query_lens_cpu
+        long = [i for i in range(meta.num_decode_seqs, meta.num_seqs) if tiled and qlens[i] >= TILED_PREFILL_MIN_TOKENS]
+        if not long and meta.max_context_len > PAGED_PREFILL_MAX_CONTEXT:
+            return None
         starts = [0]
         for n in qlens:
             starts.append(starts[-1] + n)
-        rest = [i for i in range(meta.num_seqs) if i not in long]
-        if rest:
-            idx = meta.scratch.get("cpu_rest_tokens")
-            if idx is None:
-                idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rest]).to(q.device)
-                meta.scratch["cpu_rest_tokens"] = idx
-            out[idx] = cls._cpu_paged_tokens(q[idx], k_cache, v_cache, meta, scale, rest)
-        for i in long:
-            out[starts[i]:starts[i + 1]] = cpu_ops.prefill_attention(q[starts[i]:starts[i + 1]], k_cache, v_cache,
-                                                                     meta.block_tables[i], ctxs[i], scale)
-        return out
+        taken = set(long)
+        rest = [i for i in range(meta.num_seqs) if i not in taken]
+        rest_idx = None
+        if long and rest:
+            rest_idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rest]).to(q.device)
+        return long, rest, rest_idx, starts
 
     @staticmethod
     def _cpu_paged_tokens(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, seqs) -> torch.Tensor:
