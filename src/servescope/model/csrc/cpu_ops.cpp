@@ -443,9 +443,7 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
   // split sequences: each part's running max, sum of p and sum of p * v per query head, merged below
   std::vector<float> partial(parts > 1 ? items * h * (D + 2) : 0);
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>({nthreads, items, total * g * D / 32768}));
-  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    const int64_t i0 = std::lower_bound(cum.begin(), cum.end(), total * t0 / nt) - cum.begin();
-    const int64_t i1 = t1 >= nt ? items : std::lower_bound(cum.begin(), cum.end(), total * t1 / nt) - cum.begin();
+  parallel_by_cost(cum, nt, [&](int64_t i0, int64_t i1) {
     std::vector<float> buf(2 * h * D + 16 * h + 2 * h + 2 * 16 * D);
     float* qf = buf.data();     // [H, D] queries in float32, pre-scaled
     float* acc_ = qf + h * D;  // [H, D] running sum of p * v

@@ -159,17 +159,13 @@ void prefill_run(const torch::Tensor& q, const torch::Tensor& kc, const torch::T
   }
   const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   const size_t wsz = G * (D / 2) * 16 + KT * G * 16 + (KT / 2) * G * 16 + (KT / 2) * D + D * G * 16 + 2 * G * 16 + 16;
-  at::parallel_for(0, nth, 1, [&](int64_t a, int64_t b) {
+  parallel_by_cost(cum, nth, [&](int64_t i0, int64_t i1) {
     std::vector<float> wbuf(wsz + 16);
     float* work = (float*)(((uintptr_t)wbuf.data() + 63) & ~(uintptr_t)63);
-    for (int64_t th = a; th < b; ++th) {
-      const int64_t i0 = std::lower_bound(cum.begin(), cum.end(), cum[items] * th / nth) - cum.begin();
-      const int64_t i1 = th + 1 >= nth ? items : std::lower_bound(cum.begin(), cum.end(), cum[items] * (th + 1) / nth) - cum.begin();
-      for (int64_t it = i0; it < i1; ++it)
-        prefill_item<G, D>(q.data_ptr<bf16>(), q.stride(0), q.stride(1), kc.data_ptr<bf16>(), vc.data_ptr<bf16>(), S,
-                           hkv, bt.data_ptr<int32_t>(), ctx, q0, T, it / tiles, (it % tiles) * QT, (float)scale,
-                           out.data_ptr<bf16>(), out.stride(0), out.stride(1), work);
-    }
+    for (int64_t it = i0; it < i1; ++it)
+      prefill_item<G, D>(q.data_ptr<bf16>(), q.stride(0), q.stride(1), kc.data_ptr<bf16>(), vc.data_ptr<bf16>(), S,
+                         hkv, bt.data_ptr<int32_t>(), ctx, q0, T, it / tiles, (it % tiles) * QT, (float)scale,
+                         out.data_ptr<bf16>(), out.stride(0), out.stride(1), work);
   });
 }
 

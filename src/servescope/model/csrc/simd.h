@@ -70,6 +70,17 @@ inline int64_t grain_for(int64_t work_per_row, int64_t min_work = 16384) {
 alignas(64) inline constexpr int16_t kPairIndex[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
+// Items with cumulative costs cum[0] = 0 .. cum[n] cut into nt contiguous ranges of about equal cost,
+// run on torch's thread pool: fn(i0, i1) once per worker's range of items [i0, i1).
+template <typename F>
+inline void parallel_by_cost(const std::vector<int64_t>& cum, int64_t nt, const F& fn) {
+  const int64_t items = (int64_t)cum.size() - 1, total = cum.back();
+  auto first = [&](int64_t t) -> int64_t {
+    return t >= nt ? items : std::lower_bound(cum.begin(), cum.end(), total * t / nt) - cum.begin();
+  };
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) { fn(first(t0), first(t1)); });
+}
+
 }  // namespace servescope_simd
 
 // The extension's entry points defined outside cpu_ops.cpp (bound in its PYBIND11_MODULE).
