@@ -413,7 +413,7 @@ def run_serve(args) -> int:
     from servescope.bench.datasets import random_requests
     from servescope.bench.envinfo import environment_info
     from servescope.bench.report import plot_sweep, render_result_table
-    from servescope.bench.serve_client import CHAT_COMPLETIONS, COMPLETIONS, is_chat_endpoint, run_serve_benchmark
+    from servescope.bench.serve_client import CHAT_COMPLETIONS, COMPLETIONS, is_chat_endpoint, sweep
 
     con = _console()
     endpoint = {"completions": COMPLETIONS, "chat": CHAT_COMPLETIONS}.get(args.endpoint, args.endpoint)
@@ -426,26 +426,27 @@ def run_serve(args) -> int:
         tok = load_tokenizer(resolve_model_path(args.tokenizer)).hf
     model = args.model or _discover_model(args.base_url, args.api_key)
     lo_hi = lambda v: v if isinstance(v, tuple) else (v, v)  # noqa: E731
-    rates = args.sweep or [args.request_rate]
-    results = []
-    for i, rate in enumerate(rates):
-        # fresh prompts per point (same length distribution): a server with prefix caching would
-        # otherwise serve every point after the first from the cache the first one filled
-        seed = args.seed + i
-        reqs = random_requests(args.num_prompts, lo_hi(args.input_len), lo_hi(args.output_len),
+
+    def point_requests(seed: int) -> list:
+        return random_requests(args.num_prompts, lo_hi(args.input_len), lo_hi(args.output_len),
                                vocab_size=None if tok is not None else args.vocab_size, seed=seed, tokenizer=tok)
+
+    def on_start(rate, seed, reqs) -> None:
         con.print(f"bench serve: {len(reqs)} requests to {args.base_url} ({endpoint}), model {model}, "
                   f"rate {rate} req/s, burstiness {args.burstiness}, max concurrency {args.max_concurrency}, "
                   f"seed {seed}")
-        res = run_serve_benchmark(
-            args.base_url, model, reqs, request_rate=rate, burstiness=args.burstiness,
-            max_concurrency=args.max_concurrency, goodput=args.goodput, endpoint=endpoint, api_key=args.api_key,
-            seed=seed, progress=not args.no_progress, ignore_eos=not args.no_ignore_eos,
-            request_timeout_s=args.timeout, tokenizer=tok, percentiles=args.percentiles)
+
+    def on_result(res) -> None:
         con.print(render_result_table(res))
         if res.error_counts:
             con.print(f"[red]errors:[/red] {dict(res.error_counts)}")
-        results.append(res)
+
+    results = sweep(
+        args.sweep or [args.request_rate], args.base_url, model, point_requests, seed=args.seed,
+        on_start=on_start, on_result=on_result, burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency, goodput=args.goodput, endpoint=endpoint, api_key=args.api_key,
+        progress=not args.no_progress, ignore_eos=not args.no_ignore_eos,
+        request_timeout_s=args.timeout, tokenizer=tok, percentiles=args.percentiles)
     if args.plot:
         plot_sweep(results, args.plot)
         con.print(f"plot written to {args.plot}")

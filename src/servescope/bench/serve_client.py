@@ -21,7 +21,7 @@ import json
 import logging
 import math
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import httpx
 from tqdm.auto import tqdm
@@ -263,11 +263,23 @@ def run_serve_benchmark(*args: Any, **kwargs: Any) -> BenchmarkResult:
     raise RuntimeError("run_serve_benchmark called inside an event loop; await run_serve_benchmark_async")
 
 
-def sweep(request_rates: Sequence[float], base_url: str, model: str, requests: Sequence[BenchRequest],
-          **kwargs: Any) -> list[BenchmarkResult]:
-    """One benchmark per request rate, in order, with the same requests and settings."""
+def sweep(request_rates: Sequence[float], base_url: str, model: str,
+          requests: Sequence[BenchRequest] | Callable[[int], Sequence[BenchRequest]], seed: int = 0,
+          on_start: Callable[[float, int, Sequence[BenchRequest]], None] | None = None,
+          on_result: Callable[[BenchmarkResult], None] | None = None, **kwargs: Any) -> list[BenchmarkResult]:
+    """One benchmark per request rate, in order, with the same settings; point i uses seed + i for its
+    arrivals and, when `requests` is a callable (seed -> requests), for its prompts: fresh prompts per
+    point, so that a server with prefix caching does not answer every point after the first from the
+    cache the first one filled. A sequence is sent as it is at every point. on_start(rate, seed,
+    requests) runs before each point, on_result(result) after it."""
     results = []
-    for rate in request_rates:
-        logger.info("sweep: request_rate=%s", rate)
-        results.append(run_serve_benchmark(base_url, model, requests, request_rate=rate, **kwargs))
+    for i, rate in enumerate(request_rates):
+        point_seed = seed + i
+        reqs = requests(point_seed) if callable(requests) else requests
+        logger.info("sweep: request_rate=%s seed=%s", rate, point_seed)
+        if on_start is not None:
+            on_start(rate, point_seed, reqs)
+        results.append(run_serve_benchmark(base_url, model, reqs, request_rate=rate, seed=point_seed, **kwargs))
+        if on_result is not None:
+            on_result(results[-1])
     return results
