@@ -66,12 +66,13 @@ def total_memory_bytes() -> int:
         return 8 * 2**30  # unknown platform: a modest guess, stated in notes by the caller
 
 
-def measure_read_bandwidth(num_bytes: int = 512 * 2**20, runs: int = 5) -> float:
-    """Bytes/s of a streaming float32 read (torch sum), median of `runs`."""
+def measure_read_bandwidth(num_bytes: int = 512 * 2**20, runs: int = 5, buf=None, warmup: int = 1) -> float:
+    """Bytes/s of a streaming float32 read (torch sum), median of `runs`. buf: a float32 tensor to read
+    instead of a fresh one of num_bytes (for repeated samples without allocating between them)."""
     import torch
 
-    x = torch.ones(num_bytes // 4, dtype=torch.float32)  # ones, not empty: touch every page first
-    t = median_seconds(lambda: x.sum(), runs)
+    x = torch.ones(num_bytes // 4, dtype=torch.float32) if buf is None else buf  # ones: every page touched
+    t = median_seconds(lambda: x.sum(), runs, warmup)
     return x.numel() * 4 / t
 
 

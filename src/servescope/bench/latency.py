@@ -86,14 +86,14 @@ def paired_decode_bandwidth(llm, batch_size: int, input_len: int, output_len: in
     (they do not fit in the caches), so a sample does not change what the next step has to fetch."""
     import torch
 
+    from servescope.analysis.probe import measure_read_bandwidth
     from servescope.config import SamplingParams
-    from servescope.timing import median_seconds
 
     engine = llm.engine
     buf = torch.ones(num_bytes // 4, dtype=torch.float32)  # ones: every page touched before timing
 
     def sample() -> float:
-        return num_bytes / median_seconds(buf.sum, 3, warmup=0)
+        return measure_read_bandwidth(runs=3, buf=buf, warmup=0)
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     reqs = latency_prompts(batch_size, input_len, output_len, engine.model_config.vocab_size, seed + 20_000)
