@@ -36,9 +36,9 @@ AVAILABLE: bool = triton is not None and (
     torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 MAX_M = 8  # rows of x this kernel serves; larger M (prefill, big decode batches) go to cuBLAS
-# about this many programs for one matrix: enough resident loads to cover the memory latency of
-# an H100/H200-class part (132 SMs, a few programs each); the rows per program follow from N
-_TARGET_PROGRAMS = 4 * 132
+# programs per streaming multiprocessor for one matrix: enough resident loads to cover the memory
+# latency (an H200: 132 SMs, 528 programs); the rows per program follow from N
+_PROGRAMS_PER_SM = 4
 
 
 if triton is not None:
@@ -92,11 +92,11 @@ def _pow2_at_most(x: int, lo: int, hi: int) -> int:
     return p
 
 
-def default_config(m: int, n: int, k: int) -> dict:
-    """Rows per program so that a matrix spreads over about _TARGET_PROGRAMS programs (1-16 rows);
+def default_config(m: int, n: int, k: int, sms: int = 132) -> dict:
+    """Rows per program so that a matrix spreads over about _PROGRAMS_PER_SM programs per SM (1-16 rows);
     a tile of 4096 elements at M = 1 (its float32 running products stay in registers: 32 per
     thread of 4 warps), [BLOCK_N, 256] at larger M."""
-    block_n = _pow2_at_most(max(1, n // _TARGET_PROGRAMS), 1, 16)
+    block_n = _pow2_at_most(max(1, n // (_PROGRAMS_PER_SM * sms)), 1, 16)
     block_k = max(64, min(1024, 4096 // block_n)) if m == 1 else 256
     block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4}
@@ -115,7 +115,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, con
         x = x.contiguous()
     if not w.is_contiguous():
         raise ValueError("gemv: the weight must be contiguous")
-    cfg = config or default_config(m, n, k)
+    if config is None:
+        from servescope.model.attention.triton_kernels import num_sms
+
+        config = default_config(m, n, k, num_sms(x.device))
+    cfg = config
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
     _gemv_kernel[grid](x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
@@ -133,14 +137,6 @@ class TritonLinear(torch.nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.rows = frozenset(int(r) for r in rows)
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] in self.rows:
