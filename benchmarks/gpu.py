@@ -503,15 +503,6 @@ def section_8b_b1_anatomy(rec, dev, dry, sizes):
         rec(f"kernels[{f}]", t / reps, "us", f"{n / reps:.0f} launches per step")
 
 
-def _recapture(eng) -> None:
-    """Drop the engine's CUDA graphs and capture them again (they hold the kernels of the moment)."""
-    eng.runner.graph_runner = None
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    eng._maybe_cuda_graphs()
-
-
 def _gemv_config_sweep(rec, model, dev, dry) -> None:
     """The Triton GEMV's block configurations at M = 1 on each decoder shape, over the model's own
     matrices of that shape: the best one and the default's GB/s (to choose the defaults)."""
@@ -550,8 +541,6 @@ def section_8b_gpu_linear(rec, dev, dry, sizes):
     per weight shape at M = 1 and 4 (timed by select("auto") on the model's own matrices), then
     batch-1 decode under cuBLAS, auto and triton (graphs re-captured each time), and each run's
     greedy tokens and logprobs against cuBLAS's. The engine is left on cuBLAS for what follows."""
-    from servescope.model import triton_gemv
-
     llm = STATE["llm"]
     eng = llm.engine
     model = eng.model
@@ -562,7 +551,7 @@ def section_8b_gpu_linear(rec, dev, dry, sizes):
     base = None
     try:
         for mode in modes:
-            choice = triton_gemv.select(model, mode)
+            choice = eng.set_gpu_linear(mode)  # graphs re-captured with the chosen kernels
             if mode == "auto":
                 for (n, k, m), v in sorted(choice.items()):
                     if m in (1, 4):
@@ -571,7 +560,6 @@ def section_8b_gpu_linear(rec, dev, dry, sizes):
                             "GB/s", f"Triton; cuBLAS {nbytes / v['cublas_s'] / 1e9:.0f} GB/s -> {v['use']}")
                 rec("auto_triton_cases", sum(v["use"] == "triton" for v in choice.values()), "",
                     f"of {len(choice)} (shape, M) cases")
-            _recapture(eng)
             toks, lps, _ = ours_generate(llm, prompt, n_check, logprobs=True)
             if base is None:
                 base = (toks, lps)
@@ -590,8 +578,7 @@ def section_8b_gpu_linear(rec, dev, dry, sizes):
             if STATE.get("copy_gbs") and STATE.get("b1_bytes"):
                 rec(f"{mode}_b1_decode_pct_of_copy_bw", 100.0 * STATE["b1_bytes"] / step / 1e9 / STATE["copy_gbs"], "%")
     finally:
-        triton_gemv.select(model, "cublas")
-        _recapture(eng)
+        eng.set_gpu_linear("cublas")
 
 
 def section_8b_throughput(rec, dev, dry, sizes, batch: int):

@@ -169,3 +169,22 @@ def test_engine_gpu_linear_keeps_greedy_outputs(tmp_path, mode):
             assert {v["use"] for v in llm.engine.gpu_linear_choice.values()} == {"triton"}
         del llm
     assert outs[mode] == outs["cublas"]
+
+
+def test_set_gpu_linear_validates_and_is_a_no_op_on_the_cpu(tmp_path):
+    import json
+
+    from servescope.config import SamplingParams
+    from servescope.engine.llm_engine import LLMEngine
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 128,
+           "max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    eng = LLMEngine(EngineConfig(model=f"random:{tmp_path}", num_kv_blocks=8))
+    with pytest.raises(EngineConfigError, match="gpu_linear"):
+        eng.set_gpu_linear("cutlass")
+    assert eng.set_gpu_linear("triton") == {}  # CPU: ignored, with the warning
+    eng.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="idle"):
+        eng.set_gpu_linear("cublas")

@@ -204,6 +204,25 @@ class LLMEngine:
                     sum(v["use"] == "triton" for v in choice.values()), len(choice))
         return choice
 
+    def set_gpu_linear(self, mode: str) -> dict:
+        """Switch the decode matmuls of a running CUDA engine to `mode` (cublas | triton | auto, as
+        EngineConfig.gpu_linear) and capture the CUDA graphs again, since they hold the kernels of
+        the moment. Returns the choice per (N, K, M). The engine must be idle."""
+        if self.has_unfinished():
+            raise RuntimeError("set_gpu_linear needs an idle engine")
+        if mode not in ("cublas", "triton", "auto"):
+            raise EngineConfigError(f"gpu_linear must be cublas, triton or auto, got {mode!r}")
+        if self.device.type != "cuda":
+            return self._maybe_triton_gemv(self.config.replace(gpu_linear=mode))
+        from servescope.model import triton_gemv
+
+        self.gpu_linear_choice = triton_gemv.select(self.model, mode)
+        if self.runner.graph_runner is not None:
+            self.runner.graph_runner = None  # frees the old graphs' pool before the new capture
+            torch.cuda.empty_cache()
+            self._maybe_cuda_graphs()
+        return self.gpu_linear_choice
+
     def _maybe_cuda_graphs(self):
         if not (self.device.type == "cuda" and self.config.use_cuda_graph and self.runner.backend.name == "triton"):
             return
