@@ -19,8 +19,9 @@ from servescope.model import cpu_ops
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
 
 
-# bfloat16 prefill tokens go through the paged decode kernel up to this context; beyond it SDPA's
-# flash kernel is faster (measured here: a 2048-token prompt took 2.73 s that way against 2.5 s with
+# A bfloat16 step whose prefill sequences are all short (below TILED_PREFILL_MIN_TOKENS, or heads the
+# tiled kernel does not cover) runs every token through the paged decode kernel up to this context;
+# beyond it SDPA's flash kernel is faster (measured here: a 2048-token prompt took 2.73 s that way against 2.5 s with
 # SDPA, while the offline-throughput workload's prompts of 32-512 tokens ran their attention 1.6x faster;
 # per 9-head prompt: 95-104 GFLOP/s against SDPA's 51-68 at 128-512 tokens, a tie at 1024). float32 keeps SDPA:
 # there the kernel is no faster (47-69 against 41-97 GFLOP/s)
