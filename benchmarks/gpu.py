@@ -237,7 +237,7 @@ def section_env(rec):
 
 def section_kernels(rec, dev, dry):
     from servescope.model.attention.torch_ref import TorchAttentionBackend
-    from servescope.model.attention.triton_kernels import paged_decode, store_kv
+    from servescope.kernels.triton_attention import paged_decode, store_kv
 
     g = torch.Generator(device="cpu").manual_seed(0)
     tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -330,7 +330,7 @@ def section_vs_hf(rec, dev, dry, spec: str, dtype: str, graph_sizes, need_equal:
               enable_prefix_caching=False, cuda_graph_batch_sizes=tuple(graph_sizes), seed=1)
     eng = llm.engine
     cfg = eng.model_config
-    graphs = eng.runner.graph_runner
+    graphs = eng.executor.graphs
     rec("engine", f"{eng.runner.backend.name}, graphs {graphs.batch_sizes if graphs else None}", "",
         f"{cfg.num_hidden_layers} layers, {cfg.hidden_size} wide, {dtype}")
     prompts = random_prompts(n_prompts, 5, 60, cfg.vocab_size, seed=3)
@@ -343,11 +343,11 @@ def section_vs_hf(rec, dev, dry, spec: str, dtype: str, graph_sizes, need_equal:
         hf_lps += lp
     compare_runs(rec, "vs_transformers", toks, lps, hf_toks, hf_lps, lp_tol, need_equal)
     if graphs is not None:
-        eng.runner.graph_runner = None
+        eng.executor.graphs = None
         try:
             e_toks, e_lps, _ = ours_generate(llm, prompts, max_tokens, logprobs=True)
         finally:
-            eng.runner.graph_runner = graphs
+            eng.executor.graphs = graphs
         compare_runs(rec, "graph_vs_eager", toks, lps, e_toks, e_lps, 1e-3 if dtype == "float32" else 5e-2, True)
     del hf, llm, eng
 
@@ -382,7 +382,7 @@ def section_8b_load(rec, dev, dry, spec, sizes):
         llm = LLM(attention_backend="torch", **kw)
     STATE["llm"] = llm
     eng = llm.engine
-    g = eng.runner.graph_runner
+    g = eng.executor.graphs
     rec("load_seconds", time.perf_counter() - t, "s",
         f"weights {eng.weight_bytes / 1e9:.2f} GB, graphs captured in "
         f"{g.capture_seconds:.1f} s" if g else "no CUDA graphs")
@@ -431,13 +431,13 @@ def section_8b_b1_anatomy(rec, dev, dry, sizes):
     graph replay), the lm_head + sampling, and what is left (host work with the GPU idle); then the
     same weights read by the matmuls alone, back to back in one CUDA graph (the ceiling cuBLAS's
     GEMV gives), and a per-kernel-family table of one replay (torch.profiler)."""
-    from servescope.model import triton_gemv
+    from servescope.kernels import triton_gemv
 
     llm = STATE["llm"]
     eng = llm.engine
     model = eng.model
     wall = STATE.get("b1_step_s")
-    g = eng.runner.graph_runner
+    g = eng.executor.graphs
     hidden = torch.randn(1, eng.model_config.hidden_size, device=dev, dtype=model.lm_head_weight().dtype)
     logit_s = timed(lambda: model.compute_logits(hidden).argmax(-1), dev, 20 if not dry else 2)
     rec("lm_head_and_argmax_ms", logit_s * 1e3, "ms", "logits [1, V] in float32 + argmax")
@@ -506,7 +506,7 @@ def section_8b_b1_anatomy(rec, dev, dry, sizes):
 def _gemv_config_sweep(rec, model, dev, dry) -> None:
     """The Triton GEMV's block configurations at M = 1 on each decoder shape, over the model's own
     matrices of that shape: the best one and the default's GB/s (to choose the defaults)."""
-    from servescope.model import triton_gemv
+    from servescope.kernels import triton_gemv
 
     configs = [(1, 1024, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 8), (8, 512, 4), (8, 256, 4),
                (16, 256, 4), (16, 512, 8)] if not dry else [(16, 64, 4)]  # the interpreter is slow

@@ -40,7 +40,7 @@ def smollm2_hf():
     """transformers' own load of the same GGUF (dequantised to float32), the reference."""
     from transformers import AutoModelForCausalLM
 
-    from servescope.model.loader import resolve_model_path
+    from servescope.loader.source import resolve_model_path
 
     path = resolve_model_path("smollm2-135m")
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),

@@ -420,7 +420,7 @@ def run_serve(args) -> int:
     chat = is_chat_endpoint(endpoint)
     tok = None
     if args.tokenizer or chat:
-        from servescope.model.loader import resolve_model_path
+        from servescope.loader.source import resolve_model_path
         from servescope.tokenizer import load_tokenizer
 
         tok = load_tokenizer(resolve_model_path(args.tokenizer)).hf

@@ -154,7 +154,7 @@ def load_model_config(args):
     if p.is_dir() and (p / "config.json").is_file():
         return load_preset(p)
     if p.is_file() and p.suffix == ".gguf":
-        from servescope.model.loader import load_model_source
+        from servescope.loader.source import load_model_source
 
         return load_model_source(str(p)).config  # reads (and dequantises) the weights too
     if model.lower() in list_presets():

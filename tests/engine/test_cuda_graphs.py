@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 from servescope.config import ModelConfig  # noqa: E402
 from servescope.engine.cuda_graphs import CudaGraphRunner  # noqa: E402
+from servescope.engine.executor import ModelExecutor  # noqa: E402
 from servescope.engine.model_runner import ModelRunner  # noqa: E402
 from servescope.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from servescope.model.llama import LlamaForCausalLM  # noqa: E402
@@ -27,7 +28,7 @@ def _setup(dtype=torch.float32):
     model = LlamaForCausalLM(cfg).to(DEV, dtype).eval().requires_grad_(False)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.05)
-    runner = ModelRunner(model, cfg, TritonAttentionBackend(), num_blocks=64, block_size=S, kv_dtype=dtype,
+    runner = ModelRunner(ModelExecutor(model, DEV), cfg, TritonAttentionBackend(), num_blocks=64, block_size=S, kv_dtype=dtype,
                          device=DEV)
     for k, v in runner.kv_caches:  # stands in for earlier prefills
         k.normal_()
@@ -58,9 +59,9 @@ def test_graph_replay_matches_eager_and_padding_writes_nothing():
         before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
         batch = runner.prepare(scheduled)
         assert graphs.can_run(batch)
-        runner.graph_runner = graphs
+        runner.executor.graphs = graphs
         replay = runner.execute(scheduled)
-        runner.graph_runner = None
+        runner.executor.graphs = None
         torch.testing.assert_close(replay, eager, atol=1e-4, rtol=1e-4)
         # the replay rewrote the same slots with the same values; padded rows wrote nothing
         for (k0, v0), (k1, v1) in zip(before, runner.kv_caches):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servescope.model import cpu_kernels
+from servescope.kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU GEMV extension not built here")
 
@@ -69,7 +69,7 @@ def test_kernel_probe_rates_shape():
     """The probe's table (model/kernel_probe.py): one [M, bytes/s] row per M, ascending, positive,
     and accepted by HardwareSpec."""
     from servescope.analysis.hardware import get_hardware
-    from servescope.model.kernel_probe import measure_linear_rates
+    from servescope.kernels.kernel_probe import measure_linear_rates
 
     rates = measure_linear_rates("float32", rows=(1, 3, 16), num_matrices=2, size=128, runs=1)
     assert [m for m, _ in rates] == [1, 3, 16] and all(r > 0 for _, r in rates)
@@ -78,8 +78,8 @@ def test_kernel_probe_rates_shape():
 
 
 def test_kernel_probe_decode_attention_rate():
-    from servescope.model import cpu_ops
-    from servescope.model.kernel_probe import measure_decode_attention_flops
+    from servescope.kernels import cpu_ops
+    from servescope.kernels.kernel_probe import measure_decode_attention_flops
 
     if not cpu_ops.available():
         pytest.skip("CPU op extension not built here")

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from servescope.model import cpu_ops, fused_ops
+from servescope.kernels import cpu_ops, fused_ops
 from servescope.model.attention.torch_ref import TorchAttentionBackend
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="CPU op extension not built here")

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from servescope.model import cpu_ops
+from servescope.kernels import cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="CPU op extension not built here")
 

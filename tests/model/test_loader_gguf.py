@@ -14,8 +14,8 @@ from tiny_gguf import gguf_stored_values, write_tiny_gguf  # noqa: E402
 from tiny_models import make_tiny_hf_model  # noqa: E402
 
 from servescope.errors import ModelLoadError  # noqa: E402
-from servescope.model.gguf_loader import reverse_llama_permute  # noqa: E402
-from servescope.model.loader import expected_tensor_shapes, load_model_source  # noqa: E402
+from servescope.loader.gguf import reverse_llama_permute  # noqa: E402
+from servescope.loader.source import expected_tensor_shapes, load_model_source  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 

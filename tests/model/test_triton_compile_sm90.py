@@ -20,7 +20,7 @@ import json, os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from servescope.model import triton_gemv, triton_fused
+from servescope.kernels import triton_gemv, triton_fused
 from servescope.model.attention import triton_kernels as tk
 
 target = GPUTarget("cuda", 90, 32)

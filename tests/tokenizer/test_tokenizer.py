@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "model"))
 from tiny_models import make_tiny_hf_model  # noqa: E402
 
 from servescope.errors import ModelLoadError  # noqa: E402
-from servescope.model.loader import TokenizerSource  # noqa: E402
+from servescope.tokenizer.source import TokenizerSource  # noqa: E402
 from servescope.tokenizer import CHATML_TEMPLATE, load_tokenizer  # noqa: E402
 
 TEXTS = ["Hello world", "  leading spaces and\ttabs\n\nnewlines", "naïve café 你好世界 🎉👩‍👩‍👧", ""]
@@ -52,11 +52,11 @@ def test_gguf_tokenizer_cache(tmp_path, monkeypatch, smollm2_gguf, tok):
 
 
 def test_load_from_hf_dir_and_sources(tmp_path):
-    from servescope.model.loader import load_model_source
+    from servescope.loader.source import load_model_source
 
     path = make_tiny_hf_model(tmp_path, "qwen2")
     src = load_model_source(str(path))
-    for source in (src, src.tokenizer_source, str(path)):
+    for source in (src.tokenizer_source, str(path)):
         t = load_tokenizer(source)
         assert t.vocab_size == 49152 and 2 in t.eos_token_ids
         assert t.decode(t.encode("Hello 🎉")) == "Hello 🎉"

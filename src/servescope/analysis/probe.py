@@ -152,13 +152,13 @@ def probe_local_hardware(
         except Exception as e:
             logger.warning("host overhead not measured (%s)", e)
         try:
-            from servescope.model.kernel_probe import measure_linear_rates
+            from servescope.kernels.kernel_probe import measure_linear_rates
 
             rates = {dt: measure_linear_rates(dt) for dt in ("float32", "bfloat16")}
         except Exception as e:
             logger.warning("linear kernel rates not measured (%s)", e)
         try:
-            from servescope.model.kernel_probe import measure_decode_attention_flops
+            from servescope.kernels.kernel_probe import measure_decode_attention_flops
 
             attn = {dt: measure_decode_attention_flops(dt) for dt in ("float32", "bfloat16")}
         except Exception as e:

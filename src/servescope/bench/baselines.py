@@ -36,7 +36,7 @@ def hf_model_source(model: Optional[str]) -> dict:
     """How transformers loads the model servescope calls `model`: from_pretrained kwargs or a config."""
     if model and model.startswith("random:"):
         return {"kind": "random", "preset": model[len("random:"):]}
-    from servescope.model.loader import resolve_model_path
+    from servescope.loader.source import resolve_model_path
 
     path = resolve_model_path(model)
     if os.path.isdir(path):
@@ -180,7 +180,7 @@ def llama_cpp_gguf_path(model: Optional[str]) -> Optional[str]:
     """The GGUF file llama.cpp can run for `model` (None when the model is not a GGUF)."""
     if model and model.startswith("random:"):
         return None
-    from servescope.model.loader import resolve_model_path
+    from servescope.loader.source import resolve_model_path
 
     path = resolve_model_path(model)
     return path if os.path.isfile(path) and path.lower().endswith(".gguf") else None

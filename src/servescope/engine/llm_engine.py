@@ -12,7 +12,6 @@ One step:
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,12 +21,13 @@ import torch
 
 from servescope.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
 from servescope.engine.kv_sizing import kv_bytes_per_token, num_kv_blocks
+from servescope.engine.executor import ModelExecutor
 from servescope.engine.model_runner import ModelRunner
 from servescope.engine.outputs import CompletionOutput, RequestOutput
 from servescope.errors import EngineConfigError, InvalidParameterError
 from servescope.kvcache.manager import KVCacheManager
 from servescope.model.attention import get_attention_backend
-from servescope.model.build import DTYPES
+from servescope.loader.build import DTYPES
 from servescope.sampling.sampler import Sampler, SamplingState, make_generator
 from servescope.sampling.stop import find_stop_string, max_stop_holdback
 from servescope.scheduler.request import Request, RequestStatus
@@ -92,20 +92,15 @@ class LLMEngine:
         t0 = time.perf_counter()
         if _shared is not None:
             # same weights, new KV cache and scheduler (tests and labs compare engine settings)
-            self.model, self.model_config = _shared.model, _shared.model_config
-            self.tokenizer, self.source_path = _shared.tokenizer, _shared.source_path
-            self.gpu_linear_choice = _shared.gpu_linear_choice
+            self.executor = _shared.executor.fork()
+            self.model_config, self.tokenizer, self.source_path = _shared.model_config, _shared.tokenizer, _shared.source_path
         else:
-            self.model, self.model_config, self.tokenizer, self.source_path = self._load(config)
-            from servescope.model.optimize import optimize_model
-
-            self.model = optimize_model(self.model, quantization=config.quantization)
-            self.gpu_linear_choice = self._maybe_triton_gemv(config)
+            model, self.model_config, self.tokenizer, self.source_path = self._load(config)
+            self.executor = ModelExecutor.prepare(model, self.device, config.quantization, config.gpu_linear)
+        self.model = self.executor.model
         cfg = self.model_config
         self.load_seconds = time.perf_counter() - t0
-        rot = {id(self.model.rotary.cos), id(self.model.rotary.sin)}
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in
-                                itertools.chain(self.model.parameters(), self.model.buffers()) if id(t) not in rot)
+        self.weight_bytes = self.executor.weight_bytes
 
         blocks = num_kv_blocks(config, cfg, self.kv_dtype, self.device)
         capacity = blocks * config.block_size
@@ -120,7 +115,7 @@ class LLMEngine:
         self.max_model_len = max_len
         self.kv_bytes_per_token = kv_bytes_per_token(cfg, self.kv_dtype)
         backend = get_attention_backend(config.attention_backend, self.device)
-        self.runner = ModelRunner(self.model, cfg, backend, blocks, config.block_size, self.kv_dtype, self.device)
+        self.runner = ModelRunner(self.executor, cfg, backend, blocks, config.block_size, self.kv_dtype, self.device)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %d bytes per token, %.1f MiB (%s)",
                     blocks, config.block_size, capacity, self.kv_bytes_per_token,
                     self.runner.kv_cache_bytes / 2**20, str(self.kv_dtype).replace("torch.", ""))
@@ -165,13 +160,13 @@ class LLMEngine:
         max_pos = config.max_model_len
         if model_name and model_name.startswith("random:"):
             from servescope.analysis.presets import load_preset
-            from servescope.model.random_init import build_random_model
+            from servescope.loader.random_init import build_random_model
 
             cfg = load_preset(model_name[len("random:"):])
             model = build_random_model(cfg, self.dtype, self.device, max_positions=max_pos, seed=config.seed)
             return model, cfg, None, model_name
-        from servescope.model.build import build_model
-        from servescope.model.loader import load_model_source
+        from servescope.loader.build import build_model
+        from servescope.loader.source import load_model_source
         from servescope.tokenizer import load_tokenizer
 
         src = load_model_source(model_name)
@@ -186,23 +181,9 @@ class LLMEngine:
             ids |= set(self.tokenizer.eos_token_ids)
         return tuple(sorted(ids))
 
-    def _maybe_triton_gemv(self, config) -> dict:
-        """Route the decode matmuls to the Triton GEMV (gpu_linear=triton) or to whichever of it and
-        cuBLAS is faster per shape (auto); before CUDA graphs are captured, which then hold the choice."""
-        if config.gpu_linear == "cublas":
-            return {}
-        if self.device.type != "cuda":
-            logger.warning("gpu_linear=%s applies to CUDA devices only; ignored on %s (the CPU has its own "
-                           "decode GEMV)", config.gpu_linear, self.device.type)
-            return {}
-        from servescope.model import triton_gemv
-
-        if not triton_gemv.AVAILABLE:
-            raise EngineConfigError(f"gpu_linear={config.gpu_linear!r} needs triton, which is not available here")
-        choice = triton_gemv.select(self.model, config.gpu_linear)
-        logger.info("gpu_linear=%s: Triton GEMV for %d of %d (shape, M) cases", config.gpu_linear,
-                    sum(v["use"] == "triton" for v in choice.values()), len(choice))
-        return choice
+    @property
+    def gpu_linear_choice(self) -> dict:
+        return self.executor.gpu_linear_choice
 
     def set_gpu_linear(self, mode: str) -> dict:
         """Switch the decode matmuls of a running CUDA engine to `mode` (cublas | triton | auto, as
@@ -210,29 +191,13 @@ class LLMEngine:
         the moment. Returns the choice per (N, K, M). The engine must be idle."""
         if self.has_unfinished():
             raise RuntimeError("set_gpu_linear needs an idle engine")
-        if mode not in ("cublas", "triton", "auto"):
-            raise EngineConfigError(f"gpu_linear must be cublas, triton or auto, got {mode!r}")
-        if self.device.type != "cuda":
-            return self._maybe_triton_gemv(self.config.replace(gpu_linear=mode))
-        from servescope.model import triton_gemv
-
-        self.gpu_linear_choice = triton_gemv.select(self.model, mode)
-        if self.runner.graph_runner is not None:
-            self.runner.graph_runner = None  # frees the old graphs' pool before the new capture
-            torch.cuda.empty_cache()
-            self._maybe_cuda_graphs()
-        return self.gpu_linear_choice
+        return self.executor.set_gpu_linear(mode, self.runner)
 
     def _maybe_cuda_graphs(self):
         if not (self.device.type == "cuda" and self.config.use_cuda_graph and self.runner.backend.name == "triton"):
             return
-        from servescope.engine.cuda_graphs import CudaGraphRunner
-
         sizes = [b for b in self.config.cuda_graph_batch_sizes if b <= self.config.max_num_seqs]
-        max_blocks = -(-self.max_model_len // self.config.block_size)
-        g = CudaGraphRunner(self.model, self.runner, sizes, max_blocks)
-        g.capture()
-        self.runner.graph_runner = g
+        self.executor.capture_cuda_graphs(self.runner, sizes, -(-self.max_model_len // self.config.block_size))
 
     # ---------------------------------------------------------------- requests
     def encode(self, prompt: str) -> list:

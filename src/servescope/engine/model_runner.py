@@ -33,9 +33,9 @@ class StepBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, backend: AttentionBackend,
+    def __init__(self, executor, model_config: ModelConfig, backend: AttentionBackend,
                  num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: torch.device):
-        self.model = model
+        self.executor = executor  # engine/executor.py: the model and its kernel choices
         self.cfg = model_config
         self.backend = backend
         self.device = device
@@ -47,7 +47,6 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=device),
                            torch.zeros(shape, dtype=kv_dtype, device=device))
                           for _ in range(model_config.num_hidden_layers)]
-        self.graph_runner = None  # set by the engine when CUDA graphs are on (cuda_graphs.py)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -110,10 +109,6 @@ class ModelRunner:
         """Run one step. Returns float32 logits [B', V] for the rows in sample_rows (indices into
         `scheduled`; default all)."""
         batch = self.prepare(scheduled)
-        if self.graph_runner is not None and batch.meta.is_decode_only and self.graph_runner.can_run(batch):
-            hidden = self.graph_runner.run(batch)  # [B, Dm], already the last token of each
-            rows = hidden if sample_rows is None else hidden[sample_rows]
-            return self.model.compute_logits(rows)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
+        hidden = self.executor.forward(batch, self.kv_caches, self.backend)  # [T, Dm]
         idx = batch.logits_indices if sample_rows is None else batch.logits_indices[sample_rows]
-        return self.model.compute_logits(hidden[idx])  # [B', Dm] -> [B', V]
+        return self.executor.compute_logits(hidden[idx])  # [B', Dm] -> [B', V]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servescope.config import RopeScaling
-from servescope.model import fused_ops
+from servescope.kernels import fused_ops
 
 
 class RMSNorm(nn.Module):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servescope.config import ModelConfig
-from servescope.model import cpu_kernels, cpu_ops, fused_ops
+from servescope.kernels import cpu_kernels, cpu_ops, fused_ops
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
 from servescope.model.layers import RMSNorm, RotaryEmbedding
 

@@ -41,7 +41,7 @@ def fuse_projections(model: nn.Module) -> nn.Module:
 def use_cpu_gemv(model: nn.Module) -> nn.Module:
     """On the CPU, route the decoder's small-M matmuls to the AVX-512 GEMV (csrc/cpu_ops.cpp) and
     the larger ones (prefill, big decode batches) to oneDNN's GEMM on prepacked weights."""
-    from servescope.model import cpu_kernels, cpu_ops
+    from servescope.kernels import cpu_kernels, cpu_ops
 
     cpu_ops.load()  # build the extension now (once, ~40 s), not inside the first step's timing
     if not cpu_kernels.available():
@@ -66,7 +66,7 @@ def build_decode_plan(model: nn.Module) -> tuple:
     the same choice between them (the GEMV up to MAX_ROWS rows, oneDNN's prepacked GEMM above), so
     it serves decode-only steps up to any batch when every projection has a prepacked weight, and up
     to MAX_ROWS where one has not (int8: its larger-M path is eager dequantisation)."""
-    from servescope.model import cpu_kernels, cpu_ops
+    from servescope.kernels import cpu_kernels, cpu_ops
     from servescope.model.quantize import Int8Linear
 
     mod = cpu_ops.load()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servescope.model import cpu_kernels
+from servescope.kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import tempfile
 from typing import Iterable, Optional, Union
 
 from servescope.errors import ModelLoadError
-from servescope.model.loader import LoadedSource, TokenizerSource
+from servescope.tokenizer.source import TokenizerSource
 from servescope.tokenizer.chat_template import CHATML_TEMPLATE, compile_chat_template, render_chat_template
 
 logger = logging.getLogger(__name__)
@@ -82,11 +82,10 @@ class Tokenizer:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, eos={sorted(self.eos_token_ids)})"
 
 
-def load_tokenizer(source: Union[LoadedSource, TokenizerSource, str]) -> Tokenizer:
-    """Load the tokenizer of a model source (LoadedSource, TokenizerSource, HF dir or .gguf path)."""
-    if isinstance(source, LoadedSource):
-        source = source.tokenizer_source
-    elif isinstance(source, str):
+def load_tokenizer(source: Union[TokenizerSource, str]) -> Tokenizer:
+    """Load a tokenizer from a TokenizerSource (a loaded model source's `tokenizer_source`), an HF
+    directory or a .gguf path."""
+    if isinstance(source, str):
         path = os.path.abspath(os.path.expanduser(source))
         source = (TokenizerSource(os.path.dirname(path), os.path.basename(path)) if os.path.isfile(path)
                   else TokenizerSource(path))

@@ -15,7 +15,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from servescope.model import cpu_ops
+from servescope.kernels import cpu_ops
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
 
 

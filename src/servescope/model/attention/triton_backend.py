@@ -19,7 +19,7 @@ import torch
 
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
 from servescope.model.attention.torch_ref import TorchAttentionBackend
-from servescope.model.attention.triton_kernels import paged_decode, store_kv
+from servescope.kernels.triton_attention import paged_decode, store_kv
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from servescope.model import cpu_ops
+from servescope.kernels import cpu_ops
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from servescope.model.cpu_extension import CpuExtension
+from servescope.kernels.cpu_extension import CpuExtension
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ def measure_linear_rates(dtype_name: str, rows=ROWS, num_matrices: int = 32, siz
     """[[M, weight bytes/s], ...] for the engine's CPU linear kernel in `dtype_name`."""
     import torch
 
-    from servescope.model.cpu_kernels import CpuLinear
+    from servescope.kernels.cpu_kernels import CpuLinear
 
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(0)
@@ -52,7 +52,7 @@ def measure_decode_attention_flops(dtype_name: str, batch: int = 32, context: in
     KV in cache (a few MiB): the compute rate; reading the KV from memory is priced separately."""
     import torch
 
-    from servescope.model import cpu_ops
+    from servescope.kernels import cpu_ops
 
     if not cpu_ops.available():
         raise RuntimeError("the CPU op extension is not built here")

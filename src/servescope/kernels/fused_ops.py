@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from servescope.model import cpu_ops
+from servescope.kernels import cpu_ops
 
 
 def _fused():
     try:
-        from servescope.model import triton_fused
+        from servescope.kernels import triton_fused
     except ImportError:
         return None
     return triton_fused if triton_fused.AVAILABLE else None

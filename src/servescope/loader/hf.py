@@ -15,7 +15,8 @@ from typing import Optional
 
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError, ModelLoadError
-from servescope.model.loader import LoadedSource, TokenizerSource, check_state_dict, to_float32
+from servescope.loader.source import LoadedSource, check_state_dict, to_float32
+from servescope.tokenizer.source import TokenizerSource
 
 logger = logging.getLogger(__name__)
 

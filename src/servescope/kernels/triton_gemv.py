@@ -116,7 +116,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, con
     if not w.is_contiguous():
         raise ValueError("gemv: the weight must be contiguous")
     if config is None:
-        from servescope.model.attention.triton_kernels import num_sms
+        from servescope.kernels.triton_attention import num_sms
 
         config = default_config(m, n, k, num_sms(x.device))
     cfg = config

@@ -19,7 +19,8 @@ import torch
 
 from servescope.config import ModelConfig, RopeScaling
 from servescope.errors import InvalidParameterError, ModelLoadError
-from servescope.model.loader import LoadedSource, TokenizerSource, check_state_dict
+from servescope.loader.source import LoadedSource, check_state_dict
+from servescope.tokenizer.source import TokenizerSource
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ def build_random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-    from servescope.model.build import _rebuild_rotary
+    from servescope.loader.build import _rebuild_rotary
 
     _rebuild_rotary(model, cfg, max_positions, device)
     model.requires_grad_(False)

