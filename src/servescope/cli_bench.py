@@ -291,7 +291,7 @@ def run_latency(args) -> int:
     from servescope.bench.envinfo import environment_info
     from servescope.bench.latency import run_engine_latency
     from servescope.bench.offline import public
-    from servescope.engine.step_cost import hardware_for_device
+    from servescope.engine.local_hardware import hardware_for_device
 
     con = _console()
     llm = _make_llm(args)

@@ -11,31 +11,13 @@ from typing import Optional
 import torch
 
 from servescope.analysis.cost_model import step_cost
-from servescope.analysis.hardware import HardwareSpec, get_hardware
 from servescope.config import ModelConfig
-from servescope.errors import InvalidParameterError
+from servescope.engine.local_hardware import hardware_for_device
 from servescope.telemetry.step_record import StepRecord
 
 logger = logging.getLogger(__name__)
 
 _DT = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def hardware_for_device(device: torch.device, name: Optional[str] = None) -> HardwareSpec:
-    """The spec to predict with: the named one, else the GPU's datasheet, else the CPU probe."""
-    if name:
-        return get_hardware(name)
-    if device.type == "cuda":
-        gpu = torch.cuda.get_device_name(device).lower()
-        for key in ("h200", "h100", "a100", "l40s", "l4", "4090", "mi300x"):
-            if key in gpu:
-                try:
-                    return get_hardware(key)
-                except InvalidParameterError:
-                    break
-        logger.warning("no datasheet spec for %s; predictions use the H100 spec", gpu)
-        return get_hardware("h100")
-    return get_hardware("local-cpu")
 
 
 class StepCostPredictor:

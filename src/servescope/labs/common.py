@@ -150,7 +150,7 @@ def rel_error(predicted: float, measured: float) -> float:
 def lab_hardware(opts: LabOptions, engine):
     """The spec `engine` predicts with (the one its StepRecords use). Call it after building the
     engine: the local probe is keyed by torch's thread count, which the engine sets."""
-    from servescope.engine.step_cost import hardware_for_device
+    from servescope.engine.local_hardware import hardware_for_device
 
     return hardware_for_device(engine.device, opts.hardware)
 
