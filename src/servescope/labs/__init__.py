@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from servescope.errors import InvalidParameterError
 from servescope.labs.common import LabOptions, LabResult, LabSession
 
 # name -> (module, one-line description); `lab all` runs the concept labs in this order
@@ -41,9 +42,8 @@ def run_lab(name: str, opts: LabOptions, session: Optional[LabSession] = None) -
     """Run lab `name` with `opts` (a session shares loaded weights between labs)."""
     labs = all_labs()
     if name not in labs:
-        from servescope.errors import InvalidParameterError
-
         raise InvalidParameterError("lab", f"unknown lab {name!r}; labs: {', '.join(labs)}")
+    # the lab's module by name: `lab list` and one lab's run import only what they use
     mod = importlib.import_module(f"servescope.labs.{labs[name][0]}")
     session = session or LabSession(opts)
     session.opts = opts

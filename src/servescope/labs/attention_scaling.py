@@ -9,6 +9,7 @@ import random
 
 import numpy as np
 
+from servescope.analysis.cost_model import step_cost
 from servescope.labs.common import (
     LabOptions, LabResult, LabSession, act_dtype_name, blocks_for, context_line, lab_hardware, md_table,
     new_figure, random_prompt, rel_error, run_to_completion, save_figure, warm_up, write_report,
@@ -33,8 +34,6 @@ def quadratic_share(fit: tuple, n: float) -> float:
 
 
 def run(opts: LabOptions, session: LabSession) -> LabResult:
-    from servescope.analysis.cost_model import step_cost
-
     lens = prompt_lengths(opts.quick)
     max_len = max(lens) + 16
     engine = session.engine(max_num_seqs=2, enable_chunked_prefill=False, max_model_len=max_len,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+from servescope.analysis.cost_model import critical_batch_size
 from servescope.labs.common import (
     LabOptions, LabResult, LabSession, act_dtype_name, blocks_for, context_line, lab_hardware, md_table, median,
     new_figure, random_prompt, rel_error, run_to_completion, save_figure, warm_up, write_report,
@@ -32,8 +33,6 @@ def overhead_fit(measured: list, predicted: list) -> float:
 
 
 def run(opts: LabOptions, session: LabSession) -> LabResult:
-    from servescope.analysis.cost_model import critical_batch_size
-
     sizes = batch_sizes(opts.quick)
     steps = 3 if opts.quick else DECODE_STEPS
     max_b = max(sizes)

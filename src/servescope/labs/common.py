@@ -11,12 +11,20 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+
+import torch
+
+from servescope.analysis.roofline import attainable_flops
+from servescope.config import EngineConfig, SamplingParams
+from servescope.engine.llm_engine import LLMEngine
+from servescope.engine.local_hardware import hardware_for_device
 
 logger = logging.getLogger(__name__)
 
@@ -45,31 +53,32 @@ class LabResult:
 # --------------------------------------------------------------------------- engines
 
 class LabSession:
-    """Builds engines for the labs, loading the model weights once per (model, dtype).
+    """Builds engines for the labs, loading the model weights once per (model, dtype, device).
 
     Each engine has its own KV cache, scheduler and config (chunking on or off, no KV cache, ...),
-    but they share one nn.Module (LLMEngine's `_shared`): the model holds no per-request state.
+    but they share one nn.Module (`LLMEngine.with_config`): the model holds no per-request state.
     """
 
     def __init__(self, opts: LabOptions):
         self.opts = opts
-        self._loaded: dict = {}
+        self._loaded: dict = {}  # (model, dtype, device) -> (first engine, the flat settings it was built with)
 
-    def engine(self, **config_overrides):
-        from servescope.config import EngineConfig
-        from servescope.engine.llm_engine import LLMEngine
-
+    def engine(self, **config_overrides) -> LLMEngine:
         o = self.opts
-        cfg = EngineConfig(**{"model": o.model, "dtype": o.dtype, "num_threads": o.threads,
-                              "hardware": o.hardware, "seed": o.seed, "enable_prefix_caching": False,
-                              **config_overrides})
+        settings = {"model": o.model, "dtype": o.dtype, "num_threads": o.threads, "hardware": o.hardware,
+                    "seed": o.seed, "enable_prefix_caching": False, **config_overrides}
+        cfg = EngineConfig(**settings)
         key = (cfg.model, cfg.dtype, cfg.device)
-        first = self._loaded.get(key)
-        if first is None:
-            self._loaded[key] = engine = LLMEngine(cfg)
+        if key not in self._loaded:
+            engine = LLMEngine(cfg)
+            self._loaded[key] = (engine, settings)
             return engine
-        # same weights, this lab's settings: a new KV cache and scheduler on the loaded model
-        return LLMEngine(cfg, _shared=first)
+        first, first_settings = self._loaded[key]
+        # with_config changes only the settings it is given; every one that the first engine's lab or
+        # this one set is given, with this lab's value (or the default), so the new engine's config is
+        # exactly `cfg`, whatever the first lab asked for (no_kv_cache, chunking off, ...)
+        changed = {k: getattr(cfg, k) for k in {**first_settings, **settings}}
+        return first.with_config(**changed)
 
 
 def blocks_for(tokens: int, block_size: int = 16, margin: int = 4) -> int:
@@ -86,9 +95,7 @@ def random_prompt(rng: random.Random, n: int, vocab_size: int) -> list:
     return [rng.randrange(lo, vocab_size) for _ in range(n)]
 
 
-def greedy(max_tokens: int):
-    from servescope.config import SamplingParams
-
+def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
@@ -150,8 +157,6 @@ def rel_error(predicted: float, measured: float) -> float:
 def lab_hardware(opts: LabOptions, engine):
     """The spec `engine` predicts with (the one its StepRecords use). Call it after building the
     engine: the local probe is keyed by torch's thread count, which the engine sets."""
-    from servescope.engine.local_hardware import hardware_for_device
-
     return hardware_for_device(engine.device, opts.hardware)
 
 
@@ -221,6 +226,8 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def new_figure(ncols: int = 1, nrows: int = 1, size: tuple = (6.0, 4.2)):
     """A matplotlib Figure on the Agg canvas (never touches pyplot's global backend) and its axes."""
+    # imported here, not at the top: matplotlib takes 0.4 to 1.9 s to import on the 2-core dev VM, and
+    # the labs' plain helpers (workload drivers, tables) serve CLI paths that draw nothing
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -241,8 +248,6 @@ def plot_roofline_legend(hw, points: Sequence[tuple], path: Path, dtype: str, ti
     """The roofline of `hw` with (label, intensity FLOP/B, FLOP/s) points named in a legend rather
     than annotated (points crowd near the ridge and labels would print over each other).
     A label starting with "D" gets a square marker (decode), anything else a circle."""
-    from servescope.analysis.roofline import attainable_flops
-
     ridge = hw.ridge_point(dtype)
     xs_pts = [p[1] for p in points if p[1] > 0]
     lo, hi = min([ridge / 300] + [x / 3 for x in xs_pts]), max([ridge * 30] + [x * 3 for x in xs_pts])
@@ -265,10 +270,6 @@ def plot_roofline_legend(hw, points: Sequence[tuple], path: Path, dtype: str, ti
 
 def context_line(opts: LabOptions, engine, hw) -> str:
     """One line naming what ran where, for every report."""
-    import os
-
-    import torch
-
     try:
         load = (f" Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs "
                 "(timings are noisy when it exceeds the thread count).")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+from servescope.analysis.roofline import attainable_flops
 from servescope.labs.common import (
     LabOptions, LabResult, LabSession, act_dtype_name, blocks_for, context_line, lab_hardware, md_table, median,
     new_figure, plot_roofline_legend, random_prompt, run_to_completion, save_figure, warm_up, write_report,
@@ -39,8 +40,6 @@ def step_point(recs: list) -> dict:
 
 
 def run(opts: LabOptions, session: LabSession) -> LabResult:
-    from servescope.analysis.roofline import attainable_flops
-
     lens, batches = sizes(opts.quick)
     max_b, max_len = max(batches), max(lens)
     dec_steps = 3 if opts.quick else 6
