@@ -356,7 +356,7 @@ def weights_read_per_decode_step(model) -> int:
     """Bytes of weights a decode step reads: everything but the input embedding table (only B rows
     of it are read), unless it doubles as the lm_head."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if model.lm_head is not None:
+    if model.lm_head.weight is not model.model.embed_tokens.weight:  # untied: the table is not read whole
         e = model.model.embed_tokens.weight
         total -= e.numel() * e.element_size()
     return total
@@ -438,7 +438,7 @@ def section_8b_b1_anatomy(rec, dev, dry, sizes):
     model = eng.model
     wall = STATE.get("b1_step_s")
     g = eng.executor.graphs
-    hidden = torch.randn(1, eng.model_config.hidden_size, device=dev, dtype=model.lm_head_weight().dtype)
+    hidden = torch.randn(1, eng.model_config.hidden_size, device=dev, dtype=model.lm_head.weight.dtype)
     logit_s = timed(lambda: model.compute_logits(hidden).argmax(-1), dev, 20 if not dry else 2)
     rec("lm_head_and_argmax_ms", logit_s * 1e3, "ms", "logits [1, V] in float32 + argmax")
     layers_s = None
@@ -555,7 +555,7 @@ def section_8b_gpu_linear(rec, dev, dry, sizes):
             if mode == "auto":
                 for (n, k, m), v in sorted(choice.items()):
                     if m in (1, 4):
-                        nbytes = n * k * model.lm_head_weight().element_size()
+                        nbytes = n * k * model.lm_head.weight.element_size()
                         rec(f"gemv_{n}x{k}_m{m}_GBps", nbytes / v["triton_s"] / 1e9 if v["triton_s"] else 0.0,
                             "GB/s", f"Triton; cuBLAS {nbytes / v['cublas_s'] / 1e9:.0f} GB/s -> {v['use']}")
                 rec("auto_triton_cases", sum(v["use"] == "triton" for v in choice.values()), "",

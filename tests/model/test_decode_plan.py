@@ -1,4 +1,4 @@
-"""The C++ DecodePlan (csrc/cpu_ops.cpp, optimize.build_decode_plan): all layers of a small decode
+"""The C++ DecodePlan (csrc/cpu_ops.cpp, model/transforms.cpu_decode_plan): all layers of a small decode
 step in one call. It must issue the same kernels as the modules' forward, so the logits of every
 step must be bit-for-bit those of the module path: float32, bfloat16 and int8 weights, biases (Qwen2),
 per-head q/k norms (Qwen3), head dims on both attention kernels (16: generic, 64: register-tiled),
@@ -22,11 +22,11 @@ from tiny_models import make_tiny_hf_model  # noqa: E402
 
 def _generate_comparing(llm, prompts, sp) -> dict:
     """Greedy generation in which every forward pass the plan serves is also run through the module
-    path on a copy of the KV cache; hidden states and caches must be equal. (Comparing two whole
-    generations would not do: oneDNN's prefill GEMMs are not bitwise repeatable from run to run.)
-    Returns the plan's calls by decode batch size."""
-    model = llm.engine.model
-    plan, forward = model.cpu_decode_plan, model.forward
+    path (the model's own forward) on a copy of the KV cache; hidden states and caches must be equal.
+    (Comparing two whole generations would not do: oneDNN's prefill GEMMs are not bitwise repeatable
+    from run to run.) Returns the plan's calls by decode batch size."""
+    ex = llm.engine.runner.executor
+    plan, forward = ex.decode_plan, ex.forward
     calls: dict = {}
 
     class Spy:
@@ -34,28 +34,24 @@ def _generate_comparing(llm, prompts, sp) -> dict:
             calls[h.shape[0]] = calls.get(h.shape[0], 0) + 1
             return plan.run(h, *a)
 
-    def both(input_ids, positions, kv_caches, meta, backend):
+    def both(batch, kv_caches, backend):
         before = sum(calls.values())
         copies = [(k.clone(), v.clone()) for k, v in kv_caches]
-        out = forward(input_ids, positions, kv_caches, meta, backend)
+        out = forward(batch, kv_caches, backend)
         if sum(calls.values()) > before:  # the plan ran: now the modules on the copy
-            model.cpu_decode_plan = None
-            try:
-                ref = forward(input_ids, positions, copies, meta, backend)
-            finally:
-                model.cpu_decode_plan = spy
+            ref = ex.model(batch.input_ids, batch.positions, copies, batch.meta, backend)
             assert torch.equal(out, ref)
             for (k, v), (kr, vr) in zip(kv_caches, copies):
                 assert torch.equal(k, kr) and torch.equal(v, vr)
         return out
 
-    model.cpu_decode_plan = spy = Spy()
-    model.forward = both
+    ex.decode_plan = Spy()
+    ex.forward = both
     try:
         llm.generate(prompts, sp)
     finally:
-        model.cpu_decode_plan = plan
-        del model.forward
+        ex.decode_plan = plan
+        del ex.forward
     return calls
 
 
@@ -78,9 +74,9 @@ def test_decode_plan_matches_module_path_bit_for_bit(tmp_path, monkeypatch, fami
                               num_hidden_layers=3)
     monkeypatch.setattr(servescope.tokenizer, "load_tokenizer", lambda source: None)  # token ids in and out
     llm = LLM(model=str(path), dtype=dtype, quantization=quant, num_kv_blocks=64, max_model_len=256)
-    model = llm.engine.model
-    assert model.cpu_decode_plan is not None
-    rows = model.cpu_decode_max_rows
+    ex = llm.engine.runner.executor
+    assert ex.decode_plan is not None
+    rows = ex.decode_plan_max_rows
     # float32 / bfloat16: the GEMV up to 2 / 3 rows, oneDNN's prepacked GEMM above, any batch;
     # int8: the GEMV up to 16 rows, and the modules above (eager dequantisation)
     assert rows == (16 if quant else 1 << 30)
@@ -114,4 +110,4 @@ def test_decode_plan_not_built_without_the_extension(tmp_path, monkeypatch):
     monkeypatch.setattr(servescope.tokenizer, "load_tokenizer", lambda source: None)
     monkeypatch.setattr(cpu_ops._EXT, "mod", None)
     llm = LLM(model=str(path), num_kv_blocks=16, max_model_len=64)
-    assert llm.engine.model.cpu_decode_plan is None
+    assert llm.engine.runner.executor.decode_plan is None

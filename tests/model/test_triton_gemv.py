@@ -95,14 +95,13 @@ def test_select_triton_swaps_the_decoder_projections_and_keeps_the_outputs():
     import copy
 
     from servescope.config import ModelConfig
-    from servescope.model.optimize import fuse_projections
     from servescope.loader.random_init import build_random_model
 
     cfg = ModelConfig.from_hf_dict({
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96,
         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 128,
         "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True})
-    model = fuse_projections(build_random_model(cfg, torch.float32, DEV, seed=3))
+    model = build_random_model(cfg, torch.float32, DEV, seed=3)
     ref = copy.deepcopy(model)
     choice = tg.select(model, "triton", rows=(1, 2))
     shapes = {(96 * 2, 64), (64, 96), (64 + 2 * 2 * 16, 64), (64, 64)}  # gate_up, down, qkv (biased), o

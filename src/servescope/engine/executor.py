@@ -20,31 +20,42 @@ from typing import Optional
 
 import torch
 
+from servescope.engine.cuda_graphs import CudaGraphRunner
 from servescope.errors import EngineConfigError
-from servescope.model.optimize import optimize_model
+from servescope.kernels import cpu_ops
+from servescope.model.quantize import quantize_int8
+from servescope.model.transforms import cpu_decode_plan, use_cpu_linears
 
 logger = logging.getLogger(__name__)
 
 
 class ModelExecutor:
-    def __init__(self, model: torch.nn.Module, device: torch.device, gpu_linear_choice: Optional[dict] = None):
+    def __init__(self, model: torch.nn.Module, device: torch.device, gpu_linear_choice: Optional[dict] = None,
+                 decode_plan=None, decode_plan_max_rows: int = 0):
         self.model = model
         self.device = device
         self.gpu_linear_choice = gpu_linear_choice or {}
+        # the C++ all-layers decode call (model/transforms.py) and the most tokens per step it serves
+        self.decode_plan, self.decode_plan_max_rows = decode_plan, decode_plan_max_rows
         self.graphs = None  # CudaGraphRunner once captured (capture_cuda_graphs)
 
     @classmethod
     def prepare(cls, model: torch.nn.Module, device: torch.device, quantization: Optional[str] = None,
                 gpu_linear: str = "cublas") -> "ModelExecutor":
         """Apply the build-time transforms to a loaded model and return its executor."""
-        model = optimize_model(model, quantization=quantization)
+        if quantization == "int8":
+            model = quantize_int8(model)
         ex = cls(model, device)
+        if device.type == "cpu" and cpu_ops.load() is not None:  # builds the extension now (once, ~40 s), not in a step
+            use_cpu_linears(model)
+            ex.decode_plan, ex.decode_plan_max_rows = cpu_decode_plan(model)
         ex.gpu_linear_choice = ex._select_gpu_linear(gpu_linear)
         return ex
 
     def fork(self) -> "ModelExecutor":
         """The same weights and kernel choices, no captured graphs (for a runner with its own KV cache)."""
-        return ModelExecutor(self.model, self.device, self.gpu_linear_choice)
+        return ModelExecutor(self.model, self.device, self.gpu_linear_choice, self.decode_plan,
+                             self.decode_plan_max_rows)
 
     @property
     def weight_bytes(self) -> int:
@@ -56,9 +67,22 @@ class ModelExecutor:
     # ---------------------------------------------------------------- the step
     def forward(self, batch, kv_caches: list, backend) -> torch.Tensor:
         """StepBatch -> hidden [T, Dm] (a CUDA graph serves only decode-only steps, where T == B)."""
-        if self.graphs is not None and batch.meta.is_decode_only and self.graphs.can_run(batch):
+        meta = batch.meta
+        if self.graphs is not None and meta.is_decode_only and self.graphs.can_run(batch):
             return self.graphs.run(batch)
-        return self.model(batch.input_ids, batch.positions, kv_caches, batch.meta, backend)
+        if self._plan_serves(batch, kv_caches, backend):
+            # the same kernels as the model's forward, issued from C++ (no Python per layer)
+            h = self.model.model.embed_tokens(batch.input_ids)  # [T] -> [T, Dm]
+            cos, sin = self.model.rotary.table(batch.positions)
+            return self.decode_plan.run(h, cos, sin, kv_caches, meta.slot_mapping, meta.block_tables,
+                                        meta.context_lens)
+        return self.model(batch.input_ids, batch.positions, kv_caches, meta, backend)
+
+    def _plan_serves(self, batch, kv_caches: list, backend) -> bool:
+        """Decode-only steps within the plan's row limit, on the torch backend's cache layout."""
+        return (self.decode_plan is not None and batch.meta.is_decode_only
+                and batch.num_tokens <= self.decode_plan_max_rows and backend.name == "torch"
+                and not torch.is_grad_enabled() and kv_caches[0][0].dtype in cpu_ops.DTYPES)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, Dm] -> float32 logits [B, V]."""
@@ -74,6 +98,7 @@ class ModelExecutor:
             logger.warning("gpu_linear=%s applies to CUDA devices only; ignored on %s (the CPU has its own "
                            "decode GEMV)", mode, self.device.type)
             return {}
+        # lazy: importing triton costs ~0.35 s of every start-up (measured here), and only GPUs use it
         from servescope.kernels import triton_gemv
 
         if not triton_gemv.AVAILABLE:
@@ -90,7 +115,7 @@ class ModelExecutor:
             raise EngineConfigError(f"gpu_linear must be cublas, triton or auto, got {mode!r}")
         if self.device.type != "cuda":
             return self._select_gpu_linear(mode)
-        from servescope.kernels import triton_gemv
+        from servescope.kernels import triton_gemv  # lazy: see _select_gpu_linear
 
         self.gpu_linear_choice = triton_gemv.select(self.model, mode)
         if self.graphs is not None:
@@ -101,8 +126,6 @@ class ModelExecutor:
         return self.gpu_linear_choice
 
     def capture_cuda_graphs(self, runner, batch_sizes, max_blocks_per_seq: int) -> None:
-        from servescope.engine.cuda_graphs import CudaGraphRunner
-
         g = CudaGraphRunner(self.model, runner, batch_sizes, max_blocks_per_seq)
         g.capture()
         self.graphs = g

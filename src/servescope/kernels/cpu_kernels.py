@@ -62,18 +62,32 @@ def onednn_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
 
 class CpuLinear(torch.nn.Module):
     """nn.Linear on the CPU: small-M (decode) calls go to the GEMV kernel, larger M to oneDNN's
-    GEMM on prepacked weights (F.linear where neither is available)."""
+    GEMM on prepacked weights (F.linear where neither is available). float_output: return float32
+    from the GEMV without rounding to the activation dtype (the output head: logits are float32)."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, float_output: bool = False):
         super().__init__()
         self.weight = linear.weight
         self.bias = linear.bias
+        self.float_output = float_output
         self._bias_f32 = None if linear.bias is None else linear.bias.detach().float()
         self._packed = pack_for_onednn(linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_gemv(x, self.weight):
-            return gemv(x, self.weight, None, self._bias_f32).to(x.dtype)
+            y = gemv(x, self.weight, None, self._bias_f32)  # float32 [M, N]
+            return y if self.float_output else y.to(x.dtype)
         if self._packed is not None and x.dim() == 2 and x.dtype == self.weight.dtype:
             return onednn_linear(x, self._packed, self.bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    def plan_entry(self) -> tuple:
+        """What the C++ DecodePlan needs to issue this module's kernels itself: ([weight, int8 scale,
+        float32 bias, oneDNN-packed weight, bias], the GEMV's row limit, the most rows it serves)."""
+        rows = MAX_ROWS.get(self.weight.dtype, 0)
+        served = rows if self._packed is None else 1 << 30  # oneDNN serves any M once packed
+        return [self.weight.detach(), _EMPTY, _opt(self._bias_f32), _opt(self._packed), _opt(self.bias)], rows, served
+
+
+def _opt(t):
+    return _EMPTY if t is None else t.detach()

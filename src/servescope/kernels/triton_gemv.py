@@ -153,16 +153,9 @@ def seconds_per_call(fn, calls: int = 3, reps: int = 5) -> float:
 
 
 def decoder_projections(model: torch.nn.Module) -> list:
-    """(parent, attribute name, module) of every projection of the decoder layers (the children of
-    self_attn and mlp with a 2-D weight: nn.Linear, TritonLinear, CpuLinear...), in layer order."""
-    out = []
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, child in parent.named_children():
-                w = getattr(child, "weight", None)
-                if isinstance(w, torch.Tensor) and w.dim() == 2:
-                    out.append((parent, name, child))
-    return out
+    """(parent, attribute name, module) of every projection of the decoder layers (nn.Linear,
+    TritonLinear, CpuLinear...), in layer order: the model's swappable linears without the head."""
+    return [(parent, name, m) for parent, name, m in model.projections() if name != "lm_head"]
 
 
 def select(model: torch.nn.Module, mode: str, rows=(1, 2, 4, 8)) -> dict:

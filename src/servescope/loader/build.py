@@ -1,4 +1,9 @@
-"""Build a model from a ModelConfig and a checkpoint state dict (straight copy, names match)."""
+"""Build a model from a ModelConfig and a checkpoint state dict.
+
+The checkpoint's q/k/v and gate/up tensors are fused into the model's `qkv_proj` / `gate_up_proj`
+(`fuse_checkpoint`), then every parameter is a straight copy: names and shapes must match exactly
+(loader/source.py has already checked the checkpoint against the config, in its own key names).
+"""
 
 from __future__ import annotations
 
@@ -6,20 +11,35 @@ import torch
 
 from servescope.config import ModelConfig
 from servescope.errors import ModelLoadError
+from servescope.model.layers import RotaryEmbedding
 from servescope.model.llama import MODEL_CLASSES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device: torch.device,
+def materialize(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                 max_positions: int | None = None) -> torch.nn.Module:
+    """An uninitialised model of `cfg` on `device` in `dtype` (no float32 copy on the host first), with
+    its rotary tables and tied weights in place; the caller fills the parameters."""
     cls = MODEL_CLASSES[cfg.architecture]
     with torch.device("meta"):
         model = cls(cfg, max_positions=max_positions)
-    expected = dict(model.named_parameters())
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()  # to_empty re-created the parameters: the head and the embedding are two again
+    # non-persistent buffers (rotary tables) were built on meta: rebuild them on the device
+    model.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
+                                   cfg.rope_theta, cfg.rope_scaling).to(device)
+    return model
+
+
+def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device: torch.device,
+                max_positions: int | None = None) -> torch.nn.Module:
+    model = materialize(cfg, device, dtype, max_positions)
+    expected = dict(model.named_parameters())  # tied: the head's weight is the embedding's, listed once
     sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
+    sd = model.fuse_checkpoint(sd, cfg.num_hidden_layers)
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(set(sd) - set(expected))
     if missing:
@@ -29,18 +49,8 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device: 
     for name, p in expected.items():
         if tuple(sd[name].shape) != tuple(p.shape):
             raise ModelLoadError(f"tensor {name} has shape {tuple(sd[name].shape)}, expected {tuple(p.shape)}")
-    model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in expected.items():
             p.copy_(sd[name].to(dtype))
-    # non-persistent buffers (rotary tables) were built on meta: rebuild them on the device
-    _rebuild_rotary(model, cfg, max_positions, device)
     model.requires_grad_(False)
     return model.eval()
-
-
-def _rebuild_rotary(model, cfg: ModelConfig, max_positions, device) -> None:
-    from servescope.model.layers import RotaryEmbedding
-
-    model.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
-                                   cfg.rope_theta, cfg.rope_scaling).to(device)

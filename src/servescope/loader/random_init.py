@@ -9,15 +9,12 @@ from __future__ import annotations
 import torch
 
 from servescope.config import ModelConfig
-from servescope.model.llama import MODEL_CLASSES
+from servescope.loader.build import materialize
 
 
 def build_random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                        max_positions: int | None = None, seed: int = 0) -> torch.nn.Module:
-    cls = MODEL_CLASSES[cfg.architecture]
-    with torch.device("meta"):
-        model = cls(cfg, max_positions=max_positions)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(cfg, device, dtype, max_positions)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -27,8 +24,5 @@ def build_random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-    from servescope.loader.build import _rebuild_rotary
-
-    _rebuild_rotary(model, cfg, max_positions, device)
     model.requires_grad_(False)
     return model.eval()

@@ -5,9 +5,15 @@ Shape legend:
   H   query heads, Hkv KV heads, D head dim        I   MLP width (intermediate_size)
   V   vocabulary                                   N, S  KV blocks, block size
 
-Parameter names follow the Hugging Face checkpoint keys (model.layers.{i}.self_attn.q_proj...),
-so loading is a straight copy. Speed-ups that change the module structure (fused q/k/v and
-gate/up projections, int8 weights) are applied after loading by `optimize.py`.
+Parameter names follow the Hugging Face checkpoint keys (model.layers.{i}.self_attn.o_proj...),
+except that q/k/v and gate/up are fused into one matmul each (`qkv_proj`, `gate_up_proj`: fewer,
+larger matmuls, each output element the same dot product): `fuse_checkpoint` concatenates the
+checkpoint's tensors at load time (gpt-fast's load hook), so loading stays a straight copy.
+
+There is one forward: embed -> layers -> final norm, and one output head (`lm_head`, a module for
+tied embeddings too, sharing the embedding's weight). The linear modules are swappable: the
+engine's executor replaces them after loading (int8, the CPU GEMV / oneDNN linear, the Triton GEMV)
+and decides which kernels serve a step; the model itself never branches on a kernel.
 """
 
 from __future__ import annotations
@@ -15,13 +21,16 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from servescope.config import ModelConfig
-from servescope.kernels import cpu_kernels, cpu_ops, fused_ops
+from servescope.kernels import fused_ops
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
 from servescope.model.layers import RMSNorm, RotaryEmbedding
+
+# (fused module, its parts in the checkpoint, in the order their outputs are concatenated)
+FUSED_PROJECTIONS = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                     ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
 
 
 class LlamaAttention(nn.Module):
@@ -31,27 +40,18 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=bias)
+        # output rows: q [H*D] | k [Hkv*D] | v [Hkv*D] (a tensor-parallel shard splits each part)
+        self.qkv_sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.qkv_sizes), bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head's D features of q and k, before rotary
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.qkv_proj: Optional[nn.Linear] = None  # set by optimize.fuse_projections
-
-    def project_qkv(self, x: torch.Tensor):
-        if self.qkv_proj is not None:
-            qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
-            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            return qkv.split([q_size, kv_size, kv_size], dim=-1)
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, cos_sin: tuple, x, kv_cache, meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.project_qkv(x)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # [T, (H + 2 Hkv) D] -> 3 parts
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H*D] -> [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv*D] -> [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -68,15 +68,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate | up
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gate_up_proj: Optional[nn.Linear] = None  # set by optimize.fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, Dm]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, Dm]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -119,49 +115,55 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaBackbone(cfg)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                       cfg.rope_theta, cfg.rope_scaling)
-        if cfg.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.int8_head: Optional[nn.Module] = None  # set by quantize.quantize_int8
-        self.cpu_gemv = False  # set by optimize.use_cpu_gemv
-        self.cpu_head_packed = None  # the output head in oneDNN's layout (optimize.use_cpu_gemv)
-        # all layers of a decode-only step in one C++ call (optimize.build_decode_plan), up to this many tokens
-        self.cpu_decode_plan = None
-        self.cpu_decode_max_rows = 0
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Tied embeddings: the head reads the embedding's weight (one tensor, counted once). Called
+        again after anything that re-creates parameters (to_empty from the meta device)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, Dm] after the final norm."""
         h = self.model.embed_tokens(input_ids)  # [T] -> [T, Dm]
         cos_sin = self.rotary.table(positions)  # once per step, shared by all layers
-        if (self.cpu_decode_plan is not None and meta.is_decode_only and h.shape[0] <= self.cpu_decode_max_rows
-                and backend.name == "torch" and not torch.is_grad_enabled()
-                and kv_caches[0][0].dtype in cpu_ops.DTYPES):
-            # the same kernels as the loop below, issued from C++ (no Python per layer)
-            return self.cpu_decode_plan.run(h, *cos_sin, kv_caches, meta.slot_mapping, meta.block_tables,
-                                            meta.context_lens)
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches):
             h, residual = layer(cos_sin, h, residual, kv, meta, backend)
         norm = self.model.norm
         return fused_ops.add_rms_norm(h, residual, norm.weight, norm.eps)[0]
 
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, Dm] (only the rows whose next token is due) -> logits [B, V] in float32."""
-        if self.int8_head is not None:
-            return self.int8_head(hidden).float()
-        w = self.lm_head_weight()
-        if self.cpu_gemv and cpu_kernels.use_gemv(hidden, w):
-            return cpu_kernels.gemv(hidden, w)
-        if self.cpu_head_packed is not None and hidden.dtype == w.dtype:
-            return cpu_kernels.onednn_linear(hidden, self.cpu_head_packed).float()
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def projections(self) -> list:
+        """(parent module, attribute, module) of every swappable linear: the decoder layers'
+        projections in layer order, then the output head. Transforms (quantisation, kernel choice,
+        tensor-parallel shards) walk this list and replace modules in place."""
+        out = []
+        for layer in self.model.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name in ("qkv_proj", "o_proj") if parent is layer.self_attn else ("gate_up_proj", "down_proj"):
+                    out.append((parent, name, getattr(parent, name)))
+        out.append((self, "lm_head", self.lm_head))
+        return out
+
+    @staticmethod
+    def fuse_checkpoint(state_dict: dict, num_layers: int) -> dict:
+        """Checkpoint tensors (HF names) -> this model's names: each layer's q/k/v and gate/up
+        weights (and biases) concatenated along the output dimension. A layer missing a part is left
+        as it is, so that the build reports exactly which tensor is missing."""
+        sd = dict(state_dict)
+        for i in range(num_layers):
+            for fused, parts in FUSED_PROJECTIONS:
+                for kind in ("weight", "bias"):
+                    keys = [f"model.layers.{i}.{p}.{kind}" for p in parts]
+                    if all(k in sd for k in keys):
+                        sd[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([sd.pop(k) for k in keys], dim=0)
+        return sd
 
 
 # One class serves every supported family; the flags in ModelConfig select the differences:

@@ -4,7 +4,7 @@ Each linear weight W [N, K] becomes int8 Q [N, K] and a scale s [N] with W ~= s[
 s = max|W[n, :]| / 127. Activations stay in the model dtype; the matmul dequantises on the fly
 (torch's `_weight_int8pack_mm` kernel where it exists), so decode reads a quarter of the float32
 bytes. The output head is quantised too (for tied embeddings, a separate int8 copy: the
-embedding lookup keeps full precision).
+embedding lookup keeps full precision). Applied by the engine's executor before the first step.
 """
 
 from __future__ import annotations
@@ -42,6 +42,14 @@ class Int8Linear(nn.Module):
         self._scale_f32 = scale.float()
         self._bias_f32 = None if bias is None else bias.detach().float()
 
+    def plan_entry(self) -> tuple:
+        """What the C++ DecodePlan needs (see CpuLinear.plan_entry): the int8 GEMV only, so the plan
+        serves this module up to the GEMV's row limit (its larger-M path is eager dequantisation)."""
+        rows = cpu_kernels.MAX_ROWS[torch.int8]
+        empty = torch.empty(0)
+        bias = empty if self._bias_f32 is None else self._bias_f32
+        return [self.weight_int8, self._scale_f32, bias, empty, empty], rows, rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [.., K] -> [M, K]
@@ -76,26 +84,11 @@ def _kernel_works(device: torch.device, dtype: torch.dtype) -> bool:
     return _KERNEL_OK[key]
 
 
-class Int8Head(nn.Module):
-    """The output projection in int8 (used for logits only)."""
-
-    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype):
-        super().__init__()
-        self.proj = Int8Linear(weight, None, act_dtype)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.proj(hidden)
-
-
 def quantize_int8(model: nn.Module) -> nn.Module:
-    """Replace every nn.Linear inside the decoder layers, and the output head, by Int8Linear."""
+    """Replace every projection of the decoder layers, and the output head, by Int8Linear. For tied
+    embeddings the head becomes an int8 copy and the embedding lookup keeps full precision."""
     act_dtype = model.model.embed_tokens.weight.dtype
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(parent, name, Int8Linear(child.weight.data, child.bias, act_dtype))
-    model.int8_head = Int8Head(model.lm_head_weight().data, act_dtype)
-    if model.lm_head is not None:
-        model.lm_head = None  # the float head is no longer read; free it
+    for parent, name, child in model.projections():
+        if isinstance(child, nn.Linear):
+            setattr(parent, name, Int8Linear(child.weight.data, child.bias, act_dtype))
     return model

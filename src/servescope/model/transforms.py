@@ -1,0 +1,68 @@
+"""Transforms applied to a built model before its first step (gpt-fast's style): they swap modules
+or assemble kernels over the model's weights, never change a checkpoint name, and are chosen by the
+engine's executor (engine/executor.py), not by the model.
+
+- use_cpu_linears: on the CPU, every projection and the output head become CpuLinear (the decode
+  GEMV up to a few rows, oneDNN's GEMM on prepacked weights above).
+- cpu_decode_plan: the C++ DecodePlan that runs all layers of a decode-only step in one call with the
+  same kernels and the same weights as the modules (no copies).
+Quantisation is model/quantize.py (quantize_int8), applied before these.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from servescope.kernels import cpu_kernels, cpu_ops
+from servescope.model.quantize import Int8Linear
+
+
+def use_cpu_linears(model: nn.Module) -> nn.Module:
+    """Route the dense projections and the head through CpuLinear (int8 modules keep their own path)."""
+    for parent, name, child in model.projections():
+        if type(child) is nn.Linear:
+            setattr(parent, name, cpu_kernels.CpuLinear(child, float_output=name == "lm_head"))
+    return model
+
+
+def cpu_decode_plan(model: nn.Module) -> tuple:
+    """(the C++ DecodePlan over the model's layers, the most tokens per step it serves), or (None, 0)
+    where the extension is not built or a layer has a part the plan does not cover.
+
+    The plan issues the same kernels as the modules' forward with the same weights and the same choice
+    between them (the GEMV up to its row limit, oneDNN's prepacked GEMM above), so it serves decode-only
+    steps up to any batch when every projection has a prepacked weight, and up to the GEMV's limit where
+    one has not (int8: its larger-M path is eager dequantisation)."""
+    mod = cpu_ops.load()
+    if mod is None:
+        return None, 0
+    cfg = model.config
+    dtype = model.model.embed_tokens.weight.dtype
+    empty = torch.empty(0)
+    norms_of, layers, gemv_rows, served = [], [], [], []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(_plan_covers(m, dtype) for m in linears):
+            return None, 0
+        parts = [m.plan_entry() for m in linears]
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if hasattr(attn, "q_norm"):
+            norms += [attn.q_norm, attn.k_norm]
+        norms_of += norms
+        qk = [n.weight.detach() for n in norms[2:]] or [empty, empty]
+        layers.append([norms[0].weight.detach(), norms[1].weight.detach(), *qk] + [t for p in parts for t in p[0]])
+        gemv_rows.append([p[1] for p in parts])
+        served += [p[2] for p in parts]
+    norms_of.append(model.model.norm)
+    if any(n.weight.dtype != dtype or n.eps != cfg.rms_norm_eps for n in norms_of) or dtype not in cpu_ops.DTYPES:
+        return None, 0
+    plan = mod.DecodePlan(layers, gemv_rows, model.model.norm.weight.detach(), cfg.num_attention_heads,
+                          cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+    return plan, min(served)
+
+
+def _plan_covers(m: nn.Module, dtype: torch.dtype) -> bool:
+    """A module the plan can issue itself: a CpuLinear of the activation dtype, or an int8 linear."""
+    return (type(m) is cpu_kernels.CpuLinear and m.weight.dtype == dtype) or type(m) is Int8Linear
