@@ -1,0 +1,40 @@
+"""Configuration and hand-off objects: ModelConfig, SamplingParams, EngineConfig and its parts.
+
+The bottom of the layers: this package imports nothing from servescope except errors, and every
+other layer may import it. All configs are frozen dataclasses validated in `__post_init__`.
+  model.py     ModelConfig (and RopeScaling): the shape of a transformer
+  sampling.py  SamplingParams: how to sample one request
+  engine.py    EngineConfig, composed of Load/KVCache/Batching/Parallel/Speculative/Telemetry
+               parts, and the runtime CacheConfig / SchedulerConfig the engine builder resolves
+"""
+
+from servescope.config.engine import (
+    BatchingConfig,
+    CacheConfig,
+    EngineConfig,
+    KVCacheConfig,
+    LoadConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    TelemetryConfig,
+)
+from servescope.config.model import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from servescope.config.sampling import SAMPLING_EPS, SamplingParams
+
+__all__ = [
+    "SAMPLING_EPS",
+    "SUPPORTED_ARCHITECTURES",
+    "BatchingConfig",
+    "CacheConfig",
+    "EngineConfig",
+    "KVCacheConfig",
+    "LoadConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "RopeScaling",
+    "SamplingParams",
+    "SchedulerConfig",
+    "SpeculativeConfig",
+    "TelemetryConfig",
+]

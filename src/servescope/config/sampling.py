@@ -1,0 +1,79 @@
+"""SamplingParams: how to sample one request, validated here so that every entry point rejects alike."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from servescope.errors import InvalidParameterError
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. Validated here so that every entry point rejects the same way."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+    stop: tuple = ()  # stop strings, trimmed from the output
+    stop_token_ids: tuple = ()
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # number of top alternatives (0..20) besides the sampled token
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self):
+        # normalise list inputs so the object stays hashable and immutable
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        _check(isinstance(self.n, int) and self.n >= 1, "n", f"n must be at least 1, got {self.n}")
+        _check(self.temperature >= 0.0, "temperature", f"temperature must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k == -1 or self.top_k >= 0, "top_k", f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty",
+               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+               f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        _check(self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
+               f"logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "stop_token_ids must be non-negative integers")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperatures below SAMPLING_EPS sample by argmax (the sampler's rule, vLLM's epsilon)."""
+        return self.temperature < SAMPLING_EPS
+
+    def replace(self, **kw) -> "SamplingParams":
+        return dataclasses.replace(self, **kw)
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidParameterError(param, message)
