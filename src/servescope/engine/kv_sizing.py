@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from servescope.config import EngineConfig, ModelConfig
+from servescope.config import BatchingConfig, KVCacheConfig, ModelConfig
 from servescope.errors import EngineConfigError
 
 logger = logging.getLogger(__name__)
@@ -34,17 +34,19 @@ def available_memory_bytes(device: torch.device) -> int:
     return 8 << 30
 
 
-def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, kv_dtype: torch.dtype, device: torch.device) -> int:
-    per_block = kv_bytes_per_token(cfg, kv_dtype) * config.block_size
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    if config.kv_cache_memory_bytes is not None:
-        budget = config.kv_cache_memory_bytes
+def num_kv_blocks(cache: KVCacheConfig, batching: BatchingConfig, cfg: ModelConfig, kv_dtype: torch.dtype,
+                  device: torch.device) -> int:
+    """Blocks of cache.block_size tokens: num_kv_blocks as given, else the memory budget's worth."""
+    per_block = kv_bytes_per_token(cfg, kv_dtype) * cache.block_size
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    if cache.kv_cache_memory_bytes is not None:
+        budget = cache.kv_cache_memory_bytes
         source = f"kv_cache_memory_bytes={budget}"
-    elif config.kv_cache_memory_fraction is not None:
+    elif cache.kv_cache_memory_fraction is not None:
         free = available_memory_bytes(device)
-        budget = int(free * config.kv_cache_memory_fraction)
-        source = f"{config.kv_cache_memory_fraction:.0%} of {free / 2**30:.1f} GiB free"
+        budget = int(free * cache.kv_cache_memory_fraction)
+        source = f"{cache.kv_cache_memory_fraction:.0%} of {free / 2**30:.1f} GiB free"
     elif device.type == "cuda":
         free = available_memory_bytes(device)
         # keep room for activations of the largest step and the CUDA graphs' pool
@@ -52,14 +54,14 @@ def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, kv_dtype: torch.dtype,
         source = f"85% of {free / 2**30:.1f} GiB free, less 2 GiB for activations"
     else:
         # enough for max_num_seqs sequences of the full context, at most 1 GiB or a quarter of RAM
-        max_len = config.max_model_len or cfg.max_position_embeddings
-        useful = per_block * config.max_num_seqs * -(-max_len // config.block_size)
+        max_len = batching.max_model_len or cfg.max_position_embeddings
+        useful = per_block * batching.max_num_seqs * -(-max_len // cache.block_size)
         budget = min(CPU_DEFAULT_KV_BYTES, available_memory_bytes(device) // 4, useful)
         source = "CPU default (max_num_seqs full contexts, at most 1 GiB)"
     blocks = budget // per_block
     if blocks < 1:
         raise EngineConfigError(
-            f"KV cache memory ({source}) is smaller than one block ({per_block} bytes = {config.block_size} "
-            f"tokens x {per_block // config.block_size} bytes per token)")
+            f"KV cache memory ({source}) is smaller than one block ({per_block} bytes = {cache.block_size} "
+            f"tokens x {per_block // cache.block_size} bytes per token)")
     logger.debug("KV budget from %s", source)
     return int(blocks)
