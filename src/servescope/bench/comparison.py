@@ -130,27 +130,26 @@ def run_latency_baselines(names: Sequence[str], *, model: Optional[str], dtype: 
     return results
 
 
-def throughput_ratios(results: dict) -> dict:
-    """servescope's output tokens/s over each baseline's that ran."""
-    ours = results["servescope"]
-    ratios = {}
-    for name in BASELINES:
-        r = results.get(name)
-        if r and "output_tokens_per_s" in r:
-            ratios[f"output_tokens_per_s_vs_{name}"] = ours["output_tokens_per_s"] / r["output_tokens_per_s"]
-    return ratios
-
-
-def latency_ratios(results: dict) -> dict:
-    """servescope's decode tokens/s and TTFT over each baseline's that ran (a TTFT ratio < 1 is better)."""
+def _ratios(results: dict, figures: dict) -> dict:
+    """{f"{label}_vs_{baseline}": ours / theirs} for each {label: figure} both sides measured, in
+    BASELINES order (the JSON's and the printout's)."""
     ours = results["servescope"]
     ratios = {}
     for name in BASELINES:
         r = results.get(name)
         if not r or "skipped" in r:
             continue
-        if r.get("decode_tokens_per_s") and ours.get("decode_tokens_per_s"):
-            ratios[f"decode_tokens_per_s_vs_{name}"] = ours["decode_tokens_per_s"] / r["decode_tokens_per_s"]
-        if r.get("ttft_s") and ours.get("ttft_s"):
-            ratios[f"ttft_vs_{name}"] = ours["ttft_s"] / r["ttft_s"]
+        for label, figure in figures.items():
+            if r.get(figure) and ours.get(figure):
+                ratios[f"{label}_vs_{name}"] = ours[figure] / r[figure]
     return ratios
+
+
+def throughput_ratios(results: dict) -> dict:
+    """servescope's output tokens/s over each baseline's that ran."""
+    return _ratios(results, {"output_tokens_per_s": "output_tokens_per_s"})
+
+
+def latency_ratios(results: dict) -> dict:
+    """servescope's decode tokens/s and TTFT over each baseline's that ran (a TTFT ratio < 1 is better)."""
+    return _ratios(results, {"decode_tokens_per_s": "decode_tokens_per_s", "ttft": "ttft_s"})

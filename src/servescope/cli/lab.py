@@ -4,25 +4,30 @@ explain   the cost model's account of a workload (per-phase FLOPs, bytes, intens
           optionally plotted on the roofline and checked against the local engine (--measure)
 lab       list / run the labs (PNG plots + markdown report per lab)
 hardware  list the hardware specs; probe the local CPU
+
+The analysis layer is torch-free and imported at the top; the engine, torch, matplotlib and rich are
+imported by the functions that need them: they are seconds of `servescope --help` (cli/__init__.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
 from pathlib import Path
 
-EXIT_USAGE = 2
+from servescope.analysis.explain import explain, render_explain_table
+from servescope.analysis.hardware import (HARDWARE_SPECS, LOCAL_CPU, HardwareSpec, canonical_hardware_name,
+                                          get_hardware)
+from servescope.analysis.presets import list_presets, load_preset
+from servescope.analysis.probe import cached_local_hardware
+from servescope.cli.args import positive_int
+from servescope.cli.output import console, error
+from servescope.errors import InvalidParameterError
 
 
-def _positive_int(s: str) -> int:
-    from servescope.cli import _positive_int as p
-
-    return p(s)
-
-
-def add_parsers(sub) -> None:
+def add_parser(sub) -> None:
     e = sub.add_parser("explain", help="predict a workload's cost on a machine (cost model, roofline, memory)")
     src = e.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, metavar="PATH_OR_NAME",
@@ -30,20 +35,20 @@ def add_parsers(sub) -> None:
     src.add_argument("--config", default=None, metavar="PRESET_OR_JSON",
                      help="a preset (llama-3-8b, ...) or a config.json path; no weights needed")
     e.add_argument("--hardware", default="H100-SXM", help="hardware spec name (servescope hardware list)")
-    e.add_argument("--batch", type=_positive_int, default=1)
-    e.add_argument("--prompt-len", type=_positive_int, default=512)
-    e.add_argument("--output-len", type=_positive_int, default=128)
+    e.add_argument("--batch", type=positive_int, default=1)
+    e.add_argument("--prompt-len", type=positive_int, default=512)
+    e.add_argument("--output-len", type=positive_int, default=128)
     e.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "int8"],
                    help="weight dtype (int8: weight-only, activations bfloat16)")
     e.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="KV cache dtype (default: the activation dtype)")
-    e.add_argument("--memory", type=_positive_int, default=None, metavar="BYTES",
+    e.add_argument("--memory", type=positive_int, default=None, metavar="BYTES",
                    help="device memory for the plan (default: the hardware's)")
     e.add_argument("--json", action="store_true", help="print the result as JSON")
     e.add_argument("--plot", default=None, metavar="FILE", help="write the roofline with each op placed on it")
     e.add_argument("--measure", action="store_true",
                    help="run the workload on the local engine and compare with the local-cpu prediction")
-    e.add_argument("--threads", type=_positive_int, default=None, help="torch threads for --measure")
+    e.add_argument("--threads", type=positive_int, default=None, help="torch threads for --measure")
 
     lab = sub.add_parser("lab", help="run a lab: an experiment with plots and a report (lab list)")
     lab.add_argument("name", help="a lab name, 'list' or 'all'")
@@ -51,7 +56,7 @@ def add_parsers(sub) -> None:
     lab.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, not a measurement")
     lab.add_argument("--model", default=None, help="model to run (default: the embedded SmolLM2-135M)")
     lab.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    lab.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
+    lab.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     lab.add_argument("--hardware", default=None, help="spec the engine predicts with (default: local-cpu probe)")
 
     hw = sub.add_parser("hardware", help="hardware specs: list them, probe the local CPU")
@@ -59,30 +64,29 @@ def add_parsers(sub) -> None:
     hw_sub.add_parser("list", help="print every spec")
     probe = hw_sub.add_parser("probe", help="measure the local CPU (cached; --force re-measures)")
     probe.add_argument("--force", action="store_true")
-    probe.add_argument("--threads", type=_positive_int, default=None)
+    probe.add_argument("--threads", type=positive_int, default=None)
 
 
-def run(args) -> int:
-    if args.command == "explain":
-        return run_explain(args)
-    if args.command == "lab":
-        return run_lab_command(args)
-    if args.command == "hardware":
-        return run_hardware(args)
-    sys.stderr.write(f"servescope: error: unknown command {args.command!r}\n")
-    return EXIT_USAGE
-
-
-def _console():
-    from rich.console import Console
-
-    return Console()
+def run(args: argparse.Namespace) -> int:
+    return {"explain": run_explain, "lab": run_lab_command, "hardware": run_hardware}[args.command](args)
 
 
 # --------------------------------------------------------------------------- hardware
 
+def hardware_spec(name: str) -> HardwareSpec:
+    """The spec `name` names. The local CPU's measures the engine, so it comes from
+    engine.local_hardware, imported only for it: that imports torch, 2 s, where a whole `explain` on
+    a datasheet spec takes 0.5 s."""
+    if canonical_hardware_name(name) == LOCAL_CPU:
+        from servescope.engine.local_hardware import resolve_hardware
+
+        return resolve_hardware(name)
+    return get_hardware(name)
+
+
 def hardware_table(specs):
     """Specs as a rich table (the numbers), then one line per spec with its source."""
+    # lazy: rich is 0.13 s of `--help` (cli/output.py)
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -90,6 +94,7 @@ def hardware_table(specs):
     t = Table(title="hardware specs (dense peaks; GB = 1e9 bytes)")
     for col in ("name", "kind", "bf16 TF/s", "fp32 TF/s", "GB/s", "mem GB", "ridge"):
         t.add_column(col, justify="left" if col in ("name", "kind") else "right", no_wrap=True)
+
     def tf(x):
         x /= 1e12
         return f"{x:,.0f}" if x >= 100 else (f"{x:.1f}" if x >= 1 else f"{x:.3f}")
@@ -103,37 +108,24 @@ def hardware_table(specs):
 
 
 def run_hardware(args) -> int:
-    from servescope.analysis.hardware import HARDWARE_SPECS, get_hardware
-
     action = getattr(args, "hardware_command", None) or "list"
-    con = _console()
+    con = console()
     if action == "probe":
-        import torch
+        import torch  # lazy: 2 s
+
+        from servescope.engine.local_hardware import probe_local_cpu  # lazy: torch
 
         if args.threads:
             torch.set_num_threads(args.threads)
         with con.status("probing the local CPU (memory bandwidth, matmul FLOP/s, the engine's host overhead)..."):
-            spec = get_hardware("local-cpu", force_probe=args.force)
+            spec = probe_local_cpu(force=args.force)
         con.print(hardware_table([spec]))
         con.print(spec.notes)
         return 0
-    specs = list(HARDWARE_SPECS.values())
-    from servescope.analysis.probe import _cache_key, default_cache_path
-
-    # the local CPU is listed when it was probed already (listing never starts a probe)
-    try:
-        import torch
-
-        cache = json.loads(default_cache_path().read_text())
-        entry = cache.get(_cache_key(torch.get_num_threads()))
-        if entry:
-            from servescope.analysis.hardware import HardwareSpec
-
-            specs.append(HardwareSpec.from_dict(entry))
-    except (OSError, ValueError, ImportError):
-        entry = None
-    con.print(hardware_table(specs))
-    if not entry:
+    # the local CPU is listed when it was probed already: listing reads the probe's cache, never probes
+    local = cached_local_hardware()
+    con.print(hardware_table(list(HARDWARE_SPECS.values()) + ([local] if local else [])))
+    if not local:
         con.print("local-cpu: not probed yet; run `servescope hardware probe`")
     return 0
 
@@ -143,8 +135,6 @@ def run_hardware(args) -> int:
 def load_model_config(args):
     """The ModelConfig to explain: --config (preset or JSON), else --model (HF dir: config.json only;
     .gguf: read through the loader), else the embedded model's preset."""
-    from servescope.analysis.presets import list_presets, load_preset
-
     if args.config:
         return load_preset(args.config)
     model = args.model
@@ -154,45 +144,38 @@ def load_model_config(args):
     if p.is_dir() and (p / "config.json").is_file():
         return load_preset(p)
     if p.is_file() and p.suffix == ".gguf":
-        from servescope.loader.source import load_model_source
+        from servescope.loader.source import load_model_source  # lazy: torch, gguf
 
         return load_model_source(str(p)).config  # reads (and dequantises) the weights too
     if model.lower() in list_presets():
         return load_preset(model)
-    from servescope.errors import InvalidParameterError
-
     raise InvalidParameterError("model", f"{model!r} is not a model directory, a .gguf file or a preset "
                                          f"({', '.join(list_presets())})")
 
 
 def run_explain(args) -> int:
-    from servescope.analysis.explain import explain, render_explain_table
-    from servescope.analysis.hardware import get_hardware
-
     cfg = load_model_config(args)
-    hw = get_hardware(args.hardware)
+    hw = hardware_spec(args.hardware)
     result = explain(cfg, hw, batch=args.batch, prompt_len=args.prompt_len, output_len=args.output_len,
                      weight_dtype=args.dtype, kv_dtype=args.kv_dtype, memory_bytes=args.memory)
     if args.plot:
         result["plot"] = str(plot_explain(result, hw, args.plot))
     if args.measure:
-        result["measure"] = measure_workload(args, cfg)
+        from servescope.labs.workload import measure_workload  # lazy: the engine, torch
+
+        model = args.model if args.model else (f"random:{args.config}" if args.config else None)
+        result["measure"] = measure_workload(model, args.batch, args.prompt_len, args.output_len,
+                                             weight_dtype=args.dtype, kv_dtype=args.kv_dtype, threads=args.threads)
     if args.json:
-        sys.stdout.write(json.dumps(result, indent=2, default=_json_safe) + "\n")
+        sys.stdout.write(json.dumps(result, indent=2, default=str) + "\n")
         return 0
-    con = _console()
+    con = console()
     con.print(render_explain_table(result))
     if args.plot:
         con.print(f"roofline written to {result['plot']}")
     if args.measure:
         con.print(measure_table(result["measure"]))
     return 0
-
-
-def _json_safe(o):
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    return str(o)
 
 
 def roofline_points(result: dict) -> list:
@@ -214,7 +197,7 @@ def roofline_points(result: dict) -> list:
 def plot_explain(result: dict, hw, path) -> Path:
     """The hardware's roofline with each op of prefill (circles) and decode (squares) placed at its
     intensity and predicted FLOP/s, named in a legend."""
-    from servescope.labs.common import plot_roofline_legend
+    from servescope.labs.common import plot_roofline_legend  # lazy: the labs import torch, matplotlib
 
     w = result["workload"]
     return plot_roofline_legend(hw, roofline_points(result), Path(path), w["act_dtype"],
@@ -222,60 +205,8 @@ def plot_explain(result: dict, hw, path) -> Path:
                                 f"{w['act_dtype']}")
 
 
-def measure_workload(args, cfg) -> dict:
-    """Run batch x prompt-len prompts for output-len tokens (greedy, ignore_eos) on the local engine and
-    compare each phase with the cost model on the local-cpu spec: prefill = the steps with prefill
-    tokens (summed), decode = the median decode step."""
-    import random
-
-    from servescope.analysis.explain import explain
-    from servescope.analysis.hardware import get_hardware
-    from servescope.config import EngineConfig
-    from servescope.engine.llm_engine import LLMEngine
-    from servescope.labs.common import blocks_for, median, random_prompt, rel_error, run_to_completion, warm_up
-
-    if args.dtype == "float16":
-        from servescope.errors import InvalidParameterError
-
-        raise InvalidParameterError("dtype", "--measure runs on the CPU: use float32 or bfloat16")
-    model = args.model if args.model else (f"random:{args.config}" if args.config else None)
-    engine_dtype = "bfloat16" if args.dtype == "int8" else args.dtype
-    total = args.prompt_len + args.output_len
-    tokens = args.batch * args.prompt_len
-    engine = LLMEngine(EngineConfig(
-        model=model, dtype=engine_dtype, quantization="int8" if args.dtype == "int8" else None,
-        kv_cache_dtype=args.kv_dtype or "auto", max_num_seqs=args.batch, enable_prefix_caching=False,
-        enable_chunked_prefill=False, max_num_batched_tokens=max(tokens, 1024), max_model_len=total + 16,
-        num_kv_blocks=args.batch * blocks_for(total, margin=1) + 8, num_threads=args.threads,
-        hardware="local-cpu"))
-    rng = random.Random(0)
-    warm_up(engine, rng)
-    prompts = [random_prompt(rng, args.prompt_len, engine.model_config.vocab_size) for _ in range(args.batch)]
-    _, recs = run_to_completion(engine, prompts, args.output_len, "m")
-    hw = get_hardware("local-cpu")
-    pred = explain(engine.model_config, hw, batch=args.batch, prompt_len=args.prompt_len,
-                   output_len=args.output_len, weight_dtype=args.dtype, kv_dtype=args.kv_dtype)
-    by_name = {p["name"]: p for p in pred["phases"]}
-    pre = [r for r in recs if r.num_prefill_tokens]
-    dec = [r for r in recs if r.phase == "decode"]
-    phases = []
-    if pre:
-        m = sum(r.wall_seconds for r in pre)
-        p = by_name["prefill"]["predicted_seconds"]
-        phases.append({"name": "prefill", "steps": len(pre), "measured_seconds": m, "predicted_seconds": p,
-                       "error": rel_error(p, m)})
-    if dec and "decode" in by_name:
-        m = median([r.wall_seconds for r in dec])
-        p = by_name["decode"]["predicted_seconds"]
-        phases.append({"name": "decode", "steps": len(dec), "measured_seconds": m, "predicted_seconds": p,
-                       "error": rel_error(p, m)})
-    return {"hardware": hw.name, "model": engine.model_config.name or str(engine.source_path), "phases": phases,
-            "note": "prefill: sum of the steps with prefill tokens; decode: median decode step; "
-                    "error = (predicted - measured) / measured; the roofline has no per-step overhead"}
-
-
 def measure_table(m: dict):
-    from rich.table import Table
+    from rich.table import Table  # lazy: rich is 0.13 s of `--help` (cli/output.py)
 
     t = Table(title=f"measured on this machine vs predicted ({m['hardware']})")
     for col in ("phase", "steps", "measured", "predicted", "error"):
@@ -289,10 +220,11 @@ def measure_table(m: dict):
 # --------------------------------------------------------------------------- labs
 
 def run_lab_command(args) -> int:
+    # lazy: the labs import the engine and torch (2 s), even for `lab list`
     from servescope.labs import LABS, all_labs, run_lab
     from servescope.labs.common import LabOptions, LabSession
 
-    con = _console()
+    con = console()
     labs = all_labs()
     if args.name == "list":
         width = max(len(n) for n in labs)
@@ -300,8 +232,7 @@ def run_lab_command(args) -> int:
             sys.stdout.write(f"{name:<{width}}  {desc}\n")
         return 0
     if args.name != "all" and args.name not in labs:
-        sys.stderr.write(f"servescope: error: unknown lab {args.name!r}; labs: {', '.join(labs)}, all\n")
-        return EXIT_USAGE
+        return error(f"unknown lab {args.name!r}; labs: {', '.join(labs)}, all")
     names = list(LABS) if args.name == "all" else [args.name]
     base = Path(args.out) if args.out else Path("lab-out")
     session = None

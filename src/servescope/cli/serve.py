@@ -6,37 +6,38 @@ import argparse
 import os
 import sys
 
+from servescope.cli.args import add_engine_args, engine_config_from_args, positive_int
+from servescope.cli.output import error
 
-def add_parsers(sub) -> None:
-    from servescope.cli import _positive_int, add_engine_args
 
+def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--max-queue", type=_positive_int, default=256, metavar="N",
+    s.add_argument("--max-queue", type=positive_int, default=256, metavar="N",
                    help="requests in flight (waiting + running) before new ones get 429")
-    s.add_argument("--max-body-bytes", type=_positive_int, default=8 * 2**20, metavar="N",
+    s.add_argument("--max-body-bytes", type=positive_int, default=8 * 2**20, metavar="N",
                    help="largest request body accepted (413 above)")
     s.add_argument("--api-key", default=os.environ.get("SERVESCOPE_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $SERVESCOPE_API_KEY)")
-    s.add_argument("--max-n", type=_positive_int, default=8, metavar="N", help="largest n (choices per prompt)")
+    s.add_argument("--max-n", type=positive_int, default=8, metavar="N", help="largest n (choices per prompt)")
     s.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name clients send (default: --model, or smollm2-135m)")
     add_engine_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        return error(f"--port must be in 0..65535, got {args.port}")
+    # the server and the engine (fastapi, uvicorn, torch) are imported once the arguments are valid:
+    # they are seconds of `servescope --help`
     import uvicorn
 
-    from servescope.cli import engine_config_from_args
     from servescope.engine.async_engine import AsyncEngine
     from servescope.engine.llm_engine import LLMEngine
     from servescope.server.app import build_app
 
-    if not 0 <= args.port <= 65535:
-        sys.stderr.write(f"servescope: error: --port must be in 0..65535, got {args.port}\n")
-        return 2
     name = args.served_model_name or args.model or "smollm2-135m"
     engine = LLMEngine(engine_config_from_args(args))
     async_engine = AsyncEngine(engine)

@@ -2,28 +2,39 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import sys
 
-from rich.console import Console
-from rich.table import Table
-
-from servescope.cli import engine_config_from_args, sampling_params_from_args
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+from servescope.cli.args import add_engine_args, add_sampling_args, engine_config_from_args, sampling_params_from_args
+from servescope.cli.output import console, fmt_bytes
+from servescope.telemetry.trace import write_chrome_trace
 
 
-def _fmt_rate(x, unit) -> str:
-    if x is None:
-        return "-"
-    for p, s in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if x >= p:
-            return f"{x / p:.1f} {s}{unit}"
-    return f"{x:.1f} {unit}"
+def add_parser(sub) -> None:
+    g = sub.add_parser("generate", help="generate text for a prompt and show the internals")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (Perfetto) of the steps")
+    g.add_argument("--steps", action="store_true", help="print every step record")
+    add_engine_args(g)
+    add_sampling_args(g)
+
+    c = sub.add_parser("chat", help="interactive chat with the model")
+    c.add_argument("--system", default=None)
+    add_engine_args(c)
+    add_sampling_args(c, max_tokens=256)
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"generate": run_generate, "chat": run_chat}[args.command](args)
+
+
+def _engine_from_args(a):
+    # the engine (torch, transformers) is imported when a command runs: it is seconds of `--help`
+    from servescope.engine.llm_engine import LLMEngine
+
+    return LLMEngine(engine_config_from_args(a))
 
 
 def stream_one(engine, prompt, params, out=sys.stdout) -> tuple:
@@ -46,15 +57,10 @@ def stream_one(engine, prompt, params, out=sys.stdout) -> tuple:
     return final, steps
 
 
-def internals_summary(engine, final, steps) -> list:
-    """Rich tables: the request's latency and the engine's per-phase work."""
+def _request_table(engine, final):
+    from rich.table import Table  # lazy: rich is 0.13 s of `--help` (cli/output.py)
+
     m = final.outputs[0].metrics
-    pre = [s for s in steps if s.num_prefill_tokens]
-    dec = [s for s in steps if not s.num_prefill_tokens and s.num_decode_tokens]
-    t_pre = sum(s.wall_seconds for s in pre)
-    t_dec = sum(s.wall_seconds for s in dec)
-    n_pre = sum(s.num_prefill_tokens for s in pre)
-    n_dec = sum(s.num_decode_tokens for s in dec)
     req = Table(title="request", show_header=False, box=None, pad_edge=False)
     req.add_column(style="bold")
     req.add_column(justify="right")
@@ -62,20 +68,31 @@ def internals_summary(engine, final, steps) -> list:
     req.add_row("output tokens", f"{m.num_output_tokens}  (finish: {final.outputs[0].finish_reason})")
     req.add_row("TTFT", f"{m.ttft * 1e3:.1f} ms" if m.ttft is not None else "-")
     req.add_row("TPOT", f"{m.tpot * 1e3:.1f} ms  ({1 / m.tpot:.1f} tokens/s)" if m.tpot else "-")
-    req.add_row("KV cache bytes per token", f"{engine.kv_bytes_per_token:,} B  ({_fmt_bytes(engine.kv_bytes_per_token)})")
-    used = (len(final.prompt_token_ids) + m.num_output_tokens) * engine.kv_bytes_per_token
-    req.add_row("KV cache in use (this request)", _fmt_bytes(used))
-    req.add_row("KV cache allocated", f"{_fmt_bytes(engine.runner.kv_cache_bytes)} "
+    kv = engine.kv_bytes_per_token
+    req.add_row("KV cache bytes per token", f"{kv:,} B  ({fmt_bytes(kv)})")
+    used = (len(final.prompt_token_ids) + m.num_output_tokens) * kv
+    req.add_row("KV cache in use (this request)", fmt_bytes(used))
+    req.add_row("KV cache allocated", f"{fmt_bytes(engine.runner.kv_cache_bytes)} "
                                      f"({engine.cache_config.num_blocks} blocks x {engine.cache_config.block_size})")
-    req.add_row("weights", f"{_fmt_bytes(engine.weight_bytes)}  ({str(engine.dtype).replace('torch.', '')}"
+    req.add_row("weights", f"{fmt_bytes(engine.weight_bytes)}  ({str(engine.dtype).replace('torch.', '')}"
                            f"{', int8 linear weights' if engine.config.quantization else ''})")
+    return req
+
+
+def _phase_table(steps):
+    from rich.table import Table  # lazy: rich is 0.13 s of `--help` (cli/output.py)
+
     hw = (steps[0].hardware or "?") if steps else "?"
     phases = Table(title=f"phases: measured, and predicted by the cost model for {hw}")
     for col in ("phase", "steps", "tokens", "ms", "tok/s", "GFLOP/s", "GB/s", "bound", "pred ms"):
         phases.add_column(col, justify="left" if col in ("phase", "bound") else "right")
-    for name, ss, t, n in (("prefill", pre, t_pre, n_pre), ("decode", dec, t_dec, n_dec)):
+    pre = [s for s in steps if s.num_prefill_tokens]
+    dec = [s for s in steps if not s.num_prefill_tokens and s.num_decode_tokens]
+    for name, ss in (("prefill", pre), ("decode", dec)):
         if not ss:
             continue
+        t = sum(s.wall_seconds for s in ss)
+        n = sum(s.num_prefill_tokens if name == "prefill" else s.num_decode_tokens for s in ss)
         flops = sum(s.flops or 0 for s in ss)
         byts = sum(s.bytes or 0 for s in ss)
         pred = sum(s.predicted_seconds or 0 for s in ss)
@@ -83,39 +100,17 @@ def internals_summary(engine, final, steps) -> list:
         phases.add_row(name, str(len(ss)), str(n), f"{t * 1e3:.1f}", f"{n / t:.1f}" if t else "-",
                        f"{flops / t / 1e9:.1f}" if t else "-", f"{byts / t / 1e9:.1f}" if t else "-",
                        "/".join(sorted(bounds)) or "-", f"{pred * 1e3:.1f}" if pred else "-")
-    return [req, phases]
+    return phases
 
 
-def _engine_from_args(a):
-    from servescope.engine.llm_engine import LLMEngine
-
-    return LLMEngine(engine_config_from_args(a))
-
-
-def run_generate(a) -> int:
-    params = sampling_params_from_args(a)
-    console = Console(stderr=False)
-    with console.status("loading model ...", spinner="dots") if console.is_terminal else _nullctx():
-        engine = _engine_from_args(a)
-    prompt = a.prompt
-    if a.chat:
-        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
-    final, steps = stream_one(engine, prompt, params)
-    console.print()
-    for t in internals_summary(engine, final, steps):
-        console.print(t)
-    if a.steps:
-        console.print(step_table(steps))
-    if a.trace:
-        from servescope.telemetry.trace import write_chrome_trace
-
-        write_chrome_trace(a.trace, steps, [final])
-        console.print(f"trace written to {a.trace} (open it in https://ui.perfetto.dev)")
-    return 0
+def internals_summary(engine, final, steps) -> list:
+    """Rich tables: the request's latency and the engine's per-phase work."""
+    return [_request_table(engine, final), _phase_table(steps)]
 
 
-def step_table(steps) -> Table:
+def step_table(steps):
+    from rich.table import Table  # lazy: rich is 0.13 s of `--help` (cli/output.py)
+
     t = Table(title="steps")
     for col in ("step", "phase", "tokens", "ctx", "ms", "pred ms", "GB/s", "GFLOP/s", "bound", "KV blocks"):
         t.add_column(col, justify="right")
@@ -127,12 +122,33 @@ def step_table(steps) -> Table:
     return t
 
 
+def run_generate(a) -> int:
+    params = sampling_params_from_args(a)
+    con = console()
+    with con.status("loading model ...", spinner="dots") if con.is_terminal else contextlib.nullcontext():
+        engine = _engine_from_args(a)
+    prompt = a.prompt
+    if a.chat:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    final, steps = stream_one(engine, prompt, params)
+    con.print()
+    for t in internals_summary(engine, final, steps):
+        con.print(t)
+    if a.steps:
+        con.print(step_table(steps))
+    if a.trace:
+        write_chrome_trace(a.trace, steps, [final])
+        con.print(f"trace written to {a.trace} (open it in https://ui.perfetto.dev)")
+    return 0
+
+
 def run_chat(a) -> int:
     params = sampling_params_from_args(a)
     engine = _engine_from_args(a)
-    console = Console()
+    con = console()
     messages = [{"role": "system", "content": a.system}] if a.system else []
-    console.print("[bold]servescope chat[/bold] — empty line or Ctrl-D to quit, /stats for the last turn's internals")
+    con.print("[bold]servescope chat[/bold] — empty line or Ctrl-D to quit, /stats for the last turn's internals")
     last = None
     while True:
         try:
@@ -144,7 +160,7 @@ def run_chat(a) -> int:
         if user.strip() == "/stats":
             if last:
                 for t in internals_summary(engine, *last):
-                    console.print(t)
+                    con.print(t)
             continue
         messages.append({"role": "user", "content": user})
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -154,14 +170,6 @@ def run_chat(a) -> int:
         last = (final, steps)
         messages.append({"role": "assistant", "content": final.outputs[0].text})
         m = final.outputs[0].metrics
-        console.print(f"[dim]{m.num_output_tokens} tokens, TTFT {m.ttft * 1e3:.0f} ms"
-                      + (f", {1 / m.tpot:.1f} tokens/s" if m.tpot else "") + "[/dim]")
+        con.print(f"[dim]{m.num_output_tokens} tokens, TTFT {m.ttft * 1e3:.0f} ms"
+                  + (f", {1 / m.tpot:.1f} tokens/s" if m.tpot else "") + "[/dim]")
     return 0
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

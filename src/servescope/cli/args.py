@@ -1,0 +1,116 @@
+"""The parser class and the arguments several commands share: number types, the engine's options
+(generate, chat, serve, bench) and the sampling options (generate, chat).
+
+Bad arguments print one line on stderr and exit with code 2, never the usage or a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from servescope.config import EngineConfig, SamplingParams
+
+EXIT_USAGE = 2
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints usage too; users want the reason)
+        sys.stderr.write(f"servescope: error: {message}\n")
+        sys.exit(EXIT_USAGE)
+
+
+def _number(s: str, what: str = "a number") -> float:
+    try:
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}")
+
+
+def positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def nonneg_float(s: str) -> float:
+    v = _number(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def positive_float(s: str) -> float:
+    """A finite number > 0."""
+    v = _number(s)
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s!r}")
+    return v
+
+
+def request_rate(s: str) -> float:
+    """Requests/s > 0; 'inf' sends every request at once."""
+    v = _number(s, "a number of requests/s or 'inf'")
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"request rate must be > 0 (or inf), got {s!r}")
+    return v
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine options shared by generate, chat, serve and bench."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF directory, .gguf file, 'smollm2-135m' (default, the embedded model) or random:PRESET")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    g.add_argument("--block-size", type=positive_int, default=16)
+    g.add_argument("--kv-cache-memory", type=positive_int, default=None, metavar="BYTES",
+                   help="KV cache size in bytes")
+    g.add_argument("--kv-cache-fraction", type=float, default=None, metavar="F",
+                   help="KV cache as a fraction of free memory")
+    g.add_argument("--max-num-seqs", type=positive_int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=1024)
+    g.add_argument("--max-model-len", type=positive_int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step (baseline)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--gpu-linear", default="cublas", choices=["cublas", "triton", "auto"],
+                   help="decode matmuls on a GPU: cuBLAS, the Triton GEMV, or the faster of the two per "
+                        "shape, timed at start-up")
+    g.add_argument("--quantization", default=None, choices=["int8"])
+    g.add_argument("--threads", type=positive_int, default=None)
+    g.add_argument("--hardware", default=None, help="hardware spec for step predictions (default: probe / GPU)")
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
+        kv_cache_memory_bytes=a.kv_cache_memory, kv_cache_memory_fraction=a.kv_cache_fraction,
+        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
+        enable_chunked_prefill=not a.no_chunked_prefill, no_kv_cache=a.no_kv_cache,
+        attention_backend=a.attention_backend, gpu_linear=a.gpu_linear, quantization=a.quantization,
+        num_threads=a.threads, hardware=a.hardware)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=positive_int, default=max_tokens)
+    g.add_argument("--temperature", type=nonneg_float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from_args(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                          min_p=a.min_p, seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos)
