@@ -61,20 +61,30 @@ def test_spec_validation():
         HardwareSpec(name="x", kind="gpu", peak_flops={"float32": 1.0}, memory_bandwidth=1, memory_bytes=1)
 
 
+# Stand-ins for the engine's measurers (engine/local_hardware.py passes the real ones; analysis/ never
+# imports the engine): fixed figures, so the tests can check that they reach the spec unchanged.
+_RATES = [[1, 1e9], [8, 4e9]]
+FAKE_ENGINE = dict(host_overhead=lambda: (2e-4, 3e-6), linear_rates=lambda dt: _RATES,
+                   decode_attention_flops=lambda dt: 5e9)
+TINY = dict(bandwidth_bytes=4 * 2**20, matmul_size=64, runs=2)
+
+
 def test_probe_measures_caches_and_forces(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     from servescope.analysis import probe
 
     cache = tmp_path / "hardware.json"
-    kw = dict(cache_path=cache, bandwidth_bytes=4 * 2**20, matmul_size=64, runs=2)
+    kw = dict(cache_path=cache, measurers=probe.EngineMeasurers(**FAKE_ENGINE), **TINY)
     spec = probe.probe_local_hardware(**kw)
     assert spec.name == "local-cpu" and spec.kind == "cpu"
     assert spec.memory_bandwidth > 1e8 and spec.flops("float32") > 1e7 and spec.flops("bfloat16") > 1e6
     assert spec.memory_bytes > 2**28
-    # the engine's host work, measured on a tiny model: some microseconds per layer, not seconds
-    assert 1e-7 < spec.layer_overhead_s < 5e-3 and 0 <= spec.step_overhead_s < 0.05
+    # the engine's measurements land in the spec as measured
+    assert (spec.step_overhead_s, spec.layer_overhead_s) == (2e-4, 3e-6)
+    assert spec.linear_rates == {"float32": _RATES, "bfloat16": _RATES}
+    assert spec.decode_attention_flops == {"float32": 5e9, "bfloat16": 5e9}
     stored = json.loads(cache.read_text())
-    assert len(stored) == 1 and "threads=" in next(iter(stored))
+    assert list(stored) == [probe._cache_key(probe.torch_threads())] and "threads=" in next(iter(stored))
 
     def boom(*a, **k):
         raise AssertionError("the cached result should have been used")
@@ -85,13 +95,45 @@ def test_probe_measures_caches_and_forces(tmp_path, monkeypatch):
         probe.probe_local_hardware(force=True, **kw)
 
 
-def test_get_hardware_local_cpu_reads_probe_cache(tmp_path, monkeypatch):
+def test_probe_survives_a_failing_measurer(tmp_path):
+    pytest.importorskip("torch")
+    from servescope.analysis import probe
+
+    def cannot(*a):
+        raise RuntimeError("not built here")
+
+    m = probe.EngineMeasurers(**{**FAKE_ENGINE, "decode_attention_flops": cannot})
+    spec = probe.probe_local_hardware(cache_path=tmp_path / "hw.json", measurers=m, **TINY)
+    assert spec.decode_attention_flops == {} and spec.layer_overhead_s == 3e-6
+
+
+def test_probe_without_engine_measurers_never_stands_in_for_the_full_one(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     from servescope.analysis import probe
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    probe.probe_local_hardware(bandwidth_bytes=4 * 2**20, matmul_size=64, runs=1, host_overhead=False)
+    pure = probe.probe_local_hardware(**TINY)
+    assert pure.step_overhead_s == pure.layer_overhead_s == 0 and not pure.linear_rates
+    path = tmp_path / "servescope" / "hardware.json"
+    (key,) = json.loads(path.read_text())
+    assert key != probe._cache_key(probe.torch_threads()) and key.endswith("|engine=none")
+    assert probe.cached_local_hardware() is None
+    with pytest.raises(InvalidParameterError, match="not been probed"):
+        hardware.get_hardware("local-cpu")
+    # a partial set is keyed by what it holds, apart from both the pure and the full probe
+    part = probe.probe_local_hardware(measurers=probe.EngineMeasurers(host_overhead=FAKE_ENGINE["host_overhead"]),
+                                      **TINY)
+    assert part.layer_overhead_s == 3e-6 and len(json.loads(path.read_text())) == 2
+    assert probe.cached_local_hardware() is None
+
+
+def test_get_hardware_local_cpu_reads_the_full_probe_cache(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from servescope.analysis import probe
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    full = probe.probe_local_hardware(measurers=probe.EngineMeasurers(**FAKE_ENGINE), **TINY)
     assert (tmp_path / "servescope" / "hardware.json").is_file()
     monkeypatch.setattr(probe, "measure_read_bandwidth", lambda *a, **k: pytest.fail("re-probed"))
-    assert hardware.get_hardware("local-cpu").kind == "cpu"
+    assert hardware.get_hardware("local-cpu") == full
     assert hardware.get_hardware("CPU").name == "local-cpu"

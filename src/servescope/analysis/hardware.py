@@ -189,25 +189,40 @@ def _norm(name: str) -> str:
 
 
 def list_hardware() -> list[str]:
-    """Names of the datasheet specs, plus 'local-cpu' (measured by the probe on first use)."""
+    """Names of the datasheet specs, plus 'local-cpu' (measured once by engine/local_hardware.py's
+    probe, then read from its cache)."""
     return list(HARDWARE_SPECS) + [LOCAL_CPU]
 
 
-def get_hardware(name: str, *, force_probe: bool = False) -> HardwareSpec:
-    """Look a spec up by name, case-insensitively, with aliases ("h100" -> H100-SXM).
-
-    "local-cpu" runs (or reads the cached result of) `probe_local_hardware`, which imports torch.
-    """
+def canonical_hardware_name(name: str) -> str:
+    """The canonical name of a spec, case-insensitively, with aliases ("h100" -> "H100-SXM",
+    "cpu" -> "local-cpu"); InvalidParameterError for an unknown one."""
     key = _norm(name)
     by_norm = {_norm(n): n for n in HARDWARE_SPECS}
     canonical = by_norm.get(key) or _ALIASES.get(key) or (LOCAL_CPU if key == LOCAL_CPU else None)
-    if canonical == LOCAL_CPU:
-        from servescope.analysis.probe import probe_local_hardware
-
-        return probe_local_hardware(force=force_probe)
     if canonical is None:
         raise InvalidParameterError(
             "hardware", f"unknown hardware {name!r}; known: {', '.join(list_hardware())}"
         )
-    return HARDWARE_SPECS[canonical]
+    return canonical
 
+
+def get_hardware(name: str) -> HardwareSpec:
+    """Look a spec up by name, case-insensitively, with aliases ("h100" -> H100-SXM).
+
+    "local-cpu" is the cached result of the full local probe (reading it imports torch for the
+    thread count). analysis/ cannot measure it: the probe needs the engine's measurers, so without
+    a cached probe this raises and points to servescope.engine.local_hardware, which measures.
+    """
+    canonical = canonical_hardware_name(name)
+    if canonical != LOCAL_CPU:
+        return HARDWARE_SPECS[canonical]
+    # lazy: probe.py imports this module for HardwareSpec (a true cycle at module level)
+    from servescope.analysis.probe import cached_local_hardware
+
+    spec = cached_local_hardware()
+    if spec is None:
+        raise InvalidParameterError(
+            "hardware", "local-cpu has not been probed on this machine yet: run `servescope hardware probe` "
+                        "(servescope.engine.local_hardware.probe_local_cpu measures it)")
+    return spec

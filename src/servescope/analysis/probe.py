@@ -3,8 +3,8 @@
 The probe uses torch (imported lazily, so `servescope.analysis` stays torch-free) with the thread
 count torch is set to, because that is what the engine will run with. Each figure is the median of
 several runs after a warm-up. It takes a few seconds; the result is cached as JSON in
-~/.cache/servescope/hardware.json, keyed by CPU model and thread count, and re-measured when
-`force=True` or when the key changes.
+~/.cache/servescope/hardware.json, keyed by CPU model and thread count (and by which engine
+measurements it holds), and re-measured when `force=True` or when the key changes.
 
 What is measured and why:
 - bandwidth: `x.sum()` over a float32 tensor much larger than the last-level cache (default 512 MiB):
@@ -14,32 +14,68 @@ What is measured and why:
   (slow) on CPUs without native support; that is measured too, with a smaller matrix.
 - int8 has no CPU matmul path in the engine (int8 weights are dequantised to the activation dtype),
   so peak_flops["int8"] is set to the bfloat16 figure and said so in `notes`.
+
+What the engine measures, handed in as `EngineMeasurers` (analysis/ never imports the engine;
+engine/local_hardware.py passes the engine's own):
 - step_overhead_s / layer_overhead_s: the engine's own host work per step and per decoder layer,
   measured on the engine with a model too small to cost anything else (engine/overhead.py). The
   cost model adds them to every step's prediction; they are measured, not fitted to the steps they
   predict.
 - linear_rates: weight bytes/s of the engine's CPU linear kernel at 1..128 rows, float32 and
-  bfloat16, on 1024 x 1024 matrices that belong to no model (model/kernel_probe.py);
+  bfloat16, on 1024 x 1024 matrices that belong to no model (kernels/kernel_probe.py);
   decode_attention_flops: FLOP/s of its paged decode-attention kernel (KV in cache).
+
+Invariant of the cache: the entry under the full key (`_cache_key(threads)`) was measured with all
+three engine measurers; a probe given fewer is stored under a key that names what it holds, so it
+never stands in for the full one (whose predictions include the host overhead and kernel rates).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-from servescope.analysis.hardware import HardwareSpec, LOCAL_CPU
+from servescope.analysis.hardware import LOCAL_CPU, HardwareSpec
 from servescope.timing import median_seconds
 
 logger = logging.getLogger(__name__)
 
 CACHE_VERSION = 5  # 2: host overheads; 3: linear kernel rates; 4: decode attention; 5: best-of matmul
+KERNEL_DTYPES = ("float32", "bfloat16")  # the activation dtypes the engine's CPU kernels are measured in
+
+
+@dataclass(frozen=True)
+class EngineMeasurers:
+    """The measurements only the engine can make, as callables (None: not measured).
+
+    host_overhead() -> (seconds per step, seconds per decoder layer);
+    linear_rates(dtype name) -> [[rows M, weight bytes/s], ...], M ascending;
+    decode_attention_flops(dtype name) -> FLOP/s of the paged decode-attention kernel.
+    """
+
+    host_overhead: Optional[Callable[[], tuple]] = None
+    linear_rates: Optional[Callable[[str], list]] = None
+    decode_attention_flops: Optional[Callable[[str], float]] = None
+
+    @property
+    def given(self) -> tuple:
+        """Names of the measurers handed in, in field order."""
+        return tuple(f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None)
+
+    @property
+    def complete(self) -> bool:
+        return self.given == ENGINE_MEASUREMENTS
+
+
+ENGINE_MEASUREMENTS = tuple(f.name for f in dataclasses.fields(EngineMeasurers))
 
 
 def default_cache_path() -> Path:
@@ -69,7 +105,7 @@ def total_memory_bytes() -> int:
 def measure_read_bandwidth(num_bytes: int = 512 * 2**20, runs: int = 5, buf=None, warmup: int = 1) -> float:
     """Bytes/s of a streaming float32 read (torch sum), median of `runs`. buf: a float32 tensor to read
     instead of a fresh one of num_bytes (for repeated samples without allocating between them)."""
-    import torch
+    import torch  # lazy: importing servescope.analysis must not import torch (2.5 s here)
 
     x = torch.ones(num_bytes // 4, dtype=torch.float32) if buf is None else buf  # ones: every page touched
     t = median_seconds(lambda: x.sum(), runs, warmup)
@@ -80,7 +116,7 @@ def measure_matmul_flops(dtype_name: str, n: int = 2048, runs: int = 5) -> float
     """FLOP/s of an n x n x n torch.mm in `dtype_name` (2 n^3 FLOPs per call), the fastest of `runs`:
     a peak is what the cores can do, and on a shared machine interference only ever slows a run
     (one probe here read 127 GFLOP/s float32 where the others read 160-169 with the median)."""
-    import torch
+    import torch  # lazy: importing servescope.analysis must not import torch (2.5 s here)
 
     dtype = getattr(torch, dtype_name)
     a = torch.randn(n, n).to(dtype)
@@ -94,43 +130,62 @@ def measure_matmul_flops(dtype_name: str, n: int = 2048, runs: int = 5) -> float
     return 2.0 * n**3 / best
 
 
-def _cache_key(threads: int) -> str:
-    return f"{cpu_model()}|threads={threads}|v{CACHE_VERSION}"
+def torch_threads() -> int:
+    """The thread count torch runs with: part of the cache key (the engine runs with it too)."""
+    import torch  # lazy: importing servescope.analysis must not import torch (2.5 s here)
+
+    return torch.get_num_threads()
 
 
-def probe_local_hardware(
-    force: bool = False,
-    cache_path: Optional[Path] = None,
-    bandwidth_bytes: int = 512 * 2**20,
-    matmul_size: int = 2048,
-    runs: int = 5,
-    host_overhead: bool = True,
-) -> HardwareSpec:
-    """A HardwareSpec named 'local-cpu' for this machine, measured once and cached.
+def _cache_key(threads: int, measured: Optional[tuple] = None) -> str:
+    """The cache entry's key. measured: the names of the engine measurers the entry holds, None for
+    all of them (the full probe, whose key is the one it has had since v5, so that existing caches
+    stay valid); any other set, the empty one included, is named in the key."""
+    key = f"{cpu_model()}|threads={threads}|v{CACHE_VERSION}"
+    if measured is None or tuple(measured) == ENGINE_MEASUREMENTS:
+        return key
+    return f"{key}|engine={'+'.join(measured) or 'none'}"
 
-    `bandwidth_bytes`, `matmul_size` and `runs` exist so tests can run a tiny probe; a cached
-    result is reused whatever they are (pass force=True to re-measure). host_overhead=False skips
-    the engine measurements (overheads 0, no linear_rates).
-    """
-    import torch
 
-    threads = torch.get_num_threads()
+def _read_cache(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        logger.warning("ignoring unreadable hardware cache %s", path)
+        return {}
+
+
+def _cached_spec(cache: dict, key: str, path: Path) -> Optional[HardwareSpec]:
+    if key not in cache:
+        return None
+    try:
+        return HardwareSpec.from_dict(cache[key])
+    except (TypeError, ValueError):
+        logger.warning("ignoring a malformed entry in %s", path)
+        return None
+
+
+def _write_cache(path: Path, cache: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(cache, indent=2))
+        tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    except OSError as e:
+        logger.warning("could not write hardware cache %s: %s", path, e)
+
+
+def cached_local_hardware(cache_path: Optional[Path] = None) -> Optional[HardwareSpec]:
+    """The full probe's cached spec for this CPU and thread count, or None when there is none
+    (this never measures: measuring needs the engine's measurers, see engine/local_hardware.py)."""
     path = Path(cache_path) if cache_path is not None else default_cache_path()
-    key = _cache_key(threads)
-    cache: dict = {}
-    if path.exists():
-        try:
-            cache = json.loads(path.read_text())
-        except (OSError, ValueError):
-            logger.warning("ignoring unreadable hardware cache %s", path)
-            cache = {}
-    if not force and key in cache:
-        try:
-            return HardwareSpec.from_dict(cache[key])
-        except (TypeError, ValueError):
-            logger.warning("ignoring a malformed entry in %s", path)
+    return _cached_spec(_read_cache(path), _cache_key(torch_threads()), path)
 
-    t0 = time.perf_counter()
+
+def _measure_peaks(bandwidth_bytes: int, matmul_size: int, runs: int) -> tuple:
+    """(read bandwidth, {dtype: matmul FLOP/s}) of this machine."""
     bw = measure_read_bandwidth(bandwidth_bytes, runs)
     fp32 = measure_matmul_flops("float32", matmul_size, runs)
     bf16 = measure_matmul_flops("bfloat16", matmul_size, runs)
@@ -139,56 +194,80 @@ def probe_local_hardware(
     fp16 = measure_matmul_flops("float16", n16, 1)
     if 2.0 * matmul_size**3 / fp16 < 0.5:
         fp16 = measure_matmul_flops("float16", matmul_size, runs)
-    step_oh = layer_oh = 0.0
-    rates: dict = {}
-    attn: dict = {}
-    if host_overhead:
-        # each measurement stands alone: one that cannot run here leaves its field at 0 / empty and
-        # the predictions fall back to the peaks for that part
-        try:
-            from servescope.engine.overhead import measure_host_overhead
+    return bw, {"float32": fp32, "bfloat16": bf16, "float16": fp16, "int8": bf16}
 
-            step_oh, layer_oh = measure_host_overhead()
+
+def _measure_engine(m: EngineMeasurers) -> dict:
+    """The HardwareSpec fields the engine's measurers fill. Each measurement stands alone: one that
+    cannot run here leaves its field at 0 / empty and the predictions fall back to the peaks for
+    that part."""
+    out = {"step_overhead_s": 0.0, "layer_overhead_s": 0.0, "linear_rates": {}, "decode_attention_flops": {}}
+    if m.host_overhead is not None:
+        try:
+            out["step_overhead_s"], out["layer_overhead_s"] = m.host_overhead()
         except Exception as e:
             logger.warning("host overhead not measured (%s)", e)
+    if m.linear_rates is not None:
         try:
-            from servescope.kernels.kernel_probe import measure_linear_rates
-
-            rates = {dt: measure_linear_rates(dt) for dt in ("float32", "bfloat16")}
+            out["linear_rates"] = {dt: m.linear_rates(dt) for dt in KERNEL_DTYPES}
         except Exception as e:
             logger.warning("linear kernel rates not measured (%s)", e)
+    if m.decode_attention_flops is not None:
         try:
-            from servescope.kernels.kernel_probe import measure_decode_attention_flops
-
-            attn = {dt: measure_decode_attention_flops(dt) for dt in ("float32", "bfloat16")}
+            out["decode_attention_flops"] = {dt: m.decode_attention_flops(dt) for dt in KERNEL_DTYPES}
         except Exception as e:
             logger.warning("decode attention rate not measured (%s)", e)
+    return out
+
+
+def probe_local_hardware(
+    force: bool = False,
+    cache_path: Optional[Path] = None,
+    bandwidth_bytes: int = 512 * 2**20,
+    matmul_size: int = 2048,
+    runs: int = 5,
+    measurers: Optional[EngineMeasurers] = None,
+) -> HardwareSpec:
+    """A HardwareSpec named 'local-cpu' for this machine, measured once and cached.
+
+    `bandwidth_bytes`, `matmul_size` and `runs` exist so tests can run a tiny probe; a cached
+    result is reused whatever they are (pass force=True to re-measure). measurers: the engine's
+    own measurements (engine/local_hardware.py passes them); without them the overheads are 0 and
+    there are no kernel rates, and the result is cached under its own key (see the module doc).
+    """
+    import torch  # lazy: importing servescope.analysis must not import torch (2.5 s here)
+
+    measurers = measurers or EngineMeasurers()
+    threads = torch.get_num_threads()
+    path = Path(cache_path) if cache_path is not None else default_cache_path()
+    key = _cache_key(threads, measurers.given)
+    cache = _read_cache(path)
+    cached = None if force else _cached_spec(cache, key, path)
+    if cached is not None:
+        return cached
+
+    t0 = time.perf_counter()
+    bw, peaks = _measure_peaks(bandwidth_bytes, matmul_size, runs)
+    engine = _measure_engine(measurers)
     elapsed = time.perf_counter() - t0
+    step_oh, layer_oh = engine["step_overhead_s"], engine["layer_overhead_s"]
     spec = HardwareSpec(
         name=LOCAL_CPU,
         kind="cpu",
-        peak_flops={"float32": fp32, "bfloat16": bf16, "float16": fp16, "int8": bf16},
+        peak_flops=peaks,
         memory_bandwidth=bw,
         memory_bytes=total_memory_bytes(),
         notes=(f"measured by probe_local_hardware on {cpu_model()} with {threads} torch threads in "
                f"{elapsed:.1f} s; int8 = bfloat16 figure (int8 weights are dequantised); "
                f"memory_bytes = physical RAM; host overhead {step_oh * 1e3:.2f} ms per step + "
-               f"{layer_oh * 1e6:.0f} us per layer (engine/overhead.py)"),
-        step_overhead_s=step_oh,
-        layer_overhead_s=layer_oh,
-        linear_rates=rates,
-        decode_attention_flops=attn,
+               f"{layer_oh * 1e6:.0f} us per layer (engine/overhead.py)"
+               + ("" if measurers.complete else f"; engine measurements: {', '.join(measurers.given) or 'none'}")),
         source=(f"probe: torch.sum over {bandwidth_bytes / 2**20:.0f} MiB float32 (median of {runs}), "
                 f"torch.mm {matmul_size}^3 (best of {runs}); torch {torch.__version__}"),
+        **engine,
     )
     logger.info("probed %s: %.1f GB/s, fp32 %.0f GFLOP/s, bf16 %.0f GFLOP/s (%.1f s)",
-                cpu_model(), bw / 1e9, fp32 / 1e9, bf16 / 1e9, elapsed)
+                cpu_model(), bw / 1e9, peaks["float32"] / 1e9, peaks["bfloat16"] / 1e9, elapsed)
     cache[key] = spec.to_dict()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(cache, indent=2))
-        tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
-    except OSError as e:
-        logger.warning("could not write hardware cache %s: %s", path, e)
+    _write_cache(path, cache)
     return spec

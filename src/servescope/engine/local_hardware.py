@@ -4,7 +4,7 @@ measurers.
 analysis/ is pure: its probe measures what any torch program can (bandwidth, matmul peaks) and takes
 the engine-specific measurements (host overhead per step and layer, the linear and attention kernels'
 rates) as arguments. This module, above both, hands them in. Everything above the engine (CLI, labs,
-bench) asks here for "local-cpu".
+bench) asks here for "local-cpu": analysis.get_hardware("local-cpu") only reads what this measured.
 """
 
 from __future__ import annotations
@@ -14,22 +14,33 @@ from typing import Optional
 
 import torch
 
-from servescope.analysis.hardware import HardwareSpec, get_hardware
+from servescope.analysis.hardware import LOCAL_CPU, HardwareSpec, canonical_hardware_name, get_hardware
+from servescope.analysis.probe import EngineMeasurers, probe_local_hardware
+from servescope.engine.overhead import measure_host_overhead
 from servescope.errors import InvalidParameterError
+from servescope.kernels.kernel_probe import measure_decode_attention_flops, measure_linear_rates
 
 logger = logging.getLogger(__name__)
 
 _GPU_KEYS = ("h200", "h100", "a100", "l40s", "l4", "4090", "mi300x")
 
+# The full probe's engine measurements (analysis/probe.py caches a spec under the full key only
+# when all three were handed in).
+ENGINE_MEASURERS = EngineMeasurers(host_overhead=measure_host_overhead, linear_rates=measure_linear_rates,
+                                   decode_attention_flops=measure_decode_attention_flops)
 
-def probe_local_cpu(force: bool = False) -> HardwareSpec:
+
+def probe_local_cpu(force: bool = False, **probe_options) -> HardwareSpec:
     """The local CPU's spec: measured once (bandwidth, matmul peaks, the engine's kernel rates and host
-    overhead), then read from the cache."""
-    return get_hardware("local-cpu", force_probe=force)
+    overhead), then read from the cache. probe_options: probe_local_hardware's sizes and cache path
+    (tests run a tiny probe)."""
+    return probe_local_hardware(force=force, measurers=ENGINE_MEASURERS, **probe_options)
 
 
 def resolve_hardware(name: Optional[str]) -> HardwareSpec:
     """A spec by name; "local-cpu" (and its aliases) through probe_local_cpu."""
+    if canonical_hardware_name(name) == LOCAL_CPU:
+        return probe_local_cpu()
     return get_hardware(name)
 
 

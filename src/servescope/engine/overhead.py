@@ -21,6 +21,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from servescope.config import EngineConfig, SamplingParams
+
 logger = logging.getLogger(__name__)
 
 DEPTHS = (2, 32)
@@ -37,7 +39,8 @@ def _tiny_config(layers: int) -> dict:
 def decode_step_seconds(layers: int, dtype: str = "float32", device: str = "cpu", steps: int = 40,
                         prompt_len: int = 64) -> float:
     """Median wall time of a batch-1 decode step of the tiny model with `layers` layers."""
-    from servescope.config import EngineConfig, SamplingParams
+    # lazy, to break a true cycle: the engine asks local_hardware (which imports this module) for
+    # the spec it predicts with, and measuring that spec builds an engine
     from servescope.engine.llm_engine import LLMEngine
 
     with tempfile.TemporaryDirectory() as d:

@@ -12,6 +12,10 @@ decode-attention kernel: its FLOP/s with the KV in cache (`decode_attention_flop
 
 from __future__ import annotations
 
+import torch
+
+from servescope.kernels import cpu_ops
+from servescope.kernels.cpu_kernels import CpuLinear
 from servescope.timing import median_seconds
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -20,10 +24,6 @@ ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 def measure_linear_rates(dtype_name: str, rows=ROWS, num_matrices: int = 32, size: int = 1024,
                          runs: int = 3) -> list:
     """[[M, weight bytes/s], ...] for the engine's CPU linear kernel in `dtype_name`."""
-    import torch
-
-    from servescope.kernels.cpu_kernels import CpuLinear
-
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(0)
     lins = []
@@ -50,10 +50,6 @@ def measure_decode_attention_flops(dtype_name: str, batch: int = 32, context: in
                                    group: int = 4, head_dim: int = 64, runs: int = 5) -> float:
     """FLOP/s (4 * H * D per attended key) of the engine's CPU paged decode-attention kernel, with its
     KV in cache (a few MiB): the compute rate; reading the KV from memory is priced separately."""
-    import torch
-
-    from servescope.kernels import cpu_ops
-
     if not cpu_ops.available():
         raise RuntimeError("the CPU op extension is not built here")
     dtype = getattr(torch, dtype_name)
