@@ -17,11 +17,13 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from servescope.analysis.cost_model import (
-    critical_batch_size, kv_cache_bytes_per_token, resolve_dtypes, step_cost, weight_bytes,
-)
+from rich.console import Group
+from rich.table import Table
+
+from servescope.analysis.cost_model import critical_batch_size, step_cost
 from servescope.analysis.hardware import HardwareSpec
 from servescope.analysis.memory_planner import plan_memory
+from servescope.analysis.op_counts import kv_cache_bytes_per_token, resolve_dtypes, weight_bytes
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError
 
@@ -133,9 +135,6 @@ def _num(x, fmt="{:.1f}") -> str:
 def render_explain_table(result: dict):
     """Rich renderables for `explain`'s result: a summary table, a phase table and one op table
     per phase, grouped so that `console.print(render_explain_table(r))` shows them all."""
-    from rich.console import Group
-    from rich.table import Table
-
     w, hw, mem = result["workload"], result["hardware"], result["memory"]
     summary = Table(title=f"{result['model']} on {hw['name']}: batch {w['batch']}, prompt {w['prompt_len']}, "
                           f"output {w['output_len']} ({w['weight_dtype']} weights, {w['kv_dtype']} KV)",

@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from servescope.analysis.cost_model import kv_cache_bytes_per_token, resolve_dtypes, weight_bytes
+from servescope.analysis.op_counts import kv_cache_bytes_per_token, resolve_dtypes, weight_bytes
 from servescope.analysis.hardware import DTYPE_BYTES
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError

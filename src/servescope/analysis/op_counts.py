@@ -1,0 +1,208 @@
+"""FLOP and byte counts of a model's ops: dtypes, weight and KV sizes, matmul and attention FLOPs,
+and the per-op-group (FLOPs, activation bytes, weight bytes) of one engine step, no timing.
+
+A step is a list of sequences, each `(num_new_tokens, num_context_tokens_before)`: a prefill chunk
+has many new tokens, a decode token has one. Legend: T = total new tokens, B = sequences,
+L layers, d hidden, q = H*D query width, kv = Hkv*D key (and value) width, i intermediate, V vocab.
+cost_model.py turns these counts into time on a HardwareSpec.
+
+Counting rules (the invariants the tests check):
+- Linear layers ("qkv_proj", "attn_out_proj", "mlp", "lm_head") count 2*M*N*K FLOPs per matmul,
+  exactly what torch.utils.flop_counter.FlopCounterMode counts for aten.mm/addmm; bias adds are
+  not matmul FLOPs (they go to "norms_rope_misc"). `matmul_flops` returns these alone.
+- "attention" counts QK^T and PV exactly causally: a new token at position p attends to p + 1
+  keys, so a sequence with n new tokens after c cached ones attends n*c + n(n+1)/2 keys, and each
+  key costs 4*H*D FLOPs (2 for the score, 2 for the weighted value). FlopCounterMode counts
+  differently: SDPA on CUDA and eager attention as a full (non-causal) T x (c+T) product, and the
+  CPU flash kernel not at all; `attention_flops_noncausal` gives the full-product figure.
+- Weights are read once per step whatever the batch (the whole point of batching decode); the
+  embedding table is the exception: only the T rows looked up are read.
+- "kv_read" reads each sequence's cached context (c tokens, all layers); the new tokens' K/V come
+  from activations and are counted once in "kv_write".
+- "lm_head" runs only for tokens whose logits are needed: one per sequence in the engine.
+- int8 means weight-only quantisation: linear weights in decoder layers are 1 byte per parameter
+  plus one scale per output channel (activation dtype); embeddings, norms and lm_head stay in the
+  activation dtype; matmuls run in the activation dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from servescope.analysis.hardware import DTYPE_BYTES, DTYPES
+from servescope.config import ModelConfig
+from servescope.errors import InvalidParameterError
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+LINEAR_OPS = ("qkv_proj", "attn_out_proj", "mlp", "lm_head")
+OP_NAMES = ("embedding", "qkv_proj", "attention", "kv_write", "kv_read", "attn_out_proj", "mlp",
+            "norms_rope_misc", "lm_head")
+
+# Rough per-element FLOP costs of the small elementwise ops (they never dominate).
+_RMSNORM_FLOPS = 4  # square, sum, scale by rsqrt, multiply by weight
+_ROPE_FLOPS = 3  # two multiplies and an add per element
+_SILU_MUL_FLOPS = 5  # x * sigmoid(x) * up
+_SOFTMAX_FLOPS = 5  # max, subtract, exp, sum, divide per score
+
+
+# --------------------------------------------------------------------------- dtypes and sizes
+
+def resolve_dtypes(weight_dtype: str, act_dtype: Optional[str] = None,
+                   kv_dtype: Optional[str] = None) -> tuple[str, str, str]:
+    """(weight, activation, kv) dtypes. Activations default to the weight dtype (bfloat16 for int8);
+    the KV cache defaults to the activation dtype."""
+    if weight_dtype not in DTYPES:
+        raise InvalidParameterError("weight_dtype", f"weight dtype must be one of {', '.join(DTYPES)}, got {weight_dtype!r}")
+    act = act_dtype or ("bfloat16" if weight_dtype == "int8" else weight_dtype)
+    kv = kv_dtype or act
+    if act not in FLOAT_DTYPES:
+        raise InvalidParameterError("act_dtype", f"activation dtype must be one of {', '.join(FLOAT_DTYPES)}, got {act!r}")
+    if kv not in FLOAT_DTYPES:
+        raise InvalidParameterError("kv_dtype", f"KV cache dtype must be one of {', '.join(FLOAT_DTYPES)}, got {kv!r}")
+    return weight_dtype, act, kv
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bfloat16") -> int:
+    """K and V for one token in every layer: 2 * L * Hkv * D * bytes (Llama-3-8B bf16: 131072)."""
+    if kv_dtype not in FLOAT_DTYPES:
+        raise InvalidParameterError("kv_dtype", f"KV cache dtype must be one of {', '.join(FLOAT_DTYPES)}, got {kv_dtype!r}")
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DTYPE_BYTES[kv_dtype]
+
+
+def _linear_weight_bytes(out_features: int, in_features: int, wdt: str, adt: str, bias: bool = False) -> int:
+    """One nn.Linear's weight bytes; int8 adds one scale per output channel in the activation dtype."""
+    n = out_features * in_features * DTYPE_BYTES[wdt]
+    if wdt == "int8":
+        n += out_features * DTYPE_BYTES[adt]
+    if bias:
+        n += out_features * DTYPE_BYTES[adt if wdt == "int8" else wdt]
+    return n
+
+
+def dense_dtype(wdt: str, adt: str) -> str:
+    """Embeddings, norms and lm_head stay unquantised: the activation dtype under int8."""
+    return adt if wdt == "int8" else wdt
+
+
+def _layer_linear_bytes(cfg: ModelConfig, wdt: str, adt: str) -> dict[str, int]:
+    d, i = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "qkv_proj": _linear_weight_bytes(cfg.q_size + 2 * cfg.kv_size, d, wdt, adt, cfg.attention_bias),
+        "attn_out_proj": _linear_weight_bytes(d, cfg.q_size, wdt, adt),
+        "mlp": 2 * _linear_weight_bytes(i, d, wdt, adt) + _linear_weight_bytes(d, i, wdt, adt),
+    }
+
+
+def _norm_weight_elems_per_layer(cfg: ModelConfig) -> int:
+    return 2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
+
+
+def weight_bytes(cfg: ModelConfig, weight_dtype: str = "bfloat16", act_dtype: Optional[str] = None) -> int:
+    """Bytes of all parameters (tied embeddings counted once). For float dtypes this is
+    cfg.num_parameters() * bytes; for int8 see the module docstring."""
+    wdt, adt, _ = resolve_dtypes(weight_dtype, act_dtype)
+    eb = DTYPE_BYTES[dense_dtype(wdt, adt)]
+    per_layer = sum(_layer_linear_bytes(cfg, wdt, adt).values()) + _norm_weight_elems_per_layer(cfg) * eb
+    emb = cfg.vocab_size * cfg.hidden_size * eb * (1 if cfg.tie_word_embeddings else 2)
+    return cfg.num_hidden_layers * per_layer + emb + cfg.hidden_size * eb
+
+
+# --------------------------------------------------------------------------- FLOP counts
+
+def matmul_flops(cfg: ModelConfig, num_tokens: int, num_logits: Optional[int] = None) -> dict[str, int]:
+    """Linear-layer FLOPs (2*M*N*K per matmul) for `num_tokens` tokens through every layer and
+    `num_logits` rows through lm_head (default: all tokens, as a plain HF forward computes).
+    Equals what FlopCounterMode counts for aten.mm/addmm in such a forward."""
+    T = int(num_tokens)
+    n_logits = T if num_logits is None else int(num_logits)
+    L, d, i = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
+    return {
+        "qkv_proj": 2 * T * d * (cfg.q_size + 2 * cfg.kv_size) * L,
+        "attn_out_proj": 2 * T * cfg.q_size * d * L,
+        "mlp": 2 * T * 3 * d * i * L,
+        "lm_head": 2 * n_logits * d * cfg.vocab_size,
+    }
+
+
+def check_seqs(seqs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    out = []
+    for s in seqs:
+        n, c = int(s[0]), int(s[1])
+        if n < 1 or c < 0:
+            raise InvalidParameterError("seqs", f"each sequence needs >= 1 new token and >= 0 context, got {tuple(s)}")
+        out.append((n, c))
+    if not out:
+        raise InvalidParameterError("seqs", "a step needs at least one sequence")
+    return out
+
+
+def attended_keys(num_new: int, context_before: int) -> int:
+    """Sum over the new tokens of the keys each attends to, causally: sum_{p=c}^{c+n-1} (p + 1)."""
+    n, c = num_new, context_before
+    return n * c + n * (n + 1) // 2
+
+
+def attention_flops(cfg: ModelConfig, seqs: Sequence[tuple[int, int]]) -> int:
+    """QK^T + PV FLOPs, counted exactly causally (see module docstring)."""
+    keys = sum(attended_keys(n, c) for n, c in check_seqs(seqs))
+    return 4 * cfg.num_attention_heads * cfg.head_dim * keys * cfg.num_hidden_layers
+
+
+def attention_flops_noncausal(cfg: ModelConfig, seqs: Sequence[tuple[int, int]]) -> int:
+    """What a counter sees when every new token is scored against all c + n keys (eager attention,
+    SDPA on CUDA under FlopCounterMode): 4*H*D*n*(c+n) per sequence per layer."""
+    keys = sum(n * (c + n) for n, c in check_seqs(seqs))
+    return 4 * cfg.num_attention_heads * cfg.head_dim * keys * cfg.num_hidden_layers
+
+
+# --------------------------------------------------------------------------- one step's op groups
+
+def step_op_counts(cfg: ModelConfig, seqs: Sequence[tuple[int, int]], wdt: str, adt: str, kdt: str,
+                   n_logits: int) -> list[tuple[str, int, int, int]]:
+    """(name, FLOPs, activation and KV bytes, weight bytes) of each op group of one step over checked
+    `seqs`, in OP_NAMES order: weight, activation and KV dtypes resolved; `n_logits` rows through
+    lm_head."""
+    ab, eb = DTYPE_BYTES[adt], DTYPE_BYTES[dense_dtype(wdt, adt)]
+    L, d, i, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    H, q, kv = cfg.num_attention_heads, cfg.q_size, cfg.kv_size
+    T = sum(n for n, _ in seqs)
+    keys = sum(attended_keys(n, c) for n, c in seqs)
+    attn_flops = 4 * H * cfg.head_dim * L * keys  # = attention_flops(cfg, seqs), from the keys counted once
+    context = sum(c for _, c in seqs)
+    mm = matmul_flops(cfg, T, n_logits)
+    lin_w = _layer_linear_bytes(cfg, wdt, adt)
+    kv_tok = kv_cache_bytes_per_token(cfg, kdt)
+
+    # (name, flops, activation/KV bytes, weight bytes)
+    raw = [
+        # only the T looked-up rows of the table are read; T*d activations are written
+        ("embedding", 0, T * d * ab, T * d * eb),
+        # read x [T, d], write q, k, v [T, q + 2kv]
+        ("qkv_proj", mm["qkv_proj"], L * T * (d + q + 2 * kv) * ab, L * lin_w["qkv_proj"]),
+        # read q and the new k, v [T, q + 2kv], write out [T, q]; cached K/V are in kv_read
+        ("attention", attn_flops, L * T * (2 * q + 2 * kv) * ab, 0),
+        ("kv_write", 0, T * kv_tok, 0),
+        ("kv_read", 0, context * kv_tok, 0),
+        # read attn [T, q], write [T, d]
+        ("attn_out_proj", mm["attn_out_proj"], L * T * (q + d) * ab, L * lin_w["attn_out_proj"]),
+        # gate and up each read x [T, d] and write [T, i]; down reads [T, i], writes [T, d]
+        ("mlp", mm["mlp"], L * T * (3 * d + 3 * i) * ab, L * lin_w["mlp"]),
+    ]
+    # Small ops: 2 RMSNorms + 2 residual adds + RoPE (+ q/k norm, + bias adds) per layer, SiLU*up,
+    # softmax (fused in SDPA: FLOPs only), and the final norm.
+    qk = q + kv
+    misc_flops = L * (2 * _RMSNORM_FLOPS * T * d + 2 * T * d + _ROPE_FLOPS * T * qk
+                      + _SILU_MUL_FLOPS * T * i + _SOFTMAX_FLOPS * H * keys)
+    misc_bytes = L * (2 * 2 * T * d + 2 * 3 * T * d + 2 * T * qk + 3 * T * i) * ab
+    if cfg.qk_norm:
+        misc_flops += L * _RMSNORM_FLOPS * T * qk
+        misc_bytes += L * 2 * T * qk * ab
+    if cfg.attention_bias:
+        misc_flops += L * T * (q + 2 * kv)
+    misc_flops += _RMSNORM_FLOPS * T * d
+    misc_bytes += 2 * T * d * ab
+    misc_w = (L * _norm_weight_elems_per_layer(cfg) + d) * eb
+    raw.append(("norms_rope_misc", misc_flops, misc_bytes, misc_w))
+    # read the selected hidden rows [n_logits, d], write logits [n_logits, V]; the full table is read
+    raw.append(("lm_head", mm["lm_head"], n_logits * (d + V) * ab, V * d * eb))
+    return raw
