@@ -19,8 +19,13 @@ import statistics
 import time
 from typing import Callable, Optional, Sequence
 
+import torch
+
+from servescope.analysis.presets import load_preset
 from servescope.bench.datasets import BenchRequest
+from servescope.bench.latency import latency_prompts
 from servescope.bench.offline import throughput_figures
+from servescope.loader.source import resolve_model_path
 
 LLAMA_CPP_INSTALL = (
     'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AMX_INT8=OFF '
@@ -36,8 +41,6 @@ def hf_model_source(model: Optional[str]) -> dict:
     """How transformers loads the model servescope calls `model`: from_pretrained kwargs or a config."""
     if model and model.startswith("random:"):
         return {"kind": "random", "preset": model[len("random:"):]}
-    from servescope.loader.source import resolve_model_path
-
     path = resolve_model_path(model)
     if os.path.isdir(path):
         return {"kind": "dir", "path": path}
@@ -51,14 +54,13 @@ def load_hf_model(model: Optional[str], dtype: str = "float32"):
     `accelerate`); an HF directory loads directly; `random:PRESET` builds the preset's config with
     random weights (timing only).
     """
-    import torch
+    # lazy: the transformers model classes take 1 s to import (after torch), paid only by the runs
+    # that ask for the hf baseline
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tdtype = getattr(torch, dtype)
     src = hf_model_source(model)
     if src["kind"] == "random":
-        from servescope.analysis.presets import load_preset
-
         d = load_preset(src["preset"]).to_hf_dict()
         cfg = AutoConfig.for_model(d.pop("model_type"), **d)
         hf = AutoModelForCausalLM.from_config(cfg, dtype=tdtype)
@@ -82,8 +84,6 @@ def _pad_id(hf) -> int:
 
 def hf_generate_batch(hf, prompts: Sequence[Sequence[int]], new_tokens: int):
     """One left-padded greedy batch producing exactly `new_tokens` tokens per row; returns [B, new]."""
-    import torch
-
     pad = _pad_id(hf)
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -99,8 +99,6 @@ def hf_generate_batch(hf, prompts: Sequence[Sequence[int]], new_tokens: int):
 
 
 def hf_warm_up(hf, vocab_size: int) -> None:
-    import torch
-
     g = torch.Generator().manual_seed(12345)
     hf_generate_batch(hf, torch.randint(0, vocab_size, (2, 16), generator=g).tolist(), 4)
 
@@ -131,8 +129,6 @@ def run_hf_throughput(hf, requests: Sequence[BenchRequest], batch_size: int = 16
 def run_hf_latency(hf, batch_size: int, input_len: int, output_len: int, vocab_size: int, iters: int = 3,
                    seed: int = 0, warmup: bool = True) -> dict:
     """TTFT = generate(max_new_tokens=1); decode = (time(out) - time(1)) / (out - 1) per step."""
-    from servescope.bench.latency import latency_prompts
-
     if warmup:
         w = latency_prompts(batch_size, input_len, output_len, vocab_size, seed + 10_000)
         hf_generate_batch(hf, [r.prompt for r in w], min(output_len, 4))
@@ -169,6 +165,7 @@ def run_hf_latency(hf, batch_size: int, input_len: int, output_len: int, vocab_s
 def llama_cpp_missing_reason() -> Optional[str]:
     """None when llama_cpp imports; otherwise a message saying how to install it."""
     try:
+        # lazy: llama-cpp-python is an optional baseline, not a dependency; importing it is the test
         import llama_cpp  # noqa: F401
     except Exception as e:  # ImportError, or a broken shared library (OSError)
         return (f"llama-cpp-python is not usable here ({type(e).__name__}: {e}); it compiles from source "
@@ -180,14 +177,12 @@ def llama_cpp_gguf_path(model: Optional[str]) -> Optional[str]:
     """The GGUF file llama.cpp can run for `model` (None when the model is not a GGUF)."""
     if model and model.startswith("random:"):
         return None
-    from servescope.loader.source import resolve_model_path
-
     path = resolve_model_path(model)
     return path if os.path.isfile(path) and path.lower().endswith(".gguf") else None
 
 
 def load_llama_cpp(gguf_path: str, n_ctx: int, threads: int):
-    from llama_cpp import Llama
+    from llama_cpp import Llama  # lazy: an optional baseline (llama_cpp_missing_reason says how to get it)
 
     return Llama(model_path=gguf_path, n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
                  verbose=False)
@@ -226,8 +221,6 @@ def run_llama_cpp_throughput(llm, requests: Sequence[BenchRequest],
 def run_llama_cpp_latency(llm, input_len: int, output_len: int, vocab_size: int, iters: int = 3,
                           seed: int = 0, warmup: bool = True) -> dict:
     """Batch 1 only: TTFT and decode rate of one request."""
-    from servescope.bench.latency import latency_prompts
-
     if warmup:
         w = latency_prompts(1, input_len, output_len, vocab_size, seed + 10_000)[0]
         _llama_cpp_one(llm, w.prompt, min(output_len, 4))

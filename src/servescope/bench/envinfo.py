@@ -11,6 +11,8 @@ import importlib.metadata
 import os
 import platform
 
+import torch
+
 from servescope.analysis.probe import cpu_model
 
 
@@ -34,9 +36,7 @@ def cpu_flags(wanted=("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", 
 
 
 def environment_info() -> dict:
-    """Machine, versions and date (UTC, ISO 8601). Imports torch (the benchmarks need it anyway)."""
-    import torch
-
+    """Machine, versions and date (UTC, ISO 8601)."""
     info = {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         "machine": {

@@ -27,7 +27,11 @@ import statistics
 import time
 from typing import Callable, Optional, Sequence
 
+import torch
+
+from servescope.analysis.probe import measure_read_bandwidth
 from servescope.bench.datasets import random_requests
+from servescope.config import SamplingParams
 
 PHASES = ("prefill", "decode", "mixed")
 
@@ -84,11 +88,6 @@ def paired_decode_bandwidth(llm, batch_size: int, input_len: int, output_len: in
     over those the memory could have streamed in the same seconds at the rate read around them.
     The samples sit between steps, never inside one; a decode step re-reads all weights from memory
     (they do not fit in the caches), so a sample does not change what the next step has to fetch."""
-    import torch
-
-    from servescope.analysis.probe import measure_read_bandwidth
-    from servescope.config import SamplingParams
-
     engine = llm.engine
     buf = torch.ones(num_bytes // 4, dtype=torch.float32)  # ones: every page touched before timing
 
@@ -130,8 +129,6 @@ def run_engine_latency(llm, batch_size: int, input_len: int, output_len: int, it
                        measure_bandwidth: Optional[bool] = None) -> dict:
     """Time `iters` batches through a servescope LLM. `hardware`: a HardwareSpec for the roofline.
     measure_bandwidth: sample the read bandwidth around the iterations (default: on the CPU)."""
-    from servescope.config import SamplingParams
-
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -146,8 +143,6 @@ def run_engine_latency(llm, batch_size: int, input_len: int, output_len: int, it
 
     def sample_bandwidth():
         if measure_bandwidth:
-            from servescope.analysis.probe import measure_read_bandwidth
-
             bw_samples.append(measure_read_bandwidth(runs=3))
 
     runs, all_steps = [], []

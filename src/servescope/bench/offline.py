@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from typing import Optional, Sequence, Union
 
 from servescope.bench.datasets import BenchRequest, random_requests
+from servescope.config import SamplingParams
+from servescope.telemetry.trace import write_chrome_trace
 
 Length = Union[int, tuple]
 
@@ -93,8 +95,6 @@ def _median(xs):
 
 def warm_up_engine(llm, vocab_size: int, seed: int = 12345) -> None:
     """Two short requests through the whole path (allocations, thread pools, first-call kernel choice)."""
-    from servescope.config import SamplingParams
-
     reqs = random_requests(2, 16, 4, vocab_size=vocab_size, seed=seed)
     llm.generate([r.prompt for r in reqs], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
 
@@ -105,8 +105,6 @@ def run_engine_throughput(llm, requests: Sequence[BenchRequest], progress: bool 
     `llm` is a servescope LLM. The returned dict also holds `_outputs` and `_steps` (not JSON) for
     trace export; callers drop keys starting with '_' before serialising.
     """
-    from servescope.config import SamplingParams
-
     engine = llm.engine
     first_step = len(engine.step_records)
     preempt0 = engine.scheduler.num_preemptions
@@ -143,10 +141,7 @@ def public(d: dict) -> dict:
 
 
 def write_trace(path: str, steps, outputs) -> Optional[str]:
-    """Write a Chrome trace through servescope.telemetry.trace when it exists; return why not otherwise."""
-    try:
-        from servescope.telemetry.trace import write_chrome_trace
-    except ImportError as e:
-        return f"trace export is not available in this build ({e})"
+    """Write a Chrome trace through servescope.telemetry.trace; the result is why it could not (None:
+    every build has the exporter now; callers keep printing a reason when there is one)."""
     write_chrome_trace(path, steps, outputs)
     return None

@@ -95,6 +95,8 @@ def load_tokenizer(source: Union[TokenizerSource, str]) -> Tokenizer:
 
 
 def _load_hf_tokenizer(source: TokenizerSource):
+    # lazy: AutoTokenizer takes 4.5 s to import here, and an engine on random weights (the tests, the
+    # benchmarks' random: models) or the CLI's --help never loads a tokenizer
     from transformers import AutoTokenizer
 
     where = os.path.join(source.path, source.gguf_file) if source.gguf_file else source.path
@@ -122,7 +124,7 @@ def _cache_dir_for(gguf_path: str) -> Optional[str]:
         return None
     root = root or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "servescope")
     try:
-        import transformers
+        import transformers  # lazy as in _load_hf_tokenizer (its only caller): already imported there
 
         st = os.stat(gguf_path)
         key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
