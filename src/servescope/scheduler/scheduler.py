@@ -138,14 +138,34 @@ class Scheduler:
         The token budget never splits a request's KV: allocation precedes the budget charge, and
         a request gets blocks only for tokens it is scheduled for.
         """
-        kv = self.kv_manager
         token_budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledSequence] = {}  # insertion order = order chosen
         preempted: list[str] = []
         finished: list[Request] = self._finished_to_report
         self._finished_to_report = []
+        token_budget = self._schedule_running(token_budget, scheduled, preempted, finished)
+        if not preempted:
+            self._schedule_waiting(token_budget, scheduled, finished)
 
-        # 1. running requests
+        seqs = list(scheduled.values())
+        seqs = [s for s in seqs if not s.is_prefill] + [s for s in seqs if s.is_prefill]
+        num_prefill = sum(s.num_new_tokens for s in seqs if s.is_prefill)
+        num_total = sum(s.num_new_tokens for s in seqs)
+        return SchedulerOutput(
+            scheduled=seqs,
+            total_num_scheduled_tokens=num_total,
+            num_prefill_tokens=num_prefill,
+            num_decode_tokens=num_total - num_prefill,
+            preempted_request_ids=preempted,
+            finished_requests=finished,
+            num_waiting=len(self._waiting),
+            num_running=len(self._running),
+        )
+
+    def _schedule_running(self, token_budget: int, scheduled: dict, preempted: list, finished: list) -> int:
+        """Step 1 of schedule(): the running requests, preempting when blocks run out. Fills the step's
+        `scheduled`, `preempted` and `finished`; returns the token budget left."""
+        kv = self.kv_manager
         i = 0
         while i < len(self._running) and token_budget > 0:
             req = self._running[i]
@@ -181,47 +201,36 @@ class Scheduler:
                 scheduled[req.request_id] = self._make_seq(req, start, num_new)
                 token_budget -= num_new
                 i += 1
+        return token_budget
 
-        # 2. waiting requests
-        if not preempted:
-            while self._waiting and token_budget > 0 and len(self._running) < self.config.max_num_seqs:
-                req = self._waiting[0]
-                if kv.num_blocks_for(req.num_tokens) > kv.num_blocks:
-                    self._waiting.pop(0)
-                    self._finish_outgrown(req)
-                    finished.append(req)
-                    continue
-                computed_blocks, num_cached = kv.get_computed_blocks(req)
-                num_new = req.num_tokens - num_cached
-                if num_new > token_budget and not self.config.enable_chunked_prefill:
-                    break
-                num_new = min(num_new, token_budget)
-                if not kv.allocate_slots(req, num_new, computed_blocks, num_cached):
-                    break
+    def _schedule_waiting(self, token_budget: int, scheduled: dict, finished: list) -> int:
+        """Step 2 of schedule(): admit waiting requests in order until one does not fit. Fills the
+        step's `scheduled` and `finished`; returns the token budget left."""
+        kv = self.kv_manager
+        while self._waiting and token_budget > 0 and len(self._running) < self.config.max_num_seqs:
+            req = self._waiting[0]
+            if kv.num_blocks_for(req.num_tokens) > kv.num_blocks:
                 self._waiting.pop(0)
-                self._running.append(req)
-                req.status = RequestStatus.RUNNING
-                req.num_computed_tokens = num_cached
-                req.num_cached_tokens = num_cached
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = self._clock()
-                scheduled[req.request_id] = self._make_seq(req, num_cached, num_new)
-                token_budget -= num_new
-
-        seqs = list(scheduled.values())
-        seqs = [s for s in seqs if not s.is_prefill] + [s for s in seqs if s.is_prefill]
-        num_prefill = sum(s.num_new_tokens for s in seqs if s.is_prefill)
-        num_total = sum(s.num_new_tokens for s in seqs)
-        return SchedulerOutput(
-            scheduled=seqs,
-            total_num_scheduled_tokens=num_total,
-            num_prefill_tokens=num_prefill,
-            num_decode_tokens=num_total - num_prefill,
-            preempted_request_ids=preempted,
-            finished_requests=finished,
-            num_waiting=len(self._waiting),
-            num_running=len(self._running),
-        )
+                self._finish_outgrown(req)
+                finished.append(req)
+                continue
+            computed_blocks, num_cached = kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_cached
+            if num_new > token_budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, token_budget)
+            if not kv.allocate_slots(req, num_new, computed_blocks, num_cached):
+                break
+            self._waiting.pop(0)
+            self._running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            req.num_cached_tokens = num_cached
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = self._clock()
+            scheduled[req.request_id] = self._make_seq(req, num_cached, num_new)
+            token_budget -= num_new
+        return token_budget
 
     def _make_seq(self, req: Request, start: int, num_new: int) -> ScheduledSequence:
         return ScheduledSequence(
