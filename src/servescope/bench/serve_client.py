@@ -139,21 +139,7 @@ async def send_request(
                 if usage and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])  # the last one reported wins
 
-    error = ""
-    try:
-        if timeout_s is None:
-            await consume()
-        else:
-            await asyncio.wait_for(consume(), timeout_s)
-    except _RequestFailed as e:
-        error = str(e)
-    except asyncio.TimeoutError:
-        error = f"timed out after {timeout_s} s"
-    except httpx.HTTPError as e:
-        error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    except Exception as e:  # a benchmark records every failure and carries on
-        logger.exception("unexpected error in benchmark request")
-        error = f"{type(e).__name__}: {e}"
+    error = await _failure_of(consume, timeout_s)
     if not error and not pieces:
         error = "no content chunk received (cannot measure TTFT)"
 
@@ -174,6 +160,25 @@ async def send_request(
 
 class _RequestFailed(Exception):
     """A request failed in a way the server told us about (status, error event, bad stream)."""
+
+
+async def _failure_of(consume: Callable[[], Any], timeout_s: float | None) -> str:
+    """Await consume() (within timeout_s); what went wrong as one line, or "" when nothing did."""
+    try:
+        if timeout_s is None:
+            await consume()
+        else:
+            await asyncio.wait_for(consume(), timeout_s)
+    except _RequestFailed as e:
+        return str(e)
+    except asyncio.TimeoutError:
+        return f"timed out after {timeout_s} s"
+    except httpx.HTTPError as e:
+        return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    except Exception as e:  # a benchmark records every failure and carries on
+        logger.exception("unexpected error in benchmark request")
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 async def run_serve_benchmark_async(
