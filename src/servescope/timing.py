@@ -16,7 +16,7 @@ def median_seconds(fn: Callable[[], object], runs: int, warmup: int = 1, cuda: b
         fn()
     times = []
     if cuda:
-        import torch
+        import torch  # lazy: analysis/ uses this module and must import without torch
 
         torch.cuda.synchronize()
         for _ in range(runs):

@@ -15,7 +15,8 @@ from tiny_models import make_tiny_hf_model  # noqa: E402
 
 from servescope.errors import ModelLoadError  # noqa: E402
 from servescope.loader.gguf import reverse_llama_permute  # noqa: E402
-from servescope.loader.source import expected_tensor_shapes, load_model_source  # noqa: E402
+from servescope.loader.checkpoint import expected_tensor_shapes  # noqa: E402
+from servescope.loader.source import load_model_source  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 

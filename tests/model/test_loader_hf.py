@@ -12,7 +12,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import FAMILIES, make_tiny_hf_model  # noqa: E402
 
 from servescope.errors import ModelLoadError  # noqa: E402
-from servescope.loader.source import expected_tensor_shapes, load_model_source, resolve_model_path  # noqa: E402
+from servescope.loader.checkpoint import expected_tensor_shapes  # noqa: E402
+from servescope.loader.source import load_model_source, resolve_model_path  # noqa: E402
 
 FAMILY_ARCH = {"llama": "llama", "llama_plain": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 

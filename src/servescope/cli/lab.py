@@ -78,7 +78,7 @@ def hardware_spec(name: str) -> HardwareSpec:
     engine.local_hardware, imported only for it: that imports torch, 2 s, where a whole `explain` on
     a datasheet spec takes 0.5 s."""
     if canonical_hardware_name(name) == LOCAL_CPU:
-        from servescope.engine.local_hardware import resolve_hardware
+        from servescope.engine.local_hardware import resolve_hardware  # lazy: torch, 2 s (see above)
 
         return resolve_hardware(name)
     return get_hardware(name)

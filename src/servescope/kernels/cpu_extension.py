@@ -12,6 +12,8 @@ import os
 import threading
 import time
 
+from torch.utils.cpp_extension import load as load_ext
+
 logger = logging.getLogger(__name__)
 
 BASE_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
@@ -48,8 +50,6 @@ class CpuExtension:
             flags = cpu_flags()
             if os.environ.get("SERVESCOPE_CPU_KERNELS", "1") != "0" and _REQUIRED <= flags:
                 try:
-                    from torch.utils.cpp_extension import load as load_ext
-
                     cflags = BASE_CFLAGS + self.extra_cflags
                     if "avx512_bf16" in flags:
                         cflags.append("-mavx512bf16")

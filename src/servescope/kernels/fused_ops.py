@@ -19,6 +19,7 @@ from servescope.kernels import cpu_ops
 
 def _fused():
     try:
+        # lazy and optional: triton may be missing, and importing it costs ~0.35 s of a CPU start-up
         from servescope.kernels import triton_fused
     except ImportError:
         return None

@@ -23,9 +23,13 @@ import os
 
 import torch
 
+from servescope.timing import median_seconds
+
 try:
     import triton
     import triton.language as tl
+
+    from servescope.kernels.triton_attention import num_sms
 except Exception:  # triton missing or broken: TritonLinear is not used
     triton = None
     tl = None
@@ -116,8 +120,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, con
     if not w.is_contiguous():
         raise ValueError("gemv: the weight must be contiguous")
     if config is None:
-        from servescope.kernels.triton_attention import num_sms
-
         config = default_config(m, n, k, num_sms(x.device))
     cfg = config
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -147,8 +149,6 @@ class TritonLinear(torch.nn.Module):
 def seconds_per_call(fn, calls: int = 3, reps: int = 5) -> float:
     """Median seconds of one fn() over `reps` timed loops of `calls` calls (CUDA events on a GPU; the
     host clock in the interpreter, where only the code path matters)."""
-    from servescope.timing import median_seconds
-
     return median_seconds(lambda: [fn() for _ in range(calls)], reps, cuda=torch.cuda.is_available()) / calls
 
 

@@ -14,12 +14,15 @@ import logging
 import os
 import re
 
+import gguf
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
 from servescope.config import ModelConfig, RopeScaling
 from servescope.errors import InvalidParameterError, ModelLoadError
-from servescope.loader.source import LoadedSource, check_state_dict
+from servescope.loader.checkpoint import LoadedSource, check_state_dict
 from servescope.tokenizer.source import TokenizerSource
 
 logger = logging.getLogger(__name__)
@@ -70,10 +73,6 @@ def reverse_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def load_gguf(path: str) -> LoadedSource:
     """Read a .gguf file into a LoadedSource. Raises ModelLoadError naming the file on any problem."""
-    try:
-        import gguf
-    except ImportError as e:  # pragma: no cover - gguf is a dependency
-        raise ModelLoadError(f"{path}: reading GGUF files needs the `gguf` package (pip install gguf)") from e
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # corrupt header, truncated metadata, random bytes
@@ -217,9 +216,6 @@ def _rope_scaling(meta: _Metadata, reader, head_dim: int, path: str):
 
 
 def _read_tensors(reader, config: ModelConfig, arch: str, path: str) -> dict:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
     file_size = os.path.getsize(path)
     state_dict = {}
     for t in reader.tensors:

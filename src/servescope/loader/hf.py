@@ -13,9 +13,11 @@ import logging
 import os
 from typing import Optional
 
+from safetensors import safe_open
+
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError, ModelLoadError
-from servescope.loader.source import LoadedSource, check_state_dict, to_float32
+from servescope.loader.checkpoint import LoadedSource, check_state_dict, to_float32
 from servescope.tokenizer.source import TokenizerSource
 
 logger = logging.getLogger(__name__)
@@ -87,8 +89,6 @@ def weight_files(path: str) -> list[str]:
 
 
 def _read_weights(path: str) -> dict:
-    from safetensors import safe_open
-
     state_dict = {}
     for file in weight_files(path):
         try:

@@ -66,20 +66,3 @@ class AttentionBackend:
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, H, D]; k, v [T, Hkv, D] (this step's, already stored) -> out [T, H, D]."""
         raise NotImplementedError
-
-
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` picks Triton on CUDA when it imports, else the torch reference."""
-    from servescope.model.attention.torch_ref import TorchAttentionBackend
-
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchAttentionBackend()
-    try:
-        from servescope.model.attention.triton_backend import TritonAttentionBackend
-    except ImportError as e:  # triton missing: only an error when asked for explicitly
-        if name == "triton":
-            raise RuntimeError(f"attention backend 'triton' is not available: {e}") from e
-        return TorchAttentionBackend()
-    return TritonAttentionBackend()
-
-

@@ -14,6 +14,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from servescope.kernels import cpu_ops
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
@@ -205,8 +206,6 @@ def _sdpa_backends(device: torch.device):
     global _GPU_BACKENDS
     if device.type != "cuda":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     if _GPU_BACKENDS is None:
         _GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     return sdpa_kernel(_GPU_BACKENDS)
