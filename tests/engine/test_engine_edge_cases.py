@@ -164,3 +164,15 @@ def test_bad_sampling_params(kw, param):
     with pytest.raises(InvalidParameterError) as e:
         SamplingParams(**kw)
     assert e.value.param == param
+
+
+def test_with_config_shares_weights_not_state(smollm2_llm):
+    first = smollm2_llm.engine
+    other = first.with_config(num_kv_blocks=32, max_model_len=512)
+    assert other.model is first.model and other.tokenizer is first.tokenizer
+    assert other.executor is not first.executor and other.runner.kv_caches is not first.runner.kv_caches
+    assert other.cache_config.num_blocks == 32 and other.max_model_len == 512
+    assert other.config.max_num_seqs == first.config.max_num_seqs  # the settings not given are kept
+    for kw in (dict(dtype="bfloat16"), dict(quantization="int8"), dict(model="random:smollm2-135m")):
+        with pytest.raises(EngineConfigError, match="with_config cannot change"):
+            first.with_config(**kw)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 from typing import Optional, Sequence, Union
 
+from tqdm import tqdm
+
 from servescope.config import EngineConfig, SamplingParams
 from servescope.engine.llm_engine import LLMEngine
 from servescope.engine.outputs import RequestOutput
@@ -84,8 +86,6 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
-            from tqdm import tqdm
-
             bar = tqdm(total=len(ids), desc="requests", unit="req", dynamic_ncols=True)
         try:
             while len(final) < len(ids):

@@ -34,6 +34,9 @@ STEP_HISTORY = 100_000  # step records kept in memory (a few hundred bytes each)
 
 
 class LLMEngine:
+    """One model's engine: `add_request`, then `step` until `has_unfinished` is false. Not thread-safe
+    (AsyncEngine drives it from one thread). Built from an EngineConfig or its flat keyword arguments."""
+
     def __init__(self, config: Optional[EngineConfig] = None, **kwargs):
         # `_shared=engine` is the old spelling of engine.with_config, accepted (off the signature)
         # until labs/common.py calls with_config; then this line goes
@@ -60,7 +63,7 @@ class LLMEngine:
         self.runner, self.kv_manager, self.scheduler = parts.runner, parts.kv_manager, parts.scheduler
         self.sampler, self.eos_token_ids = parts.sampler, loaded.eos_token_ids
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len,
-                                      self.scheduler.finish_request)
+                                       self.scheduler.finish_request)
         # the no-KV-cache baseline: each step's KV is dropped, so the next step recomputes it all
         self.recompute_kv = parts.config.cache.no_kv_cache
         self.step_records: collections.deque = collections.deque(maxlen=STEP_HISTORY)
