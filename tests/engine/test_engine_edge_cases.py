@@ -176,3 +176,24 @@ def test_with_config_shares_weights_not_state(smollm2_llm):
     for kw in (dict(dtype="bfloat16"), dict(quantization="int8"), dict(model="random:smollm2-135m")):
         with pytest.raises(EngineConfigError, match="with_config cannot change"):
             first.with_config(**kw)
+
+
+def test_skip_tokenizer_init_takes_token_ids_only(tmp_path):
+    """No tokenizer is loaded (the tiny checkpoint has no tokenizer files): token ids in and out, and a
+    text prompt is refused with a clear error, nothing queued."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "model"))
+    from tiny_models import make_tiny_hf_model
+
+    from servescope import LLM
+
+    path = make_tiny_hf_model(tmp_path, "llama_plain", vocab_size=512, with_tokenizer=False)
+    llm = LLM(model=str(path), skip_tokenizer_init=True, num_kv_blocks=16, max_model_len=64)
+    assert llm.engine.tokenizer is None
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4 and out[0].outputs[0].text == ""
+    with pytest.raises(InvalidParameterError, match="no tokenizer"):
+        llm.engine.add_request("text", "hello", SamplingParams())
+    assert not llm.engine.has_unfinished()

@@ -68,12 +68,10 @@ def _generate_comparing(llm, prompts, sp) -> dict:
 ])
 def test_decode_plan_matches_module_path_bit_for_bit(tmp_path, monkeypatch, family, head_dim, dtype, quant):
     from servescope import LLM, SamplingParams
-    import servescope.tokenizer
 
     path = make_tiny_hf_model(tmp_path, family, vocab_size=512, with_tokenizer=False, head_dim=head_dim,
                               num_hidden_layers=3)
-    monkeypatch.setattr(servescope.tokenizer, "load_tokenizer", lambda source: None)  # token ids in and out
-    llm = LLM(model=str(path), dtype=dtype, quantization=quant, num_kv_blocks=64, max_model_len=256)
+    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype=dtype, quantization=quant, num_kv_blocks=64, max_model_len=256)
     ex = llm.engine.runner.executor
     assert ex.decode_plan is not None
     rows = ex.decode_plan_max_rows
@@ -92,11 +90,9 @@ def test_decode_plan_matches_module_path_bit_for_bit(tmp_path, monkeypatch, fami
 def test_decode_plan_limited_to_the_int8_gemv(tmp_path, monkeypatch):
     """int8 above 16 rows: the modules (eager dequantisation), not the plan."""
     from servescope import LLM, SamplingParams
-    import servescope.tokenizer
 
     path = make_tiny_hf_model(tmp_path, "llama_plain", vocab_size=512, with_tokenizer=False)
-    monkeypatch.setattr(servescope.tokenizer, "load_tokenizer", lambda source: None)
-    llm = LLM(model=str(path), quantization="int8", num_kv_blocks=64, max_model_len=64)
+    llm = LLM(model=str(path), skip_tokenizer_init=True, quantization="int8", num_kv_blocks=64, max_model_len=64)
     prompts = [[(i * 5 + j) % 500 + 3 for i in range(4)] for j in range(17)]
     calls = _generate_comparing(llm, prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert calls == {}, calls
@@ -104,10 +100,8 @@ def test_decode_plan_limited_to_the_int8_gemv(tmp_path, monkeypatch):
 
 def test_decode_plan_not_built_without_the_extension(tmp_path, monkeypatch):
     from servescope import LLM
-    import servescope.tokenizer
 
     path = make_tiny_hf_model(tmp_path, "llama_plain", vocab_size=512, with_tokenizer=False)
-    monkeypatch.setattr(servescope.tokenizer, "load_tokenizer", lambda source: None)
     monkeypatch.setattr(cpu_ops._EXT, "mod", None)
-    llm = LLM(model=str(path), num_kv_blocks=16, max_model_len=64)
+    llm = LLM(model=str(path), skip_tokenizer_init=True, num_kv_blocks=16, max_model_len=64)
     assert llm.engine.runner.executor.decode_plan is None

@@ -39,6 +39,9 @@ class LoadConfig:
     cuda_graph_batch_sizes: tuple = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     num_threads: Optional[int] = None
     seed: int = 0  # of the random init of "random:<preset>" models
+    # no tokenizer: prompts and outputs are token ids only (vLLM's name; a checkpoint without tokenizer
+    # files, or a test that needs none)
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self):
         _require(self.dtype in _DTYPES + ("auto",),

@@ -121,7 +121,7 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
         model_config, path = src.config, src.path
         model = build_model(src.config, src.state_dict, dtype, device,
                             max_positions=max(max_pos or 0, src.config.max_position_embeddings))
-        tokenizer = load_tokenizer(src.tokenizer_source)
+        tokenizer = None if load.skip_tokenizer_init else load_tokenizer(src.tokenizer_source)
     executor = ModelExecutor.prepare(model, device, load.quantization, load.gpu_linear)
     return LoadedModel(config, executor, model_config, tokenizer, path, time.perf_counter() - t0)
 
