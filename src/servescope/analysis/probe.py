@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from servescope.analysis.hardware import LOCAL_CPU, HardwareSpec
+from servescope.analysis.spec import LOCAL_CPU, HardwareSpec
 from servescope.timing import median_seconds
 
 logger = logging.getLogger(__name__)

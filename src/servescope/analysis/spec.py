@@ -1,0 +1,105 @@
+"""What a hardware spec holds (HardwareSpec): peak dense FLOP/s per dtype, memory bandwidth and capacity, from vendor datasheets.
+
+Conventions (every spec follows them, so that predictions are comparable):
+- `peak_flops[dtype]` is the dense matmul peak (no 2:4 sparsity). NVIDIA datasheets print the
+  with-sparsity figure with an asterisk; the dense figure is half of it. "float32" is plain FP32
+  (CUDA cores), not TF32: PyTorch leaves TF32 matmul off by default.
+- `memory_bandwidth` is bytes/s from the vendor's decimal GB/s or TB/s (1 GB/s = 1e9 B/s).
+- `memory_bytes` is the capacity in the unit the vendor prints. NVIDIA and AMD print "GB" and we take
+  it as 1e9 bytes; the physical HBM is larger (an "80GB" part shows ~80 GiB in nvidia-smi), so plans
+  made against these numbers are slightly conservative.
+- `step_overhead_s` / `layer_overhead_s`: fixed time the runtime spends per step and per layer
+  outside the roofline (kernel launches, Python). Zero for datasheet specs; an engine may calibrate
+  them (see `HardwareSpec.replace`) and the cost model adds them to every step.
+- `linear_rates`: {weight dtype: [[rows M, weight bytes per second], ...]}, how fast the engine's own
+  linear-layer kernels get through their weights at M rows (measured by the local probe, empty for
+  datasheet specs). A matmul of few rows is neither at the bandwidth nor at the peak: the cost model
+  takes the slower of the roofline and this measured rate (`kernel_seconds` of an op).
+- `decode_attention_flops`: {activation dtype: FLOP/s} of the engine's paged decode-attention
+  kernel with its data in cache (measured by the local probe): one query per sequence against its
+  cached keys does a few FLOPs per byte and reaches a fraction of the matmul peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from servescope.errors import InvalidParameterError
+
+LOCAL_CPU = "local-cpu"  # the name of the spec the local probe measures
+
+DTYPES = ("float32", "bfloat16", "float16", "int8")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """What one accelerator (or the local CPU) can do, as the cost model sees it."""
+
+    name: str
+    kind: str  # "gpu" or "cpu"
+    peak_flops: dict = field(default_factory=dict)  # dtype -> dense FLOP/s
+    memory_bandwidth: float = 0.0  # bytes/s
+    memory_bytes: int = 0
+    notes: str = ""
+    source: str = ""
+    step_overhead_s: float = 0.0  # added once per step
+    layer_overhead_s: float = 0.0  # added once per decoder layer per step
+    linear_rates: dict = field(default_factory=dict)  # weight dtype -> [[M, weight bytes/s], ...], M ascending
+    decode_attention_flops: dict = field(default_factory=dict)  # activation dtype -> FLOP/s of decode attention
+
+    def linear_rate(self, weight_dtype: str, rows: int):
+        """Weight bytes/s of the measured linear kernel at `rows` rows (log-log interpolation between
+        measured points), or None outside the measured range or without a table for the dtype."""
+        pts = self.linear_rates.get(weight_dtype)
+        if not pts or rows < pts[0][0] or rows > pts[-1][0]:
+            return None
+        for (m0, r0), (m1, r1) in zip(pts, pts[1:]):
+            if m0 <= rows <= m1:
+                if m1 == m0:
+                    return float(r0)
+                f = math.log(rows / m0) / math.log(m1 / m0)
+                return float(math.exp(math.log(r0) + f * (math.log(r1) - math.log(r0))))
+        return float(pts[0][1])  # a single-point table
+
+    def __post_init__(self):
+        if self.kind not in ("gpu", "cpu"):
+            raise InvalidParameterError("hardware", f"kind must be 'gpu' or 'cpu', got {self.kind!r}")
+        missing = [d for d in DTYPES if d not in self.peak_flops]
+        if missing:
+            raise InvalidParameterError("hardware", f"{self.name}: peak_flops lacks {', '.join(missing)}")
+        if any(v <= 0 for v in self.peak_flops.values()) or self.memory_bandwidth <= 0 or self.memory_bytes <= 0:
+            raise InvalidParameterError("hardware", f"{self.name}: peaks, bandwidth and memory must be positive")
+        if self.step_overhead_s < 0 or self.layer_overhead_s < 0:
+            raise InvalidParameterError("hardware", f"{self.name}: overheads must be >= 0")
+        for dt, pts in self.linear_rates.items():
+            ms = [p[0] for p in pts]
+            if not pts or any(m < 1 for m in ms) or ms != sorted(ms) or any(p[1] <= 0 for p in pts):
+                raise InvalidParameterError("hardware", f"{self.name}: linear_rates[{dt!r}] must be "
+                                            "[[M >= 1, bytes/s > 0], ...] with M ascending")
+        if any(v <= 0 for v in self.decode_attention_flops.values()):
+            raise InvalidParameterError("hardware", f"{self.name}: decode_attention_flops must be positive")
+
+    def flops(self, dtype: str) -> float:
+        """Peak dense FLOP/s for matmuls whose inputs are `dtype`."""
+        if dtype not in self.peak_flops:
+            raise InvalidParameterError("dtype", f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+        return float(self.peak_flops[dtype])
+
+    def ridge_point(self, dtype: str) -> float:
+        """Arithmetic intensity (FLOP/byte) above which a kernel is compute-bound."""
+        return self.flops(dtype) / self.memory_bandwidth
+
+    def replace(self, **kw) -> "HardwareSpec":
+        return dataclasses.replace(self, **kw)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HardwareSpec":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
