@@ -14,12 +14,13 @@ import random
 
 from servescope.analysis.cost_model import critical_batch_size
 from servescope.labs.common import (
-    LabOptions, LabResult, LabSession, act_dtype_name, blocks_for, context_line, lab_hardware, md_table, median,
-    new_figure, random_prompt, rel_error, run_to_completion, save_figure, warm_up, write_report,
+    LabOptions, LabResult, LabSession, act_dtype_name, blocks_for, context_line, interleaved, lab_hardware,
+    md_table, median, new_figure, random_prompt, rel_error, run_to_completion, save_figure, warm_up, write_report,
 )
 
 PROMPT_LEN = 32
 DECODE_STEPS = 8
+QUICK_ROUNDS = 3  # quick mode: interleaved repeats of every batch size
 
 
 def batch_sizes(quick: bool) -> list:
@@ -32,29 +33,40 @@ def overhead_fit(measured: list, predicted: list) -> float:
     return max(measured[0] - predicted[0], 0.0)
 
 
-def run(opts: LabOptions, session: LabSession) -> LabResult:
+def measure(opts: LabOptions, session: LabSession) -> tuple:
+    """(engine, {batch: [the decode StepRecords where all `batch` sequences decode]})."""
     sizes = batch_sizes(opts.quick)
-    steps = 3 if opts.quick else DECODE_STEPS
     max_b = max(sizes)
     engine = session.engine(max_num_seqs=max_b, max_num_batched_tokens=max(max_b * PROMPT_LEN, 1024),
-                            num_kv_blocks=max_b * blocks_for(PROMPT_LEN + steps + 1, margin=1) + 8,
-                            max_model_len=PROMPT_LEN + steps + 16)
-    hw = lab_hardware(opts, engine)
-    cfg = engine.model_config
+                            num_kv_blocks=max_b * blocks_for(PROMPT_LEN + DECODE_STEPS + 1, margin=1) + 8,
+                            max_model_len=PROMPT_LEN + DECODE_STEPS + 16)
     rng = random.Random(opts.seed)
     warm_up(engine, rng)
+    vocab = engine.model_config.vocab_size
+
+    def decode(b, rnd):
+        prompts = [random_prompt(rng, PROMPT_LEN, vocab) for _ in range(b)]
+        _, recs = run_to_completion(engine, prompts, DECODE_STEPS + 1, f"b{b}r{rnd}-")
+        return [r for r in recs if r.phase == "decode" and r.num_decode_seqs == b]
+
+    by_b = interleaved(sizes, QUICK_ROUNDS if opts.quick else 1, decode)
+    return engine, {b: sum(runs, []) for b, runs in by_b.items()}
+
+
+def run(opts: LabOptions, session: LabSession) -> LabResult:
+    engine, by_b = measure(opts, session)
+    sizes = list(by_b)
+    hw = lab_hardware(opts, engine)
+    cfg = engine.model_config
     rows, meas, pred = [], [], []
-    for b in sizes:
-        prompts = [random_prompt(rng, PROMPT_LEN, cfg.vocab_size) for _ in range(b)]
-        _, recs = run_to_completion(engine, prompts, steps + 1, f"b{b}-")
-        dec = [r for r in recs if r.phase == "decode" and r.num_decode_seqs == b]
+    for b, dec in by_b.items():
         m, p = median([r.wall_seconds for r in dec]), median([r.predicted_seconds for r in dec])
         meas.append(m)
         pred.append(p)
         bound = dec[len(dec) // 2].bound if dec else "-"
         rows.append([b, len(dec), m, p, bound])
     overhead = overhead_fit(meas, pred)
-    crit = critical_batch_size(cfg, hw, act_dtype_name(opts), PROMPT_LEN + steps // 2)
+    crit = critical_batch_size(cfg, hw, act_dtype_name(opts), PROMPT_LEN + DECODE_STEPS // 2)
     table = []
     for (b, n, m, p, bound) in rows:
         table.append([b, n, m * 1e3, p * 1e3, (p + overhead) * 1e3, 100 * rel_error(p + overhead, m),
@@ -86,10 +98,12 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     summary = {"batch_sizes": sizes, "measured_step_s": meas, "predicted_step_s": pred,
                "fitted_overhead_s": overhead, "critical_batch_size": crit,
                "tokens_per_s": [b / m for b, m in zip(sizes, meas)],
-               "step_time_ratio_b4_vs_b1": flat, "step_time_ratio_max_vs_b1": meas[-1] / meas[0]}
+               "step_time_ratio_b4_vs_b1": flat, "step_time_ratio_max_vs_b1": meas[-1] / meas[0],
+               "bounds": [r[4] for r in rows]}
     sections = [
         ("Setup", context_line(opts, engine, hw) + f"\n\nEach batch: {PROMPT_LEN}-token random prompts, greedy, "
-         f"{steps + 1} output tokens; the median of the steps where all sequences decode."),
+         f"{DECODE_STEPS + 1} output tokens; the median of the steps where all sequences decode"
+         + (f", over {QUICK_ROUNDS} interleaved rounds." if opts.quick else ".")),
         ("Results", md_table(["batch", "steps", "measured ms", "predicted ms", "predicted+residual ms",
                               "error %", "measured tok/s", "predicted tok/s", "bound (model)"], table)),
         ("What it shows",

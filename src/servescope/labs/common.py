@@ -32,7 +32,9 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LabOptions:
     out: Path  # the directory the report, plots and results.json go to
-    quick: bool = False  # tiny sizes (tests, smoke runs): the plot shows the mechanics, not the effect
+    # small sizes (tests, smoke runs): seconds on a tiny model, yet large enough, and repeated enough,
+    # that each lab's effect shows there (tests/labs assert it); on a real model the plots stay rough
+    quick: bool = False
     model: Optional[str] = None  # None: the embedded SmolLM2-135M
     dtype: str = "float32"
     threads: Optional[int] = None  # torch threads (None: torch's default)
@@ -65,8 +67,10 @@ class LabSession:
 
     def engine(self, **config_overrides) -> LLMEngine:
         o = self.opts
+        # no tokenizer: the labs feed and read token ids (loading SmolLM2's costs 5 s here); no prefix
+        # cache: random prompts share nothing, and a hit would shorten a measured prefill
         settings = {"model": o.model, "dtype": o.dtype, "num_threads": o.threads, "hardware": o.hardware,
-                    "seed": o.seed, "enable_prefix_caching": False, **config_overrides}
+                    "seed": o.seed, "enable_prefix_caching": False, "skip_tokenizer_init": True, **config_overrides}
         cfg = EngineConfig(**settings)
         key = (cfg.model, cfg.dtype, cfg.device)
         if key not in self._loaded:
@@ -121,6 +125,17 @@ def warm_up(engine, rng: random.Random, prompt_len: int = 32, batch: int = 2, ma
     """One small run so that first-call costs (allocator, thread pool, kernel choice) are paid."""
     vocab = engine.model_config.vocab_size
     run_to_completion(engine, [random_prompt(rng, prompt_len, vocab) for _ in range(batch)], max_tokens, "warm")
+
+
+def interleaved(points: Sequence, rounds: int, measure: Callable) -> dict:
+    """{point: [measure(point, round) for each round]}, the points measured in turn `rounds` times
+    (1, 2, ..., n, then again): a slow or fast phase of a shared machine lasts seconds, long enough
+    to bias every run of one point if its runs came one after another."""
+    out = {p: [] for p in points}
+    for rnd in range(rounds):
+        for p in points:
+            out[p].append(measure(p, rnd))
+    return out
 
 
 def seqs_of(rec) -> Optional[list]:

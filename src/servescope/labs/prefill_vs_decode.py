@@ -15,16 +15,20 @@ import random
 from servescope.analysis.roofline import attainable_flops
 from servescope.labs.common import (
     LabOptions, LabResult, LabSession, act_dtype_name, blocks_for, context_line, lab_hardware, md_table, median,
-    new_figure, plot_roofline_legend, random_prompt, run_to_completion, save_figure, warm_up, write_report,
+    interleaved, new_figure, plot_roofline_legend, random_prompt, run_to_completion, save_figure, warm_up,
+    write_report,
 )
 
 DECODE_CONTEXT = 32
+DECODE_STEPS = 6  # decode steps per batch size and round (the median is taken)
+QUICK_ROUNDS = 3  # quick mode: interleaved repeats of every point
 
 
 def sizes(quick: bool) -> tuple:
-    """(prefill prompt lengths, decode batch sizes)."""
+    """(prefill prompt lengths, decode batch sizes). Quick: one prefill on each side of the ridge of a
+    tiny model's roofline, and two batches."""
     if quick:
-        return [16, 48], [1, 4]
+        return [16, 128], [1, 4]
     return [64, 128, 256, 512, 1024], [1, 4, 16, 64]
 
 
@@ -39,35 +43,43 @@ def step_point(recs: list) -> dict:
             "bound": recs[len(recs) // 2].bound, "tokens": recs[0].num_tokens}
 
 
-def run(opts: LabOptions, session: LabSession) -> LabResult:
+def measure(opts: LabOptions, session: LabSession) -> tuple:
+    """(engine, points): the prefill points (one prompt per step) then the decode points (a batch of
+    DECODE_CONTEXT-token prompts, every sequence decoding), each a step_point dict."""
     lens, batches = sizes(opts.quick)
     max_b, max_len = max(batches), max(lens)
-    dec_steps = 3 if opts.quick else 6
     tokens = max(max_len, max_b * DECODE_CONTEXT)
     engine = session.engine(max_num_seqs=max_b, max_num_batched_tokens=max(tokens, 1024),
                             enable_chunked_prefill=False, max_model_len=max_len + 16,
                             num_kv_blocks=max(blocks_for(max_len + 16),
-                                              max_b * blocks_for(DECODE_CONTEXT + dec_steps + 1, margin=1)) + 8)
-    hw = lab_hardware(opts, engine)
-    dt = act_dtype_name(opts)
+                                              max_b * blocks_for(DECODE_CONTEXT + DECODE_STEPS + 1, margin=1)) + 8)
     rng = random.Random(opts.seed)
     warm_up(engine, rng)
     vocab = engine.model_config.vocab_size
-    points = []
-    for n in lens:
-        recs = []
-        for _ in range(1 if n >= 512 or opts.quick else 2):
-            _, rr = run_to_completion(engine, [random_prompt(rng, n, vocab)], 1, f"p{n}-")
-            recs += [r for r in rr if r.phase == "prefill"]
-        points.append({"phase": "prefill", "label": f"prefill {n}", "size": n, **step_point(recs)})
-    for b in batches:
-        prompts = [random_prompt(rng, DECODE_CONTEXT, vocab) for _ in range(b)]
-        _, rr = run_to_completion(engine, prompts, dec_steps + 1, f"d{b}-")
-        recs = [r for r in rr if r.phase == "decode" and r.num_decode_seqs == b]
-        points.append({"phase": "decode", "label": f"decode b={b}", "size": b, **step_point(recs)})
+    # full mode: two runs of a prompt below 512 tokens, one above; quick: QUICK_ROUNDS of each
+    runs = (lambda n: QUICK_ROUNDS) if opts.quick else (lambda n: 1 if n >= 512 else 2)
 
-    roof = plot_roofline_legend(hw, [(p["label"], p["intensity"], p["flops_per_s"]) for p in points],
-                                opts.out / "roofline.png", dt, f"Achieved FLOP/s of engine steps on {hw.name} ({dt})")
+    def prefill(n, rnd):
+        if rnd >= runs(n):
+            return []
+        _, rr = run_to_completion(engine, [random_prompt(rng, n, vocab)], 1, f"p{n}-")
+        return [r for r in rr if r.phase == "prefill"]
+
+    def decode(b, rnd):
+        prompts = [random_prompt(rng, DECODE_CONTEXT, vocab) for _ in range(b)]
+        _, rr = run_to_completion(engine, prompts, DECODE_STEPS + 1, f"d{b}r{rnd}-")
+        return [r for r in rr if r.phase == "decode" and r.num_decode_seqs == b]
+
+    rounds = QUICK_ROUNDS if opts.quick else 1
+    pre = interleaved(lens, max(runs(n) for n in lens), prefill)
+    dec = interleaved(batches, rounds, decode)
+    points = [{"phase": "prefill", "label": f"prefill {n}", "size": n, **step_point(sum(pre[n], []))} for n in lens]
+    points += [{"phase": "decode", "label": f"decode b={b}", "size": b, **step_point(sum(dec[b], []))}
+               for b in batches]
+    return engine, points
+
+
+def _plot_rates(points: list, hw, dt: str, path) -> object:
     fig, (ax1, ax2) = new_figure(2)
     for phase, marker in (("prefill", "o-"), ("decode", "s-")):
         pts = [p for p in points if p["phase"] == phase]
@@ -85,7 +97,16 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
         ax.legend(fontsize=8)
     ax1.set_title("Compute: prefill approaches the peak")
     ax2.set_title("Bandwidth: decode approaches the peak")
-    rates = save_figure(fig, opts.out / "achieved.png")
+    return save_figure(fig, path)
+
+
+def run(opts: LabOptions, session: LabSession) -> LabResult:
+    engine, points = measure(opts, session)
+    hw = lab_hardware(opts, engine)
+    dt = act_dtype_name(opts)
+    roof = plot_roofline_legend(hw, [(p["label"], p["intensity"], p["flops_per_s"]) for p in points],
+                                opts.out / "roofline.png", dt, f"Achieved FLOP/s of engine steps on {hw.name} ({dt})")
+    rates = _plot_rates(points, hw, dt, opts.out / "achieved.png")
 
     rows = [[p["label"], p["tokens"], p["wall_s"] * 1e3, p["predicted_s"] * 1e3, p["intensity"],
              p["flops_per_s"] / 1e9, p["bytes_per_s"] / 1e9,
@@ -97,8 +118,9 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     summary = {"points": points, "ridge_point": hw.ridge_point(dt), "peak_flops": hw.flops(dt),
                "memory_bandwidth": hw.memory_bandwidth}
     sections = [
-        ("Setup", context_line(opts, engine, hw) + f"\n\nPrefill: one random prompt per length, one step each "
-         f"(no chunking). Decode: batches of {DECODE_CONTEXT}-token prompts, median of {dec_steps} decode steps. "
+        ("Setup", context_line(opts, engine, hw) + f"\n\nPrefill: random prompts, one step each "
+         f"(no chunking). Decode: batches of {DECODE_CONTEXT}-token prompts, median of {DECODE_STEPS} decode steps"
+         + (f" in each of {QUICK_ROUNDS} interleaved rounds (prefills too). " if opts.quick else ". ") +
          "FLOPs and bytes are the cost model's counts for each step; rates = count / measured wall time."),
         ("Results", md_table(["step", "tokens", "measured ms", "predicted ms", "FLOP/B", "GFLOP/s", "GB/s",
                               "% of roofline", "bound (model)"], rows)),
