@@ -11,9 +11,12 @@ import numpy as np
 
 from servescope.analysis.cost_model import step_cost
 from servescope.labs.common import (
-    LabOptions, LabResult, LabSession, act_dtype_name, blocks_for, context_line, lab_hardware, md_table,
-    new_figure, random_prompt, rel_error, run_to_completion, save_figure, warm_up, write_report,
+    LabOptions, LabResult, LabSession, act_dtype_name, blocks_for, context_line, interleaved, lab_hardware,
+    md_table, median, new_figure, random_prompt, rel_error, run_to_completion, save_figure, warm_up, write_report,
 )
+
+
+QUICK_ROUNDS = 3  # quick mode: interleaved repeats of every length (medians)
 
 
 def prompt_lengths(quick: bool) -> list:
@@ -33,32 +36,46 @@ def quadratic_share(fit: tuple, n: float) -> float:
     return c * n * n / total if total else float("nan")
 
 
-def run(opts: LabOptions, session: LabSession) -> LabResult:
+def measure(opts: LabOptions, session: LabSession) -> tuple:
+    """(engine, {n: (TTFT s, prefill step s, predicted s)}), each the median over the rounds."""
     lens = prompt_lengths(opts.quick)
     max_len = max(lens) + 16
     engine = session.engine(max_num_seqs=2, enable_chunked_prefill=False, max_model_len=max_len,
                             max_num_batched_tokens=max_len, num_kv_blocks=blocks_for(max_len) + 8)
-    hw = lab_hardware(opts, engine)
-    dt = act_dtype_name(opts)
-    cfg = engine.model_config
     rng = random.Random(opts.seed)
     warm_up(engine, rng, prompt_len=64, batch=1)
+    vocab = engine.model_config.vocab_size
     # measure in a shuffled order: a drift in machine load over the run then adds noise to the fit
     # instead of bending it (ascending order would turn "the machine got quieter" into curvature)
     order = list(lens)
     random.Random(opts.seed).shuffle(order)
-    measured = {}
-    for n in order:
-        outs, recs = run_to_completion(engine, [random_prompt(rng, n, cfg.vocab_size)], 1, f"a{n}-")
+
+    def prefill(n, rnd):
+        outs, recs = run_to_completion(engine, [random_prompt(rng, n, vocab)], 1, f"a{n}r{rnd}-")
         pre = [r for r in recs if r.phase == "prefill"]
-        measured[n] = (outs[0].metrics.ttft, sum(r.wall_seconds for r in pre), sum(r.predicted_seconds for r in pre))
-    ttft, step_s, pred, attn_share = [], [], [], []
-    for n in lens:
-        ttft.append(measured[n][0])
-        step_s.append(measured[n][1])
-        pred.append(measured[n][2])
-        cost = step_cost(cfg, [(n, 0)], hw, dt, dt, dt, num_logits=1)
-        attn_share.append(cost.op("attention").seconds / cost.predicted_seconds)
+        return outs[0].metrics.ttft, sum(r.wall_seconds for r in pre), sum(r.predicted_seconds for r in pre)
+
+    runs = interleaved(order, QUICK_ROUNDS if opts.quick else 1, prefill)
+    return engine, {n: tuple(median([r[i] for r in runs[n]]) for i in range(3)) for n in lens}
+
+
+def attention_cost(cfg, n: int, hw, dt: str) -> tuple:
+    """(attention's share of the predicted prefill step of n tokens, attention FLOPs): the cost model's
+    per-op split."""
+    cost = step_cost(cfg, [(n, 0)], hw, dt, dt, dt, num_logits=1)
+    return cost.op("attention").seconds / cost.predicted_seconds, cost.op("attention").flops
+
+
+def run(opts: LabOptions, session: LabSession) -> LabResult:
+    lens = prompt_lengths(opts.quick)
+    engine, measured = measure(opts, session)
+    hw = lab_hardware(opts, engine)
+    dt = act_dtype_name(opts)
+    cfg = engine.model_config
+    ttft = [measured[n][0] for n in lens]
+    step_s = [measured[n][1] for n in lens]
+    pred = [measured[n][2] for n in lens]
+    attn_share, attn_flops = zip(*(attention_cost(cfg, n, hw, dt) for n in lens))
     fit = quadratic_fit(lens, ttft)
     pfit = quadratic_fit(lens, pred)
     n_max = max(lens)
@@ -89,11 +106,13 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     rows = [[n, t * 1e3, s * 1e3, p * 1e3, 100 * rel_error(p, s), 100 * sh, 100 * quadratic_share(fit, n)]
             for n, t, s, p, sh in zip(lens, ttft, step_s, pred, attn_share)]
     summary = {"prompt_lengths": lens, "ttft_s": ttft, "prefill_step_s": step_s, "predicted_s": pred,
-               "fit_a_b_c": fit, "predicted_fit_a_b_c": pfit, "attention_share_predicted": attn_share,
+               "fit_a_b_c": fit, "predicted_fit_a_b_c": pfit, "attention_share_predicted": list(attn_share),
+               "attention_flops": list(attn_flops),
                "quadratic_share_at_max": quadratic_share(fit, n_max)}
     sections = [
         ("Setup", context_line(opts, engine, hw) + "\n\nOne random prompt per length, prefilled in one step "
-         "(chunked prefill off), one output token; TTFT from the request's metrics (arrival to first token)."),
+         "(chunked prefill off), one output token; TTFT from the request's metrics (arrival to first token)"
+         + (f"; medians of {QUICK_ROUNDS} interleaved rounds." if opts.quick else ".")),
         ("Results", md_table(["prompt", "TTFT ms", "prefill step ms", "predicted ms", "error %",
                               "attention % (model)", "n² % (fit)"], rows)),
         ("Fit", f"Measured: TTFT = {a * 1e3:.2f} ms + {b * 1e6:.2f} µs·n + {c * 1e9:.4f} ns·n².\n\n"
