@@ -21,7 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from servescope.kernels import triton_gemv, triton_fused
-from servescope.model.attention import triton_kernels as tk
+from servescope.kernels import triton_attention as tk
 
 target = GPUTarget("cuda", 90, 32)
 FLOATS = {"eps", "scale_log2"}

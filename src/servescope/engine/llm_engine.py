@@ -38,11 +38,7 @@ class LLMEngine:
     (AsyncEngine drives it from one thread). Built from an EngineConfig or its flat keyword arguments."""
 
     def __init__(self, config: Optional[EngineConfig] = None, **kwargs):
-        # `_shared=engine` is the old spelling of engine.with_config, accepted (off the signature)
-        # until labs/common.py calls with_config; then this line goes
-        shared = kwargs.pop("_shared", None)
-        config = config or EngineConfig(**kwargs)
-        self._adopt(build_engine(config, shared=shared.loaded if shared is not None else None))
+        self._adopt(build_engine(config or EngineConfig(**kwargs)))
 
     @classmethod
     def from_parts(cls, parts: EngineParts) -> "LLMEngine":
