@@ -197,3 +197,25 @@ def test_skip_tokenizer_init_takes_token_ids_only(tmp_path):
     with pytest.raises(InvalidParameterError, match="no tokenizer"):
         llm.engine.add_request("text", "hello", SamplingParams())
     assert not llm.engine.has_unfinished()
+
+
+def test_with_config_longer_context_on_random_weights():
+    """A random-weight engine loaded with a short max_model_len shares its weights with one of a longer
+    context: the rotary tables cover the preset's whole context."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from servescope import LLMEngine
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+           "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+           "num_hidden_layers": 1, "vocab_size": 128, "max_position_embeddings": 512}
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "config.json"
+        path.write_text(json.dumps(cfg))
+        short = LLMEngine(model=f"random:{path}", max_model_len=64, num_kv_blocks=64, predict_step_cost=False)
+    long = short.with_config(max_model_len=400)
+    long.add_request("r", [1 + i % 100 for i in range(300)], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while long.has_unfinished():
+        long.step()

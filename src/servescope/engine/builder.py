@@ -114,7 +114,10 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     t0 = time.perf_counter()
     if load.model and load.model.startswith(RANDOM_PREFIX):
         model_config = load_preset(load.model[len(RANDOM_PREFIX):])
-        model = build_random_model(model_config, dtype, device, max_positions=max_pos, seed=load.seed)
+        # rotary tables for the preset's whole context (as for checkpoints below), so that an engine on
+        # these weights with a longer max_model_len (with_config) never indexes past them
+        model = build_random_model(model_config, dtype, device, seed=load.seed,
+                                   max_positions=max(max_pos or 0, model_config.max_position_embeddings))
         tokenizer, path = None, load.model
     else:
         src = load_model_source(load.model)
