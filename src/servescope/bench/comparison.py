@@ -27,9 +27,8 @@ OnSkip = Optional[Callable[[str, str], None]]  # (baseline, why it cannot run he
 
 
 def build_llm(cfg: EngineConfig) -> LLM:
-    """Our engine; torch's thread count is set first, because the baselines run in this process with it."""
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
+    """Our engine. Its builder sets torch's thread count (cfg.num_threads), which the baselines run
+    with too, since they run in this process after it."""
     return LLM.from_engine(LLMEngine(cfg))
 
 

@@ -71,7 +71,6 @@ class EngineParts:
 
     config: EngineConfig
     loaded: LoadedModel
-    executor: ModelExecutor  # loaded's, or a fork of it (an engine on shared weights)
     device: torch.device
     dtype: torch.dtype
     kv_dtype: torch.dtype
@@ -79,7 +78,7 @@ class EngineParts:
     kv_bytes_per_token: int
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
-    runner: ModelRunner
+    runner: ModelRunner  # its executor: loaded's, or a fork of it (an engine on shared weights)
     kv_manager: KVCacheManager
     scheduler: Scheduler
     sampler: Sampler
@@ -160,7 +159,7 @@ def build_engine(config: EngineConfig, shared: Optional[LoadedModel] = None) -> 
         cost = StepCostPredictor(cfg, device, dtype, kv_dtype, config.load.quantization, config.telemetry.hardware)
     capture_cuda_graphs(config, executor, runner, max_len)
     return EngineParts(
-        config=config, loaded=loaded, executor=executor, device=device, dtype=dtype, kv_dtype=kv_dtype, max_model_len=max_len,
+        config=config, loaded=loaded, device=device, dtype=dtype, kv_dtype=kv_dtype, max_model_len=max_len,
         kv_bytes_per_token=per_token, cache_config=cache_config, scheduler_config=scheduler_config,
         runner=runner, kv_manager=kv_manager, scheduler=Scheduler(scheduler_config, kv_manager),
         sampler=Sampler(cfg.vocab_size, eos_token_ids=loaded.eos_token_ids), cost=cost)

@@ -89,10 +89,11 @@ class ModelExecutor:
         return self.model.compute_logits(hidden)
 
     # ---------------------------------------------------------------- GPU choices
-    def _select_gpu_linear(self, mode: str) -> dict:
+    def _select_gpu_linear(self, mode: str, force: bool = False) -> dict:
         """Route the decode matmuls to the Triton GEMV (triton) or to whichever of it and cuBLAS is
-        faster per shape (auto); before CUDA graphs are captured, which then hold the choice."""
-        if mode == "cublas":
+        faster per shape (auto); before CUDA graphs are captured, which then hold the choice.
+        force: run the selection for "cublas" too (a switch back from an earlier choice)."""
+        if mode == "cublas" and not force:
             return {}
         if self.device.type != "cuda":
             logger.warning("gpu_linear=%s applies to CUDA devices only; ignored on %s (the CPU has its own "
@@ -101,7 +102,7 @@ class ModelExecutor:
         # lazy: importing triton costs ~0.35 s of every start-up (measured here), and only GPUs use it
         from servescope.kernels import triton_gemv
 
-        if not triton_gemv.AVAILABLE:
+        if not triton_gemv.AVAILABLE and mode != "cublas":
             raise EngineConfigError(f"gpu_linear={mode!r} needs triton, which is not available here")
         choice = triton_gemv.select(self.model, mode)
         logger.info("gpu_linear=%s: Triton GEMV for %d of %d (shape, M) cases", mode,
@@ -114,10 +115,9 @@ class ModelExecutor:
         if mode not in ("cublas", "triton", "auto"):
             raise EngineConfigError(f"gpu_linear must be cublas, triton or auto, got {mode!r}")
         if self.device.type != "cuda":
-            return self._select_gpu_linear(mode)
-        from servescope.kernels import triton_gemv  # lazy: see _select_gpu_linear
-
-        self.gpu_linear_choice = triton_gemv.select(self.model, mode)
+            return self._select_gpu_linear(mode)  # warns that it is ignored
+        # "cublas" too must undo an earlier choice: select() swaps TritonLinear modules back
+        self.gpu_linear_choice = self._select_gpu_linear(mode, force=True)
         if self.graphs is not None:
             sizes, max_blocks = self.graphs.batch_sizes, self.graphs.max_blocks_per_seq
             self.graphs = None  # frees the old graphs' pool before the new capture

@@ -50,7 +50,8 @@ class LLMEngine:
     def _adopt(self, parts: EngineParts) -> None:
         self.config = parts.config
         self.loaded = loaded = parts.loaded
-        self.executor, self.model = parts.executor, parts.executor.model
+        self.executor = parts.runner.executor
+        self.model = self.executor.model
         self.model_config, self.tokenizer, self.source_path = loaded.model_config, loaded.tokenizer, loaded.source_path
         self.load_seconds, self.weight_bytes = loaded.load_seconds, loaded.executor.weight_bytes
         self.device, self.dtype, self.kv_dtype = parts.device, parts.dtype, parts.kv_dtype
@@ -158,29 +159,29 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.outputs.begin_step(out, t0)
-        sampled = self._sample(out, self._execute(out))
+        rows = [i for i, s in enumerate(out.scheduled) if s.will_sample]  # whose next token is due
+        sampled = self._sample(out, rows, self._execute(out, rows))
         self.scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
         t1 = time.perf_counter()
         self.outputs.add_tokens(sampled, t1)  # may finish requests, which frees their blocks
         if self.recompute_kv:
             self._discard_kv(out)
-        self._record_step(out, t0, t1)
+        self._record_step(out, len(rows), t0, t1)
         return self.outputs.end_step()
 
-    def _execute(self, out: SchedulerOutput) -> Optional[torch.Tensor]:
-        """Logits [B, V] of the sequences whose next token is due (None for an empty step)."""
+    def _execute(self, out: SchedulerOutput, rows: list) -> Optional[torch.Tensor]:
+        """Logits [len(rows), V] of the scheduled sequences at `rows` (None for an empty step)."""
         if not out.scheduled:
             return None
-        rows = [i for i, s in enumerate(out.scheduled) if s.will_sample]
         # always run the model: a middle prefill chunk samples nothing but must write its KV
         logits = self.runner.execute(out.scheduled, rows)
         if not rows and self.device.type == "cuda":
             torch.cuda.synchronize()  # so that the step's wall time covers its GPU work
         return logits
 
-    def _sample(self, out: SchedulerOutput, logits: Optional[torch.Tensor]) -> dict:
-        """{sample id: SampledToken} of the sequences whose next token is due, in step order."""
-        rids = [s.request_id for s in out.scheduled if s.will_sample]
+    def _sample(self, out: SchedulerOutput, rows: list, logits: Optional[torch.Tensor]) -> dict:
+        """{sample id: SampledToken} of the scheduled sequences at `rows`, in step order."""
+        rids = [out.scheduled[i].request_id for i in rows]
         if not rids:
             return {}
         so = self.sampler(logits, [self.outputs.sampling_state(r) for r in rids])
@@ -192,7 +193,7 @@ class LLMEngine:
                 self.scheduler.discard_kv(seq.request.request_id)
 
     # ---------------------------------------------------------------- telemetry
-    def _record_step(self, out: SchedulerOutput, t0: float, t1: float) -> None:
+    def _record_step(self, out: SchedulerOutput, num_logits: int, t0: float, t1: float) -> None:
         self._step_counter += 1
         km = self.kv_manager
         ctx = [s.num_computed_tokens + s.num_new_tokens for s in out.scheduled]
@@ -207,7 +208,7 @@ class LLMEngine:
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_preemptions_total=self.scheduler.num_preemptions)
         if self._cost is not None and seqs:
-            self._cost.annotate(rec, seqs, num_logits=sum(1 for s in out.scheduled if s.will_sample))
+            self._cost.annotate(rec, seqs, num_logits=num_logits)
         self.step_records.append(rec)
         for fn in self.step_listeners:
             fn(rec)

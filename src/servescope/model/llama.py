@@ -145,11 +145,10 @@ class LlamaForCausalLM(nn.Module):
         tensor-parallel shards) walk this list and replace modules in place."""
         out = []
         for layer in self.model.layers:
-            for parent in (layer.self_attn, layer.mlp):
-                for name in ("qkv_proj", "o_proj") if parent is layer.self_attn else ("gate_up_proj", "down_proj"):
-                    out.append((parent, name, getattr(parent, name)))
-        out.append((self, "lm_head", self.lm_head))
-        return out
+            attn, mlp = layer.self_attn, layer.mlp
+            out += [(attn, "qkv_proj", attn.qkv_proj), (attn, "o_proj", attn.o_proj),
+                    (mlp, "gate_up_proj", mlp.gate_up_proj), (mlp, "down_proj", mlp.down_proj)]
+        return out + [(self, "lm_head", self.lm_head)]
 
     @staticmethod
     def fuse_checkpoint(state_dict: dict, num_layers: int) -> dict:
