@@ -64,3 +64,25 @@ def lenient_client(server):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=300, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
         yield c
+
+
+# ---- a tiny random model (with the SmolLM2 tokenizer) behind a real server: the dashboard's tests
+TINY_KEY = "sk-dashboard-test"
+
+
+@pytest.fixture(scope="session")
+def tiny_async_engine(tmp_path_factory):
+    from tiny_models import make_tiny_hf_model  # tests/model is on sys.path (tests/conftest.py)
+
+    path = make_tiny_hf_model(tmp_path_factory.mktemp("dash"), "llama_plain")
+    ae = AsyncEngine(LLMEngine(model=str(path), num_kv_blocks=96, block_size=8, max_model_len=256,
+                               max_num_seqs=8, max_num_batched_tokens=128))
+    yield ae
+    ae.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_async_engine):
+    s = LiveServer(build_app(tiny_async_engine, model_name="tiny", api_key=TINY_KEY)).start()
+    yield s
+    s.stop()

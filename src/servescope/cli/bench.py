@@ -107,6 +107,9 @@ def _add_serve_parser(bsub) -> None:
     s.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
     s.add_argument("--timeout", type=positive_float, default=600.0, help="per-request timeout in s")
     s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--dashboard", action="store_true",
+                   help="watch the server's /dashboard feed during the run (a headless reader; a browser "
+                        "is opened on a desktop) and report what it saw")
 
 
 def _add_workload_args(p, num_prompts: int, input_len: str, output_len: str) -> None:
@@ -166,12 +169,16 @@ def run_serve(args) -> int:
         if res.error_counts:
             con.print(f"[red]errors:[/red] {dict(res.error_counts)}")
 
+    viewer = _start_viewer(args) if args.dashboard else None
     results = sweep(
         args.sweep or [args.request_rate], args.base_url, model, point_requests, seed=args.seed,
         on_start=on_start, on_result=on_result, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, goodput=args.goodput, endpoint=endpoint, api_key=args.api_key,
         progress=not args.no_progress, ignore_eos=not args.no_ignore_eos,
         request_timeout_s=args.timeout, tokenizer=tok, percentiles=args.percentiles)
+    if viewer:
+        viewer.stop()
+        con.print(viewer.summary())
     if args.plot:
         plot_sweep(results, args.plot)
         con.print(f"plot written to {args.plot}")
@@ -181,3 +188,11 @@ def run_serve(args) -> int:
         write_json(args.json, data if args.sweep else data[0])
         con.print(f"results written to {args.json}")
     return 0 if all(r.completed for r in results) else 1
+
+
+def _start_viewer(args):
+    from servescope.bench.dashboard_viewer import DashboardViewer  # servescope.bench: see _length
+    from servescope.cli.live import announce_dashboard
+
+    announce_dashboard(args.base_url.rstrip("/") + "/dashboard")
+    return DashboardViewer(args.base_url, args.api_key).start()

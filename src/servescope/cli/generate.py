@@ -7,6 +7,7 @@ import contextlib
 import sys
 
 from servescope.cli.args import add_engine_args, add_sampling_args, engine_config_from_args, sampling_params_from_args
+from servescope.cli.live import DashboardRun, add_dashboard_args
 from servescope.cli.output import console, fmt_bytes
 from servescope.telemetry.trace import write_chrome_trace
 
@@ -17,6 +18,7 @@ def add_parser(sub) -> None:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (Perfetto) of the steps")
     g.add_argument("--steps", action="store_true", help="print every step record")
+    add_dashboard_args(g)
     add_engine_args(g)
     add_sampling_args(g)
 
@@ -131,15 +133,22 @@ def run_generate(a) -> int:
     if a.chat:
         text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
         prompt = engine.tokenizer.encode(text, add_special_tokens=False)
-    final, steps = stream_one(engine, prompt, params)
-    con.print()
-    for t in internals_summary(engine, final, steps):
-        con.print(t)
-    if a.steps:
-        con.print(step_table(steps))
-    if a.trace:
-        write_chrome_trace(a.trace, steps, [final])
-        con.print(f"trace written to {a.trace} (open it in https://ui.perfetto.dev)")
+    live = DashboardRun(engine, a.dashboard_port, a.model or "smollm2-135m", not a.no_browser) if a.dashboard else None
+    try:
+        final, steps = live.generate(prompt, params) if live else stream_one(engine, prompt, params)
+        con.print()
+        for t in internals_summary(engine, final, steps):
+            con.print(t)
+        if a.steps:
+            con.print(step_table(steps))
+        if a.trace:
+            write_chrome_trace(a.trace, steps, [final])
+            con.print(f"trace written to {a.trace} (open it in https://ui.perfetto.dev, or `servescope replay`)")
+        if live:
+            live.hold(a.dashboard_hold)
+    finally:
+        if live:
+            live.close()
     return 0
 
 

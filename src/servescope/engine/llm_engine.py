@@ -76,6 +76,11 @@ class LLMEngine:
         return LLMEngine.from_parts(build_engine(self.config.replace(**overrides), shared=self.loaded))
 
     @property
+    def step_cost_predictor(self):
+        """The cost model that annotates each StepRecord (None when prediction is off)."""
+        return self._cost
+
+    @property
     def gpu_linear_choice(self) -> dict:
         return self.executor.gpu_linear_choice
 

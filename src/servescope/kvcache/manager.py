@@ -38,6 +38,10 @@ class SequenceLike(Protocol):
     def num_tokens(self) -> int: ...
 
 
+# KVCacheManager.block_map() states
+BLOCK_FREE, BLOCK_USED, BLOCK_CACHED, BLOCK_EVICTABLE = 0, 1, 2, 3
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -90,6 +94,22 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return list(self._blocks.get(request_id, ()))
+
+    def block_map(self) -> tuple[list[int], list[str | None]]:
+        """Each block's state and first owner, for live views: (states, owners), both of length
+        num_blocks. States: BLOCK_FREE, BLOCK_USED (held, not findable), BLOCK_CACHED (held and in
+        the prefix cache, so a later request can share it), BLOCK_EVICTABLE (in the prefix cache,
+        held by nobody, reused last). owners[b] is a request id holding b (None when none does)."""
+        states = [BLOCK_FREE] * self.num_blocks
+        owners: list[str | None] = [None] * self.num_blocks
+        for rid, table in self._blocks.items():
+            for b in table:
+                if owners[b] is None:
+                    owners[b] = rid
+                states[b] = BLOCK_CACHED if self.prefix_cache.is_cached(b) else BLOCK_USED
+        for b in self.prefix_cache.evictable_blocks():
+            states[b] = BLOCK_EVICTABLE
+        return states, owners
 
     # -- prefix cache lookup ---------------------------------------------------------------
     def get_computed_blocks(self, request: SequenceLike) -> tuple[list[int], int]:

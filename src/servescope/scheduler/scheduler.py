@@ -66,6 +66,13 @@ class Scheduler:
         """True while a request waits, runs, or finished here and is not yet reported by schedule()."""
         return bool(self._waiting or self._running or self._finished_to_report)
 
+    def queues(self) -> dict:
+        """Request ids by queue, for live views: running (admission order), waiting (the order they
+        will be admitted in; preempted ones among them) and preempted (waiting to recompute)."""
+        waiting = [r.request_id for r in self._waiting]
+        preempted = [r.request_id for r in self._waiting if r.status is RequestStatus.PREEMPTED]
+        return {"running": [r.request_id for r in self._running], "waiting": waiting, "preempted": preempted}
+
     def get_request(self, request_id: str) -> Optional[Request]:
         return self._requests.get(request_id)
 

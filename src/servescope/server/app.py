@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics (Prometheus text, this app's own registry), GET /v1/internals?n=N (the last N step
-records and the KV cache state, read on the engine thread).
+records and the KV cache state, read on the engine thread), GET /dashboard and its feed
+GET /v1/internals/stream (server/dashboard.py).
 
 Several apps may share one AsyncEngine (e.g. with different max_queue); each keeps its own metrics.
 """
@@ -18,7 +19,9 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from servescope.engine.async_engine import AsyncEngine
+from servescope.server.dashboard import install_dashboard
 from servescope.server.errors import error_response, install_error_handlers, to_api_error
+from servescope.server.internals_stream import EngineSource
 from servescope.server.metrics import CONTENT_TYPE, ServerMetrics
 from servescope.server.middleware import GuardMiddleware
 from servescope.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -59,6 +62,7 @@ def build_app(async_engine: AsyncEngine, model_name: str = "servescope",
     app.state.async_engine = async_engine
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, max_body_bytes=max_body_bytes, api_key=api_key)
+    install_dashboard(app, EngineSource(async_engine, model_name))  # /dashboard, /v1/internals/stream
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -1,0 +1,109 @@
+"""LiveView: snapshots of a running LLMEngine for the dashboard, read on the engine thread.
+
+The engine does nothing for viewers while it steps: a step only adds its token counts to two
+totals (`on_step`, a step listener: a few additions). A snapshot (`frame`) is taken between steps
+when the server asks for one (a few times a second while someone watches) and holds the step
+records since the previous snapshot (at most `max_steps` of them, the newest), the KV cache's block
+map, the queues and the latency histograms. Everything is plain JSON-ready data; strings that came
+from a request (prompt previews) are sent as data, never as markup: the page sets them as text.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Optional
+
+from servescope.telemetry.live import LatencyHistograms, step_event
+
+PREVIEW_TOKENS = 16  # prompt tokens decoded for a queue entry's preview
+MAX_QUEUE_ENTRIES = 64  # listed per queue (the counts are always complete)
+
+
+def _run_lengths(values: list) -> list:
+    """[[value, run length], ...] of a list (a block map's owners: runs of one request's blocks)."""
+    return [[v, len(list(g))] for v, g in itertools.groupby(values)]
+
+
+class LiveView:
+    def __init__(self, engine, histograms: Optional[LatencyHistograms] = None, max_steps: int = 500):
+        self.engine = engine
+        self.histograms = histograms or LatencyHistograms()
+        self.max_steps = max_steps
+        self.prefill_tokens = self.decode_tokens = 0  # since this view was attached
+        self._previews: dict = {}  # request id -> prompt preview (unfinished requests only)
+        engine.step_listeners.append(self.on_step)
+
+    def on_step(self, rec) -> None:
+        self.prefill_tokens += rec.num_prefill_tokens
+        self.decode_tokens += rec.num_decode_tokens
+
+    # ------------------------------------------------------------ engine thread
+    def frame(self, since_step: int) -> dict:
+        """The state now and the steps after `since_step` (engine thread, between steps)."""
+        engine = self.engine
+        recs = engine.step_records
+        last = recs[-1].step if recs else 0
+        # step numbers are consecutive: the newest max_steps after since_step, read from the end
+        newest = itertools.islice(reversed(recs), min(self.max_steps, max(0, last - since_step)))
+        kept = [r for r in newest if r.step > since_step][::-1]
+        return {
+            "time": round(time.perf_counter() - engine.start_time, 4),
+            "last_step": last,
+            "steps": [step_event(r, engine.start_time) for r in kept],
+            "steps_dropped": max(0, last - since_step - len(kept)),
+            "totals": {"prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens},
+            "kv": self._block_map(),
+            "kv_state": engine.kv_cache_state(),
+            "queues": self._queues(),
+            "latency": self.histograms.as_dict(),
+        }
+
+    def _block_map(self) -> dict:
+        km = self.engine.kv_manager
+        states, owners = km.block_map()
+        requests = sorted({o for o in owners if o is not None})
+        index = {rid: i for i, rid in enumerate(requests)}
+        counts = [0, 0, 0, 0]
+        for s in states:
+            counts[s] += 1
+        return {"num_blocks": km.num_blocks, "block_size": km.block_size,
+                "states": "".join(map(str, states)),
+                "owners": _run_lengths([-1 if o is None else index[o] for o in owners]),
+                "requests": requests,
+                "counts": dict(zip(("free", "used", "cached", "evictable"), counts))}
+
+    def _queues(self) -> dict:
+        sched = self.engine.scheduler
+        queues = sched.queues()
+        live = set(queues["running"]) | set(queues["waiting"])
+        self._previews = {rid: p for rid, p in self._previews.items() if rid in live}
+        out = {}
+        for name, ids in queues.items():
+            entries = []
+            for rid in ids[:MAX_QUEUE_ENTRIES]:
+                req = sched.get_request(rid)
+                if req is None:
+                    continue
+                entries.append({"id": rid, "prompt": self._preview(rid, req), "prompt_tokens": req.num_prompt_tokens,
+                                "output_tokens": req.num_output_tokens})
+            out[name] = {"count": len(ids), "entries": entries}
+        return out
+
+    def _preview(self, rid: str, req) -> str:
+        if rid not in self._previews:
+            tok = self.engine.tokenizer
+            ids = req.prompt_token_ids[:PREVIEW_TOKENS]
+            self._previews[rid] = tok.decode(ids) if tok is not None else " ".join(map(str, ids))
+        return self._previews[rid]
+
+    def hardware(self) -> Optional[dict]:
+        """The roofline the steps are predicted on: peak FLOP/s, bandwidth, ridge (None without the
+        cost model)."""
+        cost = self.engine.step_cost_predictor
+        if cost is None:
+            return None
+        hw = cost.hw
+        peak = hw.flops(cost.act_dtype)
+        return {"name": hw.name, "dtype": cost.act_dtype, "peak_flops": peak, "bandwidth": hw.memory_bandwidth,
+                "ridge": peak / hw.memory_bandwidth}
