@@ -5,7 +5,7 @@
 
 const MAX_STEPS = 600;      // steps kept for the timeline, roofline and usage charts
 const MAX_POINTS = 300;     // throughput samples kept (one per frame)
-const COLORS = { prefill: "#e8833a", decode: "#3a7de8", mixed: "#9b59b6", free: "#e6e8eb", evictable: "#d9c25a" };
+const COLORS = { prefill: "#e8833a", decode: "#3a7de8", mixed: "#9b59b6", free: "#e6e8eb", evictable: "#f1df8c" };
 
 const state = {
   info: null, steps: [], lastStep: 0, frame: null, rates: [], prev: null, dropped: 0,
@@ -148,9 +148,10 @@ function fmtMs(ms) {
 }
 
 function hue(id) {  // one stable colour per request id, the same in the block map and the queues
-  let h = 0;
-  for (let i = 0; i < id.length; i++) h = (h * 31 + id.charCodeAt(i)) >>> 0;
-  return "hsl(" + (h % 360) + ", 55%, 52%)";
+  let h = 2166136261;  // FNV-1a, then the golden angle: ids that differ in one digit look different
+  for (let i = 0; i < id.length; i++) h = Math.imul(h ^ id.charCodeAt(i), 16777619) >>> 0;
+  // hues 40..80 (yellows) are left to the evictable blocks
+  return "hsl(" + (80 + Math.round((h % 1000) * 137.508) % 320) % 360 + ", 60%, " + (42 + (h >> 10) % 15) + "%)";
 }
 
 function axes(ctx, x0, y0, x1, y1, xlabel, ylabel) {
@@ -168,7 +169,7 @@ function empty(ctx, w, h, text) {
 
 function lineChart(id, series, opts) {
   const { ctx, w, h } = canvas(id);
-  const L = 46, R = 8, T = 8, B = 18;
+  const L = 70, R = 8, T = 8, B = 18;
   const n = Math.max(...series.map(s => s.values.length), 0);
   if (n < 2) return empty(ctx, w, h, opts.empty || "waiting for data…");
   const ymax = opts.ymax || Math.max(1e-9, ...series.flatMap(s => s.values.filter(isFinite))) * 1.1;
@@ -188,7 +189,7 @@ function lineChart(id, series, opts) {
 // ---------------------------------------------------------------- panels
 function drawTimeline() {
   const { ctx, w, h } = canvas("c-timeline");
-  const L = 50, R = 8, T = 10, B = 30;
+  const L = 58, R = 8, T = 10, B = 30;
   const n = Math.min(state.steps.length, Math.max(20, Math.floor((w - L - R) / 4)));
   const steps = state.steps.slice(-n);
   if (!steps.length) return empty(ctx, w, h, "no steps yet: send the server a request");
@@ -238,7 +239,7 @@ function drawRoofline() {
     ctx.fillStyle = "#5b6475";
     ctx.fillText("← memory-bound", L + 4, T + 24);
     ctx.textAlign = "right"; ctx.fillText("compute-bound →", w - R - 4, T + 24);
-    ctx.fillText("peak " + fmt(hw.peak_flops, "FLOP/s") + ", " + fmt(hw.bandwidth, "B/s"), w - R - 4, Y(hw.peak_flops) - 4);
+    ctx.fillText("peak " + fmt(hw.peak_flops, "FLOP/s") + ", " + fmt(hw.bandwidth, "B/s"), w - R - 4, Y(hw.peak_flops) + 14);
   }
   pts.forEach((p, i) => {
     ctx.globalAlpha = 0.25 + 0.75 * (i + 1) / pts.length;
@@ -285,7 +286,7 @@ function fillQueue(name, q) {
     const rid = document.createElement("span"); rid.className = "rid"; rid.textContent = e.id;
     const tok = document.createElement("span"); tok.className = "tok";
     tok.textContent = e.prompt_tokens + " prompt · " + e.output_tokens + " out";
-    const pr = document.createElement("span"); pr.className = "prompt"; pr.textContent = JSON.stringify(e.prompt);
+    const pr = document.createElement("div"); pr.className = "prompt"; pr.textContent = e.prompt;
     li.title = e.id + ": " + e.prompt;
     li.append(rid, tok, pr);
     items.push(li);

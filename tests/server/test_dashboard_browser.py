@@ -1,0 +1,137 @@
+"""/dashboard in a real headless browser (Debian's chromium driven by Playwright): it loads without
+console errors, its panels move while a load runs, prompts with markup stay text, its block map
+counts equal /v1/internals, and it asks for the API key when it has none."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+
+from .conftest import API_KEY, TINY_KEY
+from .test_internals_stream import _load
+
+try:
+    from playwright.sync_api import sync_playwright
+except ImportError:  # optional: the tests say how to install it
+    sync_playwright = None
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None or sync_playwright is None,
+    reason="the browser tests need Chromium and Playwright: `apt-get install -y chromium` and "
+           "`pip install playwright` (make test installs both where apt is available)")
+
+EVIL = "<script>window.__pwned = 1</script><img src=x onerror=\"window.__pwned = 2\"> tell me"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as pw:
+        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+def _open(browser, url: str, key=None):
+    page = browser.new_page(viewport={"width": 1400, "height": 1300})
+    errors = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(f"{url}/dashboard" + (f"#key={key}" if key else ""))
+    return page, errors
+
+
+def _wait(page, js: str, timeout_s: float = 60.0) -> None:
+    """Poll a JS expression until it is true. (Playwright's wait_for_function evaluates its predicate
+    with eval, which the page's Content-Security-Policy forbids, as it should.)"""
+    deadline = time.monotonic() + timeout_s
+    while not page.evaluate(js):
+        assert time.monotonic() < deadline, f"the page never got to: {js}"
+        page.wait_for_timeout(50)
+
+
+def _last_step(page) -> int:
+    return int(page.evaluate("Number(document.body.dataset.lastStep || 0)"))
+
+
+def _painted(page, canvas_id: str) -> int:
+    """How many pixels of a canvas are not blank."""
+    return page.evaluate("""id => { const c = document.getElementById(id);
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let n = 0;
+        for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n; }""", canvas_id)
+
+
+def test_panels_follow_a_load_and_prompts_stay_text(browser, tiny_server):
+    page, errors = _open(browser, tiny_server.url, TINY_KEY)
+    _wait(page, "document.getElementById('conn-text').textContent === 'live'")
+    _wait(page, "document.body.dataset.lastStep !== undefined")
+    results, seen, shown = [], [], False
+    load = threading.Thread(target=lambda: results.extend(_load(tiny_server.url, 8, 96, prompt=EVIL)))
+    load.start()
+    while load.is_alive():
+        seen.append(_last_step(page))
+        # a running request's prompt is shown, as the characters it holds
+        shown = shown or page.evaluate("[...document.querySelectorAll('#q-running .prompt')]"
+                                       ".some(e => e.textContent.includes('<script>window.__pwned'))")
+        page.wait_for_timeout(100)
+    load.join()
+    assert results == [200] * 8 and shown
+    assert len(set(seen)) >= 3, f"the page drew {sorted(set(seen))} while the load ran"
+    assert page.evaluate("window.__pwned") is None
+    assert page.locator("script").count() == 1 and page.locator("main img").count() == 0
+    # idle: the page's block map counts are the engine's
+    snap = httpx.get(tiny_server.url + "/v1/internals?n=1", headers={"Authorization": f"Bearer {TINY_KEY}"}).json()
+    _wait(page, f"Number(document.body.dataset.lastStep) >= {snap['steps'][-1]['step']}")
+    page.wait_for_timeout(400)  # one more frame, so that the counts are of the idle state
+    dom = {k: int(page.text_content(f"[data-testid=kv-{k}]")) for k in ("free", "used", "cached", "evictable", "total")}
+    kv = snap["kv_cache"]
+    assert dom["total"] == kv["num_blocks"] and dom["used"] == kv["blocks_used"]
+    assert dom["free"] + dom["evictable"] == kv["blocks_free"]
+    assert dom["cached"] + dom["evictable"] == kv["blocks_cached"] and dom["evictable"] > 0
+    assert int(page.text_content("[data-testid=lat-finished]")) >= 8
+    assert int(page.text_content("[data-testid=q-running]")) == 0
+    for canvas in ("c-timeline", "c-roofline", "c-blocks", "c-ttft", "c-tpot", "c-itl", "c-throughput"):
+        assert _painted(page, canvas) > 500, canvas
+    assert page.locator("#panel-spec").is_hidden() and page.locator("#panel-comm").is_hidden()
+    assert errors == []
+    page.close()
+
+
+def test_without_the_key_the_page_asks_for_it(browser, tiny_server):
+    page, errors = _open(browser, tiny_server.url)
+    page.wait_for_selector("#keyform", state="visible")
+    assert page.text_content("#conn-text") == "API key needed"
+    page.fill("#key", TINY_KEY)
+    page.click("#keyform button")
+    _wait(page, "document.getElementById('conn-text').textContent === 'live'")
+    assert page.locator("#keyform").is_hidden()
+    assert all("401" in e for e in errors), errors  # the refused first request, nothing else
+    page.close()
+
+
+def test_the_embedded_model_live(browser, server):
+    page, errors = _open(browser, server.url, API_KEY)
+    _wait(page, "document.getElementById('conn-text').textContent === 'live'")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def ask(i):
+        r = httpx.post(server.url + "/v1/chat/completions", headers=headers, timeout=300,
+                       json={"model": "smollm2-135m", "max_tokens": 12, "temperature": 0,
+                             "messages": [{"role": "user", "content": f"Name a colour ({i})."}]})
+        assert r.status_code == 200
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _wait(page, "Number(document.querySelector('[data-testid=lat-finished]').textContent) >= 3")
+    assert "smollm2-135m" in page.text_content("#what") and "roofline of" in page.text_content("#what")
+    assert _painted(page, "c-roofline") > 500 and _painted(page, "c-blocks") > 500
+    assert errors == []
+    page.close()
