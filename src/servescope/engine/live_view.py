@@ -16,7 +16,8 @@ from typing import Optional
 
 from servescope.telemetry.live import LatencyHistograms, step_event
 
-PREVIEW_TOKENS = 16  # prompt tokens decoded for a queue entry's preview
+PREVIEW_HEAD, PREVIEW_TAIL = 8, 12  # prompt tokens decoded for a queue entry's preview (a chat's
+# question is at its end, after a system prompt that many requests share)
 MAX_QUEUE_ENTRIES = 64  # listed per queue (the counts are always complete)
 
 
@@ -93,8 +94,12 @@ class LiveView:
     def _preview(self, rid: str, req) -> str:
         if rid not in self._previews:
             tok = self.engine.tokenizer
-            ids = req.prompt_token_ids[:PREVIEW_TOKENS]
-            self._previews[rid] = tok.decode(ids) if tok is not None else " ".join(map(str, ids))
+            ids = req.prompt_token_ids
+            text = tok.decode if tok is not None else (lambda part: " ".join(map(str, part)))
+            if len(ids) <= PREVIEW_HEAD + PREVIEW_TAIL:
+                self._previews[rid] = text(ids)
+            else:
+                self._previews[rid] = f"{text(ids[:PREVIEW_HEAD])} … {text(ids[-PREVIEW_TAIL:])}"
         return self._previews[rid]
 
     def hardware(self) -> Optional[dict]:

@@ -159,7 +159,7 @@ function axes(ctx, x0, y0, x1, y1, xlabel, ylabel) {
   ctx.beginPath(); ctx.moveTo(x0, y0); ctx.lineTo(x0, y1); ctx.lineTo(x1, y1); ctx.stroke();
   ctx.fillStyle = "#5b6475";
   if (xlabel) { ctx.textAlign = "right"; ctx.fillText(xlabel, x1, y1 + 26); }
-  if (ylabel) { ctx.save(); ctx.translate(11, y0); ctx.rotate(-Math.PI / 2); ctx.textAlign = "right";
+  if (ylabel) { ctx.save(); ctx.translate(10, y0); ctx.rotate(-Math.PI / 2); ctx.textAlign = "right";
                 ctx.fillText(ylabel, 0, 0); ctx.restore(); }
 }
 
@@ -176,6 +176,7 @@ function lineChart(id, series, opts) {
   axes(ctx, L, T, w - R, h - B, "", "");
   ctx.fillStyle = "#5b6475"; ctx.textAlign = "right";
   ctx.fillText(opts.fmt(ymax), L - 4, T + 8); ctx.fillText(opts.fmt(0), L - 4, h - B);
+  if (opts.xlabel) ctx.fillText(opts.xlabel, w - R, h - 4);
   for (const s of series) {
     ctx.strokeStyle = s.color; ctx.lineWidth = 1.6; ctx.beginPath();
     s.values.forEach((v, i) => {
@@ -189,7 +190,7 @@ function lineChart(id, series, opts) {
 // ---------------------------------------------------------------- panels
 function drawTimeline() {
   const { ctx, w, h } = canvas("c-timeline");
-  const L = 58, R = 8, T = 10, B = 30;
+  const L = 66, R = 8, T = 10, B = 30;
   const n = Math.min(state.steps.length, Math.max(20, Math.floor((w - L - R) / 4)));
   const steps = state.steps.slice(-n);
   if (!steps.length) return empty(ctx, w, h, "no steps yet: send the server a request");
@@ -215,7 +216,7 @@ function drawRoofline() {
   const pts = state.steps.filter(s => s.flops > 0 && s.bytes > 0 && s.ms > 0).slice(-300)
     .map(s => ({ ai: s.flops / s.bytes, fps: s.flops / (s.ms / 1e3), phase: s.phase }));
   if (!pts.length) return empty(ctx, w, h, "no steps with a cost-model annotation yet");
-  const L = 58, R = 10, T = 10, B = 34;
+  const L = 66, R = 10, T = 10, B = 34;
   let xs = pts.map(p => p.ai), ys = pts.map(p => p.fps);
   if (hw) { xs.push(hw.ridge); ys.push(hw.peak_flops); }
   const lx0 = Math.floor(Math.log10(Math.min(...xs)) - 0.3), lx1 = Math.ceil(Math.log10(Math.max(...xs)) + 0.3);
@@ -380,7 +381,8 @@ function draw() {
   for (const k of ["ttft", "tpot", "itl"]) drawHist(k, f.latency[k], f.latency.edges_ms, k);
   lineChart("c-throughput", [
     { color: COLORS.decode, values: state.rates.map(r => r.decode) },
-    { color: COLORS.prefill, values: state.rates.map(r => r.prefill) }], { fmt: v => fmt(v, " tok/s") });
+    { color: COLORS.prefill, values: state.rates.map(r => r.prefill) }],
+    { fmt: v => fmt(v, " tok/s"), xlabel: "the last " + state.rates.length + " updates, newest right" });
   drawOptional();
   document.body.dataset.lastStep = f.last_step;  // for tests: the newest step drawn
 }
