@@ -76,24 +76,27 @@ def test_feed_needs_the_key_and_the_page_needs_none(tiny_server):
 
 def test_frames_follow_the_load_and_agree_with_internals(tiny_server, tiny_async_engine):
     before = httpx.get(tiny_server.url + "/v1/internals?n=1", headers=AUTH).json()
-    viewer = DashboardViewer(tiny_server.url, TINY_KEY).start()
-    assert viewer.hello is not None and viewer.hello["source"] == "live" and viewer.hello["model"] == "tiny"
+    viewer = DashboardViewer(tiny_server.url, TINY_KEY).start(wait_s=120)
+    assert viewer.hello is not None, viewer.summary()
+    assert viewer.hello["source"] == "live" and viewer.hello["model"] == "tiny"
     assert viewer.hello["hardware"]["ridge"] > 0
     assert _load(tiny_server.url, 6) == [200] * 6
     assert _wait_for(lambda: viewer.frames >= 3)
     viewer.stop()
-    assert viewer.error is None and viewer.last_step > (before["steps"] or [{"step": 0}])[-1]["step"]
+    assert viewer.error is None, viewer.error
+    assert viewer.last_step > (before["steps"] or [{"step": 0}])[-1]["step"]
     # idle now: a frame and the snapshot describe the same state
     (_, hello), (_, frame) = _events(tiny_server.url, 2)
     snap = httpx.get(tiny_server.url + "/v1/internals?n=1", headers=AUTH).json()
     kv, state = frame["kv"], snap["kv_cache"]
     c = kv["counts"]
     assert kv["num_blocks"] == state["num_blocks"] == len(kv["states"]) == sum(n for _, n in kv["owners"])
-    assert c["used"] + c["cached"] == state["blocks_used"]
-    assert c["free"] + c["evictable"] == state["blocks_free"]
-    assert c["cached"] + c["evictable"] == state["blocks_cached"]
+    assert c["used"] + c["cached"] == state["blocks_used"], (c, state)
+    assert c["free"] + c["evictable"] == state["blocks_free"], (c, state)
+    assert c["cached"] + c["evictable"] == state["blocks_cached"], (c, state)
     assert frame["last_step"] == snap["steps"][-1]["step"]
-    assert frame["queues"]["running"]["count"] == 0 and frame["latency"]["finished"] >= 6
+    assert frame["queues"]["running"]["count"] == 0, frame["queues"]
+    assert frame["latency"]["finished"] >= 6, frame["latency"]
     assert frame["totals"]["decode_tokens"] > 0
     steps = hello["frame"]["steps"]
     assert [s["step"] for s in steps] == list(range(steps[0]["step"], steps[-1]["step"] + 1))
@@ -129,7 +132,7 @@ def test_a_stalled_viewer_never_holds_up_the_engine(tiny_server):
         stalled = _stalled_viewer(tiny_server.url)
         try:
             assert _wait_for(lambda: any(v.queue.dropped for v in broadcaster.viewers))
-            reader = DashboardViewer(tiny_server.url, TINY_KEY).start()
+            reader = DashboardViewer(tiny_server.url, TINY_KEY).start(wait_s=120)
             sent = broadcaster.frames_sent
             assert _load(tiny_server.url, 8, max_tokens=32) == [200] * 8  # served while one viewer is stuck
             assert _wait_for(lambda: reader.frames >= 5)
@@ -176,7 +179,7 @@ def test_1000_steps_per_second_do_not_grow_memory(tiny_server, tiny_async_engine
     asyncio.run(tiny_async_engine.run_on_engine(
         lambda e: setattr(e, "step_records", collections.deque(history, maxlen=2000))))
     stalled = _stalled_viewer(tiny_server.url)
-    reader = DashboardViewer(tiny_server.url, TINY_KEY).start()
+    reader = DashboardViewer(tiny_server.url, TINY_KEY).start(wait_s=120)
     try:
         with _fast(broadcaster, 0.02):
             stalled_now = lambda: any(v.queue.dropped for v in broadcaster.viewers)  # noqa: E731

@@ -31,7 +31,7 @@ class DashboardViewer:
         self._connected = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dashboard-viewer", daemon=True)
 
-    def start(self, wait_s: float = 10.0) -> "DashboardViewer":
+    def start(self, wait_s: float = 30.0) -> "DashboardViewer":
         """Connect and wait (at most wait_s) for the stream's first event."""
         self._thread.start()
         self._connected.wait(wait_s)
