@@ -205,14 +205,18 @@ def test_1000_steps_per_second_do_not_grow_memory(tiny_server, tiny_async_engine
         reader.stop()
         stalled.close()
         asyncio.run(tiny_async_engine.run_on_engine(lambda e: setattr(e, "step_records", history)))
+    assert _wait_for(lambda: not broadcaster.viewers)
 
 
 def test_too_many_viewers_get_a_clear_error(tiny_server):
     broadcaster = tiny_server.server.config.app.state.broadcaster
-    saved = broadcaster.max_viewers
-    broadcaster.max_viewers = len(broadcaster.viewers)
+    assert _wait_for(lambda: not broadcaster.viewers)  # the earlier tests' viewers have gone
+    saved, broadcaster.max_viewers = broadcaster.max_viewers, 1
+    viewer = DashboardViewer(tiny_server.url, TINY_KEY).start(wait_s=120)
     try:
-        r = httpx.get(tiny_server.url + "/v1/internals/stream", headers=AUTH, timeout=10)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "too_many_viewers"
+        with httpx.stream("GET", tiny_server.url + "/v1/internals/stream", headers=AUTH, timeout=30) as r:
+            assert r.status_code == 503 and json.loads(r.read())["error"]["code"] == "too_many_viewers"
+        assert viewer.hello is not None and viewer.error is None  # the one admitted is unaffected
     finally:
+        viewer.stop()
         broadcaster.max_viewers = saved
