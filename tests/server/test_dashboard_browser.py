@@ -135,3 +135,26 @@ def test_the_embedded_model_live(browser, server):
     assert _painted(page, "c-roofline") > 500 and _painted(page, "c-blocks") > 500
     assert errors == []
     page.close()
+
+
+def test_a_replayed_trace_in_the_page(browser):
+    from telemetry.test_trace import _outputs, _records  # tests/ is on sys.path (the packages under it)
+
+    from servescope.server.background import BackgroundServer
+    from servescope.server.replay import ReplaySource, build_replay_app
+    from servescope.telemetry.trace import chrome_trace
+    from servescope.telemetry.trace_replay import read_recorded_run
+
+    run = read_recorded_run(chrome_trace(_records(), _outputs()))
+    srv = BackgroundServer(build_replay_app(ReplaySource(run, "t.json", speed=1.0))).start()
+    try:
+        page, errors = _open(browser, srv.url)
+        _wait(page, "Number(document.body.dataset.lastStep) === 3")
+        assert page.text_content("#what").startswith("replay of t.json (1× speed)")
+        assert "only the counts" in page.text_content("#kv-note")
+        assert page.text_content("[data-testid=kv-used]") == "5" and page.text_content("[data-testid=kv-total]") == "10"
+        _wait(page, "document.querySelector('[data-testid=lat-finished]').textContent === '1'")
+        assert errors == []
+        page.close()
+    finally:
+        srv.stop()
