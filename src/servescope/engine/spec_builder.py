@@ -23,7 +23,7 @@ def build_spec_decoder(config: EngineConfig, loaded, runner, sampler, cost: Opti
         # a true cycle: the draft proposer is built from engine parts (a runner on its own KV cache)
         from servescope.engine.draft_builder import build_draft_proposer
 
-        proposer = build_draft_proposer(config, loaded, runner)
+        proposer = build_draft_proposer(config, loaded, runner, sampler, max_model_len)
         propose_seconds = proposer.seconds_per_draft_step
     step_seconds = None
     if cost is not None:

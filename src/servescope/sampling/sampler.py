@@ -198,6 +198,10 @@ class Sampler:
         # Exp(1) may round to 0; a zero would make 0/0 = nan (argmax picks nan) or p/0 = inf
         return q.clamp_(min=torch.finfo(q.dtype).tiny)
 
+    def exponential_noise(self, probs: torch.Tensor, states: list[SamplingState], greedy: list[bool]) -> torch.Tensor:
+        """Exp(1) noise [B, V] as the sampler draws it (argmax(probs / noise) samples probs)."""
+        return self._exponential_noise(probs, states, greedy)
+
     def _min_tokens_mask(self, states: list[SamplingState]) -> tuple[list[int], list[int]]:
         """(row, token) pairs to mask: stop ids of rows with fewer than min_tokens outputs."""
         rows: list[int] = []

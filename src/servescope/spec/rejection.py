@@ -88,7 +88,7 @@ def _sampled_decisions(sampler, probs, greedy_ids, greedy, rows_states, bases, d
         if dp is not None and len(d):
             q[b:b + len(d)] = dp[:, : q.shape[1]].to(q.dtype)
     residual = (probs - q).clamp_(min=0.0)  # bonus rows: q = 0, so residual = p
-    noise = sampler._exponential_noise(residual, rows_states, greedy)
+    noise = sampler.exponential_noise(residual, rows_states, greedy)
     sampled = residual.div_(noise).argmax(dim=-1)  # [R] exponential race: a sample of residual / sum
     chosen = sampled if greedy_ids is None else torch.where(
         torch.tensor(greedy, dtype=torch.bool, device=device), greedy_ids, sampled)
