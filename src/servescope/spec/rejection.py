@@ -38,7 +38,12 @@ class Verified:
 
 
 def position_states(state: SamplingState, drafts: list[int]) -> list[SamplingState]:
-    """The state at each of the 1 + k positions: as if the drafts before it were accepted."""
+    """The state at each of the 1 + k positions: as if the drafts before it were accepted. (The same
+    state at every position when nothing the sampler does reads the output history.)"""
+    p = state.params
+    if (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and len(state.output_token_ids) >= p.min_tokens):
+        return [state] * (len(drafts) + 1)
     out = [state]
     for j in range(1, len(drafts) + 1):
         out.append(SamplingState(state.params, state.prompt_token_ids,
@@ -67,14 +72,14 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[SamplingState], 
         chosen, accept = greedy_ids, greedy_ids[d_rows] == d_toks
     else:
         chosen, accept = _sampled_decisions(sampler, probs, greedy_ids, greedy, rows_states, bases, drafts,
-                                            draft_probs, d_rows, d_toks)
+                                            draft_probs, draft_rows, d_toks)
     host = torch.cat([chosen.long(), accept.long()]).tolist()  # the one host copy of the decisions
     chosen_h, accept_h = host[:len(rows_states)], host[len(rows_states):]
     return _assemble(sampler, logits, rows_states, bases, drafts, chosen_h, accept_h)
 
 
 def _sampled_decisions(sampler, probs, greedy_ids, greedy, rows_states, bases, drafts, draft_probs,
-                       d_rows, d_toks) -> tuple:
+                       draft_rows, d_toks) -> tuple:
     """(token each row emits if it is the first rejection or the bonus [R], acceptance of each draft [D])."""
     device = probs.device
     q = torch.zeros_like(probs)  # [R, V]: the draft distribution at draft rows, 0 at bonus rows
@@ -84,30 +89,36 @@ def _sampled_decisions(sampler, probs, greedy_ids, greedy, rows_states, bases, d
         toks = torch.tensor([t for d, dp in zip(drafts, draft_probs) if dp is None for t in d],
                             dtype=torch.long, device=device)
         q[rows, toks] = 1.0
-    for b, d, dp in zip(bases, drafts, draft_probs):
-        if dp is not None and len(d):
-            q[b:b + len(d)] = dp[:, : q.shape[1]].to(q.dtype)
+    model_rows = [b + j for b, d, dp in zip(bases, drafts, draft_probs) if dp is not None for j in range(len(d))]
+    if model_rows:
+        q[torch.tensor(model_rows, dtype=torch.long, device=device)] = torch.cat(
+            [dp[:len(d), : q.shape[1]] for d, dp in zip(drafts, draft_probs) if dp is not None and len(d)]).to(q.dtype)
     residual = (probs - q).clamp_(min=0.0)  # bonus rows: q = 0, so residual = p
     noise = sampler.exponential_noise(residual, rows_states, greedy)
     sampled = residual.div_(noise).argmax(dim=-1)  # [R] exponential race: a sample of residual / sum
     chosen = sampled if greedy_ids is None else torch.where(
         torch.tensor(greedy, dtype=torch.bool, device=device), greedy_ids, sampled)
     u = _uniforms(rows_states, bases, drafts, device)  # [D]
+    d_rows = torch.tensor(draft_rows, dtype=torch.long, device=device)
     p_d, q_d = probs[d_rows, d_toks], q[d_rows, d_toks]
     accept = u * q_d < p_d  # P = min(1, p/q); q_d > 0 wherever d was proposed from q
     if greedy_ids is not None:
-        g_rows = torch.tensor([greedy[r] for r in d_rows.tolist()], dtype=torch.bool, device=device)
+        g_rows = torch.tensor([greedy[r] for r in draft_rows], dtype=torch.bool, device=device)
         accept = torch.where(g_rows, greedy_ids[d_rows] == d_toks, accept)
     return chosen, accept
 
 
 def _uniforms(rows_states, bases, drafts, device) -> torch.Tensor:
     """U(0, 1) per draft; a seeded request draws from its own generator (one draw per draft)."""
-    out = []
+    total = sum(len(d) for d in drafts)
+    u = torch.rand(total, device=device)  # the unseeded requests' share (default generator), one call
+    at = 0
     for b, d in zip(bases, drafts):
         gen = rows_states[b].generator
-        out.append(torch.rand(len(d), generator=gen, device=gen.device if gen is not None else device))
-    return torch.cat(out).to(device) if out else torch.empty(0, device=device)
+        if gen is not None and d:
+            u[at:at + len(d)] = torch.rand(len(d), generator=gen, device=gen.device).to(device)
+        at += len(d)
+    return u
 
 
 def _assemble(sampler, logits, rows_states, bases, drafts, chosen, accept) -> list[Verified]:
