@@ -17,6 +17,7 @@ two; its last logits give draft 1), then k - 1 one-token decodes.
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Optional
 
@@ -35,6 +36,7 @@ class DraftProposer:
         self.runner = runner  # a ModelRunner-like: execute(scheduled, sample_rows) -> logits [P, V]
         self.sampler = sampler
         self._valid: dict[str, tuple] = {}  # request id -> (draft KV positions written, num_preemptions)
+        self.num_forwards, self.forward_seconds = 0, 0.0  # the draft's own cost, measured
 
     def propose_batch(self, items: list) -> list:
         """items: (request, k, block ids, sampling state) -> [(drafts, q [k, V] or None when greedy)]."""
@@ -72,6 +74,7 @@ class DraftProposer:
 
     def _draw(self, items: list, seqs: list, drafts: list, probs: list) -> None:
         """One draft forward over seqs; appends each request's next draft (and its distribution)."""
+        t0 = time.perf_counter()
         logits = self.runner.execute(seqs)  # [B, V]: each sequence's last position
         states = [position_states(st, d)[-1] for (_, _, _, st), d in zip(items, drafts)]
         p, greedy_ids, greedy = self.sampler.distributions(logits, states)
@@ -85,6 +88,8 @@ class DraftProposer:
             drafts[i].append(t)
             if p is not None and not greedy[i]:
                 probs[i].append(p[i])
+        self.num_forwards += 1
+        self.forward_seconds += time.perf_counter() - t0
 
     def forget(self, request_id: str) -> Optional[tuple]:
         return self._valid.pop(request_id, None)
