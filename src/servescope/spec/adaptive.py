@@ -14,7 +14,7 @@ from servescope.analysis.speculative import best_k
 
 
 class AcceptanceTracker:
-    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.8):
+    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9):
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         self._counts: dict[str, list] = {}  # request id -> [successes, trials] (decayed)
 
@@ -49,17 +49,22 @@ class KChooser:
         self.max_k, self.adaptive = max_k, adaptive
         self.step_seconds, self.propose_seconds = step_seconds, propose_seconds
         self.tracker = AcceptanceTracker()
+        self._seconds: dict = {}  # (rows, context bucket) -> predicted step seconds, kept across steps
+
+    def _step_seconds(self, rows: int, context_len: int) -> float:
+        key = (rows, context_len // 64)  # predictions move little within 64 tokens of context
+        if key not in self._seconds:
+            if len(self._seconds) > 4096:
+                self._seconds.clear()
+            self._seconds[key] = self.step_seconds(rows, key[1] * 64 + 32)
+        return self._seconds[key]
 
     def choose(self, request_ids: list, batch: int, context_len: int) -> list:
         """k per request of a batch of `batch` decodes of about context_len tokens each."""
         if not self.adaptive or self.step_seconds is None:
             return [self.max_k] * len(request_ids)
-        memo: dict = {}
-
         def seconds(rows: int) -> float:
-            if rows not in memo:
-                memo[rows] = self.step_seconds(rows, context_len)
-            return memo[rows]
+            return self._step_seconds(rows, context_len)
 
         return [best_k(self.tracker.rate(r), self.max_k, seconds, batch, self.propose_seconds)[0]
                 for r in request_ids]
