@@ -56,6 +56,7 @@ class SpecDecoder:
     def propose(self, scheduler: Scheduler, outputs: OutputProcessor) -> None:
         running = scheduler.running_requests()
         self.chooser.tracker.retain(r.request_id for r in running)
+        self.proposer.retain(r.request_id for r in running)
         self._draft_probs = {}
         ready = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
         if not ready:

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
-from typing import Optional
-
 import torch
 
 from servescope.sampling.sampler import Sampler
@@ -42,8 +40,6 @@ class DraftProposer:
         """items: (request, k, block ids, sampling state) -> [(drafts, q [k, V] or None when greedy)]."""
         if not items:
             return []
-        live = {req.request_id for req, _, _, _ in items}
-        self._valid = {r: v for r, v in self._valid.items() if r in live}
         drafts: list[list[int]] = [[] for _ in items]
         probs: list[list] = [[] for _ in items]
         seqs = [self._catch_up_seq(req, blocks) for req, _, blocks, _ in items]
@@ -91,8 +87,10 @@ class DraftProposer:
         self.num_forwards += 1
         self.forward_seconds += time.perf_counter() - t0
 
-    def forget(self, request_id: str) -> Optional[tuple]:
-        return self._valid.pop(request_id, None)
+    def retain(self, request_ids) -> None:
+        """Forget the requests not in request_ids (finished or aborted ones)."""
+        keep = set(request_ids)
+        self._valid = {r: v for r, v in self._valid.items() if r in keep}
 
     def seconds_per_draft_step(self, k: int) -> float:
         """The proposer's cost for k drafts, for the k chooser: unknown until measured, 0 (the cost

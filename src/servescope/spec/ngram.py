@@ -50,3 +50,6 @@ class NgramProposer:
     def propose_batch(self, items: list) -> list:
         """items: (request, k, block ids, sampling state) -> [(drafts, None)] (no draft probabilities)."""
         return [(self.propose(req.all_token_ids, k), None) for req, k, _, _ in items]
+
+    def retain(self, request_ids) -> None:
+        """Nothing to forget: the lookup keeps no per-request state."""
