@@ -143,3 +143,23 @@ def test_bad_speculative_settings_rejected(tiny_paths, tmp_path):
     with pytest.raises(EngineConfigError, match="draft model's context is 64 tokens"):
         LLM(model=path, num_kv_blocks=16, max_model_len=256,
             speculative={"method": "draft", "model": str(short), "num_speculative_tokens": 2})
+
+
+def test_smollm2_copy_prompt_same_greedy_with_ngram(smollm2_llm):
+    """The embedded model on a copy-heavy prompt: the same greedy tokens with n-gram speculation (vLLM's
+    near-tie rule, as for batching), most drafts accepted, and nothing left in the cache."""
+    from test_batching import assert_same_greedy
+
+    tok = smollm2_llm.tokenizer
+    text = ("The history of the city begins in the third century, when a small fishing village grew around "
+            "the harbour. Merchants came from the south with salt, wine and cloth.")
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Repeat exactly: {text}"}]),
+                     add_special_tokens=False)
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    want = smollm2_llm.generate(ids, p)
+    spec = _spec(smollm2_llm, NGRAM)
+    got = spec.generate(ids, p)
+    assert_same_greedy(want, got)
+    s = spec.engine.spec
+    assert s.num_draft_tokens > 0 and s.acceptance_rate > 0.3
+    _clean(spec)
