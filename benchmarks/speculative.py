@@ -76,28 +76,17 @@ def run_batch(llm, prompts, params, batch: int) -> dict:
 def predicted(llm, cfg_k: int, acceptance, batch: int, ctx: int, draft_cost=None) -> dict:
     """The cost model's speed-up at the measured acceptance (per-draft, from accepted / drafted)."""
     from servescope.analysis.speculative import expected_tokens_per_step, predicted_speedup
+    from servescope.labs.speculative import per_draft_rate
 
     cost = llm.engine._cost
 
     def t(engine_cost, rows):
         return engine_cost.predict([(1, ctx)] * rows, num_logits=rows).predicted_seconds
 
-    a = _per_draft_rate(acceptance, cfg_k)
+    a = per_draft_rate(acceptance, 1.0, cfg_k)  # accepted / drafted -> per-draft rate
     t_propose = cfg_k * t(draft_cost, batch) if draft_cost is not None else 0.0
     return {"per_draft_acceptance": a, "expected_tokens_per_step": expected_tokens_per_step(a, cfg_k),
             "predicted_speedup": predicted_speedup(a, cfg_k, t(cost, batch), t(cost, batch * (1 + cfg_k)), t_propose)}
-
-
-def _per_draft_rate(accepted_over_drafted: float, k: int) -> float:
-    """Invert accepted/drafted = E[accepted]/k = a (1 - a^k) / ((1 - a) k) for a (bisection)."""
-    if not accepted_over_drafted:
-        return 0.0
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        a = (lo + hi) / 2
-        r = (a * (1 - a ** k) / (1 - a)) / k if a < 1 else 1.0
-        lo, hi = (a, hi) if r < accepted_over_drafted else (lo, a)
-    return (lo + hi) / 2
 
 
 def main(argv=None) -> int:
