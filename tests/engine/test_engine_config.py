@@ -36,8 +36,15 @@ from servescope.errors import EngineConfigError
     (BatchingConfig, dict(max_model_len=0), "max_model_len must be positive"),
     (ParallelConfig, dict(tensor_parallel_size=2), "tensor parallelism is not supported yet"),
     (ParallelConfig, dict(pipeline_parallel_size=4), "pipeline parallelism is not supported yet"),
-    (SpeculativeConfig, dict(num_speculative_tokens=4), "speculative decoding is not supported yet"),
-    (SpeculativeConfig, dict(speculative_model="draft"), "speculative decoding is not supported yet"),
+    (SpeculativeConfig, dict(num_speculative_tokens=4), "need speculative_method"),
+    (SpeculativeConfig, dict(speculative_model="draft"), "need speculative_method"),
+    (SpeculativeConfig, dict(speculative_method="eagle"), "speculative_method must be ngram or draft"),
+    (SpeculativeConfig, dict(speculative_method="ngram", num_speculative_tokens=0), "at least 1"),
+    (SpeculativeConfig, dict(speculative_method="ngram", num_speculative_tokens=-2), "at least 1"),
+    (SpeculativeConfig, dict(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=4,
+                             prompt_lookup_max=2), "1 <= min <= max"),
+    (SpeculativeConfig, dict(speculative_method="ngram", num_speculative_tokens=3, speculative_model="x"),
+     "speculative_model is for the draft method"),
 ])
 def test_each_bad_setting_rejected_by_its_part(part, kw, message):
     with pytest.raises(EngineConfigError, match=message):

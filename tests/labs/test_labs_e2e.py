@@ -169,3 +169,15 @@ def test_validate(session, tmp_path, monkeypatch):
     # and the prefill's growth with the prompt (its FLOPs at the compute peak) as measured, within 20%
     (lo, r_lo), (hi, r_hi) = sorted((n, r) for (phase, n), r in ratio.items() if phase == "prefill")
     assert 0.8 < r_hi / r_lo < 1.25, (r_lo, r_hi)
+
+
+def test_speculative(session, tmp_path):
+    s = run_quick("speculative", session, tmp_path)
+    rows = s["rows"]
+    assert {(r["workload"], r["batch"], r["k"]) for r in rows} == {
+        (w, b, k) for w in ("copy", "open") for b in (1, 4) for k in (2, 4)}
+    for r in rows:
+        assert 0.0 <= r["accepted_per_drafted"] <= 1.0 and r["measured_speedup"] > 0
+        # on a datasheet GPU spec a tiny model's decode is memory-bound: verified rows are nearly free, so
+        # every accepted draft is predicted to pay
+        assert r["predicted_speedup"] > 1.0 or r["accepted_per_drafted"] == 0

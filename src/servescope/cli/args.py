@@ -10,7 +10,7 @@ import argparse
 import math
 import sys
 
-from servescope.config import EngineConfig, SamplingParams
+from servescope.config import EngineConfig, SamplingParams, SpeculativeConfig
 
 EXIT_USAGE = 2
 
@@ -86,6 +86,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["int8"])
     g.add_argument("--threads", type=positive_int, default=None)
     g.add_argument("--hardware", default=None, help="hardware spec for step predictions (default: probe / GPU)")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
+                   help="ngram: prompt lookup; draft: a draft model sharing the vocabulary (--draft-model)")
+    s.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="drafts per step and request (default 4 when a method is given)")
+    s.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="the draft (default: the target's own weights, see --draft-quantization)")
+    s.add_argument("--draft-quantization", default=None, choices=["int8"])
+    s.add_argument("--prompt-lookup-min", type=positive_int, default=1)
+    s.add_argument("--prompt-lookup-max", type=positive_int, default=4)
+    s.add_argument("--no-adaptive-speculation", action="store_true",
+                   help="always propose K tokens (default: k per request from its acceptance rate and the "
+                        "cost model, 0 where speculation would slow the batch down)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -96,7 +109,18 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
         enable_chunked_prefill=not a.no_chunked_prefill, no_kv_cache=a.no_kv_cache,
         attention_backend=a.attention_backend, gpu_linear=a.gpu_linear, quantization=a.quantization,
-        num_threads=a.threads, hardware=a.hardware)
+        num_threads=a.threads, hardware=a.hardware, speculative=speculative_config_from_args(a))
+
+
+def speculative_config_from_args(a: argparse.Namespace) -> SpeculativeConfig:
+    k = a.num_speculative_tokens
+    if a.speculative_method is None:
+        k = 0 if k is None else k  # a K without a method is rejected by SpeculativeConfig
+    return SpeculativeConfig(speculative_method=a.speculative_method, speculative_model=a.draft_model,
+                             num_speculative_tokens=4 if k is None else k,
+                             prompt_lookup_min=a.prompt_lookup_min, prompt_lookup_max=a.prompt_lookup_max,
+                             speculative_quantization=a.draft_quantization,
+                             speculative_adaptive=not a.no_adaptive_speculation)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from servescope.analysis.explain import explain, render_explain_table
+from servescope.analysis.speculative import explain_speculative
 from servescope.analysis.hardware import (HARDWARE_SPECS, LOCAL_CPU, HardwareSpec, canonical_hardware_name,
                                           get_hardware)
 from servescope.analysis.presets import list_presets, load_preset
@@ -49,6 +50,12 @@ def add_parser(sub) -> None:
     e.add_argument("--measure", action="store_true",
                    help="run the workload on the local engine and compare with the local-cpu prediction")
     e.add_argument("--threads", type=positive_int, default=None, help="torch threads for --measure")
+    e.add_argument("--speculative", default=None, choices=["ngram", "draft"],
+                   help="also predict speculative decoding's speed-up per batch size (see -k, --acceptance)")
+    e.add_argument("-k", "--num-speculative-tokens", type=positive_int, default=4, dest="spec_k")
+    e.add_argument("--acceptance", type=float, default=0.7, help="per-draft acceptance rate, 0..1")
+    e.add_argument("--draft-dtype", default="int8", choices=["float32", "bfloat16", "int8"],
+                   help="the draft's weights (a copy of the target's shape)")
 
     lab = sub.add_parser("lab", help="run a lab: an experiment with plots and a report (lab list)")
     lab.add_argument("name", help="a lab name, 'list' or 'all'")
@@ -158,6 +165,12 @@ def run_explain(args) -> int:
     hw = hardware_spec(args.hardware)
     result = explain(cfg, hw, batch=args.batch, prompt_len=args.prompt_len, output_len=args.output_len,
                      weight_dtype=args.dtype, kv_dtype=args.kv_dtype, memory_bytes=args.memory)
+    if args.speculative:
+        if not 0.0 <= args.acceptance <= 1.0:
+            raise InvalidParameterError("acceptance", f"must be between 0 and 1, got {args.acceptance}")
+        result["speculative"] = explain_speculative(
+            cfg, hw, args.speculative, args.spec_k, args.acceptance, args.prompt_len + args.output_len // 2,
+            weight_dtype=args.dtype, kv_dtype=args.kv_dtype, draft_weight_dtype=args.draft_dtype)
     if args.plot:
         result["plot"] = str(plot_explain(result, hw, args.plot))
     if args.measure:
@@ -175,7 +188,26 @@ def run_explain(args) -> int:
         con.print(f"roofline written to {result['plot']}")
     if args.measure:
         con.print(measure_table(result["measure"]))
+    if args.speculative:
+        con.print(speculative_table(result["speculative"]))
     return 0
+
+
+def speculative_table(s: dict):
+    """Predicted speed-up of speculative decoding per batch size, and where it stops paying."""
+    from rich.table import Table  # lazy: rich is 0.13 s of `--help` (cli/output.py)
+
+    cross = s["crossover_batch"]
+    t = Table(title=f"speculative decoding ({s['method']}, k={s['k']}, acceptance {s['acceptance']:.2f}: "
+                    f"{s['expected_tokens_per_step']:.2f} tokens per verification; "
+                    + ("pays at every batch listed)" if cross is None else f"stops paying at batch {cross})"))
+    for col in ("batch", "step without", "verify step", "proposer", "speed-up", "best k", "best speed-up"):
+        t.add_column(col, justify="right")
+    for r in s["rows"]:
+        t.add_row(str(r["batch"]), f"{r['base_step_seconds'] * 1e3:.2f} ms", f"{r['verify_step_seconds'] * 1e3:.2f} ms",
+                  f"{r['propose_seconds'] * 1e3:.2f} ms", f"{r['speedup']:.2f}x", str(r["best_k"]),
+                  f"{r['best_speedup']:.2f}x")
+    return t
 
 
 def roofline_points(result: dict) -> list:

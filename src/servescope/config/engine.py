@@ -110,18 +110,61 @@ class ParallelConfig:
             _require(size == 1, f"{name}={size}: {what} parallelism is not supported yet (only 1)")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+# LLM(speculative={...}) keys (vLLM's speculative_config names) -> SpeculativeConfig fields
+SPECULATIVE_KEYS = {"method": "speculative_method", "model": "speculative_model",
+                    "num_speculative_tokens": "num_speculative_tokens", "prompt_lookup_min": "prompt_lookup_min",
+                    "prompt_lookup_max": "prompt_lookup_max", "quantization": "speculative_quantization",
+                    "adaptive": "speculative_adaptive"}
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (a draft model proposing tokens the target verifies). A seam for the
-    speculative-decoding issue, not a feature: only "off" (the defaults) is accepted today."""
+    """Speculative decoding: a proposer guesses up to num_speculative_tokens (k) tokens per running
+    request, the target verifies them in its next step (spec/). method ngram: prompt lookup (the
+    longest suffix of prompt_lookup_max..prompt_lookup_min tokens found earlier in the sequence gives
+    the tokens that followed it); draft: a smaller model sharing the vocabulary (speculative_model; the
+    target's own weights when unset, then normally with speculative_quantization="int8").
+    speculative_adaptive: k per request follows its acceptance rate, and speculation is skipped for a
+    step whose batch the cost model predicts it would slow down."""
 
+    speculative_method: Optional[str] = None  # None (off) | ngram | draft
     speculative_model: Optional[str] = None
     num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    speculative_quantization: Optional[str] = None  # of the draft: None | int8
+    speculative_adaptive: bool = True
 
     def __post_init__(self):
-        _require(self.speculative_model is None and self.num_speculative_tokens == 0,
-                 f"speculative decoding is not supported yet (speculative_model={self.speculative_model!r}, "
-                 f"num_speculative_tokens={self.num_speculative_tokens})")
+        m, k = self.speculative_method, self.num_speculative_tokens
+        _require(m is None or m in SPECULATIVE_METHODS,
+                 f"speculative_method must be ngram or draft (or unset), got {m!r}")
+        if m is None:
+            _require(k == 0 and self.speculative_model is None,
+                     f"num_speculative_tokens={k} / speculative_model={self.speculative_model!r} need "
+                     f"speculative_method (ngram or draft)")
+            return
+        _require(isinstance(k, int) and k >= 1, f"num_speculative_tokens must be at least 1, got {k!r}")
+        _require(k <= 16, f"num_speculative_tokens must be at most 16, got {k}")
+        _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+                 f"prompt_lookup_min ({self.prompt_lookup_min}) and prompt_lookup_max ({self.prompt_lookup_max}) "
+                 f"must satisfy 1 <= min <= max")
+        _require(m == "draft" or self.speculative_model is None,
+                 f"speculative_model is for the draft method, not {m}")
+        _require(self.speculative_quantization in (None, "int8"),
+                 f"speculative_quantization must be int8 or unset, got {self.speculative_quantization!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_method is not None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpeculativeConfig":
+        """From vLLM-style keys: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}."""
+        unknown = sorted(set(d) - set(SPECULATIVE_KEYS))
+        _require(not unknown, f"unknown speculative setting(s) {unknown}; known: {sorted(SPECULATIVE_KEYS)}")
+        return cls(**{SPECULATIVE_KEYS[k]: v for k, v in d.items()})
 
 
 @dataclass(frozen=True)

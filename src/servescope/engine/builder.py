@@ -25,6 +25,8 @@ from servescope.config import CacheConfig, EngineConfig, ModelConfig, SchedulerC
 from servescope.engine.executor import ModelExecutor
 from servescope.engine.kv_sizing import kv_bytes_per_token, num_kv_blocks
 from servescope.engine.model_runner import ModelRunner
+from servescope.engine.spec_builder import build_spec_decoder
+from servescope.engine.spec_decode import SpecDecoder
 from servescope.engine.step_cost import StepCostPredictor
 from servescope.errors import EngineConfigError
 from servescope.kvcache.manager import KVCacheManager
@@ -83,6 +85,7 @@ class EngineParts:
     scheduler: Scheduler
     sampler: Sampler
     cost: Optional[StepCostPredictor]  # annotates StepRecords (telemetry.predict_step_cost)
+    spec: Optional[SpecDecoder] = None  # speculative decoding (config.speculative), None when off
 
 
 # ------------------------------------------------------------------------------ devices and dtypes
@@ -158,11 +161,12 @@ def build_engine(config: EngineConfig, shared: Optional[LoadedModel] = None) -> 
     if config.telemetry.predict_step_cost:
         cost = StepCostPredictor(cfg, device, dtype, kv_dtype, config.load.quantization, config.telemetry.hardware)
     capture_cuda_graphs(config, executor, runner, max_len)
+    sampler = Sampler(cfg.vocab_size, eos_token_ids=loaded.eos_token_ids)
     return EngineParts(
         config=config, loaded=loaded, device=device, dtype=dtype, kv_dtype=kv_dtype, max_model_len=max_len,
         kv_bytes_per_token=per_token, cache_config=cache_config, scheduler_config=scheduler_config,
         runner=runner, kv_manager=kv_manager, scheduler=Scheduler(scheduler_config, kv_manager),
-        sampler=Sampler(cfg.vocab_size, eos_token_ids=loaded.eos_token_ids), cost=cost)
+        sampler=sampler, cost=cost, spec=build_spec_decoder(config, loaded, runner, sampler, cost, max_len))
 
 
 def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig, blocks: int) -> int:

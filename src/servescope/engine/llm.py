@@ -8,7 +8,7 @@ from typing import Optional, Sequence, Union
 
 from tqdm import tqdm
 
-from servescope.config import EngineConfig, SamplingParams
+from servescope.config import EngineConfig, SamplingParams, SpeculativeConfig
 from servescope.engine.llm_engine import LLMEngine
 from servescope.engine.outputs import RequestOutput
 from servescope.errors import InvalidParameterError
@@ -18,7 +18,11 @@ Prompt = Union[str, Sequence[int]]
 
 class LLM:
     def __init__(self, model: Optional[str] = None, dtype: str = "float32", device: str = "cpu",
-                 block_size: int = 16, **engine_kwargs):
+                 block_size: int = 16, speculative: Optional[dict] = None, **engine_kwargs):
+        """speculative: vLLM-style speculative settings, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+        (SpeculativeConfig.from_dict)."""
+        if speculative is not None:
+            engine_kwargs["speculative"] = SpeculativeConfig.from_dict(speculative)
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
                                              **engine_kwargs))
         self._ids = itertools.count()

@@ -67,6 +67,7 @@ class LLMEngine:
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._step_counter = 0
         self._cost = parts.cost
+        self.spec = parts.spec  # engine/spec_decode.py: speculative decoding, None when off
         self.start_time = time.perf_counter()
 
     def with_config(self, **overrides) -> "LLMEngine":
@@ -165,13 +166,21 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.outputs.begin_step(out, t0)
         rows = [i for i, s in enumerate(out.scheduled) if s.will_sample]  # whose next token is due
-        sampled = self._sample(out, rows, self._execute(out, rows))
-        self.scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
+        logits = self._execute(out, rows)
+        if self.spec is not None and any(out.scheduled[i].spec_token_ids for i in rows):
+            sampled = self.spec.verify(out, rows, logits, self.outputs)  # {id: [SampledToken, ...]}
+            self.scheduler.update_from_output(out, {r: [t.token_id for t in s] for r, s in sampled.items()})
+        else:
+            sampled = self._sample(out, rows, logits)
+            self.scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
         t1 = time.perf_counter()
         self.outputs.add_tokens(sampled, t1)  # may finish requests, which frees their blocks
         if self.recompute_kv:
             self._discard_kv(out)
-        self._record_step(out, len(rows), t0, t1)
+        if self.spec is not None:
+            self.spec.propose(self.scheduler, self.outputs)  # drafts for the next step
+        self._record_step(out, sum(out.scheduled[i].num_sample_positions for i in rows), t0,
+                          time.perf_counter())
         return self.outputs.end_step()
 
     def _execute(self, out: SchedulerOutput, rows: list) -> Optional[torch.Tensor]:
@@ -202,7 +211,9 @@ class LLMEngine:
         self._step_counter += 1
         km = self.kv_manager
         ctx = [s.num_computed_tokens + s.num_new_tokens for s in out.scheduled]
-        seqs = [(s.num_new_tokens, s.num_computed_tokens) for s in out.scheduled]
+        # a verification runs as 1 + k one-token rows (engine/model_runner.py), so it is predicted as such
+        seqs = [(1, s.num_computed_tokens + j) if s.spec_token_ids else (s.num_new_tokens, s.num_computed_tokens)
+                for s in out.scheduled for j in range(1 + len(s.spec_token_ids) if s.spec_token_ids else 1)]
         npf_seqs = sum(1 for s in out.scheduled if s.is_prefill)
         rec = StepRecord(
             step=self._step_counter, start_time=t0, wall_seconds=t1 - t0,
@@ -212,6 +223,10 @@ class LLMEngine:
             kv_blocks_cached=km.num_cached_blocks, kv_usage=km.usage,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_preemptions_total=self.scheduler.num_preemptions)
+        if self.spec is not None and any(s.spec_token_ids for s in out.scheduled):
+            st = self.spec.last_step
+            rec.num_spec_seqs, rec.num_draft_tokens, rec.num_accepted_tokens = (
+                st.num_seqs, st.num_draft_tokens, st.num_accepted_tokens)
         if self._cost is not None and seqs:
             self._cost.annotate(rec, seqs, num_logits=num_logits)
         self.step_records.append(rec)
@@ -229,4 +244,5 @@ class LLMEngine:
             "prefix_cache_queries": km.prefix_cache_queries, "prefix_cache_hits": km.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
+            **(self.spec.state() if self.spec is not None else {}),
         }

@@ -28,8 +28,16 @@ class StepBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [B]: index in T of each sequence's last new token
+    logits_indices: torch.Tensor  # [B]: index in T of each row's last new token
     num_tokens: int
+    # row offsets of each scheduled sequence [len(scheduled) + 1]: a sequence verifying k drafts is laid
+    # out as 1 + k one-token rows (one logits position each); any other sequence is one row
+    seq_rows: Optional[list] = None
+
+    def sample_positions(self, seq_indices: list) -> list:
+        """Rows whose logits the scheduled sequences at seq_indices need, in order."""
+        r = self.seq_rows
+        return [j for i in seq_indices for j in range(r[i], r[i + 1])]
 
 
 class ModelRunner:
@@ -62,18 +70,37 @@ class ModelRunner:
         s = self.block_size
         input_ids, positions, slots, query_lens, context_lens, tables = [], [], [], [], [], []
         num_decode = 0
+        seq_rows = [0]
         for seq in scheduled:
             start, n = seq.num_computed_tokens, seq.num_new_tokens
+            spec = getattr(seq, "spec_token_ids", ())
+            blocks = seq.block_ids
+            if spec:
+                # a verification: 1 + k one-token rows over the same block table, row j at position
+                # start + j attending over start + j + 1 tokens. All rows' KV is stored before any row's
+                # attention reads it (the backend invariant), so each row sees the drafts before it:
+                # causal attention of a (1 + k)-token query, on the decode kernels.
+                toks = seq.token_ids()
+                for j in range(n):
+                    input_ids.append(toks[j])
+                    positions.append(start + j)
+                    slots.append(blocks[(start + j) // s] * s + (start + j) % s)
+                    query_lens.append(1)
+                    context_lens.append(start + j + 1)
+                    tables.append(blocks)
+                    num_decode += num_decode == len(query_lens) - 1
+                seq_rows.append(len(query_lens))
+                continue
             toks = seq.request.all_token_ids
             input_ids.extend(toks[start:start + n])
             positions.extend(range(start, start + n))
-            blocks = seq.block_ids
             slots.extend(blocks[p // s] * s + p % s for p in range(start, start + n))
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(blocks)
             if n == 1 and num_decode == len(query_lens) - 1:
                 num_decode += 1  # decodes lead the batch; count the leading run of 1-token queries
+            seq_rows.append(len(query_lens))
         max_blocks = max(len(t) for t in tables)
         qsl = [0]
         for q in query_lens:
@@ -102,13 +129,19 @@ class ModelRunner:
             num_decode_seqs=num_decode,
         )
         return StepBatch(input_ids=buf[:t], positions=buf[t:2 * t], meta=meta,
-                         logits_indices=buf[o:o + b], num_tokens=t)
+                         logits_indices=buf[o:o + b], num_tokens=t, seq_rows=seq_rows)
 
     @torch.inference_mode()
     def execute(self, scheduled, sample_rows: Optional[list] = None) -> torch.Tensor:
-        """Run one step. Returns float32 logits [B', V] for the rows in sample_rows (indices into
-        `scheduled`; default all)."""
+        """Run one step. Returns float32 logits [P, V] at the sample positions of the sequences in
+        sample_rows (indices into `scheduled`; default all): one per sequence, 1 + k for a sequence
+        verifying k drafts, in order."""
         batch = self.prepare(scheduled)
         hidden = self.executor.forward(batch, self.kv_caches, self.backend)  # [T, Dm]
-        idx = batch.logits_indices if sample_rows is None else batch.logits_indices[sample_rows]
-        return self.executor.compute_logits(hidden[idx])  # [B', Dm] -> [B', V]
+        if sample_rows is None:
+            idx = batch.logits_indices
+        elif len(batch.seq_rows) - 1 == batch.meta.num_seqs:  # one row per sequence
+            idx = batch.logits_indices[sample_rows]
+        else:
+            idx = batch.logits_indices[batch.sample_positions(sample_rows)]
+        return self.executor.compute_logits(hidden[idx])  # [P, Dm] -> [P, V]

@@ -144,15 +144,29 @@ class OutputProcessor:
                 m.first_scheduled_time = now
 
     def add_tokens(self, sampled: dict, now: float) -> None:
-        """sampled: {sample id: SampledToken}, already appended to the Requests by the scheduler."""
-        for rid, (tok, lp) in sampled.items():
+        """sampled: {sample id: SampledToken, or a list of them (a speculative step's accepted drafts and
+        the target's token)}, already appended to the Requests by the scheduler. A sample that finishes
+        at one of several tokens keeps the tokens up to it and drops the rest."""
+        for rid, toks in sampled.items():
             group, sample = self._samples[rid]
-            if sample.logprobs is not None and lp is not None:
-                sample.logprobs.append(lp)
-                sample.cumulative_logprob += lp.logprob
-            sample.metrics.token_times.append(now)
-            self._check_token(sample, tok)
+            toks = [toks] if isinstance(toks, SampledToken) else toks
+            base = sample.request.num_output_tokens - len(toks)  # outputs before this step's tokens
+            for i, (tok, lp) in enumerate(toks):
+                if sample.logprobs is not None and lp is not None:
+                    sample.logprobs.append(lp)
+                    sample.cumulative_logprob += lp.logprob
+                sample.metrics.token_times.append(now)
+                self._check_token(sample, tok, base + i + 1)
+                if sample.finish_reason is not None:
+                    sample.request.truncate_output(base + i + 1)
+                    break
             self._changed[group.request_id] = group
+
+    def record_speculation(self, sample_id: str, num_drafts: int, num_accepted: int) -> None:
+        """Count a verified step's drafts and accepted drafts in the sample's metrics."""
+        m = self._samples[sample_id][1].metrics
+        m.num_draft_tokens += num_drafts
+        m.num_accepted_tokens += num_accepted
 
     def end_step(self) -> list:
         """A RequestOutput per user request that changed this step; finished ones are forgotten."""
@@ -167,9 +181,9 @@ class OutputProcessor:
         return outputs
 
     # ------------------------------------------------------------------ stop conditions
-    def _check_token(self, sample: Sample, tok: int) -> None:
+    def _check_token(self, sample: Sample, tok: int, n_out: int) -> None:
+        """n_out: the sample's output count with this token."""
         req, sp = sample.request, sample.state.params
-        n_out = req.num_output_tokens
         is_eos = tok in self.eos_token_ids and not sp.ignore_eos
         finish, stop_reason = None, None
         # the sampler masks EOS and stop_token_ids until min_tokens outputs exist
@@ -186,7 +200,7 @@ class OutputProcessor:
                         cut = idx + len(stop_reason) if sp.include_stop_str_in_output else idx
                         sample.text = sample.text[:cut]
                         finish = "stop"
-        if finish is None and (n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len):
+        if finish is None and (n_out >= sp.max_tokens or req.num_prompt_tokens + n_out >= self.max_model_len):
             finish = "length"
         if finish is not None:
             self._finish(sample, finish, stop_reason)

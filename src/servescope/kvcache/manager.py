@@ -145,6 +145,7 @@ class KVCacheManager:
         num_new_tokens: int,
         computed_blocks: list[int] | None = None,
         num_computed_from_cache: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> bool:
         """Make the request hold blocks for num_computed_tokens + num_computed_from_cache +
         num_new_tokens tokens (call before advancing request.num_computed_tokens).
@@ -152,7 +153,8 @@ class KVCacheManager:
         computed_blocks/num_computed_from_cache come from get_computed_blocks() and are only
         given at admission, when the request holds nothing. Returns False, changing nothing, if
         free + evictable blocks do not suffice. Afterwards every block that the scheduled tokens
-        fill is hashed into the prefix cache.
+        fill is hashed into the prefix cache. num_lookahead_tokens: slots for that many more
+        positions (a draft model's KV of unverified tokens), never hashed.
         """
         rid = request.request_id
         computed_blocks = computed_blocks or []
@@ -162,7 +164,7 @@ class KVCacheManager:
             assert num_computed_from_cache == len(computed_blocks) * self.block_size
         admitting = not held
         total = request.num_computed_tokens + num_computed_from_cache + num_new_tokens
-        num_new_blocks = self.num_blocks_for(total) - len(held) - len(computed_blocks)
+        num_new_blocks = max(self.num_blocks_for(total + num_lookahead_tokens) - len(held) - len(computed_blocks), 0)
         # Hit blocks that sit in the evictable list stop being available once we take them.
         num_hit_evictable = sum(1 for b in computed_blocks if self.allocator.ref_count(b) == 0)
         if num_new_blocks > self.num_free_blocks - num_hit_evictable:
@@ -206,6 +208,23 @@ class KVCacheManager:
             # False when another block already holds this content: this one stays private.
             self.prefix_cache.insert(hashes[i], table[i])
         self._num_hashed[rid] = num_full
+
+    def rollback(self, request: SequenceLike, num_tokens: int) -> int:
+        """Give back the blocks past the first num_tokens tokens (slots of rejected draft tokens, or an
+        unused lookahead). Such a block holds no verified token, so it was never hashed. Returns the
+        number of blocks freed."""
+        table = self._blocks.get(request.request_id)
+        if not table:
+            return 0
+        keep = max(self.num_blocks_for(num_tokens), self._num_hashed.get(request.request_id, 0))
+        freed = 0
+        while len(table) > keep:
+            b = table.pop()
+            assert not self.prefix_cache.is_cached(b), f"rollback of cached block {b}"
+            if self.allocator.decref(b) == 0:
+                self.allocator.release(b)
+            freed += 1
+        return freed
 
     # -- release ---------------------------------------------------------------------------
     def free(self, request: SequenceLike) -> None:

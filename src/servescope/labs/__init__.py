@@ -27,6 +27,8 @@ LABS = {
                               "TTFT, TPOT and ITL vs throughput as closed-loop concurrency grows"),
     "chunked-prefill": ("chunked_prefill",
                         "ITL of running decodes when a long prompt arrives, with and without chunked prefill"),
+    "speculative": ("speculative", "speed-up of n-gram speculation vs k and batch, copy-heavy and open prompts, "
+                                   "measured beside predicted"),
 }
 # not part of `lab all`: the cost model's validation (docs/VALIDATION.md)
 EXTRA_LABS = {

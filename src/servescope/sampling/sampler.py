@@ -122,15 +122,36 @@ class Sampler:
     # -- sampling -------------------------------------------------------------------------
 
     def _sample(self, logits: torch.Tensor, states: list[SamplingState], greedy: list[bool]) -> torch.Tensor:
+        x, greedy_ids = self._processed(logits, states, greedy)
+        if x is None:
+            return greedy_ids
+        probs = x.softmax(dim=-1)  # [B, V]
+        sampled = probs.div_(self._exponential_noise(probs, states, greedy)).argmax(dim=-1)  # [B]
+        if any(greedy):
+            sampled = torch.where(host_to_device(greedy, torch.bool, logits.device), greedy_ids, sampled)
+        assert sampled.shape == (len(states),)
+        return sampled
+
+    def distributions(self, logits: torch.Tensor, states: list[SamplingState]) -> tuple:
+        """What each row samples from, without sampling: (probs [B, V] float32 after penalties,
+        min_tokens, temperature and filters, or None when every row is greedy; the argmax [B] of the
+        processed logits; the greedy flags). Speculative verification (spec/) scores drafts with it."""
+        logits = logits[:, : self.vocab_size]  # [B, V]
+        greedy = [s.params.greedy for s in states]
+        x, greedy_ids = self._processed(logits, states, greedy)
+        return (None if x is None else x.softmax(dim=-1)), greedy_ids, greedy
+
+    def _processed(self, logits: torch.Tensor, states: list[SamplingState], greedy: list[bool]) -> tuple:
+        """(logits [B, V] after penalties, min_tokens, temperature and filters, or None when every row is
+        greedy; the greedy choice [B], None when no row is greedy)."""
         device = logits.device
-        rows = len(states)
         params = [s.params for s in states]
         rep_rows = [p.repetition_penalty != 1.0 for p in params]
         out_rows = [r or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for r, p in zip(rep_rows, params)]
         mask_r, mask_t = self._min_tokens_mask(states)
 
         if all(greedy) and not any(out_rows) and not mask_r:
-            return logits.argmax(dim=-1)  # fast path, on the logits as given (any dtype)
+            return None, logits.argmax(dim=-1)  # fast path, on the logits as given (any dtype)
 
         x = logits.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)  # [B, V]
         if any(out_rows):
@@ -146,7 +167,7 @@ class Sampler:
 
         greedy_ids = x.argmax(dim=-1) if any(greedy) else None  # [B]
         if all(greedy):
-            return greedy_ids
+            return None, greedy_ids
 
         # greedy rows get temperature 1 so that they stay finite; their sample is discarded
         temps = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
@@ -162,12 +183,7 @@ class Sampler:
                 host_to_device(top_p, torch.float32, device) if use_p else None,
                 host_to_device(min_p, torch.float32, device) if use_min_p else None,
             )
-        probs = x.softmax(dim=-1)  # [B, V]
-        sampled = probs.div_(self._exponential_noise(probs, states, greedy)).argmax(dim=-1)  # [B]
-        if greedy_ids is not None:
-            sampled = torch.where(host_to_device(greedy, torch.bool, device), greedy_ids, sampled)
-        assert sampled.shape == (rows,)
-        return sampled
+        return x, greedy_ids
 
     def _exponential_noise(self, probs: torch.Tensor, states: list[SamplingState], greedy: list[bool]) -> torch.Tensor:
         """Exp(1) noise [B, V]; a seeded non-greedy row draws its row from its own generator."""
@@ -181,6 +197,10 @@ class Sampler:
             q[i].exponential_(generator=states[i].generator)  # one V-sized draw, as a lone row would
         # Exp(1) may round to 0; a zero would make 0/0 = nan (argmax picks nan) or p/0 = inf
         return q.clamp_(min=torch.finfo(q.dtype).tiny)
+
+    def exponential_noise(self, probs: torch.Tensor, states: list[SamplingState], greedy: list[bool]) -> torch.Tensor:
+        """Exp(1) noise [B, V] as the sampler draws it (argmax(probs / noise) samples probs)."""
+        return self._exponential_noise(probs, states, greedy)
 
     def _min_tokens_mask(self, states: list[SamplingState]) -> tuple[list[int], list[int]]:
         """(row, token) pairs to mask: stop ids of rows with fewer than min_tokens outputs."""
@@ -200,6 +220,16 @@ class Sampler:
         return rows, toks
 
     # -- logprobs -------------------------------------------------------------------------
+
+    def logprobs_of(self, logits: torch.Tensor, token_ids: list[int], states: list[SamplingState]) -> SamplerOutput:
+        """Logprobs of given tokens (rows whose state asks for them): the tokens speculative
+        verification chose, one row of the target's logits each."""
+        logits = logits[:, : self.vocab_size]
+        rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        if not rows:
+            return SamplerOutput(list(token_ids), [None] * len(states))
+        ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+        return self._with_logprobs(logits, ids, states, rows)
 
     def _with_logprobs(
         self, logits: torch.Tensor, token_ids: torch.Tensor, states: list[SamplingState], lp_rows: list[int]

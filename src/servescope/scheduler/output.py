@@ -17,10 +17,23 @@ class ScheduledSequence:
     block_ids: list[int]  # the full block table after allocation (a copy)
     is_prefill: bool  # some of these tokens are prompt or recompute tokens
     will_sample: bool  # the step reaches the request's last token: its logits are due
+    # draft tokens verified this step: they follow the request's last token, so num_new_tokens is
+    # 1 + len(spec_token_ids) and logits are due at each of those positions
+    spec_token_ids: tuple = ()
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def num_sample_positions(self) -> int:
+        """Positions whose logits the step needs: 0, 1, or 1 + drafts (the bonus position included)."""
+        return (1 + len(self.spec_token_ids)) if self.will_sample else 0
+
+    def token_ids(self) -> list:
+        """The step's input tokens of this sequence: known tokens, then the drafts."""
+        start, n = self.num_computed_tokens, self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.all_token_ids[start:start + n] + list(self.spec_token_ids)
 
     @property
     def context_len(self) -> int:

@@ -69,6 +69,9 @@ class Request:
         self.num_preemptions = 0
         self.error: Optional[str] = None
         self.first_scheduled_time: Optional[float] = None
+        # speculative decoding: draft tokens proposed after the last step, verified by the next one
+        # (never part of all_token_ids: only verified tokens are, so only they reach the prefix cache)
+        self.spec_token_ids: list[int] = []
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -94,6 +97,13 @@ class Request:
     def append_output_token(self, tok: int) -> None:
         self.output_token_ids.append(tok)
         self._all_token_ids.append(tok)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past the first num_output_tokens (a stop inside a step's several tokens)."""
+        extra = self.num_output_tokens - num_output_tokens
+        if extra > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self._all_token_ids[-extra:]
 
     def __repr__(self) -> str:
         return (

@@ -73,6 +73,10 @@ class Scheduler:
         preempted = [r.request_id for r in self._waiting if r.status is RequestStatus.PREEMPTED]
         return {"running": [r.request_id for r in self._running], "waiting": waiting, "preempted": preempted}
 
+    def running_requests(self) -> list[Request]:
+        """The running requests, in admission order (a copy)."""
+        return list(self._running)
+
     def get_request(self, request_id: str) -> Optional[Request]:
         return self._requests.get(request_id)
 
@@ -190,7 +194,12 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(num_new, token_budget)
+            spec = self._take_spec_tokens(req, num_new, token_budget)
+            num_new += len(spec)
             start = req.num_computed_tokens
+            if spec and not kv.allocate_slots(req, num_new):
+                num_new -= len(spec)  # no room to verify drafts: decode plainly before preempting anyone
+                spec = ()
             while not kv.allocate_slots(req, num_new):
                 victim = max(self._running, key=self._order_key)
                 j = self._running.index(victim)
@@ -205,10 +214,20 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled[req.request_id] = self._make_seq(req, start, num_new)
+                scheduled[req.request_id] = self._make_seq(req, start, num_new, spec)
                 token_budget -= num_new
                 i += 1
         return token_budget
+
+    def _take_spec_tokens(self, req: Request, num_new: int, token_budget: int) -> tuple:
+        """The request's drafts to verify this step (consumed: the proposer sets new ones after the
+        step). Only a decode speculates; the drafts are cut to the step's token budget and so that
+        all its KV positions stay below max_model_len."""
+        spec, req.spec_token_ids = req.spec_token_ids, []
+        if not spec or num_new != 1 or req.num_computed_tokens != req.num_tokens - 1:
+            return ()
+        room = min(token_budget - 1, self.config.max_model_len - req.num_tokens)
+        return tuple(spec[:max(room, 0)])
 
     def _schedule_waiting(self, token_budget: int, scheduled: dict, finished: list) -> int:
         """Step 2 of schedule(): admit waiting requests in order until one does not fit. Fills the
@@ -239,22 +258,24 @@ class Scheduler:
             token_budget -= num_new
         return token_budget
 
-    def _make_seq(self, req: Request, start: int, num_new: int) -> ScheduledSequence:
+    def _make_seq(self, req: Request, start: int, num_new: int, spec: tuple = ()) -> ScheduledSequence:
         return ScheduledSequence(
             request=req,
             num_new_tokens=num_new,
+            spec_token_ids=spec,
             num_computed_tokens=start,
             block_ids=self.kv_manager.get_block_ids(req.request_id),
             # prompt (or recompute) tokens: everything before the last known token, and a whole
             # one-token prompt on its first step
             is_prefill=start < req.num_tokens - 1 or start < req.num_prompt_tokens,
-            will_sample=start + num_new == req.num_tokens,
+            will_sample=start + num_new - len(spec) == req.num_tokens,
         )
 
     def _preempt(self, req: Request) -> None:
         """Drop a request's KV and queue it again (it recomputes later). Not in _running any more."""
         self.kv_manager.free(req)  # before resetting num_computed_tokens: free() reads it
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self._num_preemptions += 1
@@ -276,9 +297,12 @@ class Scheduler:
         self._forget(req)
 
     # -- after the model ran ---------------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+    def update_from_output(self, output: SchedulerOutput, sampled: dict) -> None:
         """Advance num_computed_tokens by what the step computed and append sampled tokens.
 
+        sampled: request id -> its token, or its tokens (a speculating request: the accepted drafts
+        then the target's own token). The KV of rejected drafts is rolled back: num_computed_tokens
+        counts only verified positions and blocks past the request's tokens go back to the free list.
         Blocks that the sampled tokens will fill are hashed when the step that computes their
         KV is scheduled (allocate_slots), so nothing is hashed here. Requests finished since
         schedule() (aborted in between) are skipped.
@@ -288,11 +312,29 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING or self._requests.get(req.request_id) is not req:
                 continue
             assert req.num_computed_tokens == seq.num_computed_tokens, f"{req.request_id}: step applied twice"
-            req.num_computed_tokens += seq.num_new_tokens
+            num_spec = len(seq.spec_token_ids)
+            req.num_computed_tokens += seq.num_new_tokens - num_spec
             if seq.will_sample:
-                tok = sampled.get(req.request_id)
-                if tok is not None:
+                toks = sampled.get(req.request_id)
+                toks = [] if toks is None else [toks] if isinstance(toks, int) else list(toks)
+                assert len(toks) <= num_spec + 1, f"{req.request_id}: {len(toks)} tokens for {num_spec} drafts"
+                assert list(seq.spec_token_ids[:max(len(toks) - 1, 0)]) == toks[:-1], "accepted tokens are drafts"
+                req.num_computed_tokens += max(len(toks) - 1, 0)  # the accepted drafts' KV is verified
+                for tok in toks:
                     req.append_output_token(tok)
+            if num_spec:
+                self.kv_manager.rollback(req, req.num_tokens)
+
+    def reserve_lookahead(self, request_id: str, num_tokens: int) -> Optional[list]:
+        """Blocks for num_tokens positions past a running request's computed ones (a draft model writes
+        its own KV there before the next step verifies), without hashing anything. The block table,
+        or None (nothing changed) when the cache has no room."""
+        req = self._requests.get(request_id)
+        if req is None or req.status is not RequestStatus.RUNNING:
+            return None
+        if not self.kv_manager.allocate_slots(req, 0, num_lookahead_tokens=num_tokens):
+            return None
+        return self.kv_manager.get_block_ids(request_id)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """Finish a request wherever it is (waiting, mid-prefill, decoding) and free its blocks

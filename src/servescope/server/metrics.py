@@ -52,7 +52,17 @@ class ServerMetrics:
         self.tpot = h("time_per_output_token_seconds", "Time per output token after the first.", TPOT_BUCKETS)
         self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
         self.queue_time = h("request_queue_time_seconds", "Time from arrival to first scheduling.", LATENCY_BUCKETS)
-        self._last = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+        # speculative decoding (vLLM's names): verifications with drafts, drafts scored, drafts accepted
+        self.spec_decode_num_drafts = c("spec_decode_num_drafts", "Speculative verifications with drafts (engine total).")
+        self.spec_decode_num_draft_tokens = c("spec_decode_num_draft_tokens", "Draft tokens verified (engine total).")
+        self.spec_decode_num_accepted_tokens = c("spec_decode_num_accepted_tokens",
+                                                 "Draft tokens accepted (engine total).")
+        self._totals = (("prefix_cache_queries", self.prefix_cache_queries),
+                        ("prefix_cache_hits", self.prefix_cache_hits), ("num_preemptions", self.num_preemptions),
+                        ("spec_decode_num_drafts", self.spec_decode_num_drafts),
+                        ("spec_decode_num_draft_tokens", self.spec_decode_num_draft_tokens),
+                        ("spec_decode_num_accepted_tokens", self.spec_decode_num_accepted_tokens))
+        self._last = {name: 0 for name, _ in self._totals}
         self._lock = threading.Lock()
 
     def on_output(self, out: RequestOutput, new_tokens: int) -> None:
@@ -77,9 +87,7 @@ class ServerMetrics:
         self.num_requests_waiting.set(state.get("num_waiting", 0))
         self.kv_cache_usage_perc.set(state.get("usage", 0.0))
         with self._lock:
-            for name, counter in (("prefix_cache_queries", self.prefix_cache_queries),
-                                  ("prefix_cache_hits", self.prefix_cache_hits),
-                                  ("num_preemptions", self.num_preemptions)):
+            for name, counter in self._totals:
                 value = int(state.get(name, 0))
                 if value > self._last[name]:
                     counter.inc(value - self._last[name])

@@ -20,6 +20,13 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request
+    num_accepted_tokens: int = 0  # ... and accepted
+
+    @property
+    def spec_acceptance_rate(self) -> Optional[float]:
+        """Accepted / proposed drafts; None when nothing was proposed."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
     def num_output_tokens(self) -> int:
@@ -56,6 +63,8 @@ class RequestMetrics:
             "num_output_tokens": self.num_output_tokens,
             "num_cached_tokens": self.num_cached_tokens,
             "num_preemptions": self.num_preemptions,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
             "queue_time": self.queue_time,
             "ttft": self.ttft,
             "tpot": self.tpot,

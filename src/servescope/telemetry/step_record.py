@@ -23,6 +23,10 @@ class StepRecord:
     num_running: int
     num_waiting: int
     num_preemptions_total: int
+    # speculative decoding: requests that verified drafts this step, drafts scored, drafts accepted
+    num_spec_seqs: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # from the cost model (None when prediction is off)
     predicted_seconds: Optional[float] = None
     flops: Optional[float] = None

@@ -1,0 +1,53 @@
+"""Builds the draft model of speculative decoding: its weights (any model servescope loads, by default the
+target's own, normally quantised), checked against the target, and a ModelRunner whose KV cache has the
+target's block geometry (spec/draft.py: the draft reads and writes through the target's block tables)."""
+
+from __future__ import annotations
+
+import logging
+
+from servescope.config import EngineConfig, SpeculativeConfig
+from servescope.engine.builder import load_model, resolve_device, resolve_dtypes
+from servescope.engine.model_runner import ModelRunner
+from servescope.errors import EngineConfigError
+from servescope.spec.draft import DraftProposer
+
+logger = logging.getLogger(__name__)
+
+
+def build_draft_proposer(config: EngineConfig, loaded, runner: ModelRunner, sampler, max_model_len: int) -> DraftProposer:
+    spec = config.speculative
+    draft_config = config.replace(model=spec.speculative_model or config.load.model,
+                                  quantization=spec.speculative_quantization, speculative=SpeculativeConfig())
+    device = resolve_device(draft_config)
+    dtype, kv_dtype = resolve_dtypes(draft_config, device)
+    draft = load_model(draft_config, device, dtype)
+    check_draft(draft, loaded, max_model_len)
+    draft_runner = ModelRunner(draft.executor, draft.model_config, runner.backend, runner.num_blocks,
+                               runner.block_size, kv_dtype, device)
+    logger.info("draft model %s (%s): %d layers, %.1f MiB of weights, %.1f MiB of KV cache",
+                draft.source_path, spec.speculative_quantization or "unquantised",
+                draft.model_config.num_hidden_layers, draft.executor.weight_bytes / 2**20,
+                draft_runner.kv_cache_bytes / 2**20)
+    return DraftProposer(draft_runner, sampler)
+
+
+def check_draft(draft, target, max_model_len: int) -> None:
+    """The draft must speak the target's vocabulary and hold the target's whole context."""
+    dv, tv = draft.model_config.vocab_size, target.model_config.vocab_size
+    if dv != tv:
+        raise EngineConfigError(f"the draft model {draft.source_path} has a vocabulary of {dv} tokens, the target "
+                                f"{target.source_path} one of {tv}: a draft must share the target's tokenizer")
+    dt, tt = draft.tokenizer, target.tokenizer
+    if dt is not None and tt is not None and dt.vocab_size != tt.vocab_size:
+        raise EngineConfigError(f"the draft's tokenizer has {dt.vocab_size} tokens, the target's {tt.vocab_size}: "
+                                f"a draft must share the target's tokenizer")
+    if dt is not None and tt is not None:
+        probe = "The quick brown fox, 12345 — naïve café."
+        if dt.encode(probe) != tt.encode(probe):
+            raise EngineConfigError("the draft's tokenizer encodes text differently from the target's: a draft "
+                                    "must share the target's tokenizer")
+    ctx = draft.model_config.max_position_embeddings
+    if ctx < max_model_len:
+        raise EngineConfigError(f"the draft model's context is {ctx} tokens, shorter than the target's "
+                                f"max_model_len {max_model_len}: set max_model_len <= {ctx} or use another draft")
