@@ -59,6 +59,6 @@ def test_step_event_carries_optional_fields_only_when_present():
     assert (d["flops"], d["bytes"], d["kv_used"], d["running"]) == (4e9, 1e9, 5, 3)
     assert "spec_proposed" not in d and "comm_seconds" not in d
     rec = _rec(predicted_seconds=None)
-    rec.spec_proposed, rec.spec_accepted = 8, 5  # as a speculative engine's records would carry them
+    rec.num_draft_tokens, rec.num_accepted_tokens = 8, 5  # a step that verified 8 drafts
     d = step_event(rec, t0=100.0)
     assert d["pred_ms"] is None and (d["spec_proposed"], d["spec_accepted"]) == (8, 5)

@@ -14,9 +14,11 @@ import collections
 import math
 from typing import Optional
 
-# step fields that only some engines fill (speculative decoding, parallel communication): copied to
-# the wire when a record carries them, so that their panels appear only then
-OPTIONAL_STEP_FIELDS = ("spec_proposed", "spec_accepted", "comm_seconds")
+# step fields that only some steps fill (speculative decoding, parallel communication), as wire name ->
+# StepRecord field: on the wire only when the step verified drafts / communicated, so that their
+# panels appear only then
+SPEC_STEP_FIELDS = {"spec_proposed": "num_draft_tokens", "spec_accepted": "num_accepted_tokens"}
+COMM_STEP_FIELDS = {"comm_seconds": "comm_seconds"}
 
 # latency histogram buckets: log-spaced edges in milliseconds, 4 per decade from 0.1 ms to 100 s
 HIST_EDGES_MS = tuple(round(10 ** (k / 4 - 1), 4) for k in range(25))
@@ -37,10 +39,10 @@ def step_event(rec, t0: float) -> dict:
         "kv_used": rec.kv_blocks_used, "kv_cached": rec.kv_blocks_cached, "kv_usage": _round(rec.kv_usage),
         "running": rec.num_running, "waiting": rec.num_waiting, "preemptions": rec.num_preemptions_total,
     }
-    for name in OPTIONAL_STEP_FIELDS:
-        value = getattr(rec, name, None)
-        if value is not None:
-            d[name] = value
+    if getattr(rec, "num_draft_tokens", 0):
+        d.update({wire: getattr(rec, field) for wire, field in SPEC_STEP_FIELDS.items()})
+    if getattr(rec, "comm_seconds", None) is not None:
+        d.update({wire: getattr(rec, field) for wire, field in COMM_STEP_FIELDS.items()})
     return d
 
 
