@@ -34,8 +34,10 @@ from servescope.errors import EngineConfigError
     (BatchingConfig, dict(max_num_seqs=0), "max_num_seqs must be positive"),
     (BatchingConfig, dict(max_num_batched_tokens=-5), "max_num_batched_tokens must be positive"),
     (BatchingConfig, dict(max_model_len=0), "max_model_len must be positive"),
-    (ParallelConfig, dict(tensor_parallel_size=2), "tensor parallelism is not supported yet"),
-    (ParallelConfig, dict(pipeline_parallel_size=4), "pipeline parallelism is not supported yet"),
+    (ParallelConfig, dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
+    (ParallelConfig, dict(pipeline_parallel_size=1.5), "pipeline_parallel_size must be a positive integer"),
+    (ParallelConfig, dict(distributed_backend="mpi"), "distributed_backend must be auto, gloo or nccl"),
+    (ParallelConfig, dict(distributed_timeout_s=0), "distributed_timeout_s must be positive"),
     (SpeculativeConfig, dict(num_speculative_tokens=4), "speculative decoding is not supported yet"),
     (SpeculativeConfig, dict(speculative_model="draft"), "speculative decoding is not supported yet"),
 ])

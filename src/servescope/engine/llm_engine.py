@@ -87,6 +87,10 @@ class LLMEngine:
             raise RuntimeError("set_gpu_linear needs an idle engine")
         return self.executor.set_gpu_linear(mode, self.runner)
 
+    def shutdown(self) -> None:
+        """Stop what the engine started (a parallel engine's worker processes); idempotent."""
+        self.executor.shutdown()
+
     # ---------------------------------------------------------------- requests
     def encode(self, prompt: str) -> list:
         if self.tokenizer is None:
@@ -207,6 +211,7 @@ class LLMEngine:
             kv_blocks_cached=km.num_cached_blocks, kv_usage=km.usage,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_preemptions_total=self.scheduler.num_preemptions)
+        rec.comm_seconds, rec.comm_bytes = self.executor.last_comm if out.scheduled else (0.0, 0)
         if self._cost is not None and seqs:
             self._cost.annotate(rec, seqs, num_logits=num_logits)
         self.step_records.append(rec)
