@@ -86,6 +86,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["int8"])
     g.add_argument("--threads", type=positive_int, default=None)
     g.add_argument("--hardware", default=None, help="hardware spec for step predictions (default: probe / GPU)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="T",
+                   help="shard each layer over T processes (gloo on the CPU, NCCL on GPUs)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1, metavar="P",
+                   help="split the layers into P stages, one process each (x T)")
+    g.add_argument("--distributed-timeout", type=positive_float, default=60.0, metavar="S",
+                   help="a parallel worker that does not answer within S seconds fails the engine")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -96,7 +102,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
         enable_chunked_prefill=not a.no_chunked_prefill, no_kv_cache=a.no_kv_cache,
         attention_backend=a.attention_backend, gpu_linear=a.gpu_linear, quantization=a.quantization,
-        num_threads=a.threads, hardware=a.hardware)
+        num_threads=a.threads, hardware=a.hardware, tensor_parallel_size=a.tensor_parallel_size,
+        pipeline_parallel_size=a.pipeline_parallel_size, distributed_timeout_s=a.distributed_timeout)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:

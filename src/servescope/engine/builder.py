@@ -26,7 +26,7 @@ from servescope.engine.executor import ModelExecutor
 from servescope.engine.kv_sizing import kv_bytes_per_token, num_kv_blocks
 from servescope.engine.model_runner import ModelRunner
 from servescope.engine.parallel_executor import ParallelExecutor, parallel_layout
-from servescope.engine.parallel_worker import worker_main
+from servescope.engine.parallel_worker import become_torchrun_worker, worker_main
 from servescope.engine.step_cost import StepCostPredictor
 from servescope.errors import EngineConfigError
 from servescope.kvcache.manager import KVCacheManager
@@ -152,6 +152,7 @@ def build_engine(config: EngineConfig, shared: Optional[LoadedModel] = None) -> 
     device = resolve_device(config)
     dtype, kv_dtype = resolve_dtypes(config, device)
     if shared is None:
+        become_torchrun_worker(config)  # ranks > 0 under torchrun serve rank 0 from here, then exit
         loaded = load_model(config, device, dtype)
         executor = loaded.executor
     else:

@@ -46,7 +46,13 @@ def parallel_layout(config: EngineConfig, cfg: ModelConfig, device: torch.device
     par = config.parallel
     if par.world_size == 1:
         return None
-    if device.type == "cuda":
+    run = torchrun_rank()
+    if run is not None:  # torchrun started the ranks, possibly over several machines
+        if run[1] != par.world_size:
+            raise EngineConfigError(f"torchrun started {run[1]} processes, but tensor_parallel_size x "
+                                    f"pipeline_parallel_size is {par.world_size}")
+        n, kind = run[1], "torchrun processes"
+    elif device.type == "cuda":
         n, kind = torch.cuda.device_count(), "CUDA devices"
     else:
         n, kind = os.cpu_count() or 1, "CPU cores"  # each rank needs a core of its own

@@ -71,11 +71,12 @@ def _serve(ex: ParallelExecutor, model_config, backend, device: torch.device) ->
             local_step(ex, batch, runner.kv_caches, backend, msg.payload[msg.payload.numel() - n:])
 
 
-def run_if_torchrun_worker(config: EngineConfig) -> bool:
-    """Under torchrun with more than one rank: run this rank's worker loop and return True on ranks
-    > 0 (the CLI then exits); False on rank 0 and outside torchrun (the engine runs as usual)."""
+def become_torchrun_worker(config: EngineConfig) -> None:
+    """Under torchrun with a parallel config, on ranks > 0: run this rank's worker loop in place of the
+    engine being built, then exit the process (SystemExit 0) when rank 0 stops, so that every rank can
+    run the same command (`torchrun ... -m servescope.cli serve -tp 2`). Elsewhere: nothing."""
     run = torchrun_rank()
     if run is None or run[0] == 0 or config.parallel.world_size == 1:
-        return False
+        return
     worker_main(run[0], config.flat(), None, None)
-    return True
+    raise SystemExit(0)

@@ -52,10 +52,6 @@ def local_kv_heads(cfg: ModelConfig, tp: int) -> int:
 def check_parallel(cfg: ModelConfig, tp: int, pp: int, num_devices: int, device_kind: str) -> ParallelLayout:
     """The layout of T x P ranks over `cfg`, or EngineConfigError naming what does not divide."""
     h, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    if tp * pp > num_devices:
-        raise EngineConfigError(
-            f"tensor_parallel_size {tp} x pipeline_parallel_size {pp} = {tp * pp} processes, but only "
-            f"{num_devices} {device_kind} {'is' if num_devices == 1 else 'are'} available")
     if h % tp:
         raise EngineConfigError(f"tensor_parallel_size {tp} does not divide the {h} attention heads")
     if hkv >= tp and hkv % tp:
@@ -71,4 +67,8 @@ def check_parallel(cfg: ModelConfig, tp: int, pp: int, num_devices: int, device_
         raise EngineConfigError(
             f"pipeline_parallel_size {pp} is more than the model's {cfg.num_hidden_layers} layers "
             f"(each stage needs at least one)")
+    if tp * pp > num_devices:
+        raise EngineConfigError(
+            f"tensor_parallel_size {tp} x pipeline_parallel_size {pp} = {tp * pp} processes, but only "
+            f"{num_devices} {device_kind} {'is' if num_devices == 1 else 'are'} available")
     return ParallelLayout(tp, pp, cfg.num_hidden_layers)
