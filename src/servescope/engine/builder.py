@@ -175,7 +175,8 @@ def build_engine(config: EngineConfig, shared: Optional[LoadedModel] = None) -> 
     kv_manager = KVCacheManager(cache_config)
     cost = None
     if config.telemetry.predict_step_cost:
-        cost = StepCostPredictor(cfg, device, dtype, kv_dtype, config.load.quantization, config.telemetry.hardware)
+        cost = StepCostPredictor(cfg, device, dtype, kv_dtype, config.load.quantization, config.telemetry.hardware,
+                                 config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size)
     capture_cuda_graphs(config, executor, runner, max_len)
     return EngineParts(
         config=config, loaded=loaded, device=device, dtype=dtype, kv_dtype=kv_dtype, max_model_len=max_len,
