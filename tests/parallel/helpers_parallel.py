@@ -61,4 +61,8 @@ def assert_same_as_single_process(path: str, **parallel) -> dict:
     # the workload exercised what it is meant to: preemption, prefix caching, chunks, mixed steps
     assert stats["preemptions"] > 0 and stats["prefix_hits"] > 0 and stats["mixed"]
     assert stats["max_prefill"] == ENGINE["max_num_batched_tokens"]
+    # each step's record splits rank 0's time: collectives (the plan broadcast at least) and the rest
+    recs = [r for r in llm.engine.step_records if r.num_tokens]
+    assert all(r.comm_bytes > 0 and 0 < r.comm_seconds <= r.wall_seconds for r in recs)
+    assert all(r.compute_seconds == r.wall_seconds - r.comm_seconds for r in recs)
     return stats
