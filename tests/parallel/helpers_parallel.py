@@ -53,7 +53,7 @@ def assert_same_as_single_process(path: str, **parallel) -> dict:
     try:
         tokens, logits, stats = run_workload(llm)
     finally:
-        llm.engine.shutdown()
+        llm.engine.shutdown(keep_workers=True)  # the next case loads its weights into the same processes
     assert tokens == ref_tokens
     diff = max_logit_diff(logits, ref_logits)
     assert diff <= 1e-4, f"max |logit diff| {diff:.2e}"

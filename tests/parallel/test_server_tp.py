@@ -1,4 +1,5 @@
-"""The server on a TP=2 engine (two gloo processes) passes the same OpenAI-client tests as at TP=1
+"""The server on a TP=2 engine (two gloo processes; parked workers of an earlier test reused when
+there are) passes the same OpenAI-client tests as at TP=1
 (tests/server/test_openai_api.py, imported here and run against this module's fixtures), on a tiny
 random model with the SmolLM2 tokenizer; then a killed worker turns into 503s with a clear message,
 and shutdown leaves no process behind."""

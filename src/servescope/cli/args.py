@@ -92,6 +92,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the layers into P stages, one process each (x T)")
     g.add_argument("--distributed-timeout", type=positive_float, default=60.0, metavar="S",
                    help="a parallel worker that does not answer within S seconds fails the engine")
+    g.add_argument("--distributed-backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="torch.distributed backend (auto: gloo on the CPU, NCCL on CUDA)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -103,7 +105,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=not a.no_chunked_prefill, no_kv_cache=a.no_kv_cache,
         attention_backend=a.attention_backend, gpu_linear=a.gpu_linear, quantization=a.quantization,
         num_threads=a.threads, hardware=a.hardware, tensor_parallel_size=a.tensor_parallel_size,
-        pipeline_parallel_size=a.pipeline_parallel_size, distributed_timeout_s=a.distributed_timeout)
+        pipeline_parallel_size=a.pipeline_parallel_size, distributed_timeout_s=a.distributed_timeout,
+        distributed_backend=a.distributed_backend)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:

@@ -106,7 +106,7 @@ class ModelExecutor:
     def start_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         """Called once the runner has its KV cache (a parallel executor's workers allocate theirs)."""
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep_workers: bool = False) -> None:
         """Release what the executor started (nothing here; a parallel executor's worker processes)."""
 
     # ---------------------------------------------------------------- GPU choices

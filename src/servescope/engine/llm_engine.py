@@ -87,9 +87,11 @@ class LLMEngine:
             raise RuntimeError("set_gpu_linear needs an idle engine")
         return self.executor.set_gpu_linear(mode, self.runner)
 
-    def shutdown(self) -> None:
-        """Stop what the engine started (a parallel engine's worker processes); idempotent."""
-        self.executor.shutdown()
+    def shutdown(self, keep_workers: bool = False) -> None:
+        """Stop what the engine started (a parallel engine's worker processes); idempotent.
+        keep_workers: park healthy workers for the next parallel engine of the same size in this
+        process, which then loads its weights into them instead of starting processes."""
+        self.executor.shutdown(keep_workers)
 
     # ---------------------------------------------------------------- requests
     def encode(self, prompt: str) -> list:

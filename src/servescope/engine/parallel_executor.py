@@ -31,9 +31,9 @@ from servescope.config import EngineConfig, ModelConfig
 from servescope.engine.executor import ModelExecutor
 from servescope.errors import EngineConfigError, WorkerFailedError
 from servescope.parallel import plan
-from servescope.parallel.groups import (START_TIMEOUT_S, DistContext, backend_for, destroy_group, free_port,
-                                       init_group, master_store, torchrun_rank, wait_ready)
-from servescope.parallel.launcher import WorkerGroup, watch_parent
+from servescope.parallel.groups import (START_TIMEOUT_S, DistContext, backend_for, context, destroy_group,
+                                       free_port, init_group, master_store, torchrun_rank, wait_ready)
+from servescope.parallel.launcher import ParkedGroup, WorkerGroup, park, take_parked
 from servescope.parallel.layout import ParallelLayout, check_parallel, local_kv_heads
 from servescope.parallel.pipeline import final_norm, keep_stage, recv_hidden, run_layers, send_hidden
 from servescope.parallel.tensor_parallel import apply_tensor_parallel
@@ -75,33 +75,56 @@ class ParallelExecutor(ModelExecutor):
         self.timeout_s = 0.0  # rank 0's collective timeout (distributed_timeout_s), for the error message
         self.vocab_size = model.config.vocab_size
         self.last_comm = (0.0, 0)  # (seconds, bytes) of rank 0's collectives in the last step
+        self.group: Optional[ParkedGroup] = None  # rank 0: the workers and their store (None: torchrun)
         self._finalizer = weakref.finalize(self, _stop, workers, ctx.rank == 0)
 
     @classmethod
     def start(cls, config: EngineConfig, model, device: torch.device, layout: ParallelLayout,
               worker_target) -> "ParallelExecutor":
-        """Rank 0: start the workers (unless torchrun did), join the group, shard, prepare."""
+        """Rank 0: start the workers (or rebuild parked ones; none under torchrun), join the group,
+        shard, prepare."""
         par = config.parallel
         backend = backend_for(device, par.distributed_backend)
-        workers, store = None, None
+        group = None
         if torchrun_rank() is None:
-            port = free_port()
-            store = master_store(port, layout.world_size)
-            workers = WorkerGroup(worker_target, layout.world_size, (config.flat(), port))
+            group = take_parked(layout.world_size, backend)
         try:
-            if workers is not None:
-                wait_ready(store, layout.world_size, workers.check_alive, START_TIMEOUT_S)
-            ctx = init_group(layout, 0, backend, store, par.distributed_timeout_s)
+            if group is not None:  # the processes and the process group are there: new weights only
+                group.generation += 1
+                plan.send_rebuild(config.flat(), device)
+                wait_ready(group.store, layout.world_size, group.workers.check_alive, START_TIMEOUT_S,
+                           group.generation)
+                ctx = context(layout, 0, par.distributed_timeout_s)
+            else:
+                group = cls._spawn(config, layout, worker_target, backend)
+                ctx = init_group(layout, 0, backend, group.store if group else None, par.distributed_timeout_s)
         except Exception as e:
-            if workers is not None:
-                workers.shutdown(0.0)
+            if group is not None:
+                group.workers.shutdown(0.0)
+            destroy_group()
             raise WorkerFailedError(f"the parallel workers did not start: {e}") from e
         logger.info("parallel engine: tensor_parallel_size=%d x pipeline_parallel_size=%d over %s",
                     layout.tp, layout.pp, backend)
         ex = cls.prepare(shard_model(model, ctx), device, config.load.quantization, config.load.gpu_linear,
-                         decode_plan=False, ctx=ctx, workers=workers)
-        ex.timeout_s = par.distributed_timeout_s
+                         decode_plan=False, ctx=ctx, workers=group.workers if group else None)
+        ex.timeout_s, ex.group = par.distributed_timeout_s, group
         return ex
+
+    @staticmethod
+    def _spawn(config: EngineConfig, layout: ParallelLayout, worker_target, backend: str) -> Optional[ParkedGroup]:
+        """New worker processes reporting to a new store (None under torchrun, which started them)."""
+        if torchrun_rank() is not None:
+            return None
+        port = free_port()
+        store = master_store(port, layout.world_size)
+        workers = WorkerGroup(worker_target, layout.world_size, (config.flat(), port))
+        group = ParkedGroup(workers, store, layout.world_size, backend)
+        try:
+            wait_ready(store, layout.world_size, workers.check_alive, START_TIMEOUT_S)
+        except Exception:
+            workers.shutdown(0.0)
+            raise
+        return group
 
     # ---------------------------------------------------------------- what this rank holds
     def shard_config(self, cfg: ModelConfig) -> ModelConfig:
@@ -153,9 +176,16 @@ class ParallelExecutor(ModelExecutor):
         logger.error(self.failure)
         raise WorkerFailedError(self.failure)
 
-    def shutdown(self) -> None:
-        """Stop the workers (a STOP message when the group is healthy, else terminate) and leave the group."""
-        if self.failure is None and self.ctx.rank == 0:
+    def shutdown(self, keep_workers: bool = False) -> None:
+        """Stop the workers (a STOP message when the group is healthy, else terminate) and leave the
+        group; keep_workers: park a healthy group instead, for the next parallel engine of the same
+        world size in this process (its workers then load the new weights, no new processes)."""
+        healthy = self.failure is None and self.ctx.rank == 0 and self.workers is not None
+        if healthy and keep_workers and self.group is not None and self._finalizer.alive:
+            self._finalizer.detach()
+            park(self.group)
+            return
+        if healthy and self._finalizer.alive:
             try:
                 plan.send_command(plan.STOP, device=self.device)
             except Exception:  # noqa: BLE001 - a broken group: the workers are terminated below

@@ -18,8 +18,8 @@ from servescope.engine.model_runner import ModelRunner, step_batch_from_buffer
 from servescope.engine.parallel_executor import ParallelExecutor, local_step, parallel_layout, shard_model
 from servescope.model.attention import get_attention_backend
 from servescope.parallel import plan
-from servescope.parallel.groups import (WORKER_TIMEOUT_S, backend_for, destroy_group, init_group, torchrun_rank,
-                                       worker_store)
+from servescope.parallel.groups import (WORKER_TIMEOUT_S, backend_for, context, destroy_group, init_group,
+                                       mark_ready, torchrun_rank, worker_store)
 from servescope.parallel.launcher import watch_parent
 
 logger = logging.getLogger(__name__)
@@ -27,39 +27,55 @@ logger = logging.getLogger(__name__)
 
 def worker_main(rank: int, flat_config: dict, store_port: Optional[int], parent_pid: Optional[int]) -> None:
     """Run rank `rank` until rank 0 sends STOP (or the engine's process goes away). store_port: rank 0's
-    store on localhost (None under torchrun: env://)."""
+    store on localhost (None under torchrun: env://). After a REBUILD the same process serves the next
+    engine (parked workers, see parallel/launcher.py)."""
+    if parent_pid is not None:
+        watch_parent(parent_pid)
+    store, generation, joined = None, 0, False
+    while flat_config is not None:
+        config = EngineConfig(**{**flat_config, "skip_tokenizer_init": True})
+        model, model_config, layout, device = _build(config, rank)
+        if store_port is not None and store is None:
+            store = worker_store(store_port, layout.world_size)
+        if store is not None:
+            mark_ready(store, rank, generation)
+        if not joined:
+            ctx = init_group(layout, rank, backend_for(device, config.parallel.distributed_backend), store,
+                             WORKER_TIMEOUT_S)
+            joined = True
+        else:  # the same processes and process group, maybe another layout: its TP groups again
+            ctx = context(layout, rank, WORKER_TIMEOUT_S)
+        ex = ParallelExecutor.prepare(shard_model(model, ctx), device, config.load.quantization,
+                                      config.load.gpu_linear, decode_plan=False, ctx=ctx)
+        flat_config = _serve(ex, model_config, get_attention_backend(config.load.attention_backend, device), device)
+        generation += 1
+    destroy_group()
+
+
+def _build(config: EngineConfig, rank: int) -> tuple:
+    """(the built model, its ModelConfig, the checked layout, the device) of this rank."""
     # the builder starts these workers (it imports this module's caller): a true cycle, broken here
     from servescope.engine.builder import build_weights, resolve_device, resolve_dtypes
 
-    if parent_pid is not None:
-        watch_parent(parent_pid)
-    config = EngineConfig(**{**flat_config, "skip_tokenizer_init": True})
     device = resolve_device(config)
     if device.type == "cuda":
         run = torchrun_rank()
         device = torch.device("cuda", run[2] if run else rank)
         torch.cuda.set_device(device)
-    dtype, kv_dtype = resolve_dtypes(config, device)
+    dtype, _ = resolve_dtypes(config, device)
     model_config, model, _tok, _path = build_weights(config, device, dtype)
-    layout = parallel_layout(config, model_config, device)
-    store = None if store_port is None else worker_store(store_port, layout.world_size, rank)
-    ctx = init_group(layout, rank, backend_for(device, config.parallel.distributed_backend), store,
-                     WORKER_TIMEOUT_S)
-    ex = ParallelExecutor.prepare(shard_model(model, ctx), device, config.load.quantization,
-                                  config.load.gpu_linear, decode_plan=False, ctx=ctx)
-    backend = get_attention_backend(config.load.attention_backend, device)
-    try:
-        _serve(ex, model_config, backend, device)
-    finally:
-        destroy_group()
+    return model, model_config, parallel_layout(config, model_config, device), device
 
 
-def _serve(ex: ParallelExecutor, model_config, backend, device: torch.device) -> None:
+def _serve(ex: ParallelExecutor, model_config, backend, device: torch.device) -> Optional[dict]:
+    """Run step plans until STOP (returns None) or REBUILD (returns the next engine's settings)."""
     runner = None
     while True:
         msg = plan.receive(device)
         if msg.command == plan.STOP:
-            return
+            return None
+        if msg.command == plan.REBUILD:
+            return plan.rebuild_config(msg)
         if msg.command == plan.ALLOCATE_KV:
             blocks, block_size, dtype_index = msg.header[1:4]
             runner = ModelRunner(ex, ex.shard_config(model_config), backend, blocks, block_size,

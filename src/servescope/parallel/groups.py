@@ -94,19 +94,22 @@ def master_store(port: int, world_size: int) -> "dist.TCPStore":
                          timeout=datetime.timedelta(seconds=WORKER_TIMEOUT_S))
 
 
-def worker_store(port: int, world_size: int, rank: int) -> "dist.TCPStore":
-    """A worker's connection to rank 0's store, marked ready (its weights are built)."""
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                          timeout=datetime.timedelta(seconds=WORKER_TIMEOUT_S))
-    store.set(f"servescope/ready/{rank}", "1")
-    return store
+def worker_store(port: int, world_size: int) -> "dist.TCPStore":
+    """A worker's connection to rank 0's store."""
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                         timeout=datetime.timedelta(seconds=WORKER_TIMEOUT_S))
 
 
-def wait_ready(store, world_size: int, check_alive, timeout_s: float) -> None:
+def mark_ready(store, rank: int, generation: int = 0) -> None:
+    """A worker: its weights for engine number `generation` on these processes are built."""
+    store.set(f"servescope/ready/{rank}/{generation}", "1")
+
+
+def wait_ready(store, world_size: int, check_alive, timeout_s: float, generation: int = 0) -> None:
     """Rank 0: wait until every worker is ready, calling check_alive() (which raises for a dead
     worker) meanwhile, so that a worker that fails while loading is reported at once."""
     deadline = time.monotonic() + timeout_s
-    keys = [f"servescope/ready/{r}" for r in range(1, world_size)]
+    keys = [f"servescope/ready/{r}/{generation}" for r in range(1, world_size)]
     while not store.check(keys):
         check_alive()
         if time.monotonic() > deadline:
@@ -121,10 +124,16 @@ def init_group(layout: ParallelLayout, rank: int, backend: str, store, timeout_s
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=store, rank=rank, world_size=layout.world_size, timeout=timeout)
+    return context(layout, rank, timeout_s)
+
+
+def context(layout: ParallelLayout, rank: int, timeout_s: float) -> DistContext:
+    """This rank's DistContext in the joined group, with the TP groups of `layout` (made again for
+    every engine: the layout may differ from the last one on the same processes)."""
     tp_group = None
     if layout.pp > 1 and layout.tp > 1:
         for stage in range(layout.pp):
-            g = dist.new_group(layout.tp_group_ranks(stage), timeout=timeout)
+            g = dist.new_group(layout.tp_group_ranks(stage), timeout=datetime.timedelta(seconds=timeout_s))
             if layout.stage_of(rank) == stage:
                 tp_group = g
     return DistContext(layout, rank, tp_group)

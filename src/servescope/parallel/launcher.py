@@ -8,15 +8,19 @@ entry point.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch.multiprocessing as mp
 
 from servescope.errors import WorkerFailedError
+from servescope.parallel import plan
+from servescope.parallel.groups import destroy_group
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,48 @@ class WorkerGroup:
             if p.is_alive():
                 p.kill()
                 p.join(2.0)
+
+
+@dataclass
+class ParkedGroup:
+    """A healthy group whose engine was shut down with keep_workers: the next parallel engine of the
+    same world size and backend in this process sends its workers REBUILD instead of spawning."""
+
+    workers: WorkerGroup
+    store: object  # rank 0's TCPStore (the workers report each rebuild to it)
+    world_size: int
+    backend: str
+    generation: int = 0  # engines built on these workers so far, less one
+
+
+_parked: list = []  # at most one ParkedGroup: rank 0 has one default process group
+
+
+def park(group: ParkedGroup) -> None:
+    stop_parked()
+    _parked.append(group)
+
+
+def take_parked(world_size: int, backend: str) -> Optional[ParkedGroup]:
+    """The parked group when it fits; a parked group that does not fit is stopped (its process group
+    must go before a new one starts)."""
+    if _parked and (_parked[0].world_size, _parked[0].backend) == (world_size, backend):
+        return _parked.pop()
+    stop_parked()
+    return None
+
+
+@atexit.register
+def stop_parked() -> None:
+    """STOP the parked workers, wait for them, leave the process group."""
+    while _parked:
+        group = _parked.pop()
+        try:
+            plan.send_command(plan.STOP)
+        except Exception:  # noqa: BLE001 - a broken group: the workers are terminated below
+            logger.warning("could not send STOP to the parked workers")
+        group.workers.shutdown()
+        destroy_group()
 
 
 def watch_parent(parent_pid: int, interval: float = 1.0) -> None:

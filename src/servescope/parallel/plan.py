@@ -8,13 +8,14 @@ engine/model_runner.step_batch_from_buffer) followed by the row indices whose lo
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-STOP, STEP, ALLOCATE_KV = 0, 1, 2
+STOP, STEP, ALLOCATE_KV, REBUILD = 0, 1, 2, 3
 HEADER_LEN = 8  # [command, T, B, max blocks, decodes, logits rows, payload length, spare]
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -54,11 +55,27 @@ def send_command(command: int, args: tuple = (), device: torch.device = torch.de
     _broadcast(torch.tensor(header, dtype=torch.int64, device=device))
 
 
+def send_rebuild(flat_config: dict, device: torch.device = torch.device("cpu")) -> None:
+    """Rank 0: parked workers build another engine's weights (its settings as JSON bytes: plain
+    values, no pickle; this happens once per engine, never per step)."""
+    data = torch.tensor(list(json.dumps(flat_config).encode()), dtype=torch.uint8, device=device)
+    send_command(REBUILD, (data.numel(),), device)
+    _broadcast(data)
+
+
+def rebuild_config(msg: "Message") -> dict:
+    return json.loads(bytes(msg.payload.tolist()).decode())
+
+
 def receive(device: torch.device) -> Message:
     """A worker: the next message from rank 0 (blocks while the engine is idle)."""
     header_t = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
     _broadcast(header_t)
     header = header_t.tolist()
+    if header[0] == REBUILD:
+        data = torch.empty(header[1], dtype=torch.uint8, device=device)
+        _broadcast(data)
+        return Message(REBUILD, header, data)
     if header[0] != STEP:
         return Message(header[0], header)
     payload = torch.empty(header[6], dtype=torch.int64, device=device)
