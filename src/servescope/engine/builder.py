@@ -109,21 +109,22 @@ def resolve_dtypes(config: EngineConfig, device: torch.device) -> tuple:
 
 
 # ------------------------------------------------------------------------------ stage 1: weights
-def build_weights(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> tuple:
+def build_weights(config: EngineConfig, device: torch.device, dtype: torch.dtype, count_devices: bool = True) -> tuple:
     """(ModelConfig, the built model, tokenizer or None, source path) of config.load, before any
     build-time transform. A parallel layout that does not fit the model is rejected here, before the
-    weights are built and before any worker process starts."""
+    weights are built and before any worker process starts (count_devices False: a worker's build,
+    whose engine counted the devices)."""
     load, max_pos = config.load, config.batching.max_model_len
     if load.model and load.model.startswith(RANDOM_PREFIX):
         model_config = load_preset(load.model[len(RANDOM_PREFIX):])
-        parallel_layout(config, model_config, device)
+        parallel_layout(config, model_config, device, count_devices)
         # rotary tables for the preset's whole context (as for checkpoints below), so that an engine on
         # these weights with a longer max_model_len (with_config) never indexes past them
         model = build_random_model(model_config, dtype, device, seed=load.seed,
                                    max_positions=max(max_pos or 0, model_config.max_position_embeddings))
         return model_config, model, None, load.model
     src = load_model_source(load.model)
-    parallel_layout(config, src.config, device)
+    parallel_layout(config, src.config, device, count_devices)
     model = build_model(src.config, src.state_dict, dtype, device,
                         max_positions=max(max_pos or 0, src.config.max_position_embeddings))
     tokenizer = None if load.skip_tokenizer_init else load_tokenizer(src.tokenizer_source)

@@ -41,13 +41,17 @@ from servescope.parallel.tensor_parallel import apply_tensor_parallel
 logger = logging.getLogger(__name__)
 
 
-def parallel_layout(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> Optional[ParallelLayout]:
-    """The checked layout of a parallel engine (None: one process). Raises before any process starts."""
+def parallel_layout(config: EngineConfig, cfg: ModelConfig, device: torch.device,
+                    count_devices: bool = True) -> Optional[ParallelLayout]:
+    """The checked layout of a parallel engine (None: one process). Raises before any process starts.
+    count_devices False: a worker, whose engine has counted them already."""
     par = config.parallel
     if par.world_size == 1:
         return None
     run = torchrun_rank()
-    if run is not None:  # torchrun started the ranks, possibly over several machines
+    if not count_devices:
+        n, kind = par.world_size, "ranks"
+    elif run is not None:  # torchrun started the ranks, possibly over several machines
         if run[1] != par.world_size:
             raise EngineConfigError(f"torchrun started {run[1]} processes, but tensor_parallel_size x "
                                     f"pipeline_parallel_size is {par.world_size}")
@@ -76,7 +80,9 @@ class ParallelExecutor(ModelExecutor):
         self.vocab_size = model.config.vocab_size
         self.last_comm = (0.0, 0)  # (seconds, bytes) of rank 0's collectives in the last step
         self.group: Optional[ParkedGroup] = None  # rank 0: the workers and their store (None: torchrun)
-        self._finalizer = weakref.finalize(self, _stop, workers, ctx.rank == 0)
+        # at garbage collection or exit too: STOP while the group is healthy, then wait, then terminate
+        self._health = {"ok": True, "device": device}
+        self._finalizer = weakref.finalize(self, _stop, workers, ctx.rank == 0, self._health)
 
     @classmethod
     def start(cls, config: EngineConfig, model, device: torch.device, layout: ParallelLayout,
@@ -173,6 +179,7 @@ class ParallelExecutor(ModelExecutor):
             self.failure = (f"a collective with the parallel workers failed ({type(e).__name__}: "
                             f"{(str(e).splitlines() or [''])[0]}): a worker died or did not answer within "
                             f"{self.timeout_s:g} s; the engine must be restarted")
+        self._health["ok"] = False
         logger.error(self.failure)
         raise WorkerFailedError(self.failure)
 
@@ -185,15 +192,15 @@ class ParallelExecutor(ModelExecutor):
             self._finalizer.detach()
             park(self.group)
             return
-        if healthy and self._finalizer.alive:
-            try:
-                plan.send_command(plan.STOP, device=self.device)
-            except Exception:  # noqa: BLE001 - a broken group: the workers are terminated below
-                logger.warning("could not send STOP to the workers")
         self._finalizer()
 
 
-def _stop(workers: Optional[WorkerGroup], is_root: bool) -> None:
+def _stop(workers: Optional[WorkerGroup], is_root: bool, health: dict) -> None:
+    if workers is not None and health["ok"]:
+        try:
+            plan.send_command(plan.STOP, device=health["device"])
+        except Exception:  # noqa: BLE001 - a broken group: the workers are terminated below
+            logger.warning("could not send STOP to the workers")
     if workers is not None:
         workers.shutdown()
     if is_root:

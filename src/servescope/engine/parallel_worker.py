@@ -9,6 +9,8 @@ slots and blocks a step uses is all in the plan.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from typing import Optional
 
 import torch
@@ -50,6 +52,10 @@ def worker_main(rank: int, flat_config: dict, store_port: Optional[int], parent_
         flat_config = _serve(ex, model_config, get_attention_backend(config.load.attention_backend, device), device)
         generation += 1
     destroy_group()
+    if parent_pid is not None:  # a spawned worker: skip torch's interpreter teardown (seconds on a busy
+        sys.stdout.flush()      # machine) so that the engine's shutdown does not wait for it
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _build(config: EngineConfig, rank: int) -> tuple:
@@ -63,8 +69,8 @@ def _build(config: EngineConfig, rank: int) -> tuple:
         device = torch.device("cuda", run[2] if run else rank)
         torch.cuda.set_device(device)
     dtype, _ = resolve_dtypes(config, device)
-    model_config, model, _tok, _path = build_weights(config, device, dtype)
-    return model, model_config, parallel_layout(config, model_config, device), device
+    model_config, model, _tok, _path = build_weights(config, device, dtype, count_devices=False)
+    return model, model_config, parallel_layout(config, model_config, device, count_devices=False), device
 
 
 def _serve(ex: ParallelExecutor, model_config, backend, device: torch.device) -> Optional[dict]:
