@@ -3,8 +3,6 @@ engine with a single process step by step."""
 
 from __future__ import annotations
 
-import torch
-
 from servescope import LLM, SamplingParams
 
 # batching (4 prompts at once), chunked prefill (a 100-token prompt over a 32-token budget), then a

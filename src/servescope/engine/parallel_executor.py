@@ -1,5 +1,5 @@
-"""ParallelExecutor: the executor of a tensor/pipeline-parallel engine, and the worker loop of the
-other ranks (parallel/ has the pieces; this file is the glue).
+"""ParallelExecutor: the executor of a tensor/pipeline-parallel engine, and the step every rank runs
+(parallel/ has the pieces; engine/parallel_worker.py the other ranks' loop; this file is the glue).
 
 Shape legend: T tokens in the step, B' rows whose logits are due, Dm model width, V vocabulary.
 

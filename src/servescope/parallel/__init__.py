@@ -6,7 +6,9 @@
                       embedding and head
 - pipeline.py         a stage's slice of the model and its forward (hidden states sent point-to-point)
 - plan.py             each step's plan as int64 tensors, broadcast from rank 0
-- launcher.py         worker processes (torch.multiprocessing), liveness, shutdown
+- launcher.py         worker processes (torch.multiprocessing), liveness, shutdown, a parked group for reuse
+- link_probe.py       this machine's gloo all-reduce time per size (the cost model's local link)
 
-The engine calls this package (engine/parallel_executor.py); the model never knows it is sharded.
+The engine calls this package (engine/parallel_executor.py, engine/parallel_worker.py); the model never
+knows it is sharded.
 """
