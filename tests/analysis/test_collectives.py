@@ -99,3 +99,14 @@ def test_explain_parallel_nvlink_cuts_70b_decode_pcie_link_dominates():
     assert pp["weight_bytes_per_rank"] == pytest.approx(nv["weight_bytes_per_rank"] * 8 / 4, rel=0.05)
     with pytest.raises(InvalidParameterError, match="must divide"):
         explain_parallel(cfg, get_hardware("h100"), LINKS["nvlink4"], 3, 1)
+
+
+def test_explain_parallel_on_one_cpu_shares_the_machine():
+    """On a CPU spec the T ranks share the cores and bandwidth: TP cannot cut the step there."""
+    from servescope.analysis.spec import HardwareSpec
+
+    cpu = HardwareSpec(name="cpu", kind="cpu", peak_flops={d: 1e11 for d in ("float32", "bfloat16", "float16", "int8")},
+                       memory_bandwidth=2e10, memory_bytes=1 << 34)
+    r = explain_parallel(load_preset("llama-3-8b"), cpu, LINK, 2, 1, batch=1, weight_dtype="float32")
+    for p in r["phases"]:
+        assert p["speedup"] < 1.05 and p["step_seconds"] > p["single_device_seconds"] * 0.95

@@ -3,6 +3,9 @@ per phase: each rank's compute (the shard's roofline, analysis/collectives.shard
 collectives (analysis/collectives.step_comm_cost), and the verdict: parallelism cuts the step, or
 the link dominates.
 
+A CPU spec is one machine: the T ranks of a stage run at once and share its cores and memory
+bandwidth, so each rank's 1/T of the work takes as long as the whole did (TP over processes on one
+CPU cannot cut the step; it only adds the collectives). On GPUs each rank is a device of the spec.
 Pipeline stages run one after another within a step here (no micro-batch overlap), as the engine
 does: P > 1 divides each rank's weights and KV cache by P, not the step time, and adds the
 stage-to-stage sends. Tensor parallelism divides each layer's work by T and adds 2L + 1 all-reduces
@@ -26,6 +29,8 @@ def _phase(name: str, cfg: ModelConfig, seqs: list, num_logits: int, hw: Hardwar
     wdt, kdt, adt, act_bytes = dtypes
     single = step_cost(cfg, seqs, hw, wdt, kdt, adt, num_logits=num_logits).predicted_seconds
     compute = step_cost(shard_config(cfg, tp), seqs, hw, wdt, kdt, adt, num_logits=num_logits).predicted_seconds
+    if hw.kind == "cpu":  # one machine: its T busy ranks share the cores and the memory bandwidth it has
+        compute *= tp
     comm = step_comm_cost(cfg, sum(n for n, _ in seqs), num_logits, tp, pp, link, act_bytes)
     total = compute + comm.seconds
     return {"name": name, "single_device_seconds": single, "compute_seconds": compute,
