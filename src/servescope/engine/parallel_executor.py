@@ -187,7 +187,7 @@ class ParallelExecutor(ModelExecutor):
         """Stop the workers (a STOP message when the group is healthy, else terminate) and leave the
         group; keep_workers: park a healthy group instead, for the next parallel engine of the same
         world size in this process (its workers then load the new weights, no new processes)."""
-        healthy = self.failure is None and self.ctx.rank == 0 and self.workers is not None
+        healthy = self.failure is None and self.ctx.rank == 0
         if healthy and keep_workers and self.group is not None and self._finalizer.alive:
             self._finalizer.detach()
             park(self.group)
@@ -196,7 +196,7 @@ class ParallelExecutor(ModelExecutor):
 
 
 def _stop(workers: Optional[WorkerGroup], is_root: bool, health: dict) -> None:
-    if workers is not None and health["ok"]:
+    if is_root and health["ok"]:  # spawned workers or torchrun's: both wait for this
         try:
             plan.send_command(plan.STOP, device=health["device"])
         except Exception:  # noqa: BLE001 - a broken group: the workers are terminated below
