@@ -89,6 +89,8 @@ def test_explain_parallel_nvlink_cuts_70b_decode_pcie_link_dominates():
     assert dec["name"] == "decode" and dec["speedup"] > 4 and not dec["link_dominates"]
     assert dec["step_seconds"] == pytest.approx(dec["compute_seconds"] + dec["comm_seconds"])
     assert "cuts the step" in nv["verdict"]
+    # 70B bf16 (~141 GB) does not fit one 80 GB H100; at TP=8 each rank holds ~18 GB and room for KV
+    assert nv["max_concurrent_sequences_one_device"] == 0 and nv["max_concurrent_sequences"] > 8
     # per rank: 1/8 of the (sharded) weights and one of 8 KV heads
     assert nv["weight_bytes_per_rank"] < 0.14 * explain_parallel(cfg, get_hardware("h100"), LINKS["nvlink4"], 1, 1)[
         "weight_bytes_per_rank"]

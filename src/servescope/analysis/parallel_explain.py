@@ -14,11 +14,13 @@ of the step's activations plus the gather of the logits.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from servescope.analysis.collectives import LinkSpec, shard_config, step_comm_cost
 from servescope.analysis.cost_model import step_cost
 from servescope.analysis.hardware import HardwareSpec
+from servescope.analysis.memory_planner import plan_memory
 from servescope.analysis.op_counts import kv_cache_bytes_per_token, resolve_dtypes, weight_bytes
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError
@@ -58,11 +60,20 @@ def explain_parallel(cfg: ModelConfig, hw: HardwareSpec, link: LinkSpec, tp: int
     if output_len > 1:
         phases.append(_phase("decode", cfg, [(1, mid)] * batch, batch, hw, link, tp, pp, dtypes))
     shard = shard_config(cfg, tp)
+    # one rank's memory: its shard of 1/P of the layers (the embedding and head counted on every rank,
+    # a slight over-count for P > 1); every rank holds the same KV blocks
+    rank_cfg = dataclasses.replace(shard, num_hidden_layers=-(-cfg.num_hidden_layers // pp))
+    single_plan = plan_memory(cfg, hw.memory_bytes, wdt, kdt, context_len=prompt_len + output_len, act_dtype=adt,
+                              max_num_batched_tokens=max(prompt_len * batch, 16), max_num_seqs=batch)
+    rank_plan = plan_memory(rank_cfg, hw.memory_bytes, wdt, kdt, context_len=prompt_len + output_len, act_dtype=adt,
+                            max_num_batched_tokens=max(prompt_len * batch, 16), max_num_seqs=batch)
     return {
         "tp": tp, "pp": pp, "link": {"name": link.name, "bandwidth": link.bandwidth, "latency_s": link.latency_s,
                                      "source": link.source},
         "weight_bytes_per_rank": weight_bytes(shard, wdt, adt) / pp,
         "kv_cache_bytes_per_token_per_rank": kv_cache_bytes_per_token(shard, kdt) / pp,
+        "max_concurrent_sequences": rank_plan.max_concurrent_sequences,
+        "max_concurrent_sequences_one_device": single_plan.max_concurrent_sequences,
         "phases": phases,
         "verdict": verdict(phases, tp, pp, link.name),
     }

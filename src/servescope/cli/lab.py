@@ -207,7 +207,9 @@ def parallel_table(p: dict):
     t = Table(title=f"TP={p['tp']} x PP={p['pp']} over {p['link']['name']} "
                     f"({p['link']['bandwidth'] / 1e9:.3g} GB/s, {p['link']['latency_s'] * 1e6:.3g} us per hop): "
                     f"{p['weight_bytes_per_rank'] / 2**30:.3g} GiB weights and "
-                    f"{p['kv_cache_bytes_per_token_per_rank'] / 1024:.3g} KiB KV per token per rank")
+                    f"{p['kv_cache_bytes_per_token_per_rank'] / 1024:.3g} KiB KV per token per rank; "
+                    f"{p['max_concurrent_sequences']} sequences fit (one device: "
+                    f"{p['max_concurrent_sequences_one_device']})")
     for col in ("phase", "one device", "compute/rank", "all-reduce", "gather", "p2p", "step", "speedup", "comm"):
         t.add_column(col, justify="left" if col == "phase" else "right")
     for ph in p["phases"]:
