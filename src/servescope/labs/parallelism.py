@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 
 from servescope.analysis.collectives import LINKS
+from servescope.analysis.hardware import get_hardware
 from servescope.analysis.parallel_explain import explain_parallel
 from servescope.analysis.presets import load_preset
 from servescope.engine.llm_engine import LLMEngine
@@ -24,7 +25,7 @@ from servescope.labs.common import (
     LabOptions, LabResult, LabSession, context_line, lab_hardware, md_table, median, new_figure, random_prompt,
     run_to_completion, save_figure, warm_up, write_report,
 )
-from servescope.analysis.hardware import get_hardware
+from servescope.parallel.launcher import stop_parked
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]
 PROMPT_LEN, DECODE_STEPS = 128, 8
@@ -78,7 +79,7 @@ def predicted_70b(batch: int) -> dict:
 def run(opts: LabOptions, session: LabSession) -> LabResult:
     rng = random.Random(opts.seed)
     link = local_gloo_link(measure=True)  # so that the StepRecords predict the collectives too
-    rows, skipped, measured = [], [], {}
+    rows, skipped, measured, comm_share = [], [], {}, {}
     for tp, pp in LAYOUTS:
         engine = _engine(opts, tp, pp)
         if isinstance(engine, str):
@@ -90,9 +91,12 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
             hw = lab_hardware(opts, engine)
             context = context_line(opts, engine, hw)
         finally:
-            engine.shutdown()
+            engine.shutdown(keep_workers=True)  # the next layout of two ranks reuses the processes
         measured[(tp, pp)] = {k: median([r.wall_seconds for r in v]) for k, v in by_phase.items()}
+        comm_share[f"{tp}x{pp}"] = {k: sum(r.comm_seconds for r in v) / sum(r.wall_seconds for r in v)
+                                    for k, v in by_phase.items()}
         rows += [_row(name, (tp, pp), recs) for name, recs in by_phase.items()]
+    stop_parked()
     curves = {b: predicted_70b(b) for b in (1, 16)}
     fig, (ax1, ax2) = new_figure(2)
     for (hw_name, link_name), by_tp in curves[16].items():
@@ -110,6 +114,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     pred_rows = [[f"{hw} / {link}", b, tp, d, p] for b, c in curves.items() for (hw, link), by_tp in c.items()
                  for tp, (d, p) in by_tp.items()]
     summary = {"measured_step_s": {f"{t}x{p}": v for (t, p), v in measured.items()}, "skipped": skipped,
+               "comm_share": comm_share,
                "local_link": {"bandwidth": link.bandwidth, "latency_s": link.latency_s,
                               "all_reduce_table": link.all_reduce_table},
                "llama_3_70b_predicted_ms": {f"b{b} {hw}/{link} tp{tp}": v for b, c in curves.items()
