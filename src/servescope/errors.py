@@ -20,3 +20,8 @@ class ModelLoadError(ServescopeError):
 
 class EngineConfigError(ServescopeError, ValueError):
     """An engine setting that makes no sense (zero blocks, a token budget below one block, ...)."""
+
+
+class WorkerFailedError(ServescopeError):
+    """A tensor/pipeline-parallel worker died or stopped answering: the engine cannot run a step
+    (the server answers 503; restart the engine)."""

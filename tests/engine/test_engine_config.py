@@ -34,8 +34,6 @@ from servescope.errors import EngineConfigError
     (BatchingConfig, dict(max_num_seqs=0), "max_num_seqs must be positive"),
     (BatchingConfig, dict(max_num_batched_tokens=-5), "max_num_batched_tokens must be positive"),
     (BatchingConfig, dict(max_model_len=0), "max_model_len must be positive"),
-    (ParallelConfig, dict(tensor_parallel_size=2), "tensor parallelism is not supported yet"),
-    (ParallelConfig, dict(pipeline_parallel_size=4), "pipeline parallelism is not supported yet"),
     (SpeculativeConfig, dict(num_speculative_tokens=4), "need speculative_method"),
     (SpeculativeConfig, dict(speculative_model="draft"), "need speculative_method"),
     (SpeculativeConfig, dict(speculative_method="eagle"), "speculative_method must be ngram or draft"),
@@ -45,6 +43,10 @@ from servescope.errors import EngineConfigError
                              prompt_lookup_max=2), "1 <= min <= max"),
     (SpeculativeConfig, dict(speculative_method="ngram", num_speculative_tokens=3, speculative_model="x"),
      "speculative_model is for the draft method"),
+    (ParallelConfig, dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
+    (ParallelConfig, dict(pipeline_parallel_size=1.5), "pipeline_parallel_size must be a positive integer"),
+    (ParallelConfig, dict(distributed_backend="mpi"), "distributed_backend must be auto, gloo or nccl"),
+    (ParallelConfig, dict(distributed_timeout_s=0), "distributed_timeout_s must be positive"),
 ])
 def test_each_bad_setting_rejected_by_its_part(part, kw, message):
     with pytest.raises(EngineConfigError, match=message):

@@ -81,7 +81,8 @@ def test_hardware_list(tmp_path, monkeypatch, capsys):
 def test_lab_list_and_unknown(capsys):
     assert main(["lab", "list"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 8 and out[0].startswith("prefill-vs-decode")
+    assert len(out) == 9 and out[0].startswith("prefill-vs-decode")  # the 6 of `lab all`, validate, parallelism, speculative
+    assert any(line.startswith("parallelism") for line in out) and any(line.startswith("speculative") for line in out)
     assert main(["lab", "nope"]) == 2
 
 

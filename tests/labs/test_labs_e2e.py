@@ -181,3 +181,20 @@ def test_speculative(session, tmp_path):
         # on a datasheet GPU spec a tiny model's decode is memory-bound: verified rows are nearly free, so
         # every accepted draft is predicted to pay
         assert r["predicted_speedup"] > 1.0 or r["accepted_per_drafted"] == 0
+
+
+def test_parallelism(session, tmp_path, monkeypatch):
+    """TP=2 and PP=2 on two gloo processes beside one process: rank 0 spends part of each TP/PP step in
+    collectives and none in one process; the predicted 70B decode step falls with TP over NVLink."""
+    from servescope.analysis.collectives import LinkSpec
+    from servescope.labs import parallelism
+
+    # the local link's measurement spawns its own processes (seconds): a stand-in link for the report
+    monkeypatch.setattr(parallelism, "local_gloo_link", lambda measure=True: LinkSpec("local-gloo", 1e9, 1e-4))
+    s = run_quick("parallelism", session, tmp_path)
+    assert set(s["measured_step_s"]) == {"1x1", "2x1", "1x2"} and not s["skipped"]
+    assert all(v == 0 for v in s["comm_share"]["1x1"].values())
+    for layout in ("2x1", "1x2"):
+        assert all(0 < v < 1 for v in s["comm_share"][layout].values())
+    nv = [s["llama_3_70b_predicted_ms"][f"b16 H200/nvlink4 tp{tp}"][0] for tp in (1, 2, 4, 8)]
+    assert nv == sorted(nv, reverse=True)

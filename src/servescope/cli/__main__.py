@@ -4,4 +4,6 @@ import sys
 
 from servescope.cli import main
 
-sys.exit(main())
+# guarded: parallel workers are spawned processes, which import the main module again
+if __name__ == "__main__":
+    sys.exit(main())

@@ -99,6 +99,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--no-adaptive-speculation", action="store_true",
                    help="always propose K tokens (default: k per request from its acceptance rate and the "
                         "cost model, 0 where speculation would slow the batch down)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="T",
+                   help="shard each layer over T processes (gloo on the CPU, NCCL on GPUs)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1, metavar="P",
+                   help="split the layers into P stages, one process each (x T)")
+    g.add_argument("--distributed-timeout", type=positive_float, default=60.0, metavar="S",
+                   help="a parallel worker that does not answer within S seconds fails the engine")
+    g.add_argument("--distributed-backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="torch.distributed backend (auto: gloo on the CPU, NCCL on CUDA)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -109,7 +117,9 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
         enable_chunked_prefill=not a.no_chunked_prefill, no_kv_cache=a.no_kv_cache,
         attention_backend=a.attention_backend, gpu_linear=a.gpu_linear, quantization=a.quantization,
-        num_threads=a.threads, hardware=a.hardware, speculative=speculative_config_from_args(a))
+        num_threads=a.threads, hardware=a.hardware, speculative=speculative_config_from_args(a),
+        tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
+        distributed_timeout_s=a.distributed_timeout, distributed_backend=a.distributed_backend)
 
 
 def speculative_config_from_args(a: argparse.Namespace) -> SpeculativeConfig:

@@ -17,8 +17,10 @@ import math
 import sys
 from pathlib import Path
 
+from servescope.analysis.collectives import DEFAULT_LINK, LOCAL_GLOO, get_link
 from servescope.analysis.explain import explain, render_explain_table
 from servescope.analysis.speculative import explain_speculative
+from servescope.analysis.parallel_explain import explain_parallel
 from servescope.analysis.hardware import (HARDWARE_SPECS, LOCAL_CPU, HardwareSpec, canonical_hardware_name,
                                           get_hardware)
 from servescope.analysis.presets import list_presets, load_preset
@@ -56,6 +58,10 @@ def add_parser(sub) -> None:
     e.add_argument("--acceptance", type=float, default=0.7, help="per-draft acceptance rate, 0..1")
     e.add_argument("--draft-dtype", default="int8", choices=["float32", "bfloat16", "int8"],
                    help="the draft's weights (a copy of the target's shape)")
+    e.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size: per-rank compute + all-reduces")
+    e.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size: stages + point-to-point sends")
+    e.add_argument("--link", default=None, help="link between ranks: nvlink4, pcie4, pcie5, local-gloo "
+                                                "(default: the GPU's, or the measured local gloo link)")
 
     lab = sub.add_parser("lab", help="run a lab: an experiment with plots and a report (lab list)")
     lab.add_argument("name", help="a lab name, 'list' or 'all'")
@@ -171,6 +177,11 @@ def run_explain(args) -> int:
         result["speculative"] = explain_speculative(
             cfg, hw, args.speculative, args.spec_k, args.acceptance, args.prompt_len + args.output_len // 2,
             weight_dtype=args.dtype, kv_dtype=args.kv_dtype, draft_weight_dtype=args.draft_dtype)
+    if args.tp * args.pp > 1:
+        result["parallel"] = explain_parallel(cfg, hw, explain_link(hw, args.link), args.tp, args.pp,
+                                              batch=args.batch, prompt_len=args.prompt_len,
+                                              output_len=args.output_len, weight_dtype=args.dtype,
+                                              kv_dtype=args.kv_dtype)
     if args.plot:
         result["plot"] = str(plot_explain(result, hw, args.plot))
     if args.measure:
@@ -184,6 +195,9 @@ def run_explain(args) -> int:
         return 0
     con = console()
     con.print(render_explain_table(result))
+    if "parallel" in result:
+        con.print(parallel_table(result["parallel"]))
+        con.print(result["parallel"]["verdict"])
     if args.plot:
         con.print(f"roofline written to {result['plot']}")
     if args.measure:
@@ -207,6 +221,33 @@ def speculative_table(s: dict):
         t.add_row(str(r["batch"]), f"{r['base_step_seconds'] * 1e3:.2f} ms", f"{r['verify_step_seconds'] * 1e3:.2f} ms",
                   f"{r['propose_seconds'] * 1e3:.2f} ms", f"{r['speedup']:.2f}x", str(r["best_k"]),
                   f"{r['best_speedup']:.2f}x")
+    return t
+
+
+def explain_link(hw, name):
+    """The link for explain --tp/--pp: named, the GPU's default, or the local gloo link (measured once)."""
+    if hw.kind == "gpu" or (name and name != LOCAL_GLOO):
+        return get_link(name or DEFAULT_LINK.get(hw.name, "pcie4"))
+    from servescope.engine.local_hardware import local_gloo_link  # lazy: the engine, torch (2 s of explain)
+
+    return local_gloo_link(measure=True)
+
+
+def parallel_table(p: dict):
+    from rich.table import Table  # lazy: rich is 0.13 s of `--help` (cli/output.py)
+
+    t = Table(title=f"TP={p['tp']} x PP={p['pp']} over {p['link']['name']} "
+                    f"({p['link']['bandwidth'] / 1e9:.3g} GB/s, {p['link']['latency_s'] * 1e6:.3g} us per hop): "
+                    f"{p['weight_bytes_per_rank'] / 2**30:.3g} GiB weights and "
+                    f"{p['kv_cache_bytes_per_token_per_rank'] / 1024:.3g} KiB KV per token per rank; "
+                    f"{p['max_concurrent_sequences']} sequences fit (one device: "
+                    f"{p['max_concurrent_sequences_one_device']})")
+    for col in ("phase", "one device", "compute/rank", "all-reduce", "gather", "p2p", "step", "speedup", "comm"):
+        t.add_column(col, justify="left" if col == "phase" else "right")
+    for ph in p["phases"]:
+        t.add_row(ph["name"], *(f"{ph[k] * 1e3:.3g} ms" for k in ("single_device_seconds", "compute_seconds",
+                  "all_reduce_seconds", "gather_seconds", "p2p_seconds", "step_seconds")),
+                  f"{ph['speedup']:.2f}x", f"{ph['comm_share']:.0%}")
     return t
 
 

@@ -52,4 +52,5 @@ def run(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
         async_engine.shutdown()
+        engine.shutdown()  # a parallel engine's workers
     return 0

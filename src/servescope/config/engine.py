@@ -98,16 +98,29 @@ class BatchingConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is split over devices. A seam for the tensor- and pipeline-parallel issues, not a
-    feature: only one device (both sizes 1) is accepted today, anything else is rejected here."""
+    """How the model is split over processes (parallel/): tensor parallel (each layer's heads and MLP
+    columns sharded, an all-reduce after attention and after the MLP) times pipeline parallel (layers
+    split into stages). What depends on the model (heads divisible, enough layers, enough devices) is
+    checked by the builder before any process starts."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_backend: str = "auto"  # auto (gloo on the CPU, nccl on CUDA) | gloo | nccl
+    # a collective that waits longer than this (a hung or dead worker) fails the engine loudly
+    distributed_timeout_s: float = 60.0
 
     def __post_init__(self):
-        for name, what in (("tensor_parallel_size", "tensor"), ("pipeline_parallel_size", "pipeline")):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             size = getattr(self, name)
-            _require(size == 1, f"{name}={size}: {what} parallelism is not supported yet (only 1)")
+            _require(isinstance(size, int) and size >= 1, f"{name} must be a positive integer, got {size!r}")
+        _require(self.distributed_backend in ("auto", "gloo", "nccl"),
+                 f"distributed_backend must be auto, gloo or nccl, got {self.distributed_backend!r}")
+        _require(self.distributed_timeout_s > 0,
+                 f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 SPECULATIVE_METHODS = ("ngram", "draft")

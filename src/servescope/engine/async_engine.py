@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from servescope.config import SamplingParams
 from servescope.engine.outputs import RequestOutput
-from servescope.errors import InvalidParameterError, ServescopeError
+from servescope.errors import InvalidParameterError, ServescopeError, WorkerFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,7 @@ class AsyncEngine:
         self._inflight = 0  # guarded by _lock
         self._lock = threading.Lock()
         self._stopping = False
+        self.closed_reason = "the engine is shut down"  # what requests are told once it stopped
         self._ids = itertools.count()
         # called on the engine thread with (RequestOutput, new output tokens); must be quick
         self.output_listeners: list[Callable[[RequestOutput, int], None]] = []
@@ -190,7 +191,7 @@ class AsyncEngine:
         """Queue a request and wait until the engine accepted it. Raises InvalidParameterError (bad
         input, nothing queued), QueueFullError, EngineClosedError. Returns its RequestStream."""
         if not self.is_running:
-            raise EngineClosedError("the engine is shut down")
+            raise EngineClosedError(self.closed_reason)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         if isinstance(prompt, str):
             if not prompt:
@@ -230,7 +231,7 @@ class AsyncEngine:
     async def run_on_engine(self, fn: Callable[[Any], Any]) -> Any:
         """Run fn(engine) on the engine thread (between steps) and return its result."""
         if not self.is_running:
-            raise EngineClosedError("the engine is shut down")
+            raise EngineClosedError(self.closed_reason)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -296,6 +297,10 @@ class AsyncEngine:
                 if engine.has_unfinished():
                     try:
                         outputs = engine.step()
+                    except WorkerFailedError as e:  # a parallel worker is gone: no step can run again
+                        logger.error("the engine stopped: %s", e)
+                        self.closed_reason = f"the engine stopped: {e}"
+                        break
                     except Exception as e:  # a bug, not a client mistake: fail what was running, go on
                         logger.exception("engine step failed; aborting %d requests", len(self._streams))
                         self._fail_all(EngineStepError(f"engine step failed: {type(e).__name__}: {e}"))
@@ -313,10 +318,10 @@ class AsyncEngine:
             for cmd in commands:  # answer requests queued but never added
                 if cmd[0] == "add":
                     self._release(cmd[-1])
-                    cmd[-1]._put(EngineClosedError("the engine is shut down"))
+                    cmd[-1]._put(EngineClosedError(self.closed_reason))
                 elif cmd[0] == "call":
                     cmd[1](None)
-            self._fail_all(EngineClosedError("the engine is shut down"))
+            self._fail_all(EngineClosedError(self.closed_reason))
 
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]

@@ -25,6 +25,8 @@ from servescope.config import CacheConfig, EngineConfig, ModelConfig, SchedulerC
 from servescope.engine.executor import ModelExecutor
 from servescope.engine.kv_sizing import kv_bytes_per_token, num_kv_blocks
 from servescope.engine.model_runner import ModelRunner
+from servescope.engine.parallel_executor import ParallelExecutor, parallel_layout
+from servescope.engine.parallel_worker import become_torchrun_worker, worker_main
 from servescope.engine.spec_builder import build_spec_decoder
 from servescope.engine.spec_decode import SpecDecoder
 from servescope.engine.step_cost import StepCostPredictor
@@ -110,24 +112,39 @@ def resolve_dtypes(config: EngineConfig, device: torch.device) -> tuple:
 
 
 # ------------------------------------------------------------------------------ stage 1: weights
-def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """Load the weights config.load names and apply the build-time transforms (ModelExecutor.prepare)."""
+def build_weights(config: EngineConfig, device: torch.device, dtype: torch.dtype, count_devices: bool = True) -> tuple:
+    """(ModelConfig, the built model, tokenizer or None, source path) of config.load, before any
+    build-time transform. A parallel layout that does not fit the model is rejected here, before the
+    weights are built and before any worker process starts (count_devices False: a worker's build,
+    whose engine counted the devices)."""
     load, max_pos = config.load, config.batching.max_model_len
-    t0 = time.perf_counter()
     if load.model and load.model.startswith(RANDOM_PREFIX):
         model_config = load_preset(load.model[len(RANDOM_PREFIX):])
+        parallel_layout(config, model_config, device, count_devices)
         # rotary tables for the preset's whole context (as for checkpoints below), so that an engine on
         # these weights with a longer max_model_len (with_config) never indexes past them
         model = build_random_model(model_config, dtype, device, seed=load.seed,
                                    max_positions=max(max_pos or 0, model_config.max_position_embeddings))
-        tokenizer, path = None, load.model
+        return model_config, model, None, load.model
+    src = load_model_source(load.model)
+    parallel_layout(config, src.config, device, count_devices)
+    model = build_model(src.config, src.state_dict, dtype, device,
+                        max_positions=max(max_pos or 0, src.config.max_position_embeddings))
+    tokenizer = None if load.skip_tokenizer_init else load_tokenizer(src.tokenizer_source)
+    return src.config, model, tokenizer, src.path
+
+
+def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Load the weights config.load names and apply the build-time transforms (ModelExecutor.prepare;
+    a parallel engine: start the workers, keep this rank's stage and shard, then the same transforms)."""
+    load = config.load
+    t0 = time.perf_counter()
+    model_config, model, tokenizer, path = build_weights(config, device, dtype)
+    layout = parallel_layout(config, model_config, device)
+    if layout is None:
+        executor = ModelExecutor.prepare(model, device, load.quantization, load.gpu_linear)
     else:
-        src = load_model_source(load.model)
-        model_config, path = src.config, src.path
-        model = build_model(src.config, src.state_dict, dtype, device,
-                            max_positions=max(max_pos or 0, src.config.max_position_embeddings))
-        tokenizer = None if load.skip_tokenizer_init else load_tokenizer(src.tokenizer_source)
-    executor = ModelExecutor.prepare(model, device, load.quantization, load.gpu_linear)
+        executor = ParallelExecutor.start(config, model, device, layout, worker_main)
     return LoadedModel(config, executor, model_config, tokenizer, path, time.perf_counter() - t0)
 
 
@@ -139,6 +156,7 @@ def build_engine(config: EngineConfig, shared: Optional[LoadedModel] = None) -> 
     device = resolve_device(config)
     dtype, kv_dtype = resolve_dtypes(config, device)
     if shared is None:
+        become_torchrun_worker(config)  # ranks > 0 under torchrun serve rank 0 from here, then exit
         loaded = load_model(config, device, dtype)
         executor = loaded.executor
     else:
@@ -147,11 +165,13 @@ def build_engine(config: EngineConfig, shared: Optional[LoadedModel] = None) -> 
                 raise EngineConfigError(f"with_config cannot change {name}; build a new engine")
         loaded, executor = shared, shared.executor.fork()
     cfg = loaded.model_config
-    blocks = num_kv_blocks(config.cache, config.batching, cfg, kv_dtype, device)
+    shard_cfg = executor.shard_config(cfg)  # this process's heads and layers (a parallel engine: fewer)
+    blocks = num_kv_blocks(config.cache, config.batching, shard_cfg, kv_dtype, device)
     max_len = resolve_max_model_len(config, cfg, blocks)
     backend = get_attention_backend(config.load.attention_backend, device)
-    runner = ModelRunner(executor, cfg, backend, blocks, config.cache.block_size, kv_dtype, device)
-    per_token = kv_bytes_per_token(cfg, kv_dtype)
+    runner = ModelRunner(executor, shard_cfg, backend, blocks, config.cache.block_size, kv_dtype, device)
+    executor.start_kv_cache(blocks, config.cache.block_size, kv_dtype)
+    per_token = kv_bytes_per_token(shard_cfg, kv_dtype)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens, %d bytes per token, %.1f MiB (%s)",
                 blocks, config.cache.block_size, blocks * config.cache.block_size, per_token,
                 runner.kv_cache_bytes / 2**20, str(kv_dtype).replace("torch.", ""))
@@ -159,7 +179,8 @@ def build_engine(config: EngineConfig, shared: Optional[LoadedModel] = None) -> 
     kv_manager = KVCacheManager(cache_config)
     cost = None
     if config.telemetry.predict_step_cost:
-        cost = StepCostPredictor(cfg, device, dtype, kv_dtype, config.load.quantization, config.telemetry.hardware)
+        cost = StepCostPredictor(cfg, device, dtype, kv_dtype, config.load.quantization, config.telemetry.hardware,
+                                 config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size)
     capture_cuda_graphs(config, executor, runner, max_len)
     sampler = Sampler(cfg.vocab_size, eos_token_ids=loaded.eos_token_ids)
     return EngineParts(

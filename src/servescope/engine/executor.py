@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 class ModelExecutor:
+    last_comm = (0.0, 0)  # (seconds, bytes) in collectives during the last step: none in one process
+
     def __init__(self, model: torch.nn.Module, device: torch.device, gpu_linear_choice: Optional[dict] = None,
                  decode_plan=None, decode_plan_max_rows: int = 0):
         self.model = model
@@ -41,14 +43,17 @@ class ModelExecutor:
 
     @classmethod
     def prepare(cls, model: torch.nn.Module, device: torch.device, quantization: Optional[str] = None,
-                gpu_linear: str = "cublas") -> "ModelExecutor":
-        """Apply the build-time transforms to a loaded model and return its executor."""
+                gpu_linear: str = "cublas", decode_plan: bool = True, **kwargs) -> "ModelExecutor":
+        """Apply the build-time transforms to a loaded model and return its executor. decode_plan
+        False: no C++ all-layers decode call (a sharded model: its layers need collectives between
+        kernels); kwargs go to the constructor (a subclass's own)."""
         if quantization == "int8":
             model = quantize_int8(model)
-        ex = cls(model, device)
+        ex = cls(model, device, **kwargs)
         if device.type == "cpu" and cpu_ops.load() is not None:  # builds the extension now (once, ~40 s), not in a step
             use_cpu_linears(model)
-            ex.decode_plan, ex.decode_plan_max_rows = cpu_decode_plan(model)
+            if decode_plan:
+                ex.decode_plan, ex.decode_plan_max_rows = cpu_decode_plan(model)
         ex.gpu_linear_choice = ex._select_gpu_linear(gpu_linear)
         return ex
 
@@ -87,6 +92,22 @@ class ModelExecutor:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, Dm] -> float32 logits [B, V]."""
         return self.model.compute_logits(hidden)
+
+    def run(self, batch, kv_caches: list, backend, logits_indices: torch.Tensor) -> torch.Tensor:
+        """One step: the forward, then float32 logits [B', V] of the rows `logits_indices` of T (the
+        seam a parallel executor overrides: it sends the plan to its workers first)."""
+        return self.compute_logits(self.forward(batch, kv_caches, backend)[logits_indices])
+
+    def shard_config(self, cfg):
+        """The ModelConfig of the part of the model this process holds (its KV cache's shape): the
+        whole model here; a tensor/pipeline-parallel executor's shard holds fewer heads or layers."""
+        return cfg
+
+    def start_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+        """Called once the runner has its KV cache (a parallel executor's workers allocate theirs)."""
+
+    def shutdown(self, keep_workers: bool = False) -> None:
+        """Release what the executor started (nothing here; a parallel executor's worker processes)."""
 
     # ---------------------------------------------------------------- GPU choices
     def _select_gpu_linear(self, mode: str, force: bool = False) -> dict:

@@ -93,6 +93,12 @@ class LLMEngine:
             raise RuntimeError("set_gpu_linear needs an idle engine")
         return self.executor.set_gpu_linear(mode, self.runner)
 
+    def shutdown(self, keep_workers: bool = False) -> None:
+        """Stop what the engine started (a parallel engine's worker processes); idempotent.
+        keep_workers: park healthy workers for the next parallel engine of the same size in this
+        process, which then loads its weights into them instead of starting processes."""
+        self.executor.shutdown(keep_workers)
+
     # ---------------------------------------------------------------- requests
     def encode(self, prompt: str) -> list:
         if self.tokenizer is None:
@@ -227,6 +233,7 @@ class LLMEngine:
             st = self.spec.last_step
             rec.num_spec_seqs, rec.num_draft_tokens, rec.num_accepted_tokens = (
                 st.num_seqs, st.num_draft_tokens, st.num_accepted_tokens)
+        rec.comm_seconds, rec.comm_bytes = self.executor.last_comm if out.scheduled else (0.0, 0)
         if self._cost is not None and seqs:
             self._cost.annotate(rec, seqs, num_logits=num_logits)
         self.step_records.append(rec)

@@ -10,15 +10,19 @@ bench) asks here for "local-cpu": analysis.get_hardware("local-cpu") only reads 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
 
+from servescope.analysis.collectives import (DEFAULT_LINK, LOCAL_GLOO, LinkSpec, cached_local_link, fit_link,
+                                             get_link, save_local_link)
 from servescope.analysis.hardware import LOCAL_CPU, HardwareSpec, canonical_hardware_name, get_hardware
-from servescope.analysis.probe import EngineMeasurers, probe_local_hardware
+from servescope.analysis.probe import EngineMeasurers, cpu_model, probe_local_hardware
 from servescope.engine.overhead import measure_host_overhead
 from servescope.errors import InvalidParameterError
 from servescope.kernels.kernel_probe import measure_decode_attention_flops, measure_linear_rates
+from servescope.parallel.link_probe import measure_all_reduce
 
 logger = logging.getLogger(__name__)
 
@@ -59,3 +63,28 @@ def hardware_for_device(device: torch.device, name: Optional[str] = None) -> Har
         logger.warning("no datasheet spec for %s; predictions use the H100 spec", gpu)
         return get_hardware("h100")
     return probe_local_cpu()
+
+
+def local_link_key() -> str:
+    return f"{cpu_model()} / {os.cpu_count()} cores"
+
+
+def local_gloo_link(measure: bool = True, force: bool = False) -> Optional[LinkSpec]:
+    """This machine's gloo all-reduce between two local processes (parallel/link_probe.py): read from
+    its cache, else measured now (a few seconds; two spawned processes) when `measure`, else None."""
+    key = local_link_key()
+    link = None if force else cached_local_link(key)
+    if link is None and measure:
+        link = fit_link(measure_all_reduce(), ranks=2, source=f"measured here: gloo, 2 processes ({key})")
+        save_local_link(key, link)
+    return link
+
+
+def link_for(hw: HardwareSpec, name: Optional[str] = None, measure: bool = False) -> Optional[LinkSpec]:
+    """The link between ranks: the named one, the GPU's NVLink/PCIe default, else the local gloo link
+    (None where it was never measured and `measure` is false)."""
+    if name:
+        return local_gloo_link(measure) if name == LOCAL_GLOO else get_link(name)
+    if hw.kind == "gpu":
+        return get_link(DEFAULT_LINK.get(hw.name, "pcie4"))
+    return local_gloo_link(measure)

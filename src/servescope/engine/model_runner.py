@@ -30,6 +30,8 @@ class StepBatch:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [B]: index in T of each row's last new token
     num_tokens: int
+    # the one int64 buffer the tensors above are views of (what a parallel executor sends to its workers)
+    buffer: Optional[torch.Tensor] = None
     # row offsets of each scheduled sequence [len(scheduled) + 1]: a sequence verifying k drafts is laid
     # out as 1 + k one-token rows (one logits position each); any other sequence is one row
     seq_rows: Optional[list] = None
@@ -38,6 +40,32 @@ class StepBatch:
         """Rows whose logits the scheduled sequences at seq_indices need, in order."""
         r = self.seq_rows
         return [j for i in seq_indices for j in range(r[i], r[i + 1])]
+
+
+def step_batch_from_buffer(buf: torch.Tensor, t: int, b: int, max_blocks: int, num_decode: int,
+                           query_lens: Optional[list] = None, context_lens: Optional[list] = None,
+                           seq_rows: Optional[list] = None) -> StepBatch:
+    """The StepBatch whose tensors are views of `buf` (layout: ids, positions, slots [T] | logits index,
+    context lens [B] | query starts [B+1] | block table [B*M]); the host lists are read back from it
+    when not given (a worker that received the buffer)."""
+    o = 3 * t
+    if query_lens is None:
+        host = buf[o + b:o + 3 * b + 1].tolist()
+        context_lens, qsl = host[:b], host[b:]
+        query_lens = [qsl[i + 1] - qsl[i] for i in range(b)]
+    meta = AttentionMetadata(
+        slot_mapping=buf[2 * t:3 * t],
+        block_tables=buf[o + 3 * b + 1:].view(b, max_blocks).to(torch.int32),
+        context_lens=buf[o + b:o + 2 * b].to(torch.int32),
+        query_start_loc=buf[o + 2 * b:o + 3 * b + 1].to(torch.int32),
+        query_lens_cpu=query_lens,
+        context_lens_cpu=context_lens,
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+        num_decode_seqs=num_decode,
+    )
+    return StepBatch(input_ids=buf[:t], positions=buf[t:2 * t], meta=meta, logits_indices=buf[o:o + b],
+                     num_tokens=t, buffer=buf, seq_rows=seq_rows)
 
 
 class ModelRunner:
@@ -116,20 +144,7 @@ class ModelRunner:
         buf = torch.tensor(flat, dtype=torch.int64)
         if self.device.type != "cpu":
             buf = buf.to(self.device, non_blocking=True)
-        o = 3 * t
-        meta = AttentionMetadata(
-            slot_mapping=buf[2 * t:3 * t],
-            block_tables=buf[o + 3 * b + 1:].view(b, max_blocks).to(torch.int32),
-            context_lens=buf[o + b:o + 2 * b].to(torch.int32),
-            query_start_loc=buf[o + 2 * b:o + 3 * b + 1].to(torch.int32),
-            query_lens_cpu=query_lens,
-            context_lens_cpu=context_lens,
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
-            num_decode_seqs=num_decode,
-        )
-        return StepBatch(input_ids=buf[:t], positions=buf[t:2 * t], meta=meta,
-                         logits_indices=buf[o:o + b], num_tokens=t, seq_rows=seq_rows)
+        return step_batch_from_buffer(buf, t, b, max_blocks, num_decode, query_lens, context_lens, seq_rows)
 
     @torch.inference_mode()
     def execute(self, scheduled, sample_rows: Optional[list] = None) -> torch.Tensor:
@@ -137,11 +152,10 @@ class ModelRunner:
         sample_rows (indices into `scheduled`; default all): one per sequence, 1 + k for a sequence
         verifying k drafts, in order."""
         batch = self.prepare(scheduled)
-        hidden = self.executor.forward(batch, self.kv_caches, self.backend)  # [T, Dm]
         if sample_rows is None:
             idx = batch.logits_indices
         elif len(batch.seq_rows) - 1 == batch.meta.num_seqs:  # one row per sequence
             idx = batch.logits_indices[sample_rows]
         else:
             idx = batch.logits_indices[batch.sample_positions(sample_rows)]
-        return self.executor.compute_logits(hidden[idx])  # [P, Dm] -> [P, V]
+        return self.executor.run(batch, self.kv_caches, self.backend, idx)  # [P, V]

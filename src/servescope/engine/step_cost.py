@@ -10,9 +10,10 @@ from typing import Optional
 
 import torch
 
+from servescope.analysis.collectives import shard_config, step_comm_cost
 from servescope.analysis.cost_model import step_cost
 from servescope.config import ModelConfig
-from servescope.engine.local_hardware import hardware_for_device
+from servescope.engine.local_hardware import hardware_for_device, link_for
 from servescope.telemetry.step_record import StepRecord
 
 logger = logging.getLogger(__name__)
@@ -22,9 +23,15 @@ _DT = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "flo
 
 class StepCostPredictor:
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
-                 quantization: Optional[str], hardware: Optional[str]):
-        self.cfg = cfg
+                 quantization: Optional[str], hardware: Optional[str], tp: int = 1, pp: int = 1):
+        # a tensor-parallel rank computes 1/T of each layer (shard_config); the link adds the collectives
+        self.full_cfg, self.cfg, self.tp, self.pp = cfg, shard_config(cfg, tp), tp, pp
         self.hw = hardware_for_device(device, hardware)
+        self.link = link_for(self.hw) if tp * pp > 1 else None  # None: never measured here (no comm predicted)
+        if tp * pp > 1 and self.link is None:
+            logger.info("no measured link between local processes: StepRecords predict compute only "
+                        "(`servescope hardware probe-link` measures it)")
+        self.act_bytes = dtype.itemsize
         self.act_dtype = _DT[dtype]
         self.weight_dtype = "int8" if quantization == "int8" else self.act_dtype
         self.kv_dtype = _DT[kv_dtype]
@@ -37,6 +44,11 @@ class StepCostPredictor:
         """seqs: [(num_new_tokens, num_context_tokens_before)] of the step."""
         cost = self.predict(seqs, num_logits)
         rec.predicted_seconds = cost.predicted_seconds
+        if self.link is not None:
+            comm = step_comm_cost(self.full_cfg, sum(n for n, _ in seqs), num_logits, self.tp, self.pp, self.link,
+                                  self.act_bytes)
+            rec.predicted_comm_seconds = comm.seconds
+            rec.predicted_seconds += comm.seconds
         rec.flops = cost.flops
         rec.bytes = cost.bytes
         rec.flops_by_group = {o.name: o.flops for o in cost.ops}

@@ -33,6 +33,8 @@ LABS = {
 # not part of `lab all`: the cost model's validation (docs/VALIDATION.md)
 EXTRA_LABS = {
     "validate": ("validate", "cost model vs measured step time: decode batch 1..32, prefill 128..2048 tokens"),
+    "parallelism": ("parallelism", "step time at TP x PP = 1x1, 2x1, 1x2 here (gloo) beside predicted; "
+                                   "Llama-3-70B on 8 x H100/H200 predicted"),
 }
 
 

@@ -41,7 +41,7 @@ def step_event(rec, t0: float) -> dict:
     }
     if getattr(rec, "num_draft_tokens", 0):
         d.update({wire: getattr(rec, field) for wire, field in SPEC_STEP_FIELDS.items()})
-    if getattr(rec, "comm_seconds", None) is not None:
+    if getattr(rec, "comm_bytes", 0):  # a parallel engine's step (one process communicates nothing)
         d.update({wire: getattr(rec, field) for wire, field in COMM_STEP_FIELDS.items()})
     return d
 

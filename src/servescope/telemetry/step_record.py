@@ -35,6 +35,16 @@ class StepRecord:
     bytes_by_group: dict = field(default_factory=dict)
     bound: Optional[str] = None  # "compute" | "memory"
     hardware: Optional[str] = None
+    # a tensor/pipeline-parallel engine: rank 0's seconds inside collectives this step (waiting for the
+    # slowest rank included) and the bytes they carried; the rest of wall_seconds is compute and host
+    comm_seconds: float = 0.0
+    comm_bytes: int = 0
+    predicted_comm_seconds: Optional[float] = None  # the cost model's collective time (in predicted_seconds)
+
+    @property
+    def compute_seconds(self) -> float:
+        """wall_seconds less the time in collectives."""
+        return max(0.0, self.wall_seconds - self.comm_seconds)
 
     @property
     def phase(self) -> str:
@@ -63,6 +73,7 @@ class StepRecord:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.update(phase=self.phase, achieved_flops_per_s=self.achieved_flops_per_s,
+        d.update(phase=self.phase, compute_seconds=self.compute_seconds,
+                 achieved_flops_per_s=self.achieved_flops_per_s,
                  achieved_bytes_per_s=self.achieved_bytes_per_s, prediction_error=self.prediction_error)
         return d

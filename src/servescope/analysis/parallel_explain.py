@@ -1,0 +1,92 @@
+"""`explain --tp T --pp P`: what splitting the model over T x P devices does to one workload's steps,
+per phase: each rank's compute (the shard's roofline, analysis/collectives.shard_config), the
+collectives (analysis/collectives.step_comm_cost), and the verdict: parallelism cuts the step, or
+the link dominates.
+
+A CPU spec is one machine: the T ranks of a stage run at once and share its cores and memory
+bandwidth, so each rank's 1/T of the work takes as long as the whole did (TP over processes on one
+CPU cannot cut the step; it only adds the collectives). On GPUs each rank is a device of the spec.
+Pipeline stages run one after another within a step here (no micro-batch overlap), as the engine
+does: P > 1 divides each rank's weights and KV cache by P, not the step time, and adds the
+stage-to-stage sends. Tensor parallelism divides each layer's work by T and adds 2L + 1 all-reduces
+of the step's activations plus the gather of the logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from servescope.analysis.collectives import LinkSpec, shard_config, step_comm_cost
+from servescope.analysis.cost_model import step_cost
+from servescope.analysis.hardware import HardwareSpec
+from servescope.analysis.memory_planner import plan_memory
+from servescope.analysis.op_counts import kv_cache_bytes_per_token, resolve_dtypes, weight_bytes
+from servescope.config import ModelConfig
+from servescope.errors import InvalidParameterError
+
+
+def _phase(name: str, cfg: ModelConfig, seqs: list, num_logits: int, hw: HardwareSpec, link: LinkSpec,
+           tp: int, pp: int, dtypes: tuple) -> dict:
+    wdt, kdt, adt, act_bytes = dtypes
+    single = step_cost(cfg, seqs, hw, wdt, kdt, adt, num_logits=num_logits).predicted_seconds
+    compute = step_cost(shard_config(cfg, tp), seqs, hw, wdt, kdt, adt, num_logits=num_logits).predicted_seconds
+    if hw.kind == "cpu":  # one machine: its T busy ranks share the cores and the memory bandwidth it has
+        compute *= tp
+    comm = step_comm_cost(cfg, sum(n for n, _ in seqs), num_logits, tp, pp, link, act_bytes)
+    total = compute + comm.seconds
+    return {"name": name, "single_device_seconds": single, "compute_seconds": compute,
+            "all_reduce_seconds": comm.all_reduce_seconds, "gather_seconds": comm.gather_seconds,
+            "p2p_seconds": comm.p2p_seconds, "comm_seconds": comm.seconds, "comm_bytes": comm.bytes,
+            "step_seconds": total, "speedup": single / total if total else None,
+            "comm_share": comm.seconds / total if total else 0.0,
+            "link_dominates": comm.seconds > compute}
+
+
+def explain_parallel(cfg: ModelConfig, hw: HardwareSpec, link: LinkSpec, tp: int, pp: int, batch: int = 1,
+                     prompt_len: int = 512, output_len: int = 128, weight_dtype: str = "bfloat16",
+                     kv_dtype: Optional[str] = None, act_dtype: Optional[str] = None) -> dict:
+    """The parallel account of `explain`'s workload (the same phases: one prefill step of every
+    prompt, the decode step at the middle context)."""
+    if tp < 1 or pp < 1:
+        raise InvalidParameterError("tp", f"tp and pp must be >= 1, got {tp}, {pp}")
+    if cfg.num_attention_heads % tp or pp > cfg.num_hidden_layers:
+        raise InvalidParameterError("tp", f"TP={tp} must divide the {cfg.num_attention_heads} heads and PP={pp} "
+                                          f"be at most the {cfg.num_hidden_layers} layers")
+    wdt, adt, kdt = resolve_dtypes(weight_dtype, act_dtype, kv_dtype)
+    dtypes = (wdt, kdt, adt, {"float32": 4}.get(adt, 2))
+    mid = prompt_len + max(output_len - 2, 0) // 2
+    phases = [_phase("prefill", cfg, [(prompt_len, 0)] * batch, batch, hw, link, tp, pp, dtypes)]
+    if output_len > 1:
+        phases.append(_phase("decode", cfg, [(1, mid)] * batch, batch, hw, link, tp, pp, dtypes))
+    shard = shard_config(cfg, tp)
+    # one rank's memory: its shard of 1/P of the layers (the embedding and head counted on every rank,
+    # a slight over-count for P > 1); every rank holds the same KV blocks
+    rank_cfg = dataclasses.replace(shard, num_hidden_layers=-(-cfg.num_hidden_layers // pp))
+    single_plan = plan_memory(cfg, hw.memory_bytes, wdt, kdt, context_len=prompt_len + output_len, act_dtype=adt,
+                              max_num_batched_tokens=max(prompt_len * batch, 16), max_num_seqs=batch)
+    rank_plan = plan_memory(rank_cfg, hw.memory_bytes, wdt, kdt, context_len=prompt_len + output_len, act_dtype=adt,
+                            max_num_batched_tokens=max(prompt_len * batch, 16), max_num_seqs=batch)
+    return {
+        "tp": tp, "pp": pp, "link": {"name": link.name, "bandwidth": link.bandwidth, "latency_s": link.latency_s,
+                                     "source": link.source},
+        "weight_bytes_per_rank": weight_bytes(shard, wdt, adt) / pp,
+        "kv_cache_bytes_per_token_per_rank": kv_cache_bytes_per_token(shard, kdt) / pp,
+        "max_concurrent_sequences": rank_plan.max_concurrent_sequences,
+        "max_concurrent_sequences_one_device": single_plan.max_concurrent_sequences,
+        "phases": phases,
+        "verdict": verdict(phases, tp, pp, link.name),
+    }
+
+
+def verdict(phases: list, tp: int, pp: int, link: str) -> str:
+    """One sentence per phase: does T x P cut the step, or does the link dominate it?"""
+    out = []
+    for p in phases:
+        change = "cuts" if p["speedup"] and p["speedup"] > 1 else "lengthens"
+        why = (f"the link dominates: collectives {p['comm_share']:.0%} of the step" if p["link_dominates"]
+               else f"compute per rank dominates; collectives {p['comm_share']:.0%} of the step")
+        out.append(f"{p['name']}: TP={tp} x PP={pp} over {link} {change} the step "
+                   f"{p['single_device_seconds'] * 1e3:.3g} ms -> {p['step_seconds'] * 1e3:.3g} ms "
+                   f"({p['speedup']:.2f}x); {why}")
+    return ". ".join(out)

@@ -1,0 +1,14 @@
+"""Tensor and pipeline parallelism on torch.distributed (gloo on the CPU, NCCL on GPUs).
+
+- layout.py           ranks -> (stage, shard), each stage's layers, the checks made before any process starts
+- groups.py           process-group start (localhost TCP or torchrun's env://), the tensor-parallel groups
+- tensor_parallel.py  the TP transform applied after the model is built: column/row shards, vocab-parallel
+                      embedding and head
+- pipeline.py         a stage's slice of the model and its forward (hidden states sent point-to-point)
+- plan.py             each step's plan as int64 tensors, broadcast from rank 0
+- launcher.py         worker processes (torch.multiprocessing), liveness, shutdown, a parked group for reuse
+- link_probe.py       this machine's gloo all-reduce time per size (the cost model's local link)
+
+The engine calls this package (engine/parallel_executor.py, engine/parallel_worker.py); the model never
+knows it is sharded.
+"""

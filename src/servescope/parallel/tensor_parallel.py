@@ -1,0 +1,142 @@
+"""The tensor-parallel transform, applied to a built model before the other build-time transforms
+(gpt-fast's style; Megatron's layout, as vLLM uses it).
+
+Shape legend: T tokens, Dm model width, H/Hkv query/KV heads, D head dim, I MLP width, V vocabulary,
+Tp shards; a shard holds H/Tp query heads, max(1, Hkv/Tp) KV heads, I/Tp MLP columns, ceil(V/Tp)
+vocabulary rows.
+
+- column parallel: qkv_proj (each of q | k | v cut by heads, `qkv_sizes` gives the split) and
+  gate_up_proj (gate | up each cut by columns) become smaller nn.Linear modules; their output stays
+  sharded, no communication.
+- row parallel: o_proj and down_proj keep their input columns of this shard; the partial sums are
+  all-reduced by a forward hook on their parent (the attention block, the MLP), whose output is the
+  projection's output. One all-reduce each, two per layer.
+- KV heads: sharded with the query heads they serve; where Hkv < Tp each shard holds the one KV head
+  of its query heads (replicated, as vLLM does).
+- vocabulary parallel: the embedding looks up only its rows (zero elsewhere) and all-reduces; the
+  head computes its ceil(V/Tp) logits and the executor gathers them (tied: the head shares the
+  embedding shard's weight).
+The swapped modules are plain nn.Linear, so quantisation and the CPU linears still apply to each
+shard (they walk `model.projections()` after this).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from servescope.errors import EngineConfigError
+from servescope.parallel.groups import DistContext
+from servescope.parallel.layout import local_kv_heads
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + ceil(V/Tp)) of the embedding (past V: zero padding); ids outside give 0,
+    the all-reduce over the shards sums exactly one non-zero row per token."""
+
+    def __init__(self, weight: torch.Tensor, start: int, num_real: int, ctx: DistContext):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.start, self.num_real, self._ctx = start, num_real, ctx
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_real)  # [T]
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, Dm]
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return all_reduce(out, self._ctx)
+
+
+def all_reduce(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    ctx.comm.timed(dist.all_reduce, t, group=ctx.tp_group)
+    return t
+
+
+def _rows(linear: nn.Linear, spans: list) -> nn.Linear:
+    """A Linear of the output rows in `spans` [(start, stop)...] concatenated (column parallel)."""
+    w = torch.cat([linear.weight.detach()[a:b] for a, b in spans])
+    out = nn.Linear(linear.in_features, w.shape[0], bias=linear.bias is not None, device=w.device, dtype=w.dtype)
+    out.weight = nn.Parameter(w.clone(), requires_grad=False)
+    if linear.bias is not None:
+        out.bias = nn.Parameter(torch.cat([linear.bias.detach()[a:b] for a, b in spans]).clone(), requires_grad=False)
+    return out
+
+
+def _cols(linear: nn.Linear, start: int, stop: int, keep_bias: bool) -> nn.Linear:
+    """A Linear of the input columns [start, stop) (row parallel); the bias on one shard only."""
+    w = linear.weight.detach()[:, start:stop]
+    bias = linear.bias is not None and keep_bias
+    out = nn.Linear(stop - start, linear.out_features, bias=bias, device=w.device, dtype=w.dtype)
+    out.weight = nn.Parameter(w.clone(), requires_grad=False)
+    if bias:
+        out.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    return out
+
+
+def _kv_first_head(num_kv: int, tp: int, shard: int) -> int:
+    """The first KV head shard `shard` holds: its own Hkv/Tp, or the one its query heads read."""
+    return shard * (num_kv // tp) if num_kv >= tp else shard // (tp // num_kv)
+
+
+def apply_tensor_parallel(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """Shard `model` in place for shard ctx.shard of ctx.layout.tp (layout already checked)."""
+    cfg, tp, shard = model.config, ctx.layout.tp, ctx.shard
+    d = cfg.head_dim
+    hq, hkv = cfg.num_attention_heads // tp, local_kv_heads(cfg, tp)
+    kv0 = _kv_first_head(cfg.num_key_value_heads, tp, shard)
+    n_mlp = cfg.intermediate_size // tp
+    hooked = set()
+    for parent, name, mod in model.projections():
+        if mod is None or name == "lm_head":
+            continue
+        if type(mod) is not nn.Linear:
+            raise EngineConfigError(f"tensor parallelism shards nn.Linear modules; {name} is {type(mod).__name__}")
+        if name == "qkv_proj":
+            q, k, _ = parent.qkv_sizes
+            spans = [(shard * hq * d, (shard + 1) * hq * d), (q + kv0 * d, q + (kv0 + hkv) * d),
+                     (q + k + kv0 * d, q + k + (kv0 + hkv) * d)]
+            setattr(parent, name, _rows(mod, spans))
+            parent.num_heads, parent.num_kv_heads, parent.qkv_sizes = hq, hkv, (hq * d, hkv * d, hkv * d)
+        elif name == "gate_up_proj":
+            i = mod.out_features // 2
+            setattr(parent, name, _rows(mod, [(shard * n_mlp, (shard + 1) * n_mlp),
+                                               (i + shard * n_mlp, i + (shard + 1) * n_mlp)]))
+        elif name in ("o_proj", "down_proj"):
+            width = hq * d if name == "o_proj" else n_mlp
+            setattr(parent, name, _cols(mod, shard * width, (shard + 1) * width, keep_bias=shard == 0))
+            if id(parent) not in hooked:  # the parent's output is this projection's partial sum
+                parent.register_forward_hook(lambda _m, _inp, out: all_reduce(out, ctx))
+                hooked.add(id(parent))
+        else:
+            raise EngineConfigError(f"tensor parallelism does not know how to shard projection {name!r}")
+    _shard_vocab(model, ctx)
+    return model
+
+
+def vocab_shard(vocab_size: int, tp: int, shard: int) -> tuple:
+    """(first row, rows held incl. padding, real rows) of the vocabulary on `shard`."""
+    per = -(-vocab_size // tp)
+    start = shard * per
+    return start, per, max(0, min(vocab_size, start + per) - start)
+
+
+def _padded(weight: torch.Tensor, start: int, per: int, real: int) -> torch.Tensor:
+    out = torch.zeros(per, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    out[:real] = weight.detach()[start:start + real]
+    return out
+
+
+def _shard_vocab(model: nn.Module, ctx: DistContext) -> None:
+    """Embedding (on the first stage) and head (on the last) to their vocabulary shards."""
+    emb, head = model.model.embed_tokens, model.lm_head
+    start, per, real = vocab_shard(model.config.vocab_size, ctx.layout.tp, ctx.shard)
+    tied = head is not None and head.weight is emb.weight
+    if emb.weight.shape[0]:  # a stage that does not embed holds a zero-row embedding
+        model.model.embed_tokens = VocabParallelEmbedding(_padded(emb.weight, start, per, real), start, real, ctx)
+    if head is not None:
+        new = nn.Linear(head.in_features, per, bias=False, device=head.weight.device, dtype=head.weight.dtype)
+        new.weight = (model.model.embed_tokens.weight if tied
+                      else nn.Parameter(_padded(head.weight, start, per, real), requires_grad=False))
+        model.lm_head = new

@@ -1,0 +1,66 @@
+"""Run one workload through an engine and keep every step's logits (rank 0's), to compare a parallel
+engine with a single process step by step."""
+
+from __future__ import annotations
+
+from servescope import LLM, SamplingParams
+
+# batching (4 prompts at once), chunked prefill (a 100-token prompt over a 32-token budget), then a
+# second round whose prompts share the first round's full blocks (prefix-cache hits); the KV cache is
+# small enough that decodes preempt.
+ROUND_1 = [[5, 6, 7, 8, 9] * 7, [100, 200, 300], list(range(1000, 1100)), [7] * 20]
+ROUND_2 = [ROUND_1[2][:64] + [11, 12], ROUND_1[0] + [13], [4, 4, 4]]  # 4 and 2 full blocks seen before
+PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+ENGINE = dict(num_kv_blocks=12, max_model_len=144, max_num_seqs=4, max_num_batched_tokens=32, num_threads=1)
+
+
+def record_logits(llm: LLM) -> list:
+    """The logits every step returns, appended to the list this returns (a wrapper on the runner)."""
+    runner, seen = llm.engine.runner, []
+    inner = runner.execute
+
+    def execute(scheduled, rows=None):
+        out = inner(scheduled, rows)
+        seen.append(out.detach().clone())
+        return out
+
+    runner.execute = execute
+    return seen
+
+
+def run_workload(llm: LLM) -> tuple:
+    """(token ids of every request, the logits of every step, the engine's KV/scheduler counters)."""
+    logits = record_logits(llm)
+    outs = llm.generate(ROUND_1, PARAMS) + llm.generate(ROUND_2, PARAMS)
+    engine = llm.engine
+    stats = dict(preemptions=engine.scheduler.num_preemptions, prefix_hits=engine.kv_manager.prefix_cache_hits,
+                 max_prefill=max(r.num_prefill_tokens for r in engine.step_records),
+                 mixed=any(r.phase == "mixed" for r in engine.step_records))
+    return [o.outputs[0].token_ids for o in outs], logits, stats
+
+
+def max_logit_diff(a: list, b: list) -> float:
+    assert len(a) == len(b), f"{len(a)} steps against {len(b)}"
+    return max((x - y).abs().max().item() for x, y in zip(a, b) if x.numel())
+
+
+def assert_same_as_single_process(path: str, **parallel) -> dict:
+    """The parallel engine's greedy tokens equal one process's, its logits within 1e-4 at every step."""
+    ref_tokens, ref_logits, ref_stats = run_workload(LLM(model=path, **ENGINE))
+    llm = LLM(model=path, **ENGINE, **parallel)
+    try:
+        tokens, logits, stats = run_workload(llm)
+    finally:
+        llm.engine.shutdown(keep_workers=True)  # the next case loads its weights into the same processes
+    assert tokens == ref_tokens
+    diff = max_logit_diff(logits, ref_logits)
+    assert diff <= 1e-4, f"max |logit diff| {diff:.2e}"
+    assert stats == ref_stats
+    # the workload exercised what it is meant to: preemption, prefix caching, chunks, mixed steps
+    assert stats["preemptions"] > 0 and stats["prefix_hits"] > 0 and stats["mixed"]
+    assert stats["max_prefill"] == ENGINE["max_num_batched_tokens"]
+    # each step's record splits rank 0's time: collectives (the plan broadcast at least) and the rest
+    recs = [r for r in llm.engine.step_records if r.num_tokens]
+    assert all(r.comm_bytes > 0 and 0 < r.comm_seconds <= r.wall_seconds for r in recs)
+    assert all(r.compute_seconds == r.wall_seconds - r.comm_seconds for r in recs)
+    return stats
