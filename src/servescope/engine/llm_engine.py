@@ -24,6 +24,7 @@ import torch
 from servescope.config import EngineConfig, SamplingParams
 from servescope.engine.builder import EngineParts, build_engine
 from servescope.engine.output_processor import OutputProcessor, SampledToken
+from servescope.engine.prompt_scoring import plan_prompt_spans, record_prompt_logprobs
 from servescope.errors import InvalidParameterError
 from servescope.sampling.sampler import SamplingState, make_generator
 from servescope.scheduler.output import SchedulerOutput
@@ -160,7 +161,13 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.outputs.begin_step(out, t0)
         rows = [i for i, s in enumerate(out.scheduled) if s.will_sample]  # whose next token is due
-        sampled = self._sample(out, rows, self._execute(out, rows))
+        spans = plan_prompt_spans(out.scheduled, self.outputs)  # prompt logprobs due this step
+        logits = self._execute(out, rows, spans)
+        if spans:
+            record_prompt_logprobs(spans, out.scheduled, logits[len(rows):], self.outputs,
+                                   self.model_config.vocab_size)
+            logits = logits[:len(rows)]
+        sampled = self._sample(out, rows, logits)
         self.scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
         t1 = time.perf_counter()
         self.outputs.add_tokens(sampled, t1)  # may finish requests, which frees their blocks
@@ -169,12 +176,13 @@ class LLMEngine:
         self._record_step(out, len(rows), t0, t1)
         return self.outputs.end_step()
 
-    def _execute(self, out: SchedulerOutput, rows: list) -> Optional[torch.Tensor]:
-        """Logits [len(rows), V] of the scheduled sequences at `rows` (None for an empty step)."""
+    def _execute(self, out: SchedulerOutput, rows: list, spans: list) -> Optional[torch.Tensor]:
+        """Logits [len(rows), V] of the scheduled sequences at `rows`, then those of the prompt
+        spans' positions (None for an empty step)."""
         if not out.scheduled:
             return None
         # always run the model: a middle prefill chunk samples nothing but must write its KV
-        logits = self.runner.execute(out.scheduled, rows)
+        logits = self.runner.execute(out.scheduled, rows, [(sp.row, sp.lo, sp.hi) for sp in spans])
         if not rows and self.device.type == "cuda":
             torch.cuda.synchronize()  # so that the step's wall time covers its GPU work
         return logits

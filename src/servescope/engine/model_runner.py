@@ -105,10 +105,26 @@ class ModelRunner:
                          logits_indices=buf[o:o + b], num_tokens=t)
 
     @torch.inference_mode()
-    def execute(self, scheduled, sample_rows: Optional[list] = None) -> torch.Tensor:
+    def execute(self, scheduled, sample_rows: Optional[list] = None,
+                extra_positions: Optional[list] = None) -> torch.Tensor:
         """Run one step. Returns float32 logits [B', V] for the rows in sample_rows (indices into
-        `scheduled`; default all)."""
+        `scheduled`; default all), followed by [E, V] at `extra_positions`: (row, lo, hi) asks for
+        the logits of that row's new tokens lo..hi-1 (offsets in its chunk), e.g. for prompt
+        logprobs."""
         batch = self.prepare(scheduled)
         hidden = self.executor.forward(batch, self.kv_caches, self.backend)  # [T, Dm]
         idx = batch.logits_indices if sample_rows is None else batch.logits_indices[sample_rows]
-        return self.executor.compute_logits(hidden[idx])  # [B', Dm] -> [B', V]
+        if extra_positions:
+            qsl = _starts(batch.meta.query_lens_cpu)
+            extra = [qsl[row] + j for row, lo, hi in extra_positions for j in range(lo, hi)]
+            idx = torch.cat([idx, torch.tensor(extra, dtype=idx.dtype).to(idx.device)])
+        return self.executor.compute_logits(hidden[idx])  # [B' + E, Dm] -> [B' + E, V]
+
+
+def _starts(query_lens: list) -> list:
+    """Flat index of each sequence's first new token."""
+    out, acc = [], 0
+    for q in query_lens:
+        out.append(acc)
+        acc += q
+    return out
