@@ -173,6 +173,11 @@ class AsyncEngine:
 
         return await asyncio.to_thread(render)
 
+    async def compile_grammar(self, spec) -> None:
+        """Compile a structured-output constraint off the engine thread (add_request then finds it in
+        the compiler's cache); raises InvalidParameterError("structured", ...)."""
+        await asyncio.to_thread(lambda: self.engine.grammar_compiler.compile(spec))
+
     # ------------------------------------------------------------ requests
     def check_capacity(self, k: int = 1, max_queue: Optional[int] = None) -> None:
         """Raise QueueFullError unless k more requests fit now (a hint: add_request checks again)."""

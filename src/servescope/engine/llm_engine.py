@@ -29,6 +29,7 @@ from servescope.errors import InvalidParameterError
 from servescope.sampling.sampler import SamplingState, make_generator
 from servescope.scheduler.output import SchedulerOutput
 from servescope.scheduler.request import Request
+from servescope.structured import GrammarCompiler
 from servescope.telemetry.step_record import StepRecord
 
 STEP_HISTORY = 100_000  # step records kept in memory (a few hundred bytes each)
@@ -67,6 +68,7 @@ class LLMEngine:
         self.step_records: collections.deque = collections.deque(maxlen=STEP_HISTORY)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._step_counter = 0
+        self._grammars: Optional[GrammarCompiler] = None  # built on the first structured request
         self._cost = parts.cost
         self.start_time = time.perf_counter()
 
@@ -88,6 +90,15 @@ class LLMEngine:
             raise RuntimeError("set_gpu_linear needs an idle engine")
         return self.executor.set_gpu_linear(mode, self.runner)
 
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured-output constraints for this tokenizer (thread-safe, cached)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise InvalidParameterError("structured", "structured outputs need a model with a tokenizer")
+            self._grammars = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size, self.eos_token_ids)
+        return self._grammars
+
     # ---------------------------------------------------------------- requests
     def encode(self, prompt: str) -> list:
         if self.tokenizer is None:
@@ -104,6 +115,9 @@ class LLMEngine:
         text, ids = self._prompt_token_ids(prompt)
         self._check_fits(ids, params)
         now = time.perf_counter() if arrival_time is None else arrival_time
+        grammar = self.grammar_compiler if params.structured is not None else None
+        if grammar is not None:
+            grammar.compile(params.structured)  # raises on a bad constraint before anything is queued
         samples = []
         for i in range(params.n):  # n samples: n scheduler requests, seeds seed, seed + 1, ...
             sp = params if params.n == 1 or params.seed is None else params.replace(seed=params.seed + i)
@@ -111,7 +125,8 @@ class LLMEngine:
             req = Request(rid, ids, sp, arrival_time=now, priority=priority, eos_token_ids=self.eos_token_ids)
             samples.append((req, SamplingState(params=sp, prompt_token_ids=req.prompt_token_ids,
                                                output_token_ids=req.output_token_ids,
-                                               generator=make_generator(sp.seed, self.device))))
+                                               generator=make_generator(sp.seed, self.device),
+                                               grammar=grammar.matcher(sp.structured) if grammar else None)))
         self.outputs.add(request_id, text, ids, params, samples, now)
         for req, _ in samples:
             self.scheduler.add_request(req)
@@ -158,6 +173,7 @@ class LLMEngine:
     def step(self) -> list:
         """Run one scheduler step; return a RequestOutput for every request that changed."""
         t0 = time.perf_counter()
+        self._mask_seconds = 0.0
         out = self.scheduler.schedule()
         self.outputs.begin_step(out, t0)
         rows = [i for i, s in enumerate(out.scheduled) if s.will_sample]  # whose next token is due
@@ -193,6 +209,7 @@ class LLMEngine:
         if not rids:
             return {}
         so = self.sampler(logits, [self.outputs.sampling_state(r) for r in rids])
+        self._mask_seconds = so.mask_seconds
         return {r: SampledToken(t, lp) for r, t, lp in zip(rids, so.token_ids, so.logprobs)}
 
     def _discard_kv(self, out: SchedulerOutput) -> None:
@@ -214,7 +231,7 @@ class LLMEngine:
             context_lens=ctx, kv_blocks_used=km.num_used_blocks, kv_blocks_free=km.num_free_blocks,
             kv_blocks_cached=km.num_cached_blocks, kv_usage=km.usage,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            num_preemptions_total=self.scheduler.num_preemptions)
+            num_preemptions_total=self.scheduler.num_preemptions, grammar_mask_seconds=self._mask_seconds)
         if self._cost is not None and seqs:
             self._cost.annotate(rec, seqs, num_logits=num_logits)
         self.step_records.append(rec)

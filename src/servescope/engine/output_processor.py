@@ -168,7 +168,12 @@ class OutputProcessor:
                 sample.logprobs.append(lp)
                 sample.cumulative_logprob += lp.logprob
             sample.metrics.token_times.append(now)
-            self._check_token(sample, tok)
+            if sample.state.grammar is not None and not sample.state.grammar.accept(tok):
+                # the mask makes this impossible; end the sample rather than break its grammar
+                group.error = f"token {tok} violates the request's grammar"
+                self._finish(sample, "error")
+            else:
+                self._check_token(sample, tok)
             self._changed[group.request_id] = group
 
     def end_step(self) -> list:

@@ -23,6 +23,7 @@ class StepRecord:
     num_running: int
     num_waiting: int
     num_preemptions_total: int
+    grammar_mask_seconds: float = 0.0  # structured outputs: filling + applying the batch's token masks
     # from the cost model (None when prediction is off)
     predicted_seconds: Optional[float] = None
     flops: Optional[float] = None

@@ -1,0 +1,69 @@
+"""GrammarCompiler: StructuredOutput -> xgrammar CompiledGrammar, for one tokenizer and vocabulary.
+
+Compiling a schema costs milliseconds to seconds; xgrammar caches by grammar text, so the 20th
+request with the same schema reuses the first one's masks. A schema, regex or grammar that does not
+compile is the client's mistake: InvalidParameterError("structured", why).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import xgrammar as xgr
+
+from servescope.config import StructuredOutput
+from servescope.errors import InvalidParameterError
+from servescope.structured.matcher import Matcher
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarCompiler:
+    """hf_tokenizer: the transformers tokenizer; vocab_size: the model's logits width (may exceed
+    the tokenizer's); eos_token_ids: the ids that end a sample, allowed only where the grammar is
+    complete."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids, max_threads: int = 1):
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=list(eos_token_ids))
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
+
+    def compile(self, spec: StructuredOutput):
+        """A compiled grammar for spec; raises InvalidParameterError when it cannot compile."""
+        try:
+            return self._compile(spec)
+        except InvalidParameterError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError/ValueError with the parser's reason
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise InvalidParameterError("structured", f"the {spec.kind} constraint does not compile: {msg}") from None
+
+    def matcher(self, spec: StructuredOutput) -> Matcher:
+        return Matcher(xgr.GrammarMatcher(self.compile(spec)))
+
+    def _compile(self, spec: StructuredOutput):
+        if spec.kind == "json":
+            schema = json.loads(spec.spec)
+            if not isinstance(schema, dict):
+                raise InvalidParameterError("structured", "a JSON schema must be an object")
+            return self._compiler.compile_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
+        if spec.kind == "json_object":
+            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.kind == "regex":
+            _check_regex(spec.spec)
+            return self._compiler.compile_regex(spec.spec)
+        if spec.kind == "choice":
+            return self._compiler.compile_grammar(
+                "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.spec))
+        return self._compiler.compile_grammar(spec.spec)
+
+
+def _check_regex(pattern: str) -> None:
+    """Python's parser first: it names the error position (xgrammar's messages are terse)."""
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise InvalidParameterError("structured", f"the regex does not parse: {e}") from None
