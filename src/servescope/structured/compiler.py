@@ -11,6 +11,11 @@ import json
 import logging
 import re
 
+try:
+    import re._parser as _sre  # Python >= 3.11
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_parse as _sre
+
 import xgrammar as xgr
 
 from servescope.config import StructuredOutput
@@ -32,14 +37,20 @@ class GrammarCompiler:
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
 
     def compile(self, spec: StructuredOutput):
-        """A compiled grammar for spec; raises InvalidParameterError when it cannot compile."""
+        """A compiled grammar for spec; raises InvalidParameterError when it cannot compile or no
+        output can ever satisfy it (not even its first token)."""
         try:
-            return self._compile(spec)
+            compiled = self._compile(spec)
         except InvalidParameterError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with the parser's reason
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise InvalidParameterError("structured", f"the {spec.kind} constraint does not compile: {msg}") from None
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        if not bool(bitmask.any()):
+            raise InvalidParameterError("structured", f"the {spec.kind} constraint can match nothing")
+        return compiled
 
     def matcher(self, spec: StructuredOutput) -> Matcher:
         return Matcher(xgr.GrammarMatcher(self.compile(spec)))
@@ -62,8 +73,42 @@ class GrammarCompiler:
 
 
 def _check_regex(pattern: str) -> None:
-    """Python's parser first: it names the error position (xgrammar's messages are terse)."""
+    """Python's parser first: it names the error position (xgrammar's messages are terse); then the
+    regex must match something (an empty character class like [^\\s\\S] in a required place matches
+    nothing, and a grammar of it would dead-end mid-output)."""
     try:
         re.compile(pattern)
+        tree = _sre.parse(pattern)
     except re.error as e:
         raise InvalidParameterError("structured", f"the regex does not parse: {e}") from None
+    if _matches_nothing(tree):
+        raise InvalidParameterError("structured", "the regex can match nothing")
+
+
+_COMPLEMENTS = [{"CATEGORY_SPACE", "CATEGORY_NOT_SPACE"}, {"CATEGORY_DIGIT", "CATEGORY_NOT_DIGIT"},
+                {"CATEGORY_WORD", "CATEGORY_NOT_WORD"}]
+
+
+def _matches_nothing(seq) -> bool:
+    """Whether a parsed regex (a sequence of (op, arg)) has an empty language; conservative: False
+    when unsure."""
+    for op, arg in seq:
+        name = str(op)
+        if name == "IN" and _empty_class(arg):
+            return True
+        if name == "BRANCH" and all(_matches_nothing(b) for b in arg[1]):
+            return True
+        if name == "SUBPATTERN" and _matches_nothing(arg[-1]):
+            return True
+        if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") and arg[0] > 0 and _matches_nothing(arg[2]):
+            return True
+    return False
+
+
+def _empty_class(items) -> bool:
+    if not items:
+        return True
+    if str(items[0][0]) != "NEGATE":
+        return False
+    cats = {str(a) for op, a in items[1:] if str(op) == "CATEGORY"}
+    return any(pair <= cats for pair in _COMPLEMENTS)
