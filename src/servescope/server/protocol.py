@@ -140,3 +140,15 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[List[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[StrictBool] = True
+
+
+class EmbeddingRequest(_Base):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # extras: rejected by unsupported.py
+
+    input: Union[StrictStr, List[StrictStr], List[StrictInt], List[List[StrictInt]]]
+    model: Optional[StrictStr] = None
+    encoding_format: Optional[Literal["float", "base64"]] = "float"
+    dimensions: Optional[StrictInt] = None
+    user: Optional[StrictStr] = None
+    pooling: Literal["last", "mean"] = "last"  # servescope's extra: last token (default) or mean
+    normalize: Optional[StrictBool] = True
