@@ -7,7 +7,9 @@ Part 1 walks the same valid JSON output (tokenized by SmolLM2's tokenizer) throu
 matcher for a JSON schema and times filling the next-token bitmask before every token (median and
 p90 over tokens and repeats). Part 2 runs the embedded model (float32) greedy on B prompts, with and
 without a JSON-schema constraint, interleaved, and reads the decode steps' StepRecords: the mask's
-share of each step (grammar_mask_seconds / wall_seconds) and the ratio of median step times.
+share of each step (grammar_mask_seconds / wall_seconds), the median mask time over the plain run's
+median step (the TPOT it would add), and the ratio of median step times (the noisiest of the three
+on a shared machine: it moves with whatever else runs).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def mask_times(hf_tok, vocab: int, eos: list, repeats: int) -> dict:
 
     lt = llguidance.hf.from_tokenizer(hf_tok, n_vocab=vocab, eos_token=eos[0])
     t0 = time.perf_counter()
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA), defaults={"whitespace_flexible": False})
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA), defaults={"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "})
     m = llguidance.LLMatcher(lt, grammar)
     compile_s = time.perf_counter() - t0
     bm = llguidance.torch.allocate_token_bitmask(1, vocab)
@@ -89,7 +91,7 @@ def engine_cost(llm, batch: int, rounds: int) -> dict:
     constrained = SamplingParams(temperature=0, max_tokens=24, ignore_eos=False,
                                  structured=StructuredOutput("json", json.dumps(SCHEMA)))
     steps = {"plain": [], "grammar": []}
-    shares = []
+    shares, masks = [], []
     for _ in range(rounds):
         for name, sp in (("plain", plain), ("grammar", constrained)):
             llm.engine.step_records.clear()
@@ -99,10 +101,13 @@ def engine_cost(llm, batch: int, rounds: int) -> dict:
                     steps[name].append(r.wall_seconds)
                     if name == "grammar":
                         shares.append(r.grammar_mask_seconds / r.wall_seconds)
+                        masks.append(r.grammar_mask_seconds)
     med = {k: statistics.median(v) for k, v in steps.items()}
     return {"batch": batch, "decode_steps": {k: len(v) for k, v in steps.items()},
             "median_step_ms": {k: v * 1e3 for k, v in med.items()},
             "tpot_ratio_grammar_over_plain": med["grammar"] / med["plain"],
+            "median_mask_ms": statistics.median(masks) * 1e3,
+            "mask_over_plain_step": statistics.median(masks) / med["plain"],
             "mask_share_of_step_median": statistics.median(shares), "mask_share_of_step_p90": _pct(shares, 0.9)}
 
 
@@ -119,7 +124,7 @@ def main():
     eos = sorted(llm.engine.eos_token_ids)
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _cpu(),
            "python": platform.python_version(), "torch": torch.__version__,
-           "mask": mask_times(llm.tokenizer.hf, llm.model_config.vocab_size, eos, args.repeats),
+           "mask": mask_times(llm.tokenizer.hf, llm.engine.model_config.vocab_size, eos, args.repeats),
            "engine": [engine_cost(llm, b, args.rounds) for b in (1, 16)]}
     print(json.dumps(res, indent=2))
     if args.json:

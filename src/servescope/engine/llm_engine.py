@@ -29,7 +29,6 @@ from servescope.errors import InvalidParameterError
 from servescope.sampling.sampler import SamplingState, make_generator
 from servescope.scheduler.output import SchedulerOutput
 from servescope.scheduler.request import Request
-from servescope.structured import GrammarCompiler
 from servescope.telemetry.step_record import StepRecord
 
 STEP_HISTORY = 100_000  # step records kept in memory (a few hundred bytes each)
@@ -68,7 +67,7 @@ class LLMEngine:
         self.step_records: collections.deque = collections.deque(maxlen=STEP_HISTORY)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._step_counter = 0
-        self._grammars: Optional[GrammarCompiler] = None  # built on the first structured request
+        self._grammars = None  # a structured.GrammarCompiler, built on the first structured request
         self._cost = parts.cost
         self.start_time = time.perf_counter()
 
@@ -91,9 +90,13 @@ class LLMEngine:
         return self.executor.set_gpu_linear(mode, self.runner)
 
     @property
-    def grammar_compiler(self) -> GrammarCompiler:
+    def grammar_compiler(self):
         """Compiles structured-output constraints for this tokenizer (thread-safe, cached)."""
         if self._grammars is None:
+            try:
+                from servescope.structured import GrammarCompiler  # optional dependency (xgrammar)
+            except ImportError as e:
+                raise InvalidParameterError("structured", f"structured outputs need xgrammar ({e})") from None
             if self.tokenizer is None:
                 raise InvalidParameterError("structured", "structured outputs need a model with a tokenizer")
             self._grammars = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size, self.eos_token_ids)

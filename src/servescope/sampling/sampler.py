@@ -35,7 +35,6 @@ import torch
 from servescope.config import SAMPLING_EPS, SamplingParams
 from servescope.sampling.filters import apply_top_k_top_p_min_p
 from servescope.sampling.penalties import apply_penalties, host_to_device, mask_tokens
-from servescope.structured import apply_grammar_masks
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +118,8 @@ class Sampler:
         greedy = [s.params.greedy for s in states]
         masked, mask_seconds = logits, 0.0
         if any(s.grammar is not None for s in states):
+            from servescope.structured import apply_grammar_masks  # optional dependency (xgrammar)
+
             masked = logits.to(torch.float32, copy=True)  # [B, V]; the raw logits stay for logprobs
             mask_seconds = apply_grammar_masks(masked, [s.grammar for s in states])
         token_ids = self._sample(masked, states, greedy)  # [B] long, on device

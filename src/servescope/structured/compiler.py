@@ -16,6 +16,7 @@ try:
 except ImportError:  # pragma: no cover - Python 3.10
     import sre_parse as _sre
 
+import torch
 import xgrammar as xgr
 
 from servescope.config import StructuredOutput
@@ -35,6 +36,9 @@ class GrammarCompiler:
         self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=list(eos_token_ids))
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
+        # JSON forbids raw control characters in strings, but xgrammar's JSON strings let them
+        # through (a random model emits them): JSON constraints also mask every token holding one
+        self.json_allowed = _without_control_chars(self.info.decoded_vocab, vocab_size)
 
     def compile(self, spec: StructuredOutput):
         """A compiled grammar for spec; raises InvalidParameterError when it cannot compile or no
@@ -53,7 +57,8 @@ class GrammarCompiler:
         return compiled
 
     def matcher(self, spec: StructuredOutput) -> Matcher:
-        return Matcher(xgr.GrammarMatcher(self.compile(spec)))
+        allowed = self.json_allowed if spec.kind in ("json", "json_object") else None
+        return Matcher(xgr.GrammarMatcher(self.compile(spec)), allowed)
 
     def _compile(self, spec: StructuredOutput):
         if spec.kind == "json":
@@ -70,6 +75,19 @@ class GrammarCompiler:
             return self._compiler.compile_grammar(
                 "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.spec))
         return self._compiler.compile_grammar(spec.spec)
+
+
+def _without_control_chars(decoded_vocab: list, vocab_size: int) -> torch.Tensor:
+    """A bitmask row [W] with the bit of every token whose bytes hold a control character cleared."""
+    row = xgr.allocate_token_bitmask(1, vocab_size)[0]  # all ones
+    bad = [i for i, b in enumerate(decoded_vocab) if i < vocab_size and any(c < 0x20 for c in b)]
+    if bad:
+        ids = torch.tensor(bad)
+        words = torch.zeros_like(row)
+        words.index_put_((ids // 32,), torch.ones_like(ids, dtype=torch.int32) << (ids % 32).to(torch.int32),
+                         accumulate=True)  # distinct bits per word: the sum is their OR
+        row &= ~words
+    return row
 
 
 def _check_regex(pattern: str) -> None:

@@ -15,8 +15,9 @@ class Matcher:
     """Follows one sample's tokens through its grammar. `accept` returns False on a token the
     grammar forbids (it cannot happen while the mask is applied)."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, allowed: "torch.Tensor | None" = None):
         self._m = matcher
+        self.allowed = allowed  # a bitmask row [W] ANDed into every mask (None: the grammar's alone)
 
     def accept(self, token_id: int) -> bool:
         return self._m.accept_token(token_id)
@@ -47,6 +48,9 @@ def apply_grammar_masks(logits: torch.Tensor, matchers: list) -> float:
     bitmask = xgr.allocate_token_bitmask(len(rows), vocab)  # [R, W] int32, on the host
     _batch().batch_fill_next_token_bitmask([matchers[i]._m for i in rows], bitmask)
     full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)  # -1: every bit set
+    for j, i in enumerate(rows):
+        if matchers[i].allowed is not None:
+            bitmask[j] &= matchers[i].allowed
     full[rows] = bitmask
     xgr.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True), vocab_size=vocab)
     return time.perf_counter() - t0
