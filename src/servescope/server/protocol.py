@@ -109,6 +109,11 @@ class ChatMessage(_Base):
     name: Optional[StrictStr] = None
     tool_calls: Optional[List[ToolCall]] = None  # assistant turns that called tools
     tool_call_id: Optional[StrictStr] = None  # tool turns: which call this answers
+    # output-only fields a client may send back with an earlier reply: accepted while they say nothing
+    refusal: None = None
+    annotations: Optional[List[None]] = None
+    audio: None = None
+    function_call: None = None
 
 
 class FunctionDefinition(_Base):

@@ -40,7 +40,7 @@ def _messages(req) -> list:
     """The conversation as plain dicts; OpenAI's `developer` role is a system message here."""
     out = []
     for m in req.messages:
-        d = m.model_dump(exclude_none=True)
+        d = m.model_dump(exclude_none=True, exclude={"annotations"})  # an empty list: nothing to render
         if d["role"] == "developer":
             d["role"] = "system"
         out.append(d)

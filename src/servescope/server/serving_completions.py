@@ -97,10 +97,8 @@ class _Plan:
         # echo with logprobs scores the prompt's tokens too (lm-eval's loglikelihood requests)
         self.echo_logprobs = self.echo and req.logprobs is not None
         self.prompt_logprobs = req.prompt_logprobs
-        self.engine_prompt_logprobs = max(x for x in (req.prompt_logprobs, req.logprobs if self.echo_logprobs
-                                                      else None, -1) if x is not None)
-        if self.engine_prompt_logprobs < 0:
-            self.engine_prompt_logprobs = None
+        wanted = [x for x in (req.prompt_logprobs, req.logprobs if self.echo_logprobs else None) if x is not None]
+        self.engine_prompt_logprobs = max(wanted) if wanted else None  # the engine computes the larger top-k
         self.max_tokens = 1 if self.no_output else (DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens)
 
     def output(self, o) -> tuple:
