@@ -77,3 +77,18 @@ def test_prompt_logprobs_bad_value_rejected():
     with pytest.raises(InvalidParameterError) as e:
         SamplingParams(prompt_logprobs=21)
     assert e.value.param == "prompt_logprobs"
+
+
+def test_prompt_logprobs_survive_preemption(tiny):
+    path, _ = tiny
+    prompts = [list(range(200 + 50 * i, 240 + 50 * i)) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1)
+    roomy = LLM(model=path, num_kv_blocks=64, max_model_len=256, block_size=16).generate(prompts, params)
+    tight = LLM(model=path, num_kv_blocks=8, max_model_len=128, block_size=16)
+    outs = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0  # the recompute path ran
+    for a, b in zip(roomy, outs):
+        assert len(b.prompt_logprobs) == len(a.prompt_logprobs) == 40  # scored once, not again on recompute
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) <= TOL
