@@ -20,8 +20,6 @@ from servescope.server.app import build_app  # noqa: E402
 
 from .server_utils import LiveServer  # noqa: E402
 
-pytestmark = pytest.mark.slow
-
 MC = [{"question": f"Q: {a} plus {b} is", "choices": [f" {a + b}", f" {a + b + 1}", f" {a * b + 7}"], "answer": i % 3}
       for i, (a, b) in enumerate([(1, 2), (3, 4), (10, 5), (7, 7), (2, 9), (6, 1)])]
 GEN = [{"question": f"Say the word number {i}:", "answer": " yes"} for i in range(4)]
