@@ -57,7 +57,20 @@ CASES = {
     "min_tokens_above_max": (C, {"prompt": "Hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
     "presence_penalty_range": (C, {"prompt": "Hi", "presence_penalty": 3}, 400, "presence_penalty"),
     "seed_too_large": (C, {"prompt": "Hi", "seed": 2**70}, 400, "seed"),
-    "echo_with_logprobs": (C, {"prompt": "Hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    "unknown_field": (C, {"prompt": "Hi", "best_of_n": 3}, 400, "best_of_n"),
+    "unsupported_suffix": (C, {"prompt": "Hi", "suffix": "!"}, 400, "suffix"),
+    "chat_unsupported_audio": (CH, {"messages": CHAT, "audio": {"voice": "alloy", "format": "mp3"}}, 400, "audio"),
+    "prompt_logprobs_above_20": (C, {"prompt": "Hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    "echo_logprobs_above_20": (C, {"prompt": "Hi", "echo": True, "logprobs": 21, "max_tokens": 0}, 400, "logprobs"),
+    "invalid_json_schema": (CH, {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, 400, "response_format"),
+    "regex_does_not_parse": (C, {"prompt": "Hi", "structured_outputs": {"regex": "[a-"}}, 400, "structured_outputs"),
+    "regex_matches_nothing": (C, {"prompt": "Hi", "structured_outputs": {"regex": "a[^\\s\\S]b"}}, 400,
+                              "structured_outputs"),
+    "grammar_does_not_parse": (C, {"prompt": "Hi", "structured_outputs": {"grammar": "root ::= "}}, 400,
+                               "structured_outputs"),
+    "two_constraints": (C, {"prompt": "Hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
+                        "structured_outputs"),
 }
 
 

@@ -20,7 +20,7 @@ from servescope.config.engine import (
     TelemetryConfig,
 )
 from servescope.config.model import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
-from servescope.config.sampling import SAMPLING_EPS, SamplingParams
+from servescope.config.sampling import SAMPLING_EPS, SamplingParams, StructuredOutput
 
 __all__ = [
     "SAMPLING_EPS",
@@ -36,5 +36,6 @@ __all__ = [
     "SamplingParams",
     "SchedulerConfig",
     "SpeculativeConfig",
+    "StructuredOutput",
     "TelemetryConfig",
 ]

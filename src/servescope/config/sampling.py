@@ -32,6 +32,10 @@ class SamplingParams:
     logprobs: Optional[int] = None  # number of top alternatives (0..20) besides the sampled token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # logprobs of the prompt's tokens (each with this many top alternatives), computed in the
+    # prefill that runs anyway; such a request does not reuse the prefix cache (its logits are due)
+    prompt_logprobs: Optional[int] = None
+    structured: Optional["StructuredOutput"] = None  # a grammar the output must follow
 
     MAX_LOGPROBS = 20
 
@@ -60,6 +64,10 @@ class SamplingParams:
                f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         _check(self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
                f"logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs}")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS, "prompt_logprobs",
+               f"prompt_logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.prompt_logprobs}")
+        _check(self.structured is None or isinstance(self.structured, StructuredOutput), "structured",
+               "structured must be a StructuredOutput")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "stop_token_ids must be non-negative integers")
@@ -72,6 +80,29 @@ class SamplingParams:
 
     def replace(self, **kw) -> "SamplingParams":
         return dataclasses.replace(self, **kw)
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output: `kind` json (spec: a JSON schema, as a JSON string),
+    json_object (any JSON object; spec unused), regex, choice (spec: a tuple of strings) or grammar
+    (EBNF). Compiled by servescope.structured; only its shape is checked here."""
+
+    kind: str
+    spec: object = None
+
+    def __post_init__(self):
+        _check(self.kind in STRUCTURED_KINDS, "structured",
+               f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if self.kind == "choice":
+            _check(isinstance(self.spec, tuple) and bool(self.spec) and all(isinstance(c, str) for c in self.spec),
+                   "structured", "a choice needs a non-empty tuple of strings")
+        elif self.kind != "json_object":
+            _check(isinstance(self.spec, str) and bool(self.spec), "structured",
+                   f"a {self.kind} constraint needs a non-empty string")
 
 
 def _check(ok: bool, param: str, message: str) -> None:

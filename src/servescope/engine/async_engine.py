@@ -161,18 +161,23 @@ class AsyncEngine:
             raise InvalidParameterError("prompt", "this model has no tokenizer: pass prompt token ids")
         return await asyncio.to_thread(tok.encode, text, add_special_tokens)
 
-    async def render_chat(self, messages: list, add_generation_prompt: bool = True) -> tuple:
+    async def render_chat(self, messages: list, add_generation_prompt: bool = True, tools=None) -> tuple:
         """(prompt text, token ids) of a conversation; raises InvalidParameterError("messages", ...)."""
         tok = self.engine.tokenizer
         if tok is None:
             raise InvalidParameterError("messages", "this model has no tokenizer, so no chat template")
 
         def render():
-            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
             # the template already holds the special tokens (BOS): do not add them again
             return text, tok.encode(text, add_special_tokens=False)
 
         return await asyncio.to_thread(render)
+
+    async def compile_grammar(self, spec) -> None:
+        """Compile a structured-output constraint off the engine thread (add_request then finds it in
+        the compiler's cache); raises InvalidParameterError("structured", ...)."""
+        await asyncio.to_thread(lambda: self.engine.grammar_compiler.compile(spec))
 
     # ------------------------------------------------------------ requests
     def check_capacity(self, k: int = 1, max_queue: Optional[int] = None) -> None:

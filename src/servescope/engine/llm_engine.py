@@ -24,6 +24,7 @@ import torch
 from servescope.config import EngineConfig, SamplingParams
 from servescope.engine.builder import EngineParts, build_engine
 from servescope.engine.output_processor import OutputProcessor, SampledToken
+from servescope.engine.prompt_scoring import plan_prompt_spans, record_prompt_logprobs
 from servescope.errors import InvalidParameterError
 from servescope.sampling.sampler import SamplingState, make_generator
 from servescope.scheduler.output import SchedulerOutput
@@ -66,6 +67,7 @@ class LLMEngine:
         self.step_records: collections.deque = collections.deque(maxlen=STEP_HISTORY)
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._step_counter = 0
+        self._grammars = None  # a structured.GrammarCompiler, built on the first structured request
         self._cost = parts.cost
         self.spec = parts.spec  # engine/spec_decode.py: speculative decoding, None when off
         self.start_time = time.perf_counter()
@@ -99,6 +101,19 @@ class LLMEngine:
         process, which then loads its weights into them instead of starting processes."""
         self.executor.shutdown(keep_workers)
 
+    @property
+    def grammar_compiler(self):
+        """Compiles structured-output constraints for this tokenizer (thread-safe, cached)."""
+        if self._grammars is None:
+            try:
+                from servescope.structured import GrammarCompiler  # optional dependency (xgrammar)
+            except ImportError as e:
+                raise InvalidParameterError("structured", f"structured outputs need xgrammar ({e})") from None
+            if self.tokenizer is None:
+                raise InvalidParameterError("structured", "structured outputs need a model with a tokenizer")
+            self._grammars = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size, self.eos_token_ids)
+        return self._grammars
+
     # ---------------------------------------------------------------- requests
     def encode(self, prompt: str) -> list:
         if self.tokenizer is None:
@@ -115,6 +130,9 @@ class LLMEngine:
         text, ids = self._prompt_token_ids(prompt)
         self._check_fits(ids, params)
         now = time.perf_counter() if arrival_time is None else arrival_time
+        grammar = self.grammar_compiler if params.structured is not None else None
+        if grammar is not None:
+            grammar.compile(params.structured)  # raises on a bad constraint before anything is queued
         samples = []
         for i in range(params.n):  # n samples: n scheduler requests, seeds seed, seed + 1, ...
             sp = params if params.n == 1 or params.seed is None else params.replace(seed=params.seed + i)
@@ -122,7 +140,8 @@ class LLMEngine:
             req = Request(rid, ids, sp, arrival_time=now, priority=priority, eos_token_ids=self.eos_token_ids)
             samples.append((req, SamplingState(params=sp, prompt_token_ids=req.prompt_token_ids,
                                                output_token_ids=req.output_token_ids,
-                                               generator=make_generator(sp.seed, self.device))))
+                                               generator=make_generator(sp.seed, self.device),
+                                               grammar=grammar.matcher(sp.structured) if grammar else None)))
         self.outputs.add(request_id, text, ids, params, samples, now)
         for req, _ in samples:
             self.scheduler.add_request(req)
@@ -169,10 +188,16 @@ class LLMEngine:
     def step(self) -> list:
         """Run one scheduler step; return a RequestOutput for every request that changed."""
         t0 = time.perf_counter()
+        self._mask_seconds = 0.0
         out = self.scheduler.schedule()
         self.outputs.begin_step(out, t0)
         rows = [i for i, s in enumerate(out.scheduled) if s.will_sample]  # whose next token is due
-        logits = self._execute(out, rows)
+        spans = plan_prompt_spans(out.scheduled, self.outputs)  # prompt logprobs due this step
+        logits = self._execute(out, rows, spans)
+        if spans:  # the rows' sample positions come first (1 + k for a verification), then the spans'
+            n = sum(out.scheduled[i].num_sample_positions for i in rows)
+            record_prompt_logprobs(spans, out.scheduled, logits[n:], self.outputs, self.model_config.vocab_size)
+            logits = logits[:n]
         if self.spec is not None and any(out.scheduled[i].spec_token_ids for i in rows):
             sampled = self.spec.verify(out, rows, logits, self.outputs)  # {id: [SampledToken, ...]}
             self.scheduler.update_from_output(out, {r: [t.token_id for t in s] for r, s in sampled.items()})
@@ -189,12 +214,13 @@ class LLMEngine:
                           time.perf_counter())
         return self.outputs.end_step()
 
-    def _execute(self, out: SchedulerOutput, rows: list) -> Optional[torch.Tensor]:
-        """Logits [len(rows), V] of the scheduled sequences at `rows` (None for an empty step)."""
+    def _execute(self, out: SchedulerOutput, rows: list, spans: list) -> Optional[torch.Tensor]:
+        """Logits [len(rows), V] of the scheduled sequences at `rows`, then those of the prompt
+        spans' positions (None for an empty step)."""
         if not out.scheduled:
             return None
         # always run the model: a middle prefill chunk samples nothing but must write its KV
-        logits = self.runner.execute(out.scheduled, rows)
+        logits = self.runner.execute(out.scheduled, rows, [(sp.row, sp.lo, sp.hi) for sp in spans])
         if not rows and self.device.type == "cuda":
             torch.cuda.synchronize()  # so that the step's wall time covers its GPU work
         return logits
@@ -205,6 +231,7 @@ class LLMEngine:
         if not rids:
             return {}
         so = self.sampler(logits, [self.outputs.sampling_state(r) for r in rids])
+        self._mask_seconds = so.mask_seconds
         return {r: SampledToken(t, lp) for r, t, lp in zip(rids, so.token_ids, so.logprobs)}
 
     def _discard_kv(self, out: SchedulerOutput) -> None:
@@ -228,7 +255,7 @@ class LLMEngine:
             context_lens=ctx, kv_blocks_used=km.num_used_blocks, kv_blocks_free=km.num_free_blocks,
             kv_blocks_cached=km.num_cached_blocks, kv_usage=km.usage,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            num_preemptions_total=self.scheduler.num_preemptions)
+            num_preemptions_total=self.scheduler.num_preemptions, grammar_mask_seconds=self._mask_seconds)
         if self.spec is not None and any(s.spec_token_ids for s in out.scheduled):
             st = self.spec.last_step
             rec.num_spec_seqs, rec.num_draft_tokens, rec.num_accepted_tokens = (

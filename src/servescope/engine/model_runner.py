@@ -147,10 +147,12 @@ class ModelRunner:
         return step_batch_from_buffer(buf, t, b, max_blocks, num_decode, query_lens, context_lens, seq_rows)
 
     @torch.inference_mode()
-    def execute(self, scheduled, sample_rows: Optional[list] = None) -> torch.Tensor:
+    def execute(self, scheduled, sample_rows: Optional[list] = None,
+                extra_positions: Optional[list] = None) -> torch.Tensor:
         """Run one step. Returns float32 logits [P, V] at the sample positions of the sequences in
         sample_rows (indices into `scheduled`; default all): one per sequence, 1 + k for a sequence
-        verifying k drafts, in order."""
+        verifying k drafts, in order; followed by [E, V] at `extra_positions`: (row, lo, hi) asks for
+        the logits of that row's new tokens lo..hi-1 (offsets in its chunk), e.g. for prompt logprobs."""
         batch = self.prepare(scheduled)
         if sample_rows is None:
             idx = batch.logits_indices
@@ -158,4 +160,17 @@ class ModelRunner:
             idx = batch.logits_indices[sample_rows]
         else:
             idx = batch.logits_indices[batch.sample_positions(sample_rows)]
-        return self.executor.run(batch, self.kv_caches, self.backend, idx)  # [P, V]
+        if extra_positions:
+            qsl = _starts(batch.meta.query_lens_cpu)
+            extra = [qsl[row] + j for row, lo, hi in extra_positions for j in range(lo, hi)]
+            idx = torch.cat([idx, torch.tensor(extra, dtype=idx.dtype).to(idx.device)])
+        return self.executor.run(batch, self.kv_caches, self.backend, idx)  # [P + E, V]
+
+
+def _starts(query_lens: list) -> list:
+    """Flat index of each sequence's first new token."""
+    out, acc = [], 0
+    for q in query_lens:
+        out.append(acc)
+        acc += q
+    return out

@@ -65,6 +65,9 @@ class RequestGroup:
     params: SamplingParams
     samples: list = field(default_factory=list)
     error: Optional[str] = None
+    # [None] + one TokenLogprobs per scored prompt token when params.prompt_logprobs is set
+    # (computed by the first sample only; after a preemption its recompute does not add them again)
+    prompt_logprobs: Optional[list] = None
 
     @property
     def finished(self) -> bool:
@@ -97,7 +100,8 @@ class OutputProcessor:
     def add(self, request_id: str, prompt: Optional[str], prompt_token_ids: list, params: SamplingParams,
             samples: list, arrival_time: float) -> None:
         """Track a user request; samples: one (Request, SamplingState) per sample, in index order."""
-        group = RequestGroup(request_id, prompt, prompt_token_ids, params)
+        group = RequestGroup(request_id, prompt, prompt_token_ids, params,
+                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         for i, (req, state) in enumerate(samples):
             sp = state.params
             detok = None
@@ -112,6 +116,19 @@ class OutputProcessor:
 
     def sampling_state(self, sample_id: str) -> SamplingState:
         return self._samples[sample_id][1].state
+
+    def prompt_logprobs_done(self, sample_id: str) -> Optional[int]:
+        """How many prompt positions already have their logprobs (the first has none), when this
+        sample is the one of its request that computes them; None otherwise."""
+        group, sample = self._samples[sample_id]
+        if group.prompt_logprobs is None or sample.index != 0:
+            return None
+        return len(group.prompt_logprobs)
+
+    def add_prompt_logprobs(self, sample_id: str, entries: list) -> None:
+        """The next prompt positions' TokenLogprobs, in order (see prompt_logprobs_done)."""
+        group = self._samples[sample_id][0]
+        group.prompt_logprobs.extend(entries)
 
     def abort(self, request_id: str) -> bool:
         """Forget a user request; its unfinished samples end with "abort" (no output is made)."""
@@ -156,7 +173,12 @@ class OutputProcessor:
                     sample.logprobs.append(lp)
                     sample.cumulative_logprob += lp.logprob
                 sample.metrics.token_times.append(now)
-                self._check_token(sample, tok, base + i + 1)
+                if sample.state.grammar is not None and not sample.state.grammar.accept(tok):
+                    # the mask makes this impossible; end the sample rather than break its grammar
+                    group.error = f"token {tok} violates the request's grammar"
+                    self._finish(sample, "error")
+                else:
+                    self._check_token(sample, tok, base + i + 1)
                 if sample.finish_reason is not None:
                     sample.request.truncate_output(base + i + 1)
                     break
@@ -230,5 +252,7 @@ def make_output(group: RequestGroup) -> RequestOutput:
             cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
             metrics=s.metrics))
     cached = max((s.request.num_cached_tokens for s in group.samples), default=0)
+    plp = group.prompt_logprobs
     return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
-                         finished=group.finished, error=group.error, num_cached_tokens=max(cached, 0))
+                         finished=group.finished, error=group.error, num_cached_tokens=max(cached, 0),
+                         prompt_logprobs=list(plp) if plp is not None else None)

@@ -33,6 +33,8 @@ class RequestOutput:
     finished: bool = False
     error: Optional[str] = None
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: [None] + a TokenLogprobs per later prompt token (so far)
+    prompt_logprobs: Optional[list] = None
 
     @property
     def metrics(self) -> Optional[RequestMetrics]:

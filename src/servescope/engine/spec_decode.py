@@ -68,14 +68,17 @@ class SpecDecoder:
             sp = req.sampling_params
             # emitted tokens <= k + 1: stay within max_tokens and the context
             k = min(k, sp.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
-            if k <= 0:
+            state = outputs.sampling_state(req.request_id)
+            if k <= 0 or state.grammar is not None:
+                # a grammar-constrained request decodes plainly: verifying drafts would need its matcher
+                # advanced through them and rolled back on rejection (not built)
                 continue
             blocks = None
             if self.proposer.needs_lookahead:
                 blocks = scheduler.reserve_lookahead(req.request_id, k)
                 if blocks is None:
                     continue  # no room for the draft's KV: this request decodes plainly
-            items.append((req, k, blocks, outputs.sampling_state(req.request_id)))
+            items.append((req, k, blocks, state))
         for (req, _, _, _), (drafts, q) in zip(items, self.proposer.propose_batch(items)):
             req.spec_token_ids = list(drafts)
             if q is not None:
@@ -92,10 +95,14 @@ class SpecDecoder:
         states = [outputs.sampling_state(s.request_id) for s in seqs]
         results = verify(self.sampler, logits, states, drafts, q)
         stats = SpecStepStats()
-        sampled = {}
-        for seq, res in zip(seqs, results):
+        sampled, row = {}, 0
+        for seq, res, st, d in zip(seqs, results, states, drafts):
             rid = seq.request_id
             sampled[rid] = [SampledToken(t, lp) for t, lp in zip(res.token_ids, res.logprobs)]
+            if st.grammar is not None:  # never speculated (propose skips it): sampled under its grammar mask
+                so = self.sampler(logits[row:row + 1], [st])
+                sampled[rid] = [SampledToken(so.token_ids[0], so.logprobs[0])]
+            row += 1 + len(d)
             if res.num_drafts:
                 stats.num_seqs += 1
                 stats.num_draft_tokens += res.num_drafts

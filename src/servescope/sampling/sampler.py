@@ -4,6 +4,8 @@ Shapes: B rows (one per request), V vocabulary entries (`vocab_size`; extra padd
 columns of the logits are ignored).
 
 Processing order (vLLM's, where it has one):
+  0. grammar masks (structured outputs): tokens a row's grammar forbids get -inf, for the whole
+     batch at once (structured/matcher.py); logprobs are still reported from the raw logits
   1. raw logprobs: log_softmax of the unmodified logits, float32 (only if a row asks)
   2. penalties on the raw logits: repetition (prompt + output), frequency, presence (output)
   3. min_tokens: EOS and stop_token_ids get -inf while len(output) < min_tokens
@@ -68,6 +70,7 @@ class SamplingState:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: Optional[torch.Generator] = None
+    grammar: Optional[object] = None  # a structured.Matcher when the request has a grammar
 
     @classmethod
     def new(cls, params: SamplingParams, prompt_token_ids: list[int], device) -> "SamplingState":
@@ -89,6 +92,7 @@ class TokenLogprobs:
 class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[Optional[TokenLogprobs]]  # None where the request did not ask
+    mask_seconds: float = 0.0  # filling and applying grammar masks
 
 
 class Sampler:
@@ -112,12 +116,19 @@ class Sampler:
             raise ValueError(f"logits have {logits.shape[1]} columns, fewer than vocab_size {self.vocab_size}")
         logits = logits[:, : self.vocab_size]  # [B, V]: drop padded vocabulary columns
         greedy = [s.params.greedy for s in states]
-        token_ids = self._sample(logits, states, greedy)  # [B] long, on device
+        masked, mask_seconds = logits, 0.0
+        if any(s.grammar is not None for s in states):
+            from servescope.structured import apply_grammar_masks  # optional dependency (xgrammar)
+
+            masked = logits.to(torch.float32, copy=True)  # [B, V]; the raw logits stay for logprobs
+            mask_seconds = apply_grammar_masks(masked, [s.grammar for s in states])
+        token_ids = self._sample(masked, states, greedy)  # [B] long, on device
 
         logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         if not logprob_rows:
-            return SamplerOutput(token_ids.tolist(), [None] * len(states))
-        return self._with_logprobs(logits, token_ids, states, logprob_rows)
+            return SamplerOutput(token_ids.tolist(), [None] * len(states), mask_seconds)
+        out = self._with_logprobs(logits, token_ids, states, logprob_rows)
+        return SamplerOutput(out.token_ids, out.logprobs, mask_seconds)
 
     # -- sampling -------------------------------------------------------------------------
 

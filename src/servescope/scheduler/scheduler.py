@@ -241,6 +241,8 @@ class Scheduler:
                 finished.append(req)
                 continue
             computed_blocks, num_cached = kv.get_computed_blocks(req)
+            if req.sampling_params.prompt_logprobs is not None:
+                computed_blocks, num_cached = [], 0  # every prompt position's logits are due
             num_new = req.num_tokens - num_cached
             if num_new > token_budget and not self.config.enable_chunked_prefill:
                 break

@@ -1,6 +1,6 @@
 """build_app: the FastAPI application in front of an AsyncEngine.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, GET /v1/models, GET /health,
 GET /metrics (Prometheus text, this app's own registry), GET /v1/internals?n=N (the last N step
 records and the KV cache state, read on the engine thread), GET /dashboard and its feed
 GET /v1/internals/stream (server/dashboard.py).
@@ -24,10 +24,11 @@ from servescope.server.errors import error_response, install_error_handlers, to_
 from servescope.server.internals_stream import EngineSource
 from servescope.server.metrics import CONTENT_TYPE, ServerMetrics
 from servescope.server.middleware import GuardMiddleware
-from servescope.server.protocol import ChatCompletionRequest, CompletionRequest
+from servescope.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from servescope.server.serving_chat import create_chat_completion
 from servescope.server.serving_common import ServingContext, TokenText
 from servescope.server.serving_completions import create_completion
+from servescope.server.serving_embeddings import create_embedding
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 MAX_INTERNALS_STEPS = 10_000
@@ -75,6 +76,13 @@ def build_app(async_engine: AsyncEngine, model_name: str = "servescope",
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         try:
             return await create_chat_completion(ctx, body, request)
+        except Exception as e:
+            raise to_api_error(e) from None
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest):
+        try:
+            return await create_embedding(ctx, body)
         except Exception as e:
             raise to_api_error(e) from None
 

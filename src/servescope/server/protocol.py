@@ -1,13 +1,15 @@
 """OpenAI request models (pydantic). Types are strict: "5" is not a number, true is not a token id,
 NaN and Infinity are rejected, so a wrong type is a 400 naming the field, never a surprise later.
 
-Unknown fields are ignored (as vLLM does). Range checks that need the engine (context length,
-vocabulary) happen when the request is turned into SamplingParams and queued.
+No silent ignores: a field this server does not implement, OpenAI's or anyone's, is kept by pydantic
+as an extra and rejected with a 400 naming it (server/unsupported.py), unless it carries only the
+value that changes nothing. Range checks that need the engine (context length, vocabulary) happen
+when the request is turned into SamplingParams and queued.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, List, Literal, Optional, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
 
@@ -17,15 +19,40 @@ MAX_LOGPROBS = 20
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
 
 class StreamOptions(_Base):
     include_usage: Optional[StrictBool] = False
 
 
+class JsonSchemaFormat(_Base):
+    name: StrictStr = "response"
+    description: Optional[StrictStr] = None
+    schema_: Optional[Dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(_Base):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsParams(_Base):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: Optional[Union[Dict[str, Any], StrictStr]] = Field(default=None, alias="json")
+    regex: Optional[StrictStr] = None
+    choice: Optional[List[StrictStr]] = None
+    grammar: Optional[StrictStr] = None
+    json_object: Optional[StrictBool] = None
+
+
 class _SamplingFields(_Base):
     """Fields shared by completions and chat completions."""
+
+    # top-level extras are kept, so that unsupported.py names the field and says why it is refused
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
 
     model: Optional[StrictStr] = None
     max_tokens: Optional[StrictInt] = None
@@ -43,7 +70,14 @@ class _SamplingFields(_Base):
     min_tokens: Optional[StrictInt] = 0
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[StrictStr] = None
+    user: Optional[StrictStr] = None  # an end-user id for abuse tracking: accepted, recorded nowhere
+    # vLLM's extras
+    stop_token_ids: Optional[List[StrictInt]] = None
+    skip_special_tokens: Optional[StrictBool] = True
+    include_stop_str_in_output: Optional[StrictBool] = False
+    prompt_logprobs: Optional[StrictInt] = None
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -58,10 +92,49 @@ class TextContentPart(_Base):
     text: StrictStr
 
 
+class FunctionCall(_Base):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Base):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Base):
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[StrictStr, List[TextContentPart]]] = None
     name: Optional[StrictStr] = None
+    tool_calls: Optional[List[ToolCall]] = None  # assistant turns that called tools
+    tool_call_id: Optional[StrictStr] = None  # tool turns: which call this answers
+    # output-only fields a client may send back with an earlier reply: accepted while they say nothing
+    refusal: None = None
+    annotations: Optional[List[None]] = None
+    audio: None = None
+    function_call: None = None
+
+
+class FunctionDefinition(_Base):
+    name: StrictStr = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Optional[StrictStr] = None
+    parameters: Optional[Dict[str, Any]] = None
+    strict: Optional[StrictBool] = None
+
+
+class Tool(_Base):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Base):
+    name: StrictStr
+
+
+class NamedToolChoice(_Base):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -69,3 +142,18 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[StrictInt] = None
     logprobs: Optional[StrictBool] = False
     top_logprobs: Optional[StrictInt] = None
+    tools: Optional[List[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[StrictBool] = True
+
+
+class EmbeddingRequest(_Base):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # extras: rejected by unsupported.py
+
+    input: Union[StrictStr, List[StrictStr], List[StrictInt], List[List[StrictInt]]]
+    model: Optional[StrictStr] = None
+    encoding_format: Optional[Literal["float", "base64"]] = "float"
+    dimensions: Optional[StrictInt] = None
+    user: Optional[StrictStr] = None
+    pooling: Literal["last", "mean"] = "last"  # servescope's extra: last token (default) or mean
+    normalize: Optional[StrictBool] = True

@@ -9,7 +9,10 @@ from servescope.server.errors import error_body, to_api_error
 from servescope.server.protocol import MAX_LOGPROBS, ChatCompletionRequest
 from servescope.server.serving_common import (SSE_DONE, ServingContext, SSEResponse, check_finish, check_model,
                                               finite, merge_streams, new_id, run_until_disconnect,
-                                              sampling_params, sse, start_streams)
+                                              sampling_params, sse, start_streams, vllm_prompt_logprobs)
+from servescope.server.serving_structured import compile_structure, requested_structure
+from servescope.server.tool_calls import ToolPlan, ToolStreamer
+from servescope.server.unsupported import check_fields
 
 
 def _logprob_content(ctx: ServingContext, entries: list, top_n: int) -> list:
@@ -23,8 +26,30 @@ def _logprob_content(ctx: ServingContext, entries: list, top_n: int) -> list:
     return content
 
 
+def _structure(req, tools: ToolPlan) -> tuple:
+    structure, sparam = requested_structure(req)
+    tool_structure = tools.constraint()
+    if tool_structure is not None:
+        if structure is not None:
+            raise InvalidParameterError(sparam, f"{sparam} cannot be combined with tool_choice {tools.mode}")
+        return tool_structure, "tool_choice"
+    return structure, sparam
+
+
+def _messages(req) -> list:
+    """The conversation as plain dicts; OpenAI's `developer` role is a system message here."""
+    out = []
+    for m in req.messages:
+        d = m.model_dump(exclude_none=True, exclude={"annotations"})  # an empty list: nothing to render
+        if d["role"] == "developer":
+            d["role"] = "system"
+        out.append(d)
+    return out
+
+
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request):
     check_model(ctx, req.model)
+    check_fields(req)
     top_n = None
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
@@ -34,23 +59,24 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             raise InvalidParameterError("top_logprobs", "top_logprobs needs logprobs: true")
     if req.logprobs:
         top_n = req.top_logprobs or 0
+    tools = ToolPlan(req)
+    structure, sparam = _structure(req, tools)
     mt_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # validate the cheap fields before rendering the template (max_tokens checked again below)
-    sampling_params(ctx, req, max_tokens=max_tokens if max_tokens is not None else ctx.engine.max_model_len - 1,
-                    logprobs=top_n,
-                    max_tokens_param=mt_param)
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
-    _, ids = await ctx.engine.render_chat(messages)
+    kw = dict(logprobs=top_n, max_tokens_param=mt_param, prompt_logprobs=req.prompt_logprobs, structured=structure)
+    sampling_params(ctx, req, max_tokens=max_tokens if max_tokens is not None else ctx.engine.max_model_len - 1, **kw)
+    _, ids = await ctx.engine.render_chat(_messages(req), tools=tools.rendered)
     if max_tokens is None:  # OpenAI: as many as the context allows
         max_tokens = max(1, ctx.engine.max_model_len - len(ids))
-    params = sampling_params(ctx, req, max_tokens=max_tokens, logprobs=top_n, max_tokens_param=mt_param)
+    params = sampling_params(ctx, req, max_tokens=max_tokens, **kw)
+    await compile_structure(ctx, structure, sparam)
     streams = await start_streams(ctx, [ids], params, max_tokens_param=mt_param)
     rid, created, n = new_id("chatcmpl"), ctx.created, params.n
     usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": 0}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        gen = _stream(ctx, streams, n, rid, created, top_n, usage, include_usage)
+        gen = _stream(ctx, streams, n, rid, created, top_n, usage, include_usage, tools)
         return SSEResponse(gen, on_close=lambda: [s.abort() for s in streams])
 
     async def collect():
@@ -64,15 +90,22 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         lp = None
         if top_n is not None:
             lp = {"content": _logprob_content(ctx, o.logprobs or [], top_n), "refusal": None}
-        choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text},
-                        "logprobs": lp, "finish_reason": check_finish(o, out.error)})
+        content, calls = tools.parse(o.text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        choices.append({"index": o.index, "message": message, "logprobs": lp,
+                        "finish_reason": tools.finish_reason(calls, check_finish(o, out.error))})
         usage["completion_tokens"] += len(o.token_ids)
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    return {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
+    body = {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
             "choices": choices, "usage": usage}
+    if req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(ctx.token_text, out.prompt_logprobs)
+    return body
 
 
-async def _stream(ctx, streams, n, rid, created, top_n, usage, include_usage):
+async def _stream(ctx, streams, n, rid, created, top_n, usage, include_usage, tools: ToolPlan):
     def chunk(choices, with_usage=None) -> str:
         obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
                "choices": choices}
@@ -80,7 +113,7 @@ async def _stream(ctx, streams, n, rid, created, top_n, usage, include_usage):
             obj["usage"] = with_usage
         return sse(obj)
 
-    sent_text = [""] * n
+    streamers = [ToolStreamer(tools) for _ in range(n)]
     sent_lp = [0] * n
     done = [False] * n
     try:
@@ -93,19 +126,20 @@ async def _stream(ctx, streams, n, rid, created, top_n, usage, include_usage):
                 if done[i]:
                     continue
                 finish = check_finish(o, out.error)
-                delta = o.text[len(sent_text[i]):] if o.text.startswith(sent_text[i]) else ""
+                content, call_deltas = streamers[i].feed(o.text, finish is not None)
                 new_lp = (o.logprobs or [])[sent_lp[i]:] if top_n is not None else []
-                if not delta and not new_lp and finish is None:
+                if not content and not call_deltas and not new_lp and finish is None:
                     continue
-                if delta:
-                    sent_text[i] = o.text
                 sent_lp[i] += len(new_lp)
                 lp = {"content": _logprob_content(ctx, new_lp, top_n), "refusal": None} if top_n is not None else None
                 if finish is not None:
                     done[i] = True
                     usage["completion_tokens"] += len(o.token_ids)
-                yield chunk([{"index": i, "delta": {"content": delta} if delta or finish is None else {},
-                              "logprobs": lp, "finish_reason": finish}])
+                    finish = tools.finish_reason(call_deltas or streamers[i].named_id, finish)
+                delta = {"content": content} if content or (finish is None and not call_deltas) else {}
+                if call_deltas:
+                    delta["tool_calls"] = call_deltas
+                yield chunk([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}])
         if include_usage:
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
             yield chunk([], with_usage=usage)

@@ -15,7 +15,7 @@ from typing import AsyncIterator, Callable, Optional
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from servescope.config import SamplingParams
+from servescope.config import SamplingParams, StructuredOutput
 from servescope.engine.async_engine import AsyncEngine, RequestStream
 from servescope.engine.outputs import CompletionOutput
 from servescope.errors import InvalidParameterError
@@ -51,7 +51,8 @@ def check_model(ctx: ServingContext, model: Optional[str]) -> None:
 
 
 def sampling_params(ctx: ServingContext, req, *, max_tokens: int, logprobs: Optional[int],
-                    max_tokens_param: str = "max_tokens") -> SamplingParams:
+                    max_tokens_param: str = "max_tokens", prompt_logprobs: Optional[int] = None,
+                    structured: Optional[StructuredOutput] = None) -> SamplingParams:
     """Server-side limits first (n cap, seed range, penalties), then SamplingParams' own checks,
     which name the field."""
     n = 1 if req.n is None else req.n
@@ -65,6 +66,9 @@ def sampling_params(ctx: ServingContext, req, *, max_tokens: int, logprobs: Opti
                                     f"[{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], got {req.repetition_penalty}")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise InvalidParameterError("logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+        raise InvalidParameterError("prompt_logprobs",
+                                    f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {prompt_logprobs}")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidParameterError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
@@ -83,7 +87,10 @@ def sampling_params(ctx: ServingContext, req, *, max_tokens: int, logprobs: Opti
             presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
             frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
             seed=req.seed, stop=tuple(stop), max_tokens=max_tokens,
-            min_tokens=req.min_tokens or 0, ignore_eos=bool(req.ignore_eos), logprobs=logprobs)
+            min_tokens=req.min_tokens or 0, ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
+            stop_token_ids=tuple(req.stop_token_ids or ()), prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(req.include_stop_str_in_output), structured=structured)
     except InvalidParameterError as e:
         raise rename_param(e, max_tokens_param) from None
 
@@ -205,6 +212,23 @@ class SSEResponse(StreamingResponse):
 def finite(x: float) -> float:
     """JSON has no -inf/NaN: a token the model rules out gets a very negative logprob instead."""
     return x if math.isfinite(x) else -9999.0
+
+
+def vllm_prompt_logprobs(tt: "TokenText", entries: Optional[list]) -> Optional[list]:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} holding the prompt token and its top alternatives."""
+    if entries is None:
+        return None
+    out = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(e.token_id): {"logprob": finite(e.logprob), "rank": e.rank, "decoded_token": tt.text(e.token_id)}}
+        for r, (tid, lp) in enumerate(e.top, start=1):
+            d.setdefault(str(tid), {"logprob": finite(lp), "rank": r, "decoded_token": tt.text(tid)})
+        out.append(d)
+    return out
 
 
 class TokenText:

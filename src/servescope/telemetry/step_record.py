@@ -27,6 +27,7 @@ class StepRecord:
     num_spec_seqs: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    grammar_mask_seconds: float = 0.0  # structured outputs: filling + applying the batch's token masks
     # from the cost model (None when prediction is off)
     predicted_seconds: Optional[float] = None
     flops: Optional[float] = None

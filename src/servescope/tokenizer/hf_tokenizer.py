@@ -19,6 +19,7 @@ from typing import Iterable, Optional, Union
 from servescope.errors import ModelLoadError
 from servescope.tokenizer.source import TokenizerSource
 from servescope.tokenizer.chat_template import CHATML_TEMPLATE, compile_chat_template, render_chat_template
+from servescope.tokenizer.tool_prompt import messages_with_tools, template_renders_tools
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +74,13 @@ class Tokenizer:
         """The raw vocabulary entry of one id (byte-level BPE shows spaces as 'Ġ')."""
         return self.hf.convert_ids_to_tokens(int(token_id))
 
-    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render a conversation to the prompt string (encode it with add_special_tokens=False)."""
+    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
+        """Render a conversation to the prompt string (encode it with add_special_tokens=False).
+        tools: OpenAI tool definitions, rendered by the template or, if it knows none, as Hermes text."""
+        if tools and not template_renders_tools(self.chat_template):
+            messages, tools = messages_with_tools(messages, tools), None
         return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                    special_tokens=self.special_tokens, **kwargs)
+                                    special_tokens=self.special_tokens, tools=tools, **kwargs)
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, eos={sorted(self.eos_token_ids)})"
