@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install cross-tools demo test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,10 +21,20 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The aarch64 kernel check (tests/kernels/test_isa_paths.py) cross-compiles the NEON path and runs it
+# under qemu: Debian's g++-aarch64-linux-gnu and qemu-user, installed where apt-get can run (as root,
+# as in CI); elsewhere that test skips and says what to install.
+CROSS_TOOLS := aarch64-linux-gnu-g++ qemu-aarch64
+cross-tools:
+	@for t in $(CROSS_TOOLS); do command -v $$t >/dev/null || missing=1; done; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user g++-aarch64-linux-gnu) \
+			|| echo "cross tools not installed: the aarch64 kernel check will skip"; fi
+
 demo: $(STAMP)
 	$(VENV)/bin/servescope generate --chat "What is the capital of France?" --max-tokens 48
 
-test: $(STAMP)
+test: $(STAMP) cross-tools
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
 test-fast: $(STAMP)
