@@ -36,6 +36,12 @@ def isa() -> str:
     return _EXT.isa
 
 
+def loaded_kernel_path():
+    """kernel_path() if the extension was loaded in this process (a CPU engine loads it at build),
+    else None: never builds (a GPU server's /metrics must not compile CPU kernels)."""
+    return _EXT.describe() if _EXT.isa is not None else None
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return _EXT.mod.rms_norm(x, w, eps)
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from servescope.engine.outputs import RequestOutput
+from servescope.kernels import cpu_ops
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -52,6 +53,8 @@ class ServerMetrics:
         self.tpot = h("time_per_output_token_seconds", "Time per output token after the first.", TPOT_BUCKETS)
         self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
         self.queue_time = h("request_queue_time_seconds", "Time from arrival to first scheduling.", LATENCY_BUCKETS)
+        # which CPU kernels serve (isa avx512 | avx2 | neon | scalar | eager; none: no CPU engine here)
+        self.cpu_kernels = Info("servescope:cpu_kernels", "The CPU kernel path in use.", L, registry=r).labels(model_name)
         self._last = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
         self._lock = threading.Lock()
 
@@ -86,4 +89,6 @@ class ServerMetrics:
                 self._last[name] = max(value, self._last[name])
 
     def render(self) -> bytes:
+        path = cpu_ops.loaded_kernel_path()
+        self.cpu_kernels.info({"isa": cpu_ops.isa() if path else "none", "path": path or "none"})
         return generate_latest(self.registry)
