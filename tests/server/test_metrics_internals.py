@@ -32,7 +32,7 @@ def test_metrics_names_labels_and_counts(http):
     for name in HISTOGRAMS:
         assert before[f"servescope:{name}"].type == "histogram"
     for fam in before.values():
-        if fam.name == "servescope:cpu_kernels":  # an info metric: its labels are its value (below)
+        if fam.name == "servescope:cpu_kernels_info":  # an info gauge: its labels are its value (below)
             continue
         for s in fam.samples:
             assert set(s.labels) - {"le"} == {"model_name"} and s.labels["model_name"] == MODEL
@@ -54,8 +54,8 @@ def test_cpu_kernels_info_gauge(http):
     """Which CPU kernel path serves: the ISA the engine's extension was built for, and its description."""
     from servescope.kernels import cpu_ops  # the server under test runs in this process
 
-    fam = _metrics(http)["servescope:cpu_kernels"]
-    assert fam.type == "info"
+    fam = _metrics(http)["servescope:cpu_kernels_info"]  # Prometheus text has no info type: a gauge of 1
+    assert fam.type == "gauge"
     (sample,) = fam.samples
     assert sample.value == 1 and sample.labels["model_name"] == MODEL
     assert sample.labels["isa"] == cpu_ops.isa() and sample.labels["path"] == cpu_ops.kernel_path()
