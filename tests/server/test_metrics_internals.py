@@ -32,6 +32,8 @@ def test_metrics_names_labels_and_counts(http):
     for name in HISTOGRAMS:
         assert before[f"servescope:{name}"].type == "histogram"
     for fam in before.values():
+        if fam.name == "servescope:cpu_kernels_info":  # an info gauge: its labels are its value (below)
+            continue
         for s in fam.samples:
             assert set(s.labels) - {"le"} == {"model_name"} and s.labels["model_name"] == MODEL
     r = http.post("/v1/completions", json={"prompt": "Metrics test prompt", "max_tokens": 3, "temperature": 0,
@@ -46,6 +48,18 @@ def test_metrics_names_labels_and_counts(http):
         assert grown == 1, name
     assert _value(after, "prefix_cache_queries", "_total") > _value(before, "prefix_cache_queries", "_total")
     assert _value(after, "num_requests_running") == 0
+
+
+def test_cpu_kernels_info_gauge(http):
+    """Which CPU kernel path serves: the ISA the engine's extension was built for, and its description."""
+    from servescope.kernels import cpu_ops  # the server under test runs in this process
+
+    fam = _metrics(http)["servescope:cpu_kernels_info"]  # Prometheus text has no info type: a gauge of 1
+    assert fam.type == "gauge"
+    (sample,) = fam.samples
+    assert sample.value == 1 and sample.labels["model_name"] == MODEL
+    assert sample.labels["isa"] == cpu_ops.isa() and sample.labels["path"] == cpu_ops.kernel_path()
+    assert sample.labels["isa"] in ("avx512", "avx2", "neon", "scalar", "eager")
 
 
 def test_internals(http):

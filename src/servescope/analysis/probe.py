@@ -2,16 +2,21 @@
 
 The probe uses torch (imported lazily, so `servescope.analysis` stays torch-free) with the thread
 count torch is set to, because that is what the engine will run with. Each figure is the median of
-several runs after a warm-up. It takes a few seconds; the result is cached as JSON in
-~/.cache/servescope/hardware.json, keyed by CPU model and thread count (and by which engine
-measurements it holds), and re-measured when `force=True` or when the key changes.
+several runs after a warm-up. It takes well under 30 s on any CPU (each dtype's matmul is sized to its
+speed, below); the result is cached as JSON in ~/.cache/servescope/hardware.json, keyed by CPU model,
+kernel path and speed-relevant CPU flags (analysis/cpu_isa.py: a Zen 3 and a Zen 4 share a model
+name), thread count (and by which engine measurements it holds), and re-measured when `force=True`
+or when the key changes.
 
 What is measured and why:
 - bandwidth: `x.sum()` over a float32 tensor much larger than the last-level cache (default 512 MiB):
   a pure streaming read, which is what decode does with the weights.
 - float32 / bfloat16 / float16: `torch.mm` of n x n matrices (2 n^3 FLOPs), the fastest of the runs
-  (the bandwidth is a median: its slow and fast phases on a shared VM last minutes). float16 may be emulated
-  (slow) on CPUs without native support; that is measured too, with a smaller matrix.
+  (the bandwidth is a median: its slow and fast phases on a shared VM last minutes). n is sized to the
+  dtype's speed: one 256^3 call first, then the largest n <= matmul_size whose call takes at most
+  ~0.25 s at that rate. A CPU without bfloat16 (float16) instructions emulates it ~500x slower than
+  float32 (a 2048^3 bfloat16 matmul took a minute on a Zen 3): it is measured small and listed in
+  `slow_dtypes` (below a quarter of float32), which the engine never picks by default.
 - int8 has no CPU matmul path in the engine (int8 weights are dequantised to the activation dtype),
   so peak_flops["int8"] is set to the bfloat16 figure and said so in `notes`.
 
@@ -43,12 +48,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from servescope.analysis.cpu_isa import cpu_flags, isa_signature, local_isa
 from servescope.analysis.spec import LOCAL_CPU, HardwareSpec
 from servescope.timing import median_seconds
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 5  # 2: host overheads; 3: linear kernel rates; 4: decode attention; 5: best-of matmul
+CACHE_VERSION = 6  # 2: host overheads; 3: linear kernel rates; 4: decode attention; 5: best-of matmul;
+# 6: the kernel path and CPU flags in the key, matmuls sized to each dtype's speed, slow_dtypes
+CALL_BUDGET_S = 0.25  # the longest one timed matmul call may take (sizes the matmul of each dtype)
+SLOW_FRACTION = 0.25  # a dtype below this fraction of float32's matmul rate has no fast path here
+SLOW_ROWS = (1, 2)  # the rows a slow dtype's linear kernel is measured at
 KERNEL_DTYPES = ("float32", "bfloat16")  # the activation dtypes the engine's CPU kernels are measured in
 
 
@@ -57,7 +67,7 @@ class EngineMeasurers:
     """The measurements only the engine can make, as callables (None: not measured).
 
     host_overhead() -> (seconds per step, seconds per decoder layer);
-    linear_rates(dtype name) -> [[rows M, weight bytes/s], ...], M ascending;
+    linear_rates(dtype name[, rows]) -> [[rows M, weight bytes/s], ...], M ascending;
     decode_attention_flops(dtype name) -> FLOP/s of the paged decode-attention kernel.
     """
 
@@ -130,6 +140,19 @@ def measure_matmul_flops(dtype_name: str, n: int = 2048, runs: int = 5) -> float
     return 2.0 * n**3 / best
 
 
+def sized_matmul_flops(dtype_name: str, max_n: int = 2048, runs: int = 5,
+                       call_budget_s: float = CALL_BUDGET_S) -> tuple:
+    """(FLOP/s, n): the matmul measured at the largest power-of-two n <= max_n whose one call takes
+    about call_budget_s or less at the rate of a first 256^3 call (fewer runs when even that is slow)."""
+    n = min(256, max_n)
+    rate = measure_matmul_flops(dtype_name, n, 1)
+    while n * 2 <= max_n and 2.0 * (2 * n) ** 3 / rate <= call_budget_s:
+        n *= 2
+    if 2.0 * n**3 / rate > call_budget_s:  # slow even at 256: what was measured stands, one more run
+        return max(rate, measure_matmul_flops(dtype_name, n, 1)), n
+    return measure_matmul_flops(dtype_name, n, runs), n
+
+
 def torch_threads() -> int:
     """The thread count torch runs with: part of the cache key (the engine runs with it too)."""
     import torch  # lazy: importing servescope.analysis must not import torch (2.5 s here)
@@ -139,9 +162,8 @@ def torch_threads() -> int:
 
 def _cache_key(threads: int, measured: Optional[tuple] = None) -> str:
     """The cache entry's key. measured: the names of the engine measurers the entry holds, None for
-    all of them (the full probe, whose key is the one it has had since v5, so that existing caches
-    stay valid); any other set, the empty one included, is named in the key."""
-    key = f"{cpu_model()}|threads={threads}|v{CACHE_VERSION}"
+    all of them (the full probe); any other set, the empty one included, is named in the key."""
+    key = f"{cpu_model()}|{isa_signature(cpu_flags(), local_isa())}|threads={threads}|v{CACHE_VERSION}"
     if measured is None or tuple(measured) == ENGINE_MEASUREMENTS:
         return key
     return f"{key}|engine={'+'.join(measured) or 'none'}"
@@ -185,22 +207,22 @@ def cached_local_hardware(cache_path: Optional[Path] = None) -> Optional[Hardwar
 
 
 def _measure_peaks(bandwidth_bytes: int, matmul_size: int, runs: int) -> tuple:
-    """(read bandwidth, {dtype: matmul FLOP/s}) of this machine."""
+    """(read bandwidth, {dtype: matmul FLOP/s}, {dtype: n measured at}, slow dtypes) of this machine."""
     bw = measure_read_bandwidth(bandwidth_bytes, runs)
-    fp32 = measure_matmul_flops("float32", matmul_size, runs)
-    bf16 = measure_matmul_flops("bfloat16", matmul_size, runs)
-    # float16 may be emulated: time one small call first and only go bigger when it is fast.
-    n16 = min(matmul_size, 512)
-    fp16 = measure_matmul_flops("float16", n16, 1)
-    if 2.0 * matmul_size**3 / fp16 < 0.5:
-        fp16 = measure_matmul_flops("float16", matmul_size, runs)
-    return bw, {"float32": fp32, "bfloat16": bf16, "float16": fp16, "int8": bf16}
+    peaks, sizes = {}, {}
+    for dt in ("float32", "bfloat16", "float16"):
+        peaks[dt], sizes[dt] = sized_matmul_flops(dt, matmul_size, runs)
+    slow = [dt for dt in ("bfloat16", "float16") if peaks[dt] < SLOW_FRACTION * peaks["float32"]]
+    peaks["int8"] = peaks["bfloat16"]
+    return bw, peaks, sizes, slow
 
 
-def _measure_engine(m: EngineMeasurers) -> dict:
+def _measure_engine(m: EngineMeasurers, slow: list) -> dict:
     """The HardwareSpec fields the engine's measurers fill. Each measurement stands alone: one that
     cannot run here leaves its field at 0 / empty and the predictions fall back to the peaks for
-    that part."""
+    that part. A slow dtype's linear kernel is measured at the GEMV's rows only (SLOW_ROWS: the C++
+    GEMV widens bfloat16 to float32 and runs at the bandwidth anyway; more rows go to a GEMM that
+    has no fast path here and would take minutes), beyond which the (slow) peak prices it."""
     out = {"step_overhead_s": 0.0, "layer_overhead_s": 0.0, "linear_rates": {}, "decode_attention_flops": {}}
     if m.host_overhead is not None:
         try:
@@ -209,7 +231,8 @@ def _measure_engine(m: EngineMeasurers) -> dict:
             logger.warning("host overhead not measured (%s)", e)
     if m.linear_rates is not None:
         try:
-            out["linear_rates"] = {dt: m.linear_rates(dt) for dt in KERNEL_DTYPES}
+            out["linear_rates"] = {dt: m.linear_rates(dt, SLOW_ROWS) if dt in slow else m.linear_rates(dt)
+                                   for dt in KERNEL_DTYPES}
         except Exception as e:
             logger.warning("linear kernel rates not measured (%s)", e)
     if m.decode_attention_flops is not None:
@@ -227,6 +250,7 @@ def probe_local_hardware(
     matmul_size: int = 2048,
     runs: int = 5,
     measurers: Optional[EngineMeasurers] = None,
+    kernel_path: str = "",
 ) -> HardwareSpec:
     """A HardwareSpec named 'local-cpu' for this machine, measured once and cached.
 
@@ -234,6 +258,7 @@ def probe_local_hardware(
     result is reused whatever they are (pass force=True to re-measure). measurers: the engine's
     own measurements (engine/local_hardware.py passes them); without them the overheads are 0 and
     there are no kernel rates, and the result is cached under its own key (see the module doc).
+    kernel_path: the engine's CPU kernel path ("avx2 C++ kernels"), recorded in the spec.
     """
     import torch  # lazy: importing servescope.analysis must not import torch (2.5 s here)
 
@@ -247,8 +272,8 @@ def probe_local_hardware(
         return cached
 
     t0 = time.perf_counter()
-    bw, peaks = _measure_peaks(bandwidth_bytes, matmul_size, runs)
-    engine = _measure_engine(measurers)
+    bw, peaks, sizes, slow = _measure_peaks(bandwidth_bytes, matmul_size, runs)
+    engine = _measure_engine(measurers, slow)
     elapsed = time.perf_counter() - t0
     step_oh, layer_oh = engine["step_overhead_s"], engine["layer_overhead_s"]
     spec = HardwareSpec(
@@ -261,13 +286,16 @@ def probe_local_hardware(
                f"{elapsed:.1f} s; int8 = bfloat16 figure (int8 weights are dequantised); "
                f"memory_bytes = physical RAM; host overhead {step_oh * 1e3:.2f} ms per step + "
                f"{layer_oh * 1e6:.0f} us per layer (engine/overhead.py)"
+               + (f"; no fast path for {', '.join(slow)} here (measured small, never the default)" if slow else "")
                + ("" if measurers.complete else f"; engine measurements: {', '.join(measurers.given) or 'none'}")),
-        source=(f"probe: torch.sum over {bandwidth_bytes / 2**20:.0f} MiB float32 (median of {runs}), "
-                f"torch.mm {matmul_size}^3 (best of {runs}); torch {torch.__version__}"),
+        source=(f"probe: torch.sum over {bandwidth_bytes / 2**20:.0f} MiB float32 (median of {runs}), torch.mm "
+                + ", ".join(f"{dt} {n}^3" for dt, n in sizes.items()) + f" (best of {runs}); torch {torch.__version__}"),
+        kernel_path=kernel_path or local_isa(),
+        slow_dtypes=slow,
         **engine,
     )
-    logger.info("probed %s: %.1f GB/s, fp32 %.0f GFLOP/s, bf16 %.0f GFLOP/s (%.1f s)",
-                cpu_model(), bw / 1e9, peaks["float32"] / 1e9, peaks["bfloat16"] / 1e9, elapsed)
+    logger.info("probed %s (%s): %.1f GB/s, fp32 %.0f GFLOP/s, bf16 %.0f GFLOP/s (%.1f s)",
+                cpu_model(), spec.kernel_path, bw / 1e9, peaks["float32"] / 1e9, peaks["bfloat16"] / 1e9, elapsed)
     cache[key] = spec.to_dict()
     _write_cache(path, cache)
     return spec

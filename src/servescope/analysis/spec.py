@@ -18,6 +18,8 @@ Conventions (every spec follows them, so that predictions are comparable):
 - `decode_attention_flops`: {activation dtype: FLOP/s} of the engine's paged decode-attention
   kernel with its data in cache (measured by the local probe): one query per sequence against its
   cached keys does a few FLOPs per byte and reaches a fraction of the matmul peak.
+- `kernel_path` / `slow_dtypes` (local probe only): which CPU kernels were measured (their ISA), and
+  the dtypes whose matmul is emulated here (bfloat16 without bf16 instructions: ~500x slower).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class HardwareSpec:
     layer_overhead_s: float = 0.0  # added once per decoder layer per step
     linear_rates: dict = field(default_factory=dict)  # weight dtype -> [[M, weight bytes/s], ...], M ascending
     decode_attention_flops: dict = field(default_factory=dict)  # activation dtype -> FLOP/s of decode attention
+    kernel_path: str = ""  # the CPU kernel path the probe measured ("avx2", "avx512 C++ kernels"); "" for datasheets
+    slow_dtypes: list = field(default_factory=list)  # dtypes with no fast matmul here (never picked by default)
 
     def linear_rate(self, weight_dtype: str, rows: int):
         """Weight bytes/s of the measured linear kernel at `rows` rows (log-log interpolation between

@@ -13,6 +13,7 @@ import platform
 
 import torch
 
+from servescope.analysis.cpu_isa import local_isa
 from servescope.analysis.probe import cpu_model
 
 
@@ -23,7 +24,8 @@ def _version(dist: str):
         return None
 
 
-def cpu_flags(wanted=("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")) -> list:
+def cpu_flags(wanted=("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16",
+                     "amx_int8")) -> list:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -42,6 +44,7 @@ def environment_info() -> dict:
         "machine": {
             "cpu": cpu_model(),
             "cpu_flags": cpu_flags(),
+            "cpu_kernel_isa": local_isa(),  # the kernel path asked for (SERVESCOPE_CPU_ISA or the best one)
             "logical_cpus": os.cpu_count(),
             "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "torch_threads": torch.get_num_threads(),

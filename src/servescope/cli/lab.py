@@ -133,6 +133,8 @@ def run_hardware(args) -> int:
         with con.status("probing the local CPU (memory bandwidth, matmul FLOP/s, the engine's host overhead)..."):
             spec = probe_local_cpu(force=args.force)
         con.print(hardware_table([spec]))
+        con.print(f"CPU kernel path: {spec.kernel_path or 'unknown (an older probe)'}"
+                  + (f"; no fast matmul for {', '.join(spec.slow_dtypes)} here" if spec.slow_dtypes else ""))
         con.print(spec.notes)
         return 0
     # the local CPU is listed when it was probed already: listing reads the probe's cache, never probes

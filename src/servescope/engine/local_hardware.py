@@ -21,6 +21,7 @@ from servescope.analysis.hardware import LOCAL_CPU, HardwareSpec, canonical_hard
 from servescope.analysis.probe import EngineMeasurers, cpu_model, probe_local_hardware
 from servescope.engine.overhead import measure_host_overhead
 from servescope.errors import InvalidParameterError
+from servescope.kernels import cpu_ops
 from servescope.kernels.kernel_probe import measure_decode_attention_flops, measure_linear_rates
 from servescope.parallel.link_probe import measure_all_reduce
 
@@ -38,7 +39,8 @@ def probe_local_cpu(force: bool = False, **probe_options) -> HardwareSpec:
     """The local CPU's spec: measured once (bandwidth, matmul peaks, the engine's kernel rates and host
     overhead), then read from the cache. probe_options: probe_local_hardware's sizes and cache path
     (tests run a tiny probe)."""
-    return probe_local_hardware(force=force, measurers=ENGINE_MEASURERS, **probe_options)
+    return probe_local_hardware(force=force, measurers=ENGINE_MEASURERS, kernel_path=cpu_ops.kernel_path(),
+                                **probe_options)
 
 
 def resolve_hardware(name: Optional[str]) -> HardwareSpec:

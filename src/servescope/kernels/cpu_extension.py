@@ -1,12 +1,18 @@
-"""Build-on-first-use C++ extensions for the CPU (csrc/*.cpp), with an eager fallback.
+"""Build-on-first-use C++ extensions for the CPU (csrc/*.cpp), one per instruction set, with an
+eager fallback.
 
-An extension is compiled once by torch.utils.cpp_extension (about 30 s here; cached by torch
-afterwards) when the CPU has AVX-512 and SERVESCOPE_CPU_KERNELS is not "0"; anything that stops
-the build (no compiler, headers or ninja) leaves `load()` returning None and callers on PyTorch.
+The kernels are written once against csrc/simd.h's vector layer; this compiles them for the path the
+CPU runs best (analysis/cpu_isa.py: AVX-512, AVX2 + FMA, NEON or plain C++; SERVESCOPE_CPU_ISA forces
+one) as its own extension (`<name>_<isa>`), about 30-60 s once, cached by torch afterwards.
+SERVESCOPE_CPU_KERNELS=0 turns them off; anything that stops the build (no compiler, headers or
+ninja) leaves `load()` returning None and callers on PyTorch. Forcing a path the CPU lacks raises
+(InvalidParameterError) instead of building code that would die of an illegal instruction.
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import logging
 import os
 import threading
@@ -14,19 +20,43 @@ import time
 
 from torch.utils.cpp_extension import load as load_ext
 
+from servescope.analysis.cpu_isa import cpu_flags, local_isa
+
 logger = logging.getLogger(__name__)
 
-BASE_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
-_REQUIRED = {"avx512f", "avx512bw", "avx512vl", "fma"}
+BASE_CFLAGS = ["-O3", "-fopenmp", "-DSERVESCOPE_TORCH"]
+ISA_CFLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "neon": [],  # Advanced SIMD is part of every aarch64 target
+    "scalar": [],
+}
+# optional instructions compiled in where the CPU has them: flag -> (the paths it belongs to, cflag)
+OPTIONAL_CFLAGS = {
+    "avx512_bf16": (("avx512",), "-mavx512bf16"),
+    "avx512_vnni": (("avx512",), "-mavx512vnni"),
+    "avx_vnni": (("avx2",), "-mavxvnni"),
+}
+_ARM_EXTENSIONS = {"asimddp": "dotprod", "bf16": "bf16"}  # /proc/cpuinfo Features -> -march extension
 
 
-def cpu_flags() -> set:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.split())
+def isa_cflags(isa: str, flags) -> list:
+    """The compiler flags of the `isa` build on a CPU with `flags` (and -DSERVESCOPE_ISA_<ISA>)."""
+    out = [f"-DSERVESCOPE_ISA_{isa.upper()}"] + ISA_CFLAGS[isa]
+    out += [cflag for flag, (isas, cflag) in OPTIONAL_CFLAGS.items() if isa in isas and flag in flags]
+    if isa == "neon":
+        out.append("-march=" + "+".join(["armv8.2-a"] + [ext for f, ext in _ARM_EXTENSIONS.items() if f in flags]))
+    return out
+
+
+def headers_digest(csrc_dir: str) -> str:
+    """A digest of csrc/*.h: torch's build cache hashes the sources it is given, not the headers they
+    include, so the digest goes into the flags and an edited header rebuilds the extension."""
+    h = hashlib.sha1()
+    for path in sorted(glob.glob(os.path.join(csrc_dir, "*.h"))):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:12]
 
 
 class CpuExtension:
@@ -38,30 +68,44 @@ class CpuExtension:
         self.extra_cflags = list(extra_cflags)
         self._lock = threading.Lock()
         self.mod = None  # the compiled module once load() succeeded
+        self.isa = None  # the path it was built for ("eager" when there is none)
         self._tried = False
 
     def load(self):
-        """The compiled module, or None."""
+        """The compiled module, or None. Raises InvalidParameterError when SERVESCOPE_CPU_ISA names a
+        path this CPU cannot run (or no path at all)."""
         if self._tried:
             return self.mod
         with self._lock:
             if self._tried:
                 return self.mod
-            flags = cpu_flags()
-            if os.environ.get("SERVESCOPE_CPU_KERNELS", "1") != "0" and _REQUIRED <= flags:
-                try:
-                    cflags = BASE_CFLAGS + self.extra_cflags
-                    if "avx512_bf16" in flags:
-                        cflags.append("-mavx512bf16")
-                    t0 = time.perf_counter()
-                    self.mod = load_ext(name=self.name, sources=self.sources, verbose=False, extra_cflags=cflags)
-                    logger.info("%s ready (%.1f s)", self.what, time.perf_counter() - t0)
-                except Exception as e:  # no compiler, headers, ninja...: the eager path still works
-                    logger.warning("%s unavailable, using eager PyTorch: %s", self.what,
-                                   str(e).splitlines()[0][:200])
-                    self.mod = None
+            self.isa = "eager"
+            if os.environ.get("SERVESCOPE_CPU_KERNELS", "1") != "0":
+                isa = local_isa()  # raises on a bad SERVESCOPE_CPU_ISA, before anything is marked tried
+                self._build(isa)
             self._tried = True
             return self.mod
 
+    def _build(self, isa: str) -> None:
+        try:
+            digest = headers_digest(os.path.dirname(self.sources[0]))
+            cflags = BASE_CFLAGS + isa_cflags(isa, cpu_flags()) + self.extra_cflags + [f"-DSERVESCOPE_HEADERS={digest}"]
+            t0 = time.perf_counter()
+            self.mod = load_ext(name=f"{self.name}_{isa}", sources=self.sources, verbose=False, extra_cflags=cflags)
+            self.isa = isa
+            logger.info("%s ready for %s (%.1f s)", self.what, isa, time.perf_counter() - t0)
+        except Exception as e:  # no compiler, headers, ninja...: the eager path still works
+            logger.warning("%s unavailable, using eager PyTorch: %s", self.what, str(e).splitlines()[0][:200])
+            self.mod = None
+
     def available(self) -> bool:
         return self.load() is not None
+
+    def describe(self) -> str:
+        """The path in use, for summaries: "avx2 C++ kernels", "eager PyTorch" (after load())."""
+        self.load()
+        if self.mod is None:
+            return "eager PyTorch"
+        info = dict(self.mod.isa())
+        extras = [name for key, name in (("bf16_dot", "bf16 dot"), ("int8_dot", "int8 dot")) if info.get(key) == "1"]
+        return f"{info['isa']} C++ kernels" + (f" ({', '.join(extras)})" if extras else "")

@@ -1,7 +1,8 @@
-"""The CPU decode GEMV (in csrc/cpu_ops.cpp, the CPU kernel extension, compiled on first use and cached).
+"""The CPU decode GEMV (csrc/kernels.h, bound in csrc/cpu_ops.cpp: the CPU kernel extension, compiled
+on first use for the CPU's instruction set and cached).
 
 `gemv(x, w, scale=None, bias=None)` -> float32 [M, N] for M <= 4 rows, weights float32, bfloat16
-or int8 (per-row scale). `available()` is False where it cannot be built (no compiler, no AVX-512,
+or int8 (per-row scale). `available()` is False where it cannot be built (no compiler,
 SERVESCOPE_CPU_KERNELS=0); callers then use the eager PyTorch path, which tests compare against.
 """
 

@@ -1,12 +1,13 @@
-"""The CPU per-layer op extension (csrc/cpu_ops.cpp, csrc/prefill_attention.cpp, helpers in
-csrc/simd.h), compiled on first use and cached.
+"""The CPU per-layer op extension (csrc/cpu_ops.cpp binding the kernels of csrc/kernels.h, written
+once against the vector layer csrc/simd.h; csrc/prefill_attention.cpp), compiled on first use for the
+CPU's instruction set (cpu_extension.py) and cached.
 
 One C++ call each for rms_norm, add_rms_norm, rotary, silu_mul (dispatched from fused_ops.py) and
 store_kv, paged decode attention, causal prefill attention (from attention/torch_ref.py): at batch 1 their eager PyTorch
 versions are dozens of tiny ops per layer whose dispatch overhead exceeds their arithmetic.
-`load()` is None where the extension cannot be built (no compiler, no AVX-512,
-SERVESCOPE_CPU_KERNELS=0, read once at the first call); callers then use the torch references,
-which the tests compare against.
+`load()` is None where the extension cannot be built (no compiler, SERVESCOPE_CPU_KERNELS=0, read
+once at the first call); callers then use the torch references, which the tests compare against.
+`kernel_path()` says which path runs ("avx2 C++ kernels", "eager PyTorch").
 """
 
 from __future__ import annotations
@@ -26,6 +27,19 @@ _EXT = CpuExtension("servescope_cpu_ops", ["cpu_ops.cpp", "prefill_attention.cpp
 _EMPTY = torch.empty(0)
 load = _EXT.load  # the compiled module, or None (see cpu_extension.py)
 available = _EXT.available
+kernel_path = _EXT.describe
+
+
+def isa() -> str:
+    """The instruction set of the kernels in use (avx512 | avx2 | neon | scalar), "eager" without them."""
+    _EXT.load()
+    return _EXT.isa
+
+
+def loaded_kernel_path():
+    """kernel_path() if the extension was loaded in this process (a CPU engine loads it at build),
+    else None: never builds (a GPU server's /metrics must not compile CPU kernels)."""
+    return _EXT.describe() if _EXT.isa is not None else None
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from servescope.engine.outputs import RequestOutput
+from servescope.kernels import cpu_ops
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -62,6 +63,8 @@ class ServerMetrics:
                         ("spec_decode_num_drafts", self.spec_decode_num_drafts),
                         ("spec_decode_num_draft_tokens", self.spec_decode_num_draft_tokens),
                         ("spec_decode_num_accepted_tokens", self.spec_decode_num_accepted_tokens))
+        # which CPU kernels serve (isa avx512 | avx2 | neon | scalar | eager; none: no CPU engine here)
+        self.cpu_kernels = Info("servescope:cpu_kernels", "The CPU kernel path in use.", L, registry=r).labels(model_name)
         self._last = {name: 0 for name, _ in self._totals}
         self._lock = threading.Lock()
 
@@ -94,4 +97,6 @@ class ServerMetrics:
                 self._last[name] = max(value, self._last[name])
 
     def render(self) -> bytes:
+        path = cpu_ops.loaded_kernel_path()
+        self.cpu_kernels.info({"isa": cpu_ops.isa() if path else "none", "path": path or "none"})
         return generate_latest(self.registry)

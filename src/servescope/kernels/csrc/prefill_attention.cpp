@@ -1,5 +1,6 @@
 // Causal prefill attention for one sequence on the CPU, bfloat16 q and KV cache: flash attention
-// tiled for AVX-512 BF16 (VDPBF16PS), the keys and values read from the paged cache.
+// tiled for AVX-512 BF16 (VDPBF16PS; compiled only where the
+// extension's ISA has it: elsewhere attention/torch_ref.py's paths serve prefill), the keys and values read from the paged cache.
 //
 // Shape legend: T query tokens (positions ctx - T .. ctx - 1), H query heads, Hkv KV heads,
 // G = H / Hkv, D head dim, S block size.
@@ -11,13 +12,15 @@
 // horizontal sums), q is transposed once per item, and each key or value element is a broadcast.
 // Scores are exact products summed in float32 (the pairs of VDPBF16PS), the probabilities rounded
 // to bfloat16 for p * v as SDPA's bfloat16 kernel rounds them.
+#include <torch/extension.h>
+
 #include "simd.h"
 
 namespace {
 
 using namespace servescope_simd;
 
-#ifdef __AVX512BF16__
+#if SERVESCOPE_HAS_BF16_DOT
 constexpr int QT = 16;  // query tokens per item: the 16 lanes
 constexpr int KT = 32;  // keys per tile
 
@@ -93,11 +96,11 @@ void prefill_item(const bf16* q, int64_t qs0, int64_t qs1, const bf16* kc, const
       const __m512 mold = _mm512_loadu_ps(mrow + j * 16);
       const __m512 mnew = _mm512_max_ps(mold, mx);
       const __mmask16 live = _mm512_cmp_ps_mask(mnew, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
-      corr[j] = _mm512_mask_blend_ps(live, _mm512_set1_ps(1.f), exp512(_mm512_sub_ps(mold, mnew)));
+      corr[j] = _mm512_mask_blend_ps(live, _mm512_set1_ps(1.f), vexp(_mm512_sub_ps(mold, mnew)));
       __m512 sum = _mm512_setzero_ps();
       for (int kk = 0; kk < KT; kk += 2) {
-        const __m512 p0 = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + (kk * G + j) * 16), mnew)));
-        const __m512 p1 = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + ((kk + 1) * G + j) * 16), mnew)));
+        const __m512 p0 = _mm512_maskz_mov_ps(live, vexp(_mm512_sub_ps(_mm512_loadu_ps(sc + (kk * G + j) * 16), mnew)));
+        const __m512 p1 = _mm512_maskz_mov_ps(live, vexp(_mm512_sub_ps(_mm512_loadu_ps(sc + ((kk + 1) * G + j) * 16), mnew)));
         sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
         // (p0, p1) rounded to bfloat16 and interleaved per lane: the pair for VDPBF16PS
         const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(p0)),
@@ -141,10 +144,12 @@ void prefill_item(const bf16* q, int64_t qs0, int64_t qs1, const bf16* kc, const
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(lrow + j * 16));
     for (int d = 0; d < D; ++d) {
       _mm512_store_ps(tmp, _mm512_mul_ps(_mm512_loadu_ps(oacc + (d * G + j) * 16), inv));
-      for (int t = 0; t < nt; ++t) out[(t0 + t) * os0 + (kvh * G + j) * os1 + d] = bf16(tmp[t]);
+      for (int t = 0; t < nt; ++t) out[(t0 + t) * os0 + (kvh * G + j) * os1 + d] = float_to_bf16(tmp[t]);
     }
   }
 }
+
+inline bf16* as_bf16(const torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); }
 
 template <int G, int D>
 void prefill_run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& bt,
@@ -157,24 +162,24 @@ void prefill_run(const torch::Tensor& q, const torch::Tensor& kc, const torch::T
     const int64_t tile = it % tiles;
     cum[it + 1] = cum[it] + std::min<int64_t>(ctx, q0 + (tile + 1) * QT) + 64;
   }
-  const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(num_threads(), items));
   const size_t wsz = G * (D / 2) * 16 + KT * G * 16 + (KT / 2) * G * 16 + (KT / 2) * D + D * G * 16 + 2 * G * 16 + 16;
   parallel_by_cost(cum, nth, [&](int64_t i0, int64_t i1) {
     std::vector<float> wbuf(wsz + 16);
     float* work = (float*)(((uintptr_t)wbuf.data() + 63) & ~(uintptr_t)63);
     for (int64_t it = i0; it < i1; ++it)
-      prefill_item<G, D>(q.data_ptr<bf16>(), q.stride(0), q.stride(1), kc.data_ptr<bf16>(), vc.data_ptr<bf16>(), S,
+      prefill_item<G, D>(as_bf16(q), q.stride(0), q.stride(1), as_bf16(kc), as_bf16(vc), S,
                          hkv, bt.data_ptr<int32_t>(), ctx, q0, T, it / tiles, (it % tiles) * QT, (float)scale,
-                         out.data_ptr<bf16>(), out.stride(0), out.stride(1), work);
+                         as_bf16(out), out.stride(0), out.stride(1), work);
   });
 }
 
-#endif  // __AVX512BF16__
+#endif  // SERVESCOPE_HAS_BF16_DOT
 
 }  // namespace
 
 bool prefill_attention_supported(int64_t group, int64_t head_dim) {
-#ifdef __AVX512BF16__
+#if SERVESCOPE_HAS_BF16_DOT
   return group >= 1 && group <= 8 && (head_dim == 64 || head_dim == 128);
 #else
   return false;
@@ -200,7 +205,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
               " / head dim ", d);
   auto out = torch::empty_like(q);
   if (q.size(0) == 0) return out;
-#ifdef __AVX512BF16__
+#if SERVESCOPE_HAS_BF16_DOT
 #define SERVESCOPE_CASE(G_, D_) \
   if (h / hkv == G_ && d == D_) { prefill_run<G_, D_>(q, k_cache, v_cache, block_table, ctx, scale, out); return out; }
   SERVESCOPE_CASE(1, 64) SERVESCOPE_CASE(2, 64) SERVESCOPE_CASE(3, 64) SERVESCOPE_CASE(4, 64)

@@ -1,64 +1,399 @@
-// AVX-512 helpers shared by the CPU kernels of the one extension (cpu_ops.cpp, prefill_attention.cpp):
-// bfloat16 <-> float32 lanes, masked loads/stores, exp, the pair interleave for VDPBF16PS.
+// The portable vector layer every CPU kernel is written against: one float32 vector type `vf` of
+// W lanes and the few operations the kernels use, over AVX-512 (W = 16), AVX2 + FMA (W = 8), ARM
+// NEON (W = 4) or plain C++ (W = 8, "scalar": whatever the compiler makes of it).
+//
+// Why a header of our own (and not ATen's at::vec::Vectorized or Highway): the kernels must also
+// compile with no torch at all, for the aarch64 test binary that is cross-compiled and run under
+// qemu (there is no aarch64 libtorch to link on an x86 CI machine); the kernels need lane-count
+// tails (masked loads on AVX-512/AVX2), bfloat16 rounding exactly like c10::BFloat16 and a
+// transposed lane sum, which Vectorized does not give in one call; and the ISA-specific dot
+// products (VDPBF16PS today; VNNI / AVX-VNNI / NEON dotprod for packed int8/int4 later) stay
+// explicit specialisations beside the portable code: `SERVESCOPE_HAS_BF16_DOT`,
+// `SERVESCOPE_HAS_INT8_DOT` say which are compiled in.
+//
+// The ISA is chosen by the build: -DSERVESCOPE_ISA_{AVX512,AVX2,NEON,SCALAR} (kernels/cpu_extension.py
+// compiles one extension per ISA), else from the compiler's own target macros.
+// Torch-free: with -DSERVESCOPE_TORCH the parallel loops run on torch's pool (at::parallel_for),
+// otherwise serially (the standalone test binary).
 #pragma once
-
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+#if !defined(SERVESCOPE_ISA_AVX512) && !defined(SERVESCOPE_ISA_AVX2) && !defined(SERVESCOPE_ISA_NEON) && \
+    !defined(SERVESCOPE_ISA_SCALAR)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SERVESCOPE_ISA_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SERVESCOPE_ISA_AVX2
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#define SERVESCOPE_ISA_NEON
+#else
+#define SERVESCOPE_ISA_SCALAR
+#endif
+#endif
+
+#if defined(SERVESCOPE_ISA_AVX512) || defined(SERVESCOPE_ISA_AVX2)
+#include <immintrin.h>
+#elif defined(SERVESCOPE_ISA_NEON)
+#include <arm_neon.h>
+#endif
+
+#ifdef SERVESCOPE_TORCH
+#include <ATen/Parallel.h>
+#endif
+
+#if defined(SERVESCOPE_ISA_AVX512) && defined(__AVX512BF16__)
+#define SERVESCOPE_HAS_BF16_DOT 1  // VDPBF16PS: bfloat16 pairs multiplied exactly, summed in float32
+#else
+#define SERVESCOPE_HAS_BF16_DOT 0
+#endif
+// int8 dot products for packed weights (not used by today's kernels): VNNI, AVX-VNNI, NEON dotprod
+#if (defined(SERVESCOPE_ISA_AVX512) && defined(__AVX512VNNI__)) || (defined(SERVESCOPE_ISA_AVX2) && defined(__AVXVNNI__)) || \
+    (defined(SERVESCOPE_ISA_NEON) && defined(__ARM_FEATURE_DOTPROD))
+#define SERVESCOPE_HAS_INT8_DOT 1
+#else
+#define SERVESCOPE_HAS_INT8_DOT 0
+#endif
+
 namespace servescope_simd {
 
-using bf16 = at::BFloat16;
+// bfloat16 as stored (the high half of a float32; layout-compatible with c10::BFloat16)
+struct bf16 {
+  uint16_t bits;
+};
 
-inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+inline float bf16_to_float(bf16 h) {
+  uint32_t u = (uint32_t)h.bits << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline bf16 float_to_bf16(float f) {  // round to nearest even, NaN stays NaN (as c10::BFloat16)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (f != f) return bf16{0x7FC0};
+  return bf16{(uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)};
+}
 
-inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-
-inline __m256i f32_to_bf16(__m512 v) {  // round to nearest even, like c10::BFloat16
+// ---------------------------------------------------------------------------------------------
+#if defined(SERVESCOPE_ISA_AVX512)
+constexpr const char* kIsa = "avx512";
+constexpr int W = 16;
+using vf = __m512;
+// 16-bit lane k of a permute takes element idx[k] of [row t (16) | row t+1 (16)]: (t[0], t+1[0], t[1], ...),
+// the pair interleave VDPBF16PS multiplies
+alignas(64) inline constexpr int16_t kPairIndex[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+inline __mmask16 tail(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf set1(float x) { return _mm512_set1_ps(x); }
+inline vf loadn(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(tail(n), p); }
+inline vf load(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline vf loadn(const bf16* p, int64_t n) { return widen_bf16(_mm256_maskz_loadu_epi16(tail(n), p)); }
+inline vf load(const bf16* p) { return widen_bf16(_mm256_loadu_si256((const __m256i*)p)); }
+inline vf loadn(const int8_t* p, int64_t n) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail(n), p))); }
+inline vf load(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+inline __m256i narrow_bf16(vf v) {
 #ifdef __AVX512BF16__
   return (__m256i)_mm512_cvtneps_pbh(v);
 #else
   __m512i u = _mm512_castps_si512(v);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 #endif
 }
+inline void storen(float* p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, tail(n), v); }
+inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline void storen(bf16* p, vf v, int64_t n) { _mm256_mask_storeu_epi16(p, tail(n), narrow_bf16(v)); }
+inline void store(bf16* p, vf v) { _mm256_storeu_si256((__m256i*)p, narrow_bf16(v)); }
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c, one rounding
+inline vf fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, one rounding
+inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
+inline float reduce_max(vf v) { return _mm512_reduce_max_ps(v); }
+inline vf round_even(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf scale_pow2(vf y, vf n) { return _mm512_scalef_ps(y, n); }  // y * 2^n (n integral), denormals too
+inline vf first_lanes(vf v, int64_t n, float fill) { return _mm512_mask_blend_ps(tail(n), _mm512_set1_ps(fill), v); }
+inline vf where_lt(vf x, float limit, vf yes, vf no) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_LT_OQ), no, yes);
+}
+// r[t] = sum of the lanes of v[t], t < W: 45 shuffles and adds instead of 16 horizontal sums
+inline vf transpose_sum(const vf* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // 32-bit interleave: per 128-bit lane [v0+v2, w0+w2, v1+v3, w1+w3]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // 64-bit interleave: per 128-bit lane the partial sums of 4 rows in order
+    __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // pairs of 128-bit lanes
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
 
-inline __m512 ld(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 ld(const bf16* p, __mmask16 m) { return bf16_to_f32(_mm256_maskz_loadu_epi16(m, p)); }
-inline void st(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void st(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, f32_to_bf16(v)); }
+// ---------------------------------------------------------------------------------------------
+#elif defined(SERVESCOPE_ISA_AVX2)
+constexpr const char* kIsa = "avx2";
+constexpr int W = 8;
+using vf = __m256;
+alignas(32) inline constexpr int32_t kTailTable[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+inline __m256i tail(int64_t n) { return _mm256_loadu_si256((const __m256i*)(kTailTable + 8 - std::min<int64_t>(n, 8))); }
+inline vf zero() { return _mm256_setzero_ps(); }
+inline vf set1(float x) { return _mm256_set1_ps(x); }
+inline vf load(const float* p) { return _mm256_loadu_ps(p); }
+inline vf loadn(const float* p, int64_t n) { return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, tail(n)); }
+inline vf widen_bf16(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline vf load(const bf16* p) { return widen_bf16(_mm_loadu_si128((const __m128i*)p)); }
+inline vf loadn(const bf16* p, int64_t n) {
+  if (n >= 8) return load(p);
+  alignas(16) bf16 t[8] = {};
+  std::memcpy(t, p, n * sizeof(bf16));
+  return load(t);
+}
+inline vf load(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+inline vf loadn(const int8_t* p, int64_t n) {
+  if (n >= 8) return load(p);
+  alignas(16) int8_t t[16] = {};
+  std::memcpy(t, p, n);
+  return load(t);
+}
+inline __m128i narrow_bf16(vf v) {  // round to nearest even, NaN -> 0x7FC0
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  r = _mm256_srli_epi32(r, 16);
+  // pack within 128-bit lanes, then gather the two low quarters
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline void storen(float* p, vf v, int64_t n) { n >= 8 ? _mm256_storeu_ps(p, v) : _mm256_maskstore_ps(p, tail(n), v); }
+inline void store(bf16* p, vf v) { _mm_storeu_si128((__m128i*)p, narrow_bf16(v)); }
+inline void storen(bf16* p, vf v, int64_t n) {
+  if (n >= 8) return store(p, v);
+  alignas(16) bf16 t[8];
+  store(t, v);
+  std::memcpy(p, t, n * sizeof(bf16));
+}
+inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf fnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+inline vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf min(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline float reduce_add(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float reduce_max(vf v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline vf round_even(vf v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf scale_pow2(vf y, vf n) {  // y * 2^n for n >= -126 (the caller flushes below)
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+inline vf first_lanes(vf v, int64_t n, float fill) {
+  return _mm256_blendv_ps(_mm256_set1_ps(fill), v, _mm256_castsi256_ps(tail(n)));
+}
+inline vf where_lt(vf x, float limit, vf yes, vf no) {
+  return _mm256_blendv_ps(no, yes, _mm256_cmp_ps(x, _mm256_set1_ps(limit), _CMP_LT_OQ));
+}
+inline vf transpose_sum(const vf* v) {
+  __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+  __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+  __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);  // per 128-bit half: rows 0-3 | 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
 
-// v rounded to T and widened back (the rounding an eager op in dtype T does to its result)
-template <typename T> inline __m512 rnd(__m512 v);
-template <> inline __m512 rnd<float>(__m512 v) { return v; }
-template <> inline __m512 rnd<bf16>(__m512 v) { return bf16_to_f32(f32_to_bf16(v)); }
+// ---------------------------------------------------------------------------------------------
+#elif defined(SERVESCOPE_ISA_NEON)
+constexpr const char* kIsa = "neon";
+constexpr int W = 4;
+using vf = float32x4_t;
+inline vf zero() { return vdupq_n_f32(0.f); }
+inline vf set1(float x) { return vdupq_n_f32(x); }
+inline vf load(const float* p) { return vld1q_f32(p); }
+inline vf loadn(const float* p, int64_t n) {
+  if (n >= 4) return vld1q_f32(p);
+  float t[4] = {0.f, 0.f, 0.f, 0.f};
+  std::memcpy(t, p, n * sizeof(float));
+  return vld1q_f32(t);
+}
+inline vf load(const bf16* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t*)p), 16)); }
+inline vf loadn(const bf16* p, int64_t n) {
+  if (n >= 4) return load(p);
+  bf16 t[4] = {};
+  std::memcpy(t, p, n * sizeof(bf16));
+  return load(t);
+}
+inline vf load(const int8_t* p) {
+  int32_t w;
+  std::memcpy(&w, p, 4);
+  int16x8_t s = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w)));
+  return vcvtq_f32_s32(vmovl_s16(vget_low_s16(s)));
+}
+inline vf loadn(const int8_t* p, int64_t n) {
+  if (n >= 4) return load(p);
+  int8_t t[4] = {0, 0, 0, 0};
+  std::memcpy(t, p, n);
+  return load(t);
+}
+inline uint16x4_t narrow_bf16(vf v) {  // round to nearest even, NaN -> 0x7FC0
+  uint32x4_t u = vreinterpretq_u32_f32(v);
+  uint32x4_t r = vaddq_u32(u, vaddq_u32(vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1)), vdupq_n_u32(0x7FFF)));
+  r = vbslq_u32(vceqq_f32(v, v), r, vdupq_n_u32(0x7FC00000));
+  return vshrn_n_u32(r, 16);
+}
+inline void store(float* p, vf v) { vst1q_f32(p, v); }
+inline void storen(float* p, vf v, int64_t n) {
+  if (n >= 4) return vst1q_f32(p, v);
+  float t[4];
+  vst1q_f32(t, v);
+  std::memcpy(p, t, n * sizeof(float));
+}
+inline void store(bf16* p, vf v) { vst1_u16((uint16_t*)p, narrow_bf16(v)); }
+inline void storen(bf16* p, vf v, int64_t n) {
+  if (n >= 4) return store(p, v);
+  bf16 t[4];
+  store(t, v);
+  std::memcpy(p, t, n * sizeof(bf16));
+}
+inline vf add(vf a, vf b) { return vaddq_f32(a, b); }
+inline vf sub(vf a, vf b) { return vsubq_f32(a, b); }
+inline vf mul(vf a, vf b) { return vmulq_f32(a, b); }
+inline vf div(vf a, vf b) { return vdivq_f32(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
+inline vf fnmadd(vf a, vf b, vf c) { return vfmsq_f32(c, a, b); }
+inline vf max(vf a, vf b) { return vmaxq_f32(a, b); }
+inline vf min(vf a, vf b) { return vminq_f32(a, b); }
+inline float reduce_add(vf v) { return vaddvq_f32(v); }
+inline float reduce_max(vf v) { return vmaxvq_f32(v); }
+inline vf round_even(vf v) { return vrndnq_f32(v); }
+inline vf scale_pow2(vf y, vf n) {
+  int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+  return vmulq_f32(y, vreinterpretq_f32_s32(e));
+}
+inline vf first_lanes(vf v, int64_t n, float fill) {
+  const int32_t idx[4] = {0, 1, 2, 3};
+  uint32x4_t keep = vcltq_s32(vld1q_s32(idx), vdupq_n_s32((int32_t)std::min<int64_t>(n, 4)));
+  return vbslq_f32(keep, v, vdupq_n_f32(fill));
+}
+inline vf where_lt(vf x, float limit, vf yes, vf no) { return vbslq_f32(vcltq_f32(x, vdupq_n_f32(limit)), yes, no); }
+inline vf transpose_sum(const vf* v) { return vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3])); }
+
+// ---------------------------------------------------------------------------------------------
+#else  // SERVESCOPE_ISA_SCALAR: plain C++ over 8 lanes (the compiler may vectorise it for its baseline)
+constexpr const char* kIsa = "scalar";
+constexpr int W = 8;
+struct vf {
+  float a[W];
+};
+template <typename F>
+inline vf lanes(F f) {
+  vf r;
+  for (int i = 0; i < W; ++i) r.a[i] = f(i);
+  return r;
+}
+inline vf zero() { return lanes([](int) { return 0.f; }); }
+inline vf set1(float x) { return lanes([x](int) { return x; }); }
+inline vf loadn(const float* p, int64_t n) { return lanes([=](int i) { return i < n ? p[i] : 0.f; }); }
+inline vf load(const float* p) { return loadn(p, W); }
+inline vf loadn(const bf16* p, int64_t n) { return lanes([=](int i) { return i < n ? bf16_to_float(p[i]) : 0.f; }); }
+inline vf load(const bf16* p) { return loadn(p, W); }
+inline vf loadn(const int8_t* p, int64_t n) { return lanes([=](int i) { return i < n ? (float)p[i] : 0.f; }); }
+inline vf load(const int8_t* p) { return loadn(p, W); }
+inline void storen(float* p, vf v, int64_t n) {
+  for (int i = 0; i < W && i < n; ++i) p[i] = v.a[i];
+}
+inline void store(float* p, vf v) { storen(p, v, W); }
+inline void storen(bf16* p, vf v, int64_t n) {
+  for (int i = 0; i < W && i < n; ++i) p[i] = float_to_bf16(v.a[i]);
+}
+inline void store(bf16* p, vf v) { storen(p, v, W); }
+inline vf add(vf a, vf b) { return lanes([&](int i) { return a.a[i] + b.a[i]; }); }
+inline vf sub(vf a, vf b) { return lanes([&](int i) { return a.a[i] - b.a[i]; }); }
+inline vf mul(vf a, vf b) { return lanes([&](int i) { return a.a[i] * b.a[i]; }); }
+inline vf div(vf a, vf b) { return lanes([&](int i) { return a.a[i] / b.a[i]; }); }
+// two roundings: std::fma is a library call where the baseline ISA has no FMA instruction
+inline vf fmadd(vf a, vf b, vf c) { return lanes([&](int i) { return a.a[i] * b.a[i] + c.a[i]; }); }
+inline vf fnmadd(vf a, vf b, vf c) { return lanes([&](int i) { return c.a[i] - a.a[i] * b.a[i]; }); }
+inline vf max(vf a, vf b) { return lanes([&](int i) { return std::max(a.a[i], b.a[i]); }); }
+inline vf min(vf a, vf b) { return lanes([&](int i) { return std::min(a.a[i], b.a[i]); }); }
+inline float reduce_add(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < W; ++i) s += v.a[i];
+  return s;
+}
+inline float reduce_max(vf v) {
+  float s = v.a[0];
+  for (int i = 1; i < W; ++i) s = std::max(s, v.a[i]);
+  return s;
+}
+inline vf round_even(vf v) { return lanes([&](int i) { return std::nearbyint(v.a[i]); }); }
+inline vf scale_pow2(vf y, vf n) { return lanes([&](int i) { return std::ldexp(y.a[i], (int)n.a[i]); }); }
+inline vf first_lanes(vf v, int64_t n, float fill) { return lanes([&](int i) { return i < n ? v.a[i] : fill; }); }
+inline vf where_lt(vf x, float limit, vf yes, vf no) {
+  return lanes([&](int i) { return x.a[i] < limit ? yes.a[i] : no.a[i]; });
+}
+inline vf transpose_sum(const vf* v) { return lanes([&](int t) { return reduce_add(v[t]); }); }
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Built on the layer above, the same on every ISA.
 
 // exp(x) for float32 lanes (Cephes polynomial, ~1 ulp), exp(-inf) = 0
-inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.72f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(y, n);
+inline vf vexp(vf x) {
+  const vf xc = min(max(x, set1(-104.0f)), set1(88.72f));
+  const vf n = round_even(mul(xc, set1(1.44269504088896341f)));
+  vf r = fnmadd(n, set1(0.693359375f), xc);
+  r = fnmadd(n, set1(-2.12194440e-4f), r);
+  vf y = set1(1.9875691500E-4f);
+  y = fmadd(y, r, set1(1.3981999507E-3f));
+  y = fmadd(y, r, set1(8.3334519073E-3f));
+  y = fmadd(y, r, set1(4.1665795894E-2f));
+  y = fmadd(y, r, set1(1.6666665459E-1f));
+  y = fmadd(y, r, set1(5.0000001201E-1f));
+  y = fmadd(y, mul(r, r), add(r, set1(1.0f)));
+#if defined(SERVESCOPE_ISA_AVX512)
+  return scale_pow2(y, n);  // scalef reaches the denormals and 0
+#else
+  // 2^n from its exponent bits is exact down to 2^-126; below exp(-87.3) the result is flushed to 0
+  return where_lt(xc, -87.3f, zero(), scale_pow2(y, max(n, set1(-126.f))));
+#endif
+}
+
+// v rounded to T and widened back (the rounding an eager op in dtype T does to its result)
+template <typename T>
+inline vf rnd(vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    alignas(64) bf16 t[W];
+    store(t, v);
+    return load(t);
+  }
 }
 
 // grain (rows per task) so that a task has at least ~min_work elements of work
@@ -66,24 +401,36 @@ inline int64_t grain_for(int64_t work_per_row, int64_t min_work = 16384) {
   return std::max<int64_t>(1, min_work / std::max<int64_t>(1, work_per_row));
 }
 
-// 16-bit lane k of the result takes element idx[k] of [row t (16) | row t+1 (16)]: (t[0], t+1[0], t[1], ...)
-alignas(64) inline constexpr int16_t kPairIndex[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+inline int64_t num_threads() {
+#ifdef SERVESCOPE_TORCH
+  return at::get_num_threads();
+#else
+  return 1;
+#endif
+}
 
-// Items with cumulative costs cum[0] = 0 .. cum[n] cut into nt contiguous ranges of about equal cost,
-// run on torch's thread pool: fn(i0, i1) once per worker's range of items [i0, i1).
+// fn(i0, i1) over [begin, end) in chunks of at least `grain`, on torch's pool where there is one
+template <typename F>
+inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
+#ifdef SERVESCOPE_TORCH
+  at::parallel_for(begin, end, grain, fn);
+#else
+  (void)grain;
+  if (begin < end) fn(begin, end);
+#endif
+}
+
+// Items with cumulative costs cum[0] = 0 .. cum[n] cut into nt contiguous ranges of about equal cost:
+// fn(i0, i1) once per worker's range of items [i0, i1).
 template <typename F>
 inline void parallel_by_cost(const std::vector<int64_t>& cum, int64_t nt, const F& fn) {
   const int64_t items = (int64_t)cum.size() - 1, total = cum.back();
   auto first = [&](int64_t t) -> int64_t {
     return t >= nt ? items : std::lower_bound(cum.begin(), cum.end(), total * t / nt) - cum.begin();
   };
-  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) { fn(first(t0), first(t1)); });
+  parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) { fn(first(t0), first(t1)); });
 }
 
-}  // namespace servescope_simd
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
-// The extension's entry points defined outside cpu_ops.cpp (bound in its PYBIND11_MODULE).
-torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
-                                int64_t ctx, double scale);
-bool prefill_attention_supported(int64_t group, int64_t head_dim);
+}  // namespace servescope_simd

@@ -1,0 +1,371 @@
+// Paged decode attention on raw pointers, written against the vector layer (simd.h): one query per
+// sequence over its cached keys, read in place from the blocks.
+//
+// Shape legend: B sequences, H query heads, Hkv KV heads, G = H / Hkv, D head dim, S block size;
+// q [B, H, D] at strides (qs0, qs1), caches [N, S, Hkv, D], block tables [B, bts] int32, context
+// lengths [B] int32, out [B, H, D] at strides (os0, os1).
+#pragma once
+
+#include "simd.h"
+
+namespace servescope_kernels {
+
+using namespace servescope_simd;
+
+// Any head dim: one task per (sequence, KV head); the G query heads of the group share each K and V
+// row (loaded once). Online softmax over chunks of up to CH positions within a block.
+constexpr int64_t CH = 32;
+constexpr int64_t HT = 8;  // query heads per register tile
+
+template <typename Q, typename C>
+void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, int64_t S, int64_t hkv, int64_t d,
+                const int32_t* bt, int64_t bts, const int32_t* cl, int64_t b, int64_t h, float scale, Q* out,
+                int64_t os0, int64_t os1) {
+  const int64_t g = h / hkv;
+  const int64_t row = hkv * d;  // elements between consecutive positions of one head in the cache
+  int64_t max_ctx = 1;
+  for (int64_t i = 0; i < b; ++i) max_ctx = std::max<int64_t>(max_ctx, cl[i]);
+  parallel_for(0, b * hkv, grain_for(max_ctx * g * d, 32768), [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(2 * g * d + g * CH + 2 * g);
+    float* qf = buf.data();   // [G, D] queries in float32
+    float* acc = qf + g * d;  // [G, D] running sum of p * v
+    float* sc = acc + g * d;  // [G, CH] scores / probabilities of the chunk
+    float* mx = sc + g * CH;  // [G] running max
+    float* den = mx + g;      // [G] running sum of p
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t bi = item / hkv, kh = item % hkv;
+      for (int64_t i = 0; i < g; ++i) {
+        const Q* qi = q + bi * qs0 + (kh * g + i) * qs1;
+        for (int64_t j = 0; j < d; j += W) storen(qf + i * d + j, loadn(qi + j, d - j), d - j);
+        mx[i] = -std::numeric_limits<float>::infinity();
+        den[i] = 0.f;
+      }
+      std::fill(acc, acc + g * d, 0.f);
+      const int64_t ctx = cl[bi];
+      const int32_t* table = bt + bi * bts;
+      for (int64_t p = 0; p < ctx;) {
+        const int64_t blk = table[p / S], off = p % S;
+        const int64_t n = std::min<int64_t>({CH, S - off, ctx - p});
+        const C* kb = kc + ((blk * S + off) * hkv + kh) * d;
+        const C* vb = vc + ((blk * S + off) * hkv + kh) * d;
+        // scores[i][t] = scale * q_i . k_t
+        for (int64_t t = 0; t < n; ++t) {
+          const C* kr = kb + t * row;
+          for (int64_t i0h = 0; i0h < g; i0h += HT) {
+            const int64_t nh = std::min<int64_t>(HT, g - i0h);
+            vf a[HT];
+            for (int64_t i = 0; i < nh; ++i) a[i] = zero();
+            for (int64_t j = 0; j < d; j += W) {
+              const vf kv = loadn(kr + j, d - j);
+              for (int64_t i = 0; i < nh; ++i) a[i] = fmadd(loadn(qf + (i0h + i) * d + j, d - j), kv, a[i]);
+            }
+            for (int64_t i = 0; i < nh; ++i) sc[(i0h + i) * CH + t] = reduce_add(a[i]) * scale;
+          }
+        }
+        // online softmax: rescale the running sums by exp(old max - new max)
+        for (int64_t i = 0; i < g; ++i) {
+          float* s = sc + i * CH;
+          float cmax = s[0];
+          for (int64_t t = 1; t < n; ++t) cmax = std::max(cmax, s[t]);
+          const float mnew = std::max(mx[i], cmax);
+          const float corr = std::exp(mx[i] - mnew);
+          mx[i] = mnew;
+          vf sum = zero();
+          for (int64_t t = 0; t < n; t += W) {
+            const vf e = first_lanes(vexp(sub(loadn(s + t, n - t), set1(mnew))), n - t, 0.f);
+            storen(s + t, e, n - t);
+            sum = add(sum, e);
+          }
+          den[i] = den[i] * corr + reduce_add(sum);
+          if (corr != 1.0f) {
+            float* ai = acc + i * d;
+            for (int64_t j = 0; j < d; j += W) storen(ai + j, mul(loadn(ai + j, d - j), set1(corr)), d - j);
+          }
+        }
+        // acc_i += sum_t p[i][t] * v_t
+        for (int64_t t = 0; t < n; ++t) {
+          const C* vr = vb + t * row;
+          for (int64_t j = 0; j < d; j += W) {
+            const vf vv = loadn(vr + j, d - j);
+            for (int64_t i = 0; i < g; ++i) {
+              float* ai = acc + i * d + j;
+              storen(ai, fmadd(set1(sc[i * CH + t]), vv, loadn(ai, d - j)), d - j);
+            }
+          }
+        }
+        p += n;
+      }
+      for (int64_t i = 0; i < g; ++i) {
+        Q* o = out + bi * os0 + (kh * g + i) * os1;
+        const vf inv = set1(den[i] > 0.f ? 1.0f / den[i] : 0.f);
+        for (int64_t j = 0; j < d; j += W) storen(o + j, mul(loadn(acc + i * d + j, d - j), inv), d - j);
+      }
+    }
+  });
+}
+
+// The same attention for head dims that are a multiple of W (64 and 128 are instantiated; NJ = D / W
+// vectors per row), arranged so that the arithmetic stays in registers: keys are taken W at a time
+// (within one KV block), converted once to float32 in a scratch tile (bfloat16 queries and caches on
+// AVX512-BF16 skip that: VDPBF16PS multiplies the raw pairs, for q.k and for p.v), each query head's
+// W dot products are summed across lanes together (transpose_sum), and the p * v accumulation of a
+// tile of HD heads (HD * NJ <= 16 accumulators) runs in registers over the W keys. Measured at
+// batch 64, context ~400, SmolLM2 bfloat16: see docs/BENCHMARKS.md.
+template <typename C, int NJ>
+inline const float* rows_f32(const C* src, int64_t stride, int64_t n, float* tile, int64_t* lds) {
+  // n rows of D = W NJ elements at `stride` -> float32; float32 rows are used in place
+  if constexpr (std::is_same_v<C, float>) {
+    *lds = stride;
+    return src;
+  } else {
+    for (int64_t t = 0; t < n; ++t)
+      for (int j = 0; j < NJ; ++j) store(tile + t * W * NJ + W * j, load(src + t * stride + W * j));
+    *lds = W * NJ;
+    return tile;
+  }
+}
+
+// Prefetch distance in positions, into L2 (T1). Measured at batch 64, context 300-600, SmolLM2's
+// heads, the KV cache in memory (not in cache, as in a real step): 3-15% faster than none into L1
+// (T0), and T1 another 10-16% faster than T0 (T2 the same as T1, NTA slower); 32 about 16.
+constexpr int64_t PF = 32;
+
+// The keys of one tile: (position in the cache, in rows of D elements; count of keys from there)
+struct Tile {
+  int64_t row0, n;
+};
+
+template <typename Q, typename C, int D>
+void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, int64_t S, int64_t hkv,
+                 const int32_t* bt, int64_t bts, const int32_t* cl, int64_t b, int64_t h, float scale, Q* out,
+                 int64_t os0, int64_t os1) {
+  constexpr int NJ = D / W, HD = NJ >= 16 ? 1 : 16 / NJ, KW = W;  // KW keys per tile
+  static_assert(D % W == 0, "decode_fast: head dim a multiple of the vector width");
+  // bfloat16 queries and keys: the scores come from VDPBF16PS on the raw pairs (products of two
+  // bfloat16 are exact in float32, summed in float32), with no float32 copy of the keys
+  constexpr bool kDot = SERVESCOPE_HAS_BF16_DOT && std::is_same_v<Q, bf16> && std::is_same_v<C, bf16>;
+  const int64_t g = h / hkv, row = hkv * D;
+  // An item is a sequence with all its KV heads (each block's keys and values are read whole, front
+  // to back: 3-10% faster in float32 at batch 64 with the cache in memory than items of one KV head,
+  // neutral in bfloat16) or, with fewer than two sequences per thread, a part of a sequence's context
+  // (flash-decoding: the parts' partial softmax sums are merged at the end; at batch 1 this keeps
+  // both threads busy on whole blocks). Items cost in proportion to their context: one contiguous
+  // range per thread of about equal total context, on one thread when the whole step is small.
+  const int64_t nthreads = num_threads();
+  const int64_t parts = b >= 2 * nthreads ? 1 : (2 * nthreads + b - 1) / b;  // context parts per sequence
+  const int64_t items = b * parts;
+  auto range_of = [&](int64_t it, int64_t* p0, int64_t* p1) {  // item -> [p0, p1), cut at multiples of KW
+    const int64_t ctx = cl[it / parts], j = it % parts, per = (ctx + KW * parts - 1) / (KW * parts) * KW;
+    *p0 = std::min(ctx, j * per);
+    *p1 = std::min(ctx, *p0 + per);
+  };
+  std::vector<int64_t> cum(items + 1, 0);
+  for (int64_t it = 0; it < items; ++it) {
+    int64_t p0, p1;
+    range_of(it, &p0, &p1);
+    cum[it + 1] = cum[it] + (p1 - p0 + 16) * hkv;
+  }
+  const int64_t total = cum[items];
+  // split sequences: each part's running max, sum of p and sum of p * v per query head, merged below
+  std::vector<float> partial(parts > 1 ? items * h * (D + 2) : 0);
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>({nthreads, items, total * g * D / 32768}));
+  parallel_by_cost(cum, nt, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(2 * h * D + KW * h + 2 * h + 2 * KW * D);
+    float* qf = buf.data();       // [H, D] queries in float32, pre-scaled
+    float* acc_ = qf + h * D;     // [H, D] running sum of p * v
+    float* pr_ = acc_ + h * D;    // [H, KW] probabilities of the current keys
+    float* mx_ = pr_ + KW * h;    // [H] running max
+    float* den_ = mx_ + h;        // [H] running sum of p
+    float* kt = den_ + h;         // [KW, D] keys in float32 (bfloat16 caches)
+    float* vt = kt + KW * D;      // [KW, D] values
+    std::vector<bf16> qb_(kDot ? h * D : 0);   // [H, D] queries as they are (bfloat16), for the pair dot products
+    std::vector<bf16> pb_(kDot ? h * KW : 0);  // [H, KW] probabilities rounded to bfloat16 (p * v pairs)
+    // where the keys of item `it` at position `pos` are, and how many of them are in this tile (0 past its end)
+    auto tile_at = [&](int64_t it, int64_t pos) -> Tile {
+      int64_t p0, p1;
+      range_of(it, &p0, &p1);
+      if (pos >= p1) return {0, 0};
+      const int64_t blk = bt[(it / parts) * bts + pos / S], off = pos % S;
+      return {(blk * S + off) * hkv, std::min<int64_t>({KW, S - off, p1 - pos})};
+    };
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t bi = item / parts;
+      for (int64_t i = 0; i < h; ++i) {  // query head i of the sequence
+        const Q* qi = q + bi * qs0 + i * qs1;
+        if constexpr (kDot)  // the pair products read q as it is; the float32 copy is not needed
+          std::memcpy(qb_.data() + i * D, qi, D * sizeof(bf16));
+        else
+          for (int j = 0; j < NJ; ++j) store(qf + i * D + W * j, mul(load(qi + W * j), set1(scale)));
+        mx_[i] = -std::numeric_limits<float>::infinity();
+        den_[i] = 0.f;
+      }
+      std::fill(acc_, acc_ + h * D, 0.f);
+      int64_t p_begin, p_end;
+      range_of(item, &p_begin, &p_end);
+      for (int64_t p = p_begin; p < p_end;) {
+        const Tile tile = tile_at(item, p);
+        const int64_t n = tile.n, r0 = tile.row0;
+        // The blocks of a sequence lie anywhere in the cache, so the hardware prefetcher cannot
+        // guess the next one: ask for the keys and values PF positions ahead (the next item's first
+        // ones near the end of this one) while this tile computes.
+        {
+          Tile pf = tile_at(item, p + PF);
+          if (pf.n == 0 && item + 1 < i1) {
+            int64_t q0, q1;
+            range_of(item + 1, &q0, &q1);
+            pf = tile_at(item + 1, q0 + p + PF - p_end);
+          }
+          for (int64_t t = 0; t < pf.n; ++t) {
+            const char* kp = (const char*)(kc + (pf.row0 + t * hkv) * D);
+            const char* vp = (const char*)(vc + (pf.row0 + t * hkv) * D);
+            for (int64_t cb = 0; cb < (int64_t)(hkv * D * sizeof(C)); cb += 64) {
+              prefetch_l2(kp + cb);
+              prefetch_l2(vp + cb);
+            }
+          }
+        }
+        for (int64_t kl = 0; kl < hkv; ++kl) {  // the item's KV heads, each with its g query heads
+          float* acc = acc_ + kl * g * D;
+          float* pr = pr_ + kl * g * KW;
+          float* mx = mx_ + kl * g;
+          float* den = den_ + kl * g;
+          const float* qh = qf + kl * g * D;
+          [[maybe_unused]] const bf16* qb = kDot ? qb_.data() + kl * g * D : nullptr;
+          [[maybe_unused]] bf16* pb = kDot ? pb_.data() + kl * g * KW : nullptr;
+          int64_t kld = 0, vld = 0;
+          const C* kraw = kc + (r0 + kl) * D;
+          const float* kf = kDot ? nullptr : rows_f32<C, NJ>(kraw, row, n, kt, &kld);
+          const C* vraw = vc + (r0 + kl) * D;
+          const float* vfl = kDot ? nullptr : rows_f32<C, NJ>(vraw, row, n, vt, &vld);
+          for (int64_t i = 0; i < g; ++i) {  // scores of head i for the n keys, then the online softmax
+            vf part[KW];
+            if constexpr (kDot) {
+#if SERVESCOPE_HAS_BF16_DOT
+              __m512bh qv[NJ / 2];
+              for (int j = 0; j < NJ / 2; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qb + i * D + 32 * j);
+              for (int64_t t = 0; t < KW; ++t) {
+                __m512 a = _mm512_setzero_ps();
+                if (t < n)
+                  for (int j = 0; j < NJ / 2; ++j)
+                    a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(kraw + t * row + 32 * j));
+                part[t] = a;
+              }
+#endif
+            } else {
+              vf qv[NJ];
+              for (int j = 0; j < NJ; ++j) qv[j] = load(qh + i * D + W * j);
+              for (int64_t t = 0; t < KW; ++t) {
+                vf a = zero();
+                if (t < n)
+                  for (int j = 0; j < NJ; ++j) a = fmadd(qv[j], load(kf + t * kld + W * j), a);
+                part[t] = a;
+              }
+            }
+            vf sum = transpose_sum(part);
+            if constexpr (kDot) sum = mul(sum, set1(scale));  // q unscaled: exact bf16 pairs
+            const vf sc = first_lanes(sum, n, -std::numeric_limits<float>::infinity());
+            const float mnew = std::max(mx[i], reduce_max(sc));
+            const float corr = std::exp(mx[i] - mnew);  // exp(-inf) = 0 on the first keys
+            mx[i] = mnew;
+            const vf e = first_lanes(vexp(sub(sc, set1(mnew))), n, 0.f);
+            den[i] = den[i] * corr + reduce_add(e);
+            store(pr + KW * i, e);
+#if SERVESCOPE_HAS_BF16_DOT
+            if constexpr (kDot) _mm256_storeu_si256((__m256i*)(pb + KW * i), (__m256i)_mm512_cvtneps_pbh(e));
+#endif
+            if (corr != 1.0f)
+              for (int j = 0; j < NJ; ++j) store(acc + i * D + W * j, mul(load(acc + i * D + W * j), set1(corr)));
+          }
+          for (int64_t i0h = 0; i0h < g; i0h += HD) {  // acc[i] += sum_t p[i][t] v_t, HD heads in registers
+            const int64_t nh = std::min<int64_t>(HD, g - i0h);
+            vf a[HD][NJ];
+            for (int ii = 0; ii < HD; ++ii)
+              for (int j = 0; j < NJ; ++j) a[ii][j] = ii < nh ? load(acc + (i0h + ii) * D + W * j) : zero();
+            if constexpr (kDot) {
+#if SERVESCOPE_HAS_BF16_DOT
+              // two keys at a time: VDPBF16PS adds p_t v_t[d] + p_t+1 v_t+1[d] for 16 dims d, the
+              // probabilities rounded to bfloat16 as SDPA's bfloat16 kernel rounds them for its p*v GEMM
+              const __m512i inter = _mm512_loadu_si512(kPairIndex);
+              for (int64_t t = 0; t < n; t += 2) {
+                const bool two = t + 1 < n;  // an odd tail pairs with a zero row (its p is 0 too)
+                __m512i vv[NJ];
+                for (int j = 0; j < NJ; ++j) {
+                  __m256i r0v = _mm256_loadu_si256((const __m256i*)(vraw + t * row + 16 * j));
+                  __m256i r1v = two ? _mm256_loadu_si256((const __m256i*)(vraw + (t + 1) * row + 16 * j))
+                                    : _mm256_setzero_si256();
+                  vv[j] = _mm512_permutexvar_epi16(inter, _mm512_inserti64x4(_mm512_castsi256_si512(r0v), r1v, 1));
+                }
+                for (int ii = 0; ii < HD && ii < nh; ++ii) {
+                  uint32_t pair;
+                  std::memcpy(&pair, pb + KW * (i0h + ii) + t, sizeof(pair));
+                  const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
+                  for (int j = 0; j < NJ; ++j) a[ii][j] = _mm512_dpbf16_ps(a[ii][j], pp, (__m512bh)vv[j]);
+                }
+              }
+#endif
+            } else {
+              for (int64_t t = 0; t < n; ++t) {
+                vf vv[NJ];
+                for (int j = 0; j < NJ; ++j) vv[j] = load(vfl + t * vld + W * j);
+                for (int ii = 0; ii < HD && ii < nh; ++ii) {
+                  const vf pv = set1(pr[KW * (i0h + ii) + t]);
+                  for (int j = 0; j < NJ; ++j) a[ii][j] = fmadd(pv, vv[j], a[ii][j]);
+                }
+              }
+            }
+            for (int ii = 0; ii < nh; ++ii)
+              for (int j = 0; j < NJ; ++j) store(acc + (i0h + ii) * D + W * j, a[ii][j]);
+          }
+        }
+        p += n;
+      }
+      if (parts > 1) {  // [max, sum of p, sum of p * v (D)] per query head, merged below
+        float* pp = partial.data() + item * h * (D + 2);
+        for (int64_t i = 0; i < h; ++i) {
+          pp[i * (D + 2)] = mx_[i];
+          pp[i * (D + 2) + 1] = den_[i];
+          std::memcpy(pp + i * (D + 2) + 2, acc_ + i * D, D * sizeof(float));
+        }
+        continue;
+      }
+      for (int64_t i = 0; i < h; ++i) {
+        Q* o = out + bi * os0 + i * os1;
+        const vf inv = set1(den_[i] > 0.f ? 1.0f / den_[i] : 0.f);
+        for (int j = 0; j < NJ; ++j) store(o + W * j, mul(load(acc_ + i * D + W * j), inv));
+      }
+    }
+  });
+  if (parts == 1) return;
+  for (int64_t bi = 0; bi < b; ++bi)  // softmax over the parts: rescale each part's sums to the common max
+    for (int64_t i = 0; i < h; ++i) {
+      float m = -std::numeric_limits<float>::infinity(), den = 0.f;
+      for (int64_t j = 0; j < parts; ++j) m = std::max(m, partial[((bi * parts + j) * h + i) * (D + 2)]);
+      vf acc[NJ];
+      for (int k = 0; k < NJ; ++k) acc[k] = zero();
+      for (int64_t j = 0; j < parts; ++j) {
+        const float* pp = partial.data() + ((bi * parts + j) * h + i) * (D + 2);
+        if (pp[1] == 0.f) continue;  // an empty part
+        const float c = std::exp(pp[0] - m);
+        den += pp[1] * c;
+        for (int k = 0; k < NJ; ++k) acc[k] = fmadd(loadn(pp + 2 + W * k, W), set1(c), acc[k]);
+      }
+      const vf inv = set1(den > 0.f ? 1.0f / den : 0.f);
+      Q* o = out + bi * os0 + i * os1;
+      for (int k = 0; k < NJ; ++k) store(o + W * k, mul(acc[k], inv));
+    }
+}
+
+// The dispatch every caller uses: the register-tiled kernel for head dims 64 and 128, else the general one.
+template <typename Q, typename C>
+void paged_decode_rows(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, int64_t S, int64_t hkv,
+                       int64_t d, const int32_t* bt, int64_t bts, const int32_t* cl, int64_t b, int64_t h, float scale,
+                       Q* out, int64_t os0, int64_t os1) {
+  if (d == 64)
+    decode_fast<Q, C, 64>(q, qs0, qs1, kc, vc, S, hkv, bt, bts, cl, b, h, scale, out, os0, os1);
+  else if (d == 128)
+    decode_fast<Q, C, 128>(q, qs0, qs1, kc, vc, S, hkv, bt, bts, cl, b, h, scale, out, os0, os1);
+  else
+    decode_any<Q, C>(q, qs0, qs1, kc, vc, S, hkv, d, bt, bts, cl, b, h, scale, out, os0, os1);
+}
+
+}  // namespace servescope_kernels

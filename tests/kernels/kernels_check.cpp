@@ -1,0 +1,270 @@
+// Every CPU kernel of src/servescope/kernels/csrc/kernels.h against a float64 reference, with no
+// torch: compiled once per ISA by tests/kernels/test_isa_paths.py (natively where the CPU runs it,
+// and for aarch64 with a cross compiler, run under qemu-aarch64). Prints one line per failure and
+// "<isa> ok: <n> checks" at the end; the exit status is the number of failures (capped).
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "kernels.h"
+
+using namespace servescope_kernels;
+
+static int g_checks = 0, g_fail = 0;
+
+static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
+static float urand() {  // uniform in [-1, 1)
+  g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
+  return (float)((g_rng >> 40) & 0xFFFFFF) / (float)(1 << 23) - 1.0f;
+}
+
+template <typename T>
+static T from_float(float f) {
+  if constexpr (std::is_same_v<T, float>) return f; else return float_to_bf16(f);
+}
+template <typename T>
+static double to_double(T v) {
+  if constexpr (std::is_same_v<T, float>) return v; else return bf16_to_float(v);
+}
+template <typename T>
+static std::vector<T> randv(size_t n, float scale = 1.f) {
+  std::vector<T> v(n);
+  for (auto& x : v) x = from_float<T>(urand() * scale);
+  return v;
+}
+template <typename T>
+static double tol() { return std::is_same_v<T, float> ? 2e-5 : 2e-2; }
+
+// |got - want| <= tol * (1 + |want|) for every element
+template <typename G>
+static void expect(const char* what, const G* got, const std::vector<double>& want, double tl, const std::string& ctx) {
+  ++g_checks;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double g = to_double(got[i]);
+    if (!(std::fabs(g - want[i]) <= tl * (1.0 + std::fabs(want[i])))) {
+      ++g_fail;
+      std::printf("FAIL %s %s: [%zu] got %.8g want %.8g\n", what, ctx.c_str(), i, g, want[i]);
+      return;
+    }
+  }
+}
+
+template <typename T>
+static void check_norm(int64_t rows, int64_t n, bool with_residual) {
+  auto x = randv<T>(rows * n), r = randv<T>(rows * n), w = randv<T>(n);
+  std::vector<T> y(rows * n), h(rows * n);
+  norm_rows<T>(x.data(), n, with_residual ? r.data() : nullptr, n, h.data(), y.data(), w.data(), rows, n, 1e-5f);
+  std::vector<double> want(rows * n), want_h(rows * n);
+  for (int64_t i = 0; i < rows; ++i) {
+    double ss = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      double v = to_double(x[i * n + k]) + (with_residual ? to_double(r[i * n + k]) : 0.0);
+      v = to_double(from_float<T>((float)v));  // the residual sum is rounded to the dtype
+      want_h[i * n + k] = v;
+      ss += v * v;
+    }
+    const double inv = 1.0 / std::sqrt(ss / n + 1e-5);
+    for (int64_t k = 0; k < n; ++k) want[i * n + k] = to_double(w[k]) * want_h[i * n + k] * inv;
+  }
+  const std::string ctx = "rows=" + std::to_string(rows) + " n=" + std::to_string(n);
+  expect("norm", y.data(), want, tol<T>(), ctx);
+  if (with_residual) expect("norm residual", h.data(), want_h, 0.0, ctx);
+}
+
+template <typename T>
+static void check_rotary(int64_t t, int64_t hq, int64_t hk, int64_t d) {
+  auto q = randv<T>(t * hq * d), k = randv<T>(t * hk * d);
+  auto cs = randv<float>(t * d / 2), sn = randv<float>(t * d / 2);
+  std::vector<T> qo(q.size()), ko(k.size());
+  rotary_rows<T>(q.data(), hq * d, d, k.data(), hk * d, d, qo.data(), ko.data(), t, hq, hk, d, cs.data(), sn.data(), d / 2);
+  auto ref = [&](const std::vector<T>& x, int64_t heads) {
+    std::vector<double> out(x.size());
+    for (int64_t i = 0; i < t; ++i)
+      for (int64_t hh = 0; hh < heads; ++hh)
+        for (int64_t j = 0; j < d / 2; ++j) {
+          const T* row = x.data() + (i * heads + hh) * d;
+          double x1 = to_double(row[j]), x2 = to_double(row[j + d / 2]), c = cs[i * d / 2 + j], s = sn[i * d / 2 + j];
+          out[(i * heads + hh) * d + j] = x1 * c - x2 * s;
+          out[(i * heads + hh) * d + j + d / 2] = x2 * c + x1 * s;
+        }
+    return out;
+  };
+  expect("rotary q", qo.data(), ref(q, hq), tol<T>(), "d=" + std::to_string(d));
+  expect("rotary k", ko.data(), ref(k, hk), tol<T>(), "d=" + std::to_string(d));
+}
+
+template <typename T>
+static void check_silu(int64_t rows, int64_t inner) {
+  auto x = randv<T>(rows * 2 * inner, 6.f);
+  std::vector<T> y(rows * inner);
+  silu_mul_rows<T>(x.data(), 2 * inner, y.data(), rows, inner);
+  std::vector<double> want(y.size());
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < inner; ++j) {
+      const double g = to_double(x[i * 2 * inner + j]), u = to_double(x[i * 2 * inner + inner + j]);
+      want[i * inner + j] = g / (1.0 + std::exp(-g)) * u;
+    }
+  expect("silu_mul", y.data(), want, tol<T>(), "inner=" + std::to_string(inner));
+}
+
+static void check_store_kv() {
+  const int64_t t = 3, hkv = 2, d = 20, slots_n = 8;
+  auto src = randv<float>(t * hkv * d);
+  std::vector<int64_t> slots = {5, 0, 7};
+  std::vector<bf16> cache(slots_n * hkv * d, bf16{0});
+  copy_rows<float, bf16>(src.data(), hkv * d, d, cache.data(), slots.data(), t, hkv, d);
+  std::vector<double> want(cache.size(), 0.0);
+  for (int64_t i = 0; i < t; ++i)
+    for (int64_t e = 0; e < hkv * d; ++e) want[slots[i] * hkv * d + e] = bf16_to_float(float_to_bf16(src[i * hkv * d + e]));
+  expect("store_kv", cache.data(), want, 0.0, "float32 -> bfloat16");
+}
+
+template <typename WT>
+static void check_gemv(int64_t M, int64_t K, int64_t N, bool scaled) {
+  auto x = randv<float>(M * K);
+  std::vector<WT> w(N * K);
+  for (auto& v : w) {
+    if constexpr (std::is_same_v<WT, int8_t>) v = (int8_t)(urand() * 127); else v = from_float<WT>(urand());
+  }
+  auto scale = randv<float>(N), bias = randv<float>(N);
+  std::vector<float> y(M * N);
+  gemv_rows<WT>(x.data(), M, K, w.data(), N, scaled ? scale.data() : nullptr, bias.data(), y.data());
+  std::vector<double> want(M * N);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        double wv;
+        if constexpr (std::is_same_v<WT, int8_t>) wv = w[n * K + k]; else wv = to_double(w[n * K + k]);
+        s += x[m * K + k] * wv;
+      }
+      want[m * N + n] = s * (scaled ? scale[n] : 1.0) + bias[n];
+    }
+  expect("gemv", y.data(), want, std::is_same_v<WT, int8_t> ? 1e-4 : 2e-5,
+         "M=" + std::to_string(M) + " K=" + std::to_string(K) + " N=" + std::to_string(N));
+}
+
+template <typename Q, typename C>
+static void check_decode(int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t ctx_max) {
+  const int64_t S = 16, per_seq = (ctx_max + S - 1) / S, nblk = b * per_seq + 1;
+  auto q = randv<Q>(b * h * d, 2.f);
+  auto kc = randv<C>(nblk * S * hkv * d), vc = randv<C>(nblk * S * hkv * d);
+  std::vector<int32_t> bt(b * per_seq), cl(b);
+  for (int64_t i = 0; i < b; ++i) {
+    cl[i] = (int32_t)std::max<int64_t>(1, ctx_max - 7 * i);
+    for (int64_t j = 0; j < per_seq; ++j) bt[i * per_seq + j] = (int32_t)(nblk - 1 - (i * per_seq + j));  // scattered
+  }
+  std::vector<Q> out(b * h * d);
+  const float scale = 1.0f / std::sqrt((float)d);
+  paged_decode_rows<Q, C>(q.data(), h * d, d, kc.data(), vc.data(), S, hkv, d, bt.data(), per_seq, cl.data(), b, h, scale,
+                          out.data(), h * d, d);
+  std::vector<double> want(out.size());
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t hh = 0; hh < h; ++hh) {
+      const int64_t kh = hh / (h / hkv);
+      std::vector<double> sc(cl[i]);
+      double mx = -1e300, den = 0;
+      auto at = [&](const std::vector<C>& cache, int64_t p, int64_t j) {
+        return to_double(cache[((bt[i * per_seq + p / S] * S + p % S) * hkv + kh) * d + j]);
+      };
+      for (int64_t p = 0; p < cl[i]; ++p) {
+        double s = 0;
+        for (int64_t j = 0; j < d; ++j) s += to_double(q[(i * h + hh) * d + j]) * at(kc, p, j);
+        sc[p] = s * scale;
+        mx = std::max(mx, sc[p]);
+      }
+      for (auto& s : sc) den += (s = std::exp(s - mx));
+      for (int64_t j = 0; j < d; ++j) {
+        double a = 0;
+        for (int64_t p = 0; p < cl[i]; ++p) a += sc[p] * at(vc, p, j);
+        want[(i * h + hh) * d + j] = a / den;
+      }
+    }
+  const bool all_f32 = std::is_same_v<Q, float> && std::is_same_v<C, float>;
+  expect("paged_decode", out.data(), want, all_f32 ? 2e-5 : 2e-2,
+         "b=" + std::to_string(b) + " h=" + std::to_string(h) + " hkv=" + std::to_string(hkv) + " d=" + std::to_string(d) +
+             " ctx=" + std::to_string(ctx_max));
+}
+
+static void check_layer() {  // the vector layer's own pieces: exp, bfloat16 rounding, the transposed lane sum
+  std::vector<float> xs;
+  for (float x = -100.f; x < 88.f; x += 0.37f) xs.push_back(x);
+  while (xs.size() % W) xs.push_back(0.f);
+  std::vector<float> e(xs.size());
+  for (size_t i = 0; i < xs.size(); i += W) store(e.data() + i, vexp(load(xs.data() + i)));
+  std::vector<double> want(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) want[i] = xs[i] < -87.3f ? 0.0 : std::exp((double)xs[i]);
+  // relative 1e-6; below exp(-87.3) the lanes may be 0 or the true denormal (both ~1e-38)
+  ++g_checks;
+  for (size_t i = 0; i < xs.size(); ++i)
+    if (!(std::fabs(e[i] - want[i]) <= 1e-6 * want[i] + 2e-38)) {
+      ++g_fail;
+      std::printf("FAIL exp(%g) = %.9g want %.9g\n", xs[i], e[i], want[i]);
+      break;
+    }
+  alignas(64) float inf[W];
+  for (int i = 0; i < W; ++i) inf[i] = -std::numeric_limits<float>::infinity();
+  alignas(64) float z[W];
+  store(z, vexp(load(inf)));
+  expect("exp(-inf)", z, std::vector<double>(W, 0.0), 0.0, "");
+  // bfloat16 rounding of the vector store equals c10's scalar rounding, ties and NaN included
+  std::vector<float> vals = {1.0f, 1.00390625f, 1.01171875f, -3.3e38f, 1e-40f, std::nanf(""), 65504.f, 0.1f};
+  while (vals.size() % W) vals.push_back(urand() * 1e3f);
+  for (int i = 0; i < 64 * W; ++i) vals.push_back(urand() * 10.f);
+  std::vector<bf16> got(vals.size());
+  for (size_t i = 0; i < vals.size(); i += W) store(got.data() + i, load(vals.data() + i));
+  ++g_checks;
+  for (size_t i = 0; i < vals.size(); ++i) {
+    // AVX512-BF16's VCVTNEPS2BF16 treats denormal inputs as zero (c10 rounds them): the one allowed difference
+    const bool denormal = vals[i] != 0.f && std::fabs(vals[i]) < std::numeric_limits<float>::min();
+    if (SERVESCOPE_HAS_BF16_DOT && denormal && (got[i].bits & 0x7FFF) == 0) continue;
+    if (got[i].bits != float_to_bf16(vals[i]).bits) {
+      ++g_fail;
+      std::printf("FAIL bf16(%g): 0x%04x want 0x%04x\n", vals[i], got[i].bits, float_to_bf16(vals[i]).bits);
+      break;
+    }
+  }
+  vf rows[W];
+  std::vector<double> sums(W, 0.0);
+  for (int t = 0; t < W; ++t) {
+    alignas(64) float r[W];
+    for (int j = 0; j < W; ++j) sums[t] += (r[j] = urand());
+    rows[t] = load(r);
+  }
+  alignas(64) float ts[W];
+  store(ts, transpose_sum(rows));
+  expect("transpose_sum", ts, sums, 1e-6, "");
+}
+
+int main() {
+  check_layer();
+  for (int64_t n : {64, 100, 576}) {
+    check_norm<float>(3, n, false);
+    check_norm<float>(3, n, true);
+    check_norm<bf16>(3, n, true);
+  }
+  for (int64_t d : {64, 20}) {
+    check_rotary<float>(3, 4, 2, d);
+    check_rotary<bf16>(3, 4, 2, d);
+  }
+  for (int64_t inner : {100, 1536}) {
+    check_silu<float>(2, inner);
+    check_silu<bf16>(2, inner);
+  }
+  check_store_kv();
+  for (int64_t M : {1, 2, 3, 5})
+    for (int64_t K : {64, 100, 576}) {
+      check_gemv<float>(M, K, 130, false);
+      check_gemv<bf16>(M, K, 7, false);
+      check_gemv<int8_t>(M, K, 33, true);
+    }
+  for (int64_t d : {64, 128, 48})
+    for (int64_t b : {1, 3})
+      for (int64_t ctx : {1, 17, 40}) {
+        check_decode<float, float>(b, 6, 2, d, ctx);
+        check_decode<float, bf16>(b, 6, 2, d, ctx);
+        check_decode<bf16, bf16>(b, 4, 4, d, ctx);
+      }
+  std::printf("%s %s: %d checks, %d failed\n", kIsa, g_fail ? "FAILED" : "ok", g_checks, g_fail);
+  return std::min(g_fail, 100);
+}

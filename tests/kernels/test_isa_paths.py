@@ -1,0 +1,111 @@
+"""Every CPU kernel path, checked here whatever this machine is: the dispatcher's choice for given CPU
+flags, a clear error for a forced path the CPU lacks, and kernels_check.cpp (each kernel against a
+float64 reference, no torch) compiled for every ISA: run natively where the CPU can, compiled only
+where it cannot, and for aarch64 cross-compiled and run under qemu-aarch64 (Debian's
+g++-aarch64-linux-gnu and qemu-user, which `make test` installs where it can)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from servescope.analysis.cpu_isa import (cpu_flags, has_fast_bf16, isa_signature, machine_arch, select_isa,
+                                         supported_isas)
+from servescope.errors import InvalidParameterError
+from servescope.kernels.cpu_extension import CpuExtension, isa_cflags
+
+ROOT = Path(__file__).resolve().parents[2]
+CSRC = ROOT / "src" / "servescope" / "kernels" / "csrc"
+CHECK = Path(__file__).with_name("kernels_check.cpp")
+AVX512 = {"avx512f", "avx512bw", "avx512vl", "fma", "avx2"}
+ZEN3 = {"avx2", "fma", "f16c", "sse4_2"}
+# -O1: a third less compile time than -O2 for the same checks
+COMMON = ["-O1", "-std=c++17", "-ffp-contract=off", f"-I{CSRC}"]
+
+
+@pytest.mark.parametrize("flags, arch, best", [
+    (AVX512 | {"avx512_bf16"}, "x86_64", "avx512"),
+    (ZEN3, "x86_64", "avx2"),
+    ({"avx2"}, "x86_64", "scalar"),  # AVX2 without FMA: no vector path
+    ({"avx512f", "fma", "avx2"}, "x86_64", "avx2"),  # AVX-512 F without BW/VL (Knights Landing)
+    ({"fp", "asimd", "asimddp"}, "aarch64", "neon"),
+    (set(), "riscv64", "scalar"),
+    (AVX512, "aarch64", "scalar"),  # x86 flags on an ARM machine mean nothing
+])
+def test_dispatcher_picks_the_best_path(flags, arch, best):
+    assert select_isa(flags, arch) == best
+    assert supported_isas(flags, arch)[0] == best and supported_isas(flags, arch)[-1] == "scalar"
+
+
+def test_forcing_a_path_the_cpu_lacks_is_a_clear_error():
+    with pytest.raises(InvalidParameterError, match="lacks avx512bw, avx512f, avx512vl; it can run avx2, scalar"):
+        select_isa(ZEN3, "x86_64", "avx512")
+    with pytest.raises(InvalidParameterError, match="neon"):
+        select_isa(ZEN3, "x86_64", "neon")
+    with pytest.raises(InvalidParameterError, match="not a CPU kernel path"):
+        select_isa(ZEN3, "x86_64", "sse9")
+    assert select_isa(AVX512, "x86_64", " AVX2 ") == "avx2"  # a path the CPU has can be forced
+    assert select_isa(ZEN3, "x86_64", "scalar") == "scalar"
+
+
+def test_extension_refuses_a_forced_path_before_building(monkeypatch):
+    lacking = next(isa for isa in ("neon", "avx512", "avx2") if isa not in supported_isas(cpu_flags(), machine_arch()))
+    monkeypatch.setenv("SERVESCOPE_CPU_ISA", lacking)
+    ext = CpuExtension("servescope_never_built", "cpu_ops.cpp", "test extension")
+    with pytest.raises(InvalidParameterError, match=lacking):
+        ext.load()
+    assert ext.mod is None
+
+
+def test_cflags_and_signature_follow_the_flags():
+    assert "-mavx512bf16" in isa_cflags("avx512", AVX512 | {"avx512_bf16"})
+    assert "-mavx512bf16" not in isa_cflags("avx512", AVX512)
+    assert not any("512" in f for f in isa_cflags("avx2", AVX512 | {"avx512_bf16"}))
+    assert isa_cflags("neon", {"asimd", "asimddp"})[-1] == "-march=armv8.2-a+dotprod"
+    # Zen 3 and Zen 4 share a CPU name; their cache keys must differ
+    assert isa_signature(ZEN3, "avx2") != isa_signature(AVX512 | {"avx512_bf16"}, "avx512")
+    assert not has_fast_bf16(ZEN3) and has_fast_bf16({"avx512_bf16"}) and has_fast_bf16({"bf16", "asimd"})
+
+
+def _compile(compiler: str, flags: list, out: Path, link: bool = True) -> None:
+    cmd = [compiler, *COMMON, *flags, str(CHECK), "-o", str(out)] + ([] if link else ["-c"])
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-3000:]}"
+
+
+def _run(cmd: list) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and " ok: " in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    return r.stdout
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+def test_x86_kernels_against_float64(isa, tmp_path):
+    """Run natively where this CPU has the ISA, else compile (the path is at least built)."""
+    if machine_arch() not in ("x86_64", "amd64"):
+        pytest.skip("x86 paths are checked on x86 machines (this one is %s)" % machine_arch())
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler here")
+    flags = cpu_flags() if isa in supported_isas(cpu_flags(), machine_arch()) else AVX512 | {"avx512_bf16"}
+    runnable = isa in supported_isas(cpu_flags(), machine_arch())
+    _compile(compiler, isa_cflags(isa, flags), tmp_path / "check", link=runnable)
+    if runnable:
+        assert _run([str(tmp_path / "check")]).startswith(isa)
+
+
+def test_aarch64_kernels_under_qemu(tmp_path):
+    """The NEON path, cross-compiled and run under user-mode qemu (or natively on an ARM machine)."""
+    native = machine_arch() in ("aarch64", "arm64")
+    compiler = shutil.which("g++") if native else shutil.which("aarch64-linux-gnu-g++")
+    qemu = None if native else shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
+    if compiler is None or (not native and qemu is None):
+        pytest.skip("aarch64 check needs g++-aarch64-linux-gnu and qemu-user (apt-get install qemu-user "
+                    "g++-aarch64-linux-gnu; `make test` installs them where it runs as root)")
+    # the baseline every aarch64 CPU has (the kernels use no dotprod / bf16 instructions yet)
+    _compile(compiler, ["-DSERVESCOPE_ISA_NEON", "-march=armv8-a", "-static"], tmp_path / "check")
+    out = _run(([qemu] if qemu else []) + [str(tmp_path / "check")])
+    assert out.startswith("neon ok")
