@@ -119,10 +119,12 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
                                    max_positions=max(max_pos or 0, model_config.max_position_embeddings))
         tokenizer, path = None, load.model
     else:
-        src = load_model_source(load.model)
+        src = load_model_source(load.model, keep_packed=load.quantization == "gguf")
+        if load.quantization == "gguf" and src.format != "gguf":
+            raise EngineConfigError(f"quantization gguf runs a .gguf file's own blocks; {src.path} is not one")
         model_config, path = src.config, src.path
         model = build_model(src.config, src.state_dict, dtype, device,
-                            max_positions=max(max_pos or 0, src.config.max_position_embeddings))
+                            max_positions=max(max_pos or 0, src.config.max_position_embeddings), packed=src.packed)
         tokenizer = None if load.skip_tokenizer_init else load_tokenizer(src.tokenizer_source)
     executor = ModelExecutor.prepare(model, device, load.quantization, load.gpu_linear)
     return LoadedModel(config, executor, model_config, tokenizer, path, time.perf_counter() - t0)
