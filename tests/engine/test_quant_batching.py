@@ -16,7 +16,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, l
 PROMPTS = [[(i * 7 + j * 13) % 500 + 3 for i in range(n)] for j, n in enumerate((5, 19, 33, 2, 40, 9, 1, 27, 12, 3, 50, 8))]
 
 
-@pytest.fixture(scope="module", params=["int4", "int8-g64-asym"])
+@pytest.fixture(scope="module", params=["int4"])  # int8 and asymmetric forms: test_decode_plan.py
 def qllm(request, tmp_path_factory):
     path = make_tiny_hf_model(tmp_path_factory.mktemp("q"), "llama", vocab_size=512, with_tokenizer=False,
                               num_hidden_layers=2)

@@ -102,6 +102,11 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     return model
 
 
+# The output head of the 4-bit modes: 8 bits in groups of 32 (llama.cpp keeps output.weight at 6-8 bits
+# for the same reason: a 4-bit head alone took the mean KL against float32 from ~0.06 to ~0.46 here)
+HEAD_SCHEME = QuantScheme(8, 32, False)
+
+
 def parse_mode(mode: str):
     """A mode string -> QuantScheme, "int8" for the per-channel Int8Linear, None for gguf. Raises
     InvalidParameterError naming the accepted forms."""
@@ -132,5 +137,6 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
         return quantize_int8(model)
     for parent, name, child in model.projections():
         if isinstance(child, nn.Linear):
-            setattr(parent, name, QuantLinear.from_linear(child, scheme, float_output=name == "lm_head"))
+            s = HEAD_SCHEME if name == "lm_head" and scheme.bits == 4 else scheme
+            setattr(parent, name, QuantLinear.from_linear(child, s, float_output=name == "lm_head"))
     return model
