@@ -75,7 +75,7 @@ def _request_table(engine, final):
     req.add_row("KV cache allocated", f"{fmt_bytes(engine.runner.kv_cache_bytes)} "
                                      f"({engine.cache_config.num_blocks} blocks x {engine.cache_config.block_size})")
     req.add_row("weights", f"{fmt_bytes(engine.weight_bytes)}  ({str(engine.dtype).replace('torch.', '')}"
-                           f"{', int8 linear weights' if engine.config.quantization else ''})")
+                           f"{f', {engine.config.quantization} linear weights' if engine.config.quantization else ''})")
     return req
 
 

@@ -1,6 +1,7 @@
 """Weight-only quantization applied after loading: `quantize_model(model, mode)`.
 
-Modes (config/engine.py validates the spelling): `int8` (per output channel, symmetric, Int8Linear
+Modes (config/engine.py validates the spelling): `gguf` (nothing here: the loader kept a GGUF's own
+blocks, loader/gguf_packed.py), `int8` (per output channel, symmetric, Int8Linear
 below) and the packed group-wise forms of kernels/quant_linear.py, `int4` (group 32, symmetric: GGUF
 Q4_0's scheme) or `int<4|8>-<g32|g64|g128|ch>[-sym|-asym]`, e.g. int4-g128-asym, int8-g32 (Q8_0).
 
