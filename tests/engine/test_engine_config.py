@@ -24,7 +24,7 @@ from servescope.errors import EngineConfigError
     (LoadConfig, dict(dtype="float64"), "dtype must be float32, bfloat16, float16 or auto"),
     (LoadConfig, dict(attention_backend="flash"), "attention_backend must be auto, torch or triton"),
     (LoadConfig, dict(gpu_linear="cutlass"), "gpu_linear must be cublas, triton or auto"),
-    (LoadConfig, dict(quantization="int4"), "quantization must be int8 or unset"),
+    (LoadConfig, dict(quantization="int5"), "quantization must be gguf, int8, int4"),
     (KVCacheConfig, dict(block_size=0), "block_size must be positive, got 0"),
     (KVCacheConfig, dict(block_size=12), "block_size must be a power of two, got 12"),
     (KVCacheConfig, dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes must be positive"),

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from servescope.kernels import cpu_ops
+from servescope.kernels import cpu_ops, quant_linear
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="CPU op extension not built here")
 
@@ -65,6 +65,9 @@ def _generate_comparing(llm, prompts, sp) -> dict:
     ("qwen2", 16, "bfloat16", "int8"),
     ("qwen3", 64, "bfloat16", None),
     ("qwen3", 16, "float32", "int8"),
+    ("llama", 64, "float32", "int4"),
+    ("qwen2", 16, "bfloat16", "int4-g64-asym"),
+    ("llama_plain", 64, "float32", "int8-g32"),
 ])
 def test_decode_plan_matches_module_path_bit_for_bit(tmp_path, monkeypatch, family, head_dim, dtype, quant):
     from servescope import LLM, SamplingParams
@@ -77,7 +80,8 @@ def test_decode_plan_matches_module_path_bit_for_bit(tmp_path, monkeypatch, fami
     rows = ex.decode_plan_max_rows
     # float32 / bfloat16: the GEMV up to 2 / 3 rows, oneDNN's prepacked GEMM above, any batch;
     # int8: the GEMV up to 16 rows, and the modules above (eager dequantisation)
-    assert rows == (16 if quant else 1 << 30)
+    # packed int4 / int8 (kernels/quant_linear.py): their GEMV up to MAX_ROWS
+    assert rows == ({"int8": 16}.get(quant, quant_linear.MAX_ROWS) if quant else 1 << 30)
     # prompts of different lengths (different context lengths in one decode batch, one crossing a
     # 16-token block); batches on both sides of each GEMV limit
     prompts = [[(i * 7 + j * 13) % 500 + 3 for i in range(n)] for j, n in enumerate((5, 19, 33, 2, 40, 9, 1))]

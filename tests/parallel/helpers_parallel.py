@@ -19,8 +19,8 @@ def record_logits(llm: LLM) -> list:
     runner, seen = llm.engine.runner, []
     inner = runner.execute
 
-    def execute(scheduled, rows=None):
-        out = inner(scheduled, rows)
+    def execute(scheduled, rows=None, *more):
+        out = inner(scheduled, rows, *more)
         seen.append(out.detach().clone())
         return out
 

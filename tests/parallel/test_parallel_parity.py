@@ -35,3 +35,22 @@ def test_tensor_parallel_2_equals_one_process(tmp_path, case):
 def test_pipeline_parallel_2_equals_one_process(tmp_path, family, overrides):
     path = str(make_tiny_hf_model(tmp_path, family, **overrides))
     assert_same_as_single_process(path, pipeline_parallel_size=2)
+
+
+def test_tensor_parallel_2_with_ngram_speculation_equals_one_process(tmp_path):
+    """Verification rows (1 + k one-token rows per speculating request) go to the workers like any
+    step's rows: n-gram speculation at TP=2 keeps the single process's greedy tokens."""
+    from servescope import LLM
+    from helpers_parallel import ENGINE, PARAMS
+
+    path = str(make_tiny_hf_model(tmp_path, "llama"))
+    prompts = [[5, 6, 7, 8, 9, 10] * 6, [100, 200, 300, 100, 200]]
+    want = [o.outputs[0].token_ids for o in LLM(model=path, **ENGINE).generate(prompts, PARAMS)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(model=path, **ENGINE, tensor_parallel_size=2, speculative=spec)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
+        drafted = llm.engine.spec.num_draft_tokens
+    finally:
+        llm.engine.shutdown(keep_workers=True)
+    assert got == want and drafted > 0

@@ -83,7 +83,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-linear", default="cublas", choices=["cublas", "triton", "auto"],
                    help="decode matmuls on a GPU: cuBLAS, the Triton GEMV, or the faster of the two per "
                         "shape, timed at start-up")
-    g.add_argument("--quantization", default=None, choices=["int8"])
+    g.add_argument("--quantization", default=None,
+                   help="weight-only: gguf (a .gguf's own Q4_0/Q4_1/Q8_0 blocks), int8 (per channel), "
+                        "int4 (group 32, symmetric) or "
+                        "int<4|8>-<g32|g64|g128|ch>[-sym|-asym], e.g. int4-g128-asym; weights stay packed")
     g.add_argument("--threads", type=positive_int, default=None)
     g.add_argument("--hardware", default=None, help="hardware spec for step predictions (default: probe / GPU)")
     s = p.add_argument_group("speculative decoding")

@@ -81,7 +81,7 @@ def _request_table(engine, final):
 
         req.add_row("CPU kernels", cpu_ops.kernel_path())
     req.add_row("weights", f"{fmt_bytes(engine.weight_bytes)}  ({str(engine.dtype).replace('torch.', '')}"
-                           f"{', int8 linear weights' if engine.config.quantization else ''})")
+                           f"{f', {engine.config.quantization} linear weights' if engine.config.quantization else ''})")
     return req
 
 

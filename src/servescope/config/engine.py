@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -16,6 +17,8 @@ from servescope.errors import EngineConfigError
 # config.block_size, since every flat name belongs to exactly one part.
 
 _DTYPES = ("float32", "bfloat16", "float16")
+# weight-only quantization modes (model/quantize.py): int8 per channel, int4 = int4-g32-sym, or spelled out
+_QUANT_RE = re.compile(r"^(gguf|int(4|8)(-(g32|g64|g128|ch))?(-(sym|asym))?)$")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -30,7 +33,8 @@ class LoadConfig:
     model: Optional[str] = None  # directory, .gguf path, or a known name; None = smollm2-135m
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
     device: str = "cpu"
-    quantization: Optional[str] = None  # None | int8
+    # None | gguf (a GGUF's own Q4_0/Q4_1/Q8_0 blocks) | int8 | int4 | int<4|8>-<g32|g64|g128|ch>[-sym|-asym]
+    quantization: Optional[str] = None
     attention_backend: str = "auto"  # auto | torch | triton
     # decode matmuls (M <= 8 rows) on a GPU: cublas (F.linear) | triton (kernels/triton_gemv.py) |
     # auto (whichever is faster per weight shape and M, timed at start-up on the model's weights)
@@ -50,7 +54,9 @@ class LoadConfig:
                  f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         _require(self.gpu_linear in ("cublas", "triton", "auto"),
                  f"gpu_linear must be cublas, triton or auto, got {self.gpu_linear!r}")
-        _require(self.quantization in (None, "int8"), f"quantization must be int8 or unset, got {self.quantization!r}")
+        _require(self.quantization is None or bool(_QUANT_RE.match(str(self.quantization))),
+                 f"quantization must be gguf, int8, int4 or int<4|8>-<g32|g64|g128|ch>[-sym|-asym] (e.g. int4-g128-asym), "
+                 f"or unset, got {self.quantization!r}")
 
 
 @dataclass(frozen=True)
@@ -228,10 +234,16 @@ class EngineConfig:
         self.__post_init__()
 
     def __post_init__(self):
-        # the one check that spans parts: a step must hold at least one block's tokens
+        # the checks that span parts: a step must hold at least one block's tokens
         _require(self.batching.max_num_batched_tokens >= self.cache.block_size,
                  f"max_num_batched_tokens ({self.batching.max_num_batched_tokens}) is below one KV block "
                  f"({self.cache.block_size} tokens)")
+        if self.parallel.world_size > 1:  # what the parallel workers do not run (yet)
+            _require(self.speculative.speculative_method != "draft",
+                     "a draft model with tensor/pipeline parallelism is not supported yet (use ngram)")
+            _require(self.load.quantization != "gguf",
+                     "quantization gguf (packed GGUF blocks) with tensor/pipeline parallelism is not "
+                     "supported yet: the shards cut float weights (int8/int4 quantise each shard)")
 
     def replace(self, **settings: Any) -> "EngineConfig":
         """A copy with some flat settings or whole parts changed (validated again)."""

@@ -129,10 +129,12 @@ def build_weights(config: EngineConfig, device: torch.device, dtype: torch.dtype
         model = build_random_model(model_config, dtype, device, seed=load.seed,
                                    max_positions=max(max_pos or 0, model_config.max_position_embeddings))
         return model_config, model, None, load.model
-    src = load_model_source(load.model)
+    src = load_model_source(load.model, keep_packed=load.quantization == "gguf")
+    if load.quantization == "gguf" and src.format != "gguf":
+        raise EngineConfigError(f"quantization gguf runs a .gguf file's own blocks; {src.path} is not one")
     parallel_layout(config, src.config, device, count_devices)
     model = build_model(src.config, src.state_dict, dtype, device,
-                        max_positions=max(max_pos or 0, src.config.max_position_embeddings))
+                        max_positions=max(max_pos or 0, src.config.max_position_embeddings), packed=src.packed)
     tokenizer = None if load.skip_tokenizer_init else load_tokenizer(src.tokenizer_source)
     return src.config, model, tokenizer, src.path
 

@@ -23,7 +23,7 @@ import torch
 from servescope.engine.cuda_graphs import CudaGraphRunner
 from servescope.errors import EngineConfigError
 from servescope.kernels import cpu_ops
-from servescope.model.quantize import quantize_int8
+from servescope.model.quantize import quantize_model
 from servescope.model.transforms import cpu_decode_plan, use_cpu_linears
 
 logger = logging.getLogger(__name__)
@@ -47,8 +47,8 @@ class ModelExecutor:
         """Apply the build-time transforms to a loaded model and return its executor. decode_plan
         False: no C++ all-layers decode call (a sharded model: its layers need collectives between
         kernels); kwargs go to the constructor (a subclass's own)."""
-        if quantization == "int8":
-            model = quantize_int8(model)
+        if quantization:
+            model = quantize_model(model, quantization)
         ex = cls(model, device, **kwargs)
         if device.type == "cpu" and cpu_ops.load() is not None:  # builds the extension now (once, ~40 s), not in a step
             use_cpu_linears(model)

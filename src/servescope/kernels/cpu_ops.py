@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = (torch.float32, torch.bfloat16)
 # -ffp-contract=off: no fused multiply-adds where the torch reference rounds each step
-_EXT = CpuExtension("servescope_cpu_ops", ["cpu_ops.cpp", "prefill_attention.cpp"], "CPU op kernels",
+_EXT = CpuExtension("servescope_cpu_ops", ["cpu_ops.cpp", "prefill_attention.cpp", "quant_ops.cpp"], "CPU op kernels",
                     extra_cflags=["-ffp-contract=off"])
 _EMPTY = torch.empty(0)
 load = _EXT.load  # the compiled module, or None (see cpu_extension.py)

@@ -11,6 +11,7 @@ import torch
 
 from servescope.config import ModelConfig
 from servescope.errors import ModelLoadError
+from servescope.loader import gguf_packed
 from servescope.model.layers import RotaryEmbedding
 from servescope.model.llama import MODEL_CLASSES
 
@@ -33,7 +34,8 @@ def materialize(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
 
 
 def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device: torch.device,
-                max_positions: int | None = None) -> torch.nn.Module:
+                max_positions: int | None = None, packed: dict | None = None) -> torch.nn.Module:
+    """packed: a GGUF's blocks (LoadedSource.packed), swapped in for their placeholders after the build."""
     model = materialize(cfg, device, dtype, max_positions)
     expected = dict(model.named_parameters())  # tied: the head's weight is the embedding's, listed once
     sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
@@ -52,5 +54,8 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device: 
     with torch.no_grad():
         for name, p in expected.items():
             p.copy_(sd[name].to(dtype))
+    if packed:
+        gguf_packed.apply_packed(model, {k: tuple(x.to(device) if torch.is_tensor(x) else x for x in v)
+                                         for k, v in packed.items()}, dtype)
     model.requires_grad_(False)
     return model.eval()

@@ -27,9 +27,13 @@ class LoadedSource:
     format: str  # "hf" | "gguf"
     chat_template: Optional[str] = None
     generation_config: dict = field(default_factory=dict)  # at least "eos_token_id": list[int]
+    # GGUF blocks run as they are (loader/gguf_packed.py): {hf name: (packed, float16 scales, K)}; their
+    # state_dict entries are placeholders
+    packed: dict = field(default_factory=dict, repr=False)
 
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state_dict.values())
+        dense = sum(t.numel() * t.element_size() for k, t in self.state_dict.items() if k not in self.packed)
+        return dense + sum(q.numel() * q.element_size() + s.numel() * 2 for q, s, _ in self.packed.values())
 
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple]:

@@ -6,6 +6,9 @@ that its rotary kernel can rotate adjacent pairs; HF checkpoints rotate the two 
 ("rotate_half"). We undo that permutation here, exactly as transformers' GGUF loader does, so the
 weights are bit-identical to what `AutoModelForCausalLM.from_pretrained(..., gguf_file=...)` gets.
 Qwen2/Qwen3 GGUFs are not permuted (llama.cpp runs them with NEOX-style rope).
+
+Q4_0, Q4_1 and Q8_0 weights of the projections, the head and the embedding stay in their blocks
+with keep_packed (`--quantization gguf`; loader/gguf_packed.py); otherwise everything is float32.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from gguf.quants import dequantize
 
 from servescope.config import ModelConfig, RopeScaling
 from servescope.errors import InvalidParameterError, ModelLoadError
+from servescope.loader import gguf_packed
 from servescope.loader.checkpoint import LoadedSource, check_state_dict
 from servescope.tokenizer.source import TokenizerSource
 
@@ -71,7 +75,7 @@ def reverse_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, d_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str) -> LoadedSource:
+def load_gguf(path: str, keep_packed: bool = False) -> LoadedSource:
     """Read a .gguf file into a LoadedSource. Raises ModelLoadError naming the file on any problem."""
     try:
         reader = gguf.GGUFReader(path)
@@ -80,7 +84,7 @@ def load_gguf(path: str) -> LoadedSource:
 
     meta = _Metadata(reader, path)
     config = _config_from_metadata(meta, reader, path)
-    state_dict = _read_tensors(reader, config, meta.arch, path)
+    state_dict, packed = _read_tensors(reader, config, meta.arch, path, keep_packed)
     state_dict = check_state_dict(state_dict, config, path)
 
     eos_ids = list(config.eos_token_ids)
@@ -104,6 +108,7 @@ def load_gguf(path: str) -> LoadedSource:
         format="gguf",
         chat_template=chat_template,
         generation_config=generation_config,
+        packed=packed,
     )
 
 
@@ -215,9 +220,16 @@ def _rope_scaling(meta: _Metadata, reader, head_dim: int, path: str):
     raise ModelLoadError(f"{path}: unsupported rope scaling type {rtype!r} (supported: none, linear, llama3)")
 
 
-def _read_tensors(reader, config: ModelConfig, arch: str, path: str) -> dict:
+def _runs_packed(t, hf_name: str) -> bool:
+    return gguf_packed.is_native(t.tensor_type) and hf_name.endswith(("proj.weight", "embed_tokens.weight",
+                                                                      "lm_head.weight"))
+
+
+def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed: bool) -> tuple:
+    """(state dict, packed blocks {hf name: (packed, scales, K)}); packed tensors have a placeholder
+    in the state dict."""
     file_size = os.path.getsize(path)
-    state_dict = {}
+    state_dict, packed, dequantised = {}, {}, {}
     for t in reader.tensors:
         hf_name = gguf_to_hf_name(t.name)
         if hf_name is None:
@@ -229,6 +241,14 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str) -> dict:
                 f"but the file has {file_size} bytes"
             )
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+        if keep_packed and len(shape) == 2 and _runs_packed(t, hf_name):
+            qs, scales = gguf_packed.split_blocks(t.data, t.tensor_type, *shape)
+            qs, scales = _unpermute(qs, hf_name, arch, config), _unpermute(scales, hf_name, arch, config)
+            packed[hf_name] = (qs, scales, shape[1])
+            state_dict[hf_name] = gguf_packed.placeholder(shape)
+            continue
+        if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            dequantised[t.tensor_type.name] = dequantised.get(t.tensor_type.name, 0) + 1
         try:
             w = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
@@ -240,12 +260,21 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str) -> dict:
             raise ModelLoadError(f"{path}: cannot dequantise tensor {t.name} ({type(e).__name__}: {e})") from None
         if w.size != int(np.prod(shape)):
             raise ModelLoadError(f"{path}: tensor {t.name} has {w.size} values, its header says {list(shape)}")
-        w = w.reshape(shape)
-        if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = reverse_llama_permute(w, config.num_attention_heads)
-        elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = reverse_llama_permute(w, config.num_key_value_heads)
+        w = _unpermute(w.reshape(shape), hf_name, arch, config)
         if t.tensor_type == GGMLQuantizationType.F32 or not w.flags.writeable:
             w = w.copy()  # F32 "dequantisation" is a view of the memory-mapped file
         state_dict[hf_name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
-    return state_dict
+    if dequantised:
+        logger.info("%s: dequantised to float32 (no native kernel): %s", path,
+                    ", ".join(f"{n} tensors of {k}" for k, n in sorted(dequantised.items())))
+    gguf_packed.settle_fused(packed, state_dict, config.num_hidden_layers, path)
+    return state_dict, packed
+
+
+def _unpermute(w, hf_name: str, arch: str, config: ModelConfig):
+    """Rows of Q and K back in HF order (llama only; any array or tensor with rows first)."""
+    if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return reverse_llama_permute(w, config.num_attention_heads)
+    if arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return reverse_llama_permute(w, config.num_key_value_heads)
+    return w

@@ -53,13 +53,14 @@ def resolve_model_path(model: Optional[str]) -> str:
     return path
 
 
-def load_model_source(model: Optional[str] = None) -> LoadedSource:
-    """Load config, weights (HF names, float32) and tokenizer location from a name, .gguf file or HF dir."""
+def load_model_source(model: Optional[str] = None, keep_packed: bool = False) -> LoadedSource:
+    """Load config, weights (HF names, float32) and tokenizer location from a name, .gguf file or HF dir.
+    keep_packed: a GGUF's Q4_0 / Q4_1 / Q8_0 weights stay in their blocks (loader/gguf_packed.py)."""
     path = resolve_model_path(model)
     if os.path.isdir(path):
         return load_hf_dir(path)
     if path.lower().endswith(".gguf") or _has_gguf_magic(path):
-        return load_gguf(path)
+        return load_gguf(path, keep_packed)
     raise ModelLoadError(
         f"{path}: not a model source; expected a .gguf file or a Hugging Face directory with config.json "
         f"and *.safetensors"

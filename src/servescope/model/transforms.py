@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from servescope.kernels import cpu_kernels, cpu_ops
+from servescope.kernels.quant_linear import QuantLinear
 from servescope.model.quantize import Int8Linear
 
 
@@ -38,7 +39,7 @@ def cpu_decode_plan(model: nn.Module) -> tuple:
     if mod is None:
         return None, 0
     cfg = model.config
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = model.model.norm.weight.dtype  # (the embedding may be packed)
     empty = torch.empty(0)
     norms_of, layers, gemv_rows, served = [], [], [], []
     for layer in model.model.layers:
@@ -64,5 +65,5 @@ def cpu_decode_plan(model: nn.Module) -> tuple:
 
 
 def _plan_covers(m: nn.Module, dtype: torch.dtype) -> bool:
-    """A module the plan can issue itself: a CpuLinear of the activation dtype, or an int8 linear."""
-    return (type(m) is cpu_kernels.CpuLinear and m.weight.dtype == dtype) or type(m) is Int8Linear
+    """A module the plan can issue itself: a CpuLinear of the activation dtype, or an int8 / packed linear."""
+    return (type(m) is cpu_kernels.CpuLinear and m.weight.dtype == dtype) or type(m) in (Int8Linear, QuantLinear)

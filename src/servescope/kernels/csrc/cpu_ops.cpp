@@ -14,6 +14,9 @@
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
                                 int64_t ctx, double scale);
 bool prefill_attention_supported(int64_t group, int64_t head_dim);
+// defined in quant_ops.cpp: packed int4 / int8 weights with float16 group scales (quant_gemv.h)
+torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor bias);
+torch::Tensor quant_dequantize(torch::Tensor w, torch::Tensor scales, int64_t k);
 
 namespace {
 
@@ -169,7 +172,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
 // x [M, K] (any float dtype; widened to float32), w [N, K] float32 | bfloat16 | int8,
 // scale [N] float32 (int8 only, else empty), bias [N] float32 or empty -> y [M, N] float32.
+// Packed weights (float16 group scales) go to quant_gemv.
 torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor bias) {
+  if (scale.scalar_type() == torch::kHalf) return quant_gemv(x, w, scale, bias);
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: shapes");
   TORCH_CHECK(w.is_contiguous(), "gemv: w must be contiguous");
   auto xf = x.to(torch::kFloat32).contiguous();
@@ -310,6 +315,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotary(q, k, cos, sin) -> [q', k'] (rotate-half)");
   m.def("silu_mul", &silu_mul, "silu_mul(gate_up) -> silu(gate) * up");
   m.def("store_kv", &store_kv, "store_kv(k, v, k_cache, v_cache, slot_mapping), in place");
+  m.def("quant_gemv", &quant_gemv, "quant_gemv(x, w, scales, bias): packed int4/int8 weights -> float32");
+  m.def("quant_dequantize", &quant_dequantize, "quant_dequantize(w, scales, k) -> float32 [N, k]");
   m.def("gemv", &gemv, "gemv(x, w, scale, bias): decode GEMV (float32/bfloat16/int8 weights) -> float32");
   py::class_<DecodePlan>(m, "DecodePlan")
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, torch::Tensor, int64_t,

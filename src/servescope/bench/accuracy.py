@@ -1,0 +1,71 @@
+"""How much a weight-quantisation mode changes the model: llama.cpp's scoreboard figures against the
+float32 model on fixed texts (tests/data/quant_texts.txt): the mean KL divergence per token of the
+next-token distributions, KL(float32 || quantised), top-1 agreement, and each side's perplexity.
+
+`accuracy_table(texts, modes)` builds one engine per mode and returns rows; benchmarks/quant_accuracy.py
+prints them as the markdown table in docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+from servescope.engine.llm import LLM
+from servescope.engine.model_runner import ModelRunner
+
+
+def sequence_logits(engine, ids: list) -> torch.Tensor:
+    """float32 logits [len(ids), V] of every position: one prefill through a private paged cache."""
+    bs = engine.cache_config.block_size
+    nblocks = -(-len(ids) // bs)
+    runner = ModelRunner(engine.executor.fork(), engine.model_config, engine.runner.backend, nblocks, bs,
+                         engine.kv_dtype, engine.device)
+    req = SimpleNamespace(all_token_ids=list(ids))
+    seq = SimpleNamespace(request=req, num_computed_tokens=0, num_new_tokens=len(ids), block_ids=list(range(nblocks)))
+    with torch.inference_mode():
+        batch = runner.prepare([seq])
+        hidden = runner.executor.forward(batch, runner.kv_caches, runner.backend)
+        return runner.executor.compute_logits(hidden).float()
+
+
+def compare(ref_logits: torch.Tensor, q_logits: torch.Tensor, ids: list) -> dict:
+    """Per-token sums over positions 0 .. n-2 (each predicting the next token of `ids`)."""
+    lp_ref = torch.log_softmax(ref_logits[:-1].double(), dim=-1)
+    lp_q = torch.log_softmax(q_logits[:-1].double(), dim=-1)
+    target = torch.tensor(ids[1:])[:, None]
+    kl = (lp_ref.exp() * (lp_ref - lp_q)).sum(dim=-1)
+    return {"tokens": len(ids) - 1, "kl": kl.sum().item(), "kl_max": kl.max().item(),
+            "top1": (lp_ref.argmax(-1) == lp_q.argmax(-1)).sum().item(),
+            "nll_ref": -lp_ref.gather(1, target).sum().item(), "nll_q": -lp_q.gather(1, target).sum().item()}
+
+
+def accuracy_table(texts: list, modes: list, model=None, **engine_kwargs) -> list:
+    """One row per mode: {mode, weight_mib, kl, kl_max, top1, ppl_ref, ppl} over all texts; the
+    reference is the float32 model of the same source."""
+    kwargs = dict(num_kv_blocks=128, max_model_len=2048, **engine_kwargs)
+    ref = LLM(model=model, **kwargs)
+    seqs = [ref.tokenizer.encode(t) for t in texts]
+    ref_logits = [sequence_logits(ref.engine, ids) for ids in seqs]
+    rows = []
+    for mode in modes:
+        q = LLM(model=model, quantization=mode, **kwargs)
+        parts = [compare(r, sequence_logits(q.engine, ids), ids) for r, ids in zip(ref_logits, seqs)]
+        n = sum(p["tokens"] for p in parts)
+        rows.append({"mode": mode, "weight_mib": q.engine.weight_bytes / 2**20, "tokens": n,
+                     "kl": sum(p["kl"] for p in parts) / n, "kl_max": max(p["kl_max"] for p in parts),
+                     "top1": sum(p["top1"] for p in parts) / n,
+                     "ppl_ref": math.exp(sum(p["nll_ref"] for p in parts) / n),
+                     "ppl": math.exp(sum(p["nll_q"] for p in parts) / n)})
+        del q
+    return rows
+
+
+def render_markdown(rows: list, ref_mib: float | None = None) -> str:
+    head = ("| weights | weight MiB | mean KL / token | max KL | top-1 agreement | perplexity (float32: "
+            f"{rows[0]['ppl_ref']:.3f}) |\n| --- | ---: | ---: | ---: | ---: | ---: |\n")
+    body = "".join(f"| {r['mode']} | {r['weight_mib']:.1f} | {r['kl']:.5f} | {r['kl_max']:.4f} | {100 * r['top1']:.1f}% "
+                   f"| {r['ppl']:.3f} |\n" for r in rows)
+    return head + body

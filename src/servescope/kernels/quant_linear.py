@@ -1,0 +1,190 @@
+"""Weight-only 4- and 8-bit linears kept packed in memory, and the embedding that reads the same form.
+
+The packed form (csrc/quant_gemv.h says it byte by byte): along K the weight is cut into blocks of 32,
+a group of 32, 64, 128 or all of K shares one float16 scale d (and an offset m when asymmetric):
+  int4  uint8 [N, Kp/2], byte j of a block = element j (low nibble) | element j + 16 (high nibble);
+        symmetric d * (u - 8) (GGUF Q4_0), asymmetric d * u + m (GGUF Q4_1)
+  int8  int8 [N, Kp]; symmetric d * q (GGUF Q8_0), asymmetric d * q + m
+  scales float16 [N, G] (symmetric) | [N, G, 2] (asymmetric: d, m)
+Kp is K rounded up to the group (the padding is zeros). GGUF's Q4_0 / Q4_1 / Q8_0 blocks are these very
+bytes with their scales moved out (loader/gguf_packed.py), so a GGUF runs from its own blocks.
+
+QuantLinear: decode-sized calls (up to MAX_ROWS rows) go to the C++ GEMV over the packed blocks; larger
+ones (prefill) dequantise the matrix (C++, one pass) and run the float GEMM, which is compute-bound
+there anyway. Without the extension (or on a GPU) both go through the torch dequantisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from servescope.kernels import cpu_ops
+
+BLOCK = 32
+GROUPS = (32, 64, 128)
+# Up to how many rows the packed GEMV runs; above, dequantise + GEMM (docs/BENCHMARKS.md)
+MAX_ROWS = 8
+_EMPTY = torch.empty(0)
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """bits 4 | 8; group 32 | 64 | 128 | None (None: one group per row, "per channel"); asym: with an offset."""
+
+    bits: int
+    group: int | None = 32
+    asym: bool = False
+
+    def __post_init__(self):
+        if self.bits not in (4, 8):
+            raise ValueError(f"quantization bits must be 4 or 8, got {self.bits}")
+        if self.group is not None and self.group not in GROUPS:
+            raise ValueError(f"quantization group must be one of {GROUPS} or per-channel, got {self.group}")
+
+    def padded_k(self, k: int) -> int:
+        g = self.group or BLOCK
+        return -(-k // g) * g
+
+    def bits_per_weight(self, k: int) -> float:
+        """Stored bits per weight of a row of length k, scales included."""
+        kp = self.padded_k(k)
+        groups = kp // (self.group or kp)
+        return (kp * self.bits + groups * 16 * (2 if self.asym else 1)) / k
+
+
+def quantize(w: torch.Tensor, scheme: QuantScheme) -> tuple:
+    """w [N, K] float -> (packed weight, float16 scales) in the form above. Scales are rounded to
+    float16 before the integers are chosen, so the integers fit the scale that is stored."""
+    n, k = w.shape
+    kp = scheme.padded_k(k)
+    g = scheme.group or kp
+    wf = F.pad(w.detach().float(), (0, kp - k)).view(n, kp // g, g)
+    levels = (1 << scheme.bits) - 1
+    if scheme.asym:
+        lo, hi = wf.amin(dim=2), wf.amax(dim=2)
+        d = ((hi - lo) / levels).half()
+        df = d.float()
+        inv = torch.where(df > 0, 1.0 / df, torch.zeros_like(df))
+        q = torch.round((wf - lo[..., None]) * inv[..., None]).clamp(0, levels)
+        if scheme.bits == 8:  # stored as int8 q - 128, the offset absorbs the 128 steps
+            q, lo = q - 128, lo + 128 * df
+        scales = torch.stack([d, lo.half()], dim=-1)
+    else:
+        if scheme.bits == 4:  # GGUF Q4_0: the value of largest magnitude maps to -8
+            idx = wf.abs().argmax(dim=2, keepdim=True)
+            d = (wf.gather(2, idx).squeeze(2) / -8.0).half()
+        else:
+            d = (wf.abs().amax(dim=2) / 127.0).half()
+        df = d.float()
+        inv = torch.where(df != 0, 1.0 / df, torch.zeros_like(df))
+        q = torch.round(wf * inv[..., None])
+        q = (q + 8).clamp(0, 15) if scheme.bits == 4 else q.clamp(-127, 127)
+        scales = d
+    q = q.view(n, kp)
+    packed = _pack_nibbles(q.to(torch.uint8)) if scheme.bits == 4 else q.to(torch.int8)
+    return packed.contiguous(), scales.contiguous()
+
+
+def _pack_nibbles(u: torch.Tensor) -> torch.Tensor:
+    n, kp = u.shape
+    b = u.view(n, kp // BLOCK, 2, 16)
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, kp // 2)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The stored integers [N, Kp] (int4: 0..15) as int16."""
+    if packed.dtype == torch.int8:
+        return packed.to(torch.int16)
+    n = packed.shape[0]
+    b = packed.view(n, -1, 16).to(torch.int16)
+    return torch.stack([b & 15, b >> 4], dim=2).reshape(n, -1)
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, k: int, dtype=torch.float32) -> torch.Tensor:
+    """The packed matrix as [N, k] floats (torch only: the reference, and the path off the CPU)."""
+    q = unpack(packed).to(dtype)
+    n, kp = q.shape
+    groups = scales.shape[1]
+    q = q.view(n, groups, kp // groups)
+    if scales.dim() == 3:
+        w = q * scales[..., 0, None].to(dtype) + scales[..., 1, None].to(dtype)
+    elif packed.dtype == torch.uint8:
+        w = (q - 8) * scales[..., None].to(dtype)
+    else:
+        w = q * scales[..., None].to(dtype)
+    return w.reshape(n, kp)[:, :k]
+
+
+def _cpu_kernels(x: torch.Tensor):
+    mod = cpu_ops.load() if x.device.type == "cpu" else None
+    return mod
+
+
+class QuantLinear(torch.nn.Module):
+    """A linear over packed weights. float_output: the GEMV's float32 result is returned as it is
+    (the output head: logits are float32)."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, in_features: int, bias=None,
+                 float_output: bool = False):
+        super().__init__()
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scales", scales)
+        self.in_features, self.out_features = in_features, packed.shape[0]
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        self._bias_f32 = None if bias is None else bias.detach().float()
+        self.float_output = float_output
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, scheme: QuantScheme, float_output: bool = False):
+        packed, scales = quantize(linear.weight, scheme)
+        return cls(packed, scales, linear.in_features, linear.bias, float_output)
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.qweight.dtype == torch.uint8 else 8
+
+    def weight_bytes(self) -> int:
+        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        mod = _cpu_kernels(x2)
+        if mod is not None and x2.shape[0] <= MAX_ROWS:
+            y = mod.quant_gemv(x2, self.qweight, self.scales, _opt(self._bias_f32))
+            y = y if self.float_output else y.to(x.dtype)
+        else:
+            if mod is not None:
+                w = mod.quant_dequantize(self.qweight, self.scales, self.in_features).to(x.dtype)
+            else:
+                w = dequantize(self.qweight, self.scales, self.in_features, x.dtype)
+            y = F.linear(x2, w, self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def plan_entry(self) -> tuple:
+        """For the C++ DecodePlan (see CpuLinear.plan_entry): its `gemv` routes float16-scaled packed
+        weights to the packed GEMV, so the plan serves decode steps up to MAX_ROWS rows."""
+        return [self.qweight, self.scales, _opt(self._bias_f32), _EMPTY, _EMPTY], MAX_ROWS, MAX_ROWS
+
+
+class QuantEmbedding(torch.nn.Module):
+    """An embedding table in the packed form (a GGUF's token_embd, shared with a tied QuantLinear
+    head): the looked-up rows are dequantised, nothing else."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scales", scales)
+        self.embedding_dim, self.num_embeddings, self.dtype = dim, packed.shape[0], dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = dequantize(self.qweight[flat], self.scales[flat], self.embedding_dim, torch.float32)
+        return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+
+def _opt(t):
+    return _EMPTY if t is None else t

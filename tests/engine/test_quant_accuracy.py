@@ -1,0 +1,26 @@
+"""The accuracy floors of the weight modes on the embedded model, on one of the shipped texts
+(bench/accuracy.py; the full table over all texts is docs/BENCHMARKS.md's). The float32 reference is
+the GGUF dequantised, i.e. Q4_1 weights."""
+
+import os
+
+import pytest
+
+from servescope import LLM
+from servescope.bench.accuracy import compare, sequence_logits
+
+TEXTS = os.path.join(os.path.dirname(__file__), "..", "data", "quant_texts.txt")
+
+
+# int4-g32-asym (the issue's 0.1 floor) reproduces this reference exactly (KL 0 in the table), so only
+# int8 is checked here, where the floor bites
+@pytest.mark.parametrize("mode,floor", [("int8-g32", 0.01)])
+def test_kl_against_float32(smollm2_llm, mode, floor):
+    with open(TEXTS) as f:
+        text = f.read().split("\n\n")[1]
+    ids = smollm2_llm.tokenizer.encode(text)
+    q = LLM(quantization=mode, num_kv_blocks=32, max_model_len=512)
+    r = compare(sequence_logits(smollm2_llm.engine, ids), sequence_logits(q.engine, ids), ids)
+    kl = r["kl"] / r["tokens"]
+    assert kl <= floor, f"{mode}: mean KL {kl:.4f} > {floor}"
+    assert r["top1"] / r["tokens"] >= 0.9

@@ -1,0 +1,96 @@
+"""Packed 4- and 8-bit weights (kernels/quant_linear.py, csrc/quant_gemv.h): the quantiser's round trip,
+the C++ GEMV and dequantisation against a dequantise-then-float64 reference (odd shapes, K not a
+multiple of the group, bias), and the module's decode / prefill paths."""
+
+import pytest
+import torch
+
+from servescope.errors import InvalidParameterError
+from servescope.kernels import cpu_ops
+from servescope.kernels import quant_linear as ql
+from servescope.model.quantize import parse_mode
+
+SCHEMES = [ql.QuantScheme(b, g, a) for b in (4, 8) for g in (32, 64, 128, None) for a in (False, True)]
+SHAPES = [(7, 100, 1), (33, 96, 3), (64, 576, 5), (5, 31, 2), (9, 160, 8)]  # (N, K, M)
+
+
+def _ext():
+    mod = cpu_ops.load()
+    if mod is None:
+        pytest.skip("CPU extension not built here")
+    return mod
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
+def test_round_trip_within_half_a_step(scheme):
+    torch.manual_seed(0)
+    w = torch.randn(24, 200) * torch.linspace(0.01, 3, 24)[:, None]
+    packed, scales = ql.quantize(w, scheme)
+    kp = scheme.padded_k(200)
+    assert packed.shape == (24, kp // 2 if scheme.bits == 4 else kp)
+    assert scales.dtype == torch.float16 and scales.shape[:2] == (24, kp // (scheme.group or kp))
+    back = ql.dequantize(packed, scales, 200, torch.float64)
+    d = scales[..., 0] if scheme.asym else scales
+    step = d.double().abs().repeat_interleave(scheme.group or kp, dim=1)[:, :200]
+    # half a step, plus the float16 rounding of the offset (asymmetric) and a float32 ulp; symmetric
+    # int4 spans -8..7 steps (Q4_0): the side opposite the largest magnitude clips by up to one step
+    slack = 1e-3 * w.abs().amax(dim=1, keepdim=True).double() if scheme.asym else 1e-6
+    bound = step if scheme.bits == 4 and not scheme.asym else step / 2
+    assert torch.all((back - w.double()).abs() <= bound + slack)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
+def test_gemv_and_dequantize_match_float64_reference(scheme):
+    mod = _ext()
+    torch.manual_seed(1)
+    for n, k, m in SHAPES:
+        w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(m, k)
+        packed, scales = ql.quantize(w, scheme)
+        ref_w = ql.dequantize(packed, scales, k, torch.float64)
+        ref = x.double() @ ref_w.T + b.double()
+        y = mod.quant_gemv(x, packed, scales, b)
+        assert y.shape == (m, n)
+        assert torch.allclose(y.double(), ref, atol=1e-4, rtol=1e-5), (n, k, m)
+        assert torch.allclose(mod.quant_dequantize(packed, scales, k).double(), ref_w, atol=1e-6)
+        y0 = mod.quant_gemv(x, packed, scales, torch.empty(0))
+        assert torch.allclose(y0.double(), ref - b.double(), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 4, ql.MAX_ROWS + 5])  # the GEMV, and the dequantise + GEMM path
+def test_quant_linear_module_paths(rows):
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(100, 40, bias=True)
+    q = ql.QuantLinear.from_linear(lin, ql.QuantScheme(4, 32, True))
+    x = torch.randn(rows, 100)
+    ref = x.double() @ ql.dequantize(q.qweight, q.scales, 100, torch.float64).T + lin.bias.double()
+    assert torch.allclose(q(x).double(), ref, atol=1e-4, rtol=1e-5)
+    assert torch.allclose(q(x.view(1, rows, 100)).view(rows, 40).double(), ref, atol=1e-4, rtol=1e-5)
+    assert q.weight_bytes() < lin.weight.numel()  # under one byte per weight
+
+
+def test_gemv_rejects_mismatched_shapes():
+    mod = _ext()
+    packed, scales = ql.quantize(torch.randn(8, 64), ql.QuantScheme(4, 32))
+    with pytest.raises(RuntimeError, match="quant_gemv"):
+        mod.quant_gemv(torch.randn(1, 128), packed, scales, torch.empty(0))
+    with pytest.raises(RuntimeError, match="scales"):
+        mod.quant_gemv(torch.randn(1, 64), packed, scales.float(), torch.empty(0)[:0].half())
+
+
+def test_quant_embedding_reads_packed_rows():
+    w = torch.randn(50, 40)
+    packed, scales = ql.quantize(w, ql.QuantScheme(8, 32))
+    emb = ql.QuantEmbedding(packed, scales, 40, torch.float32)
+    ids = torch.tensor([[3, 0], [49, 3]])
+    ref = ql.dequantize(packed, scales, 40)[ids]
+    assert torch.equal(emb(ids), ref)
+
+
+def test_mode_strings():
+    assert parse_mode("int8") == "int8"
+    assert parse_mode("int4") == ql.QuantScheme(4, 32, False)
+    assert parse_mode("int4-g128-asym") == ql.QuantScheme(4, 128, True)
+    assert parse_mode("int8-ch") == ql.QuantScheme(8, None, False)
+    for bad in ("int3", "int4-g48", "int4-asym-g32", "fp4", "int4-g32-sym-x"):
+        with pytest.raises(InvalidParameterError, match="unknown quantization"):
+            parse_mode(bad)

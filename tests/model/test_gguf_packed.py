@@ -1,0 +1,86 @@
+"""A GGUF's Q4_0 / Q4_1 / Q8_0 blocks run as they are (`quantization="gguf"`, loader/gguf_packed.py):
+the block split against gguf-py's dequantize, the packed GEMV against a float64 reference, tiny
+models of every family against their float32 load of the same file, the embedded model's memory."""
+
+import logging
+import os
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny_gguf import write_tiny_gguf  # noqa: E402
+from tiny_models import make_tiny_hf_model  # noqa: E402
+
+from servescope import LLM, SamplingParams  # noqa: E402
+from servescope.errors import EngineConfigError  # noqa: E402
+from servescope.kernels import cpu_ops  # noqa: E402
+from servescope.kernels import quant_linear as ql  # noqa: E402
+from servescope.loader import gguf_packed  # noqa: E402
+from servescope.loader.source import load_model_source, resolve_model_path  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_blocks_match_gguf_dequantize(qtype):
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((13, 96)) * rng.uniform(0.01, 2, (13, 1))).astype(np.float32)
+    raw = gguf.quants.quantize(w, Q[qtype])
+    packed, scales = gguf_packed.split_blocks(raw, Q[qtype], 13, 96)
+    ref = gguf.quants.dequantize(raw, Q[qtype]).reshape(13, 96)
+    got = ql.dequantize(packed, scales, 96).numpy()
+    assert np.allclose(got, ref, atol=1e-6, rtol=1e-6)
+    mod = cpu_ops.load()
+    if mod is not None:  # the kernel on the file's blocks against float64 on gguf-py's values
+        x = torch.randn(3, 96)
+        y = mod.quant_gemv(x, packed, scales, torch.empty(0)).double()
+        assert torch.allclose(y, x.double() @ torch.from_numpy(ref).double().T, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family,qtype", [("llama", "Q4_0"), ("llama", "Q8_0"), ("qwen2", "Q4_1"), ("qwen3", "Q4_0")])
+def test_tiny_gguf_runs_packed_like_its_float32_load(tmp_path, family, qtype):
+    src = load_model_source(str(make_tiny_hf_model(tmp_path, family, vocab_size=256, with_tokenizer=False)))
+    path = write_tiny_gguf(tmp_path / "m.gguf", src.config, src.state_dict, arch=family, qtype=Q[qtype])
+    ref = LLM(model=path, skip_tokenizer_init=True, num_kv_blocks=32, max_model_len=128)
+    llm = LLM(model=path, skip_tokenizer_init=True, quantization="gguf", num_kv_blocks=32, max_model_len=128)
+    model = llm.engine.runner.executor.model
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, ql.QuantLinear)
+    assert llm.engine.runner.executor.decode_plan is not None
+    assert llm.engine.weight_bytes < 0.45 * ref.engine.weight_bytes
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    prompts = [[5, 9, 33, 2, 100], [7] * 20]
+    for a, b in zip(ref.generate(prompts, sp), llm.generate(prompts, sp)):
+        # the same weights: only float32 summation order differs
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert abs(la.top[0][1] - lb.top[0][1]) < 1e-3
+
+
+def test_other_types_dequantise_with_a_log_line(tmp_path, caplog):
+    src = load_model_source(str(make_tiny_hf_model(tmp_path, "llama", vocab_size=256, with_tokenizer=False)))
+    path = write_tiny_gguf(tmp_path / "m.gguf", src.config, src.state_dict, qtype=Q.Q5_1)  # gguf-py cannot write K-quants
+    with caplog.at_level(logging.INFO, logger="servescope.loader.gguf"):
+        got = load_model_source(path, keep_packed=True)
+    assert not got.packed and "dequantised to float32" in caplog.text and "Q5_1" in caplog.text
+
+
+def test_gguf_mode_needs_a_gguf(tmp_path):
+    path = make_tiny_hf_model(tmp_path, "llama", vocab_size=256, with_tokenizer=False)
+    with pytest.raises(EngineConfigError, match="gguf"):
+        LLM(model=str(path), skip_tokenizer_init=True, quantization="gguf", num_kv_blocks=8)
+
+
+def test_embedded_model_in_its_blocks(smollm2_llm):
+    path = resolve_model_path("smollm2-135m")
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    llm = LLM(quantization="gguf", num_kv_blocks=64, max_model_len=512)
+    assert llm.engine.weight_bytes <= 1.2 * file_bytes  # the issue's floor (float32: ~5.6x)
+    ids = smollm2_llm.tokenizer.encode("The capital of France is")
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    a = smollm2_llm.generate(ids, sp)[0].outputs[0].token_ids
+    b = llm.generate(ids, sp)[0].outputs[0].token_ids
+    assert a == b
