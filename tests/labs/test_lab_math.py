@@ -111,8 +111,8 @@ def test_write_report_and_md_table(tmp_path):
 
 def test_registry_names():
     assert list(LABS) == ["prefill-vs-decode", "kv-cache", "attention-scaling", "batching",
-                          "latency-vs-throughput", "chunked-prefill"]
-    assert "validate" in all_labs()
+                          "latency-vs-throughput", "chunked-prefill", "speculative"]
+    assert list(all_labs()) == list(LABS) + ["validate", "parallelism"]
 
 
 def test_fit_decode_efficiency_bisects_and_clamps():
