@@ -192,12 +192,13 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.outputs.begin_step(out, t0)
         rows = [i for i, s in enumerate(out.scheduled) if s.will_sample]  # whose next token is due
+        num_positions = sum(out.scheduled[i].num_sample_positions for i in rows)  # 1 + k for a verification
         spans = plan_prompt_spans(out.scheduled, self.outputs)  # prompt logprobs due this step
         logits = self._execute(out, rows, spans)
-        if spans:  # the rows' sample positions come first (1 + k for a verification), then the spans'
-            n = sum(out.scheduled[i].num_sample_positions for i in rows)
-            record_prompt_logprobs(spans, out.scheduled, logits[n:], self.outputs, self.model_config.vocab_size)
-            logits = logits[:n]
+        if spans:  # the rows' sample positions come first, then the spans'
+            record_prompt_logprobs(spans, out.scheduled, logits[num_positions:], self.outputs,
+                                   self.model_config.vocab_size)
+            logits = logits[:num_positions]
         if self.spec is not None and any(out.scheduled[i].spec_token_ids for i in rows):
             sampled = self.spec.verify(out, rows, logits, self.outputs)  # {id: [SampledToken, ...]}
             self.scheduler.update_from_output(out, {r: [t.token_id for t in s] for r, s in sampled.items()})
@@ -210,8 +211,7 @@ class LLMEngine:
             self._discard_kv(out)
         if self.spec is not None:
             self.spec.propose(self.scheduler, self.outputs)  # drafts for the next step
-        self._record_step(out, sum(out.scheduled[i].num_sample_positions for i in rows), t0,
-                          time.perf_counter())
+        self._record_step(out, num_positions, t0, time.perf_counter())
         return self.outputs.end_step()
 
     def _execute(self, out: SchedulerOutput, rows: list, spans: list) -> Optional[torch.Tensor]:
@@ -246,7 +246,7 @@ class LLMEngine:
         ctx = [s.num_computed_tokens + s.num_new_tokens for s in out.scheduled]
         # a verification runs as 1 + k one-token rows (engine/model_runner.py), so it is predicted as such
         seqs = [(1, s.num_computed_tokens + j) if s.spec_token_ids else (s.num_new_tokens, s.num_computed_tokens)
-                for s in out.scheduled for j in range(1 + len(s.spec_token_ids) if s.spec_token_ids else 1)]
+                for s in out.scheduled for j in range(1 + len(s.spec_token_ids))]
         npf_seqs = sum(1 for s in out.scheduled if s.is_prefill)
         rec = StepRecord(
             step=self._step_counter, start_time=t0, wall_seconds=t1 - t0,
