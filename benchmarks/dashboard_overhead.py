@@ -6,7 +6,8 @@ serve` load in interleaved rounds, three ways:
   feed      `bench serve --dashboard`: a headless reader of /v1/internals/stream (the server's side
             of the cost: the snapshots and their encoding);
   browser   a headless Chromium (Playwright, the system chromium) with /dashboard open during the
-            run, on the same machine: the server's side plus a browser drawing 4 times a second.
+            run, on the same machine, opened and live before the run starts: the server's side plus a browser
+            drawing the page (it throttles its own redraws to ~2.5% of a core; see dashboard.js).
 Rounds interleave the modes (the machine may be shared and noisy); medians and the ratio to `none`
 of the same run are reported.
 
@@ -72,7 +73,29 @@ def _browser_page(url: str):
     browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
     page = browser.new_page(viewport={"width": 1400, "height": 1300})
     page.goto(url + "/dashboard")
+    # a viewer who is already watching: the browser's start-up is not part of the run
+    deadline = time.monotonic() + 60
+    while page.evaluate("document.getElementById('conn-text').textContent") != "live":
+        if time.monotonic() > deadline:
+            raise SystemExit("the dashboard never went live")
+        page.wait_for_timeout(100)
+    page.wait_for_timeout(2000)
     return pw, browser, page
+
+
+def _browser_cpu_seconds() -> float:
+    """User + system CPU seconds of every Chromium process now alive (Playwright's are our children)."""
+    import psutil  # optional: only the browser mode needs it
+
+    total = 0.0
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "chrom" in proc.name():
+                t = proc.cpu_times()
+                total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
 
 
 def snapshot_cost(model, interval_s: float = 0.25, reps: int = 50) -> dict:
@@ -113,13 +136,18 @@ def run_rounds(a, modes, url, serve) -> dict:
         for r in range(a.rounds):
             for mode in (modes if r % 2 == 0 else modes[::-1]):
                 viewer = _browser_page(url) if mode == "browser" else None
+                note = ""
                 try:
+                    cpu0, t0 = _browser_cpu_seconds() if viewer else 0.0, time.monotonic()
                     results[mode].append(_bench(url, a, mode))
+                    if viewer:
+                        share = (_browser_cpu_seconds() - cpu0) / (time.monotonic() - t0)
+                        note = f" (the browser used {share:.2f} CPUs meanwhile)"
                 finally:
                     if viewer:
                         viewer[1].close()
                         viewer[0].stop()
-                print(f"round {r + 1} {mode}: {results[mode][-1]:.1f} output tok/s", flush=True)
+                print(f"round {r + 1} {mode}: {results[mode][-1]:.1f} output tok/s{note}", flush=True)
     finally:
         proc.terminate()
         proc.wait(30)

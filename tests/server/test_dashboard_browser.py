@@ -70,17 +70,24 @@ def test_panels_follow_a_load_and_prompts_stay_text(browser, tiny_server):
     page, errors = _open(browser, tiny_server.url, TINY_KEY)
     _wait(page, "document.getElementById('conn-text').textContent === 'live'")
     _wait(page, "document.body.dataset.lastStep !== undefined")
-    results, seen, shown = [], [], False
-    load = threading.Thread(target=lambda: results.extend(_load(tiny_server.url, 8, 96, prompt=EVIL)))
+    results, seen, shown, done = [], [], False, threading.Event()
+
+    def waves():  # waves of 8 requests until the page has been watched redrawing (it throttles its draws)
+        while not done.is_set():
+            results.extend(_load(tiny_server.url, 8, 96, prompt=EVIL))
+
+    load = threading.Thread(target=waves)
     load.start()
-    while load.is_alive():
+    deadline = time.monotonic() + 60
+    while (len(set(seen)) < 3 or not shown) and time.monotonic() < deadline:
         seen.append(_last_step(page))
         # a running request's prompt is shown, as the characters it holds
         shown = shown or page.evaluate("[...document.querySelectorAll('#q-running .prompt')]"
                                        ".some(e => e.textContent.includes('<script>'))")
         page.wait_for_timeout(100)
+    done.set()
     load.join()
-    assert results == [200] * 8 and shown
+    assert results and results == [200] * len(results) and shown
     assert len(set(seen)) >= 3, f"the page drew {sorted(set(seen))} while the load ran"
     assert page.evaluate("window.__pwned") is None
     assert page.locator("script").count() == 1 and page.locator("main img").count() == 0
@@ -93,7 +100,7 @@ def test_panels_follow_a_load_and_prompts_stay_text(browser, tiny_server):
     assert dom["total"] == kv["num_blocks"] and dom["used"] == kv["blocks_used"]
     assert dom["free"] + dom["evictable"] == kv["blocks_free"]
     assert dom["cached"] + dom["evictable"] == kv["blocks_cached"] and dom["evictable"] > 0
-    assert int(page.text_content("[data-testid=lat-finished]")) >= 8
+    assert int(page.text_content("[data-testid=lat-finished]")) >= len(results)
     assert int(page.text_content("[data-testid=q-running]")) == 0
     for canvas in ("c-timeline", "c-roofline", "c-blocks", "c-ttft", "c-tpot", "c-itl", "c-throughput"):
         assert _painted(page, canvas) > 500, canvas

@@ -111,11 +111,23 @@ function onFrame(f) {
   schedule();
 }
 
-let pending = false;
+// Drawing costs CPU, and on a small server the browser shares its cores with the engine. So the page
+// keeps its own drawing under about 1/DRAW_BUDGET of one core: after a draw that took d ms it waits at
+// least DRAW_BUDGET * d ms (between MIN_DRAW_MS and MAX_DRAW_MS) before the next, and always draws the
+// newest frame once it arrives (the wait delays it, never drops it).
+const DRAW_BUDGET = 40, MIN_DRAW_MS = 1000, MAX_DRAW_MS = 3000;
+let pending = false, lastDraw = -Infinity, drawGap = MIN_DRAW_MS;
 function schedule() {
   if (pending) return;
   pending = true;
-  requestAnimationFrame(() => { pending = false; draw(); });
+  const wait = Math.max(0, lastDraw + drawGap - performance.now());
+  setTimeout(() => requestAnimationFrame(() => {
+    pending = false;
+    const t0 = performance.now();
+    draw();
+    lastDraw = performance.now();
+    drawGap = Math.min(MAX_DRAW_MS, Math.max(MIN_DRAW_MS, DRAW_BUDGET * (lastDraw - t0)));
+  }), wait);
 }
 
 // ---------------------------------------------------------------- drawing helpers
