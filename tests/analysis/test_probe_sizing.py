@@ -79,3 +79,21 @@ def test_auto_dtype_is_bfloat16_only_with_bf16_instructions(monkeypatch):
     assert builder.resolve_dtypes(EngineConfig(dtype="auto"), cpu)[0] == torch.float32
     monkeypatch.setattr(builder, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
     assert builder.resolve_dtypes(EngineConfig(dtype="auto"), cpu)[0] == torch.bfloat16
+
+
+def test_a_probe_on_a_busy_machine_is_used_but_not_cached(fake_matmul, tmp_path, monkeypatch, caplog):
+    from servescope.analysis import probe
+
+    monkeypatch.setattr(probe, "BUSY_MIN_WINDOW_S", 0.0)
+    monkeypatch.setattr(probe, "process_cpu_seconds", lambda: 0.0)  # other processes had the cores
+    path = tmp_path / "hw.json"
+    spec = probe.probe_local_hardware(cache_path=path, bandwidth_bytes=4 * 2**20, runs=1)
+    assert spec.memory_bandwidth > 0 and "the machine was busy" in spec.notes
+    assert "not cached" in caplog.text and not path.exists()
+    calls = len(fake_matmul)
+    probe.probe_local_hardware(cache_path=path, bandwidth_bytes=4 * 2**20, runs=1)
+    assert len(fake_matmul) > calls  # measured again, not read back
+    # on a quiet machine the same probe is cached
+    monkeypatch.setattr(probe, "process_cpu_seconds", lambda: 1e9 * len(fake_matmul))
+    quiet = probe.probe_local_hardware(cache_path=path, bandwidth_bytes=4 * 2**20, runs=1)
+    assert "busy" not in quiet.notes and path.exists()

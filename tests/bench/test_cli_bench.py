@@ -20,7 +20,7 @@ def test_throughput_defaults_are_the_batching_issue_workload():
     assert (a.command, a.bench_command) == ("bench", "throughput")
     assert a.num_prompts == 64 and a.input_len == (32, 512) and a.output_len == (32, 256) and a.seed == 0
     assert a.baseline == [] and a.hf_batch_size == 16 and a.json is None and a.trace is None
-    assert a.model is None and a.dtype == "float32"  # engine args are there
+    assert a.model is None and a.dtype == "auto" and a.baseline_dtype is None  # engine args are there
 
 
 def test_throughput_lengths_and_baselines():

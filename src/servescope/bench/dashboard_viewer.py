@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Optional
 
 import httpx
@@ -37,7 +38,12 @@ class DashboardViewer:
         self._connected.wait(wait_s)
         return self
 
-    def stop(self) -> None:
+    def stop(self, settle_s: float = 2.0) -> None:
+        """Stop after the next frame (at most settle_s): the server sends a frame every interval, so
+        the steps of a run's last fraction of a second arrive after its last response."""
+        seen, deadline = self.frames, time.monotonic() + settle_s
+        while self.frames == seen and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
         self._stop.set()
         self._thread.join(self.timeout)
 

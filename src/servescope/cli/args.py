@@ -66,7 +66,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="HF directory, .gguf file, 'smollm2-135m' (default, the embedded model) or random:PRESET")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    g.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "float16", "auto"],
+                   help="auto (default): bfloat16 on a GPU and on a CPU with bfloat16 dot products "
+                        "(AVX512-BF16, AMX, ARM BF16), float32 elsewhere")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     g.add_argument("--block-size", type=positive_int, default=16)
     g.add_argument("--kv-cache-memory", type=positive_int, default=None, metavar="BYTES",

@@ -125,6 +125,8 @@ def _add_workload_args(p, num_prompts: int, input_len: str, output_len: str) -> 
 def _add_baseline_args(p) -> None:
     p.add_argument("--baseline", action="append", choices=BASELINES, default=[],
                    help="also run transformers (hf) or llama-cpp-python on the same prompts (repeatable)")
+    p.add_argument("--baseline-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the transformers baseline (default: the engine's, as --dtype resolved)")
 
 
 def run(args: argparse.Namespace) -> int:

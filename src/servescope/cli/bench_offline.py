@@ -19,6 +19,11 @@ def _table(title: str, columns: tuple):
     return t
 
 
+def _baseline_dtype(args, engine) -> str:
+    """The transformers baseline's dtype: --baseline-dtype, else the one --dtype resolved to."""
+    return args.baseline_dtype or str(engine.dtype).replace("torch.", "")
+
+
 def _print_skip(con):
     return lambda name, why: con.print(f"[yellow]baseline {name} skipped:[/yellow] {why}")
 
@@ -53,12 +58,14 @@ def run_throughput(args) -> int:
         why = write_trace(args.trace, ours["_steps"], ours["_outputs"])
         con.print(f"[yellow]trace not written:[/yellow] {why}" if why else f"trace written to {args.trace}")
 
+    base_dtype = _baseline_dtype(args, llm.engine)
+
     def on_start(name: str) -> None:
         if name == "hf":
-            con.print(f"baseline hf: transformers generate, padded batches of {args.hf_batch_size}, {args.dtype}")
+            con.print(f"baseline hf: transformers generate, padded batches of {args.hf_batch_size}, {base_dtype}")
 
     results = {"servescope": ours, **comparison.run_throughput_baselines(
-        args.baseline, reqs, model=args.model, dtype=args.dtype, vocab_size=vocab,
+        args.baseline, reqs, model=args.model, dtype=base_dtype, vocab_size=vocab,
         hf_batch_size=args.hf_batch_size, warmup=not args.no_warmup, progress=not args.no_progress,
         on_start=on_start, on_skip=_print_skip(con))}
     ratios = comparison.throughput_ratios(results)
@@ -114,7 +121,8 @@ def run_latency(args) -> int:
             f"  iter {i + 1}/{args.iters}: wall {r['wall_seconds']:.2f} s, TTFT {r['ttft_s'] * 1e3:.0f} ms, "
             f"TPOT {fmt(r['tpot_s'], 1e3, 1)} ms"))
     results = {"servescope": ours, **comparison.run_latency_baselines(
-        args.baseline, model=args.model, dtype=args.dtype, batch_size=args.batch_size, input_len=args.input_len,
+        args.baseline, model=args.model, dtype=_baseline_dtype(args, e), batch_size=args.batch_size,
+        input_len=args.input_len,
         output_len=args.output_len, vocab_size=e.model_config.vocab_size, iters=args.iters, seed=args.seed,
         warmup=not args.no_warmup, on_skip=_print_skip(con))}
     ratios = comparison.latency_ratios(results)
