@@ -29,7 +29,7 @@ def paged_logits(engine, ids, chunk=None, decode_from=None):
     out = []
     with torch.inference_mode():
         for start, num in spans:
-            seq = SimpleNamespace(request=req, num_computed_tokens=start, num_new_tokens=num, block_ids=blocks)
+            seq = SimpleNamespace(request=req, num_computed_tokens=start, num_new_tokens=num, block_ids=blocks, spec_token_ids=())
             batch = runner.prepare([seq])
             hidden = runner.executor.forward(batch, runner.kv_caches, runner.backend)
             out.append(runner.executor.compute_logits(hidden))

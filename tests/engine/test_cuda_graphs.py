@@ -44,7 +44,7 @@ def _decodes(lens, first_block=1):
         blocks = list(range(nxt, nxt + nblk))
         nxt += nblk
         req = SimpleNamespace(all_token_ids=[(7 * i + j) % 256 for j in range(n)])
-        seqs.append(SimpleNamespace(request=req, num_computed_tokens=n - 1, num_new_tokens=1, block_ids=blocks))
+        seqs.append(SimpleNamespace(request=req, num_computed_tokens=n - 1, num_new_tokens=1, block_ids=blocks, spec_token_ids=()))
     return seqs
 
 
@@ -78,5 +78,5 @@ def test_can_run_rejects_what_was_not_captured():
     assert not graphs.can_run(runner.prepare(_decodes([3, 4, 5])))  # B above the largest graph
     assert not graphs.can_run(runner.prepare(_decodes([33])))  # 3 blocks > max_blocks_per_seq
     prefill = SimpleNamespace(request=SimpleNamespace(all_token_ids=[1, 2, 3]), num_computed_tokens=0,
-                              num_new_tokens=3, block_ids=[9])
+                              num_new_tokens=3, block_ids=[9], spec_token_ids=())
     assert not graphs.can_run(runner.prepare(_decodes([3]) + [prefill]))  # mixed step

@@ -32,7 +32,7 @@ def _run(target: torch.Tensor, q0, n: int, draft_token=None, seed=0):
     else:  # n-gram: the same deterministic drafts, q one-hot
         d, dp = [[draft_token, draft_token]] * n, None
     logits = target.log().repeat(n, 1)  # [3n, V]: rows p0, p1, p2 per request
-    return verify(sampler, logits, states, d, dp), d
+    return verify(sampler, logits, states, d, dp).results, d
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
@@ -71,7 +71,7 @@ def test_greedy_verification_is_argmax_decoding():
     params = SamplingParams(temperature=0, max_tokens=8)
     states = [SamplingState(params, [0], []) for _ in range(2)]
     drafts = [am[0:2] + [(am[2] + 1) % V], am[4:7]]  # request 0: third draft wrong; request 1: all right
-    res = verify(sampler, logits, states, drafts)
+    res = verify(sampler, logits, states, drafts).results
     assert res[0].token_ids == am[0:3] and res[0].num_accepted == 2
     assert res[1].token_ids == am[4:8] and res[1].num_accepted == 3  # the bonus token
 
@@ -84,9 +84,9 @@ def test_min_tokens_masks_eos_at_each_position():
     logits[:, eos] = 10.0  # EOS is everyone's argmax
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=2)
     state = SamplingState(params, [0], [])
-    res = verify(sampler, logits, [state], [[1, 1]])
+    res = verify(sampler, logits, [state], [[1, 1]]).results
     # row 0 and row 1 mask EOS (0 and 1 outputs before them): argmax 0 there; row 2 may emit EOS
     assert res[0].token_ids == [0]
     logits[:2, 1] = 20.0
-    res = verify(sampler, logits, [state], [[1, 1]])
+    res = verify(sampler, logits, [state], [[1, 1]]).results
     assert res[0].token_ids == [1, 1, eos]

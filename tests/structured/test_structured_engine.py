@@ -85,3 +85,6 @@ def test_speculating_requests_batched_with_a_constrained_one(llm):
     assert o.finish_reason == "stop", o.text
     jsonschema.validate(json.loads(o.text), SCHEMA)
     assert outs[0].metrics.num_draft_tokens > 0 and outs[1].metrics.num_draft_tokens == 0
+    # the constrained row's mask is timed in verification steps as in plain ones
+    verifying = [r for r in spec.engine.step_records if r.num_draft_tokens]
+    assert verifying and all(r.grammar_mask_seconds > 0 for r in verifying)

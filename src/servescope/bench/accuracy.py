@@ -24,7 +24,8 @@ def sequence_logits(engine, ids: list) -> torch.Tensor:
     runner = ModelRunner(engine.executor.fork(), engine.model_config, engine.runner.backend, nblocks, bs,
                          engine.kv_dtype, engine.device)
     req = SimpleNamespace(all_token_ids=list(ids))
-    seq = SimpleNamespace(request=req, num_computed_tokens=0, num_new_tokens=len(ids), block_ids=list(range(nblocks)))
+    seq = SimpleNamespace(request=req, num_computed_tokens=0, num_new_tokens=len(ids), block_ids=list(range(nblocks)),
+                          spec_token_ids=())
     with torch.inference_mode():
         batch = runner.prepare([seq])
         hidden = runner.executor.forward(batch, runner.kv_caches, runner.backend)

@@ -31,6 +31,7 @@ class _Sequence:
     num_computed_tokens: int
     num_new_tokens: int
     block_ids: list
+    spec_token_ids: tuple = ()  # an embedding pass never verifies drafts
 
 
 @torch.inference_mode()

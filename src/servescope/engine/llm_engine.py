@@ -188,7 +188,6 @@ class LLMEngine:
     def step(self) -> list:
         """Run one scheduler step; return a RequestOutput for every request that changed."""
         t0 = time.perf_counter()
-        self._mask_seconds = 0.0
         out = self.scheduler.schedule()
         self.outputs.begin_step(out, t0)
         rows = [i for i, s in enumerate(out.scheduled) if s.will_sample]  # whose next token is due
@@ -200,10 +199,10 @@ class LLMEngine:
                                    self.model_config.vocab_size)
             logits = logits[:num_positions]
         if self.spec is not None and any(out.scheduled[i].spec_token_ids for i in rows):
-            sampled = self.spec.verify(out, rows, logits, self.outputs)  # {id: [SampledToken, ...]}
+            sampled, mask_s = self.spec.verify(out, rows, logits, self.outputs)  # {id: [SampledToken, ...]}
             self.scheduler.update_from_output(out, {r: [t.token_id for t in s] for r, s in sampled.items()})
         else:
-            sampled = self._sample(out, rows, logits)
+            sampled, mask_s = self._sample(out, rows, logits)
             self.scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
         t1 = time.perf_counter()
         self.outputs.add_tokens(sampled, t1)  # may finish requests, which frees their blocks
@@ -211,7 +210,7 @@ class LLMEngine:
             self._discard_kv(out)
         if self.spec is not None:
             self.spec.propose(self.scheduler, self.outputs)  # drafts for the next step
-        self._record_step(out, num_positions, t0, time.perf_counter())
+        self._record_step(out, num_positions, mask_s, t0, time.perf_counter())
         return self.outputs.end_step()
 
     def _execute(self, out: SchedulerOutput, rows: list, spans: list) -> Optional[torch.Tensor]:
@@ -225,14 +224,14 @@ class LLMEngine:
             torch.cuda.synchronize()  # so that the step's wall time covers its GPU work
         return logits
 
-    def _sample(self, out: SchedulerOutput, rows: list, logits: Optional[torch.Tensor]) -> dict:
-        """{sample id: SampledToken} of the scheduled sequences at `rows`, in step order."""
+    def _sample(self, out: SchedulerOutput, rows: list, logits: Optional[torch.Tensor]) -> tuple:
+        """({sample id: SampledToken} of the scheduled sequences at `rows`, in step order; seconds
+        spent on grammar masks)."""
         rids = [out.scheduled[i].request_id for i in rows]
         if not rids:
-            return {}
+            return {}, 0.0
         so = self.sampler(logits, [self.outputs.sampling_state(r) for r in rids])
-        self._mask_seconds = so.mask_seconds
-        return {r: SampledToken(t, lp) for r, t, lp in zip(rids, so.token_ids, so.logprobs)}
+        return {r: SampledToken(t, lp) for r, t, lp in zip(rids, so.token_ids, so.logprobs)}, so.mask_seconds
 
     def _discard_kv(self, out: SchedulerOutput) -> None:
         for seq in out.scheduled:
@@ -240,7 +239,7 @@ class LLMEngine:
                 self.scheduler.discard_kv(seq.request.request_id)
 
     # ---------------------------------------------------------------- telemetry
-    def _record_step(self, out: SchedulerOutput, num_logits: int, t0: float, t1: float) -> None:
+    def _record_step(self, out: SchedulerOutput, num_logits: int, mask_seconds: float, t0: float, t1: float) -> None:
         self._step_counter += 1
         km = self.kv_manager
         ctx = [s.num_computed_tokens + s.num_new_tokens for s in out.scheduled]
@@ -255,7 +254,7 @@ class LLMEngine:
             context_lens=ctx, kv_blocks_used=km.num_used_blocks, kv_blocks_free=km.num_free_blocks,
             kv_blocks_cached=km.num_cached_blocks, kv_usage=km.usage,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            num_preemptions_total=self.scheduler.num_preemptions, grammar_mask_seconds=self._mask_seconds)
+            num_preemptions_total=self.scheduler.num_preemptions, grammar_mask_seconds=mask_seconds)
         if self.spec is not None and any(s.spec_token_ids for s in out.scheduled):
             st = self.spec.last_step
             rec.num_spec_seqs, rec.num_draft_tokens, rec.num_accepted_tokens = (

@@ -101,7 +101,7 @@ class ModelRunner:
         seq_rows = [0]
         for seq in scheduled:
             start, n = seq.num_computed_tokens, seq.num_new_tokens
-            spec = getattr(seq, "spec_token_ids", ())
+            spec = seq.spec_token_ids
             blocks = seq.block_ids
             if spec:
                 # a verification: 1 + k one-token rows over the same block table, row j at position

@@ -85,24 +85,20 @@ class SpecDecoder:
                 self._draft_probs[req.request_id] = q
 
     # ---------------------------------------------------------------- in the next step
-    def verify(self, out: SchedulerOutput, rows: list, logits: torch.Tensor, outputs: OutputProcessor) -> dict:
-        """{sample id: [SampledToken, ...]} of the scheduled sequences at `rows` (logits: their sample
-        positions, in order)."""
+    def verify(self, out: SchedulerOutput, rows: list, logits: torch.Tensor, outputs: OutputProcessor) -> tuple:
+        """({sample id: [SampledToken, ...]} of the scheduled sequences at `rows`, seconds spent on
+        grammar masks); logits: their sample positions, in order."""
         seqs = [out.scheduled[i] for i in rows]
         drafts = [list(s.spec_token_ids) for s in seqs]
         q = [self._draft_probs.get(s.request_id) if d else None for s, d in zip(seqs, drafts)]
         q = [None if x is None else x[:len(d)] for x, d in zip(q, drafts)]
         states = [outputs.sampling_state(s.request_id) for s in seqs]
-        results = verify(self.sampler, logits, states, drafts, q)
+        verified = verify(self.sampler, logits, states, drafts, q)
         stats = SpecStepStats()
-        sampled, row = {}, 0
-        for seq, res, st, d in zip(seqs, results, states, drafts):
+        sampled = {}
+        for seq, res in zip(seqs, verified.results):
             rid = seq.request_id
             sampled[rid] = [SampledToken(t, lp) for t, lp in zip(res.token_ids, res.logprobs)]
-            if st.grammar is not None:  # never speculated (propose skips it): sampled under its grammar mask
-                so = self.sampler(logits[row:row + 1], [st])
-                sampled[rid] = [SampledToken(so.token_ids[0], so.logprobs[0])]
-            row += 1 + len(d)
             if res.num_drafts:
                 stats.num_seqs += 1
                 stats.num_draft_tokens += res.num_drafts
@@ -113,7 +109,7 @@ class SpecDecoder:
         self.num_draft_tokens += stats.num_draft_tokens
         self.num_accepted_tokens += stats.num_accepted_tokens
         self.last_step = stats
-        return sampled
+        return sampled, verified.mask_seconds
 
     def state(self) -> dict:
         """Totals for /metrics and kv_cache_state()."""

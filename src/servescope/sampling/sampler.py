@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 import torch
 
@@ -95,6 +95,15 @@ class SamplerOutput:
     mask_seconds: float = 0.0  # filling and applying grammar masks
 
 
+class Distributions(NamedTuple):
+    """What each row of a batch samples from (Sampler.distributions)."""
+
+    probs: Optional[torch.Tensor]  # [B, V] float32 after masks, penalties, temperature, filters; None: all greedy
+    greedy_ids: Optional[torch.Tensor]  # [B] argmax of the processed logits; None when no row is greedy
+    greedy: list  # [B] bool
+    mask_seconds: float  # filling and applying grammar masks
+
+
 class Sampler:
     """Samples the next token of every row of a batch of logits.
 
@@ -116,13 +125,7 @@ class Sampler:
             raise ValueError(f"logits have {logits.shape[1]} columns, fewer than vocab_size {self.vocab_size}")
         logits = logits[:, : self.vocab_size]  # [B, V]: drop padded vocabulary columns
         greedy = [s.params.greedy for s in states]
-        masked, mask_seconds = logits, 0.0
-        if any(s.grammar is not None for s in states):
-            from servescope.structured import apply_grammar_masks  # optional dependency (xgrammar)
-
-            masked = logits.to(torch.float32, copy=True)  # [B, V]; the raw logits stay for logprobs
-            mask_seconds = apply_grammar_masks(masked, [s.grammar for s in states])
-        token_ids = self._sample(masked, states, greedy)  # [B] long, on device
+        token_ids, mask_seconds = self._sample(logits, states, greedy)  # [B] long, on device
 
         logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         if not logprob_rows:
@@ -132,39 +135,46 @@ class Sampler:
 
     # -- sampling -------------------------------------------------------------------------
 
-    def _sample(self, logits: torch.Tensor, states: list[SamplingState], greedy: list[bool]) -> torch.Tensor:
-        x, greedy_ids = self._processed(logits, states, greedy)
+    def _sample(self, logits: torch.Tensor, states: list[SamplingState], greedy: list[bool]) -> tuple:
+        """(token ids [B], seconds spent on grammar masks)."""
+        x, greedy_ids, mask_seconds = self._processed(logits, states, greedy)
         if x is None:
-            return greedy_ids
+            return greedy_ids, mask_seconds
         probs = x.softmax(dim=-1)  # [B, V]
         sampled = probs.div_(self._exponential_noise(probs, states, greedy)).argmax(dim=-1)  # [B]
         if any(greedy):
             sampled = torch.where(host_to_device(greedy, torch.bool, logits.device), greedy_ids, sampled)
         assert sampled.shape == (len(states),)
-        return sampled
+        return sampled, mask_seconds
 
-    def distributions(self, logits: torch.Tensor, states: list[SamplingState]) -> tuple:
-        """What each row samples from, without sampling: (probs [B, V] float32 after penalties,
-        min_tokens, temperature and filters, or None when every row is greedy; the argmax [B] of the
-        processed logits; the greedy flags). Speculative verification (spec/) scores drafts with it."""
+    def distributions(self, logits: torch.Tensor, states: list[SamplingState]) -> Distributions:
+        """What each row samples from, without sampling (grammar masks included): see Distributions.
+        Speculative verification (spec/) scores drafts with it."""
         logits = logits[:, : self.vocab_size]  # [B, V]
         greedy = [s.params.greedy for s in states]
-        x, greedy_ids = self._processed(logits, states, greedy)
-        return (None if x is None else x.softmax(dim=-1)), greedy_ids, greedy
+        x, greedy_ids, mask_seconds = self._processed(logits, states, greedy)
+        return Distributions(None if x is None else x.softmax(dim=-1), greedy_ids, greedy, mask_seconds)
 
     def _processed(self, logits: torch.Tensor, states: list[SamplingState], greedy: list[bool]) -> tuple:
-        """(logits [B, V] after penalties, min_tokens, temperature and filters, or None when every row is
-        greedy; the greedy choice [B], None when no row is greedy)."""
+        """(logits [B, V] after grammar masks, penalties, min_tokens, temperature and filters, or None
+        when every row is greedy; the greedy choice [B], None when no row is greedy; seconds spent on
+        grammar masks). One float32 copy of the logits at most; the caller's logits are not changed."""
         device = logits.device
         params = [s.params for s in states]
         rep_rows = [p.repetition_penalty != 1.0 for p in params]
         out_rows = [r or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for r, p in zip(rep_rows, params)]
         mask_r, mask_t = self._min_tokens_mask(states)
+        grammar = any(s.grammar is not None for s in states)
 
-        if all(greedy) and not any(out_rows) and not mask_r:
-            return None, logits.argmax(dim=-1)  # fast path, on the logits as given (any dtype)
+        if all(greedy) and not any(out_rows) and not mask_r and not grammar:
+            return None, logits.argmax(dim=-1), 0.0  # fast path, on the logits as given (any dtype)
 
         x = logits.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)  # [B, V]
+        mask_seconds = 0.0
+        if grammar:
+            from servescope.structured import apply_grammar_masks  # optional dependency (xgrammar)
+
+            mask_seconds = apply_grammar_masks(x, [s.grammar for s in states])
         if any(out_rows):
             apply_penalties(
                 x,
@@ -178,7 +188,7 @@ class Sampler:
 
         greedy_ids = x.argmax(dim=-1) if any(greedy) else None  # [B]
         if all(greedy):
-            return None, greedy_ids
+            return None, greedy_ids, mask_seconds
 
         # greedy rows get temperature 1 so that they stay finite; their sample is discarded
         temps = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
@@ -194,7 +204,7 @@ class Sampler:
                 host_to_device(top_p, torch.float32, device) if use_p else None,
                 host_to_device(min_p, torch.float32, device) if use_min_p else None,
             )
-        return x, greedy_ids
+        return x, greedy_ids, mask_seconds
 
     def _exponential_noise(self, probs: torch.Tensor, states: list[SamplingState], greedy: list[bool]) -> torch.Tensor:
         """Exp(1) noise [B, V]; a seeded non-greedy row draws its row from its own generator."""

@@ -59,21 +59,21 @@ class DraftProposer:
         written, preemptions = self._valid.get(req.request_id, (0, req.num_preemptions))
         start = 0 if preemptions != req.num_preemptions else min(written, req.num_computed_tokens)
         return SimpleNamespace(request=req, num_computed_tokens=start, num_new_tokens=req.num_tokens - start,
-                               block_ids=blocks)
+                               block_ids=blocks, spec_token_ids=())
 
     @staticmethod
     def _draft_seq(req, blocks, drafts):
         # the last draft as one token at its position, the earlier drafts as known tokens
         seq_req = SimpleNamespace(all_token_ids=req.all_token_ids + drafts)
         return SimpleNamespace(request=seq_req, num_computed_tokens=req.num_tokens + len(drafts) - 1,
-                               num_new_tokens=1, block_ids=blocks)
+                               num_new_tokens=1, block_ids=blocks, spec_token_ids=())
 
     def _draw(self, items: list, seqs: list, drafts: list, probs: list) -> None:
         """One draft forward over seqs; appends each request's next draft (and its distribution)."""
         t0 = time.perf_counter()
         logits = self.runner.execute(seqs)  # [B, V]: each sequence's last position
         states = [position_states(st, d)[-1] for (_, _, _, st), d in zip(items, drafts)]
-        p, greedy_ids, greedy = self.sampler.distributions(logits, states)
+        p, greedy_ids, greedy, _ = self.sampler.distributions(logits, states)  # drafts have no grammar
         if p is None:
             toks = greedy_ids
         else:

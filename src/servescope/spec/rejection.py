@@ -51,10 +51,17 @@ def position_states(state: SamplingState, drafts: list[int]) -> list[SamplingSta
     return out
 
 
+@dataclass(frozen=True)
+class Verification:
+    results: list  # [Verified], one per request
+    mask_seconds: float  # grammar masks of the rows that have one (Sampler.distributions)
+
+
 def verify(sampler: Sampler, logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]],
-           draft_probs: Optional[list] = None) -> list[Verified]:
+           draft_probs: Optional[list] = None) -> Verification:
     """logits [R, V]: each request's 1 + k_i rows in order; states: one per request; drafts: k_i tokens
-    per request (may be empty); draft_probs: per request None (deterministic proposer) or q [k_i, V]."""
+    per request (may be empty; a request with a grammar never has drafts and is sampled under its
+    mask); draft_probs: per request None (deterministic proposer) or q [k_i, V]."""
     draft_probs = draft_probs or [None] * len(states)
     rows_states, bases = [], []
     for st, d in zip(states, drafts):
@@ -62,7 +69,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[SamplingState], 
         rows_states += position_states(st, d)
     if logits.shape[0] != len(rows_states):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(rows_states)} positions")
-    probs, greedy_ids, greedy = sampler.distributions(logits, rows_states)
+    probs, greedy_ids, greedy, mask_seconds = sampler.distributions(logits, rows_states)
     draft_rows = [b + j for b, d in zip(bases, drafts) for j in range(len(d))]
     flat_drafts = [t for d in drafts for t in d]
     device = logits.device
@@ -75,7 +82,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[SamplingState], 
                                             draft_probs, draft_rows, d_toks)
     host = torch.cat([chosen.long(), accept.long()]).tolist()  # the one host copy of the decisions
     chosen_h, accept_h = host[:len(rows_states)], host[len(rows_states):]
-    return _assemble(sampler, logits, rows_states, bases, drafts, chosen_h, accept_h)
+    return Verification(_assemble(sampler, logits, rows_states, bases, drafts, chosen_h, accept_h), mask_seconds)
 
 
 def _sampled_decisions(sampler, probs, greedy_ids, greedy, rows_states, bases, drafts, draft_probs,
