@@ -2,7 +2,7 @@
 
 Workloads (SmolLM2-135M-Instruct in float32, greedy):
   copy   batch 1, copy-heavy prompts (repeat / lightly edit a paragraph given in the prompt): n-gram
-         prompt lookup, and a draft model (the same model quantised to int8), against no speculation
+         prompt lookup, and draft models (the same model quantised: int8, int4), against no speculation
   open   batch 32, open-ended prompts: adaptive n-gram speculation against none (it must not slow down)
 Each round runs every configuration once on the same prompts (A, B, C, A, B, C, ...); the figures are
 medians over rounds and ratios within the same round. Beside each measured speed-up the cost model's
@@ -94,6 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--draft-k", type=int, default=3)
+    p.add_argument("--draft-quantizations", default="int8,int4",
+                   help="comma-separated: one draft (the target's own weights, quantised) per mode")
     p.add_argument("--copy-tokens", type=int, default=96)
     p.add_argument("--copy-prompts", type=int, default=8)
     p.add_argument("--open-batch", type=int, default=32)
@@ -113,13 +115,15 @@ def main(argv=None) -> int:
     tok = base.tokenizer
     configs = {"none": base,
                "ngram": base.with_config(speculative=SpeculativeConfig("ngram", num_speculative_tokens=a.k)),
-               "draft-int8": base.with_config(speculative=SpeculativeConfig(
-                   "draft", num_speculative_tokens=a.draft_k, speculative_quantization="int8"))}
+               **{f"draft-{q}": base.with_config(speculative=SpeculativeConfig(
+                   "draft", num_speculative_tokens=a.draft_k, speculative_quantization=q))
+                  for q in a.draft_quantizations.split(",") if q}}
+    drafts = [n for n in configs if n.startswith("draft-")]
     results: dict = {"benchmark": "speculative", **environment_info(), "k": a.k, "draft_k": a.draft_k}
     work = {}
     if "copy" in a.only:
         work["copy"] = (copy_prompts(tok)[:a.copy_prompts], SamplingParams(temperature=0, max_tokens=a.copy_tokens), 1,
-                        ["none", "ngram", "draft-int8"])
+                        ["none", "ngram", *drafts])
     if "open" in a.only:
         work["open"] = (open_prompts(tok, a.open_batch), SamplingParams(temperature=0, max_tokens=a.open_tokens,
                                                                         ignore_eos=True), a.open_batch,
@@ -147,7 +151,8 @@ def main(argv=None) -> int:
                 draft_cost = None
                 if n.startswith("draft"):
                     e = base.engine
-                    draft_cost = StepCostPredictor(e.model_config, e.device, e.dtype, e.kv_dtype, "int8", None)
+                    draft_cost = StepCostPredictor(e.model_config, e.device, e.dtype, e.kv_dtype,
+                                                   n[len("draft-"):], None)
                     prop = configs[n].engine.spec.proposer
                     plain = [r.wall_seconds for r in base.engine.step_records if r.phase == "decode"]
                     summary[n]["draft_forward_seconds"] = prop.forward_seconds / max(prop.num_forwards, 1)
@@ -157,7 +162,9 @@ def main(argv=None) -> int:
                 summary[n].update(predicted(base, k, summary[n]["acceptance_rate"], batch, ctx, draft_cost))
             print(f"{name}: {n:10s} median {summary[n]['median_decode_tokens_per_s']:7.1f} tok/s, "
                   f"speed-up {summary[n]['median_speedup']:.2f}x (rounds {[round(x, 2) for x in ratios]}), "
-                  f"predicted {summary[n].get('predicted_speedup')}, same outputs {same}", flush=True)
+                  f"predicted {summary[n].get('predicted_speedup')}, same outputs {same}"
+                  + (f", draft {summary[n]['draft_cheaper_by']:.1f}x cheaper per token than the target"
+                     if "draft_cheaper_by" in summary[n] else ""), flush=True)
         for row in rounds:
             for n in row:
                 row[n].pop("outputs")

@@ -98,7 +98,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="drafts per step and request (default 4 when a method is given)")
     s.add_argument("--draft-model", default=None, metavar="PATH",
                    help="the draft (default: the target's own weights, see --draft-quantization)")
-    s.add_argument("--draft-quantization", default=None, choices=["int8"])
+    s.add_argument("--draft-quantization", default=None, metavar="MODE",
+                   help="the draft's weights: int4, int8 (or any --quantization mode); self-speculation "
+                        "with the target's own weights quantised")
     s.add_argument("--prompt-lookup-min", type=positive_int, default=1)
     s.add_argument("--prompt-lookup-max", type=positive_int, default=4)
     s.add_argument("--no-adaptive-speculation", action="store_true",

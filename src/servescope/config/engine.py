@@ -152,7 +152,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    speculative_quantization: Optional[str] = None  # of the draft: None | int8
+    speculative_quantization: Optional[str] = None  # of the draft: None or a quantization mode (int4, int8, ...)
     speculative_adaptive: bool = True
 
     def __post_init__(self):
@@ -171,8 +171,9 @@ class SpeculativeConfig:
                  f"must satisfy 1 <= min <= max")
         _require(m == "draft" or self.speculative_model is None,
                  f"speculative_model is for the draft method, not {m}")
-        _require(self.speculative_quantization in (None, "int8"),
-                 f"speculative_quantization must be int8 or unset, got {self.speculative_quantization!r}")
+        _require(self.speculative_quantization is None or bool(_QUANT_RE.match(str(self.speculative_quantization))),
+                 f"speculative_quantization (the draft's weights) must be one of the quantization modes (int8, "
+                 f"int4, int<4|8>-<g32|g64|g128|ch>[-sym|-asym], gguf) or unset, got {self.speculative_quantization!r}")
 
     @property
     def enabled(self) -> bool:

@@ -17,12 +17,17 @@ two; its last logits give draft 1), then k - 1 one-token decodes.
 
 from __future__ import annotations
 
+import itertools
 import time
 from types import SimpleNamespace
 import torch
 
 from servescope.sampling.sampler import Sampler
+from servescope.scheduler.output import ScheduledSequence
 from servescope.spec.rejection import position_states
+
+
+MAX_CATCH_UP_ROWS = 8  # a catch-up of up to this many tokens runs as one-token rows
 
 
 class DraftProposer:
@@ -43,7 +48,8 @@ class DraftProposer:
         drafts: list[list[int]] = [[] for _ in items]
         probs: list[list] = [[] for _ in items]
         seqs = [self._catch_up_seq(req, blocks) for req, _, blocks, _ in items]
-        order = sorted(range(len(items)), key=lambda i: seqs[i].num_new_tokens > 1)  # decodes first
+        # one-token queries first (decodes and catch-ups laid out as rows), prompts last
+        order = sorted(range(len(items)), key=lambda i: seqs[i].num_new_tokens > 1 and not seqs[i].spec_token_ids)
         self._draw([items[i] for i in order], [seqs[i] for i in order], [drafts[i] for i in order],
                    [probs[i] for i in order])
         for j in range(1, max(k for _, k, _, _ in items)):
@@ -56,22 +62,30 @@ class DraftProposer:
         return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
 
     def _catch_up_seq(self, req, blocks):
+        """The tokens the draft has not seen. After a verification they are one or two (the target's
+        correction or bonus token, and the last draft when all were accepted): those go as one-token
+        rows, the layout of a verification (engine/model_runner.py), so that the decode kernels (the
+        C++ decode plan) serve them; a prompt goes as a prefill query."""
         written, preemptions = self._valid.get(req.request_id, (0, req.num_preemptions))
         start = 0 if preemptions != req.num_preemptions else min(written, req.num_computed_tokens)
-        return SimpleNamespace(request=req, num_computed_tokens=start, num_new_tokens=req.num_tokens - start,
-                               block_ids=blocks, spec_token_ids=())
+        n = req.num_tokens - start
+        rows = tuple(req.all_token_ids[start + 1:start + n]) if 1 < n <= MAX_CATCH_UP_ROWS else ()
+        return ScheduledSequence(req, n, start, blocks, is_prefill=False, will_sample=True, spec_token_ids=rows)
 
     @staticmethod
     def _draft_seq(req, blocks, drafts):
         # the last draft as one token at its position, the earlier drafts as known tokens
         seq_req = SimpleNamespace(all_token_ids=req.all_token_ids + drafts)
-        return SimpleNamespace(request=seq_req, num_computed_tokens=req.num_tokens + len(drafts) - 1,
-                               num_new_tokens=1, block_ids=blocks, spec_token_ids=())
+        return ScheduledSequence(seq_req, 1, req.num_tokens + len(drafts) - 1, blocks, is_prefill=False,
+                                 will_sample=True)
 
     def _draw(self, items: list, seqs: list, drafts: list, probs: list) -> None:
         """One draft forward over seqs; appends each request's next draft (and its distribution)."""
         t0 = time.perf_counter()
-        logits = self.runner.execute(seqs)  # [B, V]: each sequence's last position
+        logits = self.runner.execute(seqs, list(range(len(seqs))))  # [P, V]: every row of a rows catch-up
+        if len(logits) > len(seqs):  # keep each sequence's last position
+            ends = itertools.accumulate(s.num_sample_positions for s in seqs)
+            logits = logits.index_select(0, torch.tensor([e - 1 for e in ends], device=logits.device))
         states = [position_states(st, d)[-1] for (_, _, _, st), d in zip(items, drafts)]
         p, greedy_ids, greedy, _ = self.sampler.distributions(logits, states)  # drafts have no grammar
         if p is None:
