@@ -305,6 +305,37 @@ def section_kernels(rec, dev, dry):
         del kc, vc
 
 
+def section_quant_kernels(rec, dev, dry):
+    """The Triton GEMV over packed int4 / int8 weights (kernels/triton_quant.py): error against the
+    dequantised float64 product, then its read rate at Llama-3-8B's MLP shape beside a bf16 matmul."""
+    from servescope.kernels import triton_quant as tq
+    from servescope.kernels.quant_linear import QuantScheme, dequantize, quantize
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    n, k = (96, 200) if dry else (4096, 14336)
+    worst = 0.0
+    for scheme in (QuantScheme(4, 32), QuantScheme(4, 32, asym=True), QuantScheme(8, 32)):
+        w = torch.randn(n, k, generator=g) * 0.02
+        packed, scales = quantize(w, scheme)
+        x = torch.randn(1, k, generator=g)
+        ref = x.double() @ dequantize(packed, scales, k, torch.float64).T
+        pk, sc, xd = packed.to(dev), scales.to(dev), x.to(dev)
+        y = tq.quant_gemv(xd, pk, sc, k)
+        worst = max(worst, ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item())
+        if dry:
+            continue
+        secs = timed(lambda: tq.quant_gemv(xd, pk, sc, k), dev, 50)
+        nbytes = pk.numel() * pk.element_size() + sc.numel() * 2
+        name = f"int{scheme.bits}{'_asym' if scheme.asym else ''}"
+        rec(f"quant_gemv_{name}_{n}x{k}", nbytes / secs / 1e9, "GB/s", f"{secs * 1e6:.0f} us for {nbytes / 2**20:.1f} MiB")
+    rec("quant_gemv_max_rel_err", worst, "", "vs the dequantised float64 product (int4 sym/asym, int8; g32)")
+    if not dry:
+        wb = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        xb = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        secs = timed(lambda: xb @ wb.T, dev, 50)
+        rec(f"bf16_matmul_{n}x{k}", wb.numel() * 2 / secs / 1e9, "GB/s", f"{secs * 1e6:.0f} us (cuBLAS, M = 1)")
+
+
 def section_hardware(rec, dev, dry):
     n = (2 << 30) if not dry else (64 << 20)  # bytes per buffer
     x = torch.empty(n, dtype=torch.uint8, device=dev)
@@ -688,6 +719,7 @@ def main(argv=None) -> int:
 
     sec("env", section_env, 30)
     sec("kernels", lambda r: section_kernels(r, dev, dry), 120)
+    sec("quant_kernels", lambda r: section_quant_kernels(r, dev, dry), 60)
     sec("hardware", lambda r: section_hardware(r, dev, dry), 60)
     sec("vs_hf_smollm2_fp32", lambda r: section_vs_hf(
         r, dev, dry, smol_spec, "float32", graph_sizes, True, 1e-3, 4, 24 if quick else 48, backend), 120)
