@@ -5,11 +5,10 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from servescope.errors import InvalidParameterError
-from servescope.server.errors import error_body, to_api_error
 from servescope.server.protocol import MAX_LOGPROBS, ChatCompletionRequest
-from servescope.server.serving_common import (SSE_DONE, ServingContext, SSEResponse, check_finish, check_model,
+from servescope.server.serving_common import (ServingContext, SSEResponse, StreamFrame, check_finish, check_model,
                                               finite, merge_streams, new_id, run_until_disconnect,
-                                              sampling_params, sse, start_streams, vllm_prompt_logprobs)
+                                              sampling_params, start_streams, vllm_prompt_logprobs)
 from servescope.server.serving_structured import compile_structure, requested_structure
 from servescope.server.tool_calls import ToolPlan, ToolStreamer
 from servescope.server.unsupported import check_fields
@@ -76,7 +75,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": 0}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        gen = _stream(ctx, streams, n, rid, created, top_n, usage, include_usage, tools)
+        frame = StreamFrame(ctx, rid, created, "chat.completion.chunk", usage, include_usage)
+        gen = frame.wrap(_stream(ctx, streams, n, top_n, usage, tools, frame.chunk))
         return SSEResponse(gen, on_close=lambda: [s.abort() for s in streams])
 
     async def collect():
@@ -105,45 +105,30 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     return body
 
 
-async def _stream(ctx, streams, n, rid, created, top_n, usage, include_usage, tools: ToolPlan):
-    def chunk(choices, with_usage=None) -> str:
-        obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
-               "choices": choices}
-        if include_usage:
-            obj["usage"] = with_usage
-        return sse(obj)
-
+async def _stream(ctx, streams, n, top_n, usage, tools: ToolPlan, chunk):
     streamers = [ToolStreamer(tools) for _ in range(n)]
     sent_lp = [0] * n
     done = [False] * n
-    try:
-        for i in range(n):  # the role first, as OpenAI does
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
-        async for _, out in merge_streams(streams):
-            for o in out.outputs:
-                i = o.index
-                if done[i]:
-                    continue
-                finish = check_finish(o, out.error)
-                content, call_deltas = streamers[i].feed(o.text, finish is not None)
-                new_lp = (o.logprobs or [])[sent_lp[i]:] if top_n is not None else []
-                if not content and not call_deltas and not new_lp and finish is None:
-                    continue
-                sent_lp[i] += len(new_lp)
-                lp = {"content": _logprob_content(ctx, new_lp, top_n), "refusal": None} if top_n is not None else None
-                if finish is not None:
-                    done[i] = True
-                    usage["completion_tokens"] += len(o.token_ids)
-                    finish = tools.finish_reason(call_deltas or streamers[i].named_id, finish)
-                delta = {"content": content} if content or (finish is None and not call_deltas) else {}
-                if call_deltas:
-                    delta["tool_calls"] = call_deltas
-                yield chunk([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}])
-        if include_usage:
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            yield chunk([], with_usage=usage)
-    except Exception as e:  # noqa: BLE001 - after the 200 went out, errors travel in the stream
-        a = to_api_error(e)
-        yield sse(error_body(a.status, a.message, a.param, a.code, a.type))
-    yield SSE_DONE
+    for i in range(n):  # the role first, as OpenAI does
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+    async for _, out in merge_streams(streams):
+        for o in out.outputs:
+            i = o.index
+            if done[i]:
+                continue
+            finish = check_finish(o, out.error)
+            content, call_deltas = streamers[i].feed(o.text, finish is not None)
+            new_lp = (o.logprobs or [])[sent_lp[i]:] if top_n is not None else []
+            if not content and not call_deltas and not new_lp and finish is None:
+                continue
+            sent_lp[i] += len(new_lp)
+            lp = {"content": _logprob_content(ctx, new_lp, top_n), "refusal": None} if top_n is not None else None
+            if finish is not None:
+                done[i] = True
+                usage["completion_tokens"] += len(o.token_ids)
+                finish = tools.finish_reason(call_deltas or streamers[i].named_id, finish)
+            delta = {"content": content} if content or (finish is None and not call_deltas) else {}
+            if call_deltas:
+                delta["tool_calls"] = call_deltas
+            yield chunk([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}])

@@ -19,7 +19,7 @@ from servescope.config import SamplingParams, StructuredOutput
 from servescope.engine.async_engine import AsyncEngine, RequestStream
 from servescope.engine.outputs import CompletionOutput
 from servescope.errors import InvalidParameterError
-from servescope.server.errors import APIError
+from servescope.server.errors import APIError, error_body, to_api_error
 from servescope.server.protocol import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -192,6 +192,38 @@ def sse(obj) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class StreamFrame:
+    """One streamed response's chunk envelope and its tail: the usage chunk (stream_options.
+    include_usage), an error after the 200 went out as an error event in the stream, then [DONE]."""
+
+    ctx: ServingContext
+    rid: str
+    created: int
+    object: str  # "chat.completion.chunk" | "text_completion"
+    usage: dict
+    include_usage: bool
+
+    def chunk(self, choices: list, with_usage: Optional[dict] = None) -> str:
+        obj = {"id": self.rid, "object": self.object, "created": self.created, "model": self.ctx.model_name,
+               "choices": choices}
+        if self.include_usage:
+            obj["usage"] = with_usage
+        return sse(obj)
+
+    async def wrap(self, body: AsyncIterator[str]) -> AsyncIterator[str]:
+        try:
+            async for c in body:
+                yield c
+            if self.include_usage:
+                self.usage["total_tokens"] = self.usage["prompt_tokens"] + self.usage["completion_tokens"]
+                yield self.chunk([], with_usage=self.usage)
+        except Exception as e:  # noqa: BLE001 - after the 200 went out, errors travel in the stream
+            a = to_api_error(e)
+            yield sse(error_body(a.status, a.message, a.param, a.code, a.type))
+        yield SSE_DONE
 
 
 class SSEResponse(StreamingResponse):

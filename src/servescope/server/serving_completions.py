@@ -7,11 +7,11 @@ from typing import Optional
 from starlette.requests import Request
 
 from servescope.errors import InvalidParameterError
-from servescope.server.errors import APIError, error_body, to_api_error
+from servescope.server.errors import APIError
 from servescope.server.protocol import CompletionRequest
-from servescope.server.serving_common import (SSE_DONE, ServingContext, SSEResponse, check_finish, check_model,
+from servescope.server.serving_common import (ServingContext, SSEResponse, StreamFrame, check_finish, check_model,
                                               finite, merge_streams, new_id, run_until_disconnect,
-                                              sampling_params, sse, start_streams, vllm_prompt_logprobs)
+                                              sampling_params, start_streams, vllm_prompt_logprobs)
 from servescope.server.serving_structured import compile_structure, requested_structure
 from servescope.server.unsupported import check_fields
 
@@ -148,7 +148,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     usage = {"prompt_tokens": sum(len(i) for i in ids), "completion_tokens": 0, "total_tokens": 0}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        gen = _stream(ctx, streams, plan, n, rid, created, texts, states, usage, include_usage)
+        frame = StreamFrame(ctx, rid, created, "text_completion", usage, include_usage)
+        gen = frame.wrap(_stream(ctx, streams, plan, n, texts, states, usage, frame.chunk))
         return SSEResponse(gen, on_close=lambda: [s.abort() for s in streams])
     finals = await run_until_disconnect(request, _collect(streams))
     choices = []
@@ -171,45 +172,30 @@ async def _collect(streams: list) -> dict:
     return finals
 
 
-async def _stream(ctx, streams, plan: _Plan, n, rid, created, texts, states, usage, include_usage):
-    def chunk(choices, with_usage: Optional[dict] = None) -> str:
-        obj = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
-               "choices": choices}
-        if include_usage:
-            obj["usage"] = with_usage
-        return sse(obj)
-
-    try:
-        async for pi, out in merge_streams(streams):
-            for o in out.outputs:
-                idx = pi * n + o.index
-                st = states[idx]
-                if st.finished:
-                    continue
-                if not st.echoed and (plan.echo or plan.prompt_logprobs is not None):
-                    st.echoed = True  # the prompt (and its logprobs) first, as its own chunk
-                    yield chunk([_prompt_chunk(ctx, plan, idx, out, texts[pi] if plan.echo else "", st)])
-                finish = check_finish(o, out.error)
-                text, ntok, gen_lp = plan.output(o)
-                delta = text[len(st.sent_text):] if text.startswith(st.sent_text) else ""
-                new_lp = list(gen_lp)[st.sent_logprobs:] if plan.logprobs is not None else []
-                if not delta and not new_lp and finish is None:
-                    continue
-                if delta:
-                    st.sent_text = text
-                st.sent_logprobs += len(new_lp)
-                lp = _logprobs_block(ctx, new_lp, st) if plan.logprobs is not None else None
-                if finish is not None:
-                    st.finished = True
-                    usage["completion_tokens"] += ntok
-                yield chunk([{"index": idx, "text": delta, "logprobs": lp, "finish_reason": finish}])
-        if include_usage:
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            yield chunk([], with_usage=usage)
-    except Exception as e:  # noqa: BLE001 - after the 200 went out, errors travel in the stream
-        a = to_api_error(e)
-        yield sse(error_body(a.status, a.message, a.param, a.code, a.type))
-    yield SSE_DONE
+async def _stream(ctx, streams, plan: _Plan, n, texts, states, usage, chunk):
+    async for pi, out in merge_streams(streams):
+        for o in out.outputs:
+            idx = pi * n + o.index
+            st = states[idx]
+            if st.finished:
+                continue
+            if not st.echoed and (plan.echo or plan.prompt_logprobs is not None):
+                st.echoed = True  # the prompt (and its logprobs) first, as its own chunk
+                yield chunk([_prompt_chunk(ctx, plan, idx, out, texts[pi] if plan.echo else "", st)])
+            finish = check_finish(o, out.error)
+            text, ntok, gen_lp = plan.output(o)
+            delta = text[len(st.sent_text):] if text.startswith(st.sent_text) else ""
+            new_lp = list(gen_lp)[st.sent_logprobs:] if plan.logprobs is not None else []
+            if not delta and not new_lp and finish is None:
+                continue
+            if delta:
+                st.sent_text = text
+            st.sent_logprobs += len(new_lp)
+            lp = _logprobs_block(ctx, new_lp, st) if plan.logprobs is not None else None
+            if finish is not None:
+                st.finished = True
+                usage["completion_tokens"] += ntok
+            yield chunk([{"index": idx, "text": delta, "logprobs": lp, "finish_reason": finish}])
 
 
 def _prompt_chunk(ctx, plan: _Plan, idx: int, out, text: str, st: _ChoiceState) -> dict:
