@@ -32,23 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from servescope.bench.serve_client import wait_healthy
 
 CLI = [sys.executable, "-m", "servescope.cli"]
-
-
-def _wait_up(url: str, proc, timeout: float = 900.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit("the server did not come up")
 
 
 def _bench(url: str, a, mode: str) -> float:
@@ -131,7 +117,7 @@ def run_rounds(a, modes, url, serve) -> dict:
     proc = subprocess.Popen(serve)
     results = {m: [] for m in modes}
     try:
-        _wait_up(url, proc)
+        wait_healthy(url, proc, 900)
         _bench(url, a, "none")  # warm-up: extension, allocator, prefix cache of nothing
         for r in range(a.rounds):
             for mode in (modes if r % 2 == 0 else modes[::-1]):

@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from servescope.bench.serve_client import wait_healthy
+
 SYSTEM = ("You are a patient teacher. Explain things to a curious twelve-year-old in plain words, with one "
           "everyday example, and keep every answer short.")
 QUESTIONS = ["Why is the sky blue?", "How does a fridge keep food cold?", "What is a black hole?",
@@ -39,16 +41,7 @@ def main(argv=None) -> int:
     proc = subprocess.Popen([sys.executable, "-m", "servescope.cli", "serve", "--port", str(a.port),
                              "--kv-cache-memory", str(160 * 2**20), "--max-num-seqs", "8"], stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the server did not come up")
-            time.sleep(1)
+        wait_healthy(url, proc, 600)
 
         def ask(i: int) -> None:
             try:

@@ -20,11 +20,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 
 from servescope.bench import llama_cpp_tools as lct
 from servescope.bench.envinfo import environment_info
+from servescope.bench.serve_client import wait_healthy
 from servescope.loader.source import resolve_model_path
 
 KEYS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "median_itl_ms", "duration_s", "completed")
@@ -45,19 +44,12 @@ def our_server(args, port: int, log):
     cmd = [sys.executable, "-m", "servescope.cli", "serve", "--port", str(port), "--dtype", args.dtype,
            "--threads", str(args.threads), "--max-num-seqs", str(max(args.concurrency, 8))]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 900  # the first start may compile the CPU kernels
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"servescope serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError("servescope serve did not become healthy")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc, 900, "servescope serve")  # may compile the kernels
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc
 
 
 def run_rounds(args, gguf: str, tmp: str) -> dict:

@@ -15,7 +15,6 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 
 
 def serve(port: int, model, dtype: str, max_num_seqs: int) -> None:
@@ -51,25 +50,14 @@ def main(argv=None) -> int:
         serve(a.port, a.model, a.dtype, a.max_num_seqs)
         return 0
 
-    import httpx
+    from servescope.bench.serve_client import wait_healthy  # the client side only (not in --serve)
 
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--port", str(a.port), "--dtype", a.dtype,
            "--max-num-seqs", str(a.max_num_seqs)] + (["--model", a.model] if a.model else [])
     child = subprocess.Popen(cmd)
     base = f"http://127.0.0.1:{a.port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if child.poll() is not None:
-                raise RuntimeError(f"the server exited with code {child.returncode}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not become healthy in 600 s")
-            time.sleep(1)
+        wait_healthy(base, child, 600)
         from servescope.cli import main as cli_main
 
         args = ["bench", "serve", "--base-url", base, "--num-prompts", str(a.num_prompts),

@@ -15,11 +15,9 @@ import logging
 import os
 import shutil
 import subprocess
-import time
-import urllib.error
-import urllib.request
 from typing import Optional, Sequence
 
+from servescope.bench.serve_client import wait_healthy
 from servescope.errors import InvalidParameterError
 
 logger = logging.getLogger(__name__)
@@ -71,20 +69,12 @@ class LlamaServer:
     def __enter__(self) -> "LlamaServer":
         self._log = open(self.log_path, "wb")
         self._proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                self.__exit__(None, None, None)
-                raise RuntimeError(f"llama-server exited with {self._proc.returncode} (log: {self.log_path})")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"llama-server not healthy after {self.startup_timeout:.0f} s (log: {self.log_path})")
+        try:
+            wait_healthy(self.base_url, self._proc, self.startup_timeout, "llama-server")
+        except RuntimeError as e:
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"{e} (log: {self.log_path})") from None
+        return self
 
     def __exit__(self, *exc) -> None:
         if self._proc is not None and self._proc.poll() is None:

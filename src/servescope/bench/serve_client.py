@@ -45,6 +45,23 @@ def endpoint_url(base_url: str, endpoint: str) -> str:
     return base + path
 
 
+def wait_healthy(base_url: str, proc=None, timeout_s: float = 600.0, what: str = "the server") -> None:
+    """Poll base_url/health until it answers 200. proc: the server's subprocess.Popen, whose exit is
+    an error at once; RuntimeError after timeout_s (a first start may compile the CPU kernels)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}")
+        try:
+            if httpx.get(base_url.rstrip("/") + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} was not healthy after {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
 def is_chat_endpoint(endpoint: str) -> bool:
     return endpoint.rstrip("/").endswith("chat/completions")
 
