@@ -10,11 +10,10 @@ import os
 import signal
 
 import httpx
-import openai
 import pytest
 
 from server.conftest import API_KEY, MODEL
-from server.server_utils import LiveServer
+from server.server_utils import LiveServer, openai_client
 from server.test_openai_api import *  # noqa: F401,F403 - the same tests, collected again here
 from servescope.engine.async_engine import AsyncEngine
 from servescope.engine.llm_engine import LLMEngine
@@ -42,13 +41,12 @@ def server(async_engine):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120,
-                         _strict_response_validation=True)
+    return openai_client(server, API_KEY, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def lenient_client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai_client(server, API_KEY, strict=False, timeout=120)
 
 
 def test_tp_engine_holds_half_the_weights_and_kv(async_engine):

@@ -5,13 +5,12 @@ both sharing one AsyncEngine."""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 from servescope.engine.async_engine import AsyncEngine
 from servescope.engine.llm_engine import LLMEngine
 from servescope.server.app import build_app
-from .server_utils import LiveServer
+from .server_utils import LiveServer, openai_client
 
 MODEL = "smollm2-135m"
 API_KEY = "sk-servescope-test"
@@ -49,15 +48,13 @@ def small_queue_server(async_engine):
 @pytest.fixture(scope="session")
 def client(server):
     """The real openai SDK, validating every response against its models."""
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300,
-                         _strict_response_validation=True)
+    return openai_client(server, API_KEY)
 
 
 @pytest.fixture(scope="session")
 def lenient_client(server):
-    """For streamed completions only: the SDK's Completion model requires a finish_reason, while the
-    OpenAI API (and this server) send null until the last chunk, so strict validation cannot pass."""
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    """For streamed completions only (server_utils.openai_client says why)."""
+    return openai_client(server, API_KEY, strict=False)
 
 
 @pytest.fixture
