@@ -25,6 +25,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=15, help="rounds of the check measurement")
     ap.add_argument("--cached", action="store_true", help="predict with the engine's cached local link")
+    ap.add_argument("--statistic", default="quartile", choices=["quartile", "median", "min"],
+                    help="of each size's rounds, in the check (the probe uses the lower quartile)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.cached:
@@ -33,7 +35,7 @@ def main() -> None:
         link = local_gloo_link(measure=True)
     else:
         link = fit_link(measure_all_reduce(PROBE_SIZES), ranks=2)
-    measured = measure_all_reduce(CHECK_SIZES, runs=a.runs)
+    measured = measure_all_reduce(CHECK_SIZES, runs=a.runs, statistic=a.statistic)
     print(f"link: {link.source or link.name}; alpha-beta {link.bandwidth / 1e9:.2f} GB/s, "
           f"{link.latency_s * 1e6:.0f} us per hop")
     print(f"{'size':>10}  {'probed':<7} {'measured ms':>12} {'predicted ms':>13} {'error':>8}")
