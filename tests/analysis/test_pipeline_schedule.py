@@ -44,7 +44,9 @@ def test_schedule_recurrence_by_hand():
 
 def test_stage_layers_and_auto_rule():
     assert stage_layers(30, 2) == [15, 15] and stage_layers(3, 2) == [2, 1]
-    assert auto_micro_batches(4, 2) == 1 and auto_micro_batches(16, 2) == 2 and auto_micro_batches(16, 1) == 1
+    # by prefill tokens: a decode-only step (0 prefill tokens) stays whole
+    assert auto_micro_batches(0, 2) == 1 and auto_micro_batches(15, 2) == 1 and auto_micro_batches(16, 2) == 2
+    assert auto_micro_batches(16, 1) == 1
     assert auto_micro_batches(4, 2, asked=3) == 3
 
 

@@ -37,7 +37,7 @@ def test_tensor_parallel_2_equals_one_process(tmp_path, case):
     ("llama", dict(num_hidden_layers=3), 1),  # never cut: the stages one after another
 ])
 def test_pipeline_parallel_2_equals_one_process(tmp_path, family, overrides, micro_batches):
-    """Micro-batches (auto: P of them for a step of >= 16 tokens, so the prefill and mixed steps) cut
+    """Micro-batches (auto: P of them for a step of >= 16 prefill tokens, so the prefill and mixed steps) cut
     inside prompts and between sequences; tokens and logits stay those of one process."""
     path = str(make_tiny_hf_model(tmp_path, family, **overrides))
     recs = assert_same_as_single_process(path, pipeline_parallel_size=2, pipeline_micro_batches=micro_batches)
@@ -46,7 +46,7 @@ def test_pipeline_parallel_2_equals_one_process(tmp_path, family, overrides, mic
         assert set(cut) == {1}
     else:
         assert max(cut) == (micro_batches or 2)
-        assert micro_batches or min(cut) == 1  # auto: a decode step of <= 4 sequences stays whole
+        assert micro_batches or min(cut) == 1  # auto: a decode-only step stays whole
         # a cut prefill step: some record has prefill tokens split over micro-batches
         assert any(r.num_prefill_tokens >= 16 and r.pipeline_micro_batches > 1 for r in recs)
 

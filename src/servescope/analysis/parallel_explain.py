@@ -35,7 +35,7 @@ def _pipeline_phase(name: str, cfg: ModelConfig, seqs: list, num_logits: int, hw
     wdt, kdt, adt, _ = dtypes
     single = step_cost(cfg, seqs, hw, wdt, kdt, adt, num_logits=num_logits).predicted_seconds
     share = tp * pp if hw.kind == "cpu" else 1
-    m = auto_micro_batches(sum(n for n, _ in seqs), pp, micro_batches)
+    m = auto_micro_batches(sum(n for n, _ in seqs if n > 1), pp, micro_batches)
     step = pipelined_step(cfg, seqs, hw, tp, pp, m, link, dtypes, share, num_logits)
     whole = pipelined_step(cfg, seqs, hw, tp, pp, 1, link, dtypes, share, num_logits)
     sched, total = step.schedule, step.step_seconds

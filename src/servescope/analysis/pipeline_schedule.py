@@ -152,19 +152,21 @@ def head_seconds(cfg: ModelConfig, seqs: list, hw, num_logits: int, dtypes: tupl
     return step_cost(one, seqs, hw, wdt, kdt, adt, num_logits=num_logits, overhead_s=0.0).op("lm_head").seconds * share
 
 
-# auto: a step is cut only where each of its P micro-batches gets this many tokens (a decode step of
-# a few sequences stays whole: cut, each piece reads the stage's weights again for little compute)
-AUTO_MIN_TOKENS_PER_MICRO_BATCH = 8
+# auto: a step is cut only where it has prefill tokens enough for this many per micro-batch. A
+# decode-only step stays whole: it is memory-bound, and cut, each piece reads the stage's weights
+# again (measured on the 2-core CPU, 2026-12-02: a decode step of 8-32 sequences took 1.4-2.0x as long
+# in 2 micro-batches; the cost model predicts the same direction, 1.05-1.2x)
+AUTO_MIN_PREFILL_TOKENS_PER_MICRO_BATCH = 8
 
 
-def auto_micro_batches(num_tokens: int, pp: int, asked: int = 0) -> int:
-    """Micro-batches for a step of num_tokens on pp stages: `asked` when set (> 0), else P for a step
-    of at least P x AUTO_MIN_TOKENS_PER_MICRO_BATCH tokens, else 1."""
+def auto_micro_batches(num_prefill_tokens: int, pp: int, asked: int = 0) -> int:
+    """Micro-batches for a step with num_prefill_tokens (tokens not in a one-token decode) on pp
+    stages: `asked` when set (> 0), else P for a step of at least P x 8 prefill tokens, else 1."""
     if pp <= 1:
         return 1
     if asked:
         return asked
-    return pp if num_tokens >= AUTO_MIN_TOKENS_PER_MICRO_BATCH * pp else 1
+    return pp if num_prefill_tokens >= AUTO_MIN_PREFILL_TOKENS_PER_MICRO_BATCH * pp else 1
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the layers into P stages, one process each (x T)")
     g.add_argument("--pipeline-micro-batches", type=int, default=0, metavar="M",
                    help="cut each pipeline step into M micro-batches so that the stages overlap "
-                        "(0: auto, P for a step of enough tokens; 1: stages one after another)")
+                        "(0: auto, P for a step with enough prefill tokens; 1: stages one after another)")
     g.add_argument("--distributed-timeout", type=positive_float, default=60.0, metavar="S",
                    help="a parallel worker that does not answer within S seconds fails the engine")
     g.add_argument("--distributed-backend", default="auto", choices=["auto", "gloo", "nccl"],

@@ -114,8 +114,9 @@ class ParallelConfig:
     distributed_backend: str = "auto"  # auto (gloo on the CPU, nccl on CUDA) | gloo | nccl
     # a collective that waits longer than this (a hung or dead worker) fails the engine loudly
     distributed_timeout_s: float = 60.0
-    # micro-batches a pipeline step is cut into so that the stages overlap: 0 (auto) cuts a step of
-    # enough tokens into P (analysis/pipeline_schedule.auto_micro_batches), 1 never cuts
+    # micro-batches a pipeline step is cut into so that the stages overlap: 0 (auto) cuts a step with
+    # enough prefill tokens into P, never a decode-only one (analysis/pipeline_schedule.auto_micro_batches);
+    # 1 never cuts
     pipeline_micro_batches: int = 0
 
     def __post_init__(self):

@@ -169,7 +169,8 @@ class ParallelExecutor(ModelExecutor):
     def _plan_and_step(self, batch, kv_caches, backend, logits_indices):
         cuts = []
         if self.ctx.layout.pp > 1:
-            m = auto_micro_batches(batch.num_tokens, self.ctx.layout.pp, self.micro_batches)
+            prefill_tokens = batch.num_tokens - batch.meta.num_decode_seqs
+            m = auto_micro_batches(prefill_tokens, self.ctx.layout.pp, self.micro_batches)
             cuts = choose_cuts(batch.meta, m, kv_caches[0][0].shape[1])  # [N, S, Hkv, D]: S
             self.last_micro_batches = len(cuts) + 1
         plan.send_step(batch, logits_indices, self.ctx.comm, cuts)

@@ -48,7 +48,7 @@ class StepCostPredictor:
         cost = self.predict(seqs, num_logits)
         rec.predicted_seconds = cost.predicted_seconds
         if self.pp > 1:  # the stages' schedule over the step's micro-batches (analysis/pipeline_schedule.py)
-            m = auto_micro_batches(sum(n for n, _ in seqs), self.pp, self.micro_batches)
+            m = auto_micro_batches(sum(n for n, _ in seqs if n > 1), self.pp, self.micro_batches)
             step = pipelined_step(self.full_cfg, seqs, self.hw, self.tp, self.pp, m, self.link,
                                   (self.weight_dtype, self.kv_dtype, self.act_dtype, self.act_bytes),
                                   num_logits=num_logits)
