@@ -44,8 +44,9 @@ def max_logit_diff(a: list, b: list) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b) if x.numel())
 
 
-def assert_same_as_single_process(path: str, **parallel) -> dict:
-    """The parallel engine's greedy tokens equal one process's, its logits within 1e-4 at every step."""
+def assert_same_as_single_process(path: str, **parallel) -> list:
+    """The parallel engine's greedy tokens equal one process's, its logits within 1e-4 at every step.
+    Returns the parallel engine's StepRecords."""
     ref_tokens, ref_logits, ref_stats = run_workload(LLM(model=path, **ENGINE))
     llm = LLM(model=path, **ENGINE, **parallel)
     try:
@@ -63,4 +64,4 @@ def assert_same_as_single_process(path: str, **parallel) -> dict:
     recs = [r for r in llm.engine.step_records if r.num_tokens]
     assert all(r.comm_bytes > 0 and 0 < r.comm_seconds <= r.wall_seconds for r in recs)
     assert all(r.compute_seconds == r.wall_seconds - r.comm_seconds for r in recs)
-    return stats
+    return recs

@@ -66,6 +66,7 @@ def test_bad_layouts_name_what_does_not_divide(kw, tp, pp, message):
     (dict(tensor_parallel_size=3), "tensor_parallel_size 3 does not divide the 4 attention heads"),
     (dict(pipeline_parallel_size=3), "pipeline_parallel_size 3 is more than the model's 2 layers"),
     (dict(tensor_parallel_size=2, pipeline_parallel_size=2), "= 4 processes, but only 2 CPU cores"),
+    (dict(pipeline_parallel_size=2, pipeline_micro_batches=-1), "pipeline_micro_batches must be 0 .auto."),
 ])
 def test_engine_rejects_bad_combination_before_any_process(tmp_path, monkeypatch, settings, message):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)

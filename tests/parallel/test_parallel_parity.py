@@ -27,14 +27,28 @@ def test_tensor_parallel_2_equals_one_process(tmp_path, case):
     assert_same_as_single_process(path, tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("family, overrides", [
-    ("llama", dict(num_hidden_layers=3)),  # untied; an uneven split (2 + 1 layers)
-    ("qwen2", {}),  # tied: the last stage keeps the embedding's weight as its head
-    ("qwen3", {}),
+@pytest.mark.parametrize("family, overrides, micro_batches", [
+    ("llama", dict(num_hidden_layers=3), 0),  # untied; an uneven split (2 + 1 layers)
+    ("llama_plain", {}, 0),  # tied: the last stage keeps the embedding's weight as its head
+    ("mistral", {}, 0),
+    ("qwen2", {}, 0),
+    ("qwen3", {}, 0),
+    ("llama", dict(num_hidden_layers=3), 3),  # every step cut in 3, decode steps of 2-4 sequences too
+    ("llama", dict(num_hidden_layers=3), 1),  # never cut: the stages one after another
 ])
-def test_pipeline_parallel_2_equals_one_process(tmp_path, family, overrides):
+def test_pipeline_parallel_2_equals_one_process(tmp_path, family, overrides, micro_batches):
+    """Micro-batches (auto: P of them for a step of >= 16 prefill tokens, so the prefill and mixed steps) cut
+    inside prompts and between sequences; tokens and logits stay those of one process."""
     path = str(make_tiny_hf_model(tmp_path, family, **overrides))
-    assert_same_as_single_process(path, pipeline_parallel_size=2)
+    recs = assert_same_as_single_process(path, pipeline_parallel_size=2, pipeline_micro_batches=micro_batches)
+    cut = [r.pipeline_micro_batches for r in recs]
+    if micro_batches == 1:
+        assert set(cut) == {1}
+    else:
+        assert max(cut) == (micro_batches or 2)
+        assert micro_batches or min(cut) == 1  # auto: a decode-only step stays whole
+        # a cut prefill step: some record has prefill tokens split over micro-batches
+        assert any(r.num_prefill_tokens >= 16 and r.pipeline_micro_batches > 1 for r in recs)
 
 
 def test_tensor_parallel_2_with_ngram_speculation_equals_one_process(tmp_path):

@@ -6,10 +6,12 @@ the link dominates.
 A CPU spec is one machine: the T ranks of a stage run at once and share its cores and memory
 bandwidth, so each rank's 1/T of the work takes as long as the whole did (TP over processes on one
 CPU cannot cut the step; it only adds the collectives). On GPUs each rank is a device of the spec.
-Pipeline stages run one after another within a step here (no micro-batch overlap), as the engine
-does: P > 1 divides each rank's weights and KV cache by P, not the step time, and adds the
-stage-to-stage sends. Tensor parallelism divides each layer's work by T and adds 2L + 1 all-reduces
-of the step's activations plus the gather of the logits.
+Pipeline stages (P > 1) divide each rank's weights and KV cache by P; the step time is the pipeline
+schedule of its micro-batches (analysis/pipeline_schedule.py: fill, the bottleneck stage's work, its
+stalls, the hand-overs), as the engine cuts the step (`micro_batches`, 0: its auto rule); one
+micro-batch runs the stages one after another. Tensor parallelism divides each layer's work by T and
+adds 2L + 1 all-reduces of the step's activations plus the gather of the logits. On a CPU spec the
+T x P ranks share the one machine (each rank's work at 1/(T x P) of it).
 """
 
 from __future__ import annotations
@@ -22,12 +24,41 @@ from servescope.analysis.cost_model import step_cost
 from servescope.analysis.hardware import HardwareSpec
 from servescope.analysis.memory_planner import plan_memory
 from servescope.analysis.op_counts import kv_cache_bytes_per_token, resolve_dtypes, weight_bytes
+from servescope.analysis.pipeline_schedule import auto_micro_batches, pipelined_step
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError
 
 
+def _pipeline_phase(name: str, cfg: ModelConfig, seqs: list, num_logits: int, hw: HardwareSpec, link: LinkSpec,
+                    tp: int, pp: int, dtypes: tuple, micro_batches: int) -> dict:
+    """A phase at P > 1: the schedule with the engine's micro-batches beside one micro-batch."""
+    wdt, kdt, adt, _ = dtypes
+    single = step_cost(cfg, seqs, hw, wdt, kdt, adt, num_logits=num_logits).predicted_seconds
+    share = tp * pp if hw.kind == "cpu" else 1
+    m = auto_micro_batches(sum(n for n, _ in seqs if n > 1), pp, micro_batches)
+    step = pipelined_step(cfg, seqs, hw, tp, pp, m, link, dtypes, share, num_logits)
+    whole = pipelined_step(cfg, seqs, hw, tp, pp, 1, link, dtypes, share, num_logits)
+    sched, total = step.schedule, step.step_seconds
+    compute = max(sum(row) for row in zip(*step.compute_only)) + step.head_seconds  # the busiest stage
+    reduces = step.comm_seconds - sched.p2p_seconds - step.logits_seconds
+    return {"name": name, "single_device_seconds": single, "compute_seconds": compute,
+            "all_reduce_seconds": reduces, "gather_seconds": 0.0,
+            "p2p_seconds": sched.p2p_seconds + step.logits_seconds, "comm_seconds": step.comm_seconds,
+            "comm_bytes": step_comm_cost(cfg, sum(n for n, _ in seqs), num_logits, tp, pp, link, dtypes[3]).bytes,
+            "step_seconds": total, "speedup": single / total if total else None,
+            "comm_share": step.comm_seconds / total if total else 0.0,
+            "link_dominates": step.comm_seconds > compute,
+            "pipeline": {"micro_batches": sched.num_micro_batches, "fill_seconds": sched.fill_seconds,
+                         "stall_seconds": sched.stall_seconds, "bubble_fraction": sched.bubble_fraction,
+                         "stage_busy_seconds": list(sched.busy_seconds), "handover_seconds": sched.p2p_seconds,
+                         "one_micro_batch_step_seconds": whole.step_seconds,
+                         "overlap_speedup": whole.step_seconds / total if total else None}}
+
+
 def _phase(name: str, cfg: ModelConfig, seqs: list, num_logits: int, hw: HardwareSpec, link: LinkSpec,
-           tp: int, pp: int, dtypes: tuple) -> dict:
+           tp: int, pp: int, dtypes: tuple, micro_batches: int = 0) -> dict:
+    if pp > 1:
+        return _pipeline_phase(name, cfg, seqs, num_logits, hw, link, tp, pp, dtypes, micro_batches)
     wdt, kdt, adt, act_bytes = dtypes
     single = step_cost(cfg, seqs, hw, wdt, kdt, adt, num_logits=num_logits).predicted_seconds
     compute = step_cost(shard_config(cfg, tp), seqs, hw, wdt, kdt, adt, num_logits=num_logits).predicted_seconds
@@ -45,9 +76,10 @@ def _phase(name: str, cfg: ModelConfig, seqs: list, num_logits: int, hw: Hardwar
 
 def explain_parallel(cfg: ModelConfig, hw: HardwareSpec, link: LinkSpec, tp: int, pp: int, batch: int = 1,
                      prompt_len: int = 512, output_len: int = 128, weight_dtype: str = "bfloat16",
-                     kv_dtype: Optional[str] = None, act_dtype: Optional[str] = None) -> dict:
+                     kv_dtype: Optional[str] = None, act_dtype: Optional[str] = None,
+                     micro_batches: int = 0) -> dict:
     """The parallel account of `explain`'s workload (the same phases: one prefill step of every
-    prompt, the decode step at the middle context)."""
+    prompt, the decode step at the middle context); micro_batches: a pipeline step's (0: auto)."""
     if tp < 1 or pp < 1:
         raise InvalidParameterError("tp", f"tp and pp must be >= 1, got {tp}, {pp}")
     if cfg.num_attention_heads % tp or pp > cfg.num_hidden_layers:
@@ -56,9 +88,9 @@ def explain_parallel(cfg: ModelConfig, hw: HardwareSpec, link: LinkSpec, tp: int
     wdt, adt, kdt = resolve_dtypes(weight_dtype, act_dtype, kv_dtype)
     dtypes = (wdt, kdt, adt, {"float32": 4}.get(adt, 2))
     mid = prompt_len + max(output_len - 2, 0) // 2
-    phases = [_phase("prefill", cfg, [(prompt_len, 0)] * batch, batch, hw, link, tp, pp, dtypes)]
+    phases = [_phase("prefill", cfg, [(prompt_len, 0)] * batch, batch, hw, link, tp, pp, dtypes, micro_batches)]
     if output_len > 1:
-        phases.append(_phase("decode", cfg, [(1, mid)] * batch, batch, hw, link, tp, pp, dtypes))
+        phases.append(_phase("decode", cfg, [(1, mid)] * batch, batch, hw, link, tp, pp, dtypes, micro_batches))
     shard = shard_config(cfg, tp)
     # one rank's memory: its shard of 1/P of the layers (the embedding and head counted on every rank,
     # a slight over-count for P > 1); every rank holds the same KV blocks
@@ -88,5 +120,15 @@ def verdict(phases: list, tp: int, pp: int, link: str) -> str:
                else f"compute per rank dominates; collectives {p['comm_share']:.0%} of the step")
         out.append(f"{p['name']}: TP={tp} x PP={pp} over {link} {change} the step "
                    f"{p['single_device_seconds'] * 1e3:.3g} ms -> {p['step_seconds'] * 1e3:.3g} ms "
-                   f"({p['speedup']:.2f}x); {why}")
+                   f"({p['speedup']:.2f}x); {why}" + _pipeline_note(p.get("pipeline")))
     return ". ".join(out)
+
+
+def _pipeline_note(pipe: Optional[dict]) -> str:
+    if not pipe:
+        return ""
+    if pipe["micro_batches"] == 1:
+        return "; one micro-batch: the stages run one after another"
+    return (f"; {pipe['micro_batches']} micro-batches overlap the stages (fill {pipe['fill_seconds'] * 1e3:.3g} ms, "
+            f"{pipe['bubble_fraction']:.0%} of stage time idle): {pipe['overlap_speedup']:.2f}x one micro-batch's "
+            f"{pipe['one_micro_batch_step_seconds'] * 1e3:.3g} ms")

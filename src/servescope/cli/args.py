@@ -110,6 +110,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="shard each layer over T processes (gloo on the CPU, NCCL on GPUs)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1, metavar="P",
                    help="split the layers into P stages, one process each (x T)")
+    g.add_argument("--pipeline-micro-batches", type=int, default=0, metavar="M",
+                   help="cut each pipeline step into M micro-batches so that the stages overlap "
+                        "(0: auto, P for a step with enough prefill tokens; 1: stages one after another)")
     g.add_argument("--distributed-timeout", type=positive_float, default=60.0, metavar="S",
                    help="a parallel worker that does not answer within S seconds fails the engine")
     g.add_argument("--distributed-backend", default="auto", choices=["auto", "gloo", "nccl"],
@@ -126,7 +129,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         attention_backend=a.attention_backend, gpu_linear=a.gpu_linear, quantization=a.quantization,
         num_threads=a.threads, hardware=a.hardware, speculative=speculative_config_from_args(a),
         tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
-        distributed_timeout_s=a.distributed_timeout, distributed_backend=a.distributed_backend)
+        distributed_timeout_s=a.distributed_timeout, distributed_backend=a.distributed_backend,
+        pipeline_micro_batches=a.pipeline_micro_batches)
 
 
 def speculative_config_from_args(a: argparse.Namespace) -> SpeculativeConfig:

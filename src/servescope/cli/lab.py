@@ -60,6 +60,8 @@ def add_parser(sub) -> None:
                    help="the draft's weights (a copy of the target's shape)")
     e.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size: per-rank compute + all-reduces")
     e.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size: stages + point-to-point sends")
+    e.add_argument("--micro-batches", type=int, default=0, metavar="M",
+                   help="micro-batches a pipeline step is cut into (0: the engine's auto rule; 1: no overlap)")
     e.add_argument("--link", default=None, help="link between ranks: nvlink4, pcie4, pcie5, local-gloo "
                                                 "(default: the GPU's, or the measured local gloo link)")
 
@@ -183,7 +185,7 @@ def run_explain(args) -> int:
         result["parallel"] = explain_parallel(cfg, hw, explain_link(hw, args.link), args.tp, args.pp,
                                               batch=args.batch, prompt_len=args.prompt_len,
                                               output_len=args.output_len, weight_dtype=args.dtype,
-                                              kv_dtype=args.kv_dtype)
+                                              kv_dtype=args.kv_dtype, micro_batches=max(0, args.micro_batches))
     if args.plot:
         result["plot"] = str(plot_explain(result, hw, args.plot))
     if args.measure:
@@ -250,6 +252,16 @@ def parallel_table(p: dict):
         t.add_row(ph["name"], *(f"{ph[k] * 1e3:.3g} ms" for k in ("single_device_seconds", "compute_seconds",
                   "all_reduce_seconds", "gather_seconds", "p2p_seconds", "step_seconds")),
                   f"{ph['speedup']:.2f}x", f"{ph['comm_share']:.0%}")
+    for ph in p["phases"]:
+        pipe = ph.get("pipeline")
+        if pipe:  # the schedule behind the step column
+            t.add_row(f"  {ph['name']}: {pipe['micro_batches']} micro-batches",
+                      f"fill {pipe['fill_seconds'] * 1e3:.3g} ms",
+                      "busy " + "/".join(f"{b * 1e3:.3g}" for b in pipe["stage_busy_seconds"]) + " ms",
+                      f"stall {pipe['stall_seconds'] * 1e3:.3g} ms", f"bubble {pipe['bubble_fraction']:.0%}",
+                      f"hand-over {pipe['handover_seconds'] * 1e3:.3g} ms",
+                      f"1 mb: {pipe['one_micro_batch_step_seconds'] * 1e3:.3g} ms",
+                      f"{pipe['overlap_speedup']:.2f}x", "")
     return t
 
 

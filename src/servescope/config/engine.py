@@ -114,6 +114,10 @@ class ParallelConfig:
     distributed_backend: str = "auto"  # auto (gloo on the CPU, nccl on CUDA) | gloo | nccl
     # a collective that waits longer than this (a hung or dead worker) fails the engine loudly
     distributed_timeout_s: float = 60.0
+    # micro-batches a pipeline step is cut into so that the stages overlap: 0 (auto) cuts a step with
+    # enough prefill tokens into P, never a decode-only one (analysis/pipeline_schedule.auto_micro_batches);
+    # 1 never cuts
+    pipeline_micro_batches: int = 0
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -121,6 +125,8 @@ class ParallelConfig:
             _require(isinstance(size, int) and size >= 1, f"{name} must be a positive integer, got {size!r}")
         _require(self.distributed_backend in ("auto", "gloo", "nccl"),
                  f"distributed_backend must be auto, gloo or nccl, got {self.distributed_backend!r}")
+        _require(isinstance(self.pipeline_micro_batches, int) and self.pipeline_micro_batches >= 0,
+                 f"pipeline_micro_batches must be 0 (auto) or a positive integer, got {self.pipeline_micro_batches!r}")
         _require(self.distributed_timeout_s > 0,
                  f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
 

@@ -185,7 +185,8 @@ def build_engine(config: EngineConfig, shared: Optional[LoadedModel] = None) -> 
     cost = None
     if config.telemetry.predict_step_cost:
         cost = StepCostPredictor(cfg, device, dtype, kv_dtype, config.load.quantization, config.telemetry.hardware,
-                                 config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size)
+                                 config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size,
+                                 config.parallel.pipeline_micro_batches)
     capture_cuda_graphs(config, executor, runner, max_len)
     sampler = Sampler(cfg.vocab_size, eos_token_ids=loaded.eos_token_ids)
     return EngineParts(

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 class ModelExecutor:
     last_comm = (0.0, 0)  # (seconds, bytes) in collectives during the last step: none in one process
+    last_micro_batches = 0  # the pipeline micro-batches of the last step (0: no pipeline)
 
     def __init__(self, model: torch.nn.Module, device: torch.device, gpu_linear_choice: Optional[dict] = None,
                  decode_plan=None, decode_plan_max_rows: int = 0):

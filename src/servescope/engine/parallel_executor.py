@@ -12,8 +12,9 @@ its vocabulary shard of the logits, gathered on its shard 0 and sent to rank 0.
 Failure: a worker that has exited is seen before the step; one that dies or hangs during a step
 makes a collective fail (peer closed) or time out (distributed_timeout_s) on rank 0. Either way the
 step raises WorkerFailedError, the executor stays failed (the group is broken), and shutdown ends the
-workers. Accelerated on each shard: the CPU GEMV / oneDNN linears (and int8); not: the C++
-all-layers decode plan and CUDA graphs (a layer needs collectives between its kernels).
+workers. Accelerated on each shard: the CPU GEMV / oneDNN linears (and int8), and at TP = 1 the C++
+decode plan over a pipeline stage's layers (decode-only micro-batches); not at TP > 1: the decode
+plan and CUDA graphs (a layer needs collectives between its kernels).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from servescope.analysis.pipeline_schedule import auto_micro_batches
 from servescope.config import EngineConfig, ModelConfig
 from servescope.engine.executor import ModelExecutor
 from servescope.errors import EngineConfigError, WorkerFailedError
@@ -35,7 +37,8 @@ from servescope.parallel.groups import (START_TIMEOUT_S, DistContext, backend_fo
                                        free_port, init_group, master_store, torchrun_rank, wait_ready)
 from servescope.parallel.launcher import ParkedGroup, WorkerGroup, park, take_parked
 from servescope.parallel.layout import ParallelLayout, check_parallel, local_kv_heads
-from servescope.parallel.pipeline import final_norm, keep_stage, recv_hidden, run_layers, send_hidden
+from servescope.parallel.microbatch import choose_cuts, micro_batches
+from servescope.parallel.pipeline import final_norm, keep_stage, run_layers, run_stage
 from servescope.parallel.tensor_parallel import apply_tensor_parallel
 
 logger = logging.getLogger(__name__)
@@ -79,6 +82,8 @@ class ParallelExecutor(ModelExecutor):
         self.timeout_s = 0.0  # rank 0's collective timeout (distributed_timeout_s), for the error message
         self.vocab_size = model.config.vocab_size
         self.last_comm = (0.0, 0)  # (seconds, bytes) of rank 0's collectives in the last step
+        self.micro_batches = 0  # pipeline_micro_batches (0: auto)
+        self.last_micro_batches = 0  # what the last step was cut into (0: not a pipeline)
         self.group: Optional[ParkedGroup] = None  # rank 0: the workers and their store (None: torchrun)
         # at garbage collection or exit too: STOP while the group is healthy, then wait, then terminate
         self._health = {"ok": True, "device": device}
@@ -112,8 +117,8 @@ class ParallelExecutor(ModelExecutor):
         logger.info("parallel engine: tensor_parallel_size=%d x pipeline_parallel_size=%d over %s",
                     layout.tp, layout.pp, backend)
         ex = cls.prepare(shard_model(model, ctx), device, config.load.quantization, config.load.gpu_linear,
-                         decode_plan=False, ctx=ctx, workers=group.workers if group else None)
-        ex.timeout_s, ex.group = par.distributed_timeout_s, group
+                         decode_plan=layout.tp == 1, ctx=ctx, workers=group.workers if group else None)
+        ex.timeout_s, ex.group, ex.micro_batches = par.distributed_timeout_s, group, par.pipeline_micro_batches
         return ex
 
     @staticmethod
@@ -162,8 +167,14 @@ class ParallelExecutor(ModelExecutor):
         return out
 
     def _plan_and_step(self, batch, kv_caches, backend, logits_indices):
-        plan.send_step(batch, logits_indices, self.ctx.comm)
-        return local_step(self, batch, kv_caches, backend, logits_indices)
+        cuts = []
+        if self.ctx.layout.pp > 1:
+            prefill_tokens = batch.num_tokens - batch.meta.num_decode_seqs
+            m = auto_micro_batches(prefill_tokens, self.ctx.layout.pp, self.micro_batches)
+            cuts = choose_cuts(batch.meta, m, kv_caches[0][0].shape[1])  # [N, S, Hkv, D]: S
+            self.last_micro_batches = len(cuts) + 1
+        plan.send_step(batch, logits_indices, self.ctx.comm, cuts)
+        return local_step(self, batch, kv_caches, backend, logits_indices, cuts)
 
     def _guarded(self, fn, *args):
         """fn(*args), with any failure of the group turned into WorkerFailedError (and remembered)."""
@@ -207,18 +218,19 @@ def _stop(workers: Optional[WorkerGroup], is_root: bool, health: dict) -> None:
         destroy_group()
 
 
-def local_step(ex, batch, kv_caches: list, backend, logits_indices: torch.Tensor) -> Optional[torch.Tensor]:
-    """This rank's part of one step (every rank, the same order of collectives). Returns the float32
-    logits [B', V] on rank 0, None elsewhere."""
-    ctx, model, meta = ex.ctx, ex.model, batch.meta
-    if ctx.is_first_stage:
-        h, residual = model.model.embed_tokens(batch.input_ids), None  # [T] -> [T, Dm]
+def local_step(ex, batch, kv_caches: list, backend, logits_indices: torch.Tensor,
+               cuts: list = ()) -> Optional[torch.Tensor]:
+    """This rank's part of one step (every rank, the same order of collectives), in the micro-batches
+    `cuts` makes of it on a pipeline. Returns the float32 logits [B', V] on rank 0, None elsewhere."""
+    ctx, model = ex.ctx, ex.model
+    if ctx.layout.pp == 1:
+        h = model.model.embed_tokens(batch.input_ids)  # [T] -> [T, Dm]
+        h, residual = run_layers(model, h, None, batch.positions, kv_caches, batch.meta, backend)
     else:
-        h, residual = recv_hidden(batch.num_tokens, model.config.hidden_size, model.model.norm.weight.dtype,
-                                  ex.device, ctx)
-    h, residual = run_layers(model, h, residual, batch.positions, kv_caches, meta, backend)
+        pieces = micro_batches(batch.input_ids, batch.positions, batch.meta, list(cuts))
+        h, residual = run_stage(model, pieces, _stage_layers(ex, kv_caches, backend), ctx,
+                                model.model.norm.weight.dtype)
     if not ctx.is_last_stage:
-        send_hidden(h, residual, ctx)
         return _logits_from_last_stage(ex, logits_indices.numel()) if ctx.rank == 0 else None
     n = logits_indices.numel()
     if n == 0:
@@ -229,6 +241,22 @@ def local_step(ex, batch, kv_caches: list, backend, logits_indices: torch.Tensor
         ctx.comm.timed(dist.send, logits, 0)
         return None
     return logits
+
+
+def _stage_layers(ex, kv_caches: list, backend):
+    """How a pipeline stage runs its layers on a micro-batch: the C++ decode plan over the stage's
+    layers for a decode-only micro-batch it serves (TP = 1: no collective inside a layer), else the
+    modules."""
+    def run(mb, h, residual):
+        if ex._plan_serves(mb, kv_caches, backend):
+            cos, sin = ex.model.rotary.table(mb.positions)
+            m = mb.meta
+            empty = h.new_empty(0)  # the first stage: no residual yet
+            h, residual = ex.decode_plan.run_layers(h, empty if residual is None else residual, cos, sin, kv_caches,
+                                                    m.slot_mapping, m.block_tables, m.context_lens)
+            return h, residual
+        return run_layers(ex.model, h, residual, mb.positions, kv_caches, mb.meta, backend)
+    return run
 
 
 def _gather_vocab(ex, local: torch.Tensor) -> Optional[torch.Tensor]:

@@ -48,7 +48,7 @@ def worker_main(rank: int, flat_config: dict, store_port: Optional[int], parent_
         else:  # the same processes and process group, maybe another layout: its TP groups again
             ctx = context(layout, rank, WORKER_TIMEOUT_S)
         ex = ParallelExecutor.prepare(shard_model(model, ctx), device, config.load.quantization,
-                                      config.load.gpu_linear, decode_plan=False, ctx=ctx)
+                                      config.load.gpu_linear, decode_plan=layout.tp == 1, ctx=ctx)
         flat_config = _serve(ex, model_config, get_attention_backend(config.load.attention_backend, device), device)
         generation += 1
     destroy_group()
@@ -87,10 +87,11 @@ def _serve(ex: ParallelExecutor, model_config, backend, device: torch.device) ->
             runner = ModelRunner(ex, ex.shard_config(model_config), backend, blocks, block_size,
                                  plan.KV_DTYPES[dtype_index], device)
             continue
-        t, b, max_blocks, decodes, n = msg.dims
-        batch = step_batch_from_buffer(msg.payload[:msg.payload.numel() - n], t, b, max_blocks, decodes)
+        t, b, max_blocks, decodes, _ = msg.dims
+        buf, logits_rows, cuts = msg.step_parts()
+        batch = step_batch_from_buffer(buf, t, b, max_blocks, decodes)
         with torch.inference_mode():
-            local_step(ex, batch, runner.kv_caches, backend, msg.payload[msg.payload.numel() - n:])
+            local_step(ex, batch, runner.kv_caches, backend, logits_rows, cuts)
 
 
 def become_torchrun_worker(config: EngineConfig) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from servescope.analysis.collectives import shard_config, step_comm_cost
 from servescope.analysis.cost_model import step_cost
+from servescope.analysis.pipeline_schedule import auto_micro_batches, pipelined_step
 from servescope.config import ModelConfig
 from servescope.engine.local_hardware import hardware_for_device, link_for
 from servescope.telemetry.step_record import StepRecord
@@ -23,9 +24,11 @@ _DT = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "flo
 
 class StepCostPredictor:
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
-                 quantization: Optional[str], hardware: Optional[str], tp: int = 1, pp: int = 1):
+                 quantization: Optional[str], hardware: Optional[str], tp: int = 1, pp: int = 1,
+                 micro_batches: int = 0):
         # a tensor-parallel rank computes 1/T of each layer (shard_config); the link adds the collectives
         self.full_cfg, self.cfg, self.tp, self.pp = cfg, shard_config(cfg, tp), tp, pp
+        self.micro_batches = micro_batches  # pipeline_micro_batches (0: auto), as the executor cuts
         self.hw = hardware_for_device(device, hardware)
         self.link = link_for(self.hw) if tp * pp > 1 else None  # None: never measured here (no comm predicted)
         if tp * pp > 1 and self.link is None:
@@ -44,7 +47,14 @@ class StepCostPredictor:
         """seqs: [(num_new_tokens, num_context_tokens_before)] of the step."""
         cost = self.predict(seqs, num_logits)
         rec.predicted_seconds = cost.predicted_seconds
-        if self.link is not None:
+        if self.pp > 1:  # the stages' schedule over the step's micro-batches (analysis/pipeline_schedule.py)
+            m = auto_micro_batches(sum(n for n, _ in seqs if n > 1), self.pp, self.micro_batches)
+            step = pipelined_step(self.full_cfg, seqs, self.hw, self.tp, self.pp, m, self.link,
+                                  (self.weight_dtype, self.kv_dtype, self.act_dtype, self.act_bytes),
+                                  num_logits=num_logits)
+            rec.predicted_seconds = step.step_seconds
+            rec.predicted_comm_seconds = step.comm_seconds if self.link is not None else None
+        elif self.link is not None:
             comm = step_comm_cost(self.full_cfg, sum(n for n, _ in seqs), num_logits, self.tp, self.pp, self.link,
                                   self.act_bytes)
             rec.predicted_comm_seconds = comm.seconds

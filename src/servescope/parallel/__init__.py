@@ -4,7 +4,9 @@
 - groups.py           process-group start (localhost TCP or torchrun's env://), the tensor-parallel groups
 - tensor_parallel.py  the TP transform applied after the model is built: column/row shards, vocab-parallel
                       embedding and head
-- pipeline.py         a stage's slice of the model and its forward (hidden states sent point-to-point)
+- pipeline.py         a stage's slice of the model and its forward, micro-batch by micro-batch (hidden
+                      states handed on with asynchronous point-to-point sends)
+- microbatch.py       where rank 0 cuts a pipeline step, and each micro-batch's slice of the step
 - plan.py             each step's plan as int64 tensors, broadcast from rank 0
 - launcher.py         worker processes (torch.multiprocessing), liveness, shutdown, a parked group for reuse
 - link_probe.py       this machine's gloo all-reduce time per size (the cost model's local link)

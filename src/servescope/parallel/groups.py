@@ -51,6 +51,14 @@ class CommStats:
         self.bytes += tensor.numel() * tensor.element_size()
         return out
 
+    def wait(self, work, tensor: torch.Tensor) -> None:
+        """Wait for an asynchronous send/receive of `tensor` (its time in the wait is what it cost
+        this rank: the transfer overlapped with compute is free)."""
+        t0 = time.perf_counter()
+        work.wait()
+        self.seconds += time.perf_counter() - t0
+        self.bytes += tensor.numel() * tensor.element_size()
+
     def take(self) -> tuple:
         out = (self.seconds, self.bytes)
         self.seconds, self.bytes = 0.0, 0

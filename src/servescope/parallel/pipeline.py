@@ -8,8 +8,12 @@ keeps the embedding's weight as its head). A stage that does not embed holds a z
 (the transforms read its dtype), one without the head `lm_head = None` (the transforms skip it).
 The model's own forward is the one-stage case; the layer loop here is the same loop over fewer layers.
 
-Stages run one after the other within a step (no micro-batch overlap yet): the step's latency is the
-sum of the stages', so P > 1 buys memory (each rank holds L/P layers and their KV), not speed.
+A step cut into micro-batches (parallel/microbatch.py) overlaps the stages: each stage runs the
+micro-batches in order and hands each one on with an asynchronous send as soon as it is done, and a
+stage that receives posts all its receives at the start of the step, so stage s + 1 computes
+micro-batch i while stage s computes i + 1 (analysis/pipeline_schedule.py has the schedule). With one
+micro-batch the stages run one after the other: P > 1 then buys memory (each rank holds L/P layers and
+their KV), not speed.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 
 from servescope.kernels import fused_ops
 from servescope.parallel.groups import DistContext
+from servescope.parallel.microbatch import MicroBatch
 
 
 def keep_stage(model: nn.Module, ctx: DistContext) -> nn.Module:
@@ -52,14 +57,44 @@ def final_norm(model: nn.Module, h: torch.Tensor, residual: torch.Tensor) -> tor
     return fused_ops.add_rms_norm(h, residual, norm.weight, norm.eps)[0]
 
 
-def send_hidden(h: torch.Tensor, residual: torch.Tensor, ctx: DistContext) -> None:
-    """(h, residual) [T, Dm] to the same shard of the next stage."""
-    dst = ctx.layout.rank_of(ctx.stage + 1, ctx.shard)
-    ctx.comm.timed(dist.send, torch.stack([h, residual]).contiguous(), dst)
+def _neighbour(ctx: DistContext, step: int) -> int:
+    """The same shard of the next (step 1) or the previous (step -1) stage."""
+    return ctx.layout.rank_of(ctx.stage + step, ctx.shard)
 
 
-def recv_hidden(num_tokens: int, width: int, dtype: torch.dtype, device: torch.device, ctx: DistContext) -> tuple:
-    """(h, residual) [T, Dm] each from the same shard of the previous stage."""
-    buf = torch.empty(2, num_tokens, width, dtype=dtype, device=device)
-    ctx.comm.timed(dist.recv, buf, ctx.layout.rank_of(ctx.stage - 1, ctx.shard))
+def run_stage(model: nn.Module, pieces: list, layers, ctx: DistContext, dtype: torch.dtype) -> tuple:
+    """This stage's part of a step, micro-batch by micro-batch -> (h, residual) [T, Dm] each of the
+    whole step on the last stage, (None, None) elsewhere. layers(mb, h, residual) -> (h, residual) runs
+    the stage's layers on one micro-batch. Hand-overs are asynchronous (tag: the micro-batch's index);
+    the time spent waiting on them is this rank's communication time."""
+    width, dev = model.config.hidden_size, model.model.norm.weight.device
+    recvs = []
+    if not ctx.is_first_stage:  # all posted now: micro-batch i + 1 arrives while i computes
+        for i, mb in enumerate(pieces):
+            buf = torch.empty(2, mb.hi - mb.lo, width, dtype=dtype, device=dev)  # (h, residual) [2, t, Dm]
+            recvs.append((buf, dist.irecv(buf, _neighbour(ctx, -1), tag=i)))
+    sends, outs = [], []
+    for i, mb in enumerate(pieces):
+        h, residual = _stage_input(model, mb, recvs[i] if recvs else None, ctx)
+        h, residual = layers(mb, h, residual)
+        if ctx.is_last_stage:
+            outs.append((h, residual))
+        else:
+            out = torch.stack([h, residual])  # [2, t, Dm], kept alive until its send completes
+            sends.append((out, dist.isend(out, _neighbour(ctx, 1), tag=i)))
+    for out, work in sends:
+        ctx.comm.wait(work, out)
+    if not ctx.is_last_stage:
+        return None, None
+    if len(outs) == 1:
+        return outs[0]
+    return torch.cat([h for h, _ in outs]), torch.cat([r for _, r in outs])  # [T, Dm] each
+
+
+def _stage_input(model: nn.Module, mb: MicroBatch, recv, ctx: DistContext) -> tuple:
+    """(h, residual) a micro-batch enters this stage with: embedded on stage 0, received elsewhere."""
+    if recv is None:
+        return model.model.embed_tokens(mb.input_ids), None  # [t] -> [t, Dm]
+    buf, work = recv
+    ctx.comm.wait(work, buf)
     return buf[0], buf[1]

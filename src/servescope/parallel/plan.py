@@ -3,7 +3,8 @@ torch.distributed broadcasts: no pickled objects, the same message under torchru
 
 A message is a fixed header [HEADER_LEN] then, for a step, one payload: the runner's flat step
 buffer (ids, positions, slots, logits index, context lens, query starts, block table; see
-engine/model_runner.step_batch_from_buffer) followed by the row indices whose logits are due.
+engine/model_runner.step_batch_from_buffer), the row indices whose logits are due, then the token
+offsets where a pipeline step is cut into micro-batches (parallel/microbatch.py; none: one).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 STOP, STEP, ALLOCATE_KV, REBUILD = 0, 1, 2, 3
-HEADER_LEN = 8  # [command, T, B, max blocks, decodes, logits rows, payload length, spare]
+HEADER_LEN = 8  # [command, T, B, max blocks, decodes, logits rows, payload length, micro-batch cuts]
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -31,6 +32,12 @@ class Message:
         """(T, B, max blocks per sequence, decodes, logits rows) of a STEP."""
         return tuple(self.header[1:6])
 
+    def step_parts(self) -> tuple:
+        """(the runner's step buffer, the logits rows, the micro-batch cuts) of a STEP's payload."""
+        n, c = self.header[5], self.header[7]
+        end = self.payload.numel() - n - c
+        return self.payload[:end], self.payload[end:end + n], self.payload[end + n:].tolist()
+
 
 def _broadcast(t: torch.Tensor, comm=None) -> None:
     if comm is None:
@@ -39,12 +46,13 @@ def _broadcast(t: torch.Tensor, comm=None) -> None:
         comm.timed(dist.broadcast, t, src=0)
 
 
-def send_step(batch, logits_indices: torch.Tensor, comm=None) -> None:
-    """Rank 0: the StepBatch (its buffer) and the logits rows to every rank."""
+def send_step(batch, logits_indices: torch.Tensor, comm=None, cuts: tuple = ()) -> None:
+    """Rank 0: the StepBatch (its buffer), the logits rows and the micro-batch cuts to every rank."""
     t, b = batch.num_tokens, batch.meta.num_seqs
-    payload = torch.cat([batch.buffer, logits_indices.to(batch.buffer.dtype)])
+    buf = batch.buffer
+    payload = torch.cat([buf, logits_indices.to(buf.dtype), torch.tensor(cuts, dtype=buf.dtype, device=buf.device)])
     header = [STEP, t, b, batch.meta.block_tables.shape[1], batch.meta.num_decode_seqs,
-              logits_indices.numel(), payload.numel(), 0]
+              logits_indices.numel(), payload.numel(), len(cuts)]
     _broadcast(torch.tensor(header, dtype=torch.int64, device=payload.device), comm)
     _broadcast(payload, comm)
 

@@ -41,6 +41,7 @@ class StepRecord:
     comm_seconds: float = 0.0
     comm_bytes: int = 0
     predicted_comm_seconds: Optional[float] = None  # the cost model's collective time (in predicted_seconds)
+    pipeline_micro_batches: int = 0  # a pipeline-parallel step: the micro-batches it was cut into (0: none)
 
     @property
     def compute_seconds(self) -> float:

@@ -260,13 +260,23 @@ class DecodePlan {
   torch::Tensor run(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
                     const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches, torch::Tensor slots,
                     torch::Tensor block_tables, torch::Tensor context_lens) const {
+    auto out = run_layers(h, torch::Tensor(), cos, sin, kv_caches, slots, block_tables, context_lens);
+    return add_rms_norm(out[0], out[1], final_norm_, eps_)[0];
+  }
+
+  // The layers alone, for a pipeline stage: from (h, residual) [T, Dm] as the previous stage handed them
+  // on (residual empty: the first stage, h the embeddings) -> [h, residual] for the next stage or the
+  // final norm; the same kernels in the same order as run().
+  std::vector<torch::Tensor> run_layers(torch::Tensor h, torch::Tensor residual, torch::Tensor cos, torch::Tensor sin,
+                                        const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
+                                        torch::Tensor slots, torch::Tensor block_tables,
+                                        torch::Tensor context_lens) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "DecodePlan: caches per layer");
     const int64_t t = h.size(0), qs = heads_ * head_dim_, kvs = kv_heads_ * head_dim_;
-    torch::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const PlanLayer& l = layers_[i];
       torch::Tensor x;
-      if (i == 0) {
+      if (!residual.defined() || residual.numel() == 0) {
         residual = h;
         x = rms_norm(h, l.ln1, eps_);
       } else {
@@ -290,7 +300,7 @@ class DecodePlan {
       residual = r[1];
       h = linear(silu_mul(linear(r[0], l.gate_up)), l.down);
     }
-    return add_rms_norm(h, residual, final_norm_, eps_)[0];
+    return {h, residual};
   }
 
  private:
@@ -321,7 +331,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodePlan>(m, "DecodePlan")
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, torch::Tensor, int64_t,
                     int64_t, int64_t, double, double>())
-      .def("run", &DecodePlan::run, "run(h, cos, sin, kv_caches, slots, block_tables, context_lens)");
+      .def("run", &DecodePlan::run, "run(h, cos, sin, kv_caches, slots, block_tables, context_lens)")
+      .def("run_layers", &DecodePlan::run_layers,
+           "run_layers(h, residual, cos, sin, kv_caches, slots, block_tables, context_lens) -> [h, residual]");
   m.def("paged_decode", &paged_decode, "paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)");
   m.def("prefill_attention", &prefill_attention,
         "prefill_attention(q, k_cache, v_cache, block_table, ctx, scale): causal, one sequence, bfloat16");
