@@ -23,7 +23,7 @@ def runner(tmp_path_factory):
 
 def _seq(tokens, computed, new, blocks):
     return SimpleNamespace(request=SimpleNamespace(all_token_ids=tokens), num_computed_tokens=computed,
-                           num_new_tokens=new, block_ids=blocks)
+                           num_new_tokens=new, block_ids=blocks, spec_token_ids=())
 
 
 def _caches(runner):
