@@ -33,7 +33,7 @@ def test_quantised_kv_cache_kl_against_float32(smollm2_llm, kv_dtype, floor):
     with open(TEXTS) as f:
         text = f.read().split("\n\n")[1]
     ids = smollm2_llm.tokenizer.encode(text)
-    q = LLM(kv_cache_dtype=kv_dtype, num_kv_blocks=32, max_model_len=512)
+    q = smollm2_llm.with_config(kv_cache_dtype=kv_dtype, num_kv_blocks=32, max_model_len=512)  # the same weights
     r = compare(sequence_logits(smollm2_llm.engine, ids), sequence_logits(q.engine, ids), ids)
     kl = r["kl"] / r["tokens"]
     assert 0 < kl <= floor, f"{kv_dtype} KV: mean KL {kl:.5f} (floor {floor})"
