@@ -4,7 +4,7 @@ heads, 3 KV heads, head dim 64, 30 layers' worth of calls) at batch x context, f
 float32 / int8 / fp8 cache, the cache far larger than the CPU's caches; (2) the embedded model's decode
 step (float32 weights) at batch x context per KV dtype; (3) the tokens 1 GiB of KV cache holds.
 
-    python benchmarks/kv_cache_dtype.py [--threads 2] [--rounds 5] [--batch 8] [--context 1024]
+    python benchmarks/kv_cache_dtype.py [--threads 2] [--rounds 3] [--batch 4] [--context 256]
 """
 
 import argparse
@@ -56,18 +56,18 @@ def time_kernel(case) -> float:
 def decode_step_s(llm, batch, context, new=8) -> float:
     prompts = [[(i * 37 + j * 101) % 40000 + 100 for i in range(context)] for j in range(batch)]
     sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    first = len(llm.engine.step_records)
+    first = llm.engine.step_records[-1].step if llm.engine.step_records else -1
     llm.generate(prompts, sp)
-    recs = [r for r in llm.engine.step_records[first:] if r.phase == "decode" and r.num_decode_seqs == batch]
+    recs = [r for r in llm.engine.step_records if r.step > first and r.phase == "decode" and r.num_decode_seqs == batch]
     return statistics.median(r.wall_seconds for r in recs)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--context", type=int, default=256)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cases = {n: kernel_case(dt, args.batch, args.context) for n, dt in DTYPES.items()}
