@@ -77,7 +77,9 @@ def _summarise(recs: list) -> dict:
 def measure_weights(opts: LabOptions, session: LabSession) -> dict:
     """{mode: {weight_mib, measured_s, predicted_s, bytes}} at batch 1, the modes in interleaved rounds."""
     sz = sizes(opts.quick)
-    max_len = sz["prompt"] + sz["steps"] + 16
+    # the KV axis's context too: the first engine to load the weights sets the rotary table's length,
+    # and the KV axis's engines share those weights (positions past the table are slow to extend)
+    max_len = max(sz["prompt"] + sz["steps"], sz["kv_context"]) + 32
     rng = random.Random(opts.seed)
     engines = {m: _weight_engine(opts, session, m, max_len) for m in weight_modes(opts)}
     for e in engines.values():
