@@ -151,7 +151,9 @@ def test_bad_inputs_raise():
     with pytest.raises(InvalidParameterError):
         weight_bytes(LLAMA3, "int4")
     with pytest.raises(InvalidParameterError):
-        kv_cache_bytes_per_token(LLAMA3, "int8")
+        kv_cache_bytes_per_token(LLAMA3, "int4")
+    # int8 is a KV dtype: 128 values and a 4-byte scale per row (32 layers x 8 KV heads x K and V)
+    assert kv_cache_bytes_per_token(LLAMA3, "int8") == 2 * 32 * 8 * (128 + 4)
 
 
 def test_cpu_spec_prediction_uses_its_own_peaks():

@@ -30,7 +30,7 @@ from servescope.errors import EngineConfigError
     (KVCacheConfig, dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes must be positive"),
     (KVCacheConfig, dict(kv_cache_memory_fraction=1.5), r"kv_cache_memory_fraction must be in \(0, 1\]"),
     (KVCacheConfig, dict(num_kv_blocks=-1), "num_kv_blocks must be positive"),
-    (KVCacheConfig, dict(kv_cache_dtype="int8"), "kv_cache_dtype must be auto, float32, bfloat16 or float16"),
+    (KVCacheConfig, dict(kv_cache_dtype="int4"), "kv_cache_dtype must be one of auto, float32, bfloat16, float16, int8"),
     (BatchingConfig, dict(max_num_seqs=0), "max_num_seqs must be positive"),
     (BatchingConfig, dict(max_num_batched_tokens=-5), "max_num_batched_tokens must be positive"),
     (BatchingConfig, dict(max_model_len=0), "max_model_len must be positive"),

@@ -144,11 +144,48 @@ static void check_gemv(int64_t M, int64_t K, int64_t N, bool scaled) {
          "M=" + std::to_string(M) + " K=" + std::to_string(K) + " N=" + std::to_string(N));
 }
 
+// e4m3 in float64 from its fields (independent of the kernels' bit trick): 2^(e-7) (1 + m/8), or 2^-6 m/8
+static double fp8_value(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const double v = e ? std::ldexp(1.0 + m / 8.0, e - 7) : std::ldexp(m / 8.0, -6);
+  return (b & 0x80) ? -v : v;
+}
+
+// a cache of `rows` rows of D values; a quantised one (int8 / fp8) has each row's float32 scale after
+// its values (kv_quant.h), random bytes (no NaN) and scales of either sign's magnitude around 0.01-0.02
+template <typename C>
+static std::vector<C> rand_cache(int64_t rows, int64_t d) {
+  if constexpr (!kQuantKV<C>) {
+    return randv<C>(rows * d);
+  } else {
+    std::vector<C> c(rows * (d + 4));
+    for (int64_t r = 0; r < rows; ++r) {
+      C* row = c.data() + r * (d + 4);
+      for (int64_t j = 0; j < d; ++j) {
+        uint8_t byte = (uint8_t)((g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull) >> 56);
+        if constexpr (std::is_same_v<C, int8_t>) row[j] = (int8_t)std::max<int>(-127, (int8_t)byte);
+        else row[j].bits = (byte & 0x7F) == 0x7F ? 0 : byte;
+      }
+      const float s = (std::is_same_v<C, int8_t> ? 1.0f / 127 : 1.0f / 448) * (1.5f + 0.5f * urand());
+      std::memcpy(row + d, &s, 4);
+    }
+    return c;
+  }
+}
+
+// value j of the cache row at `row` (dequantised: q * scale)
+template <typename C>
+static double kv_at(const C* row, int64_t j, int64_t d) {
+  if constexpr (std::is_same_v<C, int8_t>) return row[j] * (double)row_scale(row, d);
+  else if constexpr (std::is_same_v<C, fp8e4m3>) return fp8_value(row[j].bits) * (double)row_scale(row, d);
+  else return to_double(row[j]);
+}
+
 template <typename Q, typename C>
 static void check_decode(int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t ctx_max) {
-  const int64_t S = 16, per_seq = (ctx_max + S - 1) / S, nblk = b * per_seq + 1;
+  const int64_t S = 16, per_seq = (ctx_max + S - 1) / S, nblk = b * per_seq + 1, dp = d + kScalePad<C>;
   auto q = randv<Q>(b * h * d, 2.f);
-  auto kc = randv<C>(nblk * S * hkv * d), vc = randv<C>(nblk * S * hkv * d);
+  auto kc = rand_cache<C>(nblk * S * hkv, d), vc = rand_cache<C>(nblk * S * hkv, d);
   std::vector<int32_t> bt(b * per_seq), cl(b);
   for (int64_t i = 0; i < b; ++i) {
     cl[i] = (int32_t)std::max<int64_t>(1, ctx_max - 7 * i);
@@ -165,7 +202,7 @@ static void check_decode(int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t c
       std::vector<double> sc(cl[i]);
       double mx = -1e300, den = 0;
       auto at = [&](const std::vector<C>& cache, int64_t p, int64_t j) {
-        return to_double(cache[((bt[i * per_seq + p / S] * S + p % S) * hkv + kh) * d + j]);
+        return kv_at(cache.data() + ((bt[i * per_seq + p / S] * S + p % S) * hkv + kh) * dp, j, d);
       };
       for (int64_t p = 0; p < cl[i]; ++p) {
         double s = 0;
@@ -180,8 +217,10 @@ static void check_decode(int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t c
         want[(i * h + hh) * d + j] = a / den;
       }
     }
-  const bool all_f32 = std::is_same_v<Q, float> && std::is_same_v<C, float>;
-  expect("paged_decode", out.data(), want, all_f32 ? 2e-5 : 2e-2,
+  // float32 queries over a quantised cache: the values are exact in float32 once dequantised, so only
+  // float32 rounding is left
+  const bool all_f32 = std::is_same_v<Q, float> && (std::is_same_v<C, float> || kQuantKV<C>);
+  expect(kQuantKV<C> ? "paged_decode (quantised cache)" : "paged_decode", out.data(), want, all_f32 ? 2e-5 : 2e-2,
          "b=" + std::to_string(b) + " h=" + std::to_string(h) + " hkv=" + std::to_string(hkv) + " d=" + std::to_string(d) +
              " ctx=" + std::to_string(ctx_max));
 }
@@ -236,6 +275,76 @@ static void check_layer() {  // the vector layer's own pieces: exp, bfloat16 rou
   expect("transpose_sum", ts, sums, 1e-6, "");
 }
 
+static void check_fp8_widening() {  // every e4m3 byte but the NaNs, through the vector load and the scalar one
+  std::vector<fp8e4m3> all;
+  std::vector<double> want;
+  for (int b = 0; b < 256; ++b)
+    if ((b & 0x7F) != 0x7F) {
+      all.push_back(fp8e4m3{(uint8_t)b});
+      want.push_back(fp8_value((uint8_t)b));
+    }
+  while (all.size() % W) {
+    all.push_back(fp8e4m3{0});
+    want.push_back(0.0);
+  }
+  std::vector<float> got(all.size()), one(all.size());
+  for (size_t i = 0; i < all.size(); i += W) store(got.data() + i, load(all.data() + i));
+  for (size_t i = 0; i < all.size(); ++i) one[i] = fp8_to_float(all[i]);
+  expect("fp8 load", got.data(), want, 0.0, "");
+  expect("fp8_to_float", one.data(), want, 0.0, "");
+  std::vector<float> tailv(W, -1.f);
+  store(tailv.data(), loadn(all.data() + 8, 3));  // a masked tail: lanes past n are 0
+  std::vector<double> tw(W, 0.0);
+  for (int i = 0; i < 3; ++i) tw[i] = want[8 + i];
+  expect("fp8 loadn", tailv.data(), tw, 0.0, "");
+}
+
+static void check_fp8_rounding() {  // float_to_fp8 is e4m3's round-to-nearest-even, every value and midpoint
+  ++g_checks;
+  for (int b = 0; b < 256; ++b) {
+    if ((b & 0x7F) == 0x7F) continue;
+    const float v = (float)fp8_value((uint8_t)b);
+    if (float_to_fp8(v).bits != b) {
+      ++g_fail;
+      std::printf("FAIL float_to_fp8(%g) = 0x%02x want 0x%02x\n", v, float_to_fp8(v).bits, b);
+      return;
+    }
+    if ((b & 0x7F) == 0x7E) continue;  // 448: no larger neighbour
+    const float mid = (float)((fp8_value((uint8_t)b) + fp8_value((uint8_t)(b + 1))) / 2);  // exact in float32
+    const int even = (b & 1) ? b + 1 : b;
+    if (float_to_fp8(mid).bits != even) {
+      ++g_fail;
+      std::printf("FAIL float_to_fp8(midpoint %g) = 0x%02x want 0x%02x\n", mid, float_to_fp8(mid).bits, even);
+      return;
+    }
+  }
+}
+
+template <typename C, typename X>
+static void check_quantize_row(int64_t d) {  // each value within its quantisation error of the float64 input
+  const double qmax = std::is_same_v<C, int8_t> ? 127.0 : 448.0;
+  for (int rep = 0; rep < 20; ++rep) {
+    auto x = randv<X>(d, rep == 0 ? 0.f : 3.f * (1 + rep));  // rep 0: an all-zero row
+    std::vector<C> row(d + 4);
+    quantize_row<C>(x.data(), d, row.data());
+    double amax = 0;
+    for (auto& v : x) amax = std::max(amax, std::fabs(to_double(v)));
+    const double s = row_scale(row.data(), d);
+    ++g_checks;
+    bool ok = std::fabs(s - amax / qmax) <= 1e-6 * amax / qmax;
+    for (int64_t j = 0; j < d && ok; ++j) {
+      const double xv = to_double(x[j]), err = std::fabs(kv_at(row.data(), j, d) - xv);
+      const double bound = std::is_same_v<C, int8_t> ? s / 2 : std::fabs(xv) / 16 + s / 1024;
+      ok = err <= bound * (1 + 1e-5) + 1e-30;
+    }
+    if (!ok) {
+      ++g_fail;
+      std::printf("FAIL quantize_row d=%lld rep=%d\n", (long long)d, rep);
+      return;
+    }
+  }
+}
+
 int main() {
   check_layer();
   for (int64_t n : {64, 100, 576}) {
@@ -264,7 +373,17 @@ int main() {
         check_decode<float, float>(b, 6, 2, d, ctx);
         check_decode<float, bf16>(b, 6, 2, d, ctx);
         check_decode<bf16, bf16>(b, 4, 4, d, ctx);
+        check_decode<float, int8_t>(b, 6, 2, d, ctx);
+        check_decode<float, fp8e4m3>(b, 6, 2, d, ctx);
+        check_decode<bf16, int8_t>(b, 4, 4, d, ctx);
       }
+  check_fp8_widening();
+  check_fp8_rounding();
+  for (int64_t d : {64, 20}) {
+    check_quantize_row<int8_t, float>(d);
+    check_quantize_row<int8_t, bf16>(d);
+    check_quantize_row<fp8e4m3, float>(d);
+  }
   std::printf("%s %s: %d checks, %d failed\n", kIsa, g_fail ? "FAILED" : "ok", g_checks, g_fail);
   return std::min(g_fail, 100);
 }

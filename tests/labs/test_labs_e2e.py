@@ -198,3 +198,24 @@ def test_parallelism(session, tmp_path, monkeypatch):
         assert all(0 < v < 1 for v in s["comm_share"][layout].values())
     nv = [s["llama_3_70b_predicted_ms"][f"b16 H200/nvlink4 tp{tp}"][0] for tp in (1, 2, 4, 8)]
     assert nv == sorted(nv, reverse=True)
+
+
+def test_quantization(session, tmp_path):
+    """Fewer bytes per weight and per cached token: counted (resident weight bytes, KV bytes per token and
+    the tokens a budget holds, the cost model's predicted steps) exactly or by order; timed only loosely."""
+    s = run_quick("quantization", session, tmp_path)
+    w, kv = s["weights"], s["kv"]
+    assert {"float32", "int8", "int4"} <= set(w) and "gguf" not in w  # a random model has no GGUF blocks
+    # the embedding (2048 x 256) stays float32 in every form; the projections shrink 4x / ~7x
+    assert w["int4"]["weight_mib"] < w["int8"]["weight_mib"] < 0.5 * w["float32"]["weight_mib"]
+    # a datasheet GPU: decode is memory-bound, the predicted step follows the weight bytes the model counts
+    assert w["int8"]["predicted_s"] < 0.5 * w["float32"]["predicted_s"]
+    # KV: 64 values + a 4-byte scale per row against 64 float32 values: 3.76x the tokens in the same budget
+    assert kv["float32"]["bytes_per_token"] / kv["int8"]["bytes_per_token"] == pytest.approx(256 / 68)
+    assert kv["int8"]["capacity_tokens"] / kv["float32"]["capacity_tokens"] >= 3.5
+    assert kv["int8"]["bits_per_value"] == pytest.approx(8.5)
+    assert kv["int8"]["predicted_s"] < kv["float32"]["predicted_s"] and kv["int8"]["bytes"] < kv["float32"]["bytes"]
+    if "fp8_e4m3" in kv:
+        assert kv["fp8_e4m3"]["capacity_tokens"] == kv["int8"]["capacity_tokens"]
+    # measured: reading the int8 cache (dequantised a tile at a time) is not much slower than float32's
+    assert 0 < kv["int8"]["measured_s"] < 2.0 * kv["float32"]["measured_s"]

@@ -44,11 +44,11 @@ def max_logit_diff(a: list, b: list) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b) if x.numel())
 
 
-def assert_same_as_single_process(path: str, **parallel) -> list:
-    """The parallel engine's greedy tokens equal one process's, its logits within 1e-4 at every step.
-    Returns the parallel engine's StepRecords."""
-    ref_tokens, ref_logits, ref_stats = run_workload(LLM(model=path, **ENGINE))
-    llm = LLM(model=path, **ENGINE, **parallel)
+def assert_same_as_single_process(path: str, common: dict | None = None, **parallel) -> list:
+    """The parallel engine's greedy tokens equal one process's, its logits within 1e-4 at every step
+    (common: settings of both engines). Returns the parallel engine's StepRecords."""
+    ref_tokens, ref_logits, ref_stats = run_workload(LLM(model=path, **ENGINE, **(common or {})))
+    llm = LLM(model=path, **ENGINE, **(common or {}), **parallel)
     try:
         tokens, logits, stats = run_workload(llm)
     finally:

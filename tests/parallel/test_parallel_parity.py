@@ -27,6 +27,13 @@ def test_tensor_parallel_2_equals_one_process(tmp_path, case):
     assert_same_as_single_process(path, tensor_parallel_size=2)
 
 
+def test_tensor_parallel_2_with_an_int8_kv_cache_equals_one_process(tmp_path):
+    """Each shard holds whole KV heads, so its rows and their per-token-per-head scales are the single
+    process's: an int8 KV cache changes nothing under TP."""
+    path = str(make_tiny_hf_model(tmp_path, "llama"))
+    assert_same_as_single_process(path, common=dict(kv_cache_dtype="int8"), tensor_parallel_size=2)
+
+
 @pytest.mark.parametrize("family, overrides, micro_batches", [
     ("llama", dict(num_hidden_layers=3), 0),  # untied; an uneven split (2 + 1 layers)
     ("llama_plain", {}, 0),  # tied: the last stage keeps the embedding's weight as its head

@@ -34,6 +34,11 @@ from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+# KV cache dtypes: the float ones, or int8 / fp8 e4m3 values with one float32 scale per row of head_dim
+# (per token and KV head; model/attention/kv_quant.py): bytes per element and per row's scale
+KV_DTYPES = FLOAT_DTYPES + ("int8", "fp8_e4m3")
+KV_SCALE_BYTES = 4
+_KV_ELEMENT_BYTES = {"int8": 1, "fp8_e4m3": 1}
 LINEAR_OPS = ("qkv_proj", "attn_out_proj", "mlp", "lm_head")
 OP_NAMES = ("embedding", "qkv_proj", "attention", "kv_write", "kv_read", "attn_out_proj", "mlp",
             "norms_rope_misc", "lm_head")
@@ -57,16 +62,22 @@ def resolve_dtypes(weight_dtype: str, act_dtype: Optional[str] = None,
     kv = kv_dtype or act
     if act not in FLOAT_DTYPES:
         raise InvalidParameterError("act_dtype", f"activation dtype must be one of {', '.join(FLOAT_DTYPES)}, got {act!r}")
-    if kv not in FLOAT_DTYPES:
-        raise InvalidParameterError("kv_dtype", f"KV cache dtype must be one of {', '.join(FLOAT_DTYPES)}, got {kv!r}")
+    kv = "fp8_e4m3" if kv == "fp8" else kv
+    if kv not in KV_DTYPES:
+        raise InvalidParameterError("kv_dtype", f"KV cache dtype must be one of {', '.join(KV_DTYPES)}, got {kv!r}")
     return weight_dtype, act, kv
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bfloat16") -> int:
-    """K and V for one token in every layer: 2 * L * Hkv * D * bytes (Llama-3-8B bf16: 131072)."""
-    if kv_dtype not in FLOAT_DTYPES:
-        raise InvalidParameterError("kv_dtype", f"KV cache dtype must be one of {', '.join(FLOAT_DTYPES)}, got {kv_dtype!r}")
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DTYPE_BYTES[kv_dtype]
+    """K and V for one token in every layer: 2 * L * Hkv * D * bytes (Llama-3-8B bf16: 131072), and for
+    int8 / fp8_e4m3 a 4-byte scale per row of D (Llama-3-8B int8: 2 * 32 * 8 * (128 + 4) = 67584)."""
+    if kv_dtype not in KV_DTYPES:
+        raise InvalidParameterError("kv_dtype", f"KV cache dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if kv_dtype in _KV_ELEMENT_BYTES:
+        row = cfg.head_dim * _KV_ELEMENT_BYTES[kv_dtype] + KV_SCALE_BYTES
+    else:
+        row = cfg.head_dim * DTYPE_BYTES[kv_dtype]
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * row
 
 
 def _linear_weight_bytes(out_features: int, in_features: int, wdt: str, adt: str, bias: bool = False) -> int:

@@ -1,9 +1,12 @@
-"""How much a weight-quantisation mode changes the model: llama.cpp's scoreboard figures against the
-float32 model on fixed texts (tests/data/quant_texts.txt): the mean KL divergence per token of the
-next-token distributions, KL(float32 || quantised), top-1 agreement, and each side's perplexity.
+"""How much a weight-quantisation mode and a KV cache dtype change the model: llama.cpp's scoreboard
+figures against the float32 model (float32 KV cache) on fixed texts (tests/data/quant_texts.txt): the
+mean KL divergence per token of the next-token distributions, KL(float32 || quantised), top-1
+agreement, and each side's perplexity.
 
-`accuracy_table(texts, modes)` builds one engine per mode and returns rows; benchmarks/quant_accuracy.py
-prints them as the markdown table in docs/BENCHMARKS.md.
+`accuracy_table(texts, modes, kv_dtypes)` builds one engine per (weights, KV dtype) pair and returns
+rows; benchmarks/quant_accuracy.py prints them as the markdown table in docs/BENCHMARKS.md. A
+quantised KV cache counts in full here although the text runs as one prefill: every attention path
+reads the keys back from the cache, the prompt's own included (model/attention/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -43,19 +46,21 @@ def compare(ref_logits: torch.Tensor, q_logits: torch.Tensor, ids: list) -> dict
             "nll_ref": -lp_ref.gather(1, target).sum().item(), "nll_q": -lp_q.gather(1, target).sum().item()}
 
 
-def accuracy_table(texts: list, modes: list, model=None, **engine_kwargs) -> list:
-    """One row per mode: {mode, weight_mib, kl, kl_max, top1, ppl_ref, ppl} over all texts; the
-    reference is the float32 model of the same source."""
+def accuracy_table(texts: list, modes: list, kv_dtypes: tuple = ("auto",), model=None, **engine_kwargs) -> list:
+    """One row per weight mode ("float32": none) and KV cache dtype, modes first: {mode, kv, weight_mib,
+    kv_bytes_per_token, kl, kl_max, top1, ppl_ref, ppl} over all texts; the reference is the float32
+    model of the same source with a float32 cache. The float32 x auto pair (the reference itself) is skipped."""
     kwargs = dict(num_kv_blocks=128, max_model_len=2048, **engine_kwargs)
     ref = LLM(model=model, **kwargs)
     seqs = [ref.tokenizer.encode(t) for t in texts]
     ref_logits = [sequence_logits(ref.engine, ids) for ids in seqs]
     rows = []
-    for mode in modes:
-        q = LLM(model=model, quantization=mode, **kwargs)
+    for mode, kv in ((m, k) for m in modes for k in kv_dtypes if (m, k) != ("float32", "auto")):
+        q = LLM(model=model, quantization=None if mode == "float32" else mode, kv_cache_dtype=kv, **kwargs)
         parts = [compare(r, sequence_logits(q.engine, ids), ids) for r, ids in zip(ref_logits, seqs)]
         n = sum(p["tokens"] for p in parts)
-        rows.append({"mode": mode, "weight_mib": q.engine.weight_bytes / 2**20, "tokens": n,
+        rows.append({"mode": mode, "kv": kv, "weight_mib": q.engine.weight_bytes / 2**20, "tokens": n,
+                     "kv_bytes_per_token": q.engine.kv_bytes_per_token,
                      "kl": sum(p["kl"] for p in parts) / n, "kl_max": max(p["kl_max"] for p in parts),
                      "top1": sum(p["top1"] for p in parts) / n,
                      "ppl_ref": math.exp(sum(p["nll_ref"] for p in parts) / n),
@@ -65,8 +70,8 @@ def accuracy_table(texts: list, modes: list, model=None, **engine_kwargs) -> lis
 
 
 def render_markdown(rows: list, ref_mib: float | None = None) -> str:
-    head = ("| weights | weight MiB | mean KL / token | max KL | top-1 agreement | perplexity (float32: "
-            f"{rows[0]['ppl_ref']:.3f}) |\n| --- | ---: | ---: | ---: | ---: | ---: |\n")
-    body = "".join(f"| {r['mode']} | {r['weight_mib']:.1f} | {r['kl']:.5f} | {r['kl_max']:.4f} | {100 * r['top1']:.1f}% "
-                   f"| {r['ppl']:.3f} |\n" for r in rows)
+    head = ("| weights | KV cache | weight MiB | KV bytes / token | mean KL / token | max KL | top-1 agreement | "
+            f"perplexity (float32: {rows[0]['ppl_ref']:.3f}) |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+    body = "".join(f"| {r['mode']} | {r.get('kv', 'auto')} | {r['weight_mib']:.1f} | {r.get('kv_bytes_per_token', '-')} "
+                   f"| {r['kl']:.5f} | {r['kl_max']:.4f} | {100 * r['top1']:.1f}% | {r['ppl']:.3f} |\n" for r in rows)
     return head + body

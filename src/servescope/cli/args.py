@@ -10,7 +10,7 @@ import argparse
 import math
 import sys
 
-from servescope.config import EngineConfig, SamplingParams, SpeculativeConfig
+from servescope.config import KV_CACHE_DTYPES, EngineConfig, SamplingParams, SpeculativeConfig
 
 EXIT_USAGE = 2
 
@@ -75,6 +75,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size in bytes")
     g.add_argument("--kv-cache-fraction", type=float, default=None, metavar="F",
                    help="KV cache as a fraction of free memory")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="auto (the model dtype), a float dtype, or int8 / fp8 (= fp8_e4m3): quantised per "
+                        "token and KV head when written, read by the attention kernels as it is")
     g.add_argument("--max-num-seqs", type=positive_int, default=64)
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=1024)
     g.add_argument("--max-model-len", type=positive_int, default=None)
@@ -123,6 +126,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
         kv_cache_memory_bytes=a.kv_cache_memory, kv_cache_memory_fraction=a.kv_cache_fraction,
+        kv_cache_dtype=a.kv_cache_dtype,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
         enable_chunked_prefill=not a.no_chunked_prefill, no_kv_cache=a.no_kv_cache,

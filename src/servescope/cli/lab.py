@@ -43,8 +43,9 @@ def add_parser(sub) -> None:
     e.add_argument("--output-len", type=positive_int, default=128)
     e.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "int8"],
                    help="weight dtype (int8: weight-only, activations bfloat16)")
-    e.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="KV cache dtype (default: the activation dtype)")
+    e.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "int8", "fp8_e4m3"],
+                   help="KV cache dtype (default: the activation dtype; int8 / fp8_e4m3 count their "
+                        "per-token-per-head float32 scales)")
     e.add_argument("--memory", type=positive_int, default=None, metavar="BYTES",
                    help="device memory for the plan (default: the hardware's)")
     e.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -11,6 +11,7 @@ other layer may import it. All configs are frozen dataclasses validated in `__po
 from servescope.config.engine import (
     BatchingConfig,
     CacheConfig,
+    KV_CACHE_DTYPES,
     EngineConfig,
     KVCacheConfig,
     LoadConfig,
@@ -23,6 +24,7 @@ from servescope.config.model import SUPPORTED_ARCHITECTURES, ModelConfig, RopeSc
 from servescope.config.sampling import SAMPLING_EPS, SamplingParams, StructuredOutput
 
 __all__ = [
+    "KV_CACHE_DTYPES",
     "SAMPLING_EPS",
     "SUPPORTED_ARCHITECTURES",
     "BatchingConfig",

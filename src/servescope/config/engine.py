@@ -17,6 +17,9 @@ from servescope.errors import EngineConfigError
 # config.block_size, since every flat name belongs to exactly one part.
 
 _DTYPES = ("float32", "bfloat16", "float16")
+# KV cache dtypes (vLLM's names; fp8 = fp8_e4m3): the float ones, or quantised per token and KV head
+# (int8, float8 e4m3; model/attention/kv_quant.py)
+KV_CACHE_DTYPES = ("auto",) + _DTYPES + ("int8", "fp8", "fp8_e4m3")
 # weight-only quantization modes (model/quantize.py): int8 per channel, int4 = int4-g32-sym, or spelled out
 _QUANT_RE = re.compile(r"^(gguf|int(4|8)(-(g32|g64|g128|ch))?(-(sym|asym))?)$")
 
@@ -68,7 +71,7 @@ class KVCacheConfig:
     kv_cache_memory_bytes: Optional[int] = None
     kv_cache_memory_fraction: Optional[float] = None  # of the memory free after loading weights
     num_kv_blocks: Optional[int] = None
-    kv_cache_dtype: str = "auto"  # auto: same as dtype
+    kv_cache_dtype: str = "auto"  # auto: same as dtype | float32 | bfloat16 | float16 | int8 | fp8 | fp8_e4m3
     enable_prefix_caching: bool = True
     no_kv_cache: bool = False  # recompute the whole sequence every step (the labs' baseline)
 
@@ -81,8 +84,8 @@ class KVCacheConfig:
                  f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         _require(self.num_kv_blocks is None or self.num_kv_blocks > 0,
                  f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        _require(self.kv_cache_dtype in ("auto",) + _DTYPES,
-                 f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from servescope.analysis.cpu_isa import cpu_flags, has_fast_bf16
 from servescope.analysis.presets import load_preset
 from servescope.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from servescope.engine.executor import ModelExecutor
-from servescope.engine.kv_sizing import kv_bytes_per_token, num_kv_blocks
+from servescope.engine.kv_sizing import check_kv_layout, kv_bytes_per_token, num_kv_blocks, resolve_kv_dtype
 from servescope.engine.model_runner import ModelRunner
 from servescope.engine.parallel_executor import ParallelExecutor, parallel_layout
 from servescope.engine.parallel_worker import become_torchrun_worker, worker_main
@@ -111,7 +111,7 @@ def resolve_dtypes(config: EngineConfig, device: torch.device) -> tuple:
     if name == "float16" and device.type == "cpu":
         raise EngineConfigError("float16 is for GPUs; on the CPU use float32 or bfloat16")
     kv = config.cache.kv_cache_dtype
-    return DTYPES[name], DTYPES[name] if kv == "auto" else DTYPES[kv]
+    return DTYPES[name], resolve_kv_dtype(kv, DTYPES[name])
 
 
 # ------------------------------------------------------------------------------ stage 1: weights
@@ -171,6 +171,7 @@ def build_engine(config: EngineConfig, shared: Optional[LoadedModel] = None) -> 
         loaded, executor = shared, shared.executor.fork()
     cfg = loaded.model_config
     shard_cfg = executor.shard_config(cfg)  # this process's heads and layers (a parallel engine: fewer)
+    check_kv_layout(shard_cfg, kv_dtype)
     blocks = num_kv_blocks(config.cache, config.batching, shard_cfg, kv_dtype, device)
     max_len = resolve_max_model_len(config, cfg, blocks)
     backend = get_attention_backend(config.load.attention_backend, device)

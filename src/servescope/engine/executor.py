@@ -88,7 +88,7 @@ class ModelExecutor:
         """Decode-only steps within the plan's row limit, on the torch backend's cache layout."""
         return (self.decode_plan is not None and batch.meta.is_decode_only
                 and batch.num_tokens <= self.decode_plan_max_rows and backend.name == "torch"
-                and not torch.is_grad_enabled() and kv_caches[0][0].dtype in cpu_ops.DTYPES)
+                and not torch.is_grad_enabled() and kv_caches[0][0].dtype in cpu_ops.KV_DTYPES)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, Dm] -> float32 logits [B, V]."""

@@ -8,16 +8,39 @@ import torch
 
 from servescope.config import BatchingConfig, KVCacheConfig, ModelConfig
 from servescope.errors import EngineConfigError
+from servescope.model.attention import kv_quant
 
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2 in float32
 
 
+_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for the kv_cache_dtype setting (auto: the model dtype); fp8 /
+    fp8_e4m3 is torch.float8_e4m3fn, an error here, before anything is built, on a torch without it."""
+    if name == "auto":
+        return dtype
+    if name in ("fp8", "fp8_e4m3"):
+        if kv_quant.FP8 is None:
+            raise EngineConfigError(f"kv_cache_dtype={name} needs torch.float8_e4m3fn, which this torch "
+                                    f"({torch.__version__}) lacks; use int8")
+        return kv_quant.FP8
+    return _KV_DTYPES[name]
+
+
+def check_kv_layout(cfg: ModelConfig, kv_dtype: torch.dtype) -> None:
+    """A quantised cache keeps a float32 scale after each row of D values: D must keep it aligned."""
+    if kv_quant.is_quantized(kv_dtype) and cfg.head_dim % kv_quant.SCALE_BYTES:
+        raise EngineConfigError(f"a {str(kv_dtype).replace('torch.', '')} KV cache needs a head dim divisible by "
+                                f"{kv_quant.SCALE_BYTES}; this model's is {cfg.head_dim}")
+
+
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
-    """2 (K and V) * layers * KV heads * head dim * bytes per element."""
-    elem = torch.empty((), dtype=kv_dtype).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+    """2 (K and V) * layers * KV heads * (head dim * bytes per element, + 4 scale bytes when quantised)."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * kv_quant.row_bytes(kv_dtype, cfg.head_dim)
 
 
 def available_memory_bytes(device: torch.device) -> int:

@@ -254,7 +254,8 @@ class LLMEngine:
             context_lens=ctx, kv_blocks_used=km.num_used_blocks, kv_blocks_free=km.num_free_blocks,
             kv_blocks_cached=km.num_cached_blocks, kv_usage=km.usage,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            num_preemptions_total=self.scheduler.num_preemptions, grammar_mask_seconds=mask_seconds)
+            num_preemptions_total=self.scheduler.num_preemptions, grammar_mask_seconds=mask_seconds,
+            kv_bytes_used=km.num_used_blocks * self.cache_config.block_size * self.kv_bytes_per_token)
         if self.spec is not None and any(s.spec_token_ids for s in out.scheduled):
             st = self.spec.last_step
             rec.num_spec_seqs, rec.num_draft_tokens, rec.num_accepted_tokens = (
@@ -274,6 +275,7 @@ class LLMEngine:
             "blocks_used": km.num_used_blocks, "blocks_free": km.num_free_blocks,
             "blocks_cached": km.num_cached_blocks, "usage": km.usage,
             "bytes_per_token": self.kv_bytes_per_token, "capacity_tokens": cc.num_blocks * cc.block_size,
+            "dtype": str(self.kv_dtype).replace("torch.", ""),
             "total_bytes": self.runner.kv_cache_bytes,
             "prefix_cache_queries": km.prefix_cache_queries, "prefix_cache_hits": km.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from servescope.config import ModelConfig
+from servescope.model.attention import kv_quant
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -79,9 +80,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_dtype = kv_dtype
         shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
-        # one K and one V tensor per layer: [N, S, Hkv, D]
-        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=device),
-                           torch.zeros(shape, dtype=kv_dtype, device=device))
+        # one K and one V tensor per layer: [N, S, Hkv, D] ([..., D + 4] int8 / fp8 rows with their scales)
+        self.kv_caches = [(kv_quant.allocate(*shape, kv_dtype, device), kv_quant.allocate(*shape, kv_dtype, device))
                           for _ in range(model_config.num_hidden_layers)]
 
     @property

@@ -20,6 +20,7 @@ from servescope.telemetry.step_record import StepRecord
 logger = logging.getLogger(__name__)
 
 _DT = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_KV_DT = {**_DT, torch.int8: "int8", getattr(torch, "float8_e4m3fn", None): "fp8_e4m3"}
 
 
 class StepCostPredictor:
@@ -37,7 +38,7 @@ class StepCostPredictor:
         self.act_bytes = dtype.itemsize
         self.act_dtype = _DT[dtype]
         self.weight_dtype = "int8" if quantization == "int8" else self.act_dtype
-        self.kv_dtype = _DT[kv_dtype]
+        self.kv_dtype = _KV_DT[kv_dtype]
 
     def predict(self, seqs: list, num_logits: int):
         return step_cost(self.cfg, seqs, self.hw, self.weight_dtype, self.kv_dtype, self.act_dtype,

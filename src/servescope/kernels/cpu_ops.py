@@ -21,6 +21,9 @@ from servescope.kernels.cpu_extension import CpuExtension
 logger = logging.getLogger(__name__)
 
 DTYPES = (torch.float32, torch.bfloat16)
+# KV cache element types the kernels read: the float ones and the quantised int8 / fp8 e4m3 caches
+# (rows of D values then a float32 scale: csrc/kv_quant.h)
+KV_DTYPES = DTYPES + (torch.int8,) + ((torch.float8_e4m3fn,) if hasattr(torch, "float8_e4m3fn") else ())
 # -ffp-contract=off: no fused multiply-adds where the torch reference rounds each step
 _EXT = CpuExtension("servescope_cpu_ops", ["cpu_ops.cpp", "prefill_attention.cpp", "quant_ops.cpp"], "CPU op kernels",
                     extra_cflags=["-ffp-contract=off"])
@@ -65,7 +68,8 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, out=None) -> torch.Tensor:
-    """q [B, H, D]; caches [N, S, Hkv, D]; block_tables [>=B, M] int32; context_lens [>=B] int32 -> [B, H, D]."""
+    """q [B, H, D]; caches [N, S, Hkv, D] (int8 / fp8: [..., D + 4]); block_tables [>=B, M] int32;
+    context_lens [>=B] int32 -> [B, H, D]."""
     return _EXT.mod.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, _EMPTY if out is None else out)
 
 

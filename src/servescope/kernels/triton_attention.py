@@ -14,6 +14,11 @@ Written for Triton 3.x (tested with the interpreter, TRITON_INTERPRET=1, on CPU)
 is converted to float32 before arithmetic: the dot products use tf32 for 16-bit caches, which
 is exact for bf16/fp16 inputs (their mantissas fit in tf32's), and IEEE fp32 for fp32 caches,
 so a float32 model matches the reference to rounding.
+
+A quantised cache (int8 / float8 e4m3, model/attention/kv_quant.py) is [N, S, Hkv, D + 4]: each row's
+float32 scale after its D values. The store quantises each (token, head) row as it writes it; the
+decode multiplies each loaded K / V tile by its rows' scales (IEEE float32 dot products: a dequantised
+value needs float32's mantissa), so the cache is never dequantised as a whole.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ _MAX_SPLITS = 32
 _MIN_TOKENS_PER_SPLIT = 256
 
 _sm_count_cache: dict = {}
+# quantised cache dtypes -> the largest value a scaled row may take (kv_quant.QMAX; the kernels are below model/)
+_QMAX = {torch.int8: 127.0, **({torch.float8_e4m3fn: 448.0} if hasattr(torch, "float8_e4m3fn") else {})}
 
 
 # --------------------------------------------------------------------------------------------
@@ -59,10 +66,46 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _quantize_row_store(x_ptr, stride_xt, stride_xh, cache_ptr, t, dst_row, h, d, mask, QMAX: tl.constexpr,
+                        IS_INT8: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # x [Hkv, D] of token t -> per head: values x / s and s = absmax / QMAX after them (kv_quant.py's rows)
+    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=mask, other=0.0).to(tl.float32)  # [Hkv, D]
+    s = tl.max(tl.abs(x), 1) / QMAX  # [Hkv]
+    y = x / tl.where(s > 0, s, 1.0)[:, None]
+    if IS_INT8:
+        # round half to even as torch.round: adding and removing 1.5 * 2**23 leaves the nearest integer (|y| <= 127)
+        y = (y + 12582912.0) - 12582912.0
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+    else:
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    tl.store(cache_ptr + dst_row[:, None] + d, y.to(cache_ptr.dtype.element_ty), mask=mask)
+    scale_ptr = (cache_ptr + dst_row + HEAD_DIM).to(tl.pointer_type(tl.float32), bitcast=True)
+    tl.store(scale_ptr, s, mask=tl.max(mask.to(tl.int32), 1) > 0)
+
+
+@triton.jit
+def _store_kv_quant_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cslot, stride_ch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HKV_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    QMAX: tl.constexpr, IS_INT8: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, HKV_PAD)[:, None]
+    d = tl.arange(0, D_PAD)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM) & ((d * 0 + slot) >= 0)  # slot -1: a padded graph row
+    dst_row = slot * stride_cslot + tl.arange(0, HKV_PAD) * stride_ch  # [Hkv] start of each head's row
+    _quantize_row_store(k_ptr, stride_kt, stride_kh, k_cache_ptr, t, dst_row, h, d, mask, QMAX, IS_INT8, HEAD_DIM)
+    _quantize_row_store(v_ptr, stride_vt, stride_vh, v_cache_ptr, t, dst_row, h, d, mask, QMAX, IS_INT8, HEAD_DIM)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write k, v [T, Hkv, D] into k_cache, v_cache [N, S, Hkv, D] at slot_mapping [T]
-    (slot = block * S + offset; a negative slot is skipped)."""
+    (slot = block * S + offset; a negative slot is skipped); a quantised cache ([..., D + 4]) gets
+    each row's values and scale."""
     t, hkv, d = k.shape
     if t == 0:
         return
@@ -70,6 +113,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _check_cache(v_cache)
     assert k.stride(2) == 1 and v.stride(2) == 1, "k and v must be contiguous in the head dim"
     assert k_cache.stride() == v_cache.stride()
+    if k_cache.dtype in _QMAX:
+        _store_kv_quant_kernel[(t,)](
+            k, v, k_cache, v_cache, slot_mapping,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2),
+            NUM_KV_HEADS=hkv, HEAD_DIM=d, HKV_PAD=triton.next_power_of_2(hkv), D_PAD=triton.next_power_of_2(d),
+            QMAX=_QMAX[k_cache.dtype], IS_INT8=k_cache.dtype == torch.int8,
+        )
+        return
     _store_kv_kernel[(t,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -95,7 +146,7 @@ def _paged_decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     # one program: sequence b, KV head kvh (all its G query heads), context partition `split`
     b = tl.program_id(0)
@@ -130,6 +181,9 @@ def _paged_decode_kernel(
         row = blk * stride_cn + (tok % BLOCK_SIZE) * stride_cs + kvh * stride_ch  # [BLOCK_N]
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        if QUANT:  # each row's float32 scale sits after its D values
+            k = k * tl.load((k_cache_ptr + row + HEAD_DIM).to(tl.pointer_type(tl.float32), bitcast=True),
+                            mask=t_mask, other=0.0)[:, None]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G, BLOCK_N]
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile has at least one valid token
@@ -137,6 +191,9 @@ def _paged_decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        if QUANT:
+            v = v * tl.load((v_cache_ptr + row + HEAD_DIM).to(tl.pointer_type(tl.float32), bitcast=True),
+                            mask=t_mask, other=0.0)[:, None]
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)  # [G, D]
         m_i = m_new
 
@@ -213,7 +270,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _check_cache(v_cache)
     assert k_cache.stride() == v_cache.stride()
     _, s, hkv, dk = k_cache.shape
-    assert dk == d and h % hkv == 0, f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}"
+    quant = k_cache.dtype in _QMAX
+    assert dk == d + (4 if quant else 0) and h % hkv == 0, f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}"
     assert q.stride(2) == 1, "q must be contiguous in the head dim"
     assert block_tables.stride(1) == 1
     if out is None:
@@ -225,7 +283,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if num_splits is None:
         num_splits = choose_num_splits(bsz, hkv, max_context_len, q.device)
     block_n = max(triton.next_power_of_2(s), 64 if d_pad <= 128 else 32)
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    precision = "ieee" if k_cache.dtype == torch.float32 or quant else "tf32"
     if num_splits > 1:
         # sized by (B, H, P) only: allocations inside a CUDA graph capture are static
         part_acc = torch.empty((bsz, h, num_splits, d_pad), dtype=torch.float32, device=q.device)
@@ -243,7 +301,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out.stride(0), out.stride(1),
         NUM_HEADS=h, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=s, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, PRECISION=precision,
+        NUM_SPLITS=num_splits, PRECISION=precision, QUANT=quant,
         num_warps=num_warps,
     )
     if num_splits > 1:

@@ -29,6 +29,8 @@ LABS = {
                         "ITL of running decodes when a long prompt arrives, with and without chunked prefill"),
     "speculative": ("speculative", "speed-up of n-gram speculation vs k and batch, copy-heavy and open prompts, "
                                    "measured beside predicted"),
+    "quantization": ("quantization", "decode step time and KV capacity vs bits per weight and per cached token, "
+                                     "measured beside predicted"),
 }
 # not part of `lab all`: the cost model's validation (docs/VALIDATION.md)
 EXTRA_LABS = {

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 STOP, STEP, ALLOCATE_KV, REBUILD = 0, 1, 2, 3
 HEADER_LEN = 8  # [command, T, B, max blocks, decodes, logits rows, payload length, micro-batch cuts]
-KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8) + (
+    (torch.float8_e4m3fn,) if hasattr(torch, "float8_e4m3fn") else ())  # the index travels in a header
 
 
 @dataclass

@@ -28,6 +28,8 @@ class StepRecord:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     grammar_mask_seconds: float = 0.0  # structured outputs: filling + applying the batch's token masks
+    # bytes of the referenced KV blocks (K and V of every layer; an int8 / fp8 cache's scales included)
+    kv_bytes_used: int = 0
     # from the cost model (None when prediction is off)
     predicted_seconds: Optional[float] = None
     flops: Optional[float] = None

@@ -39,6 +39,22 @@ void by_dtype(const torch::Tensor& t, const char* what, const F& fn) {
     TORCH_CHECK(false, what, ": float32 or bfloat16 only");
 }
 
+// Calls fn(C()) with the KV cache's element type: float, bf16, or a quantised cache's int8_t / fp8e4m3
+// (whose rows carry their scale: kv_quant.h)
+template <typename F>
+void by_kv_dtype(const torch::Tensor& cache, const char* what, const F& fn) {
+  if (cache.scalar_type() == at::kChar)
+    fn(int8_t());
+  else if (cache.scalar_type() == at::ScalarType::Float8_e4m3fn)
+    fn(fp8e4m3());
+  else
+    by_dtype(cache, what, fn);
+}
+
+bool quantized_kv(const torch::Tensor& cache) {
+  return cache.scalar_type() == at::kChar || cache.scalar_type() == at::ScalarType::Float8_e4m3fn;
+}
+
 // ---------------------------------------------------------------------------------------------
 // x [R, n] with unit stride in the last dim (a row stride is allowed), else made contiguous
 torch::Tensor rows2d(const torch::Tensor& x) {
@@ -125,15 +141,42 @@ void store_one(torch::Tensor src, torch::Tensor cache, const int64_t* slots) {
   });
 }
 
+// x [T, Hkv, D] quantised per row (token, head) into a cache [N, S, Hkv, D + 4] of int8 / fp8 at `slots`
+// (kv_quant.h's quantize_row: the arithmetic of model/attention/kv_quant.quantize_rows)
+template <typename C>
+void store_quantized(torch::Tensor x, const torch::Tensor& cache, const int64_t* slots) {
+  if (x.stride(2) != 1) x = x.contiguous();
+  const int64_t t = x.size(0), hkv = x.size(1), d = x.size(2);
+  C* base = data<C>(cache);
+  by_dtype(x, "store_kv: k/v", [&](auto tag) {
+    using S = decltype(tag);
+    const S* p = data<S>(x);
+    for (int64_t i = 0; i < t; ++i)
+      for (int64_t h = 0; h < hkv && slots[i] >= 0; ++h)
+        quantize_row<C>(p + i * x.stride(0) + h * x.stride(1), d, base + (slots[i] * hkv + h) * (d + 4));
+  });
+}
+
 void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "store_kv: shapes");
-  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3) && v.sizes() == k.sizes() &&
+  const int64_t pad = quantized_kv(k_cache) ? 4 : 0;
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) + pad == k_cache.size(3) && v.sizes() == k.sizes() &&
               v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
               "store_kv: shapes");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == k.size(0),
               "store_kv: slot_mapping int64 [T]");
   const int64_t* sp = slots.data_ptr<int64_t>();
+  if (pad) {
+    by_kv_dtype(k_cache, "store_kv: cache", [&](auto tag) {
+      using C = decltype(tag);
+      if constexpr (kQuantKV<C>) {
+        store_quantized<C>(k, k_cache, sp);
+        store_quantized<C>(v, v_cache, sp);
+      }
+    });
+    return;
+  }
   by_dtype(k_cache, "store_kv: cache", [&](auto tag) {
     using C = decltype(tag);
     store_one<C>(k, k_cache, sp);
@@ -141,7 +184,7 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   });
 }
 
-// q [B, H, D]; caches [N, S, Hkv, D]; block_tables [B, M] int32; context_lens [B] int32 -> [B, H, D].
+// q [B, H, D]; caches [N, S, Hkv, D] (int8 / fp8: [N, S, Hkv, D + 4], kv_quant.h); block_tables [B, M] int32; context_lens [B] int32 -> [B, H, D].
 // `out`, when given (numel > 0), is written instead of a new tensor.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                            torch::Tensor context_lens, double scale, torch::Tensor out) {
@@ -149,7 +192,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
               "paged_decode: shapes");
   int64_t b = q.size(0), h = q.size(1), d = q.size(2), S = k_cache.size(1), hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && h % hkv == 0, "paged_decode: heads / head dim");
+  TORCH_CHECK(k_cache.size(3) == d + (quantized_kv(k_cache) ? 4 : 0) && h % hkv == 0, "paged_decode: heads / head dim");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.dim() == 2 && block_tables.size(0) >= b &&
                   block_tables.stride(1) == 1, "paged_decode: block_tables int32 [B, M]");
   TORCH_CHECK(context_lens.scalar_type() == torch::kInt32 && context_lens.is_contiguous() && context_lens.numel() >= b,
@@ -159,7 +202,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.stride(2) == 1,
               "paged_decode: out");
   by_dtype(q, "paged_decode: q", [&](auto qtag) {
-    by_dtype(k_cache, "paged_decode: cache", [&](auto ctag) {
+    by_kv_dtype(k_cache, "paged_decode: cache", [&](auto ctag) {
       using Q = decltype(qtag);
       using C = decltype(ctag);
       paged_decode_rows<Q, C>(data<Q>(q), q.stride(0), q.stride(1), data<C>(k_cache), data<C>(v_cache), S, hkv, d,

@@ -3,10 +3,12 @@
 //
 // Shape legend: B sequences, H query heads, Hkv KV heads, G = H / Hkv, D head dim, S block size;
 // q [B, H, D] at strides (qs0, qs1), caches [N, S, Hkv, D], block tables [B, bts] int32, context
-// lengths [B] int32, out [B, H, D] at strides (os0, os1).
+// lengths [B] int32, out [B, H, D] at strides (os0, os1). An int8 / fp8 cache is [N, S, Hkv, D + 4]
+// (each row's float32 scale after its D values, kv_quant.h): its rows are dequantised a tile at a time
+// inside the kernels, never copied out whole.
 #pragma once
 
-#include "simd.h"
+#include "kv_quant.h"
 
 namespace servescope_kernels {
 
@@ -22,7 +24,8 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
                 const int32_t* bt, int64_t bts, const int32_t* cl, int64_t b, int64_t h, float scale, Q* out,
                 int64_t os0, int64_t os1) {
   const int64_t g = h / hkv;
-  const int64_t row = hkv * d;  // elements between consecutive positions of one head in the cache
+  const int64_t dp = d + kScalePad<C>;  // a row's pitch: D values (and the scale of a quantised cache)
+  const int64_t row = hkv * dp;         // elements between consecutive positions of one head in the cache
   int64_t max_ctx = 1;
   for (int64_t i = 0; i < b; ++i) max_ctx = std::max<int64_t>(max_ctx, cl[i]);
   parallel_for(0, b * hkv, grain_for(max_ctx * g * d, 32768), [&](int64_t i0, int64_t i1) {
@@ -46,8 +49,8 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
       for (int64_t p = 0; p < ctx;) {
         const int64_t blk = table[p / S], off = p % S;
         const int64_t n = std::min<int64_t>({CH, S - off, ctx - p});
-        const C* kb = kc + ((blk * S + off) * hkv + kh) * d;
-        const C* vb = vc + ((blk * S + off) * hkv + kh) * d;
+        const C* kb = kc + ((blk * S + off) * hkv + kh) * dp;
+        const C* vb = vc + ((blk * S + off) * hkv + kh) * dp;
         // scores[i][t] = scale * q_i . k_t
         for (int64_t t = 0; t < n; ++t) {
           const C* kr = kb + t * row;
@@ -59,7 +62,8 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
               const vf kv = loadn(kr + j, d - j);
               for (int64_t i = 0; i < nh; ++i) a[i] = fmadd(loadn(qf + (i0h + i) * d + j, d - j), kv, a[i]);
             }
-            for (int64_t i = 0; i < nh; ++i) sc[(i0h + i) * CH + t] = reduce_add(a[i]) * scale;
+            const float ks = scale * row_scale(kr, d);  // q . (k_q * s) = s (q . k_q)
+            for (int64_t i = 0; i < nh; ++i) sc[(i0h + i) * CH + t] = reduce_add(a[i]) * ks;
           }
         }
         // online softmax: rescale the running sums by exp(old max - new max)
@@ -85,11 +89,12 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
         // acc_i += sum_t p[i][t] * v_t
         for (int64_t t = 0; t < n; ++t) {
           const C* vr = vb + t * row;
+          const float vs = row_scale(vr, d);  // p (v_q * s) = (p s) v_q
           for (int64_t j = 0; j < d; j += W) {
             const vf vv = loadn(vr + j, d - j);
             for (int64_t i = 0; i < g; ++i) {
               float* ai = acc + i * d + j;
-              storen(ai, fmadd(set1(sc[i * CH + t]), vv, loadn(ai, d - j)), d - j);
+              storen(ai, fmadd(set1(sc[i * CH + t] * vs), vv, loadn(ai, d - j)), d - j);
             }
           }
         }
@@ -113,10 +118,18 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
 // batch 64, context ~400, SmolLM2 bfloat16: see docs/BENCHMARKS.md.
 template <typename C, int NJ>
 inline const float* rows_f32(const C* src, int64_t stride, int64_t n, float* tile, int64_t* lds) {
-  // n rows of D = W NJ elements at `stride` -> float32; float32 rows are used in place
+  // n rows of D = W NJ elements at `stride` -> float32; float32 rows are used in place, quantised rows
+  // (int8, fp8) are multiplied by their scale on the way
   if constexpr (std::is_same_v<C, float>) {
     *lds = stride;
     return src;
+  } else if constexpr (kQuantKV<C>) {
+    for (int64_t t = 0; t < n; ++t) {
+      const vf s = set1(row_scale(src + t * stride, W * NJ));
+      for (int j = 0; j < NJ; ++j) store(tile + t * W * NJ + W * j, mul(load(src + t * stride + W * j), s));
+    }
+    *lds = W * NJ;
+    return tile;
   } else {
     for (int64_t t = 0; t < n; ++t)
       for (int j = 0; j < NJ; ++j) store(tile + t * W * NJ + W * j, load(src + t * stride + W * j));
@@ -144,7 +157,8 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
   // bfloat16 queries and keys: the scores come from VDPBF16PS on the raw pairs (products of two
   // bfloat16 are exact in float32, summed in float32), with no float32 copy of the keys
   constexpr bool kDot = SERVESCOPE_HAS_BF16_DOT && std::is_same_v<Q, bf16> && std::is_same_v<C, bf16>;
-  const int64_t g = h / hkv, row = hkv * D;
+  constexpr int64_t DP = D + kScalePad<C>;  // a row's pitch (the scale after the D values of a quantised cache)
+  const int64_t g = h / hkv, row = hkv * DP;
   // An item is a sequence with all its KV heads (each block's keys and values are read whole, front
   // to back: 3-10% faster in float32 at batch 64 with the cache in memory than items of one KV head,
   // neutral in bfloat16) or, with fewer than two sequences per thread, a part of a sequence's context
@@ -216,9 +230,9 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
             pf = tile_at(item + 1, q0 + p + PF - p_end);
           }
           for (int64_t t = 0; t < pf.n; ++t) {
-            const char* kp = (const char*)(kc + (pf.row0 + t * hkv) * D);
-            const char* vp = (const char*)(vc + (pf.row0 + t * hkv) * D);
-            for (int64_t cb = 0; cb < (int64_t)(hkv * D * sizeof(C)); cb += 64) {
+            const char* kp = (const char*)(kc + (pf.row0 + t * hkv) * DP);
+            const char* vp = (const char*)(vc + (pf.row0 + t * hkv) * DP);
+            for (int64_t cb = 0; cb < (int64_t)(hkv * DP * sizeof(C)); cb += 64) {
               prefetch_l2(kp + cb);
               prefetch_l2(vp + cb);
             }
@@ -233,9 +247,9 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
           [[maybe_unused]] const bf16* qb = kDot ? qb_.data() + kl * g * D : nullptr;
           [[maybe_unused]] bf16* pb = kDot ? pb_.data() + kl * g * KW : nullptr;
           int64_t kld = 0, vld = 0;
-          const C* kraw = kc + (r0 + kl) * D;
+          const C* kraw = kc + (r0 + kl) * DP;
           const float* kf = kDot ? nullptr : rows_f32<C, NJ>(kraw, row, n, kt, &kld);
-          const C* vraw = vc + (r0 + kl) * D;
+          const C* vraw = vc + (r0 + kl) * DP;
           const float* vfl = kDot ? nullptr : rows_f32<C, NJ>(vraw, row, n, vt, &vld);
           for (int64_t i = 0; i < g; ++i) {  // scores of head i for the n keys, then the online softmax
             vf part[KW];

@@ -2,7 +2,10 @@
 
 On the CPU, store_kv and the decode rows go to the C++ kernels of cpu_ops.py when they are built
 (one call each instead of ~10 eager ops per layer); in bfloat16 the prefill tokens do too (each token
-a query of the paged kernel); SERVESCOPE_CPU_KERNELS=0 keeps the torch code.
+a query of the paged kernel); SERVESCOPE_CPU_KERNELS=0 keeps the torch code. A quantised cache (int8,
+fp8: kv_quant.py) goes to the same C++ kernels, which quantise on store and dequantise a tile at a time
+on read; the torch code dequantises only the blocks it gathers, and reads every key from the cache, a
+prompt's own included.
 
 Shape legend: T tokens, B sequences, H query heads, Hkv KV heads, D head dim,
 N blocks, S block size, M blocks per sequence, L context length.
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from servescope.kernels import cpu_ops
+from servescope.model.attention import kv_quant
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
 
 
@@ -35,7 +39,7 @@ TILED_PREFILL_MIN_TOKENS = 128
 
 
 def _cpu_kernels(x: torch.Tensor, cache: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype in cpu_ops.DTYPES and cache.dtype in cpu_ops.DTYPES
+    return (x.device.type == "cpu" and x.dtype in cpu_ops.DTYPES and cache.dtype in cpu_ops.KV_DTYPES
             and cpu_ops.load() is not None)
 
 
@@ -45,6 +49,9 @@ class TorchAttentionBackend(AttentionBackend):
     def store_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         if _cpu_kernels(k, k_cache) and v.dtype in cpu_ops.DTYPES:
             cpu_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            return
+        if kv_quant.is_quantized(k_cache.dtype):
+            kv_quant.store(k, v, k_cache, v_cache, meta.slot_mapping)
             return
         n, s, hkv, d = k_cache.shape
         # [N, S, Hkv, D] -> [N*S, Hkv, D]: a slot is block * S + offset
@@ -74,8 +81,9 @@ class TorchAttentionBackend(AttentionBackend):
             qlen = meta.query_lens_cpu[i]
             ctx = meta.context_lens_cpu[i]
             qi = q[start:start + qlen]  # [q, H, D]
-            if ctx == qlen:
-                # nothing cached before: causal attention over this step's own k, v
+            if ctx == qlen and not kv_quant.is_quantized(k_cache.dtype):
+                # nothing cached before: causal attention over this step's own k, v (a quantised cache is
+                # read instead, so that a prompt sees the same keys whether it runs in one step or in chunks)
                 out[start:start + qlen] = _sdpa(qi, k[start:start + qlen], v[start:start + qlen], scale, causal=True)
             else:
                 key = ("prefill", i)
@@ -88,9 +96,9 @@ class TorchAttentionBackend(AttentionBackend):
                     meta.scratch[key] = (blocks, mask)
                 blocks, mask = meta.scratch[key]
                 # [nblk, S, Hkv, D] -> [nblk*S, Hkv, D] -> [ctx, Hkv, D]
-                ki = k_cache[blocks].flatten(0, 1)[:ctx]
-                vi = v_cache[blocks].flatten(0, 1)[:ctx]
-                out[start:start + qlen] = _sdpa(qi, ki.to(q.dtype), vi.to(q.dtype), scale, mask=mask)
+                ki = kv_quant.gather(k_cache, blocks, q.dtype).flatten(0, 1)[:ctx]
+                vi = kv_quant.gather(v_cache, blocks, q.dtype).flatten(0, 1)[:ctx]
+                out[start:start + qlen] = _sdpa(qi, ki, vi, scale, mask=mask)
             start += qlen
         return out
 
@@ -173,13 +181,13 @@ class TorchAttentionBackend(AttentionBackend):
                 scratch["decode"] = cached
         tables, mask = cached
         # [B, M, S, Hkv, D] -> [B, M*S, Hkv, D]
-        keys = k_cache[tables].flatten(1, 2)
-        vals = v_cache[tables].flatten(1, 2)
+        keys = kv_quant.gather(k_cache, tables, q.dtype).flatten(1, 2)
+        vals = kv_quant.gather(v_cache, tables, q.dtype).flatten(1, 2)
         hkv = keys.shape[2]
         # q [B, H, D] -> [B, Hkv, H/Hkv, D]; keys [B, L, Hkv, D] -> [B, Hkv, L, D]
         qg = q.view(b, hkv, h // hkv, d)
-        kt = keys.permute(0, 2, 1, 3).to(q.dtype)
-        vt = vals.permute(0, 2, 1, 3).to(q.dtype)
+        kt = keys.permute(0, 2, 1, 3)
+        vt = vals.permute(0, 2, 1, 3)
         with _sdpa_backends(q.device):
             o = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask, scale=scale)  # [B, Hkv, H/Hkv, D]
         return o.reshape(b, h, d)
