@@ -23,7 +23,10 @@ _DT = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "flo
 
 class StepCostPredictor:
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
-                 quantization: Optional[str], hardware: Optional[str], tp: int = 1, pp: int = 1):
+                 quantization: Optional[str], hardware: Optional[str], tp: int = 1, pp: int = 1,
+                 weight_format: Optional[str] = None):
+        """weight_format: the packed weights' format (model/quantize.weight_format), counted in their
+        real bytes; None: float weights in the activation dtype, or per-channel int8."""
         # a tensor-parallel rank computes 1/T of each layer (shard_config); the link adds the collectives
         self.full_cfg, self.cfg, self.tp, self.pp = cfg, shard_config(cfg, tp), tp, pp
         self.hw = hardware_for_device(device, hardware)
@@ -33,7 +36,7 @@ class StepCostPredictor:
                         "(`servescope hardware probe-link` measures it)")
         self.act_bytes = dtype.itemsize
         self.act_dtype = _DT[dtype]
-        self.weight_dtype = "int8" if quantization == "int8" else self.act_dtype
+        self.weight_dtype = weight_format or ("int8" if quantization == "int8" else self.act_dtype)
         self.kv_dtype = _DT[kv_dtype]
 
     def predict(self, seqs: list, num_logits: int):
