@@ -539,9 +539,11 @@ inline void half_lanes(const uint16_t* h, int64_t n, vf* out) {
   } else {
     constexpr int B = W / LPB;
     static_assert(B * S <= 4, "AVX2: at most 4 halves per vector");
-    const int64_t cnt = std::min<int64_t>(n, B) * S;
     uint64_t bits = 0;
-    std::memcpy(&bits, h, cnt * sizeof(uint16_t));
+    if (n >= B)  // a constant size: a plain load, not a memcpy call
+      std::memcpy(&bits, h, B * S * sizeof(uint16_t));
+    else
+      std::memcpy(&bits, h, n * S * sizeof(uint16_t));
     const __m256 v = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)bits)));
     const __m256i blk = _mm256_srli_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), LPB == 4 ? 2 : LPB == 2 ? 1 : 0);
     for (int t = 0; t < S; ++t)
