@@ -149,7 +149,7 @@ def test_bad_inputs_raise():
     with pytest.raises(InvalidParameterError):
         step_cost(LLAMA3, [(0, 3)], H100)
     with pytest.raises(InvalidParameterError):
-        weight_bytes(LLAMA3, "int4")
+        weight_bytes(LLAMA3, "int3")  # int4 is a packed format (test_packed_weights.py)
     with pytest.raises(InvalidParameterError):
         kv_cache_bytes_per_token(LLAMA3, "int4")
     # int8 is a KV dtype: 128 values and a 4-byte scale per row (32 layers x 8 KV heads x K and V)

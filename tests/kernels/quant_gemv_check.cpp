@@ -1,42 +1,71 @@
-// Torch-free check of csrc/quant_gemv.h on one ISA path (tests/kernels/test_quant_gemv_isas.py compiles it
-// for the scalar path natively and for NEON with the aarch64 cross compiler under qemu): the GEMV and
-// the dequantisation against a float64 sum over the blocks decoded element by element.
-#include "quant_gemv.h"
+// Torch-free check of the packed-weight kernels on one ISA path (tests/kernels/test_quant_gemv_isas.py
+// compiles it for the scalar path natively, for the x86 paths where the CPU has them, and for NEON with
+// the aarch64 cross compiler under qemu, with and without dotprod): the decode GEMV (quant_dot.h's
+// integer dot products for group 32, quant_gemv.h's float path for group 64) and the dequantisation,
+// against a float64 sum over the blocks decoded element by element. For group 32 the reference uses the
+// activations quantised to int8 per 32-block as the kernel does (so the two agree to float32 rounding),
+// and the kernel must also stay within the activation-rounding bound of the exact float product.
+#include "quant_dot.h"
 #include <cstdio>
 #include <random>
 using namespace servescope_quant;
+
+// the activation value the group-32 kernel multiplies with: x rounded to its block's int8 grid
+static double act_value(const std::vector<float>& x, int64_t m, int64_t kp, int64_t k, double* step) {
+  const float* xb = x.data() + m * kp + (k / 32) * 32;
+  float amax = 0.f;
+  for (int j = 0; j < 32; ++j) amax = std::max(amax, std::abs(xb[j]));
+  const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+  *step = d;
+  return (double)d * (double)std::max(-127L, std::min(127L, std::lrint(x[m * kp + k] * id)));
+}
+
+static int check(std::mt19937& g, bool i4, bool asym, int64_t N, int64_t kp, int64_t group, int64_t M) {
+  int bad = 0;
+  const int64_t G = kp / group;
+  std::vector<uint8_t> w(N * (i4 ? kp / 2 : kp));
+  for (auto& b : w) b = g() & 0xFF;
+  std::vector<uint16_t> s(N * G * (asym ? 2 : 1));
+  for (auto& h : s) h = 0x3000 + (g() & 0x3FF);  // small positive halves
+  std::vector<float> x(M * kp), y(M * N), bias(N);
+  for (auto& v : x) v = (float)((int)(g() % 200) - 100) / 50.f;
+  for (auto& v : bias) v = (float)((int)(g() % 200) - 100) / 10.f;
+  QMatrix q{w.data(), N, kp, group, i4, asym, s.data()};
+  quant_matvec(q, x.data(), M, bias.data(), y.data());
+  std::vector<float> deq(N * kp);
+  dequantize_rows(q, kp, deq.data());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double ref = bias[n], exact = bias[n], bound = 0;
+      for (int64_t k = 0; k < kp; ++k) {
+        int64_t gi = k / group, b = k / 32, j = k % 32;
+        const uint16_t* sp = s.data() + (n * G + gi) * (asym ? 2 : 1);
+        double d = half_to_float(sp[0]);
+        double u = i4 ? (double)((w[n * kp / 2 + b * 16 + (j % 16)] >> (j < 16 ? 0 : 4)) & 15)
+                      : (double)(int8_t)w[n * kp + k];
+        double val = asym ? d * u + half_to_float(sp[1]) : (i4 ? d * (u - 8) : d * u);
+        if (m == 0 && std::abs(deq[n * kp + k] - val) > 1e-5) ++bad;
+        double step = 0, xa = group == 32 ? act_value(x, m, kp, k, &step) : x[m * kp + k];
+        ref += val * xa;
+        exact += val * x[m * kp + k];
+        bound += std::abs(val) * step / 2;
+      }
+      if (std::abs(ref - y[m * N + n]) > 1e-3 * (1 + std::abs(ref))) ++bad;
+      if (std::abs(exact - y[m * N + n]) > bound + 1e-3 * (1 + std::abs(exact))) ++bad;
+    }
+  return bad;
+}
+
 int main() {
   std::mt19937 g(1);
   int bad = 0;
+  // (rows, padded K, rows of x): whole and partial chunks of every ISA's vector, 1..4 and 5 (two tiles) rows of x
+  const int64_t shapes[][3] = {{7, 128, 3}, {5, 96, 1}, {9, 32, 5}, {6, 576, 2}};
   for (int i4 = 0; i4 < 2; ++i4)
-    for (int asym = 0; asym < 2; ++asym) {
-      const int64_t N = 7, kp = 128, group = 64, G = kp / group, M = 3;
-      std::vector<uint8_t> w(N * (i4 ? kp / 2 : kp));
-      for (auto& b : w) b = g() & 0xFF;
-      std::vector<uint16_t> s(N * G * (asym ? 2 : 1));
-      for (auto& h : s) h = 0x3000 + (g() & 0x3FF);  // small positive halves
-      std::vector<float> x(M * kp), y(M * N);
-      for (auto& v : x) v = (float)((int)(g() % 200) - 100) / 50.f;
-      QMatrix q{w.data(), N, kp, group, (bool)i4, (bool)asym, s.data()};
-      quant_gemv_rows(q, x.data(), M, nullptr, y.data());
-      std::vector<float> deq(N * kp);
-      dequantize_rows(q, kp, deq.data());
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < N; ++n) {
-          double ref = 0;
-          for (int64_t k = 0; k < kp; ++k) {
-            int64_t gi = k / group, b = k / 32, j = k % 32;
-            const uint16_t* sp = s.data() + (n * G + gi) * (asym ? 2 : 1);
-            double d = half_to_float(sp[0]);
-            double u = i4 ? (double)((w[n * kp / 2 + b * 16 + (j % 16)] >> (j < 16 ? 0 : 4)) & 15)
-                          : (double)(int8_t)w[n * kp + k];
-            double val = asym ? d * u + half_to_float(sp[1]) : (i4 ? d * (u - 8) : d * u);
-            if (m == 0 && std::abs(deq[n * kp + k] - val) > 1e-5) ++bad;
-            ref += val * x[m * kp + k];
-          }
-          if (std::abs(ref - y[m * N + n]) > 1e-3 * (1 + std::abs(ref))) ++bad;
-        }
-    }
-  printf("%s bad=%d\n", kIsa, bad);
+    for (int asym = 0; asym < 2; ++asym)
+      for (const auto& sh : shapes)
+        for (int64_t group : {32, 64})
+          if (sh[1] % group == 0) bad += check(g, i4, asym, sh[0], sh[1], group, sh[2]);
+  printf("%s int8_dot=%d bad=%d\n", kIsa, SERVESCOPE_HAS_INT8_DOT, bad);
   return bad != 0;
 }

@@ -1,6 +1,8 @@
-"""Packed 4- and 8-bit weights (kernels/quant_linear.py, csrc/quant_gemv.h): the quantiser's round trip,
-the C++ GEMV and dequantisation against a dequantise-then-float64 reference (odd shapes, K not a
-multiple of the group, bias), and the module's decode / prefill paths."""
+"""Packed 4- and 8-bit weights (kernels/quant_linear.py, csrc/quant_dot.h, csrc/quant_gemv.h): the
+quantiser's round trip, the C++ GEMV and dequantisation against a dequantise-then-float64 reference
+(odd shapes, K not a multiple of the group, bias; for group 32 with the activations rounded to int8 per
+block as the kernel does, and within that rounding's bound of the exact product), and the module's
+decode / prefill paths."""
 
 import pytest
 import torch
@@ -46,11 +48,16 @@ def test_gemv_and_dequantize_match_float64_reference(scheme):
     for n, k, m in SHAPES:
         w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(m, k)
         packed, scales = ql.quantize(w, scheme)
+        kp = scheme.padded_k(k)
         ref_w = ql.dequantize(packed, scales, k, torch.float64)
-        ref = x.double() @ ref_w.T + b.double()
+        xa, step = ql.gemv_activations(x, kp, kp // scales.shape[1])
+        ref = xa @ ref_w.T + b.double()
         y = mod.quant_gemv(x, packed, scales, b)
         assert y.shape == (m, n)
         assert torch.allclose(y.double(), ref, atol=1e-4, rtol=1e-5), (n, k, m)
+        # against the exact float product: within the activations' rounding (zero on the float path)
+        bound = step @ ref_w.abs().T + 1e-4 * (1 + ref.abs())
+        assert torch.all((y.double() - (x.double() @ ref_w.T + b.double())).abs() <= bound), (n, k, m)
         assert torch.allclose(mod.quant_dequantize(packed, scales, k).double(), ref_w, atol=1e-6)
         y0 = mod.quant_gemv(x, packed, scales, torch.empty(0))
         assert torch.allclose(y0.double(), ref - b.double(), atol=1e-4, rtol=1e-5)
@@ -62,7 +69,8 @@ def test_quant_linear_module_paths(rows):
     lin = torch.nn.Linear(100, 40, bias=True)
     q = ql.QuantLinear.from_linear(lin, ql.QuantScheme(4, 32, True))
     x = torch.randn(rows, 100)
-    ref = x.double() @ ql.dequantize(q.qweight, q.scales, 100, torch.float64).T + lin.bias.double()
+    xa = ql.gemv_activations(x, 128, 32)[0] if rows <= ql.MAX_ROWS else x.double()  # the GEMV's int8 rounding
+    ref = xa @ ql.dequantize(q.qweight, q.scales, 100, torch.float64).T + lin.bias.double()
     assert torch.allclose(q(x).double(), ref, atol=1e-4, rtol=1e-5)
     assert torch.allclose(q(x.view(1, rows, 100)).view(rows, 40).double(), ref, atol=1e-4, rtol=1e-5)
     assert q.weight_bytes() < lin.weight.numel()  # under one byte per weight

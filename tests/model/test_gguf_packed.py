@@ -21,6 +21,7 @@ from servescope.kernels import cpu_ops  # noqa: E402
 from servescope.kernels import quant_linear as ql  # noqa: E402
 from servescope.loader import gguf_packed  # noqa: E402
 from servescope.loader.source import load_model_source, resolve_model_path  # noqa: E402
+from servescope.model.quantize import weight_format  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 
@@ -38,7 +39,8 @@ def test_blocks_match_gguf_dequantize(qtype):
     if mod is not None:  # the kernel on the file's blocks against float64 on gguf-py's values
         x = torch.randn(3, 96)
         y = mod.quant_gemv(x, packed, scales, torch.empty(0)).double()
-        assert torch.allclose(y, x.double() @ torch.from_numpy(ref).double().T, atol=1e-4, rtol=1e-5)
+        xa = ql.gemv_activations(x, 96, 32)[0]  # the activations rounded to int8 per block, as the kernel does
+        assert torch.allclose(y, xa @ torch.from_numpy(ref).double().T, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family,qtype", [("llama", "Q4_0"), ("llama", "Q8_0"), ("qwen2", "Q4_1"), ("qwen3", "Q4_0")])
@@ -51,13 +53,20 @@ def test_tiny_gguf_runs_packed_like_its_float32_load(tmp_path, family, qtype):
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, ql.QuantLinear)
     assert llm.engine.runner.executor.decode_plan is not None
     assert llm.engine.weight_bytes < 0.45 * ref.engine.weight_bytes
+    assert weight_format(model, "gguf") == qtype.lower()  # what the cost model counts the bytes as
+    assert weight_format(ref.engine.runner.executor.model, None) is None
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
     prompts = [[5, 9, 33, 2, 100], [7] * 20]
     for a, b in zip(ref.generate(prompts, sp), llm.generate(prompts, sp)):
-        # the same weights: only float32 summation order differs
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert abs(la.top[0][1] - lb.top[0][1]) < 1e-3
+        # the same weights; the decode GEMV rounds its activations to int8 per 32-block (llama.cpp's
+        # numerics, ~0.4% per element), the prefill GEMM does not: equal tokens and close logprobs up to
+        # a near-tie (the diverging tokens in each other's top 3), where the comparison stops
+        for x, y, la, lb in zip(a.outputs[0].token_ids, b.outputs[0].token_ids, a.outputs[0].logprobs,
+                                b.outputs[0].logprobs):
+            if x != y:
+                assert y in {t for t, _ in la.top} and x in {t for t, _ in lb.top}, (x, y)
+                break
+            assert abs(la.top[0][1] - lb.top[0][1]) < 2e-2
 
 
 def test_other_types_dequantise_with_a_log_line(tmp_path, caplog):

@@ -23,6 +23,9 @@ Counting rules (the invariants the tests check):
 - int8 means weight-only quantisation: linear weights in decoder layers are 1 byte per parameter
   plus one scale per output channel (activation dtype); embeddings, norms and lm_head stay in the
   activation dtype; matmuls run in the activation dtype.
+- Packed formats (analysis/packed_weights.py: int4, int8-g32, ..., a GGUF's q4_0 / q4_1 / q8_0) count
+  their stored bytes, scales included; the head is packed too (8 bits beside 4-bit weights), the
+  embedding table is the packed head for a GGUF and the activation dtype otherwise.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from servescope.analysis.hardware import DTYPE_BYTES, DTYPES
+from servescope.analysis.packed_weights import packed_format
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError
 
@@ -56,9 +60,11 @@ def resolve_dtypes(weight_dtype: str, act_dtype: Optional[str] = None,
                    kv_dtype: Optional[str] = None) -> tuple[str, str, str]:
     """(weight, activation, kv) dtypes. Activations default to the weight dtype (bfloat16 for int8);
     the KV cache defaults to the activation dtype."""
-    if weight_dtype not in DTYPES:
-        raise InvalidParameterError("weight_dtype", f"weight dtype must be one of {', '.join(DTYPES)}, got {weight_dtype!r}")
-    act = act_dtype or ("bfloat16" if weight_dtype == "int8" else weight_dtype)
+    packed = packed_format(weight_dtype) is not None
+    if weight_dtype not in DTYPES and not packed:
+        raise InvalidParameterError("weight_dtype", f"weight dtype must be one of {', '.join(DTYPES)} or a packed "
+                                    f"format (int4, int8-g32, q4_0, q4_1, q8_0, ...), got {weight_dtype!r}")
+    act = act_dtype or ("bfloat16" if weight_dtype == "int8" else "float32" if packed else weight_dtype)
     kv = kv_dtype or act
     if act not in FLOAT_DTYPES:
         raise InvalidParameterError("act_dtype", f"activation dtype must be one of {', '.join(FLOAT_DTYPES)}, got {act!r}")
@@ -81,7 +87,11 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bfloat16") -> in
 
 
 def _linear_weight_bytes(out_features: int, in_features: int, wdt: str, adt: str, bias: bool = False) -> int:
-    """One nn.Linear's weight bytes; int8 adds one scale per output channel in the activation dtype."""
+    """One nn.Linear's weight bytes; int8 adds one scale per output channel in the activation dtype;
+    a packed format counts its blocks and scales."""
+    fmt = packed_format(wdt)
+    if fmt is not None:
+        return out_features * fmt.row_bytes(in_features) + (out_features * DTYPE_BYTES[adt] if bias else 0)
     n = out_features * in_features * DTYPE_BYTES[wdt]
     if wdt == "int8":
         n += out_features * DTYPE_BYTES[adt]
@@ -91,8 +101,23 @@ def _linear_weight_bytes(out_features: int, in_features: int, wdt: str, adt: str
 
 
 def dense_dtype(wdt: str, adt: str) -> str:
-    """Embeddings, norms and lm_head stay unquantised: the activation dtype under int8."""
-    return adt if wdt == "int8" else wdt
+    """Embeddings, norms and lm_head stay unquantised: the activation dtype under int8 (and the norms
+    under a packed format: table_bytes says what its embedding and head take)."""
+    return adt if wdt == "int8" or packed_format(wdt) is not None else wdt
+
+
+def table_bytes(cfg: ModelConfig, wdt: str, adt: str) -> tuple[int, int, int]:
+    """(bytes of one embedding row looked up, bytes of the output head, bytes of both tables in memory,
+    a tied pair once). A packed format's head is packed (a separate copy of a tied float table, except a
+    GGUF's, whose table is the packed head)."""
+    d, V = cfg.hidden_size, cfg.vocab_size
+    eb = DTYPE_BYTES[dense_dtype(wdt, adt)]
+    fmt = packed_format(wdt)
+    if fmt is None:
+        return d * eb, V * d * eb, V * d * eb * (1 if cfg.tie_word_embeddings else 2)
+    head = V * fmt.head().row_bytes(d)
+    row = fmt.head().row_bytes(d) if fmt.gguf else d * eb
+    return row, head, head + (0 if fmt.gguf and cfg.tie_word_embeddings else V * row)
 
 
 def _layer_linear_bytes(cfg: ModelConfig, wdt: str, adt: str) -> dict[str, int]:
@@ -114,8 +139,7 @@ def weight_bytes(cfg: ModelConfig, weight_dtype: str = "bfloat16", act_dtype: Op
     wdt, adt, _ = resolve_dtypes(weight_dtype, act_dtype)
     eb = DTYPE_BYTES[dense_dtype(wdt, adt)]
     per_layer = sum(_layer_linear_bytes(cfg, wdt, adt).values()) + _norm_weight_elems_per_layer(cfg) * eb
-    emb = cfg.vocab_size * cfg.hidden_size * eb * (1 if cfg.tie_word_embeddings else 2)
-    return cfg.num_hidden_layers * per_layer + emb + cfg.hidden_size * eb
+    return cfg.num_hidden_layers * per_layer + table_bytes(cfg, wdt, adt)[2] + cfg.hidden_size * eb
 
 
 # --------------------------------------------------------------------------- FLOP counts
@@ -182,12 +206,13 @@ def step_op_counts(cfg: ModelConfig, seqs: Sequence[tuple[int, int]], wdt: str, 
     context = sum(c for _, c in seqs)
     mm = matmul_flops(cfg, T, n_logits)
     lin_w = _layer_linear_bytes(cfg, wdt, adt)
+    emb_row, head_w, _ = table_bytes(cfg, wdt, adt)
     kv_tok = kv_cache_bytes_per_token(cfg, kdt)
 
     # (name, flops, activation/KV bytes, weight bytes)
     raw = [
         # only the T looked-up rows of the table are read; T*d activations are written
-        ("embedding", 0, T * d * ab, T * d * eb),
+        ("embedding", 0, T * d * ab, T * emb_row),
         # read x [T, d], write q, k, v [T, q + 2kv]
         ("qkv_proj", mm["qkv_proj"], L * T * (d + q + 2 * kv) * ab, L * lin_w["qkv_proj"]),
         # read q and the new k, v [T, q + 2kv], write out [T, q]; cached K/V are in kv_read
@@ -215,5 +240,5 @@ def step_op_counts(cfg: ModelConfig, seqs: Sequence[tuple[int, int]], wdt: str, 
     misc_w = (L * _norm_weight_elems_per_layer(cfg) + d) * eb
     raw.append(("norms_rope_misc", misc_flops, misc_bytes, misc_w))
     # read the selected hidden rows [n_logits, d], write logits [n_logits, V]; the full table is read
-    raw.append(("lm_head", mm["lm_head"], n_logits * (d + V) * ab, V * d * eb))
+    raw.append(("lm_head", mm["lm_head"], n_logits * (d + V) * ab, head_w))
     return raw

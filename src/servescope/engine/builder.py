@@ -37,6 +37,7 @@ from servescope.loader.build import DTYPES, build_model
 from servescope.loader.random_init import build_random_model
 from servescope.loader.source import load_model_source
 from servescope.model.attention import get_attention_backend
+from servescope.model.quantize import weight_format
 from servescope.sampling.sampler import Sampler
 from servescope.scheduler.scheduler import Scheduler
 from servescope.tokenizer import Tokenizer, load_tokenizer
@@ -187,7 +188,8 @@ def build_engine(config: EngineConfig, shared: Optional[LoadedModel] = None) -> 
     if config.telemetry.predict_step_cost:
         cost = StepCostPredictor(cfg, device, dtype, kv_dtype, config.load.quantization, config.telemetry.hardware,
                                  config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size,
-                                 config.parallel.pipeline_micro_batches)
+                                 config.parallel.pipeline_micro_batches,
+                                 weight_format=weight_format(executor.model, config.load.quantization))
     capture_cuda_graphs(config, executor, runner, max_len)
     sampler = Sampler(cfg.vocab_size, eos_token_ids=loaded.eos_token_ids)
     return EngineParts(

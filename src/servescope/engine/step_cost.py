@@ -26,7 +26,9 @@ _KV_DT = {**_DT, torch.int8: "int8", getattr(torch, "float8_e4m3fn", None): "fp8
 class StepCostPredictor:
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
                  quantization: Optional[str], hardware: Optional[str], tp: int = 1, pp: int = 1,
-                 micro_batches: int = 0):
+                 micro_batches: int = 0, weight_format: Optional[str] = None):
+        """weight_format: the packed weights' format (model/quantize.weight_format), counted in their
+        real bytes; None: float weights in the activation dtype, or per-channel int8."""
         # a tensor-parallel rank computes 1/T of each layer (shard_config); the link adds the collectives
         self.full_cfg, self.cfg, self.tp, self.pp = cfg, shard_config(cfg, tp), tp, pp
         self.micro_batches = micro_batches  # pipeline_micro_batches (0: auto), as the executor cuts
@@ -37,7 +39,7 @@ class StepCostPredictor:
                         "(`servescope hardware probe-link` measures it)")
         self.act_bytes = dtype.itemsize
         self.act_dtype = _DT[dtype]
-        self.weight_dtype = "int8" if quantization == "int8" else self.act_dtype
+        self.weight_dtype = weight_format or ("int8" if quantization == "int8" else self.act_dtype)
         self.kv_dtype = _KV_DT[kv_dtype]
 
     def predict(self, seqs: list, num_logits: int):

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servescope.analysis.packed_weights import gguf_format_name
 from servescope.errors import InvalidParameterError
 from servescope.kernels import cpu_kernels
 from servescope.kernels.quant_linear import QuantLinear, QuantScheme
@@ -141,3 +142,18 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
             s = HEAD_SCHEME if name == "lm_head" and scheme.bits == 4 else scheme
             setattr(parent, name, QuantLinear.from_linear(child, s, float_output=name == "lm_head"))
     return model
+
+
+def weight_format(model: nn.Module, mode: str | None) -> str | None:
+    """The cost model's name for the decoder's packed weights (analysis/packed_weights.py): the mode
+    for --quantization modes, a GGUF's q4_0 / q4_1 / q8_0 read off its first projection; None when
+    the weights are not packed (float, per-channel int8) or a GGUF mixes in other types."""
+    if mode in (None, "int8"):
+        return None
+    if mode != "gguf":
+        return mode
+    lin = next((c for _, _, c in model.projections() if isinstance(c, QuantLinear)), None)
+    if lin is None:
+        return None
+    group = lin.qweight.shape[1] * (2 if lin.bits == 4 else 1) // lin.scales.shape[1]
+    return gguf_format_name(lin.bits, group, lin.scales.dim() == 3)

@@ -1,4 +1,4 @@
-// Packed-weight kernels: the decode GEMV that reads 4- and 8-bit weights in their packed blocks, and
+// Packed-weight kernels: a decode GEMV that reads 4- and 8-bit weights in their packed blocks, and
 // the dequantisation of a whole matrix (the prefill path dequantises, then runs a float GEMM).
 // Torch-free, written against the vector layer (simd.h), so it builds on every ISA path.
 //
@@ -10,11 +10,11 @@
 //  - int8: 32 int8 per block. Value: symmetric d * q; asymmetric d * q + m.
 // Scales are float16: [N, G] (d) when symmetric, [N, G, 2] (d, m) when asymmetric.
 //
-// Why float activations (not int8 dot products on quantised activations, as llama.cpp does): the
-// result equals a dequantise-then-float GEMV up to float32 summation order, so quantisation error is
-// the weights' alone; the arithmetic per weight (widen, convert, one FMA) stays under the time to read
-// it at 2 threads. Per group: acc = sum(u * x) in vectors, y += d * acc, and the offset term
-// m * sum(x over the group) is one scalar per group from precomputed group sums of x.
+// This float-activation GEMV (the result equals a dequantise-then-float GEMV up to float32 summation
+// order) serves groups of 64, 128 or a whole row; group-32 weights (every GGUF block type and the
+// default modes) take quant_dot.h's integer dot products, ~3x less work per weight. Per group:
+// acc = sum(u * x) in vectors, y += d * acc, and the offset term m * sum(x over the group) is one
+// scalar per group from precomputed group sums of x.
 #pragma once
 
 #include "simd.h"
@@ -24,33 +24,6 @@ namespace servescope_quant {
 using namespace servescope_simd;
 
 constexpr int64_t QBLOCK = 32;
-
-inline float half_to_float(uint16_t h) {
-#if defined(SERVESCOPE_ISA_AVX512) || defined(SERVESCOPE_ISA_AVX2)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-  uint32_t u;
-  if (exp == 0x1F) {
-    u = sign | 0x7F800000u | (man << 13);
-  } else if (exp != 0) {
-    u = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    u = sign;
-  } else {  // subnormal half: normalise
-    int e = -1;
-    uint32_t m = man;
-    do {
-      ++e;
-      m <<= 1;
-    } while ((m & 0x400u) == 0);
-    u = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3FFu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
-}
 
 // W packed bytes at p -> their low nibbles (lo) and high nibbles (hi) as float32 lanes
 #if defined(SERVESCOPE_ISA_AVX512)

@@ -3,7 +3,7 @@
 // so the DecodePlan issues them like any other projection).
 #include <torch/extension.h>
 
-#include "quant_gemv.h"
+#include "quant_dot.h"
 
 using servescope_quant::QBLOCK;
 using servescope_quant::QMatrix;
@@ -41,7 +41,7 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor scales,
   if (xf.size(1) != q.kp) xf = torch::constant_pad_nd(xf, {0, q.kp - xf.size(1)});
   const int64_t M = xf.size(0);
   auto y = torch::empty({M, q.n}, xf.options());
-  servescope_quant::quant_gemv_rows(q, xf.data_ptr<float>(), M, bias.numel() ? bias.data_ptr<float>() : nullptr,
+  servescope_quant::quant_matvec(q, xf.data_ptr<float>(), M, bias.numel() ? bias.data_ptr<float>() : nullptr,
                                     y.data_ptr<float>());
   return y;
 }

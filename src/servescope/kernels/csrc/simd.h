@@ -81,6 +81,34 @@ inline bf16 float_to_bf16(float f) {  // round to nearest even, NaN stays NaN (a
   return bf16{(uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)};
 }
 
+// IEEE half (float16 scales of packed weights) -> float32
+inline float half_to_float(uint16_t h) {
+#if defined(SERVESCOPE_ISA_AVX512) || defined(SERVESCOPE_ISA_AVX2)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  uint32_t u;
+  if (exp == 0x1F) {
+    u = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;
+  } else {  // subnormal half: normalise
+    int e = -1;
+    uint32_t m = man;
+    do {
+      ++e;
+      m <<= 1;
+    } while ((m & 0x400u) == 0);
+    u = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 #if defined(SERVESCOPE_ISA_AVX512)
 constexpr const char* kIsa = "avx512";
@@ -432,5 +460,165 @@ inline void parallel_by_cost(const std::vector<int64_t>& cum, int64_t nt, const 
 }
 
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+
+// ---------------------------------------------------------------------------------------------
+// Integer dot products for packed weights (csrc/quant_dot.h), beside the float layer above.
+// vb: 4W bytes; vi: W int32 lanes, lane i owning bytes 4i..4i+3 of a vb (the layout VNNI's vpdpbusd,
+// NEON's sdot and AVX2's maddubs + madd all share), so the same kernel source runs on every path:
+//   dot_u4(acc, u, s)  acc[i] += sum_j u[4i+j] * s[4i+j], u in 0..15 (4-bit weights), s int8
+//   dot_s8(acc, w, s)  the same for int8 w (s in -127..127: x86 moves w's sign onto s, |w| unsigned)
+// Where the CPU has them: AVX512-VNNI / AVX-VNNI vpdpbusd, NEON dotprod sdot; otherwise maddubs +
+// madd (AVX2 / AVX-512 BW), widening multiplies and pairwise adds (NEON), or plain C++ (scalar).
+#if defined(SERVESCOPE_ISA_AVX512)
+using vb = __m512i;
+using vi = __m512i;
+inline vb loadb(const void* p) { return _mm512_loadu_si512(p); }
+inline vb loadbn(const void* p, int64_t n) {
+  return _mm512_maskz_loadu_epi8(n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1), p);
+}
+inline vb low_nibbles(vb v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+inline vb high_nibbles(vb v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+inline vi zeroi() { return _mm512_setzero_si512(); }
+inline vi loadi(const int32_t* p) { return _mm512_loadu_si512(p); }
+inline vf to_float(vi v) { return _mm512_cvtepi32_ps(v); }
+inline vi dot_u4(vi acc, vb u, vb s) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+inline vi dot_s8(vi acc, vb w, vb s) {
+  const __mmask64 neg = _mm512_movepi8_mask(w);
+  return dot_u4(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s));
+}
+// Per-block float16 scales spread over the lanes of their blocks: out[t] lane i = float(h[(i / LPB) * S + t])
+// for t < S (S = 2: interleaved (d, m) pairs), blocks j < n read (0 past them, nothing read past them)
+template <int LPB, int S>
+inline void half_lanes(const uint16_t* h, int64_t n, vf* out) {
+  if constexpr (LPB >= W) {
+    for (int t = 0; t < S; ++t) out[t] = _mm512_set1_ps(_cvtsh_ss(h[t]));
+  } else {
+    constexpr int B = W / LPB;
+    const int64_t cnt = std::min<int64_t>(n, B) * S;
+    const __m512 v = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_maskz_loadu_epi16((__mmask8)((1u << cnt) - 1), h)));
+    const __m512i blk = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          LPB == 8 ? 3 : LPB == 4 ? 2 : LPB == 2 ? 1 : 0);
+    for (int t = 0; t < S; ++t)
+      out[t] = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_mullo_epi32(blk, _mm512_set1_epi32(S)), _mm512_set1_epi32(t)), v);
+  }
+}
+
+#elif defined(SERVESCOPE_ISA_AVX2)
+using vb = __m256i;
+using vi = __m256i;
+inline vb loadb(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline vb loadbn(const void* p, int64_t n) {
+  if (n >= 32) return loadb(p);
+  alignas(32) uint8_t t[32] = {};
+  std::memcpy(t, p, n);
+  return loadb(t);
+}
+inline vb low_nibbles(vb v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+inline vb high_nibbles(vb v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+inline vi zeroi() { return _mm256_setzero_si256(); }
+inline vi loadi(const int32_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline vf to_float(vi v) { return _mm256_cvtepi32_ps(v); }
+inline vi dot_u4(vi acc, vb u, vb s) {
+#ifdef __AVXVNNI__
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+inline vi dot_s8(vi acc, vb w, vb s) { return dot_u4(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w)); }
+template <int LPB, int S>
+inline void half_lanes(const uint16_t* h, int64_t n, vf* out) {
+  if constexpr (LPB >= W) {
+    for (int t = 0; t < S; ++t) out[t] = _mm256_set1_ps(_cvtsh_ss(h[t]));
+  } else {
+    constexpr int B = W / LPB;
+    static_assert(B * S <= 4, "AVX2: at most 4 halves per vector");
+    uint64_t bits = 0;
+    if (n >= B)  // a constant size: a plain load, not a memcpy call
+      std::memcpy(&bits, h, B * S * sizeof(uint16_t));
+    else
+      std::memcpy(&bits, h, n * S * sizeof(uint16_t));
+    const __m256 v = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)bits)));
+    const __m256i blk = _mm256_srli_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), LPB == 4 ? 2 : LPB == 2 ? 1 : 0);
+    for (int t = 0; t < S; ++t)
+      out[t] = _mm256_permutevar8x32_ps(v, _mm256_add_epi32(_mm256_mullo_epi32(blk, _mm256_set1_epi32(S)), _mm256_set1_epi32(t)));
+  }
+}
+
+#elif defined(SERVESCOPE_ISA_NEON)
+using vb = int8x16_t;
+using vi = int32x4_t;
+inline vb loadb(const void* p) { return vld1q_s8((const int8_t*)p); }
+inline vb loadbn(const void* p, int64_t n) {
+  if (n >= 16) return loadb(p);
+  int8_t t[16] = {};
+  std::memcpy(t, p, n);
+  return loadb(t);
+}
+inline vb low_nibbles(vb v) { return vandq_s8(v, vdupq_n_s8(15)); }
+inline vb high_nibbles(vb v) { return vreinterpretq_s8_u8(vshrq_n_u8(vreinterpretq_u8_s8(v), 4)); }
+inline vi zeroi() { return vdupq_n_s32(0); }
+inline vi loadi(const int32_t* p) { return vld1q_s32(p); }
+inline vf to_float(vi v) { return vcvtq_f32_s32(v); }
+inline vi dot_s8(vi acc, vb w, vb s) {
+#ifdef __ARM_FEATURE_DOTPROD
+  return vdotq_s32(acc, w, s);
+#else  // products as int16 (|w s| <= 128 * 127), pairwise sums to int16 (<= 32512), then to int32
+  const int16x8_t lo = vmull_s8(vget_low_s8(w), vget_low_s8(s)), hi = vmull_s8(vget_high_s8(w), vget_high_s8(s));
+  return vaddq_s32(acc, vpaddlq_s16(vpaddq_s16(lo, hi)));
+#endif
+}
+inline vi dot_u4(vi acc, vb u, vb s) { return dot_s8(acc, u, s); }  // 0..15 is the same signed
+template <int LPB, int S>
+inline void half_lanes(const uint16_t* h, int64_t, vf* out) {
+  static_assert(LPB >= W, "NEON: a vector's lanes lie in one block");
+  for (int t = 0; t < S; ++t) out[t] = set1(half_to_float(h[t]));
+}
+
+#else  // scalar
+struct vb {
+  int8_t b[4 * W];
+};
+struct vi {
+  int32_t a[W];
+};
+inline vb loadbn(const void* p, int64_t n) {
+  vb v{};
+  std::memcpy(v.b, p, std::min<int64_t>(n, 4 * W));
+  return v;
+}
+inline vb loadb(const void* p) { return loadbn(p, 4 * W); }
+inline vb low_nibbles(vb v) {
+  for (auto& x : v.b) x = (int8_t)(x & 15);
+  return v;
+}
+inline vb high_nibbles(vb v) {
+  for (auto& x : v.b) x = (int8_t)(((uint8_t)x) >> 4);
+  return v;
+}
+inline vi zeroi() { return vi{}; }
+inline vi loadi(const int32_t* p) {
+  vi v;
+  std::memcpy(v.a, p, sizeof(v.a));
+  return v;
+}
+inline vf to_float(vi v) { return lanes([&](int i) { return (float)v.a[i]; }); }
+inline vi dot_s8(vi acc, vb w, vb s) {
+  for (int i = 0; i < W; ++i)
+    for (int j = 0; j < 4; ++j) acc.a[i] += (int32_t)w.b[4 * i + j] * s.b[4 * i + j];
+  return acc;
+}
+inline vi dot_u4(vi acc, vb u, vb s) { return dot_s8(acc, u, s); }
+template <int LPB, int S>
+inline void half_lanes(const uint16_t* h, int64_t n, vf* out) {
+  for (int t = 0; t < S; ++t) out[t] = lanes([&](int i) { return i / LPB < n ? half_to_float(h[(i / LPB) * S + t]) : 0.f; });
+}
+#endif
 
 }  // namespace servescope_simd
