@@ -11,7 +11,8 @@ bytes with their scales moved out (loader/gguf_packed.py), so a GGUF runs from i
 
 QuantLinear: decode-sized calls (up to MAX_ROWS rows) go to the C++ GEMV over the packed blocks; larger
 ones (prefill) dequantise the matrix (C++, one pass) and run the float GEMM, which is compute-bound
-there anyway. Without the extension (or on a GPU) both go through the torch dequantisation.
+there anyway. On a GPU decode-sized calls go to the Triton GEMV over the same bytes
+(kernels/triton_quant.py); the rest, and a CPU without the extension, dequantise with torch.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ BLOCK = 32
 GROUPS = (32, 64, 128)
 # Up to how many rows the packed GEMV runs; above, dequantise + GEMM (docs/BENCHMARKS.md)
 MAX_ROWS = 8
+GPU_MAX_ROWS = 8  # likewise on a GPU, the Triton GEMV's (triton_quant.MAX_M)
 _EMPTY = torch.empty(0)
 
 
@@ -169,6 +171,12 @@ class QuantLinear(torch.nn.Module):
         mod = _cpu_kernels(x2)
         if mod is not None and x2.shape[0] <= MAX_ROWS:
             y = mod.quant_gemv(x2, self.qweight, self.scales, _opt(self._bias_f32))
+            y = y if self.float_output else y.to(x.dtype)
+        elif x2.is_cuda and x2.shape[0] <= GPU_MAX_ROWS:
+            from servescope.kernels import triton_quant  # lazy: importing triton is ~90 ms a CPU never needs
+
+            bias = None if self.bias is None else self.bias.float()
+            y = triton_quant.quant_gemv(x2, self.qweight, self.scales, self.in_features, bias)
             y = y if self.float_output else y.to(x.dtype)
         else:
             if mod is not None:
