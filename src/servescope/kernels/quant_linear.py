@@ -134,6 +134,13 @@ def gemv_activations(x: torch.Tensor, kp: int, group: int) -> tuple:
     return xa, (d.double() / 2).expand_as(xb).reshape(m, kp)[:, :k]
 
 
+def _triton_quant():
+    """kernels/triton_quant.py where Triton runs (a GPU), else None."""
+    from servescope.kernels import triton_quant  # lazy: importing triton is ~90 ms a CPU never needs
+
+    return triton_quant if triton_quant.AVAILABLE else None
+
+
 def _cpu_kernels(x: torch.Tensor):
     mod = cpu_ops.load() if x.device.type == "cpu" else None
     return mod
@@ -172,11 +179,9 @@ class QuantLinear(torch.nn.Module):
         if mod is not None and x2.shape[0] <= MAX_ROWS:
             y = mod.quant_gemv(x2, self.qweight, self.scales, _opt(self._bias_f32))
             y = y if self.float_output else y.to(x.dtype)
-        elif x2.is_cuda and x2.shape[0] <= GPU_MAX_ROWS:
-            from servescope.kernels import triton_quant  # lazy: importing triton is ~90 ms a CPU never needs
-
+        elif x2.is_cuda and x2.shape[0] <= GPU_MAX_ROWS and _triton_quant() is not None:
             bias = None if self.bias is None else self.bias.float()
-            y = triton_quant.quant_gemv(x2, self.qweight, self.scales, self.in_features, bias)
+            y = _triton_quant().quant_gemv(x2, self.qweight, self.scales, self.in_features, bias)
             y = y if self.float_output else y.to(x.dtype)
         else:
             if mod is not None:
