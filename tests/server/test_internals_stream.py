@@ -220,3 +220,34 @@ def test_too_many_viewers_get_a_clear_error(tiny_server):
     finally:
         viewer.stop()
         broadcaster.max_viewers = saved
+
+
+def test_a_slow_viewer_gets_the_frames_together_and_loses_no_step(tiny_server):
+    """?interval=1: the server writes to the viewer about once a second (the page's draw rate), each
+    write holding the frames since the last one, so the steps still arrive every one, in order."""
+    arrivals, steps, done, buf = [], [], threading.Event(), ""
+    load = threading.Thread(target=lambda: (_load(tiny_server.url, 6, 48), done.set()))
+    with httpx.stream("GET", tiny_server.url + "/v1/internals/stream?interval=1", headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        load.start()
+        for chunk in r.iter_text():
+            buf += chunk
+            *blocks, buf = buf.split("\n\n")
+            for block in blocks:
+                if block.startswith("event: frame"):
+                    arrivals.append(time.monotonic())
+                    steps += [s["step"] for s in json.loads(block.split("data: ", 1)[1])["steps"]]
+            if done.is_set() and len(arrivals) >= 8:
+                break
+    load.join()
+    # frames written together arrive within milliseconds; the writes are a second apart
+    writes = [t for i, t in enumerate(arrivals) if i == 0 or t - arrivals[i - 1] > 0.1]
+    gaps = [b - a for a, b in zip(writes, writes[1:])]
+    assert steps and steps == list(range(steps[0], steps[-1] + 1))  # no step lost between writes
+    assert gaps and min(gaps) >= 0.8 and len(arrivals) > len(writes), (gaps, len(arrivals))
+
+
+@pytest.mark.parametrize("interval", ["-1", "11", "soon"])
+def test_a_bad_interval_is_refused(tiny_server, interval):
+    r = httpx.get(tiny_server.url + f"/v1/internals/stream?interval={interval}", headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["message"], r.text

@@ -31,7 +31,8 @@ async function connect() {
   const headers = key ? { Authorization: "Bearer " + key } : {};
   let resp;
   try {
-    resp = await fetch("/v1/internals/stream", { headers, cache: "no-store" });
+    // one write a second (the frames in between come together): the page draws about that often
+    resp = await fetch("/v1/internals/stream?interval=" + MIN_DRAW_MS / 1000, { headers, cache: "no-store" });
   } catch (e) {
     setConn(false, "server unreachable, retrying…");
     return retry();
