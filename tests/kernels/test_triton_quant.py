@@ -3,22 +3,12 @@ dequantise-then-float64 reference: every scheme (bits, group, symmetric or not),
 the group, N not a multiple of the row block, bias, M = 1..8, and its bad input. Without CUDA it runs
 in Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported), so shapes are small."""
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
+from triton_interp import interpreted  # tests/model is on sys.path (tests/conftest.py)
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+(tq,) = interpreted("servescope.kernels.triton_quant")
 
-pytest.importorskip("triton")
-
-if not torch.cuda.is_available() and "servescope.kernels.triton_quant" in sys.modules:
-    importlib.reload(sys.modules["servescope.kernels.triton_quant"])  # kernels defined before the flag was set
-
-from servescope.kernels import triton_quant as tq  # noqa: E402
 from servescope.kernels.quant_linear import QuantScheme, dequantize, quantize  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -5,26 +5,15 @@ On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERP
 before triton is imported), so shapes are kept small.
 """
 
-import importlib
 import math
-import os
-import sys
 
 import pytest
 import torch
+from triton_interp import interpreted  # tests/model is on sys.path (tests/conftest.py)
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton_attention, _ = interpreted("servescope.kernels.triton_attention", "servescope.model.attention.triton_backend")
+paged_decode, store_kv = triton_attention.paged_decode, triton_attention.store_kv
 
-pytest.importorskip("triton")
-
-if not torch.cuda.is_available() and "servescope.kernels.triton_attention" in sys.modules:
-    # triton.jit picks the interpreter when a kernel is defined: re-define them (see test_triton_attention.py)
-    importlib.reload(sys.modules["servescope.kernels.triton_attention"])
-    if "servescope.model.attention.triton_backend" in sys.modules:
-        importlib.reload(sys.modules["servescope.model.attention.triton_backend"])
-
-from servescope.kernels.triton_attention import paged_decode, store_kv  # noqa: E402
 from servescope.model.attention import kv_quant  # noqa: E402
 from servescope.model.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 
