@@ -76,7 +76,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         frame = StreamFrame(ctx, rid, created, "chat.completion.chunk", usage, include_usage)
-        gen = frame.wrap(_stream(ctx, streams, n, top_n, usage, tools, frame.chunk))
+        gen = frame.wrap(_stream(ctx, streams, n, top_n, tools, frame))
         return SSEResponse(gen, on_close=lambda: [s.abort() for s in streams])
 
     async def collect():
@@ -105,7 +105,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     return body
 
 
-async def _stream(ctx, streams, n, top_n, usage, tools: ToolPlan, chunk):
+async def _stream(ctx, streams, n, top_n, tools: ToolPlan, frame: StreamFrame):
+    chunk, usage = frame.chunk, frame.usage
     streamers = [ToolStreamer(tools) for _ in range(n)]
     sent_lp = [0] * n
     done = [False] * n

@@ -149,7 +149,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         frame = StreamFrame(ctx, rid, created, "text_completion", usage, include_usage)
-        gen = frame.wrap(_stream(ctx, streams, plan, n, texts, states, usage, frame.chunk))
+        gen = frame.wrap(_stream(ctx, streams, plan, n, texts, states, frame))
         return SSEResponse(gen, on_close=lambda: [s.abort() for s in streams])
     finals = await run_until_disconnect(request, _collect(streams))
     choices = []
@@ -172,7 +172,8 @@ async def _collect(streams: list) -> dict:
     return finals
 
 
-async def _stream(ctx, streams, plan: _Plan, n, texts, states, usage, chunk):
+async def _stream(ctx, streams, plan: _Plan, n, texts, states, frame: StreamFrame):
+    chunk, usage = frame.chunk, frame.usage
     async for pi, out in merge_streams(streams):
         for o in out.outputs:
             idx = pi * n + o.index
