@@ -33,7 +33,7 @@ HEAD = (49152, 576)
 def load_isa(isa: str):
     os.environ[ENV] = isa
     try:
-        ext = CpuExtension(cpu_ops._EXT.name, ["cpu_ops.cpp", "prefill_attention.cpp"], f"{isa} kernels",
+        ext = CpuExtension(cpu_ops._EXT.name, cpu_ops.SOURCES, f"{isa} kernels",
                            extra_cflags=cpu_ops._EXT.extra_cflags)
         return ext.load()
     finally:

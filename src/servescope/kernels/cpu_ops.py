@@ -1,6 +1,6 @@
-"""The CPU per-layer op extension (csrc/cpu_ops.cpp binding the kernels of csrc/kernels.h, written
-once against the vector layer csrc/simd.h; csrc/prefill_attention.cpp), compiled on first use for the
-CPU's instruction set (cpu_extension.py) and cached.
+"""The CPU per-layer op extension (csrc/cpu_ops.cpp over the kernels of csrc/kernels.h, written once
+against the vector layer csrc/simd.h; csrc/prefill_attention.cpp, csrc/quant_ops.cpp; bound to Python in
+csrc/bindings.cpp), compiled on first use for the CPU's instruction set (cpu_extension.py) and cached.
 
 One C++ call each for rms_norm, add_rms_norm, rotary, silu_mul (dispatched from fused_ops.py) and
 store_kv, paged decode attention, causal prefill attention (from attention/torch_ref.py): at batch 1 their eager PyTorch
@@ -25,10 +25,12 @@ DTYPES = (torch.float32, torch.bfloat16)
 # (rows of D values then a float32 scale: csrc/kv_quant.h)
 KV_DTYPES = DTYPES + (torch.int8,) + ((torch.float8_e4m3fn,) if hasattr(torch, "float8_e4m3fn") else ())
 # -ffp-contract=off: no fused multiply-adds where the torch reference rounds each step
-_EXT = CpuExtension("servescope_cpu_ops", ["cpu_ops.cpp", "prefill_attention.cpp", "quant_ops.cpp"], "CPU op kernels",
-                    extra_cflags=["-ffp-contract=off"])
+# the extension's translation units (csrc/ops.h says why five): ninja compiles them in parallel
+SOURCES = ["bindings.cpp", "cpu_ops.cpp", "prefill_attention.cpp", "quant_ops.cpp", "onednn_linear.cpp"]
+_EXT = CpuExtension("servescope_cpu_ops", SOURCES, "CPU op kernels", extra_cflags=["-ffp-contract=off"])
 _EMPTY = torch.empty(0)
 load = _EXT.load  # the compiled module, or None (see cpu_extension.py)
+load_in_background = _EXT.load_in_background  # start the first build while the caller loads weights
 available = _EXT.available
 kernel_path = _EXT.describe
 

@@ -12,9 +12,10 @@
 // horizontal sums), q is transposed once per item, and each key or value element is a broadcast.
 // Scores are exact products summed in float32 (the pairs of VDPBF16PS), the probabilities rounded
 // to bfloat16 for p * v as SDPA's bfloat16 kernel rounds them.
-#include <torch/extension.h>
+#include <ATen/ops/empty_like.h>
 
 #include "simd.h"
+#include "ops.h"
 
 namespace {
 
@@ -149,11 +150,11 @@ void prefill_item(const bf16* q, int64_t qs0, int64_t qs1, const bf16* kc, const
   }
 }
 
-inline bf16* as_bf16(const torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); }
+inline bf16* as_bf16(const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); }
 
 template <int G, int D>
-void prefill_run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& bt,
-                 int64_t ctx, double scale, torch::Tensor& out) {
+void prefill_run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
+                 int64_t ctx, double scale, at::Tensor& out) {
   const int64_t T = q.size(0), S = kc.size(1), hkv = kc.size(2), q0 = ctx - T;
   const int64_t tiles = (T + QT - 1) / QT, items = hkv * tiles;
   // cost of an item ~ the keys it reads: contiguous ranges of about equal total per thread
@@ -178,6 +179,8 @@ void prefill_run(const torch::Tensor& q, const torch::Tensor& kc, const torch::T
 
 }  // namespace
 
+namespace servescope_ops {
+
 bool prefill_attention_supported(int64_t group, int64_t head_dim) {
 #if SERVESCOPE_HAS_BF16_DOT
   return group >= 1 && group <= 8 && (head_dim == 64 || head_dim == 128);
@@ -188,7 +191,7 @@ bool prefill_attention_supported(int64_t group, int64_t head_dim) {
 
 // q [T, H, D] (strides: D contiguous); caches [N, S, Hkv, D] contiguous; block_table [>= ceil(ctx / S)]
 // int32: the sequence's blocks; ctx: its length after this step (>= T) -> [T, H, D].
-torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
+at::Tensor prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                 int64_t ctx, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.stride(2) == 1,
               "prefill_attention: q [T, H, D] bfloat16, D contiguous");
@@ -203,7 +206,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
               "prefill_attention: block_table int32 covering ctx >= T tokens");
   TORCH_CHECK(prefill_attention_supported(h / hkv, d), "prefill_attention: unsupported group ", h / hkv,
               " / head dim ", d);
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   if (q.size(0) == 0) return out;
 #if SERVESCOPE_HAS_BF16_DOT
 #define SERVESCOPE_CASE(G_, D_) \
@@ -216,3 +219,5 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
 #endif
   return out;
 }
+
+}  // namespace servescope_ops

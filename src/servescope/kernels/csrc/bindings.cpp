@@ -1,0 +1,31 @@
+// The Python module of the CPU op extension (one per ISA: kernels/cpu_extension.py): the entry
+// points of ops.h and the DecodePlan. The only unit that includes torch's pybind11 casters.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "decode_plan.h"
+
+namespace py = pybind11;
+using namespace servescope_ops;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa_info, "isa() -> {isa, lanes, bf16_dot, int8_dot} of this build");
+  m.def("rms_norm", &rms_norm, "rms_norm(x, w, eps)");
+  m.def("add_rms_norm", &add_rms_norm, "add_rms_norm(x, residual, w, eps) -> [y, x + residual]");
+  m.def("rotary", &rotary, "rotary(q, k, cos, sin) -> [q', k'] (rotate-half)");
+  m.def("silu_mul", &silu_mul, "silu_mul(gate_up) -> silu(gate) * up");
+  m.def("store_kv", &store_kv, "store_kv(k, v, k_cache, v_cache, slot_mapping), in place");
+  m.def("quant_gemv", &quant_gemv, "quant_gemv(x, w, scales, bias): packed int4/int8 weights -> float32");
+  m.def("quant_dequantize", &quant_dequantize, "quant_dequantize(w, scales, k) -> float32 [N, k]");
+  m.def("gemv", &gemv, "gemv(x, w, scale, bias): decode GEMV (float32/bfloat16/int8 weights) -> float32");
+  py::class_<DecodePlan>(m, "DecodePlan")
+      .def(py::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>, Tensor, int64_t,
+                    int64_t, int64_t, double, double>())
+      .def("run", &DecodePlan::run, "run(h, cos, sin, kv_caches, slots, block_tables, context_lens)")
+      .def("run_layers", &DecodePlan::run_layers,
+           "run_layers(h, residual, cos, sin, kv_caches, slots, block_tables, context_lens) -> [h, residual]");
+  m.def("paged_decode", &paged_decode, "paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)");
+  m.def("prefill_attention", &prefill_attention,
+        "prefill_attention(q, k_cache, v_cache, block_table, ctx, scale): causal, one sequence, bfloat16");
+  m.def("prefill_attention_supported", &prefill_attention_supported, "prefill_attention_supported(group, head_dim)");
+}

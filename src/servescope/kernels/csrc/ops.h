@@ -1,0 +1,47 @@
+// The CPU op extension's entry points, declared once for its translation units: cpu_ops.cpp (the
+// small per-layer ops of kernels.h), quant_ops.cpp (packed weights), prefill_attention.cpp,
+// onednn_linear.cpp, and bindings.cpp, the only one that sees Python (decode_plan.h issues them all
+// for a decode step).
+//
+// Why the split and these headers: <torch/extension.h> (the whole C++ frontend and its pybind11 casters)
+// costs ~32 s of compile per translation unit on a 2-core machine, and the extension used to include
+// it three times: about 80 s of a first run. The kernels' units include only ATen's tensor header
+// (~3 s) and the ops they call; the Python binding is one unit with torch's pybind11 casters (~11 s);
+// oneDNN's prepacked GEMM goes through the dispatcher in a unit of its own. ninja compiles them in
+// parallel.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace servescope_ops {
+
+using at::Tensor;
+
+// cpu_ops.cpp
+Tensor rms_norm(Tensor x, Tensor w, double eps);
+std::vector<Tensor> add_rms_norm(Tensor x, Tensor residual, Tensor w, double eps);
+std::vector<Tensor> rotary(Tensor q, Tensor k, Tensor cos, Tensor sin);
+Tensor silu_mul(Tensor gate_up);
+void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slots);
+Tensor paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, double scale,
+                    Tensor out);
+Tensor gemv(Tensor x, Tensor w, Tensor scale, Tensor bias);
+std::map<std::string, std::string> isa_info();
+
+// quant_ops.cpp: packed int4 / int8 weights with float16 group scales (quant_gemv.h)
+Tensor quant_gemv(Tensor x, Tensor w, Tensor scales, Tensor bias);
+Tensor quant_dequantize(Tensor w, Tensor scales, int64_t k);
+
+// prefill_attention.cpp (AVX512-BF16 only; elsewhere "unsupported")
+Tensor prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int64_t ctx, double scale);
+bool prefill_attention_supported(int64_t group, int64_t head_dim);
+
+// onednn_linear.cpp: oneDNN's GEMM on a prepacked weight (bias empty: none)
+Tensor onednn_linear(const Tensor& x, const Tensor& packed, const Tensor& bias);
+
+}  // namespace servescope_ops
