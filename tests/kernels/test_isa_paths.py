@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,21 @@ def test_extension_refuses_a_forced_path_before_building(monkeypatch):
     with pytest.raises(InvalidParameterError, match=lacking):
         ext.load()
     assert ext.mod is None
+
+
+def test_a_background_build_leaves_its_error_to_the_callers_load(monkeypatch):
+    """cpu_ops.load_in_background (an engine starts the first build before it loads weights): a bad
+    forced path is not swallowed, the next load() raises it and nothing is marked built."""
+    lacking = next(isa for isa in ("neon", "avx512", "avx2") if isa not in supported_isas(cpu_flags(), machine_arch()))
+    monkeypatch.setenv("SERVESCOPE_CPU_ISA", lacking)
+    ext = CpuExtension("servescope_never_built", "cpu_ops.cpp", "test extension")
+    ext.load_in_background()
+    for t in threading.enumerate():
+        if t.name == "build-servescope_never_built":
+            t.join(timeout=60)
+    with pytest.raises(InvalidParameterError, match=lacking):
+        ext.load()
+    assert ext.mod is None and not ext._tried
 
 
 def test_cflags_and_signature_follow_the_flags():

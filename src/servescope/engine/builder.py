@@ -32,6 +32,7 @@ from servescope.engine.spec_builder import build_spec_decoder
 from servescope.engine.spec_decode import SpecDecoder
 from servescope.engine.step_cost import StepCostPredictor
 from servescope.errors import EngineConfigError
+from servescope.kernels import cpu_ops
 from servescope.kvcache.manager import KVCacheManager
 from servescope.loader.build import DTYPES, build_model
 from servescope.loader.random_init import build_random_model
@@ -145,6 +146,8 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     a parallel engine: start the workers, keep this rank's stage and shard, then the same transforms)."""
     load = config.load
     t0 = time.perf_counter()
+    if device.type == "cpu":
+        cpu_ops.load_in_background()  # a first run compiles the kernels while the weights load
     model_config, model, tokenizer, path = build_weights(config, device, dtype)
     layout = parallel_layout(config, model_config, device)
     if layout is None:

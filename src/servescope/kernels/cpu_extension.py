@@ -98,6 +98,22 @@ class CpuExtension:
             logger.warning("%s unavailable, using eager PyTorch: %s", self.what, str(e).splitlines()[0][:200])
             self.mod = None
 
+    def load_in_background(self) -> None:
+        """Start load() in a thread (the build runs in ninja's processes, beside whatever this process
+        does next: an engine loads its weights meanwhile); the next load() waits for it. Not a daemon:
+        an interpreter exiting mid-build would leave torch's build lock behind. Errors are left for
+        that next load() to raise."""
+        if self._tried or os.environ.get("SERVESCOPE_CPU_KERNELS", "1") == "0":
+            return
+
+        def run():
+            try:
+                self.load()
+            except Exception:  # a bad SERVESCOPE_CPU_ISA: the caller's own load() raises it
+                pass
+
+        threading.Thread(target=run, name=f"build-{self.name}").start()
+
     def available(self) -> bool:
         return self.load() is not None
 
