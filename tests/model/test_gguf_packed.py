@@ -58,15 +58,23 @@ def test_tiny_gguf_runs_packed_like_its_float32_load(tmp_path, family, qtype):
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
     prompts = [[5, 9, 33, 2, 100], [7] * 20]
     for a, b in zip(ref.generate(prompts, sp), llm.generate(prompts, sp)):
-        # the same weights; the decode GEMV rounds its activations to int8 per 32-block (llama.cpp's
-        # numerics, ~0.4% per element), the prefill GEMM does not: equal tokens and close logprobs up to
-        # a near-tie (the diverging tokens in each other's top 3), where the comparison stops
-        for x, y, la, lb in zip(a.outputs[0].token_ids, b.outputs[0].token_ids, a.outputs[0].logprobs,
-                                b.outputs[0].logprobs):
-            if x != y:
-                assert y in {t for t, _ in la.top} and x in {t for t, _ in lb.top}, (x, y)
-                break
-            assert abs(la.top[0][1] - lb.top[0][1]) < 2e-2
+        assert_greedy_equal_up_to_a_near_tie(a.outputs[0], b.outputs[0], 2e-2)
+
+
+def assert_greedy_equal_up_to_a_near_tie(a, b, logprob_tol: float, tie_gap: float = 0.5) -> int:
+    """Two completions of the same weights, float32 and in the file's blocks: the decode GEMV rounds its
+    activations to int8 per 32-block (llama.cpp's numerics, ~0.4% per element), the prefill GEMM does
+    not, so the tokens are equal, with close logprobs, up to a near-tie (the diverging tokens in each
+    other's top 3, less than `tie_gap` apart in both), where the comparison stops. Returns the tokens
+    compared."""
+    for i, (x, y, la, lb) in enumerate(zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs)):
+        if x != y:
+            top_a, top_b = dict(la.top), dict(lb.top)
+            assert y in top_a and x in top_b, (i, x, y)
+            assert abs(top_a[x] - top_a[y]) < tie_gap and abs(top_b[x] - top_b[y]) < tie_gap, (i, la, lb)
+            return i
+        assert abs(la.top[0][1] - lb.top[0][1]) < logprob_tol, (i, la, lb)
+    return len(a.token_ids)
 
 
 def test_other_types_dequantise_with_a_log_line(tmp_path, caplog):
@@ -89,7 +97,8 @@ def test_embedded_model_in_its_blocks(smollm2_llm):
     llm = LLM(quantization="gguf", num_kv_blocks=64, max_model_len=512)
     assert llm.engine.weight_bytes <= 1.2 * file_bytes  # the issue's floor (float32: ~5.6x)
     ids = smollm2_llm.tokenizer.encode("The capital of France is")
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    a = smollm2_llm.generate(ids, sp)[0].outputs[0].token_ids
-    b = llm.generate(ids, sp)[0].outputs[0].token_ids
-    assert a == b
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    a, b = smollm2_llm.generate(ids, sp)[0].outputs[0], llm.generate(ids, sp)[0].outputs[0]
+    # 30 layers of int8-rounded activations: logprobs within 0.25, a divergence only at a near-tie (on an
+    # EPYC Zen 4 the 6th token of this prompt is one, on a Xeon none of the 12 is)
+    assert assert_greedy_equal_up_to_a_near_tie(a, b, 0.25) >= 4
