@@ -361,7 +361,7 @@ int main() {
     check_silu<bf16>(2, inner);
   }
   check_store_kv();
-  for (int64_t M : {1, 2, 3, 5})
+  for (int64_t M : {1, 2, 3, 5, 8, 13})  // rows4_block's blocks of W / 4 rows and every remainder
     for (int64_t K : {64, 100, 576}) {
       check_gemv<float>(M, K, 130, false);
       check_gemv<bf16>(M, K, 7, false);

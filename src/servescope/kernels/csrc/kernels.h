@@ -174,16 +174,61 @@ inline void rows4_dot(const float* x, int64_t K, const WT* const* wr, float* con
   for (int s = 0; s < 4; ++s) *out[s] = reduce_add(add(a[s][0], a[s][1]));
 }
 
+// MB rows of x against four rows of the weight read in lockstep, one accumulator per (x row, weight
+// row): MB * 4 = W accumulators (AVX-512: 4 x 4, AVX2: 2 x 4; NEON: 1 x 4) summed across their lanes
+// together by one transpose_sum instead of MB * 4 horizontal sums, which for K = 576 would cost half
+// as much as the products. Per W-wide step: 4 weight loads and MB x loads for 4 * MB products.
+constexpr int GEMV_MB = W / 4;
+static_assert(GEMV_MB >= 1 && GEMV_MB * 4 == W, "rows4_block: one transpose_sum of W accumulators");
+
+template <typename WT, int MB>
+inline void rows4_block(const float* x, int64_t K, const WT* const* wr, float* y, int64_t N, int64_t n) {
+  static_assert(MB >= 1 && MB <= GEMV_MB, "rows4_block: MB x rows of x");
+  vf a[W];
+  for (int i = 0; i < W; ++i) a[i] = zero();
+  int64_t k = 0;
+  for (; k + W <= K; k += W) {
+    vf wv[4];
+    for (int s = 0; s < 4; ++s) wv[s] = load(wr[s] + k);
+    for (int m = 0; m < MB; ++m) {
+      const vf xv = load(x + m * K + k);
+      for (int s = 0; s < 4; ++s) a[m * 4 + s] = fmadd(xv, wv[s], a[m * 4 + s]);
+    }
+  }
+  if (k < K) {
+    vf wv[4];
+    for (int s = 0; s < 4; ++s) wv[s] = loadn(wr[s] + k, K - k);
+    for (int m = 0; m < MB; ++m) {
+      const vf xv = loadn(x + m * K + k, K - k);
+      for (int s = 0; s < 4; ++s) a[m * 4 + s] = fmadd(xv, wv[s], a[m * 4 + s]);
+    }
+  }
+  float sums[W];
+  store(sums, transpose_sum(a));
+  for (int m = 0; m < MB; ++m)
+    for (int s = 0; s < 4; ++s) y[m * N + n + s] = sums[m * 4 + s];
+}
+
 // x [M, K] float32, w [N, K], scale [N] or null, bias [N] or null -> y [M, N]. Each task owns a
 // contiguous range of the weight's rows. With one row of x (decode at batch 1) the range is read as
 // four quarters in lockstep (rows4_dot): over SmolLM2's 121 matrices that reads at 94% of a streaming
-// sum against 77-81% for one stream per thread (AVX-512, 2 threads). Otherwise rows go front to back
-// one at a time, every group of up to 4 rows of x against the row while it sits in L1.
+// sum against 77-81% for one stream per thread (AVX-512, 2 threads). With more rows of x, four
+// consecutive weight rows are read in lockstep and every block of GEMV_MB rows of x is multiplied
+// with them while they sit in L1 (rows4_block), so the weights still cross memory once per step.
+// The rows left over (fewer than 4 at the end of a task) go one at a time (row_dot).
+template <typename WT, int MB = GEMV_MB>
+void rows4_blocks(const float* x, int64_t M, int64_t K, const WT* const* wr, float* y, int64_t N, int64_t n) {
+  int64_t m0 = 0;
+  for (; m0 + MB <= M; m0 += MB) rows4_block<WT, MB>(x + m0 * K, K, wr, y + m0 * N, N, n);
+  if constexpr (MB > 1)
+    if (m0 < M) rows4_blocks<WT, MB - 1>(x + m0 * K, M - m0, K, wr, y + m0 * N, N, n);
+}
+
 template <typename WT>
 void gemv_rows(const float* x, int64_t M, int64_t K, const WT* w, int64_t N, const float* scale, const float* bias,
                float* y) {
   parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    int64_t first = n0;  // rows before this one are done by rows4_dot
+    int64_t first = n0;  // rows before this one are done by rows4_dot / rows4_blocks
     if (M == 1) {
       const int64_t q = (n1 - n0) / 4;
       for (int64_t i = 0; i < q; ++i) {
@@ -196,6 +241,11 @@ void gemv_rows(const float* x, int64_t M, int64_t K, const WT* w, int64_t N, con
         rows4_dot<WT>(x, K, wr, out);
       }
       first = n0 + 4 * q;
+    } else {
+      for (; first + 4 <= n1; first += 4) {
+        const WT* wr[4] = {w + first * K, w + (first + 1) * K, w + (first + 2) * K, w + (first + 3) * K};
+        rows4_blocks<WT>(x, M, K, wr, y, N, first);
+      }
     }
     for (int64_t n = first; n < n1; ++n) {
       const WT* wr = w + n * K;
