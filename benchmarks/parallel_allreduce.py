@@ -7,7 +7,9 @@ has cached on this machine; then a check at every power of two from 8 KiB to 64 
 the probe never measured), sizes interleaved within the run so that a noisy moment of a shared machine
 hits every size alike. Each sample is the mean of back-to-back all-reduces (>= 20 ms of them), each
 size's figure in a run the lower quartile of its samples (--statistic); over the rounds, each size's
-measured and predicted figures are the medians, and every round's own error is kept.
+measured and predicted figures are the medians, and every round's own error is kept. Beside it, the
+model alone: fitted to the check run's own figures at the probe's sizes (the probe's sizes are among
+the check's), predicting every size of that run, free of the drift between two runs.
 
     PYTHONPATH=src python benchmarks/parallel_allreduce.py [--runs 15] [--rounds 3] [--cached] [--json out.json]
 """
@@ -37,6 +39,10 @@ def one_round(a) -> tuple:
     return link, measure_all_reduce(CHECK_SIZES, runs=a.runs, statistic=a.statistic), probe_s
 
 
+def within_floor(errors: dict) -> int:
+    return sum(abs(e) <= FLOOR for e in errors.values())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=15, help="samples per size in each check run")
@@ -46,25 +52,31 @@ def main() -> None:
                     help="of each size's samples in the check (the probe uses the lower quartile)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    rounds = []
+    rounds, same_run = [], []
     for r in range(a.rounds):
         link, measured, probe_s = one_round(a)
         errs = {b: all_reduce_seconds(b, 2, link) / t - 1 for b, t in measured.items()}
-        within = sum(abs(e) <= FLOOR for e in errs.values())
+        # the model alone, without the drift of a shared machine between two runs: fitted to the check
+        # run's own figures at the probe's sizes, predicting all its sizes
+        own = fit_link({b: measured[b] for b in PROBE_SIZES}, ranks=2)
+        same = {b: all_reduce_seconds(b, 2, own) / t - 1 for b, t in measured.items()}
         print(f"round {r + 1}: {link.describe()} (probe {probe_s:.1f} s); within {FLOOR:.0%}: "
-              f"{within} of {len(errs)}")
+              f"{within_floor(errs)} of {len(errs)}; fitted in the check's own run: {within_floor(same)} of "
+              f"{len(same)} ({own.describe()})")
         rounds.append((link, measured, errs))
-    print(f"{'size':>10}  {'probed':<7} {'measured ms':>12} {'predicted ms':>13} {'error':>8}   per round")
+        same_run.append(same)
+    print(f"{'size':>10}  {'probed':<7} {'measured ms':>12} {'predicted ms':>13} {'error':>8}   per round   "
+          f"| same run, per round")
     rows = []
     for b in CHECK_SIZES:
         t = statistics.median(m[b] for _, m, _ in rounds)
         p = statistics.median(all_reduce_seconds(b, 2, link) for link, _, _ in rounds)
-        per = [e[b] for _, _, e in rounds]
+        per, same = [e[b] for _, _, e in rounds], [e[b] for e in same_run]
         rows.append({"bytes": b, "probed_size": b in PROBE_SIZES, "measured_s": t, "predicted_s": p,
-                     "error": p / t - 1, "round_errors": per})
+                     "error": p / t - 1, "round_errors": per, "same_run_errors": same})
         print(f"{b / 1024:>6.0f} KiB  {'yes' if b in PROBE_SIZES else 'no':<7} {t * 1e3:12.3f} {p * 1e3:13.3f} "
-              f"{p / t - 1:+8.1%}   " + " ".join(f"{e:+.0%}" for e in per))
-    within = sum(abs(r["error"]) <= FLOOR for r in rows)
+              f"{p / t - 1:+8.1%}   " + " ".join(f"{e:+.0%}" for e in per) + "   | " + " ".join(f"{e:+.0%}" for e in same))
+    within = within_floor({r["bytes"]: r["error"] for r in rows})
     worst = max(rows, key=lambda r: abs(r["error"]))
     print(f"medians over {a.rounds} rounds: within {FLOOR:.0%}: {within} of {len(rows)} sizes; worst "
           f"{worst['error']:+.1%} at {worst['bytes'] / 1024:.0f} KiB")
@@ -72,7 +84,8 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump({"rows": rows, "within_floor": within, "statistic": a.statistic, "runs": a.runs,
                        "links": [vars(link) for link, _, _ in rounds],
-                       "rounds_within_floor": [sum(abs(e) <= FLOOR for e in errs.values()) for _, _, errs in rounds]},
+                       "rounds_within_floor": [within_floor(errs) for _, _, errs in rounds],
+                       "same_run_errors": same_run, "same_run_within_floor": [within_floor(e) for e in same_run]},
                       f, indent=1)
 
 
