@@ -2,7 +2,7 @@
 
 Each round has two independent measurements, each in its own new pair of processes: first the link
 probe exactly as the engine runs it (parallel/link_probe.py at its sizes, fitted by
-analysis/collectives.fit_link: gloo's segmented ring, three terms), or with --cached the link the engine
+analysis/collectives.fit_link: gloo's segmented ring through the socket buffer, four rates), or with --cached the link the engine
 has cached on this machine; then a check at every power of two from 8 KiB to 64 MiB (half of them sizes
 the probe never measured), sizes interleaved within the run so that a noisy moment of a shared machine
 hits every size alike. Each sample is the mean of back-to-back all-reduces (>= 20 ms of them), each
@@ -19,8 +19,8 @@ import json
 import statistics
 import time
 
-from servescope.analysis.collectives import all_reduce_seconds, fit_link
-from servescope.parallel.link_probe import PROBE_SIZES, measure_all_reduce
+from servescope.analysis.collectives import all_reduce_seconds
+from servescope.parallel.link_probe import PROBE_SIZES, fit_local_link, measure_all_reduce
 
 CHECK_SIZES = tuple(8 * 1024 * 2 ** i for i in range(14))  # 8 KiB ... 64 MiB
 FLOOR = 0.25
@@ -34,7 +34,7 @@ def one_round(a) -> tuple:
 
         link = local_gloo_link(measure=True)
     else:
-        link = fit_link(measure_all_reduce(PROBE_SIZES), ranks=2)
+        link = fit_local_link(measure_all_reduce(PROBE_SIZES))
     probe_s = time.perf_counter() - t0
     return link, measure_all_reduce(CHECK_SIZES, runs=a.runs, statistic=a.statistic), probe_s
 
@@ -58,7 +58,7 @@ def main() -> None:
         errs = {b: all_reduce_seconds(b, 2, link) / t - 1 for b, t in measured.items()}
         # the model alone, without the drift of a shared machine between two runs: fitted to the check
         # run's own figures at the probe's sizes, predicting all its sizes
-        own = fit_link({b: measured[b] for b in PROBE_SIZES}, ranks=2)
+        own = fit_local_link({b: measured[b] for b in PROBE_SIZES})
         same = {b: all_reduce_seconds(b, 2, own) / t - 1 for b, t in measured.items()}
         print(f"round {r + 1}: {link.describe()} (probe {probe_s:.1f} s); within {FLOOR:.0%}: "
               f"{within_floor(errs)} of {len(errs)}; fitted in the check's own run: {within_floor(same)} of "

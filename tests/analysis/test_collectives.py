@@ -2,13 +2,14 @@
 all-reduce times, the
 collectives one TP/PP step issues, and `explain --tp/--pp`'s account (pure functions, no processes)."""
 
+import dataclasses
 import json
 
 import pytest
 
 from servescope.analysis.collectives import (
     LINKS, LinkSpec, all_reduce_seconds, cached_local_link, fit_link, gather_seconds, p2p_seconds, ring_steps,
-    save_local_link, shard_config, step_comm_cost,
+    ring_terms, save_local_link, shard_config, step_comm_cost,
 )
 from servescope.analysis.hardware import get_hardware
 from servescope.analysis.parallel_explain import explain_parallel
@@ -62,6 +63,33 @@ def test_fit_recovers_the_gloo_ring_terms_and_predicts_unprobed_sizes():
     assert link.latency_s == pytest.approx(link.call_s + link.step_s)  # p2p / gather: one call of one message
     for b in (16 * 1024, 3 << 20, 6 << 20, 48 << 20):  # never probed, both sides of the regime change
         assert all_reduce_seconds(b, 2, link) == pytest.approx(all_reduce_seconds(b, 2, GLOO), rel=1e-6)
+
+
+BUFFERED = LinkSpec("gloo", bandwidth=1e9, latency_s=100e-6, step_s=100e-6, max_segment_bytes=1 << 20,
+                    buffer_bytes=128 << 10, buffered_bandwidth=4e9)
+
+
+def test_segment_bytes_past_the_socket_buffer_stream_at_the_other_rate():
+    kib = 1024
+    # 512 KiB at N = 2: 4 steps of 128 KiB, every byte into the buffer
+    assert ring_terms(512 * kib, 2, 1 << 20, 128 * kib) == (1.0, 4.0, 512 * kib, 0.0)
+    # 1 MiB: 4 steps of 256 KiB, half of each past the buffer
+    assert ring_terms(1 << 20, 2, 1 << 20, 128 * kib) == (1.0, 4.0, 512 * kib, 512 * kib)
+    assert all_reduce_seconds(512 * kib, 2, BUFFERED) == pytest.approx(4 * 100e-6 + 512 * kib / 4e9)
+    assert all_reduce_seconds(1 << 20, 2, BUFFERED) == pytest.approx(4 * 100e-6 + 512 * kib / 4e9 + 512 * kib / 1e9)
+    # no buffer modelled: every byte at `bandwidth` (the three-term ring)
+    assert ring_terms(1 << 20, 2, 1 << 20) == (1.0, 4.0, 0.0, float(1 << 20))
+    assert "128 KiB" in BUFFERED.describe()
+
+
+def test_fit_recovers_the_buffered_ring_from_the_probe_sizes():
+    probed = [8 * 1024 * 4 ** i for i in range(7)] + [64 << 20]
+    truth = dataclasses.replace(BUFFERED, call_s=200e-6)
+    link = fit_link({b: all_reduce_seconds(b, 2, truth) for b in probed}, ranks=2, buffer_bytes=128 << 10)
+    for field in ("call_s", "step_s", "bandwidth", "buffered_bandwidth"):
+        assert getattr(link, field) == pytest.approx(getattr(truth, field), rel=1e-6), field
+    for b in (16 * 1024, 256 * 1024, 1 << 20, 3 << 20, 48 << 20):
+        assert all_reduce_seconds(b, 2, link) == pytest.approx(all_reduce_seconds(b, 2, truth), rel=1e-6)
 
 
 def test_fit_keeps_every_term_non_negative():

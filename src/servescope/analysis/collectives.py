@@ -16,14 +16,18 @@ alpha-beta line: torch's ProcessGroupGloo runs gloo's ring all-reduce (gloo/allr
 cuts the buffer into S = roundUp(max(ceil(B / 1 MiB), 2N), N) segments (gloo's kMaxSegmentSize is 1 MiB;
 at least two segments per rank so that one is in flight while the other is reduced) and runs
 S - S/N steps of reduce-scatter then as many of all-gather, each step one segment sent to one
-neighbour while one arrives from the other. So its time is
-    call_s + 2 (S - S/N) x step_s + 2 (N-1)/N x B / bandwidth
-call_s: once per all-reduce (the process group's worker thread taking the work and handing it back,
-the first wake-up of the peer); step_s: per ring step (two system calls, the transport thread's
-wake-up on the arriving segment); bandwidth: of the bytes a rank sends, their copies through the
-kernel and the reduction included. The regime change: up to 2N MiB (4 MiB at N = 2) every all-reduce
-takes 4(N-1) steps whatever its size, above it the steps grow with the size (one per MiB). The probe
-fits the three terms to its measured sizes (fit_link); the datasheet links keep the formula above.
+neighbour while one arrives from the other. Over TCP (gloo's transport between local processes) a segment's first bytes, up to the socket's
+receive buffer C, are written without waiting for the peer; the rest wait for it to read. So with
+steps = 2 (S - S/N) and seg = 2 (N-1)/N x B / steps bytes per step, its time is
+    call_s + steps x step_s + steps x min(seg, C) / buffered_bandwidth + steps x max(0, seg - C) / bandwidth
+call_s: once per all-reduce (the process group's worker thread taking the work and handing it back);
+step_s: per ring step (system calls, the transport thread's wake-up on the arriving segment);
+buffered_bandwidth: the bytes that go into the socket buffer (copies, the reduction); bandwidth: the
+bytes streamed while the peer drains it. Two regime changes: up to 2N MiB (4 MiB at N = 2) every
+all-reduce takes 4(N-1) steps whatever its size, above it one more per MiB and phase; segments up to
+C (128 KiB here: all-reduces up to 4C at N = 2) never wait on the peer's reads. The probe reads C
+from the kernel (parallel/link_probe.socket_buffer_bytes) and fits the four rates to its measured
+sizes (fit_link); the datasheet links keep the alpha-beta formula above.
 """
 
 from __future__ import annotations
@@ -57,17 +61,21 @@ class LinkSpec:
     call_s: float = 0.0  # per all-reduce
     step_s: float = 0.0  # per ring step (one segment out to one neighbour, one in from the other)
     max_segment_bytes: int = 0
+    buffer_bytes: int = 0  # C: a segment's bytes up to it go into the socket buffer (0: none modelled)
+    buffered_bandwidth: float = 0.0  # of those bytes (0: free, the fit found no cost)
 
     def __post_init__(self):
-        if self.bandwidth <= 0 or self.latency_s < 0 or self.call_s < 0 or self.step_s < 0 \
-                or self.max_segment_bytes < 0:
+        if self.bandwidth <= 0 or min(self.latency_s, self.call_s, self.step_s, self.max_segment_bytes,
+                                      self.buffer_bytes, self.buffered_bandwidth) < 0:
             raise InvalidParameterError("link", f"{self.name}: bandwidth must be > 0, latencies and the segment >= 0")
 
     def describe(self) -> str:
         """One line: the link's terms."""
         if self.max_segment_bytes:
+            buffered = f"{self.buffered_bandwidth / 1e9:.2f} GB/s" if self.buffered_bandwidth else "free"
             return (f"{self.name}: gloo ring, {self.call_s * 1e6:.0f} us per all-reduce + {self.step_s * 1e6:.0f} us "
-                    f"per step + {self.bandwidth / 1e9:.2f} GB/s")
+                    f"per step; a segment's first {self.buffer_bytes // 1024} KiB {buffered}, the rest "
+                    f"{self.bandwidth / 1e9:.2f} GB/s")
         return f"{self.name}: {self.bandwidth / 1e9:.3g} GB/s, {self.latency_s * 1e6:.3g} us per hop"
 
 
@@ -98,10 +106,13 @@ def ring_steps(num_bytes: float, ranks: int, max_segment_bytes: int = GLOO_MAX_S
     return n - n // ranks
 
 
-def ring_terms(num_bytes: float, ranks: int, max_segment_bytes: int) -> tuple:
-    """(1, ring steps, bytes sent) of one rank's all-reduce: what call_s, step_s and 1 / bandwidth
-    multiply (the fit's columns and the prediction's)."""
-    return 1.0, 2.0 * ring_steps(num_bytes, ranks, max_segment_bytes), 2 * (ranks - 1) / ranks * num_bytes
+def ring_terms(num_bytes: float, ranks: int, max_segment_bytes: int, buffer_bytes: int = 0) -> tuple:
+    """(1, ring steps, bytes buffered, bytes streamed) of one rank's all-reduce: what call_s, step_s,
+    1 / buffered_bandwidth and 1 / bandwidth multiply (the fit's columns and the prediction's)."""
+    steps = 2.0 * ring_steps(num_bytes, ranks, max_segment_bytes)
+    sent = 2 * (ranks - 1) / ranks * num_bytes
+    buffered = steps * min(sent / steps, buffer_bytes)
+    return 1.0, steps, buffered, sent - buffered
 
 
 def all_reduce_seconds(num_bytes: float, ranks: int, link: LinkSpec) -> float:
@@ -110,8 +121,9 @@ def all_reduce_seconds(num_bytes: float, ranks: int, link: LinkSpec) -> float:
     if ranks <= 1 or num_bytes <= 0:
         return 0.0
     if link.max_segment_bytes:
-        one, steps, sent = ring_terms(num_bytes, ranks, link.max_segment_bytes)
-        return one * link.call_s + steps * link.step_s + sent / link.bandwidth
+        one, steps, buffered, streamed = ring_terms(num_bytes, ranks, link.max_segment_bytes, link.buffer_bytes)
+        return (one * link.call_s + steps * link.step_s + streamed / link.bandwidth
+                + (buffered / link.buffered_bandwidth if link.buffered_bandwidth else 0.0))
     return 2 * (ranks - 1) / ranks * num_bytes / link.bandwidth + 2 * (ranks - 1) * link.latency_s
 
 
@@ -169,29 +181,31 @@ def get_link(name: str, local: "LinkSpec | None" = None) -> LinkSpec:
 
 
 def fit_link(measured: dict, ranks: int, name: str = LOCAL_GLOO, source: str = "",
-             max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES) -> LinkSpec:
-    """The gloo ring's (call_s, step_s, bandwidth) that best fit measured all-reduce times {bytes: seconds}
-    over `ranks`, in relative error (least squares weighted by 1/t^2, so that 8 KiB counts as much as
-    64 MiB); a term the data would make negative is dropped (zero) and the others refitted."""
+             max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES, buffer_bytes: int = 0) -> LinkSpec:
+    """The gloo ring's (call_s, step_s, buffered_bandwidth, bandwidth) that best fit measured all-reduce
+    times {bytes: seconds} over `ranks` with the socket buffer `buffer_bytes` (0: one rate for every
+    byte), in relative error (least squares weighted by 1/t^2, so that 8 KiB counts as much as 64 MiB);
+    a term the data would make negative is dropped (zero) and the others refitted."""
     pts = sorted((float(b), float(t)) for b, t in measured.items() if t > 0)
     if len(pts) < 2:
         raise InvalidParameterError("link", "fitting a link needs all-reduce times at two sizes or more")
-    rows = [[x / t for x in ring_terms(b, ranks, max_segment_bytes)] for b, t in pts]  # each row / t: relative
-    free = [0, 1, 2]  # call_s, step_s, 1 / bandwidth
+    rows = [[x / t for x in ring_terms(b, ranks, max_segment_bytes, buffer_bytes)] for b, t in pts]  # relative
+    free = [0, 1, 2, 3] if buffer_bytes else [0, 1, 3]  # call_s, step_s, 1 / buffered_bandwidth, 1 / bandwidth
     while True:
         coef = _least_squares([[r[j] for j in free] for r in rows], [1.0] * len(rows))
-        if coef is None:  # dependent columns (every size below 2N MiB: as many steps each): no step term
-            free.remove(1 if 1 in free else 0)
+        if coef is None:  # dependent columns (e.g. every size below 2N MiB: as many steps each)
+            free.remove(next(j for j in (2, 1, 0) if j in free))
             continue
         full = dict(zip(free, coef))
-        if full[2] <= 0:
+        if full[3] <= 0:
             raise InvalidParameterError("link", f"all-reduce times do not grow with size: {pts}")
         if all(c >= 0 for c in coef):
             break
-        free.remove(min((j for j in free if j != 2), key=full.get))  # the most negative latency term
-    call_s, step_s, inv_bw = full.get(0, 0.0), full.get(1, 0.0), full[2]
-    return LinkSpec(name, 1.0 / inv_bw, call_s + step_s, source or f"fitted to {len(pts)} measured all-reduce sizes",
-                    call_s=call_s, step_s=step_s, max_segment_bytes=max_segment_bytes)
+        free.remove(min((j for j in free if j != 3), key=full.get))  # the most negative other term
+    call_s, step_s, inv_buffered = full.get(0, 0.0), full.get(1, 0.0), full.get(2, 0.0)
+    return LinkSpec(name, 1.0 / full[3], call_s + step_s, source or f"fitted to {len(pts)} measured all-reduce sizes",
+                    call_s=call_s, step_s=step_s, max_segment_bytes=max_segment_bytes, buffer_bytes=buffer_bytes,
+                    buffered_bandwidth=1.0 / inv_buffered if inv_buffered > 0 else 0.0)
 
 
 def _least_squares(rows: list, y: list):

@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from servescope.analysis.collectives import LinkSpec, fit_link
 from servescope.parallel.groups import free_port
 
 DEFAULT_SIZES = tuple(8 * 1024 * 4 ** i for i in range(7))  # 8 KiB ... 32 MiB
 SIZES_TO_64M = DEFAULT_SIZES + (64 * 2 ** 20,)
-PROBE_SIZES = SIZES_TO_64M  # what `hardware probe-link` (the engine's cached local link) measures
+PROBE_SIZES = SIZES_TO_64M  # what the engine's probe of its local link measures
 WARM_UP = 3  # timed all-reduces per size before the samples (after one untimed)
 SAMPLE_S = 20e-3  # one sample: this long of back-to-back all-reduces of one size
 MAX_REPS = 200
@@ -79,3 +80,18 @@ def measure_all_reduce(sizes: tuple = SIZES_TO_64M, runs: int = 15, world: int =
     pick = {"quartile": lambda ts: statistics.quantiles(ts, n=4)[0] if len(ts) > 1 else ts[0],
             "median": statistics.median, "min": min}[statistic]
     return {size: pick(ts) for size, ts in result.items()}
+
+
+def socket_buffer_bytes(path: str = "/proc/sys/net/ipv4/tcp_rmem") -> int:
+    """The receive buffer a new TCP socket starts with here (net.ipv4.tcp_rmem's default: the bytes
+    gloo's sender writes before it waits for the peer to read), 0 where the kernel does not say."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def fit_local_link(measured: dict, source: str = "") -> LinkSpec:
+    """The local gloo link fitted to all-reduce times {bytes: seconds} of two processes."""
+    return fit_link(measured, ranks=2, source=source, buffer_bytes=socket_buffer_bytes())
