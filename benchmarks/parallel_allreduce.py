@@ -84,6 +84,7 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump({"rows": rows, "within_floor": within, "statistic": a.statistic, "runs": a.runs,
                        "links": [vars(link) for link, _, _ in rounds],
+                       "measured_s": [{b: m[b] for b in CHECK_SIZES} for _, m, _ in rounds],
                        "rounds_within_floor": [within_floor(errs) for _, _, errs in rounds],
                        "same_run_errors": same_run, "same_run_within_floor": [within_floor(e) for e in same_run]},
                       f, indent=1)
