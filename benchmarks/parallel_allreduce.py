@@ -2,8 +2,8 @@
 
 Each round has two independent measurements, each in its own new pair of processes: first the link
 probe exactly as the engine runs it (parallel/link_probe.py at its sizes, fitted by
-analysis/collectives.fit_link: gloo's segmented ring through the socket buffer, four rates), or with --cached the link the engine
-has cached on this machine; then a check at every power of two from 8 KiB to 64 MiB (half of them sizes
+analysis/collectives.fit_link: gloo's segmented ring through the socket buffer, four rates), or with
+--cached the link the engine has cached on this machine; then a check at every power of two from 8 KiB to 64 MiB (half of them sizes
 the probe never measured), sizes interleaved within the run so that a noisy moment of a shared machine
 hits every size alike. Each sample is the mean of back-to-back all-reduces (>= 20 ms of them), each
 size's figure in a run the lower quartile of its samples (--statistic); over the rounds, each size's
@@ -75,7 +75,7 @@ def main() -> None:
         rows.append({"bytes": b, "probed_size": b in PROBE_SIZES, "measured_s": t, "predicted_s": p,
                      "error": p / t - 1, "round_errors": per, "same_run_errors": same})
         print(f"{b / 1024:>6.0f} KiB  {'yes' if b in PROBE_SIZES else 'no':<7} {t * 1e3:12.3f} {p * 1e3:13.3f} "
-              f"{p / t - 1:+8.1%}   " + " ".join(f"{e:+.0%}" for e in per) + "   | " + " ".join(f"{e:+.0%}" for e in same))
+              f"{p / t - 1:+8.1%}   {' '.join(f'{e:+.0%}' for e in per)}   | {' '.join(f'{e:+.0%}' for e in same)}")
     within = within_floor({r["bytes"]: r["error"] for r in rows})
     worst = max(rows, key=lambda r: abs(r["error"]))
     print(f"medians over {a.rounds} rounds: within {FLOOR:.0%}: {within} of {len(rows)} sizes; worst "

@@ -16,8 +16,9 @@ alpha-beta line: torch's ProcessGroupGloo runs gloo's ring all-reduce (gloo/allr
 cuts the buffer into S = roundUp(max(ceil(B / 1 MiB), 2N), N) segments (gloo's kMaxSegmentSize is 1 MiB;
 at least two segments per rank so that one is in flight while the other is reduced) and runs
 S - S/N steps of reduce-scatter then as many of all-gather, each step one segment sent to one
-neighbour while one arrives from the other. Over TCP (gloo's transport between local processes) a segment's first bytes, up to the socket's
-receive buffer C, are written without waiting for the peer; the rest wait for it to read. So with
+neighbour while one arrives from the other. Over TCP (gloo's transport between local processes) a
+segment's first bytes, up to the socket's receive buffer C, are written without waiting for the peer;
+the rest wait for it to read. So with
 steps = 2 (S - S/N) and seg = 2 (N-1)/N x B / steps bytes per step, its time is
     call_s + steps x step_s + steps x min(seg, C) / buffered_bandwidth + steps x max(0, seg - C) / bandwidth
 call_s: once per all-reduce (the process group's worker thread taking the work and handing it back);
@@ -44,8 +45,6 @@ from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError
 
 LOCAL_GLOO = "local-gloo"  # the link the local probe measures (parallel/link_probe.py)
-
-
 GLOO_MAX_SEGMENT_BYTES = 1 << 20  # gloo's AllreduceOptionsImpl::kMaxSegmentSize (ProcessGroupGloo keeps it)
 
 
