@@ -25,3 +25,25 @@ def test_socket_buffer_is_read_from_the_kernel(tmp_path):
     assert socket_buffer_bytes(str(tmp_path / "absent")) == 0  # not Linux: one rate for every byte
     f.write_text("garbage")
     assert socket_buffer_bytes(str(f)) == 0
+
+
+def test_tp_step_predictions_use_the_gloo_ring(monkeypatch):
+    """StepRecords of a TP=2 engine add the collectives as the measured link's ring model predicts them."""
+    import torch
+
+    from servescope.analysis.collectives import LinkSpec, gather_seconds
+    from servescope.analysis.presets import load_preset
+    from servescope.engine import step_cost
+    from servescope.telemetry.step_record import StepRecord
+
+    link = LinkSpec("local-gloo", bandwidth=1e9, latency_s=3e-4, call_s=2e-4, step_s=1e-4, max_segment_bytes=1 << 20,
+                    buffer_bytes=128 << 10, buffered_bandwidth=4e9)
+    monkeypatch.setattr(step_cost, "link_for", lambda hw: link)
+    cfg = load_preset("llama-3-8b")
+    pred = step_cost.StepCostPredictor(cfg, torch.device("cpu"), torch.float32, torch.float32, None, "h100", tp=2)
+    rec = StepRecord(0, 0.0, 0.0, 0, 4, 0, 4, [8] * 4, 0, 0, 0, 0.0, 4, 0, 0)
+    pred.annotate(rec, [(1, 8)] * 4, num_logits=4)
+    act = 4 * cfg.hidden_size * 4  # [T, Dm] float32: 64 KiB, inside the socket buffer
+    reduces = (2 * cfg.num_hidden_layers + 1) * (2e-4 + 4 * 1e-4 + act / 4e9)
+    assert rec.predicted_comm_seconds == pytest.approx(reduces + gather_seconds(4 * -(-cfg.vocab_size // 2) * 4, 2, link))
+    assert all_reduce_seconds(act, 2, link) == pytest.approx(2e-4 + 4 * 1e-4 + act / 4e9)
