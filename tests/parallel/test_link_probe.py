@@ -45,5 +45,6 @@ def test_tp_step_predictions_use_the_gloo_ring(monkeypatch):
     pred.annotate(rec, [(1, 8)] * 4, num_logits=4)
     act = 4 * cfg.hidden_size * 4  # [T, Dm] float32: 64 KiB, inside the socket buffer
     reduces = (2 * cfg.num_hidden_layers + 1) * (2e-4 + 4 * 1e-4 + act / 4e9)
-    assert rec.predicted_comm_seconds == pytest.approx(reduces + gather_seconds(4 * -(-cfg.vocab_size // 2) * 4, 2, link))
+    logits = gather_seconds(4 * -(-cfg.vocab_size // 2) * 4, 2, link)  # the [B, V/2] shards on shard 0
+    assert rec.predicted_comm_seconds == pytest.approx(reduces + logits)
     assert all_reduce_seconds(act, 2, link) == pytest.approx(2e-4 + 4 * 1e-4 + act / 4e9)
