@@ -1,13 +1,15 @@
-"""The communication cost model: the alpha-beta formulas, the fit to measured all-reduce times, the
+"""The communication cost model: the alpha-beta formulas, gloo's segmented ring and its fit to measured
+all-reduce times, the
 collectives one TP/PP step issues, and `explain --tp/--pp`'s account (pure functions, no processes)."""
 
+import dataclasses
 import json
 
 import pytest
 
 from servescope.analysis.collectives import (
-    LINKS, LinkSpec, all_reduce_seconds, cached_local_link, fit_link, gather_seconds, p2p_seconds, save_local_link,
-    shard_config, step_comm_cost,
+    LINKS, LinkSpec, all_reduce_seconds, cached_local_link, fit_link, gather_seconds, p2p_seconds, ring_steps,
+    ring_terms, save_local_link, shard_config, step_comm_cost,
 )
 from servescope.analysis.hardware import get_hardware
 from servescope.analysis.parallel_explain import explain_parallel
@@ -26,21 +28,82 @@ def test_ring_all_reduce_alpha_beta():
     assert p2p_seconds(1e6, LINK) == pytest.approx(1e-3 + 10e-6)
 
 
-def test_fit_recovers_a_straight_line_and_keeps_the_table():
-    true = LinkSpec("x", bandwidth=2e9, latency_s=50e-6)
-    sizes = [8 * 1024 * 4 ** i for i in range(7)]
-    measured = {b: 2 * 50e-6 + b / 2e9 for b in sizes}  # 2 ranks: 2 hops, 2(N-1)/N = 1
+def test_ring_steps_follow_gloo_segments():
+    # gloo: S = roundUp(max(ceil(B / 1 MiB), 2N), N) segments, S - S/N steps per phase
+    mib = 1 << 20
+    assert [ring_steps(b, 2) for b in (8192, mib, 4 * mib)] == [2, 2, 2]  # 4 segments of B/4
+    assert [ring_steps(b, 2) for b in (4 * mib + 4, 5 * mib, 8 * mib, 64 * mib)] == [3, 3, 4, 32]
+    assert [ring_steps(b, 4) for b in (8192, 8 * mib, 9 * mib)] == [6, 6, 9]  # 8, 8, 12 segments
+    assert ring_steps(64, 2, max_segment_bytes=16) == 2 and ring_steps(80, 2, max_segment_bytes=16) == 3
+
+
+GLOO = LinkSpec("gloo", bandwidth=2e9, latency_s=340e-6, call_s=300e-6, step_s=40e-6, max_segment_bytes=1 << 20)
+
+
+def test_gloo_ring_time_has_a_regime_change_at_2n_segments():
+    mib = 1 << 20
+    # up to 4 MiB (N = 2): one call, 4 steps, the bytes
+    assert all_reduce_seconds(8192, 2, GLOO) == pytest.approx(300e-6 + 4 * 40e-6 + 8192 / 2e9)
+    assert all_reduce_seconds(4 * mib, 2, GLOO) == pytest.approx(300e-6 + 4 * 40e-6 + 4 * mib / 2e9)
+    # above: one step per MiB and phase
+    assert all_reduce_seconds(64 * mib, 2, GLOO) == pytest.approx(300e-6 + 64 * 40e-6 + 64 * mib / 2e9)
+    # other rank counts: the same terms, gloo's segments for N ranks, 2(N-1)/N of the bytes sent
+    assert all_reduce_seconds(mib, 4, GLOO) == pytest.approx(300e-6 + 12 * 40e-6 + 1.5 * mib / 2e9)
+    assert all_reduce_seconds(mib, 1, GLOO) == 0.0
+    assert "per step" in GLOO.describe() and "per hop" in LINK.describe()
+
+
+def test_fit_recovers_the_gloo_ring_terms_and_predicts_unprobed_sizes():
+    probed = [8 * 1024 * 4 ** i for i in range(7)] + [64 << 20]
+    measured = {b: all_reduce_seconds(b, 2, GLOO) for b in probed}
     link = fit_link(measured, ranks=2)
-    assert link.bandwidth == pytest.approx(true.bandwidth, rel=1e-9)
-    assert link.latency_s == pytest.approx(true.latency_s, rel=1e-9)
-    # at the measured rank count the table itself answers, between sizes by log-log interpolation
-    for b in sizes:
-        assert all_reduce_seconds(b, 2, link) == pytest.approx(measured[b])
-    mid = 2 * sizes[2]
-    assert measured[sizes[2]] < all_reduce_seconds(mid, 2, link) < measured[sizes[3]]
-    # past the largest size: that size's bandwidth; other rank counts: the fitted alpha-beta line
-    assert all_reduce_seconds(4 * sizes[-1], 2, link) == pytest.approx(4 * measured[sizes[-1]])
-    assert all_reduce_seconds(1e6, 4, link) == pytest.approx(1.5 * 1e6 / 2e9 + 6 * 50e-6)
+    assert link.call_s == pytest.approx(GLOO.call_s, rel=1e-6)
+    assert link.step_s == pytest.approx(GLOO.step_s, rel=1e-6)
+    assert link.bandwidth == pytest.approx(GLOO.bandwidth, rel=1e-6)
+    assert link.latency_s == pytest.approx(link.call_s + link.step_s)  # p2p / gather: one call of one message
+    for b in (16 * 1024, 3 << 20, 6 << 20, 48 << 20):  # never probed, both sides of the regime change
+        assert all_reduce_seconds(b, 2, link) == pytest.approx(all_reduce_seconds(b, 2, GLOO), rel=1e-6)
+
+
+BUFFERED = LinkSpec("gloo", bandwidth=1e9, latency_s=100e-6, step_s=100e-6, max_segment_bytes=1 << 20,
+                    buffer_bytes=128 << 10, buffered_bandwidth=4e9)
+
+
+def test_segment_bytes_past_the_socket_buffer_stream_at_the_other_rate():
+    kib = 1024
+    # 512 KiB at N = 2: 4 steps of 128 KiB, every byte into the buffer
+    assert ring_terms(512 * kib, 2, 1 << 20, 128 * kib) == (1.0, 4.0, 512 * kib, 0.0)
+    # 1 MiB: 4 steps of 256 KiB, half of each past the buffer
+    assert ring_terms(1 << 20, 2, 1 << 20, 128 * kib) == (1.0, 4.0, 512 * kib, 512 * kib)
+    assert all_reduce_seconds(512 * kib, 2, BUFFERED) == pytest.approx(4 * 100e-6 + 512 * kib / 4e9)
+    assert all_reduce_seconds(1 << 20, 2, BUFFERED) == pytest.approx(4 * 100e-6 + 512 * kib / 4e9 + 512 * kib / 1e9)
+    # no buffer modelled: every byte at `bandwidth` (the three-term ring)
+    assert ring_terms(1 << 20, 2, 1 << 20) == (1.0, 4.0, 0.0, float(1 << 20))
+    assert "128 KiB" in BUFFERED.describe()
+
+
+def test_fit_recovers_the_buffered_ring_from_the_probe_sizes():
+    probed = [8 * 1024 * 4 ** i for i in range(7)] + [64 << 20]
+    truth = dataclasses.replace(BUFFERED, call_s=200e-6)
+    link = fit_link({b: all_reduce_seconds(b, 2, truth) for b in probed}, ranks=2, buffer_bytes=128 << 10)
+    for field in ("call_s", "step_s", "bandwidth", "buffered_bandwidth"):
+        assert getattr(link, field) == pytest.approx(getattr(truth, field), rel=1e-6), field
+    for b in (16 * 1024, 256 * 1024, 1 << 20, 3 << 20, 48 << 20):
+        assert all_reduce_seconds(b, 2, link) == pytest.approx(all_reduce_seconds(b, 2, truth), rel=1e-6)
+
+
+def test_fit_keeps_every_term_non_negative():
+    # a pure straight line with a fixed cost: no per-step term to find; noise must not make one negative
+    sizes = [8 * 1024 * 4 ** i for i in range(7)] + [64 << 20]
+    line = {b: (1e-3 + b / 1e9) * (1 + (0.02 if i % 2 else -0.02)) for i, b in enumerate(sizes)}
+    link = fit_link(line, ranks=2)
+    assert link.call_s >= 0 and link.step_s >= 0 and link.bandwidth > 0
+    for b, t in line.items():
+        assert all_reduce_seconds(b, 2, link) == pytest.approx(t, rel=0.1)
+    # times falling with size: the fitted per-byte cost would be negative, which is refused
+    falling = {b: 2e-3 - i * 1e-4 for i, b in enumerate(sizes)}
+    with pytest.raises(InvalidParameterError, match="do not grow"):
+        fit_link(falling, 2)
 
 
 def test_fit_rejects_times_that_do_not_grow():
@@ -50,6 +113,11 @@ def test_fit_rejects_times_that_do_not_grow():
         fit_link({1024: 2e-3, 1 << 20: 1e-3}, 2)
 
 
+def test_link_rejects_negative_terms():
+    with pytest.raises(InvalidParameterError):
+        LinkSpec("bad", 1e9, 1e-6, step_s=-1e-6)
+
+
 def test_local_link_cache_round_trip(tmp_path):
     link = fit_link({8192: 1e-4, 1 << 20: 1e-3, 1 << 24: 2e-2}, 2)
     path = tmp_path / "link.json"
@@ -57,6 +125,10 @@ def test_local_link_cache_round_trip(tmp_path):
     assert cached_local_link("cpu A", path) == link
     assert cached_local_link("cpu B", path) is None
     assert "cpu A" in json.loads(path.read_text())
+    # an entry written by an older model (its measured table) is measured again, not misread
+    path.write_text(json.dumps({"cpu A": {"name": "local-gloo", "bandwidth": 1e9, "latency_s": 1e-4,
+                                          "all_reduce_table": [[8192, 1e-4]], "table_ranks": 2}}))
+    assert cached_local_link("cpu A", path) is None
 
 
 def test_step_comm_counts_the_collectives_of_a_tp_and_a_pp_step():

@@ -10,6 +10,25 @@ A tensor-parallel step (Megatron layout, parallel/tensor_parallel.py) all-reduce
 activations twice per layer (after attention, after the MLP), once more after the vocabulary-parallel
 embedding, and gathers the [B, V/Tp] logit shards; a pipeline-parallel step sends (h, residual)
 [2, T, Dm] from each stage to the next and the logits [B, V] (float32) back to rank 0.
+
+The local link (gloo between processes of one machine, measured by parallel/link_probe.py) is not an
+alpha-beta line: torch's ProcessGroupGloo runs gloo's ring all-reduce (gloo/allreduce.cc, `ring`), which
+cuts the buffer into S = roundUp(max(ceil(B / 1 MiB), 2N), N) segments (gloo's kMaxSegmentSize is 1 MiB;
+at least two segments per rank so that one is in flight while the other is reduced) and runs
+S - S/N steps of reduce-scatter then as many of all-gather, each step one segment sent to one
+neighbour while one arrives from the other. Over TCP (gloo's transport between local processes) a
+segment's first bytes, up to the socket's receive buffer C, are written without waiting for the peer;
+the rest wait for it to read. So with
+steps = 2 (S - S/N) and seg = 2 (N-1)/N x B / steps bytes per step, its time is
+    call_s + steps x step_s + steps x min(seg, C) / buffered_bandwidth + steps x max(0, seg - C) / bandwidth
+call_s: once per all-reduce (the process group's worker thread taking the work and handing it back);
+step_s: per ring step (system calls, the transport thread's wake-up on the arriving segment);
+buffered_bandwidth: the bytes that go into the socket buffer (copies, the reduction); bandwidth: the
+bytes streamed while the peer drains it. Two regime changes: up to 2N MiB (4 MiB at N = 2) every
+all-reduce takes 4(N-1) steps whatever its size, above it one more per MiB and phase; segments up to
+C (128 KiB here: all-reduces up to 4C at N = 2) never wait on the peer's reads. The probe reads C
+from the kernel (parallel/link_probe.socket_buffer_bytes) and fits the four rates to its measured
+sizes (fit_link); the datasheet links keep the alpha-beta formula above.
 """
 
 from __future__ import annotations
@@ -26,43 +45,37 @@ from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError
 
 LOCAL_GLOO = "local-gloo"  # the link the local probe measures (parallel/link_probe.py)
+GLOO_MAX_SEGMENT_BYTES = 1 << 20  # gloo's AllreduceOptionsImpl::kMaxSegmentSize (ProcessGroupGloo keeps it)
 
 
 @dataclass(frozen=True)
 class LinkSpec:
     name: str
     bandwidth: float  # bytes/s, per rank, per direction
-    latency_s: float  # per hop
+    latency_s: float  # per hop (a measured gloo link: one collective of one message, call_s + step_s)
     source: str = ""
     notes: str = ""
-    # measured all-reduce times ((bytes, seconds), ...) over `table_ranks` ranks, ascending: used in
-    # place of the alpha-beta formula at that rank count (log-log interpolation between sizes), since a
-    # CPU's all-reduce is not one straight line (in-cache sizes reduce several times faster)
-    all_reduce_table: tuple = ()
-    table_ranks: int = 0
+    # a measured gloo link (max_segment_bytes > 0): its all-reduce is gloo's segmented ring (the module
+    # docstring), at any rank count; 0: a datasheet link, the alpha-beta ring
+    call_s: float = 0.0  # per all-reduce
+    step_s: float = 0.0  # per ring step (one segment out to one neighbour, one in from the other)
+    max_segment_bytes: int = 0
+    buffer_bytes: int = 0  # C: a segment's bytes up to it go into the socket buffer (0: none modelled)
+    buffered_bandwidth: float = 0.0  # of those bytes (0: free, the fit found no cost)
 
     def __post_init__(self):
-        if self.bandwidth <= 0 or self.latency_s < 0:
-            raise InvalidParameterError("link", f"{self.name}: bandwidth must be > 0 and latency >= 0")
-        sizes = [b for b, _ in self.all_reduce_table]
-        if sizes != sorted(sizes) or any(t <= 0 or b <= 0 for b, t in self.all_reduce_table):
-            raise InvalidParameterError("link", f"{self.name}: all_reduce_table must be ascending positive pairs")
+        if self.bandwidth <= 0 or min(self.latency_s, self.call_s, self.step_s, self.max_segment_bytes,
+                                      self.buffer_bytes, self.buffered_bandwidth) < 0:
+            raise InvalidParameterError("link", f"{self.name}: bandwidth must be > 0, latencies and the segment >= 0")
 
-    def table_seconds(self, num_bytes: float):
-        """The measured all-reduce time at num_bytes (interpolated log-log; past the largest size at its
-        bandwidth, below the smallest its time), or None without a table."""
-        pts = self.all_reduce_table
-        if not pts:
-            return None
-        if num_bytes <= pts[0][0]:
-            return float(pts[0][1])
-        if num_bytes >= pts[-1][0]:
-            return float(pts[-1][1] * num_bytes / pts[-1][0])
-        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
-            if b0 <= num_bytes <= b1:
-                f = math.log(num_bytes / b0) / math.log(b1 / b0)
-                return float(math.exp(math.log(t0) + f * (math.log(t1) - math.log(t0))))
-        return None
+    def describe(self) -> str:
+        """One line: the link's terms."""
+        if self.max_segment_bytes:
+            buffered = f"{self.buffered_bandwidth / 1e9:.2f} GB/s" if self.buffered_bandwidth else "free"
+            return (f"{self.name}: gloo ring, {self.call_s * 1e6:.0f} us per all-reduce + {self.step_s * 1e6:.0f} us "
+                    f"per step; a segment's first {self.buffer_bytes // 1024} KiB {buffered}, the rest "
+                    f"{self.bandwidth / 1e9:.2f} GB/s")
+        return f"{self.name}: {self.bandwidth / 1e9:.3g} GB/s, {self.latency_s * 1e6:.3g} us per hop"
 
 
 LINKS = {link.name: link for link in [
@@ -83,12 +96,33 @@ DEFAULT_LINK = {"H100-SXM": "nvlink4", "H200": "nvlink4", "A100-80GB": "nvlink4"
                 "H100-PCIe": "pcie5", "L4": "pcie4", "L40S": "pcie4", "RTX-4090": "pcie4", "MI300X": "pcie5"}
 
 
+def ring_steps(num_bytes: float, ranks: int, max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES,
+               element_bytes: int = 4) -> int:
+    """The steps of one phase (reduce-scatter, or all-gather) of gloo's ring all-reduce of num_bytes over
+    `ranks`: S - S/N for its S = roundUp(max(ceil(B / max segment), 2N), N) segments."""
+    max_seg = element_bytes * max(1, max_segment_bytes // element_bytes)
+    n = -(-max(-(-int(num_bytes) // max_seg), 2 * ranks) // ranks) * ranks
+    return n - n // ranks
+
+
+def ring_terms(num_bytes: float, ranks: int, max_segment_bytes: int, buffer_bytes: int = 0) -> tuple:
+    """(1, ring steps, bytes buffered, bytes streamed) of one rank's all-reduce: what call_s, step_s,
+    1 / buffered_bandwidth and 1 / bandwidth multiply (the fit's columns and the prediction's)."""
+    steps = 2.0 * ring_steps(num_bytes, ranks, max_segment_bytes)
+    sent = 2 * (ranks - 1) / ranks * num_bytes
+    buffered = steps * min(sent / steps, buffer_bytes)
+    return 1.0, steps, buffered, sent - buffered
+
+
 def all_reduce_seconds(num_bytes: float, ranks: int, link: LinkSpec) -> float:
-    """Ring all-reduce of num_bytes over `ranks` (0 for one rank)."""
+    """Ring all-reduce of num_bytes over `ranks` (0 for one rank): gloo's segmented ring on a measured
+    link, the alpha-beta ring on a datasheet one."""
     if ranks <= 1 or num_bytes <= 0:
         return 0.0
-    if link.all_reduce_table and ranks == link.table_ranks:
-        return link.table_seconds(num_bytes)
+    if link.max_segment_bytes:
+        one, steps, buffered, streamed = ring_terms(num_bytes, ranks, link.max_segment_bytes, link.buffer_bytes)
+        return (one * link.call_s + steps * link.step_s + streamed / link.bandwidth
+                + (buffered / link.buffered_bandwidth if link.buffered_bandwidth else 0.0))
     return 2 * (ranks - 1) / ranks * num_bytes / link.bandwidth + 2 * (ranks - 1) * link.latency_s
 
 
@@ -145,28 +179,52 @@ def get_link(name: str, local: "LinkSpec | None" = None) -> LinkSpec:
     return LINKS[name]
 
 
-def fit_link(measured: dict, ranks: int, name: str = LOCAL_GLOO, source: str = "") -> LinkSpec:
-    """The (latency, bandwidth) that best fit measured all-reduce times {bytes: seconds} over `ranks`
-    in relative error (a least-squares fit weighted by 1/t^2, so that 8 KiB counts as much as 64 MiB),
-    keeping the measured table itself for `ranks` ranks (LinkSpec.all_reduce_table)."""
+def fit_link(measured: dict, ranks: int, name: str = LOCAL_GLOO, source: str = "",
+             max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES, buffer_bytes: int = 0) -> LinkSpec:
+    """The gloo ring's (call_s, step_s, buffered_bandwidth, bandwidth) that best fit measured all-reduce
+    times {bytes: seconds} over `ranks` with the socket buffer `buffer_bytes` (0: one rate for every
+    byte), in relative error (least squares weighted by 1/t^2, so that 8 KiB counts as much as 64 MiB);
+    a term the data would make negative is dropped (zero) and the others refitted."""
     pts = sorted((float(b), float(t)) for b, t in measured.items() if t > 0)
     if len(pts) < 2:
         raise InvalidParameterError("link", "fitting a link needs all-reduce times at two sizes or more")
-    f = 2 * (ranks - 1) / ranks
-    # t = a * h + c * x with h = 2(N-1) hops, x = f * bytes; minimise sum ((a h + c x - t) / t)^2
-    rows = [(2 * (ranks - 1) / t, f * b / t, 1.0) for b, t in pts]
-    s11 = sum(r[0] * r[0] for r in rows)
-    s12 = sum(r[0] * r[1] for r in rows)
-    s22 = sum(r[1] * r[1] for r in rows)
-    y1 = sum(r[0] for r in rows)
-    y2 = sum(r[1] for r in rows)
-    det = s11 * s22 - s12 * s12
-    lat = max(0.0, (y1 * s22 - y2 * s12) / det)
-    inv_bw = (s11 * y2 - s12 * y1) / det
-    if inv_bw <= 0:
-        raise InvalidParameterError("link", f"all-reduce times do not grow with size: {pts}")
-    return LinkSpec(name, 1.0 / inv_bw, lat, source or f"fitted to {len(pts)} measured all-reduce sizes",
-                    all_reduce_table=tuple(pts), table_ranks=ranks)
+    rows = [[x / t for x in ring_terms(b, ranks, max_segment_bytes, buffer_bytes)] for b, t in pts]  # relative
+    free = [0, 1, 2, 3] if buffer_bytes else [0, 1, 3]  # call_s, step_s, 1 / buffered_bandwidth, 1 / bandwidth
+    while True:
+        coef = _least_squares([[r[j] for j in free] for r in rows], [1.0] * len(rows))
+        if coef is None:  # dependent columns (e.g. every size below 2N MiB: as many steps each)
+            free.remove(next(j for j in (2, 1, 0) if j in free))
+            continue
+        full = dict(zip(free, coef))
+        if full[3] <= 0:
+            raise InvalidParameterError("link", f"all-reduce times do not grow with size: {pts}")
+        if all(c >= 0 for c in coef):
+            break
+        free.remove(min((j for j in free if j != 3), key=full.get))  # the most negative other term
+    call_s, step_s, inv_buffered = full.get(0, 0.0), full.get(1, 0.0), full.get(2, 0.0)
+    return LinkSpec(name, 1.0 / full[3], call_s + step_s, source or f"fitted to {len(pts)} measured all-reduce sizes",
+                    call_s=call_s, step_s=step_s, max_segment_bytes=max_segment_bytes, buffer_bytes=buffer_bytes,
+                    buffered_bandwidth=1.0 / inv_buffered if inv_buffered > 0 else 0.0)
+
+
+def _least_squares(rows: list, y: list):
+    """x minimising sum (row . x - y)^2, or None where the columns are (nearly) dependent: the normal
+    equations of the columns scaled to unit norm (seconds and bytes differ by ten orders), solved by
+    Gaussian elimination."""
+    n = len(rows[0])
+    norm = [math.sqrt(sum(r[j] ** 2 for r in rows)) or 1.0 for j in range(n)]
+    z = [[r[j] / norm[j] for j in range(n)] for r in rows]
+    a = [[sum(r[i] * r[j] for r in z) for j in range(n)] + [sum(r[i] * v for r, v in zip(z, y))] for i in range(n)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda i: abs(a[i][c]))
+        if abs(a[p][c]) < 1e-9:
+            return None
+        a[c], a[p] = a[p], a[c]
+        for i in range(n):
+            if i != c:
+                f = a[i][c] / a[c][c]
+                a[i] = [u - f * v for u, v in zip(a[i], a[c])]
+    return [a[j][n] / a[j][j] / norm[j] for j in range(n)]
 
 
 def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
@@ -194,7 +252,10 @@ def cached_local_link(key: str, path: Optional[Path] = None) -> Optional[LinkSpe
         return None
     if not entry:
         return None
-    return LinkSpec(**{**entry, "all_reduce_table": tuple(tuple(p) for p in entry["all_reduce_table"])})
+    try:  # an entry of an older model (another set of terms) is re-measured, not misread
+        return LinkSpec(**entry)
+    except (TypeError, InvalidParameterError):
+        return None
 
 
 def save_local_link(key: str, link: LinkSpec, path: Optional[Path] = None) -> None:

@@ -15,15 +15,15 @@ from typing import Optional
 
 import torch
 
-from servescope.analysis.collectives import (DEFAULT_LINK, LOCAL_GLOO, LinkSpec, cached_local_link, fit_link,
-                                             get_link, save_local_link)
+from servescope.analysis.collectives import (DEFAULT_LINK, LOCAL_GLOO, LinkSpec, cached_local_link, get_link,
+                                             save_local_link)
 from servescope.analysis.hardware import LOCAL_CPU, HardwareSpec, canonical_hardware_name, get_hardware
 from servescope.analysis.probe import EngineMeasurers, cpu_model, probe_local_hardware
 from servescope.engine.overhead import measure_host_overhead
 from servescope.errors import InvalidParameterError
 from servescope.kernels import cpu_ops
 from servescope.kernels.kernel_probe import measure_decode_attention_flops, measure_linear_rates
-from servescope.parallel.link_probe import measure_all_reduce
+from servescope.parallel.link_probe import fit_local_link, measure_all_reduce
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def local_gloo_link(measure: bool = True, force: bool = False) -> Optional[LinkS
     key = local_link_key()
     link = None if force else cached_local_link(key)
     if link is None and measure:
-        link = fit_link(measure_all_reduce(), ranks=2, source=f"measured here: gloo, 2 processes ({key})")
+        link = fit_local_link(measure_all_reduce(), source=f"measured here: gloo, 2 processes ({key})")
         save_local_link(key, link)
     return link
 

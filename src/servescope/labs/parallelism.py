@@ -133,16 +133,15 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     pipe_rows = [list(r) for r in predicted_70b_pipeline(16)]
     summary = {"measured_step_s": {_label(k): v for k, v in measured.items()}, "skipped": skipped,
                "comm_share": comm_share,
-               "local_link": {"bandwidth": link.bandwidth, "latency_s": link.latency_s,
-                              "all_reduce_table": link.all_reduce_table},
+               "local_link": {"bandwidth": link.bandwidth, "latency_s": link.latency_s, "call_s": link.call_s,
+                              "step_s": link.step_s, "max_segment_bytes": link.max_segment_bytes},
                "llama_3_70b_pipeline_predicted_ms": {f"pp{r[0]} mb{r[1]}": r[2:] for r in pipe_rows},
                "llama_3_70b_predicted_ms": {f"b{b} {hw}/{link} tp{tp}": v for b, c in curves.items()
                                             for (hw, link), by_tp in c.items() for tp, v in by_tp.items()}}
     sections = [
         ("Setup", (context if measured else "") + f"\n\nEach layout: {PROMPT_LEN}-token random prompts, "
          f"batch 1 and 8, {DECODE_STEPS + 1} output tokens, one thread per process (the 1x1 baseline is one "
-         f"process with one thread). Local gloo link (fitted): {link.bandwidth / 1e9:.2f} GB/s, "
-         f"{link.latency_s * 1e6:.0f} us per hop; predictions use its measured all-reduce table."
+         f"process with one thread). Local link (fitted to the probe's all-reduce times): {link.describe()}."
          + ("\n\nNot run: " + "; ".join(skipped) if skipped else "")),
         ("Measured here (gloo) beside predicted", md_table(
             ["TP x PP", "step", "steps", "measured ms", "in collectives ms", "compute ms", "predicted ms",

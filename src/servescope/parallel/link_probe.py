@@ -1,5 +1,7 @@
 """Measure this machine's gloo all-reduce between local processes (the link of a CPU-parallel
-engine): median seconds per size, from two processes on localhost, one thread each."""
+engine): seconds per size, from two processes on localhost, one thread each. The engine's probe
+(engine/local_hardware.local_gloo_link) measures PROBE_SIZES and fits gloo's ring to them
+(analysis/collectives.fit_link); a few seconds, most of it the two processes starting."""
 
 from __future__ import annotations
 
@@ -11,12 +13,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from servescope.analysis.collectives import LinkSpec, fit_link
 from servescope.parallel.groups import free_port
 
 DEFAULT_SIZES = tuple(8 * 1024 * 4 ** i for i in range(7))  # 8 KiB ... 32 MiB
 SIZES_TO_64M = DEFAULT_SIZES + (64 * 2 ** 20,)
-PROBE_SIZES = SIZES_TO_64M  # what `hardware probe-link` (the engine's cached local link) measures
-WARM_UP = 3  # all-reduces per size before any is timed: connections, buffers, page faults
+PROBE_SIZES = SIZES_TO_64M  # what the engine's probe of its local link measures
+WARM_UP = 3  # timed all-reduces per size before the samples (after one untimed)
+SAMPLE_S = 20e-3  # one sample: this long of back-to-back all-reduces of one size
+MAX_REPS = 200
 
 
 def _rank(rank: int, world: int, port: int, sizes: tuple, runs: int, out) -> None:
@@ -25,12 +30,19 @@ def _rank(rank: int, world: int, port: int, sizes: tuple, runs: int, out) -> Non
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     # zeros: repeated sums of ones would reach inf after ~128 rounds
     bufs = {size: torch.zeros(size // 4, dtype=torch.float32) for size in sizes}
-    for buf in bufs.values():
+    warm = torch.zeros(len(sizes), dtype=torch.float64)  # seconds per all-reduce in the warm-up
+    for i, buf in enumerate(bufs.values()):
+        dist.all_reduce(buf)  # connections, buffers, page faults
+        t0 = time.perf_counter()
         for _ in range(WARM_UP):
             dist.all_reduce(buf)
-    # back-to-back repeats per sample (at least ~20 ms of them), as the engine issues them: one
-    # all-reduce alone on a shared machine mostly times the scheduler's wake-up of the peer
-    reps = {size: max(1, min(200, int(20e-3 / (50e-6 + size / 1e9)))) for size in sizes}
+        warm[i] = (time.perf_counter() - t0) / WARM_UP
+    # back-to-back repeats per sample (~SAMPLE_S of them), as the engine issues them: one all-reduce
+    # alone on a shared machine mostly times the scheduler's wake-up of the peer. Sized from the
+    # warm-up (the slower rank's: both must issue as many), not from a guessed speed, so that a
+    # slow link does not make the probe minutes long
+    dist.all_reduce(warm, op=dist.ReduceOp.MAX)
+    reps = {size: max(1, min(MAX_REPS, int(SAMPLE_S / float(t)))) for size, t in zip(sizes, warm)}
     times = {size: [] for size in sizes}
     for _ in range(runs):  # rounds over every size: a noisy moment spreads over all of them
         for size, buf in bufs.items():
@@ -68,3 +80,18 @@ def measure_all_reduce(sizes: tuple = SIZES_TO_64M, runs: int = 15, world: int =
     pick = {"quartile": lambda ts: statistics.quantiles(ts, n=4)[0] if len(ts) > 1 else ts[0],
             "median": statistics.median, "min": min}[statistic]
     return {size: pick(ts) for size, ts in result.items()}
+
+
+def socket_buffer_bytes(path: str = "/proc/sys/net/ipv4/tcp_rmem") -> int:
+    """The receive buffer a new TCP socket starts with here (net.ipv4.tcp_rmem's default: the bytes
+    gloo's sender writes before it waits for the peer to read), 0 where the kernel does not say."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def fit_local_link(measured: dict, source: str = "") -> LinkSpec:
+    """The local gloo link fitted to all-reduce times {bytes: seconds} of two processes."""
+    return fit_link(measured, ranks=2, source=source, buffer_bytes=socket_buffer_bytes())
