@@ -2,8 +2,9 @@
 
 Serving: `servescope bench serve` (the same load client, prompts and lengths for both) against
 `servescope serve` and `llama-server -np SLOTS --cont-batching` on the same GGUF file (llama.cpp runs
-its own Q4_1 weights; ours are dequantised to --dtype), the same thread count, in interleaved rounds
-(ours, llama.cpp, ours, llama.cpp, ...) because the machine's speed moves between minutes.
+its own Q4_1 weights; ours are dequantised to --dtype, or with --quantization gguf run those same
+blocks), the same thread count, in interleaved rounds (ours, llama.cpp, ours, llama.cpp, ...) because
+the machine's speed moves between minutes.
 Single stream: `llama-bench -p 512 -n 128` (pp512, tg128).
 
     python benchmarks/llama_cpp_baseline.py --threads 2 --rounds 2 --json benchmarks/results/llama_cpp.json
@@ -43,6 +44,8 @@ def bench_serve(base_url: str, args, out_json: str) -> dict:
 def our_server(args, port: int, log):
     cmd = [sys.executable, "-m", "servescope.cli", "serve", "--port", str(port), "--dtype", args.dtype,
            "--threads", str(args.threads), "--max-num-seqs", str(max(args.concurrency, 8))]
+    if args.quantization:
+        cmd += ["--quantization", args.quantization]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", proc, 900, "servescope serve")  # may compile the kernels
@@ -79,6 +82,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2 Q4_1)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default=None,
+                    help="our server's weights: e.g. gguf (the file's own Q4_1 blocks, llama.cpp's format), int8")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--num-prompts", type=int, default=32)
