@@ -18,12 +18,15 @@ from servescope.kernels import cpu_ops
 logger = logging.getLogger(__name__)
 
 # Up to how many rows (tokens) the GEMV beats oneDNN's GEMM on prepacked weights, by weight dtype
-# (measured on a 2-core AVX-512 machine over the 30 layers of SmolLM2, cold cache; see
+# (measured over the 30 layers of SmolLM2, cold cache, 2 threads; benchmarks/gemv_rows.py, see
 # docs/BENCHMARKS.md): the GEMV streams the weights at ~85% of a plain read, but its work grows
-# with the rows while oneDNN's blocked kernel stays near the weight-read time up to M ~ 8 (float32:
-# 16.9 / 18.2 / 20.6 ms at M = 1 / 2 / 3 vs oneDNN 24.1 / 26.1 / 19.6; bfloat16: 8.7 / 13.1 / 16.9 vs
-# 18.0 / ~17 / ~16.5). int8 has no fast eager kernel for float32 activations.
-MAX_ROWS = {torch.float32: 2, torch.bfloat16: 3, torch.int8: 16}
+# with the rows while oneDNN's blocked kernel stays near the weight-read time up to M ~ 8.
+# Xeon with AMX (the first measurement): float32 16.9 / 18.2 / 20.6 ms at M = 1 / 2 / 3 vs oneDNN 24.1 / 26.1 /
+# 19.6; bfloat16 8.7 / 13.1 / 16.9 vs 18.0 / ~17 / ~16.5. EPYC Zen 4 (2026-12-02, the four-row block
+# GEMV): float32 16.8 / 21.9 / 27.8 vs 25.1 / 31.8 / 26.6; bfloat16 8.2 / 17.0 / 17.6 vs 14.2 / 14.1 /
+# 13.9 (oneDNN's bf16 dot products there). bfloat16 stops at 2: right on the Xeon, 20% slow at M = 2 on
+# the Zen 4. int8 has no fast eager kernel for float32 activations.
+MAX_ROWS = {torch.float32: 2, torch.bfloat16: 2, torch.int8: 16}
 _EXT = cpu_ops._EXT
 _EMPTY = torch.empty(0)
 load = _EXT.load  # the compiled module, or None (see cpu_extension.py)
