@@ -152,7 +152,16 @@ inline void qdot_chunks(const QMatrix& q, const QActs& a, int64_t m0, int64_t r0
   vf tot[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int s = 0; s < NR; ++s) tot[m][s] = acc[m][s];
+  // Software prefetch: each weight stream 512 bytes ahead, and the scales of each stream's next row when
+  // a row starts (5-8% off the step's GEMVs at 2 threads in medians of 7 interleaved runs, shared machine)
+  const int64_t next = (rs == 1 ? NR : 1) * nb * S;
+  if (c0 == 0)
+    for (int s = 0; s < NR; ++s) {
+      __builtin_prefetch(sr[s] + next, 0, 3);
+      __builtin_prefetch(sr[s] + next + 32, 0, 3);
+    }
   for (int64_t c = c0; c < c1; ++c) {
+    for (int s = 0; s < NR; ++s) __builtin_prefetch(wr[s] + c * C::BYTES + 512, 0, 3);
     if constexpr (MR == 1) {
       for (int s = 0; s < NR; ++s) {
         vb lo, hi;
