@@ -19,6 +19,12 @@
 //  - int8: a chunk is 4W consecutive weights, stored in plain order; lane i covers k = 4i..4i+3 of the
 //    chunk, block (c * 4W + 4i) / 32 (LPB = 8; on NEON, W = 4, a block spans two chunks).
 // Only group-32 scales (every GGUF block type, int4 / int8-g32) come here; other groups take quant_gemv.h.
+//
+// Memory, not arithmetic, bounds it at decode sizes (benchmarks/quant_gemv_profile.py): with its weights
+// hot it runs 1.5-3x faster than over a step's cold weights. So one row of x reads 4 weight rows from
+// the four quarters of the thread's range (four long sequential streams the prefetchers follow, helped by
+// a software prefetch), the sums stay in registers for a row's chunks, and every whole chunk is read
+// with constant masks (only a row's last chunk may be partial).
 #pragma once
 
 #include "quant_gemv.h"
