@@ -56,11 +56,31 @@ static int check(std::mt19937& g, bool i4, bool asym, int64_t N, int64_t kp, int
   return bad;
 }
 
+// The activation rounding itself: ties go to even (as std::lrint, torch.round and the kernel's reference
+// in quant_linear.gemv_activations), values clamp to +-127, and the sum is the int8 values' sum.
+static int check_rounding() {
+  const float vals[8] = {0.5f, 1.5f, 2.5f, -0.5f, -1.5f, -2.5f, 3.5f, 130.f};  // 130: clamps to 127
+  const int expect[8] = {0, 2, 2, 0, -2, -2, 4, 127};
+  float x[32];
+  int8_t q[32];
+  int bad = 0, ref = 0;
+  for (int k = 0; k < 32; ++k) x[k] = vals[k % 8] * (k >= 16 && k % 8 == 7 ? -1.f : 1.f);
+  const int32_t sum = round_i8x32(x, 1.f, q);
+  for (int k = 0; k < 32; ++k) {
+    const int e = expect[k % 8] * (k >= 16 && k % 8 == 7 ? -1 : 1);
+    ref += e;
+    if (q[k] != e) ++bad;
+  }
+  if (sum != ref || absmax32(x) != 130.f) ++bad;
+  if (bad) printf("rounding: bad=%d\n", bad);
+  return bad;
+}
+
 int main() {
   std::mt19937 g(1);
-  int bad = 0;
+  int bad = check_rounding();
   // (rows, padded K, rows of x): whole and partial chunks of every ISA's vector, 1..4 and 5 (two tiles) rows of x
-  const int64_t shapes[][3] = {{7, 128, 3}, {5, 96, 1}, {9, 32, 5}, {6, 576, 2}};
+  const int64_t shapes[][3] = {{7, 128, 3}, {5, 96, 1}, {9, 32, 5}, {6, 576, 2}, {13, 1536, 1}, {10, 160, 4}};
   for (int i4 = 0; i4 < 2; ++i4)
     for (int asym = 0; asym < 2; ++asym)
       for (const auto& sh : shapes)

@@ -63,6 +63,34 @@ def test_gemv_and_dequantize_match_float64_reference(scheme):
         assert torch.allclose(y0.double(), ref - b.double(), atol=1e-4, rtol=1e-5)
 
 
+def _one_hot_packed(bits: int, asym: bool, k: int) -> tuple:
+    """The identity [k, k] in the packed group-32 form, scale 1 (offset 0), built from its integers."""
+    eye = torch.eye(k, dtype=torch.int16)
+    if bits == 4:
+        packed = ql._pack_nibbles((eye if asym else eye + 8).to(torch.uint8))  # symmetric: d * (u - 8)
+    else:
+        packed = eye.to(torch.int8)
+    scales = torch.ones(k, k // 32, *((2,) if asym else ()), dtype=torch.float16)
+    if asym:
+        scales[..., 1] = 0
+    return packed, scales
+
+
+@pytest.mark.parametrize("bits, asym", [(4, False), (4, True), (8, False), (8, True)])
+def test_gemv_rounds_activation_ties_to_even(bits, asym):
+    """One-hot weights make y the GEMV's int8 activations times their block scale: ties x / d = k + 1/2
+    go to the even k (the rounding gemv_activations models), a zero block gives zeros, not NaN."""
+    mod = _ext()
+    ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 127.0])  # amax 127: d = 1 exactly
+    x = torch.cat([ties.repeat(4), torch.zeros(32), 2 * ties.repeat(4)])[None]  # blocks: d = 1, zero, d = 2
+    expect = torch.tensor([0.0, 2, 2, 0, -2, -2, 4, 127])
+    expect = torch.cat([expect.repeat(4), torch.zeros(32), 2 * expect.repeat(4)])[None]
+    packed, scales = _one_hot_packed(bits, asym, 96)
+    assert torch.equal(ql.dequantize(packed, scales, 96), torch.eye(96))
+    assert torch.equal(mod.quant_gemv(x, packed, scales, torch.empty(0)), expect)
+    assert torch.equal(ql.gemv_activations(x, 96, 32)[0].float(), expect)  # the tests' reference agrees
+
+
 @pytest.mark.parametrize("rows", [1, 4, ql.MAX_ROWS + 5])  # the GEMV, and the dequantise + GEMM path
 def test_quant_linear_module_paths(rows):
     torch.manual_seed(2)

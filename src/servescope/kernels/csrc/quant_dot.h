@@ -7,7 +7,8 @@
 // (quant_gemv.h), which was compute-bound at 2 threads; this one is bound by the bytes it reads.
 //
 // Result: y[m, n] = sum over blocks b of  dw[n, b] * dx[m, b] * (sum_k u[n, k] q[m, k]  - 8 sum_k q[m, k])
-// (symmetric int4; asymmetric adds m[n, b] * dx[m, b] * sum_k q[m, k]; int8 has no offset term), i.e.
+// (symmetric int4; asymmetric adds m[n, b] * dx[m, b] * sum_k q[m, k]; int8 has no offset term beyond
+// the -128 sum_k q[m, k] that undoes the VNNI path's unsigned weights), i.e.
 // exactly the dequantised weight times the dequantised int8 activations, up to float32 rounding. The
 // activations' own rounding, at most dx / 2 per element, is the only error beside the weights'.
 //
@@ -18,6 +19,12 @@
 //  - int8: a chunk is 4W consecutive weights, stored in plain order; lane i covers k = 4i..4i+3 of the
 //    chunk, block (c * 4W + 4i) / 32 (LPB = 8; on NEON, W = 4, a block spans two chunks).
 // Only group-32 scales (every GGUF block type, int4 / int8-g32) come here; other groups take quant_gemv.h.
+//
+// Memory, not arithmetic, bounds it at decode sizes (benchmarks/quant_gemv_profile.py): with its weights
+// hot it runs 1.5-3x faster than over a step's cold weights. So one row of x reads 4 weight rows from
+// the four quarters of the thread's range (four long sequential streams the prefetchers follow, helped by
+// a software prefetch), the sums stay in registers for a row's chunks, and every whole chunk is read
+// with constant masks (only a row's last chunk may be partial).
 #pragma once
 
 #include "quant_gemv.h"
@@ -35,8 +42,11 @@ struct Chunk {
 };
 
 // The activation rows quantised for one call: per row m and chunk c, the int8 values (in the chunk's
-// layout), and per lane the block's scale dx, dx * sum(q) / LPB (asymmetric offsets) and, in each block's
-// first lane, -8 * sum(q) (symmetric int4's offset, folded into the int32 sum).
+// layout), and per int32 lane the block's scale dx, dx * sum(q) / LPB (asymmetric offsets) and the
+// offset folded into the lane's int32 sum over its own bytes: -8 * sum(q) for symmetric int4's u - 8,
+// -kS8Bias * sum(q) for int8, whose dot product adds kS8Bias * sum(q) where it runs on VNNI (simd.h).
+// Per lane, so that each lane's int32 is the exact sum of its products and the float sums that
+// follow see the same magnitudes as without an offset.
 struct QActs {
   int64_t chunks = 0;
   std::vector<int8_t> q;
@@ -44,7 +54,7 @@ struct QActs {
   std::vector<int32_t> corr;
 };
 
-// x [M, kp] float32 (kp a multiple of 32, zeros past K) -> a
+// x [M, kp] float32 (kp a multiple of 32, zeros past K) -> a (its buffers keep their capacity between calls)
 template <bool I4>
 inline void quantize_acts(const float* x, int64_t M, int64_t kp, QActs& a) {
   using C = Chunk<I4>;
@@ -57,101 +67,165 @@ inline void quantize_acts(const float* x, int64_t M, int64_t kp, QActs& a) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + m * kp + b * 32;
-      float amax = 0.f;
-      for (int k = 0; k < 32; ++k) amax = std::max(amax, std::abs(xb[k]));
-      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-      int32_t sum = 0;
+      const float d = absmax32(xb) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
       int8_t qb[32];
-      for (int k = 0; k < 32; ++k) {
-        qb[k] = (int8_t)std::max(-127L, std::min(127L, std::lrint(xb[k] * id)));
-        sum += qb[k];
-      }
-      int64_t c = 0, lane0 = 0;  // the block's chunk and first lane (int4)
-      int8_t* dst;
+      const int32_t sum = round_i8x32(xb, id, qb);
+      int64_t first;  // the block's first lane (flat over rows and chunks)
       if constexpr (I4) {
-        c = b / (W / 4), lane0 = (b % (W / 4)) * 4;
-        dst = a.q.data() + (m * nc + c) * C::QBYTES + (b % (W / 4)) * 16;
+        const int64_t c = b / (W / 4);
+        int8_t* dst = a.q.data() + (m * nc + c) * C::QBYTES + (b % (W / 4)) * 16;
         std::memcpy(dst, qb, 16);
         std::memcpy(dst + C::BYTES, qb + 16, 16);
+        first = (m * nc + c) * W + (b % (W / 4)) * 4;
       } else {
-        dst = a.q.data() + m * nc * C::QBYTES + b * 32;
-        std::memcpy(dst, qb, 32);
+        std::memcpy(a.q.data() + m * nc * C::QBYTES + b * 32, qb, 32);
+        first = m * nc * W + b * 8;  // 8 lanes, on NEON (W = 4) over two chunks
       }
-      for (int64_t l = 0; l < 8; ++l) {  // the block's lanes: 4 (int4) or 8 (int8, maybe over two chunks)
-        const int64_t flat = I4 ? (m * nc + c) * W + lane0 + l : m * nc * W + b * 8 + l;
-        if (I4 && l >= 4) break;
-        a.dx[flat] = d;
-        a.sx[flat] = d * (float)sum / C::LPB;
-        if (l == 0) a.corr[flat] = -8 * sum;
+      for (int64_t l = first; l < first + C::LPB; ++l) {
+        a.dx[l] = d;
+        a.sx[l] = d * (float)sum / C::LPB;
       }
     }
+  constexpr int32_t off = I4 ? 8 : kS8Bias;
+  if (off == 0) return;
+  for (int64_t l = 0; l < M * nc * W; ++l) {  // lane l of chunk l / W: bytes 4 (l % W).. of each of its halves
+    const int8_t* p = a.q.data() + (l / W) * C::QBYTES + (l % W) * 4;
+    int32_t s = p[0] + p[1] + p[2] + p[3];
+    if constexpr (I4) s += p[C::BYTES] + p[C::BYTES + 1] + p[C::BYTES + 2] + p[C::BYTES + 3];
+    a.corr[l] = -off * s;
+  }
 }
 
-// y[m * ldy + r] for activation rows m0 .. m0 + MR of a against NR weight rows r0.. (group-32 scales)
-template <bool I4, bool ASYM, int MR, int NR>
-inline void qdot_rows(const QMatrix& q, const QActs& a, int64_t m0, int64_t r0, float* y, int64_t ldy) {
+// One weight row's chunk c (w, sc: the row's bytes and scales): its bytes as the dot products' operands
+// (lo, and hi for int4) and its block scales spread over the lanes. FULL: the chunk lies wholly inside
+// the row (constant masks), else the row's last, partial chunk.
+template <bool I4, bool ASYM, bool FULL>
+inline void weight_chunk(const uint8_t* w, const uint16_t* sc, int64_t rb, int64_t nb, int64_t c, vb& lo, vb& hi,
+                         vf* out) {
+  using C = Chunk<I4>;
+  constexpr int B = W / C::LPB > 0 ? W / C::LPB : 1;  // blocks per chunk (NEON int8: half a block, B unused)
+  const int64_t b0 = c * C::K / 32;
+  const vb raw = FULL ? loadb(w + c * C::BYTES) : loadbn(w + c * C::BYTES, rb - c * C::BYTES);
+  if constexpr (I4) {
+    lo = low_nibbles(raw);
+    hi = high_nibbles(raw);
+  } else {
+    lo = hi = raw;  // (hi unused)
+  }
+  half_lanes<C::LPB, ASYM ? 2 : 1>(sc + b0 * (ASYM ? 2 : 1), FULL ? B : nb - b0, out);
+}
+
+// Pointers to one activation row's quantised chunks
+struct ActRow {
+  const int8_t* q;
+  const float *dx, *sx;
+  const int32_t* corr;
+};
+
+// tot + the chunk c's products of one weight row (lo, hi, scales sc) with activation row x
+template <bool I4, bool ASYM>
+inline vf chunk_dot(const ActRow& x, int64_t c, vb lo, vb hi, const vf* sc, vf tot) {
+  using C = Chunk<I4>;
+  const int8_t* qa = x.q + c * C::QBYTES;
+  const vi init = (I4 ? !ASYM : kS8Bias != 0) ? loadi(x.corr + c * W) : zeroi();
+  vi acc;
+  if constexpr (I4)
+    acc = dot_u4x2(init, lo, loadb(qa), hi, loadb(qa + C::BYTES));
+  else
+    acc = dot_s8_biased(init, lo, loadb(qa));
+  tot = fmadd(to_float(acc), mul(sc[0], load(x.dx + c * W)), tot);
+  if constexpr (ASYM) tot = fmadd(sc[1], load(x.sx + c * W), tot);
+  return tot;
+}
+
+// acc[m][s] += chunks c0 .. c1 of activation rows m0 + m against weight rows r0 + s * rs. MR = 1 takes the
+// weight rows one at a time (the fewest live registers: AVX2 has 16); more rows of x hold the NR rows'
+// operands while every row of x meets them. The sums stay in locals (registers) for the whole loop.
+template <bool I4, bool ASYM, int MR, int NR, bool FULL>
+inline void qdot_chunks(const QMatrix& q, const QActs& a, int64_t m0, int64_t r0, int64_t rs, int64_t c0, int64_t c1,
+                        vf (&acc)[MR][NR]) {
   using C = Chunk<I4>;
   constexpr int S = ASYM ? 2 : 1;
-  const int64_t nb = q.kp / 32, rb = q.row_bytes(), nc = a.chunks;
+  const int64_t nb = q.kp / 32, rb = I4 ? q.kp / 2 : q.kp, nc = a.chunks;
+  const uint8_t* wr[NR];
+  const uint16_t* sr[NR];
+  for (int s = 0; s < NR; ++s) wr[s] = q.w + (r0 + s * rs) * rb, sr[s] = q.scales + (r0 + s * rs) * nb * S;
+  ActRow x[MR];
+  for (int m = 0; m < MR; ++m) {
+    const int64_t at = (m0 + m) * nc;
+    x[m] = {a.q.data() + at * C::QBYTES, a.dx.data() + at * W, a.sx.data() + at * W, a.corr.data() + at * W};
+  }
   vf tot[MR][NR];
   for (int m = 0; m < MR; ++m)
-    for (int s = 0; s < NR; ++s) tot[m][s] = zero();
-  for (int64_t c = 0; c < nc; ++c) {
-    const int64_t b0 = c * C::K / 32, left = rb - c * C::BYTES;
-    vb lo[NR], hi[NR];
-    vf sc[NR][S];
+    for (int s = 0; s < NR; ++s) tot[m][s] = acc[m][s];
+  // Software prefetch: each weight stream 512 bytes ahead, and the scales of each stream's next row when
+  // a row starts (5-8% off the step's GEMVs at 2 threads in medians of 7 interleaved runs, shared machine)
+  const int64_t next = (rs == 1 ? NR : 1) * nb * S;
+  if (c0 == 0)
     for (int s = 0; s < NR; ++s) {
-      const uint8_t* wp = q.w + (r0 + s) * rb + c * C::BYTES;
-      const vb raw = left >= C::BYTES ? loadb(wp) : loadbn(wp, left);
-      if constexpr (I4) {
-        lo[s] = low_nibbles(raw);
-        hi[s] = high_nibbles(raw);
-      } else {
-        lo[s] = raw;
-      }
-      half_lanes<C::LPB, S>(q.scales + ((r0 + s) * nb + b0) * S, nb - b0, sc[s]);
+      __builtin_prefetch(sr[s] + next, 0, 3);
+      __builtin_prefetch(sr[s] + next + 32, 0, 3);
     }
-    for (int m = 0; m < MR; ++m) {
-      const int64_t at = (m0 + m) * nc + c;
-      const int8_t* qa = a.q.data() + at * C::QBYTES;
-      const vf dxv = load(a.dx.data() + at * W);
-      const vb q0 = loadb(qa), q1 = I4 ? loadb(qa + C::BYTES) : q0;
-      const vi init = (I4 && !ASYM) ? loadi(a.corr.data() + at * W) : zeroi();
+  for (int64_t c = c0; c < c1; ++c) {
+    for (int s = 0; s < NR; ++s) __builtin_prefetch(wr[s] + c * C::BYTES + 512, 0, 3);
+    if constexpr (MR == 1) {
       for (int s = 0; s < NR; ++s) {
-        vi acc = init;
-        if constexpr (I4)
-          acc = dot_u4(dot_u4(acc, lo[s], q0), hi[s], q1);
-        else
-          acc = dot_s8(acc, lo[s], q0);
-        tot[m][s] = fmadd(to_float(acc), mul(sc[s][0], dxv), tot[m][s]);
-        if constexpr (ASYM) tot[m][s] = fmadd(sc[s][1], load(a.sx.data() + at * W), tot[m][s]);
+        vb lo, hi;
+        vf sc[S];
+        weight_chunk<I4, ASYM, FULL>(wr[s], sr[s], rb, nb, c, lo, hi, sc);
+        tot[0][s] = chunk_dot<I4, ASYM>(x[0], c, lo, hi, sc, tot[0][s]);
       }
+    } else {
+      vb lo[NR], hi[NR];
+      vf sc[NR][S];
+      for (int s = 0; s < NR; ++s) weight_chunk<I4, ASYM, FULL>(wr[s], sr[s], rb, nb, c, lo[s], hi[s], sc[s]);
+      for (int m = 0; m < MR; ++m)
+        for (int s = 0; s < NR; ++s) tot[m][s] = chunk_dot<I4, ASYM>(x[m], c, lo[s], hi[s], sc[s], tot[m][s]);
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int s = 0; s < NR; ++s) y[m * ldy + r0 + s] = reduce_add(tot[m][s]);
+    for (int s = 0; s < NR; ++s) acc[m][s] = tot[m][s];
 }
 
+// y[m * ldy + r] for activation rows m0 .. m0 + MR of a against NR weight rows r = r0 + s * rs (group-32
+// scales): the row's whole chunks, then its partial last one
+template <bool I4, bool ASYM, int MR, int NR>
+inline void qdot_rows(const QMatrix& q, const QActs& a, int64_t m0, int64_t r0, int64_t rs, float* y, int64_t ldy) {
+  const int64_t full = (q.int4 ? q.kp / 2 : q.kp) / Chunk<I4>::BYTES;
+  vf tot[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int s = 0; s < NR; ++s) tot[m][s] = zero();
+  qdot_chunks<I4, ASYM, MR, NR, true>(q, a, m0, r0, rs, 0, full, tot);
+  if (full < a.chunks) qdot_chunks<I4, ASYM, MR, NR, false>(q, a, m0, r0, rs, full, a.chunks, tot);
+  for (int m = 0; m < MR; ++m)
+    for (int s = 0; s < NR; ++s) y[m * ldy + r0 + s * rs] = reduce_add(tot[m][s]);
+}
+
+// Rows n0 .. n1 of y for every row of x. One row of x reads 4 weight rows at a time from the four
+// quarters of the range, as the float GEMV does: four long sequential streams for the prefetchers
+// (4 neighbouring rows, a few cache lines each, read in turn, left them behind the loads).
 template <bool I4, bool ASYM>
 inline void qdot_range(const QMatrix& q, const QActs& a, int64_t M, int64_t n0, int64_t n1, float* y) {
   for (int64_t m0 = 0; m0 < M; m0 += 4) {
     float* ym = y + m0 * q.n;
     int64_t r = n0;
     switch (std::min<int64_t>(4, M - m0)) {
-      case 1:
-        for (; r + 4 <= n1; r += 4) qdot_rows<I4, ASYM, 1, 4>(q, a, m0, r, ym, q.n);
-        for (; r < n1; ++r) qdot_rows<I4, ASYM, 1, 1>(q, a, m0, r, ym, q.n);
+      case 1: {
+        const int64_t quarter = (n1 - n0) / 4;
+        for (int64_t i = 0; i < quarter; ++i) qdot_rows<I4, ASYM, 1, 4>(q, a, m0, n0 + i, quarter, ym, q.n);
+        for (r = n0 + 4 * quarter; r < n1; ++r) qdot_rows<I4, ASYM, 1, 1>(q, a, m0, r, 1, ym, q.n);
         break;
+      }
       case 2:
-        for (; r + 2 <= n1; r += 2) qdot_rows<I4, ASYM, 2, 2>(q, a, m0, r, ym, q.n);
-        for (; r < n1; ++r) qdot_rows<I4, ASYM, 2, 1>(q, a, m0, r, ym, q.n);
+        for (; r + 2 <= n1; r += 2) qdot_rows<I4, ASYM, 2, 2>(q, a, m0, r, 1, ym, q.n);
+        for (; r < n1; ++r) qdot_rows<I4, ASYM, 2, 1>(q, a, m0, r, 1, ym, q.n);
         break;
       case 3:
-        for (; r < n1; ++r) qdot_rows<I4, ASYM, 3, 1>(q, a, m0, r, ym, q.n);
+        for (; r < n1; ++r) qdot_rows<I4, ASYM, 3, 1>(q, a, m0, r, 1, ym, q.n);
         break;
       default:  // 4 x 2: 8 accumulators, the most that stay in registers beside the weights
-        for (; r + 2 <= n1; r += 2) qdot_rows<I4, ASYM, 4, 2>(q, a, m0, r, ym, q.n);
-        for (; r < n1; ++r) qdot_rows<I4, ASYM, 4, 1>(q, a, m0, r, ym, q.n);
+        for (; r + 2 <= n1; r += 2) qdot_rows<I4, ASYM, 4, 2>(q, a, m0, r, 1, ym, q.n);
+        for (; r < n1; ++r) qdot_rows<I4, ASYM, 4, 1>(q, a, m0, r, 1, ym, q.n);
         break;
     }
   }
@@ -159,7 +233,8 @@ inline void qdot_range(const QMatrix& q, const QActs& a, int64_t M, int64_t n0, 
 
 // x [M, kp] float32 (zeros past K), group-32 packed q, bias [N] or null -> y [M, N]
 inline void quant_dot_rows(const QMatrix& q, const float* x, int64_t M, const float* bias, float* y) {
-  QActs a;
+  static thread_local QActs tls;  // the calling thread's; the workers below read it through `a`
+  QActs& a = tls;
   if (q.int4)
     quantize_acts<true>(x, M, q.kp, a);
   else

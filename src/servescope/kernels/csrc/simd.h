@@ -467,6 +467,9 @@ inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 // NEON's sdot and AVX2's maddubs + madd all share), so the same kernel source runs on every path:
 //   dot_u4(acc, u, s)  acc[i] += sum_j u[4i+j] * s[4i+j], u in 0..15 (4-bit weights), s int8
 //   dot_s8(acc, w, s)  the same for int8 w (s in -127..127: x86 moves w's sign onto s, |w| unsigned)
+//   dot_u4x2(acc, u0, s0, u1, s1)  dot_u4 twice (without VNNI the two int16 pair sums are added first)
+//   dot_s8_biased(acc, w, s)  dot_s8 plus kS8Bias * sum(s): with VNNI, w with its sign bit flipped is
+//                      w + 128 as an unsigned byte, one vpdpbusd; the caller starts the sum at -kS8Bias sum(s)
 // Where the CPU has them: AVX512-VNNI / AVX-VNNI vpdpbusd, NEON dotprod sdot; otherwise maddubs +
 // madd (AVX2 / AVX-512 BW), widening multiplies and pairwise adds (NEON), or plain C++ (scalar).
 #if defined(SERVESCOPE_ISA_AVX512)
@@ -492,6 +495,18 @@ inline vi dot_s8(vi acc, vb w, vb s) {
   const __mmask64 neg = _mm512_movepi8_mask(w);
   return dot_u4(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s));
 }
+#ifdef __AVX512VNNI__
+constexpr int32_t kS8Bias = 128;
+inline vi dot_s8_biased(vi acc, vb w, vb s) { return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(-128)), s); }
+inline vi dot_u4x2(vi acc, vb u0, vb s0, vb u1, vb s1) { return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, u0, s0), u1, s1); }
+#else
+constexpr int32_t kS8Bias = 0;
+inline vi dot_s8_biased(vi acc, vb w, vb s) { return dot_s8(acc, w, s); }
+inline vi dot_u4x2(vi acc, vb u0, vb s0, vb u1, vb s1) {  // pair sums <= 2 * 15 * 127 each: their sum fits int16
+  const __m512i p = _mm512_add_epi16(_mm512_maddubs_epi16(u0, s0), _mm512_maddubs_epi16(u1, s1));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+}
+#endif
 // Per-block float16 scales spread over the lanes of their blocks: out[t] lane i = float(h[(i / LPB) * S + t])
 // for t < S (S = 2: interleaved (d, m) pairs), blocks j < n read (0 past them, nothing read past them)
 template <int LPB, int S>
@@ -507,6 +522,18 @@ inline void half_lanes(const uint16_t* h, int64_t n, vf* out) {
     for (int t = 0; t < S; ++t)
       out[t] = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_mullo_epi32(blk, _mm512_set1_epi32(S)), _mm512_set1_epi32(t)), v);
   }
+}
+
+// 32 floats x * id rounded to int8 (to nearest even, as std::lrint in the default rounding mode) and
+// clamped to +-127, stored at q; returns their sum (the activation quantisation of quant_dot.h)
+inline int32_t round_i8x32(const float* x, float id, int8_t* q) {
+  const __m512 s = _mm512_set1_ps(id);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const __m512i a = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), s)), lo), hi);
+  const __m512i b = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16), s)), lo), hi);
+  _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(a));
+  _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(b));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
 }
 
 #elif defined(SERVESCOPE_ISA_AVX2)
@@ -532,6 +559,18 @@ inline vi dot_u4(vi acc, vb u, vb s) {
 #endif
 }
 inline vi dot_s8(vi acc, vb w, vb s) { return dot_u4(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w)); }
+#ifdef __AVXVNNI__
+constexpr int32_t kS8Bias = 128;
+inline vi dot_s8_biased(vi acc, vb w, vb s) { return _mm256_dpbusd_avx_epi32(acc, _mm256_xor_si256(w, _mm256_set1_epi8(-128)), s); }
+inline vi dot_u4x2(vi acc, vb u0, vb s0, vb u1, vb s1) { return dot_u4(dot_u4(acc, u0, s0), u1, s1); }
+#else
+constexpr int32_t kS8Bias = 0;
+inline vi dot_s8_biased(vi acc, vb w, vb s) { return dot_s8(acc, w, s); }
+inline vi dot_u4x2(vi acc, vb u0, vb s0, vb u1, vb s1) {  // pair sums <= 2 * 15 * 127 each: their sum fits int16
+  const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+#endif
 template <int LPB, int S>
 inline void half_lanes(const uint16_t* h, int64_t n, vf* out) {
   if constexpr (LPB >= W) {
@@ -539,16 +578,39 @@ inline void half_lanes(const uint16_t* h, int64_t n, vf* out) {
   } else {
     constexpr int B = W / LPB;
     static_assert(B * S <= 4, "AVX2: at most 4 halves per vector");
-    uint64_t bits = 0;
-    if (n >= B)  // a constant size: a plain load, not a memcpy call
-      std::memcpy(&bits, h, B * S * sizeof(uint16_t));
-    else
-      std::memcpy(&bits, h, n * S * sizeof(uint16_t));
-    const __m256 v = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)bits)));
+    // whole chunks load their 2 or 4 halves with one load of that width: a zeroed 8 bytes filled by a
+    // 4-byte copy and read back whole is a store-forwarding stall per call (symmetric int4 ran 2.8x slower
+    // than asymmetric from that alone, 2026-12-02)
+    __m128i raw;
+    if (n >= B) {
+      int32_t w32;
+      std::memcpy(&w32, h, sizeof(w32));
+      raw = B * S == 4 ? _mm_loadl_epi64((const __m128i*)h) : _mm_cvtsi32_si128(w32);
+    } else {  // the row's last, partial chunk
+      alignas(16) uint16_t t[8] = {};
+      std::memcpy(t, h, n * S * sizeof(uint16_t));
+      raw = _mm_load_si128((const __m128i*)t);
+    }
+    const __m256 v = _mm256_castps128_ps256(_mm_cvtph_ps(raw));
     const __m256i blk = _mm256_srli_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), LPB == 4 ? 2 : LPB == 2 ? 1 : 0);
     for (int t = 0; t < S; ++t)
       out[t] = _mm256_permutevar8x32_ps(v, _mm256_add_epi32(_mm256_mullo_epi32(blk, _mm256_set1_epi32(S)), _mm256_set1_epi32(t)));
   }
+}
+
+inline int32_t round_i8x32(const float* x, float id, int8_t* q) {
+  const __m256 s = _mm256_set1_ps(id);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  __m256i v[4];
+  for (int i = 0; i < 4; ++i)
+    v[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), s)), lo), hi);
+  // packs work within 128-bit halves: dwords come out as (v0 v1 v2 v3)[0..3], then [4..7]; put them back in order
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i t = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+  __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1)));
 }
 
 #elif defined(SERVESCOPE_ISA_NEON)
@@ -575,10 +637,24 @@ inline vi dot_s8(vi acc, vb w, vb s) {
 #endif
 }
 inline vi dot_u4(vi acc, vb u, vb s) { return dot_s8(acc, u, s); }  // 0..15 is the same signed
+constexpr int32_t kS8Bias = 0;
+inline vi dot_s8_biased(vi acc, vb w, vb s) { return dot_s8(acc, w, s); }
+inline vi dot_u4x2(vi acc, vb u0, vb s0, vb u1, vb s1) { return dot_u4(dot_u4(acc, u0, s0), u1, s1); }
 template <int LPB, int S>
 inline void half_lanes(const uint16_t* h, int64_t, vf* out) {
   static_assert(LPB >= W, "NEON: a vector's lanes lie in one block");
   for (int t = 0; t < S; ++t) out[t] = set1(half_to_float(h[t]));
+}
+
+inline int32_t round_i8x32(const float* x, float id, int8_t* q) {
+  int32x4_t tot = vdupq_n_s32(0);
+  for (int i = 0; i < 32; i += 8) {  // vcvtnq: to nearest, ties to even
+    const int32x4_t a = vmaxq_s32(vminq_s32(vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(x + i), id)), vdupq_n_s32(127)), vdupq_n_s32(-127));
+    const int32x4_t b = vmaxq_s32(vminq_s32(vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(x + i + 4), id)), vdupq_n_s32(127)), vdupq_n_s32(-127));
+    tot = vaddq_s32(tot, vaddq_s32(a, b));
+    vst1_s8(q + i, vqmovn_s16(vcombine_s16(vqmovn_s32(a), vqmovn_s32(b))));
+  }
+  return vaddvq_s32(tot);
 }
 
 #else  // scalar
@@ -615,10 +691,31 @@ inline vi dot_s8(vi acc, vb w, vb s) {
   return acc;
 }
 inline vi dot_u4(vi acc, vb u, vb s) { return dot_s8(acc, u, s); }
+constexpr int32_t kS8Bias = 0;
+inline vi dot_s8_biased(vi acc, vb w, vb s) { return dot_s8(acc, w, s); }
+inline vi dot_u4x2(vi acc, vb u0, vb s0, vb u1, vb s1) { return dot_u4(dot_u4(acc, u0, s0), u1, s1); }
 template <int LPB, int S>
 inline void half_lanes(const uint16_t* h, int64_t n, vf* out) {
   for (int t = 0; t < S; ++t) out[t] = lanes([&](int i) { return i / LPB < n ? half_to_float(h[(i / LPB) * S + t]) : 0.f; });
 }
+inline int32_t round_i8x32(const float* x, float id, int8_t* q) {
+  int32_t sum = 0;
+  for (int k = 0; k < 32; ++k) {
+    q[k] = (int8_t)std::max(-127L, std::min(127L, std::lrint(x[k] * id)));
+    sum += q[k];
+  }
+  return sum;
+}
 #endif
+
+// max |x| of 32 floats
+inline float absmax32(const float* x) {
+  vf m = zero();
+  for (int i = 0; i < 32; i += W) {
+    const vf v = load(x + i);
+    m = max(m, max(v, sub(zero(), v)));
+  }
+  return reduce_max(m);
+}
 
 }  // namespace servescope_simd
