@@ -186,23 +186,18 @@ inline void rows4_block(const float* x, int64_t K, const WT* const* wr, float* y
   static_assert(MB >= 1 && MB <= GEMV_MB, "rows4_block: MB x rows of x");
   vf a[W];
   for (int i = 0; i < W; ++i) a[i] = zero();
+  // one W-wide step at k: full (load) or the row's last, partial one (loadn of n lanes)
+  auto step = [&](int64_t k, auto ld) {
+    vf wv[4];
+    for (int s = 0; s < 4; ++s) wv[s] = ld(wr[s] + k);
+    for (int m = 0; m < MB; ++m) {
+      const vf xv = ld(x + m * K + k);
+      for (int s = 0; s < 4; ++s) a[m * 4 + s] = fmadd(xv, wv[s], a[m * 4 + s]);
+    }
+  };
   int64_t k = 0;
-  for (; k + W <= K; k += W) {
-    vf wv[4];
-    for (int s = 0; s < 4; ++s) wv[s] = load(wr[s] + k);
-    for (int m = 0; m < MB; ++m) {
-      const vf xv = load(x + m * K + k);
-      for (int s = 0; s < 4; ++s) a[m * 4 + s] = fmadd(xv, wv[s], a[m * 4 + s]);
-    }
-  }
-  if (k < K) {
-    vf wv[4];
-    for (int s = 0; s < 4; ++s) wv[s] = loadn(wr[s] + k, K - k);
-    for (int m = 0; m < MB; ++m) {
-      const vf xv = loadn(x + m * K + k, K - k);
-      for (int s = 0; s < 4; ++s) a[m * 4 + s] = fmadd(xv, wv[s], a[m * 4 + s]);
-    }
-  }
+  for (; k + W <= K; k += W) step(k, [](const auto* p) { return load(p); });
+  if (k < K) step(k, [n = K - k](const auto* p) { return loadn(p, n); });
   float sums[W];
   store(sums, transpose_sum(a));
   for (int m = 0; m < MB; ++m)
