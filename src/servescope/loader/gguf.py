@@ -17,7 +17,6 @@ import logging
 import os
 import re
 
-import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
@@ -26,6 +25,7 @@ from gguf.quants import dequantize
 from servescope.config import ModelConfig, RopeScaling
 from servescope.errors import InvalidParameterError, ModelLoadError
 from servescope.loader import gguf_packed
+from servescope.loader.gguf_file import read_gguf
 from servescope.loader.checkpoint import LoadedSource, check_state_dict
 from servescope.tokenizer.source import TokenizerSource
 
@@ -78,7 +78,7 @@ def reverse_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def load_gguf(path: str, keep_packed: bool = False) -> LoadedSource:
     """Read a .gguf file into a LoadedSource. Raises ModelLoadError naming the file on any problem."""
     try:
-        reader = gguf.GGUFReader(path)
+        reader = read_gguf(path)
     except Exception as e:  # corrupt header, truncated metadata, random bytes
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
@@ -123,13 +123,7 @@ class _Metadata:
         self.arch = self.raw_arch
 
     def get(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        if f is None:
-            return default
-        try:
-            return f.contents()
-        except Exception as e:
-            raise ModelLoadError(f"{self.path}: unreadable GGUF metadata {key} ({e})") from None
+        return self.reader.fields.get(key, default)
 
     def arch_key(self, suffix: str, default=None, required: bool = False):
         v = self.get(f"{self.arch}.{suffix}", default)
@@ -162,8 +156,8 @@ def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
     if rope_dim is not None and int(rope_dim) != head_dim:
         raise ModelLoadError(f"{path}: partial rotary embedding (rope.dimension_count {rope_dim} != head_dim "
                              f"{head_dim}) is not supported")
-    tokens = meta.reader.fields.get("tokenizer.ggml.tokens")
-    vocab = meta.arch_key("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = meta.arch_key("vocab_size") or (len(tokens) if tokens is not None else None)
     if vocab is None:
         raise ModelLoadError(f"{path}: cannot tell the vocabulary size (no {arch}.vocab_size, no token list)")
     eos_ids = []
@@ -246,6 +240,12 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
             qs, scales = _unpermute(qs, hf_name, arch, config), _unpermute(scales, hf_name, arch, config)
             packed[hf_name] = (qs, scales, shape[1])
             state_dict[hf_name] = gguf_packed.placeholder(shape)
+            continue
+        if len(shape) == 2 and gguf_packed.is_native(t.tensor_type):
+            # Q4_0 / Q4_1 / Q8_0 with torch (all threads; bit-identical to gguf-py's numpy, ~10x faster)
+            qs, scales = gguf_packed.split_blocks(t.data, t.tensor_type, *shape)
+            w = gguf_packed.dequantize(qs, scales, shape[1])
+            state_dict[hf_name] = _unpermute(w, hf_name, arch, config).contiguous()
             continue
         if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
             dequantised[t.tensor_type.name] = dequantised.get(t.tensor_type.name, 0) + 1
