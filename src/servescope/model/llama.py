@@ -103,7 +103,10 @@ class LlamaBackbone(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # no random init (the loader fills every parameter): nn.Embedding's own normal_ would, under
+        # loader/build.py's meta-device context, import torch._dynamo (1.5-4 s of every start-up)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -113,8 +116,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaBackbone(cfg)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
-                                      cfg.rope_theta, cfg.rope_scaling)
+        with torch.device("cpu"):  # real tables even under a meta-device build (its arange would import dynamo)
+            self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
+                                          cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
