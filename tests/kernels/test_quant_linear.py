@@ -186,3 +186,47 @@ def test_mode_strings():
     for bad in ("int3", "int4-g48", "int4-asym-g32", "fp4", "int4-g32-sym-x"):
         with pytest.raises(InvalidParameterError, match="unknown quantization"):
             parse_mode(bad)
+
+
+def _thp_eligible(ptr: int):
+    """THPeligible of the mapping holding address ptr (/proc/self/smaps), None where the kernel does not say."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "THPeligible:":
+            return line.split()[1] == "1"
+    return None
+
+
+def test_move_to_huge_pages_keeps_values_order_and_sharing():
+    torch.manual_seed(5)
+    lins = [ql.QuantLinear.from_linear(torch.nn.Linear(k, n), ql.QuantScheme(b, 32)) for n, k, b in
+            ((40, 100, 4), (7, 64, 8), (33, 96, 4))]
+    emb = ql.QuantEmbedding(lins[2].qweight, lins[2].scales, 96, torch.float32)  # tied to the last one
+    x, ids = torch.randn(ql.MAX_ROWS + 3, 100), torch.tensor([0, 32, 5])
+    before = [lins[0](x[:1]), lins[0](x), emb(ids)]
+    old = [(m.qweight.clone(), m.scales.clone()) for m in lins]
+    moved = ql.move_to_huge_pages(lins + [emb])
+    if moved == 0:
+        pytest.skip("no MADV_HUGEPAGE here")
+    for m, (w, s) in zip(lins, old):
+        assert torch.equal(m.qweight, w) and torch.equal(m.scales, s)
+    assert emb.qweight is lins[2].qweight and emb.scales is lins[2].scales
+    ptrs = [t.data_ptr() for m in lins for t in (m.qweight, m.scales)]
+    assert ptrs == sorted(ptrs) and ptrs[0] % ql.HUGE_PAGE == 0  # in read order, from a huge-page boundary
+    assert len({m.qweight.untyped_storage().data_ptr() for m in lins}) == 1  # one mapping
+    assert moved >= sum(m.weight_bytes() for m in lins)
+    assert [torch.equal(a, b) for a, b in zip(before, [lins[0](x[:1]), lins[0](x), emb(ids)])] == [True] * 3
+    if _thp_eligible(ptrs[0]) is not None and "[never]" not in open("/sys/kernel/mm/transparent_hugepage/enabled").read():
+        assert _thp_eligible(ptrs[0])
+
+
+def test_move_to_huge_pages_leaves_nothing_to_move_alone():
+    assert ql.move_to_huge_pages([]) == 0
