@@ -14,7 +14,7 @@ ones (prefill) dequantise the matrix and run the float GEMM, which is compute-bo
 CPU the dequantisation is C++, parallel over rows, written straight in the activation dtype (bfloat16
 for a bfloat16 model: no float32 copy in between) into a per-thread scratch buffer that is reused, up to
 TILE_ELEMENTS weights at a time, and the GEMM is oneDNN's on that plain buffer (torch's default float32
-GEMM, MKL, is ~25% slower on the Zen 4; docs/BENCHMARKS.md, issue 15 section). On a GPU decode-sized
+GEMM, MKL, costs ~1.25x as much CPU time on the Zen 4; docs/BENCHMARKS.md, issue 15 section). On a GPU decode-sized
 calls go to the Triton GEMV over the same bytes (kernels/triton_quant.py); the rest, and a CPU without
 the extension, dequantise with torch.
 
@@ -27,10 +27,9 @@ model, the prefill GEMM included, in bfloat16.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mmap
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -265,18 +264,22 @@ HUGE_PAGE = 2 << 20
 def move_to_huge_pages(modules) -> int:
     """Copy the packed weights and scales of `modules` (QuantLinear / QuantEmbedding, in the order the
     decode step reads them) into one anonymous mapping advised MADV_HUGEPAGE, and point the modules at
-    views of it. Decode streams these bytes once per token: on 4 KiB pages each 4 KiB is a new page for
-    the TLB and the prefetchers, on 2 MiB pages (Linux's transparent huge pages, which most distributions
-    grant to a mapping that asks) the stream runs on. A buffer shared by two modules (a tied GGUF
-    embedding and head) stays shared. Returns the bytes moved: 0 off the CPU, where the OS has no
+    views of it. Decode streams these bytes once per token, and on 4 KiB pages each 4 KiB is a new TLB
+    entry; 2 MiB pages (Linux's transparent huge pages, granted to a mapping that asks where THP is
+    `madvise` or `always`) take 512x fewer (the effect on decode speed is not yet measured on a quiet
+    machine: docs/BENCHMARKS.md, issue 15). A buffer shared by two modules (a tied GGUF embedding and
+    head) stays shared. Returns the bytes moved: 0 off the CPU, where the OS has no
     MADV_HUGEPAGE, or with nothing to move."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    found = {}  # data_ptr -> tensor, first use first
+    def key(t):  # the same tensor (a shared buffer), not merely the same first byte
+        return t.data_ptr(), t.dtype, tuple(t.shape)
+
+    found = {}  # key -> tensor, first use first
     for mod in modules:
         for name in ("qweight", "scales"):
             t = getattr(mod, name)
             if t.device.type == "cpu" and t.is_contiguous() and t.numel():
-                found.setdefault(t.data_ptr(), t)
+                found.setdefault(key(t), t)
     if advice is None or not found:
         return 0
     offsets, size = {}, 0
@@ -298,8 +301,8 @@ def move_to_huge_pages(modules) -> int:
     for mod in modules:
         for name in ("qweight", "scales"):
             t = getattr(mod, name)
-            if t.data_ptr() in moved:
-                setattr(mod, name, moved[t.data_ptr()])
+            if key(t) in moved:
+                setattr(mod, name, moved[key(t)])
     return size
 
 
