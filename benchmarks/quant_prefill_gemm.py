@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -20,6 +19,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
+from quant_speed import _time  # noqa: E402
+
 from servescope.kernels import cpu_ops  # noqa: E402
 from servescope.kernels import quant_linear as ql  # noqa: E402
 
@@ -27,13 +29,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, 
 
 
 def cpu_ms(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.process_time()
-        fn()
-        ts.append(time.process_time() - t0)
-    return statistics.median(ts) * 1e3
+    return _time(fn, reps, clock=time.process_time) * 1e3
 
 
 def main() -> int:

@@ -115,13 +115,14 @@ def print_table(med, llms, rounds):
         print(f"| {name} | {mib} | {m['decode']:.1f} | {vs32} | {vtg} | {m['prefill']:.1f} | {vpp} |")
 
 
-def _time(fn, reps):
+def _time(fn, reps, clock=time.perf_counter):
+    """Median seconds of fn() over reps calls after one warm-up call, on `clock`."""
     fn()
     ts = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        ts.append(time.perf_counter() - t0)
+        ts.append(clock() - t0)
     return statistics.median(ts)
 
 
