@@ -13,6 +13,8 @@
      gguf-q4_1   the embedded file's own Q4_1 blocks;  gguf-q4_0 / gguf-q8_0: a Q4_0 / Q8_0 file
                  made with gguf-py from the same dequantised weights (benchmarks/gguf_requant.py;
                  written under --gguf-dir when missing), run from their blocks
+     bf16, int4-bf16, int8-g32-bf16, gguf-q4_0-bf16: the same with bfloat16 activations (dtype bfloat16,
+                 what `--dtype auto` picks on a CPU with bfloat16 dot products)
    and llama-bench (-p 512 -n 128, the same threads) on the Q4_1, Q4_0 and Q8_0 files.
 2. torch's own packed CPU ops (_weight_int4pack_mm_for_cpu, _weight_int8pack_mm) against ours on the
    model's projection shapes, at 1 row (decode) and 512 rows (prefill).
@@ -40,11 +42,19 @@ from servescope.kernels import cpu_ops  # noqa: E402
 from servescope.kernels import quant_linear as ql  # noqa: E402
 from servescope.loader.source import resolve_model_path  # noqa: E402
 
-# engine -> (--quantization, file kind, the llama.cpp file it is compared with)
+# engine -> (--quantization, file kind, the llama.cpp file it is compared with); the engines run float32
+# activations (LLM's default dtype), the "-bf16" ones bfloat16 (what the CLI's --dtype auto picks on a CPU
+# with bfloat16 dot products): the same packed weights, the prefill GEMM in bfloat16
 ENGINES = {"fp32": (None, "q4_1", None), "int8": ("int8", "q4_1", "q8_0"), "int8-g32": ("int8-g32", "q4_1", "q8_0"),
            "int4": ("int4", "q4_1", "q4_0"),
            "gguf-q4_1": ("gguf", "q4_1", "q4_1"), "gguf-q4_0": ("gguf", "q4_0", "q4_0"),
-           "gguf-q8_0": ("gguf", "q8_0", "q8_0")}
+           "gguf-q8_0": ("gguf", "q8_0", "q8_0"),
+           "bf16": (None, "q4_1", None), "int4-bf16": ("int4", "q4_1", "q4_0"),
+           "int8-g32-bf16": ("int8-g32", "q4_1", "q8_0"), "gguf-q4_0-bf16": ("gguf", "q4_0", "q4_0")}
+
+
+def engine_dtype(name: str) -> str:
+    return "bfloat16" if name == "bf16" or name.endswith("-bf16") else "float32"
 # SmolLM2-135M's projections (N, K): qkv, o, gate_up, down; the head runs once per token
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
@@ -91,7 +101,7 @@ def run_rounds(args, llms, files):
 
 
 def print_table(med, llms, rounds):
-    base = med["fp32"]["decode"] if "fp32" in med else None
+    base = med["fp32"]["decode"] if "fp32" in med else None  # (bfloat16 engines too: against float32)
     print(f"\n| engine | weight MiB | decode b1 tok/s | vs fp32 | vs llama-bench tg128 | prefill 512 tok/s | "
           f"vs llama-bench pp512 |  (medians of {rounds} interleaved rounds)")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -105,13 +115,14 @@ def print_table(med, llms, rounds):
         print(f"| {name} | {mib} | {m['decode']:.1f} | {vs32} | {vtg} | {m['prefill']:.1f} | {vpp} |")
 
 
-def _time(fn, reps):
+def _time(fn, reps, clock=time.perf_counter):
+    """Median seconds of fn() over reps calls after one warm-up call, on `clock`."""
     fn()
     ts = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        ts.append(time.perf_counter() - t0)
+        ts.append(clock() - t0)
     return statistics.median(ts)
 
 
@@ -180,7 +191,8 @@ def main() -> int:
     files = gguf_files(args.gguf_dir)
     torch.set_num_threads(args.threads)
     kw = dict(num_kv_blocks=64, max_model_len=1024, enable_prefix_caching=False, num_threads=args.threads)
-    llms = {name: LLM(model=files[ENGINES[name][1]], quantization=ENGINES[name][0], **kw) for name in args.engines}
+    llms = {name: LLM(model=files[ENGINES[name][1]], quantization=ENGINES[name][0], dtype=engine_dtype(name), **kw)
+            for name in args.engines}
     for llm in llms.values():  # warm up
         decode_tps(llm, 4)
     doc = {"benchmark": "quant_speed", "args": vars(args), "files": files, **environment_info()}

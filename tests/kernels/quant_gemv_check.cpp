@@ -32,8 +32,17 @@ static int check(std::mt19937& g, bool i4, bool asym, int64_t N, int64_t kp, int
   for (auto& v : bias) v = (float)((int)(g() % 200) - 100) / 10.f;
   QMatrix q{w.data(), N, kp, group, i4, asym, s.data()};
   quant_matvec(q, x.data(), M, bias.data(), y.data());
+  // the whole matrix in float32, and rows 1.. of it cut at k = kp - 5 (a K that is not a whole block) in
+  // bfloat16, which must be the float32 values rounded once
   std::vector<float> deq(N * kp);
-  dequantize_rows(q, kp, deq.data());
+  dequantize_rows(q, 0, N, kp, deq.data());
+  const int64_t kc = kp - 5;
+  std::vector<bf16> deqb((N - 1) * kc + 1, bf16{0x1234});  // one guard element past the end
+  dequantize_rows(q, 1, N - 1, kc, deqb.data());
+  for (int64_t n = 1; n < N; ++n)
+    for (int64_t k = 0; k < kc; ++k)
+      if (deqb[(n - 1) * kc + k].bits != float_to_bf16(deq[n * kp + k]).bits) ++bad;
+  if (deqb.back().bits != 0x1234) ++bad;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n) {
       double ref = bias[n], exact = bias[n], bound = 0;

@@ -104,6 +104,62 @@ def test_quant_linear_module_paths(rows):
     assert q.weight_bytes() < lin.weight.numel()  # under one byte per weight
 
 
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
+def test_dequantize_into_rows_in_float32_and_bfloat16(scheme):
+    """The prefill path's dequantisation: any run of rows, K not a whole block, written straight in
+    float32 (exactly the reference's values) or bfloat16 (those values rounded once, as torch rounds)."""
+    mod = _ext()
+    torch.manual_seed(3)
+    for n, k in ((7, 100), (40, 576), (5, 31), (33, 160)):
+        packed, scales = ql.quantize(torch.randn(n, k), scheme)
+        ref = ql.dequantize(packed, scales, k, torch.float64)
+        for dtype in (torch.float32, torch.bfloat16):
+            for r0, rows in ((0, n), (1, n - 1), (n // 2, 1)):
+                out = torch.full((rows, k), 7.0, dtype=dtype)
+                mod.quant_dequantize_into(packed, scales, r0, out)
+                assert torch.equal(out, ref[r0:r0 + rows].float().to(dtype)), (n, k, dtype, r0)
+
+
+def test_dequantize_into_rejects_bad_outputs():
+    mod = _ext()
+    packed, scales = ql.quantize(torch.randn(8, 64), ql.QuantScheme(4, 32))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        mod.quant_dequantize_into(packed, scales, 0, torch.empty(8, 64, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="rows past"):
+        mod.quant_dequantize_into(packed, scales, 4, torch.empty(5, 64))
+    with pytest.raises(RuntimeError, match="packed K"):
+        mod.quant_dequantize_into(packed, scales, 0, torch.empty(8, 20))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        mod.quant_dequantize_into(packed, scales, 0, torch.empty(64, 8).t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tile", [None, 7 * 100, 40 * 100 + 1])  # one piece; row tiles, the last partial
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "F.linear"])
+def test_prefill_path_tiles_dtypes_and_bias(dtype, tile, onednn, monkeypatch):
+    """Above MAX_ROWS: the weight dequantised in row tiles into the reused scratch buffer and multiplied
+    in the activation dtype (bias included), against the float64 product of the same dequantised
+    weights; bfloat16 within its rounding of the inputs and of the output."""
+    _ext()
+    if tile is not None:
+        monkeypatch.setattr(ql, "TILE_ELEMENTS", tile)
+    monkeypatch.setattr(ql, "_ONEDNN", {} if onednn else {torch.float32: False, torch.bfloat16: False})
+    torch.manual_seed(4)
+    lin = torch.nn.Linear(100, 45, bias=True).to(dtype)
+    for scheme in (ql.QuantScheme(4, 32), ql.QuantScheme(8, 64, True)):
+        q = ql.QuantLinear.from_linear(lin, scheme)
+        x = torch.randn(3, ql.MAX_ROWS + 2, 100).to(dtype)
+        w = ql.dequantize(q.qweight, q.scales, 100, torch.float64)
+        if dtype == torch.bfloat16:
+            w = w.to(dtype).double()
+        ref = x.double() @ w.T + lin.bias.double()
+        y = q(x)
+        assert y.dtype == dtype and y.shape == (3, ql.MAX_ROWS + 2, 45)
+        tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
+        assert torch.allclose(y.double(), ref, **tol)
+        assert torch.equal(q(x), y)  # the reused buffer leaves no trace in the next call
+
+
 def test_gemv_rejects_mismatched_shapes():
     mod = _ext()
     packed, scales = ql.quantize(torch.randn(8, 64), ql.QuantScheme(4, 32))
@@ -130,3 +186,47 @@ def test_mode_strings():
     for bad in ("int3", "int4-g48", "int4-asym-g32", "fp4", "int4-g32-sym-x"):
         with pytest.raises(InvalidParameterError, match="unknown quantization"):
             parse_mode(bad)
+
+
+def _thp_eligible(ptr: int):
+    """THPeligible of the mapping holding address ptr (/proc/self/smaps), None where the kernel does not say."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "THPeligible:":
+            return line.split()[1] == "1"
+    return None
+
+
+def test_move_to_huge_pages_keeps_values_order_and_sharing():
+    torch.manual_seed(5)
+    lins = [ql.QuantLinear.from_linear(torch.nn.Linear(k, n), ql.QuantScheme(b, 32)) for n, k, b in
+            ((40, 100, 4), (7, 64, 8), (33, 96, 4))]
+    emb = ql.QuantEmbedding(lins[2].qweight, lins[2].scales, 96, torch.float32)  # tied to the last one
+    x, ids = torch.randn(ql.MAX_ROWS + 3, 100), torch.tensor([0, 32, 5])
+    before = [lins[0](x[:1]), lins[0](x), emb(ids)]
+    old = [(m.qweight.clone(), m.scales.clone()) for m in lins]
+    moved = ql.move_to_huge_pages(lins + [emb])
+    if moved == 0:
+        pytest.skip("no MADV_HUGEPAGE here")
+    for m, (w, s) in zip(lins, old):
+        assert torch.equal(m.qweight, w) and torch.equal(m.scales, s)
+    assert emb.qweight is lins[2].qweight and emb.scales is lins[2].scales
+    ptrs = [t.data_ptr() for m in lins for t in (m.qweight, m.scales)]
+    assert ptrs == sorted(ptrs) and ptrs[0] % ql.HUGE_PAGE == 0  # in read order, from a huge-page boundary
+    assert len({m.qweight.untyped_storage().data_ptr() for m in lins}) == 1  # one mapping
+    assert moved >= sum(m.weight_bytes() for m in lins)
+    assert [torch.equal(a, b) for a, b in zip(before, [lins[0](x[:1]), lins[0](x), emb(ids)])] == [True] * 3
+    if _thp_eligible(ptrs[0]) is not None and "[never]" not in open("/sys/kernel/mm/transparent_hugepage/enabled").read():
+        assert _thp_eligible(ptrs[0])
+
+
+def test_move_to_huge_pages_leaves_nothing_to_move_alone():
+    assert ql.move_to_huge_pages([]) == 0

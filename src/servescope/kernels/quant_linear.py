@@ -10,25 +10,41 @@ Kp is K rounded up to the group (the padding is zeros). GGUF's Q4_0 / Q4_1 / Q8_
 bytes with their scales moved out (loader/gguf_packed.py), so a GGUF runs from its own blocks.
 
 QuantLinear: decode-sized calls (up to MAX_ROWS rows) go to the C++ GEMV over the packed blocks; larger
-ones (prefill) dequantise the matrix (C++, one pass) and run the float GEMM, which is compute-bound
-there anyway. On a GPU decode-sized calls go to the Triton GEMV over the same bytes
-(kernels/triton_quant.py); the rest, and a CPU without the extension, dequantise with torch.
+ones (prefill) dequantise the matrix and run the float GEMM, which is compute-bound there anyway. On the
+CPU the dequantisation is C++, parallel over rows, written straight in the activation dtype (bfloat16
+for a bfloat16 model: no float32 copy in between) into a per-thread scratch buffer that is reused, up to
+TILE_ELEMENTS weights at a time, and the GEMM is oneDNN's on that plain buffer (torch's default float32
+GEMM, MKL, costs ~1.25x as much CPU time on the Zen 4; docs/BENCHMARKS.md, issue 15 section). On a GPU decode-sized
+calls go to the Triton GEMV over the same bytes (kernels/triton_quant.py); the rest, and a CPU without
+the extension, dequantise with torch.
+
+Precision: the prefill GEMM runs in the model's dtype and nothing else. A float32 model with packed
+weights stays float32 end to end, even on a CPU whose bfloat16 dot products would make that GEMM ~2x
+faster: rounding the activations to bfloat16 is a precision change the user did not ask for. Asking
+for it is `dtype="bfloat16"` (the CLI's `--dtype auto` picks it on such a CPU), which runs the whole
+model, the prefill GEMM included, in bfloat16.
 """
 
 from __future__ import annotations
 
+import mmap
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from servescope.kernels import cpu_ops
+from servescope.kernels.cpu_kernels import onednn_linear
 
 BLOCK = 32
 GROUPS = (32, 64, 128)
 # Up to how many rows the packed GEMV runs; above, dequantise + GEMM (docs/BENCHMARKS.md)
 MAX_ROWS = 8
 GPU_MAX_ROWS = 8  # likewise on a GPU, the Triton GEMV's (triton_quant.MAX_M)
+# The most weights the prefill path dequantises for one GEMM call (16 MiB of float32): every projection
+# of a small model in one piece, a large model's matrices and a big vocabulary's head in row tiles
+TILE_ELEMENTS = 1 << 22
 _EMPTY = torch.empty(0)
 
 
@@ -158,6 +174,7 @@ class QuantLinear(torch.nn.Module):
         self.in_features, self.out_features = in_features, packed.shape[0]
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
         self._bias_f32 = None if bias is None else bias.detach().float()
+        self._bias_cast = None  # the bias in the prefill GEMM's dtype, when that is not its own
         self.float_output = float_output
 
     @classmethod
@@ -183,13 +200,37 @@ class QuantLinear(torch.nn.Module):
             bias = None if self.bias is None else self.bias.float()
             y = _triton_quant().quant_gemv(x2, self.qweight, self.scales, self.in_features, bias)
             y = y if self.float_output else y.to(x.dtype)
+        elif mod is not None and x2.dtype in (torch.float32, torch.bfloat16):
+            y = self._prefill(mod, x2.contiguous())
         else:
-            if mod is not None:
-                w = mod.quant_dequantize(self.qweight, self.scales, self.in_features).to(x.dtype)
-            else:
-                w = dequantize(self.qweight, self.scales, self.in_features, x.dtype)
+            w = dequantize(self.qweight, self.scales, self.in_features, x.dtype)
             y = F.linear(x2, w, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _prefill(self, mod, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, K] float32 | bfloat16 -> [M, N] in its dtype: row tiles of the weight dequantised into
+        the scratch buffer, each multiplied by oneDNN (F.linear where oneDNN is missing)."""
+        n, k = self.out_features, self.in_features
+        rows = max(1, min(n, TILE_ELEMENTS // k))
+        bias = self._bias_as(x2.dtype)
+        buf = _scratch(rows * k, x2.dtype)
+        if rows == n:  # one tile: the GEMM's result is the output
+            mod.quant_dequantize_into(self.qweight, self.scales, 0, buf.view(n, k))
+            return _gemm(x2, buf.view(n, k), bias)
+        y = torch.empty(x2.shape[0], n, dtype=x2.dtype)
+        for n0 in range(0, n, rows):
+            r = min(rows, n - n0)
+            w = buf[: r * k].view(r, k)
+            mod.quant_dequantize_into(self.qweight, self.scales, n0, w)
+            y[:, n0:n0 + r] = _gemm(x2, w, None if bias is None else bias[n0:n0 + r])
+        return y
+
+    def _bias_as(self, dtype: torch.dtype):
+        if self.bias is None or self.bias.dtype == dtype:
+            return self.bias
+        if self._bias_cast is None or self._bias_cast.dtype != dtype:
+            self._bias_cast = self.bias.detach().to(dtype)
+        return self._bias_cast
 
     def plan_entry(self) -> tuple:
         """For the C++ DecodePlan (see CpuLinear.plan_entry): its `gemv` routes float16-scaled packed
@@ -215,3 +256,78 @@ class QuantEmbedding(torch.nn.Module):
 
 def _opt(t):
     return _EMPTY if t is None else t
+
+
+HUGE_PAGE = 2 << 20
+
+
+def move_to_huge_pages(modules) -> int:
+    """Copy the packed weights and scales of `modules` (QuantLinear / QuantEmbedding, in the order the
+    decode step reads them) into one anonymous mapping advised MADV_HUGEPAGE, and point the modules at
+    views of it. Decode streams these bytes once per token, and on 4 KiB pages each 4 KiB is a new TLB
+    entry; 2 MiB pages (Linux's transparent huge pages, granted to a mapping that asks where THP is
+    `madvise` or `always`) take 512x fewer (the effect on decode speed is not yet measured on a quiet
+    machine: docs/BENCHMARKS.md, issue 15). A buffer shared by two modules (a tied GGUF embedding and
+    head) stays shared. Returns the bytes moved: 0 off the CPU, where the OS has no
+    MADV_HUGEPAGE, or with nothing to move."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    def key(t):  # the same tensor (a shared buffer), not merely the same first byte
+        return t.data_ptr(), t.dtype, tuple(t.shape)
+
+    found = {}  # key -> tensor, first use first
+    for mod in modules:
+        for name in ("qweight", "scales"):
+            t = getattr(mod, name)
+            if t.device.type == "cpu" and t.is_contiguous() and t.numel():
+                found.setdefault(key(t), t)
+    if advice is None or not found:
+        return 0
+    offsets, size = {}, 0
+    for ptr, t in found.items():
+        offsets[ptr] = size
+        size += -(-t.numel() * t.element_size() // 64) * 64
+    # private: a shared anonymous mapping is shmem, whose huge pages follow another setting (often off)
+    # whole huge pages from an aligned start (the unaligned head of the mapping is never touched)
+    arena = mmap.mmap(-1, -(-size // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arena.madvise(advice)
+    flat = torch.frombuffer(arena, dtype=torch.uint8)  # keeps `arena` alive as long as any view
+    start = -flat.data_ptr() % HUGE_PAGE  # the weights begin on a huge-page boundary
+    moved = {}
+    for ptr, t in found.items():
+        nbytes = t.numel() * t.element_size()
+        view = flat[start + offsets[ptr]:start + offsets[ptr] + nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        moved[ptr] = view
+    for mod in modules:
+        for name in ("qweight", "scales"):
+            t = getattr(mod, name)
+            if key(t) in moved:
+                setattr(mod, name, moved[key(t)])
+    return size
+
+
+_SCRATCH = threading.local()  # per thread: {dtype: flat buffer}, grown to the largest tile asked for
+
+
+def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    bufs = _SCRATCH.__dict__.setdefault("bufs", {})
+    buf = bufs.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = bufs[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
+
+
+_ONEDNN = {}  # dtype -> whether oneDNN's linear runs here (probed once)
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor, bias) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T (+ bias) with oneDNN's linear on the plain weight, else F.linear."""
+    ok = _ONEDNN.get(x.dtype)
+    if ok is None:
+        try:
+            onednn_linear(x[:1], w[:1])
+            ok = torch.backends.mkldnn.is_available()
+        except (RuntimeError, AttributeError, NotImplementedError):
+            ok = False
+        _ONEDNN[x.dtype] = ok
+    return onednn_linear(x, w, bias) if ok else F.linear(x, w, bias)

@@ -25,7 +25,7 @@ from torch import nn
 from servescope.analysis.packed_weights import gguf_format_name
 from servescope.errors import InvalidParameterError
 from servescope.kernels import cpu_kernels
-from servescope.kernels.quant_linear import QuantLinear, QuantScheme
+from servescope.kernels.quant_linear import QuantEmbedding, QuantLinear, QuantScheme, move_to_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -131,16 +131,21 @@ def parse_mode(mode: str):
 def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     """Replace every projection of the decoder layers and the output head by the mode's linear (for
     tied embeddings the head becomes a quantised copy; the embedding lookup keeps full precision).
-    Modules already quantised (a GGUF's packed weights) stay as they are."""
+    Modules already quantised (a GGUF's packed weights) keep their blocks. Then every packed weight,
+    in decode order, moves into one huge-page mapping (move_to_huge_pages: decode reads them all)."""
     scheme = parse_mode(mode)
-    if scheme is None:  # gguf: the loader kept the file's blocks
-        return model
     if scheme == "int8":
         return quantize_int8(model)
-    for parent, name, child in model.projections():
-        if isinstance(child, nn.Linear):
-            s = HEAD_SCHEME if name == "lm_head" and scheme.bits == 4 else scheme
-            setattr(parent, name, QuantLinear.from_linear(child, s, float_output=name == "lm_head"))
+    if scheme is not None:  # (gguf: the loader kept the file's blocks)
+        for parent, name, child in model.projections():
+            if isinstance(child, nn.Linear):
+                s = HEAD_SCHEME if name == "lm_head" and scheme.bits == 4 else scheme
+                setattr(parent, name, QuantLinear.from_linear(child, s, float_output=name == "lm_head"))
+    packed = [m for _, _, m in model.projections() if isinstance(m, QuantLinear)]
+    packed += [m for m in model.modules() if isinstance(m, QuantEmbedding)]
+    moved = move_to_huge_pages(packed)
+    if moved:
+        logger.info("packed weights: %.1f MiB moved to huge pages", moved / 2**20)
     return model
 
 

@@ -36,6 +36,7 @@ std::map<std::string, std::string> isa_info();
 // quant_ops.cpp: packed int4 / int8 weights with float16 group scales (quant_gemv.h)
 Tensor quant_gemv(Tensor x, Tensor w, Tensor scales, Tensor bias);
 Tensor quant_dequantize(Tensor w, Tensor scales, int64_t k);
+void quant_dequantize_into(Tensor w, Tensor scales, int64_t row0, Tensor out);
 
 // prefill_attention.cpp (AVX512-BF16 only; elsewhere "unsupported")
 Tensor prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int64_t ctx, double scale);

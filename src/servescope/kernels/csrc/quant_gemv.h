@@ -163,12 +163,22 @@ inline void quant_gemv_rows(const QMatrix& q, const float* x, int64_t M, const f
   });
 }
 
-// the whole matrix as float32 [N, k] (k <= kp: the first k columns), for the prefill GEMM
-inline void dequantize_rows(const QMatrix& q, int64_t k, float* out) {
+// Rows r0 .. r0 + rows of the packed matrix, their first k columns (k <= kp), as T [rows, k] at out
+// (T float or bf16: written straight in the GEMM's dtype, no float32 copy in between). The prefill path
+// calls it a tile of rows at a time into a buffer it reuses, so the tile is still in cache for the GEMM.
+template <typename T>
+inline void dequantize_rows(const QMatrix& q, int64_t r0, int64_t rows, int64_t k, T* out) {
   const int64_t G = q.groups(), bpg = q.group / QBLOCK, rb = q.row_bytes(), sc = q.asym ? 2 : 1;
-  parallel_for(0, q.n, 16, [&](int64_t n0, int64_t n1) {
-    alignas(64) float blk[QBLOCK];
-    for (int64_t r = n0; r < n1; ++r)
+  // out[c .. c + W) = v, clipped at column k (a block's padding past K is not written)
+  auto put = [k](T* row, int64_t c, vf v) {
+    if (c + W <= k)
+      store(row + c, v);
+    else if (c < k)
+      storen(row + c, v, k - c);
+  };
+  parallel_for(r0, r0 + rows, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t r = n0; r < n1; ++r) {
+      T* row = out + (r - r0) * k;
       for (int64_t g = 0; g < G; ++g) {
         const uint16_t* sp = q.scales + (r * G + g) * sc;
         const float d = half_to_float(sp[0]);
@@ -181,13 +191,13 @@ inline void dequantize_rows(const QMatrix& q, int64_t k, float* out) {
           for (int64_t i = 0; i < 16 && q.int4; i += W) {
             vf lo, hi;
             nibbles(b + i, lo, hi);
-            store(blk + i, fmadd(lo, dv, mv));
-            store(blk + 16 + i, fmadd(hi, dv, mv));
+            put(row, k0 + i, fmadd(lo, dv, mv));
+            put(row, k0 + 16 + i, fmadd(hi, dv, mv));
           }
-          for (int64_t i = 0; i < QBLOCK && !q.int4; i += W) store(blk + i, fmadd(load((const int8_t*)b + i), dv, mv));
-          std::memcpy(out + r * k + k0, blk, std::min<int64_t>(QBLOCK, k - k0) * sizeof(float));
+          for (int64_t i = 0; i < QBLOCK && !q.int4; i += W) put(row, k0 + i, fmadd(load((const int8_t*)b + i), dv, mv));
         }
       }
+    }
   });
 }
 

@@ -50,12 +50,25 @@ at::Tensor quant_gemv(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor 
   return y;
 }
 
+// rows row0 .. row0 + out.size(0) of the packed matrix into out [rows, k] float32 | bfloat16 (contiguous)
+void quant_dequantize_into(at::Tensor w, at::Tensor scales, int64_t row0, at::Tensor out) {
+  const QMatrix q = describe(w, scales);
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.device().is_cpu(), "quant_dequantize: out [rows, k], contiguous");
+  const int64_t rows = out.size(0), k = out.size(1);
+  TORCH_CHECK(k <= q.kp && k > q.kp - q.group, "quant_dequantize: k against the packed K");
+  TORCH_CHECK(row0 >= 0 && row0 + rows <= q.n, "quant_dequantize: rows past the matrix");
+  if (out.scalar_type() == at::kFloat)
+    servescope_quant::dequantize_rows(q, row0, rows, k, out.data_ptr<float>());
+  else if (out.scalar_type() == at::kBFloat16)
+    servescope_quant::dequantize_rows(q, row0, rows, k, (servescope_simd::bf16*)out.data_ptr());
+  else
+    TORCH_CHECK(false, "quant_dequantize: out must be float32 or bfloat16");
+}
+
 // the packed matrix as float32 [N, k]
 at::Tensor quant_dequantize(at::Tensor w, at::Tensor scales, int64_t k) {
-  const QMatrix q = describe(w, scales);
-  TORCH_CHECK(k <= q.kp && k > 0, "quant_dequantize: k");
-  auto out = at::empty({q.n, k}, at::TensorOptions().dtype(at::kFloat));
-  servescope_quant::dequantize_rows(q, k, out.data_ptr<float>());
+  auto out = at::empty({w.size(0), k}, at::TensorOptions().dtype(at::kFloat));
+  quant_dequantize_into(w, scales, 0, out);
   return out;
 }
 
