@@ -83,6 +83,8 @@ class SpecDecoder:
             req.spec_token_ids = list(drafts)
             if q is not None:
                 self._draft_probs[req.request_id] = q
+        for rows, seconds in getattr(self.proposer, "last_steps", ()):  # a draft model's measured forwards
+            self.chooser.observe_draft(rows, ctx, seconds)
 
     # ---------------------------------------------------------------- in the next step
     def verify(self, out: SchedulerOutput, rows: list, logits: torch.Tensor, outputs: OutputProcessor) -> tuple:

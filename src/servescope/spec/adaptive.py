@@ -44,7 +44,10 @@ class KChooser:
     that the cost model predicts fastest at the request's acceptance rate and the batch's size.
     step_seconds(rows, context_len): the target's step over that many one-token rows;
     draft_step_seconds(rows, context_len): one forward of a draft model over that many one-token rows
-    (None: the proposer costs nothing worth predicting, as n-gram lookup); k drafts cost k of them."""
+    (None: the proposer costs nothing worth predicting, as n-gram lookup); k drafts cost k of them, each
+    scaled by the draft's measured over predicted forward time (observe_draft): a quantised draft's
+    kernels need not reach the bandwidth the cost model streams its fewer bytes at (int4 on 2 Zen 4 cores
+    dequantises slower than it reads), and a k chosen on an underpriced draft would slow large batches."""
 
     def __init__(self, max_k: int, adaptive: bool, step_seconds: Optional[Callable[[int, int], float]] = None,
                  draft_step_seconds: Optional[Callable[[int, int], float]] = None):
@@ -52,6 +55,17 @@ class KChooser:
         self.step_seconds, self.draft_step_seconds = step_seconds, draft_step_seconds
         self.tracker = AcceptanceTracker()
         self._seconds: dict = {}  # (which, rows, context bucket) -> predicted seconds, kept across steps
+        self.draft_scale = 1.0  # measured / predicted draft forward time, a running (decayed) ratio
+        self._draft_obs = [0.0, 0.0]  # decayed sums of measured and predicted draft seconds
+
+    def observe_draft(self, rows: int, context_len: int, seconds: float, decay: float = 0.9) -> None:
+        """One measured draft forward over `rows` one-token rows at about context_len tokens each."""
+        if self.draft_step_seconds is None or rows <= 0:
+            return
+        o = self._draft_obs
+        o[0] = decay * o[0] + seconds
+        o[1] = decay * o[1] + self._predicted(self.draft_step_seconds, rows, context_len)
+        self.draft_scale = o[0] / o[1] if o[1] > 0 else 1.0
 
     def _predicted(self, fn: Callable[[int, int], float], rows: int, context_len: int) -> float:
         key = (fn, rows, context_len // 64)  # predictions move little within 64 tokens of context
@@ -69,6 +83,7 @@ class KChooser:
         def seconds(rows: int) -> float:
             return self._predicted(self.step_seconds, rows, context_len)
 
-        draft = 0.0 if self.draft_step_seconds is None else self._predicted(self.draft_step_seconds, batch, context_len)
+        draft = 0.0 if self.draft_step_seconds is None else (
+            self.draft_scale * self._predicted(self.draft_step_seconds, batch, context_len))
         return [best_k(self.tracker.rate(r), self.max_k, seconds, batch, lambda k: k * draft)[0]
                 for r in request_ids]
