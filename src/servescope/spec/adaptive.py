@@ -45,9 +45,10 @@ class KChooser:
     step_seconds(rows, context_len): the target's step over that many one-token rows;
     draft_step_seconds(rows, context_len): one forward of a draft model over that many one-token rows
     (None: the proposer costs nothing worth predicting, as n-gram lookup); k drafts cost k of them, each
-    scaled by the draft's measured over predicted forward time (observe_draft): a quantised draft's
-    kernels need not reach the bandwidth the cost model streams its fewer bytes at (int4 on 2 Zen 4 cores
-    dequantises slower than it reads), and a k chosen on an underpriced draft would slow large batches."""
+    scaled by how much more the draft's forwards take over their prediction than the target's steps
+    take over theirs (observe_draft, observe_target): a quantised draft's kernels need not reach the
+    bandwidth the cost model streams its fewer bytes at (int4 on 2 Zen 4 cores dequantises slower than it
+    reads), while a busy machine slows both alike and so changes nothing."""
 
     def __init__(self, max_k: int, adaptive: bool, step_seconds: Optional[Callable[[int, int], float]] = None,
                  draft_step_seconds: Optional[Callable[[int, int], float]] = None):
@@ -55,17 +56,29 @@ class KChooser:
         self.step_seconds, self.draft_step_seconds = step_seconds, draft_step_seconds
         self.tracker = AcceptanceTracker()
         self._seconds: dict = {}  # (which, rows, context bucket) -> predicted seconds, kept across steps
-        self.draft_scale = 1.0  # measured / predicted draft forward time, a running (decayed) ratio
-        self._draft_obs = [0.0, 0.0]  # decayed sums of measured and predicted draft seconds
+        # decayed sums of measured and predicted seconds: the draft's forwards, the target's steps
+        self._obs = {"draft": [0.0, 0.0], "target": [0.0, 0.0]}
 
-    def observe_draft(self, rows: int, context_len: int, seconds: float, decay: float = 0.9) -> None:
-        """One measured draft forward over `rows` one-token rows at about context_len tokens each."""
-        if self.draft_step_seconds is None or rows <= 0:
-            return
-        o = self._draft_obs
+    @property
+    def draft_scale(self) -> float:
+        """(draft measured / predicted) / (target measured / predicted); 1 until both were observed."""
+        (dm, dp), (tm, tp) = self._obs["draft"], self._obs["target"]
+        return (dm / dp) / (tm / tp) if dm and dp and tm and tp else 1.0
+
+    def _observe(self, which: str, fn, rows: int, context_len: int, seconds: float, decay: float = 0.9) -> None:
+        if fn is None or self.draft_step_seconds is None or rows <= 0:
+            return  # nothing to calibrate without a draft model and predictions
+        o = self._obs[which]
         o[0] = decay * o[0] + seconds
-        o[1] = decay * o[1] + self._predicted(self.draft_step_seconds, rows, context_len)
-        self.draft_scale = o[0] / o[1] if o[1] > 0 else 1.0
+        o[1] = decay * o[1] + self._predicted(fn, rows, context_len)
+
+    def observe_draft(self, rows: int, context_len: int, seconds: float) -> None:
+        """One measured draft forward over `rows` one-token rows at about context_len tokens each."""
+        self._observe("draft", self.draft_step_seconds, rows, context_len, seconds)
+
+    def observe_target(self, rows: int, context_len: int, seconds: float) -> None:
+        """One measured target step of `rows` one-token rows (a decode-only step, verification included)."""
+        self._observe("target", self.step_seconds, rows, context_len, seconds)
 
     def _predicted(self, fn: Callable[[int, int], float], rows: int, context_len: int) -> float:
         key = (fn, rows, context_len // 64)  # predictions move little within 64 tokens of context
