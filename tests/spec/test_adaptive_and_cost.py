@@ -51,32 +51,3 @@ def test_tracker_follows_acceptance_and_chooser_turns_off():
     compute_bound.tracker = t
     assert compute_bound.choose(["copy"], 32, 100) == [0]
     assert KChooser(3, adaptive=False).choose(["a", "b"], 64, 10) == [3, 3]
-
-
-def test_chooser_prices_the_draft_at_its_measured_cost():
-    """A draft predicted at a tenth of a target step speculates; measured at a full step per forward while
-    the target takes what it was predicted to (the draft's kernels slower than its bytes say), the same
-    acceptance no longer pays and k drops to 0; a machine slowing both alike changes nothing."""
-    def chooser():
-        ch = KChooser(4, adaptive=True, step_seconds=lambda rows, ctx: 1.0 + 0.05 * rows,
-                      draft_step_seconds=lambda rows, ctx: 0.1 * rows)
-        for _ in range(5):
-            ch.tracker.update("r", 4, 2)  # a ~ 0.6
-        return ch
-
-    ch = chooser()
-    assert ch.choose(["r"], 1, 100)[0] > 0 and ch.draft_scale == 1.0
-    for _ in range(20):
-        ch.observe_draft(1, 100, 1.0)
-        ch.observe_target(4, 100, 1.2)  # as predicted
-    assert ch.draft_scale == pytest.approx(10.0)
-    assert ch.choose(["r"], 1, 100) == [0]
-    busy = chooser()
-    for _ in range(20):
-        busy.observe_draft(1, 100, 0.5)  # five times the prediction, and so is the target
-        busy.observe_target(4, 100, 6.0)
-    assert busy.draft_scale == pytest.approx(1.0)
-    assert busy.choose(["r"], 1, 100) == chooser().choose(["r"], 1, 100)
-    ngram = KChooser(4, adaptive=True, step_seconds=lambda rows, ctx: 1.0 + 0.05 * rows)
-    ngram.observe_draft(1, 100, 1.0)  # no draft model: nothing to calibrate
-    assert ngram.draft_scale == 1.0

@@ -14,7 +14,6 @@ feed /metrics and the StepRecord.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,7 +47,6 @@ class SpecDecoder:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.last_step = SpecStepStats()
-        self._proposed_at: Optional[float] = None  # perf_counter at the end of the latest proposal
 
     @property
     def acceptance_rate(self) -> float:
@@ -85,21 +83,12 @@ class SpecDecoder:
             req.spec_token_ids = list(drafts)
             if q is not None:
                 self._draft_probs[req.request_id] = q
-        for rows, seconds in getattr(self.proposer, "last_steps", ()):  # a draft model's measured forwards
-            self.chooser.observe_draft(rows, ctx, seconds)
-        self._proposed_at = time.perf_counter()  # the next step's target work starts about now
 
     # ---------------------------------------------------------------- in the next step
     def verify(self, out: SchedulerOutput, rows: list, logits: torch.Tensor, outputs: OutputProcessor) -> tuple:
         """({sample id: [SampledToken, ...]} of the scheduled sequences at `rows`, seconds spent on
         grammar masks); logits: their sample positions, in order."""
         seqs = [out.scheduled[i] for i in rows]
-        if self._proposed_at is not None and out.num_prefill_tokens == 0 and len(seqs) == len(out.scheduled):
-            # the target's step since the proposal (scheduling, the forward over 1 + k rows each), for the
-            # chooser's draft-to-target calibration
-            ctx = sum(s.context_len for s in seqs) // len(seqs)
-            self.chooser.observe_target(len(logits), ctx, time.perf_counter() - self._proposed_at)
-        self._proposed_at = None
         drafts = [list(s.spec_token_ids) for s in seqs]
         q = [self._draft_probs.get(s.request_id) if d else None for s, d in zip(seqs, drafts)]
         q = [None if x is None else x[:len(d)] for x, d in zip(q, drafts)]

@@ -44,11 +44,7 @@ class KChooser:
     that the cost model predicts fastest at the request's acceptance rate and the batch's size.
     step_seconds(rows, context_len): the target's step over that many one-token rows;
     draft_step_seconds(rows, context_len): one forward of a draft model over that many one-token rows
-    (None: the proposer costs nothing worth predicting, as n-gram lookup); k drafts cost k of them, each
-    scaled by how much more the draft's forwards take over their prediction than the target's steps
-    take over theirs (observe_draft, observe_target): a quantised draft's kernels need not reach the
-    bandwidth the cost model streams its fewer bytes at (int4 on 2 Zen 4 cores dequantises slower than it
-    reads), while a busy machine slows both alike and so changes nothing."""
+    (None: the proposer costs nothing worth predicting, as n-gram lookup); k drafts cost k of them."""
 
     def __init__(self, max_k: int, adaptive: bool, step_seconds: Optional[Callable[[int, int], float]] = None,
                  draft_step_seconds: Optional[Callable[[int, int], float]] = None):
@@ -56,29 +52,6 @@ class KChooser:
         self.step_seconds, self.draft_step_seconds = step_seconds, draft_step_seconds
         self.tracker = AcceptanceTracker()
         self._seconds: dict = {}  # (which, rows, context bucket) -> predicted seconds, kept across steps
-        # decayed sums of measured and predicted seconds: the draft's forwards, the target's steps
-        self._obs = {"draft": [0.0, 0.0], "target": [0.0, 0.0]}
-
-    @property
-    def draft_scale(self) -> float:
-        """(draft measured / predicted) / (target measured / predicted); 1 until both were observed."""
-        (dm, dp), (tm, tp) = self._obs["draft"], self._obs["target"]
-        return (dm / dp) / (tm / tp) if dm and dp and tm and tp else 1.0
-
-    def _observe(self, which: str, fn, rows: int, context_len: int, seconds: float, decay: float = 0.9) -> None:
-        if fn is None or self.draft_step_seconds is None or rows <= 0:
-            return  # nothing to calibrate without a draft model and predictions
-        o = self._obs[which]
-        o[0] = decay * o[0] + seconds
-        o[1] = decay * o[1] + self._predicted(fn, rows, context_len)
-
-    def observe_draft(self, rows: int, context_len: int, seconds: float) -> None:
-        """One measured draft forward over `rows` one-token rows at about context_len tokens each."""
-        self._observe("draft", self.draft_step_seconds, rows, context_len, seconds)
-
-    def observe_target(self, rows: int, context_len: int, seconds: float) -> None:
-        """One measured target step of `rows` one-token rows (a decode-only step, verification included)."""
-        self._observe("target", self.step_seconds, rows, context_len, seconds)
 
     def _predicted(self, fn: Callable[[int, int], float], rows: int, context_len: int) -> float:
         key = (fn, rows, context_len // 64)  # predictions move little within 64 tokens of context
@@ -96,7 +69,6 @@ class KChooser:
         def seconds(rows: int) -> float:
             return self._predicted(self.step_seconds, rows, context_len)
 
-        draft = 0.0 if self.draft_step_seconds is None else (
-            self.draft_scale * self._predicted(self.draft_step_seconds, batch, context_len))
+        draft = 0.0 if self.draft_step_seconds is None else self._predicted(self.draft_step_seconds, batch, context_len)
         return [best_k(self.tracker.rate(r), self.max_k, seconds, batch, lambda k: k * draft)[0]
                 for r in request_ids]

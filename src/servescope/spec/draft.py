@@ -57,14 +57,12 @@ class DraftProposer:
         self.num_forwards, self.forward_seconds = 0, 0.0  # the draft's own cost, measured
         self.num_prefill_forwards, self.prefill_seconds = 0, 0.0  # of which catch-ups with a prompt (own cache)
         self.num_draft_tokens, self.propose_seconds = 0, 0.0  # whole proposals (forwards, sampling, copies)
-        self.last_steps: list = []  # (rows, seconds) of each one-token-row draft step of the latest proposal
 
     def propose_batch(self, items: list) -> list:
         """items: (request, k, block ids, sampling state) -> [(drafts, q [k, V] or None when greedy)]."""
         if not items:
             return []
         t0 = time.perf_counter()
-        self.last_steps = []
         order = sorted(range(len(items)), key=lambda i: -items[i][1])  # at step j, order[:n_j] still draft
         its = [items[i] for i in order]
         n_at = [sum(1 for _, k, _, _ in its if k > j) for j in range(its[0][1])]
@@ -126,7 +124,6 @@ class DraftProposer:
         dt = time.perf_counter() - t0
         self.num_forwards += 1
         self.forward_seconds += dt
-        self.last_steps.append((n, dt))
         return logits
 
     def _catch_up(self, its: list, plain: bool, drafts: list, probs: list) -> torch.Tensor:
