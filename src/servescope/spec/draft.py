@@ -99,6 +99,7 @@ class DraftProposer:
         return out
 
     # ---------------------------------------------------------------- one draft forward
+    @torch.inference_mode()  # as ModelRunner.execute: the C++ decode plan serves only grad-free steps
     def _decode_rows(self, its: list, j: int, ids) -> torch.Tensor:
         """Logits [n, V] of one one-token row per request: its (j-1)-th draft (j = 0: its last token) at
         position num_tokens - 1 + j. ids: the n input tokens, a host list or a tensor (the previous
