@@ -86,7 +86,12 @@ def test_self_draft_reads_the_target_kv_and_an_own_cache_draft_agrees(tiny_paths
     same = _spec(base, {"method": "draft", "num_speculative_tokens": 3, "adaptive": False}, **CHUNKED_PREEMPTED)
     prop = same.engine.spec.proposer
     assert prop.shares_target_kv and prop.runner.kv_caches is same.engine.runner.kv_caches
+    ex, served = prop.runner.executor, []
+    plan_serves = ex._plan_serves
+    ex._plan_serves = lambda *a: served.append(plan_serves(*a)) or served[-1]
     assert [o.outputs[0].token_ids for o in same.generate(_prompts(), GREEDY)] == want
+    # every draft step is a decode-only step of one-token rows: the C++ decode plan serves it where built
+    assert served and (all(served) or ex.decode_plan is None)
     assert same.engine.spec.acceptance_rate > 0.95 and prop.num_prefill_forwards == 0
     assert same.engine.scheduler.num_preemptions > 0
     _clean(same)
