@@ -76,6 +76,59 @@ def test_greedy_equal_with_int8_draft_under_preemption(tiny_paths):
     _clean(spec)
 
 
+def test_self_draft_reads_the_target_kv_and_an_own_cache_draft_agrees(tiny_paths):
+    """A self-draft (the target's weights) shares the target's KV cache, allocating none: unquantised it is
+    the target itself, so (bar rounding near ties) every greedy draft is accepted, which it could not be if
+    it attended over wrong KV; a draft given by path keeps its own cache, catching up on the prompt."""
+    path = tiny_paths["llama"]
+    base = LLM(model=path, num_kv_blocks=64, max_model_len=256)
+    want = [o.outputs[0].token_ids for o in base.generate(_prompts(), GREEDY)]
+    same = _spec(base, {"method": "draft", "num_speculative_tokens": 3, "adaptive": False}, **CHUNKED_PREEMPTED)
+    prop = same.engine.spec.proposer
+    assert prop.shares_target_kv and prop.runner.kv_caches is same.engine.runner.kv_caches
+    ex, served = prop.runner.executor, []
+    plan_serves = ex._plan_serves
+    ex._plan_serves = lambda *a: served.append(plan_serves(*a)) or served[-1]
+    assert [o.outputs[0].token_ids for o in same.generate(_prompts(), GREEDY)] == want
+    # every draft step is a decode-only step of one-token rows: the C++ decode plan serves it where built
+    assert served and (all(served) or ex.decode_plan is None)
+    assert same.engine.spec.acceptance_rate > 0.95 and prop.num_prefill_forwards == 0
+    assert same.engine.scheduler.num_preemptions > 0
+    _clean(same)
+    own = _spec(base, {"method": "draft", "model": path, "num_speculative_tokens": 3, "quantization": "int8",
+                       "adaptive": False}, **CHUNKED_PREEMPTED)
+    prop = own.engine.spec.proposer
+    assert not prop.shares_target_kv and prop.runner.kv_caches is not own.engine.runner.kv_caches
+    assert [o.outputs[0].token_ids for o in own.generate(_prompts(), GREEDY)] == want
+    assert own.engine.spec.acceptance_rate > 0.5 and prop.num_prefill_forwards > 0
+    _clean(own)
+
+
+def test_greedy_drafts_on_the_fast_path_equal_the_sampler_path(tiny_paths):
+    """The draft loop's argmax kept on the device (greedy, no penalties) proposes what the sampler's
+    distributions do when a penalty of no effect (presence 0 + repetition 1 -> frequency tiny) sends the
+    same requests through it: drafts equal, outputs equal to plain decoding."""
+    base = LLM(model=tiny_paths["llama"], num_kv_blocks=64, max_model_len=256)
+    spec = _spec(base, {"method": "draft", "num_speculative_tokens": 3, "quantization": "int4", "adaptive": False})
+    seen = {}
+    prop = spec.engine.spec.proposer
+    inner = prop.propose_batch
+
+    def record(items):
+        out = inner(items)
+        for (req, _, _, st), (d, _) in zip(items, out):
+            seen.setdefault(st.params.frequency_penalty, []).append((req.num_tokens, list(d)))
+        return out
+
+    prop.propose_batch = record
+    plain = spec.generate(_prompts()[:1], GREEDY)[0].outputs[0].token_ids
+    tiny = GREEDY.replace(frequency_penalty=1e-30)  # read by the sampler, changes no logit in float32
+    slow = spec.generate(_prompts()[:1], tiny)[0].outputs[0].token_ids
+    assert slow == plain == base.generate(_prompts()[:1], GREEDY)[0].outputs[0].token_ids
+    assert seen[0.0] == seen[1e-30] and len(seen[0.0]) > 3
+    _clean(spec)
+
+
 def test_stops_logprobs_min_tokens_and_n_with_several_tokens_per_step(tiny_paths):
     path = tiny_paths["llama_plain"]
     base = LLM(model=path, num_kv_blocks=64, max_model_len=256)

@@ -3,7 +3,9 @@
 With per-draft acceptance rate a (each draft accepted with probability a, independently, until the first
 rejection) and k drafts, a verification step emits E = (1 - a^(k+1)) / (1 - a) tokens (the accepted drafts
 plus the target's own token; k + 1 when a = 1). It costs one target step over B(1 + k) rows instead of B
-rows, plus the proposer (a draft model: about k of its own decode steps). So
+rows, plus the proposer: a draft model costs k of its own one-token decode steps over the B rows (exactly
+k for a self-draft on the target's KV cache, spec/draft.py; a draft with its own cache also prefills each
+prompt once), n-gram lookup nothing worth counting. So
 
     speed-up = E * t_target(B) / (t_target(B (1 + k)) + t_propose(B, k))
 

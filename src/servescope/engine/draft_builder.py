@@ -1,6 +1,7 @@
 """Builds the draft model of speculative decoding: its weights (any model servescope loads, by default the
-target's own, normally quantised), checked against the target, and a ModelRunner whose KV cache has the
-target's block geometry (spec/draft.py: the draft reads and writes through the target's block tables)."""
+target's own, normally quantised), checked against the target, and a ModelRunner over the target's block
+geometry (spec/draft.py: the draft reads and writes through the target's block tables): on the target's own
+KV cache for self-speculation, else on a cache of its own."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import logging
 from servescope.config import EngineConfig, SpeculativeConfig
 from servescope.engine.builder import load_model, resolve_device, resolve_dtypes
 from servescope.engine.model_runner import ModelRunner
+from servescope.engine.step_cost import StepCostPredictor
 from servescope.errors import EngineConfigError
+from servescope.model.quantize import weight_format
 from servescope.spec.draft import DraftProposer
 
 logger = logging.getLogger(__name__)
 
 
-def build_draft_proposer(config: EngineConfig, loaded, runner: ModelRunner, sampler, max_model_len: int) -> DraftProposer:
+def build_draft_proposer(config: EngineConfig, loaded, runner: ModelRunner, sampler, max_model_len: int) -> tuple:
+    """(the DraftProposer, a StepCostPredictor for its forwards or None when the engine predicts nothing)."""
     spec = config.speculative
     draft_config = config.replace(model=spec.speculative_model or config.load.model,
                                   quantization=spec.speculative_quantization, speculative=SpeculativeConfig())
@@ -23,13 +27,30 @@ def build_draft_proposer(config: EngineConfig, loaded, runner: ModelRunner, samp
     dtype, kv_dtype = resolve_dtypes(draft_config, device)
     draft = load_model(draft_config, device, dtype)
     check_draft(draft, loaded, max_model_len)
+    shared = shares_target_kv(spec, draft.model_config, loaded.model_config, kv_dtype, runner)
     draft_runner = ModelRunner(draft.executor, draft.model_config, runner.backend, runner.num_blocks,
-                               runner.block_size, kv_dtype, device)
-    logger.info("draft model %s (%s): %d layers, %.1f MiB of weights, %.1f MiB of KV cache",
+                               runner.block_size, kv_dtype, device, kv_caches=runner.kv_caches if shared else None)
+    logger.info("draft model %s (%s): %d layers, %.1f MiB of weights, %s",
                 draft.source_path, spec.speculative_quantization or "unquantised",
                 draft.model_config.num_hidden_layers, draft.executor.weight_bytes / 2**20,
-                draft_runner.kv_cache_bytes / 2**20)
-    return DraftProposer(draft_runner, sampler)
+                "reads the target's KV cache" if shared else f"{draft_runner.kv_cache_bytes / 2**20:.1f} MiB of KV cache")
+    cost = None
+    if config.telemetry.predict_step_cost:
+        cost = StepCostPredictor(draft.model_config, device, dtype, kv_dtype, spec.speculative_quantization,
+                                 config.telemetry.hardware,
+                                 weight_format=weight_format(draft.executor.model, spec.speculative_quantization))
+    return DraftProposer(draft_runner, sampler, shares_target_kv=shared), cost
+
+
+def shares_target_kv(spec: SpeculativeConfig, draft_cfg, target_cfg, kv_dtype, runner: ModelRunner) -> bool:
+    """Self-speculation (the draft is the target's own weights, quantised or not) reads the target's KV
+    cache (spec/draft.py) when the layers' KV shapes and the KV dtype are the same, which they are unless
+    the target's cache is sharded (a parallel executor's workers hold it)."""
+    same_shape = all(getattr(draft_cfg, a) == getattr(target_cfg, a)
+                     for a in ("num_hidden_layers", "num_key_value_heads", "head_dim"))
+    return (spec.speculative_model is None and same_shape and kv_dtype == runner.kv_dtype
+            and len(runner.kv_caches) == draft_cfg.num_hidden_layers
+            and runner.executor.shard_config(target_cfg) == target_cfg)
 
 
 def check_draft(draft, target, max_model_len: int) -> None:

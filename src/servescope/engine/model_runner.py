@@ -71,7 +71,10 @@ def step_batch_from_buffer(buf: torch.Tensor, t: int, b: int, max_blocks: int, n
 
 class ModelRunner:
     def __init__(self, executor, model_config: ModelConfig, backend: AttentionBackend,
-                 num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: torch.device):
+                 num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: torch.device,
+                 kv_caches: Optional[list] = None):
+        """kv_caches: another runner's cache to read and write instead of a new one (a self-speculation
+        draft, the target's own weights quantised, reads the target's KV: spec/draft.py)."""
         self.executor = executor  # engine/executor.py: the model and its kernel choices
         self.cfg = model_config
         self.backend = backend
@@ -81,8 +84,9 @@ class ModelRunner:
         self.kv_dtype = kv_dtype
         shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
         # one K and one V tensor per layer: [N, S, Hkv, D] ([..., D + 4] int8 / fp8 rows with their scales)
-        self.kv_caches = [(kv_quant.allocate(*shape, kv_dtype, device), kv_quant.allocate(*shape, kv_dtype, device))
-                          for _ in range(model_config.num_hidden_layers)]
+        self.kv_caches = kv_caches if kv_caches is not None else [
+            (kv_quant.allocate(*shape, kv_dtype, device), kv_quant.allocate(*shape, kv_dtype, device))
+            for _ in range(model_config.num_hidden_layers)]
 
     @property
     def kv_cache_bytes(self) -> int:

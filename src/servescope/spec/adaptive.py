@@ -42,29 +42,33 @@ class AcceptanceTracker:
 class KChooser:
     """k per request: the configured k, or (adaptive, with step times to predict from) the k in 0..max_k
     that the cost model predicts fastest at the request's acceptance rate and the batch's size.
-    step_seconds(rows, context_len): the target's step over that many one-token rows."""
+    step_seconds(rows, context_len): the target's step over that many one-token rows;
+    draft_step_seconds(rows, context_len): one forward of a draft model over that many one-token rows
+    (None: the proposer costs nothing worth predicting, as n-gram lookup); k drafts cost k of them."""
 
     def __init__(self, max_k: int, adaptive: bool, step_seconds: Optional[Callable[[int, int], float]] = None,
-                 propose_seconds: Callable[[int], float] = lambda k: 0.0):
+                 draft_step_seconds: Optional[Callable[[int, int], float]] = None):
         self.max_k, self.adaptive = max_k, adaptive
-        self.step_seconds, self.propose_seconds = step_seconds, propose_seconds
+        self.step_seconds, self.draft_step_seconds = step_seconds, draft_step_seconds
         self.tracker = AcceptanceTracker()
-        self._seconds: dict = {}  # (rows, context bucket) -> predicted step seconds, kept across steps
+        self._seconds: dict = {}  # (which, rows, context bucket) -> predicted seconds, kept across steps
 
-    def _step_seconds(self, rows: int, context_len: int) -> float:
-        key = (rows, context_len // 64)  # predictions move little within 64 tokens of context
+    def _predicted(self, fn: Callable[[int, int], float], rows: int, context_len: int) -> float:
+        key = (fn, rows, context_len // 64)  # predictions move little within 64 tokens of context
         if key not in self._seconds:
             if len(self._seconds) > 4096:
                 self._seconds.clear()
-            self._seconds[key] = self.step_seconds(rows, key[1] * 64 + 32)
+            self._seconds[key] = fn(rows, key[2] * 64 + 32)
         return self._seconds[key]
 
     def choose(self, request_ids: list, batch: int, context_len: int) -> list:
         """k per request of a batch of `batch` decodes of about context_len tokens each."""
         if not self.adaptive or self.step_seconds is None:
             return [self.max_k] * len(request_ids)
-        def seconds(rows: int) -> float:
-            return self._step_seconds(rows, context_len)
 
-        return [best_k(self.tracker.rate(r), self.max_k, seconds, batch, self.propose_seconds)[0]
+        def seconds(rows: int) -> float:
+            return self._predicted(self.step_seconds, rows, context_len)
+
+        draft = 0.0 if self.draft_step_seconds is None else self._predicted(self.draft_step_seconds, batch, context_len)
+        return [best_k(self.tracker.rate(r), self.max_k, seconds, batch, lambda k: k * draft)[0]
                 for r in request_ids]

@@ -37,12 +37,18 @@ class Verified:
     logprobs: list  # per token, TokenLogprobs or None
 
 
+def reads_history(state: SamplingState) -> bool:
+    """Whether the sampler's processing of this request's logits depends on its output so far
+    (penalties, a min_tokens mask still in force): then each draft position needs its own state."""
+    p = state.params
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            or len(state.output_token_ids) < p.min_tokens)
+
+
 def position_states(state: SamplingState, drafts: list[int]) -> list[SamplingState]:
     """The state at each of the 1 + k positions: as if the drafts before it were accepted. (The same
     state at every position when nothing the sampler does reads the output history.)"""
-    p = state.params
-    if (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and len(state.output_token_ids) >= p.min_tokens):
+    if not reads_history(state):
         return [state] * (len(drafts) + 1)
     out = [state]
     for j in range(1, len(drafts) + 1):
