@@ -156,7 +156,9 @@ def test_stops_logprobs_min_tokens_and_n_with_several_tokens_per_step(tiny_paths
     _clean(spec)
 
 
-@pytest.mark.parametrize("spec_cfg", [NGRAM, {"method": "draft", "num_speculative_tokens": 3, "quantization": "int8"}])
+# adaptive off: the test needs drafts in flight, whatever the cost model says of a tiny model on this machine
+@pytest.mark.parametrize("spec_cfg", [NGRAM, {"method": "draft", "num_speculative_tokens": 3, "quantization": "int8",
+                                      "adaptive": False}])
 def test_abort_between_proposal_and_verification_leaks_nothing(tiny_paths, spec_cfg):
     llm = LLM(model=tiny_paths["llama"], num_kv_blocks=32, max_model_len=256, speculative=spec_cfg)
     engine = llm.engine

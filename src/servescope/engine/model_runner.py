@@ -150,6 +150,24 @@ class ModelRunner:
             buf = buf.to(self.device, non_blocking=True)
         return step_batch_from_buffer(buf, t, b, max_blocks, num_decode, query_lens, context_lens, seq_rows)
 
+    def one_token_rows(self, ids, positions: list, tables: list) -> StepBatch:
+        """The batch of n one-token decode rows (a draft model's step, spec/draft.py): row i feeds ids[i]
+        at positions[i] through block table tables[i]; its logits are row i. ids: a host list, or a
+        device tensor [n] (the previous draft step's argmaxes, never copied to the host)."""
+        s, n = self.block_size, len(positions)
+        m = max(len(b) for b in tables)
+        # step_batch_from_buffer's layout: ids, positions, slots [n] | logits index, context lens [n] |
+        # query starts [n + 1] | block tables [n * m]
+        flat = (ids if isinstance(ids, list) else [0] * n) + list(positions)
+        flat += [b[p // s] * s + p % s for p, b in zip(positions, tables)]
+        flat += list(range(n)) + [p + 1 for p in positions] + list(range(n + 1))
+        for b in tables:
+            flat += b + [0] * (m - len(b))
+        buf = torch.tensor(flat, dtype=torch.int64).to(self.device)
+        if not isinstance(ids, list):
+            buf[:n] = ids
+        return step_batch_from_buffer(buf, n, n, m, n, [1] * n, [p + 1 for p in positions])
+
     @torch.inference_mode()
     def execute(self, scheduled, sample_rows: Optional[list] = None,
                 extra_positions: Optional[list] = None) -> torch.Tensor:

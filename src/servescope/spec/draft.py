@@ -35,7 +35,6 @@ import time
 
 import torch
 
-from servescope.engine.model_runner import step_batch_from_buffer
 from servescope.sampling.sampler import Sampler
 from servescope.scheduler.output import ScheduledSequence
 from servescope.spec.rejection import position_states, reads_history
@@ -105,21 +104,8 @@ class DraftProposer:
         position num_tokens - 1 + j. ids: the n input tokens, a host list or a tensor (the previous
         step's drafts, never copied to the host)."""
         t0 = time.perf_counter()
-        s, n = self.runner.block_size, len(its)
         pos = [req.num_tokens - 1 + j for req, _, _, _ in its]
-        tables = [blocks for _, _, blocks, _ in its]
-        m = max(len(b) for b in tables)
-        # step_batch_from_buffer's layout: ids, positions, slots [n] | logits index, context lens [n] |
-        # query starts [n + 1] | block tables [n * m]
-        flat = (ids if isinstance(ids, list) else [0] * n) + pos
-        flat += [b[p // s] * s + p % s for p, b in zip(pos, tables)]
-        flat += list(range(n)) + [p + 1 for p in pos] + list(range(n + 1))
-        for b in tables:
-            flat += b + [0] * (m - len(b))
-        buf = torch.tensor(flat, dtype=torch.int64).to(self.runner.device)
-        if not isinstance(ids, list):
-            buf[:n] = ids
-        batch = step_batch_from_buffer(buf, n, n, m, n, [1] * n, [p + 1 for p in pos])
+        batch = self.runner.one_token_rows(ids, pos, [blocks for _, _, blocks, _ in its])
         r = self.runner
         logits = r.executor.run(batch, r.kv_caches, r.backend, batch.logits_indices)  # [n, V]
         dt = time.perf_counter() - t0
