@@ -133,6 +133,22 @@ class ModelRunner:
             if n == 1 and num_decode == len(query_lens) - 1:
                 num_decode += 1  # decodes lead the batch; count the leading run of 1-token queries
             seq_rows.append(len(query_lens))
+        return self._batch(input_ids, positions, slots, query_lens, context_lens, tables, num_decode, seq_rows)
+
+    def one_token_rows(self, ids, positions: list, tables: list) -> StepBatch:
+        """The batch of n one-token decode rows (a draft model's step, spec/draft.py): row i feeds ids[i]
+        at positions[i] through block table tables[i]; its logits are row i. ids: a host list, or a
+        device tensor [n] (the previous draft step's argmaxes, never copied to the host)."""
+        s, n = self.block_size, len(positions)
+        slots = [b[p // s] * s + p % s for p, b in zip(positions, tables)]
+        batch = self._batch(ids if isinstance(ids, list) else [0] * n, list(positions), slots, [1] * n,
+                            [p + 1 for p in positions], tables, n)
+        if not isinstance(ids, list):
+            batch.input_ids.copy_(ids)  # a view of the step's buffer
+        return batch
+
+    def _batch(self, input_ids: list, positions: list, slots: list, query_lens: list, context_lens: list,
+               tables: list, num_decode: int, seq_rows: Optional[list] = None) -> StepBatch:
         max_blocks = max(len(t) for t in tables)
         qsl = [0]
         for q in query_lens:
@@ -149,24 +165,6 @@ class ModelRunner:
         if self.device.type != "cpu":
             buf = buf.to(self.device, non_blocking=True)
         return step_batch_from_buffer(buf, t, b, max_blocks, num_decode, query_lens, context_lens, seq_rows)
-
-    def one_token_rows(self, ids, positions: list, tables: list) -> StepBatch:
-        """The batch of n one-token decode rows (a draft model's step, spec/draft.py): row i feeds ids[i]
-        at positions[i] through block table tables[i]; its logits are row i. ids: a host list, or a
-        device tensor [n] (the previous draft step's argmaxes, never copied to the host)."""
-        s, n = self.block_size, len(positions)
-        m = max(len(b) for b in tables)
-        # step_batch_from_buffer's layout: ids, positions, slots [n] | logits index, context lens [n] |
-        # query starts [n + 1] | block tables [n * m]
-        flat = (ids if isinstance(ids, list) else [0] * n) + list(positions)
-        flat += [b[p // s] * s + p % s for p, b in zip(positions, tables)]
-        flat += list(range(n)) + [p + 1 for p in positions] + list(range(n + 1))
-        for b in tables:
-            flat += b + [0] * (m - len(b))
-        buf = torch.tensor(flat, dtype=torch.int64).to(self.device)
-        if not isinstance(ids, list):
-            buf[:n] = ids
-        return step_batch_from_buffer(buf, n, n, m, n, [1] * n, [p + 1 for p in positions])
 
     @torch.inference_mode()
     def execute(self, scheduled, sample_rows: Optional[list] = None,

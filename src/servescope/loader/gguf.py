@@ -235,17 +235,15 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
                 f"but the file has {file_size} bytes"
             )
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
-        if keep_packed and len(shape) == 2 and _runs_packed(t, hf_name):
-            qs, scales = gguf_packed.split_blocks(t.data, t.tensor_type, *shape)
-            qs, scales = _unpermute(qs, hf_name, arch, config), _unpermute(scales, hf_name, arch, config)
-            packed[hf_name] = (qs, scales, shape[1])
-            state_dict[hf_name] = gguf_packed.placeholder(shape)
-            continue
         if len(shape) == 2 and gguf_packed.is_native(t.tensor_type):
-            # Q4_0 / Q4_1 / Q8_0 with torch (all threads; bit-identical to gguf-py's numpy, ~10x faster)
             qs, scales = gguf_packed.split_blocks(t.data, t.tensor_type, *shape)
-            w = gguf_packed.dequantize(qs, scales, shape[1])
-            state_dict[hf_name] = _unpermute(w, hf_name, arch, config).contiguous()
+            if keep_packed and _runs_packed(t, hf_name):
+                qs, scales = _unpermute(qs, hf_name, arch, config), _unpermute(scales, hf_name, arch, config)
+                packed[hf_name] = (qs, scales, shape[1])
+                state_dict[hf_name] = gguf_packed.placeholder(shape)
+            else:  # Q4_0 / Q4_1 / Q8_0 with torch (all threads; bit-identical to gguf-py's numpy, ~10x faster)
+                w = gguf_packed.dequantize(qs, scales, shape[1])
+                state_dict[hf_name] = _unpermute(w, hf_name, arch, config).contiguous()
             continue
         if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
             dequantised[t.tensor_type.name] = dequantised.get(t.tensor_type.name, 0) + 1

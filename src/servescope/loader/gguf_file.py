@@ -14,6 +14,7 @@ the next multiple of `general.alignment` (default 32).
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +53,7 @@ class GGUFFile:
     def __init__(self, path: str):
         self.path = path
         with open(path, "rb") as f:
-            self._map = np.memmap(f, dtype=np.uint8, mode="r") if _file_size(f) else np.zeros(0, np.uint8)
+            self._map = np.memmap(f, dtype=np.uint8, mode="r") if os.fstat(f.fileno()).st_size else np.zeros(0, np.uint8)
         buf = memoryview(self._map) if self._map.size else memoryview(b"")
         self.fields: dict[str, Any] = {}
         self.tensors: list[TensorInfo] = []
@@ -121,10 +122,6 @@ class _ReaderFile:
         self.fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
         self.tensors = [TensorInfo(t.name, t.tensor_type, t.shape, int(t.n_bytes), int(t.data_offset), t.data)
                         for t in reader.tensors]
-
-
-def _file_size(f) -> int:
-    return f.seek(0, 2)
 
 
 def _string(buf: memoryview, pos: int) -> tuple:

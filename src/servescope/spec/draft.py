@@ -55,7 +55,7 @@ class DraftProposer:
         self._valid: dict[str, tuple] = {}  # own cache: request id -> (draft KV positions written, preemptions)
         self.num_forwards, self.forward_seconds = 0, 0.0  # the draft's own cost, measured
         self.num_prefill_forwards, self.prefill_seconds = 0, 0.0  # of which catch-ups with a prompt (own cache)
-        self.num_draft_tokens, self.propose_seconds = 0, 0.0  # whole proposals (forwards, sampling, copies)
+        self.propose_seconds = 0.0  # whole proposals (forwards, sampling, copies)
 
     def propose_batch(self, items: list) -> list:
         """items: (request, k, block ids, sampling state) -> [(drafts, q [k, V] or None when greedy)]."""
@@ -93,7 +93,6 @@ class DraftProposer:
         out = [None] * len(items)
         for i, d, p in zip(order, drafts, probs):
             out[i] = (d, torch.stack(p) if p else None)
-        self.num_draft_tokens += sum(n_at)
         self.propose_seconds += time.perf_counter() - t0
         return out
 
