@@ -102,12 +102,13 @@ def quantize(w: torch.Tensor, scheme: QuantScheme) -> tuple:
 
 # The candidate inverse scales, by bits: (levels + STEP) / range, STEP in steps of the grid (llama.cpp's
 # make_qx_quants tries 0.1 * (-9..9), make_qkx2_quants -1 + 0.1 * (0..20); these few keep quantising
-# at load cheap). 8 bits: the plain rule's integers only, refitted (their errors are too close for
-# float32 sums to rank more candidates). ERROR_WEIGHT: a candidate's squared error unweighted ("none")
-# or weighted by x^2 ("sq", llama.cpp's rmse_type 1). docs/BENCHMARKS.md (issue 15, the scale search)
-# has the KL of the choices: unweighted was lower.
-SYM_STEPS = {4: (-0.6, -0.3, 0.0, 0.3, 0.6), 8: (0.0,)}
-ASYM_STEPS = {4: (-1.0, -0.5, 0.0, 0.5, 1.0), 8: (0.0,)}
+# at load within ~1-2.5 s of the plain rule for SmolLM2-135M on 2 cores). Asymmetric 8 bits: the plain
+# rule's integers only, refitted (their errors are too close for float32 sums to rank candidates).
+# ERROR_WEIGHT: a candidate's squared error unweighted ("none") or weighted by x^2 ("sq", llama.cpp's
+# rmse_type 1). docs/BENCHMARKS.md ("The scale search", issue 15) has the KL of these choices:
+# unweighted was lower, and the full llama.cpp sets gained little over these.
+SYM_STEPS = {4: (-0.6, -0.3, 0.0, 0.3, 0.6), 8: (-0.6, -0.3, 0.0, 0.3, 0.6)}
+ASYM_STEPS = {4: (-0.5, 0.0, 0.5), 8: (0.0,)}
 ERROR_WEIGHT = "none"
 SEARCH_ELEMENTS = 1 << 18  # weights per chunk of rows: 1 MiB of float32 per temporary, cache-sized
 
