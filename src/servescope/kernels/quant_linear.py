@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from servescope.kernels import cpu_ops
+from servescope.kernels import cpu_ops, quant_search
 from servescope.kernels.cpu_kernels import onednn_linear
 
 BLOCK = 32
@@ -94,147 +94,13 @@ def quantize(w: torch.Tensor, scheme: QuantScheme) -> tuple:
     for r0 in range(0, n, rows):
         part = w[r0:r0 + rows]
         x = F.pad(part.float(), (0, kp - k)).view(part.shape[0], kp // g, g)
-        qi, scales[r0:r0 + rows] = _quantize_group_rows(x, k, scheme)
+        qi, scales[r0:r0 + rows] = quant_search.quantize_group_rows(x, k, scheme)
         q[r0:r0 + rows] = qi.view(part.shape[0], kp)
     packed = _pack_nibbles(q) if scheme.bits == 4 else q
     return packed.contiguous(), scales.contiguous()
 
 
-# The candidate inverse scales, by bits: (levels + STEP) / range, STEP in steps of the grid (llama.cpp's
-# make_qx_quants tries 0.1 * (-9..9), make_qkx2_quants -1 + 0.1 * (0..20); these few keep quantising
-# at load within ~1-2.5 s of the plain rule for SmolLM2-135M on 2 cores). Asymmetric 8 bits: the plain
-# rule's integers only, refitted (their errors are too close for float32 sums to rank candidates).
-# ERROR_WEIGHT: a candidate's squared error unweighted ("none") or weighted by x^2 ("sq", llama.cpp's
-# rmse_type 1). docs/BENCHMARKS.md ("The scale search", issue 15) has the KL of these choices:
-# unweighted was lower, and the full llama.cpp sets gained little over these.
-SYM_STEPS = {4: (-0.6, -0.3, 0.0, 0.3, 0.6), 8: (-0.6, -0.3, 0.0, 0.3, 0.6)}
-ASYM_STEPS = {4: (-0.5, 0.0, 0.5), 8: (0.0,)}
-ERROR_WEIGHT = "none"
 SEARCH_ELEMENTS = 1 << 18  # weights per chunk of rows: 1 MiB of float32 per temporary, cache-sized
-
-
-def _quantize_group_rows(x: torch.Tensor, k: int, scheme: QuantScheme) -> tuple:
-    """x [R, G, g] float32 (zero-padded past k) -> (integers as stored [R, G, g], float16 scales)."""
-    padded = x.shape[1] * x.shape[2] > k
-    if ERROR_WEIGHT == "sq":
-        wt = x * x  # (zero on the padding)
-    elif padded and scheme.asym:  # the padding counts in no error (symmetric: a zero is exact anyway)
-        wt = torch.ones(x.shape[1] * x.shape[2])
-        wt[k:] = 0
-        wt = wt.view(1, x.shape[1], x.shape[2]).expand_as(x).contiguous()
-    else:
-        wt = None
-    lo, hi = x.amin(dim=2), x.amax(dim=2)
-    if not scheme.asym:
-        if scheme.bits == 4:  # GGUF Q4_0's rule: the value of largest magnitude maps to -8
-            ref, qmin, qmax = torch.where(hi >= -lo, hi, lo) / -8.0, -8, 7
-        else:
-            ref, qmin, qmax = torch.maximum(hi, -lo) / 127.0, -127, 127
-        d16 = _sym_search(x, wt, ref, qmin, qmax, SYM_STEPS[scheme.bits]).half()
-        q, _ = _nearest(x, None, d16, None, qmin, qmax)
-        return (q.add_(8) if scheme.bits == 4 else q), d16
-    levels = (1 << scheme.bits) - 1
-    if padded:  # the range of the last group's weights, the padding left out (it is clipped as it may)
-        real = k - (x.shape[1] - 1) * x.shape[2]
-        lo[:, -1], hi[:, -1] = x[:, -1, :real].amin(dim=1), x[:, -1, :real].amax(dim=1)
-    d, m = _asym_search(x, wt, lo, hi, levels, ASYM_STEPS[scheme.bits])
-    qmin, qmax, shift = (0, levels, 0) if scheme.bits == 4 else (-128, 127, 128)  # int8: stored q - 128
-    old_d16, new_d16 = ((hi - lo) / levels).half(), d.half()
-    # the offset stored absorbs the 128 steps of int8 (computed from the float16 scale, rounded once)
-    old_m16 = (lo.double() + shift * old_d16.double()).half()
-    new_m16 = (m.double() + shift * new_d16.double()).half()
-    q, err = _nearest(x, wt, old_d16, old_m16, qmin, qmax)
-    q_new, err_new = _nearest(x, wt, new_d16, new_m16, qmin, qmax)
-    better = err_new < err  # ties keep the plain rule: data on its grid stays exact
-    q[better] = q_new[better]
-    scales = torch.stack([torch.where(better, new_d16, old_d16), torch.where(better, new_m16, old_m16)], dim=-1)
-    return q, scales
-
-
-def _group_sum(t: torch.Tensor) -> torch.Tensor:
-    """[R, G, g] -> [R, G], the sum over each group (the same sums however the rows are chunked)."""
-    return t.sum(dim=2)
-
-
-def _nearest(x, wt, d16, m16, qmin, qmax) -> tuple:
-    """The integers nearest to x [R, G, g] for the float16 scale d16 [R, G] (and offset m16), and each
-    group's (weighted) squared error (asymmetric only). A zero scale gives integer 0: the offset (or 0)
-    everywhere."""
-    d = d16.float()[..., None]
-    xm = x if m16 is None else x - m16.float()[..., None]
-    q = torch.mul(xm, torch.where(d != 0, 1.0 / d, 0.0)).round_().clamp_(qmin, qmax)
-    if m16 is None:
-        return q, None
-    r = torch.addcmul(xm, q, d, value=-1).square_()
-    return q, _group_sum(r if wt is None else r.mul_(wt))
-
-
-def _sym_search(x, wt, ref, qmin, qmax, steps) -> torch.Tensor:
-    """The scale d [R, G] float32 of least error sum wt (x - d l)^2 over the candidates' integers l, each
-    with its least-squares d = sum wt x l / sum wt l^2 (the error is then sum wt x^2 - d sum wt x l),
-    then refitted on the best d's own nearest integers."""
-    nmax = -qmin  # the plain rule maps ref * nmax to -nmax (int4: -8) or amax to 127 (int8)
-    inv = torch.where(ref != 0, 1.0 / ref, 0.0)[..., None]
-    y = x * inv  # x in steps of the plain rule
-    wx = x if wt is None else wt * x
-    best, best_d = torch.full_like(ref, -1.0), ref.clone()
-    l, t = torch.empty_like(x), torch.empty_like(x)
-
-    def fit():
-        nonlocal best, best_d
-        sumlx = _group_sum(torch.mul(l, wx, out=t))
-        suml2 = _group_sum(l.square_() if wt is None else l.square_().mul_(wt))
-        d = sumlx / suml2.clamp_min(1e-30)  # (a zero group: 0)
-        score = d * sumlx
-        best_d = torch.where(score > best, d, best_d)
-        best = torch.maximum(score, best)
-
-    for step in steps:
-        torch.mul(y, (nmax + step) / nmax, out=l).round_().clamp_(qmin, qmax)
-        fit()
-    torch.mul(x, torch.where(best_d != 0, 1.0 / best_d, 0.0)[..., None], out=l).round_().clamp_(qmin, qmax)
-    fit()
-    return best_d
-
-
-def _asym_search(x, wt, lo, hi, levels, steps) -> tuple:
-    """(d, m) [R, G] float32 of least error sum wt (x - d l - m)^2: for each candidate's integers l
-    (from the min / max start) the least-squares (d, m), then one refit on the best one's nearest
-    integers. The sums are float64 from x - min (less cancellation)."""
-    span = hi - lo
-    xs = x - lo[..., None]
-    y = xs * torch.where(span > 0, 1.0 / span, 0.0)[..., None]  # in [0, 1] (the padding may fall outside)
-    wxs = xs if wt is None else wt * xs
-    sw = torch.full_like(lo, x.shape[2], dtype=torch.float64) if wt is None else _group_sum(wt).double()
-    sx, sxx = _group_sum(wxs).double(), _group_sum(wxs * xs).double()
-    best = torch.full_like(sw, float("inf"))
-    best_d, best_m = span / levels, torch.zeros_like(lo)
-    l, t = torch.empty_like(x), torch.empty_like(x)
-
-    def fit():
-        nonlocal best, best_d, best_m
-        sxl = _group_sum(torch.mul(l, wxs, out=t)).double()
-        if wt is None:
-            sl, sll = _group_sum(l).double(), _group_sum(l.square_()).double()
-        else:
-            sl = _group_sum(torch.mul(l, wt, out=t)).double()
-            sll = _group_sum(t.mul_(l)).double()
-        det = sw * sll - sl * sl
-        ok = det > 1e-9 * sw * sll
-        det = torch.where(ok, det, 1.0)
-        d, m = (sw * sxl - sx * sl) / det, (sll * sx - sl * sxl) / det
-        err = sxx - d * sxl - m * sx  # (the least-squares residual is orthogonal to l and 1)
-        take = ok & (err < best)
-        best = torch.where(take, err, best)
-        best_d, best_m = torch.where(take, d.float(), best_d), torch.where(take, m.float(), best_m)
-
-    for step in steps:
-        torch.mul(y, levels + step, out=l).round_().clamp_(0, levels)
-        fit()
-    torch.mul(xs - best_m[..., None], torch.where(best_d > 0, 1.0 / best_d, 0.0)[..., None], out=l)
-    l.round_().clamp_(0, levels)
-    fit()
-    return best_d, best_m + lo
 
 
 def _pack_nibbles(u: torch.Tensor) -> torch.Tensor:
