@@ -15,20 +15,16 @@ if TYPE_CHECKING:
 # make_qx_quants tries 0.1 * (-9..9), make_qkx2_quants -1 + 0.1 * (0..20); these few keep quantising
 # at load within ~1-2.5 s of the plain rule for SmolLM2-135M on 2 cores). Asymmetric 8 bits: the plain
 # rule's integers only, refitted (their errors are too close for float32 sums to rank candidates).
-# ERROR_WEIGHT: a candidate's squared error unweighted ("none") or weighted by x^2 ("sq", llama.cpp's
-# rmse_type 1). docs/BENCHMARKS.md ("The scale search", issue 15) has the KL of these choices:
-# unweighted was lower, and the full llama.cpp sets gained little over these.
+# The error is unweighted: weighted by x^2 (llama.cpp's rmse_type 1) it gave a higher KL, and the full
+# llama.cpp sets gained little over these (docs/BENCHMARKS.md, "The scale search", issue 15).
 SYM_STEPS = {4: (-0.6, -0.3, 0.0, 0.3, 0.6), 8: (-0.6, -0.3, 0.0, 0.3, 0.6)}
 ASYM_STEPS = {4: (-0.5, 0.0, 0.5), 8: (0.0,)}
-ERROR_WEIGHT = "none"
 
 
 def quantize_group_rows(x: torch.Tensor, k: int, scheme: QuantScheme) -> tuple:
     """x [R, G, g] float32 (zero-padded past k) -> (integers as stored [R, G, g], float16 scales)."""
     padded = x.shape[1] * x.shape[2] > k
-    if ERROR_WEIGHT == "sq":
-        wt = x * x  # (zero on the padding)
-    elif padded and scheme.asym:  # the padding counts in no error (symmetric: a zero is exact anyway)
+    if padded and scheme.asym:  # the padding counts in no error (symmetric: a zero is exact anyway)
         wt = torch.ones(x.shape[1] * x.shape[2])
         wt[k:] = 0
         wt = wt.view(1, x.shape[1], x.shape[2]).expand_as(x).contiguous()
@@ -40,7 +36,7 @@ def quantize_group_rows(x: torch.Tensor, k: int, scheme: QuantScheme) -> tuple:
             ref, qmin, qmax = torch.where(hi >= -lo, hi, lo) / -8.0, -8, 7
         else:
             ref, qmin, qmax = torch.maximum(hi, -lo) / 127.0, -127, 127
-        d16 = _sym_search(x, wt, ref, qmin, qmax, SYM_STEPS[scheme.bits]).half()
+        d16 = _sym_search(x, ref, qmin, qmax, SYM_STEPS[scheme.bits]).half()
         q, _ = _nearest(x, None, d16, None, qmin, qmax)
         return (q.add_(8) if scheme.bits == 4 else q), d16
     levels = (1 << scheme.bits) - 1
@@ -79,21 +75,20 @@ def _nearest(x, wt, d16, m16, qmin, qmax) -> tuple:
     return q, _group_sum(r if wt is None else r.mul_(wt))
 
 
-def _sym_search(x, wt, ref, qmin, qmax, steps) -> torch.Tensor:
-    """The scale d [R, G] float32 of least error sum wt (x - d l)^2 over the candidates' integers l, each
-    with its least-squares d = sum wt x l / sum wt l^2 (the error is then sum wt x^2 - d sum wt x l),
+def _sym_search(x, ref, qmin, qmax, steps) -> torch.Tensor:
+    """The scale d [R, G] float32 of least error sum (x - d l)^2 over the candidates' integers l, each
+    with its least-squares d = sum x l / sum l^2 (the error is then sum x^2 - d sum x l),
     then refitted on the best d's own nearest integers."""
     nmax = -qmin  # the plain rule maps ref * nmax to -nmax (int4: -8) or amax to 127 (int8)
     inv = torch.where(ref != 0, 1.0 / ref, 0.0)[..., None]
     y = x * inv  # x in steps of the plain rule
-    wx = x if wt is None else wt * x
     best, best_d = torch.full_like(ref, -1.0), ref.clone()
     l, t = torch.empty_like(x), torch.empty_like(x)
 
     def fit():
         nonlocal best, best_d
-        sumlx = _group_sum(torch.mul(l, wx, out=t))
-        suml2 = _group_sum(l.square_() if wt is None else l.square_().mul_(wt))
+        sumlx = _group_sum(torch.mul(l, x, out=t))
+        suml2 = _group_sum(l.square_())
         d = sumlx / suml2.clamp_min(1e-30)  # (a zero group: 0)
         score = d * sumlx
         best_d = torch.where(score > best, d, best_d)
