@@ -213,13 +213,55 @@ def test_gemv_rounds_activation_ties_to_even(bits, asym):
     assert torch.equal(ql.gemv_activations(x, 96, 32)[0].float(), expect)  # the tests' reference agrees
 
 
-@pytest.mark.parametrize("rows", [1, 4, ql.MAX_ROWS + 5])  # the GEMV, and the dequantise + GEMM path
+G32 = [s for s in SCHEMES if s.group == 32]
+
+
+@pytest.mark.parametrize("scheme", G32, ids=str)
+def test_integer_gemm_matches_float64_reference_and_the_gemv(scheme):
+    """The prefill GEMM of group-32 weights (csrc/quant_gemm.h): the dequantised weight times the
+    activations rounded to int8 per block, as the GEMV computes them, for odd N (a partial panel of
+    columns), K not a whole block, 1..70 rows (partial row tiles), with and without bias; and each row's
+    result is the GEMV's for that row alone, up to float32 summation order."""
+    mod = _ext()
+    torch.manual_seed(11)
+    for n, k, m in ((7, 100, 9), (33, 96, 13), (64, 576, 70), (5, 31, 2), (45, 160, 1), (100, 1536, 17)):
+        w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(m, k)
+        packed, scales = ql.quantize(w, scheme)
+        kp = scheme.padded_k(k)
+        ref_w = ql.dequantize(packed, scales, k, torch.float64)
+        xa, step = ql.gemv_activations(x, kp, 32)
+        ref = xa @ ref_w.T + b.double()
+        y = mod.quant_gemm(x, packed, scales, b)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        assert torch.allclose(y.double(), ref, atol=1e-4, rtol=1e-5), (n, k, m)
+        bound = step @ ref_w.abs().T + 1e-4 * (1 + ref.abs())  # within the activations' rounding of exact
+        assert torch.all((y.double() - (x.double() @ ref_w.T + b.double())).abs() <= bound), (n, k, m)
+        y0 = mod.quant_gemm(x, packed, scales, torch.empty(0))
+        assert torch.allclose(y0.double(), ref - b.double(), atol=1e-4, rtol=1e-5)
+        gemv = torch.cat([mod.quant_gemv(x[i:i + 1], packed, scales, b) for i in range(m)])
+        assert torch.allclose(y, gemv, atol=1e-4, rtol=1e-5)
+        assert torch.equal(mod.quant_gemm(x, packed, scales, b), y)  # the reused buffers leave no trace
+
+
+def test_integer_gemm_rejects_other_groups_and_shapes():
+    mod = _ext()
+    packed, scales = ql.quantize(torch.randn(8, 128), ql.QuantScheme(4, 64))
+    with pytest.raises(RuntimeError, match="group-32"):
+        mod.quant_gemm(torch.randn(9, 128), packed, scales, torch.empty(0))
+    packed, scales = ql.quantize(torch.randn(8, 64), ql.QuantScheme(4, 32))
+    with pytest.raises(RuntimeError, match="packed K"):
+        mod.quant_gemm(torch.randn(9, 128), packed, scales, torch.empty(0))
+    with pytest.raises(RuntimeError, match="bias"):
+        mod.quant_gemm(torch.randn(9, 64), packed, scales, torch.randn(7))
+
+
+@pytest.mark.parametrize("rows", [1, 4, ql.MAX_ROWS + 5])  # the GEMV, and the integer GEMM
 def test_quant_linear_module_paths(rows):
     torch.manual_seed(2)
     lin = torch.nn.Linear(100, 40, bias=True)
     q = ql.QuantLinear.from_linear(lin, ql.QuantScheme(4, 32, True))
     x = torch.randn(rows, 100)
-    xa = ql.gemv_activations(x, 128, 32)[0] if rows <= ql.MAX_ROWS else x.double()  # the GEMV's int8 rounding
+    xa = ql.gemv_activations(x, 128, 32)[0]  # both round the activations to int8 per block
     ref = xa @ ql.dequantize(q.qweight, q.scales, 100, torch.float64).T + lin.bias.double()
     assert torch.allclose(q(x).double(), ref, atol=1e-4, rtol=1e-5)
     assert torch.allclose(q(x.view(1, rows, 100)).view(rows, 40).double(), ref, atol=1e-4, rtol=1e-5)
@@ -268,7 +310,9 @@ def test_prefill_path_tiles_dtypes_and_bias(dtype, tile, onednn, monkeypatch):
     monkeypatch.setattr(ql, "_ONEDNN", {} if onednn else {torch.float32: False, torch.bfloat16: False})
     torch.manual_seed(4)
     lin = torch.nn.Linear(100, 45, bias=True).to(dtype)
-    for scheme in (ql.QuantScheme(4, 32), ql.QuantScheme(8, 64, True)):
+    # (float32 group-32 weights take the integer GEMM instead: the test above)
+    first = ql.QuantScheme(4, 32) if dtype == torch.bfloat16 else ql.QuantScheme(4, 64)
+    for scheme in (first, ql.QuantScheme(8, 64, True)):
         q = ql.QuantLinear.from_linear(lin, scheme)
         x = torch.randn(3, ql.MAX_ROWS + 2, 100).to(dtype)
         w = ql.dequantize(q.qweight, q.scales, 100, torch.float64)

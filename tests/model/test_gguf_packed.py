@@ -41,6 +41,10 @@ def test_blocks_match_gguf_dequantize(qtype):
         y = mod.quant_gemv(x, packed, scales, torch.empty(0)).double()
         xa = ql.gemv_activations(x, 96, 32)[0]  # the activations rounded to int8 per block, as the kernel does
         assert torch.allclose(y, xa @ torch.from_numpy(ref).double().T, atol=1e-4, rtol=1e-5)
+        x = torch.randn(20, 96)  # and the prefill GEMM on the same blocks
+        y = mod.quant_gemm(x, packed, scales, torch.empty(0)).double()
+        ref64 = ql.gemv_activations(x, 96, 32)[0] @ torch.from_numpy(ref).double().T
+        assert torch.allclose(y, ref64, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family,qtype", [("llama", "Q4_0"), ("llama", "Q8_0"), ("qwen2", "Q4_1"), ("qwen3", "Q4_0")])

@@ -9,18 +9,23 @@ a group of 32, 64, 128 or all of K shares one float16 scale d (and an offset m w
 Kp is K rounded up to the group (the padding is zeros). GGUF's Q4_0 / Q4_1 / Q8_0 blocks are these very
 bytes with their scales moved out (loader/gguf_packed.py), so a GGUF runs from its own blocks.
 
-QuantLinear: decode-sized calls (up to MAX_ROWS rows) go to the C++ GEMV over the packed blocks; larger
-ones (prefill) dequantise the matrix and run the float GEMM, which is compute-bound there anyway. On the
-CPU the dequantisation is C++, parallel over rows, written straight in the activation dtype (bfloat16
+QuantLinear: decode-sized calls (up to MAX_ROWS rows) go to the C++ GEMV over the packed blocks. Larger
+ones (prefill) with group-32 scales (int4, int8-g32, every GGUF block type) and float32 activations run
+the integer GEMM (csrc/quant_gemm.h): the activations rounded to int8 per 32-block, as the GEMV already
+does at decode and llama.cpp does for its Q4_0 / Q8_0 prefill, so a row's result does not depend on how
+many rows share the call, and the int8 dot products do ~2x the float32 GEMM's work per cycle. The other
+groups, and bfloat16 activations (whose AMX / BF16 GEMM is faster still), dequantise the matrix and
+run the float GEMM, which is compute-bound there anyway. On the CPU the dequantisation is C++, parallel over rows, written straight in the activation dtype (bfloat16
 for a bfloat16 model: no float32 copy in between) into a per-thread scratch buffer that is reused, up to
 TILE_ELEMENTS weights at a time, and the GEMM is oneDNN's on that plain buffer (torch's default float32
 GEMM, MKL, costs ~1.25x as much CPU time on the Zen 4; docs/BENCHMARKS.md, issue 15 section). On a GPU decode-sized
 calls go to the Triton GEMV over the same bytes (kernels/triton_quant.py); the rest, and a CPU without
 the extension, dequantise with torch.
 
-Precision: the prefill GEMM runs in the model's dtype and nothing else. A float32 model with packed
-weights stays float32 end to end, even on a CPU whose bfloat16 dot products would make that GEMM ~2x
-faster: rounding the activations to bfloat16 is a precision change the user did not ask for. Asking
+Precision: a float32 model with packed weights keeps float32 activations everywhere except inside the
+group-32 products, which round them to int8 per block (decode and prefill alike: one arithmetic, the
+accuracy table of docs/BENCHMARKS.md measures it); it is not moved to bfloat16, even on a CPU whose
+bfloat16 dot products would be faster: that is a precision change the user did not ask for. Asking
 for it is `dtype="bfloat16"` (the CLI's `--dtype auto` picks it on such a CPU), which runs the whole
 model, the prefill GEMM included, in bfloat16.
 """
@@ -197,12 +202,18 @@ class QuantLinear(torch.nn.Module):
             bias = None if self.bias is None else self.bias.float()
             y = _triton_quant().quant_gemv(x2, self.qweight, self.scales, self.in_features, bias)
             y = y if self.float_output else y.to(x.dtype)
+        elif mod is not None and x2.dtype == torch.float32 and self._group32():
+            y = mod.quant_gemm(x2, self.qweight, self.scales, _opt(self._bias_f32))
         elif mod is not None and x2.dtype in (torch.float32, torch.bfloat16):
             y = self._prefill(mod, x2.contiguous())
         else:
             w = dequantize(self.qweight, self.scales, self.in_features, x.dtype)
             y = F.linear(x2, w, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _group32(self) -> bool:
+        kp = self.qweight.shape[1] * (2 if self.qweight.dtype == torch.uint8 else 1)
+        return kp == self.scales.shape[1] * BLOCK
 
     def _prefill(self, mod, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, K] float32 | bfloat16 -> [M, N] in its dtype: row tiles of the weight dequantised into

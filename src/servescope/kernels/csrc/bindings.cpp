@@ -16,6 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu_mul(gate_up) -> silu(gate) * up");
   m.def("store_kv", &store_kv, "store_kv(k, v, k_cache, v_cache, slot_mapping), in place");
   m.def("quant_gemv", &quant_gemv, "quant_gemv(x, w, scales, bias): packed int4/int8 weights -> float32");
+  m.def("quant_gemm", &quant_gemm, "quant_gemm(x, w, scales, bias): group-32 packed weights, int8 activations -> float32");
   m.def("quant_dequantize", &quant_dequantize, "quant_dequantize(w, scales, k) -> float32 [N, k]");
   m.def("quant_dequantize_into", &quant_dequantize_into,
         "quant_dequantize_into(w, scales, row0, out): rows row0.. into out [rows, k] float32 | bfloat16");

@@ -35,6 +35,7 @@ std::map<std::string, std::string> isa_info();
 
 // quant_ops.cpp: packed int4 / int8 weights with float16 group scales (quant_gemv.h)
 Tensor quant_gemv(Tensor x, Tensor w, Tensor scales, Tensor bias);
+Tensor quant_gemm(Tensor x, Tensor w, Tensor scales, Tensor bias);
 Tensor quant_dequantize(Tensor w, Tensor scales, int64_t k);
 void quant_dequantize_into(Tensor w, Tensor scales, int64_t row0, Tensor out);
 

@@ -4,7 +4,7 @@
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 
-#include "quant_dot.h"
+#include "quant_gemm.h"
 #include "ops.h"
 
 using servescope_quant::QBLOCK;
@@ -46,6 +46,21 @@ at::Tensor quant_gemv(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor 
   const int64_t M = xf.size(0);
   auto y = at::empty({M, q.n}, xf.options());
   servescope_quant::quant_matvec(q, xf.data_ptr<float>(), M, bias.numel() ? bias.data_ptr<float>() : nullptr,
+                                    y.data_ptr<float>());
+  return y;
+}
+
+// x [M, K] float32, group-32 packed weights, bias [N] float32 or empty -> y [M, N] float32: the prefill
+// GEMM with integer dot products (quant_gemm.h)
+at::Tensor quant_gemm(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor bias) {
+  const QMatrix q = describe(w, scales);
+  TORCH_CHECK(q.group == QBLOCK, "quant_gemm: group-32 scales only");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= q.kp && x.size(1) > q.kp - q.group, "quant_gemm: x [M, K] against the packed K");
+  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == q.n && bias.scalar_type() == at::kFloat), "quant_gemm: bias");
+  auto xf = x.to(at::kFloat).contiguous();
+  if (xf.size(1) != q.kp) xf = at::constant_pad_nd(xf, {0, q.kp - xf.size(1)});
+  auto y = at::empty({xf.size(0), q.n}, xf.options());
+  servescope_quant::quant_gemm_rows(q, xf.data_ptr<float>(), xf.size(0), bias.numel() ? bias.data_ptr<float>() : nullptr,
                                     y.data_ptr<float>());
   return y;
 }

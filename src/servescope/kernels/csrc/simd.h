@@ -468,6 +468,8 @@ inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 //   dot_u4(acc, u, s)  acc[i] += sum_j u[4i+j] * s[4i+j], u in 0..15 (4-bit weights), s int8
 //   dot_s8(acc, w, s)  the same for int8 w (s in -127..127: x86 moves w's sign onto s, |w| unsigned)
 //   dot_u4x2(acc, u0, s0, u1, s1)  dot_u4 twice (without VNNI the two int16 pair sums are added first)
+//   storeb(p, v)  the 4W bytes of v to p
+//   seti(v), bcast4(p)  v in every int32 lane; the 4 bytes at p in every lane (a GEMM's activation quad)
 //   dot_s8_biased(acc, w, s)  dot_s8 plus kS8Bias * sum(s): with VNNI, w with its sign bit flipped is
 //                      w + 128 as an unsigned byte, one vpdpbusd; the caller starts the sum at -kS8Bias sum(s)
 // Where the CPU has them: AVX512-VNNI / AVX-VNNI vpdpbusd, NEON dotprod sdot; otherwise maddubs +
@@ -476,6 +478,7 @@ inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 using vb = __m512i;
 using vi = __m512i;
 inline vb loadb(const void* p) { return _mm512_loadu_si512(p); }
+inline void storeb(void* p, vb v) { _mm512_storeu_si512(p, v); }
 inline vb loadbn(const void* p, int64_t n) {
   return _mm512_maskz_loadu_epi8(n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1), p);
 }
@@ -483,6 +486,12 @@ inline vb low_nibbles(vb v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); 
 inline vb high_nibbles(vb v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
 inline vi zeroi() { return _mm512_setzero_si512(); }
 inline vi loadi(const int32_t* p) { return _mm512_loadu_si512(p); }
+inline vi seti(int32_t v) { return _mm512_set1_epi32(v); }
+inline vb bcast4(const int8_t* p) {  // the 4 bytes at p in every lane (vpdpbusd's embedded broadcast)
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
 inline vf to_float(vi v) { return _mm512_cvtepi32_ps(v); }
 inline vi dot_u4(vi acc, vb u, vb s) {
 #ifdef __AVX512VNNI__
@@ -540,6 +549,7 @@ inline int32_t round_i8x32(const float* x, float id, int8_t* q) {
 using vb = __m256i;
 using vi = __m256i;
 inline vb loadb(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline void storeb(void* p, vb v) { _mm256_storeu_si256((__m256i*)p, v); }
 inline vb loadbn(const void* p, int64_t n) {
   if (n >= 32) return loadb(p);
   alignas(32) uint8_t t[32] = {};
@@ -550,6 +560,12 @@ inline vb low_nibbles(vb v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); 
 inline vb high_nibbles(vb v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
 inline vi zeroi() { return _mm256_setzero_si256(); }
 inline vi loadi(const int32_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline vi seti(int32_t v) { return _mm256_set1_epi32(v); }
+inline vb bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
 inline vf to_float(vi v) { return _mm256_cvtepi32_ps(v); }
 inline vi dot_u4(vi acc, vb u, vb s) {
 #ifdef __AVXVNNI__
@@ -617,6 +633,7 @@ inline int32_t round_i8x32(const float* x, float id, int8_t* q) {
 using vb = int8x16_t;
 using vi = int32x4_t;
 inline vb loadb(const void* p) { return vld1q_s8((const int8_t*)p); }
+inline void storeb(void* p, vb v) { vst1q_s8((int8_t*)p, v); }
 inline vb loadbn(const void* p, int64_t n) {
   if (n >= 16) return loadb(p);
   int8_t t[16] = {};
@@ -627,6 +644,12 @@ inline vb low_nibbles(vb v) { return vandq_s8(v, vdupq_n_s8(15)); }
 inline vb high_nibbles(vb v) { return vreinterpretq_s8_u8(vshrq_n_u8(vreinterpretq_u8_s8(v), 4)); }
 inline vi zeroi() { return vdupq_n_s32(0); }
 inline vi loadi(const int32_t* p) { return vld1q_s32(p); }
+inline vi seti(int32_t v) { return vdupq_n_s32(v); }
+inline vb bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return vreinterpretq_s8_s32(vdupq_n_s32(v));
+}
 inline vf to_float(vi v) { return vcvtq_f32_s32(v); }
 inline vi dot_s8(vi acc, vb w, vb s) {
 #ifdef __ARM_FEATURE_DOTPROD
@@ -670,6 +693,7 @@ inline vb loadbn(const void* p, int64_t n) {
   return v;
 }
 inline vb loadb(const void* p) { return loadbn(p, 4 * W); }
+inline void storeb(void* p, vb v) { std::memcpy(p, v.b, 4 * W); }
 inline vb low_nibbles(vb v) {
   for (auto& x : v.b) x = (int8_t)(x & 15);
   return v;
@@ -683,6 +707,16 @@ inline vi loadi(const int32_t* p) {
   vi v;
   std::memcpy(v.a, p, sizeof(v.a));
   return v;
+}
+inline vi seti(int32_t v) {
+  vi r;
+  for (auto& x : r.a) x = v;
+  return r;
+}
+inline vb bcast4(const int8_t* p) {
+  vb r;
+  for (int i = 0; i < 4 * W; ++i) r.b[i] = p[i % 4];
+  return r;
 }
 inline vf to_float(vi v) { return lanes([&](int i) { return (float)v.a[i]; }); }
 inline vi dot_s8(vi acc, vb w, vb s) {

@@ -1,0 +1,191 @@
+// The prefill GEMM over packed group-32 weights with integer dot products: the same arithmetic as the
+// decode GEMV of quant_dot.h (activations rounded to int8 per 32-block, one float scale each; a weight
+// block meets an activation block in int8 x int8 -> int32 sums; only the block's int32 is scaled in
+// float), laid out for many rows of x instead of a few. llama.cpp runs its Q4_0 / Q8_0 prefill the same
+// way (activations as Q8_0); before this, our prefill dequantised the weights to float32 and ran a
+// float32 GEMM, 0.82x llama-bench pp512 on the Xeon (docs/BENCHMARKS.md, issue 15).
+//
+// Result, for every (m, n): y = sum over blocks b of dw[n,b] dx[m,b] (sum_k u[n,k] q[m,k] + c[m,b])
+// (+ mw[n,b] dx[m,b] sum_k q[m,k] when asymmetric), c = -8 sum q for symmetric int4's u - 8 and
+// -kS8Bias sum q for int8 on VNNI (simd.h's dot_s8_biased): the dequantised weight times the
+// dequantised int8 activations, as the GEMV computes it, up to float32 summation order.
+//
+// Layout: the vector runs along N, not K. A panel is NP = NR * W output columns; it is re-laid once per
+// call (per thread, into a buffer that stays in L1/L2) so that for each k-quad (4 consecutive k) the
+// NR vectors hold, lane i, the 4 weight bytes of column i: vpdpbusd (simd.h's dot_u4 / dot_s8_biased)
+// of such a vector with the 4 activation bytes of one row broadcast to every lane adds 4 products to
+// each column's int32 sum. A tile of MR rows x NP columns keeps MR * NR int32 sums for the block and
+// MR * NR float totals in registers; per block the panel's scales are one float vector per NR. The
+// re-layout costs O(N K) per call against the GEMM's O(M N K), which is why quant_linear.py sends only
+// calls of more than MAX_ROWS rows here.
+#pragma once
+
+#include "quant_dot.h"
+
+namespace servescope_quant {
+
+using namespace servescope_simd;
+
+// Register tiles per ISA: AVX-512 and NEON have 32 vector registers, AVX2 16 (the scalar path's
+// "registers" are arrays; the tile is only its loop shape)
+#if defined(SERVESCOPE_GEMM_MR)
+constexpr int GEMM_MR = SERVESCOPE_GEMM_MR, GEMM_NR = SERVESCOPE_GEMM_NR;
+#elif defined(SERVESCOPE_ISA_AVX2)
+constexpr int GEMM_MR = 2, GEMM_NR = 2;
+#else
+constexpr int GEMM_MR = 4, GEMM_NR = 2;
+#endif
+constexpr int64_t GEMM_NP = GEMM_NR * W;
+
+// The activation rows for the GEMM: int8 [M, kp] in plain order, per (row, block) the scale dx, the
+// int32 start c of the block's sum and dx * sum(q) (the asymmetric offset's factor)
+struct GemmActs {
+  int64_t nb = 0;
+  std::vector<int8_t> q;
+  std::vector<float> dx, sx;
+  std::vector<int32_t> corr;
+};
+
+// x [M, kp] float32 (zeros past K) -> a; off: 8 (symmetric int4), kS8Bias (int8) or 0 (asymmetric int4)
+inline void quantize_gemm_acts(const float* x, int64_t M, int64_t kp, int32_t off, GemmActs& a) {
+  a.nb = kp / QBLOCK;
+  a.q.resize(M * kp);
+  a.dx.resize(M * a.nb);
+  a.sx.resize(M * a.nb);
+  a.corr.resize(M * a.nb);
+  parallel_for(0, M, grain_for(kp), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < a.nb; ++b) {
+        const float* xb = x + m * kp + b * QBLOCK;
+        const float d = absmax32(xb) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        const int32_t sum = round_i8x32(xb, id, a.q.data() + m * kp + b * QBLOCK);
+        a.dx[m * a.nb + b] = d;
+        a.sx[m * a.nb + b] = d * (float)sum;
+        a.corr[m * a.nb + b] = -off * sum;
+      }
+  });
+}
+
+// Columns n0 .. n0 + NP of q re-laid for the tile: bytes [kp / 4][NP][4] (int4 as its 0..15 values,
+// int8 as stored) and float scales [nb][NP] (d, then m when asymmetric); columns past N are zeros.
+inline void build_panel(const QMatrix& q, int64_t n0, int8_t* panel, float* pd, float* pm) {
+  const int64_t nb = q.kp / QBLOCK, rb = q.row_bytes(), sc = q.asym ? 2 : 1, quads = q.kp / 4;
+  const int64_t cols = std::min<int64_t>(GEMM_NP, q.n - n0);
+  for (int64_t c = 0; c < GEMM_NP; ++c) {
+    if (c >= cols) {
+      for (int64_t j = 0; j < quads; ++j) std::memset(panel + (j * GEMM_NP + c) * 4, 0, 4);
+      for (int64_t b = 0; b < nb; ++b) pd[b * GEMM_NP + c] = pm[b * GEMM_NP + c] = 0.f;
+      continue;
+    }
+    const uint8_t* w = q.w + (n0 + c) * rb;
+    const uint16_t* s = q.scales + (n0 + c) * nb * sc;
+    for (int64_t b = 0; b < nb; ++b) {
+      if (q.int4)  // the packed quad pairs, unpacked below: byte i holds element i and i + 16
+        for (int j = 0; j < 4; ++j) std::memcpy(panel + ((b * 8 + j) * GEMM_NP + c) * 4, w + b * 16 + 4 * j, 4);
+      else
+        for (int j = 0; j < 8; ++j) std::memcpy(panel + ((b * 8 + j) * GEMM_NP + c) * 4, w + b * QBLOCK + 4 * j, 4);
+      pd[b * GEMM_NP + c] = half_to_float(s[b * sc]);
+      pm[b * GEMM_NP + c] = q.asym ? half_to_float(s[b * sc + 1]) : 0.f;
+    }
+  }
+  if (q.int4)  // quads j < 4 of each block hold both nibbles: the high ones are quad j + 4 (in vectors)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int j = 0; j < 4; ++j)
+        for (int64_t v = 0; v < GEMM_NP * 4; v += 4 * W) {
+          int8_t* p = panel + (b * 8 + j) * GEMM_NP * 4 + v;
+          const vb raw = loadb(p);
+          storeb(p + 4 * GEMM_NP * 4, high_nibbles(raw));
+          storeb(p, low_nibbles(raw));
+        }
+}
+
+// out[m * ldo + c] for rows m0 .. m0 + MR of a against the panel's NP columns
+template <bool I4, bool ASYM, int MR>
+inline void gemm_tile(const GemmActs& a, int64_t kp, int64_t m0, const int8_t* panel, const float* pd,
+                      const float* pm, float* out, int64_t ldo) {
+  constexpr int NR = GEMM_NR;
+  const int64_t nb = a.nb;
+  const int8_t* xq[MR];
+  for (int m = 0; m < MR; ++m) xq[m] = a.q.data() + (m0 + m) * kp;
+  vf tot[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int s = 0; s < NR; ++s) tot[m][s] = zero();
+  for (int64_t b = 0; b < nb; ++b) {
+    vi acc[MR][NR];
+    for (int m = 0; m < MR; ++m) {
+      const vi c = (I4 ? !ASYM : kS8Bias != 0) ? seti(a.corr[(m0 + m) * nb + b]) : zeroi();
+      for (int s = 0; s < NR; ++s) acc[m][s] = c;
+    }
+    const int8_t* pb = panel + b * 8 * GEMM_NP * 4;
+    for (int j = 0; j < 8; ++j) {
+      vb w[NR];
+      for (int s = 0; s < NR; ++s) w[s] = loadb(pb + (j * GEMM_NP + s * W) * 4);
+      for (int m = 0; m < MR; ++m) {
+        const vb x4 = bcast4(xq[m] + b * QBLOCK + 4 * j);
+        for (int s = 0; s < NR; ++s) acc[m][s] = I4 ? dot_u4(acc[m][s], w[s], x4) : dot_s8_biased(acc[m][s], w[s], x4);
+      }
+    }
+    vf dv[NR], mv[NR];
+    for (int s = 0; s < NR; ++s) {
+      dv[s] = load(pd + b * GEMM_NP + s * W);
+      if constexpr (ASYM) mv[s] = load(pm + b * GEMM_NP + s * W);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const vf dx = set1(a.dx[(m0 + m) * nb + b]);
+      for (int s = 0; s < NR; ++s) tot[m][s] = fmadd(to_float(acc[m][s]), mul(dv[s], dx), tot[m][s]);
+      if constexpr (ASYM) {
+        const vf sx = set1(a.sx[(m0 + m) * nb + b]);
+        for (int s = 0; s < NR; ++s) tot[m][s] = fmadd(mv[s], sx, tot[m][s]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int s = 0; s < NR; ++s) store(out + m * ldo + s * W, tot[m][s]);
+}
+
+template <bool I4, bool ASYM>
+inline void gemm_panel_rows(const GemmActs& a, int64_t M, int64_t kp, const int8_t* panel, const float* pd,
+                            const float* pm, float* out, int64_t ldo) {
+  int64_t m = 0;
+  for (; m + GEMM_MR <= M; m += GEMM_MR) gemm_tile<I4, ASYM, GEMM_MR>(a, kp, m, panel, pd, pm, out + m * ldo, ldo);
+  for (; m < M; ++m) gemm_tile<I4, ASYM, 1>(a, kp, m, panel, pd, pm, out + m * ldo, ldo);
+}
+
+// x [M, kp] float32 (zeros past K), group-32 packed q, bias [N] or null -> y [M, N] float32. The panels
+// of NP columns are split over the threads; each thread re-lays its panel, then runs every row of x
+// over it. A partial last panel goes through a scratch tile so nothing past column N is written.
+inline void quant_gemm_rows(const QMatrix& q, const float* x, int64_t M, const float* bias, float* y) {
+  static thread_local GemmActs tls;  // the calling thread's; the workers read it through `a`
+  GemmActs& a = tls;
+  const int32_t off = q.int4 ? (q.asym ? 0 : 8) : kS8Bias;
+  quantize_gemm_acts(x, M, q.kp, off, a);
+  const int64_t panels = (q.n + GEMM_NP - 1) / GEMM_NP, nb = q.kp / QBLOCK;
+  parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<int8_t> panel(q.kp * GEMM_NP);
+    std::vector<float> pd(nb * GEMM_NP), pm(nb * GEMM_NP), part;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * GEMM_NP, cols = std::min<int64_t>(GEMM_NP, q.n - n0);
+      build_panel(q, n0, panel.data(), pd.data(), pm.data());
+      float* out = y + n0;
+      int64_t ldo = q.n;
+      if (cols < GEMM_NP) part.assign(M * GEMM_NP, 0.f), out = part.data(), ldo = GEMM_NP;
+      if (q.int4 && q.asym)
+        gemm_panel_rows<true, true>(a, M, q.kp, panel.data(), pd.data(), pm.data(), out, ldo);
+      else if (q.int4)
+        gemm_panel_rows<true, false>(a, M, q.kp, panel.data(), pd.data(), pm.data(), out, ldo);
+      else if (q.asym)
+        gemm_panel_rows<false, true>(a, M, q.kp, panel.data(), pd.data(), pm.data(), out, ldo);
+      else
+        gemm_panel_rows<false, false>(a, M, q.kp, panel.data(), pd.data(), pm.data(), out, ldo);
+      if (cols == GEMM_NP && !bias) continue;
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = 0; c < cols; ++c) {
+          float& v = y[m * q.n + n0 + c];
+          if (cols < GEMM_NP) v = part[m * GEMM_NP + c];
+          if (bias) v += bias[n0 + c];
+        }
+    }
+  });
+}
+
+}  // namespace servescope_quant
