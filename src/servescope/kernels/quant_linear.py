@@ -15,8 +15,9 @@ the integer GEMM (csrc/quant_gemm.h): the activations rounded to int8 per 32-blo
 does at decode and llama.cpp does for its Q4_0 / Q8_0 prefill, so a row's result does not depend on how
 many rows share the call, and the int8 dot products do ~2x the float32 GEMM's work per cycle. The other
 groups, and bfloat16 activations (whose AMX / BF16 GEMM is faster still), dequantise the matrix and
-run the float GEMM, which is compute-bound there anyway. On the CPU the dequantisation is C++, parallel over rows, written straight in the activation dtype (bfloat16
-for a bfloat16 model: no float32 copy in between) into a per-thread scratch buffer that is reused, up to
+run the float GEMM, which is compute-bound there anyway. On the CPU the dequantisation is C++, parallel
+over rows, written straight in the activation dtype (bfloat16 for a bfloat16 model: no float32 copy in
+between) into a per-thread scratch buffer that is reused, up to
 TILE_ELEMENTS weights at a time, and the GEMM is oneDNN's on that plain buffer (torch's default float32
 GEMM, MKL, costs ~1.25x as much CPU time on the Zen 4; docs/BENCHMARKS.md, issue 15 section). On a GPU decode-sized
 calls go to the Triton GEMV over the same bytes (kernels/triton_quant.py); the rest, and a CPU without
@@ -178,6 +179,8 @@ class QuantLinear(torch.nn.Module):
         self._bias_f32 = None if bias is None else bias.detach().float()
         self._bias_cast = None  # the bias in the prefill GEMM's dtype, when that is not its own
         self.float_output = float_output
+        kp = packed.shape[1] * (2 if packed.dtype == torch.uint8 else 1)
+        self.group32 = kp == scales.shape[1] * BLOCK  # one scale per 32-block: the integer GEMM's form
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, scheme: QuantScheme, float_output: bool = False):
@@ -202,7 +205,7 @@ class QuantLinear(torch.nn.Module):
             bias = None if self.bias is None else self.bias.float()
             y = _triton_quant().quant_gemv(x2, self.qweight, self.scales, self.in_features, bias)
             y = y if self.float_output else y.to(x.dtype)
-        elif mod is not None and x2.dtype == torch.float32 and self._group32():
+        elif mod is not None and x2.dtype == torch.float32 and self.group32:
             y = mod.quant_gemm(x2, self.qweight, self.scales, _opt(self._bias_f32))
         elif mod is not None and x2.dtype in (torch.float32, torch.bfloat16):
             y = self._prefill(mod, x2.contiguous())
@@ -210,10 +213,6 @@ class QuantLinear(torch.nn.Module):
             w = dequantize(self.qweight, self.scales, self.in_features, x.dtype)
             y = F.linear(x2, w, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
-
-    def _group32(self) -> bool:
-        kp = self.qweight.shape[1] * (2 if self.qweight.dtype == torch.uint8 else 1)
-        return kp == self.scales.shape[1] * BLOCK
 
     def _prefill(self, mod, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, K] float32 | bfloat16 -> [M, N] in its dtype: row tiles of the weight dequantised into

@@ -28,9 +28,7 @@ using namespace servescope_simd;
 
 // Register tiles per ISA: AVX-512 and NEON have 32 vector registers, AVX2 16 (the scalar path's
 // "registers" are arrays; the tile is only its loop shape)
-#if defined(SERVESCOPE_GEMM_MR)
-constexpr int GEMM_MR = SERVESCOPE_GEMM_MR, GEMM_NR = SERVESCOPE_GEMM_NR;
-#elif defined(SERVESCOPE_ISA_AVX2)
+#if defined(SERVESCOPE_ISA_AVX2)
 constexpr int GEMM_MR = 2, GEMM_NR = 2;
 #else
 constexpr int GEMM_MR = 4, GEMM_NR = 2;
@@ -159,7 +157,7 @@ inline void quant_gemm_rows(const QMatrix& q, const float* x, int64_t M, const f
   GemmActs& a = tls;
   const int32_t off = q.int4 ? (q.asym ? 0 : 8) : kS8Bias;
   quantize_gemm_acts(x, M, q.kp, off, a);
-  const int64_t panels = (q.n + GEMM_NP - 1) / GEMM_NP, nb = q.kp / QBLOCK;
+  const int64_t panels = (q.n + GEMM_NP - 1) / GEMM_NP, nb = a.nb;
   parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<int8_t> panel(q.kp * GEMM_NP);
     std::vector<float> pd(nb * GEMM_NP), pm(nb * GEMM_NP), part;

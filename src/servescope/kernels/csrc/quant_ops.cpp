@@ -32,6 +32,14 @@ QMatrix describe(const at::Tensor& w, const at::Tensor& scales) {
   return q;
 }
 
+// x [M, K] (K <= kp) as float32 [M, kp] (zeros past K), checked against q and the bias, for `what`
+at::Tensor padded_rows(const at::Tensor& x, const QMatrix& q, const at::Tensor& bias, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= q.kp && x.size(1) > q.kp - q.group, what, ": x [M, K] against the packed K");
+  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == q.n && bias.scalar_type() == at::kFloat), what, ": bias");
+  auto xf = x.to(at::kFloat).contiguous();
+  return xf.size(1) == q.kp ? xf : at::constant_pad_nd(xf, {0, q.kp - xf.size(1)});
+}
+
 }  // namespace
 
 namespace servescope_ops {
@@ -39,26 +47,18 @@ namespace servescope_ops {
 // x [M, K] (K <= kp; widened to float32), bias [N] float32 or empty -> y [M, N] float32
 at::Tensor quant_gemv(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor bias) {
   const QMatrix q = describe(w, scales);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) <= q.kp && x.size(1) > q.kp - q.group, "quant_gemv: x [M, K] against the packed K");
-  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == q.n && bias.scalar_type() == at::kFloat), "quant_gemv: bias");
-  auto xf = x.to(at::kFloat).contiguous();
-  if (xf.size(1) != q.kp) xf = at::constant_pad_nd(xf, {0, q.kp - xf.size(1)});
-  const int64_t M = xf.size(0);
-  auto y = at::empty({M, q.n}, xf.options());
-  servescope_quant::quant_matvec(q, xf.data_ptr<float>(), M, bias.numel() ? bias.data_ptr<float>() : nullptr,
-                                    y.data_ptr<float>());
+  const auto xf = padded_rows(x, q, bias, "quant_gemv");
+  auto y = at::empty({xf.size(0), q.n}, xf.options());
+  servescope_quant::quant_matvec(q, xf.data_ptr<float>(), xf.size(0), bias.numel() ? bias.data_ptr<float>() : nullptr,
+                                 y.data_ptr<float>());
   return y;
 }
 
-// x [M, K] float32, group-32 packed weights, bias [N] float32 or empty -> y [M, N] float32: the prefill
-// GEMM with integer dot products (quant_gemm.h)
+// the same for group-32 weights and many rows: the prefill GEMM with integer dot products (quant_gemm.h)
 at::Tensor quant_gemm(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor bias) {
   const QMatrix q = describe(w, scales);
   TORCH_CHECK(q.group == QBLOCK, "quant_gemm: group-32 scales only");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) <= q.kp && x.size(1) > q.kp - q.group, "quant_gemm: x [M, K] against the packed K");
-  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == q.n && bias.scalar_type() == at::kFloat), "quant_gemm: bias");
-  auto xf = x.to(at::kFloat).contiguous();
-  if (xf.size(1) != q.kp) xf = at::constant_pad_nd(xf, {0, q.kp - xf.size(1)});
+  const auto xf = padded_rows(x, q, bias, "quant_gemm");
   auto y = at::empty({xf.size(0), q.n}, xf.options());
   servescope_quant::quant_gemm_rows(q, xf.data_ptr<float>(), xf.size(0), bias.numel() ? bias.data_ptr<float>() : nullptr,
                                     y.data_ptr<float>());
