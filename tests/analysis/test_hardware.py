@@ -65,7 +65,7 @@ def test_spec_validation():
 # imports the engine): fixed figures, so the tests can check that they reach the spec unchanged.
 _RATES = [[1, 1e9], [8, 4e9]]
 FAKE_ENGINE = dict(host_overhead=lambda: (2e-4, 3e-6), linear_rates=lambda dt, rows=None: _RATES,
-                   decode_attention_flops=lambda dt: 5e9)
+                   decode_attention_flops=lambda dt: 5e9, packed_gemm_flops=lambda: 7e9)
 TINY = dict(bandwidth_bytes=4 * 2**20, matmul_size=64, runs=2)
 
 
@@ -82,7 +82,7 @@ def test_probe_measures_caches_and_forces(tmp_path, monkeypatch):
     # the engine's measurements land in the spec as measured
     assert (spec.step_overhead_s, spec.layer_overhead_s) == (2e-4, 3e-6)
     assert spec.linear_rates == {"float32": _RATES, "bfloat16": _RATES}
-    assert spec.decode_attention_flops == {"float32": 5e9, "bfloat16": 5e9}
+    assert spec.decode_attention_flops == {"float32": 5e9, "bfloat16": 5e9} and spec.packed_gemm_flops == 7e9
     stored = json.loads(cache.read_text())
     assert list(stored) == [probe._cache_key(probe.torch_threads())] and "threads=" in next(iter(stored))
 
@@ -102,9 +102,9 @@ def test_probe_survives_a_failing_measurer(tmp_path):
     def cannot(*a):
         raise RuntimeError("not built here")
 
-    m = probe.EngineMeasurers(**{**FAKE_ENGINE, "decode_attention_flops": cannot})
+    m = probe.EngineMeasurers(**{**FAKE_ENGINE, "decode_attention_flops": cannot, "packed_gemm_flops": cannot})
     spec = probe.probe_local_hardware(cache_path=tmp_path / "hw.json", measurers=m, **TINY)
-    assert spec.decode_attention_flops == {} and spec.layer_overhead_s == 3e-6
+    assert spec.decode_attention_flops == {} and spec.layer_overhead_s == 3e-6 and spec.packed_gemm_flops == 0
 
 
 def test_probe_without_engine_measurers_never_stands_in_for_the_full_one(tmp_path, monkeypatch):

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from servescope.analysis.cost_model import decode_cost, weight_bytes
-from servescope.analysis.hardware import get_hardware
+from servescope.analysis.cost_model import critical_batch_size, decode_cost, prefill_cost, weight_bytes
+from servescope.analysis.hardware import HardwareSpec, get_hardware
 from servescope.analysis.packed_weights import PackedFormat, gguf_format_name, packed_format
 from servescope.analysis.presets import load_preset
 from servescope.errors import InvalidParameterError
@@ -48,6 +48,34 @@ def test_decode_step_reads_the_packed_bytes():
     gguf = {o.name: o for o in decode_cost(cfg, 1, 0, H100, "q4_1", act_dtype="float32").ops}
     assert gguf["qkv_proj"].weight_bytes == L * (cfg.q_size + 2 * cfg.kv_size) * d * 20 // 32
     assert gguf["embedding"].weight_bytes == d * 34 // 32  # one packed row looked up
+
+
+def test_group32_float32_linear_ops_take_the_integer_gemm_peak():
+    """Group-32 packed weights with float32 activations run the CPU's integer kernels: their linear
+    ops are priced at the measured packed_gemm_flops; every other op, and every other case (bfloat16
+    activations, other groups, a spec without the figure, a GPU), at the activation dtype's peak."""
+    peaks = {"float32": 100e9, "bfloat16": 400e9, "float16": 5e9, "int8": 400e9}
+    cpu = HardwareSpec(name="toy", kind="cpu", memory_bandwidth=20e9, memory_bytes=2**34, peak_flops=peaks)
+    fast = cpu.replace(packed_gemm_flops=250e9)
+    for wdt in ("int4", "int8-g32", "q4_0", "q4_1", "q8_0", "int4-g32-asym"):
+        s = prefill_cost(SMOL, 512, hw=fast, weight_dtype=wdt, act_dtype="float32")
+        for op in s.ops:
+            assert op.compute_seconds == pytest.approx(op.flops / (250e9 if op.name in
+                                                                   ("qkv_proj", "attn_out_proj", "mlp", "lm_head")
+                                                                   else 100e9)), (wdt, op.name)
+        assert s.predicted_seconds < prefill_cost(SMOL, 512, hw=cpu, weight_dtype=wdt,
+                                                  act_dtype="float32").predicted_seconds
+    for wdt, adt, hw in (("int4", "bfloat16", fast), ("int4-g64", "float32", fast), ("int8-ch", "float32", fast),
+                         ("int4", "float32", cpu), ("float32", "float32", fast),
+                         ("int4", "float32", H100.replace(packed_gemm_flops=1e15))):
+        s, base = prefill_cost(SMOL, 512, hw=hw, weight_dtype=wdt, act_dtype=adt), hw.flops(adt)
+        assert s.op("mlp").compute_seconds == pytest.approx(s.op("mlp").flops / base), (wdt, adt, hw.name)
+    # the critical batch solves on each op's own peak: a faster linear peak moves it further out
+    assert critical_batch_size(SMOL, fast, "int4", act_dtype="float32") > critical_batch_size(
+        SMOL, cpu, "int4", act_dtype="float32")
+    with pytest.raises(InvalidParameterError):
+        cpu.replace(packed_gemm_flops=-1.0)
+    assert HardwareSpec.from_dict(fast.to_dict()) == fast
 
 
 def test_embedded_gguf_weight_bytes_match_the_file():

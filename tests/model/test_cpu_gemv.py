@@ -84,3 +84,14 @@ def test_kernel_probe_decode_attention_rate():
     if not cpu_ops.available():
         pytest.skip("CPU op extension not built here")
     assert measure_decode_attention_flops("float32", batch=2, context=32, runs=1) > 1e6
+
+
+def test_kernel_probe_packed_gemm_rate():
+    from servescope.kernels import cpu_ops
+    from servescope.kernels.kernel_probe import measure_packed_gemm_flops
+
+    if not cpu_ops.available():
+        pytest.skip("CPU op extension not built here")
+    assert measure_packed_gemm_flops(rows=16, dim=64, runs=1) > 1e6
+    with pytest.raises(ValueError, match="MAX_ROWS"):
+        measure_packed_gemm_flops(rows=8, dim=64)

@@ -6,7 +6,10 @@ counts each op group's FLOPs and bytes, and states the counting rules). Per op g
 and, for the linear ops on a spec with measured kernel rates (the local CPU probe), no faster than
     weight_bytes / linear_rate(weight_dtype, M)
 (a GEMV or a matmul of a few rows reaches neither ceiling; see hardware.py), and decode attention
-no faster than attention FLOPs / the measured FLOP/s of the decode-attention kernel.
+no faster than attention FLOPs / the measured FLOP/s of the decode-attention kernel. Linear ops over
+group-32 packed weights with float32 activations run the engine's integer kernels (activations rounded
+to int8 per 32-block, int8 dot products): their compute peak is the probe's `packed_gemm_flops` where
+it was measured, not the float32 matmul's.
 The step's prediction is the sum over ops plus a fixed overhead (hw.step_overhead_s +
 L * hw.layer_overhead_s, or `overhead_s`). Summing per-op times assumes ops do not overlap, which
 is how an unfused engine runs (the torch attention backend gathers KV, then calls SDPA).
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from servescope.analysis.hardware import HardwareSpec
+from servescope.analysis.packed_weights import packed_format
 from servescope.analysis.op_counts import (
     FLOAT_DTYPES, LINEAR_OPS, OP_NAMES, attended_keys, attention_flops, attention_flops_noncausal, check_seqs,
     kv_cache_bytes_per_token, matmul_flops, resolve_dtypes, step_op_counts, weight_bytes,
@@ -30,8 +34,8 @@ from servescope.errors import InvalidParameterError
 
 __all__ = [
     "FLOAT_DTYPES", "OP_NAMES", "OpCost", "StepCost", "attended_keys", "attention_flops",
-    "attention_flops_noncausal", "critical_batch_size", "decode_cost", "kv_cache_bytes_per_token",
-    "matmul_flops", "predict_tpot", "predict_ttft", "prefill_cost", "resolve_dtypes", "step_cost",
+    "attention_flops_noncausal", "critical_batch_size", "decode_cost", "integer_gemm_flops",
+    "kv_cache_bytes_per_token", "matmul_flops", "predict_tpot", "predict_ttft", "prefill_cost", "resolve_dtypes", "step_cost",
     "weight_bytes",
 ]
 
@@ -164,6 +168,7 @@ def step_cost(
     wdt, adt, kdt = resolve_dtypes(weight_dtype, act_dtype, kv_dtype)
     eff_c, eff_m = _efficiency(efficiency)
     peak = hw.flops(adt) * eff_c  # weight-only int8 still multiplies in the activation dtype
+    linear_peak = integer_gemm_flops(hw, wdt, adt) * eff_c or peak
     bw = hw.memory_bandwidth * eff_m
     L = cfg.num_hidden_layers
     T, B = sum(n for n, _ in seqs), len(seqs)
@@ -190,12 +195,24 @@ def step_cost(
         return w / (rate * eff_m) if rate else 0.0
 
     ops = [OpCost(name=name, flops=float(f), bytes=float(a + w), weight_bytes=float(w),
-                  compute_seconds=f / peak, memory_seconds=(a + w) / bw, kernel_seconds=kernel_s(name, w))
+                  compute_seconds=f / (linear_peak if name in LINEAR_OPS else peak), memory_seconds=(a + w) / bw,
+                  kernel_seconds=kernel_s(name, w))
            for name, f, a, w in raw]
     if overhead_s is None:
         overhead_s = hw.step_overhead_s + L * hw.layer_overhead_s
     return StepCost(ops=ops, num_tokens=T, num_seqs=B, overhead_seconds=float(overhead_s),
                     peak_flops=peak, memory_bandwidth=bw)
+
+
+def integer_gemm_flops(hw: HardwareSpec, weight_dtype: str, act_dtype: str) -> float:
+    """The measured FLOP/s of the engine's integer matmul for these weights, or 0 where its linear ops
+    multiply in the activation dtype: the integer kernels take group-32 packed weights (int4, int8-g32,
+    q4_0 / q4_1 / q8_0) with float32 activations on the CPU; other groups, bfloat16 activations and the
+    GPU's Triton kernels dequantise and multiply in the activation dtype."""
+    fmt = packed_format(weight_dtype)
+    if hw.kind != "cpu" or act_dtype != "float32" or fmt is None or fmt.group != 32:
+        return 0.0
+    return float(hw.packed_gemm_flops)
 
 
 def prefill_cost(cfg: ModelConfig, prompt_len: int, batch: int = 1, hw: Optional[HardwareSpec] = None,
@@ -251,15 +268,16 @@ def critical_batch_size(cfg: ModelConfig, hw: HardwareSpec, weight_dtype: str = 
     activations of one sequence). Solving (f0 + f1 b)/P = (m0 + m1 b)/BW gives
         b* = (m0/BW - f0/P) / (f1/P - m1/BW).
     Below b* the step is memory-bound, above it compute-bound. Returns math.inf when it never turns
-    compute-bound (long contexts: KV reads grow as fast as FLOPs). The result is fractional.
+    compute-bound (long contexts: KV reads grow as fast as FLOPs). The result is fractional. The same
+    solve runs on the ops' compute and memory seconds (each op at its own peak: packed linear ops on the
+    integer GEMM's, integer_gemm_flops), which reduces to the formula above when one peak prices all.
     """
     kw = dict(efficiency=efficiency, overhead_s=0.0)
     s1 = decode_cost(cfg, 1, context_len, hw, weight_dtype, kv_dtype, act_dtype, **kw)
     s2 = decode_cost(cfg, 2, context_len, hw, weight_dtype, kv_dtype, act_dtype, **kw)
-    P, BW = s1.peak_flops, s1.memory_bandwidth
-    f1, m1 = s2.flops - s1.flops, s2.bytes - s1.bytes
-    f0, m0 = s1.flops - f1, s1.bytes - m1
-    denom = f1 / P - m1 / BW
+    c1, m1 = s2.compute_seconds - s1.compute_seconds, s2.memory_seconds - s1.memory_seconds
+    c0, m0 = s1.compute_seconds - c1, s1.memory_seconds - m1
+    denom = c1 - m1
     if denom <= 0:
         return math.inf
-    return max((m0 / BW - f0 / P) / denom, 0.0)
+    return max((m0 - c0) / denom, 0.0)

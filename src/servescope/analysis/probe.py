@@ -28,10 +28,12 @@ engine/local_hardware.py passes the engine's own):
   predict.
 - linear_rates: weight bytes/s of the engine's CPU linear kernel at 1..128 rows, float32 and
   bfloat16, on 1024 x 1024 matrices that belong to no model (kernels/kernel_probe.py);
-  decode_attention_flops: FLOP/s of its paged decode-attention kernel (KV in cache).
+  decode_attention_flops: FLOP/s of its paged decode-attention kernel (KV in cache);
+  packed_gemm_flops: FLOP/s of its integer GEMM over group-32 packed weights with float32 activations
+  (the prefill of int4 / int8-g32 / a GGUF's Q4_0, Q4_1, Q8_0), which beats the float32 peak with VNNI.
 
 Invariant of the cache: the entry under the full key (`_cache_key(threads)`) was measured with all
-three engine measurers; a probe given fewer is stored under a key that names what it holds, so it
+engine measurers; a probe given fewer is stored under a key that names what it holds, so it
 never stands in for the full one (whose predictions include the host overhead and kernel rates).
 """
 
@@ -54,8 +56,9 @@ from servescope.timing import median_seconds
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 6  # 2: host overheads; 3: linear kernel rates; 4: decode attention; 5: best-of matmul;
-# 6: the kernel path and CPU flags in the key, matmuls sized to each dtype's speed, slow_dtypes
+CACHE_VERSION = 7  # 2: host overheads; 3: linear kernel rates; 4: decode attention; 5: best-of matmul;
+# 6: the kernel path and CPU flags in the key, matmuls sized to each dtype's speed, slow_dtypes;
+# 7: the packed integer GEMM's rate
 CALL_BUDGET_S = 0.25  # the longest one timed matmul call may take (sizes the matmul of each dtype)
 SLOW_FRACTION = 0.25  # a dtype below this fraction of float32's matmul rate has no fast path here
 SLOW_ROWS = (1, 2)  # the rows a slow dtype's linear kernel is measured at
@@ -73,12 +76,14 @@ class EngineMeasurers:
 
     host_overhead() -> (seconds per step, seconds per decoder layer);
     linear_rates(dtype name[, rows]) -> [[rows M, weight bytes/s], ...], M ascending;
-    decode_attention_flops(dtype name) -> FLOP/s of the paged decode-attention kernel.
+    decode_attention_flops(dtype name) -> FLOP/s of the paged decode-attention kernel;
+    packed_gemm_flops() -> FLOP/s of the integer GEMM over group-32 packed weights, float32 activations.
     """
 
     host_overhead: Optional[Callable[[], tuple]] = None
     linear_rates: Optional[Callable[[str], list]] = None
     decode_attention_flops: Optional[Callable[[str], float]] = None
+    packed_gemm_flops: Optional[Callable[[], float]] = None
 
     @property
     def given(self) -> tuple:
@@ -228,7 +233,8 @@ def _measure_engine(m: EngineMeasurers, slow: list) -> dict:
     that part. A slow dtype's linear kernel is measured at the GEMV's rows only (SLOW_ROWS: the C++
     GEMV widens bfloat16 to float32 and runs at the bandwidth anyway; more rows go to a GEMM that
     has no fast path here and would take minutes), beyond which the (slow) peak prices it."""
-    out = {"step_overhead_s": 0.0, "layer_overhead_s": 0.0, "linear_rates": {}, "decode_attention_flops": {}}
+    out = {"step_overhead_s": 0.0, "layer_overhead_s": 0.0, "linear_rates": {}, "decode_attention_flops": {},
+           "packed_gemm_flops": 0.0}
     if m.host_overhead is not None:
         try:
             out["step_overhead_s"], out["layer_overhead_s"] = m.host_overhead()
@@ -245,6 +251,11 @@ def _measure_engine(m: EngineMeasurers, slow: list) -> dict:
             out["decode_attention_flops"] = {dt: m.decode_attention_flops(dt) for dt in KERNEL_DTYPES}
         except Exception as e:
             logger.warning("decode attention rate not measured (%s)", e)
+    if m.packed_gemm_flops is not None:
+        try:
+            out["packed_gemm_flops"] = float(m.packed_gemm_flops())
+        except Exception as e:
+            logger.warning("packed integer GEMM rate not measured (%s)", e)
     return out
 
 

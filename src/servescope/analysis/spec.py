@@ -18,6 +18,10 @@ Conventions (every spec follows them, so that predictions are comparable):
 - `decode_attention_flops`: {activation dtype: FLOP/s} of the engine's paged decode-attention
   kernel with its data in cache (measured by the local probe): one query per sequence against its
   cached keys does a few FLOPs per byte and reaches a fraction of the matmul peak.
+- `packed_gemm_flops` (local probe only): FLOP/s of the engine's integer GEMM over group-32 packed
+  weights (int4, int8-g32, a GGUF's Q4_0 / Q4_1 / Q8_0) with float32 activations, which it rounds to int8
+  per 32-block and multiplies with int8 dot products: faster than the float32 matmul peak on CPUs with
+  VNNI. 0: not measured (the cost model prices those matmuls at the activation dtype's peak).
 - `kernel_path` / `slow_dtypes` (local probe only): which CPU kernels were measured (their ISA), and
   the dtypes whose matmul is emulated here (bfloat16 without bf16 instructions: ~500x slower).
 """
@@ -52,6 +56,7 @@ class HardwareSpec:
     layer_overhead_s: float = 0.0  # added once per decoder layer per step
     linear_rates: dict = field(default_factory=dict)  # weight dtype -> [[M, weight bytes/s], ...], M ascending
     decode_attention_flops: dict = field(default_factory=dict)  # activation dtype -> FLOP/s of decode attention
+    packed_gemm_flops: float = 0.0  # FLOP/s of the integer GEMM over group-32 packed weights (float32 activations)
     kernel_path: str = ""  # the CPU kernel path the probe measured ("avx2", "avx512 C++ kernels"); "" for datasheets
     slow_dtypes: list = field(default_factory=list)  # dtypes with no fast matmul here (never picked by default)
 
@@ -84,6 +89,8 @@ class HardwareSpec:
             if not pts or any(m < 1 for m in ms) or ms != sorted(ms) or any(p[1] <= 0 for p in pts):
                 raise InvalidParameterError("hardware", f"{self.name}: linear_rates[{dt!r}] must be "
                                             "[[M >= 1, bytes/s > 0], ...] with M ascending")
+        if self.packed_gemm_flops < 0:
+            raise InvalidParameterError("hardware", f"{self.name}: packed_gemm_flops must be >= 0")
         if any(v <= 0 for v in self.decode_attention_flops.values()):
             raise InvalidParameterError("hardware", f"{self.name}: decode_attention_flops must be positive")
 

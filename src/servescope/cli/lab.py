@@ -137,7 +137,9 @@ def run_hardware(args) -> int:
             spec = probe_local_cpu(force=args.force)
         con.print(hardware_table([spec]))
         con.print(f"CPU kernel path: {spec.kernel_path or 'unknown (an older probe)'}"
-                  + (f"; no fast matmul for {', '.join(spec.slow_dtypes)} here" if spec.slow_dtypes else ""))
+                  + (f"; no fast matmul for {', '.join(spec.slow_dtypes)} here" if spec.slow_dtypes else "")
+                  + (f"; packed integer GEMM (group-32 weights, float32 activations) "
+                     f"{spec.packed_gemm_flops / 1e9:,.0f} GFLOP/s" if spec.packed_gemm_flops else ""))
         con.print(spec.notes)
         return 0
     # the local CPU is listed when it was probed already: listing reads the probe's cache, never probes

@@ -22,7 +22,8 @@ from servescope.analysis.probe import EngineMeasurers, cpu_model, probe_local_ha
 from servescope.engine.overhead import measure_host_overhead
 from servescope.errors import InvalidParameterError
 from servescope.kernels import cpu_ops
-from servescope.kernels.kernel_probe import measure_decode_attention_flops, measure_linear_rates
+from servescope.kernels.kernel_probe import (measure_decode_attention_flops, measure_linear_rates,
+                                             measure_packed_gemm_flops)
 from servescope.parallel.link_probe import fit_local_link, measure_all_reduce
 
 logger = logging.getLogger(__name__)
@@ -30,9 +31,10 @@ logger = logging.getLogger(__name__)
 _GPU_KEYS = ("h200", "h100", "a100", "l40s", "l4", "4090", "mi300x")
 
 # The full probe's engine measurements (analysis/probe.py caches a spec under the full key only
-# when all three were handed in).
+# when all of them were handed in).
 ENGINE_MEASURERS = EngineMeasurers(host_overhead=measure_host_overhead, linear_rates=measure_linear_rates,
-                                   decode_attention_flops=measure_decode_attention_flops)
+                                   decode_attention_flops=measure_decode_attention_flops,
+                                   packed_gemm_flops=measure_packed_gemm_flops)
 
 
 def probe_local_cpu(force: bool = False, **probe_options) -> HardwareSpec:

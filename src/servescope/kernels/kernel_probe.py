@@ -7,7 +7,8 @@ the bandwidth and the peak. This measures that directly, once per machine, on ma
 model's (32 of 1024 x 1024, 64-128 MiB: larger than the caches), with the module the engine uses
 (CpuLinear: GEMV below MAX_ROWS, oneDNN on prepacked weights above). The result, weight bytes per
 second at each M, is stored in the probe's HardwareSpec (`linear_rates`). The same for the paged
-decode-attention kernel: its FLOP/s with the KV in cache (`decode_attention_flops`).
+decode-attention kernel: its FLOP/s with the KV in cache (`decode_attention_flops`), and of the integer
+GEMM a prefill over group-32 packed weights runs with float32 activations (`packed_gemm_flops`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from servescope.kernels import cpu_ops
 from servescope.kernels.cpu_kernels import CpuLinear
+from servescope.kernels.quant_linear import BLOCK, MAX_ROWS, QuantLinear
 from servescope.timing import median_seconds
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -68,3 +70,31 @@ def measure_decode_attention_flops(dtype_name: str, batch: int = 32, context: in
             cpu_ops.paged_decode(q, kc, vc, tables, lens, head_dim ** -0.5)
 
     return flops / (median_seconds(ten, runs) / 10)
+
+
+def measure_packed_gemm_flops(rows: int = 512, dim: int = 768, runs: int = 3) -> float:
+    """FLOP/s (2 * M * N * K) of the engine's prefill path over int4 group-32 weights (QuantLinear with
+    float32 activations above MAX_ROWS rows: the integer GEMM, the path of int8-g32 and a GGUF's Q4_0 /
+    Q4_1 / Q8_0 too) at `rows` rows, the size of a prefill chunk, over the matrix shapes of one decoder
+    layer of width `dim` that belongs to no model (two dim x dim, two 3dim x dim, one dim x 3dim): the
+    rate moves by +-30% with the shape (a narrow K amortises the activations' rounding over fewer
+    outputs), and a layer's mix is what a prefill multiplies. The weights are random nibbles and scales:
+    the kernel's speed does not depend on their values."""
+    if not cpu_ops.available():
+        raise RuntimeError("the CPU op extension is not built here")
+    if rows <= MAX_ROWS:
+        raise ValueError(f"rows must exceed MAX_ROWS ({MAX_ROWS}): fewer go to the GEMV")
+    if dim % BLOCK:
+        raise ValueError(f"dim must be a multiple of {BLOCK}, got {dim}")
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(dim, dim), (dim, dim), (3 * dim, dim), (3 * dim, dim), (dim, 3 * dim)]
+    lins = [(QuantLinear(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
+                         (torch.rand(n, k // BLOCK, generator=gen) * 0.01 + 0.001).half(), k),
+             torch.randn(rows, k, generator=gen)) for n, k in shapes]
+
+    def once():
+        for lin, x in lins:
+            lin(x)
+
+    with torch.inference_mode():
+        return 2.0 * rows * sum(n * k for n, k in shapes) / median_seconds(once, runs)
