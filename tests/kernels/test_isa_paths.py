@@ -18,6 +18,8 @@ from servescope.analysis.cpu_isa import (cpu_flags, has_fast_bf16, isa_signature
 from servescope.errors import InvalidParameterError
 from servescope.kernels.cpu_extension import CpuExtension, isa_cflags
 
+from parallel_build import build_all  # tests/kernels, on sys.path as the test file's folder
+
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "src" / "servescope" / "kernels" / "csrc"
 CHECK = Path(__file__).with_name("kernels_check.cpp")
@@ -86,42 +88,57 @@ def test_cflags_and_signature_follow_the_flags():
     assert not has_fast_bf16(ZEN3) and has_fast_bf16({"avx512_bf16"}) and has_fast_bf16({"bf16", "asimd"})
 
 
-def _compile(compiler: str, flags: list, out: Path, link: bool = True) -> None:
-    cmd = [compiler, *COMMON, *flags, str(CHECK), "-o", str(out)] + ([] if link else ["-c"])
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-3000:]}"
-
-
 def _run(cmd: list) -> str:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and " ok: " in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
     return r.stdout
 
 
+def _jobs() -> dict:
+    """Every kernels_check build this machine can make: {name: (command without -o, run it?, runner)}."""
+    jobs = {}
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler and machine_arch() in ("x86_64", "amd64"):
+        for isa in ("avx512", "avx2", "scalar"):
+            runnable = isa in supported_isas(cpu_flags(), machine_arch())
+            flags = cpu_flags() if runnable else AVX512 | {"avx512_bf16"}
+            # run natively where this CPU has the ISA, else compile (the path is at least built)
+            jobs[isa] = ([compiler, *COMMON, *isa_cflags(isa, flags), CHECK] + ([] if runnable else ["-c"]),
+                         runnable, [])
+    native = machine_arch() in ("aarch64", "arm64")
+    cross = shutil.which("g++") if native else shutil.which("aarch64-linux-gnu-g++")
+    qemu = None if native else shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
+    if cross and (native or qemu):
+        # the baseline every aarch64 CPU has (the kernels use no dotprod / bf16 instructions yet)
+        jobs["neon"] = ([cross, *COMMON, "-DSERVESCOPE_ISA_NEON", "-march=armv8-a", "-static", CHECK], True,
+                        [qemu] if qemu else [])
+    return jobs
+
+
+JOBS = _jobs()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    yield from build_all({k: c for k, (c, _, _) in JOBS.items()}, tmp_path_factory.mktemp("isa_paths"))
+
+
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
-def test_x86_kernels_against_float64(isa, tmp_path):
+def test_x86_kernels_against_float64(isa, built):
     """Run natively where this CPU has the ISA, else compile (the path is at least built)."""
     if machine_arch() not in ("x86_64", "amd64"):
         pytest.skip("x86 paths are checked on x86 machines (this one is %s)" % machine_arch())
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
+    if isa not in JOBS:
         pytest.skip("no C++ compiler here")
-    flags = cpu_flags() if isa in supported_isas(cpu_flags(), machine_arch()) else AVX512 | {"avx512_bf16"}
-    runnable = isa in supported_isas(cpu_flags(), machine_arch())
-    _compile(compiler, isa_cflags(isa, flags), tmp_path / "check", link=runnable)
-    if runnable:
-        assert _run([str(tmp_path / "check")]).startswith(isa)
+    exe = built[isa].result()
+    if JOBS[isa][1]:
+        assert _run([exe]).startswith(isa)
 
 
-def test_aarch64_kernels_under_qemu(tmp_path):
+def test_aarch64_kernels_under_qemu(built):
     """The NEON path, cross-compiled and run under user-mode qemu (or natively on an ARM machine)."""
-    native = machine_arch() in ("aarch64", "arm64")
-    compiler = shutil.which("g++") if native else shutil.which("aarch64-linux-gnu-g++")
-    qemu = None if native else shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
-    if compiler is None or (not native and qemu is None):
+    if "neon" not in JOBS:
         pytest.skip("aarch64 check needs g++-aarch64-linux-gnu and qemu-user (apt-get install qemu-user "
                     "g++-aarch64-linux-gnu; `make test` installs them where it runs as root)")
-    # the baseline every aarch64 CPU has (the kernels use no dotprod / bf16 instructions yet)
-    _compile(compiler, ["-DSERVESCOPE_ISA_NEON", "-march=armv8-a", "-static"], tmp_path / "check")
-    out = _run(([qemu] if qemu else []) + [str(tmp_path / "check")])
-    assert out.startswith("neon ok")
+    exe = built["neon"].result()
+    assert _run([*JOBS["neon"][2], exe]).startswith("neon ok")
