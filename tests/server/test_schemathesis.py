@@ -32,8 +32,11 @@ def _openapi() -> dict:
     return build_app(stand_in, model_name=MODEL).openapi()
 
 
-# positive and negative (schema-violating) inputs
-schema = schemathesis.openapi.from_dict(_openapi(), config=SchemathesisConfig.from_dict({"generation": {"mode": "all"}}))
+# positive and negative (schema-violating) inputs. Not the internals stream: its answer never ends
+# (server-sent events), so each case waited ~5 s for schemathesis to cut it short (72 s of the suite);
+# its one parameter's bad values are refused in test_internals_stream.py
+schema = schemathesis.openapi.from_dict(_openapi(), config=SchemathesisConfig.from_dict(
+    {"generation": {"mode": "all"}})).exclude(path="/v1/internals/stream")
 
 
 def _clamp(body):
