@@ -76,3 +76,24 @@ def test_missing_tokenizer_files(tmp_path):
         load_tokenizer(TokenizerSource(str(tmp_path)))
     with pytest.raises(ModelLoadError, match="not found"):
         load_tokenizer(TokenizerSource(str(tmp_path / "nope")))
+
+
+def test_gguf_tokenizer_without_autotokenizer_is_autotokenizers(tmp_path, monkeypatch, smollm2_gguf):
+    """The first conversion of a GGUF whose model type the loader knows takes the class AutoTokenizer
+    would pick, without AutoTokenizer's parse of the whole file: the same class, vocabulary, special
+    tokens, template and ids. A GGUF named by path alone (no model type) still goes through AutoTokenizer."""
+    from servescope.tokenizer import hf_tokenizer
+
+    monkeypatch.setenv("SERVESCOPE_CACHE_DIR", "off")
+    path = os.path.abspath(smollm2_gguf)
+    src = TokenizerSource(os.path.dirname(path), os.path.basename(path), model_type="llama")
+    assert hf_tokenizer._gguf_tokenizer_class(src) is not None
+    assert hf_tokenizer._gguf_tokenizer_class(TokenizerSource(os.path.dirname(path), os.path.basename(path))) is None
+    fast, auto = load_tokenizer(src), load_tokenizer(path)
+    assert type(fast.hf) is type(auto.hf)
+    assert fast.hf.get_vocab() == auto.hf.get_vocab() and fast.special_tokens == auto.special_tokens
+    assert fast.chat_template == auto.chat_template and fast.eos_token_ids == auto.eos_token_ids
+    assert fast.special_token_ids == auto.special_token_ids and fast.bos_token_id == auto.bos_token_id
+    for text in TEXTS + ["<|im_start|>system\nx<|im_end|>"]:
+        for add in (True, False):
+            assert fast.encode(text, add) == auto.encode(text, add)

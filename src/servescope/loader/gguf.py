@@ -103,6 +103,7 @@ def load_gguf(path: str, keep_packed: bool = False) -> LoadedSource:
             gguf_file=os.path.basename(path),
             chat_template=chat_template,
             eos_token_ids=tuple(eos_ids),
+            model_type=config.architecture,
         ),
         path=path,
         format="gguf",

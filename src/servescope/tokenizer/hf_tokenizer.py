@@ -4,7 +4,9 @@ Sources are local only (`local_files_only=True`): a Hugging Face directory, or a
 tokenizer transformers converts. That conversion takes seconds (it parses ~100k vocabulary and
 merge entries), so the converted tokenizer is saved once under the servescope cache directory
 (`$SERVESCOPE_CACHE_DIR`, default `~/.cache/servescope`; set it to "off" to disable) keyed by the
-GGUF's path, size and mtime, and reloaded from there in a fraction of a second.
+GGUF's path, size and mtime, and reloaded from there in a fraction of a second. The first conversion
+skips AutoTokenizer where the loader knows the model type (`_gguf_tokenizer_class`): AutoTokenizer
+parses the whole file again to learn it (~10 s of a first `make demo`).
 """
 
 from __future__ import annotations
@@ -114,12 +116,34 @@ def _load_hf_tokenizer(source: TokenizerSource):
             logger.warning("ignoring unreadable tokenizer cache %s (%s)", cache_dir, e)
     try:
         kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-        hf = AutoTokenizer.from_pretrained(source.path, local_files_only=True, **kw)
+        cls = _gguf_tokenizer_class(source) or AutoTokenizer
+        hf = cls.from_pretrained(source.path, local_files_only=True, **kw)
     except Exception as e:
         raise ModelLoadError(f"{where}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
     if cache_dir:
         _save_cache(hf, cache_dir)
     return hf
+
+
+def _gguf_tokenizer_class(source: TokenizerSource):
+    """The class AutoTokenizer picks for a GGUF of source.model_type in a folder without tokenizer files
+    (its mapping's fast class, else the generic fast tokenizer), or None where that is not known. For a
+    GGUF, AutoTokenizer reads the model type out of a config it builds by parsing the whole file (every
+    tensor and vocabulary entry, in Python: ~10 s for the embedded model), and the class's own
+    from_pretrained reads only the tokenizer's metadata."""
+    if not source.gguf_file or not source.model_type or any(
+            os.path.exists(os.path.join(source.path, f)) for f in ("tokenizer_config.json", "tokenizer.json")):
+        return None
+    try:  # lazy as in _load_hf_tokenizer (its only caller), which has imported transformers already
+        from transformers import PreTrainedTokenizerFast  # lazy: see above
+        from transformers.models.auto.tokenization_auto import (  # lazy: see above
+            TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name)
+    except ImportError:  # a transformers that moved them: AutoTokenizer decides
+        return None
+    name = TOKENIZER_MAPPING_NAMES.get(source.model_type)
+    if isinstance(name, (tuple, list)):  # transformers 4: (slow class, fast class)
+        name = name[-1]
+    return (tokenizer_class_from_name(name) if name else None) or PreTrainedTokenizerFast
 
 
 def _cache_dir_for(gguf_path: str) -> Optional[str]:

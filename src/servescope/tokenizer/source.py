@@ -14,3 +14,4 @@ class TokenizerSource:
     gguf_file: Optional[str] = None
     chat_template: Optional[str] = None  # the model's own template, if any (None: the tokenizer's or ChatML)
     eos_token_ids: tuple = ()  # every id that ends generation (config + generation_config + tokenizer)
+    model_type: Optional[str] = None  # a GGUF's Hugging Face model type ("llama", "qwen2"), when the loader knows it
