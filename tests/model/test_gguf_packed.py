@@ -1,6 +1,7 @@
 """A GGUF's Q4_0 / Q4_1 / Q8_0 blocks run as they are (`quantization="gguf"`, loader/gguf_packed.py):
 the block split against gguf-py's dequantize, the packed GEMV against a float64 reference, tiny
-models of every family against their float32 load of the same file, the embedded model's memory."""
+models of every family against their float32 load of the same file, the embedded model's memory; the
+K-quants (Q4_K, Q6_K) repacked at load, against gguf-py's dequantize and a Q4_K_M-like tiny file."""
 
 import logging
 import os
@@ -107,3 +108,87 @@ def test_embedded_model_in_its_blocks(smollm2_llm):
     # EPYC Zen 4 the 6th token of this prompt is one; on a Xeon with AMX, 2026-12-02, the 6th token's
     # logprobs were 0.257 apart, its top two 0.22 and 0.11 apart: a flat spot, not a drift)
     assert assert_greedy_equal_up_to_a_near_tie(a, b, 0.3) >= 4
+
+
+def k_quant_blocks(rng, rows: int, k: int, qtype, scale: float = 0.01) -> np.ndarray:
+    """Valid random K-quant super-blocks [rows, k / 256 * bytes]: random bytes, with finite float16 d and dmin."""
+    size = gguf_packed.REPACKED[qtype]
+    b = rng.integers(0, 256, (rows, k // 256, size), dtype=np.uint8)
+
+    def half(lo, hi):
+        return rng.uniform(lo, hi, (rows, k // 256)).astype(np.float16).view(np.uint8).reshape(rows, k // 256, 2)
+
+    if qtype == Q.Q4_K:
+        b[..., 0:2], b[..., 2:4] = half(scale / 4, scale), half(scale / 4, scale)
+    else:
+        b[..., 208:210] = half(scale / 4, scale)
+    return b.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quants_repack_to_gguf_dequantize(qtype):
+    """Q4_K keeps its nibbles in Q4_1's form (scale and offset rounded to float16); Q6_K's values decode
+    exactly and requantise to int8 group 32 within one int8 step (a quarter of one on average)."""
+    rng = np.random.default_rng(1)
+    rows, k = 7, 768
+    raw = k_quant_blocks(rng, rows, k, Q[qtype])
+    ref = gguf.quants.dequantize(raw, Q[qtype]).reshape(rows, k)
+    packed, scales = gguf_packed.split_blocks(raw, Q[qtype], rows, k)
+    got = ql.dequantize(packed, scales, k).numpy()
+    if qtype == "Q4_K":
+        assert packed.dtype == torch.uint8 and tuple(scales.shape) == (rows, k // 32, 2)
+        assert np.all(np.abs(got - ref) <= 2.0 ** -10 * (np.abs(ref) + 1.5))  # float16 scales: 2^-11 each
+    else:
+        exact = gguf_packed.q6_k_values(torch.from_numpy(raw.reshape(rows, k // 256, 210)), rows, k).numpy()
+        assert np.array_equal(exact, ref)
+        assert packed.dtype == torch.int8 and tuple(scales.shape) == (rows, k // 32)
+        step = scales.float().numpy().repeat(32, 1)
+        assert np.all(np.abs(got - ref) < step)  # the scale search may round the largest value a step away
+        assert np.abs(got - ref).mean() < 0.3 * step.mean()
+    with pytest.raises(ValueError, match="super-blocks"):
+        gguf_packed.split_blocks(raw[:, :144], Q[qtype], rows, 128)
+    mod = cpu_ops.load()
+    if mod is not None:  # the GEMV and GEMM on the repacked blocks against float64 on their values
+        for m in (2, 20):
+            x = torch.randn(m, k)
+            f = mod.quant_gemv if m <= ql.MAX_ROWS else mod.quant_gemm
+            y = f(x, packed, scales, torch.empty(0)).double()
+            ref64 = ql.gemv_activations(x, k, 32)[0] @ torch.from_numpy(got).double().T
+            assert torch.allclose(y, ref64, atol=1e-4, rtol=1e-5)
+
+
+def test_tiny_k_quant_gguf_runs_packed_like_its_float32_load(tmp_path, caplog):
+    """A Q4_K_M-like file (Q4_K projections, Q6_K down projections and embedding, one layer whose v is
+    Q6_K beside Q4_K q/k) runs from its repacked blocks, with greedy tokens of its float32 load; the
+    mixed projection in int8 group 32."""
+    src = load_model_source(str(make_tiny_hf_model(tmp_path, "llama", vocab_size=256, with_tokenizer=False,
+                                                   hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                                   num_key_value_heads=2, head_dim=64,
+                                                   tie_word_embeddings=True)))
+    rng = np.random.default_rng(2)
+    raw = {}
+    for name, t in src.state_dict.items():
+        if t.dim() != 2:
+            continue
+        qtype = Q.Q6_K if ("down_proj" in name or "embed" in name or name == "model.layers.1.self_attn.v_proj.weight") \
+            else Q.Q4_K
+        raw[name] = (k_quant_blocks(rng, t.shape[0], t.shape[1], qtype, scale=0.004 if qtype == Q.Q4_K else 0.0008),
+                     qtype)
+    path = write_tiny_gguf(tmp_path / "m.gguf", src.config, src.state_dict, raw_tensors=raw)
+    ref = LLM(model=path, skip_tokenizer_init=True, num_kv_blocks=32, max_model_len=128)
+    with caplog.at_level(logging.INFO, logger="servescope.loader"):
+        llm = LLM(model=path, skip_tokenizer_init=True, quantization="gguf", num_kv_blocks=32, max_model_len=128)
+    assert "Q4_K into Q4_1's form" in caplog.text and "Q6_K into int8 group 32" in caplog.text
+    model = llm.engine.runner.executor.model
+    layers = model.model.layers
+    assert isinstance(layers[0].self_attn.qkv_proj, ql.QuantLinear) and layers[0].self_attn.qkv_proj.bits == 4
+    assert isinstance(layers[0].mlp.down_proj, ql.QuantLinear) and layers[0].mlp.down_proj.bits == 8
+    qkv1 = layers[1].self_attn.qkv_proj  # Q4_K q/k beside a Q6_K v: all three requantised to int8 group 32
+    assert isinstance(qkv1, ql.QuantLinear) and qkv1.bits == 8 and qkv1.group32
+    assert "1:self_attn.q_proj/self_attn.k_proj/self_attn.v_proj" in caplog.text
+    assert isinstance(model.model.embed_tokens, ql.QuantEmbedding)
+    assert llm.engine.weight_bytes < 0.35 * ref.engine.weight_bytes
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    prompts = [[5, 9, 33, 2, 100], [7] * 20]
+    for a, b in zip(ref.generate(prompts, sp), llm.generate(prompts, sp)):
+        assert_greedy_equal_up_to_a_near_tie(a.outputs[0], b.outputs[0], 5e-2)

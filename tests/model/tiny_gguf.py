@@ -73,12 +73,14 @@ def _unpermute(name, w, config, arch):
 def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=None, name: str = "tiny",
                     drop: tuple = (), replace: dict | None = None, chat_template: str | None = None,
                     token_count: int | None = None, extra_tensors: dict | None = None,
-                    rope_scaling: tuple | None = None) -> str:
+                    rope_scaling: tuple | None = None, raw_tensors: dict | None = None) -> str:
     """Write `state_dict` (HF names) with `config` (a servescope ModelConfig) as a GGUF file.
 
     drop: HF names to leave out; replace: {HF name: array} written instead of the real tensor.
     extra_tensors: {GGUF name: array} added as is (e.g. rope_freqs.weight);
     rope_scaling: (type, factor) written as {arch}.rope.scaling.type / .factor metadata.
+    raw_tensors: {HF name: (uint8 blocks [rows, bytes], GGML type)} written as they are, in the file's row
+    order, instead of the tensor (the K-quants, which gguf-py cannot write from floats).
     """
     import gguf
 
@@ -108,6 +110,10 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
         w.add_chat_template(chat_template)
     for hf_name, t in state_dict.items():
         if hf_name in drop:
+            continue
+        if hf_name in (raw_tensors or {}):
+            blocks, raw_type = raw_tensors[hf_name]
+            w.add_tensor(hf_to_gguf_name(hf_name), np.ascontiguousarray(blocks, dtype=np.uint8), raw_dtype=raw_type)
             continue
         a = np.asarray((replace or {}).get(hf_name, t.numpy() if hasattr(t, "numpy") else t), dtype=np.float32)
         a = _permute(hf_name, a, config, arch)

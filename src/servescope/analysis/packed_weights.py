@@ -4,8 +4,10 @@ The weight formats a step's weights can be in, besides the float and int8 dtypes
 - `--quantization` modes: `int4` (group 32, symmetric), `int8-g32`, `int<4|8>-<g32|g64|g128|ch>[-sym|-asym]`.
   The embedding lookup keeps the activation dtype; the output head is a packed copy (8 bits in groups
   of 32 for the 4-bit modes, model/quantize.HEAD_SCHEME; the mode itself for the 8-bit ones).
-- a GGUF run from its blocks: `q4_0`, `q4_1`, `q8_0` (the file's main type). The embedding table and
-  the (tied) head are the file's token_embd, Q8_0 in the files this engine writes and ships.
+- a GGUF run from its blocks: `q4_0`, `q4_1`, `q8_0`, read off its first projection in memory (a Q4_K
+  file's repacked projections are in Q4_1's form, its Q6_K ones in Q8_0's: the name undercounts a
+  Q4_K_M file's Q6_K tensors). The embedding table and the (tied) head are the file's token_embd, Q8_0
+  in the files this engine writes and ships.
 Bytes per weight of a row of K (kernels/quant_linear.py's form, GGUF's block sizes): the packed
 integers of K rounded up to the group, plus one float16 scale per group (and one float16 offset when
 asymmetric): Q4_0 18 / 32 = 0.5625, Q4_1 20 / 32 = 0.625, Q8_0 34 / 32 = 1.0625 bytes per weight.

@@ -224,7 +224,7 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
     """(state dict, packed blocks {hf name: (packed, scales, K)}); packed tensors have a placeholder
     in the state dict."""
     file_size = os.path.getsize(path)
-    state_dict, packed, dequantised = {}, {}, {}
+    state_dict, packed, dequantised, repacked = {}, {}, {}, {}
     for t in reader.tensors:
         hf_name = gguf_to_hf_name(t.name)
         if hf_name is None:
@@ -236,9 +236,15 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
                 f"but the file has {file_size} bytes"
             )
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
-        if len(shape) == 2 and gguf_packed.is_native(t.tensor_type):
-            qs, scales = gguf_packed.split_blocks(t.data, t.tensor_type, *shape)
-            if keep_packed and _runs_packed(t, hf_name):
+        runs_packed = len(shape) == 2 and keep_packed and _runs_packed(t, hf_name)
+        if runs_packed or (len(shape) == 2 and t.tensor_type in gguf_packed.NATIVE):
+            try:
+                qs, scales = gguf_packed.split_blocks(t.data, t.tensor_type, *shape)
+            except ValueError as e:
+                raise ModelLoadError(f"{path}: tensor {t.name}: {e}") from None
+            if runs_packed:
+                if t.tensor_type in gguf_packed.REPACKED:
+                    repacked[t.tensor_type.name] = repacked.get(t.tensor_type.name, 0) + 1
                 qs, scales = _unpermute(qs, hf_name, arch, config), _unpermute(scales, hf_name, arch, config)
                 packed[hf_name] = (qs, scales, shape[1])
                 state_dict[hf_name] = gguf_packed.placeholder(shape)
@@ -266,6 +272,10 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
     if dequantised:
         logger.info("%s: dequantised to float32 (no native kernel): %s", path,
                     ", ".join(f"{n} tensors of {k}" for k, n in sorted(dequantised.items())))
+    if repacked:
+        logger.info("%s: repacked at load (loader/gguf_packed.py): %s", path,
+                    ", ".join(f"{n} tensors of {k} into {gguf_packed.REPACKED_FORM[k]}"
+                              for k, n in sorted(repacked.items())))
     gguf_packed.settle_fused(packed, state_dict, config.num_hidden_layers, path)
     return state_dict, packed
 
