@@ -35,8 +35,8 @@ from servescope.errors import InvalidParameterError
 __all__ = [
     "FLOAT_DTYPES", "OP_NAMES", "OpCost", "StepCost", "attended_keys", "attention_flops",
     "attention_flops_noncausal", "critical_batch_size", "decode_cost", "integer_gemm_flops",
-    "kv_cache_bytes_per_token", "matmul_flops", "predict_tpot", "predict_ttft", "prefill_cost", "resolve_dtypes", "step_cost",
-    "weight_bytes",
+    "kv_cache_bytes_per_token", "matmul_flops", "predict_tpot", "predict_ttft", "prefill_cost", "resolve_dtypes",
+    "step_cost", "weight_bytes",
 ]
 
 

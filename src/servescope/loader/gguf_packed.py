@@ -9,7 +9,7 @@ K-quants' super-blocks of 256 are repacked into those forms at load (`REPACKED`)
   Q4_K  [d f16][dmin f16][12 bytes: 6-bit scale and min of 8 sub-blocks of 32][128 bytes of nibbles]
         value d * sc_j * u - dmin * m_j: Q4_1's form per sub-block, the same nibbles (re-laid to
         element j low, j + 16 high), scale d * sc_j and offset -dmin * m_j rounded to float16 (a
-        relative 2^-12 at most: the products need up to 17 bits), 0.625 bytes per weight for 0.5625;
+        relative 2^-11 at most: the products need up to 17 bits), 0.625 bytes per weight for 0.5625;
   Q6_K  [128 bytes low 4 bits][64 bytes high 2 bits][16 int8 scales of sub-blocks of 16][d f16]
         value d * sc_i * (q - 32): two scales per 32 do not fit one group-32 scale, so it is
         requantised to int8 group 32 (Q8_0's form, 1.0625 bytes per weight for 0.82) with the engine's
