@@ -15,10 +15,12 @@ tokenizer beside it):
 """
 
 import argparse
+import json
 import os
 import sys
 
 import torch
+from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from servescope.loader.source import load_model_source, resolve_model_path  # noqa: E402
@@ -45,7 +47,15 @@ def main() -> None:
             assert step.shape == w.shape, (name, step.shape, w.shape)
             w += (torch.rand(w.shape, generator=gen) - 0.5) * step
             print(f"{name}: {tuple(w.shape)}, noise of half a step (mean step {step.mean():.2e})")
-    hf.save_pretrained(args.out, safe_serialization=True)
+    # written by hand: transformers refuses to save a model it loaded from a GGUF
+    os.makedirs(args.out, exist_ok=True)
+    cfg = hf.config.to_dict()
+    cfg.pop("quantization_config", None)
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    tied = cfg.get("tie_word_embeddings")
+    save_file({n: t.contiguous() for n, t in sd.items() if not (tied and n == "lm_head.weight")},
+              os.path.join(args.out, "model.safetensors"))
     load_tokenizer(path).hf.save_pretrained(args.out)
     print(f"wrote {args.out}")
 
