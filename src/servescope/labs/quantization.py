@@ -147,8 +147,13 @@ def _shows(weights: dict, kv: dict) -> str:
                  f"predicts the int8 step at x{f32k['predicted_s'] / i8k['predicted_s']:.2f} the float32 one's speed "
                  f"(fewer KV bytes); measured x{f32k['measured_s'] / i8k['measured_s']:.2f}: the kernel dequantises each "
                  "tile in registers, which pays only where the step is memory-bound on the cache's reads.")
-    lines.append("The cost model counts the KV cache's real bytes (scales included); it counts int4 and gguf weights "
-                 "at their float size, so its int4 / gguf predictions overstate those steps.")
+    def errs(rows: dict) -> str:
+        return ", ".join(f"{m} {100 * (d['predicted_s'] / d['measured_s'] - 1):+.0f}%" for m, d in rows.items())
+
+    lines.append("The cost model counts the bytes as stored: the KV cache's scales included, and the packed weights' "
+                 f"blocks and scales (analysis/packed_weights.py). Predicted / measured - 1: weights {errs(weights)}; "
+                 f"KV cache {errs(kv)} (one cause of a common excess: the probe's bandwidth is cached from one minute, "
+                 "and a shared machine's moves from minute to minute).")
     return "\n\n".join(lines)
 
 
