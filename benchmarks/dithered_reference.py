@@ -7,8 +7,8 @@ and symmetric int4 quantises them a second time (KL ~0.35). Rounding to a grid m
 half a step, about uniformly; adding back uniform noise of half a step (the file's own per-group scale d:
 U(-d/2, d/2), and likewise for the Q8_0 embedding) gives weights off any grid whose Q4_1 quantisation is
 the file again, in distribution: a plausible float model before quantisation, not the original one.
-It is written as a Hugging Face checkpoint (transformers' own load of the GGUF, the noise added, its
-tokenizer beside it):
+It is written as a Hugging Face checkpoint (the loader's float32 state dict of the GGUF, the noise added,
+its config and tokenizer beside it):
 
     python benchmarks/dithered_reference.py /tmp/smollm2-dithered [--seed 0]
     python benchmarks/quant_accuracy.py --model /tmp/smollm2-dithered --modes int8 int8-g32 int4 int4-g32-asym
@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from servescope.kernels.quant_linear import dequantize  # noqa: E402
 from servescope.loader.source import load_model_source, resolve_model_path  # noqa: E402
 from servescope.tokenizer import load_tokenizer  # noqa: E402
 
@@ -32,30 +33,20 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    from transformers import AutoModelForCausalLM
-
     path = resolve_model_path("smollm2-135m")
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype="float32")
-    blocks = load_model_source(path, keep_packed=True).packed  # {hf name: (packed, float16 scales, K)}
+    src = load_model_source(path, keep_packed=True)  # packed: {hf name: (blocks, float16 scales, K)}
+    sd = {n: t for n, t in src.state_dict.items() if n not in src.packed}  # the norms, as the file has them
     gen = torch.Generator().manual_seed(args.seed)
-    sd = hf.state_dict()
-    with torch.no_grad():
-        for name, (_, scales, k) in blocks.items():
-            w = sd[name]
-            d = (scales[..., 0] if scales.dim() == 3 else scales).float().abs()  # the grid step of each group
-            step = d.repeat_interleave(32, dim=1)[:, :k]
-            assert step.shape == w.shape, (name, step.shape, w.shape)
-            w += (torch.rand(w.shape, generator=gen) - 0.5) * step
-            print(f"{name}: {tuple(w.shape)}, noise of half a step (mean step {step.mean():.2e})")
-    # written by hand: transformers refuses to save a model it loaded from a GGUF
+    for name, (qs, scales, k) in src.packed.items():
+        w = dequantize(qs, scales, k)
+        d = (scales[..., 0] if scales.dim() == 3 else scales).float().abs()  # the grid step of each group
+        step = d.repeat_interleave(32, dim=1)[:, :k]
+        sd[name] = w + (torch.rand(w.shape, generator=gen) - 0.5) * step
+        print(f"{name}: {tuple(w.shape)}, noise of half a step (mean step {step.mean():.2e})")
     os.makedirs(args.out, exist_ok=True)
-    cfg = hf.config.to_dict()
-    cfg.pop("quantization_config", None)
     with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    tied = cfg.get("tie_word_embeddings")
-    save_file({n: t.contiguous() for n, t in sd.items() if not (tied and n == "lm_head.weight")},
-              os.path.join(args.out, "model.safetensors"))
+        json.dump(src.config.to_hf_dict(), f, indent=2)
+    save_file({n: t.contiguous() for n, t in sd.items()}, os.path.join(args.out, "model.safetensors"))
     load_tokenizer(path).hf.save_pretrained(args.out)
     print(f"wrote {args.out}")
 

@@ -15,6 +15,7 @@ asymmetric): Q4_0 18 / 32 = 0.5625, Q4_1 20 / 32 = 0.625, Q8_0 34 / 32 = 1.0625 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,8 +46,11 @@ class PackedFormat:
 
 def packed_format(name: str) -> Optional[PackedFormat]:
     """The format a weight-format name stands for; None for anything else (a float dtype, int8)."""
-    if not isinstance(name, str):
-        return None
+    return _parse(name) if isinstance(name, str) else None
+
+
+@functools.lru_cache(maxsize=256)  # the cost model asks for the same few names several times every step
+def _parse(name: str) -> Optional[PackedFormat]:
     gguf = name in GGUF_FORMATS
     parts = GGUF_FORMATS.get(name, name).split("-")
     bits = {"int4": 4, "int8": 8}.get(parts[0])

@@ -110,6 +110,9 @@ def placeholder(shape) -> torch.Tensor:
     return torch.zeros(()).expand(*shape)
 
 
+INT8_G32 = (torch.int8, 2)  # (packed dtype, scale dims) of int8 group 32, Q8_0's form
+
+
 def settle_fused(packed: dict, state_dict: dict, num_layers: int, path: str) -> None:
     """Parts of one fused projection (q/k/v, gate/up) must share a packed form to be concatenated.
     Where they do not (Q4_K q/k beside a Q6_K v, as in llama.cpp's Q4_K_M; Q4_0 beside Q8_0), the parts
@@ -137,9 +140,6 @@ def settle_fused(packed: dict, state_dict: dict, num_layers: int, path: str) -> 
     if mixed:
         logger.info("%s: fused projections whose parts mix block types, requantised to int8 group 32: %s",
                     path, ", ".join(mixed))
-
-
-INT8_G32 = (torch.int8, 2)  # (packed dtype, scale dims) of int8 group 32, Q8_0's form
 
 
 def apply_packed(model: torch.nn.Module, packed: dict, dtype: torch.dtype) -> None:
