@@ -12,27 +12,10 @@ reads the keys back from the cache, the prompt's own included (model/attention/k
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-
 import torch
 
+from servescope.engine.calibrate import sequence_logits
 from servescope.engine.llm import LLM
-from servescope.engine.model_runner import ModelRunner
-
-
-def sequence_logits(engine, ids: list) -> torch.Tensor:
-    """float32 logits [len(ids), V] of every position: one prefill through a private paged cache."""
-    bs = engine.cache_config.block_size
-    nblocks = -(-len(ids) // bs)
-    runner = ModelRunner(engine.executor.fork(), engine.model_config, engine.runner.backend, nblocks, bs,
-                         engine.kv_dtype, engine.device)
-    req = SimpleNamespace(all_token_ids=list(ids))
-    seq = SimpleNamespace(request=req, num_computed_tokens=0, num_new_tokens=len(ids), block_ids=list(range(nblocks)),
-                          spec_token_ids=())
-    with torch.inference_mode():
-        batch = runner.prepare([seq])
-        hidden = runner.executor.forward(batch, runner.kv_caches, runner.backend)
-        return runner.executor.compute_logits(hidden).float()
 
 
 def compare(ref_logits: torch.Tensor, q_logits: torch.Tensor, ids: list) -> dict:

@@ -14,6 +14,7 @@ fork of the loaded weights (LLMEngine.with_config).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -35,6 +36,7 @@ from servescope.errors import EngineConfigError
 from servescope.kernels import cpu_ops
 from servescope.kvcache.manager import KVCacheManager
 from servescope.loader.build import DTYPES, build_model
+from servescope.loader.quantized import saved_mode
 from servescope.loader.random_init import build_random_model
 from servescope.loader.source import load_model_source
 from servescope.model.attention import get_attention_backend
@@ -165,6 +167,7 @@ def build_engine(config: EngineConfig, shared: Optional[LoadedModel] = None) -> 
     device = resolve_device(config)
     dtype, kv_dtype = resolve_dtypes(config, device)
     if shared is None:
+        config = adopt_saved_quantization(config)
         become_torchrun_worker(config)  # ranks > 0 under torchrun serve rank 0 from here, then exit
         loaded = load_model(config, device, dtype)
         executor = loaded.executor
@@ -200,6 +203,23 @@ def build_engine(config: EngineConfig, shared: Optional[LoadedModel] = None) -> 
         kv_bytes_per_token=per_token, cache_config=cache_config, scheduler_config=scheduler_config,
         runner=runner, kv_manager=kv_manager, scheduler=Scheduler(scheduler_config, kv_manager),
         sampler=sampler, cost=cost, spec=build_spec_decoder(config, loaded, runner, sampler, cost, max_len))
+
+
+def adopt_saved_quantization(config: EngineConfig) -> EngineConfig:
+    """A checkpoint saved by `servescope quantize` runs in the mode it was saved in: config with that
+    quantization, so the executor, the cost model and the summaries see it. Another mode is an error
+    (its weights are already rounded), as is a parallel layout (the shards cut float weights)."""
+    model = config.load.model
+    mode = None if model is None or model.startswith(RANDOM_PREFIX) else saved_mode(os.path.expanduser(model))
+    if mode is None:
+        return config
+    if config.load.quantization not in (None, mode):
+        raise EngineConfigError(f"{model} was saved quantised as {mode}; run it without --quantization "
+                                f"(or with {mode}), or quantise the float model to {config.load.quantization}")
+    if config.parallel.world_size > 1:
+        raise EngineConfigError(f"{model} is a saved quantised checkpoint ({mode}); tensor/pipeline parallelism "
+                                "shards float weights: run the float model with --quantization instead")
+    return config if config.load.quantization == mode else config.replace(quantization=mode)
 
 
 def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig, blocks: int) -> int:

@@ -156,7 +156,9 @@ def apply_packed(model: torch.nn.Module, packed: dict, dtype: torch.dtype) -> No
     emb = packed.get("model.embed_tokens.weight")
     if emb is not None:
         model.model.embed_tokens = QuantEmbedding(emb[0], emb[1], emb[2], dtype)
-    head = emb if model.config.tie_word_embeddings else packed.get("lm_head.weight")
+    head = packed.get("lm_head.weight")  # (a saved quantised checkpoint: the tied head's own packed copy)
+    if head is None and model.config.tie_word_embeddings:
+        head = emb
     if head is not None:
         model.lm_head = QuantLinear(head[0], head[1], head[2], None, float_output=True)
 

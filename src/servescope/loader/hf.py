@@ -17,7 +17,8 @@ from safetensors import safe_open
 
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError, ModelLoadError
-from servescope.loader.checkpoint import LoadedSource, check_state_dict, to_float32
+from servescope.loader import quantized
+from servescope.loader.checkpoint import LoadedSource, check_state_dict, expected_tensor_shapes, to_float32
 from servescope.tokenizer.source import TokenizerSource
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,16 @@ def load_hf_dir(path: str) -> LoadedSource:
 
     generation_config = _read_generation_config(path, config)
     eos_ids = tuple(generation_config["eos_token_id"])
-    state_dict = check_state_dict(_read_weights(path), config, path)
+    mode = quantized.saved_mode(path)
+    packed = {}
+    if mode is None:
+        state_dict = check_state_dict(_read_weights(path), config, path)
+    else:  # a `servescope quantize` checkpoint: its packed linears run as they are (loader/quantized.py)
+        shapes = expected_tensor_shapes(config)
+        shapes.setdefault("lm_head.weight", (config.vocab_size, config.hidden_size))  # (tied: a quantised copy)
+        dense, packed = quantized.read_packed(_read_weights(path, keep_dtype=True), mode, shapes,
+                                              quantized.head_scheme(mode, path), path)
+        state_dict = check_state_dict(dense, config, path)
     chat_template = _read_chat_template(path)
     return LoadedSource(
         config=config,
@@ -51,6 +61,8 @@ def load_hf_dir(path: str) -> LoadedSource:
         format="hf",
         chat_template=chat_template,
         generation_config=generation_config,
+        packed=packed,
+        quantization=mode,
     )
 
 
@@ -88,13 +100,15 @@ def weight_files(path: str) -> list[str]:
     raise ModelLoadError(f"{path}: no weights found (expected {SINGLE_FILE} or {INDEX_FILE}){hint}")
 
 
-def _read_weights(path: str) -> dict:
+def _read_weights(path: str, keep_dtype: bool = False) -> dict:
+    """Every tensor of the directory's safetensors files, as float32 (keep_dtype: as stored)."""
     state_dict = {}
     for file in weight_files(path):
         try:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
-                    state_dict[key] = to_float32(f.get_tensor(key))
+                    t = f.get_tensor(key)
+                    state_dict[key] = t if keep_dtype else to_float32(t)
         except ModelLoadError:
             raise
         except Exception as e:  # SafetensorError on truncated/corrupt headers, OSError, ...

@@ -109,6 +109,11 @@ def quantize_int8(model: nn.Module) -> nn.Module:
 HEAD_SCHEME = QuantScheme(8, 32, False)
 
 
+def projection_scheme(name: str, scheme: QuantScheme) -> QuantScheme:
+    """The scheme of the projection `name` (model.projections()' attribute) under a mode's scheme."""
+    return HEAD_SCHEME if name == "lm_head" and scheme.bits == 4 else scheme
+
+
 def parse_mode(mode: str):
     """A mode string -> QuantScheme, "int8" for the per-channel Int8Linear, None for gguf. Raises
     InvalidParameterError naming the accepted forms."""
@@ -139,8 +144,8 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     if scheme is not None:  # (gguf: the loader kept the file's blocks)
         for parent, name, child in model.projections():
             if isinstance(child, nn.Linear):
-                s = HEAD_SCHEME if name == "lm_head" and scheme.bits == 4 else scheme
-                setattr(parent, name, QuantLinear.from_linear(child, s, float_output=name == "lm_head"))
+                setattr(parent, name, QuantLinear.from_linear(child, projection_scheme(name, scheme),
+                                                              float_output=name == "lm_head"))
     packed = [m for _, _, m in model.projections() if isinstance(m, QuantLinear)]
     packed += [m for m in model.modules() if isinstance(m, QuantEmbedding)]
     moved = move_to_huge_pages(packed)

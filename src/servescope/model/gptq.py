@@ -1,0 +1,102 @@
+"""GPTQ (Frantar et al., 2022): weight quantisation that minimises each layer's output error on
+calibration activations, not each weight's own error.
+
+For a linear y = x W^T over calibration inputs X, rounding W to the grid costs ||X (W - Q)^T||^2 =
+sum over rows of (w - q) H (w - q)^T, H = X^T X. GPTQ quantises the columns of W one at a time and
+spreads each column's rounding error over the columns not yet quantised, in proportion to H^-1 (the
+optimal update for a quadratic error), so later columns absorb what earlier ones lost. The scales of
+a group are fixed when its first column is reached, from the weights as updated so far, by the same
+least-squares search as plain quantisation (kernels/quant_search.py); the integers stored are then
+the grid points nearest each updated weight, so the result is the same packed form, bytes and kernels
+as `kernels/quant_linear.quantize`, with different rounding.
+
+`gptq_quantize(w, hessian, scheme)` -> (packed, float16 scales), as `quantize`. Damping: H + damp *
+mean(diag H) * I (GPTQ's 1%), raised tenfold while the Cholesky factorisation fails. Inputs whose
+column never saw a nonzero activation (diag H = 0) quantise those weights to zero's grid point: they
+never reach the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from servescope.kernels import quant_search
+from servescope.kernels.quant_linear import QuantScheme, _pack_nibbles
+
+BLOCK = 128  # columns per lazy-update block (a multiple of every group size)
+DAMP = 0.01
+
+
+def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, damp: float = DAMP) -> tuple:
+    """w [N, K] float, hessian [K, K] (X^T X of the calibration inputs, any positive scale) ->
+    (packed weight, float16 scales) in kernels/quant_linear.py's form for `scheme`."""
+    n, k = w.shape
+    if tuple(hessian.shape) != (k, k):
+        raise ValueError(f"hessian must be [{k}, {k}] for a weight of {k} inputs, got {list(hessian.shape)}")
+    w = w.detach().float().clone()
+    hinv = _inverse_factor(hessian.double(), w, damp)
+    kp, g = scheme.padded_k(k), scheme.group or scheme.padded_k(k)
+    zero, lo, hi = _stored_range(scheme)
+    stored = torch.empty(n, kp, dtype=torch.int16)
+    stored[:, k:] = zero  # the padding: the grid's zero (its weight is never multiplied by anything)
+    scales = torch.empty(n, kp // g, *((2,) if scheme.asym else ()), dtype=torch.float16)
+    d = m = None
+    for b0 in range(0, k, BLOCK if scheme.group else k):
+        b1 = min(k, b0 + (BLOCK if scheme.group else k))
+        wb, err = w[:, b0:b1].clone(), torch.empty(n, b1 - b0)
+        hb = hinv[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            col = b0 + i
+            if col % g == 0:  # this group's scales, from its weights as updated so far
+                d, m = _group_scales(wb[:, i:i + g] if scheme.group else w, scheme, scales, col // g)
+            x = wb[:, i]
+            q = torch.mul(x if m is None else x - m, torch.where(d != 0, 1.0 / d, 0.0)).round_().add_(zero)
+            q.clamp_(lo, hi)
+            stored[:, col] = q.to(torch.int16)
+            deq = (q - zero) * d + (0 if m is None else m)
+            e = (x - deq) / hb[i, i]
+            wb[:, i:].addr_(e, hb[i, i:], alpha=-1)
+            err[:, i] = e
+        w[:, b1:] -= err @ hinv[b0:b1, b1:]
+    if scheme.bits == 4:
+        return _pack_nibbles(stored.to(torch.uint8)).contiguous(), scales
+    return stored.to(torch.int8).contiguous(), scales
+
+
+def _inverse_factor(h: torch.Tensor, w: torch.Tensor, damp: float) -> torch.Tensor:
+    """The upper Cholesky factor of (H + damping)^-1, float32 [K, K]; dead inputs zeroed in w."""
+    h = h.clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    mean_diag = torch.diag(h).mean()
+    for _ in range(4):
+        chol, info = torch.linalg.cholesky_ex(h + damp * mean_diag * eye)
+        if int(info) == 0:
+            inv = torch.cholesky_inverse(chol)
+            return torch.linalg.cholesky(inv, upper=True).float()
+        damp *= 10
+    raise ValueError("the calibration Hessian is not positive definite even with 10x damping; "
+                     "use more calibration tokens")
+
+
+def _stored_range(scheme: QuantScheme) -> tuple:
+    """(the stored integer of grid zero, smallest, largest stored integer) as quant_search stores them."""
+    if scheme.bits == 4:
+        return (8, 0, 15) if not scheme.asym else (0, 0, 15)
+    return (0, -127, 127) if not scheme.asym else (0, -128, 127)
+
+
+def _group_scales(cols: torch.Tensor, scheme: QuantScheme, scales: torch.Tensor, gi: int) -> tuple:
+    """The searched float16 scale (and offset) of one group [N, <=g] of columns, stored at group gi;
+    returned as float32 (d [N], m [N] or None)."""
+    g = scheme.group or cols.shape[1]
+    real = cols.shape[1]
+    width = g if scheme.group else scheme.padded_k(real)
+    x = F.pad(cols, (0, width - real)).view(cols.shape[0], 1, width)
+    _, sc = quant_search.quantize_group_rows(x, real, scheme)
+    scales[:, gi] = sc[:, 0]
+    sc = sc[:, 0].float()
+    return (sc[:, 0], sc[:, 1]) if scheme.asym else (sc, None)
