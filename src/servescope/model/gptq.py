@@ -41,24 +41,32 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, d
     stored = torch.empty(n, kp, dtype=torch.int16)
     stored[:, k:] = zero  # the padding: the grid's zero (its weight is never multiplied by anything)
     scales = torch.empty(n, kp // g, *((2,) if scheme.asym else ()), dtype=torch.float16)
-    d = m = None
-    for b0 in range(0, k, BLOCK if scheme.group else k):
-        b1 = min(k, b0 + (BLOCK if scheme.group else k))
-        wb, err = w[:, b0:b1].clone(), torch.empty(n, b1 - b0)
+    wt = w.T.contiguous()  # [K, N]: a column of W is a contiguous row here (the loop reads and updates them)
+    st = torch.empty(k, n)  # the stored integers, by column
+    inv_d = d = m = None
+    step = BLOCK if scheme.group else k
+    for b0 in range(0, k, step):
+        b1 = min(k, b0 + step)
+        wb, err = wt[b0:b1], torch.empty(b1 - b0, n)
         hb = hinv[b0:b1, b0:b1]
+        pivots = torch.diag(hb).tolist()
         for i in range(b1 - b0):
             col = b0 + i
             if col % g == 0:  # this group's scales, from its weights as updated so far
-                d, m = _group_scales(wb[:, i:i + g] if scheme.group else w, scheme, scales, col // g)
-            x = wb[:, i]
-            q = torch.mul(x if m is None else x - m, torch.where(d != 0, 1.0 / d, 0.0)).round_().add_(zero)
-            q.clamp_(lo, hi)
-            stored[:, col] = q.to(torch.int16)
-            deq = (q - zero) * d + (0 if m is None else m)
-            e = (x - deq) / hb[i, i]
-            wb[:, i:].addr_(e, hb[i, i:], alpha=-1)
-            err[:, i] = e
-        w[:, b1:] -= err @ hinv[b0:b1, b1:]
+                d, m = _group_scales(wb[i:i + g].T if scheme.group else wt.T, scheme, scales, col // g)
+                inv_d = torch.where(d != 0, 1.0 / d, 0.0)
+            x = wb[i]
+            q = torch.mul(x if m is None else x - m, inv_d).round_().add_(zero).clamp_(lo, hi)
+            st[col] = q
+            e = err[i]
+            torch.sub(q, zero, out=e).mul_(d)
+            if m is not None:
+                e.add_(m)
+            e.sub_(x).mul_(-1.0 / pivots[i])  # (x - dequantised) / pivot
+            if i + 1 < b1 - b0:
+                wb[i + 1:].addr_(hb[i, i + 1:], e, alpha=-1)
+        wt[b1:] -= hinv[b0:b1, b1:].T @ err
+    stored[:, :k] = st.T.to(torch.int16)
     if scheme.bits == 4:
         return _pack_nibbles(stored.to(torch.uint8)).contiguous(), scales
     return stored.to(torch.int8).contiguous(), scales
@@ -95,7 +103,7 @@ def _group_scales(cols: torch.Tensor, scheme: QuantScheme, scales: torch.Tensor,
     g = scheme.group or cols.shape[1]
     real = cols.shape[1]
     width = g if scheme.group else scheme.padded_k(real)
-    x = F.pad(cols, (0, width - real)).view(cols.shape[0], 1, width)
+    x = F.pad(cols.contiguous(), (0, width - real)).view(cols.shape[0], 1, width)  # (row-major: the same sums)
     _, sc = quant_search.quantize_group_rows(x, real, scheme)
     scales[:, gi] = sc[:, 0]
     sc = sc[:, 0].float()
