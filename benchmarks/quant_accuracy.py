@@ -3,6 +3,7 @@ cache dtype against the float32 model (float32 KV) on the texts shipped with the
 
     python benchmarks/quant_accuracy.py [--threads 2] [--modes float32 int8 int4 ...] [--kv auto int8 fp8_e4m3]
         [--model PATH]  (default: the embedded model; benchmarks/dithered_reference.py writes another)
+        [--saved DIR ...]  (checkpoints `servescope quantize` wrote from that model: a row each)
 """
 
 import argparse
@@ -25,8 +26,10 @@ if __name__ == "__main__":
     ap.add_argument("--modes", nargs="+", default=MODES)
     ap.add_argument("--kv", nargs="+", default=KV_DTYPES, help="KV cache dtypes (the second axis)")
     ap.add_argument("--model", default=None, help="a model path (default: the embedded SmolLM2)")
+    ap.add_argument("--saved", nargs="*", default=[], help="saved quantised checkpoints of --model")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with open(TEXTS) as f:
         texts = [p.strip() for p in f.read().split("\n\n") if p.strip()]
-    print(render_markdown(accuracy_table(texts, args.modes, tuple(args.kv), model=args.model)))
+    print(render_markdown(accuracy_table(texts, args.modes, tuple(args.kv), model=args.model,
+                                        saved=tuple(args.saved))))

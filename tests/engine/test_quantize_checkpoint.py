@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from servescope import LLM, SamplingParams
+from servescope.bench.accuracy import accuracy_table
 from servescope.cli import main
 from servescope.engine.calibrate import quantize_checkpoint, sequence_logits
 from servescope.errors import EngineConfigError, InvalidParameterError, ModelLoadError
@@ -102,5 +103,9 @@ def test_cli_quantize_then_generate(tmp_path_factory, capsys):
     assert (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
     assert main(["generate", "--model", str(out), "--max-tokens", "4", "--threads", "1", "Hello"]) == 0
     assert "int4-g32-asym linear weights" in " ".join(capsys.readouterr().out.split())  # (rich wraps lines)
+    rows = accuracy_table(["A short text to score, twice. A short text to score, twice."], ["int4-g32-asym"],
+                          model=model, saved=(str(out),), num_kv_blocks=16, max_model_len=128)
+    assert [r["mode"] for r in rows] == ["int4-g32-asym", "int4-g32-asym (gptq, saved)"]
+    assert all(r["kl"] >= 0 and r["weight_mib"] == rows[0]["weight_mib"] for r in rows)
     assert main(["quantize", "--model", model, "--quantization", "int4", "--out", str(out)]) == 2  # not empty
     assert "not an empty directory" in capsys.readouterr().err

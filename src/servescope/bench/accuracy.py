@@ -11,7 +11,9 @@ reads the keys back from the cache, the prompt's own included (model/attention/k
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import torch
 
 from servescope.engine.calibrate import sequence_logits
@@ -29,17 +31,22 @@ def compare(ref_logits: torch.Tensor, q_logits: torch.Tensor, ids: list) -> dict
             "nll_ref": -lp_ref.gather(1, target).sum().item(), "nll_q": -lp_q.gather(1, target).sum().item()}
 
 
-def accuracy_table(texts: list, modes: list, kv_dtypes: tuple = ("auto",), model=None, **engine_kwargs) -> list:
+def accuracy_table(texts: list, modes: list, kv_dtypes: tuple = ("auto",), model=None, saved: tuple = (),
+                   **engine_kwargs) -> list:
     """One row per weight mode ("float32": none) and KV cache dtype, modes first: {mode, kv, weight_mib,
     kv_bytes_per_token, kl, kl_max, top1, ppl_ref, ppl} over all texts; the reference is the float32
-    model of the same source with a float32 cache. The float32 x auto pair (the reference itself) is skipped."""
-    kwargs = dict(num_kv_blocks=128, max_model_len=2048, **engine_kwargs)
+    model of the same source with a float32 cache. The float32 x auto pair (the reference itself) is skipped.
+    saved: directories `servescope quantize` wrote from `model`, one row each per KV dtype after the modes."""
+    kwargs = {"num_kv_blocks": 128, "max_model_len": 2048, **engine_kwargs}
     ref = LLM(model=model, **kwargs)
     seqs = [ref.tokenizer.encode(t) for t in texts]
     ref_logits = [sequence_logits(ref.engine, ids) for ids in seqs]
     rows = []
-    for mode, kv in ((m, k) for m in modes for k in kv_dtypes if (m, k) != ("float32", "auto")):
-        q = LLM(model=model, quantization=None if mode == "float32" else mode, kv_cache_dtype=kv, **kwargs)
+    runs = [(m, k, model, None if m == "float32" else m) for m in modes for k in kv_dtypes
+            if (m, k) != ("float32", "auto")]
+    runs += [(_saved_label(path), k, path, None) for path in saved for k in kv_dtypes]
+    for mode, kv, source, quantization in runs:
+        q = LLM(model=source, quantization=quantization, kv_cache_dtype=kv, **kwargs)
         parts = [compare(r, sequence_logits(q.engine, ids), ids) for r, ids in zip(ref_logits, seqs)]
         n = sum(p["tokens"] for p in parts)
         rows.append({"mode": mode, "kv": kv, "weight_mib": q.engine.weight_bytes / 2**20, "tokens": n,
@@ -50,6 +57,13 @@ def accuracy_table(texts: list, modes: list, kv_dtypes: tuple = ("auto",), model
                      "ppl": math.exp(sum(p["nll_q"] for p in parts) / n)})
         del q
     return rows
+
+
+def _saved_label(path: str) -> str:
+    """A saved checkpoint's row name: its mode and method, e.g. "int4-g32-asym (gptq)"."""
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        qc = json.load(f).get("quantization_config") or {}
+    return f"{qc.get('mode', '?')} ({qc.get('method', '?')}, saved)"
 
 
 def render_markdown(rows: list, ref_mib: float | None = None) -> str:
