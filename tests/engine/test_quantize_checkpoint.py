@@ -80,6 +80,8 @@ def test_bad_input_writes_nothing(tiny, tmp_path):
 
 def test_a_saved_checkpoint_keeps_its_mode_and_its_shapes_are_checked(tiny, tmp_path):
     out = quantize_checkpoint(tiny, "int4", str(tmp_path / "q"), method="rtn", skip_tokenizer_init=True).out
+    with pytest.raises(InvalidParameterError, match="already quantised"):
+        quantize_checkpoint(out, "int4", str(tmp_path / "again"), method="rtn", skip_tokenizer_init=True)
     with pytest.raises(EngineConfigError, match="saved quantised as int4"):
         LLM(model=out, quantization="int8-g32", **KW)
     with pytest.raises(EngineConfigError, match="tensor/pipeline parallelism"):

@@ -27,7 +27,7 @@ from servescope.engine.llm import LLM
 from servescope.engine.model_runner import ModelRunner
 from servescope.errors import InvalidParameterError
 from servescope.kernels.quant_linear import QuantScheme, dequantize, quantize
-from servescope.loader.quantized import check_out, save_quantized
+from servescope.loader.quantized import check_out, save_quantized, saved_mode
 from servescope.model.gptq import DAMP, gptq_quantize
 from servescope.model.quantize import parse_mode, projection_scheme
 
@@ -141,6 +141,9 @@ def quantize_checkpoint(model, mode: str, out: str, method: str = "gptq", calibr
         raise InvalidParameterError("method", f"unknown method {method!r}: use {' or '.join(METHODS)}")
     if samples < 1 or tokens < 2:
         raise InvalidParameterError("calibration", "need at least 1 calibration sample of at least 2 tokens")
+    if isinstance(model, str) and saved_mode(model) is not None:
+        raise InvalidParameterError("model", f"{model} is already quantised ({saved_mode(model)}); quantise the "
+                                    "float model it came from")
     check_out(out)  # (before the minutes of work, and again when writing)
     report = QuantizeReport(out, mode, method, 0)
     t0 = time.perf_counter()

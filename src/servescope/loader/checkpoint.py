@@ -30,7 +30,6 @@ class LoadedSource:
     # GGUF blocks run as they are (loader/gguf_packed.py): {hf name: (packed, float16 scales, K)}; their
     # state_dict entries are placeholders
     packed: dict = field(default_factory=dict, repr=False)
-    quantization: Optional[str] = None  # the mode a `servescope quantize` checkpoint was saved with
 
     def num_bytes(self) -> int:
         dense = sum(t.numel() * t.element_size() for k, t in self.state_dict.items() if k not in self.packed)

@@ -62,7 +62,6 @@ def load_hf_dir(path: str) -> LoadedSource:
         chat_template=chat_template,
         generation_config=generation_config,
         packed=packed,
-        quantization=mode,
     )
 
 
