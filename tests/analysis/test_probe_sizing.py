@@ -71,14 +71,19 @@ def test_cache_key_names_the_kernel_path_and_flags(monkeypatch):
 
 def test_auto_dtype_is_bfloat16_only_with_bf16_instructions(monkeypatch):
     torch = pytest.importorskip("torch")
+    from servescope.analysis import cpu_isa
     from servescope.config import EngineConfig
     from servescope.engine import builder
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(builder, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert builder.resolve_dtypes(EngineConfig(dtype="auto"), cpu)[0] == torch.float32
-    monkeypatch.setattr(builder, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
     assert builder.resolve_dtypes(EngineConfig(dtype="auto"), cpu)[0] == torch.bfloat16
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # oneDNN capped below its bf16 kernels
+    assert builder.resolve_dtypes(EngineConfig(dtype="auto"), cpu)[0] == torch.float32
 
 
 def test_a_probe_on_a_busy_machine_is_used_but_not_cached(fake_matmul, tmp_path, monkeypatch, caplog):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from servescope import LLM
-from servescope.bench.accuracy import compare, sequence_logits
+from servescope.bench.accuracy import accuracy_table, compare, sequence_logits
+from servescope.loader.source import resolve_model_path
 
 TEXTS = os.path.join(os.path.dirname(__file__), "..", "data", "quant_texts.txt")
 
@@ -58,3 +59,14 @@ def test_kl_with_the_decode_gemv_numerics(smollm2_llm, monkeypatch):
     r = compare(ref, got, ids)
     assert r["kl"] / r["tokens"] <= 0.01
     assert r["top1"] / r["tokens"] >= 0.9
+
+
+def test_a_gguf_file_is_a_row_run_from_its_blocks():
+    """`saved` takes a .gguf (llama-quantize's output of the same weights, say): labelled by its main type and
+    run packed. The embedded file against its own float32 load differs only by the packed kernels' int8
+    rounding of the activations: a small KL, not zero."""
+    path = resolve_model_path(None)
+    rows = accuracy_table(["The sea is calm tonight, and the boats are in."], [], model=None, saved=(path,),
+                          num_kv_blocks=16, max_model_len=128)
+    assert [r["mode"] for r in rows] == [f"gguf q4_1 ({os.path.basename(path)})"]
+    assert 0 < rows[0]["kl"] < 0.01 and rows[0]["weight_mib"] < 120

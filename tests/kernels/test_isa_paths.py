@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from servescope.analysis.cpu_isa import (cpu_flags, has_fast_bf16, isa_signature, machine_arch, select_isa,
-                                         supported_isas)
+from servescope.analysis.cpu_isa import (cpu_flags, has_fast_bf16, isa_signature, library_caps, machine_arch,
+                                         onednn_allows_bf16, select_isa, supported_isas)
 from servescope.errors import InvalidParameterError
 from servescope.kernels.cpu_extension import CpuExtension, isa_cflags
 
@@ -86,6 +86,20 @@ def test_cflags_and_signature_follow_the_flags():
     # Zen 3 and Zen 4 share a CPU name; their cache keys must differ
     assert isa_signature(ZEN3, "avx2") != isa_signature(AVX512 | {"avx512_bf16"}, "avx512")
     assert not has_fast_bf16(ZEN3) and has_fast_bf16({"avx512_bf16"}) and has_fast_bf16({"bf16", "asimd"})
+
+
+def test_a_onednn_cap_below_bf16_makes_bfloat16_slow():
+    """torch multiplies bfloat16 through oneDNN: capped below AVX512_CORE_BF16 it emulates them (2.5 GFLOP/s
+    against 174 uncapped, measured on a Zen 4 with ONEDNN_MAX_CPU_ISA=AVX2), so auto must not pick it."""
+    assert onednn_allows_bf16({}) and onednn_allows_bf16({"ONEDNN_MAX_CPU_ISA": "ALL"})
+    assert onednn_allows_bf16({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"})
+    assert onednn_allows_bf16({"DNNL_MAX_CPU_ISA": "avx512_core_bf16"})
+    assert not onednn_allows_bf16({"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert not onednn_allows_bf16({"DNNL_MAX_CPU_ISA": "AVX512_CORE_VNNI"})
+    assert onednn_allows_bf16({"ONEDNN_MAX_CPU_ISA": "no-such-level"})  # oneDNN ignores it too
+    assert library_caps({}) == "" and library_caps({"ATEN_CPU_CAPABILITY": " "}) == ""
+    assert library_caps({"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}) == \
+        "ATEN_CPU_CAPABILITY=avx2,MKL_ENABLE_INSTRUCTIONS=avx2"
 
 
 def _run(cmd: list) -> str:

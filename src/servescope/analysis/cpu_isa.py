@@ -86,6 +86,41 @@ def has_fast_bf16(flags: Iterable[str]) -> bool:
     return bool(frozenset(flags) & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
+# oneDNN's ISA levels (ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA), lowest first: torch multiplies bfloat16
+# through oneDNN on the CPU, which uses bf16 dot products only from AVX512_CORE_BF16 on (AVX2_VNNI_2 only
+# converts). A cap below that makes bfloat16 matmuls as slow as on a CPU without them, whatever the flags.
+_ONEDNN_LEVELS = ("sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core", "avx512_core_vnni",
+                  "avx512_core_bf16", "avx10_1_512", "avx512_core_fp16", "avx10_1_512_amx", "avx512_core_amx",
+                  "avx10_1_512_amx_fp16", "avx512_core_amx_fp16", "avx10_2_512", "avx10_2_512_amx_2", "all",
+                  "default")
+
+
+def onednn_allows_bf16(env: Optional[dict] = None) -> bool:
+    """False where ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA) caps oneDNN below AVX512_CORE_BF16; an unset
+    or unknown value caps nothing."""
+    env = os.environ if env is None else env
+    cap = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "").strip().lower()
+    if cap not in _ONEDNN_LEVELS:
+        return True
+    return _ONEDNN_LEVELS.index(cap) >= _ONEDNN_LEVELS.index("avx512_core_bf16")
+
+
+# the environment variables that cap the instruction sets torch's own kernels use: they change what a
+# probe measures (a probe cache entry names them), not what the CPU has
+LIBRARY_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def library_caps(env: Optional[dict] = None) -> str:
+    """The caps set in `env` (default os.environ) as "NAME=value,...", or "" where none is."""
+    env = os.environ if env is None else env
+    return ",".join(f"{n}={env[n].strip().lower()}" for n in LIBRARY_CAPS if env.get(n, "").strip())
+
+
+def local_fast_bf16() -> bool:
+    """Whether bfloat16 matmuls are fast here: the CPU has bf16 dot products and oneDNN may use them."""
+    return has_fast_bf16(cpu_flags()) and onednn_allows_bf16()
+
+
 def isa_signature(flags: Iterable[str], isa: str) -> str:
     """A short string for cache keys: the kernel path and the speed-relevant flags the CPU has."""
     present = [f for f in SPEED_FLAGS if f in frozenset(flags)]

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from servescope.analysis.cpu_isa import cpu_flags, isa_signature, local_isa
+from servescope.analysis.cpu_isa import cpu_flags, isa_signature, library_caps, local_isa
 from servescope.analysis.spec import LOCAL_CPU, HardwareSpec
 from servescope.timing import median_seconds
 
@@ -174,6 +174,8 @@ def _cache_key(threads: int, measured: Optional[tuple] = None) -> str:
     """The cache entry's key. measured: the names of the engine measurers the entry holds, None for
     all of them (the full probe); any other set, the empty one included, is named in the key."""
     key = f"{cpu_model()}|{isa_signature(cpu_flags(), local_isa())}|threads={threads}|v{CACHE_VERSION}"
+    if library_caps():  # torch's kernels capped below the CPU (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, ...)
+        key += f"|caps={library_caps()}"
     if measured is None or tuple(measured) == ENGINE_MEASUREMENTS:
         return key
     return f"{key}|engine={'+'.join(measured) or 'none'}"

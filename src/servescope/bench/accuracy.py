@@ -14,10 +14,13 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import Counter
+
 import torch
 
 from servescope.engine.calibrate import sequence_logits
 from servescope.engine.llm import LLM
+from servescope.loader.gguf_file import read_gguf
 
 
 def compare(ref_logits: torch.Tensor, q_logits: torch.Tensor, ids: list) -> dict:
@@ -36,7 +39,8 @@ def accuracy_table(texts: list, modes: list, kv_dtypes: tuple = ("auto",), model
     """One row per weight mode ("float32": none) and KV cache dtype, modes first: {mode, kv, weight_mib,
     kv_bytes_per_token, kl, kl_max, top1, ppl_ref, ppl} over all texts; the reference is the float32
     model of the same source with a float32 cache. The float32 x auto pair (the reference itself) is skipped.
-    saved: directories `servescope quantize` wrote from `model`, one row each per KV dtype after the modes."""
+    saved: quantised forms of `model`, one row each per KV dtype after the modes: directories `servescope
+    quantize` wrote, or .gguf files (llama.cpp's `llama-quantize` of the same weights), run from their blocks."""
     kwargs = {"num_kv_blocks": 128, "max_model_len": 2048, **engine_kwargs}
     ref = LLM(model=model, **kwargs)
     seqs = [ref.tokenizer.encode(t) for t in texts]
@@ -44,7 +48,7 @@ def accuracy_table(texts: list, modes: list, kv_dtypes: tuple = ("auto",), model
     rows = []
     runs = [(m, k, model, None if m == "float32" else m) for m in modes for k in kv_dtypes
             if (m, k) != ("float32", "auto")]
-    runs += [(_saved_label(path), k, path, None) for path in saved for k in kv_dtypes]
+    runs += [(_saved_label(path), k, path, "gguf" if _is_gguf(path) else None) for path in saved for k in kv_dtypes]
     for mode, kv, source, quantization in runs:
         q = LLM(model=source, quantization=quantization, kv_cache_dtype=kv, **kwargs)
         parts = [compare(r, sequence_logits(q.engine, ids), ids) for r, ids in zip(ref_logits, seqs)]
@@ -59,11 +63,27 @@ def accuracy_table(texts: list, modes: list, kv_dtypes: tuple = ("auto",), model
     return rows
 
 
+def _is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.lower().endswith(".gguf")
+
+
 def _saved_label(path: str) -> str:
-    """A saved checkpoint's row name: its mode and method, e.g. "int4-g32-asym (gptq)"."""
+    """A saved checkpoint's row name: its mode and method, e.g. "int4-g32-asym (gptq, saved)"; a GGUF
+    file's: its most common projection type and file name, e.g. "gguf q4_0 (sd-q4_0-imatrix.gguf)"."""
+    if _is_gguf(path):
+        return f"gguf {_main_gguf_type(path)} ({os.path.basename(path)})"
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         qc = json.load(f).get("quantization_config") or {}
     return f"{qc.get('mode', '?')} ({qc.get('method', '?')}, saved)"
+
+
+def _main_gguf_type(path: str) -> str:
+    """The GGML type most of a file's 2-D weights (by elements) are stored in, lower case ("q4_0")."""
+    elements = Counter()
+    for t in read_gguf(path).tensors:
+        if len(t.shape) == 2 and t.name != "token_embd.weight":
+            elements[t.tensor_type.name.lower()] += int(t.shape[0]) * int(t.shape[1])
+    return elements.most_common(1)[0][0] if elements else "?"
 
 
 def render_markdown(rows: list, ref_mib: float | None = None) -> str:

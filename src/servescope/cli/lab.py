@@ -17,6 +17,7 @@ import math
 import sys
 from pathlib import Path
 
+from servescope.analysis.cpu_isa import library_caps
 from servescope.analysis.collectives import DEFAULT_LINK, LOCAL_GLOO, get_link
 from servescope.analysis.explain import explain, render_explain_table
 from servescope.analysis.speculative import explain_speculative
@@ -139,7 +140,8 @@ def run_hardware(args) -> int:
         con.print(f"CPU kernel path: {spec.kernel_path or 'unknown (an older probe)'}"
                   + (f"; no fast matmul for {', '.join(spec.slow_dtypes)} here" if spec.slow_dtypes else "")
                   + (f"; packed integer GEMM (group-32 weights, float32 activations) "
-                     f"{spec.packed_gemm_flops / 1e9:,.0f} GFLOP/s" if spec.packed_gemm_flops else ""))
+                     f"{spec.packed_gemm_flops / 1e9:,.0f} GFLOP/s" if spec.packed_gemm_flops else "")
+                  + (f"; torch's kernels capped by {library_caps()}" if library_caps() else ""))
         con.print(spec.notes)
         return 0
     # the local CPU is listed when it was probed already: listing reads the probe's cache, never probes

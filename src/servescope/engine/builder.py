@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from servescope.analysis.cpu_isa import cpu_flags, has_fast_bf16
+from servescope.analysis.cpu_isa import local_fast_bf16
 from servescope.analysis.presets import load_preset
 from servescope.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from servescope.engine.executor import ModelExecutor
@@ -107,11 +107,11 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 def resolve_dtypes(config: EngineConfig, device: torch.device) -> tuple:
     """(weight and activation dtype, KV cache dtype); "auto" is bfloat16 on a GPU and on a CPU with
-    bfloat16 dot products (AVX512-BF16, AMX, ARM BF16), else float32: without them bfloat16 matmuls
-    are emulated, hundreds of times slower (analysis/cpu_isa.has_fast_bf16)."""
+    bfloat16 dot products (AVX512-BF16, AMX, ARM BF16) that oneDNN may use, else float32: without them
+    bfloat16 matmuls are emulated, hundreds of times slower (analysis/cpu_isa.local_fast_bf16)."""
     name = config.load.dtype
     if name == "auto":
-        name = "bfloat16" if device.type == "cuda" or has_fast_bf16(cpu_flags()) else "float32"
+        name = "bfloat16" if device.type == "cuda" or local_fast_bf16() else "float32"
     if name == "float16" and device.type == "cpu":
         raise EngineConfigError("float16 is for GPUs; on the CPU use float32 or bfloat16")
     kv = config.cache.kv_cache_dtype

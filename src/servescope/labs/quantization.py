@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 
-from servescope.analysis.cpu_isa import cpu_flags, has_fast_bf16
+from servescope.analysis.cpu_isa import local_fast_bf16
 from servescope.config import EngineConfig
 from servescope.engine.llm_engine import LLMEngine
 from servescope.labs.common import (
@@ -38,7 +38,7 @@ def sizes(quick: bool) -> dict:
 def weight_modes(opts: LabOptions) -> list:
     """The weight forms this machine and model run: bfloat16 only with fast bfloat16 matmuls, gguf only
     for a GGUF file (the embedded model is one)."""
-    modes = ["float32"] + (["bfloat16"] if has_fast_bf16(cpu_flags()) else []) + ["int8", "int4"]
+    modes = ["float32"] + (["bfloat16"] if local_fast_bf16() else []) + ["int8", "int4"]
     if opts.model is None or str(opts.model).endswith(".gguf"):
         modes.append("gguf")
     return modes
