@@ -105,6 +105,26 @@ def test_search_beats_the_plain_rule(scheme, dist):
         assert err < bound * err_plain, (k, (err / err_plain).item())
 
 
+@pytest.mark.parametrize("scheme", [ql.QuantScheme(4, 32), ql.QuantScheme(4, 32, True), ql.QuantScheme(8, 32),
+                                    ql.QuantScheme(4, 128, True)], ids=str)
+def test_importance_weighted_search_lowers_the_weighted_error(scheme):
+    """With each input's mean squared activation (llama.cpp's imatrix, skewed like a transformer's: a few
+    channels 10-100x the rest), the search lowers the error that reaches the output, sum over rows of
+    importance * (w - q)^2, against the unweighted search, on K = 576 and K = 200 (padded); the packed
+    form is the same."""
+    gen = torch.Generator().manual_seed(11)
+    for k in (576, 200):
+        w = torch.randn(64, k, generator=gen)
+        imp = torch.rand(k, generator=gen) ** 4
+        imp[torch.randperm(k, generator=gen)[:6]] *= 100
+        q, s = ql.quantize(w, scheme, importance=imp)
+        q0, s0 = ql.quantize(w, scheme)
+        assert q.shape == q0.shape and q.dtype == q0.dtype and s.shape == s0.shape and s.dtype == torch.float16
+        err = ((ql.dequantize(q, s, k, torch.float64) - w.double()).square() * imp.double()).sum()
+        err0 = ((ql.dequantize(q0, s0, k, torch.float64) - w.double()).square() * imp.double()).sum()
+        assert err < 0.75 * err0, (k, (err / err0).item())  # measured 0.30-0.58
+
+
 @pytest.mark.parametrize("scheme", SCHEMES, ids=str)
 def test_search_edge_groups(scheme):
     """Zero, constant and all-negative groups, and K not a multiple of the group (zero padding): finite

@@ -1,5 +1,6 @@
-"""`servescope quantize`: quantise a float model once, with plain rounding or GPTQ on calibration
-activations, and save it packed (loader/quantized.py), so that later runs load it as it is.
+"""`servescope quantize`: quantise a float model once, with plain rounding, importance-weighted rounding
+(llama.cpp's imatrix) or GPTQ on calibration activations, and save it packed (loader/quantized.py), so
+that later runs load it as it is.
 
 The steps, on the float32 engine of the source model:
   1. calibration sequences: the model's own samples (method "self": temperature 1 from a few one-word
@@ -7,8 +8,9 @@ The steps, on the float32 engine of the source model:
      sequences of `tokens` tokens;
   2. each projection's H = X^T X, summed over the calibration tokens: a forward hook on every module
      of model.projections() during one prefill per sequence (`sequence_logits`);
-  3. per projection, gptq_quantize (model/gptq.py) or plain rounding (quantize), in the scheme the
-     mode gives it (the 4-bit modes' head is 8-bit, model/quantize.projection_scheme); and the output
+  3. per projection, in the scheme the mode gives it: gptq_quantize (model/gptq.py; its group scales
+     searched with diag(H) as each input's importance), quantize with importance = diag(H) / tokens (each
+     input's mean squared activation: "imatrix"), or plain quantize (the 4-bit modes' head is 8-bit, model/quantize.projection_scheme); and the output
      error each one leaves, tr((W - Q) H (W - Q)^T) / tr(W H W^T), for both, which the summary reports;
   4. the fused q/k/v and gate/up rows split back into their Hugging Face tensors, and the directory
      written.
@@ -33,7 +35,7 @@ from servescope.model.quantize import parse_mode, projection_scheme
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("gptq", "rtn")
+METHODS = ("gptq", "imatrix", "rtn")
 # one-word starts of the model's own calibration samples (sample i starts with STARTS[i % len])
 STARTS = ("The", "In", "A", "When", "It", "We", "One", "There", "Many", "This", "After", "If", "Our", "How",
           "def", "Dear")
@@ -129,7 +131,7 @@ def output_error(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor) -> float:
 
 
 def quantize_checkpoint(model, mode: str, out: str, method: str = "gptq", calibration: str = "self",
-                        samples: int = 16, tokens: int = 128, seed: int = 0, damp: float = DAMP,
+                        samples: int = 64, tokens: int = 128, seed: int = 0, damp: float = DAMP,
                         skip_tokenizer_init: bool = False) -> QuantizeReport:
     """Quantise `model` (a name, .gguf or HF directory) to `mode` with `method` and save it to `out`
     (skip_tokenizer_init: a model without tokenizer files; it is saved without one)."""
@@ -152,7 +154,8 @@ def quantize_checkpoint(model, mode: str, out: str, method: str = "gptq", calibr
     report.seconds["load"] = time.perf_counter() - t0
     projs = llm.engine.executor.model.projections()
     hess = [None] * len(projs)  # (plain rounding needs no calibration)
-    if method == "gptq":
+    calibrated = method != "rtn"
+    if calibrated:
         t0 = time.perf_counter()
         seqs = calibration_sequences(llm, calibration, samples, tokens, seed)
         report.calibration_tokens = sum(map(len, seqs))
@@ -166,14 +169,17 @@ def quantize_checkpoint(model, mode: str, out: str, method: str = "gptq", calibr
         q, sc = quantize(w, s)
         if h is not None:
             q_rtn, sc_rtn = q, sc
-            q, sc = gptq_quantize(w, h, s, damp)
+            if method == "imatrix":
+                q, sc = quantize(w, s, importance=torch.diag(h) / report.calibration_tokens)
+            else:
+                q, sc = gptq_quantize(w, h, s, damp, weighted_scales=True)
             report.errors.append((name, output_error(w, dequantize(q, sc, w.shape[1]), h),
                                   output_error(w, dequantize(q_rtn, sc_rtn, w.shape[1]), h)))
         quantised.append((q, sc, mod))
     report.seconds["quantize"] = time.perf_counter() - t0
     tensors = checkpoint_tensors(llm, projs, quantised)
-    quant_config = {"mode": mode, "method": method, "calibration": calibration if method == "gptq" else None,
-                    "calibration_tokens": report.calibration_tokens if method == "gptq" else 0,
+    quant_config = {"mode": mode, "method": method, "calibration": calibration if calibrated else None,
+                    "calibration_tokens": report.calibration_tokens if calibrated else 0,
                     "damp": damp if method == "gptq" else None}
     cfg = llm.engine.model_config
     report.out = save_quantized(out, cfg.to_hf_dict(), quant_config, tensors, llm.tokenizer,

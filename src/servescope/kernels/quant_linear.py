@@ -79,8 +79,11 @@ class QuantScheme:
         return (kp * self.bits + groups * 16 * (2 if self.asym else 1)) / k
 
 
-def quantize(w: torch.Tensor, scheme: QuantScheme) -> tuple:
-    """w [N, K] float -> (packed weight, float16 scales) in the form above.
+def quantize(w: torch.Tensor, scheme: QuantScheme, importance=None) -> tuple:
+    """w [N, K] float -> (packed weight, float16 scales) in the form above. importance: None, or each
+    input's mean squared activation on calibration data [K] (servescope quantize --method imatrix): the
+    search then weighs each weight's error by it, as llama.cpp's imatrix quantisation does
+    (kernels/quant_search.importance_weights), over its fuller candidate sets.
 
     Each group's scale (and offset) is searched for, as llama.cpp's quantisers do (ggml-quants.c
     make_qx_quants, make_qkx2_quants): for a few candidate scales around the plain rule (symmetric int4:
@@ -95,12 +98,14 @@ def quantize(w: torch.Tensor, scheme: QuantScheme) -> tuple:
     g = scheme.group or kp
     w = w.detach()
     rows = max(1, SEARCH_ELEMENTS // kp)
+    if importance is not None:
+        importance = F.pad(importance.detach().float().reshape(k), (0, kp - k))
     q = torch.empty(n, kp, dtype=torch.uint8 if scheme.bits == 4 else torch.int8)
     scales = torch.empty(n, kp // g, *((2,) if scheme.asym else ()), dtype=torch.float16)
     for r0 in range(0, n, rows):
         part = w[r0:r0 + rows]
         x = F.pad(part.float(), (0, kp - k)).view(part.shape[0], kp // g, g)
-        qi, scales[r0:r0 + rows] = quant_search.quantize_group_rows(x, k, scheme)
+        qi, scales[r0:r0 + rows] = quant_search.quantize_group_rows(x, k, scheme, importance)
         q[r0:r0 + rows] = qi.view(part.shape[0], kp)
     packed = _pack_nibbles(q) if scheme.bits == 4 else q
     return packed.contiguous(), scales.contiguous()

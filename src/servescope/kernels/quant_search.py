@@ -19,31 +19,51 @@ if TYPE_CHECKING:
 # llama.cpp sets gained little over these (docs/BENCHMARKS.md, "The scale search", issue 15).
 SYM_STEPS = {4: (-0.6, -0.3, 0.0, 0.3, 0.6), 8: (-0.6, -0.3, 0.0, 0.3, 0.6)}
 ASYM_STEPS = {4: (-0.5, 0.0, 0.5), 8: (0.0,)}
+# With calibrated importance (servescope quantize, offline: seconds more are fine) llama.cpp's full sets:
+# make_qx_quants' 0.1 * (-9..9) for Q4_0, make_qkx3_quants' -0.9 + 0.05 * (0..36) for Q4_1 (ggml-quants.c)
+WEIGHTED_SYM_STEPS = {4: tuple(0.1 * i for i in range(-9, 10)), 8: SYM_STEPS[8]}
+WEIGHTED_ASYM_STEPS = {4: tuple(-0.9 + 0.05 * i for i in range(37)), 8: (0.0,)}
 
 
-def quantize_group_rows(x: torch.Tensor, k: int, scheme: QuantScheme) -> tuple:
-    """x [R, G, g] float32 (zero-padded past k) -> (integers as stored [R, G, g], float16 scales)."""
+def importance_weights(x: torch.Tensor, k: int, importance: torch.Tensor, sigma2=None) -> torch.Tensor:
+    """Each weight's share of the layer's output error, llama.cpp's imatrix rule (quantize_row_q4_*_impl):
+    its input's mean squared activation (`importance` [G * g], zero past k) times sqrt(sigma^2 + w^2),
+    sigma^2 the row's mean squared weight (over x's rows [R, G, g], or given: [R]). -> [R, G, g]."""
+    sigma2 = x.square().sum(dim=(1, 2), keepdim=True) / k if sigma2 is None else sigma2.view(-1, 1, 1)
+    return importance.view(1, x.shape[1], x.shape[2]) * torch.sqrt(sigma2 + x.square())
+
+
+def quantize_group_rows(x: torch.Tensor, k: int, scheme: QuantScheme, importance=None, sigma2=None) -> tuple:
+    """x [R, G, g] float32 (zero-padded past k) -> (integers as stored [R, G, g], float16 scales).
+    importance: None (every weight's error counts alike), or each input's mean squared activation on
+    calibration data, float32 [G * g] zero-padded past k (the error weighted by importance_weights, and
+    the thorough candidate sets); sigma2: each row's mean squared weight [R] where x holds part of a row."""
     padded = x.shape[1] * x.shape[2] > k
-    if padded and scheme.asym:  # the padding counts in no error (symmetric: a zero is exact anyway)
+    if importance is not None:
+        wt = importance_weights(x, k, importance, sigma2)
+        sym_steps, asym_steps = WEIGHTED_SYM_STEPS[scheme.bits], WEIGHTED_ASYM_STEPS[scheme.bits]
+    elif padded and scheme.asym:  # the padding counts in no error (symmetric: a zero is exact anyway)
         wt = torch.ones(x.shape[1] * x.shape[2])
         wt[k:] = 0
         wt = wt.view(1, x.shape[1], x.shape[2]).expand_as(x).contiguous()
     else:
         wt = None
+    if importance is None:
+        sym_steps, asym_steps = SYM_STEPS[scheme.bits], ASYM_STEPS[scheme.bits]
     lo, hi = x.amin(dim=2), x.amax(dim=2)
     if not scheme.asym:
         if scheme.bits == 4:  # GGUF Q4_0's rule: the value of largest magnitude maps to -8
             ref, qmin, qmax = torch.where(hi >= -lo, hi, lo) / -8.0, -8, 7
         else:
             ref, qmin, qmax = torch.maximum(hi, -lo) / 127.0, -127, 127
-        d16 = _sym_search(x, ref, qmin, qmax, SYM_STEPS[scheme.bits]).half()
+        d16 = _sym_search(x, wt, ref, qmin, qmax, sym_steps).half()
         q, _ = _nearest(x, None, d16, None, qmin, qmax)
         return (q.add_(8) if scheme.bits == 4 else q), d16
     levels = (1 << scheme.bits) - 1
     if padded:  # the range of the last group's weights, the padding left out (it is clipped as it may)
         real = k - (x.shape[1] - 1) * x.shape[2]
         lo[:, -1], hi[:, -1] = x[:, -1, :real].amin(dim=1), x[:, -1, :real].amax(dim=1)
-    d, m = _asym_search(x, wt, lo, hi, levels, ASYM_STEPS[scheme.bits])
+    d, m = _asym_search(x, wt, lo, hi, levels, asym_steps)
     qmin, qmax, shift = (0, levels, 0) if scheme.bits == 4 else (-128, 127, 128)  # int8: stored q - 128
     old_d16, new_d16 = ((hi - lo) / levels).half(), d.half()
     # the offset stored absorbs the 128 steps of int8 (computed from the float16 scale, rounded once)
@@ -75,20 +95,21 @@ def _nearest(x, wt, d16, m16, qmin, qmax) -> tuple:
     return q, _group_sum(r if wt is None else r.mul_(wt))
 
 
-def _sym_search(x, ref, qmin, qmax, steps) -> torch.Tensor:
-    """The scale d [R, G] float32 of least error sum (x - d l)^2 over the candidates' integers l, each
-    with its least-squares d = sum x l / sum l^2 (the error is then sum x^2 - d sum x l),
-    then refitted on the best d's own nearest integers."""
+def _sym_search(x, wt, ref, qmin, qmax, steps) -> torch.Tensor:
+    """The scale d [R, G] float32 of least error sum wt (x - d l)^2 over the candidates' integers l, each
+    with its least-squares d = sum wt x l / sum wt l^2 (the error is then sum wt x^2 - d sum wt x l),
+    then refitted on the best d's own nearest integers. wt None: every weight alike."""
     nmax = -qmin  # the plain rule maps ref * nmax to -nmax (int4: -8) or amax to 127 (int8)
     inv = torch.where(ref != 0, 1.0 / ref, 0.0)[..., None]
     y = x * inv  # x in steps of the plain rule
+    wx = x if wt is None else wt * x
     best, best_d = torch.full_like(ref, -1.0), ref.clone()
     l, t = torch.empty_like(x), torch.empty_like(x)
 
     def fit():
         nonlocal best, best_d
-        sumlx = _group_sum(torch.mul(l, x, out=t))
-        suml2 = _group_sum(l.square_())
+        sumlx = _group_sum(torch.mul(l, wx, out=t))
+        suml2 = _group_sum(l.square_() if wt is None else l.square_().mul_(wt))
         d = sumlx / suml2.clamp_min(1e-30)  # (a zero group: 0)
         score = d * sumlx
         best_d = torch.where(score > best, d, best_d)
