@@ -1,4 +1,4 @@
-"""The decode GEMV against oneDNN's prepacked GEMM by rows (tokens per step), same process.
+"""The decode GEMV against oneDNN's prepacked GEMM (and MKL's F.linear) by rows (tokens per step), same process.
 
 A decode step at batch M multiplies M rows by every weight. The GEMV (csrc/kernels.h) reads each weight
 once for all M rows; oneDNN's blocked GEMM (the path above kernels/cpu_kernels.py MAX_ROWS) has a fixed
@@ -50,6 +50,7 @@ def main() -> int:
     paths = {
         "gemv": lambda x, w, packed: cpu_kernels.gemv(x, w, None, None).to(x.dtype),  # as the DecodePlan does
         "onednn": lambda x, w, packed: cpu_kernels.onednn_linear(x, packed),
+        "mkl": lambda x, w, packed: torch.nn.functional.linear(x, w),  # torch's default BLAS path
     }
     results = {}
     for name in args.dtypes.split(","):
@@ -74,6 +75,8 @@ def main() -> int:
         print("  rows  " + "".join(f"{m:>8}" for m in rows))
         for p in paths:
             print(f"  {p:<6}" + "".join(f"{table[m][p]:8.2f}" for m in rows))
+        flops = {m: 2 * m * sum(n * k for n, k in LAYER_SHAPES) * LAYERS for m in rows}
+        print("  GFLOP/s" + "".join(f"{flops[m] / min(table[m].values()) / 1e6:8.1f}" for m in rows) + "   (the fastest path)")
         print("  ratio " + "".join(f"{table[m]['onednn'] / table[m]['gemv']:8.2f}" for m in rows)
               + "   (oneDNN / GEMV)")
     if args.json:
