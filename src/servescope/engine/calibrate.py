@@ -8,10 +8,11 @@ The steps, on the float32 engine of the source model:
      sequences of `tokens` tokens;
   2. each projection's H = X^T X, summed over the calibration tokens: a forward hook on every module
      of model.projections() during one prefill per sequence (`sequence_logits`);
-  3. per projection, in the scheme the mode gives it: gptq_quantize (model/gptq.py; its group scales
-     searched with diag(H) as each input's importance), quantize with importance = diag(H) / tokens (each
-     input's mean squared activation: "imatrix"), or plain quantize (the 4-bit modes' head is 8-bit, model/quantize.projection_scheme); and the output
-     error each one leaves, tr((W - Q) H (W - Q)^T) / tr(W H W^T), for both, which the summary reports;
+  3. per projection, in the scheme the mode gives it (the 4-bit modes' head is 8-bit,
+     model/quantize.projection_scheme): gptq_quantize (model/gptq.py; its group scales searched with diag(H)
+     as each input's importance), quantize with importance = diag(H) / tokens (each input's mean squared
+     activation: "imatrix"), or plain quantize; and the output error each one leaves,
+     tr((W - Q) H (W - Q)^T) / tr(W H W^T), for both, which the summary reports;
   4. the fused q/k/v and gate/up rows split back into their Hugging Face tensors, and the directory
      written.
 """

@@ -1,5 +1,6 @@
 """The scale search of kernels/quant_linear.py's `quantize`: for each group of weights, the scale (and
-offset) of least squared error among a few candidates, as llama.cpp's quantisers choose theirs.
+offset) of least squared error among a few candidates, as llama.cpp's quantisers choose theirs; with
+calibration data, the error weighted by each input's importance (llama.cpp's imatrix).
 Shapes: x [R, G, g], R rows of G groups of g weights, float32, zero-padded past K."""
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ if TYPE_CHECKING:
 # make_qx_quants tries 0.1 * (-9..9), make_qkx2_quants -1 + 0.1 * (0..20); these few keep quantising
 # at load within ~1-2.5 s of the plain rule for SmolLM2-135M on 2 cores). Asymmetric 8 bits: the plain
 # rule's integers only, refitted (their errors are too close for float32 sums to rank candidates).
-# The error is unweighted: weighted by x^2 (llama.cpp's rmse_type 1) it gave a higher KL, and the full
-# llama.cpp sets gained little over these (docs/BENCHMARKS.md, "The scale search", issue 15).
+# Without calibration data the error is unweighted: weighted by x^2 (llama.cpp's rmse_type 1) it gave a
+# higher KL, and the full llama.cpp sets gained little over these (docs/BENCHMARKS.md, "The scale search").
+# With each input's importance the weighting is what pays: int4-g32-asym KL 0.27 -> 0.10 on SmolLM2's float
+# stand-in (docs/BENCHMARKS.md, 2026-12-04).
 SYM_STEPS = {4: (-0.6, -0.3, 0.0, 0.3, 0.6), 8: (-0.6, -0.3, 0.0, 0.3, 0.6)}
 ASYM_STEPS = {4: (-0.5, 0.0, 0.5), 8: (0.0,)}
 # With calibrated importance (servescope quantize, offline: seconds more are fine) llama.cpp's full sets:
@@ -39,17 +42,16 @@ def quantize_group_rows(x: torch.Tensor, k: int, scheme: QuantScheme, importance
     calibration data, float32 [G * g] zero-padded past k (the error weighted by importance_weights, and
     the thorough candidate sets); sigma2: each row's mean squared weight [R] where x holds part of a row."""
     padded = x.shape[1] * x.shape[2] > k
-    if importance is not None:
+    steps = (WEIGHTED_SYM_STEPS, WEIGHTED_ASYM_STEPS) if importance is not None else (SYM_STEPS, ASYM_STEPS)
+    sym_steps, asym_steps = (s[scheme.bits] for s in steps)
+    if importance is not None:  # (zero past k: the padding counts in no error)
         wt = importance_weights(x, k, importance, sigma2)
-        sym_steps, asym_steps = WEIGHTED_SYM_STEPS[scheme.bits], WEIGHTED_ASYM_STEPS[scheme.bits]
     elif padded and scheme.asym:  # the padding counts in no error (symmetric: a zero is exact anyway)
         wt = torch.ones(x.shape[1] * x.shape[2])
         wt[k:] = 0
         wt = wt.view(1, x.shape[1], x.shape[2]).expand_as(x).contiguous()
     else:
         wt = None
-    if importance is None:
-        sym_steps, asym_steps = SYM_STEPS[scheme.bits], ASYM_STEPS[scheme.bits]
     lo, hi = x.amin(dim=2), x.amax(dim=2)
     if not scheme.asym:
         if scheme.bits == 4:  # GGUF Q4_0's rule: the value of largest magnitude maps to -8
