@@ -174,8 +174,9 @@ def _cache_key(threads: int, measured: Optional[tuple] = None) -> str:
     """The cache entry's key. measured: the names of the engine measurers the entry holds, None for
     all of them (the full probe); any other set, the empty one included, is named in the key."""
     key = f"{cpu_model()}|{isa_signature(cpu_flags(), local_isa())}|threads={threads}|v{CACHE_VERSION}"
-    if library_caps():  # torch's kernels capped below the CPU (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, ...)
-        key += f"|caps={library_caps()}"
+    caps = library_caps()  # torch's kernels capped below the CPU (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, ...)
+    if caps:
+        key += f"|caps={caps}"
     if measured is None or tuple(measured) == ENGINE_MEASUREMENTS:
         return key
     return f"{key}|engine={'+'.join(measured) or 'none'}"

@@ -136,12 +136,13 @@ def run_hardware(args) -> int:
             torch.set_num_threads(args.threads)
         with con.status("probing the local CPU (memory bandwidth, matmul FLOP/s, the engine's host overhead)..."):
             spec = probe_local_cpu(force=args.force)
+        caps = library_caps()
         con.print(hardware_table([spec]))
         con.print(f"CPU kernel path: {spec.kernel_path or 'unknown (an older probe)'}"
                   + (f"; no fast matmul for {', '.join(spec.slow_dtypes)} here" if spec.slow_dtypes else "")
                   + (f"; packed integer GEMM (group-32 weights, float32 activations) "
                      f"{spec.packed_gemm_flops / 1e9:,.0f} GFLOP/s" if spec.packed_gemm_flops else "")
-                  + (f"; torch's kernels capped by {library_caps()}" if library_caps() else ""))
+                  + (f"; torch's kernels capped by {caps}" if caps else ""))
         con.print(spec.notes)
         return 0
     # the local CPU is listed when it was probed already: listing reads the probe's cache, never probes

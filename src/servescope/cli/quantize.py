@@ -40,8 +40,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     r = quantize_checkpoint(args.model, args.quantization, args.out, method=args.method,
                             calibration=args.calibration, samples=args.calibration_samples,
-                            tokens=args.calibration_tokens, seed=args.seed,
-                            **({} if args.damp is None else {"damp": args.damp}))
+                            tokens=args.calibration_tokens, seed=args.seed, damp=args.damp)
     c = console()
     stages = ", ".join(f"{k} {v:.1f} s" for k, v in r.seconds.items())
     c.print(f"wrote {r.out}: {r.mode} ({r.method}), {fmt_bytes(r.file_bytes)} of tensors ({stages})")

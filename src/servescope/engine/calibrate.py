@@ -132,10 +132,12 @@ def output_error(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor) -> float:
 
 
 def quantize_checkpoint(model, mode: str, out: str, method: str = "gptq", calibration: str = "self",
-                        samples: int = 64, tokens: int = 128, seed: int = 0, damp: float = DAMP,
+                        samples: int = 64, tokens: int = 128, seed: int = 0, damp: float | None = None,
                         skip_tokenizer_init: bool = False) -> QuantizeReport:
     """Quantise `model` (a name, .gguf or HF directory) to `mode` with `method` and save it to `out`
-    (skip_tokenizer_init: a model without tokenizer files; it is saved without one)."""
+    (damp: GPTQ's, None for model/gptq.DAMP; skip_tokenizer_init: a model without tokenizer files; it is
+    saved without one)."""
+    damp = DAMP if damp is None else damp
     scheme = parse_mode(mode)
     if not isinstance(scheme, QuantScheme):
         raise InvalidParameterError("quantization", f"{mode!r} is not a packed mode: servescope quantize saves "

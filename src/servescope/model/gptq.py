@@ -41,7 +41,8 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, d
         raise ValueError(f"hessian must be [{k}, {k}] for a weight of {k} inputs, got {list(hessian.shape)}")
     w = w.detach().float().clone()
     importance = torch.diag(hessian).float() / torch.diag(hessian).mean().clamp_min(1e-30) if weighted_scales else None
-    sigma2 = w.square().mean(dim=1)  # each row's mean squared weight, before any update (the search's weights)
+    # each row's mean squared weight before any update (the importance weights' sigma^2; unweighted: unused)
+    sigma2 = w.square().mean(dim=1) if weighted_scales else None
     hinv = _inverse_factor(hessian.double(), w, damp)
     kp, g = scheme.padded_k(k), scheme.group or scheme.padded_k(k)
     zero, lo, hi = _stored_range(scheme)
