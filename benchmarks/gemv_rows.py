@@ -49,8 +49,9 @@ def main() -> int:
     rows = [int(r) for r in args.rows.split(",")]
     paths = {
         "gemv": lambda x, w, packed: cpu_kernels.gemv(x, w, None, None).to(x.dtype),  # as the DecodePlan does
-        "onednn": lambda x, w, packed: cpu_kernels.onednn_linear(x, packed),
+        "onednn": lambda x, w, packed: cpu_kernels.onednn_linear(x, packed[0]),
         "mkl": lambda x, w, packed: torch.nn.functional.linear(x, w),  # torch's default BLAS path
+        "panel": lambda x, w, packed: cpu_kernels.panel_gemm(x, packed[1], w.shape[0]).to(x.dtype),
     }
     results = {}
     for name in args.dtypes.split(","):
@@ -60,7 +61,7 @@ def main() -> int:
         for _ in range(LAYERS):
             for n, k in LAYER_SHAPES:
                 w = (torch.randn(n, k, generator=g) * 0.02).to(dtype)
-                mats.append((w, cpu_kernels.pack_for_onednn(w)))
+                mats.append((w, (cpu_kernels.pack_for_onednn(w), cpu_kernels.pack_panels(w))))
         times = {(p, m): [] for p in paths for m in rows}
         for _ in range(args.rounds):
             for m in rows:

@@ -144,6 +144,26 @@ static void check_gemv(int64_t M, int64_t K, int64_t N, bool scaled) {
          "M=" + std::to_string(M) + " K=" + std::to_string(K) + " N=" + std::to_string(N));
 }
 
+// the float32 panel GEMM (panel_gemm.h) on float32 or bfloat16 weights packed by pack_panels, with and without bias
+template <typename WT>
+static void check_panel_gemm(int64_t M, int64_t K, int64_t N, bool with_bias) {
+  auto x = randv<float>(M * K);
+  auto w = randv<WT>(N * K);
+  auto bias = randv<float>(N);
+  std::vector<float> panels(panel_count(N) * K * PANEL_NB, -1.f), y(M * N, -7.f);
+  pack_panels<WT>(w.data(), N, K, panels.data());
+  panel_gemm(x.data(), M, K, panels.data(), N, with_bias ? bias.data() : nullptr, y.data());
+  std::vector<double> want(M * N);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double s = with_bias ? bias[n] : 0.0;
+      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * to_double(w[n * K + k]);
+      want[m * N + n] = s;
+    }
+  expect("panel_gemm", y.data(), want, 2e-5 * std::sqrt((double)K / 64 + 1),
+         "M=" + std::to_string(M) + " K=" + std::to_string(K) + " N=" + std::to_string(N));
+}
+
 // e4m3 in float64 from its fields (independent of the kernels' bit trick): 2^(e-7) (1 + m/8), or 2^-6 m/8
 static double fp8_value(uint8_t b) {
   const int e = (b >> 3) & 15, m = b & 7;
@@ -367,6 +387,14 @@ int main() {
       check_gemv<bf16>(M, K, 7, false);
       check_gemv<int8_t>(M, K, 33, true);
     }
+  // every tile height up to two tiles, two row blocks (PANEL_MC + 3); K: one, several chunks; N: a
+  // partial panel, whole panels, a tail
+  for (int64_t M : std::initializer_list<int64_t>{1, 2, 3, 5, 7, 8, 9, 13, 17, PANEL_MC + 3})
+    for (int64_t K : {5, 200, 576})
+      for (int64_t N : std::initializer_list<int64_t>{3, 2 * PANEL_NB, 2 * PANEL_NB + 5}) {
+        check_panel_gemm<float>(M, K, N, M % 2 == 1);
+        if (M < 20) check_panel_gemm<bf16>(M, K, N, true);
+      }
   for (int64_t d : {64, 128, 48})
     for (int64_t b : {1, 3})
       for (int64_t ctx : {1, 17, 40}) {

@@ -1,6 +1,6 @@
-"""The decode GEMV extension (csrc/cpu_gemv.cpp) and CpuLinear's dispatch against plain torch
-matmuls: every weight dtype, row counts on both sides of each group of 4, K with and without a
-tail (K % 64 != 0, K % 16 != 0), scale and bias."""
+"""The decode GEMV (csrc/kernels.h), the float32 panel GEMM (csrc/panel_gemm.h) and CpuLinear's
+dispatch against float64 matmuls: every weight dtype, row counts on both sides of each group of 4 and
+of each tile, K with and without a tail (K % 64 != 0, K % 16 != 0), scale and bias."""
 
 from __future__ import annotations
 
@@ -32,6 +32,36 @@ def test_gemv_float32(m, k, n):
     torch.testing.assert_close(cpu_kernels.gemv(x, w, None, bias), _ref(x, w, bias=bias), atol=1e-4, rtol=1e-4)
 
 
+# rows: one tile and every remainder shape (the tiles of equal height), two row blocks (257, 300);
+# K: 3, a K chunk and a half (300), several chunks (1536); N: inside one panel, one panel and a tail
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 13, 64, 257])
+@pytest.mark.parametrize("k", [3, 300, 1536])
+@pytest.mark.parametrize("n", [1, 33, 200])
+def test_panel_gemm_float32(m, k, n):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x, w, bias = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    panels = cpu_kernels.pack_panels(w)
+    tol = dict(atol=1e-4 * k ** 0.5, rtol=1e-4)
+    torch.testing.assert_close(cpu_kernels.panel_gemm(x, panels, n), _ref(x, w), **tol)
+    torch.testing.assert_close(cpu_kernels.panel_gemm(x, panels, n, bias), _ref(x, w, bias=bias), **tol)
+
+
+def test_panel_gemm_rejects_what_it_cannot_run():
+    """Bad panels, shapes or dtypes: a clear error, not a wrong answer or a crash."""
+    w = torch.randn(40, 64)
+    panels = cpu_kernels.pack_panels(w)
+    assert cpu_kernels.pack_panels(w.bfloat16()) is None  # bfloat16 models keep oneDNN's bf16 GEMM
+    with pytest.raises(RuntimeError, match="panel_gemm: panels"):
+        cpu_kernels.panel_gemm(torch.randn(2, 64), panels, 100)  # panels of another N
+    with pytest.raises(RuntimeError, match="panel_gemm: panels"):
+        cpu_kernels.panel_gemm(torch.randn(2, 32), panels, 40)  # another K
+    with pytest.raises(RuntimeError, match="panel_gemm: x"):
+        cpu_kernels.panel_gemm(torch.randn(2, 64).bfloat16(), panels, 40)
+    with pytest.raises(RuntimeError, match="panel_gemm: bias"):
+        cpu_kernels.panel_gemm(torch.randn(2, 64), panels, 40, torch.randn(7))
+    assert cpu_kernels.panel_gemm(torch.randn(0, 64), panels, 40).shape == (0, 40)
+
+
 @pytest.mark.parametrize("m", [1, 2, 5])
 @pytest.mark.parametrize("k", [100, 576])
 def test_gemv_bfloat16_weights_and_activations(m, k):
@@ -52,9 +82,10 @@ def test_gemv_int8_with_scale(m, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 6, 7, 64])
+@pytest.mark.parametrize("m", [1, 2, 6, 7, 64, 300])
 def test_cpu_linear_matches_f_linear(dtype, m):
-    """Both sides of MAX_ROWS: the GEMV below it, oneDNN (or F.linear) above."""
+    """Each path of CpuLinear: the GEMV up to MAX_ROWS, float32's panel GEMM up to PANEL_MAX_ROWS (300:
+    above it), oneDNN (or F.linear) above."""
     torch.manual_seed(m)
     lin = torch.nn.Linear(576, 320, bias=True).to(dtype).requires_grad_(False)
     x = torch.randn(m, 576).to(dtype)

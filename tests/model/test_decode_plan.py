@@ -78,12 +78,14 @@ def test_decode_plan_matches_module_path_bit_for_bit(tmp_path, monkeypatch, fami
     ex = llm.engine.runner.executor
     assert ex.decode_plan is not None
     rows = ex.decode_plan_max_rows
-    # float32 / bfloat16: the GEMV up to 2 rows, oneDNN's prepacked GEMM above, any batch, where oneDNN
-    # takes the dtype (bfloat16 needs AVX512-BF16 / AMX: on an AVX2 CPU the plan stops at the GEMV's 2 rows);
+    # float32: the GEMV at 1 row, the panel GEMM up to PANEL_MAX_ROWS, oneDNN's prepacked GEMM above;
+    # bfloat16: the GEMV up to 2 rows, oneDNN above, where oneDNN takes the dtype (bfloat16 needs
+    # AVX512-BF16 / AMX: on an AVX2 CPU the plan stops at the GEMV's 2 rows);
     # int8: the GEMV up to 16 rows, and the modules above (eager dequantisation)
     # packed int4 / int8 (kernels/quant_linear.py): their GEMV up to MAX_ROWS
     onednn = cpu_kernels.pack_for_onednn(torch.zeros(64, 64, dtype=getattr(torch, dtype))) is not None
-    dense = 1 << 30 if onednn else cpu_kernels.MAX_ROWS[getattr(torch, dtype)]
+    panel = cpu_kernels.PANEL_MAX_ROWS if dtype == "float32" else 0
+    dense = 1 << 30 if onednn else max(cpu_kernels.MAX_ROWS[getattr(torch, dtype)], panel)
     assert rows == ({"int8": 16}.get(quant, quant_linear.MAX_ROWS) if quant else dense)
     # prompts of different lengths (different context lengths in one decode batch, one crossing a
     # 16-token block); batches on both sides of each GEMV limit

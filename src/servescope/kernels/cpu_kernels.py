@@ -26,7 +26,15 @@ logger = logging.getLogger(__name__)
 # GEMV): float32 16.8 / 21.9 / 27.8 vs 25.1 / 31.8 / 26.6; bfloat16 8.2 / 17.0 / 17.6 vs 14.2 / 14.1 /
 # 13.9 (oneDNN's bf16 dot products there). bfloat16 stops at 2: right on the Xeon, 20% slow at M = 2 on
 # the Zen 4. int8 has no fast eager kernel for float32 activations.
-MAX_ROWS = {torch.float32: 2, torch.bfloat16: 2, torch.int8: 16}
+# float32 stops at 1 since the panel GEMM below (2026-12-04, Zen 4, 2 threads: 14.1 ms at M = 2 against the
+# GEMV's 21.3; AVX2 path 14.2 against 19.5).
+MAX_ROWS = {torch.float32: 1, torch.bfloat16: 2, torch.int8: 16}
+# float32 from MAX_ROWS + 1 up to this many rows: the GEMM on weights packed in column panels
+# (csrc/panel_gemm.h), oneDNN above. Measured over SmolLM2's layers, 2 threads, Zen 4 (benchmarks/
+# gemv_rows.py, 2026-12-04): 15.0 / 19.3 / 66.0 / 260 ms at M = 8 / 16 / 64 / 256 against oneDNN's
+# 22.0 / 29.0 / 76.6 / 277; level at 512. The AVX2 path: 15.0 / 22.5 / 74.4 / 278 against 31.5 / 42.3 /
+# 98.9 / 296.
+PANEL_MAX_ROWS = 256
 _EXT = cpu_ops._EXT
 _EMPTY = torch.empty(0)
 load = _EXT.load  # the compiled module, or None (see cpu_extension.py)
@@ -36,6 +44,19 @@ available = _EXT.available
 def gemv(x: torch.Tensor, w: torch.Tensor, scale=None, bias=None) -> torch.Tensor:
     """x [M, K], w [N, K] (float32 | bfloat16 | int8 with scale [N] float32) -> float32 [M, N]."""
     return _EXT.mod.gemv(x, w, _EMPTY if scale is None else scale, _EMPTY if bias is None else bias)
+
+
+def pack_panels(w: torch.Tensor):
+    """A float32 weight as column panels for panel_gemm (a second copy of it in memory), or None: another
+    dtype, not on the CPU, or the extension not loaded (the engine loads it before it builds CpuLinears)."""
+    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2 or _EXT.mod is None:
+        return None
+    return _EXT.mod.pack_panels(w.detach())
+
+
+def panel_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias=None) -> torch.Tensor:
+    """x [M, K] float32 times the packed weight [n, K] -> float32 [M, n] (csrc/panel_gemm.h)."""
+    return _EXT.mod.panel_gemm(x, panels, n, _EMPTY if bias is None else bias)
 
 
 def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -65,9 +86,10 @@ def onednn_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
 
 
 class CpuLinear(torch.nn.Module):
-    """nn.Linear on the CPU: small-M (decode) calls go to the GEMV kernel, larger M to oneDNN's
-    GEMM on prepacked weights (F.linear where neither is available). float_output: return float32
-    from the GEMV without rounding to the activation dtype (the output head: logits are float32)."""
+    """nn.Linear on the CPU: small-M (decode) calls go to the GEMV kernel, float32 up to PANEL_MAX_ROWS
+    rows to the panel GEMM, larger M to oneDNN's GEMM on prepacked weights (F.linear where none is
+    available). float_output: return float32 from the GEMV without rounding to the activation dtype
+    (the output head: logits are float32)."""
 
     def __init__(self, linear: torch.nn.Linear, float_output: bool = False):
         super().__init__()
@@ -76,21 +98,27 @@ class CpuLinear(torch.nn.Module):
         self.float_output = float_output
         self._bias_f32 = None if linear.bias is None else linear.bias.detach().float()
         self._packed = pack_for_onednn(linear.weight)
+        self._panels = pack_panels(linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_gemv(x, self.weight):
             y = gemv(x, self.weight, None, self._bias_f32)  # float32 [M, N]
             return y if self.float_output else y.to(x.dtype)
+        if self._panels is not None and x.dim() == 2 and x.shape[0] <= PANEL_MAX_ROWS and x.dtype == torch.float32:
+            return panel_gemm(x, self._panels, self.weight.shape[0], self._bias_f32)
         if self._packed is not None and x.dim() == 2 and x.dtype == self.weight.dtype:
             return onednn_linear(x, self._packed, self.bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
     def plan_entry(self) -> tuple:
         """What the C++ DecodePlan needs to issue this module's kernels itself: ([weight, int8 scale,
-        float32 bias, oneDNN-packed weight, bias], the GEMV's row limit, the most rows it serves)."""
+        float32 bias, oneDNN-packed weight, bias, panels], (the GEMV's row limit, the panel GEMM's),
+        the most rows it serves)."""
         rows = MAX_ROWS.get(self.weight.dtype, 0)
-        served = rows if self._packed is None else 1 << 30  # oneDNN serves any M once packed
-        return [self.weight.detach(), _EMPTY, _opt(self._bias_f32), _opt(self._packed), _opt(self.bias)], rows, served
+        panel_rows = 0 if self._panels is None else PANEL_MAX_ROWS
+        served = max(rows, panel_rows) if self._packed is None else 1 << 30  # oneDNN serves any M once packed
+        return ([self.weight.detach(), _EMPTY, _opt(self._bias_f32), _opt(self._packed), _opt(self.bias),
+                 _opt(self._panels)], (rows, panel_rows), served)
 
 
 def _opt(t):

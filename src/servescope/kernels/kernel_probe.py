@@ -2,11 +2,11 @@
 
 A decode step multiplies a few rows by every weight matrix. The roofline says that costs
 max(FLOPs / peak, bytes / bandwidth), but neither ceiling is what a real kernel meets at small M:
-the GEMV of 1-2 rows streams below a plain read's bandwidth, and oneDNN at 4-64 rows sits between
+the GEMV of 1-2 rows streams below a plain read's bandwidth, and the GEMMs at 4-64 rows sit between
 the bandwidth and the peak. This measures that directly, once per machine, on matrices that are no
 model's (32 of 1024 x 1024, 64-128 MiB: larger than the caches), with the module the engine uses
-(CpuLinear: GEMV below MAX_ROWS, oneDNN on prepacked weights above). The result, weight bytes per
-second at each M, is stored in the probe's HardwareSpec (`linear_rates`). The same for the paged
+(CpuLinear: the GEMV up to MAX_ROWS, float32's panel GEMM up to PANEL_MAX_ROWS, oneDNN above; the
+extension is loaded first, as the engine does). The result, weight bytes per second at each M, is stored in the probe's HardwareSpec (`linear_rates`). The same for the paged
 decode-attention kernel: its FLOP/s with the KV in cache (`decode_attention_flops`), and of the integer
 GEMM a prefill over group-32 packed weights runs with float32 activations (`packed_gemm_flops`).
 """
@@ -27,6 +27,7 @@ def measure_linear_rates(dtype_name: str, rows=ROWS, num_matrices: int = 32, siz
                          runs: int = 3) -> list:
     """[[M, weight bytes/s], ...] for the engine's CPU linear kernel in `dtype_name`."""
     dtype = getattr(torch, dtype_name)
+    cpu_ops.load()  # CpuLinear packs panels only once the extension is loaded
     gen = torch.Generator().manual_seed(0)
     lins = []
     for _ in range(num_matrices):

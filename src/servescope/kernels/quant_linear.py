@@ -247,7 +247,7 @@ class QuantLinear(torch.nn.Module):
     def plan_entry(self) -> tuple:
         """For the C++ DecodePlan (see CpuLinear.plan_entry): its `gemv` routes float16-scaled packed
         weights to the packed GEMV, so the plan serves decode steps up to MAX_ROWS rows."""
-        return [self.qweight, self.scales, _opt(self._bias_f32), _EMPTY, _EMPTY], MAX_ROWS, MAX_ROWS
+        return [self.qweight, self.scales, _opt(self._bias_f32), _EMPTY, _EMPTY, _EMPTY], (MAX_ROWS, 0), MAX_ROWS
 
 
 class QuantEmbedding(torch.nn.Module):

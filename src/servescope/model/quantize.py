@@ -58,7 +58,7 @@ class Int8Linear(nn.Module):
         rows = cpu_kernels.MAX_ROWS[torch.int8]
         empty = torch.empty(0)
         bias = empty if self._bias_f32 is None else self._bias_f32
-        return [self.weight_int8, self._scale_f32, bias, empty, empty], rows, rows
+        return [self.weight_int8, self._scale_f32, bias, empty, empty, empty], (rows, 0), rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -3,7 +3,8 @@ or assemble kernels over the model's weights, never change a checkpoint name, an
 engine's executor (engine/executor.py), not by the model.
 
 - use_cpu_linears: on the CPU, every projection and the output head become CpuLinear (the decode
-  GEMV up to a few rows, oneDNN's GEMM on prepacked weights above).
+  GEMV up to a few rows, float32's panel GEMM up to a few hundred, oneDNN's GEMM on prepacked weights
+  above).
 - cpu_decode_plan: the C++ DecodePlan that runs all layers of a decode-only step in one call with the
   same kernels and the same weights as the modules (no copies).
 Quantisation is model/quantize.py (quantize_int8), applied before these.
@@ -32,16 +33,17 @@ def cpu_decode_plan(model: nn.Module) -> tuple:
     where the extension is not built or a layer has a part the plan does not cover.
 
     The plan issues the same kernels as the modules' forward with the same weights and the same choice
-    between them (the GEMV up to its row limit, oneDNN's prepacked GEMM above), so it serves decode-only
-    steps up to any batch when every projection has a prepacked weight, and up to the GEMV's limit where
-    one has not (int8: its larger-M path is eager dequantisation)."""
+    between them (the GEMV up to its row limit, the panel GEMM up to its own, oneDNN's prepacked GEMM
+    above), so it serves decode-only steps up to any batch when every projection has a prepacked weight,
+    and up to the GEMV's or the panel GEMM's limit where one has not (int8: its larger-M path is eager
+    dequantisation)."""
     mod = cpu_ops.load()
     if mod is None:
         return None, 0
     cfg = model.config
     dtype = model.model.norm.weight.dtype  # (the embedding may be packed)
     empty = torch.empty(0)
-    norms_of, layers, gemv_rows, served = [], [], [], []
+    norms_of, layers, limits, served = [], [], [], []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -54,12 +56,12 @@ def cpu_decode_plan(model: nn.Module) -> tuple:
         norms_of += norms
         qk = [n.weight.detach() for n in norms[2:]] or [empty, empty]
         layers.append([norms[0].weight.detach(), norms[1].weight.detach(), *qk] + [t for p in parts for t in p[0]])
-        gemv_rows.append([p[1] for p in parts])
+        limits.append([n for p in parts for n in p[1]])
         served += [p[2] for p in parts]
     norms_of.append(model.model.norm)
     if any(n.weight.dtype != dtype or n.eps != cfg.rms_norm_eps for n in norms_of) or dtype not in cpu_ops.DTYPES:
         return None, 0
-    plan = mod.DecodePlan(layers, gemv_rows, model.model.norm.weight.detach(), cfg.num_attention_heads,
+    plan = mod.DecodePlan(layers, limits, model.model.norm.weight.detach(), cfg.num_attention_heads,
                           cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
     return plan, min(served)
 

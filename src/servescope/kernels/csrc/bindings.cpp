@@ -21,6 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequantize_into", &quant_dequantize_into,
         "quant_dequantize_into(w, scales, row0, out): rows row0.. into out [rows, k] float32 | bfloat16");
   m.def("gemv", &gemv, "gemv(x, w, scale, bias): decode GEMV (float32/bfloat16/int8 weights) -> float32");
+  m.def("pack_panels", &pack_panels, "pack_panels(w [N, K] float32 | bfloat16) -> float32 panels for panel_gemm");
+  m.def("panel_gemm", &panel_gemm, "panel_gemm(x, panels, n, bias): float32 GEMM on packed panels -> [M, n]");
   py::class_<DecodePlan>(m, "DecodePlan")
       .def(py::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>, Tensor, int64_t,
                     int64_t, int64_t, double, double>())

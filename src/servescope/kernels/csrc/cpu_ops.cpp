@@ -240,10 +240,39 @@ at::Tensor gemv(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor bias) {
   return y;
 }
 
+// w [N, K] float32 | bfloat16 -> float32 [panel_count(N), K, PANEL_NB]: the layout of panel_gemm.h
+at::Tensor pack_panels(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2, "pack_panels: w [N, K]");
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  auto out = at::empty({panel_count(N), K, PANEL_NB}, w.options().dtype(at::kFloat));
+  by_dtype(w, "pack_panels: w", [&](auto tag) {
+    using T = decltype(tag);
+    servescope_kernels::pack_panels<T>(data<T>(w), N, K, data<float>(out));
+  });
+  return out;
+}
+
+// x [M, K] float32, panels from pack_panels of a weight [n, K], bias [n] float32 or empty -> y [M, n] float32
+at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, int64_t n, at::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_gemm: x [M, K] float32");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
+                  panels.size(0) == panel_count(n) && panels.size(1) == x.size(1) && panels.size(2) == PANEL_NB,
+              "panel_gemm: panels must come from this build's pack_panels of a [n, K] weight");
+  TORCH_CHECK(!bias.numel() || (bias.numel() == n && bias.scalar_type() == at::kFloat && bias.is_contiguous()),
+              "panel_gemm: bias [n] float32");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = at::empty({M, n}, x.options());
+  if (M) servescope_kernels::panel_gemm(data<float>(x), M, K, data<float>(panels), n, bias.numel() ? data<float>(bias) : nullptr, data<float>(y));
+  return y;
+}
+
 // which ISA this extension was compiled for, and its optional dot-product instructions
 std::map<std::string, std::string> isa_info() {
   return {{"isa", kIsa}, {"lanes", std::to_string(W)}, {"bf16_dot", SERVESCOPE_HAS_BF16_DOT ? "1" : "0"},
-          {"int8_dot", SERVESCOPE_HAS_INT8_DOT ? "1" : "0"}};
+          {"int8_dot", SERVESCOPE_HAS_INT8_DOT ? "1" : "0"},
+          {"panel", std::to_string(PANEL_MR) + "x" + std::to_string(PANEL_NB)}};
 }
 
 }  // namespace servescope_ops

@@ -14,7 +14,9 @@ namespace servescope_ops {
 struct PlanLinear {
   at::Tensor w, scale, bias;  // w [N, K] float32 | bfloat16 | int8; scale [N] f32 (int8) or empty; bias [N] f32 or empty
   at::Tensor packed, packed_bias;  // oneDNN's prepacked weight and the bias in the model dtype (or empty)
-  int64_t gemv_rows;  // the GEMV up to this many rows, oneDNN above (CpuLinear's dispatch)
+  at::Tensor panels;               // float32 weights as column panels (panel_gemm.h) or empty
+  int64_t gemv_rows, panel_rows;   // the GEMV up to gemv_rows rows, the panel GEMM up to panel_rows, oneDNN
+                                   // above (CpuLinear's dispatch)
 };
 
 struct PlanLayer {
@@ -25,22 +27,27 @@ struct PlanLayer {
 class DecodePlan {
  public:
   // layers: per layer [ln1, ln2, q_norm, k_norm, then for qkv, o, gate_up, down each: w, scale, bias, packed,
-  // packed_bias] (empty tensors where absent); gemv_rows: per layer, the four projections' GEMV limits
-  DecodePlan(std::vector<std::vector<at::Tensor>> layers, std::vector<std::vector<int64_t>> gemv_rows,
+  // packed_bias, panels] (empty tensors where absent); limits: per layer, the four projections' row limits
+  // (gemv_rows, panel_rows) in turn
+  DecodePlan(std::vector<std::vector<at::Tensor>> layers, std::vector<std::vector<int64_t>> limits,
              at::Tensor final_norm, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
       : final_norm_(final_norm), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
-    TORCH_CHECK(gemv_rows.size() == layers.size(), "DecodePlan: gemv_rows per layer");
+    TORCH_CHECK(limits.size() == layers.size(), "DecodePlan: limits per layer");
     for (size_t i = 0; i < layers.size(); ++i) {
       const auto& t = layers[i];
-      TORCH_CHECK(t.size() == 24 && gemv_rows[i].size() == 4, "DecodePlan: 24 tensors and 4 limits per layer");
+      const auto& r = limits[i];
+      TORCH_CHECK(t.size() == 28 && r.size() == 8, "DecodePlan: 28 tensors and 8 limits per layer");
       PlanLayer l;
       l.ln1 = t[0];
       l.ln2 = t[1];
       l.q_norm = t[2];
       l.k_norm = t[3];
       PlanLinear* lins[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
-      for (int j = 0; j < 4; ++j)
-        *lins[j] = {t[4 + 5 * j], t[5 + 5 * j], t[6 + 5 * j], t[7 + 5 * j], t[8 + 5 * j], gemv_rows[i][j]};
+      for (int j = 0; j < 4; ++j) {
+        const at::Tensor* e = &t[4 + 6 * j];
+        *lins[j] = {e[0], e[1], e[2], e[3], e[4], e[5], r[2 * j], r[2 * j + 1]};
+        TORCH_CHECK(!e[5].numel() || e[0].scalar_type() == at::kFloat, "DecodePlan: panels of float32 weights only");
+      }
       TORCH_CHECK(l.qkv.w.size(0) == (heads + 2 * kv_heads) * head_dim, "DecodePlan: qkv rows");
       layers_.push_back(l);
     }
@@ -98,6 +105,7 @@ class DecodePlan {
  private:
   static at::Tensor linear(const at::Tensor& x, const PlanLinear& l) {
     if (x.size(0) <= l.gemv_rows) return gemv(x, l.w, l.scale, l.bias).to(x.scalar_type());
+    if (x.size(0) <= l.panel_rows && l.panels.numel()) return panel_gemm(x, l.panels, l.w.size(0), l.bias);
     TORCH_CHECK(l.packed.defined() && l.packed.numel(), "DecodePlan: no prepacked weight for this batch");
     return onednn_linear(x, l.packed, l.packed_bias);
   }

@@ -268,3 +268,4 @@ void gemv_rows(const float* x, int64_t M, int64_t K, const WT* w, int64_t N, con
 }  // namespace servescope_kernels
 
 #include "decode_attention.h"
+#include "panel_gemm.h"

@@ -31,6 +31,8 @@ void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slots);
 Tensor paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, double scale,
                     Tensor out);
 Tensor gemv(Tensor x, Tensor w, Tensor scale, Tensor bias);
+Tensor pack_panels(Tensor w);
+Tensor panel_gemm(Tensor x, Tensor panels, int64_t n, Tensor bias);
 std::map<std::string, std::string> isa_info();
 
 // quant_ops.cpp: packed int4 / int8 weights with float16 group scales (quant_gemv.h)
