@@ -257,9 +257,11 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
 #if SERVESCOPE_HAS_BF16_DOT
               __m512bh qv[NJ / 2];
               for (int j = 0; j < NJ / 2; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qb + i * D + 32 * j);
+#pragma GCC unroll 16
               for (int64_t t = 0; t < KW; ++t) {
                 __m512 a = _mm512_setzero_ps();
-                if (t < n)
+                if (n == KW || t < n)
+#pragma GCC unroll 16
                   for (int j = 0; j < NJ / 2; ++j)
                     a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(kraw + t * row + 32 * j));
                 part[t] = a;
@@ -268,9 +270,12 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
             } else {
               vf qv[NJ];
               for (int j = 0; j < NJ; ++j) qv[j] = load(qh + i * D + W * j);
+              // unrolled, the test of a partial tile hoisted: the KW dot products overlap in the core
+#pragma GCC unroll 16
               for (int64_t t = 0; t < KW; ++t) {
                 vf a = zero();
-                if (t < n)
+                if (n == KW || t < n)
+#pragma GCC unroll 32
                   for (int j = 0; j < NJ; ++j) a = fmadd(qv[j], load(kf + t * kld + W * j), a);
                 part[t] = a;
               }
@@ -290,45 +295,57 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
             if (corr != 1.0f)
               for (int j = 0; j < NJ; ++j) store(acc + i * D + W * j, mul(load(acc + i * D + W * j), set1(corr)));
           }
-          for (int64_t i0h = 0; i0h < g; i0h += HD) {  // acc[i] += sum_t p[i][t] v_t, HD heads in registers
-            const int64_t nh = std::min<int64_t>(HD, g - i0h);
-            vf a[HD][NJ];
-            for (int ii = 0; ii < HD; ++ii)
-              for (int j = 0; j < NJ; ++j) a[ii][j] = ii < nh ? load(acc + (i0h + ii) * D + W * j) : zero();
-            if constexpr (kDot) {
+          for (int64_t i0h = 0; i0h < g; i0h += HD) {  // acc[i] += sum_t p[i][t] v_t, NH <= HD heads in registers
+            with_count<HD>(std::min<int64_t>(HD, g - i0h), [&](auto nh_c) {
+              constexpr int NH = decltype(nh_c)::value;
+              vf a[NH][NJ];
+#pragma GCC unroll 16
+              for (int ii = 0; ii < NH; ++ii)
+#pragma GCC unroll 32
+                for (int j = 0; j < NJ; ++j) a[ii][j] = load(acc + (i0h + ii) * D + W * j);
+              if constexpr (kDot) {
 #if SERVESCOPE_HAS_BF16_DOT
-              // two keys at a time: VDPBF16PS adds p_t v_t[d] + p_t+1 v_t+1[d] for 16 dims d, the
-              // probabilities rounded to bfloat16 as SDPA's bfloat16 kernel rounds them for its p*v GEMM
-              const __m512i inter = _mm512_loadu_si512(kPairIndex);
-              for (int64_t t = 0; t < n; t += 2) {
-                const bool two = t + 1 < n;  // an odd tail pairs with a zero row (its p is 0 too)
-                __m512i vv[NJ];
-                for (int j = 0; j < NJ; ++j) {
-                  __m256i r0v = _mm256_loadu_si256((const __m256i*)(vraw + t * row + 16 * j));
-                  __m256i r1v = two ? _mm256_loadu_si256((const __m256i*)(vraw + (t + 1) * row + 16 * j))
-                                    : _mm256_setzero_si256();
-                  vv[j] = _mm512_permutexvar_epi16(inter, _mm512_inserti64x4(_mm512_castsi256_si512(r0v), r1v, 1));
+                // two keys at a time: VDPBF16PS adds p_t v_t[d] + p_t+1 v_t+1[d] for 16 dims d, the
+                // probabilities rounded to bfloat16 as SDPA's bfloat16 kernel rounds them for its p*v GEMM
+                const __m512i inter = _mm512_loadu_si512(kPairIndex);
+                for (int64_t t = 0; t < n; t += 2) {
+                  const bool two = t + 1 < n;  // an odd tail pairs with a zero row (its p is 0 too)
+                  __m512i vv[NJ];
+#pragma GCC unroll 32
+                  for (int j = 0; j < NJ; ++j) {
+                    __m256i r0v = _mm256_loadu_si256((const __m256i*)(vraw + t * row + 16 * j));
+                    __m256i r1v = two ? _mm256_loadu_si256((const __m256i*)(vraw + (t + 1) * row + 16 * j))
+                                      : _mm256_setzero_si256();
+                    vv[j] = _mm512_permutexvar_epi16(inter, _mm512_inserti64x4(_mm512_castsi256_si512(r0v), r1v, 1));
+                  }
+#pragma GCC unroll 16
+                  for (int ii = 0; ii < NH; ++ii) {
+                    uint32_t pair;
+                    std::memcpy(&pair, pb + KW * (i0h + ii) + t, sizeof(pair));
+                    const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
+#pragma GCC unroll 32
+                    for (int j = 0; j < NJ; ++j) a[ii][j] = _mm512_dpbf16_ps(a[ii][j], pp, (__m512bh)vv[j]);
+                  }
                 }
-                for (int ii = 0; ii < HD && ii < nh; ++ii) {
-                  uint32_t pair;
-                  std::memcpy(&pair, pb + KW * (i0h + ii) + t, sizeof(pair));
-                  const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
-                  for (int j = 0; j < NJ; ++j) a[ii][j] = _mm512_dpbf16_ps(a[ii][j], pp, (__m512bh)vv[j]);
-                }
-              }
 #endif
-            } else {
-              for (int64_t t = 0; t < n; ++t) {
-                vf vv[NJ];
-                for (int j = 0; j < NJ; ++j) vv[j] = load(vfl + t * vld + W * j);
-                for (int ii = 0; ii < HD && ii < nh; ++ii) {
-                  const vf pv = set1(pr[KW * (i0h + ii) + t]);
-                  for (int j = 0; j < NJ; ++j) a[ii][j] = fmadd(pv, vv[j], a[ii][j]);
+              } else {
+                for (int64_t t = 0; t < n; ++t) {
+                  vf vv[NJ];
+#pragma GCC unroll 32
+                  for (int j = 0; j < NJ; ++j) vv[j] = load(vfl + t * vld + W * j);
+#pragma GCC unroll 16
+                  for (int ii = 0; ii < NH; ++ii) {
+                    const vf pv = set1(pr[KW * (i0h + ii) + t]);
+#pragma GCC unroll 32
+                    for (int j = 0; j < NJ; ++j) a[ii][j] = fmadd(pv, vv[j], a[ii][j]);
+                  }
                 }
               }
-            }
-            for (int ii = 0; ii < nh; ++ii)
-              for (int j = 0; j < NJ; ++j) store(acc + (i0h + ii) * D + W * j, a[ii][j]);
+#pragma GCC unroll 16
+              for (int ii = 0; ii < NH; ++ii)
+#pragma GCC unroll 32
+                for (int j = 0; j < NJ; ++j) store(acc + (i0h + ii) * D + W * j, a[ii][j]);
+            });
           }
         }
         p += n;

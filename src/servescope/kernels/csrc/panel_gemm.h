@@ -111,16 +111,6 @@ inline void panel_tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, cons
   }
 }
 
-// the tile of exactly r <= R rows
-template <int R>
-inline void panel_tile_rows(int64_t r, const float* x, int64_t ldx, int64_t k0, int64_t k1, const float* pan, float* y,
-                            int64_t ldy, int64_t cols, const float* bias, bool first, bool last) {
-  if (r == R)
-    panel_tile<R>(x, ldx, k0, k1, pan, y, ldy, cols, bias, first, last);
-  else if constexpr (R > 1)
-    panel_tile_rows<R - 1>(r, x, ldx, k0, k1, pan, y, ldy, cols, bias, first, last);
-}
-
 // x [M, K] float32 (row stride K), panels from pack_panels of w [N, K], bias [N] or null -> y [M, N] = x w^T + bias.
 // Work items are (block of PANEL_MC rows, panel), row block major: a thread's items share their x rows.
 inline void panel_gemm(const float* x, int64_t M, int64_t K, const float* panels, int64_t N, const float* bias,
@@ -144,7 +134,9 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const float* panels
         const bool first = k0 == 0, last = k1 == K;
         for (int64_t t = 0, m = 0; t < tiles; ++t) {
           const int64_t h = (rows - m) / (tiles - t);
-          panel_tile_rows<PANEL_MR>(h, xp + m * K, K, k0, k1, pan, yp + m * N, N, cols, bp, first, last);
+          with_count<PANEL_MR>(h, [&](auto r) {
+            panel_tile<decltype(r)::value>(xp + m * K, K, k0, k1, pan, yp + m * N, N, cols, bp, first, last);
+          });
           m += h;
         }
       }

@@ -461,6 +461,17 @@ inline void parallel_by_cost(const std::vector<int64_t>& cum, int64_t nt, const 
 
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
+// f(std::integral_constant<int, n>()) for a run-time n in 1 .. N: register tiles whose height is a
+// compile-time constant, so that their loops unroll and their accumulators stay in registers (an
+// array indexed at run time lives in memory, every FMA a store and a reload)
+template <int N, typename F>
+inline void with_count(int64_t n, const F& f) {
+  if (n == N)
+    f(std::integral_constant<int, N>());
+  else if constexpr (N > 1)
+    with_count<N - 1>(n, f);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Integer dot products for packed weights (csrc/quant_dot.h), beside the float layer above.
 // vb: 4W bytes; vi: W int32 lanes, lane i owning bytes 4i..4i+3 of a vb (the layout VNNI's vpdpbusd,
