@@ -1,8 +1,9 @@
-"""The CPU decode GEMV (csrc/kernels.h, bound in csrc/cpu_ops.cpp: the CPU kernel extension, compiled
-on first use for the CPU's instruction set and cached).
+"""The CPU linear kernels (csrc/kernels.h, csrc/panel_gemm.h, bound in csrc/cpu_ops.cpp: the CPU kernel
+extension, compiled on first use for the CPU's instruction set and cached) and CpuLinear, which picks
+between them and oneDNN by rows.
 
-`gemv(x, w, scale=None, bias=None)` -> float32 [M, N] for M <= 4 rows, weights float32, bfloat16
-or int8 (per-row scale). `available()` is False where it cannot be built (no compiler,
+`gemv(x, w, scale=None, bias=None)` -> float32 [M, N] for a few rows, weights float32, bfloat16
+or int8 (per-row scale); `panel_gemm(x, pack_panels(w), N, bias)` for float32 at 2..256 rows. `available()` is False where it cannot be built (no compiler,
 SERVESCOPE_CPU_KERNELS=0); callers then use the eager PyTorch path, which tests compare against.
 """
 
