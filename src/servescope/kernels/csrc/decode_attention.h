@@ -72,7 +72,7 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
           float cmax = s[0];
           for (int64_t t = 1; t < n; ++t) cmax = std::max(cmax, s[t]);
           const float mnew = std::max(mx[i], cmax);
-          const float corr = std::exp(mx[i] - mnew);
+          const float corr = mnew == mx[i] ? 1.0f : std::exp(mx[i] - mnew);  // exp(0) = 1 exactly
           mx[i] = mnew;
           vf sum = zero();
           for (int64_t t = 0; t < n; t += W) {
@@ -284,7 +284,8 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
             if constexpr (kDot) sum = mul(sum, set1(scale));  // q unscaled: exact bf16 pairs
             const vf sc = first_lanes(sum, n, -std::numeric_limits<float>::infinity());
             const float mnew = std::max(mx[i], reduce_max(sc));
-            const float corr = std::exp(mx[i] - mnew);  // exp(-inf) = 0 on the first keys
+            // exp(-inf) = 0 on the first keys; an unchanged max (most tiles) needs no exp: exp(0) = 1 exactly
+            const float corr = mnew == mx[i] ? 1.0f : std::exp(mx[i] - mnew);
             mx[i] = mnew;
             const vf e = first_lanes(vexp(sub(sc, set1(mnew))), n, 0.f);
             den[i] = den[i] * corr + reduce_add(e);
