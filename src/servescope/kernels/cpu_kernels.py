@@ -3,8 +3,9 @@ extension, compiled on first use for the CPU's instruction set and cached) and C
 between them and oneDNN by rows.
 
 `gemv(x, w, scale=None, bias=None)` -> float32 [M, N] for a few rows, weights float32, bfloat16
-or int8 (per-row scale); `panel_gemm(x, pack_panels(w), N, bias)` for float32 at 2..256 rows. `available()` is False where it cannot be built (no compiler,
-SERVESCOPE_CPU_KERNELS=0); callers then use the eager PyTorch path, which tests compare against.
+or int8 (per-row scale); `panel_gemm(x, pack_panels(w), N, bias)` for float32 at 2..256 rows.
+`available()` is False where it cannot be built (no compiler, SERVESCOPE_CPU_KERNELS=0); callers then
+use the eager PyTorch path, which tests compare against.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale=None, bias=None) -> torch.Tenso
 
 
 def pack_panels(w: torch.Tensor):
-    """A float32 weight as column panels for panel_gemm (a second copy of it in memory), or None: another
+    """A float32 weight as column panels for panel_gemm (one more copy of it in memory), or None: another
     dtype, not on the CPU, or the extension not loaded (the engine loads it before it builds CpuLinears)."""
     if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2 or _EXT.mod is None:
         return None

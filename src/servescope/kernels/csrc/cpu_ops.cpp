@@ -264,7 +264,8 @@ at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, int64_t n, at::Tensor bia
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   auto y = at::empty({M, n}, x.options());
-  if (M) servescope_kernels::panel_gemm(data<float>(x), M, K, data<float>(panels), n, bias.numel() ? data<float>(bias) : nullptr, data<float>(y));
+  const float* b = bias.numel() ? data<float>(bias) : nullptr;
+  if (M) servescope_kernels::panel_gemm(data<float>(x), M, K, data<float>(panels), n, b, data<float>(y));
   return y;
 }
 

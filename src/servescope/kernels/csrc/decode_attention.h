@@ -257,11 +257,9 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
 #if SERVESCOPE_HAS_BF16_DOT
               __m512bh qv[NJ / 2];
               for (int j = 0; j < NJ / 2; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qb + i * D + 32 * j);
-#pragma GCC unroll 16
               for (int64_t t = 0; t < KW; ++t) {
                 __m512 a = _mm512_setzero_ps();
-                if (n == KW || t < n)
-#pragma GCC unroll 16
+                if (t < n)
                   for (int j = 0; j < NJ / 2; ++j)
                     a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(kraw + t * row + 32 * j));
                 part[t] = a;
@@ -270,12 +268,9 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
             } else {
               vf qv[NJ];
               for (int j = 0; j < NJ; ++j) qv[j] = load(qh + i * D + W * j);
-              // unrolled, the test of a partial tile hoisted: the KW dot products overlap in the core
-#pragma GCC unroll 16
               for (int64_t t = 0; t < KW; ++t) {
                 vf a = zero();
-                if (n == KW || t < n)
-#pragma GCC unroll 32
+                if (t < n)
                   for (int j = 0; j < NJ; ++j) a = fmadd(qv[j], load(kf + t * kld + W * j), a);
                 part[t] = a;
               }
