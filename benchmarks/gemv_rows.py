@@ -1,11 +1,11 @@
-"""The decode GEMV against oneDNN's prepacked GEMM (and MKL's F.linear) by rows (tokens per step), one process.
+"""The decode GEMV against oneDNN's prepacked GEMM, MKL's F.linear and (float32) the panel GEMM, by rows.
 
 A decode step at batch M multiplies M rows by every weight. The GEMV (csrc/kernels.h) reads each weight
 once for all M rows; oneDNN's blocked GEMM (the path above kernels/cpu_kernels.py MAX_ROWS) has a fixed
 cost of its own at small M. This times one pass over SmolLM2-135M's 30 layers of weight shapes (qkv,
 o, gate_up, down: 420 MB in float32, far above the caches) with each, for M in --rows and each dtype,
 in --rounds interleaved rounds, and prints the medians and the largest M where the GEMV is faster:
-the evidence for MAX_ROWS.
+the evidence for MAX_ROWS (and, in float32, for PANEL_MAX_ROWS: the panel GEMM's row).
 
     python benchmarks/gemv_rows.py --threads 2 --rounds 5 --json benchmarks/results/gemv_rows.json
 """
@@ -56,25 +56,26 @@ def main() -> int:
     results = {}
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
+        dpaths = {p: fn for p, fn in paths.items() if p != "panel" or dtype == torch.float32}  # panels: float32
         g = torch.Generator().manual_seed(0)
         mats = []
         for _ in range(LAYERS):
             for n, k in LAYER_SHAPES:
                 w = (torch.randn(n, k, generator=g) * 0.02).to(dtype)
                 mats.append((w, (cpu_kernels.pack_for_onednn(w), cpu_kernels.pack_panels(w))))
-        times = {(p, m): [] for p in paths for m in rows}
+        times = {(p, m): [] for p in dpaths for m in rows}
         for _ in range(args.rounds):
             for m in rows:
                 xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in {k for _, k in LAYER_SHAPES}}
-                for p, fn in paths.items():
+                for p, fn in dpaths.items():
                     one_pass(fn, mats[:8], xs)  # warm the code path, not the weights
                     times[(p, m)].append(one_pass(fn, mats, xs))
-        table = {m: {p: statistics.median(times[(p, m)]) * 1e3 for p in paths} for m in rows}
+        table = {m: {p: statistics.median(times[(p, m)]) * 1e3 for p in dpaths} for m in rows}
         faster = [m for m in rows if table[m]["gemv"] < table[m]["onednn"]]
         results[name] = {"ms": table, "gemv_faster_up_to": max(faster) if faster else 0}
         print(f"{name}: one pass over {LAYERS} layers (ms, median of {args.rounds})")
         print("  rows  " + "".join(f"{m:>8}" for m in rows))
-        for p in paths:
+        for p in dpaths:
             print(f"  {p:<6}" + "".join(f"{table[m][p]:8.2f}" for m in rows))
         flops = {m: 2 * m * sum(n * k for n, k in LAYER_SHAPES) * LAYERS for m in rows}
         best = {m: flops[m] / min(table[m].values()) / 1e6 for m in rows}  # GFLOP/s (ms in the table)

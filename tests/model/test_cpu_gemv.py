@@ -59,6 +59,8 @@ def test_panel_gemm_rejects_what_it_cannot_run():
         cpu_kernels.panel_gemm(torch.randn(2, 64).bfloat16(), panels, 40)
     with pytest.raises(RuntimeError, match="panel_gemm: bias"):
         cpu_kernels.panel_gemm(torch.randn(2, 64), panels, 40, torch.randn(7))
+    with pytest.raises(RuntimeError, match="panel_gemm: x"):
+        cpu_kernels.panel_gemm(torch.randn(2, 0), cpu_kernels.pack_panels(torch.randn(40, 0)), 40)
     assert cpu_kernels.panel_gemm(torch.randn(0, 64), panels, 40).shape == (0, 40)
 
 

@@ -255,7 +255,7 @@ at::Tensor pack_panels(at::Tensor w) {
 
 // x [M, K] float32, panels from pack_panels of a weight [n, K], bias [n] float32 or empty -> y [M, n] float32
 at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, int64_t n, at::Tensor bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_gemm: x [M, K] float32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0, "panel_gemm: x [M, K] float32, K > 0");
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
                   panels.size(0) == panel_count(n) && panels.size(1) == x.size(1) && panels.size(2) == PANEL_NB,
               "panel_gemm: panels must come from this build's pack_panels of a [n, K] weight");
