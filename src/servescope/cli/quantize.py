@@ -9,7 +9,8 @@ from servescope.cli.args import nonneg_float, positive_int
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("quantize", help="quantise a model's weights (GPTQ or plain rounding) and save them packed")
+    p = sub.add_parser("quantize",
+                       help="quantise a model's weights (GPTQ, imatrix or plain rounding) and save them packed")
     p.add_argument("--model", default=None, help="HF directory, .gguf file or 'smollm2-135m' (default)")
     p.add_argument("--quantization", required=True, metavar="MODE",
                    help="int4 (group 32, symmetric) or int<4|8>-<g32|g64|g128|ch>[-sym|-asym], e.g. int4-g32-asym")

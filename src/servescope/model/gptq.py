@@ -40,7 +40,8 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, d
     if tuple(hessian.shape) != (k, k):
         raise ValueError(f"hessian must be [{k}, {k}] for a weight of {k} inputs, got {list(hessian.shape)}")
     w = w.detach().float().clone()
-    importance = torch.diag(hessian).float() / torch.diag(hessian).mean().clamp_min(1e-30) if weighted_scales else None
+    hdiag = torch.diag(hessian)
+    importance = hdiag.float() / hdiag.mean().clamp_min(1e-30) if weighted_scales else None
     # each row's mean squared weight before any update (the importance weights' sigma^2; unweighted: unused)
     sigma2 = w.square().mean(dim=1) if weighted_scales else None
     hinv = _inverse_factor(hessian.double(), w, damp)
