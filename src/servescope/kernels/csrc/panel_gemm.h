@@ -39,8 +39,8 @@ constexpr int64_t PANEL_NB = PANEL_NR * W;  // output columns per panel
 // stream at half its bandwidth once each step had 12-16 FMAs to do (AVX2 at 6 rows: 38 -> 18 ms over
 // SmolLM2's layers on one Zen 4 core; 4 KiB ahead: 24 ms, 16 KiB: 17 ms)
 constexpr int64_t PANEL_PF = 8192 / (PANEL_NB * 4);
-// the most k per chunk (AVX2 at 8 rows on one core: 22.5 / 24.4 / 27.1 / 27.7 ms at 96 / 192 / 384 / 768;
-// AVX-512 best at 192)
+// the most k per chunk (AVX2 at 8 rows on one Zen 4 core, 2026-12-04: 22.5 / 24.4 / 27.1 / 27.7 ms at
+// 96 / 192 / 384 / 768; AVX-512 best at 192)
 constexpr int64_t PANEL_KC = 192;
 constexpr int64_t PANEL_MC = 256;  // rows per block: a block's x chunk (256 x 192 floats) stays in L2
 
