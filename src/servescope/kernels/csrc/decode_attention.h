@@ -111,30 +111,24 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
 
 // The same attention for head dims that are a multiple of W (64 and 128 are instantiated; NJ = D / W
 // vectors per row), arranged so that the arithmetic stays in registers: keys are taken W at a time
-// (within one KV block), converted once to float32 in a scratch tile (bfloat16 queries and caches on
-// AVX512-BF16 skip that: VDPBF16PS multiplies the raw pairs, for q.k and for p.v), each query head's
-// W dot products are summed across lanes together (transpose_sum), and the p * v accumulation of a
-// tile of HD heads (HD * NJ <= 16 accumulators) runs in registers over the W keys. Measured at
-// batch 64, context ~400, SmolLM2 bfloat16: see docs/BENCHMARKS.md.
-template <typename C, int NJ>
-inline const float* rows_f32(const C* src, int64_t stride, int64_t n, float* tile, int64_t* lds) {
-  // n rows of D = W NJ elements at `stride` -> float32; float32 rows are used in place, quantised rows
-  // (int8, fp8) are multiplied by their scale on the way
-  if constexpr (std::is_same_v<C, float>) {
-    *lds = stride;
-    return src;
+// (within one KV block) and copied, all KV heads at once and in the order they lie in the cache, into
+// a scratch tile (converted to float32 on the way; bfloat16 queries and caches on AVX512-BF16 keep
+// the raw pairs for VDPBF16PS, in q.k and in p.v). Each query head's W dot products are summed across
+// lanes together (transpose_sum), and the p * v accumulation of a tile of HD heads
+// (HD * NJ <= 16 accumulators) runs in registers over the W keys. Measured at batch 64, context ~400,
+// SmolLM2 bfloat16: see docs/BENCHMARKS.md.
+//
+// One cached row of D = W NJ elements into the scratch: as it is (float32; bfloat16 read raw, T = bf16),
+// widened (bfloat16 into float32), or multiplied by its scale (int8 / fp8).
+template <typename C, typename T, int NJ>
+inline void row_to_tile(const C* src, T* dst) {
+  if constexpr (std::is_same_v<C, bf16> && std::is_same_v<T, bf16>) {
+    std::memcpy(dst, src, W * NJ * sizeof(T));
   } else if constexpr (kQuantKV<C>) {
-    for (int64_t t = 0; t < n; ++t) {
-      const vf s = set1(row_scale(src + t * stride, W * NJ));
-      for (int j = 0; j < NJ; ++j) store(tile + t * W * NJ + W * j, mul(load(src + t * stride + W * j), s));
-    }
-    *lds = W * NJ;
-    return tile;
+    const vf s = set1(row_scale(src, W * NJ));
+    for (int j = 0; j < NJ; ++j) store(dst + W * j, mul(load(src + W * j), s));
   } else {
-    for (int64_t t = 0; t < n; ++t)
-      for (int j = 0; j < NJ; ++j) store(tile + t * W * NJ + W * j, load(src + t * stride + W * j));
-    *lds = W * NJ;
-    return tile;
+    for (int j = 0; j < NJ; ++j) store(dst + W * j, load(src + W * j));
   }
 }
 
@@ -158,7 +152,7 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
   // bfloat16 are exact in float32, summed in float32), with no float32 copy of the keys
   constexpr bool kDot = SERVESCOPE_HAS_BF16_DOT && std::is_same_v<Q, bf16> && std::is_same_v<C, bf16>;
   constexpr int64_t DP = D + kScalePad<C>;  // a row's pitch (the scale after the D values of a quantised cache)
-  const int64_t g = h / hkv, row = hkv * DP;
+  const int64_t g = h / hkv;
   // An item is a sequence with all its KV heads (each block's keys and values are read whole, front
   // to back: 3-10% faster in float32 at batch 64 with the cache in memory than items of one KV head,
   // neutral in bfloat16) or, with fewer than two sequences per thread, a part of a sequence's context
@@ -184,14 +178,20 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
   std::vector<float> partial(parts > 1 ? items * h * (D + 2) : 0);
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>({nthreads, items, total * g * D / 32768}));
   parallel_by_cost(cum, nt, [&](int64_t i0, int64_t i1) {
-    std::vector<float> buf(2 * h * D + KW * h + 2 * h + 2 * KW * D);
+    using T = std::conditional_t<kDot, bf16, float>;  // the tile scratch's element type
+    std::vector<float> buf(2 * h * D + KW * h + 2 * h);
     float* qf = buf.data();       // [H, D] queries in float32, pre-scaled
     float* acc_ = qf + h * D;     // [H, D] running sum of p * v
     float* pr_ = acc_ + h * D;    // [H, KW] probabilities of the current keys
     float* mx_ = pr_ + KW * h;    // [H] running max
     float* den_ = mx_ + h;        // [H] running sum of p
-    float* kt = den_ + h;         // [KW, D] keys in float32 (bfloat16 caches)
-    float* vt = kt + KW * D;      // [KW, D] values
+    // [Hkv, KW, D] keys, one KV head after another, then as many values. Each KV head's slice is
+    // padded by a cache line so that the slices do not sit 4 KiB apart: stores and loads at the same
+    // offset within 4 KiB pages stall each other (29.0 -> 27.3 ns per key and KV head, float32 in L2).
+    constexpr int64_t SL = KW * D + 64 / sizeof(T);
+    std::vector<T> tile_(2 * hkv * SL + SL);
+    T* kt = tile_.data();
+    T* vt = kt + hkv * SL + SL / 2;
     std::vector<bf16> qb_(kDot ? h * D : 0);   // [H, D] queries as they are (bfloat16), for the pair dot products
     std::vector<bf16> pb_(kDot ? h * KW : 0);  // [H, KW] probabilities rounded to bfloat16 (p * v pairs)
     // where the keys of item `it` at position `pos` are, and how many of them are in this tile (0 past its end)
@@ -229,15 +229,22 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
             range_of(item + 1, &q0, &q1);
             pf = tile_at(item + 1, q0 + p + PF - p_end);
           }
-          for (int64_t t = 0; t < pf.n; ++t) {
-            const char* kp = (const char*)(kc + (pf.row0 + t * hkv) * DP);
-            const char* vp = (const char*)(vc + (pf.row0 + t * hkv) * DP);
-            for (int64_t cb = 0; cb < (int64_t)(hkv * DP * sizeof(C)); cb += 64) {
-              prefetch_l2(kp + cb);
-              prefetch_l2(vp + cb);
-            }
+          const char* pk = (const char*)(kc + pf.row0 * DP);  // pf.n positions, one contiguous run
+          const char* pv = (const char*)(vc + pf.row0 * DP);
+          for (int64_t cb = 0; cb < pf.n * hkv * DP * (int64_t)sizeof(C); cb += 64) {
+            prefetch_l2(pk + cb);
+            prefetch_l2(pv + cb);
           }
         }
+        // The tile's keys and values are read once, in the order they lie in the cache (position after
+        // position, each with its KV heads), into the scratch: the hardware prefetcher follows that
+        // stream. Reading one KV head's rows at a time strides over the others, and it does not (in a
+        // walk over SmolLM2's float32 cache on one Zen 4 core: 10 GB/s strided, 25 in order).
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t kl = 0; kl < hkv; ++kl) {
+            row_to_tile<C, T, NJ>(kc + (r0 + t * hkv + kl) * DP, kt + kl * SL + t * D);
+            row_to_tile<C, T, NJ>(vc + (r0 + t * hkv + kl) * DP, vt + kl * SL + t * D);
+          }
         for (int64_t kl = 0; kl < hkv; ++kl) {  // the item's KV heads, each with its g query heads
           float* acc = acc_ + kl * g * D;
           float* pr = pr_ + kl * g * KW;
@@ -246,32 +253,32 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
           const float* qh = qf + kl * g * D;
           [[maybe_unused]] const bf16* qb = kDot ? qb_.data() + kl * g * D : nullptr;
           [[maybe_unused]] bf16* pb = kDot ? pb_.data() + kl * g * KW : nullptr;
-          int64_t kld = 0, vld = 0;
-          const C* kraw = kc + (r0 + kl) * DP;
-          const float* kf = kDot ? nullptr : rows_f32<C, NJ>(kraw, row, n, kt, &kld);
-          const C* vraw = vc + (r0 + kl) * DP;
-          const float* vfl = kDot ? nullptr : rows_f32<C, NJ>(vraw, row, n, vt, &vld);
+          const T* kh = kt + kl * SL;  // [KW, D] this KV head's keys (rows from n on: finite, left from an earlier tile or zero)
+          const T* vh = vt + kl * SL;  // [n, D] and values
           for (int64_t i = 0; i < g; ++i) {  // scores of head i for the n keys, then the online softmax
             vf part[KW];
             if constexpr (kDot) {
 #if SERVESCOPE_HAS_BF16_DOT
               __m512bh qv[NJ / 2];
               for (int j = 0; j < NJ / 2; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qb + i * D + 32 * j);
+#pragma GCC unroll 16
               for (int64_t t = 0; t < KW; ++t) {
+                const T* kr = kh + t * D;
                 __m512 a = _mm512_setzero_ps();
-                if (t < n)
-                  for (int j = 0; j < NJ / 2; ++j)
-                    a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(kraw + t * row + 32 * j));
+#pragma GCC unroll 4
+                for (int j = 0; j < NJ / 2; ++j) a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
                 part[t] = a;
               }
 #endif
             } else {
               vf qv[NJ];
               for (int j = 0; j < NJ; ++j) qv[j] = load(qh + i * D + W * j);
+#pragma GCC unroll 16
               for (int64_t t = 0; t < KW; ++t) {
+                const T* kr = kh + t * D;
                 vf a = zero();
-                if (t < n)
-                  for (int j = 0; j < NJ; ++j) a = fmadd(qv[j], load(kf + t * kld + W * j), a);
+#pragma GCC unroll 16
+                for (int j = 0; j < NJ; ++j) a = fmadd(qv[j], load(kr + W * j), a);
                 part[t] = a;
               }
             }
@@ -309,8 +316,8 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
                   __m512i vv[NJ];
 #pragma GCC unroll 32
                   for (int j = 0; j < NJ; ++j) {
-                    __m256i r0v = _mm256_loadu_si256((const __m256i*)(vraw + t * row + 16 * j));
-                    __m256i r1v = two ? _mm256_loadu_si256((const __m256i*)(vraw + (t + 1) * row + 16 * j))
+                    __m256i r0v = _mm256_loadu_si256((const __m256i*)(vh + t * D + 16 * j));
+                    __m256i r1v = two ? _mm256_loadu_si256((const __m256i*)(vh + (t + 1) * D + 16 * j))
                                       : _mm256_setzero_si256();
                     vv[j] = _mm512_permutexvar_epi16(inter, _mm512_inserti64x4(_mm512_castsi256_si512(r0v), r1v, 1));
                   }
@@ -328,7 +335,7 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
                 for (int64_t t = 0; t < n; ++t) {
                   vf vv[NJ];
 #pragma GCC unroll 32
-                  for (int j = 0; j < NJ; ++j) vv[j] = load(vfl + t * vld + W * j);
+                  for (int j = 0; j < NJ; ++j) vv[j] = load(vh + t * D + W * j);
 #pragma GCC unroll 16
                   for (int ii = 0; ii < NH; ++ii) {
                     const vf pv = set1(pr[KW * (i0h + ii) + t]);
