@@ -56,9 +56,10 @@ from servescope.timing import median_seconds
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 8  # 2: host overheads; 3: linear kernel rates; 4: decode attention; 5: best-of matmul;
+CACHE_VERSION = 9  # 2: host overheads; 3: linear kernel rates; 4: decode attention; 5: best-of matmul;
 # 6: the kernel path and CPU flags in the key, matmuls sized to each dtype's speed, slow_dtypes;
-# 7: the packed integer GEMM's rate; 8: float32's linear rates with the panel GEMM
+# 7: the packed integer GEMM's rate; 8: float32's linear rates with the panel GEMM; 9: decode attention
+# reads each tile in cache order (its rate moved)
 CALL_BUDGET_S = 0.25  # the longest one timed matmul call may take (sizes the matmul of each dtype)
 SLOW_FRACTION = 0.25  # a dtype below this fraction of float32's matmul rate has no fast path here
 SLOW_ROWS = (1, 2)  # the rows a slow dtype's linear kernel is measured at
