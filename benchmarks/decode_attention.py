@@ -34,9 +34,12 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    names = args.dtypes.split(",")
+    if not names or any(n not in ("float32", "bfloat16") for n in names):
+        ap.error(f"--dtypes: float32 and / or bfloat16, got {args.dtypes!r}")
     torch.set_num_threads(args.threads)
     if cpu_ops.load() is None:
         raise SystemExit("the CPU kernels did not build on this machine (see the warning above)")
@@ -46,7 +49,7 @@ def main() -> None:
     block_table = (1 + torch.randperm(b * per_seq, generator=gen)).to(torch.int32).view(b, per_seq)
     context_lens = torch.full((b,), ctx, dtype=torch.int32)
     results = {}
-    for name in args.dtypes.split(","):
+    for name in names:
         dtype = getattr(torch, name)
         caches = []
         for _ in range(args.layers):  # allocated as the engine allocates its cache (kv_quant.allocate)
