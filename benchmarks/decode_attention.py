@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
 from servescope.kernels import cpu_ops
 from servescope.model.attention import kv_quant
+from servescope.timing import median_seconds
 
 
 def main() -> None:
@@ -64,13 +64,7 @@ def main() -> None:
             for k, v in caches:
                 cpu_ops.paged_decode(q, k, v, block_table, context_lens, d ** -0.5)
 
-        step()
-        times = []
-        for _ in range(args.rounds):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        t = statistics.median(times)
+        t = median_seconds(step, args.rounds)
         nbytes = args.layers * b * ctx * 2 * hkv * d * caches[0][0].element_size()
         results[name] = {"ms": 1e3 * t, "gb_per_s": nbytes / t / 1e9}
         print(f"{name:9s} {1e3 * t:7.1f} ms for {args.layers} layers  {nbytes / t / 1e9:5.1f} GB/s of K and V  "

@@ -261,8 +261,14 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
           [[maybe_unused]] bf16* pb = kDot ? pb_.data() + kl * g * KW : nullptr;
           // this KV head's keys (KW rows are read: rows n.. are stale ones in the scratch, row n - 1 again
           // in place; their scores are masked) and values (n rows), `rs` elements apart
-          const T* kh = kCopy ? kt + kl * SL : (const T*)(kc + (r0 + kl) * DP);
-          const T* vh = kCopy ? vt + kl * SL : (const T*)(vc + (r0 + kl) * DP);
+          const T *kh, *vh;
+          if constexpr (kCopy) {
+            kh = kt + kl * SL;
+            vh = vt + kl * SL;
+          } else {  // float32 rows, read where they are
+            kh = kc + (r0 + kl) * DP;
+            vh = vc + (r0 + kl) * DP;
+          }
           for (int64_t i = 0; i < g; ++i) {  // scores of head i for the n keys, then the online softmax
             vf part[KW];
             if constexpr (kDot) {
