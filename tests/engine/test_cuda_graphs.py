@@ -14,7 +14,7 @@ from servescope.engine.cuda_graphs import CudaGraphRunner  # noqa: E402
 from servescope.engine.executor import ModelExecutor  # noqa: E402
 from servescope.engine.model_runner import ModelRunner  # noqa: E402
 from servescope.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from servescope.model.llama import LlamaForCausalLM  # noqa: E402
+from servescope.model.decoder import CausalLM  # noqa: E402
 
 DEV = torch.device("cuda")
 S = 16
@@ -25,7 +25,7 @@ def _setup(dtype=torch.float32):
     cfg = ModelConfig(architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=256,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                       max_position_embeddings=1024)
-    model = LlamaForCausalLM(cfg).to(DEV, dtype).eval().requires_grad_(False)
+    model = CausalLM(cfg).to(DEV, dtype).eval().requires_grad_(False)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.05)
     runner = ModelRunner(ModelExecutor(model, DEV), cfg, TritonAttentionBackend(), num_blocks=64, block_size=S, kv_dtype=dtype,

@@ -68,7 +68,7 @@ def test_smollm2_bfloat16_as_close_to_float32_as_transformers_bfloat16(smollm2_l
         assert kl <= 1.5 * hf_kl + 1e-5 and agree >= hf_agree - 0.01, (chunk, kl, agree, hf_kl, hf_agree)
 
 
-@pytest.mark.parametrize("family", ["llama", "llama_plain", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "llama_plain", "mistral", "qwen2", "qwen3", "phi3"])
 def test_tiny_family_parity(tmp_path, family):
     from transformers import AutoModelForCausalLM
     from tiny_models import make_tiny_hf_model
@@ -88,6 +88,40 @@ def test_tiny_family_parity(tmp_path, family):
                           attention_mask=torch.ones(1, 40, dtype=torch.long))[0, 40:].tolist()
     out = llm.generate(ids[:40], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == gen
+
+
+def test_phi3_longrope_parity(tmp_path):
+    """LongRoPE: the short factors below the original context (64 here), the long ones from there on,
+    per position. That is transformers' model run token by token on its own cache (each forward rotates
+    with the long factors once its position passes 64; cached keys stay as they were computed), which is
+    the reference here: a 40-token prompt decoded past position 64, logits at every position and greedy
+    tokens across the switch. (transformers' generate() differs on purpose: Phi-3's
+    prepare_inputs_for_generation drops the cache at the crossing and recomputes the whole sequence with
+    the long factors; vLLM instead switches the whole batch once any position passes the original
+    context. Ours is batch-invariant and cache-stable.)"""
+    from transformers import AutoModelForCausalLM
+    from tiny_models import make_tiny_hf_model
+
+    path = make_tiny_hf_model(tmp_path, "phi3_longrope")
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=512)
+    ids = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0].outputs[0]
+    seq = ids + out.token_ids
+    with torch.no_grad():  # transformers, one token at a time on its cache, over our sequence
+        step = hf(torch.tensor([ids]), use_cache=True)
+        ref, want = [step.logits[0, -1]], []
+        for p in range(len(ids), len(seq) - 1):
+            want.append(int(ref[-1].argmax()))
+            step = hf(torch.tensor([[seq[p]]]), past_key_values=step.past_key_values, use_cache=True,
+                      position_ids=torch.tensor([[p]]))
+            ref.append(step.logits[0, -1])
+        want.append(int(ref[-1].argmax()))
+    assert out.token_ids == want
+    ours = paged_logits(llm.engine, seq[:-1], chunk=16, decode_from=len(ids))
+    diff = (ours[len(ids) - 1:] - torch.stack(ref)).abs().max().item()
+    assert diff <= TOL, f"max |logit diff| {diff:.2e}"
+    assert len(seq) > 64 + 10  # the sequence crossed the original context
 
 
 def test_paged_decode_equals_recompute(smollm2_llm):

@@ -87,8 +87,8 @@ def test_self_draft_reads_the_target_kv_and_an_own_cache_draft_agrees(tiny_paths
     prop = same.engine.spec.proposer
     assert prop.shares_target_kv and prop.runner.kv_caches is same.engine.runner.kv_caches
     ex, served = prop.runner.executor, []
-    plan_serves = ex._plan_serves
-    ex._plan_serves = lambda *a: served.append(plan_serves(*a)) or served[-1]
+    layers_for = ex.layers_for
+    ex.layers_for = lambda *a: served.append(layers_for(*a) is ex.decode_plan) or layers_for(*a)
     assert [o.outputs[0].token_ids for o in same.generate(_prompts(), GREEDY)] == want
     # every draft step is a decode-only step of one-token rows: the C++ decode plan serves it where built
     assert served and (all(served) or ex.decode_plan is None)

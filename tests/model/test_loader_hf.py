@@ -15,7 +15,8 @@ from servescope.errors import ModelLoadError  # noqa: E402
 from servescope.loader.checkpoint import expected_tensor_shapes  # noqa: E402
 from servescope.loader.source import load_model_source, resolve_model_path  # noqa: E402
 
-FAMILY_ARCH = {"llama": "llama", "llama_plain": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+FAMILY_ARCH = {"llama": "llama", "llama_plain": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+               "phi3": "phi3", "phi3_longrope": "phi3"}
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
@@ -36,6 +37,10 @@ def test_hf_roundtrip(tmp_path, family, sharded):
     if family == "llama":
         assert c.rope_scaling.rope_type == "llama3" and c.rope_scaling.factor == 8.0
         assert c.rope_scaling.original_max_position_embeddings == 64
+    elif family == "phi3_longrope":
+        rs = c.rope_scaling
+        assert rs.rope_type == "longrope" and rs.original_max_position_embeddings == 64
+        assert len(rs.short_factor) == len(rs.long_factor) == 8 and rs.long_factor[1] == 3.5
     else:
         assert c.rope_scaling is None
     assert src.generation_config["eos_token_id"] == [2]

@@ -6,7 +6,9 @@ config.json, safetensors weights (sharded when `max_shard_size` is given), gener
 and the SmolLM2 tokenizer (vocab 49152, ChatML template) so that text in / text out works.
 
 Families: "llama" (llama3 rope scaling, untied), "llama_plain" (no scaling, tied, like SmolLM2),
-"mistral" (untied), "qwen2" (qkv bias, tied), "qwen3" (q/k norm, untied).
+"mistral" (untied), "qwen2" (qkv bias, tied), "qwen3" (q/k norm, untied), "phi3" (q/k/v and gate/up
+fused in the checkpoint, untied), "phi3_longrope" (phi3 with LongRoPE: short factors below position 64,
+long ones from there on).
 All: hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16, intermediate 128, float32, seeded.
 Weights are random with std 0.05; norm weights are 1 + noise and biases noise, so a test notices
 a norm or bias that is ignored or misplaced.
@@ -50,6 +52,13 @@ FAMILIES = {
                   use_sliding_window=False),
     "qwen3": dict(_cls="Qwen3ForCausalLM", _cfg="Qwen3Config", tie_word_embeddings=False, rope_theta=1000000.0,
                   use_sliding_window=False, attention_bias=False),
+    "phi3": dict(_cls="Phi3ForCausalLM", _cfg="Phi3Config", tie_word_embeddings=False, rope_theta=10000.0),
+    "phi3_longrope": dict(
+        _cls="Phi3ForCausalLM", _cfg="Phi3Config", tie_word_embeddings=False, rope_theta=10000.0,
+        original_max_position_embeddings=64,
+        rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.15 * i for i in range(8)],
+                      "long_factor": [2.0 + 1.5 * i for i in range(8)]},
+    ),
 }
 
 

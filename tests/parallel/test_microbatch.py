@@ -10,7 +10,6 @@ import torch
 
 from servescope import LLM
 from servescope.parallel.microbatch import choose_cuts, forbidden_spans, micro_batches
-from servescope.parallel.pipeline import final_norm, run_layers
 from tiny_models import make_tiny_hf_model
 
 
@@ -46,9 +45,9 @@ def test_micro_batches_equal_the_whole_step(runner):
         kv = _caches(runner)
         pieces = micro_batches(step.input_ids, step.positions, step.meta, cuts)
         assert [(p.lo, p.hi) for p in pieces] == list(zip([0, *cuts], [*cuts, step.num_tokens]))
-        outs = [run_layers(model, model.model.embed_tokens(p.input_ids), None, p.positions, kv, p.meta, backend)
+        outs = [model.run_layers(model.embed(p.input_ids), None, p.positions, kv, p.meta, backend)
                 for p in pieces]
-        got = final_norm(model, torch.cat([h for h, _ in outs]), torch.cat([r for _, r in outs]))
+        got = model.final_norm(torch.cat([h for h, _ in outs]), torch.cat([r for _, r in outs]))
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         for (k, v), (k0, v0) in zip(kv, base):
             torch.testing.assert_close(k, k0, rtol=0, atol=1e-6)
@@ -88,7 +87,7 @@ def test_stage_decode_plans_chained_equal_the_whole_plan(runner):
     try:
         for part in (slice(0, 2), slice(2, 3)):
             model.model.layers = torch.nn.ModuleList(layers[part])
-            stages.append(cpu_decode_plan(model)[0])
+            stages.append(cpu_decode_plan(model))
     finally:
         model.model.layers = layers
     a, b = list(range(5, 5 + s + 2)), list(range(70, 79))
@@ -96,13 +95,10 @@ def test_stage_decode_plans_chained_equal_the_whole_plan(runner):
                             runner.kv_caches, runner.backend)
     step = runner.prepare([_seq(a, len(a) - 1, 1, [8, 9]), _seq(b, len(b) - 1, 1, [10])])
     m = step.meta
-    h0 = model.model.embed_tokens(step.input_ids)
-    cos, sin = model.rotary.table(step.positions)
+    h0, pos = model.embed(step.input_ids), step.positions
     whole_kv, staged_kv = _caches(runner), _caches(runner)
-    want = ex.decode_plan.run(h0, cos, sin, whole_kv, m.slot_mapping, m.block_tables, m.context_lens)
-    h, r = stages[0].run_layers(h0, h0.new_empty(0), cos, sin, staged_kv[:2], m.slot_mapping, m.block_tables,
-                                m.context_lens)
-    h, r = stages[1].run_layers(h, r, cos, sin, staged_kv[2:], m.slot_mapping, m.block_tables, m.context_lens)
-    norm = model.model.norm
-    assert torch.equal(cpu_ops.add_rms_norm(h, r, norm.weight, norm.eps)[0], want)
+    want = model.final_norm(*ex.decode_plan.run_layers(h0, None, pos, whole_kv, m))
+    h, r = stages[0].run_layers(h0, None, pos, staged_kv[:2], m)
+    h, r = stages[1].run_layers(h, r, pos, staged_kv[2:], m)
+    assert torch.equal(model.final_norm(h, r), want)
     assert all(torch.equal(x, y) for (k, v), (k2, v2) in zip(whole_kv, staged_kv) for x, y in ((k, k2), (v, v2)))

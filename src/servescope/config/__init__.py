@@ -3,6 +3,8 @@
 The bottom of the layers: this package imports nothing from servescope except errors, and every
 other layer may import it. All configs are frozen dataclasses validated in `__post_init__`.
   model.py     ModelConfig (and RopeScaling): the shape of a transformer
+  layers.py    LayerSpec (AttentionSpec, MlpSpec): what one decoder layer computes
+  families.py  the family table: HF and GGUF architecture names -> a family and its defaults
   sampling.py  SamplingParams: how to sample one request
   engine.py    EngineConfig, composed of Load/KVCache/Batching/Parallel/Speculative/Telemetry
                parts, and the runtime CacheConfig / SchedulerConfig the engine builder resolves
@@ -20,10 +22,15 @@ from servescope.config.engine import (
     SpeculativeConfig,
     TelemetryConfig,
 )
-from servescope.config.model import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from servescope.config.families import SUPPORTED_ARCHITECTURES
+from servescope.config.layers import AttentionSpec, LayerSpec, MlpSpec
+from servescope.config.model import ModelConfig, RopeScaling
 from servescope.config.sampling import SAMPLING_EPS, SamplingParams, StructuredOutput
 
 __all__ = [
+    "AttentionSpec",
+    "LayerSpec",
+    "MlpSpec",
     "KV_CACHE_DTYPES",
     "SAMPLING_EPS",
     "SUPPORTED_ARCHITECTURES",

@@ -1,4 +1,8 @@
-"""ModelConfig: the shape of a Llama-family transformer, from or to a Hugging Face config.json."""
+"""ModelConfig: the shape of a decoder-only transformer, from or to a Hugging Face config.json.
+
+The family (config/families.py) says what a config.json implies; `layer_specs()` says what each layer
+computes (config/layers.py), which the model builds and the cost model counts.
+"""
 
 from __future__ import annotations
 
@@ -6,40 +10,43 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from servescope.config.families import SUPPORTED_ARCHITECTURES, family, family_of_hf
+from servescope.config.layers import AttentionSpec, MlpSpec, uniform_layers
 from servescope.errors import InvalidParameterError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-
-_HF_ARCH_TO_FAMILY = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+ROPE_TYPES = ("default", "llama3", "linear", "longrope")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style ("llama3") or linear rope scaling. `rope_type` "default" means none."""
+    """Llama-3 style ("llama3"), linear or LongRoPE ("longrope", Phi-3) rope scaling. `rope_type`
+    "default" means none. LongRoPE divides each frequency by its short factor at positions below
+    original_max_position_embeddings and by its long factor from there on, and scales cos and sin by
+    attention_factor."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple = ()  # longrope: one per frequency (head_dim / 2)
+    long_factor: tuple = ()
+    attention_factor: Optional[float] = None  # longrope: None derives it from the context extension
 
     def __post_init__(self):
-        if self.rope_type not in ("default", "llama3", "linear"):
+        if self.rope_type not in ROPE_TYPES:
             raise InvalidParameterError(
-                "rope_scaling", f"unsupported rope_scaling type {self.rope_type!r} (supported: default, llama3, linear)"
+                "rope_scaling", f"unsupported rope_scaling type {self.rope_type!r} (supported: {', '.join(ROPE_TYPES)})"
             )
+        if self.rope_type == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
+            raise InvalidParameterError("rope_scaling", "longrope needs short_factor and long_factor of equal length")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family transformer. Names follow Hugging Face's config.json."""
+    """The shape of a decoder-only transformer. Names follow Hugging Face's config.json."""
 
-    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    architecture: str  # one of SUPPORTED_ARCHITECTURES (config/families.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -55,16 +62,13 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q, k, v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     sliding_window: Optional[int] = None  # recorded, not applied (Mistral v0.2+ has none)
+    hidden_act: str = "silu"
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
     name: str = ""
 
     def __post_init__(self):
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise InvalidParameterError(
-                "architecture",
-                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
-            )
+        family(self.architecture)  # raises on an unknown one
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             if int(getattr(self, f)) <= 0:
@@ -75,6 +79,12 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})",
             )
+
+    def layer_specs(self) -> tuple:
+        """What each decoder layer computes (config/layers.py), validated: a kind the model does not
+        implement raises here, at load time."""
+        attention = AttentionSpec(bias=self.attention_bias, qk_norm=self.qk_norm)
+        return uniform_layers(self.num_hidden_layers, attention, MlpSpec(activation=self.hidden_act))
 
     @property
     def q_size(self) -> int:
@@ -98,45 +108,22 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict, name: str = "") -> "ModelConfig":
-        """Build from a Hugging Face config.json dict. Raises InvalidParameterError on unknown models."""
-        archs = d.get("architectures") or []
-        family = None
-        for a in archs:
-            family = _HF_ARCH_TO_FAMILY.get(a)
-            if family:
-                break
-        if family is None:
-            mt = d.get("model_type")
-            family = mt if mt in SUPPORTED_ARCHITECTURES else None
-        if family is None:
-            got = ", ".join(archs) or d.get("model_type") or "none given"
-            raise InvalidParameterError(
-                "architecture",
-                f"unsupported architecture ({got}); supported: "
-                + ", ".join(sorted(_HF_ARCH_TO_FAMILY)) + " (model_type llama, mistral, qwen2, qwen3)",
-            )
+        """Build from a Hugging Face config.json dict. Raises InvalidParameterError on unknown models
+        and on fields that ask for maths the model does not implement."""
+        fam = family_of_hf(d)
+        d = {**fam.hf_defaults, **d}
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         head_dim = d.get("head_dim") or hidden // heads
-        rs = d.get("rope_scaling") or d.get("rope_parameters")
-        rope_scaling = None
-        rope_theta = float(d.get("rope_theta", 10000.0))
-        if isinstance(rs, dict):
-            if "rope_theta" in rs:
-                rope_theta = float(rs["rope_theta"])
-            rtype = rs.get("rope_type", rs.get("type", "default"))
-            if rtype != "default":
-                rope_scaling = RopeScaling(
-                    rope_type=rtype,
-                    factor=float(rs.get("factor", 1.0)),
-                    low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-                    high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-                    original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
-                )
+        partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        if float(partial) != 1.0:
+            raise InvalidParameterError("partial_rotary_factor", f"partial_rotary_factor {partial} (rotary "
+                                                                 "over part of each head) is not implemented")
+        rope_theta, rope_scaling = _rope_from_hf(d)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        return cls(
-            architecture=family,
+        fields = dict(
+            architecture=fam.name,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(d["intermediate_size"]),
@@ -149,19 +136,22 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", family == "qwen2")),
-            qk_norm=family == "qwen3",
+            attention_bias=bool(d.get("attention_bias", False)),
+            qk_norm=bool(d.get("qk_norm", False)),
             sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
+            hidden_act=str(d.get("hidden_act", "silu")),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
         )
+        cfg = cls(**{**fields, **fam.fixed})
+        cfg.layer_specs()  # a layer kind the model does not implement fails here, at load
+        return cfg
 
     def to_hf_dict(self) -> dict:
         """A config.json dict that transformers can load (used by tests and presets)."""
-        arch = {v: k for k, v in _HF_ARCH_TO_FAMILY.items()}[self.architecture]
         d: dict[str, Any] = {
-            "architectures": [arch],
+            "architectures": [family(self.architecture).hf_architecture],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -174,14 +164,42 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
         }
         if self.architecture in ("llama", "mistral"):
             d["attention_bias"] = self.attention_bias
         if self.rope_scaling is not None:
-            d["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
+            rs = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.rope_scaling).items()}
+            if self.rope_scaling.rope_type == "longrope":
+                d["original_max_position_embeddings"] = rs["original_max_position_embeddings"]
+            d["rope_scaling"] = {k: v for k, v in rs.items() if v is not None and v != []}
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:
             d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
         return d
+
+
+def _rope_from_hf(d: dict) -> tuple:
+    """(rope_theta, RopeScaling or None) of a config.json: `rope_scaling` or transformers 5's
+    `rope_parameters` (which may carry rope_theta)."""
+    rs = d.get("rope_scaling") or d.get("rope_parameters")
+    rope_theta = float(d.get("rope_theta", 10000.0))
+    if not isinstance(rs, dict):
+        return rope_theta, None
+    rope_theta = float(rs.get("rope_theta", rope_theta))
+    rtype = rs.get("rope_type", rs.get("type", "default"))
+    if rtype == "default":
+        return rope_theta, None
+    original = rs.get("original_max_position_embeddings", d.get("original_max_position_embeddings", 8192))
+    attention_factor = rs.get("attention_factor")
+    return rope_theta, RopeScaling(
+        rope_type=rtype,
+        factor=float(rs.get("factor") or 1.0),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(original),
+        short_factor=tuple(float(x) for x in rs.get("short_factor") or ()),
+        long_factor=tuple(float(x) for x in rs.get("long_factor") or ()),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+    )

@@ -2,11 +2,14 @@
 
 Shape legend: T tokens in the step, B sequences whose next token is due, Dm model width, V vocabulary.
 
-The model has one forward (embed -> layers -> norm) and one output head. Which kernels serve a step
-is decided here, not inside the model: on the CPU the all-layers C++ decode plan for decode-only
-steps; on a GPU replayed CUDA graphs; everywhere else the model's own forward. The linear modules
-the model calls (dense, int8, the CPU GEMV/oneDNN linear, the Triton GEMV) were swapped in by the
-transforms in `prepare`, before the first step.
+A forward is the model's four steps: `embed`, `run_layers`, `final_norm`, `compute_logits`. What
+serves the layers is chosen here, once, in `prepare`, not inside the model: the list `layer_paths`
+holds, in order of preference, the C++ decode plan (CPU, decode-only steps) and the model's own
+`run_layers` (every step), and each step takes the first that serves it. Replayed CUDA graphs
+(GPU, decode-only) capture the whole composition and come before both. The linear modules the model
+calls (dense, int8, the CPU GEMV/oneDNN linear, the Triton GEMV) were swapped in by the transforms in
+`prepare`, before the first step. A pipeline stage (parallel executor) runs the same layer paths over
+its own layers.
 
 `fork()` gives an executor on the same weights for another runner (another KV cache): graphs
 captured against one runner's cache are never shared.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -29,17 +33,24 @@ from servescope.model.transforms import cpu_decode_plan, use_cpu_linears
 logger = logging.getLogger(__name__)
 
 
-class ModelExecutor:
-    last_comm = (0.0, 0)  # (seconds, bytes) in collectives during the last step: none in one process
-    last_micro_batches = 0  # the pipeline micro-batches of the last step (0: no pipeline)
+@dataclass(frozen=True)
+class ExecutorStepStats:
+    """What the executor's last step spent outside the model's arithmetic."""
 
+    comm_seconds: float = 0.0  # rank 0's time inside collectives
+    comm_bytes: int = 0
+    micro_batches: int = 0  # the pipeline micro-batches the step was cut into (0: no pipeline)
+
+
+class ModelExecutor:
     def __init__(self, model: torch.nn.Module, device: torch.device, gpu_linear_choice: Optional[dict] = None,
-                 decode_plan=None, decode_plan_max_rows: int = 0):
+                 decode_plan=None):
         self.model = model
         self.device = device
         self.gpu_linear_choice = gpu_linear_choice or {}
-        # the C++ all-layers decode call (model/transforms.py) and the most tokens per step it serves
-        self.decode_plan, self.decode_plan_max_rows = decode_plan, decode_plan_max_rows
+        # the C++ all-layers decode call (model/transforms.DecodePlanLayers) or None
+        self.decode_plan = decode_plan
+        self.layer_paths = ([decode_plan] if decode_plan is not None else []) + [model]
         self.graphs = None  # CudaGraphRunner once captured (capture_cuda_graphs)
 
     @classmethod
@@ -50,18 +61,18 @@ class ModelExecutor:
         kernels); kwargs go to the constructor (a subclass's own)."""
         if quantization:
             model = quantize_model(model, quantization)
-        ex = cls(model, device, **kwargs)
-        if device.type == "cpu" and cpu_ops.load() is not None:  # builds the extension now (once, ~40 s), not in a step
+        plan = None
+        if device.type == "cpu" and cpu_ops.load() is not None:  # builds the extension now, not in a step
             use_cpu_linears(model)
             if decode_plan:
-                ex.decode_plan, ex.decode_plan_max_rows = cpu_decode_plan(model)
+                plan = cpu_decode_plan(model)
+        ex = cls(model, device, decode_plan=plan, **kwargs)
         ex.gpu_linear_choice = ex._select_gpu_linear(gpu_linear)
         return ex
 
     def fork(self) -> "ModelExecutor":
         """The same weights and kernel choices, no captured graphs (for a runner with its own KV cache)."""
-        return ModelExecutor(self.model, self.device, self.gpu_linear_choice, self.decode_plan,
-                             self.decode_plan_max_rows)
+        return ModelExecutor(self.model, self.device, self.gpu_linear_choice, self.decode_plan)
 
     @property
     def weight_bytes(self) -> int:
@@ -71,24 +82,22 @@ class ModelExecutor:
                    itertools.chain(self.model.parameters(), self.model.buffers()) if id(t) not in rot)
 
     # ---------------------------------------------------------------- the step
+    def layers_for(self, num_tokens: int, meta, kv_caches: list, backend):
+        """The first layer path that serves a step (or a pipeline micro-batch) of this shape."""
+        for path in self.layer_paths[:-1]:
+            if path.serves(meta, num_tokens, kv_caches, backend):
+                return path
+        return self.layer_paths[-1]
+
     def forward(self, batch, kv_caches: list, backend) -> torch.Tensor:
         """StepBatch -> hidden [T, Dm] (a CUDA graph serves only decode-only steps, where T == B)."""
         meta = batch.meta
         if self.graphs is not None and meta.is_decode_only and self.graphs.can_run(batch):
             return self.graphs.run(batch)
-        if self._plan_serves(batch, kv_caches, backend):
-            # the same kernels as the model's forward, issued from C++ (no Python per layer)
-            h = self.model.model.embed_tokens(batch.input_ids)  # [T] -> [T, Dm]
-            cos, sin = self.model.rotary.table(batch.positions)
-            return self.decode_plan.run(h, cos, sin, kv_caches, meta.slot_mapping, meta.block_tables,
-                                        meta.context_lens)
-        return self.model(batch.input_ids, batch.positions, kv_caches, meta, backend)
-
-    def _plan_serves(self, batch, kv_caches: list, backend) -> bool:
-        """Decode-only steps within the plan's row limit, on the torch backend's cache layout."""
-        return (self.decode_plan is not None and batch.meta.is_decode_only
-                and batch.num_tokens <= self.decode_plan_max_rows and backend.name == "torch"
-                and not torch.is_grad_enabled() and kv_caches[0][0].dtype in cpu_ops.KV_DTYPES)
+        layers = self.layers_for(batch.num_tokens, meta, kv_caches, backend)
+        h, residual = layers.run_layers(self.model.embed(batch.input_ids), None, batch.positions, kv_caches,
+                                        meta, backend)
+        return self.model.final_norm(h, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, Dm] -> float32 logits [B, V]."""
@@ -98,6 +107,10 @@ class ModelExecutor:
         """One step: the forward, then float32 logits [B', V] of the rows `logits_indices` of T (the
         seam a parallel executor overrides: it sends the plan to its workers first)."""
         return self.compute_logits(self.forward(batch, kv_caches, backend)[logits_indices])
+
+    def step_stats(self) -> ExecutorStepStats:
+        """What the last step spent in collectives and how it was cut (nothing, in one process)."""
+        return ExecutorStepStats()
 
     def shard_config(self, cfg):
         """The ModelConfig of the part of the model this process holds (its KV cache's shape): the

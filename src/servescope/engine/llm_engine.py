@@ -260,8 +260,9 @@ class LLMEngine:
             st = self.spec.last_step
             rec.num_spec_seqs, rec.num_draft_tokens, rec.num_accepted_tokens = (
                 st.num_seqs, st.num_draft_tokens, st.num_accepted_tokens)
-        rec.comm_seconds, rec.comm_bytes = self.executor.last_comm if out.scheduled else (0.0, 0)
-        rec.pipeline_micro_batches = self.executor.last_micro_batches if out.scheduled else 0
+        if out.scheduled:
+            ex = self.executor.step_stats()
+            rec.comm_seconds, rec.comm_bytes, rec.pipeline_micro_batches = ex.comm_seconds, ex.comm_bytes, ex.micro_batches
         if self._cost is not None and seqs:
             self._cost.annotate(rec, seqs, num_logits=num_logits)
         self.step_records.append(rec)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from servescope.analysis.pipeline_schedule import auto_micro_batches
 from servescope.config import EngineConfig, ModelConfig
-from servescope.engine.executor import ModelExecutor
+from servescope.engine.executor import ExecutorStepStats, ModelExecutor
 from servescope.errors import EngineConfigError, WorkerFailedError
 from servescope.parallel import plan
 from servescope.parallel.groups import (START_TIMEOUT_S, DistContext, backend_for, context, destroy_group,
@@ -38,7 +38,7 @@ from servescope.parallel.groups import (START_TIMEOUT_S, DistContext, backend_fo
 from servescope.parallel.launcher import ParkedGroup, WorkerGroup, park, take_parked
 from servescope.parallel.layout import ParallelLayout, check_parallel, local_kv_heads
 from servescope.parallel.microbatch import choose_cuts, micro_batches
-from servescope.parallel.pipeline import final_norm, keep_stage, run_layers, run_stage
+from servescope.parallel.pipeline import keep_stage, run_stage
 from servescope.parallel.tensor_parallel import apply_tensor_parallel
 
 logger = logging.getLogger(__name__)
@@ -75,15 +75,14 @@ def shard_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
 
 
 class ParallelExecutor(ModelExecutor):
-    def __init__(self, model, device, ctx: DistContext, workers: Optional[WorkerGroup] = None):
-        super().__init__(model, device)
+    def __init__(self, model, device, ctx: DistContext, workers: Optional[WorkerGroup] = None, decode_plan=None):
+        super().__init__(model, device, decode_plan=decode_plan)
         self.ctx, self.workers = ctx, workers
         self.failure: Optional[str] = None
         self.timeout_s = 0.0  # rank 0's collective timeout (distributed_timeout_s), for the error message
         self.vocab_size = model.config.vocab_size
-        self.last_comm = (0.0, 0)  # (seconds, bytes) of rank 0's collectives in the last step
         self.micro_batches = 0  # pipeline_micro_batches (0: auto)
-        self.last_micro_batches = 0  # what the last step was cut into (0: not a pipeline)
+        self._last = ExecutorStepStats()  # rank 0's collectives and micro-batches in the last step
         self.group: Optional[ParkedGroup] = None  # rank 0: the workers and their store (None: torchrun)
         # at garbage collection or exit too: STOP while the group is healthy, then wait, then terminate
         self._health = {"ok": True, "device": device}
@@ -162,19 +161,22 @@ class ParallelExecutor(ModelExecutor):
     # ---------------------------------------------------------------- the step
     def run(self, batch, kv_caches: list, backend, logits_indices: torch.Tensor) -> torch.Tensor:
         self.ctx.comm.take()
-        out = self._guarded(self._plan_and_step, batch, kv_caches, backend, logits_indices)
-        self.last_comm = self.ctx.comm.take()
+        out, cuts = self._guarded(self._plan_and_step, batch, kv_caches, backend, logits_indices)
+        seconds, nbytes = self.ctx.comm.take()
+        self._last = ExecutorStepStats(seconds, nbytes, len(cuts) + 1 if self.ctx.layout.pp > 1 else 0)
         return out
 
-    def _plan_and_step(self, batch, kv_caches, backend, logits_indices):
+    def step_stats(self) -> ExecutorStepStats:
+        return self._last
+
+    def _plan_and_step(self, batch, kv_caches, backend, logits_indices) -> tuple:
         cuts = []
         if self.ctx.layout.pp > 1:
             prefill_tokens = batch.num_tokens - batch.meta.num_decode_seqs
             m = auto_micro_batches(prefill_tokens, self.ctx.layout.pp, self.micro_batches)
             cuts = choose_cuts(batch.meta, m, kv_caches[0][0].shape[1])  # [N, S, Hkv, D]: S
-            self.last_micro_batches = len(cuts) + 1
         plan.send_step(batch, logits_indices, self.ctx.comm, cuts)
-        return local_step(self, batch, kv_caches, backend, logits_indices, cuts)
+        return local_step(self, batch, kv_caches, backend, logits_indices, cuts), cuts
 
     def _guarded(self, fn, *args):
         """fn(*args), with any failure of the group turned into WorkerFailedError (and remembered)."""
@@ -223,40 +225,24 @@ def local_step(ex, batch, kv_caches: list, backend, logits_indices: torch.Tensor
     """This rank's part of one step (every rank, the same order of collectives), in the micro-batches
     `cuts` makes of it on a pipeline. Returns the float32 logits [B', V] on rank 0, None elsewhere."""
     ctx, model = ex.ctx, ex.model
-    if ctx.layout.pp == 1:
-        h = model.model.embed_tokens(batch.input_ids)  # [T] -> [T, Dm]
-        h, residual = run_layers(model, h, None, batch.positions, kv_caches, batch.meta, backend)
-    else:
-        pieces = micro_batches(batch.input_ids, batch.positions, batch.meta, list(cuts))
-        h, residual = run_stage(model, pieces, _stage_layers(ex, kv_caches, backend), ctx,
-                                model.model.norm.weight.dtype)
+    pieces = micro_batches(batch.input_ids, batch.positions, batch.meta, list(cuts))
+
+    def layers(mb, h, residual):  # the first layer path that serves the micro-batch (the whole step at PP 1)
+        path = ex.layers_for(mb.num_tokens, mb.meta, kv_caches, backend)
+        return path.run_layers(h, residual, mb.positions, kv_caches, mb.meta, backend)
+
+    h, residual = run_stage(model, pieces, layers, ctx, model.model.norm.weight.dtype)
     if not ctx.is_last_stage:
         return _logits_from_last_stage(ex, logits_indices.numel()) if ctx.rank == 0 else None
     n = logits_indices.numel()
     if n == 0:
         return torch.empty(0, ex.vocab_size, device=ex.device) if ctx.rank == 0 else None
-    local = model.compute_logits(final_norm(model, h, residual)[logits_indices])  # [B', V/Tp]
+    local = model.compute_logits(model.final_norm(h, residual)[logits_indices])  # [B', V/Tp]
     logits = _gather_vocab(ex, local)
     if ctx.rank == ctx.tp_root and ctx.rank != 0:
         ctx.comm.timed(dist.send, logits, 0)
         return None
     return logits
-
-
-def _stage_layers(ex, kv_caches: list, backend):
-    """How a pipeline stage runs its layers on a micro-batch: the C++ decode plan over the stage's
-    layers for a decode-only micro-batch it serves (TP = 1: no collective inside a layer), else the
-    modules."""
-    def run(mb, h, residual):
-        if ex._plan_serves(mb, kv_caches, backend):
-            cos, sin = ex.model.rotary.table(mb.positions)
-            m = mb.meta
-            empty = h.new_empty(0)  # the first stage: no residual yet
-            h, residual = ex.decode_plan.run_layers(h, empty if residual is None else residual, cos, sin, kv_caches,
-                                                    m.slot_mapping, m.block_tables, m.context_lens)
-            return h, residual
-        return run_layers(ex.model, h, residual, mb.positions, kv_caches, mb.meta, backend)
-    return run
 
 
 def _gather_vocab(ex, local: torch.Tensor) -> Optional[torch.Tensor]:

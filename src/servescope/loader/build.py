@@ -12,8 +12,7 @@ import torch
 from servescope.config import ModelConfig
 from servescope.errors import ModelLoadError
 from servescope.loader import gguf_packed
-from servescope.model.layers import RotaryEmbedding
-from servescope.model.llama import MODEL_CLASSES
+from servescope.model.decoder import CausalLM, rotary_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -22,14 +21,12 @@ def materialize(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                 max_positions: int | None = None) -> torch.nn.Module:
     """An uninitialised model of `cfg` on `device` in `dtype` (no float32 copy on the host first), with
     its rotary tables and tied weights in place; the caller fills the parameters."""
-    cls = MODEL_CLASSES[cfg.architecture]
     with torch.device("meta"):
-        model = cls(cfg, max_positions=max_positions)
+        model = CausalLM(cfg, max_positions=max_positions)
     _allocate(model, device, dtype)
     model.tie_weights()  # every parameter was re-created: the head and the embedding are two again
     # non-persistent buffers (rotary tables) were built on meta: rebuild them on the device
-    model.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
-                                   cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.rotary = rotary_for(cfg, max_positions).to(device)
     return model
 
 

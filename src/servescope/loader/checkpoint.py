@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from servescope.config import ModelConfig
+from servescope.config.families import family
 from servescope.errors import ModelLoadError
 from servescope.tokenizer.source import TokenizerSource
 
@@ -40,14 +41,18 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple]:
     """The HF checkpoint keys and shapes a model of this config needs (lm_head absent when tied)."""
     d, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv, hd = config.q_size, config.kv_size, config.head_dim
+    fused = family(config.architecture).fused_checkpoint
     shapes: dict[str, tuple] = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, d)
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
-        shapes[p + "self_attn.q_proj.weight"] = (q, d)
-        shapes[p + "self_attn.k_proj.weight"] = (kv, d)
-        shapes[p + "self_attn.v_proj.weight"] = (kv, d)
+        if fused:
+            shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, d)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (q, d)
+            shapes[p + "self_attn.k_proj.weight"] = (kv, d)
+            shapes[p + "self_attn.v_proj.weight"] = (kv, d)
         shapes[p + "self_attn.o_proj.weight"] = (d, q)
         if config.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q,)
@@ -56,8 +61,11 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple]:
         if config.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        shapes[p + "mlp.gate_proj.weight"] = (i, d)
-        shapes[p + "mlp.up_proj.weight"] = (i, d)
+        if fused:
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * i, d)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (i, d)
+            shapes[p + "mlp.up_proj.weight"] = (i, d)
         shapes[p + "mlp.down_proj.weight"] = (d, i)
         shapes[p + "input_layernorm.weight"] = (d,)
         shapes[p + "post_attention_layernorm.weight"] = (d,)

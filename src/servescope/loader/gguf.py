@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from servescope.config import ModelConfig, RopeScaling
+from servescope.config.families import family_of_gguf, gguf_architectures
 from servescope.errors import InvalidParameterError, ModelLoadError
 from servescope.loader import gguf_packed
 from servescope.loader.gguf_file import read_gguf
@@ -31,8 +32,6 @@ from servescope.tokenizer.source import TokenizerSource
 
 logger = logging.getLogger(__name__)
 
-# GGUF general.architecture -> our family. Mistral GGUFs say "llama" (detected from general.name).
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -139,12 +138,12 @@ class _Metadata:
 
 def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
     arch = meta.raw_arch
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: unsupported GGUF architecture {arch!r}; supported: llama (Llama 2/3, SmolLM, Mistral), "
-            f"qwen2, qwen3"
-        )
-    family = GGUF_ARCHITECTURES[arch]
+    fam = family_of_gguf(arch)
+    if fam is None or fam.fused_checkpoint:  # a fused family's GGUF tensor names are not mapped yet
+        supported = [a for a in gguf_architectures() if not family_of_gguf(a).fused_checkpoint]
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; supported: "
+                             f"{', '.join(supported)} (llama: Llama 2/3, SmolLM, Mistral)")
+    family = fam.name  # Mistral GGUFs say "llama" (detected from general.name below)
     name = meta.get("general.name") or os.path.basename(path)
     if family == "llama" and "mistral" in str(name).lower():
         family = "mistral"

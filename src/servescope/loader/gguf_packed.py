@@ -31,7 +31,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from servescope.kernels.quant_linear import QuantEmbedding, QuantLinear, QuantScheme, dequantize, quantize
-from servescope.model.llama import FUSED_PROJECTIONS
+from servescope.model.decoder import FUSED_PROJECTIONS
 
 logger = logging.getLogger(__name__)
 

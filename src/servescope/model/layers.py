@@ -34,6 +34,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -
         return inv.float()
     if scaling.rope_type == "linear":
         return (inv / scaling.factor).float()
+    if scaling.rope_type == "longrope":  # the short factors; rotary_tables switches to the long ones
+        return _longrope_inv_freq(head_dim, theta, scaling.short_factor)
     # llama3: long wavelengths are divided by `factor`, short ones kept, a smooth ramp between
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -46,17 +48,49 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -
     return torch.where(medium, smoothed, scaled).float()
 
 
+def _longrope_inv_freq(head_dim: int, theta: float, factors) -> torch.Tensor:
+    """LongRoPE's frequencies in transformers' order of float32 operations."""
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** shape)
+
+
+def longrope_attention_factor(scaling: RopeScaling, max_positions: int) -> float:
+    """cos and sin are scaled by this (LongRoPE's paper: keeps the attention entropy over the longer
+    context); derived from how far max_position_embeddings extends the original context unless given."""
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    factor = max_positions / scaling.original_max_position_embeddings
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(scaling.original_max_position_embeddings))
+
+
+def rotary_tables(head_dim: int, max_positions: int, theta: float, scaling: Optional[RopeScaling],
+                  context: Optional[int] = None) -> tuple:
+    """float32 cos, sin [P, D/2] for positions 0..P-1. LongRoPE: the short factors below the original
+    context, the long ones from there on (a sequence that grows past it keeps its earlier keys, as
+    transformers' cache does; a prompt longer than the original context in one forward is where the two
+    differ: transformers then rotates all of it with the long factors). context: the model's
+    max_position_embeddings (LongRoPE's attention factor), max_positions when None."""
+    t = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(t, rope_inv_freq(head_dim, theta, scaling))  # [P, D/2]
+    if scaling is None or scaling.rope_type != "longrope":
+        return freqs.cos(), freqs.sin()
+    lo = min(scaling.original_max_position_embeddings, max_positions)
+    long = torch.outer(t[lo:], _longrope_inv_freq(head_dim, theta, scaling.long_factor))
+    freqs = torch.cat([freqs[:lo], long])
+    scale = longrope_attention_factor(scaling, context or max_positions)
+    return freqs.cos() * scale, freqs.sin() * scale
+
+
 class RotaryEmbedding(nn.Module):
     """Non-interleaved (rotate-half) rotary embedding, as Hugging Face Llama applies it."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[RopeScaling]):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[RopeScaling],
+                 context: Optional[int] = None):
         super().__init__()
-        inv = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv)  # [P, D/2]
+        cos, sin = rotary_tables(head_dim, max_positions, theta, scaling, context)
         # float32 tables; persistent=False keeps them out of the state dict (not checkpoint keys)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def table(self, positions: torch.Tensor) -> tuple:
         """cos, sin [T, 1, D/2] for the step's positions: looked up once per step, used by every layer."""

@@ -6,7 +6,9 @@ engine's executor (engine/executor.py), not by the model.
   GEMV up to a few rows, float32's panel GEMM up to a few hundred, oneDNN's GEMM on prepacked weights
   above).
 - cpu_decode_plan: the C++ DecodePlan that runs all layers of a decode-only step in one call with the
-  same kernels and the same weights as the modules (no copies).
+  same kernels and the same weights as the modules (no copies), wrapped as DecodePlanLayers: the
+  model's own `run_layers` signature, so an executor composes it with `embed` and `final_norm` as it
+  composes the model's.
 Quantisation is model/quantize.py (quantize_int8), applied before these.
 """
 
@@ -28,9 +30,29 @@ def use_cpu_linears(model: nn.Module) -> nn.Module:
     return model
 
 
-def cpu_decode_plan(model: nn.Module) -> tuple:
-    """(the C++ DecodePlan over the model's layers, the most tokens per step it serves), or (None, 0)
-    where the extension is not built or a layer has a part the plan does not cover.
+class DecodePlanLayers:
+    """The model's layers as one C++ call, for decode-only steps (one token per sequence) of up to
+    max_rows sequences on a cache the C++ kernels read."""
+
+    def __init__(self, plan, max_rows: int, rotary):
+        self.plan, self.max_rows, self.rotary = plan, max_rows, rotary
+
+    def serves(self, meta, num_tokens: int, kv_caches: list, backend) -> bool:
+        return (meta.is_decode_only and num_tokens <= self.max_rows and backend.name == "torch"
+                and not torch.is_grad_enabled() and kv_caches[0][0].dtype in cpu_ops.KV_DTYPES)
+
+    def run_layers(self, h, residual, positions, kv_caches: list, meta, backend=None) -> tuple:
+        """As CausalLM.run_layers: (h, residual) [T, Dm] in and out (residual None: h is the embeddings)."""
+        cos, sin = self.rotary.table(positions)
+        empty = h.new_empty(0)
+        h, residual = self.plan.run_layers(h, empty if residual is None else residual, cos, sin, kv_caches,
+                                           meta.slot_mapping, meta.block_tables, meta.context_lens)
+        return h, residual
+
+
+def cpu_decode_plan(model: nn.Module):
+    """DecodePlanLayers over the model's layers, or None where the extension is not built or a layer has
+    a part the plan does not cover.
 
     The plan issues the same kernels as the modules' forward with the same weights and the same choice
     between them (the GEMV up to its row limit, the panel GEMM up to its own, oneDNN's prepacked GEMM
@@ -39,7 +61,7 @@ def cpu_decode_plan(model: nn.Module) -> tuple:
     dequantisation)."""
     mod = cpu_ops.load()
     if mod is None:
-        return None, 0
+        return None
     cfg = model.config
     dtype = model.model.norm.weight.dtype  # (the embedding may be packed)
     empty = torch.empty(0)
@@ -48,7 +70,7 @@ def cpu_decode_plan(model: nn.Module) -> tuple:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(_plan_covers(m, dtype) for m in linears):
-            return None, 0
+            return None
         parts = [m.plan_entry() for m in linears]
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if hasattr(attn, "q_norm"):
@@ -58,12 +80,11 @@ def cpu_decode_plan(model: nn.Module) -> tuple:
         layers.append([norms[0].weight.detach(), norms[1].weight.detach(), *qk] + [t for p in parts for t in p[0]])
         limits.append([n for p in parts for n in p[1]])
         served += [p[2] for p in parts]
-    norms_of.append(model.model.norm)
     if any(n.weight.dtype != dtype or n.eps != cfg.rms_norm_eps for n in norms_of) or dtype not in cpu_ops.DTYPES:
-        return None, 0
-    plan = mod.DecodePlan(layers, limits, model.model.norm.weight.detach(), cfg.num_attention_heads,
-                          cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
-    return plan, min(served)
+        return None
+    plan = mod.DecodePlan(layers, limits, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                          cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+    return DecodePlanLayers(plan, min(served), model.rotary)
 
 
 def _plan_covers(m: nn.Module, dtype: torch.dtype) -> bool:

@@ -6,7 +6,8 @@ Shape legend: T tokens in the step, Dm model width.
 Stage 0 embeds; the last stage applies the final norm and holds the head (with tied embeddings it
 keeps the embedding's weight as its head). A stage that does not embed holds a zero-row embedding
 (the transforms read its dtype), one without the head `lm_head = None` (the transforms skip it).
-The model's own forward is the one-stage case; the layer loop here is the same loop over fewer layers.
+A stage runs the model's own steps (`embed` on stage 0, the executor's layer path over the layers
+it holds, `final_norm` on the last): one stage is a step of a model that is not cut.
 
 A step cut into micro-batches (parallel/microbatch.py) overlaps the stages: each stage runs the
 micro-batches in order and hands each one on with an asynchronous send as soon as it is done, and a
@@ -22,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from servescope.kernels import fused_ops
 from servescope.parallel.groups import DistContext
 from servescope.parallel.microbatch import MicroBatch
 
@@ -41,20 +41,6 @@ def keep_stage(model: nn.Module, ctx: DistContext) -> nn.Module:
         # the head (tied) keeps its reference to the full embedding weight; the lookup goes
         backbone.embed_tokens = nn.Embedding(0, w.shape[1], device=w.device, dtype=w.dtype)
     return model
-
-
-def run_layers(model: nn.Module, h: torch.Tensor, residual, positions: torch.Tensor, kv_caches: list,
-               meta, backend) -> tuple:
-    """This stage's layers over (h, residual) -> (h, residual) [T, Dm] each (residual None: stage 0)."""
-    cos_sin = model.rotary.table(positions)
-    for layer, kv in zip(model.model.layers, kv_caches):
-        h, residual = layer(cos_sin, h, residual, kv, meta, backend)
-    return h, residual
-
-
-def final_norm(model: nn.Module, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    norm = model.model.norm
-    return fused_ops.add_rms_norm(h, residual, norm.weight, norm.eps)[0]
 
 
 def _neighbour(ctx: DistContext, step: int) -> int:
@@ -94,7 +80,7 @@ def run_stage(model: nn.Module, pieces: list, layers, ctx: DistContext, dtype: t
 def _stage_input(model: nn.Module, mb: MicroBatch, recv, ctx: DistContext) -> tuple:
     """(h, residual) a micro-batch enters this stage with: embedded on stage 0, received elsewhere."""
     if recv is None:
-        return model.model.embed_tokens(mb.input_ids), None  # [t] -> [t, Dm]
+        return model.embed(mb.input_ids), None  # [t] -> [t, Dm]
     buf, work = recv
     ctx.comm.wait(work, buf)
     return buf[0], buf[1]

@@ -30,8 +30,8 @@ class DecodePlan {
   // packed_bias, panels] (empty tensors where absent); limits: per layer, the four projections' row limits
   // (gemv_rows, panel_rows) in turn
   DecodePlan(std::vector<std::vector<at::Tensor>> layers, std::vector<std::vector<int64_t>> limits,
-             at::Tensor final_norm, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
-      : final_norm_(final_norm), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
+             int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
     TORCH_CHECK(limits.size() == layers.size(), "DecodePlan: limits per layer");
     for (size_t i = 0; i < layers.size(); ++i) {
       const auto& t = layers[i];
@@ -53,19 +53,10 @@ class DecodePlan {
     }
   }
 
-  // h [T, Dm] (the embeddings), cos/sin [T, 1, D/2] float32, kv_caches per layer (K, V) [N, S, Hkv, D] (the
-  // ModelRunner's list as it is), slots [T] int64, block_tables [T, M] int32, context_lens [T] int32 (one
-  // decode token per sequence) -> final-normed [T, Dm]
-  at::Tensor run(at::Tensor h, at::Tensor cos, at::Tensor sin,
-                    const std::vector<std::tuple<at::Tensor, at::Tensor>>& kv_caches, at::Tensor slots,
-                    at::Tensor block_tables, at::Tensor context_lens) const {
-    auto out = run_layers(h, at::Tensor(), cos, sin, kv_caches, slots, block_tables, context_lens);
-    return add_rms_norm(out[0], out[1], final_norm_, eps_)[0];
-  }
-
-  // The layers alone, for a pipeline stage: from (h, residual) [T, Dm] as the previous stage handed them
-  // on (residual empty: the first stage, h the embeddings) -> [h, residual] for the next stage or the
-  // final norm; the same kernels in the same order as run().
+  // The layers: from (h, residual) [T, Dm] (residual empty: h is the embeddings; else as the previous
+  // pipeline stage handed them on) -> [h, residual] for the next stage or the model's final norm.
+  // cos/sin [T, 1, D/2] float32, kv_caches per layer (K, V) [N, S, Hkv, D] (the ModelRunner's list as it
+  // is), slots [T] int64, block_tables [T, M] int32, context_lens [T] int32 (one decode token per sequence).
   std::vector<at::Tensor> run_layers(at::Tensor h, at::Tensor residual, at::Tensor cos, at::Tensor sin,
                                         const std::vector<std::tuple<at::Tensor, at::Tensor>>& kv_caches,
                                         at::Tensor slots, at::Tensor block_tables,
@@ -111,7 +102,6 @@ class DecodePlan {
   }
 
   std::vector<PlanLayer> layers_;
-  at::Tensor final_norm_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
 };

@@ -1,19 +1,25 @@
-"""The Llama family in plain PyTorch: Llama 2/3, Mistral, SmolLM; Qwen2 and Qwen3 add small flags.
+"""The decoder: every supported family in plain PyTorch, built layer by layer from its layer specs.
 
 Shape legend:
   T   tokens in the step (flat, all sequences)     Dm  model width (hidden_size)
   H   query heads, Hkv KV heads, D head dim        I   MLP width (intermediate_size)
   V   vocabulary                                   N, S  KV blocks, block size
 
+A layer is built from its LayerSpec (config/layers.py): the attention module of its kind, the MLP
+module of its kind, the norms of its placement (the tables ATTENTION_KINDS and MLP_KINDS below). A
+family is a row of config/families.py; it needs code here only when its maths are a new kind.
+
 Parameter names follow the Hugging Face checkpoint keys (model.layers.{i}.self_attn.o_proj...),
 except that q/k/v and gate/up are fused into one matmul each (`qkv_proj`, `gate_up_proj`: fewer,
 larger matmuls, each output element the same dot product): `fuse_checkpoint` concatenates the
-checkpoint's tensors at load time (gpt-fast's load hook), so loading stays a straight copy.
+checkpoint's tensors at load time (gpt-fast's load hook), so loading stays a straight copy (a
+checkpoint that is fused already, Phi-3's, is copied as it is).
 
-There is one forward: embed -> layers -> final norm, and one output head (`lm_head`, a module for
-tied embeddings too, sharing the embedding's weight). The linear modules are swappable: the
-engine's executor replaces them after loading (int8, the CPU GEMV / oneDNN linear, the Triton GEMV)
-and decides which kernels serve a step; the model itself never branches on a kernel.
+The model exposes the four steps every executor composes: `embed`, `run_layers` (over the layers
+this process holds: all of them, or a pipeline stage's), `final_norm`, `compute_logits`; `forward` is
+their composition. Its linear modules are swappable: the executor's build replaces them (int8, the
+CPU GEMV / oneDNN linear, the Triton GEMV) and decides which kernels serve a step; the model itself
+never branches on a kernel.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from servescope.config import ModelConfig
+from servescope.config import LayerSpec, ModelConfig
 from servescope.kernels import fused_ops
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
 from servescope.model.layers import RMSNorm, RotaryEmbedding
@@ -33,8 +39,10 @@ FUSED_PROJECTIONS = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_pr
                      ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+class Attention(nn.Module):
+    """Causal attention over the whole context (kind "full"), GQA, optional q/k/v bias and q/k norm."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -42,9 +50,9 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         # output rows: q [H*D] | k [Hkv*D] | v [Hkv*D] (a tensor-parallel shard splits each part)
         self.qkv_sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.qkv_sizes), bias=cfg.attention_bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.qkv_sizes), bias=spec.attention.bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
-        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's D features of q and k, before rotary
+        if spec.attention.qk_norm:  # Qwen3: RMSNorm over each head's D features of q and k, before rotary
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
@@ -65,8 +73,10 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))  # [T, H*D] -> [T, Dm]
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) (kind "dense")."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate | up
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -75,11 +85,18 @@ class LlamaMLP(nn.Module):
         return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, Dm]
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+ATTENTION_KINDS = {"full": Attention}
+MLP_KINDS = {"dense": GatedMLP}
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm: input_layernorm -> attention -> residual add, post_attention_layernorm -> MLP."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.spec = spec
+        self.self_attn = ATTENTION_KINDS[spec.attention.kind](cfg, spec)
+        self.mlp = MLP_KINDS[spec.mlp.kind](cfg, spec)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -98,7 +115,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaBackbone(nn.Module):
+class Backbone(nn.Module):
     """`model.*` in the checkpoint: embeddings, layers, final norm."""
 
     def __init__(self, cfg: ModelConfig):
@@ -107,18 +124,17 @@ class LlamaBackbone(nn.Module):
         # loader/build.py's meta-device context, import torch._dynamo (1.5-4 s of every start-up)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, spec) for spec in cfg.layer_specs())
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: Optional[int] = None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaBackbone(cfg)
+        self.model = Backbone(cfg)
         with torch.device("cpu"):  # real tables even under a meta-device build (its arange would import dynamo)
-            self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
-                                          cfg.rope_theta, cfg.rope_scaling)
+            self.rotary = rotary_for(cfg, max_positions)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
@@ -128,16 +144,31 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states [T, Dm] after the final norm."""
-        h = self.model.embed_tokens(input_ids)  # [T] -> [T, Dm]
-        cos_sin = self.rotary.table(positions)  # once per step, shared by all layers
-        residual = None
+    # ---------------------------------------------------------------- the four steps of a forward
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> h [T, Dm]."""
+        return self.model.embed_tokens(input_ids)
+
+    def run_layers(self, h: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
+                   kv_caches: list, meta: AttentionMetadata, backend: AttentionBackend) -> tuple:
+        """The layers this model holds (a pipeline stage: its own) over (h, residual) [T, Dm] -> the
+        same after the last of them (residual None: h is the embeddings). kv_caches: one per held layer."""
+        cos_sin = self.rotary.table(positions)  # once per call, shared by the layers
         for layer, kv in zip(self.model.layers, kv_caches):
             h, residual = layer(cos_sin, h, residual, kv, meta, backend)
+        return h, residual
+
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer's (h, residual) -> hidden [T, Dm] (the residual add fused into the norm)."""
         norm = self.model.norm
         return fused_ops.add_rms_norm(h, residual, norm.weight, norm.eps)[0]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, Dm] after the final norm: the composition of
+        the steps above, as the eager executor runs it."""
+        h, residual = self.run_layers(self.embed(input_ids), None, positions, kv_caches, meta, backend)
+        return self.final_norm(h, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, Dm] (only the rows whose next token is due) -> logits [B, V] in float32."""
@@ -169,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         return sd
 
 
-# One class serves every supported family; the flags in ModelConfig select the differences:
-# Mistral and SmolLM are Llama; Qwen2 sets attention_bias; Qwen3 sets qk_norm.
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
-                 "qwen3": LlamaForCausalLM}
+def rotary_for(cfg: ModelConfig, max_positions: Optional[int] = None) -> RotaryEmbedding:
+    """The rotary tables of cfg for positions up to max_positions (the model's context by default)."""
+    return RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
+                           cfg.rope_scaling, context=cfg.max_position_embeddings)

@@ -1,0 +1,72 @@
+"""The model families: one table, from Hugging Face architecture names and GGUF `general.architecture`
+names to a family, and what each family sets in a ModelConfig.
+
+A family is data here plus, where its maths differ, a layer kind in config/layers.py with its module
+in model/decoder.py. Adding one that fits the existing kinds is one row below: the loaders
+(loader/hf.py, loader/gguf.py), the model builder and the executors need no change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from servescope.errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # ModelConfig.architecture, and the Hugging Face model_type
+    hf_architecture: str  # config.json "architectures" entry (the first is written by to_hf_dict)
+    gguf_architecture: Optional[str] = None  # GGUF general.architecture, None: no GGUF mapping
+    # ModelConfig fields a config.json of this family implies when it does not say them itself
+    hf_defaults: dict = field(default_factory=dict)
+    # ModelConfig fields the family fixes whatever the config says
+    fixed: dict = field(default_factory=dict)
+    # the checkpoint holds q|k|v and gate|up as one tensor each (self_attn.qkv_proj, mlp.gate_up_proj)
+    fused_checkpoint: bool = False
+
+
+FAMILIES = {f.name: f for f in (
+    Family("llama", "LlamaForCausalLM", "llama"),  # Llama 2/3, SmolLM; Mistral GGUFs say "llama" too
+    Family("mistral", "MistralForCausalLM"),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen2", hf_defaults={"attention_bias": True}),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen3", fixed={"qk_norm": True}),
+    # fused qkv_proj / gate_up_proj in the checkpoint (our own names: no fusing at load), LongRoPE
+    Family("phi3", "Phi3ForCausalLM", "phi3", fused_checkpoint=True),
+)}
+
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+_BY_HF = {f.hf_architecture: f for f in FAMILIES.values()}
+_BY_GGUF = {f.gguf_architecture: f for f in FAMILIES.values() if f.gguf_architecture}
+
+
+def family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise InvalidParameterError("architecture", f"unsupported architecture {name!r}; supported: "
+                                                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return FAMILIES[name]
+
+
+def family_of_hf(config: dict) -> Family:
+    """The family of a config.json dict: its first known `architectures` entry, else its model_type."""
+    archs = config.get("architectures") or []
+    for a in archs:
+        if a in _BY_HF:
+            return _BY_HF[a]
+    mt = config.get("model_type")
+    if mt in FAMILIES:
+        return FAMILIES[mt]
+    got = ", ".join(archs) or mt or "none given"
+    raise InvalidParameterError(
+        "architecture", f"unsupported architecture ({got}); supported: {', '.join(sorted(_BY_HF))} "
+                        f"(model_type {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+
+def family_of_gguf(arch: str) -> Optional[Family]:
+    """The family of a GGUF general.architecture, None when there is none."""
+    return _BY_GGUF.get(arch)
+
+
+def gguf_architectures() -> tuple:
+    return tuple(_BY_GGUF)

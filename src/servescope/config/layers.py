@@ -1,0 +1,65 @@
+"""LayerSpec: what one decoder layer computes, as data.
+
+A decoder is a list of layer specs (ModelConfig.layer_specs). The model builds each layer from its
+spec (model/decoder.py: one module class per attention kind and per MLP kind), the cost model and
+the memory planner read the same specs, and a family is a config mapping onto them
+(config/families.py). Only the kinds the model implements are accepted: a spec naming another is an
+error at load time, never a silently different model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from servescope.errors import InvalidParameterError
+
+ATTENTION_KINDS = ("full",)  # causal attention over the whole context
+MLP_KINDS = ("dense",)  # a gated MLP: down(act(gate(x)) * up(x))
+ACTIVATIONS = ("silu",)
+NORM_PLACEMENTS = ("pre",)  # an RMSNorm before attention and before the MLP, residual adds after each
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    kind: str = "full"
+    bias: bool = False  # a bias on the q, k, v projections (Qwen2)
+    qk_norm: bool = False  # an RMSNorm over each head's features of q and k before rotary (Qwen3)
+
+    def __post_init__(self):
+        if self.kind not in ATTENTION_KINDS:
+            raise InvalidParameterError("attention", f"attention kind {self.kind!r} is not implemented "
+                                                     f"(implemented: {', '.join(ATTENTION_KINDS)})")
+
+
+@dataclass(frozen=True)
+class MlpSpec:
+    kind: str = "dense"
+    activation: str = "silu"
+
+    def __post_init__(self):
+        if self.kind not in MLP_KINDS:
+            raise InvalidParameterError("mlp", f"MLP kind {self.kind!r} is not implemented "
+                                               f"(implemented: {', '.join(MLP_KINDS)})")
+        if self.activation not in ACTIVATIONS:
+            raise InvalidParameterError("hidden_act", f"activation {self.activation!r} is not implemented "
+                                                      f"(implemented: {', '.join(ACTIVATIONS)})")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    attention: AttentionSpec = field(default_factory=AttentionSpec)
+    mlp: MlpSpec = field(default_factory=MlpSpec)
+    norm: str = "pre"
+
+    def __post_init__(self):
+        if self.norm not in NORM_PLACEMENTS:
+            raise InvalidParameterError("norm", f"norm placement {self.norm!r} is not implemented "
+                                                f"(implemented: {', '.join(NORM_PLACEMENTS)})")
+
+
+def uniform_layers(num_layers: int, attention: Optional[AttentionSpec] = None,
+                   mlp: Optional[MlpSpec] = None) -> tuple:
+    """num_layers copies of one spec (every family so far has identical layers)."""
+    spec = LayerSpec(attention or AttentionSpec(), mlp or MlpSpec())
+    return (spec,) * num_layers
