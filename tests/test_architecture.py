@@ -61,6 +61,59 @@ def test_import_contracts_hold():
     assert r.returncode == 0, f"import contracts broken (lint-imports exit {r.returncode}):\n{broken}"
 
 
+def import_cycles() -> list:
+    """The strongly connected components of more than one module in servescope's import graph (every
+    import counted: at module level, inside functions, under TYPE_CHECKING), each as sorted names."""
+    grimp = pytest.importorskip("grimp")  # import-linter's graph library (the test extra)
+    graph = grimp.build_graph("servescope", exclude_type_checking_imports=False)
+    edges = {m: sorted(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+    index, low, on_stack, stack, out, counter = {}, {}, set(), [], [], [0]
+
+    def visit(root):  # Tarjan, iterative (the graph is deeper than Python's recursion limit allows)
+        work = [(root, iter(edges[root]))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, it = work[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = []
+                    while True:
+                        m = stack.pop()
+                        on_stack.discard(m)
+                        comp.append(m)
+                        if m == node:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+            elif nxt not in index:
+                index[nxt] = low[nxt] = counter[0]
+                counter[0] += 1
+                stack.append(nxt)
+                on_stack.add(nxt)
+                work.append((nxt, iter(edges.get(nxt, ()))))
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+
+    for m in sorted(edges):
+        if m not in index:
+            visit(m)
+    return out
+
+
+def test_no_import_cycle_anywhere_in_src():
+    """No module of servescope reaches itself through imports, lazy ones included: a circle that a
+    function-level import hides is still a circle (the layer contracts cannot see those inside a layer)."""
+    cycles = import_cycles()
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
 def test_analysis_and_telemetry_import_without_torch():
     """Importing them loads no torch: the probe imports it inside its functions only."""
     code = ("import sys, servescope.analysis, servescope.telemetry; "

@@ -61,7 +61,7 @@ def test_spec_validation():
         HardwareSpec(name="x", kind="gpu", peak_flops={"float32": 1.0}, memory_bandwidth=1, memory_bytes=1)
 
 
-# Stand-ins for the engine's measurers (engine/local_hardware.py passes the real ones; analysis/ never
+# Stand-ins for the engine's measurers (measure/local_hardware.py passes the real ones; analysis/ never
 # imports the engine): fixed figures, so the tests can check that they reach the spec unchanged.
 _RATES = [[1, 1e9], [8, 4e9]]
 FAKE_ENGINE = dict(host_overhead=lambda: (2e-4, 3e-6), linear_rates=lambda dt, rows=None: _RATES,

@@ -73,7 +73,7 @@ def test_auto_dtype_is_bfloat16_only_with_bf16_instructions(monkeypatch):
     torch = pytest.importorskip("torch")
     from servescope.analysis import cpu_isa
     from servescope.config import EngineConfig
-    from servescope.engine import builder
+    from servescope.engine import weights as builder
 
     cpu = torch.device("cpu")
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)

@@ -116,7 +116,7 @@ def test_fp8_without_torch_float8_is_refused_before_loading(monkeypatch):
 
     monkeypatch.setattr(kv_quant, "FP8", None)
     loads = []
-    monkeypatch.setattr(builder, "load_model", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(builder, "load_model", lambda *a, **k: loads.append(a))  # the builder's own name
     with pytest.raises(EngineConfigError, match="float8_e4m3fn"):
         LLM(model="random:tiny", kv_cache_dtype="fp8_e4m3")
     assert not loads

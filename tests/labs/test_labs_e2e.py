@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from servescope.engine.local_hardware import probe_local_cpu
+from servescope.measure.local_hardware import probe_local_cpu
 from servescope.labs import all_labs, run_lab
 from servescope.labs.common import LabOptions, LabSession
 

@@ -99,10 +99,10 @@ def test_cpu_linear_matches_f_linear(dtype, m):
 
 
 def test_kernel_probe_rates_shape():
-    """The probe's table (model/kernel_probe.py): one [M, bytes/s] row per M, ascending, positive,
+    """The probe's table (measure/kernel_rates.py): one [M, bytes/s] row per M, ascending, positive,
     and accepted by HardwareSpec."""
     from servescope.analysis.hardware import get_hardware
-    from servescope.kernels.kernel_probe import measure_linear_rates
+    from servescope.measure.kernel_rates import measure_linear_rates
 
     rates = measure_linear_rates("float32", rows=(1, 3, 16), num_matrices=2, size=128, runs=1)
     assert [m for m, _ in rates] == [1, 3, 16] and all(r > 0 for _, r in rates)
@@ -112,7 +112,7 @@ def test_kernel_probe_rates_shape():
 
 def test_kernel_probe_decode_attention_rate():
     from servescope.kernels import cpu_ops
-    from servescope.kernels.kernel_probe import measure_decode_attention_flops
+    from servescope.measure.kernel_rates import measure_decode_attention_flops
 
     if not cpu_ops.available():
         pytest.skip("CPU op extension not built here")
@@ -121,7 +121,7 @@ def test_kernel_probe_decode_attention_rate():
 
 def test_kernel_probe_packed_gemm_rate():
     from servescope.kernels import cpu_ops
-    from servescope.kernels.kernel_probe import measure_packed_gemm_flops
+    from servescope.measure.kernel_rates import measure_packed_gemm_flops
 
     if not cpu_ops.available():
         pytest.skip("CPU op extension not built here")

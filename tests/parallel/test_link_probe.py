@@ -32,15 +32,15 @@ def test_tp_step_predictions_use_the_gloo_ring(monkeypatch):
     import torch
 
     from servescope.analysis.collectives import LinkSpec, gather_seconds
+    from servescope.analysis.hardware import get_hardware
     from servescope.analysis.presets import load_preset
     from servescope.engine import step_cost
     from servescope.telemetry.step_record import StepRecord
 
     link = LinkSpec("local-gloo", bandwidth=1e9, latency_s=3e-4, call_s=2e-4, step_s=1e-4, max_segment_bytes=1 << 20,
                     buffer_bytes=128 << 10, buffered_bandwidth=4e9)
-    monkeypatch.setattr(step_cost, "link_for", lambda hw: link)
     cfg = load_preset("llama-3-8b")
-    pred = step_cost.StepCostPredictor(cfg, torch.device("cpu"), torch.float32, torch.float32, None, "h100", tp=2)
+    pred = step_cost.StepCostPredictor(cfg, get_hardware("h100"), link, torch.float32, torch.float32, None, tp=2)
     rec = StepRecord(0, 0.0, 0.0, 0, 4, 0, 4, [8] * 4, 0, 0, 0, 0.0, 4, 0, 0)
     pred.annotate(rec, [(1, 8)] * 4, num_logits=4)
     act = 4 * cfg.hidden_size * 4  # [T, Dm] float32: 64 KiB, inside the socket buffer

@@ -97,7 +97,7 @@ def _norm(name: str) -> str:
 
 
 def list_hardware() -> list[str]:
-    """Names of the datasheet specs, plus 'local-cpu' (measured once by engine/local_hardware.py's
+    """Names of the datasheet specs, plus 'local-cpu' (measured once by measure/local_hardware.py's
     probe, then read from its cache)."""
     return list(HARDWARE_SPECS) + [LOCAL_CPU]
 
@@ -120,7 +120,7 @@ def get_hardware(name: str) -> HardwareSpec:
 
     "local-cpu" is the cached result of the full local probe (reading it imports torch for the
     thread count). analysis/ cannot measure it: the probe needs the engine's measurers, so without
-    a cached probe this raises and points to servescope.engine.local_hardware, which measures.
+    a cached probe this raises and points to servescope.measure.local_hardware, which measures.
     """
     canonical = canonical_hardware_name(name)
     if canonical != LOCAL_CPU:
@@ -129,5 +129,5 @@ def get_hardware(name: str) -> HardwareSpec:
     if spec is None:
         raise InvalidParameterError(
             "hardware", "local-cpu has not been probed on this machine yet: run `servescope hardware probe` "
-                        "(servescope.engine.local_hardware.probe_local_cpu measures it)")
+                        "(servescope.measure.local_hardware.probe_local_cpu measures it)")
     return spec

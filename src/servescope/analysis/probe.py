@@ -21,13 +21,13 @@ What is measured and why:
   so peak_flops["int8"] is set to the bfloat16 figure and said so in `notes`.
 
 What the engine measures, handed in as `EngineMeasurers` (analysis/ never imports the engine;
-engine/local_hardware.py passes the engine's own):
+measure/local_hardware.py passes the engine's own):
 - step_overhead_s / layer_overhead_s: the engine's own host work per step and per decoder layer,
-  measured on the engine with a model too small to cost anything else (engine/overhead.py). The
+  measured on the engine with a model too small to cost anything else (measure/overhead.py). The
   cost model adds them to every step's prediction; they are measured, not fitted to the steps they
   predict.
 - linear_rates: weight bytes/s of the engine's CPU linear kernel at 1..128 rows, float32 and
-  bfloat16, on 1024 x 1024 matrices that belong to no model (kernels/kernel_probe.py);
+  bfloat16, on 1024 x 1024 matrices that belong to no model (measure/kernel_rates.py);
   decode_attention_flops: FLOP/s of its paged decode-attention kernel (KV in cache);
   packed_gemm_flops: FLOP/s of its integer GEMM over group-32 packed weights with float32 activations
   (the prefill of int4 / int8-g32 / a GGUF's Q4_0, Q4_1, Q8_0), which beats the float32 peak with VNNI.
@@ -215,7 +215,7 @@ def _write_cache(path: Path, cache: dict) -> None:
 
 def cached_local_hardware(cache_path: Optional[Path] = None) -> Optional[HardwareSpec]:
     """The full probe's cached spec for this CPU and thread count, or None when there is none
-    (this never measures: measuring needs the engine's measurers, see engine/local_hardware.py)."""
+    (this never measures: measuring needs the engine's measurers, see measure/local_hardware.py)."""
     path = Path(cache_path) if cache_path is not None else default_cache_path()
     return _cached_spec(_read_cache(path), _cache_key(torch_threads()), path)
 
@@ -276,7 +276,7 @@ def probe_local_hardware(
 
     `bandwidth_bytes`, `matmul_size` and `runs` exist so tests can run a tiny probe; a cached
     result is reused whatever they are (pass force=True to re-measure). measurers: the engine's
-    own measurements (engine/local_hardware.py passes them); without them the overheads are 0 and
+    own measurements (measure/local_hardware.py passes them); without them the overheads are 0 and
     there are no kernel rates, and the result is cached under its own key (see the module doc).
     kernel_path: the engine's CPU kernel path ("avx2 C++ kernels"), recorded in the spec.
     """
@@ -308,7 +308,7 @@ def probe_local_hardware(
         notes=(f"measured by probe_local_hardware on {cpu_model()} with {threads} torch threads in "
                f"{elapsed:.1f} s; int8 = bfloat16 figure (int8 weights are dequantised); "
                f"memory_bytes = physical RAM; host overhead {step_oh * 1e3:.2f} ms per step + "
-               f"{layer_oh * 1e6:.0f} us per layer (engine/overhead.py)"
+               f"{layer_oh * 1e6:.0f} us per layer (measure/overhead.py)"
                + (f"; no fast path for {', '.join(slow)} here (measured small, never the default)" if slow else "")
                + ("" if measurers.complete else f"; engine measurements: {', '.join(measurers.given) or 'none'}")
                + (f"; the machine was busy (its {threads} threads got {cpus_got:.1f} CPUs): not cached" if busy else "")),

@@ -18,7 +18,7 @@ from servescope.bench.envinfo import environment_info
 from servescope.bench.offline import public
 from servescope.config import EngineConfig
 from servescope.engine.llm import LLM
-from servescope.engine.llm_engine import LLMEngine
+from servescope.measure.local_hardware import measured_engine
 
 BASELINES = ("hf", "llama-cpp")
 DEFAULT_MODEL = "smollm2-135m"  # what EngineConfig(model=None) loads
@@ -29,7 +29,7 @@ OnSkip = Optional[Callable[[str, str], None]]  # (baseline, why it cannot run he
 def build_llm(cfg: EngineConfig) -> LLM:
     """Our engine. Its builder sets torch's thread count (cfg.num_threads), which the baselines run
     with too, since they run in this process after it."""
-    return LLM.from_engine(LLMEngine(cfg))
+    return LLM.from_engine(measured_engine(cfg))
 
 
 def engine_description(llm: LLM, cfg: EngineConfig) -> dict:

@@ -100,7 +100,7 @@ def _print_throughput(con, results: dict, ratios: dict) -> None:
 def run_latency(args) -> int:
     from servescope.bench import comparison  # lazy: the engine and torch (module doc)
     from servescope.bench.latency import run_engine_latency
-    from servescope.engine.local_hardware import hardware_for_device  # lazy: torch
+    from servescope.measure.local_hardware import hardware_for_device  # lazy: torch
 
     con = console(highlight=False)
     cfg = engine_config_from_args(args)

@@ -34,9 +34,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _engine_from_args(a):
     # the engine (torch, transformers) is imported when a command runs: it is seconds of `--help`
-    from servescope.engine.llm_engine import LLMEngine
+    from servescope.measure.local_hardware import measured_engine
 
-    return LLMEngine(engine_config_from_args(a))
+    return measured_engine(engine_config_from_args(a))
 
 
 def stream_one(engine, prompt, params, out=sys.stdout) -> tuple:

@@ -95,7 +95,7 @@ def hardware_spec(name: str) -> HardwareSpec:
     engine.local_hardware, imported only for it: that imports torch, 2 s, where a whole `explain` on
     a datasheet spec takes 0.5 s."""
     if canonical_hardware_name(name) == LOCAL_CPU:
-        from servescope.engine.local_hardware import resolve_hardware  # lazy: torch, 2 s (see above)
+        from servescope.measure.local_hardware import resolve_hardware  # lazy: torch, 2 s (see above)
 
         return resolve_hardware(name)
     return get_hardware(name)
@@ -130,7 +130,7 @@ def run_hardware(args) -> int:
     if action == "probe":
         import torch  # lazy: 2 s
 
-        from servescope.engine.local_hardware import probe_local_cpu  # lazy: torch
+        from servescope.measure.local_hardware import probe_local_cpu  # lazy: torch
 
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -238,7 +238,7 @@ def explain_link(hw, name):
     """The link for explain --tp/--pp: named, the GPU's default, or the local gloo link (measured once)."""
     if hw.kind == "gpu" or (name and name != LOCAL_GLOO):
         return get_link(name or DEFAULT_LINK.get(hw.name, "pcie4"))
-    from servescope.engine.local_hardware import local_gloo_link  # lazy: the engine, torch (2 s of explain)
+    from servescope.measure.local_hardware import local_gloo_link  # lazy: the engine, torch (2 s of explain)
 
     return local_gloo_link(measure=True)
 

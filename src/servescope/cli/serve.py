@@ -35,11 +35,11 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from servescope.engine.async_engine import AsyncEngine
-    from servescope.engine.llm_engine import LLMEngine
+    from servescope.measure.local_hardware import measured_engine
     from servescope.server.app import build_app
 
     name = args.served_model_name or args.model or "smollm2-135m"
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = measured_engine(engine_config_from_args(args))
     async_engine = AsyncEngine(engine)
     app = build_app(async_engine, model_name=name, max_body_bytes=args.max_body_bytes, api_key=args.api_key,
                     max_n=args.max_n, max_queue=args.max_queue)

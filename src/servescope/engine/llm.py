@@ -18,13 +18,13 @@ Prompt = Union[str, Sequence[int]]
 
 class LLM:
     def __init__(self, model: Optional[str] = None, dtype: str = "float32", device: str = "cpu",
-                 block_size: int = 16, speculative: Optional[dict] = None, **engine_kwargs):
+                 block_size: int = 16, speculative: Optional[dict] = None, hardware_spec=None, **engine_kwargs):
         """speculative: vLLM-style speculative settings, e.g. {"method": "ngram", "num_speculative_tokens": 4}
-        (SpeculativeConfig.from_dict)."""
+        (SpeculativeConfig.from_dict). hardware_spec: the resolved spec to predict steps on (LLMEngine)."""
         if speculative is not None:
             engine_kwargs["speculative"] = SpeculativeConfig.from_dict(speculative)
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
-                                             **engine_kwargs))
+                                             **engine_kwargs), hardware_spec=hardware_spec)
         self._ids = itertools.count()
 
     @classmethod

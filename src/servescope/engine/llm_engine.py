@@ -23,7 +23,7 @@ import torch
 
 from servescope.config import EngineConfig, SamplingParams
 from servescope.engine.builder import EngineParts, build_engine
-from servescope.engine.output_processor import OutputProcessor, SampledToken
+from servescope.engine.output_processor import OutputProcessor
 from servescope.engine.prompt_scoring import plan_prompt_spans, record_prompt_logprobs
 from servescope.errors import InvalidParameterError
 from servescope.sampling.sampler import SamplingState, make_generator
@@ -38,8 +38,10 @@ class LLMEngine:
     """One model's engine: `add_request`, then `step` until `has_unfinished` is false. Not thread-safe
     (AsyncEngine drives it from one thread). Built from an EngineConfig or its flat keyword arguments."""
 
-    def __init__(self, config: Optional[EngineConfig] = None, **kwargs):
-        self._adopt(build_engine(config or EngineConfig(**kwargs)))
+    def __init__(self, config: Optional[EngineConfig] = None, *, hardware_spec=None, **kwargs):
+        """hardware_spec: the analysis.HardwareSpec to predict steps on, resolved by the caller
+        (measure.hardware_for_config runs the full probe); None: engine/hardware.default_hardware."""
+        self._adopt(build_engine(config or EngineConfig(**kwargs), hardware=hardware_spec))
 
     @classmethod
     def from_parts(cls, parts: EngineParts) -> "LLMEngine":
@@ -68,15 +70,17 @@ class LLMEngine:
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._step_counter = 0
         self._grammars = None  # a structured.GrammarCompiler, built on the first structured request
-        self._cost = parts.cost
-        self.spec = parts.spec  # engine/spec_decode.py: speculative decoding, None when off
+        self._cost, self.hardware = parts.cost, parts.hardware
+        self.decider = parts.decider  # engine/token_decider.py: plain sampling or speculative verification
+        self.spec = parts.decider if parts.decider.speculative else None  # the SpecDecoder, None when off
         self.start_time = time.perf_counter()
 
     def with_config(self, **overrides) -> "LLMEngine":
         """A new engine on the same weights with other settings (KV size, chunking, caching...), given
         as EngineConfig's flat names. Weight-changing settings (model, dtype, device, quantization)
         must stay the same. `engine.with_config(**config.flat())` builds `config` on these weights."""
-        return LLMEngine.from_parts(build_engine(self.config.replace(**overrides), shared=self.loaded))
+        return LLMEngine.from_parts(build_engine(self.config.replace(**overrides), shared=self.loaded,
+                                                 hardware=self.hardware))
 
     @property
     def step_cost_predictor(self):
@@ -198,19 +202,14 @@ class LLMEngine:
             record_prompt_logprobs(spans, out.scheduled, logits[num_positions:], self.outputs,
                                    self.model_config.vocab_size)
             logits = logits[:num_positions]
-        if self.spec is not None and any(out.scheduled[i].spec_token_ids for i in rows):
-            sampled, mask_s = self.spec.verify(out, rows, logits, self.outputs)  # {id: [SampledToken, ...]}
-            self.scheduler.update_from_output(out, {r: [t.token_id for t in s] for r, s in sampled.items()})
-        else:
-            sampled, mask_s = self._sample(out, rows, logits)
-            self.scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
+        decision = self.decider.decide(out, rows, logits, self.outputs)
+        self.scheduler.update_from_output(out, {r: [t.token_id for t in toks] for r, toks in decision.tokens.items()})
         t1 = time.perf_counter()
-        self.outputs.add_tokens(sampled, t1)  # may finish requests, which frees their blocks
+        self.outputs.add_tokens(decision.tokens, t1)  # may finish requests, which frees their blocks
         if self.recompute_kv:
             self._discard_kv(out)
-        if self.spec is not None:
-            self.spec.propose(self.scheduler, self.outputs)  # drafts for the next step
-        self._record_step(out, num_positions, mask_s, t0, time.perf_counter())
+        self.decider.after_step(self.scheduler, self.outputs)  # speculation: drafts for the next step
+        self._record_step(out, num_positions, decision, t0, time.perf_counter())
         return self.outputs.end_step()
 
     def _execute(self, out: SchedulerOutput, rows: list, spans: list) -> Optional[torch.Tensor]:
@@ -224,22 +223,13 @@ class LLMEngine:
             torch.cuda.synchronize()  # so that the step's wall time covers its GPU work
         return logits
 
-    def _sample(self, out: SchedulerOutput, rows: list, logits: Optional[torch.Tensor]) -> tuple:
-        """({sample id: SampledToken} of the scheduled sequences at `rows`, in step order; seconds
-        spent on grammar masks)."""
-        rids = [out.scheduled[i].request_id for i in rows]
-        if not rids:
-            return {}, 0.0
-        so = self.sampler(logits, [self.outputs.sampling_state(r) for r in rids])
-        return {r: SampledToken(t, lp) for r, t, lp in zip(rids, so.token_ids, so.logprobs)}, so.mask_seconds
-
     def _discard_kv(self, out: SchedulerOutput) -> None:
         for seq in out.scheduled:
             if not seq.request.status.is_finished:
                 self.scheduler.discard_kv(seq.request.request_id)
 
     # ---------------------------------------------------------------- telemetry
-    def _record_step(self, out: SchedulerOutput, num_logits: int, mask_seconds: float, t0: float, t1: float) -> None:
+    def _record_step(self, out: SchedulerOutput, num_logits: int, decision, t0: float, t1: float) -> None:
         self._step_counter += 1
         km = self.kv_manager
         ctx = [s.num_computed_tokens + s.num_new_tokens for s in out.scheduled]
@@ -254,12 +244,10 @@ class LLMEngine:
             context_lens=ctx, kv_blocks_used=km.num_used_blocks, kv_blocks_free=km.num_free_blocks,
             kv_blocks_cached=km.num_cached_blocks, kv_usage=km.usage,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            num_preemptions_total=self.scheduler.num_preemptions, grammar_mask_seconds=mask_seconds,
+            num_preemptions_total=self.scheduler.num_preemptions, grammar_mask_seconds=decision.mask_seconds,
             kv_bytes_used=km.num_used_blocks * self.cache_config.block_size * self.kv_bytes_per_token)
-        if self.spec is not None and any(s.spec_token_ids for s in out.scheduled):
-            st = self.spec.last_step
-            rec.num_spec_seqs, rec.num_draft_tokens, rec.num_accepted_tokens = (
-                st.num_seqs, st.num_draft_tokens, st.num_accepted_tokens)
+        rec.num_spec_seqs, rec.num_draft_tokens, rec.num_accepted_tokens = (
+            decision.num_spec_seqs, decision.num_draft_tokens, decision.num_accepted_tokens)
         if out.scheduled:
             ex = self.executor.step_stats()
             rec.comm_seconds, rec.comm_bytes, rec.pipeline_micro_batches = ex.comm_seconds, ex.comm_bytes, ex.micro_batches
@@ -281,5 +269,5 @@ class LLMEngine:
             "prefix_cache_queries": km.prefix_cache_queries, "prefix_cache_hits": km.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
-            **(self.spec.state() if self.spec is not None else {}),
+            **self.decider.state(),
         }

@@ -18,6 +18,7 @@ import torch
 from servescope.config import EngineConfig
 from servescope.engine.model_runner import ModelRunner, step_batch_from_buffer
 from servescope.engine.parallel_executor import ParallelExecutor, local_step, parallel_layout, shard_model
+from servescope.engine.weights import build_weights, resolve_device, resolve_dtypes
 from servescope.model.attention import get_attention_backend
 from servescope.parallel import plan
 from servescope.parallel.groups import (WORKER_TIMEOUT_S, backend_for, context, destroy_group, init_group,
@@ -60,9 +61,6 @@ def worker_main(rank: int, flat_config: dict, store_port: Optional[int], parent_
 
 def _build(config: EngineConfig, rank: int) -> tuple:
     """(the built model, its ModelConfig, the checked layout, the device) of this rank."""
-    # the builder starts these workers (it imports this module's caller): a true cycle, broken here
-    from servescope.engine.builder import build_weights, resolve_device, resolve_dtypes
-
     device = resolve_device(config)
     if device.type == "cuda":
         run = torchrun_rank()

@@ -13,46 +13,42 @@ feed /metrics and the StepRecord.
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from servescope.engine.output_processor import OutputProcessor, SampledToken
+from servescope.engine.token_decider import Decision, TokenDecider
 from servescope.sampling.sampler import Sampler
 from servescope.scheduler.output import SchedulerOutput
 from servescope.scheduler.scheduler import Scheduler
 from servescope.spec.adaptive import KChooser
 from servescope.spec.rejection import verify
 
-logger = logging.getLogger(__name__)
 
+class SpecDecoder(TokenDecider):
+    """The speculative token decider. proposer: spec.ngram.NgramProposer or spec.draft.DraftProposer
+    (propose_batch)."""
 
-@dataclass
-class SpecStepStats:
-    num_seqs: int = 0  # requests that verified at least one draft
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-
-class SpecDecoder:
-    """proposer: spec.ngram.NgramProposer or spec.draft.DraftProposer (propose_batch)."""
+    speculative = True
 
     def __init__(self, proposer, chooser: KChooser, sampler: Sampler, max_model_len: int):
-        self.proposer, self.chooser, self.sampler = proposer, chooser, sampler
+        super().__init__(sampler)
+        self.proposer, self.chooser = proposer, chooser
         self.max_model_len = max_model_len
         self._draft_probs: dict[str, Optional[torch.Tensor]] = {}  # request id -> q [k, V] of its drafts
         self.num_drafts = 0  # verifications with at least one draft (vLLM: num_drafts)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.last_step = SpecStepStats()
 
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     # ---------------------------------------------------------------- after a step
+    def after_step(self, scheduler: Scheduler, outputs: OutputProcessor) -> None:
+        self.propose(scheduler, outputs)
+
     def propose(self, scheduler: Scheduler, outputs: OutputProcessor) -> None:
         running = scheduler.running_requests()
         self.chooser.tracker.retain(r.request_id for r in running)
@@ -85,31 +81,36 @@ class SpecDecoder:
                 self._draft_probs[req.request_id] = q
 
     # ---------------------------------------------------------------- in the next step
-    def verify(self, out: SchedulerOutput, rows: list, logits: torch.Tensor, outputs: OutputProcessor) -> tuple:
-        """({sample id: [SampledToken, ...]} of the scheduled sequences at `rows`, seconds spent on
-        grammar masks); logits: their sample positions, in order."""
+    def decide(self, out: SchedulerOutput, rows: list, logits: Optional[torch.Tensor],
+               outputs: OutputProcessor) -> Decision:
+        """Verification when a scheduled row carries drafts, else plain sampling."""
+        if not any(out.scheduled[i].spec_token_ids for i in rows):
+            return super().decide(out, rows, logits, outputs)
+        return self.verify(out, rows, logits, outputs)
+
+    def verify(self, out: SchedulerOutput, rows: list, logits: torch.Tensor, outputs: OutputProcessor) -> Decision:
+        """The tokens of the scheduled sequences at `rows` (accepted drafts, then the target's own);
+        logits: their sample positions, in order."""
         seqs = [out.scheduled[i] for i in rows]
         drafts = [list(s.spec_token_ids) for s in seqs]
         q = [self._draft_probs.get(s.request_id) if d else None for s, d in zip(seqs, drafts)]
         q = [None if x is None else x[:len(d)] for x, d in zip(q, drafts)]
         states = [outputs.sampling_state(s.request_id) for s in seqs]
         verified = verify(self.sampler, logits, states, drafts, q)
-        stats = SpecStepStats()
-        sampled = {}
+        d = Decision(mask_seconds=verified.mask_seconds)
         for seq, res in zip(seqs, verified.results):
             rid = seq.request_id
-            sampled[rid] = [SampledToken(t, lp) for t, lp in zip(res.token_ids, res.logprobs)]
+            d.tokens[rid] = [SampledToken(t, lp) for t, lp in zip(res.token_ids, res.logprobs)]
             if res.num_drafts:
-                stats.num_seqs += 1
-                stats.num_draft_tokens += res.num_drafts
-                stats.num_accepted_tokens += res.num_accepted
+                d.num_spec_seqs += 1
+                d.num_draft_tokens += res.num_drafts
+                d.num_accepted_tokens += res.num_accepted
                 self.chooser.tracker.update(rid, res.num_drafts, res.num_accepted)
                 outputs.record_speculation(rid, res.num_drafts, res.num_accepted)
-        self.num_drafts += stats.num_seqs
-        self.num_draft_tokens += stats.num_draft_tokens
-        self.num_accepted_tokens += stats.num_accepted_tokens
-        self.last_step = stats
-        return sampled, verified.mask_seconds
+        self.num_drafts += d.num_spec_seqs
+        self.num_draft_tokens += d.num_draft_tokens
+        self.num_accepted_tokens += d.num_accepted_tokens
+        return d
 
     def state(self) -> dict:
         """Totals for /metrics and kv_cache_state()."""

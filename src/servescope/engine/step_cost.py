@@ -5,38 +5,33 @@ The engine calls analysis/ (pure functions); analysis never imports the engine.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 
-from servescope.analysis.collectives import shard_config, step_comm_cost
+from servescope.analysis.collectives import LinkSpec, shard_config, step_comm_cost
 from servescope.analysis.cost_model import step_cost
 from servescope.analysis.pipeline_schedule import auto_micro_batches, pipelined_step
+from servescope.analysis.hardware import HardwareSpec
 from servescope.config import ModelConfig
-from servescope.engine.local_hardware import hardware_for_device, link_for
 from servescope.telemetry.step_record import StepRecord
-
-logger = logging.getLogger(__name__)
 
 _DT = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _KV_DT = {**_DT, torch.int8: "int8", getattr(torch, "float8_e4m3fn", None): "fp8_e4m3"}
 
 
 class StepCostPredictor:
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
-                 quantization: Optional[str], hardware: Optional[str], tp: int = 1, pp: int = 1,
+    def __init__(self, cfg: ModelConfig, hw: HardwareSpec, link: Optional[LinkSpec], dtype: torch.dtype,
+                 kv_dtype: torch.dtype, quantization: Optional[str], tp: int = 1, pp: int = 1,
                  micro_batches: int = 0, weight_format: Optional[str] = None):
-        """weight_format: the packed weights' format (model/quantize.weight_format), counted in their
+        """link: between the ranks of a parallel engine (None: no communication predicted).
+        weight_format: the packed weights' format (model/quantize.weight_format), counted in their
         real bytes; None: float weights in the activation dtype, or per-channel int8."""
         # a tensor-parallel rank computes 1/T of each layer (shard_config); the link adds the collectives
         self.full_cfg, self.cfg, self.tp, self.pp = cfg, shard_config(cfg, tp), tp, pp
         self.micro_batches = micro_batches  # pipeline_micro_batches (0: auto), as the executor cuts
-        self.hw = hardware_for_device(device, hardware)
-        self.link = link_for(self.hw) if tp * pp > 1 else None  # None: never measured here (no comm predicted)
-        if tp * pp > 1 and self.link is None:
-            logger.info("no measured link between local processes: StepRecords predict compute only "
-                        "(`servescope hardware probe-link` measures it)")
+        self.hw = hw
+        self.link = link if tp * pp > 1 else None
         self.act_bytes = dtype.itemsize
         self.act_dtype = _DT[dtype]
         self.weight_dtype = weight_format or ("int8" if quantization == "int8" else self.act_dtype)

@@ -24,7 +24,7 @@ import torch
 from servescope.analysis.roofline import attainable_flops
 from servescope.config import EngineConfig, SamplingParams
 from servescope.engine.llm_engine import LLMEngine
-from servescope.engine.local_hardware import hardware_for_device
+from servescope.measure.local_hardware import hardware_for_device, measured_engine
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class LabSession:
         cfg = EngineConfig(**settings)
         key = (cfg.model, cfg.dtype, cfg.device)
         if key not in self._loaded:
-            engine = LLMEngine(cfg)
+            engine = measured_engine(cfg)
             self._loaded[key] = (engine, settings)
             return engine
         first, first_settings = self._loaded[key]

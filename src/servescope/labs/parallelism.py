@@ -19,8 +19,8 @@ from servescope.analysis.collectives import LINKS
 from servescope.analysis.hardware import get_hardware
 from servescope.analysis.parallel_explain import explain_parallel
 from servescope.analysis.presets import load_preset
-from servescope.engine.llm_engine import LLMEngine
-from servescope.engine.local_hardware import local_gloo_link
+from servescope.config import EngineConfig
+from servescope.measure.local_hardware import local_gloo_link, measured_engine
 from servescope.errors import EngineConfigError
 from servescope.labs.common import (
     LabOptions, LabResult, LabSession, context_line, lab_hardware, md_table, median, new_figure, random_prompt,
@@ -34,10 +34,11 @@ PROMPT_LEN, DECODE_STEPS = 128, 8
 
 def _engine(opts: LabOptions, tp: int, pp: int, micro: int = 0):
     try:
-        return LLMEngine(model=opts.model, dtype=opts.dtype, num_threads=1, hardware=opts.hardware, seed=opts.seed,
-                         skip_tokenizer_init=True, enable_prefix_caching=False, num_kv_blocks=128,
-                         max_model_len=PROMPT_LEN + DECODE_STEPS + 16, max_num_batched_tokens=1024,
-                         tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_micro_batches=micro)
+        return measured_engine(EngineConfig(
+            model=opts.model, dtype=opts.dtype, num_threads=1, hardware=opts.hardware, seed=opts.seed,
+            skip_tokenizer_init=True, enable_prefix_caching=False, num_kv_blocks=128,
+            max_model_len=PROMPT_LEN + DECODE_STEPS + 16, max_num_batched_tokens=1024,
+            tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_micro_batches=micro))
     except EngineConfigError as e:  # this model does not split this way (heads, layers, cores)
         return str(e)
 

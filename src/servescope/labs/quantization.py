@@ -16,7 +16,7 @@ import random
 
 from servescope.analysis.cpu_isa import local_fast_bf16
 from servescope.config import EngineConfig
-from servescope.engine.llm_engine import LLMEngine
+from servescope.measure.local_hardware import measured_engine
 from servescope.labs.common import (
     LabOptions, LabResult, LabSession, blocks_for, context_line, interleaved, lab_hardware, md_table, median,
     new_figure, random_prompt, rel_error, run_to_completion, save_figure, warm_up, write_report,
@@ -59,7 +59,7 @@ def _weight_engine(opts: LabOptions, session: LabSession, mode: str, max_len: in
     cfg = EngineConfig(model=o.model, dtype=dtype, quantization=None if mode == "bfloat16" else mode,
                        num_threads=o.threads, hardware=o.hardware, seed=o.seed, enable_prefix_caching=False,
                        skip_tokenizer_init=True, **cache)
-    return LLMEngine(cfg)
+    return measured_engine(cfg)
 
 
 def _decode_steps(engine, prompt_len: int, steps: int, rng: random.Random, tag: str) -> list:

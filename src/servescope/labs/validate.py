@@ -3,9 +3,9 @@
 Points: decode steps at batch 1..32 (every sequence at the same short context) and single-prompt
 prefill steps of 128..2048 tokens (one step each, chunked prefill off). Measured = median wall time
 of like steps; predicted = what every StepRecord carries: the roofline on the probed spec plus the
-host overhead the probe measured (per step + per layer, on a tiny model: engine/overhead.py), with
+host overhead the probe measured (per step + per layer, on a tiny model: measure/overhead.py), with
 each linear op no faster than the rate the probe measured for the engine's linear kernel at that
-many rows (kernels/kernel_probe.py, on 1024 x 1024 matrices of no model). Nothing in that
+many rows (measure/kernel_rates.py, on 1024 x 1024 matrices of no model). Nothing in that
 prediction is fitted to these steps.
 
 For comparison the report also shows the raw roofline (FLOPs and bytes and the two peaks only), and two
@@ -23,7 +23,7 @@ import random
 import torch
 
 from servescope.analysis.cost_model import step_cost
-from servescope.engine.local_hardware import probe_local_cpu
+from servescope.measure.local_hardware import probe_local_cpu
 from servescope.labs.common import (
     LabOptions, LabResult, LabSession, act_dtype_name, blocks_for, context_line, interleaved, lab_hardware,
     md_table, median, new_figure, random_prompt, rel_error, run_to_completion, save_figure, seqs_of, warm_up,

@@ -13,7 +13,7 @@ from typing import Optional
 from servescope.analysis.explain import explain
 from servescope.config import EngineConfig
 from servescope.engine.llm_engine import LLMEngine
-from servescope.engine.local_hardware import probe_local_cpu
+from servescope.measure.local_hardware import measured_engine, probe_local_cpu
 from servescope.errors import InvalidParameterError
 from servescope.labs.common import blocks_for, median, random_prompt, rel_error, run_to_completion, warm_up
 
@@ -26,7 +26,7 @@ def _workload_engine(model: Optional[str], batch: int, prompt_len: int, output_l
     """An engine that holds the whole batch at once: no prefix cache (random prompts share nothing
     anyway), no chunking (one prefill step), KV blocks for every token of every sequence."""
     total = prompt_len + output_len
-    return LLMEngine(EngineConfig(
+    return measured_engine(EngineConfig(
         model=model, dtype="bfloat16" if weight_dtype == "int8" else weight_dtype,
         quantization="int8" if weight_dtype == "int8" else None, kv_cache_dtype=kv_dtype or "auto",
         max_num_seqs=batch, enable_prefix_caching=False, enable_chunked_prefill=False,

@@ -1,6 +1,6 @@
 """Measure this machine's gloo all-reduce between local processes (the link of a CPU-parallel
 engine): seconds per size, from two processes on localhost, one thread each. The engine's probe
-(engine/local_hardware.local_gloo_link) measures PROBE_SIZES and fits gloo's ring to them
+(measure/local_hardware.local_gloo_link) measures PROBE_SIZES and fits gloo's ring to them
 (analysis/collectives.fit_link); a few seconds, most of it the two processes starting."""
 
 from __future__ import annotations

@@ -137,15 +137,29 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, states: list[SamplingState], greedy: list[bool]) -> tuple:
         """(token ids [B], seconds spent on grammar masks)."""
+        token_ids, _probs, mask_seconds = self._draw(logits, states, greedy)
+        return token_ids, mask_seconds
+
+    def _draw(self, logits: torch.Tensor, states: list[SamplingState], greedy: list[bool]) -> tuple:
+        """(token ids [B], the distributions sampled [B, V] or None when all rows are greedy, seconds
+        spent on grammar masks)."""
         x, greedy_ids, mask_seconds = self._processed(logits, states, greedy)
         if x is None:
-            return greedy_ids, mask_seconds
+            return greedy_ids, None, mask_seconds
         probs = x.softmax(dim=-1)  # [B, V]
-        sampled = probs.div_(self._exponential_noise(probs, states, greedy)).argmax(dim=-1)  # [B]
+        sampled = (probs / self._exponential_noise(probs, states, greedy)).argmax(dim=-1)  # [B]
         if any(greedy):
             sampled = torch.where(host_to_device(greedy, torch.bool, logits.device), greedy_ids, sampled)
         assert sampled.shape == (len(states),)
-        return sampled, mask_seconds
+        return sampled, probs, mask_seconds
+
+    def draw(self, logits: torch.Tensor, states: list[SamplingState]) -> tuple:
+        """(token ids [B] on the device, the processed distributions [B, V] they were sampled from or
+        None when every row is greedy): what __call__ samples, without logprobs or host copies. A draft
+        model proposes with it (spec/draft.py) and keeps the distributions for rejection sampling."""
+        logits = logits[:, : self.vocab_size]  # [B, V]
+        token_ids, probs, _ = self._draw(logits, states, [s.params.greedy for s in states])
+        return token_ids, probs
 
     def distributions(self, logits: torch.Tensor, states: list[SamplingState]) -> Distributions:
         """What each row samples from, without sampling (grammar masks included): see Distributions.

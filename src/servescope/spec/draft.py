@@ -151,13 +151,8 @@ class DraftProposer:
         if plain:
             return logits[:, : self.sampler.vocab_size].argmax(dim=-1)
         states = [position_states(st, d)[-1] for (_, _, _, st), d in zip(its, drafts)]
-        p, greedy_ids, greedy, _ = self.sampler.distributions(logits, states)  # drafts have no grammar
-        if p is None:
-            toks = greedy_ids
-        else:
-            race = p / self.sampler.exponential_noise(p, states, greedy)  # a sample of p per row
-            toks = torch.where(torch.tensor(greedy, device=p.device), greedy_ids, race.argmax(dim=-1)) \
-                if greedy_ids is not None else race.argmax(dim=-1)
+        toks, p = self.sampler.draw(logits, states)  # drafts have no grammar
+        greedy = [st.params.greedy for st in states]
         for i, t in enumerate(toks.tolist()):
             drafts[i].append(t)
             if p is not None and not greedy[i]:

@@ -1,34 +1,32 @@
-"""The hardware spec the engine predicts with, and the probe of the local CPU with the engine's own
-measurers.
+"""The hardware spec to build an engine with, and the full probe of the local CPU.
 
 analysis/ is pure: its probe measures what any torch program can (bandwidth, matmul peaks) and takes
 the engine-specific measurements (host overhead per step and layer, the linear and attention kernels'
-rates) as arguments. This module, above both, hands them in. Everything above the engine (CLI, labs,
-bench) asks here for "local-cpu": analysis.get_hardware("local-cpu") only reads what this measured.
+rates) as arguments. This module, above the engine, hands them in. Everything above the engine (CLI,
+server, labs, bench) resolves the spec here and passes it to the engine it builds; the engine alone
+only reads what this measured (engine/hardware.py).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
 
-from servescope.analysis.collectives import (DEFAULT_LINK, LOCAL_GLOO, LinkSpec, cached_local_link, get_link,
-                                             save_local_link)
-from servescope.analysis.hardware import LOCAL_CPU, HardwareSpec, canonical_hardware_name, get_hardware
-from servescope.analysis.probe import EngineMeasurers, cpu_model, probe_local_hardware
-from servescope.engine.overhead import measure_host_overhead
-from servescope.errors import InvalidParameterError
+from servescope.analysis.collectives import LOCAL_GLOO, LinkSpec, cached_local_link, get_link, save_local_link
+from servescope.analysis.hardware import LOCAL_CPU, HardwareSpec, canonical_hardware_name
+from servescope.analysis.probe import EngineMeasurers, probe_local_hardware
+from servescope.config import EngineConfig
+from servescope.engine.hardware import default_hardware, default_link, local_link_key
+from servescope.engine.llm_engine import LLMEngine
 from servescope.kernels import cpu_ops
-from servescope.kernels.kernel_probe import (measure_decode_attention_flops, measure_linear_rates,
+from servescope.measure.kernel_rates import (measure_decode_attention_flops, measure_linear_rates,
                                              measure_packed_gemm_flops)
+from servescope.measure.overhead import measure_host_overhead
 from servescope.parallel.link_probe import fit_local_link, measure_all_reduce
 
 logger = logging.getLogger(__name__)
-
-_GPU_KEYS = ("h200", "h100", "a100", "l40s", "l4", "4090", "mi300x")
 
 # The full probe's engine measurements (analysis/probe.py caches a spec under the full key only
 # when all of them were handed in).
@@ -49,28 +47,30 @@ def resolve_hardware(name: Optional[str]) -> HardwareSpec:
     """A spec by name; "local-cpu" (and its aliases) through probe_local_cpu."""
     if canonical_hardware_name(name) == LOCAL_CPU:
         return probe_local_cpu()
-    return get_hardware(name)
+    return default_hardware(torch.device("cpu"), name)
 
 
 def hardware_for_device(device: torch.device, name: Optional[str] = None) -> HardwareSpec:
-    """The spec to predict with: the named one, else the GPU's datasheet, else the CPU probe."""
+    """The spec to predict with: the named one, else the GPU's datasheet, else the full CPU probe."""
     if name:
         return resolve_hardware(name)
     if device.type == "cuda":
-        gpu = torch.cuda.get_device_name(device).lower()
-        for key in _GPU_KEYS:
-            if key in gpu:
-                try:
-                    return get_hardware(key)
-                except InvalidParameterError:
-                    break
-        logger.warning("no datasheet spec for %s; predictions use the H100 spec", gpu)
-        return get_hardware("h100")
+        return default_hardware(device)
     return probe_local_cpu()
 
 
-def local_link_key() -> str:
-    return f"{cpu_model()} / {os.cpu_count()} cores"
+def hardware_for_config(config: EngineConfig) -> Optional[HardwareSpec]:
+    """What an engine of `config` predicts its steps on (None when it predicts nothing): resolved before
+    the engine is built, and handed to it."""
+    if not config.telemetry.predict_step_cost:
+        return None
+    return hardware_for_device(torch.device(config.load.device), config.telemetry.hardware)
+
+
+def measured_engine(config: EngineConfig) -> LLMEngine:
+    """An engine of `config` predicting its steps on the spec hardware_for_config resolves (the full
+    probe on a CPU, measured once per machine)."""
+    return LLMEngine(config, hardware_spec=hardware_for_config(config))
 
 
 def local_gloo_link(measure: bool = True, force: bool = False) -> Optional[LinkSpec]:
@@ -90,5 +90,5 @@ def link_for(hw: HardwareSpec, name: Optional[str] = None, measure: bool = False
     if name:
         return local_gloo_link(measure) if name == LOCAL_GLOO else get_link(name)
     if hw.kind == "gpu":
-        return get_link(DEFAULT_LINK.get(hw.name, "pcie4"))
+        return default_link(hw)
     return local_gloo_link(measure)

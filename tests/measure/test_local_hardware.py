@@ -1,4 +1,4 @@
-"""engine/local_hardware.py hands the engine's own measurers to the pure probe: the full probe."""
+"""measure/local_hardware.py hands the engine's own measurers to the pure probe: the full probe."""
 
 import json
 
@@ -6,7 +6,7 @@ import torch
 
 from servescope.analysis import probe
 from servescope.analysis.hardware import get_hardware
-from servescope.engine import local_hardware
+from servescope.measure import local_hardware
 
 
 def test_probe_local_cpu_measures_the_engine_and_caches_the_full_spec(tmp_path, monkeypatch):

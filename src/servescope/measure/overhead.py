@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from servescope.config import EngineConfig, SamplingParams
+from servescope.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,6 @@ def _tiny_config(layers: int) -> dict:
 def decode_step_seconds(layers: int, dtype: str = "float32", device: str = "cpu", steps: int = 40,
                         prompt_len: int = 64) -> float:
     """Median wall time of a batch-1 decode step of the tiny model with `layers` layers."""
-    # lazy, to break a true cycle: the engine asks local_hardware (which imports this module) for
-    # the spec it predicts with, and measuring that spec builds an engine
-    from servescope.engine.llm_engine import LLMEngine
-
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "config.json"
         path.write_text(json.dumps(_tiny_config(layers)))
