@@ -75,12 +75,15 @@ class LLMEngine:
         self.spec = parts.decider if parts.decider.speculative else None  # the SpecDecoder, None when off
         self.start_time = time.perf_counter()
 
-    def with_config(self, **overrides) -> "LLMEngine":
+    def with_config(self, hardware_spec=None, **overrides) -> "LLMEngine":
         """A new engine on the same weights with other settings (KV size, chunking, caching...), given
         as EngineConfig's flat names. Weight-changing settings (model, dtype, device, quantization)
-        must stay the same. `engine.with_config(**config.flat())` builds `config` on these weights."""
-        return LLMEngine.from_parts(build_engine(self.config.replace(**overrides), shared=self.loaded,
-                                                 hardware=self.hardware))
+        must stay the same. `engine.with_config(**config.flat())` builds `config` on these weights.
+        hardware_spec: as for LLMEngine; None keeps this engine's unless the hardware name changes."""
+        config = self.config.replace(**overrides)
+        if hardware_spec is None and config.telemetry.hardware == self.config.telemetry.hardware:
+            hardware_spec = self.hardware
+        return LLMEngine.from_parts(build_engine(config, shared=self.loaded, hardware=hardware_spec))
 
     @property
     def step_cost_predictor(self):

@@ -24,7 +24,7 @@ import torch
 from servescope.analysis.roofline import attainable_flops
 from servescope.config import EngineConfig, SamplingParams
 from servescope.engine.llm_engine import LLMEngine
-from servescope.measure.local_hardware import hardware_for_device, measured_engine
+from servescope.measure.local_hardware import hardware_for_config, hardware_for_device, measured_engine
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class LabSession:
         # this one set is given, with this lab's value (or the default), so the new engine's config is
         # exactly `cfg`, whatever the first lab asked for (no_kv_cache, chunking off, ...)
         changed = {k: getattr(cfg, k) for k in {**first_settings, **settings}}
-        return first.with_config(**changed)
+        return first.with_config(hardware_spec=hardware_for_config(cfg), **changed)
 
 
 def blocks_for(tokens: int, block_size: int = 16, margin: int = 4) -> int:
