@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     from servescope.bench.envinfo import environment_info
     from servescope.bench.latency import run_engine_latency
     from servescope.engine.llm import LLM
-    from servescope.engine.local_hardware import hardware_for_device
+    from servescope.measure.local_hardware import hardware_for_device
 
     if a.threads:
         torch.set_num_threads(a.threads)

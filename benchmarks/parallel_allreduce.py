@@ -30,7 +30,7 @@ def one_round(a) -> tuple:
     """(the link, {bytes: measured seconds}, probe seconds) of one probe-then-check round."""
     t0 = time.perf_counter()
     if a.cached:
-        from servescope.engine.local_hardware import local_gloo_link  # the engine's own (measures if absent)
+        from servescope.measure.local_hardware import local_gloo_link  # the engine's own (measures if absent)
 
         link = local_gloo_link(measure=True)
     else:

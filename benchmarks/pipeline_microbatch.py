@@ -64,7 +64,7 @@ def main() -> None:
 
     from servescope.bench.envinfo import environment_info
     from servescope.engine.llm_engine import LLMEngine
-    from servescope.engine.local_hardware import local_gloo_link
+    from servescope.measure.local_hardware import local_gloo_link
     from servescope.labs.common import warm_up
 
     local_gloo_link(measure=True)  # so that the StepRecords predict the hand-overs too

@@ -61,6 +61,49 @@ def test_import_contracts_hold():
     assert r.returncode == 0, f"import contracts broken (lint-imports exit {r.returncode}):\n{broken}"
 
 
+def test_ruff_lint_passes():
+    """[tool.ruff] in pyproject.toml: the line length, unused and undefined names, over src, tests and
+    benchmarks."""
+    exe = Path(sys.executable).parent / "ruff"
+    found = str(exe) if exe.exists() else shutil.which("ruff")
+    if found is None:
+        pytest.fail("ruff not found: install the test extra (pip install -e '.[test]')")
+    r = subprocess.run([found, "check", "--no-cache", "src", "tests", "benchmarks"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, f"ruff check failed:\n{r.stdout[-8000:]}{r.stderr[-2000:]}"
+
+
+DATE_IN_COMMENT = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+
+
+def _comments_and_docstrings(path: Path):
+    """(line, text) of every comment and docstring of a Python file, or every // or /* comment line of
+    a C++ one."""
+    source = path.read_text()
+    if path.suffix in (".h", ".cpp"):
+        for i, line in enumerate(source.splitlines(), 1):
+            if "//" in line or line.lstrip().startswith(("/*", "*")):
+                yield i, line
+        return
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            yield tok.start[0], tok.string
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc and node.body:
+                yield node.body[0].lineno, doc
+
+
+def test_no_comment_carries_a_date():
+    """Comments say why; measured figures and their dates live in docs/BENCHMARKS.md (a dated figure in
+    a comment goes stale while the code it explains stays)."""
+    files = _modules() + sorted(p for ext in ("*.h", "*.cpp") for p in SRC.rglob(ext))
+    bad = [f"{_rel(p)}:{line}: {DATE_IN_COMMENT.search(text).group()}" for p in files
+           for line, text in _comments_and_docstrings(p) if DATE_IN_COMMENT.search(text)]
+    assert not bad, "comments with a date (move the figure to docs/BENCHMARKS.md):\n" + "\n".join(bad)
+
+
 def import_cycles() -> list:
     """The strongly connected components of more than one module in servescope's import graph (every
     import counted: at module level, inside functions, under TYPE_CHECKING), each as sorted names."""

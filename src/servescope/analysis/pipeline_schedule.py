@@ -154,8 +154,8 @@ def head_seconds(cfg: ModelConfig, seqs: list, hw, num_logits: int, dtypes: tupl
 
 # auto: a step is cut only where it has prefill tokens enough for this many per micro-batch. A
 # decode-only step stays whole: it is memory-bound, and cut, each piece reads the stage's weights
-# again (measured on the 2-core CPU, 2026-12-02: a decode step of 8-32 sequences took 1.4-2.0x as long
-# in 2 micro-batches; the cost model predicts the same direction, 1.05-1.2x)
+# again (measured, docs/BENCHMARKS.md "Pipeline micro-batches": decode steps took longer in 2
+# micro-batches, and the cost model predicts the same direction)
 AUTO_MIN_PREFILL_TOKENS_PER_MICRO_BATCH = 8
 
 

@@ -313,7 +313,7 @@ def measure_table(m: dict):
 # --------------------------------------------------------------------------- labs
 
 def run_lab_command(args) -> int:
-    # lazy: the labs import the engine and torch (2 s), even for `lab list`
+    # lazy: the labs import the engine and torch, seconds of start-up even for `lab list`
     from servescope.labs import LABS, all_labs, run_lab
     from servescope.labs.common import LabOptions, LabSession
 

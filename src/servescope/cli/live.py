@@ -13,7 +13,7 @@ def announce_dashboard(url: str, open_browser: bool = True) -> None:
     print(f"servescope: dashboard at {url}", flush=True)
     # only where a browser can show it: a desktop session (not over ssh, not in CI)
     if open_browser and (sys.platform == "darwin" or os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
-        import webbrowser  # start-up time, measured: 27 ms of `servescope --help`
+        import webbrowser  # start-up time of `servescope --help` (docs/BENCHMARKS.md, start-up)
 
         webbrowser.open(url)
 
@@ -57,7 +57,7 @@ class DashboardRun:
 
     def generate(self, prompt, params, out=sys.stdout) -> tuple:
         """Like cli/generate.stream_one, through the AsyncEngine: (final RequestOutput, its steps)."""
-        import asyncio  # start-up time, measured: 96 ms of `servescope --help`
+        import asyncio  # start-up time of `servescope --help` (docs/BENCHMARKS.md, start-up)
 
         first_step = len(self.engine.step_records)
         final = asyncio.run(_stream(self.async_engine, prompt, params, out))

@@ -134,7 +134,7 @@ class ModelExecutor:
             logger.warning("gpu_linear=%s applies to CUDA devices only; ignored on %s (the CPU has its own "
                            "decode GEMV)", mode, self.device.type)
             return {}
-        # lazy: importing triton costs ~0.35 s of every start-up (measured here), and only GPUs use it
+        # lazy: importing triton is start-up time that only a GPU engine uses
         from servescope.kernels import triton_gemv
 
         if not triton_gemv.AVAILABLE and mode != "cublas":

@@ -20,8 +20,8 @@ PREVIEW_HEAD, PREVIEW_TAIL = 8, 12  # prompt tokens decoded for a queue entry's 
 # question is at its end, after a system prompt that many requests share)
 MAX_QUEUE_ENTRIES = 64  # listed per queue (the counts are always complete)
 # The block map is the one part of a snapshot that grows with the cache (a Python pass over every
-# block: ~0.3 ms for 1,500 blocks, tens of ms for 100,000 on a large GPU): it is rebuilt at most
-# once per (its build time / MAP_SHARE), so that it never takes more than 1% of the engine thread.
+# block, long on a large GPU's cache): it is rebuilt at most once per (its build time / MAP_SHARE),
+# so that it never takes more than 1% of the engine thread.
 MAP_SHARE = 0.01
 
 

@@ -14,7 +14,7 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         return TorchAttentionBackend()
     try:
         # lazy and optional: triton may be missing (then only an explicit "triton" is an error), and
-        # importing it costs ~0.35 s of a start-up that does not use it
+        # importing it is start-up time that a CPU engine would pay for nothing
         from servescope.model.attention.triton_backend import TritonAttentionBackend
     except ImportError as e:
         if name == "triton":
