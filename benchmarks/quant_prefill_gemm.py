@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 from quant_speed import _time  # noqa: E402
 
-from servescope.kernels import cpu_ops  # noqa: E402
-from servescope.kernels import quant_linear as ql  # noqa: E402
+from servescope.kernels.cpu import ops as cpu_ops  # noqa: E402
+from servescope.model.linears import packed as ql  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down (N, K)
 

@@ -38,8 +38,8 @@ from gguf_requant import requantize  # noqa: E402
 from servescope import LLM, SamplingParams  # noqa: E402
 from servescope.bench import llama_cpp_tools as lct  # noqa: E402
 from servescope.bench.envinfo import environment_info  # noqa: E402
-from servescope.kernels import cpu_ops  # noqa: E402
-from servescope.kernels import quant_linear as ql  # noqa: E402
+from servescope.kernels.cpu import ops as cpu_ops  # noqa: E402
+from servescope.model.linears import packed as ql  # noqa: E402
 from servescope.loader.source import resolve_model_path  # noqa: E402
 
 # engine -> (--quantization, file kind, the llama.cpp file it is compared with); the engines run float32

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from servescope.errors import InvalidParameterError
-from servescope.kernels import cpu_ops
-from servescope.kernels import quant_linear as ql
+from servescope.kernels.cpu import ops as cpu_ops
+from servescope.model.linears import packed as ql
 from servescope.model.quantize import parse_mode
 
 SCHEMES = [ql.QuantScheme(b, g, a) for b in (4, 8) for g in (32, 64, 128, None) for a in (False, True)]

@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
-from servescope.kernels import cpu_ops, fused_ops
-from servescope.model.attention.torch_ref import TorchAttentionBackend
+from servescope.kernels import fused_ops
+from servescope.kernels.cpu import ops as cpu_ops
+from servescope.model.attention.reference import TorchAttentionBackend
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="CPU op extension not built here")
 

@@ -18,8 +18,8 @@ from tiny_models import make_tiny_hf_model  # noqa: E402
 
 from servescope import LLM, SamplingParams  # noqa: E402
 from servescope.errors import EngineConfigError  # noqa: E402
-from servescope.kernels import cpu_ops  # noqa: E402
-from servescope.kernels import quant_linear as ql  # noqa: E402
+from servescope.kernels.cpu import ops as cpu_ops  # noqa: E402
+from servescope.model.linears import packed as ql  # noqa: E402
 from servescope.loader import gguf_packed  # noqa: E402
 from servescope.loader.source import load_model_source, resolve_model_path  # noqa: E402
 from servescope.model.quantize import weight_format  # noqa: E402

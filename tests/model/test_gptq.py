@@ -4,8 +4,8 @@ calibration inputs are uncorrelated; a smaller layer output error where they are
 import pytest
 import torch
 
-from servescope.kernels.quant_linear import QuantScheme, dequantize, quantize
-from servescope.model.gptq import gptq_quantize
+from servescope.model.linears.packed import QuantScheme, dequantize, quantize
+from servescope.quant.gptq import gptq_quantize
 
 SCHEMES = [QuantScheme(4, 32, False), QuantScheme(4, 32, True), QuantScheme(8, 32, False),
            QuantScheme(4, 128, True), QuantScheme(8, None, False), QuantScheme(8, 64, True)]

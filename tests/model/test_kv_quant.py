@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from servescope.kernels import cpu_ops
+from servescope.kernels.cpu import ops as cpu_ops
 from servescope.model.attention import kv_quant
 from servescope.model.attention.backend import AttentionMetadata
-from servescope.model.attention.torch_ref import TorchAttentionBackend
+from servescope.model.attention.reference import TorchAttentionBackend
 
 DTYPES = [torch.int8] + ([kv_quant.FP8] if kv_quant.FP8 is not None else [])
 needs_ext = pytest.mark.skipif(not cpu_ops.available(), reason="CPU op extension not built here")

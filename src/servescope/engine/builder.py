@@ -33,7 +33,7 @@ from servescope.engine.spec_builder import build_spec_decoder
 from servescope.engine.spec_decode import SpecDecoder
 from servescope.engine.step_cost import StepCostPredictor
 from servescope.errors import EngineConfigError
-from servescope.kernels import cpu_ops
+from servescope.kernels.cpu import ops as cpu_ops
 from servescope.kvcache.manager import KVCacheManager
 from servescope.loader.build import DTYPES, build_model
 from servescope.loader.quantized import saved_mode

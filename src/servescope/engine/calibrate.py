@@ -29,9 +29,9 @@ import torch
 from servescope.engine.llm import LLM
 from servescope.engine.model_runner import ModelRunner
 from servescope.errors import InvalidParameterError
-from servescope.kernels.quant_linear import QuantScheme, dequantize, quantize
+from servescope.model.linears.packed import QuantScheme, dequantize, quantize
 from servescope.loader.quantized import check_out, save_quantized, saved_mode
-from servescope.model.gptq import DAMP, gptq_quantize
+from servescope.quant.gptq import DAMP, gptq_quantize
 from servescope.model.quantize import parse_mode, projection_scheme
 
 logger = logging.getLogger(__name__)

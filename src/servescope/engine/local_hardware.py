@@ -21,7 +21,7 @@ from servescope.analysis.hardware import LOCAL_CPU, HardwareSpec, canonical_hard
 from servescope.analysis.probe import EngineMeasurers, cpu_model, probe_local_hardware
 from servescope.engine.overhead import measure_host_overhead
 from servescope.errors import InvalidParameterError
-from servescope.kernels import cpu_ops
+from servescope.kernels.cpu import ops as cpu_ops
 from servescope.kernels.kernel_probe import (measure_decode_attention_flops, measure_linear_rates,
                                              measure_packed_gemm_flops)
 from servescope.parallel.link_probe import fit_local_link, measure_all_reduce

@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from servescope.kernels import cpu_ops
+from servescope.kernels.cpu import ops as cpu_ops
 
 
 def _fused():
     try:
         # lazy and optional: triton may be missing, and importing it costs ~0.35 s of a CPU start-up
-        from servescope.kernels import triton_fused
+        from servescope.kernels.triton import fused as triton_fused
     except ImportError:
         return None
     return triton_fused if triton_fused.AVAILABLE else None

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from servescope.kernels import cpu_ops
-from servescope.kernels.cpu_kernels import CpuLinear
-from servescope.kernels.quant_linear import BLOCK, MAX_ROWS, QuantLinear
+from servescope.kernels.cpu import ops as cpu_ops
+from servescope.kernels.cpu.linear import CpuLinear
+from servescope.model.linears.packed import BLOCK, MAX_ROWS, QuantLinear
 from servescope.timing import median_seconds
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)

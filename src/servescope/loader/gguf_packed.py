@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from servescope.kernels.quant_linear import QuantEmbedding, QuantLinear, QuantScheme, dequantize, quantize
+from servescope.model.linears.packed import QuantEmbedding, QuantLinear, QuantScheme, dequantize, quantize
 from servescope.model.llama import FUSED_PROJECTIONS
 
 logger = logging.getLogger(__name__)

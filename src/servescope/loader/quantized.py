@@ -27,7 +27,7 @@ import tempfile
 import torch
 
 from servescope.errors import ModelLoadError
-from servescope.kernels.quant_linear import QuantScheme
+from servescope.model.linears.packed import QuantScheme
 from servescope.loader.gguf_packed import placeholder
 from servescope.model.quantize import parse_mode, projection_scheme
 

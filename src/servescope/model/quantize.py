@@ -24,8 +24,8 @@ from torch import nn
 
 from servescope.analysis.packed_weights import gguf_format_name
 from servescope.errors import InvalidParameterError
-from servescope.kernels import cpu_kernels
-from servescope.kernels.quant_linear import QuantEmbedding, QuantLinear, QuantScheme, move_to_huge_pages
+from servescope.kernels.cpu import linear as cpu_linear
+from servescope.model.linears.packed import QuantEmbedding, QuantLinear, QuantScheme, move_to_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Int8Linear(nn.Module):
     def plan_entry(self) -> tuple:
         """What the C++ DecodePlan needs (see CpuLinear.plan_entry): the int8 GEMV only, so the plan
         serves this module up to the GEMV's row limit (its larger-M path is eager dequantisation)."""
-        rows = cpu_kernels.MAX_ROWS[torch.int8]
+        rows = cpu_linear.MAX_ROWS[torch.int8]
         empty = torch.empty(0)
         bias = empty if self._bias_f32 is None else self._bias_f32
         return [self.weight_int8, self._scale_f32, bias, empty, empty, empty], (rows, 0), rows
@@ -63,8 +63,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [.., K] -> [M, K]
-        if cpu_kernels.use_gemv(x2, self.weight_int8):  # decode on the CPU: stream int8 once
-            y = cpu_kernels.gemv(x2, self.weight_int8, self._scale_f32, self._bias_f32).to(x.dtype)
+        if cpu_linear.use_gemv(x2, self.weight_int8):  # decode on the CPU: stream int8 once
+            y = cpu_linear.gemv(x2, self.weight_int8, self._scale_f32, self._bias_f32).to(x.dtype)
             return y.reshape(*shape[:-1], self.out_features)
         if self._use_kernel:
             y = torch._weight_int8pack_mm(x2.contiguous(), self.weight_int8, self.scale)

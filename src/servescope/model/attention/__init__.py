@@ -3,7 +3,7 @@
 import torch
 
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
-from servescope.model.attention.torch_ref import TorchAttentionBackend
+from servescope.model.attention.reference import TorchAttentionBackend
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "get_attention_backend"]
 

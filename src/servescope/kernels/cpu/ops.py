@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from servescope.kernels.cpu_extension import CpuExtension
+from servescope.kernels.cpu.extension import CpuExtension
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from servescope.kernels import cpu_ops
+from servescope.kernels.cpu import ops as cpu_ops
 
 logger = logging.getLogger(__name__)
 

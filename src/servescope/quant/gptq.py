@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from servescope.kernels import quant_search
-from servescope.kernels.quant_linear import QuantScheme, _pack_nibbles
+from servescope.quant import search as quant_search
+from servescope.model.linears.packed import QuantScheme, _pack_nibbles
 
 BLOCK = 128  # columns per lazy-update block (a multiple of every group size)
 # GPTQ's paper damps with 1% of the mean diagonal. H from ~8k calibration tokens is a noisy estimate for K

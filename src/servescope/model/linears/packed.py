@@ -40,8 +40,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from servescope.kernels import cpu_ops, quant_search
-from servescope.kernels.cpu_kernels import onednn_linear
+from servescope.kernels.cpu import ops as cpu_ops
+from servescope.quant import search as quant_search
+from servescope.kernels.cpu.linear import onednn_linear
 
 BLOCK = 32
 GROUPS = (32, 64, 128)
@@ -160,7 +161,7 @@ def gemv_activations(x: torch.Tensor, kp: int, group: int) -> tuple:
 
 def _triton_quant():
     """kernels/triton_quant.py where Triton runs (a GPU), else None."""
-    from servescope.kernels import triton_quant  # lazy: importing triton is ~90 ms a CPU never needs
+    from servescope.kernels.triton import quant as triton_quant  # lazy: importing triton is ~90 ms a CPU never needs
 
     return triton_quant if triton_quant.AVAILABLE else None
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from servescope.kernels.quant_linear import QuantScheme
+    from servescope.model.linears.packed import QuantScheme
 
 # The candidate inverse scales, by bits: (levels + STEP) / range, STEP in steps of the grid (llama.cpp's
 # make_qx_quants tries 0.1 * (-9..9), make_qkx2_quants -1 + 0.1 * (0..20); these few keep quantising
