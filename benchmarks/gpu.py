@@ -309,7 +309,8 @@ def section_quant_kernels(rec, dev, dry):
     """The Triton GEMV over packed int4 / int8 weights (kernels/triton_quant.py): error against the
     dequantised float64 product, then its read rate at Llama-3-8B's MLP shape beside a bf16 matmul."""
     from servescope.kernels.triton import quant as tq
-    from servescope.model.linears.packed import QuantScheme, dequantize, quantize
+    from servescope.quant.packed import dequantize, quantize
+    from servescope.quant.scheme import QuantScheme
 
     g = torch.Generator(device="cpu").manual_seed(0)
     n, k = (96, 200) if dry else (4096, 14336)

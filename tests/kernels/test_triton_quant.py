@@ -9,7 +9,8 @@ from triton_interp import interpreted  # tests/model is on sys.path (tests/conft
 
 (tq,) = interpreted("servescope.kernels.triton.quant")
 
-from servescope.model.linears.packed import QuantScheme, dequantize, quantize  # noqa: E402
+from servescope.quant.packed import dequantize, quantize  # noqa: E402
+from servescope.quant.scheme import QuantScheme  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SCHEMES = [QuantScheme(4, 32), QuantScheme(4, 64, asym=True), QuantScheme(4, 128), QuantScheme(4, None, asym=True),

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from servescope.kernels.cpu import linear as cpu_linear
+from servescope.model.linears.cpu import CpuLinear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="CPU GEMV extension not built here")
 
@@ -91,7 +92,7 @@ def test_cpu_linear_matches_f_linear(dtype, m):
     torch.manual_seed(m)
     lin = torch.nn.Linear(576, 320, bias=True).to(dtype).requires_grad_(False)
     x = torch.randn(m, 576).to(dtype)
-    cl = cpu_linear.CpuLinear(lin)
+    cl = CpuLinear(lin)
     out = cl(x)
     assert out.dtype == dtype and out.shape == (m, 320)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 
 from servescope.kernels.cpu import ops as cpu_ops
-from servescope.kernels.cpu.linear import CpuLinear
-from servescope.model.linears.packed import BLOCK, MAX_ROWS, QuantLinear
+from servescope.model.linears.cpu import CpuLinear
+from servescope.model.linears.packed import MAX_ROWS, QuantLinear
+from servescope.quant.scheme import BLOCK
 from servescope.timing import median_seconds
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
