@@ -1,0 +1,131 @@
+"""The CPU attention backend: the C++ kernels of kernels/cpu/ops.py where they serve, the reference's
+torch code (reference.py) for the rest.
+
+store_kv and the decode rows go to the C++ kernels when they are built (one call each instead of ~10
+eager ops per layer); in bfloat16 the prefill tokens do too (each token a query of the paged kernel, or
+long prompts through the tiled causal kernel). A quantised cache (int8, fp8: kv_quant.py) goes to the
+same C++ kernels, which quantise on store and dequantise a tile at a time on read. Where the extension
+is not built (SERVESCOPE_CPU_KERNELS=0, no compiler; read at each call, so it is never waited for at
+start-up) or the tensors are of a kind the kernels do not take, every call is the reference's.
+
+Shape legend: T tokens, B sequences, H query heads, Hkv KV heads, D head dim,
+N blocks, S block size, M blocks per sequence, L context length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from servescope.kernels.cpu import ops as cpu_ops
+from servescope.model.attention.backend import AttentionMetadata
+from servescope.model.attention.reference import TorchAttentionBackend
+
+# A bfloat16 step whose prefill sequences are all short (below TILED_PREFILL_MIN_TOKENS, or heads the
+# tiled kernel does not cover) runs every token through the paged decode kernel up to this context;
+# beyond it SDPA's flash kernel is faster (measured here: a 2048-token prompt took 2.73 s that way against 2.5 s with
+# SDPA, while the offline-throughput workload's prompts of 32-512 tokens ran their attention 1.6x faster;
+# per 9-head prompt: 95-104 GFLOP/s against SDPA's 51-68 at 128-512 tokens, a tie at 1024). float32 keeps SDPA:
+# there the kernel is no faster (47-69 against 41-97 GFLOP/s)
+PAGED_PREFILL_MAX_CONTEXT = 1024
+# bfloat16 prefill sequences of at least this many tokens in the step go to the tiled causal kernel
+# (csrc/prefill_attention.cpp; 16 tokens per item; GQA groups 1-8, head dims 64/128): 1.2-1.4x the
+# per-token path above at 128-2048 tokens and 1.25-1.7x SDPA on SmolLM2's heads, 2.5-3.6x SDPA with
+# enable_gqa at Llama-3 / Qwen2 head layouts; 0.8x the per-token path at 64 (2026-11-30, 2 threads)
+TILED_PREFILL_MIN_TOKENS = 128
+
+
+def _cpu_kernels(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype in cpu_ops.DTYPES and cache.dtype in cpu_ops.KV_DTYPES
+            and cpu_ops.load() is not None)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    # the attention_backend setting that selects it on a CPU (config/engine.py): the executor's C++
+    # decode plan reads this backend's cache layout, which is the reference's
+    name = "torch"
+
+    def store_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        if _cpu_kernels(k, k_cache) and v.dtype in cpu_ops.DTYPES:
+            cpu_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            return
+        super().store_kv(k, v, k_cache, v_cache, meta)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not _cpu_kernels(q, k_cache):
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+        nd = meta.num_decode_seqs
+        if nd < meta.num_seqs and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16:
+            out = self._cpu_bf16_with_prefill(q, k_cache, v_cache, meta, scale)
+            if out is not None:
+                return out
+        if nd and nd == meta.num_seqs:  # decode only: the kernel's output is the result
+            return cpu_ops.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        out = torch.empty_like(q)
+        if nd:
+            cpu_ops.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale, out=out[:nd])
+        self._attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
+        return out
+
+    @classmethod
+    def _cpu_bf16_with_prefill(cls, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        """A bfloat16 step with prefill tokens on the CPU (this layer's K/V already in the cache:
+        store_kv runs first): prefill sequences of TILED_PREFILL_MIN_TOKENS or more through the tiled
+        causal kernel, every other token (decodes, short chunks) as one query of the paged decode
+        kernel. None: leave the step to SDPA (no tiled kernel for these heads and contexts beyond
+        PAGED_PREFILL_MAX_CONTEXT). The split is the same for every layer: worked out once per step."""
+        split = meta.scratch.get("cpu_bf16_split")
+        if split is None:
+            split = meta.scratch["cpu_bf16_split"] = cls._bf16_prefill_split(q, k_cache, meta)
+        if split is None:
+            return None
+        long, rest, rest_idx, starts = split
+        if not long:
+            return cls._cpu_paged_tokens(q, k_cache, v_cache, meta, scale, rest)
+        out = torch.empty_like(q)
+        if rest:
+            out[rest_idx] = cls._cpu_paged_tokens(q[rest_idx], k_cache, v_cache, meta, scale, rest)
+        for i in long:
+            out[starts[i]:starts[i + 1]] = cpu_ops.prefill_attention(q[starts[i]:starts[i + 1]], k_cache, v_cache,
+                                                                     meta.block_tables[i], meta.context_lens_cpu[i],
+                                                                     scale)
+        return out
+
+    @staticmethod
+    def _bf16_prefill_split(q, k_cache, meta: AttentionMetadata):
+        """(sequences for the tiled kernel, the others, the others' token indices, token starts per
+        sequence), or None for SDPA."""
+        tiled = cpu_ops.prefill_attention_supported(q.shape[1] // k_cache.shape[2], q.shape[2])
+        qlens = meta.query_lens_cpu
+        long = [i for i in range(meta.num_decode_seqs, meta.num_seqs) if tiled and qlens[i] >= TILED_PREFILL_MIN_TOKENS]
+        if not long and meta.max_context_len > PAGED_PREFILL_MAX_CONTEXT:
+            return None
+        starts = [0]
+        for n in qlens:
+            starts.append(starts[-1] + n)
+        taken = set(long)
+        rest = [i for i in range(meta.num_seqs) if i not in taken]
+        rest_idx = None
+        if long and rest:
+            rest_idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rest]).to(q.device)
+        return long, rest, rest_idx, starts
+
+    @staticmethod
+    def _cpu_paged_tokens(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, seqs) -> torch.Tensor:
+        """The tokens of sequences `seqs` (q holds exactly those, in order), each as one query of the
+        paged decode kernel against its own sequence's cached keys up to its own position. That is
+        causal attention, exact per token whatever the chunking; the kernel's bfloat16 pair products
+        run at ~100 GFLOP/s here against ~50 for SDPA's bfloat16 kernel on prompts of a few hundred
+        tokens."""
+        key = ("cpu_tokens", tuple(seqs))
+        cached = meta.scratch.get(key)
+        if cached is None:
+            seq_of_tok, ctx_of_tok = [], []
+            for i in seqs:
+                qlen, ctx = meta.query_lens_cpu[i], meta.context_lens_cpu[i]
+                seq_of_tok += [i] * qlen
+                ctx_of_tok += range(ctx - qlen + 1, ctx + 1)  # token j of the chunk sees keys 0 .. its position
+            idx = torch.tensor(seq_of_tok, device=q.device, dtype=torch.long)
+            cached = (meta.block_tables[idx].contiguous(), torch.tensor(ctx_of_tok, dtype=torch.int32, device=q.device))
+            meta.scratch[key] = cached
+        tables, lens = cached
+        return cpu_ops.paged_decode(q, k_cache, v_cache, tables, lens, scale)
