@@ -1,7 +1,7 @@
 """The decode GEMV against oneDNN's prepacked GEMM, MKL's F.linear and (float32) the panel GEMM, by rows.
 
 A decode step at batch M multiplies M rows by every weight. The GEMV (csrc/kernels.h) reads each weight
-once for all M rows; oneDNN's blocked GEMM (the path above kernels/cpu_linear.py MAX_ROWS) has a fixed
+once for all M rows; oneDNN's blocked GEMM (the path above kernels/cpu/linear.py MAX_ROWS) has a fixed
 cost of its own at small M. This times one pass over SmolLM2-135M's 30 layers of weight shapes (qkv,
 o, gate_up, down: 420 MB in float32, far above the caches) with each, for M in --rows and each dtype,
 in --rounds interleaved rounds, and prints the medians and the largest M where the GEMV is faster:
