@@ -1,9 +1,9 @@
 """Packed 4- and 8-bit weights (quant/packed.py, model/linears/packed.py, csrc/quant_dot.h,
 csrc/quant_gemv.h): the quantiser's round trip and its scale search (against the plain rule it replaced;
-edge groups; Q4_1 data back exactly), the C++ GEMV and dequantisation against a dequantise-then-float64 reference
-(odd shapes, K not a multiple of the group, bias; for group 32 with the activations rounded to int8 per
-block as the kernel does, and within that rounding's bound of the exact product), and the module's
-decode / prefill paths."""
+edge groups; Q4_1 data back exactly), the C++ GEMV and dequantisation against a dequantise-then-float64
+reference (odd shapes, K not a multiple of the group, bias; for group 32 with the activations rounded to
+int8 per block as the kernel does, and within that rounding's bound of the exact product), and the
+module's decode / prefill paths."""
 
 import numpy as np
 import pytest

@@ -88,8 +88,8 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, k: int, dtype=torch.f
 
 def gemv_activations(x: torch.Tensor, kp: int, group: int) -> tuple:
     """What the C++ GEMV multiplies x [M, K] with, in float64, and each element's rounding bound: with
-    group-32 scales, x rounded per 32-block to int8 as kernels/cpu/csrc/quant_dot.h does (float32 d = amax / 127,
-    q = x / d rounded half to even); with other groups x itself (quant_gemv.h). The tests' reference."""
+    group-32 scales, x rounded per 32-block to int8 as kernels/cpu/csrc/quant_dot.h does (float32
+    d = amax / 127, q = x / d rounded half to even); with other groups x itself (quant_gemv.h). The tests' reference."""
     if group != BLOCK:
         return x.double(), torch.zeros_like(x, dtype=torch.float64)
     m, k = x.shape
@@ -98,4 +98,3 @@ def gemv_activations(x: torch.Tensor, kp: int, group: int) -> tuple:
     q = torch.round(xb * torch.where(d > 0, 1.0 / d, torch.zeros_like(d))).clamp(-127, 127)
     xa = (q.double() * d.double()).view(m, kp)[:, :k]
     return xa, (d.double() / 2).expand_as(xb).reshape(m, kp)[:, :k]
-

@@ -35,4 +35,3 @@ class QuantScheme:
         kp = self.padded_k(k)
         groups = kp // (self.group or kp)
         return (kp * self.bits + groups * 16 * (2 if self.asym else 1)) / k
-

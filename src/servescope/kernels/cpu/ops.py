@@ -4,7 +4,8 @@ csrc/bindings.cpp), compiled on first use for the CPU's instruction set (extensi
 
 One C++ call each for rms_norm, add_rms_norm, rotary, silu_mul (dispatched from kernels/fused_ops.py)
 and store_kv, paged decode attention, causal prefill attention (from model/attention/cpu.py): at batch 1
-their eager PyTorch versions are dozens of tiny ops per layer whose dispatch overhead exceeds their arithmetic.
+their eager PyTorch versions are dozens of tiny ops per layer whose dispatch overhead exceeds their
+arithmetic.
 `load()` is None where the extension cannot be built (no compiler, SERVESCOPE_CPU_KERNELS=0, read
 once at the first call); callers then use the torch references, which the tests compare against.
 `kernel_path()` says which path runs ("avx2 C++ kernels", "eager PyTorch").

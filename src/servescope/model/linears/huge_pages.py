@@ -53,4 +53,3 @@ def move_to_huge_pages(modules) -> int:
             if key(t) in moved:
                 setattr(mod, name, moved[key(t)])
     return size
-

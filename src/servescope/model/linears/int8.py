@@ -74,4 +74,3 @@ def _kernel_works(device: torch.device, dtype: torch.dtype) -> bool:
             _KERNEL_OK[key] = False
         logger.info("int8 weight-only kernel on %s/%s: %s", device.type, dtype, _KERNEL_OK[key])
     return _KERNEL_OK[key]
-

@@ -4,16 +4,16 @@ QuantLinear, and QuantEmbedding, which reads the same form.
 QuantLinear: decode-sized calls (up to MAX_ROWS rows) go to the C++ GEMV over the packed blocks. Larger
 ones (prefill) with group-32 scales (int4, int8-g32, every GGUF block type) and float32 activations run
 the integer GEMM (kernels/cpu/csrc/quant_gemm.h): the activations rounded to int8 per 32-block, as the
-GEMV already does at decode and llama.cpp does for its Q4_0 / Q8_0 prefill, so a row's result does not depend on how
-many rows share the call, and the int8 dot products do ~2x the float32 GEMM's work per cycle. The other
-groups, and bfloat16 activations (whose AMX / BF16 GEMM is faster still), dequantise the matrix and
-run the float GEMM, which is compute-bound there anyway. On the CPU the dequantisation is C++, parallel
-over rows, written straight in the activation dtype (bfloat16 for a bfloat16 model: no float32 copy in
-between) into a per-thread scratch buffer that is reused, up to
-TILE_ELEMENTS weights at a time, and the GEMM is oneDNN's on that plain buffer (torch's default float32
-GEMM, MKL, costs ~1.25x as much CPU time on the Zen 4; docs/BENCHMARKS.md, issue 15 section). On a GPU decode-sized
-calls go to the Triton GEMV over the same bytes (kernels/triton/quant.py); the rest, and a CPU without
-the extension, dequantise with torch.
+GEMV already does at decode and llama.cpp does for its Q4_0 / Q8_0 prefill, so a row's result does not
+depend on how many rows share the call, and the int8 dot products do ~2x the float32 GEMM's work per
+cycle. The other groups, and bfloat16 activations (whose AMX / BF16 GEMM is faster still), dequantise the
+matrix and run the float GEMM, which is compute-bound there anyway. On the CPU the dequantisation is C++,
+parallel over rows, written straight in the activation dtype (bfloat16 for a bfloat16 model: no float32
+copy in between) into a per-thread scratch buffer that is reused, up to TILE_ELEMENTS weights at a time,
+and the GEMM is oneDNN's on that plain buffer (torch's default float32 GEMM, MKL, costs ~1.25x as much
+CPU time on the Zen 4; docs/BENCHMARKS.md, issue 15 section). On a GPU decode-sized calls go to the
+Triton GEMV over the same bytes (kernels/triton/quant.py); the rest, and a CPU without the extension,
+dequantise with torch.
 
 Precision: a float32 model with packed weights keeps float32 activations everywhere except inside the
 group-32 products, which round them to int8 per block (decode and prefill alike: one arithmetic, the
@@ -181,3 +181,4 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, bias) -> torch.Tensor:
         except (RuntimeError, AttributeError, NotImplementedError):
             ok = False
         _ONEDNN[x.dtype] = ok
+    return onednn_linear(x, w, bias) if ok else F.linear(x, w, bias)
