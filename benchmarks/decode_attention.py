@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from servescope.kernels import cpu_ops
+from servescope.kernels.cpu import ops as cpu_ops
 from servescope.model.attention import kv_quant
 from servescope.timing import median_seconds
 

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from servescope.kernels.quant_linear import dequantize  # noqa: E402
+from servescope.quant.packed import dequantize  # noqa: E402
 from servescope.loader.source import load_model_source, resolve_model_path  # noqa: E402
 from servescope.tokenizer import load_tokenizer  # noqa: E402
 

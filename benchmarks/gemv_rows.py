@@ -1,7 +1,7 @@
 """The decode GEMV against oneDNN's prepacked GEMM, MKL's F.linear and (float32) the panel GEMM, by rows.
 
 A decode step at batch M multiplies M rows by every weight. The GEMV (csrc/kernels.h) reads each weight
-once for all M rows; oneDNN's blocked GEMM (the path above kernels/cpu_kernels.py MAX_ROWS) has a fixed
+once for all M rows; oneDNN's blocked GEMM (the path above kernels/cpu/linear.py MAX_ROWS) has a fixed
 cost of its own at small M. This times one pass over SmolLM2-135M's 30 layers of weight shapes (qkv,
 o, gate_up, down: 420 MB in float32, far above the caches) with each, for M in --rows and each dtype,
 in --rounds interleaved rounds, and prints the medians and the largest M where the GEMV is faster:
@@ -21,7 +21,7 @@ import time
 import torch
 
 from servescope.bench.envinfo import environment_info
-from servescope.kernels import cpu_kernels
+from servescope.kernels.cpu import linear as cpu_linear
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down of SmolLM2-135M
 LAYERS = 30
@@ -43,15 +43,15 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if not cpu_kernels.available():
+    if not cpu_linear.available():
         print("the CPU kernel extension is not available here", file=sys.stderr)
         return 1
     rows = [int(r) for r in args.rows.split(",")]
     paths = {
-        "gemv": lambda x, w, packed: cpu_kernels.gemv(x, w, None, None).to(x.dtype),  # as the DecodePlan does
-        "onednn": lambda x, w, packed: cpu_kernels.onednn_linear(x, packed[0]),
+        "gemv": lambda x, w, packed: cpu_linear.gemv(x, w, None, None).to(x.dtype),  # as the DecodePlan does
+        "onednn": lambda x, w, packed: cpu_linear.onednn_linear(x, packed[0]),
         "mkl": lambda x, w, packed: torch.nn.functional.linear(x, w),  # torch's default BLAS path
-        "panel": lambda x, w, packed: cpu_kernels.panel_gemm(x, packed[1], w.shape[0]).to(x.dtype),
+        "panel": lambda x, w, packed: cpu_linear.panel_gemm(x, packed[1], w.shape[0]).to(x.dtype),
     }
     results = {}
     for name in args.dtypes.split(","):
@@ -62,7 +62,7 @@ def main() -> int:
         for _ in range(LAYERS):
             for n, k in LAYER_SHAPES:
                 w = (torch.randn(n, k, generator=g) * 0.02).to(dtype)
-                mats.append((w, (cpu_kernels.pack_for_onednn(w), cpu_kernels.pack_panels(w))))
+                mats.append((w, (cpu_linear.pack_for_onednn(w), cpu_linear.pack_panels(w))))
         times = {(p, m): [] for p in dpaths for m in rows}
         for _ in range(args.rounds):
             for m in rows:

@@ -236,8 +236,8 @@ def section_env(rec):
 
 
 def section_kernels(rec, dev, dry):
-    from servescope.model.attention.torch_ref import TorchAttentionBackend
-    from servescope.kernels.triton_attention import paged_decode, store_kv
+    from servescope.model.attention.reference import TorchAttentionBackend
+    from servescope.kernels.triton.attention import paged_decode, store_kv
 
     g = torch.Generator(device="cpu").manual_seed(0)
     tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -308,8 +308,9 @@ def section_kernels(rec, dev, dry):
 def section_quant_kernels(rec, dev, dry):
     """The Triton GEMV over packed int4 / int8 weights (kernels/triton_quant.py): error against the
     dequantised float64 product, then its read rate at Llama-3-8B's MLP shape beside a bf16 matmul."""
-    from servescope.kernels import triton_quant as tq
-    from servescope.kernels.quant_linear import QuantScheme, dequantize, quantize
+    from servescope.kernels.triton import quant as tq
+    from servescope.quant.packed import dequantize, quantize
+    from servescope.quant.scheme import QuantScheme
 
     g = torch.Generator(device="cpu").manual_seed(0)
     n, k = (96, 200) if dry else (4096, 14336)
@@ -462,7 +463,7 @@ def section_8b_b1_anatomy(rec, dev, dry, sizes):
     graph replay), the lm_head + sampling, and what is left (host work with the GPU idle); then the
     same weights read by the matmuls alone, back to back in one CUDA graph (the ceiling cuBLAS's
     GEMV gives), and a per-kernel-family table of one replay (torch.profiler)."""
-    from servescope.kernels import triton_gemv
+    from servescope.kernels.triton import gemv as triton_gemv
 
     llm = STATE["llm"]
     eng = llm.engine
@@ -537,7 +538,7 @@ def section_8b_b1_anatomy(rec, dev, dry, sizes):
 def _gemv_config_sweep(rec, model, dev, dry) -> None:
     """The Triton GEMV's block configurations at M = 1 on each decoder shape, over the model's own
     matrices of that shape: the best one and the default's GB/s (to choose the defaults)."""
-    from servescope.kernels import triton_gemv
+    from servescope.kernels.triton import gemv as triton_gemv
 
     configs = [(1, 1024, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 8), (8, 512, 4), (8, 256, 4),
                (16, 256, 4), (16, 512, 8)] if not dry else [(16, 64, 4)]  # the interpreter is slow

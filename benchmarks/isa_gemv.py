@@ -22,8 +22,8 @@ import torch
 
 from servescope.analysis.cpu_isa import ENV, cpu_flags, machine_arch, supported_isas
 from servescope.bench.envinfo import environment_info
-from servescope.kernels import cpu_ops
-from servescope.kernels.cpu_extension import CpuExtension
+from servescope.kernels.cpu import ops as cpu_ops
+from servescope.kernels.cpu.extension import CpuExtension
 from servescope.timing import median_seconds
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down of SmolLM2-135M

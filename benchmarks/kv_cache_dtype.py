@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from servescope import LLM, SamplingParams  # noqa: E402
-from servescope.kernels import cpu_ops  # noqa: E402
+from servescope.kernels.cpu import ops as cpu_ops  # noqa: E402
 from servescope.model.attention import kv_quant  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "int8": torch.int8, **({"fp8_e4m3": kv_quant.FP8} if kv_quant.FP8 else {})}

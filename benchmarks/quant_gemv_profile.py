@@ -19,10 +19,10 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from servescope.analysis.cpu_isa import cpu_flags, machine_arch, supported_isas  # noqa: E402
-from servescope.kernels.cpu_extension import isa_cflags  # noqa: E402
+from servescope.kernels.cpu.extension import isa_cflags  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CSRC = os.path.join(HERE, "..", "src", "servescope", "kernels", "csrc")
+CSRC = os.path.join(HERE, "..", "src", "servescope", "kernels", "cpu", "csrc")
 
 
 def build(isa: str, csrc: str, out: str) -> str:

@@ -22,8 +22,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 from quant_speed import _time  # noqa: E402
 
-from servescope.kernels import cpu_ops  # noqa: E402
-from servescope.kernels import quant_linear as ql  # noqa: E402
+from servescope.kernels.cpu import ops as cpu_ops  # noqa: E402
+from servescope.model.linears import packed as ql  # noqa: E402
+from servescope.quant.scheme import QuantScheme  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down (N, K)
 
@@ -47,7 +48,7 @@ def main() -> int:
     for dtype in (torch.float32, torch.bfloat16):
         old = new = 0.0
         for n, k in SHAPES:
-            q = ql.QuantLinear.from_linear(torch.nn.Linear(k, n, bias=False), ql.QuantScheme(4, 32))
+            q = ql.QuantLinear.from_linear(torch.nn.Linear(k, n, bias=False), QuantScheme(4, 32))
             x = torch.randn(512, k).to(dtype)
             old += cpu_ms(lambda: F.linear(x, mod.quant_dequantize(q.qweight, q.scales, k).to(dtype)), args.reps)
             new += cpu_ms(lambda: q(x), args.reps)

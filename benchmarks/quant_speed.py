@@ -38,8 +38,9 @@ from gguf_requant import requantize  # noqa: E402
 from servescope import LLM, SamplingParams  # noqa: E402
 from servescope.bench import llama_cpp_tools as lct  # noqa: E402
 from servescope.bench.envinfo import environment_info  # noqa: E402
-from servescope.kernels import cpu_ops  # noqa: E402
-from servescope.kernels import quant_linear as ql  # noqa: E402
+from servescope.kernels.cpu import ops as cpu_ops  # noqa: E402
+from servescope.model.linears import packed as ql  # noqa: E402
+from servescope.quant.scheme import QuantScheme  # noqa: E402
 from servescope.loader.source import resolve_model_path  # noqa: E402
 
 # engine -> (--quantization, file kind, the llama.cpp file it is compared with); the engines run float32
@@ -153,8 +154,8 @@ def torch_ops_table(reps: int):
         t = {"ours int4 (g32)": 0.0, "torch int4 (g32)": 0.0, "ours int8-g32": 0.0, "torch int8 (per channel)": 0.0}
         for n, k in SHAPES:
             w, x = torch.randn(n, k), torch.randn(m, k)
-            q4 = ql.QuantLinear.from_linear(_linear(w), ql.QuantScheme(4, 32))
-            q8 = ql.QuantLinear.from_linear(_linear(w), ql.QuantScheme(8, 32))
+            q4 = ql.QuantLinear.from_linear(_linear(w), QuantScheme(4, 32))
+            q8 = ql.QuantLinear.from_linear(_linear(w), QuantScheme(8, 32))
             t["ours int4 (g32)"] += _time(lambda: q4(x), reps)
             t["ours int8-g32"] += _time(lambda: q8(x), reps)
             op4 = torch_int4_op(w, x)

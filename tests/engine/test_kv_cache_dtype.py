@@ -123,7 +123,7 @@ def test_fp8_without_torch_float8_is_refused_before_loading(monkeypatch):
 
 
 def test_decode_plan_serves_int8_kv_bit_for_bit(tiny_path):
-    from servescope.kernels import cpu_ops
+    from servescope.kernels.cpu import ops as cpu_ops
 
     if not cpu_ops.available():
         pytest.skip("CPU op extension not built here")

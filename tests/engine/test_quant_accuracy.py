@@ -45,7 +45,7 @@ def test_quantised_kv_cache_kl_against_float32(smollm2_llm, kv_dtype, floor):
 def test_kl_with_the_decode_gemv_numerics(smollm2_llm, monkeypatch):
     """The same floor with every row of every packed linear on the integer-dot GEMV (activations rounded
     to int8 per 32-block, as decode steps run): int8-g32 within 0.01 of float32."""
-    from servescope.kernels import quant_linear as ql  # the module whose row limit is raised here
+    from servescope.model.linears import packed as ql  # the module whose row limit is raised here
 
     with open(TEXTS) as f:
         text = f.read().split("\n\n")[1]

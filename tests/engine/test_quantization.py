@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from servescope import LLM, SamplingParams
-from servescope.model.quantize import Int8Linear, quantize_per_channel
+from servescope.model.linears.int8 import Int8Linear
+from servescope.quant.per_channel import quantize_per_channel
 
 TEXT = ("The sea was calm that morning. Fishermen pushed their boats into the water and rowed out past "
         "the harbour wall, where the gulls circled and cried. By noon the wind had turned, and the sky "

@@ -15,7 +15,7 @@ from servescope.bench.accuracy import accuracy_table
 from servescope.cli import main
 from servescope.engine.calibrate import quantize_checkpoint, sequence_logits
 from servescope.errors import EngineConfigError, InvalidParameterError, ModelLoadError
-from servescope.kernels.quant_linear import QuantLinear
+from servescope.model.linears.packed import QuantLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from tiny_models import make_tiny_hf_model  # noqa: E402

@@ -1,4 +1,4 @@
-// Every CPU kernel of src/servescope/kernels/csrc/kernels.h against a float64 reference, with no
+// Every CPU kernel of src/servescope/kernels/cpu/csrc/kernels.h against a float64 reference, with no
 // torch: compiled once per ISA by tests/kernels/test_isa_paths.py (natively where the CPU runs it,
 // and for aarch64 with a cross compiler, run under qemu-aarch64). Prints one line per failure and
 // "<isa> ok: <n> checks" at the end; the exit status is the number of failures (capped).

@@ -69,7 +69,7 @@ static int check(std::mt19937& g, bool i4, bool asym, int64_t N, int64_t kp, int
 }
 
 // The activation rounding itself: ties go to even (as std::lrint, torch.round and the kernel's reference
-// in quant_linear.gemv_activations), values clamp to +-127, and the sum is the int8 values' sum.
+// in quant/packed.py gemv_activations), values clamp to +-127, and the sum is the int8 values' sum.
 static int check_rounding() {
   const float vals[8] = {0.5f, 1.5f, 2.5f, -0.5f, -1.5f, -2.5f, 3.5f, 130.f};  // 130: clamps to 127
   const int expect[8] = {0, 2, 2, 0, -2, -2, 4, 127};

@@ -16,12 +16,12 @@ import pytest
 from servescope.analysis.cpu_isa import (cpu_flags, has_fast_bf16, isa_signature, library_caps, machine_arch,
                                          onednn_allows_bf16, select_isa, supported_isas)
 from servescope.errors import InvalidParameterError
-from servescope.kernels.cpu_extension import CpuExtension, isa_cflags
+from servescope.kernels.cpu.extension import CpuExtension, isa_cflags
 
 from parallel_build import build_all  # tests/kernels, on sys.path as the test file's folder
 
 ROOT = Path(__file__).resolve().parents[2]
-CSRC = ROOT / "src" / "servescope" / "kernels" / "csrc"
+CSRC = ROOT / "src" / "servescope" / "kernels" / "cpu" / "csrc"
 CHECK = Path(__file__).with_name("kernels_check.cpp")
 AVX512 = {"avx512f", "avx512bw", "avx512vl", "fma", "avx2"}
 ZEN3 = {"avx2", "fma", "f16c", "sse4_2"}

@@ -10,12 +10,12 @@ import subprocess
 import pytest
 
 from servescope.analysis.cpu_isa import cpu_flags, machine_arch, supported_isas
-from servescope.kernels.cpu_extension import ISA_CFLAGS
+from servescope.kernels.cpu.extension import ISA_CFLAGS
 
 from parallel_build import build_all  # tests/kernels, on sys.path as the test file's folder
 
 HERE = os.path.dirname(__file__)
-CSRC = os.path.join(HERE, "..", "..", "src", "servescope", "kernels", "csrc")
+CSRC = os.path.join(HERE, "..", "..", "src", "servescope", "kernels", "cpu", "csrc")
 SRC = os.path.join(HERE, "quant_gemv_check.cpp")
 X86 = {"avx512": "-mavx512vnni", "avx2": "-mavxvnni"}  # the path's int8 dot-product flag
 X86_FLAG = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}

@@ -1,20 +1,23 @@
-"""Packed 4- and 8-bit weights (kernels/quant_linear.py, csrc/quant_dot.h, csrc/quant_gemv.h): the
-quantiser's round trip and its scale search (against the plain rule it replaced; edge groups; Q4_1
-data back exactly), the C++ GEMV and dequantisation against a dequantise-then-float64 reference
-(odd shapes, K not a multiple of the group, bias; for group 32 with the activations rounded to int8 per
-block as the kernel does, and within that rounding's bound of the exact product), and the module's
-decode / prefill paths."""
+"""Packed 4- and 8-bit weights (quant/packed.py, model/linears/packed.py, csrc/quant_dot.h,
+csrc/quant_gemv.h): the quantiser's round trip and its scale search (against the plain rule it replaced;
+edge groups; Q4_1 data back exactly), the C++ GEMV and dequantisation against a dequantise-then-float64
+reference (odd shapes, K not a multiple of the group, bias; for group 32 with the activations rounded to
+int8 per block as the kernel does, and within that rounding's bound of the exact product), and the
+module's decode / prefill paths."""
 
 import numpy as np
 import pytest
 import torch
 
 from servescope.errors import InvalidParameterError
-from servescope.kernels import cpu_ops
-from servescope.kernels import quant_linear as ql
+from servescope.kernels.cpu import ops as cpu_ops
+from servescope.model.linears import packed as ql
+from servescope.model.linears.huge_pages import HUGE_PAGE, move_to_huge_pages
 from servescope.model.quantize import parse_mode
+from servescope.quant import packed as qp
+from servescope.quant.scheme import QuantScheme
 
-SCHEMES = [ql.QuantScheme(b, g, a) for b in (4, 8) for g in (32, 64, 128, None) for a in (False, True)]
+SCHEMES = [QuantScheme(b, g, a) for b in (4, 8) for g in (32, 64, 128, None) for a in (False, True)]
 SHAPES = [(7, 100, 1), (33, 96, 3), (64, 576, 5), (5, 31, 2), (9, 160, 8)]  # (N, K, M)
 
 
@@ -45,11 +48,11 @@ def test_round_trip_nearest_for_the_stored_scale(scheme):
     a few outliers for finer steps elsewhere)."""
     torch.manual_seed(0)
     w = torch.randn(24, 200) * torch.linspace(0.01, 3, 24)[:, None]
-    packed, scales = ql.quantize(w, scheme)
+    packed, scales = qp.quantize(w, scheme)
     kp = scheme.padded_k(200)
     assert packed.shape == (24, kp // 2 if scheme.bits == 4 else kp)
     assert scales.dtype == torch.float16 and scales.shape[:2] == (24, kp // (scheme.group or kp))
-    back = ql.dequantize(packed, scales, 200, torch.float64)
+    back = qp.dequantize(packed, scales, 200, torch.float64)
     d = scales[..., 0] if scheme.asym else scales
     step = d.double().abs().repeat_interleave(scheme.group or kp, dim=1)[:, :200]
     lo, hi = (t[:, :200] for t in _grid_ends(scales, scheme, kp))
@@ -85,8 +88,8 @@ def _plain_rule(w: torch.Tensor, scheme) -> torch.Tensor:
     return back.view(n, kp)[:, :k]
 
 
-@pytest.mark.parametrize("scheme", [ql.QuantScheme(4, 32), ql.QuantScheme(4, 128, True), ql.QuantScheme(4, 64, True),
-                                    ql.QuantScheme(8, 32), ql.QuantScheme(8, None), ql.QuantScheme(8, 128, True)], ids=str)
+@pytest.mark.parametrize("scheme", [QuantScheme(4, 32), QuantScheme(4, 128, True), QuantScheme(4, 64, True),
+                                    QuantScheme(8, 32), QuantScheme(8, None), QuantScheme(8, 128, True)], ids=str)
 @pytest.mark.parametrize("dist", ["gaussian", "student-t3"])
 def test_search_beats_the_plain_rule(scheme, dist):
     """The searched scales give a lower squared error than the plain rule on seeded Gaussian and
@@ -100,13 +103,13 @@ def test_search_beats_the_plain_rule(scheme, dist):
         if dist == "student-t3":  # t = z / sqrt(chi2_3 / 3)
             chi2 = torch.randn(64, k, 3, generator=gen).square().sum(dim=2)
             w = w / (chi2 / 3).sqrt()
-        ours = ql.dequantize(*ql.quantize(w, scheme), k, torch.float64)
+        ours = qp.dequantize(*qp.quantize(w, scheme), k, torch.float64)
         err, err_plain = (ours - w.double()).square().sum(), (_plain_rule(w, scheme) - w.double()).square().sum()
         assert err < bound * err_plain, (k, (err / err_plain).item())
 
 
-@pytest.mark.parametrize("scheme", [ql.QuantScheme(4, 32), ql.QuantScheme(4, 32, True), ql.QuantScheme(8, 32),
-                                    ql.QuantScheme(4, 128, True)], ids=str)
+@pytest.mark.parametrize("scheme", [QuantScheme(4, 32), QuantScheme(4, 32, True), QuantScheme(8, 32),
+                                    QuantScheme(4, 128, True)], ids=str)
 def test_importance_weighted_search_lowers_the_weighted_error(scheme):
     """With each input's mean squared activation (llama.cpp's imatrix, skewed like a transformer's: a few
     channels 10-100x the rest), the search lowers the error that reaches the output, sum over rows of
@@ -117,11 +120,11 @@ def test_importance_weighted_search_lowers_the_weighted_error(scheme):
         w = torch.randn(64, k, generator=gen)
         imp = torch.rand(k, generator=gen) ** 4
         imp[torch.randperm(k, generator=gen)[:6]] *= 100
-        q, s = ql.quantize(w, scheme, importance=imp)
-        q0, s0 = ql.quantize(w, scheme)
+        q, s = qp.quantize(w, scheme, importance=imp)
+        q0, s0 = qp.quantize(w, scheme)
         assert q.shape == q0.shape and q.dtype == q0.dtype and s.shape == s0.shape and s.dtype == torch.float16
-        err = ((ql.dequantize(q, s, k, torch.float64) - w.double()).square() * imp.double()).sum()
-        err0 = ((ql.dequantize(q0, s0, k, torch.float64) - w.double()).square() * imp.double()).sum()
+        err = ((qp.dequantize(q, s, k, torch.float64) - w.double()).square() * imp.double()).sum()
+        err0 = ((qp.dequantize(q0, s0, k, torch.float64) - w.double()).square() * imp.double()).sum()
         assert err < 0.75 * err0, (k, (err / err0).item())  # measured 0.30-0.58
 
 
@@ -138,9 +141,9 @@ def test_search_edge_groups(scheme):
     w[3, :40] = 0  # a zero group inside a row (the first 32 or more)
     w[4, 1::2] = -2.5  # two values only
     w[5] = torch.linspace(-1, 3, k)
-    packed, scales = ql.quantize(w, scheme)
+    packed, scales = qp.quantize(w, scheme)
     assert torch.isfinite(scales.float()).all()
-    back = ql.dequantize(packed, scales, k, torch.float64)
+    back = qp.dequantize(packed, scales, k, torch.float64)
     assert torch.equal(back[0], torch.zeros(k, dtype=torch.float64))
     assert torch.allclose(back[1], torch.full((k,), 0.37, dtype=torch.float64), rtol=2e-3, atol=0)
     if scheme.asym:
@@ -165,8 +168,8 @@ def test_q4_1_data_comes_back_exactly():
     w[:, 64:96] += 3  # a group far from zero
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
     ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).reshape(40, 576)
-    packed, scales = ql.quantize(torch.from_numpy(ref), ql.QuantScheme(4, 32, True))
-    assert torch.equal(ql.dequantize(packed, scales, 576), torch.from_numpy(ref))
+    packed, scales = qp.quantize(torch.from_numpy(ref), QuantScheme(4, 32, True))
+    assert torch.equal(qp.dequantize(packed, scales, 576), torch.from_numpy(ref))
     file_packed, file_scales = gguf_packed.split_blocks(raw, gguf.GGMLQuantizationType.Q4_1, 40, 576)
     assert torch.equal(packed, file_packed) and torch.equal(scales, file_scales)
 
@@ -175,10 +178,10 @@ def test_search_chunks_do_not_change_the_result(monkeypatch):
     """Rows go through the search in chunks of SEARCH_ELEMENTS weights; any chunking gives the same bytes."""
     torch.manual_seed(8)
     w = torch.randn(37, 200)
-    for scheme in (ql.QuantScheme(4, 32), ql.QuantScheme(4, 128, True), ql.QuantScheme(8, None)):
-        whole = ql.quantize(w, scheme)
-        monkeypatch.setattr(ql, "SEARCH_ELEMENTS", 3 * 256)  # 3 rows at a time, the last chunk shorter
-        chunked = ql.quantize(w, scheme)
+    for scheme in (QuantScheme(4, 32), QuantScheme(4, 128, True), QuantScheme(8, None)):
+        whole = qp.quantize(w, scheme)
+        monkeypatch.setattr(qp, "SEARCH_ELEMENTS", 3 * 256)  # 3 rows at a time, the last chunk shorter
+        chunked = qp.quantize(w, scheme)
         monkeypatch.undo()
         assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
 
@@ -189,10 +192,10 @@ def test_gemv_and_dequantize_match_float64_reference(scheme):
     torch.manual_seed(1)
     for n, k, m in SHAPES:
         w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(m, k)
-        packed, scales = ql.quantize(w, scheme)
+        packed, scales = qp.quantize(w, scheme)
         kp = scheme.padded_k(k)
-        ref_w = ql.dequantize(packed, scales, k, torch.float64)
-        xa, step = ql.gemv_activations(x, kp, kp // scales.shape[1])
+        ref_w = qp.dequantize(packed, scales, k, torch.float64)
+        xa, step = qp.gemv_activations(x, kp, kp // scales.shape[1])
         ref = xa @ ref_w.T + b.double()
         y = mod.quant_gemv(x, packed, scales, b)
         assert y.shape == (m, n)
@@ -209,7 +212,7 @@ def _one_hot_packed(bits: int, asym: bool, k: int) -> tuple:
     """The identity [k, k] in the packed group-32 form, scale 1 (offset 0), built from its integers."""
     eye = torch.eye(k, dtype=torch.int16)
     if bits == 4:
-        packed = ql._pack_nibbles((eye if asym else eye + 8).to(torch.uint8))  # symmetric: d * (u - 8)
+        packed = qp.pack_nibbles((eye if asym else eye + 8).to(torch.uint8))  # symmetric: d * (u - 8)
     else:
         packed = eye.to(torch.int8)
     scales = torch.ones(k, k // 32, *((2,) if asym else ()), dtype=torch.float16)
@@ -228,9 +231,9 @@ def test_gemv_rounds_activation_ties_to_even(bits, asym):
     expect = torch.tensor([0.0, 2, 2, 0, -2, -2, 4, 127])
     expect = torch.cat([expect.repeat(4), torch.zeros(32), 2 * expect.repeat(4)])[None]
     packed, scales = _one_hot_packed(bits, asym, 96)
-    assert torch.equal(ql.dequantize(packed, scales, 96), torch.eye(96))
+    assert torch.equal(qp.dequantize(packed, scales, 96), torch.eye(96))
     assert torch.equal(mod.quant_gemv(x, packed, scales, torch.empty(0)), expect)
-    assert torch.equal(ql.gemv_activations(x, 96, 32)[0].float(), expect)  # the tests' reference agrees
+    assert torch.equal(qp.gemv_activations(x, 96, 32)[0].float(), expect)  # the tests' reference agrees
 
 
 G32 = [s for s in SCHEMES if s.group == 32]
@@ -246,10 +249,10 @@ def test_integer_gemm_matches_float64_reference_and_the_gemv(scheme):
     torch.manual_seed(11)
     for n, k, m in ((7, 100, 9), (33, 96, 13), (64, 576, 70), (5, 31, 2), (45, 160, 1), (100, 1536, 17)):
         w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(m, k)
-        packed, scales = ql.quantize(w, scheme)
+        packed, scales = qp.quantize(w, scheme)
         kp = scheme.padded_k(k)
-        ref_w = ql.dequantize(packed, scales, k, torch.float64)
-        xa, step = ql.gemv_activations(x, kp, 32)
+        ref_w = qp.dequantize(packed, scales, k, torch.float64)
+        xa, step = qp.gemv_activations(x, kp, 32)
         ref = xa @ ref_w.T + b.double()
         y = mod.quant_gemm(x, packed, scales, b)
         assert y.shape == (m, n) and y.dtype == torch.float32
@@ -265,10 +268,10 @@ def test_integer_gemm_matches_float64_reference_and_the_gemv(scheme):
 
 def test_integer_gemm_rejects_other_groups_and_shapes():
     mod = _ext()
-    packed, scales = ql.quantize(torch.randn(8, 128), ql.QuantScheme(4, 64))
+    packed, scales = qp.quantize(torch.randn(8, 128), QuantScheme(4, 64))
     with pytest.raises(RuntimeError, match="group-32"):
         mod.quant_gemm(torch.randn(9, 128), packed, scales, torch.empty(0))
-    packed, scales = ql.quantize(torch.randn(8, 64), ql.QuantScheme(4, 32))
+    packed, scales = qp.quantize(torch.randn(8, 64), QuantScheme(4, 32))
     with pytest.raises(RuntimeError, match="packed K"):
         mod.quant_gemm(torch.randn(9, 128), packed, scales, torch.empty(0))
     with pytest.raises(RuntimeError, match="bias"):
@@ -279,10 +282,10 @@ def test_integer_gemm_rejects_other_groups_and_shapes():
 def test_quant_linear_module_paths(rows):
     torch.manual_seed(2)
     lin = torch.nn.Linear(100, 40, bias=True)
-    q = ql.QuantLinear.from_linear(lin, ql.QuantScheme(4, 32, True))
+    q = ql.QuantLinear.from_linear(lin, QuantScheme(4, 32, True))
     x = torch.randn(rows, 100)
-    xa = ql.gemv_activations(x, 128, 32)[0]  # both round the activations to int8 per block
-    ref = xa @ ql.dequantize(q.qweight, q.scales, 100, torch.float64).T + lin.bias.double()
+    xa = qp.gemv_activations(x, 128, 32)[0]  # both round the activations to int8 per block
+    ref = xa @ qp.dequantize(q.qweight, q.scales, 100, torch.float64).T + lin.bias.double()
     assert torch.allclose(q(x).double(), ref, atol=1e-4, rtol=1e-5)
     assert torch.allclose(q(x.view(1, rows, 100)).view(rows, 40).double(), ref, atol=1e-4, rtol=1e-5)
     assert q.weight_bytes() < lin.weight.numel()  # under one byte per weight
@@ -295,8 +298,8 @@ def test_dequantize_into_rows_in_float32_and_bfloat16(scheme):
     mod = _ext()
     torch.manual_seed(3)
     for n, k in ((7, 100), (40, 576), (5, 31), (33, 160)):
-        packed, scales = ql.quantize(torch.randn(n, k), scheme)
-        ref = ql.dequantize(packed, scales, k, torch.float64)
+        packed, scales = qp.quantize(torch.randn(n, k), scheme)
+        ref = qp.dequantize(packed, scales, k, torch.float64)
         for dtype in (torch.float32, torch.bfloat16):
             for r0, rows in ((0, n), (1, n - 1), (n // 2, 1)):
                 out = torch.full((rows, k), 7.0, dtype=dtype)
@@ -306,7 +309,7 @@ def test_dequantize_into_rows_in_float32_and_bfloat16(scheme):
 
 def test_dequantize_into_rejects_bad_outputs():
     mod = _ext()
-    packed, scales = ql.quantize(torch.randn(8, 64), ql.QuantScheme(4, 32))
+    packed, scales = qp.quantize(torch.randn(8, 64), QuantScheme(4, 32))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         mod.quant_dequantize_into(packed, scales, 0, torch.empty(8, 64, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="rows past"):
@@ -331,11 +334,11 @@ def test_prefill_path_tiles_dtypes_and_bias(dtype, tile, onednn, monkeypatch):
     torch.manual_seed(4)
     lin = torch.nn.Linear(100, 45, bias=True).to(dtype)
     # (float32 group-32 weights take the integer GEMM instead: the test above)
-    first = ql.QuantScheme(4, 32) if dtype == torch.bfloat16 else ql.QuantScheme(4, 64)
-    for scheme in (first, ql.QuantScheme(8, 64, True)):
+    first = QuantScheme(4, 32) if dtype == torch.bfloat16 else QuantScheme(4, 64)
+    for scheme in (first, QuantScheme(8, 64, True)):
         q = ql.QuantLinear.from_linear(lin, scheme)
         x = torch.randn(3, ql.MAX_ROWS + 2, 100).to(dtype)
-        w = ql.dequantize(q.qweight, q.scales, 100, torch.float64)
+        w = qp.dequantize(q.qweight, q.scales, 100, torch.float64)
         if dtype == torch.bfloat16:
             w = w.to(dtype).double()
         ref = x.double() @ w.T + lin.bias.double()
@@ -348,7 +351,7 @@ def test_prefill_path_tiles_dtypes_and_bias(dtype, tile, onednn, monkeypatch):
 
 def test_gemv_rejects_mismatched_shapes():
     mod = _ext()
-    packed, scales = ql.quantize(torch.randn(8, 64), ql.QuantScheme(4, 32))
+    packed, scales = qp.quantize(torch.randn(8, 64), QuantScheme(4, 32))
     with pytest.raises(RuntimeError, match="quant_gemv"):
         mod.quant_gemv(torch.randn(1, 128), packed, scales, torch.empty(0))
     with pytest.raises(RuntimeError, match="scales"):
@@ -357,18 +360,18 @@ def test_gemv_rejects_mismatched_shapes():
 
 def test_quant_embedding_reads_packed_rows():
     w = torch.randn(50, 40)
-    packed, scales = ql.quantize(w, ql.QuantScheme(8, 32))
+    packed, scales = qp.quantize(w, QuantScheme(8, 32))
     emb = ql.QuantEmbedding(packed, scales, 40, torch.float32)
     ids = torch.tensor([[3, 0], [49, 3]])
-    ref = ql.dequantize(packed, scales, 40)[ids]
+    ref = qp.dequantize(packed, scales, 40)[ids]
     assert torch.equal(emb(ids), ref)
 
 
 def test_mode_strings():
     assert parse_mode("int8") == "int8"
-    assert parse_mode("int4") == ql.QuantScheme(4, 32, False)
-    assert parse_mode("int4-g128-asym") == ql.QuantScheme(4, 128, True)
-    assert parse_mode("int8-ch") == ql.QuantScheme(8, None, False)
+    assert parse_mode("int4") == QuantScheme(4, 32, False)
+    assert parse_mode("int4-g128-asym") == QuantScheme(4, 128, True)
+    assert parse_mode("int8-ch") == QuantScheme(8, None, False)
     for bad in ("int3", "int4-g48", "int4-asym-g32", "fp4", "int4-g32-sym-x"):
         with pytest.raises(InvalidParameterError, match="unknown quantization"):
             parse_mode(bad)
@@ -393,20 +396,20 @@ def _thp_eligible(ptr: int):
 
 def test_move_to_huge_pages_keeps_values_order_and_sharing():
     torch.manual_seed(5)
-    lins = [ql.QuantLinear.from_linear(torch.nn.Linear(k, n), ql.QuantScheme(b, 32)) for n, k, b in
+    lins = [ql.QuantLinear.from_linear(torch.nn.Linear(k, n), QuantScheme(b, 32)) for n, k, b in
             ((40, 100, 4), (7, 64, 8), (33, 96, 4))]
     emb = ql.QuantEmbedding(lins[2].qweight, lins[2].scales, 96, torch.float32)  # tied to the last one
     x, ids = torch.randn(ql.MAX_ROWS + 3, 100), torch.tensor([0, 32, 5])
     before = [lins[0](x[:1]), lins[0](x), emb(ids)]
     old = [(m.qweight.clone(), m.scales.clone()) for m in lins]
-    moved = ql.move_to_huge_pages(lins + [emb])
+    moved = move_to_huge_pages(lins + [emb])
     if moved == 0:
         pytest.skip("no MADV_HUGEPAGE here")
     for m, (w, s) in zip(lins, old):
         assert torch.equal(m.qweight, w) and torch.equal(m.scales, s)
     assert emb.qweight is lins[2].qweight and emb.scales is lins[2].scales
     ptrs = [t.data_ptr() for m in lins for t in (m.qweight, m.scales)]
-    assert ptrs == sorted(ptrs) and ptrs[0] % ql.HUGE_PAGE == 0  # in read order, from a huge-page boundary
+    assert ptrs == sorted(ptrs) and ptrs[0] % HUGE_PAGE == 0  # in read order, from a huge-page boundary
     assert len({m.qweight.untyped_storage().data_ptr() for m in lins}) == 1  # one mapping
     assert moved >= sum(m.weight_bytes() for m in lins)
     assert [torch.equal(a, b) for a, b in zip(before, [lins[0](x[:1]), lins[0](x), emb(ids)])] == [True] * 3
@@ -415,4 +418,4 @@ def test_move_to_huge_pages_keeps_values_order_and_sharing():
 
 
 def test_move_to_huge_pages_leaves_nothing_to_move_alone():
-    assert ql.move_to_huge_pages([]) == 0
+    assert move_to_huge_pages([]) == 0

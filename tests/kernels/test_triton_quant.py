@@ -7,9 +7,10 @@ import pytest
 import torch
 from triton_interp import interpreted  # tests/model is on sys.path (tests/conftest.py)
 
-(tq,) = interpreted("servescope.kernels.triton_quant")
+(tq,) = interpreted("servescope.kernels.triton.quant")
 
-from servescope.kernels.quant_linear import QuantScheme, dequantize, quantize  # noqa: E402
+from servescope.quant.packed import dequantize, quantize  # noqa: E402
+from servescope.quant.scheme import QuantScheme  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SCHEMES = [QuantScheme(4, 32), QuantScheme(4, 64, asym=True), QuantScheme(4, 128), QuantScheme(4, None, asym=True),

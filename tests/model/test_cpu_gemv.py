@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servescope.kernels import cpu_kernels
+from servescope.kernels.cpu import linear as cpu_linear
+from servescope.model.linears.cpu import CpuLinear
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU GEMV extension not built here")
+pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="CPU GEMV extension not built here")
 
 
 def _ref(x, w, scale=None, bias=None):
@@ -28,8 +29,8 @@ def test_gemv_float32(m, k, n):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     bias = torch.randn(n, generator=g)
-    torch.testing.assert_close(cpu_kernels.gemv(x, w), _ref(x, w), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(cpu_kernels.gemv(x, w, None, bias), _ref(x, w, bias=bias), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cpu_linear.gemv(x, w), _ref(x, w), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cpu_linear.gemv(x, w, None, bias), _ref(x, w, bias=bias), atol=1e-4, rtol=1e-4)
 
 
 # rows: one tile and every remainder shape (the tiles of equal height), two row blocks (257, 300);
@@ -40,28 +41,28 @@ def test_gemv_float32(m, k, n):
 def test_panel_gemm_float32(m, k, n):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     x, w, bias = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-    panels = cpu_kernels.pack_panels(w)
+    panels = cpu_linear.pack_panels(w)
     tol = dict(atol=1e-4 * k ** 0.5, rtol=1e-4)
-    torch.testing.assert_close(cpu_kernels.panel_gemm(x, panels, n), _ref(x, w), **tol)
-    torch.testing.assert_close(cpu_kernels.panel_gemm(x, panels, n, bias), _ref(x, w, bias=bias), **tol)
+    torch.testing.assert_close(cpu_linear.panel_gemm(x, panels, n), _ref(x, w), **tol)
+    torch.testing.assert_close(cpu_linear.panel_gemm(x, panels, n, bias), _ref(x, w, bias=bias), **tol)
 
 
 def test_panel_gemm_rejects_what_it_cannot_run():
     """Bad panels, shapes or dtypes: a clear error, not a wrong answer or a crash."""
     w = torch.randn(40, 64)
-    panels = cpu_kernels.pack_panels(w)
-    assert cpu_kernels.pack_panels(w.bfloat16()) is None  # bfloat16 models keep oneDNN's bf16 GEMM
+    panels = cpu_linear.pack_panels(w)
+    assert cpu_linear.pack_panels(w.bfloat16()) is None  # bfloat16 models keep oneDNN's bf16 GEMM
     with pytest.raises(RuntimeError, match="panel_gemm: panels"):
-        cpu_kernels.panel_gemm(torch.randn(2, 64), panels, 100)  # panels of another N
+        cpu_linear.panel_gemm(torch.randn(2, 64), panels, 100)  # panels of another N
     with pytest.raises(RuntimeError, match="panel_gemm: panels"):
-        cpu_kernels.panel_gemm(torch.randn(2, 32), panels, 40)  # another K
+        cpu_linear.panel_gemm(torch.randn(2, 32), panels, 40)  # another K
     with pytest.raises(RuntimeError, match="panel_gemm: x"):
-        cpu_kernels.panel_gemm(torch.randn(2, 64).bfloat16(), panels, 40)
+        cpu_linear.panel_gemm(torch.randn(2, 64).bfloat16(), panels, 40)
     with pytest.raises(RuntimeError, match="panel_gemm: bias"):
-        cpu_kernels.panel_gemm(torch.randn(2, 64), panels, 40, torch.randn(7))
+        cpu_linear.panel_gemm(torch.randn(2, 64), panels, 40, torch.randn(7))
     with pytest.raises(RuntimeError, match="panel_gemm: x"):
-        cpu_kernels.panel_gemm(torch.randn(2, 0), cpu_kernels.pack_panels(torch.randn(40, 0)), 40)
-    assert cpu_kernels.panel_gemm(torch.randn(0, 64), panels, 40).shape == (0, 40)
+        cpu_linear.panel_gemm(torch.randn(2, 0), cpu_linear.pack_panels(torch.randn(40, 0)), 40)
+    assert cpu_linear.panel_gemm(torch.randn(0, 64), panels, 40).shape == (0, 40)
 
 
 @pytest.mark.parametrize("m", [1, 2, 5])
@@ -70,7 +71,7 @@ def test_gemv_bfloat16_weights_and_activations(m, k):
     g = torch.Generator().manual_seed(k + m)
     x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(300, k, generator=g).bfloat16()
     # the kernel widens both to float32 exactly and accumulates in float32
-    torch.testing.assert_close(cpu_kernels.gemv(x, w), _ref(x, w), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cpu_linear.gemv(x, w), _ref(x, w), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("m", [1, 4, 16])
@@ -80,7 +81,7 @@ def test_gemv_int8_with_scale(m, k):
     x = torch.randn(m, k, generator=g)
     w = torch.randint(-127, 128, (130, k), generator=g, dtype=torch.int8)
     scale, bias = torch.rand(130, generator=g) / 100, torch.randn(130, generator=g)
-    torch.testing.assert_close(cpu_kernels.gemv(x, w, scale, bias), _ref(x, w, scale, bias), atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(cpu_linear.gemv(x, w, scale, bias), _ref(x, w, scale, bias), atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -91,7 +92,7 @@ def test_cpu_linear_matches_f_linear(dtype, m):
     torch.manual_seed(m)
     lin = torch.nn.Linear(576, 320, bias=True).to(dtype).requires_grad_(False)
     x = torch.randn(m, 576).to(dtype)
-    cl = cpu_kernels.CpuLinear(lin)
+    cl = CpuLinear(lin)
     out = cl(x)
     assert out.dtype == dtype and out.shape == (m, 320)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
@@ -111,7 +112,7 @@ def test_kernel_probe_rates_shape():
 
 
 def test_kernel_probe_decode_attention_rate():
-    from servescope.kernels import cpu_ops
+    from servescope.kernels.cpu import ops as cpu_ops
     from servescope.measure.kernel_rates import measure_decode_attention_flops
 
     if not cpu_ops.available():
@@ -120,7 +121,7 @@ def test_kernel_probe_decode_attention_rate():
 
 
 def test_kernel_probe_packed_gemm_rate():
-    from servescope.kernels import cpu_ops
+    from servescope.kernels.cpu import ops as cpu_ops
     from servescope.measure.kernel_rates import measure_packed_gemm_flops
 
     if not cpu_ops.available():

@@ -1,5 +1,5 @@
 """The CPU op extension (csrc/cpu_ops.cpp) against the torch references in fused_ops.py and
-attention/torch_ref.py: float32 tight, bfloat16 loose; and the engine's greedy tokens with and
+attention/reference.py: float32 tight, bfloat16 loose; and the engine's greedy tokens with and
 without it."""
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import sys
 import pytest
 import torch
 
-from servescope.kernels import cpu_ops, fused_ops
-from servescope.model.attention.torch_ref import TorchAttentionBackend
+from servescope.kernels import fused_ops
+from servescope.kernels.cpu import ops as cpu_ops
+from servescope.model.attention.cpu import CpuAttentionBackend
+from servescope.model.attention.reference import TorchAttentionBackend
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="CPU op extension not built here")
 
@@ -266,17 +268,15 @@ def _mixed_bf16_step(seqs, block, seed, hkv=3, grp=3, d=64, nblocks=64):
     return q, k, v, kc, vc, meta
 
 
-def _against_sdpa(monkeypatch, q, k, v, kc, vc, meta, d=64):
-    """The step through the backend with the CPU kernels, then through the torch path (SDPA per
-    prefill sequence, the extension switched off): both outputs."""
-    be = TorchAttentionBackend()
-    k1, v1 = kc.clone(), vc.clone()
-    be.store_kv(k, v, k1, v1, meta())
-    ours = be.forward(q, k, v, k1, v1, meta(), d ** -0.5)
-    monkeypatch.setattr(cpu_ops._EXT, "mod", None)  # load() -> None
-    k2, v2 = kc.clone(), vc.clone()
-    be.store_kv(k, v, k2, v2, meta())
-    return ours, be.forward(q, k, v, k2, v2, meta(), d ** -0.5)
+def _against_sdpa(q, k, v, kc, vc, meta, d=64):
+    """The step through the CPU backend (its C++ kernels), then through the torch reference (SDPA per
+    prefill sequence): both outputs."""
+    outs = []
+    for be in (CpuAttentionBackend(), TorchAttentionBackend()):
+        kb, vb = kc.clone(), vc.clone()
+        be.store_kv(k, v, kb, vb, meta())
+        outs.append(be.forward(q, k, v, kb, vb, meta(), d ** -0.5))
+    return tuple(outs)
 
 
 @pytest.mark.parametrize("block", [8, 16])
@@ -289,7 +289,7 @@ def test_bf16_prefill_tokens_through_paged_kernel_match_sdpa(monkeypatch, block)
     calls = []
     real = cpu_ops.paged_decode
     monkeypatch.setattr(cpu_ops, "paged_decode", lambda *a, **kw: calls.append(a[3].shape) or real(*a, **kw))
-    ours, ref = _against_sdpa(monkeypatch, q, k, v, kc, vc, meta)
+    ours, ref = _against_sdpa(q, k, v, kc, vc, meta)
     assert calls == [(q.shape[0], meta().block_tables.shape[1])]  # one call for every token of the step
     _close(ours, ref, torch.bfloat16)
 
@@ -348,6 +348,6 @@ def test_bf16_step_with_long_prefills_uses_tiled_kernel_and_matches_sdpa(monkeyp
     real_p, real_d = cpu_ops.prefill_attention, cpu_ops.paged_decode
     monkeypatch.setattr(cpu_ops, "prefill_attention", lambda *a: tiled.append(a[0].shape[0]) or real_p(*a))
     monkeypatch.setattr(cpu_ops, "paged_decode", lambda *a, **kw: per_token.append(a[0].shape[0]) or real_d(*a, **kw))
-    ours, ref = _against_sdpa(monkeypatch, q, k, v, kc, vc, meta)
+    ours, ref = _against_sdpa(q, k, v, kc, vc, meta)
     assert tiled == [150, 130] and per_token == [1 + 1 + 20]
     _close(ours, ref, torch.bfloat16)

@@ -12,7 +12,9 @@ import sys
 import pytest
 import torch
 
-from servescope.kernels import cpu_kernels, cpu_ops, quant_linear
+from servescope.kernels.cpu import linear as cpu_linear
+from servescope.kernels.cpu import ops as cpu_ops
+from servescope.model.linears import packed as quant_linear
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="CPU op extension not built here")
 
@@ -82,10 +84,10 @@ def test_decode_plan_matches_module_path_bit_for_bit(tmp_path, monkeypatch, fami
     # bfloat16: the GEMV up to 2 rows, oneDNN above, where oneDNN takes the dtype (bfloat16 needs
     # AVX512-BF16 / AMX: on an AVX2 CPU the plan stops at the GEMV's 2 rows);
     # int8: the GEMV up to 16 rows, and the modules above (eager dequantisation)
-    # packed int4 / int8 (kernels/quant_linear.py): their GEMV up to MAX_ROWS
-    onednn = cpu_kernels.pack_for_onednn(torch.zeros(64, 64, dtype=getattr(torch, dtype))) is not None
-    panel = cpu_kernels.PANEL_MAX_ROWS if dtype == "float32" else 0
-    dense = 1 << 30 if onednn else max(cpu_kernels.MAX_ROWS[getattr(torch, dtype)], panel)
+    # packed int4 / int8 (model/linears/packed.py): their GEMV up to MAX_ROWS
+    onednn = cpu_linear.pack_for_onednn(torch.zeros(64, 64, dtype=getattr(torch, dtype))) is not None
+    panel = cpu_linear.PANEL_MAX_ROWS if dtype == "float32" else 0
+    dense = 1 << 30 if onednn else max(cpu_linear.MAX_ROWS[getattr(torch, dtype)], panel)
     assert rows == ({"int8": 16}.get(quant, quant_linear.MAX_ROWS) if quant else dense)
     # prompts of different lengths (different context lengths in one decode batch, one crossing a
     # 16-token block); batches on both sides of each GEMV limit

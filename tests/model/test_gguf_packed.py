@@ -18,11 +18,12 @@ from tiny_models import make_tiny_hf_model  # noqa: E402
 
 from servescope import LLM, SamplingParams  # noqa: E402
 from servescope.errors import EngineConfigError  # noqa: E402
-from servescope.kernels import cpu_ops  # noqa: E402
-from servescope.kernels import quant_linear as ql  # noqa: E402
+from servescope.kernels.cpu import ops as cpu_ops  # noqa: E402
+from servescope.model.linears import packed as ql  # noqa: E402
 from servescope.loader import gguf_packed  # noqa: E402
 from servescope.loader.source import load_model_source, resolve_model_path  # noqa: E402
 from servescope.model.quantize import weight_format  # noqa: E402
+from servescope.quant import packed as qp  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 
@@ -34,17 +35,17 @@ def test_blocks_match_gguf_dequantize(qtype):
     raw = gguf.quants.quantize(w, Q[qtype])
     packed, scales = gguf_packed.split_blocks(raw, Q[qtype], 13, 96)
     ref = gguf.quants.dequantize(raw, Q[qtype]).reshape(13, 96)
-    got = ql.dequantize(packed, scales, 96).numpy()
+    got = qp.dequantize(packed, scales, 96).numpy()
     assert np.allclose(got, ref, atol=1e-6, rtol=1e-6)
     mod = cpu_ops.load()
     if mod is not None:  # the kernel on the file's blocks against float64 on gguf-py's values
         x = torch.randn(3, 96)
         y = mod.quant_gemv(x, packed, scales, torch.empty(0)).double()
-        xa = ql.gemv_activations(x, 96, 32)[0]  # the activations rounded to int8 per block, as the kernel does
+        xa = qp.gemv_activations(x, 96, 32)[0]  # the activations rounded to int8 per block, as the kernel does
         assert torch.allclose(y, xa @ torch.from_numpy(ref).double().T, atol=1e-4, rtol=1e-5)
         x = torch.randn(20, 96)  # and the prefill GEMM on the same blocks
         y = mod.quant_gemm(x, packed, scales, torch.empty(0)).double()
-        ref64 = ql.gemv_activations(x, 96, 32)[0] @ torch.from_numpy(ref).double().T
+        ref64 = qp.gemv_activations(x, 96, 32)[0] @ torch.from_numpy(ref).double().T
         assert torch.allclose(y, ref64, atol=1e-4, rtol=1e-5)
 
 
@@ -134,7 +135,7 @@ def test_k_quants_repack_to_gguf_dequantize(qtype):
     raw = k_quant_blocks(rng, rows, k, Q[qtype])
     ref = gguf.quants.dequantize(raw, Q[qtype]).reshape(rows, k)
     packed, scales = gguf_packed.split_blocks(raw, Q[qtype], rows, k)
-    got = ql.dequantize(packed, scales, k).numpy()
+    got = qp.dequantize(packed, scales, k).numpy()
     if qtype == "Q4_K":
         assert packed.dtype == torch.uint8 and tuple(scales.shape) == (rows, k // 32, 2)
         assert np.all(np.abs(got - ref) <= 2.0 ** -10 * (np.abs(ref) + 1.5))  # float16 scales: 2^-11 each
@@ -153,7 +154,7 @@ def test_k_quants_repack_to_gguf_dequantize(qtype):
             x = torch.randn(m, k)
             f = mod.quant_gemv if m <= ql.MAX_ROWS else mod.quant_gemm
             y = f(x, packed, scales, torch.empty(0)).double()
-            ref64 = ql.gemv_activations(x, k, 32)[0] @ torch.from_numpy(got).double().T
+            ref64 = qp.gemv_activations(x, k, 32)[0] @ torch.from_numpy(got).double().T
             assert torch.allclose(y, ref64, atol=1e-4, rtol=1e-5)
 
 

@@ -1,11 +1,12 @@
-"""GPTQ (model/gptq.py) against plain rounding: the same packed form; identical to it where the
+"""GPTQ (quant/gptq.py) against plain rounding: the same packed form; identical to it where the
 calibration inputs are uncorrelated; a smaller layer output error where they are correlated."""
 
 import pytest
 import torch
 
-from servescope.kernels.quant_linear import QuantScheme, dequantize, quantize
-from servescope.model.gptq import gptq_quantize
+from servescope.quant.packed import dequantize, quantize
+from servescope.quant.scheme import QuantScheme
+from servescope.quant.gptq import gptq_quantize
 
 SCHEMES = [QuantScheme(4, 32, False), QuantScheme(4, 32, True), QuantScheme(8, 32, False),
            QuantScheme(4, 128, True), QuantScheme(8, None, False), QuantScheme(8, 64, True)]

@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from servescope.kernels import cpu_ops
+from servescope.kernels.cpu import ops as cpu_ops
 from servescope.model.attention import kv_quant
 from servescope.model.attention.backend import AttentionMetadata
-from servescope.model.attention.torch_ref import TorchAttentionBackend
+from servescope.model.attention.reference import TorchAttentionBackend
 
 DTYPES = [torch.int8] + ([kv_quant.FP8] if kv_quant.FP8 is not None else [])
 needs_ext = pytest.mark.skipif(not cpu_ops.available(), reason="CPU op extension not built here")
@@ -101,7 +101,7 @@ def _decode_meta(tables, lens):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", [64, 16], ids=["d64-tiled", "d16-generic"])
 @pytest.mark.parametrize("path", ["cpp", "torch"])
-def test_paged_decode_reads_the_quantised_cache(monkeypatch, dtype, head_dim, path):
+def test_paged_decode_reads_the_quantised_cache(dtype, head_dim, path):
     if path == "cpp" and not cpu_ops.available():
         pytest.skip("CPU op extension not built here")
     q, kc, vc, tables, lens, k_full, v_full = _paged_case(dtype, head_dim)
@@ -109,7 +109,6 @@ def test_paged_decode_reads_the_quantised_cache(monkeypatch, dtype, head_dim, pa
     if path == "cpp":
         got = cpu_ops.paged_decode(q, kc, vc, tables, lens, scale)
     else:  # the torch reference's own decode (gathers and dequantises the blocks it reads)
-        monkeypatch.setattr(cpu_ops, "load", lambda: None)
         got = TorchAttentionBackend().forward(q, None, None, kc, vc, _decode_meta(tables, lens), scale)
     # (1) over the dequantised values: float32 rounding only
     want = _attention_f64(q, _dequantised(kc, tables), _dequantised(vc, tables), lens.tolist(), scale)
@@ -131,9 +130,8 @@ def test_paged_decode_reads_the_quantised_cache(monkeypatch, dtype, head_dim, pa
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_prefill_reads_its_own_keys_from_the_quantised_cache(monkeypatch, dtype):
+def test_prefill_reads_its_own_keys_from_the_quantised_cache(dtype):
     """A prompt in one step attends over the same quantised keys as the same prompt in two chunks."""
-    monkeypatch.setattr(cpu_ops, "load", lambda: None)
     g = torch.Generator().manual_seed(3)
     n, hkv, h, d, S = 20, 2, 4, 16, 16
     q, k, v = torch.randn(n, h, d, generator=g), torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)

@@ -16,17 +16,17 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-if not torch.cuda.is_available() and "servescope.kernels.triton_attention" in sys.modules:
+if not torch.cuda.is_available() and "servescope.kernels.triton.attention" in sys.modules:
     # triton.jit picks the interpreter when a kernel is defined: re-define them if an earlier
     # import (another test) happened before TRITON_INTERPRET was set
-    importlib.reload(sys.modules["servescope.kernels.triton_attention"])
+    importlib.reload(sys.modules["servescope.kernels.triton.attention"])
     if "servescope.model.attention.triton_backend" in sys.modules:
         importlib.reload(sys.modules["servescope.model.attention.triton_backend"])
 
 from servescope.model.attention.backend import AttentionMetadata  # noqa: E402
-from servescope.model.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from servescope.model.attention.reference import TorchAttentionBackend  # noqa: E402
 from servescope.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from servescope.kernels.triton_attention import paged_decode, store_kv  # noqa: E402
+from servescope.kernels.triton.attention import paged_decode, store_kv  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}

@@ -20,8 +20,8 @@ import json, os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from servescope.kernels import triton_gemv, triton_fused
-from servescope.kernels import triton_attention as tk
+from servescope.kernels.triton import fused as triton_fused, gemv as triton_gemv
+from servescope.kernels.triton import attention as tk
 
 target = GPUTarget("cuda", 90, 32)
 FLOATS = {"eps", "scale_log2"}

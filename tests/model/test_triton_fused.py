@@ -17,13 +17,13 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-if not torch.cuda.is_available() and "servescope.kernels.triton_fused" in sys.modules:
+if not torch.cuda.is_available() and "servescope.kernels.triton.fused" in sys.modules:
     # triton.jit picks the interpreter when a kernel is defined (and AVAILABLE is computed at
     # import): re-define them if an earlier import happened before TRITON_INTERPRET was set
-    importlib.reload(sys.modules["servescope.kernels.triton_fused"])
+    importlib.reload(sys.modules["servescope.kernels.triton.fused"])
 
 from servescope.kernels import fused_ops  # noqa: E402
-from servescope.kernels import triton_fused as tf  # noqa: E402
+from servescope.kernels.triton import fused as tf  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}

@@ -17,12 +17,12 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-if not torch.cuda.is_available() and "servescope.kernels.triton_gemv" in sys.modules:
-    importlib.reload(sys.modules["servescope.kernels.triton_gemv"])  # kernels defined before the flag was set
+if not torch.cuda.is_available() and "servescope.kernels.triton.gemv" in sys.modules:
+    importlib.reload(sys.modules["servescope.kernels.triton.gemv"])  # kernels defined before the flag was set
 
 from servescope.config import EngineConfig  # noqa: E402
 from servescope.errors import EngineConfigError  # noqa: E402
-from servescope.kernels import triton_gemv as tg  # noqa: E402
+from servescope.kernels.triton import gemv as tg  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}

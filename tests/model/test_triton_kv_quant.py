@@ -11,11 +11,11 @@ import pytest
 import torch
 from triton_interp import interpreted  # tests/model is on sys.path (tests/conftest.py)
 
-triton_attention, _ = interpreted("servescope.kernels.triton_attention", "servescope.model.attention.triton_backend")
+triton_attention, _ = interpreted("servescope.kernels.triton.attention", "servescope.model.attention.triton_backend")
 paged_decode, store_kv = triton_attention.paged_decode, triton_attention.store_kv
 
 from servescope.model.attention import kv_quant  # noqa: E402
-from servescope.model.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from servescope.model.attention.reference import TorchAttentionBackend  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.int8] + ([kv_quant.FP8] if kv_quant.FP8 is not None else [])

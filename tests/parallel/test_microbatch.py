@@ -75,7 +75,7 @@ def test_no_cut_between_a_reader_and_a_later_writer_of_its_block(runner):
 def test_stage_decode_plans_chained_equal_the_whole_plan(runner):
     """A pipeline stage's C++ decode plan over its own layers (DecodePlan.run_layers, from the
     previous stage's (h, residual)): two stages chained give the one-process plan's output bit for bit."""
-    from servescope.kernels import cpu_ops
+    from servescope.kernels.cpu import ops as cpu_ops
     from servescope.model.transforms import cpu_decode_plan
 
     ex = runner.executor

@@ -52,7 +52,7 @@ def test_metrics_names_labels_and_counts(http):
 
 def test_cpu_kernels_info_gauge(http):
     """Which CPU kernel path serves: the ISA the engine's extension was built for, and its description."""
-    from servescope.kernels import cpu_ops  # the server under test runs in this process
+    from servescope.kernels.cpu import ops as cpu_ops  # the server under test runs in this process
 
     fam = _metrics(http)["servescope:cpu_kernels_info"]  # Prometheus text has no info type: a gauge of 1
     assert fam.type == "gauge"

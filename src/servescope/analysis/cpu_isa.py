@@ -1,8 +1,8 @@
 """Which instruction set the CPU kernels run with: read from the CPU's flags, or forced by
 SERVESCOPE_CPU_ISA (avx512 | avx2 | neon | scalar). Pure Python: the probe keys its cache on it and
-kernels/cpu_extension.py compiles the extension for it.
+kernels/cpu/extension.py compiles the extension for it.
 
-The paths, best first on each architecture (kernels/csrc/simd.h is the vector layer they share):
+The paths, best first on each architecture (kernels/cpu/csrc/simd.h is the vector layer they share):
 - avx512: AVX-512 F/BW/VL + FMA (x86); with AVX512-BF16 the bfloat16 dot products (VDPBF16PS)
 - avx2:   AVX2 + FMA (x86: Haswell and Zen onwards, most desktops, laptops and cloud VMs)
 - neon:   ARMv8 Advanced SIMD (every aarch64 CPU); with dotprod / bf16 where the CPU has them

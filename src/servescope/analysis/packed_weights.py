@@ -8,7 +8,7 @@ The weight formats a step's weights can be in, besides the float and int8 dtypes
   file's repacked projections are in Q4_1's form, its Q6_K ones in Q8_0's: the name undercounts a
   Q4_K_M file's Q6_K tensors). The embedding table and the (tied) head are the file's token_embd, Q8_0
   in the files this engine writes and ships.
-Bytes per weight of a row of K (kernels/quant_linear.py's form, GGUF's block sizes): the packed
+Bytes per weight of a row of K (quant/packed.py's form, GGUF's block sizes): the packed
 integers of K rounded up to the group, plus one float16 scale per group (and one float16 offset when
 asymmetric): Q4_0 18 / 32 = 0.5625, Q4_1 20 / 32 = 0.625, Q8_0 34 / 32 = 1.0625 bytes per weight.
 """

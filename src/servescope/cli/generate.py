@@ -77,7 +77,7 @@ def _request_table(engine, final):
     req.add_row("KV cache allocated", f"{fmt_bytes(engine.runner.kv_cache_bytes)} "
                                      f"({engine.cache_config.num_blocks} blocks x {engine.cache_config.block_size})")
     if engine.device.type == "cpu":
-        from servescope.kernels import cpu_ops  # lazy: torch (the CLI's --help stays torch-free)
+        from servescope.kernels.cpu import ops as cpu_ops  # lazy: torch (the CLI's --help stays torch-free)
 
         req.add_row("CPU kernels", cpu_ops.kernel_path())
     req.add_row("weights", f"{fmt_bytes(engine.weight_bytes)}  ({str(engine.dtype).replace('torch.', '')}"

@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
     p.add_argument("--calibration-samples", type=positive_int, default=64, metavar="N")
     p.add_argument("--calibration-tokens", type=positive_int, default=128, metavar="T", help="tokens per sample")
     p.add_argument("--damp", type=nonneg_float, default=None,
-                   help="GPTQ's damping, a fraction of the Hessian's mean diagonal (default 0.3, model/gptq.DAMP)")
+                   help="GPTQ's damping, a fraction of the Hessian's mean diagonal (default 0.3, quant/gptq.DAMP)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=positive_int, default=None)
 

@@ -9,7 +9,7 @@ The steps, on the float32 engine of the source model:
   2. each projection's H = X^T X, summed over the calibration tokens: a forward hook on every module
      of model.projections() during one prefill per sequence (`sequence_logits`);
   3. per projection, in the scheme the mode gives it (the 4-bit modes' head is 8-bit,
-     model/quantize.projection_scheme): gptq_quantize (model/gptq.py; its group scales searched with diag(H)
+     model/quantize.projection_scheme): gptq_quantize (quant/gptq.py; its group scales searched with diag(H)
      as each input's importance), quantize with importance = diag(H) / tokens (each input's mean squared
      activation: "imatrix"), or plain quantize; and the output error each one leaves,
      tr((W - Q) H (W - Q)^T) / tr(W H W^T), for both, which the summary reports;
@@ -29,9 +29,10 @@ import torch
 from servescope.engine.llm import LLM
 from servescope.engine.model_runner import ModelRunner
 from servescope.errors import InvalidParameterError
-from servescope.kernels.quant_linear import QuantScheme, dequantize, quantize
+from servescope.quant.packed import dequantize, quantize
+from servescope.quant.scheme import QuantScheme
 from servescope.loader.quantized import check_out, save_quantized, saved_mode
-from servescope.model.gptq import DAMP, gptq_quantize
+from servescope.quant.gptq import DAMP, gptq_quantize
 from servescope.model.quantize import parse_mode, projection_scheme
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def quantize_checkpoint(model, mode: str, out: str, method: str = "gptq", calibr
                         samples: int = 64, tokens: int = 128, seed: int = 0, damp: float | None = None,
                         skip_tokenizer_init: bool = False) -> QuantizeReport:
     """Quantise `model` (a name, .gguf or HF directory) to `mode` with `method` and save it to `out`
-    (damp: GPTQ's, None for model/gptq.DAMP; skip_tokenizer_init: a model without tokenizer files; it is
+    (damp: GPTQ's, None for quant/gptq.DAMP; skip_tokenizer_init: a model without tokenizer files; it is
     saved without one)."""
     damp = DAMP if damp is None else damp
     scheme = parse_mode(mode)

@@ -26,7 +26,7 @@ import torch
 
 from servescope.engine.cuda_graphs import CudaGraphRunner
 from servescope.errors import EngineConfigError
-from servescope.kernels import cpu_ops
+from servescope.kernels.cpu import ops as cpu_ops
 from servescope.model.quantize import quantize_model
 from servescope.model.transforms import cpu_decode_plan, use_cpu_linears
 
@@ -135,7 +135,7 @@ class ModelExecutor:
                            "decode GEMV)", mode, self.device.type)
             return {}
         # lazy: importing triton is start-up time that only a GPU engine uses
-        from servescope.kernels import triton_gemv
+        from servescope.kernels.triton import gemv as triton_gemv
 
         if not triton_gemv.AVAILABLE and mode != "cublas":
             raise EngineConfigError(f"gpu_linear={mode!r} needs triton, which is not available here")

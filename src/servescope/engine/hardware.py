@@ -19,7 +19,7 @@ from servescope.analysis.collectives import DEFAULT_LINK, LinkSpec, cached_local
 from servescope.analysis.hardware import LOCAL_CPU, HardwareSpec, canonical_hardware_name, get_hardware
 from servescope.analysis.probe import cached_local_hardware, cpu_model, probe_local_hardware
 from servescope.errors import InvalidParameterError
-from servescope.kernels import cpu_ops
+from servescope.kernels.cpu import ops as cpu_ops
 
 logger = logging.getLogger(__name__)
 

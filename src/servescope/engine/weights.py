@@ -22,7 +22,7 @@ from servescope.engine.executor import ModelExecutor
 from servescope.engine.kv_sizing import resolve_kv_dtype
 from servescope.engine.parallel_executor import ParallelExecutor, parallel_layout
 from servescope.errors import EngineConfigError
-from servescope.kernels import cpu_ops
+from servescope.kernels.cpu import ops as cpu_ops
 from servescope.loader.build import DTYPES, build_model
 from servescope.loader.quantized import saved_mode
 from servescope.loader.random_init import build_random_model

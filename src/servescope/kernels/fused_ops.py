@@ -1,8 +1,8 @@
 """Small element-wise ops of a decoder layer, behind one dispatch point.
 
 Each op has a torch reference (runs everywhere, numerically the Hugging Face order of operations)
-and may have a fused kernel for a device (Triton on CUDA, see triton_fused.py; C++ on the CPU,
-see cpu_ops.py): on a GPU the eager versions cost several tiny kernel launches each, on the CPU
+and may have a fused kernel for a device (Triton on CUDA, see triton/fused.py; C++ on the CPU,
+see cpu/ops.py): on a GPU the eager versions cost several tiny kernel launches each, on the CPU
 several ops of dispatch overhead each, which at batch 1 adds up to as much time as reading the
 weights. The references stay as the fallback (SERVESCOPE_CPU_KERNELS=0, no compiler) and oracle.
 
@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from servescope.kernels import cpu_ops
+from servescope.kernels.cpu import ops as cpu_ops
 
 
 def _fused():
     try:
         # lazy and optional: triton may be missing, and importing it costs ~0.35 s of a CPU start-up
-        from servescope.kernels import triton_fused
+        from servescope.kernels.triton import fused as triton_fused
     except ImportError:
         return None
     return triton_fused if triton_fused.AVAILABLE else None

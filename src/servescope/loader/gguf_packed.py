@@ -1,6 +1,6 @@
 """A GGUF's Q4_0 / Q4_1 / Q8_0 tensors kept in their blocks and run as they are; Q4_K / Q6_K repacked.
 
-The blocks are the packed form of kernels/quant_linear.py with the float16 scales moved out:
+The blocks are the packed form of quant/packed.py with the float16 scales moved out:
   Q4_0  [d f16][16 bytes: element j low nibble, j + 16 high]   value d * (u - 8)
   Q4_1  [d f16][m f16][16 bytes]                                value d * u + m
   Q8_0  [d f16][32 int8]                                        value d * q
@@ -30,8 +30,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from servescope.kernels.quant_linear import QuantEmbedding, QuantLinear, QuantScheme, dequantize, quantize
 from servescope.model.decoder import FUSED_PROJECTIONS
+from servescope.model.linears.packed import QuantEmbedding, QuantLinear
+from servescope.quant.packed import dequantize, quantize
+from servescope.quant.scheme import QuantScheme
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ load, optionally saved").
                           "mode": the --quantization mode, "method": "rtn" | "gptq", how it was calibrated}
   model.safetensors       norms and the embedding as float32 (the lookup keeps full precision, as at
                           load); each quantised linear as "<name>.qweight" (the packed integers of
-                          kernels/quant_linear.py) and "<name>.scales" (float16), in Hugging Face names,
+                          quant/packed.py) and "<name>.scales" (float16), in Hugging Face names,
                           q/k/v and gate/up apart (the loader fuses them as it fuses a GGUF's)
   tokenizer files, chat_template.jinja, generation_config.json
 The directory is written beside its destination and renamed into place: a failure leaves nothing.
@@ -27,7 +27,7 @@ import tempfile
 import torch
 
 from servescope.errors import ModelLoadError
-from servescope.kernels.quant_linear import QuantScheme
+from servescope.quant.scheme import QuantScheme
 from servescope.loader.gguf_packed import placeholder
 from servescope.model.quantize import parse_mode, projection_scheme
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from servescope.kernels import cpu_ops
-from servescope.kernels.cpu_kernels import CpuLinear
-from servescope.kernels.quant_linear import BLOCK, MAX_ROWS, QuantLinear
+from servescope.kernels.cpu import ops as cpu_ops
+from servescope.model.linears.cpu import CpuLinear
+from servescope.model.linears.packed import MAX_ROWS, QuantLinear
+from servescope.quant.scheme import BLOCK
 from servescope.timing import median_seconds
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)

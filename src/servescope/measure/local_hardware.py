@@ -20,7 +20,7 @@ from servescope.analysis.probe import EngineMeasurers, probe_local_hardware
 from servescope.config import EngineConfig
 from servescope.engine.hardware import default_hardware, default_link, local_link_key
 from servescope.engine.llm_engine import LLMEngine
-from servescope.kernels import cpu_ops
+from servescope.kernels.cpu import ops as cpu_ops
 from servescope.measure.kernel_rates import (measure_decode_attention_flops, measure_linear_rates,
                                              measure_packed_gemm_flops)
 from servescope.measure.overhead import measure_host_overhead

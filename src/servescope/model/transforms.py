@@ -17,16 +17,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from servescope.kernels import cpu_kernels, cpu_ops
-from servescope.kernels.quant_linear import QuantLinear
-from servescope.model.quantize import Int8Linear
+from servescope.kernels.cpu import ops as cpu_ops
+from servescope.model.linears.cpu import CpuLinear
+from servescope.model.linears.int8 import Int8Linear
+from servescope.model.linears.packed import QuantLinear
 
 
 def use_cpu_linears(model: nn.Module) -> nn.Module:
     """Route the dense projections and the head through CpuLinear (int8 modules keep their own path)."""
     for parent, name, child in model.projections():
         if type(child) is nn.Linear:
-            setattr(parent, name, cpu_kernels.CpuLinear(child, float_output=name == "lm_head"))
+            setattr(parent, name, CpuLinear(child, float_output=name == "lm_head"))
     return model
 
 
@@ -89,4 +90,4 @@ def cpu_decode_plan(model: nn.Module):
 
 def _plan_covers(m: nn.Module, dtype: torch.dtype) -> bool:
     """A module the plan can issue itself: a CpuLinear of the activation dtype, or an int8 / packed linear."""
-    return (type(m) is cpu_kernels.CpuLinear and m.weight.dtype == dtype) or type(m) in (Int8Linear, QuantLinear)
+    return (type(m) is CpuLinear and m.weight.dtype == dtype) or type(m) in (Int8Linear, QuantLinear)

@@ -13,7 +13,7 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from servescope.engine.outputs import RequestOutput
-from servescope.kernels import cpu_ops
+from servescope.kernels.cpu import ops as cpu_ops
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

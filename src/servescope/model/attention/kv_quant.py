@@ -7,7 +7,7 @@ the D quantised values, then the 4 bytes of their float32 scale (value = q * sca
 stays [N, S, Hkv, D]. The dtype alone says which: every path that hands (k_cache, v_cache) on (block
 tables, prefix caching, preemption, speculative rollback, the C++ decode plan, a TP shard's own heads)
 carries the scales with the values and needs no new argument; the kernels read a row's scale right
-after its values (kernels/csrc/kv_quant.h), as llama.cpp's q8_0 blocks keep theirs.
+after its values (kernels/cpu/csrc/kv_quant.h), as llama.cpp's q8_0 blocks keep theirs.
 
 Scales per token and KV head, for int8 and fp8 alike: absmax / 127 (int8, symmetric, round half to
 even) or absmax / 448 (e4m3's largest value). Why per token: a row is quantised once, when it is

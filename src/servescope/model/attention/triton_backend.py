@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
-from servescope.model.attention.torch_ref import TorchAttentionBackend
-from servescope.kernels.triton_attention import paged_decode, store_kv
+from servescope.model.attention.reference import TorchAttentionBackend
+from servescope.kernels.triton.attention import paged_decode, store_kv
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -1,10 +1,11 @@
 """The CPU per-layer op extension (csrc/cpu_ops.cpp over the kernels of csrc/kernels.h, written once
 against the vector layer csrc/simd.h; csrc/prefill_attention.cpp, csrc/quant_ops.cpp; bound to Python in
-csrc/bindings.cpp), compiled on first use for the CPU's instruction set (cpu_extension.py) and cached.
+csrc/bindings.cpp), compiled on first use for the CPU's instruction set (extension.py) and cached.
 
-One C++ call each for rms_norm, add_rms_norm, rotary, silu_mul (dispatched from fused_ops.py) and
-store_kv, paged decode attention, causal prefill attention (from attention/torch_ref.py): at batch 1 their eager PyTorch
-versions are dozens of tiny ops per layer whose dispatch overhead exceeds their arithmetic.
+One C++ call each for rms_norm, add_rms_norm, rotary, silu_mul (dispatched from kernels/fused_ops.py)
+and store_kv, paged decode attention, causal prefill attention (from model/attention/cpu.py): at batch 1
+their eager PyTorch versions are dozens of tiny ops per layer whose dispatch overhead exceeds their
+arithmetic.
 `load()` is None where the extension cannot be built (no compiler, SERVESCOPE_CPU_KERNELS=0, read
 once at the first call); callers then use the torch references, which the tests compare against.
 `kernel_path()` says which path runs ("avx2 C++ kernels", "eager PyTorch").
@@ -16,7 +17,7 @@ import logging
 
 import torch
 
-from servescope.kernels.cpu_extension import CpuExtension
+from servescope.kernels.cpu.extension import CpuExtension
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ KV_DTYPES = DTYPES + (torch.int8,) + ((torch.float8_e4m3fn,) if hasattr(torch, "
 SOURCES = ["bindings.cpp", "cpu_ops.cpp", "prefill_attention.cpp", "quant_ops.cpp", "onednn_linear.cpp"]
 _EXT = CpuExtension("servescope_cpu_ops", SOURCES, "CPU op kernels", extra_cflags=["-ffp-contract=off"])
 _EMPTY = torch.empty(0)
-load = _EXT.load  # the compiled module, or None (see cpu_extension.py)
+load = _EXT.load  # the compiled module, or None (see extension.py)
 load_in_background = _EXT.load_in_background  # start the first build while the caller loads weights
 available = _EXT.available
 kernel_path = _EXT.describe

@@ -1,16 +1,13 @@
-"""The scale search of kernels/quant_linear.py's `quantize`: for each group of weights, the scale (and
-offset) of least squared error among a few candidates, as llama.cpp's quantisers choose theirs; with
-calibration data, the error weighted by each input's importance (llama.cpp's imatrix).
+"""The scale search of quant/packed.py's `quantize` and of GPTQ's groups: for each group of weights, the
+scale (and offset) of least squared error among a few candidates, as llama.cpp's quantisers choose
+theirs; with calibration data, the error weighted by each input's importance (llama.cpp's imatrix).
 Shapes: x [R, G, g], R rows of G groups of g weights, float32, zero-padded past K."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from servescope.kernels.quant_linear import QuantScheme
+from servescope.quant.scheme import QuantScheme
 
 # The candidate inverse scales, by bits: (levels + STEP) / range, STEP in steps of the grid (llama.cpp's
 # make_qx_quants tries 0.1 * (-9..9), make_qkx2_quants -1 + 0.1 * (0..20); these few keep quantising

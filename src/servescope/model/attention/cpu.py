@@ -1,11 +1,12 @@
-"""Reference attention in plain PyTorch: runs everywhere, is the oracle in tests.
+"""The CPU attention backend: the C++ kernels of kernels/cpu/ops.py where they serve, the reference's
+torch code (reference.py) for the rest.
 
-On the CPU, store_kv and the decode rows go to the C++ kernels of cpu_ops.py when they are built
-(one call each instead of ~10 eager ops per layer); in bfloat16 the prefill tokens do too (each token
-a query of the paged kernel); SERVESCOPE_CPU_KERNELS=0 keeps the torch code. A quantised cache (int8,
-fp8: kv_quant.py) goes to the same C++ kernels, which quantise on store and dequantise a tile at a time
-on read; the torch code dequantises only the blocks it gathers, and reads every key from the cache, a
-prompt's own included.
+store_kv and the decode rows go to the C++ kernels when they are built (one call each instead of ~10
+eager ops per layer); in bfloat16 the prefill tokens do too (each token a query of the paged kernel, or
+long prompts through the tiled causal kernel). A quantised cache (int8, fp8: kv_quant.py) goes to the
+same C++ kernels, which quantise on store and dequantise a tile at a time on read. Where the extension
+is not built (SERVESCOPE_CPU_KERNELS=0, no compiler; read at each call, so it is never waited for at
+start-up) or the tensors are of a kind the kernels do not take, every call is the reference's.
 
 Shape legend: T tokens, B sequences, H query heads, Hkv KV heads, D head dim,
 N blocks, S block size, M blocks per sequence, L context length.
@@ -13,16 +14,11 @@ N blocks, S block size, M blocks per sequence, L context length.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from servescope.kernels import cpu_ops
-from servescope.model.attention import kv_quant
-from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
-
+from servescope.kernels.cpu import ops as cpu_ops
+from servescope.model.attention.backend import AttentionMetadata
+from servescope.model.attention.reference import TorchAttentionBackend
 
 # A bfloat16 step whose prefill sequences are all short (below TILED_PREFILL_MIN_TOKENS, or heads the
 # tiled kernel does not cover) runs every token through the paged decode kernel up to this context;
@@ -43,63 +39,31 @@ def _cpu_kernels(x: torch.Tensor, cache: torch.Tensor) -> bool:
             and cpu_ops.load() is not None)
 
 
-class TorchAttentionBackend(AttentionBackend):
+class CpuAttentionBackend(TorchAttentionBackend):
+    # the attention_backend setting that selects it on a CPU (config/engine.py): the executor's C++
+    # decode plan reads this backend's cache layout, which is the reference's
     name = "torch"
 
     def store_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         if _cpu_kernels(k, k_cache) and v.dtype in cpu_ops.DTYPES:
             cpu_ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             return
-        if kv_quant.is_quantized(k_cache.dtype):
-            kv_quant.store(k, v, k_cache, v_cache, meta.slot_mapping)
-            return
-        n, s, hkv, d = k_cache.shape
-        # [N, S, Hkv, D] -> [N*S, Hkv, D]: a slot is block * S + offset
-        k_cache.view(n * s, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(n * s, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        super().store_kv(k, v, k_cache, v_cache, meta)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not _cpu_kernels(q, k_cache):
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
         nd = meta.num_decode_seqs
-        if (nd < meta.num_seqs and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
-                and _cpu_kernels(q, k_cache)):
+        if nd < meta.num_seqs and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16:
             out = self._cpu_bf16_with_prefill(q, k_cache, v_cache, meta, scale)
             if out is not None:
                 return out
-        cpu = nd and _cpu_kernels(q, k_cache)
-        if cpu and nd == meta.num_seqs:  # decode only: the kernel's output is the result
+        if nd and nd == meta.num_seqs:  # decode only: the kernel's output is the result
             return cpu_ops.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         out = torch.empty_like(q)
-        if cpu:
+        if nd:
             cpu_ops.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale, out=out[:nd])
-        elif nd:
-            # decodes come first in the flat layout: tokens [0, nd) are one query each
-            out[:nd] = self._paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                          meta.context_lens[:nd], max(meta.context_lens_cpu[:nd]), scale,
-                                          meta.scratch)
-        start = nd
-        for i in range(nd, meta.num_seqs):
-            qlen = meta.query_lens_cpu[i]
-            ctx = meta.context_lens_cpu[i]
-            qi = q[start:start + qlen]  # [q, H, D]
-            if ctx == qlen and not kv_quant.is_quantized(k_cache.dtype):
-                # nothing cached before: causal attention over this step's own k, v (a quantised cache is
-                # read instead, so that a prompt sees the same keys whether it runs in one step or in chunks)
-                out[start:start + qlen] = _sdpa(qi, k[start:start + qlen], v[start:start + qlen], scale, causal=True)
-            else:
-                key = ("prefill", i)
-                if key not in meta.scratch:
-                    nblk = (ctx + k_cache.shape[1] - 1) // k_cache.shape[1]
-                    blocks = meta.block_tables[i, :nblk].long()
-                    # query j sits at position ctx - qlen + j and sees keys 0 .. ctx - qlen + j
-                    qpos = torch.arange(ctx - qlen, ctx, device=q.device)
-                    mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # [q, ctx]
-                    meta.scratch[key] = (blocks, mask)
-                blocks, mask = meta.scratch[key]
-                # [nblk, S, Hkv, D] -> [nblk*S, Hkv, D] -> [ctx, Hkv, D]
-                ki = kv_quant.gather(k_cache, blocks, q.dtype).flatten(0, 1)[:ctx]
-                vi = kv_quant.gather(v_cache, blocks, q.dtype).flatten(0, 1)[:ctx]
-                out[start:start + qlen] = _sdpa(qi, ki, vi, scale, mask=mask)
-            start += qlen
+        self._attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
         return out
 
     @classmethod
@@ -165,55 +129,3 @@ class TorchAttentionBackend(AttentionBackend):
             meta.scratch[key] = cached
         tables, lens = cached
         return cpu_ops.paged_decode(q, k_cache, v_cache, tables, lens, scale)
-
-    @staticmethod
-    def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, max_ctx: int, scale: float,
-                      scratch: dict | None = None):
-        b, h, d = q.shape
-        s = k_cache.shape[1]
-        nblk = (max_ctx + s - 1) // s
-        cached = scratch.get("decode") if scratch is not None else None
-        if cached is None:
-            tables = block_tables[:, :nblk].long()  # [B, M]
-            valid = torch.arange(nblk * s, device=q.device)[None, :] < context_lens[:, None]  # [B, M*S]
-            cached = (tables, valid[:, None, None, :])  # mask [B, 1, 1, M*S]
-            if scratch is not None:
-                scratch["decode"] = cached
-        tables, mask = cached
-        # [B, M, S, Hkv, D] -> [B, M*S, Hkv, D]
-        keys = kv_quant.gather(k_cache, tables, q.dtype).flatten(1, 2)
-        vals = kv_quant.gather(v_cache, tables, q.dtype).flatten(1, 2)
-        hkv = keys.shape[2]
-        # q [B, H, D] -> [B, Hkv, H/Hkv, D]; keys [B, L, Hkv, D] -> [B, Hkv, L, D]
-        qg = q.view(b, hkv, h // hkv, d)
-        kt = keys.permute(0, 2, 1, 3)
-        vt = vals.permute(0, 2, 1, 3)
-        with _sdpa_backends(q.device):
-            o = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask, scale=scale)  # [B, Hkv, H/Hkv, D]
-        return o.reshape(b, h, d)
-
-
-def _sdpa(q, k, v, scale, causal=False, mask=None):
-    """q [q, H, D], k, v [L, Hkv, D] -> [q, H, D]; grouped-query heads via enable_gqa."""
-    # [q, H, D] -> [1, H, q, D]; [L, Hkv, D] -> [1, Hkv, L, D]
-    qt = q.transpose(0, 1)[None]
-    kt = k.transpose(0, 1)[None]
-    vt = v.transpose(0, 1)[None]
-    with _sdpa_backends(q.device):
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=causal and mask is None,
-                                           scale=scale, enable_gqa=kt.shape[1] != qt.shape[1])
-    return o[0].transpose(0, 1)  # [1, H, q, D] -> [q, H, D]
-
-
-_GPU_BACKENDS = None
-
-
-def _sdpa_backends(device: torch.device):
-    """On CUDA, keep SDPA off cuDNN: it builds an execution plan for every new sequence length
-    (measured on an H200: a 30-sequence 8192-token prefill step took 4.9 s instead of ~0.1 s)."""
-    global _GPU_BACKENDS
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    if _GPU_BACKENDS is None:
-        _GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return sdpa_kernel(_GPU_BACKENDS)

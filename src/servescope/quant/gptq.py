@@ -6,9 +6,9 @@ sum over rows of (w - q) H (w - q)^T, H = X^T X. GPTQ quantises the columns of W
 spreads each column's rounding error over the columns not yet quantised, in proportion to H^-1 (the
 optimal update for a quadratic error), so later columns absorb what earlier ones lost. The scales of
 a group are fixed when its first column is reached, from the weights as updated so far, by the same
-least-squares search as plain quantisation (kernels/quant_search.py); the integers stored are then
+least-squares search as plain quantisation (quant/search.py); the integers stored are then
 the grid points nearest each updated weight, so the result is the same packed form, bytes and kernels
-as `kernels/quant_linear.quantize`, with different rounding.
+as `quant/packed.quantize`, with different rounding.
 
 `gptq_quantize(w, hessian, scheme)` -> (packed, float16 scales), as `quantize`. Damping: H + damp *
 mean(diag H) * I (GPTQ's 1%), raised tenfold while the Cholesky factorisation fails. Inputs whose
@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from servescope.kernels import quant_search
-from servescope.kernels.quant_linear import QuantScheme, _pack_nibbles
+from servescope.quant import search as quant_search
+from servescope.quant.packed import pack_nibbles
+from servescope.quant.scheme import QuantScheme
 
 BLOCK = 128  # columns per lazy-update block (a multiple of every group size)
 # GPTQ's paper damps with 1% of the mean diagonal. H from ~8k calibration tokens is a noisy estimate for K
@@ -34,7 +35,7 @@ DAMP = 0.3
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, damp: float = DAMP,
                   weighted_scales: bool = False) -> tuple:
     """w [N, K] float, hessian [K, K] (X^T X of the calibration inputs, any positive scale) ->
-    (packed weight, float16 scales) in kernels/quant_linear.py's form for `scheme`. weighted_scales: each
+    (packed weight, float16 scales) in quant/packed.py's form for `scheme`. weighted_scales: each
     group's scale search weighs its weights' errors by diag(H), as --method imatrix does."""
     n, k = w.shape
     if tuple(hessian.shape) != (k, k):
@@ -78,7 +79,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, d
         wt[b1:] -= hinv[b0:b1, b1:].T @ err
     stored[:, :k] = st.T.to(torch.int16)
     if scheme.bits == 4:
-        return _pack_nibbles(stored.to(torch.uint8)).contiguous(), scales
+        return pack_nibbles(stored.to(torch.uint8)).contiguous(), scales
     return stored.to(torch.int8).contiguous(), scales
 
 

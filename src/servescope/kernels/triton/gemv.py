@@ -29,7 +29,7 @@ try:
     import triton
     import triton.language as tl
 
-    from servescope.kernels.triton_attention import num_sms
+    from servescope.kernels.triton.attention import num_sms
 except Exception:  # triton missing or broken: TritonLinear is not used
     triton = None
     tl = None

@@ -1,9 +1,9 @@
-"""A Triton GEMV over the packed 4- and 8-bit weights of kernels/quant_linear.py, for a GPU's decode steps.
+"""A Triton GEMV over the packed 4- and 8-bit weights of quant/packed.py, for a GPU's decode steps.
 
 Shape legend: M rows of activations (M <= MAX_M), K input width, Kp K padded to the group, N output
 width (the weight's rows), G groups per row.
 
-The packed form is the CPU's (quant_linear.py's docstring; GGUF Q4_0 / Q4_1 / Q8_0 bytes with their
+The packed form is the CPU's (quant/packed.py's docstring; GGUF Q4_0 / Q4_1 / Q8_0 bytes with their
 scales moved out), so a model quantised once runs on either device:
   int4  uint8 [N, Kp/2]: in each block of 32, byte j = element j (low nibble) | element j + 16 (high)
   int8  int8  [N, Kp]

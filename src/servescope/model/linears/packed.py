@@ -1,0 +1,184 @@
+"""Modules over the packed 4- and 8-bit weights of servescope.quant (quant/packed.py says the bytes):
+QuantLinear, and QuantEmbedding, which reads the same form.
+
+QuantLinear: decode-sized calls (up to MAX_ROWS rows) go to the C++ GEMV over the packed blocks. Larger
+ones (prefill) with group-32 scales (int4, int8-g32, every GGUF block type) and float32 activations run
+the integer GEMM (kernels/cpu/csrc/quant_gemm.h): the activations rounded to int8 per 32-block, as the
+GEMV already does at decode and llama.cpp does for its Q4_0 / Q8_0 prefill, so a row's result does not
+depend on how many rows share the call, and the int8 dot products do ~2x the float32 GEMM's work per
+cycle. The other groups, and bfloat16 activations (whose AMX / BF16 GEMM is faster still), dequantise the
+matrix and run the float GEMM, which is compute-bound there anyway. On the CPU the dequantisation is C++,
+parallel over rows, written straight in the activation dtype (bfloat16 for a bfloat16 model: no float32
+copy in between) into a per-thread scratch buffer that is reused, up to TILE_ELEMENTS weights at a time,
+and the GEMM is oneDNN's on that plain buffer (torch's default float32 GEMM, MKL, costs ~1.25x as much
+CPU time on the Zen 4; docs/BENCHMARKS.md, issue 15 section). On a GPU decode-sized calls go to the
+Triton GEMV over the same bytes (kernels/triton/quant.py); the rest, and a CPU without the extension,
+dequantise with torch.
+
+Precision: a float32 model with packed weights keeps float32 activations everywhere except inside the
+group-32 products, which round them to int8 per block (decode and prefill alike: one arithmetic, the
+accuracy table of docs/BENCHMARKS.md measures it); it is not moved to bfloat16, even on a CPU whose
+bfloat16 dot products would be faster: that is a precision change the user did not ask for. Asking
+for it is `dtype="bfloat16"` (the CLI's `--dtype auto` picks it on such a CPU), which runs the whole
+model, the prefill GEMM included, in bfloat16.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from servescope.kernels.cpu import ops as cpu_ops
+from servescope.kernels.cpu.linear import onednn_linear
+from servescope.quant.packed import dequantize, quantize
+from servescope.quant.scheme import BLOCK, QuantScheme
+
+# Up to how many rows the packed GEMV runs; above, dequantise + GEMM (docs/BENCHMARKS.md)
+MAX_ROWS = 8
+GPU_MAX_ROWS = 8  # likewise on a GPU, the Triton GEMV's (kernels/triton/quant.py MAX_M)
+# The most weights the prefill path dequantises for one GEMM call (16 MiB of float32): every projection
+# of a small model in one piece, a large model's matrices and a big vocabulary's head in row tiles
+TILE_ELEMENTS = 1 << 22
+_EMPTY = torch.empty(0)
+
+
+def _triton_quant():
+    """kernels/triton/quant.py where Triton runs (a GPU), else None."""
+    # lazy: importing triton is ~90 ms a CPU never needs
+    from servescope.kernels.triton import quant as triton_quant
+
+    return triton_quant if triton_quant.AVAILABLE else None
+
+
+def _cpu_kernels(x: torch.Tensor):
+    mod = cpu_ops.load() if x.device.type == "cpu" else None
+    return mod
+
+
+class QuantLinear(torch.nn.Module):
+    """A linear over packed weights. float_output: the GEMV's float32 result is returned as it is
+    (the output head: logits are float32)."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, in_features: int, bias=None,
+                 float_output: bool = False):
+        super().__init__()
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scales", scales)
+        self.in_features, self.out_features = in_features, packed.shape[0]
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        self._bias_f32 = None if bias is None else bias.detach().float()
+        self._bias_cast = None  # the bias in the prefill GEMM's dtype, when that is not its own
+        self.float_output = float_output
+        kp = packed.shape[1] * (2 if packed.dtype == torch.uint8 else 1)
+        self.group32 = kp == scales.shape[1] * BLOCK  # one scale per 32-block: the integer GEMM's form
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, scheme: QuantScheme, float_output: bool = False):
+        packed, scales = quantize(linear.weight, scheme)
+        return cls(packed, scales, linear.in_features, linear.bias, float_output)
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.qweight.dtype == torch.uint8 else 8
+
+    def weight_bytes(self) -> int:
+        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        mod = _cpu_kernels(x2)
+        if mod is not None and x2.shape[0] <= MAX_ROWS:
+            y = mod.quant_gemv(x2, self.qweight, self.scales, _opt(self._bias_f32))
+            y = y if self.float_output else y.to(x.dtype)
+        elif x2.is_cuda and x2.shape[0] <= GPU_MAX_ROWS and _triton_quant() is not None:
+            bias = None if self.bias is None else self.bias.float()
+            y = _triton_quant().quant_gemv(x2, self.qweight, self.scales, self.in_features, bias)
+            y = y if self.float_output else y.to(x.dtype)
+        elif mod is not None and x2.dtype == torch.float32 and self.group32:
+            y = mod.quant_gemm(x2, self.qweight, self.scales, _opt(self._bias_f32))
+        elif mod is not None and x2.dtype in (torch.float32, torch.bfloat16):
+            y = self._prefill(mod, x2.contiguous())
+        else:
+            w = dequantize(self.qweight, self.scales, self.in_features, x.dtype)
+            y = F.linear(x2, w, self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _prefill(self, mod, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, K] float32 | bfloat16 -> [M, N] in its dtype: row tiles of the weight dequantised into
+        the scratch buffer, each multiplied by oneDNN (F.linear where oneDNN is missing)."""
+        n, k = self.out_features, self.in_features
+        rows = max(1, min(n, TILE_ELEMENTS // k))
+        bias = self._bias_as(x2.dtype)
+        buf = _scratch(rows * k, x2.dtype)
+        if rows == n:  # one tile: the GEMM's result is the output
+            mod.quant_dequantize_into(self.qweight, self.scales, 0, buf.view(n, k))
+            return _gemm(x2, buf.view(n, k), bias)
+        y = torch.empty(x2.shape[0], n, dtype=x2.dtype)
+        for n0 in range(0, n, rows):
+            r = min(rows, n - n0)
+            w = buf[: r * k].view(r, k)
+            mod.quant_dequantize_into(self.qweight, self.scales, n0, w)
+            y[:, n0:n0 + r] = _gemm(x2, w, None if bias is None else bias[n0:n0 + r])
+        return y
+
+    def _bias_as(self, dtype: torch.dtype):
+        if self.bias is None or self.bias.dtype == dtype:
+            return self.bias
+        if self._bias_cast is None or self._bias_cast.dtype != dtype:
+            self._bias_cast = self.bias.detach().to(dtype)
+        return self._bias_cast
+
+    def plan_entry(self) -> tuple:
+        """For the C++ DecodePlan (see CpuLinear.plan_entry): its `gemv` routes float16-scaled packed
+        weights to the packed GEMV, so the plan serves decode steps up to MAX_ROWS rows."""
+        return [self.qweight, self.scales, _opt(self._bias_f32), _EMPTY, _EMPTY, _EMPTY], (MAX_ROWS, 0), MAX_ROWS
+
+
+class QuantEmbedding(torch.nn.Module):
+    """An embedding table in the packed form (a GGUF's token_embd, shared with a tied QuantLinear
+    head): the looked-up rows are dequantised, nothing else."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scales", scales)
+        self.embedding_dim, self.num_embeddings, self.dtype = dim, packed.shape[0], dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = dequantize(self.qweight[flat], self.scales[flat], self.embedding_dim, torch.float32)
+        return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+
+def _opt(t):
+    return _EMPTY if t is None else t
+
+
+_SCRATCH = threading.local()  # per thread: {dtype: flat buffer}, grown to the largest tile asked for
+
+
+def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    bufs = _SCRATCH.__dict__.setdefault("bufs", {})
+    buf = bufs.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = bufs[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
+
+
+_ONEDNN = {}  # dtype -> whether oneDNN's linear runs here (probed once)
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor, bias) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T (+ bias) with oneDNN's linear on the plain weight, else F.linear."""
+    ok = _ONEDNN.get(x.dtype)
+    if ok is None:
+        try:
+            onednn_linear(x[:1], w[:1])
+            ok = torch.backends.mkldnn.is_available()
+        except (RuntimeError, AttributeError, NotImplementedError):
+            ok = False
+        _ONEDNN[x.dtype] = ok
+    return onednn_linear(x, w, bias) if ok else F.linear(x, w, bias)
