@@ -14,9 +14,10 @@ What is measured and why:
 - float32 / bfloat16 / float16: `torch.mm` of n x n matrices (2 n^3 FLOPs), the fastest of the runs
   (the bandwidth is a median: its slow and fast phases on a shared VM last minutes). n is sized to the
   dtype's speed: one 256^3 call first, then the largest n <= matmul_size whose call takes at most
-  ~0.25 s at that rate. A CPU without bfloat16 (float16) instructions emulates it ~500x slower than
-  float32 (a 2048^3 bfloat16 matmul took a minute on a Zen 3): it is measured small and listed in
-  `slow_dtypes` (below a quarter of float32), which the engine never picks by default.
+  a quarter of a second at that rate. A CPU without bfloat16 (float16) instructions emulates it
+  hundreds of times slower than float32 (a large bfloat16 matmul takes a minute on an AVX2-only CPU):
+  it is measured small and listed in `slow_dtypes` (below a quarter of float32), which the engine
+  never picks by default.
 - int8 has no CPU matmul path in the engine (int8 weights are dequantised to the activation dtype),
   so peak_flops["int8"] is set to the bfloat16 figure and said so in `notes`.
 

@@ -26,7 +26,7 @@ def plot_roofline(hw: HardwareSpec, points: Sequence[tuple], path: Union[str, Pa
 
     points: (label, arithmetic_intensity FLOP/byte, achieved or predicted FLOP/s) tuples.
     """
-    # lazy: matplotlib takes 1.3 s to import here, which every `import servescope.analysis` (the
+    # lazy: importing matplotlib takes over a second, which every `import servescope.analysis` (the
     # engine's, the CLI's) would pay for a plot that most runs never draw
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

@@ -60,7 +60,7 @@ def plot_sweep(results: Sequence[BenchmarkResult], path: str) -> None:
     if not results:
         raise ValueError("no results to plot")
     # The Agg canvas directly, not pyplot: no display needed, no global backend switch.
-    # lazy: matplotlib takes 1.3 s to import here, and servescope.bench (which imports this module)
+    # lazy: importing matplotlib takes over a second, and servescope.bench (which imports this module)
     # is imported by every bench run, most of which draw no plot
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

@@ -92,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
 
 def hardware_spec(name: str) -> HardwareSpec:
     """The spec `name` names. The local CPU's measures the engine, so it comes from
-    engine.local_hardware, imported only for it: that imports torch, 2 s, where a whole `explain` on
-    a datasheet spec takes 0.5 s."""
+    measure.local_hardware, imported only for it: that imports torch, seconds, where a whole `explain`
+    on a datasheet spec takes a fraction of one."""
     if canonical_hardware_name(name) == LOCAL_CPU:
         from servescope.measure.local_hardware import resolve_hardware  # lazy: torch, 2 s (see above)
 

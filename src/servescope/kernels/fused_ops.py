@@ -19,7 +19,7 @@ from servescope.kernels.cpu import ops as cpu_ops
 
 def _fused():
     try:
-        # lazy and optional: triton may be missing, and importing it costs ~0.35 s of a CPU start-up
+        # lazy and optional: triton may be missing, and importing it is start-up time a CPU never needs
         from servescope.kernels.triton import fused as triton_fused
     except ImportError:
         return None

@@ -33,7 +33,8 @@ def materialize(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
 def _allocate(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Replace each meta parameter and buffer by an uninitialised tensor on `device`, floating ones in
     `dtype`. What `to_empty(device).to(dtype)` does, without the float32 copy of a bfloat16 model, and
-    without `to_empty`'s first call through torch's Python meta decompositions (~1.4 s of a start-up)."""
+    without `to_empty`'s first call through torch's Python meta decompositions (over a second of a
+    start-up)."""
     for mod in model.modules():
         for table in (mod._parameters, mod._buffers):
             for name, t in table.items():

@@ -1,9 +1,9 @@
 """A GGUF file's metadata and tensor table, read in one pass with `struct`.
 
 gguf-py's GGUFReader builds a numpy memmap view for every part of every metadata field: for the
-embedded SmolLM2 file (a 49,152-entry vocabulary and its merges) that is ~250,000 views and about 3 s
-of every start-up on a 2-core machine. This reader parses the same header with `struct.unpack_from` over
-one memory map (~0.1 s) and hands out the tensors exactly as GGUFReader lays them out (the same numpy
+embedded SmolLM2 file (a 49,152-entry vocabulary and its merges) that is a quarter of a million views
+and seconds of every start-up on a 2-core machine. This reader parses the same header with
+`struct.unpack_from` over one memory map, in a fraction of that, and hands out the tensors exactly as GGUFReader lays them out (the same numpy
 dtype and shape per GGML type, views of the map), so `gguf.quants.dequantize` and our packed-block
 loader take them unchanged. Big-endian files go to GGUFReader (they are rare; it byte-swaps).
 

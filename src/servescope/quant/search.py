@@ -11,12 +11,12 @@ from servescope.quant.scheme import QuantScheme
 
 # The candidate inverse scales, by bits: (levels + STEP) / range, STEP in steps of the grid (llama.cpp's
 # make_qx_quants tries 0.1 * (-9..9), make_qkx2_quants -1 + 0.1 * (0..20); these few keep quantising
-# at load within ~1-2.5 s of the plain rule for SmolLM2-135M on 2 cores). Asymmetric 8 bits: the plain
+# at load close to the plain rule's time). Asymmetric 8 bits: the plain
 # rule's integers only, refitted (their errors are too close for float32 sums to rank candidates).
 # Without calibration data the error is unweighted: weighted by x^2 (llama.cpp's rmse_type 1) it gave a
 # higher KL, and the full llama.cpp sets gained little over these (docs/BENCHMARKS.md, "The scale search").
-# With each input's importance the weighting is what pays: int4-g32-asym KL 0.27 -> 0.10 on SmolLM2's float
-# stand-in (docs/BENCHMARKS.md, 2026-12-04).
+# With each input's importance the weighting is what pays: it cuts int4-g32-asym's KL several-fold on
+# SmolLM2's float stand-in (docs/BENCHMARKS.md, the importance-matrix search).
 SYM_STEPS = {4: (-0.6, -0.3, 0.0, 0.3, 0.6), 8: (-0.6, -0.3, 0.0, 0.3, 0.6)}
 ASYM_STEPS = {4: (-0.5, 0.0, 0.5), 8: (0.0,)}
 # With calibrated importance (servescope quantize, offline: seconds more are fine) llama.cpp's full sets:

@@ -6,7 +6,7 @@ merge entries), so the converted tokenizer is saved once under the servescope ca
 (`$SERVESCOPE_CACHE_DIR`, default `~/.cache/servescope`; set it to "off" to disable) keyed by the
 GGUF's path, size and mtime, and reloaded from there in a fraction of a second. The first conversion
 skips AutoTokenizer where the loader knows the model type (`_gguf_tokenizer_class`): AutoTokenizer
-parses the whole file again to learn it (~10 s of a first `make demo`).
+parses the whole file again to learn it (seconds of a first `make demo`).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def load_tokenizer(source: Union[TokenizerSource, str]) -> Tokenizer:
 
 
 def _load_hf_tokenizer(source: TokenizerSource):
-    # lazy: AutoTokenizer takes 4.5 s to import here, and an engine on random weights (the tests, the
+    # lazy: importing AutoTokenizer takes seconds, and an engine on random weights (the tests, the
     # benchmarks' random: models) or the CLI's --help never loads a tokenizer
     from transformers import AutoTokenizer
 
@@ -129,7 +129,7 @@ def _gguf_tokenizer_class(source: TokenizerSource):
     """The class AutoTokenizer picks for a GGUF of source.model_type in a folder without tokenizer files
     (its mapping's fast class, else the generic fast tokenizer), or None where that is not known. For a
     GGUF, AutoTokenizer reads the model type out of a config it builds by parsing the whole file (every
-    tensor and vocabulary entry, in Python: ~10 s for the embedded model), and the class's own
+    tensor and vocabulary entry, in Python: seconds for the embedded model), and the class's own
     from_pretrained reads only the tokenizer's metadata."""
     if not source.gguf_file or not source.model_type or any(
             os.path.exists(os.path.join(source.path, f)) for f in ("tokenizer_config.json", "tokenizer.json")):

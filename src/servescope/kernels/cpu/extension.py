@@ -3,7 +3,7 @@ eager fallback.
 
 The kernels are written once against csrc/simd.h's vector layer; this compiles them for the path the
 CPU runs best (analysis/cpu_isa.py: AVX-512, AVX2 + FMA, NEON or plain C++; SERVESCOPE_CPU_ISA forces
-one) as its own extension (`<name>_<isa>`), about 30-60 s once, cached by torch afterwards.
+one) as its own extension (`<name>_<isa>`), compiled once (under a minute), cached by torch afterwards.
 SERVESCOPE_CPU_KERNELS=0 turns them off; anything that stops the build (no compiler, headers or
 ninja) leaves `load()` returning None and callers on PyTorch. Forcing a path the CPU lacks raises
 (InvalidParameterError) instead of building code that would die of an illegal instruction.

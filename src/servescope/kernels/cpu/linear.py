@@ -19,23 +19,17 @@ from servescope.kernels.cpu import ops as cpu_ops
 
 logger = logging.getLogger(__name__)
 
-# Up to how many rows (tokens) the GEMV beats oneDNN's GEMM on prepacked weights, by weight dtype
-# (measured over the 30 layers of SmolLM2, cold cache, 2 threads; benchmarks/gemv_rows.py, see
-# docs/BENCHMARKS.md): the GEMV streams the weights at ~85% of a plain read, but its work grows
-# with the rows while oneDNN's blocked kernel stays near the weight-read time up to M ~ 8.
-# Xeon with AMX (the first measurement): float32 16.9 / 18.2 / 20.6 ms at M = 1 / 2 / 3 vs oneDNN 24.1 / 26.1 /
-# 19.6; bfloat16 8.7 / 13.1 / 16.9 vs 18.0 / ~17 / ~16.5. EPYC Zen 4 (2026-12-02, the four-row block
-# GEMV): float32 16.8 / 21.9 / 27.8 vs 25.1 / 31.8 / 26.6; bfloat16 8.2 / 17.0 / 17.6 vs 14.2 / 14.1 /
-# 13.9 (oneDNN's bf16 dot products there). bfloat16 stops at 2: right on the Xeon, 20% slow at M = 2 on
-# the Zen 4. int8 has no fast eager kernel for float32 activations.
-# float32 stops at 1 since the panel GEMM below (2026-12-04, Zen 4, 2 threads: 14.1 ms at M = 2 against the
-# GEMV's 21.3; AVX2 path 14.2 against 19.5).
+# Up to how many rows (tokens) the GEMV beats oneDNN's GEMM on prepacked weights, by weight dtype,
+# as measured over SmolLM2's layers by benchmarks/gemv_rows.py (docs/BENCHMARKS.md has the tables per
+# CPU): the GEMV streams the weights close to a plain read, but its work grows with the rows while
+# oneDNN's blocked kernel stays near the weight-read time for a few rows. bfloat16 stops at 2 (right
+# on the Xeon with AMX, a little slow at 2 on the Zen 4, whose oneDNN has bf16 dot products); float32
+# at 1, since the panel GEMM below beats the GEMV from 2 rows on. int8 has no fast eager kernel for
+# float32 activations.
 MAX_ROWS = {torch.float32: 1, torch.bfloat16: 2, torch.int8: 16}
 # float32 from MAX_ROWS + 1 up to this many rows: the GEMM on weights packed in column panels
-# (csrc/panel_gemm.h), oneDNN above. Measured over SmolLM2's layers, 2 threads, Zen 4 (benchmarks/
-# gemv_rows.py, 2026-12-04): 15.0 / 19.3 / 66.0 / 260 ms at M = 8 / 16 / 64 / 256 against oneDNN's
-# 22.0 / 29.0 / 76.6 / 277; level at 512. The AVX2 path: 15.0 / 22.5 / 74.4 / 278 against 31.5 / 42.3 /
-# 98.9 / 296.
+# (csrc/panel_gemm.h), oneDNN above; measured the same way, on the AVX-512 and AVX2 paths, where the
+# two were level at twice this.
 PANEL_MAX_ROWS = 256
 _EXT = cpu_ops._EXT
 _EMPTY = torch.empty(0)

@@ -22,15 +22,12 @@ from servescope.model.attention.reference import TorchAttentionBackend
 
 # A bfloat16 step whose prefill sequences are all short (below TILED_PREFILL_MIN_TOKENS, or heads the
 # tiled kernel does not cover) runs every token through the paged decode kernel up to this context;
-# beyond it SDPA's flash kernel is faster (measured here: a 2048-token prompt took 2.73 s that way against 2.5 s with
-# SDPA, while the offline-throughput workload's prompts of 32-512 tokens ran their attention 1.6x faster;
-# per 9-head prompt: 95-104 GFLOP/s against SDPA's 51-68 at 128-512 tokens, a tie at 1024). float32 keeps SDPA:
-# there the kernel is no faster (47-69 against 41-97 GFLOP/s)
+# beyond it SDPA's flash kernel is faster, below it the paged kernel (docs/BENCHMARKS.md has the
+# measurements by prompt length). float32 keeps SDPA: there the kernel is no faster
 PAGED_PREFILL_MAX_CONTEXT = 1024
 # bfloat16 prefill sequences of at least this many tokens in the step go to the tiled causal kernel
-# (csrc/prefill_attention.cpp; 16 tokens per item; GQA groups 1-8, head dims 64/128): 1.2-1.4x the
-# per-token path above at 128-2048 tokens and 1.25-1.7x SDPA on SmolLM2's heads, 2.5-3.6x SDPA with
-# enable_gqa at Llama-3 / Qwen2 head layouts; 0.8x the per-token path at 64 (2026-11-30, 2 threads)
+# (csrc/prefill_attention.cpp; 16 tokens per item; GQA groups 1-8, head dims 64/128): faster than the
+# per-token path above and than SDPA from this many tokens on, slower below (docs/BENCHMARKS.md)
 TILED_PREFILL_MIN_TOKENS = 128
 
 
@@ -114,8 +111,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """The tokens of sequences `seqs` (q holds exactly those, in order), each as one query of the
         paged decode kernel against its own sequence's cached keys up to its own position. That is
         causal attention, exact per token whatever the chunking; the kernel's bfloat16 pair products
-        run at ~100 GFLOP/s here against ~50 for SDPA's bfloat16 kernel on prompts of a few hundred
-        tokens."""
+        beat SDPA's bfloat16 kernel on prompts of a few hundred tokens (docs/BENCHMARKS.md)."""
         key = ("cpu_tokens", tuple(seqs))
         cached = meta.scratch.get(key)
         if cached is None:

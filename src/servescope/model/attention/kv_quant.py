@@ -62,8 +62,8 @@ def allocate(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dty
 
 def _zeroed(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.zeros, but on the CPU from calloc (numpy): a large cache then comes as the kernel's zero pages,
-    faulted in when a block is first written, instead of being memset at start-up (1 GiB: ~0.9 s, against a
-    run that may touch a few MiB of it). 64-byte aligned, as torch's own allocator would give."""
+    faulted in when a block is first written, instead of being memset at start-up (a second or so per GiB,
+    for a run that may touch a few MiB of it). 64-byte aligned, as torch's own allocator would give."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -117,7 +117,7 @@ _GPU_BACKENDS = None
 
 def _sdpa_backends(device: torch.device):
     """On CUDA, keep SDPA off cuDNN: it builds an execution plan for every new sequence length
-    (measured on an H200: a 30-sequence 8192-token prefill step took 4.9 s instead of ~0.1 s)."""
+    (on an H200 that made a long batched prefill step many times slower: docs/BENCHMARKS.md)."""
     global _GPU_BACKENDS
     if device.type != "cuda":
         return contextlib.nullcontext()

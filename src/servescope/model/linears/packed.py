@@ -46,7 +46,7 @@ _EMPTY = torch.empty(0)
 
 def _triton_quant():
     """kernels/triton/quant.py where Triton runs (a GPU), else None."""
-    # lazy: importing triton is ~90 ms a CPU never needs
+    # lazy: importing triton is start-up time a CPU never needs
     from servescope.kernels.triton import quant as triton_quant
 
     return triton_quant if triton_quant.AVAILABLE else None

@@ -3,9 +3,9 @@
 // layers of a decode step). One extension is compiled per ISA (kernels/cpu_extension.py); `isa()`
 // says which this one is.
 //
-// Why C++ for these small ops: at batch 1 each of them is 3..14 eager PyTorch ops of 3-10 us of
-// dispatch overhead apiece over a few hundred numbers; a decoder layer spent more time in that
-// overhead than in arithmetic.
+// Why C++ for these small ops: at batch 1 each of them is a handful of eager PyTorch ops, each with
+// its dispatch overhead, over a few hundred numbers; a decoder layer spent more time in that overhead
+// than in arithmetic.
 #include <ATen/ops/empty.h>
 
 #include "kernels.h"

@@ -154,8 +154,8 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
   constexpr int64_t DP = D + kScalePad<C>;  // a row's pitch (the scale after the D values of a quantised cache)
   const int64_t g = h / hkv;
   // Each tile is copied into a scratch in cache order (below), except float32 rows of 512 bytes or more:
-  // those the prefetcher follows in place, and the copy only costs (Llama-3-8B's heads, float32, 16 x
-  // 1024 positions: in place 27 ms over 4 layers, copied 30.5 on AVX-512, 29 against 35.7 on AVX2)
+  // those the prefetcher follows in place, and the copy only costs (measured at Llama-3-8B's heads:
+  // docs/BENCHMARKS.md, decode attention in cache order)
   constexpr bool kCopy = !(std::is_same_v<C, float> && D * sizeof(C) >= 512);
   const int64_t rs = kCopy ? D : hkv * DP;  // elements between a KV head's consecutive rows, where they are read
   // An item is a sequence with all its KV heads (each block's keys and values are read whole, front
@@ -243,8 +243,8 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
         }
         // The tile's keys and values are read once, in the order they lie in the cache (position after
         // position, each with its KV heads), into the scratch: the hardware prefetcher follows that
-        // stream. Reading one KV head's rows at a time strides over the others, and it does not (in a
-        // walk over SmolLM2's float32 cache on one Zen 4 core: 10 GB/s strided, 25 in order).
+        // stream. Reading one KV head's rows at a time strides over the others, and it does not (a walk
+        // over SmolLM2's float32 cache read at well under half the in-order rate: docs/BENCHMARKS.md).
         if constexpr (kCopy)
           for (int64_t t = 0; t < n; ++t)
             for (int64_t kl = 0; kl < hkv; ++kl) {

@@ -6,9 +6,9 @@
 
 namespace servescope_ops {
 
-// Why: each layer is ~12 kernel calls (norms, 4 GEMVs, rotary, KV store, attention); issued from
-// Python through nn.Module dispatch they cost ~200 us of host time per layer here, about a quarter
-// of a float32 batch-1 step of SmolLM2. The plan holds the layers' weights and issues the very same
+// Why: each layer is about a dozen kernel calls (norms, 4 GEMVs, rotary, KV store, attention); issued
+// from Python through nn.Module dispatch their host time was a large share of a float32 batch-1 step
+// of SmolLM2 (docs/BENCHMARKS.md). The plan holds the layers' weights and issues the very same
 // kernels, in the same order with the same roundings, from C++: the result equals the module path
 // bit for bit (tests/model/test_decode_plan.py), only the host time goes.
 struct PlanLinear {

@@ -4,11 +4,11 @@
 // for a decode step).
 //
 // Why the split and these headers: <torch/extension.h> (the whole C++ frontend and its pybind11 casters)
-// costs ~32 s of compile per translation unit on a 2-core machine, and the extension used to include
-// it three times: about 80 s of a first run. The kernels' units include only ATen's tensor header
-// (~3 s) and the ops they call; the Python binding is one unit with torch's pybind11 casters (~11 s);
-// oneDNN's prepacked GEMM goes through the dispatcher in a unit of its own. ninja compiles them in
-// parallel.
+// is by far the slowest header to compile, and the extension used to include it in three units, most
+// of a first run's wait. The kernels' units include only ATen's tensor header and the ops they call;
+// the Python binding is one unit with torch's pybind11 casters; oneDNN's prepacked GEMM goes through
+// the dispatcher in a unit of its own. ninja compiles them in parallel (docs/BENCHMARKS.md has the
+// build times).
 #pragma once
 
 #include <ATen/core/Tensor.h>

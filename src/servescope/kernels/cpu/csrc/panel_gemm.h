@@ -3,8 +3,8 @@
 //
 // Why: at M = 8..64 rows neither the decode GEMV nor oneDNN's prepacked GEMM is near the machine. The
 // GEMV reads each weight once but does one dot product per (row, output) with a horizontal sum each;
-// oneDNN's blocked kernel reaches 80 / 107 / 148 / 166 GFLOP/s at M = 8 / 16 / 32 / 64 on a Zen 4 against
-// a peak of 193 (docs/BENCHMARKS.md), and a batch-8 float32 decode step took 3.5x its weight-read time.
+// oneDNN's blocked kernel stays well below the machine's peak at these rows, and a batch-8 float32
+// decode step took several times its weight-read time (docs/BENCHMARKS.md).
 //
 // Layout: w [N, K] becomes panels [ceil(N / NB)][K][NB], NB = NR vectors of output columns (zeros past
 // N). For each k the kernel loads the panel's NR weight vectors once and multiplies them with x[m, k]
@@ -35,12 +35,11 @@ constexpr int PANEL_MR = 8;
 #endif
 constexpr int PANEL_NR = 2;
 constexpr int64_t PANEL_NB = PANEL_NR * W;  // output columns per panel
-// The panel is prefetched ~8 KiB ahead of the k step: the hardware prefetcher alone kept a core's
-// stream at half its bandwidth once each step had 12-16 FMAs to do (AVX2 at 6 rows: 38 -> 18 ms over
-// SmolLM2's layers on one Zen 4 core; 4 KiB ahead: 24 ms, 16 KiB: 17 ms)
+// The panel is prefetched 8 KiB ahead of the k step: the hardware prefetcher alone left a core's
+// stream at about half its bandwidth once each step had a dozen FMAs to do (docs/BENCHMARKS.md has the
+// distances tried)
 constexpr int64_t PANEL_PF = 8192 / (PANEL_NB * 4);
-// the most k per chunk (AVX2 at 8 rows on one Zen 4 core, 2026-12-04: 22.5 / 24.4 / 27.1 / 27.7 ms at
-// 96 / 192 / 384 / 768; AVX-512 best at 192)
+// the most k per chunk: the best of the sizes tried on the AVX-512 path, and close to it on AVX2
 constexpr int64_t PANEL_KC = 192;
 constexpr int64_t PANEL_MC = 256;  // rows per block: a block's x chunk (256 x 192 floats) stays in L2
 

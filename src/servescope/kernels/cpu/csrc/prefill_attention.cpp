@@ -5,11 +5,11 @@
 // Shape legend: T query tokens (positions ctx - T .. ctx - 1), H query heads, Hkv KV heads,
 // G = H / Hkv, D head dim, S block size.
 //
-// Why: SDPA's CPU flash kernel runs a 2048-token SmolLM2 prompt's attention at ~110 GFLOP/s here,
-// the paged decode kernel with every prompt token as a query (attention/torch_ref.py) at ~95; this
-// one at ~125-140 (2026-11-30, 2 threads): an item is one KV head and 16 query tokens with all G
-// of its query heads, the 16 tokens in the 16 lanes, so the online softmax is lane-wise (no
-// horizontal sums), q is transposed once per item, and each key or value element is a broadcast.
+// Why: faster than SDPA's CPU flash kernel and than the paged decode kernel with every prompt token as
+// a query (attention/cpu.py) on a long bfloat16 prompt (docs/BENCHMARKS.md): an item is one KV head
+// and 16 query tokens with all G of its query heads, the 16 tokens in the 16 lanes, so the online
+// softmax is lane-wise (no horizontal sums), q is transposed once per item, and each key or value
+// element is a broadcast.
 // Scores are exact products summed in float32 (the pairs of VDPBF16PS), the probabilities rounded
 // to bfloat16 for p * v as SDPA's bfloat16 kernel rounds them.
 #include <ATen/ops/empty_like.h>

@@ -606,8 +606,8 @@ inline void half_lanes(const uint16_t* h, int64_t n, vf* out) {
     constexpr int B = W / LPB;
     static_assert(B * S <= 4, "AVX2: at most 4 halves per vector");
     // whole chunks load their 2 or 4 halves with one load of that width: a zeroed 8 bytes filled by a
-    // 4-byte copy and read back whole is a store-forwarding stall per call (symmetric int4 ran 2.8x slower
-    // than asymmetric from that alone, 2026-12-02)
+    // 4-byte copy and read back whole is a store-forwarding stall per call (it once made symmetric int4
+    // several times slower than asymmetric)
     __m128i raw;
     if (n >= B) {
       int32_t w32;
