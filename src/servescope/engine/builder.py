@@ -36,7 +36,6 @@ from servescope.engine.weights import (WEIGHT_SETTINGS, LoadedModel, adopt_saved
                                        resolve_device, resolve_dtypes)
 from servescope.errors import EngineConfigError
 from servescope.kvcache.manager import KVCacheManager
-from servescope.model.attention import get_attention_backend
 from servescope.model.quantize import weight_format
 from servescope.sampling.sampler import Sampler
 from servescope.scheduler.scheduler import Scheduler
@@ -90,7 +89,7 @@ def build_engine(config: EngineConfig, shared: Optional[LoadedModel] = None,
     check_kv_layout(shard_cfg, kv_dtype)
     blocks = num_kv_blocks(config.cache, config.batching, shard_cfg, kv_dtype, device)
     max_len = resolve_max_model_len(config, cfg, blocks)
-    backend = get_attention_backend(config.load.attention_backend, device)
+    backend = executor.attention_backend(config.load.attention_backend)
     runner = ModelRunner(executor, shard_cfg, backend, blocks, config.cache.block_size, kv_dtype, device)
     executor.start_kv_cache(blocks, config.cache.block_size, kv_dtype)
     per_token = kv_bytes_per_token(shard_cfg, kv_dtype)

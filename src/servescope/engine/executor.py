@@ -2,8 +2,9 @@
 
 Shape legend: T tokens in the step, B sequences whose next token is due, Dm model width, V vocabulary.
 
-A forward is the model's four steps: `embed`, `run_layers`, `final_norm`, `compute_logits`. What
-serves the layers is chosen here, once, in `prepare`, not inside the model: the list `layer_paths`
+A forward is the model's four steps: `embed`, `run_layers`, `final_norm`, `compute_logits`. The
+kernels are chosen here, once, not inside the model: the linear modules and the layer paths in
+`prepare`, the attention backend in `attention_backend`. What serves the layers: the list `layer_paths`
 holds, in order of preference, the C++ decode plan (CPU, decode-only steps) and the model's own
 `run_layers` (every step), and each step takes the first that serves it. Replayed CUDA graphs
 (GPU, decode-only) capture the whole composition and come before both. The linear modules the model
@@ -26,6 +27,7 @@ import torch
 
 from servescope.engine.cuda_graphs import CudaGraphRunner
 from servescope.errors import EngineConfigError
+from servescope.model.attention import AttentionBackend, get_attention_backend
 from servescope.kernels.cpu import ops as cpu_ops
 from servescope.model.quantize import quantize_model
 from servescope.model.transforms import cpu_decode_plan, use_cpu_linears
@@ -69,6 +71,11 @@ class ModelExecutor:
         ex = cls(model, device, decode_plan=plan, **kwargs)
         ex.gpu_linear_choice = ex._select_gpu_linear(gpu_linear)
         return ex
+
+    def attention_backend(self, name: str) -> AttentionBackend:
+        """The attention kernels of this executor's steps (attention_backend setting: auto | torch |
+        triton): chosen here with the executor's other kernels, once."""
+        return get_attention_backend(name, self.device)
 
     def fork(self) -> "ModelExecutor":
         """The same weights and kernel choices, no captured graphs (for a runner with its own KV cache)."""
