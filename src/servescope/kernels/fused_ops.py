@@ -11,13 +11,17 @@ Shape legend: T tokens, Dm model width, H/Hkv heads, D head dim, I MLP width.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from servescope.kernels.cpu import ops as cpu_ops
 
 
+@functools.cache
 def _fused():
+    """The Triton kernels, looked for at the first CUDA tensor (None: no triton, or it cannot run)."""
     try:
         # lazy and optional: triton may be missing, and importing it is start-up time a CPU never needs
         from servescope.kernels.triton import fused as triton_fused
@@ -27,7 +31,7 @@ def _fused():
 
 
 def _use_fused(x: torch.Tensor) -> bool:
-    return x.is_cuda and _FUSED is not None
+    return x.is_cuda and _fused() is not None
 
 
 def _use_cpu(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None) -> bool:
@@ -44,7 +48,7 @@ def _use_cpu(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None) ->
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [.., Dm] -> weight * x / rms(x), computed in float32 like Hugging Face."""
     if _use_fused(x):
-        return _FUSED.rms_norm(x, weight, eps)
+        return _fused().rms_norm(x, weight, eps)
     if _use_cpu(x, weight):
         return cpu_ops.rms_norm(x, weight, eps)
     xf = x.float()
@@ -55,7 +59,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple:
     """(rms_norm(x + residual), x + residual): the residual add fused into the next norm."""
     if _use_fused(x):
-        return _FUSED.add_rms_norm(x, residual, weight, eps)
+        return _fused().add_rms_norm(x, residual, weight, eps)
     if _use_cpu(x, residual, weight) and x.shape == residual.shape:
         return cpu_ops.add_rms_norm(x, residual, weight, eps)
     h = x + residual
@@ -65,7 +69,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
     """Rotate-half rotary embedding. q [T, H, D], k [T, Hkv, D]; cos, sin [T, 1, D/2] float32."""
     if _use_fused(q):
-        return _FUSED.rotary(q, k, cos, sin)
+        return _fused().rotary(q, k, cos, sin)
     if (_use_cpu(q, k) and q.dim() == 3 and cos.dtype == torch.float32 and sin.dtype == torch.float32
             and 2 * cos.numel() == q.shape[0] * q.shape[2] == 2 * sin.numel()):
         return cpu_ops.rotary(q, k, cos, sin)
@@ -81,11 +85,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: silu(gate) * up."""
     if _use_fused(gate_up):
-        return _FUSED.silu_mul(gate_up)
+        return _fused().silu_mul(gate_up)
     if _use_cpu(gate_up, gate_up):
         return cpu_ops.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
-
-_FUSED = _fused()
