@@ -208,7 +208,8 @@ def compare_runs(rec, name: str, toks_a, lps_a, toks_b, lps_b, lp_tol: float, ne
             upto = min(k + 1, len(lps_a[i]), len(lps_b[i]))  # the diverging step's logprob still compares
             for j in range(upto):
                 worst = max(worst, abs(lps_a[i][j] - lps_b[i][j]))
-    rec(f"{name}_tokens_equal", f"{n_eq}/{len(toks_a)}", "prompts", ("first mismatch: " + ", ".join(first)) if first else "")
+    rec(f"{name}_tokens_equal", f"{n_eq}/{len(toks_a)}", "prompts",
+        ("first mismatch: " + ", ".join(first)) if first else "")
     if lps_a is not None and lps_b is not None:
         rec(f"{name}_max_logprob_diff", worst, "nats")
     ok = (n_eq == len(toks_a) or not need_equal) and worst <= lp_tol
@@ -302,7 +303,7 @@ def section_kernels(rec, dev, dry):
                 - paged_decode(q, kc, vc, bt, cl, d ** -0.5, max_context_len=ctx).float()).abs().max().item()
         rec(f"decode_kernel_b{bsz}_ctx{ctx}_8warps", 2 * kc.numel() * kc.element_size() / secs8 / 1e9, "GB/s",
             f"{secs8 * 1e6:.0f} us (4 warps spill 84 bytes at D 128, 8 do not); max diff to 4 warps {diff:.2g}")
-        del kc, vc
+        kc = vc = None  # frees them before the next shape allocates (not del: the lambdas close over them)
 
 
 def section_quant_kernels(rec, dev, dry):
@@ -328,7 +329,8 @@ def section_quant_kernels(rec, dev, dry):
         secs = timed(lambda: tq.quant_gemv(xd, pk, sc, k), dev, 50)
         nbytes = pk.numel() * pk.element_size() + sc.numel() * 2
         name = f"int{scheme.bits}{'_asym' if scheme.asym else ''}"
-        rec(f"quant_gemv_{name}_{n}x{k}", nbytes / secs / 1e9, "GB/s", f"{secs * 1e6:.0f} us for {nbytes / 2**20:.1f} MiB")
+        rec(f"quant_gemv_{name}_{n}x{k}", nbytes / secs / 1e9, "GB/s",
+            f"{secs * 1e6:.0f} us for {nbytes / 2**20:.1f} MiB")
     rec("quant_gemv_max_rel_err", worst, "", "vs the dequantised float64 product (int4 sym/asym, int8; g32)")
     if not dry:
         wb = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
@@ -345,7 +347,7 @@ def section_hardware(rec, dev, dry):
     bw = 2 * n / secs / 1e9
     STATE["copy_gbs"] = bw
     rec("copy_bandwidth", bw, "GB/s", f"{n >> 20} MiB device-to-device, read + write")
-    del x, y
+    x = y = None  # frees the buffers before the matmul's (not del: the lambda closes over them)
     m = 8192 if not dry else 512
     dt = torch.bfloat16
     a = torch.randn(m, m, device=dev, dtype=dt)

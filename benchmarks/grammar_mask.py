@@ -64,7 +64,9 @@ def mask_times(hf_tok, vocab: int, eos: list, repeats: int) -> dict:
 
     lt = llguidance.hf.from_tokenizer(hf_tok, n_vocab=vocab, eos_token=eos[0])
     t0 = time.perf_counter()
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA), defaults={"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "})
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        json.dumps(SCHEMA),
+        defaults={"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "})
     m = llguidance.LLMatcher(lt, grammar)
     compile_s = time.perf_counter() - t0
     bm = llguidance.torch.allocate_token_bitmask(1, vocab)
@@ -76,7 +78,8 @@ def mask_times(hf_tok, vocab: int, eos: list, repeats: int) -> dict:
             llguidance.torch.fill_next_token_bitmask(m, bm, 0)
             xs.append(time.perf_counter() - t0)
             assert m.consume_token(t), f"llguidance rejected the sample: {m.get_error()}"
-    out["llguidance"] = {"compile_s": compile_s, "median_us": statistics.median(xs) * 1e6, "p90_us": _pct(xs, 0.9) * 1e6}
+    out["llguidance"] = {"compile_s": compile_s, "median_us": statistics.median(xs) * 1e6,
+                         "p90_us": _pct(xs, 0.9) * 1e6}
     return out
 
 

@@ -67,7 +67,8 @@ def main() -> int:
             row[isa] = nbytes / median_seconds(one_pass, 3)
         rows.append(row)
         print(f"round {r}: read {row['read'] / 1e9:.1f} GB/s; "
-              + "; ".join(f"{isa} {row[isa] / 1e9:.1f} GB/s ({row[isa] / row['read']:.0%})" for isa in mods), flush=True)
+              + "; ".join(f"{isa} {row[isa] / 1e9:.1f} GB/s ({row[isa] / row['read']:.0%})" for isa in mods),
+              flush=True)
     med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
     frac = {isa: statistics.median(row[isa] / row["read"] for row in rows) for isa in mods}
     print("medians: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in med.items()))

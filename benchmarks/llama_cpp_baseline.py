@@ -74,7 +74,8 @@ def run_rounds(args, gguf: str, tmp: str) -> dict:
               f"{runs['llama-server'][-1]['output_throughput']:.1f} tok/s", flush=True)
     med = {name: {k: statistics.median(x[k] for x in rs) for k in KEYS} for name, rs in runs.items()}
     return {"runs": runs, "median": med, "llama_server_command": server_cmd,
-            "output_throughput_ratio": med["servescope"]["output_throughput"] / med["llama-server"]["output_throughput"],
+            "output_throughput_ratio":
+                med["servescope"]["output_throughput"] / med["llama-server"]["output_throughput"],
             "median_ttft_ratio": med["servescope"]["median_ttft_ms"] / med["llama-server"]["median_ttft_ms"]}
 
 

@@ -3,13 +3,14 @@
 Each round has two independent measurements, each in its own new pair of processes: first the link
 probe exactly as the engine runs it (parallel/link_probe.py at its sizes, fitted by
 analysis/collectives.fit_link: gloo's segmented ring through the socket buffer, four rates), or with
---cached the link the engine has cached on this machine; then a check at every power of two from 8 KiB to 64 MiB (half of them sizes
-the probe never measured), sizes interleaved within the run so that a noisy moment of a shared machine
-hits every size alike. Each sample is the mean of back-to-back all-reduces (>= 20 ms of them), each
-size's figure in a run the lower quartile of its samples (--statistic); over the rounds, each size's
-measured and predicted figures are the medians, and every round's own error is kept. Beside it, the
-model alone: fitted to the check run's own figures at the probe's sizes (the probe's sizes are among
-the check's), predicting every size of that run, free of the drift between two runs.
+--cached the link the engine has cached on this machine; then a check at every power of two from 8 KiB
+to 64 MiB (half of them sizes the probe never measured), sizes interleaved within the run so that a
+noisy moment of a shared machine hits every size alike. Each sample is the mean of back-to-back
+all-reduces (>= 20 ms of them), each size's figure in a run the lower quartile of its samples
+(--statistic); over the rounds, each size's measured and predicted figures are the medians, and every
+round's own error is kept. Beside it, the model alone: fitted to the check run's own figures at the
+probe's sizes (the probe's sizes are among the check's), predicting every size of that run, free of
+the drift between two runs.
 
     PYTHONPATH=src python benchmarks/parallel_allreduce.py [--runs 15] [--rounds 3] [--cached] [--json out.json]
 """

@@ -46,8 +46,9 @@ def main() -> int:
         for isa, exe in exes.items():
             for t in args.threads:
                 env = dict(os.environ, OMP_NUM_THREADS=str(t))
-                print(subprocess.run([exe, str(args.steps)], env=env, check=True, capture_output=True, text=True).stdout,
-                      flush=True)
+                run = subprocess.run([exe, str(args.steps)], env=env, check=True, capture_output=True,
+                                     text=True)
+                print(run.stdout, flush=True)
     return 0
 
 

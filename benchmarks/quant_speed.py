@@ -98,7 +98,8 @@ def run_rounds(args, llms, files):
             res[f"llama-{kind}"]["prefill"].append(b["pp512"]["tokens_per_s"])
             print(f"round {r} llama-bench {kind}: tg128 {b['tg128']['tokens_per_s']:.1f}, pp512 "
                   f"{b['pp512']['tokens_per_s']:.1f}", flush=True)
-    return {name: {k: statistics.median(v) for k, v in d.items()} | {"runs": d} for name, d in res.items() if d["decode"]}
+    return {name: {k: statistics.median(v) for k, v in d.items()} | {"runs": d}
+            for name, d in res.items() if d["decode"]}
 
 
 def print_table(med, llms, rounds):
@@ -164,7 +165,7 @@ def torch_ops_table(reps: int):
             s8 = w.abs().amax(1) / 127
             t["torch int8 (per channel)"] += _time(lambda: torch._weight_int8pack_mm(x, w8, s8), reps)
         rows.append((m, t))
-    print(f"\n| rows | " + " | ".join(rows[0][1]) + " |  (us per call, the 4 projections of a layer summed; "
+    print("\n| rows | " + " | ".join(rows[0][1]) + " |  (us per call, the 4 projections of a layer summed; "
           f"ours: {'C++ kernels' if mod else 'eager'})")
     print("| ---: |" + " ---: |" * len(rows[0][1]))
     for m, t in rows:

@@ -66,7 +66,6 @@ def run_batch(llm, prompts, params, batch: int) -> dict:
         res = llm.generate(prompts[i:i + batch], params)
         wall += time.perf_counter() - t0
         for r in res:
-            m = r.outputs[0].metrics
             n_out += len(r.outputs[0].token_ids)
             outs.append(r.outputs[0].token_ids)
         # decode time of the batch: from its last first token to its last token

@@ -55,7 +55,8 @@ def test_pipeline_step_with_one_micro_batch_is_the_stages_in_sequence():
     dt = ("bfloat16", "bfloat16", "bfloat16", 2)
     seqs = [(512, 0)] * 4
     one = pipeline_step(cfg, seqs, hw, 2, 1, LINKS["nvlink4"], dtypes=dt)
-    assert one.num_micro_batches == 1 and one.total_seconds == pytest.approx(sum(one.stage_seconds[0]) + one.p2p_seconds)
+    assert one.num_micro_batches == 1
+    assert one.total_seconds == pytest.approx(sum(one.stage_seconds[0]) + one.p2p_seconds)
     four = pipeline_step(cfg, seqs, hw, 2, 4, LINKS["nvlink4"], dtypes=dt)
     # compute-bound prefill: the same work in 4 pieces, stage 1 overlapping stage 0
     assert four.num_micro_batches == 4 and four.total_seconds < 0.7 * one.total_seconds
@@ -68,7 +69,8 @@ def test_explain_pp_shows_the_overlap_and_the_cost_of_cutting_a_memory_bound_dec
     prefill, decode = r["phases"]
     pipe = prefill["pipeline"]
     assert pipe["micro_batches"] == 4 and pipe["overlap_speedup"] > 1.4 and pipe["bubble_fraction"] < 0.3
-    assert prefill["speedup"] > 1.4  # against one device holding the whole model (a 70B prefill fits in time, not memory)
+    # against one device holding the whole model (a 70B prefill fits in time, not memory)
+    assert prefill["speedup"] > 1.4
     assert "4 micro-batches overlap the stages" in r["verdict"]
     # a decode step reads the weights once per micro-batch: cut in 4, a memory-bound step gets slower
     assert decode["pipeline"]["overlap_speedup"] < 1

@@ -22,7 +22,8 @@ def test_all_presets_listed_and_load():
 
 def test_preset_details():
     smol = load_preset("smollm2-135m")
-    assert (smol.hidden_size, smol.num_hidden_layers, smol.num_attention_heads, smol.num_key_value_heads) == (576, 30, 9, 3)
+    shape = (smol.hidden_size, smol.num_hidden_layers, smol.num_attention_heads, smol.num_key_value_heads)
+    assert shape == (576, 30, 9, 3)
     assert smol.tie_word_embeddings and smol.rope_theta == 100000 and smol.vocab_size == 49152
     assert load_preset("mistral-7b").sliding_window == 4096
     assert load_preset("qwen2.5-7b").attention_bias and load_preset("qwen3-8b").qk_norm

@@ -18,8 +18,8 @@ def test_gpu_script_dry_run_every_section_ok(tmp_path):
     res = json.loads((tmp_path / "gpu_results.json").read_text())
     assert res["mode"] == "dry-run-cpu"
     status = {s["section"]: s["status"] for s in res["sections"]}
-    for name in ("kernels", "quant_kernels", "hardware", "vs_hf_smollm2_fp32", "8b_batch1", "8b_b1_anatomy", "8b_gpu_linear",
-                 "8b_vs_transformers"):
+    for name in ("kernels", "quant_kernels", "hardware", "vs_hf_smollm2_fp32", "8b_batch1", "8b_b1_anatomy",
+                 "8b_gpu_linear", "8b_vs_transformers"):
         assert status.get(name) == "ok", (name, status)
     metrics = {(r["section"], r["metric"]): r["value"] for r in res["rows"]}
     assert metrics[("vs_hf_smollm2_fp32", "vs_transformers_ok")] is True

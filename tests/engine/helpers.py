@@ -15,7 +15,8 @@ def paged_logits(engine, ids, chunk=None, decode_from=None):
     cfg = engine.model_config
     bs = engine.cache_config.block_size
     nblocks = -(-len(ids) // bs)
-    runner = ModelRunner(engine.executor.fork(), cfg, engine.runner.backend, nblocks, bs, engine.kv_dtype, engine.device)
+    runner = ModelRunner(engine.executor.fork(), cfg, engine.runner.backend, nblocks, bs, engine.kv_dtype,
+                         engine.device)
     req = SimpleNamespace(all_token_ids=list(ids))
     blocks = list(range(nblocks))
     n = len(ids)
@@ -29,7 +30,8 @@ def paged_logits(engine, ids, chunk=None, decode_from=None):
     out = []
     with torch.inference_mode():
         for start, num in spans:
-            seq = SimpleNamespace(request=req, num_computed_tokens=start, num_new_tokens=num, block_ids=blocks, spec_token_ids=())
+            seq = SimpleNamespace(request=req, num_computed_tokens=start, num_new_tokens=num,
+                                  block_ids=blocks, spec_token_ids=())
             batch = runner.prepare([seq])
             hidden = runner.executor.forward(batch, runner.kv_caches, runner.backend)
             out.append(runner.executor.compute_logits(hidden))

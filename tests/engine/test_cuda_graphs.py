@@ -28,8 +28,8 @@ def _setup(dtype=torch.float32):
     model = CausalLM(cfg).to(DEV, dtype).eval().requires_grad_(False)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.05)
-    runner = ModelRunner(ModelExecutor(model, DEV), cfg, TritonAttentionBackend(), num_blocks=64, block_size=S, kv_dtype=dtype,
-                         device=DEV)
+    runner = ModelRunner(ModelExecutor(model, DEV), cfg, TritonAttentionBackend(), num_blocks=64,
+                         block_size=S, kv_dtype=dtype, device=DEV)
     for k, v in runner.kv_caches:  # stands in for earlier prefills
         k.normal_()
         v.normal_()
@@ -44,7 +44,8 @@ def _decodes(lens, first_block=1):
         blocks = list(range(nxt, nxt + nblk))
         nxt += nblk
         req = SimpleNamespace(all_token_ids=[(7 * i + j) % 256 for j in range(n)])
-        seqs.append(SimpleNamespace(request=req, num_computed_tokens=n - 1, num_new_tokens=1, block_ids=blocks, spec_token_ids=()))
+        seqs.append(SimpleNamespace(request=req, num_computed_tokens=n - 1, num_new_tokens=1,
+                                    block_ids=blocks, spec_token_ids=()))
     return seqs
 
 

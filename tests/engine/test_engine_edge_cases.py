@@ -216,6 +216,7 @@ def test_with_config_longer_context_on_random_weights():
         path.write_text(json.dumps(cfg))
         short = LLMEngine(model=f"random:{path}", max_model_len=64, num_kv_blocks=64, predict_step_cost=False)
     long = short.with_config(max_model_len=400)
-    long.add_request("r", [1 + i % 100 for i in range(300)], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    long.add_request("r", [1 + i % 100 for i in range(300)],
+                     SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     while long.has_unfinished():
         long.step()

@@ -21,7 +21,8 @@ from test_batching import MAX_TOKENS, assert_same_greedy  # noqa: E402
 from tiny_models import make_tiny_hf_model  # noqa: E402
 
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
-PROMPTS = [[(i * 7 + j * 13) % 500 + 3 for i in range(n)] for j, n in enumerate((5, 19, 33, 2, 40, 9, 1, 27, 12, 3, 50, 8))]
+PROMPTS = [[(i * 7 + j * 13) % 500 + 3 for i in range(n)]
+           for j, n in enumerate((5, 19, 33, 2, 40, 9, 1, 27, 12, 3, 50, 8))]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,8 @@ def test_step_records_and_predictions_count_the_quantised_bytes(int8_llm):
     assert decode.bytes_by_group["kv_write"] == pytest.approx(decode.num_tokens * per_tok)
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(max_num_batched_tokens=16), dict(num_kv_blocks=8, max_model_len=128),
+@pytest.mark.parametrize("overrides", [dict(), dict(max_num_batched_tokens=16),
+                                       dict(num_kv_blocks=8, max_model_len=128),
                                        dict(enable_prefix_caching=True)],
                          ids=["batched", "chunk16", "preempt", "prefix"])
 def test_int8_kv_greedy_unchanged_by_batching_chunking_preemption_prefix_caching(int8_llm, overrides):
@@ -105,7 +107,8 @@ def test_int8_kv_changes_tokens_little_against_float32(int8_llm, tiny_path):
     assert len(la) >= 16 and la != lb and max(abs(x - y) for x, y in zip(la, lb)) < 0.05
 
 
-@pytest.mark.parametrize("bad,match", [("int4", "kv_cache_dtype must be one of"), ("e5m2", "kv_cache_dtype must be one of")])
+@pytest.mark.parametrize("bad,match", [("int4", "kv_cache_dtype must be one of"),
+                                       ("e5m2", "kv_cache_dtype must be one of")])
 def test_unknown_kv_dtype_is_a_clear_error(bad, match):
     with pytest.raises(EngineConfigError, match=match):
         LLM(model="random:tiny", kv_cache_dtype=bad)

@@ -13,7 +13,8 @@ from test_batching import MAX_TOKENS, assert_same_greedy  # noqa: E402
 from tiny_models import make_tiny_hf_model  # noqa: E402
 
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
-PROMPTS = [[(i * 7 + j * 13) % 500 + 3 for i in range(n)] for j, n in enumerate((5, 19, 33, 2, 40, 9, 1, 27, 12, 3, 50, 8))]
+PROMPTS = [[(i * 7 + j * 13) % 500 + 3 for i in range(n)]
+           for j, n in enumerate((5, 19, 33, 2, 40, 9, 1, 27, 12, 3, 50, 8))]
 
 
 @pytest.fixture(scope="module", params=["int4"])  # int8 and asymmetric forms: test_decode_plan.py
@@ -24,7 +25,8 @@ def qllm(request, tmp_path_factory):
                max_model_len=256, enable_prefix_caching=False)
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(max_num_batched_tokens=16), dict(num_kv_blocks=8, max_model_len=128)],
+@pytest.mark.parametrize("overrides", [dict(), dict(max_num_batched_tokens=16),
+                                       dict(num_kv_blocks=8, max_model_len=128)],
                          ids=["batched", "chunk16", "preempt"])
 def test_quantized_batching_changes_nothing(qllm, overrides):
     alone = [qllm.generate(p, PARAMS)[0] for p in PROMPTS]

@@ -46,7 +46,8 @@ def test_saved_plain_rounding_is_quantising_at_load(tiny, tmp_path, mode):
         assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales)
     assert torch.equal(sequence_logits(saved.engine, IDS), sequence_logits(at_load.engine, IDS))
     assert saved.engine.weight_bytes == at_load.engine.weight_bytes
-    assert (saved.generate([IDS], GREEDY)[0].outputs[0].token_ids == at_load.generate([IDS], GREEDY)[0].outputs[0].token_ids)
+    assert (saved.generate([IDS], GREEDY)[0].outputs[0].token_ids
+            == at_load.generate([IDS], GREEDY)[0].outputs[0].token_ids)
 
 
 def test_gptq_checkpoint_runs_and_lowers_the_calibration_error(tiny, tmp_path):

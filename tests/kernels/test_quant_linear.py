@@ -413,7 +413,8 @@ def test_move_to_huge_pages_keeps_values_order_and_sharing():
     assert len({m.qweight.untyped_storage().data_ptr() for m in lins}) == 1  # one mapping
     assert moved >= sum(m.weight_bytes() for m in lins)
     assert [torch.equal(a, b) for a, b in zip(before, [lins[0](x[:1]), lins[0](x), emb(ids)])] == [True] * 3
-    if _thp_eligible(ptrs[0]) is not None and "[never]" not in open("/sys/kernel/mm/transparent_hugepage/enabled").read():
+    thp_mode = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if _thp_eligible(ptrs[0]) is not None and "[never]" not in open(thp_mode).read():
         assert _thp_eligible(ptrs[0])
 
 

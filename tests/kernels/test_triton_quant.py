@@ -17,7 +17,8 @@ SCHEMES = [QuantScheme(4, 32), QuantScheme(4, 64, asym=True), QuantScheme(4, 128
            QuantScheme(8, 32), QuantScheme(8, 128, asym=True), QuantScheme(8, None)]
 
 
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"int{s.bits}-g{s.group or 'ch'}-{'asym' if s.asym else 'sym'}")
+@pytest.mark.parametrize("scheme", SCHEMES,
+                         ids=lambda s: f"int{s.bits}-g{s.group or 'ch'}-{'asym' if s.asym else 'sym'}")
 @pytest.mark.parametrize("m", [1, 3])
 def test_packed_gemv_matches_the_dequantised_float64(scheme, m):
     g = torch.Generator().manual_seed(m * 10 + scheme.bits)

@@ -215,7 +215,8 @@ def test_engine_greedy_tokens_match_torch_reference(tmp_path, monkeypatch):
 
     def run():
         # a 120-token prompt prefilled in chunks of 32 while the short ones decode: mixed steps
-        llm = LLM(model=str(path), skip_tokenizer_init=True, num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+        llm = LLM(model=str(path), skip_tokenizer_init=True, num_kv_blocks=64, max_model_len=256,
+                  max_num_batched_tokens=32)
         prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [(i * 7) % 500 + 3 for i in range(120)]]
         return [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
 

@@ -76,7 +76,8 @@ def test_decode_plan_matches_module_path_bit_for_bit(tmp_path, monkeypatch, fami
 
     path = make_tiny_hf_model(tmp_path, family, vocab_size=512, with_tokenizer=False, head_dim=head_dim,
                               num_hidden_layers=3)
-    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype=dtype, quantization=quant, num_kv_blocks=64, max_model_len=256)
+    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype=dtype, quantization=quant, num_kv_blocks=64,
+              max_model_len=256)
     ex = llm.engine.runner.executor
     assert ex.decode_plan is not None
     rows = ex.decode_plan.max_rows

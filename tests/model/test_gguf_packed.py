@@ -85,7 +85,8 @@ def assert_greedy_equal_up_to_a_near_tie(a, b, logprob_tol: float, tie_gap: floa
 
 def test_other_types_dequantise_with_a_log_line(tmp_path, caplog):
     src = load_model_source(str(make_tiny_hf_model(tmp_path, "llama", vocab_size=256, with_tokenizer=False)))
-    path = write_tiny_gguf(tmp_path / "m.gguf", src.config, src.state_dict, qtype=Q.Q5_1)  # gguf-py cannot write K-quants
+    # gguf-py cannot write K-quants
+    path = write_tiny_gguf(tmp_path / "m.gguf", src.config, src.state_dict, qtype=Q.Q5_1)
     with caplog.at_level(logging.INFO, logger="servescope.loader.gguf"):
         got = load_model_source(path, keep_packed=True)
     assert not got.packed and "dequantised to float32" in caplog.text and "Q5_1" in caplog.text

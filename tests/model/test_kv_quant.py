@@ -134,7 +134,8 @@ def test_prefill_reads_its_own_keys_from_the_quantised_cache(dtype):
     """A prompt in one step attends over the same quantised keys as the same prompt in two chunks."""
     g = torch.Generator().manual_seed(3)
     n, hkv, h, d, S = 20, 2, 4, 16, 16
-    q, k, v = torch.randn(n, h, d, generator=g), torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
+    q = torch.randn(n, h, d, generator=g)
+    k, v = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
     table = torch.tensor([[2, 1]], dtype=torch.int32)
     slots = (table[0, torch.arange(n) // S].long() * S + torch.arange(n) % S)
     be = TorchAttentionBackend()

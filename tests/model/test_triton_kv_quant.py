@@ -23,8 +23,9 @@ DTYPES = [torch.int8] + ([kv_quant.FP8] if kv_quant.FP8 is not None else [])
 
 def _one_lsb(cache, rows_ref, d):
     """The largest difference between two stores' dequantised rows, in units of the row's scale."""
-    a = kv_quant.dequantize(cache.view(torch.uint8).view(-1, cache.shape[2], d + 4).cpu(), cache.dtype, torch.float64)
-    b = kv_quant.dequantize(rows_ref.view(torch.uint8).view(-1, cache.shape[2], d + 4).cpu(), cache.dtype, torch.float64)
+    rows = (cache.view(torch.uint8).view(-1, cache.shape[2], d + 4).cpu(),
+            rows_ref.view(torch.uint8).view(-1, cache.shape[2], d + 4).cpu())
+    a, b = (kv_quant.dequantize(r, cache.dtype, torch.float64) for r in rows)
     step = b.abs().amax(-1, keepdim=True) / kv_quant.QMAX[cache.dtype]
     return ((a - b).abs() / step.clamp_min(1e-30)).max().item()
 

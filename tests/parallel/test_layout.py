@@ -90,7 +90,8 @@ def test_a_shard_keeps_half_the_weights_and_kv(num_kv_heads):
     norms = 4 * cfg.hidden_size * (2 * cfg.num_hidden_layers + 1)
     kv_rows = 4 * cfg.num_hidden_layers * 2 * cfg.head_dim * cfg.hidden_size  # k and v rows of one head
     replicated_kv = kv_rows if num_kv_heads == 1 else 0  # a replicated head is not halved
-    assert sum(p.numel() * 4 for p in shard.parameters()) == (full_bytes - norms - replicated_kv) // 2 + norms + replicated_kv
+    shard_bytes = sum(p.numel() * 4 for p in shard.parameters())
+    assert shard_bytes == (full_bytes - norms - replicated_kv) // 2 + norms + replicated_kv
     shard_cfg = ParallelExecutor(shard, torch.device("cpu"), DistContext(ParallelLayout(2, 1, 5), 0)).shard_config(cfg)
     per_token, shard_per_token = kv_bytes_per_token(cfg, torch.float32), kv_bytes_per_token(shard_cfg, torch.float32)
     assert shard_per_token * (2 if num_kv_heads == 2 else 1) == per_token

@@ -1,4 +1,5 @@
-"""Helpers for scheduler tests (a uniquely named module, not conftest, so imports never clash): a scheduler over a small cache, requests of plain integer tokens."""
+"""Helpers for scheduler tests (a uniquely named module, not conftest, so imports never clash): a scheduler
+over a small cache, requests of plain integer tokens."""
 
 import itertools
 

@@ -110,7 +110,7 @@ def test_lowest_priority_preempts_itself():
 def test_self_preemption_frees_blocks_for_others():
     h = make(block_size=4, num_blocks=4)
     a = h.add("a", 7, priority=1)
-    b = h.add("b", 6, priority=0)  # admitted first: higher priority
+    h.add("b", 6, priority=0)  # admitted first: higher priority
     h.step()
     assert h.blocks("b") == [0, 1] and h.blocks("a") == [2, 3]
     h.step()
@@ -129,7 +129,7 @@ def test_victim_scheduled_earlier_in_the_step_is_taken_out():
     x = h.add("x", 4, priority=1)  # admitted first, so first in running order; lowest priority
     h.step()
     assert h.blocks("x") == [0]
-    y = h.add("y", 11, priority=0)
+    h.add("y", 11, priority=0)
     assert seqs(h.step()) == [("x", 4, 1), ("y", 0, 11)]
     assert h.blocks("x") == [0, 1] and h.blocks("y") == [2, 3, 4]
     assert seqs(h.step()) == [("x", 5, 1), ("y", 11, 1)]
@@ -144,7 +144,7 @@ def test_victim_scheduled_earlier_in_the_step_is_taken_out():
 def test_can_never_fit_request_errors_at_once():
     h = make(block_size=4, num_blocks=4, max_model_len=32)
     bad = h.add("bad", 16)  # 16 + 1 tokens need 5 blocks of 4; the cache has 4
-    ok = h.add("ok", 15)
+    h.add("ok", 15)
     assert bad.status is RequestStatus.FINISHED_ERROR and "4" in bad.error and "16 tokens" in bad.error
     assert h.sched.get_request("bad") is None and h.sched.has_unfinished()
     out = h.step()

@@ -4,7 +4,7 @@ back as they were recorded; anything else is refused with a clear error."""
 import pytest
 
 from servescope.errors import InvalidParameterError
-from servescope.telemetry.trace import chrome_trace, write_chrome_trace
+from servescope.telemetry.trace import write_chrome_trace
 from servescope.telemetry.trace_replay import read_recorded_run
 
 from .test_trace import _outputs, _records

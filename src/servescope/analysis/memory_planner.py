@@ -71,7 +71,8 @@ def plan_memory(cfg: ModelConfig, memory_bytes: int, weight_dtype: str = "bfloat
     if block_size <= 0:
         raise InvalidParameterError("block_size", f"block_size must be positive, got {block_size}")
     if not 0 < memory_utilization <= 1:
-        raise InvalidParameterError("memory_utilization", f"memory_utilization must be in (0, 1], got {memory_utilization}")
+        raise InvalidParameterError("memory_utilization",
+                                    f"memory_utilization must be in (0, 1], got {memory_utilization}")
     ctx = cfg.max_position_embeddings if context_len is None else int(context_len)
     if ctx < 1:
         raise InvalidParameterError("context_len", f"context_len must be at least 1, got {ctx}")

@@ -67,7 +67,8 @@ def resolve_dtypes(weight_dtype: str, act_dtype: Optional[str] = None,
     act = act_dtype or ("bfloat16" if weight_dtype == "int8" else "float32" if packed else weight_dtype)
     kv = kv_dtype or act
     if act not in FLOAT_DTYPES:
-        raise InvalidParameterError("act_dtype", f"activation dtype must be one of {', '.join(FLOAT_DTYPES)}, got {act!r}")
+        raise InvalidParameterError("act_dtype",
+                                    f"activation dtype must be one of {', '.join(FLOAT_DTYPES)}, got {act!r}")
     kv = "fp8_e4m3" if kv == "fp8" else kv
     if kv not in KV_DTYPES:
         raise InvalidParameterError("kv_dtype", f"KV cache dtype must be one of {', '.join(KV_DTYPES)}, got {kv!r}")
@@ -78,7 +79,8 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bfloat16") -> in
     """K and V for one token in every layer: 2 * L * Hkv * D * bytes (Llama-3-8B bf16: 131072), and for
     int8 / fp8_e4m3 a 4-byte scale per row of D (Llama-3-8B int8: 2 * 32 * 8 * (128 + 4) = 67584)."""
     if kv_dtype not in KV_DTYPES:
-        raise InvalidParameterError("kv_dtype", f"KV cache dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+        raise InvalidParameterError("kv_dtype",
+                                    f"KV cache dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     if kv_dtype in _KV_ELEMENT_BYTES:
         row = cfg.head_dim * _KV_ELEMENT_BYTES[kv_dtype] + KV_SCALE_BYTES
     else:

@@ -202,6 +202,7 @@ def pipelined_step(cfg: ModelConfig, seqs: list, hw, tp: int, pp: int, num_micro
     bare = pipeline_step(shard, seqs, hw, pp, num_micro, None, tp, dtypes, share)
     logits = 0.0
     if link is not None and n_logits:
-        logits = gather_seconds(n_logits * shard.vocab_size * 4, tp, link) + p2p_seconds(n_logits * cfg.vocab_size * 4, link)
+        logits = (gather_seconds(n_logits * shard.vocab_size * 4, tp, link)
+                  + p2p_seconds(n_logits * cfg.vocab_size * 4, link))
     return PipelinedStep(sched, head_seconds(shard, seqs, hw, n_logits, dtypes, share) if n_logits else 0.0, logits,
                          hw.step_overhead_s, bare.stage_seconds)

@@ -312,9 +312,11 @@ def probe_local_hardware(
                f"{layer_oh * 1e6:.0f} us per layer (measure/overhead.py)"
                + (f"; no fast path for {', '.join(slow)} here (measured small, never the default)" if slow else "")
                + ("" if measurers.complete else f"; engine measurements: {', '.join(measurers.given) or 'none'}")
-               + (f"; the machine was busy (its {threads} threads got {cpus_got:.1f} CPUs): not cached" if busy else "")),
+               + (f"; the machine was busy (its {threads} threads got {cpus_got:.1f} CPUs): not cached"
+                  if busy else "")),
         source=(f"probe: torch.sum over {bandwidth_bytes / 2**20:.0f} MiB float32 (median of {runs}), torch.mm "
-                + ", ".join(f"{dt} {n}^3" for dt, n in sizes.items()) + f" (best of {runs}); torch {torch.__version__}"),
+                + ", ".join(f"{dt} {n}^3" for dt, n in sizes.items())
+                + f" (best of {runs}); torch {torch.__version__}"),
         kernel_path=kernel_path or local_isa(),
         slow_dtypes=slow,
         **engine,

@@ -1,4 +1,5 @@
-"""What a hardware spec holds (HardwareSpec): peak dense FLOP/s per dtype, memory bandwidth and capacity, from vendor datasheets.
+"""What a hardware spec holds (HardwareSpec): peak dense FLOP/s per dtype, memory bandwidth and capacity,
+from vendor datasheets.
 
 Conventions (every spec follows them, so that predictions are comparable):
 - `peak_flops[dtype]` is the dense matmul peak (no 2:4 sparsity). NVIDIA datasheets print the

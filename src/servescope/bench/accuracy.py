@@ -88,7 +88,9 @@ def _main_gguf_type(path: str) -> str:
 
 def render_markdown(rows: list, ref_mib: float | None = None) -> str:
     head = ("| weights | KV cache | weight MiB | KV bytes / token | mean KL / token | max KL | top-1 agreement | "
-            f"perplexity (float32: {rows[0]['ppl_ref']:.3f}) |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n")
-    body = "".join(f"| {r['mode']} | {r.get('kv', 'auto')} | {r['weight_mib']:.1f} | {r.get('kv_bytes_per_token', '-')} "
+            f"perplexity (float32: {rows[0]['ppl_ref']:.3f}) |\n"
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+    body = "".join(f"| {r['mode']} | {r.get('kv', 'auto')} | {r['weight_mib']:.1f} "
+                   f"| {r.get('kv_bytes_per_token', '-')} "
                    f"| {r['kl']:.5f} | {r['kl_max']:.4f} | {100 * r['top1']:.1f}% | {r['ppl']:.3f} |\n" for r in rows)
     return head + body

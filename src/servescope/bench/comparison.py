@@ -35,8 +35,10 @@ def build_llm(cfg: EngineConfig) -> LLM:
 def engine_description(llm: LLM, cfg: EngineConfig) -> dict:
     """Our engine's settings as a benchmark's JSON records them."""
     e = llm.engine
-    return {"model": cfg.model or DEFAULT_MODEL, "source": str(e.source_path), "dtype": str(e.dtype).replace("torch.", ""),
-            "dtype_requested": cfg.dtype, "device": cfg.device, "quantization": cfg.quantization, "max_num_seqs": cfg.max_num_seqs,
+    return {"model": cfg.model or DEFAULT_MODEL, "source": str(e.source_path),
+            "dtype": str(e.dtype).replace("torch.", ""),
+            "dtype_requested": cfg.dtype, "device": cfg.device, "quantization": cfg.quantization,
+            "max_num_seqs": cfg.max_num_seqs,
             "max_num_batched_tokens": cfg.max_num_batched_tokens, "block_size": cfg.block_size,
             "kv_capacity_tokens": e.cache_config.num_blocks * e.cache_config.block_size,
             "prefix_caching": cfg.enable_prefix_caching, "chunked_prefill": cfg.enable_chunked_prefill,

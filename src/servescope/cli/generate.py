@@ -71,7 +71,8 @@ def _request_table(engine, final):
     req.add_row("TTFT", f"{m.ttft * 1e3:.1f} ms" if m.ttft is not None else "-")
     req.add_row("TPOT", f"{m.tpot * 1e3:.1f} ms  ({1 / m.tpot:.1f} tokens/s)" if m.tpot else "-")
     kv = engine.kv_bytes_per_token
-    req.add_row("KV cache bytes per token", f"{kv:,} B  ({fmt_bytes(kv)}, {str(engine.kv_dtype).replace('torch.', '')})")
+    req.add_row("KV cache bytes per token",
+                f"{kv:,} B  ({fmt_bytes(kv)}, {str(engine.kv_dtype).replace('torch.', '')})")
     used = (len(final.prompt_token_ids) + m.num_output_tokens) * kv
     req.add_row("KV cache in use (this request)", fmt_bytes(used))
     req.add_row("KV cache allocated", f"{fmt_bytes(engine.runner.kv_cache_bytes)} "

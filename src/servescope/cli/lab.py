@@ -70,7 +70,9 @@ def add_parser(sub) -> None:
     lab = sub.add_parser("lab", help="run a lab: an experiment with plots and a report (lab list)")
     lab.add_argument("name", help="a lab name, 'list' or 'all'")
     lab.add_argument("--out", default=None, metavar="DIR", help="output directory (default ./lab-out/NAME)")
-    lab.add_argument("--quick", action="store_true", help="small sizes, repeated in interleaved rounds: each effect shows in under a minute; the full sizes are the measurement")
+    lab.add_argument("--quick", action="store_true",
+                     help="small sizes, repeated in interleaved rounds: each effect shows in under a minute; "
+                          "the full sizes are the measurement")
     lab.add_argument("--model", default=None, help="model to run (default: the embedded SmolLM2-135M)")
     lab.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     lab.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")

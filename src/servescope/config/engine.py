@@ -58,8 +58,8 @@ class LoadConfig:
         _require(self.gpu_linear in ("cublas", "triton", "auto"),
                  f"gpu_linear must be cublas, triton or auto, got {self.gpu_linear!r}")
         _require(self.quantization is None or bool(_QUANT_RE.match(str(self.quantization))),
-                 f"quantization must be gguf, int8, int4 or int<4|8>-<g32|g64|g128|ch>[-sym|-asym] (e.g. int4-g128-asym), "
-                 f"or unset, got {self.quantization!r}")
+                 "quantization must be gguf, int8, int4 or int<4|8>-<g32|g64|g128|ch>[-sym|-asym] "
+                 f"(e.g. int4-g128-asym), or unset, got {self.quantization!r}")
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,8 @@ class KVCacheConfig:
 
     def __post_init__(self):
         _require(self.block_size > 0, f"block_size must be positive, got {self.block_size}")
-        _require(not self.block_size & (self.block_size - 1), f"block_size must be a power of two, got {self.block_size}")
+        _require(not self.block_size & (self.block_size - 1),
+                 f"block_size must be a power of two, got {self.block_size}")
         _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
                  f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         _require(self.kv_cache_memory_fraction is None or 0 < self.kv_cache_memory_fraction <= 1,

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from servescope.config.families import SUPPORTED_ARCHITECTURES, family, family_of_hf
+from servescope.config.families import family, family_of_hf
 from servescope.config.layers import AttentionSpec, MlpSpec, uniform_layers
 from servescope.errors import InvalidParameterError
 

@@ -58,7 +58,8 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise InvalidParameterError("sampling_params", f"{len(params)} sampling params for {len(prompts)} prompts")
+                raise InvalidParameterError("sampling_params",
+                                            f"{len(params)} sampling params for {len(prompts)} prompts")
         return self._run(prompts, params, use_tqdm, priority)
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = False,

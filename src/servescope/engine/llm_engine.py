@@ -253,7 +253,8 @@ class LLMEngine:
             decision.num_spec_seqs, decision.num_draft_tokens, decision.num_accepted_tokens)
         if out.scheduled:
             ex = self.executor.step_stats()
-            rec.comm_seconds, rec.comm_bytes, rec.pipeline_micro_batches = ex.comm_seconds, ex.comm_bytes, ex.micro_batches
+            rec.comm_seconds, rec.comm_bytes = ex.comm_seconds, ex.comm_bytes
+            rec.pipeline_micro_batches = ex.micro_batches
         if self._cost is not None and seqs:
             self._cost.annotate(rec, seqs, num_logits=num_logits)
         self.step_records.append(rec)

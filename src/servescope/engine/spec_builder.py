@@ -67,7 +67,8 @@ def build_draft_proposer(config: EngineConfig, loaded, runner: ModelRunner, samp
     logger.info("draft model %s (%s): %d layers, %.1f MiB of weights, %s",
                 draft.source_path, spec.speculative_quantization or "unquantised",
                 draft.model_config.num_hidden_layers, draft.executor.weight_bytes / 2**20,
-                "reads the target's KV cache" if shared else f"{draft_runner.kv_cache_bytes / 2**20:.1f} MiB of KV cache")
+                "reads the target's KV cache" if shared
+                else f"{draft_runner.kv_cache_bytes / 2**20:.1f} MiB of KV cache")
     cost = None
     if target_cost is not None:  # on the target's hardware
         cost = StepCostPredictor(draft.model_config, target_cost.hw, None, dtype, kv_dtype,

@@ -84,7 +84,8 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     xs = np.linspace(0, n_max, 100)
     a, b, c = fit
     ax1.plot(lens, ttft, "o", label="measured TTFT")
-    ax1.plot(xs, a + b * xs + c * xs ** 2, "-", label=f"fit {a * 1e3:.0f} ms + {b * 1e6:.0f} µs·n + {c * 1e9:.2f} ns·n²")
+    ax1.plot(xs, a + b * xs + c * xs ** 2, "-",
+             label=f"fit {a * 1e3:.0f} ms + {b * 1e6:.0f} µs·n + {c * 1e9:.2f} ns·n²")
     ax1.plot(xs, a + b * xs, ":", color="gray", label="fit without the n² term")
     ax1.plot(lens, pred, "s--", label="roofline prediction (prefill step)")
     ax1.set_xlabel("prompt length n (tokens)")

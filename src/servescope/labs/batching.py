@@ -75,7 +75,8 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     fig, (ax1, ax2) = new_figure(2)
     ax1.plot(sizes, [m * 1e3 for m in meas], "o-", label="measured (median step)")
     ax1.plot(sizes, [p * 1e3 for p in pred], "s--", label="cost model (probed peaks, kernel rates, host overhead)")
-    ax1.plot(sizes, [(p + overhead) * 1e3 for p in pred], "^:", label=f"cost model + {overhead * 1e3:.1f} ms residual (fit at b=1)")
+    ax1.plot(sizes, [(p + overhead) * 1e3 for p in pred], "^:",
+             label=f"cost model + {overhead * 1e3:.1f} ms residual (fit at b=1)")
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(b) for b in sizes])
@@ -114,7 +115,8 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
          f"FLOP/B); past it the step time rises with the batch (x{meas[-1] / meas[0]:.2f} at batch {sizes[-1]}). "
          f"The prediction is the cost model every StepRecord carries: the roofline on the probed peaks, "
          f"each linear op and decode attention no faster than the engine's kernels measured by the probe, "
-         f"plus the host overhead the probe measured ({(hw.step_overhead_s + cfg.num_hidden_layers * hw.layer_overhead_s) * 1e3:.1f} ms "
+         "plus the host overhead the probe measured "
+         f"({(hw.step_overhead_s + cfg.num_hidden_layers * hw.layer_overhead_s) * 1e3:.1f} ms "
          f"per step: Python scheduling, sampling and the dispatch of every op of all {cfg.num_hidden_layers} "
          f"layers). The residual fitted at batch 1 ({overhead * 1e3:.2f} ms) is what it still misses there."),
     ]

@@ -76,7 +76,8 @@ def _plot(engine, summary: dict, path) -> object:
         d = summary[mode]
         pos, a, b = d["positions"], d["fit_intercept_s"], d["fit_slope_s_per_position"]
         ax1.plot(pos, [w * 1e3 for w in d["measured_s"]], ".", color=style, alpha=0.6, label=f"{mode}: measured")
-        ax1.plot(pos, [(a + b * p) * 1e3 for p in pos], "-", color=style, label=f"{mode}: fit {b * 1e6:.1f} µs/position")
+        ax1.plot(pos, [(a + b * p) * 1e3 for p in pos], "-", color=style,
+                 label=f"{mode}: fit {b * 1e6:.1f} µs/position")
         ax1.plot(pos, [p * 1e3 for p in d["predicted_s"]], "--", color=style, alpha=0.8,
                  label=f"{mode}: roofline prediction")
     ax1.set_xlabel("position of the generated token (context length)")

@@ -125,7 +125,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
         ("Setup", context_line(opts, engine, hw) + f"\n\nClosed loop: C clients, each request a {prompt_len}-token "
          f"random prompt and {out_len} greedy output tokens, 2·C requests per level (at least 4)"
          + (f", in each of {rounds} interleaved rounds" if rounds > 1 else "") + "; chunked "
-         f"prefill with a 1024-token step budget."),
+         "prefill with a 1024-token step budget."),
         ("Results", md_table(["C", "requests", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
                               "TPOT p99 ms", "ITL p50 ms", "ITL p99 ms", "mean decode batch",
                               "steps mixing a prefill"], rows)),

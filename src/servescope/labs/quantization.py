@@ -70,7 +70,8 @@ def _decode_steps(engine, prompt_len: int, steps: int, rng: random.Random, tag: 
 
 
 def _summarise(recs: list) -> dict:
-    return {"measured_s": median([r.wall_seconds for r in recs]), "predicted_s": median([r.predicted_seconds for r in recs]),
+    return {"measured_s": median([r.wall_seconds for r in recs]),
+            "predicted_s": median([r.predicted_seconds for r in recs]),
             "bytes": median([r.bytes for r in recs])}
 
 
@@ -114,7 +115,8 @@ def measure_kv(opts: LabOptions, session: LabSession) -> dict:
 def _plot(weights: dict, kv: dict, path) -> object:
     fig, (ax1, ax2) = new_figure(2, size=(5.5, 4.2))
     for ax, data, xkey, title in ((ax1, weights, "bits", "decode step (batch 1) vs bits per weight"),
-                                  (ax2, kv, "bits_per_value", "decode step at a long context vs bits per cached value")):
+                                  (ax2, kv, "bits_per_value",
+                                   "decode step at a long context vs bits per cached value")):
         xs = [d[xkey] for d in data.values()]
         ax.plot(xs, [d["measured_s"] * 1e3 for d in data.values()], "o", label="measured (median)")
         ax.plot(xs, [d["predicted_s"] * 1e3 for d in data.values()], "x", markersize=9, label="cost model")
@@ -135,7 +137,7 @@ def _plot(weights: dict, kv: dict, path) -> object:
 
 def _shows(weights: dict, kv: dict) -> str:
     f32w, f32k, i8k = weights["float32"], kv["float32"], kv["int8"]
-    lines = [f"Weights: each decode step reads the whole model, so the step follows the weight bytes: "
+    lines = ["Weights: each decode step reads the whole model, so the step follows the weight bytes: "
              + ", ".join(f"{m} {d['weight_mib']:.1f} MiB -> {d['measured_s'] * 1e3:.2f} ms "
                          f"(x{f32w['measured_s'] / d['measured_s']:.2f} float32's speed)" for m, d in weights.items())
              + ". Where a form is slower than its bytes say, its kernel is compute-bound (unpacking and "
@@ -145,8 +147,9 @@ def _shows(weights: dict, kv: dict) -> str:
                  f"{f32k['capacity_tokens']} against {i8k['capacity_tokens']} tokens "
                  f"(x{i8k['capacity_tokens'] / f32k['capacity_tokens']:.2f}). At the long context the cost model "
                  f"predicts the int8 step at x{f32k['predicted_s'] / i8k['predicted_s']:.2f} the float32 one's speed "
-                 f"(fewer KV bytes); measured x{f32k['measured_s'] / i8k['measured_s']:.2f}: the kernel dequantises each "
-                 "tile in registers, which pays only where the step is memory-bound on the cache's reads.")
+                 f"(fewer KV bytes); measured x{f32k['measured_s'] / i8k['measured_s']:.2f}: "
+                 "the kernel dequantises each tile in registers, which pays only where the step is "
+                 "memory-bound on the cache's reads.")
     def errs(rows: dict) -> str:
         return ", ".join(f"{m} {100 * (d['predicted_s'] / d['measured_s'] - 1):+.0f}%" for m, d in rows.items())
 
@@ -175,10 +178,12 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
          f"the forms in {QUICK_ROUNDS if opts.quick else 3} interleaved rounds, medians of the decode steps."),
         ("Bits per weight", md_table(["weights", "nominal bits", "MiB", "measured ms", "predicted ms",
                                       "prediction error", "speed vs float32"], wrows)),
-        ("Bits per cached token", md_table(["KV cache", "bytes / token", "bits / value", f"tokens in {KV_BUDGET >> 20} MiB",
+        ("Bits per cached token", md_table(["KV cache", "bytes / token", "bits / value",
+                                            f"tokens in {KV_BUDGET >> 20} MiB",
                                             "measured ms", "predicted ms", "prediction error"], krows)),
         ("What it shows", _shows(weights, kv)),
     ]
     summary = {"weights": weights, "kv": kv, "kv_budget_bytes": KV_BUDGET}
-    report = write_report(opts.out, "Lab: quantization (bits per weight and per cached token)", sections, [plot], summary)
+    report = write_report(opts.out, "Lab: quantization (bits per weight and per cached token)", sections,
+                          [plot], summary)
     return LabResult("quantization", opts.out, report, [plot], summary)

@@ -105,7 +105,8 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
             pts = curves[(kind, k)]
             line = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"k={k} measured")[0]
             if all(p[2] is not None for p in pts):
-                ax.plot([p[0] for p in pts], [p[2] for p in pts], "s--", color=line.get_color(), label=f"k={k} predicted")
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], "s--", color=line.get_color(),
+                        label=f"k={k} predicted")
         ax.axhline(1.0, color="gray", linewidth=0.5)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(b) for b in sizes])

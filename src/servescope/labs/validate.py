@@ -245,7 +245,8 @@ def _plot(rows: list, cal: dict, path) -> object:
         x = [r["size"] for r in rs]
         ax.plot(x, [r["measured_s"] * 1e3 for r in rs], "o-", linewidth=2, label="measured (median)")
         ax.plot(x, [r["raw_predicted_s"] * 1e3 for r in rs], "s--", label="roofline only (probed peaks)")
-        ax.plot(x, [r["predicted_s"] * 1e3 for r in rs], "D-", label="predicted: roofline, probed kernel rates, host overhead")
+        ax.plot(x, [r["predicted_s"] * 1e3 for r in rs], "D-",
+                label="predicted: roofline, probed kernel rates, host overhead")
         ax.plot(x, [r["calibrated_A_s"] * 1e3 for r in rs], "^:",
                 label=f"A: +{cal['overhead'] * 1e3:.1f} ms, eff {cal['eff']:.2f}")
         ax.plot(x, [r["calibrated_B_s"] * 1e3 for r in rs], "v-.",
@@ -267,7 +268,8 @@ def _plot(rows: list, cal: dict, path) -> object:
 def _fmt(s: dict) -> str:
     if not s["count"]:
         return "no held-out point"
-    return f"max {100 * s['max_abs']:.0f}%, mean {100 * s['mean_abs']:.0f}%, {s['within_tolerance']}/{s['count']} within 25%"
+    return (f"max {100 * s['max_abs']:.0f}%, mean {100 * s['mean_abs']:.0f}%, "
+            f"{s['within_tolerance']}/{s['count']} within 25%")
 
 
 def _sections(opts: LabOptions, engine, hw, cal: dict, table: list, per_phase: dict, per_repeat: list) -> list:

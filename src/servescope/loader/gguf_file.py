@@ -3,9 +3,10 @@
 gguf-py's GGUFReader builds a numpy memmap view for every part of every metadata field: for the
 embedded SmolLM2 file (a 49,152-entry vocabulary and its merges) that is a quarter of a million views
 and seconds of every start-up on a 2-core machine. This reader parses the same header with
-`struct.unpack_from` over one memory map, in a fraction of that, and hands out the tensors exactly as GGUFReader lays them out (the same numpy
-dtype and shape per GGML type, views of the map), so `gguf.quants.dequantize` and our packed-block
-loader take them unchanged. Big-endian files go to GGUFReader (they are rare; it byte-swaps).
+`struct.unpack_from` over one memory map, in a fraction of that, and hands out the tensors exactly
+as GGUFReader lays them out (the same numpy dtype and shape per GGML type, views of the map), so
+`gguf.quants.dequantize` and our packed-block loader take them unchanged. Big-endian files go to
+GGUFReader (they are rare; it byte-swaps).
 
 Format (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md): magic "GGUF", uint32 version (2, 3),
 uint64 tensor count, uint64 key/value count, the key/values, the tensor infos, then the tensor data at
@@ -53,7 +54,8 @@ class GGUFFile:
     def __init__(self, path: str):
         self.path = path
         with open(path, "rb") as f:
-            self._map = np.memmap(f, dtype=np.uint8, mode="r") if os.fstat(f.fileno()).st_size else np.zeros(0, np.uint8)
+            self._map = (np.memmap(f, dtype=np.uint8, mode="r") if os.fstat(f.fileno()).st_size
+                         else np.zeros(0, np.uint8))
         buf = memoryview(self._map) if self._map.size else memoryview(b"")
         self.fields: dict[str, Any] = {}
         self.tensors: list[TensorInfo] = []

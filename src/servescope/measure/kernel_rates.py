@@ -6,9 +6,10 @@ the GEMV of 1-2 rows streams below a plain read's bandwidth, and the GEMMs at 4-
 the bandwidth and the peak. This measures that directly, once per machine, on matrices that are no
 model's (32 of 1024 x 1024, 64-128 MiB: larger than the caches), with the module the engine uses
 (CpuLinear: the GEMV up to MAX_ROWS, float32's panel GEMM up to PANEL_MAX_ROWS, oneDNN above; the
-extension is loaded first, as the engine does). The result, weight bytes per second at each M, is stored in the probe's HardwareSpec (`linear_rates`). The same for the paged
-decode-attention kernel: its FLOP/s with the KV in cache (`decode_attention_flops`), and of the integer
-GEMM a prefill over group-32 packed weights runs with float32 activations (`packed_gemm_flops`).
+extension is loaded first, as the engine does). The result, weight bytes per second at each M, is
+stored in the probe's HardwareSpec (`linear_rates`). The same for the paged decode-attention kernel:
+its FLOP/s with the KV in cache (`decode_attention_flops`), and of the integer GEMM a prefill over
+group-32 packed weights runs with float32 activations (`packed_gemm_flops`).
 """
 
 from __future__ import annotations

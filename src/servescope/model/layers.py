@@ -9,7 +9,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from servescope.config import RopeScaling
@@ -60,7 +59,9 @@ def longrope_attention_factor(scaling: RopeScaling, max_positions: int) -> float
     if scaling.attention_factor is not None:
         return scaling.attention_factor
     factor = max_positions / scaling.original_max_position_embeddings
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(scaling.original_max_position_embeddings))
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(scaling.original_max_position_embeddings))
 
 
 def rotary_tables(head_dim: int, max_positions: int, theta: float, scaling: Optional[RopeScaling],

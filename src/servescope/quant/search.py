@@ -95,35 +95,35 @@ def _nearest(x, wt, d16, m16, qmin, qmax) -> tuple:
 
 
 def _sym_search(x, wt, ref, qmin, qmax, steps) -> torch.Tensor:
-    """The scale d [R, G] float32 of least error sum wt (x - d l)^2 over the candidates' integers l, each
-    with its least-squares d = sum wt x l / sum wt l^2 (the error is then sum wt x^2 - d sum wt x l),
+    """The scale d [R, G] float32 of least error sum wt (x - d q)^2 over the candidates' integers q, each
+    with its least-squares d = sum wt x q / sum wt q^2 (the error is then sum wt x^2 - d sum wt x q),
     then refitted on the best d's own nearest integers. wt None: every weight alike."""
     nmax = -qmin  # the plain rule maps ref * nmax to -nmax (int4: -8) or amax to 127 (int8)
     inv = torch.where(ref != 0, 1.0 / ref, 0.0)[..., None]
     y = x * inv  # x in steps of the plain rule
     wx = x if wt is None else wt * x
     best, best_d = torch.full_like(ref, -1.0), ref.clone()
-    l, t = torch.empty_like(x), torch.empty_like(x)
+    q, t = torch.empty_like(x), torch.empty_like(x)
 
     def fit():
         nonlocal best, best_d
-        sumlx = _group_sum(torch.mul(l, wx, out=t))
-        suml2 = _group_sum(l.square_() if wt is None else l.square_().mul_(wt))
-        d = sumlx / suml2.clamp_min(1e-30)  # (a zero group: 0)
-        score = d * sumlx
+        sumqx = _group_sum(torch.mul(q, wx, out=t))
+        sumq2 = _group_sum(q.square_() if wt is None else q.square_().mul_(wt))
+        d = sumqx / sumq2.clamp_min(1e-30)  # (a zero group: 0)
+        score = d * sumqx
         best_d = torch.where(score > best, d, best_d)
         best = torch.maximum(score, best)
 
     for step in steps:
-        torch.mul(y, (nmax + step) / nmax, out=l).round_().clamp_(qmin, qmax)
+        torch.mul(y, (nmax + step) / nmax, out=q).round_().clamp_(qmin, qmax)
         fit()
-    torch.mul(x, torch.where(best_d != 0, 1.0 / best_d, 0.0)[..., None], out=l).round_().clamp_(qmin, qmax)
+    torch.mul(x, torch.where(best_d != 0, 1.0 / best_d, 0.0)[..., None], out=q).round_().clamp_(qmin, qmax)
     fit()
     return best_d
 
 
 def _asym_search(x, wt, lo, hi, levels, steps) -> tuple:
-    """(d, m) [R, G] float32 of least error sum wt (x - d l - m)^2: for each candidate's integers l
+    """(d, m) [R, G] float32 of least error sum wt (x - d q - m)^2: for each candidate's integers q
     (from the min / max start) the least-squares (d, m), then one refit on the best one's nearest
     integers. The sums are float64 from x - min (less cancellation)."""
     span = hi - lo
@@ -134,29 +134,29 @@ def _asym_search(x, wt, lo, hi, levels, steps) -> tuple:
     sx, sxx = _group_sum(wxs).double(), _group_sum(wxs * xs).double()
     best = torch.full_like(sw, float("inf"))
     best_d, best_m = span / levels, torch.zeros_like(lo)
-    l, t = torch.empty_like(x), torch.empty_like(x)
+    q, t = torch.empty_like(x), torch.empty_like(x)
 
     def fit():
         nonlocal best, best_d, best_m
-        sxl = _group_sum(torch.mul(l, wxs, out=t)).double()
+        sxq = _group_sum(torch.mul(q, wxs, out=t)).double()
         if wt is None:
-            sl, sll = _group_sum(l).double(), _group_sum(l.square_()).double()
+            sq, sqq = _group_sum(q).double(), _group_sum(q.square_()).double()
         else:
-            sl = _group_sum(torch.mul(l, wt, out=t)).double()
-            sll = _group_sum(t.mul_(l)).double()
-        det = sw * sll - sl * sl
-        ok = det > 1e-9 * sw * sll
+            sq = _group_sum(torch.mul(q, wt, out=t)).double()
+            sqq = _group_sum(t.mul_(q)).double()
+        det = sw * sqq - sq * sq
+        ok = det > 1e-9 * sw * sqq
         det = torch.where(ok, det, 1.0)
-        d, m = (sw * sxl - sx * sl) / det, (sll * sx - sl * sxl) / det
-        err = sxx - d * sxl - m * sx  # (the least-squares residual is orthogonal to l and 1)
+        d, m = (sw * sxq - sx * sq) / det, (sqq * sx - sq * sxq) / det
+        err = sxx - d * sxq - m * sx  # (the least-squares residual is orthogonal to q and 1)
         take = ok & (err < best)
         best = torch.where(take, err, best)
         best_d, best_m = torch.where(take, d.float(), best_d), torch.where(take, m.float(), best_m)
 
     for step in steps:
-        torch.mul(y, levels + step, out=l).round_().clamp_(0, levels)
+        torch.mul(y, levels + step, out=q).round_().clamp_(0, levels)
         fit()
-    torch.mul(xs - best_m[..., None], torch.where(best_d > 0, 1.0 / best_d, 0.0)[..., None], out=l)
-    l.round_().clamp_(0, levels)
+    torch.mul(xs - best_m[..., None], torch.where(best_d > 0, 1.0 / best_d, 0.0)[..., None], out=q)
+    q.round_().clamp_(0, levels)
     fit()
     return best_d, best_m + lo

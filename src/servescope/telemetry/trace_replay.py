@@ -51,9 +51,11 @@ def _step(e: dict, counters: dict) -> dict:
         "decode_seqs": int(a.get("decode_seqs", 0)),
         "flops": None if gflops is None else gflops * 1e9 * ms / 1e3,
         "bytes": None if gbs is None else gbs * 1e9 * ms / 1e3, "bound": a.get("bound"),
-        "kv_used": int(c.get("KV blocks", {}).get("used", 0)), "kv_cached": int(c.get("KV blocks", {}).get("cached", 0)),
+        "kv_used": int(c.get("KV blocks", {}).get("used", 0)),
+        "kv_cached": int(c.get("KV blocks", {}).get("cached", 0)),
         "kv_usage": None if usage is None else usage / 100.0,
-        "running": int(c.get("requests", {}).get("running", 0)), "waiting": int(c.get("requests", {}).get("waiting", 0)),
+        "running": int(c.get("requests", {}).get("running", 0)),
+        "waiting": int(c.get("requests", {}).get("waiting", 0)),
         "preemptions": 0,
     }
 

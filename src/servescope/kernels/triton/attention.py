@@ -226,11 +226,11 @@ def _decode_reduce_kernel(
     p_mask = p < NUM_SPLITS
     base = (b * NUM_HEADS + h) * NUM_SPLITS
     m = tl.load(part_m_ptr + base + p, mask=p_mask, other=float("-inf"))
-    l = tl.load(part_l_ptr + base + p, mask=p_mask, other=0.0)
+    part_sum = tl.load(part_l_ptr + base + p, mask=p_mask, other=0.0)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every partition empty: weights 0
     w = tl.exp2(m - m_max)  # [P]; exp2(-inf) = 0 for empty partitions
-    total = tl.sum(l * w, 0)
+    total = tl.sum(part_sum * w, 0)
     acc = tl.load(part_acc_ptr + (base + p)[:, None] * D_PAD + d[None, :], mask=p_mask[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)  # [D]
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
@@ -271,7 +271,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert k_cache.stride() == v_cache.stride()
     _, s, hkv, dk = k_cache.shape
     quant = k_cache.dtype in _QMAX
-    assert dk == d + (4 if quant else 0) and h % hkv == 0, f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}"
+    assert dk == d + (4 if quant else 0) and h % hkv == 0, (
+        f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
     assert q.stride(2) == 1, "q must be contiguous in the head dim"
     assert block_tables.stride(1) == 1
     if out is None:
