@@ -37,8 +37,12 @@ def browser():
         b.close()
 
 
-def _open(browser, url: str, key=None):
-    page = browser.new_page(viewport={"width": 1400, "height": 1300})
+def _open(browser, url: str, key=None, credentials=None):
+    """key: given to the page in its URL (#key=, sent as Bearer on its feed); credentials: the key as
+    the browser's HTTP Basic password, which the page itself needs (every route but /health does)."""
+    credentials = credentials if credentials is not None else key
+    page = browser.new_page(viewport={"width": 1400, "height": 1300},
+                            http_credentials={"username": "viewer", "password": credentials} if credentials else None)
     errors = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e: errors.append(str(e)))
@@ -109,15 +113,18 @@ def test_panels_follow_a_load_and_prompts_stay_text(browser, tiny_server):
     page.close()
 
 
-def test_without_the_key_the_page_asks_for_it(browser, tiny_server):
-    page, errors = _open(browser, tiny_server.url)
-    page.wait_for_selector("#keyform", state="visible")
-    assert page.text_content("#conn-text") == "API key needed"
-    page.fill("#key", TINY_KEY)
-    page.click("#keyform button")
+def test_without_the_key_the_browser_is_asked_for_it(browser, tiny_server):
+    """The page needs the key too (every route but /health): its 401 asks the browser for Basic
+    credentials, and the key given there as the password reaches the page's feed as well."""
+    for credentials in (None, "wrong"):
+        page = browser.new_page(http_credentials={"username": "viewer", "password": credentials} if credentials
+                                else None)
+        assert page.goto(f"{tiny_server.url}/dashboard").status == 401
+        page.close()
+    page, errors = _open(browser, tiny_server.url, credentials=TINY_KEY)
     _wait(page, "document.getElementById('conn-text').textContent === 'live'")
     assert page.locator("#keyform").is_hidden()
-    assert all("401" in e for e in errors), errors  # the refused first request, nothing else
+    assert errors == []
     page.close()
 
 

@@ -46,8 +46,9 @@ class FrameSource(Protocol):
 class EngineSource:
     """Snapshots of an AsyncEngine's LLMEngine, taken on the engine thread."""
 
-    def __init__(self, async_engine: AsyncEngine, model_name: str, max_steps: int = 500):
+    def __init__(self, async_engine: AsyncEngine, model_name: str, max_steps: int = 500, previews: bool = True):
         self.async_engine = async_engine
+        self.previews = previews  # prompt previews in the queues (off: viewers may hold no key)
         self.model_name = model_name
         self.max_steps = max_steps
         self.histograms = LatencyHistograms()
@@ -56,7 +57,7 @@ class EngineSource:
 
     def _frame(self, engine, since_step: int) -> dict:  # engine thread
         if self._view is None:
-            self._view = LiveView(engine, self.histograms, max_steps=self.max_steps)
+            self._view = LiveView(engine, self.histograms, max_steps=self.max_steps, previews=self.previews)
         return self._view.frame(since_step)
 
     def info(self) -> dict:
