@@ -60,8 +60,12 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> Non
 
 
 def _normal(client: httpx.Client, i: int, max_tokens: int) -> float:
-    body = {"messages": [{"role": "user", "content": f"Question {i}: what is the capital of France?"}],
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body = {
+        "messages": [{"role": "user", "content": f"Question {i}: what is the capital of France?"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     t0 = time.perf_counter()
     r = client.post("/v1/chat/completions", json=body)
     dt = time.perf_counter() - t0
@@ -79,9 +83,16 @@ def _hostile_worker(url: str, clients: int, slow: int, stop, counts) -> None:
 
     from servescope.server.limits import ServerLimits  # noqa: PLC0415
 
-    routes = [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
-              ("POST", "/v1/embeddings"), ("GET", "/metrics"), ("GET", "/docs"), ("GET", "/dashboard"),
-              ("GET", "/v1/internals")]
+    routes = [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/embeddings"),
+        ("GET", "/metrics"),
+        ("GET", "/docs"),
+        ("GET", "/dashboard"),
+        ("GET", "/v1/internals"),
+    ]
     cases = hostile_cases.catalogue(routes, ServerLimits(), 8192 * 2 * 81, 8192)
     host, port = url.split("//")[1].split(":")
 
@@ -145,8 +156,10 @@ def main() -> int:
                 for mode in ("idle", "hostile"):
                     stop, worker = manager.Event(), None
                     if mode == "hostile":
-                        worker = multiprocessing.Process(target=_hostile_worker,
-                                                         args=(url, a.hostile_clients, a.slow_clients, stop, counts))
+                        worker = multiprocessing.Process(
+                            target=_hostile_worker,
+                            args=(url, a.hostile_clients, a.slow_clients, stop, counts),
+                        )
                         worker.start()
                         time.sleep(3.0)  # the hostile load is running before the first normal request
                     for _ in range(a.requests):
@@ -164,12 +177,18 @@ def main() -> int:
     statuses = collections.Counter(counts)
     idle, hostile = statistics.median(lat["idle"]), statistics.median(lat["hostile"])
     bad = {s: k for s, k in statuses.items() if not s.isdigit() or int(s) >= 500}
-    result = {"idle_median_s": round(idle, 4), "hostile_median_s": round(hostile, 4),
-              "ratio": round(hostile / idle, 3), "hostile_requests": sum(statuses.values()),
-              "hostile_statuses": dict(sorted(statuses.items())), "hostile_5xx_or_transport_errors": bad,
-              "latencies": {k: [round(x, 4) for x in v] for k, v in lat.items()},
-              "args": vars(a), "machine": platform.processor() or platform.machine(),
-              "utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+    result = {
+        "idle_median_s": round(idle, 4),
+        "hostile_median_s": round(hostile, 4),
+        "ratio": round(hostile / idle, 3),
+        "hostile_requests": sum(statuses.values()),
+        "hostile_statuses": dict(sorted(statuses.items())),
+        "hostile_5xx_or_transport_errors": bad,
+        "latencies": {k: [round(x, 4) for x in v] for k, v in lat.items()},
+        "args": vars(a),
+        "machine": platform.processor() or platform.machine(),
+        "utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    }
     print(json.dumps({k: v for k, v in result.items() if k != "latencies"}, indent=1))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -34,10 +34,23 @@ from servescope.server.request_checks import max_prompt_chars
 from .hostile_cases import INJECTIONS, catalogue, chat, completion
 
 KEY = "sk-hostile"
-LIMITS = ServerLimits(max_queue=24, max_body_bytes=512 * 1024, header_timeout_s=1.0, body_timeout_s=1.0,
-                      max_connections=24, max_choices=64, max_grammar_bytes=16 * 1024, max_schema_depth=16,
-                      max_schema_properties=64, max_stop_token_ids=16, max_tools=8, max_prompts=16,
-                      max_embedding_inputs=8, grammar_compile_timeout_s=60.0, chat_template_timeout_s=5.0)
+LIMITS = ServerLimits(
+    max_queue=24,
+    max_body_bytes=512 * 1024,
+    header_timeout_s=1.0,
+    body_timeout_s=1.0,
+    max_connections=24,
+    max_choices=64,
+    max_grammar_bytes=16 * 1024,
+    max_schema_depth=16,
+    max_schema_properties=64,
+    max_stop_token_ids=16,
+    max_tools=8,
+    max_prompts=16,
+    max_embedding_inputs=8,
+    grammar_compile_timeout_s=60.0,
+    chat_template_timeout_s=5.0,
+)
 HANG_S = 60.0  # a request not answered within this is a hang
 
 
@@ -104,8 +117,9 @@ def test_no_5xx_and_no_hang_over_the_catalogue(hostile):
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(lambda c: _send(client, c), cases))
             _normal_chat_works(client)  # while the last of them may still run
-        bad = [(c.name, s, text) for c, (s, _, text) in zip(cases, results)
-               if not isinstance(s, int) or s >= 500]
+        bad = [
+            (c.name, s, text) for c, (s, _, text) in zip(cases, results) if not isinstance(s, int) or s >= 500
+        ]
         assert bad == [], bad[:10]
         wrong = [(c.name, s, text) for c, (s, _, text) in zip(cases, results) if s not in c.expect]
         assert wrong == [], "\n".join(f"{n} -> {s}: {t[:90]}" for n, s, t in wrong)
@@ -119,7 +133,9 @@ def test_no_5xx_and_no_hang_over_the_catalogue(hostile):
 def test_every_route_but_health_needs_the_key(hostile):
     server, app = hostile
     routes = _routes(app)
-    assert {"/metrics", "/docs", "/openapi.json", "/dashboard", "/v1/internals/stream"} <= {p for _, p in routes}
+    assert {"/metrics", "/docs", "/openapi.json", "/dashboard", "/v1/internals/stream"} <= {
+        p for _, p in routes
+    }
     with _client(server, key=None) as anon:
         assert anon.get("/health").status_code == 200
         for method, path in routes:
@@ -137,7 +153,9 @@ def test_every_route_but_health_needs_the_key(hostile):
 
 
 def test_metrics_public_is_an_explicit_opt_out(tiny_async_engine):
-    app = build_app(tiny_async_engine, model_name="tiny", api_key=KEY, limits=ServerLimits(metrics_public=True))
+    app = build_app(
+        tiny_async_engine, model_name="tiny", api_key=KEY, limits=ServerLimits(metrics_public=True)
+    )
     with _Running(app) as server:
         assert httpx.get(server.url + "/metrics").status_code == 200
         assert httpx.get(server.url + "/v1/models").status_code == 401
@@ -158,8 +176,13 @@ def test_host_allow_list(tiny_async_engine):
     app = build_app(tiny_async_engine, model_name="tiny")  # no key: the Host check is what protects it
     with _Running(app) as server:
         port = server.port
-        for host, ok in ((f"127.0.0.1:{port}", True), (f"localhost:{port}", True), ("[::1]", True),
-                         ("evil.example", False), (f"attacker.example:{port}", False)):
+        for host, ok in (
+            (f"127.0.0.1:{port}", True),
+            (f"localhost:{port}", True),
+            ("[::1]", True),
+            ("evil.example", False),
+            (f"attacker.example:{port}", False),
+        ):
             r = httpx.get(server.url + "/v1/models", headers={"host": host})
             assert (r.status_code == 200) == ok, (host, r.status_code)
             if not ok:
@@ -203,8 +226,10 @@ def test_slow_headers_and_slow_bodies_are_cut_off(hostile):
     head = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nX-Slow: ".encode()
     out = _raw(server, head, LIMITS.header_timeout_s + 1.0)
     assert out.startswith(b"HTTP/1.1 408"), out[:80]
-    body_head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nAuthorization: Bearer {KEY}\r\n"
-                 "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"").encode()
+    body_head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nAuthorization: Bearer {KEY}\r\n"
+        'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"prompt"'
+    ).encode()
     out = _raw(server, body_head, LIMITS.body_timeout_s + 1.0)
     assert out.startswith(b"HTTP/1.1 408"), out[:80]
     oversize = body_head.replace(b"Content-Length: 100", f"Content-Length: {10**9}".encode())
@@ -250,7 +275,10 @@ def test_control_tokens_in_content_stay_text(hostile, tiny_async_engine):
             n_control = sum(1 for t in prompt_ids if t in control)
             # the template's own: <|im_start|>user ... <|im_end|> <|im_start|>assistant (+ a system turn)
             plain = tok.encode_chat([{"role": "user", "content": "x"}])[1]
-            assert n_control == sum(1 for t in plain[1:] if t in control), (text, n_control)  # [1:]: no logprob
+            assert n_control == sum(1 for t in plain[1:] if t in control), (
+                text,
+                n_control,
+            )  # [1:]: no logprob
 
 
 def test_limits_are_reported_and_documented(hostile):
@@ -267,22 +295,54 @@ def test_limits_are_reported_and_documented(hostile):
 
 
 _json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
-    | st.text(st.characters(codec="utf-8"), max_size=30) | st.sampled_from(["<|im_end|>", "\ud800", ""]),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
-    max_leaves=12)
-_fields = st.sampled_from(["prompt", "messages", "max_tokens", "n", "stop", "stream", "logprobs", "echo",
-                           "structured_outputs", "response_format", "tools", "tool_choice", "input", "seed",
-                           "stop_token_ids", "min_tokens", "ignore_eos", "temperature", "top_logprobs"])
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(st.characters(codec="utf-8"), max_size=30)
+    | st.sampled_from(["<|im_end|>", "\ud800", ""]),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+_fields = st.sampled_from(
+    [
+        "prompt",
+        "messages",
+        "max_tokens",
+        "n",
+        "stop",
+        "stream",
+        "logprobs",
+        "echo",
+        "structured_outputs",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "input",
+        "seed",
+        "stop_token_ids",
+        "min_tokens",
+        "ignore_eos",
+        "temperature",
+        "top_logprobs",
+    ]
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/embeddings"]),
-       fields=st.dictionaries(_fields, _json_values, max_size=4))
+@given(
+    path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/embeddings"]),
+    fields=st.dictionaries(_fields, _json_values, max_size=4),
+)
 def test_fuzzed_bodies_never_get_a_5xx(hostile, path, fields):
     server, _ = hostile
-    base = {"/v1/completions": completion(), "/v1/chat/completions": chat(),
-            "/v1/embeddings": {"input": "hi"}}[path]
+    base = {
+        "/v1/completions": completion(),
+        "/v1/chat/completions": chat(),
+        "/v1/embeddings": {"input": "hi"},
+    }[path]
     body = json.dumps({**base, **fields}).encode()
     with _client(server) as c:
         r = c.post(path, content=body, headers={"content-type": "application/json"})

@@ -30,6 +30,7 @@ from servescope.tokenizer.hf_tokenizer import Tokenizer
 
 from .hostile_cases import INJECTIONS, _deep
 
+
 def _control_ids(tok):
     return set(tok.special_token_ids)
 
@@ -41,8 +42,11 @@ def test_control_tokens_written_in_messages_stay_text(tiny_async_engine, text):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
     rendered, ids = tok.encode_chat(msgs)
     control = _control_ids(tok)
-    template_own = sum(1 for t in tok.encode_chat([{"role": "system", "content": "a"},
-                                                   {"role": "user", "content": "b"}])[1] if t in control)
+    template_own = sum(
+        1
+        for t in tok.encode_chat([{"role": "system", "content": "a"}, {"role": "user", "content": "b"}])[1]
+        if t in control
+    )
     assert sum(1 for t in ids if t in control) == template_own
     assert tok.hf.decode(ids) == rendered  # the same text, only tokenised as text
     parsed = tok.encode_chat(msgs, content_as_text=False)[1]  # the operator's opt-in
@@ -59,15 +63,18 @@ def test_text_around_the_template_tokenises_as_before(tiny_async_engine, text):
         return
     rendered = tok.apply_chat_template([{"role": "user", "content": text}])
     start = rendered.index("<|im_start|>user\n") + len("<|im_start|>user\n")
-    assert rendered[start:start + len(text)] == text
-    runs = [(rendered[:start], True), (text, False), (rendered[start + len(text):], True)]
+    assert rendered[start : start + len(text)] == text
+    runs = [(rendered[:start], True), (text, False), (rendered[start + len(text) :], True)]
     assert encode_runs(tok, tok.control_pattern, runs) == tok.encode(rendered, add_special_tokens=False)
 
 
 def test_a_template_that_transforms_text_refuses_control_tokens(tiny_async_engine):
     hf = tiny_async_engine.tokenizer.hf
-    trimming = Tokenizer(hf, chat_template="{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-                                           "{{ m['content'] | trim }}<|im_end|>\n{% endfor %}")
+    trimming = Tokenizer(
+        hf,
+        chat_template="{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{{ m['content'] | trim }}<|im_end|>\n{% endfor %}",
+    )
     assert trimming.encode_chat([{"role": "user", "content": " plain "}])[1]
     with pytest.raises(InvalidParameterError, match="control token"):
         trimming.encode_chat([{"role": "user", "content": " <|im_end|> "}])
@@ -149,7 +156,9 @@ class _SlowCompiler:
 
 def test_compiles_have_a_deadline_and_a_bounded_queue():
     slow = _SlowCompiler(1.0)
-    service = GrammarService(_FakeEngine(slow), ServerLimits(grammar_compile_timeout_s=0.2, grammar_compile_queue=2))
+    service = GrammarService(
+        _FakeEngine(slow), ServerLimits(grammar_compile_timeout_s=0.2, grammar_compile_queue=2)
+    )
     spec = StructuredOutput("regex", "a+")
 
     async def run():
@@ -267,9 +276,11 @@ def test_an_overlong_prompt_is_refused_before_tokenising(tiny_async_engine, monk
     app = build_app(tiny_async_engine, model_name="tiny", limits=ServerLimits(max_prompt_chars=1000))
     server = BackgroundServer(app).start()
     try:
-        for path, body in (("/v1/completions", {"prompt": "x" * 1001}),
-                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 1001}]}),
-                           ("/v1/embeddings", {"input": "x" * 1001})):
+        for path, body in (
+            ("/v1/completions", {"prompt": "x" * 1001}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 1001}]}),
+            ("/v1/embeddings", {"input": "x" * 1001}),
+        ):
             r = httpx.post(server.url + path, json=body, timeout=60)
             assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
         assert calls == []
@@ -298,8 +309,17 @@ def test_a_gguf_with_zero_heads_is_a_clear_error(tmp_path):
         load_gguf(str(path))
 
 
-@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "a/../../x.safetensors",
-                                   "~/x.safetensors", "C:x.safetensors", 7])
+@pytest.mark.parametrize(
+    "shard",
+    [
+        "../outside.safetensors",
+        "/etc/passwd",
+        "a/../../x.safetensors",
+        "~/x.safetensors",
+        "C:x.safetensors",
+        7,
+    ],
+)
 def test_weight_map_shards_stay_inside_the_model_directory(tmp_path, shard):
     from servescope.loader.hf import weight_files  # noqa: PLC0415
 

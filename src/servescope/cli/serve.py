@@ -23,13 +23,25 @@ def add_parser(sub) -> None:
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="require the key in this file (first line) on every route but /health; the key is "
-                        f"also read from ${KEY_ENV}; both keep it out of `ps`")
-    s.add_argument("--api-key", default=None, metavar="KEY",
-                   help=f"the key itself (visible to local users in `ps`: prefer --api-key-file or ${KEY_ENV})")
-    s.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model name clients send (default: --model, or smollm2-135m)")
+    s.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="require the key in this file (first line) on every route but /health; the key is "
+        f"also read from ${KEY_ENV}; both keep it out of `ps`",
+    )
+    s.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=f"the key itself (visible to local users in `ps`: prefer --api-key-file or ${KEY_ENV})",
+    )
+    s.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model name clients send (default: --model, or smollm2-135m)",
+    )
     add_limit_args(p)
     add_engine_args(p)
 
@@ -37,8 +49,11 @@ def add_parser(sub) -> None:
 def read_api_key(args: argparse.Namespace):
     """The key from --api-key, --api-key-file or $SERVESCOPE_API_KEY (at most one of them); None
     without. Raises ValueError with a message for the user."""
-    given = [(name, v) for name, v in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file))
-             if v is not None]
+    given = [
+        (name, v)
+        for name, v in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file))
+        if v is not None
+    ]
     if len(given) > 1:
         raise ValueError("give --api-key or --api-key-file, not both")
     if args.api_key_file is not None:
@@ -76,16 +91,29 @@ def run(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(engine)
     app = build_app(async_engine, model_name=name, api_key=api_key, limits=limits)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"servescope: serving {name!r} at http://{host}:{args.port}/v1 "
-          f"(max_model_len {engine.max_model_len}, KV {engine.cache_config.num_blocks} blocks)", flush=True)
+    print(
+        f"servescope: serving {name!r} at http://{host}:{args.port}/v1 "
+        f"(max_model_len {engine.max_model_len}, KV {engine.cache_config.num_blocks} blocks)",
+        flush=True,
+    )
     if not is_loopback(args.host) and not api_key:
-        print("servescope: warning: listening beyond loopback without an API key", file=sys.stderr, flush=True)
+        print(
+            "servescope: warning: listening beyond loopback without an API key", file=sys.stderr, flush=True
+        )
     if limits.allowed_hosts == LOOPBACK_HOSTS:
-        print(f"servescope: accepting Host {', '.join(LOOPBACK_HOSTS)} only (--allowed-hosts to add names)",
-              flush=True)
+        print(
+            f"servescope: accepting Host {', '.join(LOOPBACK_HOSTS)} only (--allowed-hosts to add names)",
+            flush=True,
+        )
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
-                    **uvicorn_options(limits))
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+            **uvicorn_options(limits),
+        )
     finally:
         async_engine.shutdown()
         engine.shutdown()  # a parallel engine's workers

@@ -50,10 +50,15 @@ class GrammarService:
         else:
             size = len(spec.spec.encode("utf-8", "surrogatepass")) if isinstance(spec.spec, str) else 0
         if size > lim.max_grammar_bytes:
-            raise InvalidParameterError(param, f"the {spec.kind} constraint ({size} bytes) is over the limit of "
-                                               f"{lim.max_grammar_bytes} bytes")
+            raise InvalidParameterError(
+                param,
+                f"the {spec.kind} constraint ({size} bytes) is over the limit of "
+                f"{lim.max_grammar_bytes} bytes",
+            )
 
-    async def compile(self, spec: Optional[StructuredOutput], param: Optional[str]) -> Optional[StructuredOutput]:
+    async def compile(
+        self, spec: Optional[StructuredOutput], param: Optional[str]
+    ) -> Optional[StructuredOutput]:
         """spec with its compiled grammar attached (None stays None). InvalidParameterError naming param
         when it breaks a cap, is invalid, matches nothing or misses the deadline; QueueFullError when
         the compile queue is full."""
@@ -61,8 +66,10 @@ class GrammarService:
             return None
         self.check_size(spec, param)
         if self._pending >= self.limits.grammar_compile_queue:
-            raise QueueFullError(f"the grammar compiler is busy ({self._pending} compiles queued, limit "
-                                 f"{self.limits.grammar_compile_queue})")
+            raise QueueFullError(
+                f"the grammar compiler is busy ({self._pending} compiles queued, limit "
+                f"{self.limits.grammar_compile_queue})"
+            )
         self._pending += 1
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(self._executor(), self._work, spec)
@@ -71,22 +78,29 @@ class GrammarService:
             compiled = await asyncio.wait_for(asyncio.shield(fut), self.limits.grammar_compile_timeout_s)
         except asyncio.TimeoutError:
             self.timeouts += 1
-            raise InvalidParameterError(param, f"the {spec.kind} constraint did not compile within "
-                                               f"{self.limits.grammar_compile_timeout_s:g} s") from None
+            raise InvalidParameterError(
+                param,
+                f"the {spec.kind} constraint did not compile within "
+                f"{self.limits.grammar_compile_timeout_s:g} s",
+            ) from None
         except InvalidParameterError as e:
             raise InvalidParameterError(param, e.message) from None
         return dataclasses.replace(spec, compiled=compiled)
 
     def _done(self, fut) -> None:
         self._pending -= 1
-        if not fut.cancelled() and fut.exception() is not None and not isinstance(fut.exception(),
-                                                                                   InvalidParameterError):
+        if (
+            not fut.cancelled()
+            and fut.exception() is not None
+            and not isinstance(fut.exception(), InvalidParameterError)
+        ):
             logger.error("grammar compile failed", exc_info=fut.exception())
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.limits.grammar_compile_threads,
-                                            thread_name_prefix="servescope-grammar")
+            self._pool = ThreadPoolExecutor(
+                self.limits.grammar_compile_threads, thread_name_prefix="servescope-grammar"
+            )
         return self._pool
 
     def warm(self) -> None:
@@ -132,15 +146,18 @@ def check_schema_caps(schema, limits) -> None:
     while stack:
         node, depth = stack.pop()
         if depth > limits.max_schema_depth:
-            raise InvalidParameterError("structured", f"the JSON schema is nested deeper than "
-                                                      f"{limits.max_schema_depth} levels")
+            raise InvalidParameterError(
+                "structured", f"the JSON schema is nested deeper than {limits.max_schema_depth} levels"
+            )
         if isinstance(node, dict):
             props = node.get("properties")
             if isinstance(props, dict):
                 properties += len(props)
                 if properties > limits.max_schema_properties:
-                    raise InvalidParameterError("structured", f"the JSON schema has more than "
-                                                              f"{limits.max_schema_properties} properties")
+                    raise InvalidParameterError(
+                        "structured",
+                        f"the JSON schema has more than {limits.max_schema_properties} properties",
+                    )
             stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
         else:
             stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
@@ -149,7 +166,9 @@ def check_schema_caps(schema, limits) -> None:
 def check_schema(schema: dict) -> None:
     """A JSON schema must itself be valid (its declared draft, else Draft 2020-12), else 400."""
     try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(
+            schema
+        )
     except jsonschema.exceptions.SchemaError as e:
         raise InvalidParameterError("structured", f"the JSON schema is invalid: {e.message}") from None
     except RecursionError:

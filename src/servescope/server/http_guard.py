@@ -22,8 +22,10 @@ from servescope.server.limits import ServerLimits
 
 def _raw_response(status: int, reason: str, message: str, code: str, extra: str = "") -> bytes:
     body = json.dumps(error_body(status, message, code=code)).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            f"connection: close\r\n{extra}\r\n")
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        f"connection: close\r\n{extra}\r\n"
+    )
     return head.encode() + body
 
 
@@ -39,8 +41,15 @@ class GuardedH11Protocol(H11Protocol):
         self._header_timer = None
         if len(self.connections) > self.limits.max_connections:
             type(self).refused += 1
-            transport.write(_raw_response(429, "Too Many Requests", f"more than {self.limits.max_connections} "
-                                          "connections are open", "too_many_connections", "retry-after: 1\r\n"))
+            transport.write(
+                _raw_response(
+                    429,
+                    "Too Many Requests",
+                    f"more than {self.limits.max_connections} connections are open",
+                    "too_many_connections",
+                    "retry-after: 1\r\n",
+                )
+            )
             transport.close()
             return
         self._arm_header_deadline()
@@ -60,8 +69,14 @@ class GuardedH11Protocol(H11Protocol):
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
             return  # closed, or the request's headers are in (its body has a deadline of its own)
         type(self).header_timeouts += 1
-        self.transport.write(_raw_response(408, "Request Timeout", f"the request headers did not arrive within "
-                                           f"{self.limits.header_timeout_s:g} s", "header_timeout"))
+        self.transport.write(
+            _raw_response(
+                408,
+                "Request Timeout",
+                f"the request headers did not arrive within {self.limits.header_timeout_s:g} s",
+                "header_timeout",
+            )
+        )
         self.transport.close()
 
     def on_response_complete(self) -> None:
@@ -80,8 +95,9 @@ class GuardedH11Protocol(H11Protocol):
 
 def protocol_class(limits: ServerLimits) -> type:
     """A GuardedH11Protocol subclass bound to `limits` (uvicorn builds one instance per connection)."""
-    return type("ServescopeH11Protocol", (GuardedH11Protocol,), {"limits": limits, "refused": 0,
-                                                                  "header_timeouts": 0})
+    return type(
+        "ServescopeH11Protocol", (GuardedH11Protocol,), {"limits": limits, "refused": 0, "header_timeouts": 0}
+    )
 
 
 def uvicorn_options(limits: ServerLimits) -> dict:

@@ -25,12 +25,16 @@ def _lim(default, help: str, flag_type=None, **kw):
 @dataclass(frozen=True)
 class ServerLimits:
     # admission and request size
-    max_queue: int = _lim(256, "requests in flight (waiting + running, embeddings too) before new ones get 429")
+    max_queue: int = _lim(
+        256, "requests in flight (waiting + running, embeddings too) before new ones get 429"
+    )
     max_n: int = _lim(8, "largest n (choices per prompt)")
     max_body_bytes: int = _lim(8 * MiB, "largest request body accepted (413 above)")
     max_prompt_chars: Optional[int] = _lim(
-        None, "longest prompt text (or sum of a chat's message texts) tokenised; default: the context "
-              "length times the longest vocabulary entry, the most that can fit (400 above, before tokenising)")
+        None,
+        "longest prompt text (or sum of a chat's message texts) tokenised; default: the context "
+        "length times the longest vocabulary entry, the most that can fit (400 above, before tokenising)",
+    )
     max_prompts: int = _lim(256, "prompts per completions request")
     max_embedding_inputs: int = _lim(256, "inputs per embeddings request")
     max_stop_strings: int = _lim(16, "stop strings per request")
@@ -42,28 +46,40 @@ class ServerLimits:
     max_choices: int = _lim(512, "entries of a structured_outputs.choice")
     max_schema_depth: int = _lim(32, "nesting depth of a JSON schema")
     max_schema_properties: int = _lim(1024, "properties (all objects together) of a JSON schema")
-    grammar_compile_timeout_s: float = _lim(10.0, "seconds a request waits for its grammar (queue + compile)",
-                                            float)
+    grammar_compile_timeout_s: float = _lim(
+        10.0, "seconds a request waits for its grammar (queue + compile)", float
+    )
     grammar_compile_threads: int = _lim(1, "threads that compile grammars (a bounded pool of its own)")
     grammar_compile_queue: int = _lim(16, "grammar compiles waiting or running before new ones get 429")
     grammar_cache_bytes: int = _lim(64 * MiB, "bytes of compiled grammars kept for reuse (oldest evicted)")
     # chat templates
-    chat_template_timeout_s: float = _lim(5.0, "seconds a chat template may take to render (400 after)", float)
+    chat_template_timeout_s: float = _lim(
+        5.0, "seconds a chat template may take to render (400 after)", float
+    )
     special_tokens_in_content: bool = _lim(
-        False, "parse control tokens (e.g. <|im_start|>) written in message text as control tokens (default: "
-               "they are plain text, so a user cannot inject a role)", bool)
+        False,
+        "parse control tokens (e.g. <|im_start|>) written in message text as control tokens (default: "
+        "they are plain text, so a user cannot inject a role)",
+        bool,
+    )
     # HTTP
     allowed_hosts: Optional[tuple] = _lim(
-        None, "Host header values accepted (comma-separated, '*' for any); default: the loopback names for "
-              "a loopback bind (DNS rebinding), any otherwise", "hosts")
+        None,
+        "Host header values accepted (comma-separated, '*' for any); default: the loopback names for "
+        "a loopback bind (DNS rebinding), any otherwise",
+        "hosts",
+    )
     max_connections: int = _lim(256, "open HTTP connections; more are answered 429 and closed")
     header_timeout_s: float = _lim(10.0, "seconds to receive a request's headers", float)
     body_timeout_s: float = _lim(30.0, "seconds to receive a request's body", float)
     keep_alive_timeout_s: float = _lim(5.0, "seconds an idle keep-alive connection stays open", float)
     metrics_public: bool = _lim(False, "serve /metrics without the API key (for a scraper without one)", bool)
     dashboard_previews: Optional[bool] = _lim(
-        None, "show prompt previews on the dashboard; default: only behind --api-key (every viewer "
-              "then holds the key)", bool)
+        None,
+        "show prompt previews on the dashboard; default: only behind --api-key (every viewer "
+        "then holds the key)",
+        bool,
+    )
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -91,7 +107,7 @@ class ServerLimits:
             return True
         name = host_header.strip().lower()
         if name.startswith("["):  # [v6]:port
-            name = name[1:name.find("]")] if "]" in name else name
+            name = name[1 : name.find("]")] if "]" in name else name
         elif name.count(":") == 1:
             name = name.rsplit(":", 1)[0]
         return name in hosts or name.rstrip(".") in hosts
@@ -107,9 +123,15 @@ def limits_table() -> str:
     rows = ["| option | default | what it limits |", "| --- | --- | --- |"]
     for f in dataclasses.fields(ServerLimits):
         default = f.default
-        shown = "derived" if default is None else (f"{default} ({default // MiB} MiB)" if isinstance(default, int)
-                                                   and not isinstance(default, bool) and default >= MiB
-                                                   else str(default))
+        shown = (
+            "derived"
+            if default is None
+            else (
+                f"{default} ({default // MiB} MiB)"
+                if isinstance(default, int) and not isinstance(default, bool) and default >= MiB
+                else str(default)
+            )
+        )
         rows.append(f"| `{_flag(f.name)}` | {shown} | {f.metadata['help'].replace('|', chr(92) + '|')} |")
     return "\n".join(rows) + "\n"
 
@@ -139,19 +161,35 @@ def add_limit_args(parser) -> None:
         kind, default = f.metadata.get("type"), getattr(defaults, f.name)
         shown = f" (default {default})" if default is not None else ""
         if kind is bool:
-            g.add_argument(_flag(f.name), dest=f.name, default=None, action=BoolFlag,
-                           help=f"{f.metadata['help']}{shown}")
+            g.add_argument(
+                _flag(f.name), dest=f.name, default=None, action=BoolFlag, help=f"{f.metadata['help']}{shown}"
+            )
         elif kind == "hosts":
-            g.add_argument(_flag(f.name), dest=f.name, default=None, type=_parse_hosts, metavar="HOST,...",
-                           help=f.metadata["help"])
+            g.add_argument(
+                _flag(f.name),
+                dest=f.name,
+                default=None,
+                type=_parse_hosts,
+                metavar="HOST,...",
+                help=f.metadata["help"],
+            )
         else:
-            g.add_argument(_flag(f.name), dest=f.name, default=None, type=_positive(kind or int),
-                           metavar="S" if kind is float else "N", help=f"{f.metadata['help']}{shown}")
+            g.add_argument(
+                _flag(f.name),
+                dest=f.name,
+                default=None,
+                type=_positive(kind or int),
+                metavar="S" if kind is float else "N",
+                help=f"{f.metadata['help']}{shown}",
+            )
 
 
 def limits_from_args(args) -> ServerLimits:
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)
-             if getattr(args, f.name, None) is not None}
+    given = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(ServerLimits)
+        if getattr(args, f.name, None) is not None
+    }
     return ServerLimits(**given)
 
 

@@ -32,9 +32,17 @@ PAGE_PREFIXES = ("/dashboard", "/docs", "/redoc", "/openapi.json")
 
 async def _send_error(send, status: int, message: str, param=None, code=None, headers=()) -> None:
     body = json.dumps(error_body(status, message, param, code)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -65,8 +73,12 @@ class GuardMiddleware:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         host = headers.get(b"host", b"").decode("latin-1")
         if not self.limits.host_allowed(host):
-            return await _send_error(send, 400, f"the Host {host!r} is not allowed on this server "
-                                                "(see --allowed-hosts)", code="invalid_host")
+            return await _send_error(
+                send,
+                400,
+                f"the Host {host!r} is not allowed on this server (see --allowed-hosts)",
+                code="invalid_host",
+            )
         path = scope.get("path", "")
         if self.api_key is not None and path not in self.open_paths:
             auth = headers.get(b"authorization", b"").decode("latin-1")
@@ -74,8 +86,9 @@ class GuardMiddleware:
                 msg = "missing API key (send Authorization: Bearer KEY)" if not auth else "invalid API key"
                 page = path.startswith(PAGE_PREFIXES)
                 challenge = b'Basic realm="servescope", charset="UTF-8"' if page else b"Bearer"
-                return await _send_error(send, 401, msg, code="invalid_api_key",
-                                         headers=[(b"www-authenticate", challenge)])
+                return await _send_error(
+                    send, 401, msg, code="invalid_api_key", headers=[(b"www-authenticate", challenge)]
+                )
         if scope.get("method") not in _BODY_METHODS:
             return await self.app(scope, receive, send)
         limit = self.limits.max_body_bytes
@@ -86,19 +99,28 @@ class GuardMiddleware:
             except ValueError:
                 return await _send_error(send, 400, "invalid Content-Length header", code="invalid_header")
             if n > limit:
-                return await _send_error(send, 413, f"the request body ({n} bytes) is over the limit of {limit} bytes",
-                                         code="body_too_large")
+                return await _send_error(
+                    send,
+                    413,
+                    f"the request body ({n} bytes) is over the limit of {limit} bytes",
+                    code="body_too_large",
+                )
         try:
             body = await asyncio.wait_for(self._read_body(receive, limit), self.limits.body_timeout_s)
         except asyncio.TimeoutError:
-            return await _send_error(send, 408, f"the request body did not arrive within "
-                                                f"{self.limits.body_timeout_s:g} s", code="body_timeout",
-                                     headers=[(b"connection", b"close")])
+            return await _send_error(
+                send,
+                408,
+                f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
+                code="body_timeout",
+                headers=[(b"connection", b"close")],
+            )
         if body is None:
             return  # the client left before sending its body: nothing to answer
         if isinstance(body, int):
-            return await _send_error(send, 413, f"the request body is over the limit of {limit} bytes",
-                                     code="body_too_large")
+            return await _send_error(
+                send, 413, f"the request body is over the limit of {limit} bytes", code="body_too_large"
+            )
         replayed = False
 
         async def replay():

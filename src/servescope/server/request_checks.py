@@ -28,7 +28,9 @@ def check_request(ctx, req) -> None:
     _check_structured_combination(req)
     tools = getattr(req, "tools", None)
     if tools is not None and len(tools) > limits.max_tools:
-        raise InvalidParameterError("tools", f"at most {limits.max_tools} tools per request, got {len(tools)}")
+        raise InvalidParameterError(
+            "tools", f"at most {limits.max_tools} tools per request, got {len(tools)}"
+        )
     messages = getattr(req, "messages", None)
     if messages is not None:
         chars = sum(len(t) for m in messages for t in _message_texts(m))
@@ -69,8 +71,11 @@ def _find_surrogate(value, path: Optional[str]):
 def check_prompt_chars(ctx, n: int, param: str) -> None:
     limit = max_prompt_chars(ctx)
     if n > limit:
-        raise InvalidParameterError(param, f"the prompt text ({n} characters) is over the limit of {limit} "
-                                           f"characters (more than {ctx.engine.max_model_len} tokens)")
+        raise InvalidParameterError(
+            param,
+            f"the prompt text ({n} characters) is over the limit of {limit} "
+            f"characters (more than {ctx.engine.max_model_len} tokens)",
+        )
 
 
 def max_prompt_chars(ctx) -> int:
@@ -109,13 +114,18 @@ def _check_stops(limits, req, vocab_size: int) -> None:
     stop = getattr(req, "stop", None)
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > limits.max_stop_strings:
-        raise InvalidParameterError("stop", f"at most {limits.max_stop_strings} stop strings, got {len(stops)}")
+        raise InvalidParameterError(
+            "stop", f"at most {limits.max_stop_strings} stop strings, got {len(stops)}"
+        )
     if any(len(s) > limits.max_stop_string_chars for s in stops):
-        raise InvalidParameterError("stop", f"a stop string is longer than {limits.max_stop_string_chars} characters")
+        raise InvalidParameterError(
+            "stop", f"a stop string is longer than {limits.max_stop_string_chars} characters"
+        )
     ids = getattr(req, "stop_token_ids", None)
     if ids is not None and len(ids) > limits.max_stop_token_ids:
-        raise InvalidParameterError("stop_token_ids", f"at most {limits.max_stop_token_ids} stop_token_ids, "
-                                                      f"got {len(ids)}")
+        raise InvalidParameterError(
+            "stop_token_ids", f"at most {limits.max_stop_token_ids} stop_token_ids, got {len(ids)}"
+        )
     if ids and not all(0 <= t < vocab_size for t in ids):
         raise InvalidParameterError("stop_token_ids", f"stop_token_ids must be in 0..{vocab_size - 1}")
 
@@ -125,22 +135,33 @@ def _check_structured_combination(req) -> None:
     ignore_eos or min_tokens would forbid the only token left."""
     rf, so = getattr(req, "response_format", None), getattr(req, "structured_outputs", None)
     tool_choice = getattr(req, "tool_choice", None)
-    constrained = ((rf is not None and rf.type != "text") or so is not None
-                   or (tool_choice is not None and tool_choice not in ("none", "auto")))
+    constrained = (
+        (rf is not None and rf.type != "text")
+        or so is not None
+        or (tool_choice is not None and tool_choice not in ("none", "auto"))
+    )
     if not constrained:
         return
     if getattr(req, "ignore_eos", False):
-        raise InvalidParameterError("ignore_eos", "ignore_eos cannot be combined with a structured output "
-                                                  "(the grammar ends the output where it is complete)")
+        raise InvalidParameterError(
+            "ignore_eos",
+            "ignore_eos cannot be combined with a structured output "
+            "(the grammar ends the output where it is complete)",
+        )
     if getattr(req, "min_tokens", 0):
-        raise InvalidParameterError("min_tokens", "min_tokens cannot be combined with a structured output "
-                                                  "(the grammar ends the output where it is complete)")
+        raise InvalidParameterError(
+            "min_tokens",
+            "min_tokens cannot be combined with a structured output "
+            "(the grammar ends the output where it is complete)",
+        )
 
 
 def render_options(ctx) -> dict:
     """The chat-template options of ServerLimits, as AsyncEngine.render_chat takes them."""
-    return {"content_as_text": not ctx.limits.special_tokens_in_content,
-            "timeout_s": ctx.limits.chat_template_timeout_s}
+    return {
+        "content_as_text": not ctx.limits.special_tokens_in_content,
+        "timeout_s": ctx.limits.chat_template_timeout_s,
+    }
 
 
 def limits_report(ctx) -> dict:

@@ -41,8 +41,10 @@ def _inputs(ctx: ServingContext, req: EmbeddingRequest) -> list:
             raise InvalidParameterError("input", f"token ids must be in 0..{vocab - 1}")
     hidden = ctx.engine.engine.model_config.hidden_size
     if req.dimensions is not None and req.dimensions != hidden:
-        raise InvalidParameterError("dimensions", f"this model's embeddings have {hidden} dimensions, not "
-                                                  f"{req.dimensions} (no truncation)")
+        raise InvalidParameterError(
+            "dimensions",
+            f"this model's embeddings have {hidden} dimensions, not {req.dimensions} (no truncation)",
+        )
     ctx.engine.check_capacity(len(items), ctx.max_queue)
     return items
 
@@ -56,14 +58,24 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, request: 
         ids.append(await ctx.engine.encode(x) if isinstance(x, str) else list(x))
     for x in ids:
         if len(x) > ctx.engine.max_model_len:
-            raise InvalidParameterError("input", f"each input needs 1..{ctx.engine.max_model_len} tokens, "
-                                                 f"got {len(x)}")
-    vectors = await run_until_disconnect(request, ctx.engine.embed(ids, req.pooling, req.normalize is not False,
-                                                                   max_queue=ctx.max_queue))
+            raise InvalidParameterError(
+                "input", f"each input needs 1..{ctx.engine.max_model_len} tokens, got {len(x)}"
+            )
+    vectors = await run_until_disconnect(
+        request, ctx.engine.embed(ids, req.pooling, req.normalize is not False, max_queue=ctx.max_queue)
+    )
     data = []
     for i, v in enumerate(vectors):
-        emb = base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() if req.encoding_format == "base64" else v
+        emb = (
+            base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
+            if req.encoding_format == "base64"
+            else v
+        )
         data.append({"object": "embedding", "index": i, "embedding": emb})
     n = sum(len(x) for x in ids)
-    return {"object": "list", "data": data, "model": ctx.model_name,
-            "usage": {"prompt_tokens": n, "total_tokens": n}}
+    return {
+        "object": "list",
+        "data": data,
+        "model": ctx.model_name,
+        "usage": {"prompt_tokens": n, "total_tokens": n},
+    }

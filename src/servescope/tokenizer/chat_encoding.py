@@ -37,8 +37,13 @@ def control_token_pattern(tokenizer) -> Optional[re.Pattern]:
     return re.compile("|".join(re.escape(t) for t in texts)) if texts else None
 
 
-def encode_chat(tokenizer, render: Callable[[list, Optional[list]], str], messages: list,
-                tools: Optional[list], content_as_text: bool = True) -> tuple:
+def encode_chat(
+    tokenizer,
+    render: Callable[[list, Optional[list]], str],
+    messages: list,
+    tools: Optional[list],
+    content_as_text: bool = True,
+) -> tuple:
     """(prompt text, token ids). render(messages, tools) renders the template (the tokenizer's
     apply_chat_template with its options bound)."""
     text = render(messages, tools)
@@ -46,8 +51,10 @@ def encode_chat(tokenizer, render: Callable[[list, Optional[list]], str], messag
     if pattern is None:
         return text, tokenizer.encode(text, add_special_tokens=False)
     if tools and pattern.search(repr(tools)):
-        raise InvalidParameterError("tools", "a tool definition holds a control token's text "
-                                             f"({pattern.search(repr(tools)).group(0)!r})")
+        raise InvalidParameterError(
+            "tools",
+            f"a tool definition holds a control token's text ({pattern.search(repr(tools)).group(0)!r})",
+        )
     msgs = validate_messages(messages)
     strings: list = []
     masked = [_mask(m, strings) for m in msgs]
@@ -59,9 +66,12 @@ def encode_chat(tokenizer, render: Callable[[list, Optional[list]], str], messag
     pieces = sentinel.split(with_sentinels)  # template text, index, template text, index, ...
     if "".join(p if k % 2 == 0 else strings[int(p)] for k, p in enumerate(pieces)) != text:
         bad = next(s for s in strings if pattern.search(s))
-        raise InvalidParameterError("messages", f"a message holds a control token's text "
-                                                f"({pattern.search(bad).group(0)!r}), and this chat template "
-                                                f"transforms message text, so it cannot be kept as plain text")
+        raise InvalidParameterError(
+            "messages",
+            f"a message holds a control token's text "
+            f"({pattern.search(bad).group(0)!r}), and this chat template "
+            f"transforms message text, so it cannot be kept as plain text",
+        )
     runs = [(p, True) if k % 2 == 0 else (strings[int(p)], False) for k, p in enumerate(pieces)]
     return text, encode_runs(tokenizer, pattern, runs)
 
@@ -81,7 +91,7 @@ def encode_runs(tokenizer, pattern: re.Pattern, runs: list) -> list:
             continue
         pos = 0
         for m in pattern.finditer(text):
-            pending.append(text[pos:m.start()])
+            pending.append(text[pos : m.start()])
             piece, strip_next = _close(hf, pending, m.group(0), strip_next)
             ids.extend(piece)
             ids.append(hf.convert_tokens_to_ids(m.group(0)))

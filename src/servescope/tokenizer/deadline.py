@@ -30,7 +30,9 @@ def run_with_deadline(fn: Callable[[], T], timeout_s: float) -> T:
         with lock:
             if not state["done"]:
                 state["fired"] = True
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(DeadlineExceeded))
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(tid), ctypes.py_object(DeadlineExceeded)
+                )
 
     timer = threading.Timer(timeout_s, fire)
     timer.daemon = True
