@@ -357,13 +357,17 @@ def test_a_reader_that_stops_reading_does_not_hold_the_engine(hostile):
     stream keeps only the newest output, the writer waits on the socket), and the client later reads a
     complete, well-formed stream."""
     server, _ = hostile
-    body = json.dumps(completion("Once upon a time", max_tokens=200, n=4, logprobs=20, ignore_eos=True,
-                                 stream=True)).encode()
+    body = json.dumps(
+        completion("Once upon a time", max_tokens=200, n=4, logprobs=20, ignore_eos=True, stream=True)
+    ).encode()
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", server.port))
-    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nAuthorization: Bearer {KEY}\r\n"
-              f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    s.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     with _client(server) as c:
         state = _drained(c)  # while the client reads nothing
     assert state["num_unfinished"] == 0 and state["kv_cache"]["blocks_used"] == 0
@@ -374,7 +378,9 @@ def test_a_reader_that_stops_reading_does_not_hold_the_engine(hostile):
         assert chunk, data[-300:]
         data += chunk
     s.close()
-    events = [json.loads(line[6:]) for line in _dechunk(data).decode().split("\n") if line.startswith("data: {")]
+    events = [
+        json.loads(line[6:]) for line in _dechunk(data).decode().split("\n") if line.startswith("data: {")
+    ]
     finished = {ch["index"] for e in events for ch in e["choices"] if ch["finish_reason"] == "length"}
     assert finished == {0, 1, 2, 3}
 
@@ -388,4 +394,4 @@ def _dechunk(response: bytes) -> bytes:
         size = int(size_line, 16)
         if size == 0:
             return body
-        body, rest = body + rest[:size], rest[size + 2:]
+        body, rest = body + rest[:size], rest[size + 2 :]
