@@ -329,3 +329,38 @@ def test_weight_map_shards_stay_inside_the_model_directory(tmp_path, shard):
     (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": shard}}))
     with pytest.raises(ModelLoadError):
         weight_files(str(model))
+
+
+# ---------------------------------------------------------------- the key out of `ps`, limits as options
+def test_the_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    from servescope.cli import build_parser  # noqa: PLC0415 - the CLI under test
+    from servescope.cli.serve import KEY_ENV, read_api_key  # noqa: PLC0415
+
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-from-file\n")
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    parse = build_parser().parse_args
+    assert read_api_key(parse(["serve", "--api-key-file", str(key_file)])) == "sk-from-file"
+    assert read_api_key(parse(["serve"])) is None
+    monkeypatch.setenv(KEY_ENV, "sk-from-env")
+    assert read_api_key(parse(["serve"])) == "sk-from-env"
+    with pytest.raises(ValueError, match="not both"):
+        read_api_key(parse(["serve", "--api-key", "k", "--api-key-file", str(key_file)]))
+    with pytest.raises(ValueError, match="cannot read"):
+        read_api_key(parse(["serve", "--api-key-file", str(tmp_path / "missing")]))
+
+
+def test_every_limit_is_a_serve_option():
+    from servescope.cli import build_parser  # noqa: PLC0415 - the CLI under test
+    from servescope.server.limits import limits_from_args  # noqa: PLC0415
+
+    a = build_parser().parse_args(["serve", "--max-stop-token-ids", "7", "--allowed-hosts", "a.example,b.example",
+                                   "--metrics-public", "--special-tokens-in-content", "false",
+                                   "--grammar-compile-timeout-s", "2.5"])
+    limits = limits_from_args(a)
+    assert (limits.max_stop_token_ids, limits.allowed_hosts, limits.metrics_public,
+            limits.special_tokens_in_content, limits.grammar_compile_timeout_s) == (
+        7, ("a.example", "b.example"), True, False, 2.5)
+    assert limits_from_args(build_parser().parse_args(["serve"])) == ServerLimits()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-queue", "0"])
