@@ -354,13 +354,28 @@ def test_every_limit_is_a_serve_option():
     from servescope.cli import build_parser  # noqa: PLC0415 - the CLI under test
     from servescope.server.limits import limits_from_args  # noqa: PLC0415
 
-    a = build_parser().parse_args(["serve", "--max-stop-token-ids", "7", "--allowed-hosts", "a.example,b.example",
-                                   "--metrics-public", "--special-tokens-in-content", "false",
-                                   "--grammar-compile-timeout-s", "2.5"])
+    a = build_parser().parse_args(
+        [
+            "serve",
+            "--max-stop-token-ids",
+            "7",
+            "--allowed-hosts",
+            "a.example,b.example",
+            "--metrics-public",
+            "--special-tokens-in-content",
+            "false",
+            "--grammar-compile-timeout-s",
+            "2.5",
+        ]
+    )
     limits = limits_from_args(a)
-    assert (limits.max_stop_token_ids, limits.allowed_hosts, limits.metrics_public,
-            limits.special_tokens_in_content, limits.grammar_compile_timeout_s) == (
-        7, ("a.example", "b.example"), True, False, 2.5)
+    assert (
+        limits.max_stop_token_ids,
+        limits.allowed_hosts,
+        limits.metrics_public,
+        limits.special_tokens_in_content,
+        limits.grammar_compile_timeout_s,
+    ) == (7, ("a.example", "b.example"), True, False, 2.5)
     assert limits_from_args(build_parser().parse_args(["serve"])) == ServerLimits()
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--max-queue", "0"])
