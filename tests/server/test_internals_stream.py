@@ -217,7 +217,7 @@ def test_too_many_viewers_get_a_clear_error(tiny_server):
     viewer = DashboardViewer(tiny_server.url, TINY_KEY).start(wait_s=120)
     try:
         with httpx.stream("GET", tiny_server.url + "/v1/internals/stream", headers=AUTH, timeout=30) as r:
-            assert r.status_code == 503 and json.loads(r.read())["error"]["code"] == "too_many_viewers"
+            assert r.status_code == 429 and json.loads(r.read())["error"]["code"] == "too_many_viewers"
         assert viewer.hello is not None and viewer.error is None  # the one admitted is unaffected
     finally:
         viewer.stop()

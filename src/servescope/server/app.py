@@ -34,7 +34,6 @@ from servescope.server.serving_common import ServingContext, TokenText
 from servescope.server.serving_completions import create_completion
 from servescope.server.serving_embeddings import create_embedding
 
-MAX_INTERNALS_STEPS = 10_000
 
 
 def _json_safe(x):
@@ -68,7 +67,8 @@ def build_app(async_engine: AsyncEngine, model_name: str = "servescope", api_key
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, limits=limits, api_key=api_key)
     previews = limits.dashboard_previews if limits.dashboard_previews is not None else api_key is not None
-    install_dashboard(app, EngineSource(async_engine, model_name, previews=previews))  # /dashboard + feed
+    install_dashboard(app, EngineSource(async_engine, model_name, previews=previews),  # /dashboard + its feed
+                      max_viewers=limits.max_dashboard_viewers)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -110,8 +110,12 @@ def build_app(async_engine: AsyncEngine, model_name: str = "servescope", api_key
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/internals")
-    async def internals(n: int = Query(100, ge=0, le=MAX_INTERNALS_STEPS,
-                                       description="how many of the latest step records")):
+    async def internals(n: int = Query(100, ge=0, description="how many of the latest step records "
+                                                               "(at most --max-internals-steps)")):
+        if n > limits.max_internals_steps:
+            return error_response(400, f"n must be at most {limits.max_internals_steps}, got {n}", param="n",
+                                  code="invalid_value")
+
         def read(engine):
             recs = engine.step_records
             last = list(itertools.islice(reversed(recs), n))[::-1]

@@ -73,6 +73,8 @@ class ServerLimits:
     header_timeout_s: float = _lim(10.0, "seconds to receive a request's headers", float)
     body_timeout_s: float = _lim(30.0, "seconds to receive a request's body", float)
     keep_alive_timeout_s: float = _lim(5.0, "seconds an idle keep-alive connection stays open", float)
+    max_dashboard_viewers: int = _lim(16, "dashboard viewers connected at once (429 beyond)")
+    max_internals_steps: int = _lim(10_000, "step records one /v1/internals answer may hold (its n)")
     metrics_public: bool = _lim(False, "serve /metrics without the API key (for a scraper without one)", bool)
     dashboard_previews: Optional[bool] = _lim(
         None,
