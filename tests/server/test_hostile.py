@@ -395,3 +395,9 @@ def _dechunk(response: bytes) -> bytes:
         if size == 0:
             return body
         body, rest = body + rest[:size], rest[size + 2 :]
+
+
+def test_the_key_in_x_api_key_works_too(hostile):
+    server, _ = hostile
+    assert httpx.get(server.url + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
+    assert httpx.get(server.url + "/v1/models", headers={"x-api-key": "wrong"}).status_code == 401

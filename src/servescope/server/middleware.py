@@ -5,8 +5,9 @@ API key (401), the body size limit (413) and the body deadline (408).
   re-pointed at 127.0.0.1); it cannot choose the Host header, which stays its own name. So a server
   bound to loopback accepts only the loopback names by default (ServerLimits.allowed_hosts).
 - The key: with one set, every route but /health needs it (/metrics too, unless metrics_public):
-  `Authorization: Bearer KEY`, or HTTP Basic with the key as the password, which is what a browser
-  can send for the pages (/dashboard, /docs): their 401 asks for Basic, so the browser prompts.
+  `Authorization: Bearer KEY` (or `x-api-key: KEY`, as Anthropic's clients send it), or HTTP Basic
+  with the key as the password, which is what a browser can send for the pages (/dashboard, /docs):
+  their 401 asks for Basic, so the browser prompts.
 - The body limit looks at Content-Length first (a declared oversize body is refused unread), then
   counts the bytes actually received (chunked bodies, lying headers) and buffers at most the limit;
   the buffered body is replayed to the app, so nothing is parsed before the limit holds. The whole
@@ -30,8 +31,13 @@ OPEN_PATHS = ("/health",)
 PAGE_PREFIXES = ("/dashboard", "/docs", "/redoc", "/openapi.json")
 
 
-async def _send_error(send, status: int, message: str, param=None, code=None, headers=()) -> None:
-    body = json.dumps(error_body(status, message, param, code)).encode()
+def error_json(status: int, message: str, param, code, path: str) -> dict:
+    """The error body for a request to `path` (the one place to pick an API's own error shape)."""
+    return error_body(status, message, param, code)
+
+
+async def _send_error(send, path: str, status: int, message: str, param=None, code=None, headers=()) -> None:
+    body = json.dumps(error_json(status, message, param, code, path)).encode()
     await send(
         {
             "type": "http.response.start",
@@ -71,23 +77,26 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        path = scope.get("path", "")
         host = headers.get(b"host", b"").decode("latin-1")
         if not self.limits.host_allowed(host):
             return await _send_error(
                 send,
+                path,
                 400,
                 f"the Host {host!r} is not allowed on this server (see --allowed-hosts)",
                 code="invalid_host",
             )
-        path = scope.get("path", "")
         if self.api_key is not None and path not in self.open_paths:
             auth = headers.get(b"authorization", b"").decode("latin-1")
+            if not auth and b"x-api-key" in headers:  # Anthropic's clients send the key this way
+                auth = "Bearer " + headers[b"x-api-key"].decode("latin-1")
             if not key_matches(auth, self.api_key):
                 msg = "missing API key (send Authorization: Bearer KEY)" if not auth else "invalid API key"
                 page = path.startswith(PAGE_PREFIXES)
                 challenge = b'Basic realm="servescope", charset="UTF-8"' if page else b"Bearer"
                 return await _send_error(
-                    send, 401, msg, code="invalid_api_key", headers=[(b"www-authenticate", challenge)]
+                    send, path, 401, msg, code="invalid_api_key", headers=[(b"www-authenticate", challenge)]
                 )
         if scope.get("method") not in _BODY_METHODS:
             return await self.app(scope, receive, send)
@@ -97,10 +106,13 @@ class GuardMiddleware:
             try:
                 n = int(declared)
             except ValueError:
-                return await _send_error(send, 400, "invalid Content-Length header", code="invalid_header")
+                return await _send_error(
+                    send, path, 400, "invalid Content-Length header", code="invalid_header"
+                )
             if n > limit:
                 return await _send_error(
                     send,
+                    path,
                     413,
                     f"the request body ({n} bytes) is over the limit of {limit} bytes",
                     code="body_too_large",
@@ -110,6 +122,7 @@ class GuardMiddleware:
         except asyncio.TimeoutError:
             return await _send_error(
                 send,
+                path,
                 408,
                 f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
                 code="body_timeout",
@@ -119,7 +132,7 @@ class GuardMiddleware:
             return  # the client left before sending its body: nothing to answer
         if isinstance(body, int):
             return await _send_error(
-                send, 413, f"the request body is over the limit of {limit} bytes", code="body_too_large"
+                send, path, 413, f"the request body is over the limit of {limit} bytes", code="body_too_large"
             )
         replayed = False
 
