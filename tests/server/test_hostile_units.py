@@ -379,3 +379,16 @@ def test_every_limit_is_a_serve_option():
     assert limits_from_args(build_parser().parse_args(["serve"])) == ServerLimits()
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--max-queue", "0"])
+
+
+def test_template_variables_and_special_tokens_pass_through(tiny_async_engine):
+    tok = tiny_async_engine.tokenizer
+    msgs = [{"role": "user", "content": "hi <|im_end|>"}]
+    plain_ids = tok.encode_chat(msgs)[1]
+    with_bos = tok.encode_chat(msgs, add_special_tokens=True)[1]
+    bare, full = tok.hf.encode("a", add_special_tokens=False), tok.hf.encode("a", add_special_tokens=True)
+    i = next(i for i in range(len(full)) if full[i:i + len(bare)] == bare)
+    assert with_bos == full[:i] + plain_ids + full[i + len(bare):]
+    with pytest.raises(InvalidParameterError) as e:
+        tok.encode_chat([{"role": "user", "content": "x"}], persona="<|im_start|>system")
+    assert e.value.param == "chat_template_kwargs"

@@ -102,15 +102,17 @@ class AsyncEngine:
             raise InvalidParameterError("prompt", "this model has no tokenizer: pass prompt token ids")
         return await asyncio.to_thread(tok.encode, text, add_special_tokens)
 
-    async def render_chat(self, messages: list, add_generation_prompt: bool = True, tools=None, *,
-                          content_as_text: bool = True, timeout_s: Optional[float] = None) -> tuple:
+    async def render_chat(self, messages: list, add_generation_prompt: bool = True, tools=None,
+                          add_special_tokens: bool = False, *, content_as_text: bool = True,
+                          timeout_s: Optional[float] = None, **template_kw) -> tuple:
         """(prompt text, token ids) of a conversation (Tokenizer.encode_chat: control tokens written in
-        message text stay text unless content_as_text is False); raises InvalidParameterError."""
+        message text stay text unless content_as_text is False; the render stops after timeout_s);
+        raises InvalidParameterError."""
         tok = self.engine.tokenizer
         if tok is None:
             raise InvalidParameterError("messages", "this model has no tokenizer, so no chat template")
-        return await asyncio.to_thread(tok.encode_chat, messages, add_generation_prompt, tools,
-                                       content_as_text, timeout_s)
+        return await asyncio.to_thread(lambda: tok.encode_chat(messages, add_generation_prompt, tools, content_as_text,
+                                                               timeout_s, add_special_tokens, **template_kw))
 
     # ------------------------------------------------------------ requests
     def check_capacity(self, k: int = 1, max_queue: Optional[int] = None) -> None:

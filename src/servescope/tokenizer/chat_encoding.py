@@ -43,23 +43,26 @@ def encode_chat(
     messages: list,
     tools: Optional[list],
     content_as_text: bool = True,
+    add_special_tokens: bool = False,
+    client_values: Optional[dict] = None,
 ) -> tuple:
     """(prompt text, token ids). render(messages, tools) renders the template (the tokenizer's
-    apply_chat_template with its options bound)."""
+    apply_chat_template with its options bound). add_special_tokens: the tokenizer's own (BOS) too,
+    although the template holds them already. client_values: other values the client gave the
+    template (its variables, documents), refused like tools when they hold a control token."""
     text = render(messages, tools)
     pattern = tokenizer.control_pattern if content_as_text else None
     if pattern is None:
-        return text, tokenizer.encode(text, add_special_tokens=False)
-    if tools and pattern.search(repr(tools)):
-        raise InvalidParameterError(
-            "tools",
-            f"a tool definition holds a control token's text ({pattern.search(repr(tools)).group(0)!r})",
-        )
+        return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    for param, value in (("tools", tools), ("chat_template_kwargs", client_values)):
+        found = pattern.search(repr(value)) if value else None
+        if found:
+            raise InvalidParameterError(param, f"{param} holds a control token's text ({found.group(0)!r})")
     msgs = validate_messages(messages)
     strings: list = []
     masked = [_mask(m, strings) for m in msgs]
     if not any(pattern.search(s) for s in strings):
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)
     nonce = secrets.token_hex(8)
     sentinel = re.compile("\ue000" + nonce + r":(\d+)\ue001")
     with_sentinels = render([_unmask(m, lambda i: f"\ue000{nonce}:{i}\ue001") for m in masked], tools)
@@ -73,7 +76,8 @@ def encode_chat(
             f"transforms message text, so it cannot be kept as plain text",
         )
     runs = [(p, True) if k % 2 == 0 else (strings[int(p)], False) for k, p in enumerate(pieces)]
-    return text, encode_runs(tokenizer, pattern, runs)
+    ids = encode_runs(tokenizer, pattern, runs)
+    return text, _with_special_tokens(tokenizer.hf, ids) if add_special_tokens else ids
 
 
 def encode_runs(tokenizer, pattern: re.Pattern, runs: list) -> list:
@@ -112,6 +116,17 @@ def _close(hf, pending: list, token: Optional[str], strip_start: bool) -> tuple:
         text = text.rstrip()
     ids = hf.encode(text, add_special_tokens=False, split_special_tokens=True) if text else []
     return ids, bool(added is not None and getattr(added, "rstrip", False))
+
+
+def _with_special_tokens(hf, ids: list) -> list:
+    """ids with the tokenizer's own special tokens around them (BOS, EOS: whatever its post-processor
+    adds around a text), found by encoding one plain character with and without them."""
+    bare = hf.encode("a", add_special_tokens=False)
+    full = hf.encode("a", add_special_tokens=True)
+    for i in range(len(full) - len(bare) + 1):
+        if full[i:i + len(bare)] == bare:
+            return full[:i] + list(ids) + full[i + len(bare):]
+    return list(ids)
 
 
 def _added(hf, token: str):

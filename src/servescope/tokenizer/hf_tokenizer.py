@@ -94,14 +94,17 @@ class Tokenizer:
         return self._control_pattern or None
 
     def encode_chat(self, messages: list, add_generation_prompt: bool = True, tools=None,
-                    content_as_text: bool = True, timeout_s: Optional[float] = None) -> tuple:
+                    content_as_text: bool = True, timeout_s: Optional[float] = None,
+                    add_special_tokens: bool = False, **template_kw) -> tuple:
         """(prompt text, token ids) of a conversation; control tokens written in message text stay
-        text unless content_as_text is False (tokenizer/chat_encoding.py says how and why)."""
+        text unless content_as_text is False (tokenizer/chat_encoding.py says how and why).
+        template_kw: apply_chat_template's own keywords and the template's variables."""
         def render(msgs, tls):
             return self.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tls,
-                                            timeout_s=timeout_s)
+                                            timeout_s=timeout_s, **template_kw)
 
-        return encode_chat(self, render, messages, tools, content_as_text)
+        client_values = {k: v for k, v in template_kw.items() if k != "chat_template"}  # a template is code
+        return encode_chat(self, render, messages, tools, content_as_text, add_special_tokens, client_values)
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, eos={sorted(self.eos_token_ids)})"
