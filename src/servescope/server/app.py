@@ -110,12 +110,8 @@ def build_app(async_engine: AsyncEngine, model_name: str = "servescope", api_key
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/internals")
-    async def internals(n: int = Query(100, ge=0, description="how many of the latest step records "
-                                                               "(at most --max-internals-steps)")):
-        if n > limits.max_internals_steps:
-            return error_response(400, f"n must be at most {limits.max_internals_steps}, got {n}", param="n",
-                                  code="invalid_value")
-
+    async def internals(n: int = Query(100, ge=0, le=limits.max_internals_steps,
+                                       description="how many of the latest step records")):
         def read(engine):
             recs = engine.step_records
             last = list(itertools.islice(reversed(recs), n))[::-1]
