@@ -15,9 +15,10 @@ from .conftest import API_KEY, TINY_KEY
 from .test_internals_stream import _load
 
 try:
+    from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import sync_playwright
 except ImportError:  # optional: the tests say how to install it
-    sync_playwright = None
+    sync_playwright = PlaywrightError = None
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(
@@ -37,8 +38,12 @@ def browser():
         b.close()
 
 
-def _open(browser, url: str, key=None):
-    page = browser.new_page(viewport={"width": 1400, "height": 1300})
+def _open(browser, url: str, key=None, credentials=None):
+    """key: given to the page in its URL (#key=, sent as Bearer on its feed); credentials: the key as
+    the browser's HTTP Basic password, which the page itself needs (every route but /health does)."""
+    credentials = credentials if credentials is not None else key
+    page = browser.new_page(viewport={"width": 1400, "height": 1300},
+                            http_credentials={"username": "viewer", "password": credentials} if credentials else None)
     errors = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e: errors.append(str(e)))
@@ -109,15 +114,21 @@ def test_panels_follow_a_load_and_prompts_stay_text(browser, tiny_server):
     page.close()
 
 
-def test_without_the_key_the_page_asks_for_it(browser, tiny_server):
-    page, errors = _open(browser, tiny_server.url)
-    page.wait_for_selector("#keyform", state="visible")
-    assert page.text_content("#conn-text") == "API key needed"
-    page.fill("#key", TINY_KEY)
-    page.click("#keyform button")
+def test_without_the_key_the_browser_is_asked_for_it(browser, tiny_server):
+    """The page needs the key too (every route but /health): its 401 asks the browser for Basic
+    credentials, and the key given there as the password reaches the page's feed as well."""
+    for credentials in (None, {"username": "viewer", "password": "wrong"}):
+        page = browser.new_page(http_credentials=credentials)  # headless: a prompt nobody can answer
+        try:  # Chromium shows the 401, or fails the navigation when its credentials were refused
+            refused = page.goto(f"{tiny_server.url}/dashboard").status == 401
+        except PlaywrightError as e:
+            refused = "INVALID_AUTH_CREDENTIALS" in str(e)
+        assert refused, credentials
+        page.close()
+    page, errors = _open(browser, tiny_server.url, credentials=TINY_KEY)
     _wait(page, "document.getElementById('conn-text').textContent === 'live'")
     assert page.locator("#keyform").is_hidden()
-    assert all("401" in e for e in errors), errors  # the refused first request, nothing else
+    assert errors == []
     page.close()
 
 

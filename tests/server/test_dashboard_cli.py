@@ -70,7 +70,8 @@ def test_generate_dashboard_serves_the_run_and_its_trace_replays(tmp_path, capsy
         assert rhello["source"] == "replay" and [s["phase"] for s in rhello["frame"]["steps"]] == \
             [s["phase"] for s in steps]
         assert rhello["frame"]["latency"]["finished"] == 1
-        assert httpx.get(replay.url + "/dashboard").status_code == 200
+        assert httpx.get(replay.url + "/dashboard").status_code == 401  # every route but /health needs it
+        assert httpx.get(replay.url + "/dashboard", auth=("viewer", "k")).status_code == 200  # a browser's Basic
     finally:
         replay.stop()
     run.join(60)

@@ -60,17 +60,19 @@ def _wait_for(cond, timeout: float = 60.0) -> bool:
     return True
 
 
-def test_feed_needs_the_key_and_the_page_needs_none(tiny_server):
+def test_feed_and_page_need_the_key(tiny_server):
     r = httpx.get(tiny_server.url + "/v1/internals/stream")
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    page = httpx.get(tiny_server.url + "/dashboard")
+    r = httpx.get(tiny_server.url + "/dashboard")  # a browser is asked for Basic credentials: the key
+    assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Basic")
+    page = httpx.get(tiny_server.url + "/dashboard", auth=("viewer", TINY_KEY))
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "script-src 'self'" in page.headers["content-security-policy"]
     assert '<script src="/dashboard/static/dashboard.js"' in page.text
-    js = httpx.get(tiny_server.url + "/dashboard/static/dashboard.js")
+    js = httpx.get(tiny_server.url + "/dashboard/static/dashboard.js", headers=AUTH)
     assert js.status_code == 200 and "javascript" in js.headers["content-type"] and "innerHTML" not in js.text
     for bad in ("nope.js", "..%2Fapp.py", "dashboard.html"):
-        r = httpx.get(tiny_server.url + "/dashboard/static/" + bad)
+        r = httpx.get(tiny_server.url + "/dashboard/static/" + bad, headers=AUTH)
         assert r.status_code == 404 and "error" in r.json()
 
 
@@ -215,7 +217,7 @@ def test_too_many_viewers_get_a_clear_error(tiny_server):
     viewer = DashboardViewer(tiny_server.url, TINY_KEY).start(wait_s=120)
     try:
         with httpx.stream("GET", tiny_server.url + "/v1/internals/stream", headers=AUTH, timeout=30) as r:
-            assert r.status_code == 503 and json.loads(r.read())["error"]["code"] == "too_many_viewers"
+            assert r.status_code == 429 and json.loads(r.read())["error"]["code"] == "too_many_viewers"
         assert viewer.hello is not None and viewer.error is None  # the one admitted is unaffected
     finally:
         viewer.stop()

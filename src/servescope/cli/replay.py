@@ -23,6 +23,7 @@ def run(args: argparse.Namespace) -> int:
     # the server (fastapi, uvicorn) is imported once the arguments are valid: seconds of `--help`
     import uvicorn
 
+    from servescope.server.limits import ServerLimits
     from servescope.server.replay import ReplaySource, build_replay_app
     from servescope.telemetry.trace_replay import read_recorded_run
 
@@ -32,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"servescope: replaying {len(run_.steps)} steps ({run_.duration_ms / 1e3:.1f} s recorded) "
           f"at {args.speed}x", flush=True)
     announce_dashboard(f"http://{host}:{args.port}/dashboard", open_browser=not args.no_browser)
-    uvicorn.run(build_replay_app(source, api_key=args.api_key), host=args.host, port=args.port,
+    limits = ServerLimits().for_bind(args.host)
+    uvicorn.run(build_replay_app(source, api_key=args.api_key, limits=limits), host=args.host, port=args.port,
                 log_level="warning", timeout_graceful_shutdown=2)
     return 0

@@ -89,10 +89,13 @@ STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 class StructuredOutput:
     """A constraint on a request's output: `kind` json (spec: a JSON schema, as a JSON string),
     json_object (any JSON object; spec unused), regex, choice (spec: a tuple of strings) or grammar
-    (EBNF). Compiled by servescope.structured; only its shape is checked here."""
+    (EBNF). Compiled by servescope.structured; only its shape is checked here. `compiled`: the
+    grammar the server compiled for this request, carried to the engine so that the engine thread
+    never compiles (not part of the constraint's identity)."""
 
     kind: str
     spec: object = None
+    compiled: object = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         _check(self.kind in STRUCTURED_KINDS, "structured",

@@ -27,6 +27,9 @@ import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from servescope.config import SamplingParams
+from servescope.engine.embedding import EmbeddingJob
+from servescope.engine.request_stream import ACCEPTED as _ACCEPTED
+from servescope.engine.request_stream import RequestStream
 from servescope.engine.outputs import RequestOutput
 from servescope.errors import InvalidParameterError, ServescopeError, WorkerFailedError
 
@@ -45,68 +48,6 @@ class EngineClosedError(ServescopeError):
 
 class EngineStepError(ServescopeError):
     """An engine step failed; the requests in that step were aborted."""
-
-
-_ACCEPTED = object()  # first item on a request's queue once the engine thread queued it
-
-
-class RequestStream:
-    """Async iterator over the RequestOutputs of one request (outputs are cumulative).
-
-    A slow consumer skips intermediate outputs: each `__anext__` returns the newest one, which holds
-    everything before it. Call `abort()` (or use `AsyncEngine.generate`) when leaving early.
-    """
-
-    def __init__(self, engine: "AsyncEngine", request_id: str, loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
-        self._engine = engine
-        self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._pending_error: Optional[BaseException] = None
-        self._done = False  # the consumer has seen the end (finished output or an error)
-        self._held = True  # counts toward the engine's in-flight total (released exactly once)
-        self._seen_tokens = 0  # engine thread only: output tokens already reported to listeners
-
-    # -- engine thread side
-    def _put(self, item) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the event loop is gone: nobody will read this; drop the request
-            self._engine._send(("abort", self.request_id))
-
-    # -- consumer side
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        if self._pending_error is not None:
-            item, self._pending_error = self._pending_error, None
-        else:
-            item = await self._queue.get()
-        while not isinstance(item, BaseException) and not self._queue.empty():
-            nxt = self._queue.get_nowait()  # outputs are cumulative: the newest one suffices
-            if isinstance(nxt, BaseException):
-                self._pending_error = nxt  # hand out what came before the error first
-                break
-            item = nxt
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item.finished:
-            self._done = True
-        return item
-
-    @property
-    def finished(self) -> bool:
-        return self._done
-
-    def abort(self) -> None:
-        """Stop the request if it still runs; its KV blocks are freed before the engine's next step."""
-        if not self._done:
-            self._done = True
-            self._engine._send(("abort", self.request_id))
 
 
 class AsyncEngine:
@@ -161,23 +102,17 @@ class AsyncEngine:
             raise InvalidParameterError("prompt", "this model has no tokenizer: pass prompt token ids")
         return await asyncio.to_thread(tok.encode, text, add_special_tokens)
 
-    async def render_chat(self, messages: list, add_generation_prompt: bool = True, tools=None) -> tuple:
-        """(prompt text, token ids) of a conversation; raises InvalidParameterError("messages", ...)."""
+    async def render_chat(self, messages: list, add_generation_prompt: bool = True, tools=None,
+                          add_special_tokens: bool = False, *, content_as_text: bool = True,
+                          timeout_s: Optional[float] = None, **template_kw) -> tuple:
+        """(prompt text, token ids) of a conversation (Tokenizer.encode_chat: control tokens written in
+        message text stay text unless content_as_text is False; the render stops after timeout_s);
+        raises InvalidParameterError."""
         tok = self.engine.tokenizer
         if tok is None:
             raise InvalidParameterError("messages", "this model has no tokenizer, so no chat template")
-
-        def render():
-            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
-            # the template already holds the special tokens (BOS): do not add them again
-            return text, tok.encode(text, add_special_tokens=False)
-
-        return await asyncio.to_thread(render)
-
-    async def compile_grammar(self, spec) -> None:
-        """Compile a structured-output constraint off the engine thread (add_request then finds it in
-        the compiler's cache); raises InvalidParameterError("structured", ...)."""
-        await asyncio.to_thread(lambda: self.engine.grammar_compiler.compile(spec))
+        return await asyncio.to_thread(lambda: tok.encode_chat(messages, add_generation_prompt, tools, content_as_text,
+                                                               timeout_s, add_special_tokens, **template_kw))
 
     # ------------------------------------------------------------ requests
     def check_capacity(self, k: int = 1, max_queue: Optional[int] = None) -> None:
@@ -207,16 +142,16 @@ class AsyncEngine:
             if limit is not None and self._inflight >= limit:
                 raise QueueFullError(f"the server is busy ({self._inflight} requests in flight, limit {limit})")
             self._inflight += 1
-        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        stream = RequestStream(self._send, request_id, asyncio.get_running_loop())
         self._send(("add", request_id, list(prompt), params, priority, arrival, stream))
         try:
-            first = await stream._queue.get()
+            await stream._wait(lambda: stream._accepted or stream._error is not None)
         except BaseException:  # cancelled while the engine had not answered: take it back
             stream.abort()
             raise
-        if isinstance(first, BaseException):
+        if not stream._accepted:
             stream._done = True
-            raise first
+            raise stream._error
         return stream
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams,
@@ -229,6 +164,32 @@ class AsyncEngine:
                 yield out
         finally:
             stream.abort()
+
+    async def embed(self, inputs: list, pooling: str = "last", normalize: bool = True, *,
+                    max_queue: Optional[int] = None) -> list:
+        """Embedding vectors of token-id lists (engine/embedding.py), admitted like requests: each input
+        holds an in-flight slot (QueueFullError beyond max_queue) and runs on the engine thread a chunk
+        of max_num_batched_tokens at a time, between steps. Cancelling the caller (a client
+        disconnect) stops it after the chunk that is running."""
+        limit = self._limit(max_queue)
+        k = len(inputs)
+        with self._lock:
+            if limit is not None and self._inflight + k > limit:
+                raise QueueFullError(f"the server is busy ({self._inflight} requests in flight, limit {limit})")
+            self._inflight += k
+        try:
+            chunk = self.engine.scheduler_config.max_num_batched_tokens
+            out = []
+            for ids in inputs:
+                job = EmbeddingJob(ids, pooling, normalize, chunk_tokens=chunk)
+                vec = None
+                while vec is None:
+                    vec = await self.run_on_engine(job.step)
+                out.append(vec)
+            return out
+        finally:
+            with self._lock:
+                self._inflight -= k
 
     async def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))

@@ -31,8 +31,10 @@ def _run_lengths(values: list) -> list:
 
 
 class LiveView:
-    def __init__(self, engine, histograms: Optional[LatencyHistograms] = None, max_steps: int = 500):
+    def __init__(self, engine, histograms: Optional[LatencyHistograms] = None, max_steps: int = 500,
+                 previews: bool = True):
         self.engine = engine
+        self.previews = previews  # False: queue entries carry no prompt text (prompt None)
         self.histograms = histograms or LatencyHistograms()
         self.max_steps = max_steps
         self.prefill_tokens = self.decode_tokens = 0  # since this view was attached
@@ -103,7 +105,8 @@ class LiveView:
                 req = sched.get_request(rid)
                 if req is None:
                     continue
-                entries.append({"id": rid, "prompt": self._preview(rid, req), "prompt_tokens": req.num_prompt_tokens,
+                preview = self._preview(rid, req) if self.previews else None
+                entries.append({"id": rid, "prompt": preview, "prompt_tokens": req.num_prompt_tokens,
                                 "output_tokens": req.num_output_tokens})
             out[name] = {"count": len(ids), "entries": entries}
         return out

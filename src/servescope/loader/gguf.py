@@ -82,7 +82,10 @@ def load_gguf(path: str, keep_packed: bool = False) -> LoadedSource:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
     meta = _Metadata(reader, path)
-    config = _config_from_metadata(meta, reader, path)
+    try:
+        config = _config_from_metadata(meta, reader, path)
+    except (TypeError, ValueError, ArithmeticError) as e:  # a metadata value of the wrong type or range
+        raise ModelLoadError(f"{path}: invalid GGUF metadata ({type(e).__name__}: {e})") from None
     state_dict, packed = _read_tensors(reader, config, meta.arch, path, keep_packed)
     state_dict = check_state_dict(state_dict, config, path)
 
@@ -148,10 +151,10 @@ def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
     if family == "llama" and "mistral" in str(name).lower():
         family = "mistral"
     tensor_names = {t.name for t in reader.tensors}
-    hidden = int(meta.arch_key("embedding_length", required=True))
-    heads = int(meta.arch_key("attention.head_count", required=True))
-    kv_heads = int(meta.arch_key("attention.head_count_kv", heads))
-    head_dim = int(meta.arch_key("attention.key_length", hidden // heads))
+    hidden = _positive_int(meta, "embedding_length", meta.arch_key("embedding_length", required=True))
+    heads = _positive_int(meta, "attention.head_count", meta.arch_key("attention.head_count", required=True))
+    kv_heads = _positive_int(meta, "attention.head_count_kv", meta.arch_key("attention.head_count_kv", heads))
+    head_dim = _positive_int(meta, "attention.key_length", meta.arch_key("attention.key_length", hidden // heads))
     rope_dim = meta.arch_key("rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != head_dim:
         raise ModelLoadError(f"{path}: partial rotary embedding (rope.dimension_count {rope_dim} != head_dim "
@@ -189,6 +192,18 @@ def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
         )
     except InvalidParameterError as e:
         raise ModelLoadError(f"{path}: invalid model config in GGUF metadata: {e.message}") from None
+
+
+def _positive_int(meta: _Metadata, suffix: str, value) -> int:
+    """A size from the metadata as a positive int, else a ModelLoadError naming the key (a head count
+    of 0 would divide by zero further on)."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ModelLoadError(f"{meta.path}: {meta.arch}.{suffix} is not an integer ({value!r})") from None
+    if n <= 0:
+        raise ModelLoadError(f"{meta.path}: {meta.arch}.{suffix} must be positive, got {n}")
+    return n
 
 
 def _f32(v) -> float:

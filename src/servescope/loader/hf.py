@@ -76,6 +76,15 @@ def _read_json(path: str) -> dict:
     return d
 
 
+def _plain_relative(name) -> bool:
+    """A path confined to its directory: relative, no '..' part, not a drive or a home directory."""
+    if not isinstance(name, str) or not name or "\x00" in name or "\\" in name:
+        return False
+    if os.path.isabs(name) or name.startswith("~") or ":" in name:
+        return False
+    return ".." not in name.split("/") and not os.path.normpath(name).startswith("..")
+
+
 def weight_files(path: str) -> list[str]:
     """The safetensors files of a directory, in shard order. Raises ModelLoadError when there are none."""
     index_path = os.path.join(path, INDEX_FILE)
@@ -85,6 +94,8 @@ def weight_files(path: str) -> list[str]:
             raise ModelLoadError(f"{index_path}: no weight_map")
         files = sorted(set(weight_map.values()))
         for f in files:
+            if not _plain_relative(f):
+                raise ModelLoadError(f"{index_path}: shard {f!r} is not a file name inside the model directory")
             if not os.path.isfile(os.path.join(path, f)):
                 raise ModelLoadError(f"{index_path}: lists shard {f}, which is missing from {path}")
         return [os.path.join(path, f) for f in files]

@@ -3,15 +3,16 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, GET /v1/models, GET /health,
 GET /metrics (Prometheus text, this app's own registry), GET /v1/internals?n=N (the last N step
 records and the KV cache state, read on the engine thread), GET /dashboard and its feed
-GET /v1/internals/stream (server/dashboard.py).
+GET /v1/internals/stream (server/dashboard.py). Every limit on what a client may send or hold is a
+field of ServerLimits (server/limits.py), reported under "limits" in /v1/internals.
 
 Several apps may share one AsyncEngine (e.g. with different max_queue); each keeps its own metrics.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import json
 import math
 from typing import Optional
 
@@ -21,6 +22,9 @@ from fastapi.responses import JSONResponse, Response
 from servescope.engine.async_engine import AsyncEngine
 from servescope.server.dashboard import install_dashboard
 from servescope.server.errors import error_response, install_error_handlers, to_api_error
+from servescope.server.grammar_service import GrammarService
+from servescope.server.limits import ServerLimits
+from servescope.server.request_checks import limits_report
 from servescope.server.internals_stream import EngineSource
 from servescope.server.metrics import CONTENT_TYPE, ServerMetrics
 from servescope.server.middleware import GuardMiddleware
@@ -30,8 +34,6 @@ from servescope.server.serving_common import ServingContext, TokenText
 from servescope.server.serving_completions import create_completion
 from servescope.server.serving_embeddings import create_embedding
 
-DEFAULT_MAX_BODY_BYTES = 8 * 2**20
-MAX_INTERNALS_STEPS = 10_000
 
 
 def _json_safe(x):
@@ -45,25 +47,28 @@ def _json_safe(x):
     return x
 
 
-def build_app(async_engine: AsyncEngine, model_name: str = "servescope",
-              max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES, api_key: Optional[str] = None,
-              max_n: int = 8, max_queue: Optional[int] = None) -> FastAPI:
-    if max_n < 1:
-        raise ValueError(f"max_n must be at least 1, got {max_n}")
-    if max_queue is not None and max_queue < 1:
-        raise ValueError(f"max_queue must be at least 1, got {max_queue}")
+def build_app(async_engine: AsyncEngine, model_name: str = "servescope", api_key: Optional[str] = None,
+              limits: Optional[ServerLimits] = None, **limit_overrides) -> FastAPI:
+    """limits: the server's limits (ServerLimits' defaults if None); limit_overrides: single fields
+    (e.g. max_queue=4) replaced on top of them."""
+    limits = dataclasses.replace(limits or ServerLimits(), **limit_overrides)
     app = FastAPI(title="servescope", version="0.1.0",
                   description="OpenAI-compatible API of the servescope engine.")
-    ctx = ServingContext(engine=async_engine, model_name=model_name, max_n=max_n, max_queue=max_queue,
-                         token_text=TokenText(async_engine.tokenizer))
+    ctx = ServingContext(engine=async_engine, model_name=model_name, max_n=limits.max_n,
+                         max_queue=limits.max_queue, token_text=TokenText(async_engine.tokenizer),
+                         limits=limits, grammars=GrammarService(async_engine, limits))
     metrics = ServerMetrics(model_name)
     async_engine.output_listeners.append(metrics.on_output)
     app.state.ctx = ctx
     app.state.metrics = metrics
     app.state.async_engine = async_engine
+    app.state.limits = limits
+    ctx.grammars.warm()
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, max_body_bytes=max_body_bytes, api_key=api_key)
-    install_dashboard(app, EngineSource(async_engine, model_name))  # /dashboard, /v1/internals/stream
+    app.add_middleware(GuardMiddleware, limits=limits, api_key=api_key)
+    previews = limits.dashboard_previews if limits.dashboard_previews is not None else api_key is not None
+    install_dashboard(app, EngineSource(async_engine, model_name, previews=previews),  # /dashboard + its feed
+                      max_viewers=limits.max_dashboard_viewers)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -80,9 +85,9 @@ def build_app(async_engine: AsyncEngine, model_name: str = "servescope",
             raise to_api_error(e) from None
 
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest):
+    async def embeddings(body: EmbeddingRequest, request: Request):
         try:
-            return await create_embedding(ctx, body)
+            return await create_embedding(ctx, body, request)
         except Exception as e:
             raise to_api_error(e) from None
 
@@ -105,7 +110,7 @@ def build_app(async_engine: AsyncEngine, model_name: str = "servescope",
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/internals")
-    async def internals(n: int = Query(100, ge=0, le=MAX_INTERNALS_STEPS,
+    async def internals(n: int = Query(100, ge=0, le=limits.max_internals_steps,
                                        description="how many of the latest step records")):
         def read(engine):
             recs = engine.step_records
@@ -115,6 +120,7 @@ def build_app(async_engine: AsyncEngine, model_name: str = "servescope",
 
         data = await async_engine.run_on_engine(read)
         data["num_in_flight"] = async_engine.num_inflight
+        data["limits"] = limits_report(ctx)
         return JSONResponse(_json_safe(data))
 
     return app

@@ -46,8 +46,10 @@ class FrameSource(Protocol):
 class EngineSource:
     """Snapshots of an AsyncEngine's LLMEngine, taken on the engine thread."""
 
-    def __init__(self, async_engine: AsyncEngine, model_name: str, max_steps: int = 500):
+    def __init__(self, async_engine: AsyncEngine, model_name: str, max_steps: int = 500,
+                 previews: bool = True):
         self.async_engine = async_engine
+        self.previews = previews  # prompt previews in the queues (off: viewers may hold no key)
         self.model_name = model_name
         self.max_steps = max_steps
         self.histograms = LatencyHistograms()
@@ -56,7 +58,7 @@ class EngineSource:
 
     def _frame(self, engine, since_step: int) -> dict:  # engine thread
         if self._view is None:
-            self._view = LiveView(engine, self.histograms, max_steps=self.max_steps)
+            self._view = LiveView(engine, self.histograms, max_steps=self.max_steps, previews=self.previews)
         return self._view.frame(since_step)
 
     def info(self) -> dict:
@@ -183,7 +185,8 @@ def install_internals_stream(app: FastAPI, source: FrameSource, **broadcaster_kw
         try:
             viewer = broadcaster.connect(interval)
         except ServescopeError as e:
-            return error_response(503, str(e), code="too_many_viewers")
+            # the client's doing (one more viewer), not the server's failure: 429, as for a full queue
+            return error_response(429, str(e), code="too_many_viewers", headers={"Retry-After": "1"})
         return StreamingResponse(broadcaster.events(viewer), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

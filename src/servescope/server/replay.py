@@ -19,6 +19,7 @@ from servescope.analysis.hardware import get_hardware
 from servescope.errors import InvalidParameterError
 from servescope.server.dashboard import install_dashboard
 from servescope.server.errors import install_error_handlers
+from servescope.server.limits import ServerLimits
 from servescope.server.middleware import GuardMiddleware
 from servescope.telemetry.live import LatencyHistograms
 from servescope.telemetry.trace_replay import RecordedRun
@@ -105,11 +106,13 @@ class ReplaySource:
                 "preempted": {"count": 0, "entries": []}}
 
 
-def build_replay_app(source: ReplaySource, api_key: Optional[str] = None) -> FastAPI:
-    """/dashboard over a replay (and /health); the feed needs the API key when one is given."""
+def build_replay_app(source: ReplaySource, api_key: Optional[str] = None,
+                     limits: Optional[ServerLimits] = None) -> FastAPI:
+    """/dashboard over a replay (and /health); every route but /health needs the API key when one is
+    given; limits: the HTTP ones apply (Host allow-list, body size and deadline)."""
     app = FastAPI(title="servescope replay", version="0.1.0")
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=api_key)
+    app.add_middleware(GuardMiddleware, limits=limits, api_key=api_key)
     install_dashboard(app, source)
 
     @app.get("/health")

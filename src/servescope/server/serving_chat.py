@@ -10,6 +10,7 @@ from servescope.server.serving_common import (ServingContext, SSEResponse, Strea
                                               finite, merge_streams, new_id, run_until_disconnect,
                                               sampling_params, start_streams, vllm_prompt_logprobs)
 from servescope.server.serving_structured import compile_structure, requested_structure
+from servescope.server.request_checks import check_request, render_options
 from servescope.server.tool_calls import ToolPlan, ToolStreamer
 from servescope.server.unsupported import check_fields
 
@@ -49,6 +50,7 @@ def _messages(req) -> list:
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request):
     check_model(ctx, req.model)
     check_fields(req)
+    check_request(ctx, req)
     top_n = None
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
@@ -60,16 +62,18 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         top_n = req.top_logprobs or 0
     tools = ToolPlan(req)
     structure, sparam = _structure(req, tools)
+    if structure is not None:
+        ctx.grammars.check_size(structure, sparam)
     mt_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # validate the cheap fields before rendering the template (max_tokens checked again below)
-    kw = dict(logprobs=top_n, max_tokens_param=mt_param, prompt_logprobs=req.prompt_logprobs, structured=structure)
+    kw = dict(logprobs=top_n, max_tokens_param=mt_param, prompt_logprobs=req.prompt_logprobs)
     sampling_params(ctx, req, max_tokens=max_tokens if max_tokens is not None else ctx.engine.max_model_len - 1, **kw)
-    _, ids = await ctx.engine.render_chat(_messages(req), tools=tools.rendered)
+    _, ids = await ctx.engine.render_chat(_messages(req), tools=tools.rendered, **render_options(ctx))
     if max_tokens is None:  # OpenAI: as many as the context allows
         max_tokens = max(1, ctx.engine.max_model_len - len(ids))
     params = sampling_params(ctx, req, max_tokens=max_tokens, **kw)
-    await compile_structure(ctx, structure, sparam)
+    params = params.replace(structured=await compile_structure(ctx, structure, sparam))
     streams = await start_streams(ctx, [ids], params, max_tokens_param=mt_param)
     rid, created, n = new_id("chatcmpl"), ctx.created, params.n
     usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": 0}

@@ -20,6 +20,8 @@ from servescope.engine.async_engine import AsyncEngine, RequestStream
 from servescope.engine.outputs import CompletionOutput
 from servescope.errors import InvalidParameterError
 from servescope.server.errors import APIError, error_body, to_api_error
+from servescope.server.grammar_service import GrammarService
+from servescope.server.limits import ServerLimits
 from servescope.server.protocol import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -27,7 +29,6 @@ logger = logging.getLogger(__name__)
 SEED_LIMIT = 2**63 - 1024  # torch seeds are 64-bit; n samples use seed + i
 MAX_REPETITION_PENALTY = 10.0
 MIN_REPETITION_PENALTY = 0.01
-MAX_STOP_STRINGS = 16
 
 
 @dataclass
@@ -38,6 +39,9 @@ class ServingContext:
     max_queue: Optional[int] = None
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: Optional["TokenText"] = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    grammars: Optional[GrammarService] = None  # structured outputs' checks and compiles
+    derived_prompt_chars: Optional[int] = None  # request_checks.max_prompt_chars, computed once
 
 
 def new_id(prefix: str) -> str:
@@ -69,9 +73,7 @@ def sampling_params(ctx: ServingContext, req, *, max_tokens: int, logprobs: Opti
     if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
         raise InvalidParameterError("prompt_logprobs",
                                     f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {prompt_logprobs}")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > MAX_STOP_STRINGS:
-        raise InvalidParameterError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])  # counted by check_request
     top_k = req.top_k if req.top_k is not None else 0
     if top_k >= ctx.engine.vocab_size:
         top_k = 0  # every token is in the top k: off
@@ -121,34 +123,40 @@ async def start_streams(ctx: ServingContext, prompts: list, params: SamplingPara
     return streams
 
 
-_END = object()
-
-
 async def merge_streams(streams: list) -> AsyncIterator[tuple]:
     """(prompt index, newest RequestOutput) from several streams as they come; leaving early or an
-    error aborts every stream."""
-    q: asyncio.Queue = asyncio.Queue()
+    error aborts every stream. Holds at most one output per stream: a newer one replaces the one not
+    yet taken (outputs are cumulative), so a consumer held up by a slow client costs bounded memory."""
+    latest: dict = {}  # prompt index -> the newest output not yet yielded
+    errors: list = []
+    ended = 0
+    ready = asyncio.Event()
 
     async def pump(i: int, s: RequestStream):
+        nonlocal ended
         try:
             async for out in s:
-                q.put_nowait((i, out))
+                latest[i] = out
+                ready.set()
         except Exception as e:  # noqa: BLE001 - handed to the consumer
-            q.put_nowait((i, e))
+            errors.append(e)
         finally:
-            q.put_nowait((i, _END))
+            ended += 1
+            ready.set()
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await q.get()
-            if item is _END:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
+        while True:
+            if latest:
+                i = next(iter(latest))
+                yield i, latest.pop(i)
+            elif errors:
+                raise errors[0]
+            elif ended == len(streams):
+                return
             else:
-                yield i, item
+                ready.clear()
+                await ready.wait()
     finally:
         for t in tasks:
             t.cancel()

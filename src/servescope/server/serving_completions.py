@@ -12,11 +12,11 @@ from servescope.server.protocol import CompletionRequest
 from servescope.server.serving_common import (ServingContext, SSEResponse, StreamFrame, check_finish, check_model,
                                               finite, merge_streams, new_id, run_until_disconnect,
                                               sampling_params, start_streams, vllm_prompt_logprobs)
+from servescope.server.request_checks import check_prompt_chars, check_request
 from servescope.server.serving_structured import compile_structure, requested_structure
 from servescope.server.unsupported import check_fields
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
-MAX_PROMPTS = 256
 
 
 async def _prompt_ids(ctx: ServingContext, prompt) -> tuple:
@@ -29,11 +29,19 @@ async def _prompt_ids(ctx: ServingContext, prompt) -> tuple:
         items = [list(prompt)]
     else:
         items = list(prompt)
-    if len(items) > MAX_PROMPTS:
-        raise InvalidParameterError("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(items)}")
+    if len(items) > ctx.limits.max_prompts:
+        raise InvalidParameterError("prompt", f"at most {ctx.limits.max_prompts} prompts per request, "
+                                              f"got {len(items)}")
     if ctx.max_queue is not None and len(items) > ctx.max_queue:
         raise InvalidParameterError("prompt", f"{len(items)} prompts is more than this server queues at once "
                                               f"({ctx.max_queue})")
+    for p in items:
+        if isinstance(p, str):
+            check_prompt_chars(ctx, len(p), "prompt")
+        elif len(p) > ctx.engine.max_model_len:
+            raise InvalidParameterError("prompt", f"a prompt of {len(p)} tokens is longer than this model's "
+                                                  f"context of {ctx.engine.max_model_len} tokens")
+    ctx.engine.check_capacity(len(items), ctx.max_queue)
     ids, texts = [], []
     for p in items:
         if isinstance(p, str):
@@ -130,12 +138,15 @@ def _top_limited(entries: Optional[list], k: int) -> Optional[list]:
 async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request):
     check_model(ctx, req.model)
     check_fields(req)
+    check_request(ctx, req)
     plan = _Plan(req)
     structure, sparam = requested_structure(req)
+    if structure is not None:
+        ctx.grammars.check_size(structure, sparam)
     params = sampling_params(ctx, req, max_tokens=plan.max_tokens, logprobs=req.logprobs,
-                             prompt_logprobs=plan.engine_prompt_logprobs, structured=structure)
+                             prompt_logprobs=plan.engine_prompt_logprobs)
     ids, texts = await _prompt_ids(ctx, req.prompt)
-    await compile_structure(ctx, structure, sparam)
+    params = params.replace(structured=await compile_structure(ctx, structure, sparam))
     streams = await start_streams(ctx, ids, params)
     if plan.echo:
         tok = ctx.engine.tokenizer

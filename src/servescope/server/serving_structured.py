@@ -2,16 +2,15 @@
 
 OpenAI's `response_format` (json_object, json_schema with `strict`), vLLM's `structured_outputs`
 (json, regex, choice, grammar, json_object). At most one of them per request; a constraint that
-does not compile (an invalid schema, a regex that cannot be parsed or can match nothing) is a 400
-naming the field, with nothing queued.
+does not compile (an invalid schema, a regex that cannot be parsed or can match nothing) or breaks a
+cap of ServerLimits is a 400 naming the field, with nothing queued. Checking and compiling happen in
+server/grammar_service.py, off the event loop.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Optional
-
-import jsonschema
 
 from servescope.config import StructuredOutput
 from servescope.errors import InvalidParameterError
@@ -61,23 +60,14 @@ def _from_structured_outputs(so) -> StructuredOutput:
 
 
 def _schema_text(schema: dict, param: str) -> str:
-    _check_schema(schema, param)
-    return json.dumps(schema)
-
-
-def _check_schema(schema: dict, param: str) -> None:
-    """A JSON schema must itself be valid (Draft 2020-12 meta-schema), else 400."""
+    """The schema as JSON text (checked with the caps and compiled on the grammar pool)."""
     try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
-    except jsonschema.exceptions.SchemaError as e:
-        raise InvalidParameterError(param, f"the JSON schema is invalid: {e.message}") from None
+        return json.dumps(schema)
+    except (ValueError, RecursionError):
+        raise InvalidParameterError(param, "the JSON schema is nested too deeply") from None
 
 
-async def compile_structure(ctx: ServingContext, spec: Optional[StructuredOutput], param: Optional[str]) -> None:
-    """Compile off the engine thread; a failure names the request field."""
-    if spec is None:
-        return
-    try:
-        await ctx.engine.compile_grammar(spec)
-    except InvalidParameterError as e:
-        raise InvalidParameterError(param, e.message) from None
+async def compile_structure(ctx: ServingContext, spec: Optional[StructuredOutput],
+                            param: Optional[str]) -> Optional[StructuredOutput]:
+    """spec with its compiled grammar (None stays None); a failure names the request field."""
+    return await ctx.grammars.compile(spec, param)

@@ -31,10 +31,13 @@ class GrammarCompiler:
     the tokenizer's); eos_token_ids: the ids that end a sample, allowed only where the grammar is
     complete."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids, max_threads: int = 1):
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids, max_threads: int = 1, tokenizer_info=None):
+        """tokenizer_info: an xgrammar TokenizerInfo to use instead of hf_tokenizer's (a made-up
+        vocabulary, as the tests use)."""
         self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=list(eos_token_ids))
+        self.info = tokenizer_info or xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
+                                                                         stop_token_ids=list(eos_token_ids))
+        self.max_threads = max_threads
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
         # JSON forbids raw control characters in strings, but xgrammar's JSON strings let them
         # through (a random model emits them): JSON constraints also mask every token holding one
@@ -56,9 +59,21 @@ class GrammarCompiler:
             raise InvalidParameterError("structured", f"the {spec.kind} constraint can match nothing")
         return compiled
 
+    def set_cache_limit(self, limit_bytes: int) -> None:
+        """Keep at most limit_bytes of compiled grammars (xgrammar's LRU; unlimited by default).
+        Replaces the compiler, and with it the cache: call it before the first compile."""
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=self.max_threads,
+                                             cache_limit_bytes=int(limit_bytes))
+
+    def cache_bytes(self) -> int:
+        """Bytes of compiled grammars in the cache, by xgrammar's own accounting."""
+        return int(self._compiler.get_cache_size_bytes())
+
     def matcher(self, spec: StructuredOutput) -> Matcher:
+        """A matcher for one sample: over spec.compiled when the caller compiled it already."""
         allowed = self.json_allowed if spec.kind in ("json", "json_object") else None
-        return Matcher(xgr.GrammarMatcher(self.compile(spec)), allowed)
+        compiled = spec.compiled if spec.compiled is not None else self.compile(spec)
+        return Matcher(xgr.GrammarMatcher(compiled), allowed)
 
     def _compile(self, spec: StructuredOutput):
         if spec.kind == "json":

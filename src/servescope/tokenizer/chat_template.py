@@ -22,6 +22,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from servescope.errors import InvalidParameterError
+from servescope.tokenizer.deadline import DeadlineExceeded, run_with_deadline
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -98,19 +99,28 @@ def render_chat_template(
     add_generation_prompt: bool = True,
     special_tokens: Optional[dict] = None,
     tools: Optional[list] = None,
+    timeout_s: Optional[float] = None,
     **kwargs,
 ) -> str:
     """Validate `messages` and render `template` with them.
 
     special_tokens: bos_token, eos_token, ... strings the template may reference (as in transformers).
+    timeout_s: stop a render that takes longer (InvalidParameterError; None: no limit).
     Errors the template raises (raise_exception, a sandbox violation) become InvalidParameterError.
     """
     msgs = validate_messages(messages)
     compiled = compile_chat_template(template)
     context = {**_plain(special_tokens or {}), **_plain(kwargs)}
-    try:
+
+    def render():
         return compiled.render(messages=msgs, tools=_plain(tools), documents=None,
                                add_generation_prompt=bool(add_generation_prompt), **context)
+
+    try:
+        return render() if timeout_s is None else run_with_deadline(render, timeout_s)
+    except DeadlineExceeded:
+        raise InvalidParameterError("messages", f"the chat template took longer than {timeout_s:g} s "
+                                                "to render this conversation") from None
     except jinja2.exceptions.SecurityError as e:
         raise InvalidParameterError("messages", f"the chat template tried an unsafe operation: {e}") from None
     except jinja2.exceptions.TemplateError as e:

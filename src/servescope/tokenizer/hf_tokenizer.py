@@ -20,6 +20,7 @@ from typing import Iterable, Optional, Union
 
 from servescope.errors import ModelLoadError
 from servescope.tokenizer.source import TokenizerSource
+from servescope.tokenizer.chat_encoding import control_token_pattern, encode_chat
 from servescope.tokenizer.chat_template import CHATML_TEMPLATE, compile_chat_template, render_chat_template
 from servescope.tokenizer.tool_prompt import messages_with_tools, template_renders_tools
 
@@ -58,6 +59,7 @@ class Tokenizer:
         self.special_token_ids: frozenset = frozenset(special)
         self.special_tokens = {a: str(getattr(hf_tokenizer, a)) for a in _SPECIAL_ATTRS
                                if getattr(hf_tokenizer, a, None) is not None}
+        self._control_pattern = None  # built on first use
 
     @property
     def vocab_size(self) -> int:
@@ -83,6 +85,26 @@ class Tokenizer:
             messages, tools = messages_with_tools(messages, tools), None
         return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                     special_tokens=self.special_tokens, tools=tools, **kwargs)
+
+    @property
+    def control_pattern(self):
+        """A regex over the special (control) tokens' texts (chat_encoding.control_token_pattern)."""
+        if self._control_pattern is None:
+            self._control_pattern = control_token_pattern(self) or False
+        return self._control_pattern or None
+
+    def encode_chat(self, messages: list, add_generation_prompt: bool = True, tools=None,
+                    content_as_text: bool = True, timeout_s: Optional[float] = None,
+                    add_special_tokens: bool = False, **template_kw) -> tuple:
+        """(prompt text, token ids) of a conversation; control tokens written in message text stay
+        text unless content_as_text is False (tokenizer/chat_encoding.py says how and why).
+        template_kw: apply_chat_template's own keywords and the template's variables."""
+        def render(msgs, tls):
+            return self.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tls,
+                                            timeout_s=timeout_s, **template_kw)
+
+        client_values = {k: v for k, v in template_kw.items() if k != "chat_template"}  # a template is code
+        return encode_chat(self, render, messages, tools, content_as_text, add_special_tokens, client_values)
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, eos={sorted(self.eos_token_ids)})"

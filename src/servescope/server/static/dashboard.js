@@ -300,8 +300,9 @@ function fillQueue(name, q) {
     const rid = document.createElement("span"); rid.className = "rid"; rid.textContent = e.id;
     const tok = document.createElement("span"); tok.className = "tok";
     tok.textContent = e.prompt_tokens + " prompt · " + e.output_tokens + " out";
-    const pr = document.createElement("div"); pr.className = "prompt"; pr.textContent = e.prompt;
-    li.title = e.id + ": " + e.prompt;
+    const prompt = e.prompt == null ? "(prompt hidden: the server shows previews only behind its API key)" : e.prompt;
+    const pr = document.createElement("div"); pr.className = "prompt"; pr.textContent = prompt;
+    li.title = e.id + ": " + prompt;
     li.append(rid, tok, pr);
     items.push(li);
   }
