@@ -1,0 +1,174 @@
+"""Lab `simulate`: the simulator against the engine, on the same workloads, on this machine.
+
+Each workload runs twice: for real, on the engine (LLMEngine in this process, requests added at their
+arrival times on the wall clock between steps, as the server's engine thread takes them), and
+simulated (servescope.sim: the same Scheduler and KVCacheManager on a virtual clock, steps priced by
+the cost model on the local probe, plus the engine's host work per sequence and per token, measured on
+a tiny model: engine/sequence_overhead.py). The same driver (sim/driver.py) sends both the same prompts
+at the same times; both are summarised by bench/metrics.py. Nothing in the simulation is fitted to
+these runs.
+
+Why the engine in-process and not `bench serve` against `serve`: on two shared cores the HTTP client,
+the event loop and the engine thread take turns on the cores the engine's kernels use, so a served
+run measures the engine plus a load generator beside it; the simulator models the engine (the
+difference is measured separately in docs/VALIDATION.md).
+
+Floors (issue 40): median TTFT, median TPOT and output throughput within 10%, p90 TTFT within 20%.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from servescope.config import EngineConfig, SamplingParams
+from servescope.config.engine import BatchingConfig, KVCacheConfig
+from servescope.engine.llm_engine import LLMEngine
+from servescope.engine.local_hardware import probe_local_cpu
+from servescope.engine.sequence_overhead import host_costs
+from servescope.labs.common import LabOptions, LabResult, LabSession, md_table, rel_error, write_report
+from servescope.sim.cluster import Deployment
+from servescope.sim.driver import bench_result, drive
+from servescope.sim.engine import Finished
+from servescope.sim.spec import HostCosts, describe, instance_spec
+from servescope.sim.workload import synthetic_workload
+
+FLOORS = {"median_ttft_ms": 0.10, "median_tpot_ms": 0.10, "output_throughput": 0.10, "p90_ttft_ms": 0.20}
+NUM_KV_BLOCKS = 2048
+MAX_NUM_SEQS = 32
+TOKEN_BUDGET = 512
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_prompts: int
+    input_len: object  # N or (lo, hi)
+    output_len: object
+    request_rate: float
+    max_concurrency: object = None
+
+
+# per model: (engine model name, simulator preset, workloads); sized to the model's speed on 2 cores
+MODELS = {
+    "smollm2-135m": (None, "smollm2-135m", (
+        Workload("low rate", 24, (64, 256), (32, 96), 1.0),
+        Workload("saturation", 48, (64, 256), (48, 96), math.inf),
+        Workload("long prompts", 12, (1024, 2048), (16, 48), 0.5),
+    )),
+    "llama-3.2-1b": ("random:llama-3.2-1b", "llama-3.2-1b", (
+        Workload("low rate", 8, (64, 256), (16, 48), 0.1),
+        Workload("saturation", 16, (64, 256), (24, 48), math.inf),
+        Workload("long prompts", 4, (1024, 1536), (8, 24), 0.05),
+    )),
+}
+QUICK = {"smollm2-135m": MODELS["smollm2-135m"]}
+
+
+class WallClock:
+    """sim/driver.Served over a real LLMEngine: perf_counter time, requests added between steps."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def wait_until(self, t: float) -> None:
+        delay = t - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
+    def add(self, request_id, prompt, max_tokens, arrival_time):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.engine.add_request(request_id, list(prompt), params, arrival_time=arrival_time)
+
+    def step(self) -> list:
+        return [Finished(o.request_id, o.metrics, o.error) for o in self.engine.step() if o.finished]
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+
+def _engine(model, preset: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model, dtype="auto", num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=MAX_NUM_SEQS,
+                                  max_num_batched_tokens=TOKEN_BUDGET, max_model_len=4096, hardware="local-cpu"))
+
+
+def _warm_up(engine: LLMEngine, vocab: int) -> None:
+    """Every kernel path once (prefill chunks, decode batches) so that the first measured steps are not
+    the first calls."""
+    reqs = synthetic_workload(8, (16, 600), 8, vocab, math.inf, seed=99)
+    drive(WallClock(engine), reqs, prefix="warm")
+
+
+def _measure(engine: LLMEngine, w: Workload, vocab: int, seed: int):
+    reqs = synthetic_workload(w.num_prompts, w.input_len, w.output_len, vocab, w.request_rate, seed=seed)
+    records, duration, _ = drive(WallClock(engine), reqs, w.max_concurrency, prefix=f"real-{seed}")
+    return bench_result(records, duration), reqs
+
+
+def _simulate(spec, w: Workload, reqs):
+    records, duration, _ = drive(Deployment(spec, keep_steps=False), reqs, w.max_concurrency)
+    return bench_result(records, duration)
+
+
+def _compare(real, sim) -> dict:
+    r, s = real.to_dict(), sim.to_dict()
+    return {k: {"measured": r[k], "simulated": s[k], "error": rel_error(s[k], r[k])} for k in FLOORS}
+
+
+def _model_rows(name: str, model, preset: str, workloads, seed: int) -> tuple:
+    engine = _engine(model, preset)
+    hw = probe_local_cpu()  # after the engine: the probe is keyed by the torch threads it set
+    dtype = str(engine.dtype).replace("torch.", "")
+    per_seq, per_token, source = host_costs(dtype, with_tokenizer=engine.tokenizer is not None)
+    spec = instance_spec(preset, hw, dtype=dtype, cache=KVCacheConfig(num_kv_blocks=NUM_KV_BLOCKS),
+                         batching=BatchingConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=TOKEN_BUDGET,
+                                                 max_model_len=4096),
+                         host=HostCosts(per_seq, per_token, source))
+    _warm_up(engine, spec.model.vocab_size)
+    out = []
+    for i, w in enumerate(workloads):
+        real, reqs = _measure(engine, w, spec.model.vocab_size, seed + i)
+        sim = _simulate(spec, w, reqs)
+        out.append({"model": name, "workload": w.name, "rate": w.request_rate, "prompts": w.num_prompts,
+                    "input_len": w.input_len, "output_len": w.output_len, "metrics": _compare(real, sim)})
+    engine.shutdown()
+    return out, describe(spec)
+
+
+def _table(rows: list) -> str:
+    headers = ["model", "workload", "rate (req/s)"]
+    for k in FLOORS:
+        headers += [f"{k} measured", "simulated", "error"]
+    body = []
+    for r in rows:
+        line = [r["model"], r["workload"], r["rate"]]
+        for k, floor in FLOORS.items():
+            m = r["metrics"][k]
+            ok = "ok" if abs(m["error"]) <= floor else "MISS"
+            line += [m["measured"], m["simulated"], f"{m['error']:+.1%} {ok}"]
+        body.append(line)
+    return md_table(headers, body)
+
+
+def run(opts: LabOptions, session: LabSession) -> LabResult:
+    models = QUICK if opts.quick else MODELS
+    rows, specs = [], []
+    for name, (model, preset, workloads) in models.items():
+        got, spec_line = _model_rows(name, model, preset, workloads, opts.seed)
+        rows += got
+        specs.append(f"- {name}: {spec_line}")
+    met = sum(abs(r["metrics"][k]["error"]) <= f for r in rows for k, f in FLOORS.items())
+    total = len(rows) * len(FLOORS)
+    summary = {"floors_met": met, "floors_checked": total,
+               "max_abs_error": {k: max(abs(r["metrics"][k]["error"]) for r in rows) for k in FLOORS}}
+    sections = [("Measured vs simulated", _table(rows)),
+                ("Instances simulated", "\n".join(specs)),
+                ("Floors", f"{met} of {total} within their floors (median TTFT, median TPOT, output throughput "
+                           f"10%; p90 TTFT 20%); error = (simulated - measured) / measured")]
+    report = write_report(opts.out, "Simulator vs engine on this machine", sections,
+                          results={"rows": rows, "summary": summary, "instances": specs})
+    return LabResult("simulate", opts.out, report, summary=summary)
