@@ -40,9 +40,8 @@ class StepPredictor:
     micro_batches: int = 0
     link: Optional[LinkSpec] = None
 
-    @property
-    def shard(self) -> ModelConfig:
-        return shard_config(self.cfg, self.tp)
+    def __post_init__(self):
+        object.__setattr__(self, "shard", shard_config(self.cfg, self.tp))  # one rank's model, computed once
 
     def predict(self, seqs: list, num_logits: int) -> StepPrediction:
         """seqs: [(num_new_tokens, num_context_tokens_before)] of the step (a verification as 1 + k

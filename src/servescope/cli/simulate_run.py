@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 from servescope.analysis.hardware import get_hardware
+from servescope.analysis.presets import load_preset
 from servescope.bench.report import render_result_table
+from servescope.cli.simulate_search import run_search
 from servescope.config.engine import BatchingConfig, KVCacheConfig, ParallelConfig
 from servescope.sim.cluster import Deployment
 from servescope.sim.disagg import Disaggregated
@@ -28,9 +30,13 @@ def host_costs_for(args, hw, dtype: str) -> HostCosts:
     return HostCosts(per_seq, per_token, source)
 
 
+def _preset(model: str) -> str:
+    return model[len(RANDOM_PREFIX):] if model.startswith(RANDOM_PREFIX) else model
+
+
 def spec_from_args(args, tp: int = None, host: HostCosts = None):
     hw = get_hardware(args.hardware)
-    model = args.model[len(RANDOM_PREFIX):] if args.model.startswith(RANDOM_PREFIX) else args.model
+    model = _preset(args.model)
     host = host if host is not None else host_costs_for(args, hw, resolve_dtype(args.dtype, hw))
     return instance_spec(
         model, hw, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
@@ -63,12 +69,14 @@ def deployment_from_args(args, spec, keep_steps: bool = True):
 
 
 def run_simulate(args, con, write_json) -> int:
+    if args.search:
+        hw = get_hardware(args.hardware)
+        host = host_costs_for(args, hw, resolve_dtype(args.dtype, hw))
+        vocab = load_preset(_preset(args.model)).vocab_size
+        return run_search(args, workload_from_args(args, vocab), con, hw,
+                          lambda tp: spec_from_args(args, tp=tp, host=host))
     spec = spec_from_args(args)
     requests = workload_from_args(args, spec.model.vocab_size)
-    if args.search:
-        from servescope.cli.simulate_search import run_search  # its own module: the search's table
-
-        return run_search(args, spec, requests, con)
     deployment = deployment_from_args(args, spec)
     rate = args.request_rate
     config = {"simulated": True, "model": spec.model.name, "hardware": spec.hardware.name,

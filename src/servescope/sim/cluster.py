@@ -111,10 +111,5 @@ class Deployment:
     # ---------------------------------------------------------------- what happened
     def stats(self, duration: float) -> dict:
         """Per-replica utilisation: busy share of the run, steps, preemptions, prefix-cache hit rate."""
-        out = []
-        for e in self.engines:
-            km = e.kv_manager
-            out.append({"name": e.name, "busy": e.busy_seconds / duration if duration > 0 else 0.0,
-                        "steps": e.num_steps, "preemptions": e.scheduler.num_preemptions,
-                        "prefix_hit_rate": km.prefix_cache_hit_rate})
+        out = [e.utilisation(duration) for e in self.engines]
         return {"devices": self.num_devices, "instances": out}

@@ -160,9 +160,7 @@ class Disaggregated:
             raise RuntimeError(f"decode instance refused {rid}: {refused.error}")
 
     def stats(self, duration: float) -> dict:
-        out = [{"name": e.name, "busy": e.busy_seconds / duration if duration > 0 else 0.0, "steps": e.num_steps,
-                "preemptions": e.scheduler.num_preemptions, "prefix_hit_rate": e.kv_manager.prefix_cache_hit_rate}
-               for e in self.engines]
+        out = [e.utilisation(duration) for e in self.engines]
         n = max(len(self._home), 1)
         return {"devices": self.num_devices, "instances": out, "kv_link": self.link.name,
                 "mean_transfer_ms": self.transfer_seconds / n * 1e3, "recomputed_prompts": self.recomputed}

@@ -58,6 +58,11 @@ class SimEngine:
         self.num_steps = 0
         self.busy_seconds = 0.0  # virtual time spent in steps
         self.outstanding_tokens = 0  # prompt tokens not yet computed + output tokens not yet produced
+        # what the steps did, for utilisation and for what binds: tokens and sequences scheduled, seconds
+        # of compute- and memory-bound steps, the fullest the KV cache got
+        self.tokens_scheduled = self.seqs_scheduled = 0
+        self.bound_seconds = {"compute": 0.0, "memory": 0.0}
+        self.peak_kv_usage = 0.0
         self._live: dict[str, tuple] = {}  # request id -> (Request, RequestMetrics, max_tokens, stream seed)
         self._rng = random.Random(seed)
         self._vocab = spec.model.vocab_size
@@ -114,6 +119,10 @@ class SimEngine:
         t0 = self.clock
         self.clock = t1 = t0 + seconds
         self.busy_seconds += seconds
+        self.tokens_scheduled += out.total_num_scheduled_tokens
+        self.seqs_scheduled += len(out.scheduled)
+        self.bound_seconds[pred.cost.bound] += seconds
+        self.peak_kv_usage = max(self.peak_kv_usage, self.kv_manager.usage)
         sampled, accepted, drafted = self._sample(out)
         self.scheduler.update_from_output(out, sampled)
         for rid, toks in sampled.items():
@@ -188,10 +197,16 @@ class SimEngine:
                 seed, n = self._live[req.request_id][3], req.num_output_tokens
                 req.spec_token_ids = [self._token(seed, n + j) for j in range(k)]
 
-    def prompt_tokens_left(self, rid: str) -> int:
-        """Prompt tokens of a live request whose KV is not computed yet (0 when unknown)."""
-        live = self._live.get(rid)
-        return max(live[0].num_prompt_tokens - live[0].num_computed_tokens, 0) if live else 0
+    def utilisation(self, duration: float) -> dict:
+        """What the run asked of this instance: busy share, mean tokens and sequences per step against the
+        limits, compute- vs memory-bound time, the fullest KV cache, preemptions, prefix-cache hits."""
+        n, sc = max(self.num_steps, 1), self.spec.scheduler
+        return {"name": self.name, "busy": self.busy_seconds / duration if duration > 0 else 0.0,
+                "steps": self.num_steps, "token_budget_used": self.tokens_scheduled / n / sc.max_num_batched_tokens,
+                "seqs_used": self.seqs_scheduled / n / sc.max_num_seqs,
+                "compute_bound_share": self.bound_seconds["compute"] / max(self.busy_seconds, 1e-12),
+                "peak_kv_usage": self.peak_kv_usage, "preemptions": self.scheduler.num_preemptions,
+                "prefix_hit_rate": self.kv_manager.prefix_cache_hit_rate}
 
     # ---------------------------------------------------------------- telemetry
     def _record(self, out, pred, t0: float, seconds: float, drafted: int, accepted: int) -> None:
