@@ -52,6 +52,8 @@ def add_parser(sub) -> None:
     w.add_argument("--request-rate", type=request_rate, default=math.inf)
     w.add_argument("--burstiness", type=positive_float, default=1.0)
     w.add_argument("--max-concurrency", type=positive_int, default=None)
+    m.add_argument("--step-table", default=None, metavar="JSON",
+                   help="measured / predicted step times (lab simulate writes one): scales each predicted step")
     w.add_argument("--trace-file", default=None, metavar="JSONL",
                    help="requests from a trace (arrival_time, prompt_len, output_len, session_id per line) "
                         "instead of the synthetic workload")

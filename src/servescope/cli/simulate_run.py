@@ -13,6 +13,7 @@ from servescope.sim.cluster import Deployment
 from servescope.sim.disagg import Disaggregated
 from servescope.sim.run import simulate, write_trace
 from servescope.sim.spec import HostCosts, SpecDecodeSpec, describe, instance_spec, resolve_dtype
+from servescope.sim.step_table import StepTable
 from servescope.sim.workload import read_trace, synthetic_workload
 
 RANDOM_PREFIX = "random:"
@@ -51,7 +52,7 @@ def spec_from_args(args, tp: int = None, host: HostCosts = None):
         ep=args.expert_parallel_size, link=args.link,
         spec_decode=SpecDecodeSpec(args.num_speculative_tokens,
                                    args.spec_acceptance if args.num_speculative_tokens else 0.0),
-        host=host)
+        host=host, step_table=StepTable.load(args.step_table) if args.step_table else None)
 
 
 def workload_from_args(args, vocab_size: int) -> list:

@@ -18,6 +18,7 @@ Floors (issue 40): median TTFT, median TPOT and output throughput within 10%, p9
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from servescope.sim.cluster import Deployment
 from servescope.sim.driver import bench_result, drive
 from servescope.sim.engine import Finished
 from servescope.sim.spec import HostCosts, describe, instance_spec
+from servescope.sim.step_table import StepTable, fit_step_table
 from servescope.sim.workload import synthetic_workload
 
 FLOORS = {"median_ttft_ms": 0.10, "median_tpot_ms": 0.10, "output_throughput": 0.10, "p90_ttft_ms": 0.20}
@@ -103,6 +105,20 @@ def _warm_up(engine: LLMEngine, vocab: int) -> None:
     drive(WallClock(engine), reqs, prefix="warm")
 
 
+def profile_steps(engine: LLMEngine, vocab: int, seed: int = 1000) -> StepTable:
+    """The measured / predicted table of this engine (sim/step_table.py), from workloads of its own: decode
+    steps at batch 1..32 (prompts of ~128 tokens), prefill chunks of 16..2048-token prompts."""
+    first = len(engine.step_records)
+    for i, batch in enumerate((1, 2, 4, 8, 16, 32)):
+        reqs = synthetic_workload(batch, (96, 160), 16, vocab, math.inf, seed=seed + i)
+        drive(WallClock(engine), reqs, prefix=f"profile-decode-{batch}")
+    for i, n in enumerate((16, 32, 64, 128, 256, 512, 1024, 2048)):
+        drive(WallClock(engine), synthetic_workload(1, n, 2, vocab, math.inf, seed=seed + 10 + i),
+              prefix=f"profile-prefill-{n}")
+    records = list(engine.step_records)[first:]
+    return fit_step_table(records, f"measured on {len(records)} engine steps of the lab's own workloads")
+
+
 def _measure(engine: LLMEngine, w: Workload, vocab: int, seed: int):
     reqs = synthetic_workload(w.num_prompts, w.input_len, w.output_len, vocab, w.request_rate, seed=seed)
     records, duration, _ = drive(WallClock(engine), reqs, w.max_concurrency, prefix=f"real-{seed}")
@@ -114,9 +130,17 @@ def _simulate(spec, w: Workload, reqs):
     return bench_result(records, duration)
 
 
-def _compare(real, sim) -> dict:
-    r, s = real.to_dict(), sim.to_dict()
-    return {k: {"measured": r[k], "simulated": s[k], "error": rel_error(s[k], r[k])} for k in FLOORS}
+def _compare(real, sims: dict) -> dict:
+    """{metric: {measured, <mode>: simulated, <mode> error: ...}} for each simulation mode."""
+    r = real.to_dict()
+    out = {}
+    for k in FLOORS:
+        out[k] = {"measured": r[k]}
+        for mode, sim in sims.items():
+            v = sim.to_dict()[k]
+            out[k][mode] = v
+            out[k][f"{mode} error"] = rel_error(v, r[k])
+    return out
 
 
 def _model_rows(name: str, model, preset: str, workloads, seed: int) -> tuple:
@@ -129,17 +153,20 @@ def _model_rows(name: str, model, preset: str, workloads, seed: int) -> tuple:
                                                  max_model_len=4096),
                          host=HostCosts(per_seq, per_token, source))
     _warm_up(engine, spec.model.vocab_size)
+    table = profile_steps(engine, spec.model.vocab_size)
+    specs = {"cost model": spec, "step table": spec.replace(step_table=table)}
     out = []
     for i, w in enumerate(workloads):
         real, reqs = _measure(engine, w, spec.model.vocab_size, seed + i)
-        sim = _simulate(spec, w, reqs)
+        sims = {mode: _simulate(sp, w, reqs) for mode, sp in specs.items()}
         out.append({"model": name, "workload": w.name, "rate": w.request_rate, "prompts": w.num_prompts,
-                    "input_len": w.input_len, "output_len": w.output_len, "metrics": _compare(real, sim)})
+                    "input_len": w.input_len, "output_len": w.output_len, "metrics": _compare(real, sims),
+                    "step_table": table.to_dict()})
     engine.shutdown()
     return out, describe(spec)
 
 
-def _table(rows: list) -> str:
+def _table(rows: list, mode: str) -> str:
     headers = ["model", "workload", "rate (req/s)"]
     for k in FLOORS:
         headers += [f"{k} measured", "simulated", "error"]
@@ -148,10 +175,14 @@ def _table(rows: list) -> str:
         line = [r["model"], r["workload"], r["rate"]]
         for k, floor in FLOORS.items():
             m = r["metrics"][k]
-            ok = "ok" if abs(m["error"]) <= floor else "MISS"
-            line += [m["measured"], m["simulated"], f"{m['error']:+.1%} {ok}"]
+            err = m[f"{mode} error"]
+            line += [m["measured"], m[mode], f"{err:+.1%} {'ok' if abs(err) <= floor else 'MISS'}"]
         body.append(line)
     return md_table(headers, body)
+
+
+def _met(rows: list, mode: str) -> int:
+    return sum(abs(r["metrics"][k][f"{mode} error"]) <= f for r in rows for k, f in FLOORS.items())
 
 
 def run(opts: LabOptions, session: LabSession) -> LabResult:
@@ -161,14 +192,21 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
         got, spec_line = _model_rows(name, model, preset, workloads, opts.seed)
         rows += got
         specs.append(f"- {name}: {spec_line}")
-    met = sum(abs(r["metrics"][k]["error"]) <= f for r in rows for k, f in FLOORS.items())
+        table_path = opts.out / f"step_table-{name}.json"  # `simulate --step-table` reads it
+        opts.out.mkdir(parents=True, exist_ok=True)
+        table_path.write_text(json.dumps(got[0]["step_table"], indent=1))
     total = len(rows) * len(FLOORS)
-    summary = {"floors_met": met, "floors_checked": total,
-               "max_abs_error": {k: max(abs(r["metrics"][k]["error"]) for r in rows) for k in FLOORS}}
-    sections = [("Measured vs simulated", _table(rows)),
+    summary = {"floors_checked": total}
+    for mode in ("cost model", "step table"):
+        summary[mode] = {"floors_met": _met(rows, mode),
+                         "max_abs_error": {k: max(abs(r["metrics"][k][f"{mode} error"]) for r in rows) for k in FLOORS}}
+    sections = [("Simulated with the cost model alone (probe + measured host costs)", _table(rows, "cost model")),
+                ("Simulated with a measured step table (profiled on other workloads first)", _table(rows, "step table")),
                 ("Instances simulated", "\n".join(specs)),
-                ("Floors", f"{met} of {total} within their floors (median TTFT, median TPOT, output throughput "
-                           f"10%; p90 TTFT 20%); error = (simulated - measured) / measured")]
+                ("Floors", f"cost model: {summary['cost model']['floors_met']} of {total}, step table: "
+                           f"{summary['step table']['floors_met']} of {total} within their floors (median TTFT, "
+                           f"median TPOT, output throughput 10%; p90 TTFT 20%); error = (simulated - measured) / "
+                           f"measured")]
     report = write_report(opts.out, "Simulator vs engine on this machine", sections,
                           results={"rows": rows, "summary": summary, "instances": specs})
     return LabResult("simulate", opts.out, report, summary=summary)

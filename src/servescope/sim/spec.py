@@ -20,6 +20,7 @@ from servescope.analysis.memory_planner import plan_memory
 from servescope.analysis.op_counts import DTYPE_BYTES, kv_cache_bytes_per_token
 from servescope.analysis.presets import load_preset
 from servescope.analysis.step_prediction import StepPredictor
+from servescope.sim.step_table import StepTable
 from servescope.config import ModelConfig, SchedulerConfig
 from servescope.config.engine import BatchingConfig, KVCacheConfig, ParallelConfig
 from servescope.errors import InvalidParameterError
@@ -77,6 +78,7 @@ class InstanceSpec:
     link: Optional[LinkSpec] = None
     spec_decode: SpecDecodeSpec = field(default_factory=SpecDecodeSpec)
     host: HostCosts = field(default_factory=HostCosts)
+    step_table: Optional[StepTable] = None  # measured / predicted step times (sim/step_table.py): replaces host
 
     @property
     def num_devices(self) -> int:
@@ -134,7 +136,7 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
                   kv_cache_dtype: str = "auto", cache: KVCacheConfig = KVCacheConfig(),
                   batching: BatchingConfig = BatchingConfig(), parallel: ParallelConfig = ParallelConfig(),
                   ep: int = 1, link: Optional[str] = None, spec_decode: SpecDecodeSpec = SpecDecodeSpec(),
-                  host: HostCosts = HostCosts()) -> InstanceSpec:
+                  host: HostCosts = HostCosts(), step_table: Optional[StepTable] = None) -> InstanceSpec:
     """Resolve an instance as engine/builder.py resolves an engine (the config parts are the engine's)."""
     cfg = load_preset(model) if isinstance(model, str) else model
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -176,7 +178,7 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
                         num_blocks=int(blocks), block_size=cache.block_size,
                         enable_prefix_caching=cache.enable_prefix_caching, tp=tp, pp=pp, ep=ep,
                         micro_batches=parallel.pipeline_micro_batches, link=link_spec, spec_decode=spec_decode,
-                        host=host)
+                        host=host, step_table=step_table)
 
 
 def describe(spec: InstanceSpec) -> str:
@@ -186,9 +188,10 @@ def describe(spec: InstanceSpec) -> str:
     kv_tokens = spec.num_blocks * spec.block_size
     sd = spec.spec_decode
     spec_txt = f", speculative k={sd.k} acceptance {sd.acceptance:g}" if sd.k else ""
+    host = (f"step times x measured / predicted ({spec.step_table.source})" if spec.step_table else
+            f"host {spec.hardware.step_overhead_s * 1e3:.2f} ms/step + {spec.hardware.layer_overhead_s * 1e6:.0f} us/layer + "
+            f"{spec.host.per_seq_s * 1e6:.0f} us/seq + {spec.host.per_token_s * 1e6:.0f} us/token ({spec.host.source})")
     return (f"{spec.model.name} on {spec.hardware.name} ({layout}), {adt} (KV {kdt}), KV cache {spec.num_blocks} "
             f"blocks = {kv_tokens} tokens, max_num_seqs {spec.scheduler.max_num_seqs}, token budget "
             f"{spec.scheduler.max_num_batched_tokens}{'' if spec.scheduler.enable_chunked_prefill else ' (no chunking)'}, "
-            f"prefix caching {'on' if spec.enable_prefix_caching else 'off'}{spec_txt}; host "
-            f"{spec.hardware.step_overhead_s * 1e3:.2f} ms/step + {spec.hardware.layer_overhead_s * 1e6:.0f} us/layer + "
-            f"{spec.host.per_seq_s * 1e6:.0f} us/seq + {spec.host.per_token_s * 1e6:.0f} us/token ({spec.host.source})")
+            f"prefix caching {'on' if spec.enable_prefix_caching else 'off'}{spec_txt}; {host}")

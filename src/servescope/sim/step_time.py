@@ -4,7 +4,8 @@ The step's sequences are handed to the cost model exactly as engine/llm_engine.p
 own prediction (a verification as 1 + k one-token rows), through analysis/step_prediction.py, which
 adds the collectives at TP x PP and the spec's host overhead per step and per layer. On top comes the
 host work that grows with the batch (`HostCosts`: per scheduled sequence, per output token), which the
-roofline does not see and which matters for small models on a CPU.
+roofline does not see and which matters for small models on a CPU. Or, with a measured step table
+(sim/step_table.py), the prediction times the measured / predicted ratio of steps of its kind and size.
 
 Predictions are cached on the step's exact shape: a steady decode batch repeats its shapes only when
 contexts repeat, so the cache mostly serves the many identical small steps of light load.
@@ -42,6 +43,7 @@ class StepTimer:
     def __init__(self, spec: InstanceSpec):
         self.predictor = spec.predictor()
         self.host = spec.host
+        self.table = spec.step_table
         self._cache: dict = {}
 
     def predict(self, seqs: tuple, num_logits: int) -> StepPrediction:
@@ -57,6 +59,9 @@ class StepTimer:
         """(seconds, the cost model's prediction, logit rows) of a non-empty step."""
         seqs, num_logits = step_seqs(out)
         pred = self.predict(seqs, num_logits)
+        if self.table is not None:
+            ratio = self.table.ratio(out.num_prefill_tokens == 0, out.total_num_scheduled_tokens)
+            return pred.seconds * ratio, pred, num_logits
         sampled_rows = sum(1 for s in out.scheduled if s.will_sample)
         host = self.host.per_seq_s * len(out.scheduled) + self.host.per_token_s * sampled_rows
         return pred.seconds + host, pred, num_logits
