@@ -80,17 +80,23 @@ def test_bad_arguments_are_one_clear_error(extra, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def _rec(start, tokens, context, pred, wall, prefill=0):
+    return StepRecord(step=0, start_time=start, wall_seconds=wall, num_prefill_seqs=int(bool(prefill)),
+                      num_decode_seqs=0, num_prefill_tokens=prefill, num_decode_tokens=tokens - prefill,
+                      context_lens=[context + tokens], kv_blocks_used=0, kv_blocks_free=0, kv_blocks_cached=0,
+                      kv_usage=0, num_running=0, num_waiting=0, num_preemptions_total=0, predicted_seconds=pred)
+
+
 def test_step_tables_fit_load_and_scale():
-    recs = []
-    for tokens, pred, wall, prefill in [(1, 1.0, 1.2, 0), (1, 1.0, 1.4, 0), (8, 2.0, 2.0, 0), (512, 4.0, 6.0, 512)]:
-        recs.append(StepRecord(step=0, start_time=0, wall_seconds=wall, num_prefill_seqs=int(bool(prefill)),
-                               num_decode_seqs=0, num_prefill_tokens=prefill, num_decode_tokens=tokens - prefill,
-                               context_lens=[], kv_blocks_used=0, kv_blocks_free=0, kv_blocks_cached=0, kv_usage=0,
-                               num_running=0, num_waiting=0, num_preemptions_total=0, predicted_seconds=pred))
+    recs = [_rec(0.0, 1, 100, 1.0, 1.2), _rec(1.4, 1, 100, 1.0, 1.4),  # the first one's period: 1.4 s
+            _rec(10.0, 8, 100, 2.0, 2.0), _rec(20.0, 1, 2000, 1.0, 3.0), _rec(30.0, 512, 0, 4.0, 6.0, 512)]
     table = fit_step_table(recs)
-    assert table.decode == ((1, pytest.approx(1.3)), (8, 1.0)) and table.prefill == ((512, 1.5),)
-    assert table.ratio(True, 1) == pytest.approx(1.3) and table.ratio(True, 100) == 1.0
-    assert table.ratio(True, 2) == pytest.approx(1.3 ** (2 / 3))  # log-log between the bins
+    assert table.decode[0][0] == 100 and table.decode[0][1] == ((1, pytest.approx(1.4)), (8, 1.0))
+    assert table.decode[1] == (2000, ((1, 3.0),)) and table.prefill == ((1, ((512, 1.5),)),)
+    assert table.ratio(True, 1, 100) == pytest.approx(1.4) and table.ratio(True, 100, 50) == 1.0
+    assert table.ratio(True, 2, 100) == pytest.approx(1.4 ** (2 / 3))  # log-log between token bins
+    assert table.ratio(True, 1, 2000) == 3.0 and table.ratio(True, 1, 10**4) == 3.0
+    assert 1.4 < table.ratio(True, 1, 500) < 3.0  # between context bins
     assert StepTable.from_dict(json.loads(json.dumps(table.to_dict()))) == table
     with pytest.raises(InvalidParameterError):
-        StepTable.from_dict({"decode": [[1, -1]], "prefill": [[1, 1]]})
+        StepTable.from_dict({"decode": [[1, [[1, -1]]]], "prefill": [[1, [[1, 1]]]]})

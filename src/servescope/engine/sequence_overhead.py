@@ -26,6 +26,7 @@ from servescope.config import EngineConfig, SamplingParams
 from servescope.engine.llm_engine import LLMEngine
 from servescope.engine.overhead import _tiny_config
 from servescope.loader.source import load_model_source
+from servescope.telemetry.step_record import step_period
 from servescope.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,9 @@ def _decode_step_seconds(engine, batch: int, steps: int = 24) -> float:
         while engine.has_unfinished():
             engine.step()
         if rep:
-            times = [r.wall_seconds for r in list(engine.step_records)[first:]
+            recs = list(engine.step_records)[first:]
+            # a step's period (to the next step's start): the work between steps belongs to the batch too
+            times = [step_period(recs, i) for i, r in enumerate(recs)
                      if r.phase == "decode" and r.num_decode_seqs == batch]
     return statistics.median(times)
 

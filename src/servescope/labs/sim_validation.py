@@ -40,6 +40,8 @@ FLOORS = {"median_ttft_ms": 0.10, "median_tpot_ms": 0.10, "output_throughput": 0
 NUM_KV_BLOCKS = 2048
 MAX_NUM_SEQS = 32
 TOKEN_BUDGET = 512
+PROFILE_REPEATS = 2
+REAL_REPEATS = 2  # each workload measured twice: the spread says how far a floor can be trusted here
 
 
 @dataclass(frozen=True)
@@ -107,14 +109,16 @@ def _warm_up(engine: LLMEngine, vocab: int) -> None:
 
 def profile_steps(engine: LLMEngine, vocab: int, seed: int = 1000) -> StepTable:
     """The measured / predicted table of this engine (sim/step_table.py), from workloads of its own: decode
-    steps at batch 1..32 (prompts of ~128 tokens), prefill chunks of 16..2048-token prompts."""
+    steps at batch 1..32 over ~128-token prompts and at batch 1..4 over ~1k and ~2k, prefill chunks of
+    16..2048-token prompts."""
     first = len(engine.step_records)
-    for i, batch in enumerate((1, 2, 4, 8, 16, 32)):
-        reqs = synthetic_workload(batch, (96, 160), 16, vocab, math.inf, seed=seed + i)
-        drive(WallClock(engine), reqs, prefix=f"profile-decode-{batch}")
-    for i, n in enumerate((16, 32, 64, 128, 256, 512, 1024, 2048)):
-        drive(WallClock(engine), synthetic_workload(1, n, 2, vocab, math.inf, seed=seed + 10 + i),
-              prefix=f"profile-prefill-{n}")
+    shapes = [(b, (96, 160), 16) for b in (1, 2, 4, 8, 16, 32)] + [(b, (n - 64, n + 64), 12) for n in (1024, 2048)
+                                                                 for b in (1, 2, 4)]
+    shapes += [(1, n, 2) for n in (16, 32, 64, 128, 256, 512, 1024, 2048)]
+    for rep in range(PROFILE_REPEATS):  # medians over repeats: one sample per shape is at the mercy of noise
+        for i, (batch, prompt, out) in enumerate(shapes):
+            reqs = synthetic_workload(batch, prompt, out, vocab, math.inf, seed=seed + 100 * rep + i)
+            drive(WallClock(engine), reqs, prefix=f"profile-{rep}-{i}")
     records = list(engine.step_records)[first:]
     return fit_step_table(records, f"measured on {len(records)} engine steps of the lab's own workloads")
 
@@ -130,16 +134,18 @@ def _simulate(spec, w: Workload, reqs):
     return bench_result(records, duration)
 
 
-def _compare(real, sims: dict) -> dict:
-    """{metric: {measured, <mode>: simulated, <mode> error: ...}} for each simulation mode."""
-    r = real.to_dict()
+def _compare(reals: list, sims: dict) -> dict:
+    """{metric: {measured (mean of the repeats), spread (max - min over mean), <mode>: simulated (mean over
+    the same workloads), <mode> error}} for each simulation mode."""
     out = {}
     for k in FLOORS:
-        out[k] = {"measured": r[k]}
-        for mode, sim in sims.items():
-            v = sim.to_dict()[k]
+        vals = [r.to_dict()[k] for r in reals]
+        m = sum(vals) / len(vals)
+        out[k] = {"measured": m, "runs": vals, "spread": (max(vals) - min(vals)) / m if m else 0.0}
+        for mode, results in sims.items():
+            v = sum(x.to_dict()[k] for x in results) / len(results)
             out[k][mode] = v
-            out[k][f"{mode} error"] = rel_error(v, r[k])
+            out[k][f"{mode} error"] = rel_error(v, m)
     return out
 
 
@@ -157,10 +163,14 @@ def _model_rows(name: str, model, preset: str, workloads, seed: int) -> tuple:
     specs = {"cost model": spec, "step table": spec.replace(step_table=table)}
     out = []
     for i, w in enumerate(workloads):
-        real, reqs = _measure(engine, w, spec.model.vocab_size, seed + i)
-        sims = {mode: _simulate(sp, w, reqs) for mode, sp in specs.items()}
+        reals, sims = [], {mode: [] for mode in specs}
+        for rep in range(REAL_REPEATS):  # other prompts each time (the prefix cache would answer the same ones)
+            real, reqs = _measure(engine, w, spec.model.vocab_size, seed + i + 1000 * rep)
+            reals.append(real)
+            for mode, sp in specs.items():
+                sims[mode].append(_simulate(sp, w, reqs))
         out.append({"model": name, "workload": w.name, "rate": w.request_rate, "prompts": w.num_prompts,
-                    "input_len": w.input_len, "output_len": w.output_len, "metrics": _compare(real, sims),
+                    "input_len": w.input_len, "output_len": w.output_len, "metrics": _compare(reals, sims),
                     "step_table": table.to_dict()})
     engine.shutdown()
     return out, describe(spec)
@@ -169,14 +179,15 @@ def _model_rows(name: str, model, preset: str, workloads, seed: int) -> tuple:
 def _table(rows: list, mode: str) -> str:
     headers = ["model", "workload", "rate (req/s)"]
     for k in FLOORS:
-        headers += [f"{k} measured", "simulated", "error"]
+        headers += [f"{k} measured (spread)", "simulated", "error"]
     body = []
     for r in rows:
         line = [r["model"], r["workload"], r["rate"]]
         for k, floor in FLOORS.items():
             m = r["metrics"][k]
             err = m[f"{mode} error"]
-            line += [m["measured"], m[mode], f"{err:+.1%} {'ok' if abs(err) <= floor else 'MISS'}"]
+            line += [f"{m['measured']:.4g} ({m['spread']:.0%})", m[mode],
+                     f"{err:+.1%} {'ok' if abs(err) <= floor else 'MISS'}"]
         body.append(line)
     return md_table(headers, body)
 
@@ -206,7 +217,8 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
                 ("Floors", f"cost model: {summary['cost model']['floors_met']} of {total}, step table: "
                            f"{summary['step table']['floors_met']} of {total} within their floors (median TTFT, "
                            f"median TPOT, output throughput 10%; p90 TTFT 20%); error = (simulated - measured) / "
-                           f"measured")]
+                           f"measured; measured = the mean of {REAL_REPEATS} runs of the workload (other prompts, same shapes), "
+                           f"spread = (max - min) / mean of those runs, simulated = the mean over the same prompts")]
     report = write_report(opts.out, "Simulator vs engine on this machine", sections,
                           results={"rows": rows, "summary": summary, "instances": specs})
     return LabResult("simulate", opts.out, report, summary=summary)

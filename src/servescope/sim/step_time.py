@@ -5,7 +5,8 @@ own prediction (a verification as 1 + k one-token rows), through analysis/step_p
 adds the collectives at TP x PP and the spec's host overhead per step and per layer. On top comes the
 host work that grows with the batch (`HostCosts`: per scheduled sequence, per output token), which the
 roofline does not see and which matters for small models on a CPU. Or, with a measured step table
-(sim/step_table.py), the prediction times the measured / predicted ratio of steps of its kind and size.
+(sim/step_table.py), the prediction times the measured / predicted ratio of steps of its kind, context
+and size.
 
 Predictions are cached on the step's exact shape: a steady decode batch repeats its shapes only when
 contexts repeat, so the cache mostly serves the many identical small steps of light load.
@@ -60,7 +61,8 @@ class StepTimer:
         seqs, num_logits = step_seqs(out)
         pred = self.predict(seqs, num_logits)
         if self.table is not None:
-            ratio = self.table.ratio(out.num_prefill_tokens == 0, out.total_num_scheduled_tokens)
+            context = sum(s.num_computed_tokens for s in out.scheduled) / len(out.scheduled)
+            ratio = self.table.ratio(out.num_prefill_tokens == 0, out.total_num_scheduled_tokens, context)
             return pred.seconds * ratio, pred, num_logits
         sampled_rows = sum(1 for s in out.scheduled if s.will_sample)
         host = self.host.per_seq_s * len(out.scheduled) + self.host.per_token_s * sampled_rows
