@@ -118,7 +118,7 @@ def _plot(cvd: dict, scaling: dict, out: Path) -> Path:
 
 def run(opts: LabOptions, session: LabSession) -> LabResult:
     spec = _spec()
-    rates = [1.0, 2.0, 4.0] if opts.quick else [1.0, 2.0, 3.0, 4.0, 6.0, 8.0]
+    rates = [2.0, 6.0, 10.0] if opts.quick else [2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]
     cvd = colocated_vs_disaggregated(spec, rates)
     replica_counts = [1, 2] if opts.quick else [1, 2, 4, 8]
     scaling = {router: {n: saturation_rate(spec, n, router, 0.25 * n, 4.0 * n, 3 if opts.quick else 5)

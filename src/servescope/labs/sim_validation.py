@@ -28,6 +28,7 @@ from servescope.config.engine import BatchingConfig, KVCacheConfig
 from servescope.engine.llm_engine import LLMEngine
 from servescope.engine.local_hardware import probe_local_cpu
 from servescope.engine.sequence_overhead import host_costs
+from servescope.errors import InvalidParameterError
 from servescope.labs.common import LabOptions, LabResult, LabSession, md_table, rel_error, write_report
 from servescope.sim.cluster import Deployment
 from servescope.sim.driver import bench_result, drive
@@ -96,8 +97,11 @@ class WallClock:
 
 
 def _engine(model, preset: str) -> LLMEngine:
+    # no prefix cache, here and in the simulation: each workload runs twice on the same prompts, and the
+    # second run must not find the first one's blocks (random prompts share nothing otherwise)
     return LLMEngine(EngineConfig(model=model, dtype="auto", num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=MAX_NUM_SEQS,
-                                  max_num_batched_tokens=TOKEN_BUDGET, max_model_len=4096, hardware="local-cpu"))
+                                  max_num_batched_tokens=TOKEN_BUDGET, max_model_len=4096, hardware="local-cpu",
+                                  enable_prefix_caching=False))
 
 
 def _warm_up(engine: LLMEngine, vocab: int) -> None:
@@ -123,9 +127,9 @@ def profile_steps(engine: LLMEngine, vocab: int, seed: int = 1000) -> StepTable:
     return fit_step_table(records, f"measured on {len(records)} engine steps of the lab's own workloads")
 
 
-def _measure(engine: LLMEngine, w: Workload, vocab: int, seed: int):
+def _measure(engine: LLMEngine, w: Workload, vocab: int, seed: int, label: str):
     reqs = synthetic_workload(w.num_prompts, w.input_len, w.output_len, vocab, w.request_rate, seed=seed)
-    records, duration, _ = drive(WallClock(engine), reqs, w.max_concurrency, prefix=f"real-{seed}")
+    records, duration, _ = drive(WallClock(engine), reqs, w.max_concurrency, prefix=f"real-{label}")
     return bench_result(records, duration), reqs
 
 
@@ -154,7 +158,8 @@ def _model_rows(name: str, model, preset: str, workloads, seed: int) -> tuple:
     hw = probe_local_cpu()  # after the engine: the probe is keyed by the torch threads it set
     dtype = str(engine.dtype).replace("torch.", "")
     per_seq, per_token, source = host_costs(dtype, with_tokenizer=engine.tokenizer is not None)
-    spec = instance_spec(preset, hw, dtype=dtype, cache=KVCacheConfig(num_kv_blocks=NUM_KV_BLOCKS),
+    spec = instance_spec(preset, hw, dtype=dtype, cache=KVCacheConfig(num_kv_blocks=NUM_KV_BLOCKS,
+                                                                      enable_prefix_caching=False),
                          batching=BatchingConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=TOKEN_BUDGET,
                                                  max_model_len=4096),
                          host=HostCosts(per_seq, per_token, source))
@@ -164,8 +169,8 @@ def _model_rows(name: str, model, preset: str, workloads, seed: int) -> tuple:
     out = []
     for i, w in enumerate(workloads):
         reals, sims = [], {mode: [] for mode in specs}
-        for rep in range(REAL_REPEATS):  # other prompts each time (the prefix cache would answer the same ones)
-            real, reqs = _measure(engine, w, spec.model.vocab_size, seed + i + 1000 * rep)
+        for rep in range(REAL_REPEATS):  # the same prompts and times: the spread is the machine's
+            real, reqs = _measure(engine, w, spec.model.vocab_size, seed + i, f"{seed + i}-{rep}")
             reals.append(real)
             for mode, sp in specs.items():
                 sims[mode].append(_simulate(sp, w, reqs))
@@ -198,6 +203,10 @@ def _met(rows: list, mode: str) -> int:
 
 def run(opts: LabOptions, session: LabSession) -> LabResult:
     models = QUICK if opts.quick else MODELS
+    if opts.model:  # one of them, by name or by what the engine loads
+        models = {k: v for k, v in MODELS.items() if opts.model in (k, v[0], v[1])}
+        if not models:
+            raise InvalidParameterError("model", f"lab simulate validates {', '.join(MODELS)}; got {opts.model!r}")
     rows, specs = [], []
     for name, (model, preset, workloads) in models.items():
         got, spec_line = _model_rows(name, model, preset, workloads, opts.seed)
@@ -217,8 +226,8 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
                 ("Floors", f"cost model: {summary['cost model']['floors_met']} of {total}, step table: "
                            f"{summary['step table']['floors_met']} of {total} within their floors (median TTFT, "
                            f"median TPOT, output throughput 10%; p90 TTFT 20%); error = (simulated - measured) / "
-                           f"measured; measured = the mean of {REAL_REPEATS} runs of the workload (other prompts, same shapes), "
-                           f"spread = (max - min) / mean of those runs, simulated = the mean over the same prompts")]
+                           f"measured; measured = the mean of {REAL_REPEATS} runs of the workload, "
+                           f"spread = (max - min) / mean of those runs (the same prompts at the same times: the machine's noise)")]
     report = write_report(opts.out, "Simulator vs engine on this machine", sections,
                           results={"rows": rows, "summary": summary, "instances": specs})
     return LabResult("simulate", opts.out, report, summary=summary)

@@ -50,6 +50,7 @@ def drive(engine: Served, requests: Sequence[SimRequest], max_concurrency: Optio
     """Run the workload to the end; (records in request order, duration in seconds, finished objects)."""
     start = engine.now()
     n = len(requests)
+    arrivals = [start + r.arrival for r in requests]
     free_slots = [start] * max_concurrency if max_concurrency else None  # times the slots became free
     sent: dict = {}
     done: dict = {}
@@ -58,12 +59,12 @@ def drive(engine: Served, requests: Sequence[SimRequest], max_concurrency: Optio
     last = start
     while len(done) < n:
         now = engine.now()
-        while i < n and start + requests[i].arrival <= now:
+        while i < n and arrivals[i] <= now:
             held.append(i)
             i += 1
         while held and (free_slots is None or len(sent) - len(done) < max_concurrency):
             j = held.popleft()
-            t = start + requests[j].arrival
+            t = arrivals[j]
             if free_slots is not None:
                 t = max(t, heapq.heappop(free_slots))
             sent[j] = t
@@ -75,7 +76,7 @@ def drive(engine: Served, requests: Sequence[SimRequest], max_concurrency: Optio
                 last = max(last, f.metrics.finished_time or engine.now())
                 _finish(f, done, free_slots, engine.now())
         elif i < n:
-            engine.wait_until(start + requests[i].arrival)
+            engine.wait_until(arrivals[i])
         elif held:  # every slot taken by requests that finished at once; nothing runs
             continue
     records = [record_of(requests[j], done[j], sent[j], start) for j in range(n)]
