@@ -28,7 +28,7 @@ from servescope.sim.workload import SimRequest, synthetic_workload
 MODEL, HARDWARE, TP = "llama-3-70b", "H100", 8
 SLOS = {"ttft": 2000.0, "tpot": 100.0}
 TARGET = 0.9
-DURATION_S = 60.0  # seconds of arrivals per point
+DURATION_S = 30.0  # seconds of arrivals per point
 VALIDATION = Path("lab-out/simulate/results.json")
 
 
@@ -121,7 +121,9 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     rates = [2.0, 6.0, 10.0] if opts.quick else [2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]
     cvd = colocated_vs_disaggregated(spec, rates)
     replica_counts = [1, 2] if opts.quick else [1, 2, 4, 8]
-    scaling = {router: {n: saturation_rate(spec, n, router, 0.25 * n, 4.0 * n, 3 if opts.quick else 5)
+    steps = 3 if opts.quick else 4
+    single = saturation_rate(spec, 1, "least-tokens", 0.25, 4.0, steps)  # one replica: every router is the same
+    scaling = {router: {n: single if n == 1 else saturation_rate(spec, n, router, 0.25 * n, 4.0 * n, steps)
                         for n in replica_counts} for router in ROUTERS}
     plot = _plot(cvd, scaling, opts.out)
     rows = [[name, p["offered"], p["goodput"], f"{p['attainment']:.0%}", p["p90_ttft_ms"], p["p90_tpot_ms"]]
