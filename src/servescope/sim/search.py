@@ -5,12 +5,13 @@ D decode TP-way instances), TP in 1, 2, 4, 8 where the model splits and fits. A 
 when at least `attainment` of the requests meet every one of them (goodput / throughput, bench/metrics'
 definition). Per TP: the fewest replicas by bisection (more replicas never hurt a least-tokens router's
 goodput), and for P = 1, 2, ... the fewest D by bisection until a larger P cannot beat the best. The
-answer is the layout with the fewest devices (ties: the higher attainment).
+answer is the layout with the fewest devices (ties: the higher attainment, then the lower p90 TTFT).
 
 What binds is read from the layout one instance short of the answer, which misses the SLOs: the SLO
-missed most, and the instances behind it -- queueing on a full token budget (compute for prefill,
-memory bandwidth for decode, as their steps' bound says), the KV cache (peak usage, preemptions), or
-the KV link (transfer time against the TTFT SLO).
+missed most, and the instances behind it -- the KV cache (peak usage, preemptions), the batch slots
+(max_num_seqs nearly always full: requests queue for one), the token budget (prefill chunks queue),
+else compute or memory bandwidth as the steps' bound says, or the KV link (transfer time against the
+TTFT SLO).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from servescope.sim.disagg import Disaggregated
 from servescope.sim.run import SimRun, simulate
 
 TPS = (1, 2, 4, 8)
+FULL = 0.75  # a limit used this much per step on average binds: requests queue for it
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ class Search:
 
     @staticmethod
     def _better(best: Optional[Trial], t: Optional[Trial]) -> Optional[Trial]:
-        if t is not None and (best is None or (t.devices, -t.attainment) < (best.devices, -best.attainment)):
+        if t is not None and (best is None or _rank(t) < _rank(best)):
             return t
         return best
 
@@ -130,6 +132,11 @@ class Search:
             if cand in self.trials and cand != lay:
                 return self.trials[cand]
         return None
+
+
+def _rank(t: Trial) -> tuple:
+    """Fewer devices first; then the higher attainment; then the lower p90 TTFT."""
+    return t.devices, -t.attainment, t.run.result.ttft.percentiles_ms.get(90.0, 0.0)
 
 
 def slo_misses(trial: Trial, slos: dict) -> dict:
@@ -158,5 +165,10 @@ def binding(trial: Trial, slos: dict) -> str:
         return head + (f"the KV cache (peak {mean('peak_kv_usage'):.0%} full, "
                        f"{sum(i['preemptions'] for i in insts)} preemptions)")
     kind = "compute" if mean("compute_bound_share") > 0.5 else "memory bandwidth"
-    return head + (f"{kind} ({mean('compute_bound_share'):.0%} of step time compute-bound; token budget "
-                   f"{mean('token_budget_used'):.0%} used, {mean('seqs_used'):.0%} of max_num_seqs per step)")
+    use = (f"{mean('compute_bound_share'):.0%} of step time compute-bound; token budget "
+           f"{mean('token_budget_used'):.0%} used, {mean('seqs_used'):.0%} of max_num_seqs per step")
+    if mean("seqs_used") >= FULL:
+        return head + f"the batch slots: requests queue for one of max_num_seqs, steps bound by {kind} ({use})"
+    if mean("token_budget_used") >= FULL:
+        return head + f"the token budget: prefill chunks queue, steps bound by {kind} ({use})"
+    return head + f"{kind} ({use})"
