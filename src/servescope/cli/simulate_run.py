@@ -31,6 +31,20 @@ def host_costs_for(args, hw, dtype: str) -> HostCosts:
     return HostCosts(per_seq, per_token, source)
 
 
+def local_link(args, hw):
+    """On local-cpu, ranks and instances talk over gloo between processes of this machine: its link is
+    measured once on the engine (engine/local_hardware.py), unless a link is named."""
+    if hw.kind != "cpu":
+        return None
+    needs = args.tensor_parallel_size * args.pipeline_parallel_size > 1 and args.link is None
+    needs = needs or (args.prefill_instances and args.kv_link in (None, "local-gloo"))
+    if not needs:
+        return None
+    from servescope.engine.local_hardware import local_gloo_link  # the engine (torch): measures two processes
+
+    return local_gloo_link(measure=True)
+
+
 def _preset(model: str) -> str:
     return model[len(RANDOM_PREFIX):] if model.startswith(RANDOM_PREFIX) else model
 
@@ -49,7 +63,7 @@ def spec_from_args(args, tp: int = None, host: HostCosts = None):
         parallel=ParallelConfig(tensor_parallel_size=tp or args.tensor_parallel_size,
                                 pipeline_parallel_size=args.pipeline_parallel_size,
                                 pipeline_micro_batches=args.pipeline_micro_batches),
-        ep=args.expert_parallel_size, link=args.link,
+        ep=args.expert_parallel_size, link=args.link or local_link(args, hw),
         spec_decode=SpecDecodeSpec(args.num_speculative_tokens,
                                    args.spec_acceptance if args.num_speculative_tokens else 0.0),
         host=host, step_table=StepTable.load(args.step_table) if args.step_table else None)
@@ -64,7 +78,8 @@ def workload_from_args(args, vocab_size: int) -> list:
 
 def deployment_from_args(args, spec, keep_steps: bool = True):
     if args.prefill_instances:
-        return Disaggregated(spec, args.prefill_instances, args.decode_instances, kv_link=args.kv_link,
+        link = args.kv_link if args.kv_link not in (None, "local-gloo") else local_link(args, spec.hardware)
+        return Disaggregated(spec, args.prefill_instances, args.decode_instances, kv_link=link or args.kv_link,
                              keep_steps=keep_steps)
     return Deployment(spec, args.replicas, args.router, keep_steps=keep_steps)
 

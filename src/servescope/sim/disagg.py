@@ -30,16 +30,18 @@ from servescope.sim.spec import InstanceSpec
 DEFAULT_KV_LINK = {"gpu": "ib-ndr400"}  # prefill and decode instances on different nodes
 
 
-def kv_link_for(spec: InstanceSpec, name: Optional[str]) -> LinkSpec:
+def kv_link_for(spec: InstanceSpec, name: "str | LinkSpec | None") -> LinkSpec:
     """The link a finished prefill's KV crosses: named, the network between GPU nodes, or the measured
     local gloo link between two engine processes of this machine."""
+    if isinstance(name, LinkSpec):
+        return name
     if name is None:
         name = DEFAULT_KV_LINK.get(spec.hardware.kind, LOCAL_GLOO)
     if name == LOCAL_GLOO:
         link = cached_local_link(f"{cpu_model()} / {os.cpu_count()} cores")  # engine/local_hardware's key
         if link is None:
-            raise InvalidParameterError("kv_link", "the local gloo link is not measured: `servescope hardware "
-                                                   "probe-link`, or name a link with --kv-link")
+            raise InvalidParameterError("kv_link", "the local gloo link is not measured (`servescope simulate` "
+                                                   "on local-cpu measures it), or name a link with --kv-link")
         return link
     return get_link(name)
 
@@ -59,7 +61,7 @@ def inject_kv(engine: SimEngine, request_id: str, tokens: Sequence[int]) -> bool
 class Disaggregated:
     """P prefill + D decode instances of `spec` (sim/driver.Served)."""
 
-    def __init__(self, spec: InstanceSpec, prefill: int, decode: int, kv_link: Optional[str] = None,
+    def __init__(self, spec: InstanceSpec, prefill: int, decode: int, kv_link: "str | LinkSpec | None" = None,
                  keep_steps: bool = True, seed: int = 0):
         if prefill < 1 or decode < 1:
             raise InvalidParameterError("disaggregation", "needs at least one prefill and one decode instance")

@@ -4,8 +4,9 @@ One loop for the simulated engine (virtual clock) and the real one (wall clock, 
 so that both see the same arrivals and concurrency rule: requests are sent at their arrival times; with
 `max_concurrency` a request that finds every slot taken waits for the next to free (its clock starts
 when it is sent, as in bench serve and vLLM); the engine takes what was sent while a step ran before
-its next step. Per request: TTFT = first token - send, ITL = the gaps between its tokens, E2E = last
-token - send (bench/metrics.py's definitions, on the engine's token times).
+its next step. Per request: TTFT = first token - send, ITL = the gaps between its chunks (the tokens of
+one step arrive together), E2E = last token - send (bench/metrics.py's definitions, on the engine's
+token times).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def record_of(req: SimRequest, finished, sent: float, start: float) -> RequestRe
         return RequestRecord(success=False, prompt_len=req.prompt_len, start_time=sent - start,
                              latency=max((m.finished_time or sent) - sent, 0.0),
                              error=finished.error or "no token produced")
-    itl = [b - a for a, b in zip(times, times[1:])]
+    # tokens that came out of one step (accepted drafts) reach a client as one chunk: ITL between chunks
+    chunks = [t for i, t in enumerate(times) if i == 0 or t != times[i - 1]]
+    itl = [b - a for a, b in zip(chunks, chunks[1:])]
     return RequestRecord(success=True, prompt_len=req.prompt_len, output_len=len(times), ttft=times[0] - sent,
                          itl=itl, latency=times[-1] - sent, start_time=sent - start)
 

@@ -135,7 +135,7 @@ def _gpu_blocks(cfg: ModelConfig, hw: HardwareSpec, wdt: str, kdt: str, adt: str
 def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dtype: str = "auto",
                   kv_cache_dtype: str = "auto", cache: KVCacheConfig = KVCacheConfig(),
                   batching: BatchingConfig = BatchingConfig(), parallel: ParallelConfig = ParallelConfig(),
-                  ep: int = 1, link: Optional[str] = None, spec_decode: SpecDecodeSpec = SpecDecodeSpec(),
+                  ep: int = 1, link: "str | LinkSpec | None" = None, spec_decode: SpecDecodeSpec = SpecDecodeSpec(),
                   host: HostCosts = HostCosts(), step_table: Optional[StepTable] = None) -> InstanceSpec:
     """Resolve an instance as engine/builder.py resolves an engine (the config parts are the engine's)."""
     cfg = load_preset(model) if isinstance(model, str) else model
@@ -171,9 +171,12 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
                             max_num_batched_tokens=batching.max_num_batched_tokens if chunked
                             else max(batching.max_num_batched_tokens, max_len),
                             max_model_len=max_len, enable_chunked_prefill=chunked, block_size=cache.block_size)
-    link_spec = None
-    if tp * pp > 1:
-        link_spec = get_link(link or DEFAULT_LINK.get(hw.name, "pcie4")) if link != "none" else None
+    link_spec = link if isinstance(link, LinkSpec) else None
+    if tp * pp > 1 and link_spec is None and link != "none":
+        if link is None and hw.kind == "cpu":
+            raise InvalidParameterError("link", "ranks on the local CPU talk over gloo: pass the measured local link "
+                                                "(`servescope simulate` measures it once), or a named --link")
+        link_spec = get_link(link or DEFAULT_LINK.get(hw.name, "pcie4"))
     return InstanceSpec(model=cfg, hardware=hw, dtypes=(adt, kdt, adt, DTYPE_BYTES[adt]), scheduler=sched,
                         num_blocks=int(blocks), block_size=cache.block_size,
                         enable_prefix_caching=cache.enable_prefix_caching, tp=tp, pp=pp, ep=ep,
