@@ -118,12 +118,12 @@ def _plot(cvd: dict, scaling: dict, out: Path) -> Path:
 
 def run(opts: LabOptions, session: LabSession) -> LabResult:
     spec = _spec()
-    rates = [2.0, 6.0, 10.0] if opts.quick else [2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]
+    rates = [4.0, 12.0, 20.0] if opts.quick else [4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 28.0]
     cvd = colocated_vs_disaggregated(spec, rates)
     replica_counts = [1, 2] if opts.quick else [1, 2, 4, 8]
-    steps = 3 if opts.quick else 4
-    single = saturation_rate(spec, 1, "least-tokens", 0.25, 4.0, steps)  # one replica: every router is the same
-    scaling = {router: {n: single if n == 1 else saturation_rate(spec, n, router, 0.25 * n, 4.0 * n, steps)
+    steps = 3 if opts.quick else 5
+    single = saturation_rate(spec, 1, "least-tokens", 0.5, 12.0, steps)  # one replica: every router is the same
+    scaling = {router: {n: single if n == 1 else saturation_rate(spec, n, router, 0.5 * n, 12.0 * n, steps)
                         for n in replica_counts} for router in ROUTERS}
     plot = _plot(cvd, scaling, opts.out)
     rows = [[name, p["offered"], p["goodput"], f"{p['attainment']:.0%}", p["p90_ttft_ms"], p["p90_tpot_ms"]]
