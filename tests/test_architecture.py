@@ -158,8 +158,8 @@ def test_no_import_cycle_anywhere_in_src():
 
 
 def test_analysis_and_telemetry_import_without_torch():
-    """Importing them loads no torch: the probe imports it inside its functions only."""
-    code = ("import sys, servescope.analysis, servescope.telemetry; "
+    """Importing them (and the simulator) loads no torch: the probe imports it inside its functions only."""
+    code = ("import sys, servescope.analysis, servescope.telemetry, servescope.sim.run, servescope.sim.disagg; "
             "print(' '.join(m for m in ('torch', 'servescope.engine') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr

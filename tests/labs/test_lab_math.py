@@ -112,7 +112,7 @@ def test_write_report_and_md_table(tmp_path):
 def test_registry_names():
     assert list(LABS) == ["prefill-vs-decode", "kv-cache", "attention-scaling", "batching",
                           "latency-vs-throughput", "chunked-prefill", "speculative", "quantization"]
-    assert list(all_labs()) == list(LABS) + ["validate", "parallelism"]
+    assert list(all_labs()) == list(LABS) + ["validate", "simulate", "cluster", "parallelism"]
 
 
 def test_fit_decode_efficiency_bisects_and_clamps():

@@ -89,6 +89,11 @@ LINKS = {link.name: link for link in [
     LinkSpec("pcie4", 31.5e9, 5e-6, "PCI-SIG: PCIe 4.0 x16 = 16 GT/s x 16 lanes, 128b/130b, per direction",
              "GPUs without NVLink (L4, L40S, H100-PCIe without bridge) talk over the host's PCIe"),
     LinkSpec("pcie5", 63e9, 5e-6, "PCI-SIG: PCIe 5.0 x16 = 32 GT/s x 16 lanes, 128b/130b, per direction"),
+    # NVIDIA ConnectX-7 datasheet: InfiniBand NDR 400 Gb/s per port = 50 GB/s per direction; a DGX/HGX H100
+    # node has one port per GPU. Between nodes (prefill/decode disaggregation's KV transfer); the 5 us per
+    # message is a calibration (RDMA write latency is a few us), not a datasheet figure.
+    LinkSpec("ib-ndr400", 50e9, 5e-6, "NVIDIA ConnectX-7 datasheet: 400 Gb/s InfiniBand NDR per port",
+             "one port per GPU between nodes (GPUDirect RDMA)"),
 ]}
 
 # the link a listed GPU uses between GPUs of one node by default

@@ -120,7 +120,7 @@ def cost_predictor(config: EngineConfig, cfg: ModelConfig, hardware: HardwareSpe
     link = default_link(hardware) if par.world_size > 1 else None
     if par.world_size > 1 and link is None:
         logger.info("no measured link between local processes: StepRecords predict compute only "
-                    "(`servescope hardware probe-link` measures it)")
+                    "(`servescope lab parallelism` measures it)")
     return StepCostPredictor(cfg, hardware, link, dtype, kv_dtype, config.load.quantization,
                              par.tensor_parallel_size, par.pipeline_parallel_size, par.pipeline_micro_batches,
                              weight_format=weight_format(model, config.load.quantization))

@@ -35,6 +35,9 @@ LABS = {
 # not part of `lab all`: the cost model's validation (docs/VALIDATION.md)
 EXTRA_LABS = {
     "validate": ("validate", "cost model vs measured step time: decode batch 1..32, prefill 128..2048 tokens"),
+    "simulate": ("sim_validation", "the simulator (servescope simulate) vs the engine on the same workloads, "
+                                   "135M and a 1B shape: TTFT, TPOT, throughput"),
+    "cluster": ("cluster", "simulated 70B on H100s: colocated vs disaggregated goodput, DP scaling per router"),
     "parallelism": ("parallelism", "step time at TP x PP = 1x1, 2x1, 1x2 here (gloo) beside predicted; "
                                    "Llama-3-70B on 8 x H100/H200 predicted"),
 }

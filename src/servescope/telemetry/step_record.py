@@ -81,3 +81,15 @@ class StepRecord:
                  achieved_flops_per_s=self.achieved_flops_per_s,
                  achieved_bytes_per_s=self.achieved_bytes_per_s, prediction_error=self.prediction_error)
         return d
+
+
+def step_period(records: list, i: int) -> float:
+    """Seconds from record i's start to the next record's when the engine stepped again at once (the
+    gap within twice the step's wall time: the outputs handed back and the requests added between two
+    steps count), else record i's wall time."""
+    r = records[i]
+    if i + 1 < len(records):
+        gap = records[i + 1].start_time - r.start_time
+        if r.wall_seconds <= gap <= 2 * r.wall_seconds:
+            return gap
+    return r.wall_seconds

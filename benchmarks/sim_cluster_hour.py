@@ -1,0 +1,85 @@
+"""How long the simulator takes for one simulated hour of a 64-GPU cluster (issue 40's floor: 2 minutes).
+
+Llama-3-70B, 8 replicas of TP8 on H100s (64 GPUs) behind a router, bench serve's random workload
+at 50 requests/s (prompts 512-1536 tokens, outputs 128-384). Runs --seconds of arrivals (the whole hour
+by default) and prints the CPU seconds it took, the steps simulated, the CPU time per step, and the CPU
+seconds per simulated hour (a shorter run scales linearly: the cluster is in steady state after the
+first seconds). One process: the simulator is single-threaded.
+
+    python benchmarks/sim_cluster_hour.py --seconds 3600 --json benchmarks/results/sim_cluster_hour.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from servescope.config.engine import BatchingConfig, ParallelConfig
+from servescope.sim.cluster import ROUTERS, Deployment
+from servescope.sim.run import simulate
+from servescope.sim.spec import instance_spec
+from servescope.bench.arrivals import arrival_times
+
+
+class LazyWorkload:
+    """bench serve's random workload drawn one request at a time when the driver asks for it: an hour at
+    50 req/s is 180k prompts of ~1k tokens, ~7 GB as Python ints if drawn up front."""
+
+    def __init__(self, n: int, rate: float, prompt: tuple, output: tuple, vocab: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.times = arrival_times(n, rate, 1.0, seed)
+        self.prompt_lens = rng.integers(prompt[0], prompt[1] + 1, n)
+        self.output_lens = rng.integers(output[0], output[1] + 1, n)
+        self.vocab, self.seed = vocab, seed
+
+    def __len__(self) -> int:
+        return len(self.times)
+
+    def __getitem__(self, i: int) -> "LazyRequest":
+        return LazyRequest(self, i)
+
+
+class LazyRequest:
+    """A SimRequest whose prompt is drawn when read (the driver reads it once, to send it)."""
+
+    def __init__(self, w: LazyWorkload, i: int):
+        self.w, self.i = w, i
+        self.arrival, self.prompt_len, self.output_len = float(w.times[i]), int(w.prompt_lens[i]), int(w.output_lens[i])
+
+    @property
+    def prompt(self) -> tuple:
+        return tuple(np.random.default_rng((self.w.seed, self.i)).integers(0, self.w.vocab, self.prompt_len).tolist())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=3600.0, help="seconds of arrivals to simulate")
+    p.add_argument("--rate", type=float, default=50.0)
+    p.add_argument("--router", default="least-tokens", choices=ROUTERS)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    spec = instance_spec("llama-3-70b", "H100", parallel=ParallelConfig(tensor_parallel_size=8),
+                         batching=BatchingConfig(max_num_seqs=128, max_num_batched_tokens=4096))
+    reqs = LazyWorkload(int(a.rate * a.seconds), a.rate, (512, 1536), (128, 384), spec.model.vocab_size)
+    dep = Deployment(spec, 8, a.router, keep_steps=False)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    run = simulate(dep, reqs)
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    steps = sum(e.num_steps for e in dep.engines)
+    out = {"simulated_seconds": run.result.duration_s, "requests": len(reqs), "steps": steps, "cpu_seconds": cpu,
+           "wall_seconds": wall, "cpu_us_per_step": cpu / steps * 1e6,
+           "cpu_seconds_per_simulated_hour": cpu * 3600 / run.result.duration_s,
+           "median_ttft_ms": run.result.ttft.median_ms, "median_tpot_ms": run.result.tpot.median_ms,
+           "router": a.router, "rate": a.rate}
+    print(json.dumps(out, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

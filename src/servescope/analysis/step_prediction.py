@@ -1,0 +1,60 @@
+"""One engine step's predicted time at TP x PP, from the cost model and the collectives (pure functions).
+
+What a StepRecord's `predicted_seconds` means, in one place: the roofline of one tensor-parallel rank's
+shard (cost_model.step_cost on collectives.shard_config, the host overhead included), plus the step's
+collectives on the link at TP > 1 (collectives.step_comm_cost), or at PP > 1 the stages' schedule over
+the step's micro-batches (pipeline_schedule.pipelined_step). The engine annotates its steps with it
+(engine/step_cost.py) and the simulator advances its clock by it (sim/step_time.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from servescope.analysis.collectives import LinkSpec, shard_config, step_comm_cost
+from servescope.analysis.cost_model import StepCost, step_cost
+from servescope.analysis.hardware import HardwareSpec
+from servescope.analysis.pipeline_schedule import auto_micro_batches, pipelined_step
+from servescope.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    seconds: float  # the whole step: compute, host overhead and collectives
+    comm_seconds: Optional[float]  # the collectives' share (None: no link to price them on)
+    cost: StepCost  # the rank's roofline (FLOPs, bytes, bound per op group)
+
+
+@dataclass(frozen=True)
+class StepPredictor:
+    """Predicts steps of one model on one spec at TP x PP. dtypes: (weight, kv, activation, activation
+    bytes), as the engine resolves them; micro_batches: pipeline_micro_batches (0: the engine's auto rule);
+    link: between the ranks (None: compute only)."""
+
+    cfg: ModelConfig
+    hw: HardwareSpec
+    dtypes: tuple
+    tp: int = 1
+    pp: int = 1
+    micro_batches: int = 0
+    link: Optional[LinkSpec] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "shard", shard_config(self.cfg, self.tp))  # one rank's model, computed once
+
+    def predict(self, seqs: list, num_logits: int) -> StepPrediction:
+        """seqs: [(num_new_tokens, num_context_tokens_before)] of the step (a verification as 1 + k
+        one-token rows, as the engine runs it)."""
+        wdt, kdt, adt, act_bytes = self.dtypes
+        cost = step_cost(self.shard, seqs, self.hw, wdt, kdt, adt, num_logits=num_logits)
+        if self.pp > 1:
+            m = auto_micro_batches(sum(n for n, _ in seqs if n > 1), self.pp, self.micro_batches)
+            step = pipelined_step(self.cfg, seqs, self.hw, self.tp, self.pp, m, self.link, self.dtypes,
+                                  num_logits=num_logits)
+            return StepPrediction(step.step_seconds, step.comm_seconds if self.link is not None else None, cost)
+        if self.link is not None and self.tp > 1:
+            comm = step_comm_cost(self.cfg, sum(n for n, _ in seqs), num_logits, self.tp, self.pp, self.link,
+                                  act_bytes)
+            return StepPrediction(cost.predicted_seconds + comm.seconds, comm.seconds, cost)
+        return StepPrediction(cost.predicted_seconds, None, cost)

@@ -1,0 +1,233 @@
+"""Lab `simulate`: the simulator against the engine, on the same workloads, on this machine.
+
+Each workload runs twice: for real, on the engine (LLMEngine in this process, requests added at their
+arrival times on the wall clock between steps, as the server's engine thread takes them), and
+simulated (servescope.sim: the same Scheduler and KVCacheManager on a virtual clock, steps priced by
+the cost model on the local probe, plus the engine's host work per sequence and per token, measured on
+a tiny model: measure/sequence_overhead.py). The same driver (sim/driver.py) sends both the same prompts
+at the same times; both are summarised by bench/metrics.py. Nothing in the simulation is fitted to
+these runs.
+
+Why the engine in-process and not `bench serve` against `serve`: on two shared cores the HTTP client,
+the event loop and the engine thread take turns on the cores the engine's kernels use, so a served
+run measures the engine plus a load generator beside it; the simulator models the engine (the
+difference is measured separately in docs/VALIDATION.md).
+
+Floors (issue 40): median TTFT, median TPOT and output throughput within 10%, p90 TTFT within 20%.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+
+from servescope.config import EngineConfig, SamplingParams
+from servescope.config.engine import BatchingConfig, KVCacheConfig
+from servescope.engine.llm_engine import LLMEngine
+from servescope.measure.local_hardware import probe_local_cpu
+from servescope.measure.sequence_overhead import host_costs
+from servescope.errors import InvalidParameterError
+from servescope.labs.common import LabOptions, LabResult, LabSession, md_table, rel_error, write_report
+from servescope.sim.cluster import Deployment
+from servescope.sim.driver import bench_result, drive
+from servescope.sim.engine import Finished
+from servescope.sim.spec import HostCosts, describe, instance_spec
+from servescope.sim.step_table import StepTable, fit_step_table
+from servescope.sim.workload import synthetic_workload
+
+FLOORS = {"median_ttft_ms": 0.10, "median_tpot_ms": 0.10, "output_throughput": 0.10, "p90_ttft_ms": 0.20}
+NUM_KV_BLOCKS = 2048
+MAX_NUM_SEQS = 32
+TOKEN_BUDGET = 512
+PROFILE_REPEATS = 2
+REAL_REPEATS = 2  # each workload measured twice: the spread says how far a floor can be trusted here
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_prompts: int
+    input_len: object  # N or (lo, hi)
+    output_len: object
+    request_rate: float
+    max_concurrency: object = None
+
+
+# per model: (engine model name, simulator preset, workloads); sized to the model's speed on 2 cores
+MODELS = {
+    "smollm2-135m": (None, "smollm2-135m", (
+        Workload("low rate", 24, (64, 256), (32, 96), 1.0),
+        Workload("saturation", 48, (64, 256), (48, 96), math.inf),
+        Workload("long prompts", 12, (1024, 2048), (16, 48), 0.5),
+    )),
+    "llama-3.2-1b": ("random:llama-3.2-1b", "llama-3.2-1b", (
+        Workload("low rate", 8, (64, 256), (16, 48), 0.1),
+        Workload("saturation", 16, (64, 256), (24, 48), math.inf),
+        Workload("long prompts", 4, (1024, 1536), (8, 24), 0.05),
+    )),
+}
+QUICK = {"smollm2-135m": MODELS["smollm2-135m"]}
+
+
+class WallClock:
+    """sim/driver.Served over a real LLMEngine: perf_counter time, requests added between steps."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def wait_until(self, t: float) -> None:
+        delay = t - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
+    def add(self, request_id, prompt, max_tokens, arrival_time):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.engine.add_request(request_id, list(prompt), params, arrival_time=arrival_time)
+
+    def step(self) -> list:
+        return [Finished(o.request_id, o.metrics, o.error) for o in self.engine.step() if o.finished]
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+
+def _engine(model, preset: str) -> LLMEngine:
+    # no prefix cache, here and in the simulation: each workload runs twice on the same prompts, and the
+    # second run must not find the first one's blocks (random prompts share nothing otherwise)
+    return LLMEngine(EngineConfig(model=model, dtype="auto", num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=MAX_NUM_SEQS,
+                                  max_num_batched_tokens=TOKEN_BUDGET, max_model_len=4096, hardware="local-cpu",
+                                  enable_prefix_caching=False))
+
+
+def _warm_up(engine: LLMEngine, vocab: int) -> None:
+    """Every kernel path once (prefill chunks, decode batches) so that the first measured steps are not
+    the first calls."""
+    reqs = synthetic_workload(8, (16, 600), 8, vocab, math.inf, seed=99)
+    drive(WallClock(engine), reqs, prefix="warm")
+
+
+def profile_steps(engine: LLMEngine, vocab: int, seed: int = 1000) -> StepTable:
+    """The measured / predicted table of this engine (sim/step_table.py), from workloads of its own: decode
+    steps at batch 1..32 over ~128-token prompts and at batch 1..4 over ~1k and ~2k, prefill chunks of
+    16..2048-token prompts."""
+    first = len(engine.step_records)
+    shapes = [(b, (96, 160), 16) for b in (1, 2, 4, 8, 16, 32)] + [(b, (n - 64, n + 64), 12) for n in (1024, 2048)
+                                                                 for b in (1, 2, 4)]
+    shapes += [(1, n, 2) for n in (16, 32, 64, 128, 256, 512, 1024, 2048)]
+    for rep in range(PROFILE_REPEATS):  # medians over repeats: one sample per shape is at the mercy of noise
+        for i, (batch, prompt, out) in enumerate(shapes):
+            reqs = synthetic_workload(batch, prompt, out, vocab, math.inf, seed=seed + 100 * rep + i)
+            drive(WallClock(engine), reqs, prefix=f"profile-{rep}-{i}")
+    records = list(engine.step_records)[first:]
+    return fit_step_table(records, f"measured on {len(records)} engine steps of the lab's own workloads")
+
+
+def _measure(engine: LLMEngine, w: Workload, vocab: int, seed: int, label: str):
+    reqs = synthetic_workload(w.num_prompts, w.input_len, w.output_len, vocab, w.request_rate, seed=seed)
+    records, duration, _ = drive(WallClock(engine), reqs, w.max_concurrency, prefix=f"real-{label}")
+    return bench_result(records, duration), reqs
+
+
+def _simulate(spec, w: Workload, reqs):
+    records, duration, _ = drive(Deployment(spec, keep_steps=False), reqs, w.max_concurrency)
+    return bench_result(records, duration)
+
+
+def _compare(reals: list, sims: dict) -> dict:
+    """{metric: {measured (mean of the repeats), spread (max - min over mean), <mode>: simulated (mean over
+    the same workloads), <mode> error}} for each simulation mode."""
+    out = {}
+    for k in FLOORS:
+        vals = [r.to_dict()[k] for r in reals]
+        m = sum(vals) / len(vals)
+        out[k] = {"measured": m, "runs": vals, "spread": (max(vals) - min(vals)) / m if m else 0.0}
+        for mode, results in sims.items():
+            v = sum(x.to_dict()[k] for x in results) / len(results)
+            out[k][mode] = v
+            out[k][f"{mode} error"] = rel_error(v, m)
+    return out
+
+
+def _model_rows(name: str, model, preset: str, workloads, seed: int) -> tuple:
+    engine = _engine(model, preset)
+    hw = probe_local_cpu()  # after the engine: the probe is keyed by the torch threads it set
+    dtype = str(engine.dtype).replace("torch.", "")
+    per_seq, per_token, source = host_costs(dtype, with_tokenizer=engine.tokenizer is not None)
+    spec = instance_spec(preset, hw, dtype=dtype, cache=KVCacheConfig(num_kv_blocks=NUM_KV_BLOCKS,
+                                                                      enable_prefix_caching=False),
+                         batching=BatchingConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=TOKEN_BUDGET,
+                                                 max_model_len=4096),
+                         host=HostCosts(per_seq, per_token, source))
+    _warm_up(engine, spec.model.vocab_size)
+    table = profile_steps(engine, spec.model.vocab_size)
+    specs = {"cost model": spec, "step table": spec.replace(step_table=table)}
+    out = []
+    for i, w in enumerate(workloads):
+        reals, sims = [], {mode: [] for mode in specs}
+        for rep in range(REAL_REPEATS):  # the same prompts and times: the spread is the machine's
+            real, reqs = _measure(engine, w, spec.model.vocab_size, seed + i, f"{seed + i}-{rep}")
+            reals.append(real)
+            for mode, sp in specs.items():
+                sims[mode].append(_simulate(sp, w, reqs))
+        out.append({"model": name, "workload": w.name, "rate": w.request_rate, "prompts": w.num_prompts,
+                    "input_len": w.input_len, "output_len": w.output_len, "metrics": _compare(reals, sims),
+                    "step_table": table.to_dict()})
+    engine.shutdown()
+    return out, describe(spec)
+
+
+def _table(rows: list, mode: str) -> str:
+    headers = ["model", "workload", "rate (req/s)"]
+    for k in FLOORS:
+        headers += [f"{k} measured (spread)", "simulated", "error"]
+    body = []
+    for r in rows:
+        line = [r["model"], r["workload"], r["rate"]]
+        for k, floor in FLOORS.items():
+            m = r["metrics"][k]
+            err = m[f"{mode} error"]
+            line += [f"{m['measured']:.4g} ({m['spread']:.0%})", m[mode],
+                     f"{err:+.1%} {'ok' if abs(err) <= floor else 'MISS'}"]
+        body.append(line)
+    return md_table(headers, body)
+
+
+def _met(rows: list, mode: str) -> int:
+    return sum(abs(r["metrics"][k][f"{mode} error"]) <= f for r in rows for k, f in FLOORS.items())
+
+
+def run(opts: LabOptions, session: LabSession) -> LabResult:
+    models = QUICK if opts.quick else MODELS
+    if opts.model:  # one of them, by name or by what the engine loads
+        models = {k: v for k, v in MODELS.items() if opts.model in (k, v[0], v[1])}
+        if not models:
+            raise InvalidParameterError("model", f"lab simulate validates {', '.join(MODELS)}; got {opts.model!r}")
+    rows, specs = [], []
+    for name, (model, preset, workloads) in models.items():
+        got, spec_line = _model_rows(name, model, preset, workloads, opts.seed)
+        rows += got
+        specs.append(f"- {name}: {spec_line}")
+        table_path = opts.out / f"step_table-{name}.json"  # `simulate --step-table` reads it
+        opts.out.mkdir(parents=True, exist_ok=True)
+        table_path.write_text(json.dumps(got[0]["step_table"], indent=1))
+    total = len(rows) * len(FLOORS)
+    summary = {"floors_checked": total}
+    for mode in ("cost model", "step table"):
+        summary[mode] = {"floors_met": _met(rows, mode),
+                         "max_abs_error": {k: max(abs(r["metrics"][k][f"{mode} error"]) for r in rows) for k in FLOORS}}
+    sections = [("Simulated with the cost model alone (probe + measured host costs)", _table(rows, "cost model")),
+                ("Simulated with a measured step table (profiled on other workloads first)", _table(rows, "step table")),
+                ("Instances simulated", "\n".join(specs)),
+                ("Floors", f"cost model: {summary['cost model']['floors_met']} of {total}, step table: "
+                           f"{summary['step table']['floors_met']} of {total} within their floors (median TTFT, "
+                           f"median TPOT, output throughput 10%; p90 TTFT 20%); error = (simulated - measured) / "
+                           f"measured; measured = the mean of {REAL_REPEATS} runs of the workload, "
+                           f"spread = (max - min) / mean of those runs (the same prompts at the same times: the machine's noise)")]
+    report = write_report(opts.out, "Simulator vs engine on this machine", sections,
+                          results={"rows": rows, "summary": summary, "instances": specs})
+    return LabResult("simulate", opts.out, report, summary=summary)

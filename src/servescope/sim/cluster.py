@@ -1,0 +1,115 @@
+"""Deployments: engine instances on one virtual timeline, behind a router.
+
+`Deployment` is data parallelism: N replicas of one instance spec, each request routed on arrival by
+  round-robin   replica i mod N;
+  least-tokens  the replica with the fewest outstanding tokens (prompt tokens until the first token,
+                then the outputs still to come), SGLang's and vLLM's production routers' load measure;
+  prefix        the replica whose prefix cache holds the longest prefix of the prompt (its real block
+                hashes, looked up without touching the cache), unless that replica's load exceeds the
+                least loaded one's by more than `balance_tokens`, then least-tokens (SGLang's
+                cache-aware router's rule).
+One replica is the single-engine case. Time: every replica has its own clock; the deployment always
+steps the replica whose next step starts first, so steps of different replicas interleave in time
+order and a request is routed on the state the replicas have at its arrival.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from servescope.errors import InvalidParameterError
+from servescope.kvcache.prefix_cache import hash_full_blocks
+from servescope.sim.engine import SimEngine
+from servescope.sim.spec import InstanceSpec
+
+ROUTERS = ("round-robin", "least-tokens", "prefix")
+DEFAULT_BALANCE_TOKENS = 4096
+
+
+class Deployment:
+    """N data-parallel replicas of `spec` behind a router (sim/driver.Served)."""
+
+    def __init__(self, spec: InstanceSpec, replicas: int = 1, router: str = "least-tokens",
+                 keep_steps: bool = True, balance_tokens: int = DEFAULT_BALANCE_TOKENS, seed: int = 0):
+        if replicas < 1:
+            raise InvalidParameterError("replicas", f"replicas must be at least 1, got {replicas}")
+        if router not in ROUTERS:
+            raise InvalidParameterError("router", f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
+        self.spec, self.router, self.balance_tokens = spec, router, balance_tokens
+        self.engines = [SimEngine(spec, f"replica-{i}", keep_steps, seed + i) for i in range(replicas)]
+        self._time = 0.0
+        self._next = 0
+        self._home: dict = {}  # request id -> replica index
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.engines) * self.spec.num_devices
+
+    def describe(self) -> str:
+        n = len(self.engines)
+        one = f"TP={self.spec.tp} x PP={self.spec.pp} on {self.spec.hardware.name}"
+        return one if n == 1 else f"{n} replicas of {one} ({self.num_devices} devices), router {self.router}"
+
+    def served_by(self, instance: int) -> set:
+        return {rid for rid, i in self._home.items() if i == instance}
+
+    # ---------------------------------------------------------------- Served
+    def now(self) -> float:
+        busy = [e.clock for e in self.engines if e.has_unfinished()]
+        return min(busy) if busy else self._time
+
+    def wait_until(self, t: float) -> None:
+        self._time = max(self._time, t)
+
+    def has_unfinished(self) -> bool:
+        return any(e.has_unfinished() for e in self.engines)
+
+    def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, arrival_time: float):
+        i = self._route(prompt)
+        self._home[request_id] = i
+        engine = self.engines[i]
+        engine.wait_until(arrival_time)  # an idle replica starts its next step when the request arrives
+        return engine.add_request(request_id, prompt, max_tokens, arrival_time)
+
+    def step(self) -> list:
+        engine = min((e for e in self.engines if e.has_unfinished()), key=lambda e: e.clock)
+        done = engine.step()
+        self._time = max(self._time, engine.clock)
+        return done
+
+    # ---------------------------------------------------------------- routing
+    def _route(self, prompt: Sequence[int]) -> int:
+        n = len(self.engines)
+        if n == 1:
+            return 0
+        if self.router == "round-robin":
+            self._next = (self._next + 1) % n
+            return (self._next - 1) % n
+        loads = [e.outstanding_tokens for e in self.engines]
+        least = min(range(n), key=loads.__getitem__)
+        if self.router == "least-tokens":
+            return least
+        hits = [self._cached_prefix(e, prompt) for e in self.engines]
+        best = max(range(n), key=lambda i: (hits[i], -loads[i]))
+        if hits[best] == 0 or loads[best] - loads[least] > self.balance_tokens:
+            return least
+        return best
+
+    @staticmethod
+    def _cached_prefix(engine: SimEngine, prompt: Sequence[int]) -> int:
+        """Tokens of the prompt's leading full blocks that the replica's prefix cache holds now."""
+        km = engine.kv_manager
+        if not km.enable_prefix_caching:
+            return 0
+        cache, n = km.prefix_cache, 0
+        for h in hash_full_blocks(prompt, km.block_size, limit=(len(prompt) - 1) // km.block_size):
+            if cache.lookup(h) is None:
+                break
+            n += 1
+        return n * km.block_size
+
+    # ---------------------------------------------------------------- what happened
+    def stats(self, duration: float) -> dict:
+        """Per-replica utilisation: busy share of the run, steps, preemptions, prefix-cache hit rate."""
+        out = [e.utilisation(duration) for e in self.engines]
+        return {"devices": self.num_devices, "instances": out}

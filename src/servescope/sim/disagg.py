@@ -1,0 +1,168 @@
+"""Prefill/decode disaggregation: P prefill instances and D decode instances, the KV sent between them.
+
+A request goes to the prefill instance with the fewest outstanding tokens and runs there for its first
+token only (TTFT). Its KV then crosses the link: kv_cache_bytes_per_token x prompt tokens, each of the
+instance's T x P ranks sending its share over its own port at once (bytes / ranks / bandwidth + the
+link's latency). When it lands, the decode instance with the fewest outstanding tokens receives it:
+the KV goes into that instance's cache as full blocks findable by their hashes (the engine's prefix
+cache: KVCacheManager.allocate_slots hashes them, free() leaves them cached and evictable), and the
+request (prompt + its first token, the remaining max_tokens) is added to its scheduler, which admits it
+with those blocks as a prefix hit and computes only the prompt's last partial block and the first
+token (at most block_size + 1 tokens: a real transfer would carry the partial block too). If the decode
+instance's cache cannot take the blocks, the request recomputes its prompt there (counted).
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import zlib
+from typing import Optional, Sequence
+
+from servescope.analysis.probe import cpu_model
+from servescope.analysis.collectives import LOCAL_GLOO, LinkSpec, cached_local_link, get_link
+from servescope.config import SamplingParams
+from servescope.errors import InvalidParameterError
+from servescope.scheduler.request import Request
+from servescope.sim.engine import Finished, SimEngine
+from servescope.sim.spec import InstanceSpec
+
+DEFAULT_KV_LINK = {"gpu": "ib-ndr400"}  # prefill and decode instances on different nodes
+
+
+def kv_link_for(spec: InstanceSpec, name: "str | LinkSpec | None") -> LinkSpec:
+    """The link a finished prefill's KV crosses: named, the network between GPU nodes, or the measured
+    local gloo link between two engine processes of this machine."""
+    if isinstance(name, LinkSpec):
+        return name
+    if name is None:
+        name = DEFAULT_KV_LINK.get(spec.hardware.kind, LOCAL_GLOO)
+    if name == LOCAL_GLOO:
+        link = cached_local_link(f"{cpu_model()} / {os.cpu_count()} cores")  # measure/local_hardware's key
+        if link is None:
+            raise InvalidParameterError("kv_link", "the local gloo link is not measured (`servescope simulate` "
+                                                   "on local-cpu measures it), or name a link with --kv-link")
+        return link
+    return get_link(name)
+
+
+def inject_kv(engine: SimEngine, request_id: str, tokens: Sequence[int]) -> bool:
+    """Put the KV of `tokens`' full blocks into the engine's cache as cached, evictable blocks (what a
+    transfer writes); False (nothing changed) when the cache has no room."""
+    km = engine.kv_manager
+    holder = Request(f"{request_id}/kv-in", tokens, SamplingParams(), arrival_time=engine.clock)
+    if not km.allocate_slots(holder, len(tokens)):
+        return False
+    holder.num_computed_tokens = len(tokens)  # written: free() keeps the hashed blocks findable
+    km.free(holder)
+    return True
+
+
+class Disaggregated:
+    """P prefill + D decode instances of `spec` (sim/driver.Served)."""
+
+    def __init__(self, spec: InstanceSpec, prefill: int, decode: int, kv_link: "str | LinkSpec | None" = None,
+                 keep_steps: bool = True, seed: int = 0):
+        if prefill < 1 or decode < 1:
+            raise InvalidParameterError("disaggregation", "needs at least one prefill and one decode instance")
+        if not spec.enable_prefix_caching:
+            raise InvalidParameterError("disaggregation", "the decode instances take the transferred KV as cached "
+                                                          "blocks: prefix caching must be on")
+        self.spec = spec
+        self.link = kv_link_for(spec, kv_link)
+        self.prefill = [SimEngine(spec, f"prefill-{i}", keep_steps, seed + i) for i in range(prefill)]
+        self.decode = [SimEngine(spec, f"decode-{i}", keep_steps, seed + prefill + i) for i in range(decode)]
+        self.engines = self.prefill + self.decode
+        self._time = 0.0
+        self._transfers: list = []  # heap of (lands at, request id)
+        self._origin: dict = {}  # request id -> (prompt, max_tokens, prefill Finished or None)
+        self._home: dict = {}
+        self.transfer_seconds = 0.0
+        self.recomputed = 0
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.engines) * self.spec.num_devices
+
+    def describe(self) -> str:
+        one = f"TP={self.spec.tp} x PP={self.spec.pp} on {self.spec.hardware.name}"
+        return (f"{len(self.prefill)} prefill + {len(self.decode)} decode instances of {one} "
+                f"({self.num_devices} devices), KV over {self.link.name}")
+
+    def served_by(self, instance: int) -> set:
+        return {rid for rid, homes in self._home.items() if instance in homes}
+
+    def transfer_time(self, num_tokens: int) -> float:
+        ranks = self.spec.tp * self.spec.pp
+        return num_tokens * self.spec.kv_bytes_per_token / ranks / self.link.bandwidth + self.link.latency_s
+
+    # ---------------------------------------------------------------- Served
+    def now(self) -> float:
+        times = [e.clock for e in self.engines if e.has_unfinished()]
+        if self._transfers:
+            times.append(self._transfers[0][0])
+        return min(times) if times else self._time
+
+    def wait_until(self, t: float) -> None:
+        self._time = max(self._time, t)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._transfers) or any(e.has_unfinished() for e in self.engines)
+
+    def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, arrival_time: float):
+        i = min(range(len(self.prefill)), key=lambda k: self.prefill[k].outstanding_tokens)
+        self._origin[request_id] = (tuple(prompt), max_tokens, None)
+        self._home[request_id] = {i}
+        engine = self.prefill[i]
+        engine.wait_until(arrival_time)
+        return engine.add_request(request_id, prompt, 1, arrival_time)
+
+    def step(self) -> list:
+        busy = [e for e in self.engines if e.has_unfinished()]
+        engine = min(busy, key=lambda e: e.clock) if busy else None
+        if self._transfers and (engine is None or self._transfers[0][0] <= engine.clock):
+            lands, rid = heapq.heappop(self._transfers)
+            self._land(rid, lands)
+            self._time = max(self._time, lands)
+            return []
+        done = engine.step()
+        self._time = max(self._time, engine.clock)
+        return [f for f in (self._after(engine, f) for f in done) if f is not None]
+
+    # ---------------------------------------------------------------- the hand-over
+    def _after(self, engine: SimEngine, f: Finished) -> Optional[Finished]:
+        prompt, max_tokens, first = self._origin[f.request_id]
+        if engine in self.prefill:
+            if f.error or max_tokens == 1:
+                self._origin.pop(f.request_id)
+                return f
+            self._origin[f.request_id] = (prompt, max_tokens, f)
+            seconds = self.transfer_time(len(prompt))
+            self.transfer_seconds += seconds
+            heapq.heappush(self._transfers, (f.metrics.finished_time + seconds, f.request_id))
+            return None
+        self._origin.pop(f.request_id)
+        m, d = first.metrics, f.metrics  # the request's metrics: arrival and first token from the prefill
+        m.token_times.extend(d.token_times)
+        m.finished_time = d.finished_time
+        m.num_preemptions += d.num_preemptions
+        return Finished(f.request_id, m, f.error)
+
+    def _land(self, rid: str, now: float) -> None:
+        prompt, max_tokens, _ = self._origin[rid]
+        k = min(range(len(self.decode)), key=lambda j: self.decode[j].outstanding_tokens)
+        engine = self.decode[k]
+        engine.wait_until(now)
+        self._home[rid].add(len(self.prefill) + k)
+        tokens = prompt + (zlib.crc32(rid.encode()) % self.spec.model.vocab_size,)  # prompt + its first token
+        if not inject_kv(engine, rid, tokens[:-1]):
+            self.recomputed += 1
+        refused = engine.add_request(rid, tokens, max_tokens - 1, now)
+        if refused is not None:  # cannot happen for a request the prefill instance took (same spec)
+            raise RuntimeError(f"decode instance refused {rid}: {refused.error}")
+
+    def stats(self, duration: float) -> dict:
+        out = [e.utilisation(duration) for e in self.engines]
+        n = max(len(self._home), 1)
+        return {"devices": self.num_devices, "instances": out, "kv_link": self.link.name,
+                "mean_transfer_ms": self.transfer_seconds / n * 1e3, "recomputed_prompts": self.recomputed}

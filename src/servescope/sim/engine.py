@@ -1,0 +1,232 @@
+"""SimEngine: the engine's own Scheduler and KVCacheManager, stepped on a virtual clock.
+
+The loop is LLMEngine.step's without the model: Scheduler.schedule() chooses the step's tokens (the
+same code the engine runs: continuous batching, chunked prefill, prefix caching, preemption, draft
+verification), the step takes the time the cost model predicts for it (sim/step_time.py), every
+request whose next token is due gets one (plus its accepted drafts), Scheduler.update_from_output
+advances the KV positions, and a request that reached max_tokens (or the context) is finished through
+Scheduler.finish_request, which frees its blocks, as the OutputProcessor does. Requests added while a
+step runs join the next schedule(), as the engine thread takes them between steps.
+
+Token ids: prompts are whatever the workload gives (shared prefixes hit the prefix cache as they
+would in the engine); each request's outputs are a fixed pseudo-random stream of its own, so that its
+output blocks hash like any other request's (and never collide with another's). Speculative decoding:
+each decode is given k drafts (its stream's next k tokens); each is accepted with the spec's
+acceptance rate until the first rejection, and the verification's own token comes after them.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from servescope.config import CacheConfig, SamplingParams
+from servescope.kvcache.manager import KVCacheManager
+from servescope.scheduler.request import Request, RequestStatus
+from servescope.scheduler.scheduler import Scheduler
+from servescope.sim.spec import InstanceSpec
+from servescope.sim.step_time import StepTimer
+from servescope.telemetry.request_metrics import RequestMetrics
+from servescope.telemetry.step_record import StepRecord
+
+_STREAM_MUL = 2654435761  # Knuth's multiplicative hash: a request's output stream, position by position
+
+
+@dataclass
+class Finished:
+    """A request the engine is done with: its metrics (engine times), or the error that refused it."""
+
+    request_id: str
+    metrics: RequestMetrics
+    error: Optional[str] = None
+
+
+class SimEngine:
+    """One engine instance on a virtual clock (seconds from 0). keep_steps: keep a StepRecord per step
+    (for traces; a cluster hour leaves it off)."""
+
+    def __init__(self, spec: InstanceSpec, name: str = "engine", keep_steps: bool = True, seed: int = 0):
+        self.spec, self.name = spec, name
+        self.clock = 0.0  # virtual seconds
+        self.kv_manager = KVCacheManager(CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks,
+                                                     enable_prefix_caching=spec.enable_prefix_caching))
+        self.scheduler = Scheduler(spec.scheduler, self.kv_manager, clock=lambda: self.clock)
+        self.timer = StepTimer(spec)
+        self.steps: Optional[list] = [] if keep_steps else None
+        self.num_steps = 0
+        self.busy_seconds = 0.0  # virtual time spent in steps
+        self.outstanding_tokens = 0  # prompt tokens not yet computed + output tokens not yet produced
+        # what the steps did, for utilisation and for what binds: tokens and sequences scheduled, seconds
+        # of compute- and memory-bound steps, the fullest the KV cache got
+        self.tokens_scheduled = self.seqs_scheduled = 0
+        self.bound_seconds = {"compute": 0.0, "memory": 0.0}
+        self.peak_kv_usage = 0.0
+        self._live: dict[str, tuple] = {}  # request id -> (Request, RequestMetrics, max_tokens, stream seed)
+        self._rng = random.Random(seed)
+        self._vocab = spec.model.vocab_size
+        self._params = SamplingParams(temperature=0.0, ignore_eos=True)
+
+    # ---------------------------------------------------------------- requests
+    def has_unfinished(self) -> bool:
+        return bool(self._live) or self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._live)
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
+                    arrival_time: float) -> Optional[Finished]:
+        """Queue a request (arrival_time: the virtual time it was sent). A request the engine would refuse
+        (LLMEngine._check_fits: it cannot fit the context) comes back at once as a Finished with its error."""
+        metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
+        max_len = self.spec.scheduler.max_model_len
+        if not prompt_token_ids or len(prompt_token_ids) + max_tokens > max_len:
+            return Finished(request_id, metrics, f"{len(prompt_token_ids)} prompt tokens + max_tokens {max_tokens} "
+                                                 f"do not fit this model's context of {max_len} tokens")
+        req = Request(request_id, prompt_token_ids, self._params, arrival_time=arrival_time)
+        self._live[request_id] = (req, metrics, max_tokens, zlib.crc32(request_id.encode()))
+        self.outstanding_tokens += len(prompt_token_ids) + max_tokens
+        self.scheduler.add_request(req)
+        return None
+
+    # the driver's view (sim/driver.Served)
+    def now(self) -> float:
+        return self.clock
+
+    def wait_until(self, t: float) -> None:
+        """Idle until virtual time t (nothing runs in between)."""
+        self.clock = max(self.clock, t)
+
+    def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, arrival_time: float):
+        return self.add_request(request_id, prompt, max_tokens, arrival_time)
+
+    def _token(self, seed: int, position: int) -> int:
+        return (seed + position * _STREAM_MUL) % self._vocab
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list:
+        """One step: schedule, advance the clock by its predicted time, hand out tokens, finish what is
+        done. Returns the requests finished by it (Finished)."""
+        out = self.scheduler.schedule()
+        done = [self._refused(r) for r in out.finished_requests]
+        if not out.scheduled:
+            if not done and self.has_unfinished():  # the scheduler's invariant: something always runs
+                raise RuntimeError(f"{self.name}: {self.num_unfinished} requests wait and nothing can be scheduled")
+            return done
+        seconds, pred, num_logits = self.timer.step_seconds(out)
+        t0 = self.clock
+        self.clock = t1 = t0 + seconds
+        self.busy_seconds += seconds
+        self.tokens_scheduled += out.total_num_scheduled_tokens
+        self.seqs_scheduled += len(out.scheduled)
+        self.bound_seconds[pred.cost.bound] += seconds
+        self.peak_kv_usage = max(self.peak_kv_usage, self.kv_manager.usage)
+        sampled, accepted, drafted = self._sample(out)
+        self.scheduler.update_from_output(out, sampled)
+        for rid, toks in sampled.items():
+            finished = self._deliver(rid, toks, t1)
+            if finished is not None:
+                done.append(finished)
+        if self.spec.spec_decode.k:
+            self._propose()
+        self.num_steps += 1
+        if self.steps is not None:
+            self._record(out, pred, t0, seconds, drafted, accepted)
+        return done
+
+    def _sample(self, out) -> tuple:
+        """{request id: its tokens this step} for every sequence whose next token is due; drafts accepted
+        one by one with the spec's probability until the first rejection, then the target's token."""
+        sampled, accepted, drafted = {}, 0, 0
+        p = self.spec.spec_decode.acceptance
+        for s in out.scheduled:
+            if not s.will_sample:
+                continue
+            req = s.request
+            seed = self._live[req.request_id][3]
+            n = req.num_output_tokens
+            if s.spec_token_ids:
+                k = len(s.spec_token_ids)
+                a = 0
+                while a < k and self._rng.random() < p:
+                    a += 1
+                drafted += k
+                accepted += a
+                sampled[req.request_id] = list(s.spec_token_ids[:a]) + [self._token(seed, n + a)]
+            else:
+                sampled[req.request_id] = [self._token(seed, n)]
+        return sampled, accepted, drafted
+
+    def _deliver(self, rid: str, toks: list, now: float) -> Optional[Finished]:
+        """Stamp the tokens (the OutputProcessor's RequestMetrics) and finish the request at max_tokens or
+        the context length (stops are never hit: the workload's outputs ignore EOS, as bench serve's do)."""
+        req, metrics, max_tokens, _ = self._live[rid]
+        before = len(metrics.token_times)
+        n_out = min(req.num_output_tokens, max_tokens)
+        metrics.token_times.extend([now] * (n_out - before))
+        # outstanding: the prompt until its first token, then the outputs still to come
+        self.outstanding_tokens -= n_out - before + (req.num_prompt_tokens if before == 0 < n_out else 0)
+        if n_out < max_tokens and req.num_tokens < self.spec.scheduler.max_model_len:
+            return None
+        if req.num_output_tokens > n_out:
+            req.truncate_output(n_out)  # accepted drafts past max_tokens are dropped, as the engine's
+        self.scheduler.finish_request(rid, RequestStatus.FINISHED_LENGTH)
+        return self._close(rid, now)
+
+    def _close(self, rid: str, now: float, error: Optional[str] = None) -> Finished:
+        req, metrics, max_tokens, _ = self._live.pop(rid)
+        metrics.finished_time = now
+        metrics.first_scheduled_time = req.first_scheduled_time
+        metrics.num_cached_tokens = max(req.num_cached_tokens, 0)
+        metrics.num_preemptions = req.num_preemptions
+        produced = len(metrics.token_times)
+        self.outstanding_tokens -= max_tokens - produced + (req.num_prompt_tokens if produced == 0 else 0)
+        return Finished(rid, metrics, error)
+
+    def _refused(self, req: Request) -> Finished:
+        return self._close(req.request_id, self.clock, req.error or "refused by the scheduler")
+
+    def _propose(self) -> None:
+        """Drafts for the next step: each running decode's next k stream tokens (spec/ proposers set
+        Request.spec_token_ids the same way; the scheduler cuts them to its budget)."""
+        k = self.spec.spec_decode.k
+        for req in self.scheduler.running_requests():
+            if req.num_computed_tokens == req.num_tokens - 1:
+                seed, n = self._live[req.request_id][3], req.num_output_tokens
+                req.spec_token_ids = [self._token(seed, n + j) for j in range(k)]
+
+    def utilisation(self, duration: float) -> dict:
+        """What the run asked of this instance: busy share, mean tokens and sequences per step against the
+        limits, compute- vs memory-bound time, the fullest KV cache, preemptions, prefix-cache hits."""
+        n, sc = max(self.num_steps, 1), self.spec.scheduler
+        return {"name": self.name, "busy": self.busy_seconds / duration if duration > 0 else 0.0,
+                "steps": self.num_steps, "token_budget_used": self.tokens_scheduled / n / sc.max_num_batched_tokens,
+                "seqs_used": self.seqs_scheduled / n / sc.max_num_seqs,
+                "compute_bound_share": self.bound_seconds["compute"] / max(self.busy_seconds, 1e-12),
+                "peak_kv_usage": self.peak_kv_usage, "preemptions": self.scheduler.num_preemptions,
+                "prefix_hit_rate": self.kv_manager.prefix_cache_hit_rate}
+
+    # ---------------------------------------------------------------- telemetry
+    def _record(self, out, pred, t0: float, seconds: float, drafted: int, accepted: int) -> None:
+        km, sched = self.kv_manager, self.scheduler
+        npf = sum(1 for s in out.scheduled if s.is_prefill)
+        cost = pred.cost
+        self.steps.append(StepRecord(
+            step=self.num_steps, start_time=t0, wall_seconds=seconds, num_prefill_seqs=npf,
+            num_decode_seqs=len(out.scheduled) - npf, num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens,
+            context_lens=[s.num_computed_tokens + s.num_new_tokens for s in out.scheduled],
+            kv_blocks_used=km.num_used_blocks, kv_blocks_free=km.num_free_blocks,
+            kv_blocks_cached=km.num_cached_blocks, kv_usage=km.usage, num_running=sched.num_running,
+            num_waiting=sched.num_waiting, num_preemptions_total=sched.num_preemptions,
+            num_spec_seqs=sum(1 for s in out.scheduled if s.spec_token_ids), num_draft_tokens=drafted,
+            num_accepted_tokens=accepted, kv_bytes_used=km.num_used_blocks * self.spec.block_size
+            * self.spec.kv_bytes_per_token,
+            predicted_seconds=pred.seconds, flops=cost.flops, bytes=cost.bytes,
+            flops_by_group={o.name: o.flops for o in cost.ops}, bytes_by_group={o.name: o.bytes for o in cost.ops},
+            bound=cost.bound, hardware=self.spec.hardware.name,
+            # a simulated step's "measured" time is its predicted time plus the batch's host work: the
+            # collectives' share is the prediction's own
+            comm_seconds=pred.comm_seconds or 0.0, predicted_comm_seconds=pred.comm_seconds))

@@ -1,0 +1,42 @@
+"""Run a workload on a simulated deployment; bench serve's result and a trace `servescope replay` plays."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional, Sequence
+
+from servescope.bench.metrics import BenchmarkResult
+from servescope.sim.cluster import Deployment
+from servescope.sim.driver import bench_result, drive
+from servescope.telemetry.trace import write_chrome_trace
+
+
+@dataclass
+class SimRun:
+    result: BenchmarkResult
+    deployment: Deployment
+    finished: list  # Finished per request, in request order
+    wall_seconds: float  # what the simulation itself took
+    stats: dict = field(default_factory=dict)
+
+
+def simulate(deployment: Deployment, requests: Sequence, max_concurrency: Optional[int] = None, goodput=None,
+             percentiles=(90.0, 99.0), config: Optional[dict] = None) -> SimRun:
+    """Send `requests` (sim/workload.SimRequest) to the deployment on its virtual clock."""
+    t0 = time.perf_counter()
+    records, duration, finished = drive(deployment, requests, max_concurrency)
+    result = bench_result(records, duration, goodput, percentiles, config)
+    return SimRun(result, deployment, finished, time.perf_counter() - t0, deployment.stats(duration))
+
+
+def write_trace(path: str | Path, run: SimRun, instance: int = 0) -> Path:
+    """The Chrome trace of one instance's steps (its StepRecords carry their predictions, as an engine's
+    do) and the requests it served, for `servescope replay` and Perfetto."""
+    engine = run.deployment.engines[instance]
+    steps = engine.steps or []
+    outputs = [SimpleNamespace(request_id=f.request_id, outputs=[SimpleNamespace(index=0, metrics=f.metrics)])
+               for f in run.finished if f.request_id in run.deployment.served_by(instance)]
+    return write_chrome_trace(path, steps, outputs)

@@ -1,0 +1,200 @@
+"""What one simulated engine instance is: model shape, hardware, parallel layout, engine settings.
+
+`InstanceSpec` is the simulator's EngineConfig: the same scheduler limits and KV cache settings (the
+config/ parts, validated where they are defined), a model preset instead of weights, a hardware spec
+instead of a device. `instance_spec(...)` resolves it the way engine/builder.py resolves an engine:
+dtypes (auto: what the engine would pick on that hardware), KV blocks (the engine's CPU default, or
+what the memory planner leaves on each GPU), max_model_len capped by the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from servescope.analysis.cpu_isa import local_fast_bf16
+from servescope.analysis.collectives import DEFAULT_LINK, LinkSpec, get_link, shard_config
+from servescope.analysis.hardware import HardwareSpec, get_hardware
+from servescope.analysis.memory_planner import plan_memory
+from servescope.analysis.op_counts import DTYPE_BYTES, kv_cache_bytes_per_token
+from servescope.analysis.presets import load_preset
+from servescope.analysis.step_prediction import StepPredictor
+from servescope.sim.step_table import StepTable
+from servescope.config import ModelConfig, SchedulerConfig
+from servescope.config.engine import BatchingConfig, KVCacheConfig, ParallelConfig
+from servescope.errors import InvalidParameterError
+
+CPU_DEFAULT_KV_BYTES = 1 << 30  # engine/kv_sizing.py's CPU default: at most 1 GiB of KV cache
+GPU_MEMORY_UTILIZATION = 0.9  # the share of a GPU's memory a planned instance uses (vLLM's default)
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """The engine's host work that the roofline does not see, beyond the spec's per-step and per-layer
+    overhead (HardwareSpec.step_overhead_s / layer_overhead_s, which the cost model already adds):
+    per scheduled sequence (scheduling, the step's tensors, sampling, the token's bookkeeping) and per
+    output token detokenised. Measured on the engine (measure/sequence_overhead.py), 0 on datasheets."""
+
+    per_seq_s: float = 0.0
+    per_token_s: float = 0.0
+    source: str = "none"
+
+    def __post_init__(self):
+        if self.per_seq_s < 0 or self.per_token_s < 0:
+            raise InvalidParameterError("host_costs", "host costs must be >= 0")
+
+
+@dataclass(frozen=True)
+class SpecDecodeSpec:
+    """Speculative decoding as the simulator runs it: k drafts per decode, each accepted with
+    probability `acceptance` until the first rejection (the verification's bonus token always comes)."""
+
+    k: int = 0
+    acceptance: float = 0.0
+
+    def __post_init__(self):
+        if not 0 <= self.k <= 16:
+            raise InvalidParameterError("spec_k", f"speculative k must be in 0..16, got {self.k}")
+        if not 0.0 <= self.acceptance <= 1.0:
+            raise InvalidParameterError("spec_acceptance", f"acceptance must be in [0, 1], got {self.acceptance}")
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """One engine instance (TP x PP devices, or the local CPU) as the simulator builds it."""
+
+    model: ModelConfig
+    hardware: HardwareSpec
+    dtypes: tuple  # (weight, kv, activation, activation bytes), as StepPredictor takes them
+    scheduler: SchedulerConfig
+    num_blocks: int
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    micro_batches: int = 0
+    link: Optional[LinkSpec] = None
+    spec_decode: SpecDecodeSpec = field(default_factory=SpecDecodeSpec)
+    host: HostCosts = field(default_factory=HostCosts)
+    step_table: Optional[StepTable] = None  # measured / predicted step times (sim/step_table.py): replaces host
+
+    @property
+    def num_devices(self) -> int:
+        """Devices this instance occupies (1 for the local CPU, whatever its ranks)."""
+        return 1 if self.hardware.kind == "cpu" else self.tp * self.pp
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_cache_bytes_per_token(self.model, self.dtypes[1])
+
+    def predictor(self) -> StepPredictor:
+        return StepPredictor(self.model, self.hardware, self.dtypes, self.tp, self.pp, self.micro_batches,
+                             self.link)
+
+    def replace(self, **kw) -> "InstanceSpec":
+        return dataclasses.replace(self, **kw)
+
+
+def resolve_dtype(dtype: str, hw: HardwareSpec) -> str:
+    """auto: bfloat16 on a GPU and on a CPU with bfloat16 dot products (whose probe did not find bfloat16
+    slow), float32 elsewhere -- the engine's rule (engine/builder.resolve_dtypes)."""
+    if dtype != "auto":
+        return dtype
+    if hw.kind == "gpu":
+        return "bfloat16"
+    return "bfloat16" if local_fast_bf16() and "bfloat16" not in hw.slow_dtypes else "float32"
+
+
+def _cpu_blocks(cfg: ModelConfig, kv_bytes_tok: int, block_size: int, max_num_seqs: int, max_len: int,
+                hw: HardwareSpec) -> int:
+    """engine/kv_sizing.num_kv_blocks's CPU default: max_num_seqs full contexts, at most 1 GiB or a
+    quarter of the memory."""
+    per_block = kv_bytes_tok * block_size
+    useful = per_block * max_num_seqs * -(-max_len // block_size)
+    return min(CPU_DEFAULT_KV_BYTES, hw.memory_bytes // 4, useful) // per_block
+
+
+def _gpu_blocks(cfg: ModelConfig, hw: HardwareSpec, wdt: str, kdt: str, adt: str, block_size: int,
+                tp: int, pp: int, batching: BatchingConfig) -> int:
+    """KV blocks the memory planner leaves on each GPU of a TP x PP instance (its shard of the weights
+    and of the KV heads, its stage's layers), times nothing: every rank holds the same block ids."""
+    shard = shard_config(cfg, tp)
+    stage = dataclasses.replace(shard, num_hidden_layers=-(-cfg.num_hidden_layers // pp))
+    plan = plan_memory(stage, hw.memory_bytes, wdt, kdt, context_len=block_size, block_size=block_size,
+                       act_dtype=adt, max_num_batched_tokens=batching.max_num_batched_tokens,
+                       max_num_seqs=batching.max_num_seqs, memory_utilization=GPU_MEMORY_UTILIZATION)
+    if plan.num_kv_blocks < 1:
+        raise InvalidParameterError(
+            "layout", f"{cfg.name} does not fit on {hw.name} at TP={tp} x PP={pp}: weights "
+                      f"{plan.weight_bytes / 1e9:.1f} GB + activations per GPU leave no room for the KV cache")
+    return plan.num_kv_blocks
+
+
+def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dtype: str = "auto",
+                  kv_cache_dtype: str = "auto", cache: KVCacheConfig = KVCacheConfig(),
+                  batching: BatchingConfig = BatchingConfig(), parallel: ParallelConfig = ParallelConfig(),
+                  ep: int = 1, link: "str | LinkSpec | None" = None, spec_decode: SpecDecodeSpec = SpecDecodeSpec(),
+                  host: HostCosts = HostCosts(), step_table: Optional[StepTable] = None) -> InstanceSpec:
+    """Resolve an instance as engine/builder.py resolves an engine (the config parts are the engine's)."""
+    cfg = load_preset(model) if isinstance(model, str) else model
+    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if ep != 1:
+        raise InvalidParameterError("ep", f"expert parallelism needs a mixture-of-experts model; {cfg.name} "
+                                          f"is dense (EP must be 1)")
+    if cfg.num_attention_heads % tp or cfg.intermediate_size % tp or cfg.num_hidden_layers < pp:
+        raise InvalidParameterError("layout", f"{cfg.name} cannot be split TP={tp} x PP={pp} (heads "
+                                              f"{cfg.num_attention_heads}, layers {cfg.num_hidden_layers})")
+    adt = resolve_dtype(dtype, hw)
+    kdt = adt if kv_cache_dtype == "auto" else ("fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype)
+    kv_tok = kv_cache_bytes_per_token(cfg, kdt)
+    max_len = batching.max_model_len or cfg.max_position_embeddings
+    if cache.num_kv_blocks is not None:
+        blocks = cache.num_kv_blocks
+    elif cache.kv_cache_memory_bytes is not None:
+        blocks = cache.kv_cache_memory_bytes // (kv_tok * cache.block_size)
+    elif hw.kind == "cpu":
+        blocks = _cpu_blocks(cfg, kv_tok, cache.block_size, batching.max_num_seqs, max_len, hw)
+    else:
+        blocks = _gpu_blocks(cfg, hw, adt, kdt, adt, cache.block_size, tp, pp, batching)
+    if blocks < 1:
+        raise InvalidParameterError("kv_cache", "the KV cache holds less than one block")
+    if blocks * cache.block_size < max_len:
+        if batching.max_model_len is not None:
+            raise InvalidParameterError("max_model_len", f"the KV cache holds {blocks * cache.block_size} tokens, "
+                                                         f"fewer than max_model_len={max_len}")
+        max_len = blocks * cache.block_size
+    chunked = batching.enable_chunked_prefill
+    sched = SchedulerConfig(max_num_seqs=batching.max_num_seqs,
+                            max_num_batched_tokens=batching.max_num_batched_tokens if chunked
+                            else max(batching.max_num_batched_tokens, max_len),
+                            max_model_len=max_len, enable_chunked_prefill=chunked, block_size=cache.block_size)
+    link_spec = link if isinstance(link, LinkSpec) else None
+    if tp * pp > 1 and link_spec is None and link != "none":
+        if link is None and hw.kind == "cpu":
+            raise InvalidParameterError("link", "ranks on the local CPU talk over gloo: pass the measured local link "
+                                                "(`servescope simulate` measures it once), or a named --link")
+        link_spec = get_link(link or DEFAULT_LINK.get(hw.name, "pcie4"))
+    return InstanceSpec(model=cfg, hardware=hw, dtypes=(adt, kdt, adt, DTYPE_BYTES[adt]), scheduler=sched,
+                        num_blocks=int(blocks), block_size=cache.block_size,
+                        enable_prefix_caching=cache.enable_prefix_caching, tp=tp, pp=pp, ep=ep,
+                        micro_batches=parallel.pipeline_micro_batches, link=link_spec, spec_decode=spec_decode,
+                        host=host, step_table=step_table)
+
+
+def describe(spec: InstanceSpec) -> str:
+    """One line: what the instance is."""
+    adt, kdt = spec.dtypes[2], spec.dtypes[1]
+    layout = f"TP={spec.tp} x PP={spec.pp}" + (f" on {spec.link.name}" if spec.link else "")
+    kv_tokens = spec.num_blocks * spec.block_size
+    sd = spec.spec_decode
+    spec_txt = f", speculative k={sd.k} acceptance {sd.acceptance:g}" if sd.k else ""
+    host = (f"step times x measured / predicted ({spec.step_table.source})" if spec.step_table else
+            f"host {spec.hardware.step_overhead_s * 1e3:.2f} ms/step + {spec.hardware.layer_overhead_s * 1e6:.0f} us/layer + "
+            f"{spec.host.per_seq_s * 1e6:.0f} us/seq + {spec.host.per_token_s * 1e6:.0f} us/token ({spec.host.source})")
+    return (f"{spec.model.name} on {spec.hardware.name} ({layout}), {adt} (KV {kdt}), KV cache {spec.num_blocks} "
+            f"blocks = {kv_tokens} tokens, max_num_seqs {spec.scheduler.max_num_seqs}, token budget "
+            f"{spec.scheduler.max_num_batched_tokens}{'' if spec.scheduler.enable_chunked_prefill else ' (no chunking)'}, "
+            f"prefix caching {'on' if spec.enable_prefix_caching else 'off'}{spec_txt}; {host}")
