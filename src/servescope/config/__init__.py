@@ -21,7 +21,7 @@ from servescope.config.engine import (
     TelemetryConfig,
 )
 from servescope.config.model import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
-from servescope.config.sampling import SAMPLING_EPS, SamplingParams, StructuredOutput
+from servescope.config.sampling import SAMPLING_EPS, SamplingParams, StructuredOutput, ThinkingBudget
 
 __all__ = [
     "KV_CACHE_DTYPES",
@@ -40,4 +40,5 @@ __all__ = [
     "SpeculativeConfig",
     "StructuredOutput",
     "TelemetryConfig",
+    "ThinkingBudget",
 ]
