@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
     s.add_argument("--max-n", type=positive_int, default=8, metavar="N", help="largest n (choices per prompt)")
     s.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name clients send (default: --model, or smollm2-135m)")
+    s.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
+                   help="split <think>...</think> reasoning from answers (reasoning_content, reasoning items, "
+                        "thinking blocks)")
     add_engine_args(p)
 
 
@@ -42,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from_args(args))
     async_engine = AsyncEngine(engine)
     app = build_app(async_engine, model_name=name, max_body_bytes=args.max_body_bytes, api_key=args.api_key,
-                    max_n=args.max_n, max_queue=args.max_queue)
+                    max_n=args.max_n, max_queue=args.max_queue, reasoning_parser=args.reasoning_parser)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"servescope: serving {name!r} at http://{host}:{args.port}/v1 "
           f"(max_model_len {engine.max_model_len}, KV {engine.cache_config.num_blocks} blocks)", flush=True)

@@ -161,16 +161,20 @@ class AsyncEngine:
             raise InvalidParameterError("prompt", "this model has no tokenizer: pass prompt token ids")
         return await asyncio.to_thread(tok.encode, text, add_special_tokens)
 
-    async def render_chat(self, messages: list, add_generation_prompt: bool = True, tools=None) -> tuple:
-        """(prompt text, token ids) of a conversation; raises InvalidParameterError("messages", ...)."""
+    async def render_chat(self, messages: list, add_generation_prompt: bool = True, tools=None,
+                          add_special_tokens: bool = False, **template_kw) -> tuple:
+        """(prompt text, token ids) of a conversation; raises InvalidParameterError("messages", ...).
+        template_kw: Tokenizer.apply_chat_template's (chat_template, continue_final_message, documents,
+        the template's own variables)."""
         tok = self.engine.tokenizer
         if tok is None:
             raise InvalidParameterError("messages", "this model has no tokenizer, so no chat template")
 
         def render():
-            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
-            # the template already holds the special tokens (BOS): do not add them again
-            return text, tok.encode(text, add_special_tokens=False)
+            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                           **template_kw)
+            # the template already holds the special tokens (BOS): do not add them again, unless asked
+            return text, tok.encode(text, add_special_tokens=add_special_tokens)
 
         return await asyncio.to_thread(render)
 

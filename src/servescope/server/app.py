@@ -1,6 +1,7 @@
 """build_app: the FastAPI application in front of an AsyncEngine.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, GET /v1/models, GET /health,
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, POST /v1/responses,
+POST /v1/messages (+ /count_tokens), POST /tokenize, POST /detokenize, GET /v1/models, GET /health,
 GET /metrics (Prometheus text, this app's own registry), GET /v1/internals?n=N (the last N step
 records and the KV cache state, read on the engine thread), GET /dashboard and its feed
 GET /v1/internals/stream (server/dashboard.py).
@@ -28,7 +29,11 @@ from servescope.server.protocol import ChatCompletionRequest, CompletionRequest,
 from servescope.server.serving_chat import create_chat_completion
 from servescope.server.serving_common import ServingContext, TokenText
 from servescope.server.serving_completions import create_completion
+from servescope.server.reasoning import make_reasoning_parser
 from servescope.server.serving_embeddings import create_embedding
+from servescope.server.serving_messages import install_messages
+from servescope.server.serving_responses import install_responses
+from servescope.server.serving_tokenize import install_tokenize
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 MAX_INTERNALS_STEPS = 10_000
@@ -47,7 +52,7 @@ def _json_safe(x):
 
 def build_app(async_engine: AsyncEngine, model_name: str = "servescope",
               max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES, api_key: Optional[str] = None,
-              max_n: int = 8, max_queue: Optional[int] = None) -> FastAPI:
+              max_n: int = 8, max_queue: Optional[int] = None, reasoning_parser: Optional[str] = None) -> FastAPI:
     if max_n < 1:
         raise ValueError(f"max_n must be at least 1, got {max_n}")
     if max_queue is not None and max_queue < 1:
@@ -55,8 +60,9 @@ def build_app(async_engine: AsyncEngine, model_name: str = "servescope",
     app = FastAPI(title="servescope", version="0.1.0",
                   description="OpenAI-compatible API of the servescope engine.")
     ctx = ServingContext(engine=async_engine, model_name=model_name, max_n=max_n, max_queue=max_queue,
-                         token_text=TokenText(async_engine.tokenizer))
-    metrics = ServerMetrics(model_name)
+                         token_text=TokenText(async_engine.tokenizer),
+                         reasoning=make_reasoning_parser(reasoning_parser, async_engine.tokenizer))
+    metrics = ctx.metrics = ServerMetrics(model_name)
     async_engine.output_listeners.append(metrics.on_output)
     app.state.ctx = ctx
     app.state.metrics = metrics
@@ -64,6 +70,9 @@ def build_app(async_engine: AsyncEngine, model_name: str = "servescope",
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, max_body_bytes=max_body_bytes, api_key=api_key)
     install_dashboard(app, EngineSource(async_engine, model_name))  # /dashboard, /v1/internals/stream
+    install_tokenize(app, ctx)  # /tokenize, /detokenize (vLLM's)
+    install_responses(app, ctx)  # /v1/responses (OpenAI's Responses API)
+    install_messages(app, ctx)  # /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -98,6 +98,7 @@ def render_chat_template(
     add_generation_prompt: bool = True,
     special_tokens: Optional[dict] = None,
     tools: Optional[list] = None,
+    documents: Optional[list] = None,
     **kwargs,
 ) -> str:
     """Validate `messages` and render `template` with them.
@@ -109,7 +110,7 @@ def render_chat_template(
     compiled = compile_chat_template(template)
     context = {**_plain(special_tokens or {}), **_plain(kwargs)}
     try:
-        return compiled.render(messages=msgs, tools=_plain(tools), documents=None,
+        return compiled.render(messages=msgs, tools=_plain(tools), documents=_plain(documents),
                                add_generation_prompt=bool(add_generation_prompt), **context)
     except jinja2.exceptions.SecurityError as e:
         raise InvalidParameterError("messages", f"the chat template tried an unsafe operation: {e}") from None

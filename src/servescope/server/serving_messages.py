@@ -1,0 +1,1 @@
+def install_messages(app, ctx): pass

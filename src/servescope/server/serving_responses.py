@@ -1,0 +1,1 @@
+def install_responses(app, ctx): pass
