@@ -12,7 +12,8 @@ from typing import Optional
 
 from servescope.errors import InvalidParameterError
 from servescope.server.protocol import MAX_LOGPROBS, ChatCompletionRequest
-from servescope.server.serving_common import (ServingContext, check_model, sampling_params, start_streams)
+from servescope.server.serving_common import (ServingContext, check_model, merge_streams, run_until_disconnect,
+                                              sampling_params, start_streams)
 from servescope.server.serving_structured import compile_structure, requested_structure
 from servescope.server.tool_calls import ToolPlan, ToolStreamer
 from servescope.server.unsupported import check_fields
@@ -207,3 +208,13 @@ def count_reasoning(run: ChatRun, n: int) -> None:
     m = run.ctx.metrics
     if n and m is not None and hasattr(m, "reasoning_tokens"):
         m.reasoning_tokens.inc(n)
+
+
+async def collect_final(run: ChatRun, request):
+    """The finished RequestOutput of a run (a client that leaves aborts it)."""
+    async def collect():
+        async for _, out in merge_streams(run.streams):
+            if out.finished:
+                return out
+
+    return await run_until_disconnect(request, collect())

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
-from servescope.server.chat_engine import ChatRun, SampleStreamer, count_reasoning, parse_sample, start_chat
+from servescope.server.chat_engine import (ChatRun, SampleStreamer, collect_final, count_reasoning, parse_sample,
+                                           start_chat)
 from servescope.server.protocol import ChatCompletionRequest
 from servescope.server.serving_common import (ServingContext, SSEResponse, StreamFrame, check_finish, finite,
-                                              merge_streams, new_id, run_until_disconnect, stream_frame,
+                                              merge_streams, new_id, stream_frame,
                                               vllm_prompt_logprobs)
 from servescope.server.vllm_fields import response_id
 
@@ -30,16 +31,6 @@ def _usage(run: ChatRun, reasoning_tokens: int) -> dict:
     if run.reasoning is not None:
         usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return usage
-
-
-async def collect_final(run: ChatRun, request: Request):
-    """The finished RequestOutput of a run (a client that leaves aborts it)."""
-    async def collect():
-        async for _, out in merge_streams(run.streams):
-            if out.finished:
-                return out
-
-    return await run_until_disconnect(request, collect())
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request):
