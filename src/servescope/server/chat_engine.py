@@ -73,7 +73,7 @@ def _structure(req, tools: ToolPlan) -> tuple:
     return structure, sparam
 
 
-def _messages(req) -> list:
+def chat_messages(req) -> list:
     """The conversation as plain dicts; OpenAI's `developer` role is a system message here."""
     out = []
     for m in req.messages:
@@ -135,7 +135,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatRun
               extra=_extras(ctx, req, reasoning))
     # validate the cheap fields before rendering the template (max_tokens checked again below)
     sampling_params(ctx, req, max_tokens=max_tokens if max_tokens is not None else ctx.engine.max_model_len - 1, **kw)
-    messages = _messages(req)
+    messages = chat_messages(req)
     _, ids = await ctx.engine.render_chat(messages, add_generation_prompt=req.add_generation_prompt is not False,
                                           tools=tools.rendered, add_special_tokens=bool(req.add_special_tokens),
                                           **template_kwargs(req))

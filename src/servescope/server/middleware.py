@@ -11,13 +11,16 @@ import hmac
 import json
 from typing import Optional
 
-from servescope.server.errors import error_body
+from servescope.server.errors import ANTHROPIC_PREFIX, anthropic_error_body, error_body
 
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
 
 
-async def _send_error(send, status: int, message: str, param=None, code=None, headers=()) -> None:
-    body = json.dumps(error_body(status, message, param, code)).encode()
+async def _send_error(send, status: int, message: str, param=None, code=None, headers=(), path: str = "") -> None:
+    # /v1/messages speaks Anthropic's error shape (serving_messages.py), the rest OpenAI's
+    err = anthropic_error_body(status, message) if path.startswith(ANTHROPIC_PREFIX) else error_body(status, message,
+                                                                                                   param, code)
+    body = json.dumps(err).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})
@@ -36,13 +39,16 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
-        if self.api_key is not None and scope.get("path", "").startswith(self.protected_prefix):
+        path = scope.get("path", "")
+        if self.api_key is not None and path.startswith(self.protected_prefix):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, token = auth.partition(" ")
+            if b"x-api-key" in headers and not auth:  # Anthropic's clients send the key this way
+                scheme, token = "bearer", headers[b"x-api-key"].decode("latin-1")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
                 msg = "missing API key (send Authorization: Bearer KEY)" if not auth else "invalid API key"
                 return await _send_error(send, 401, msg, code="invalid_api_key",
-                                         headers=[(b"www-authenticate", b"Bearer")])
+                                         headers=[(b"www-authenticate", b"Bearer")], path=path)
         if self.max_body_bytes is None or scope.get("method") not in _BODY_METHODS:
             return await self.app(scope, receive, send)
         limit = self.max_body_bytes
@@ -51,10 +57,10 @@ class GuardMiddleware:
             try:
                 n = int(declared)
             except ValueError:
-                return await _send_error(send, 400, "invalid Content-Length header", code="invalid_header")
+                return await _send_error(send, 400, "invalid Content-Length header", code="invalid_header", path=path)
             if n > limit:
                 return await _send_error(send, 413, f"the request body ({n} bytes) is over the limit of {limit} bytes",
-                                         code="body_too_large")
+                                         code="body_too_large", path=path)
         chunks, total = [], 0
         while True:
             msg = await receive()
@@ -64,7 +70,7 @@ class GuardMiddleware:
             total += len(body)
             if total > limit:
                 return await _send_error(send, 413, f"the request body is over the limit of {limit} bytes",
-                                         code="body_too_large")
+                                         code="body_too_large", path=path)
             chunks.append(body)
             if not msg.get("more_body", False):
                 break
