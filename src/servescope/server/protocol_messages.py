@@ -122,7 +122,10 @@ def _message(m: dict, i: int) -> list:
         raise InvalidParameterError(f"messages[{i}].role", f"messages[{i}].role must be user or assistant, "
                                                            f"got {role!r}")
     texts, calls, results, reasoning = [], [], [], []
-    for j, b in enumerate(_blocks(m.get("content"), f"messages[{i}].content")):
+    blocks = _blocks(m.get("content"), f"messages[{i}].content")
+    if not blocks or (blocks == [{"type": "text", "text": ""}] and role == "user"):
+        raise InvalidParameterError(f"messages[{i}].content", f"messages[{i}]: content must not be empty")
+    for j, b in enumerate(blocks):
         where = f"messages[{i}].content[{j}]"
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text":
@@ -192,7 +195,7 @@ def chat_request_body(req: MessagesRequest, has_reasoning_parser: bool) -> dict:
     for i, m in enumerate(req.messages):
         messages += _message(m, i)
     choice, parallel = _tool_choice(req)
-    body: dict = {"messages": messages, "max_completion_tokens": req.max_tokens, "stop": req.stop_sequences,
+    body: dict = {"model": req.model, "messages": messages, "max_completion_tokens": req.max_tokens, "stop": req.stop_sequences,
                   "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "tools": _tools(req),
                   "tool_choice": choice, "parallel_tool_calls": parallel,
                   "user": req.metadata.user_id if req.metadata else None}

@@ -168,7 +168,7 @@ def chat_request_body(req: ResponsesRequest, history: list) -> dict:
     messages += input_messages(req.input)
     if not messages:
         raise InvalidParameterError("input", "input is empty")
-    body: dict = {"messages": messages, "max_completion_tokens": req.max_output_tokens,
+    body: dict = {"model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
                   "temperature": req.temperature, "top_p": req.top_p, "tools": _tools(req),
                   "tool_choice": _tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
                   "request_id": req.request_id, "priority": req.priority, "cache_salt": req.cache_salt}
