@@ -24,11 +24,24 @@ out = {}
 client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
 for mode in ("TOOLS", "JSON_SCHEMA"):
     ic = instructor.from_openai(client, mode=getattr(instructor.Mode, mode))
-    r = ic.chat.completions.create(model=model, response_model=Capital, max_retries=0, temperature=0, max_tokens=64,
-                                   messages=[{"role": "user", "content": ASK}])
+    r = ic.chat.completions.create(
+        model=model,
+        response_model=Capital,
+        max_retries=0,
+        temperature=0,
+        max_tokens=64,
+        messages=[{"role": "user", "content": ASK}],
+    )
     out[f"instructor_{mode}"] = r.model_dump()
-llm = OpenAILike(model=model, api_base=base_url, api_key=api_key, is_chat_model=True, temperature=0, max_tokens=16,
-                 context_window=8192)
+llm = OpenAILike(
+    model=model,
+    api_base=base_url,
+    api_key=api_key,
+    is_chat_model=True,
+    temperature=0,
+    max_tokens=16,
+    context_window=8192,
+)
 out["llama_complete"] = llm.complete(ASK).text
 out["llama_chat"] = llm.chat([ChatMessage(role="user", content=ASK)]).message.content
 out["llama_stream"] = "".join(c.delta or "" for c in llm.stream_chat([ChatMessage(role="user", content=ASK)]))

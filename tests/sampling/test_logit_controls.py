@@ -77,8 +77,10 @@ def test_controls_leave_other_rows_alone_and_logprobs_raw():
     assert out.logprobs[0].top[0][0] == 5 and out.logprobs[1].top[0][0] == 5  # from the raw logits
 
 
-@pytest.mark.parametrize("kw", [{"logit_bias": {-1: 1.0}}, {"allowed_token_ids": []},
-                                {"bad_words_token_ids": [()]}, {"cache_salt": ""}])
+@pytest.mark.parametrize(
+    "kw",
+    [{"logit_bias": {-1: 1.0}}, {"allowed_token_ids": []}, {"bad_words_token_ids": [()]}, {"cache_salt": ""}],
+)
 def test_bad_controls_are_rejected(kw):
     with pytest.raises(InvalidParameterError):
         SamplingParams(**kw)

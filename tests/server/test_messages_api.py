@@ -16,15 +16,23 @@ from .conftest import API_KEY, MODEL
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0}  # the SDK no longer has temperature as an argument; the API still takes it
-WEATHER = {"name": "get_weather", "description": "The weather in a city.",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
-                            "required": ["city"], "additionalProperties": False}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
 
 
 @pytest.fixture(scope="module")
 def claude(server):
-    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=300,
-                               _strict_response_validation=True)
+    return anthropic.Anthropic(
+        base_url=server.url, api_key=API_KEY, max_retries=0, timeout=300, _strict_response_validation=True
+    )
 
 
 def _text(message) -> str:
@@ -43,26 +51,51 @@ def test_plain_and_streamed_agree(claude):
 
 
 def test_system_blocks_and_stop_sequences(claude):
-    m = claude.messages.create(model=MODEL, max_tokens=16, messages=ASK, stop_sequences=["Paris"],
-                               system=[{"type": "text", "text": "You are a helpful AI assistant named SmolLM, "
-                                                                "trained by Hugging Face"}], extra_body=GREEDY)
+    m = claude.messages.create(
+        model=MODEL,
+        max_tokens=16,
+        messages=ASK,
+        stop_sequences=["Paris"],
+        system=[
+            {"type": "text", "text": "You are a helpful AI assistant named SmolLM, trained by Hugging Face"}
+        ],
+        extra_body=GREEDY,
+    )
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == "Paris" and "Paris" not in _text(m)
 
 
 def test_tool_use_round_trip_plain_and_streamed(claude):
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    m = claude.messages.create(model=MODEL, max_tokens=40, messages=ask, tools=[WEATHER],
-                               tool_choice={"type": "any"}, extra_body=GREEDY)
+    m = claude.messages.create(
+        model=MODEL,
+        max_tokens=40,
+        messages=ask,
+        tools=[WEATHER],
+        tool_choice={"type": "any"},
+        extra_body=GREEDY,
+    )
     uses = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use" and len(uses) == 1 and isinstance(uses[0].input["city"], str)
-    with claude.messages.stream(model=MODEL, max_tokens=40, messages=ask, tools=[WEATHER],
-                                tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY) as s:
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=40,
+        messages=ask,
+        tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body=GREEDY,
+    ) as s:
         streamed = s.get_final_message()
     assert [b.type for b in streamed.content] == ["tool_use"] and streamed.content[0].input == uses[0].input
-    history = ask + [{"role": "assistant", "content": [u.model_dump() for u in uses]},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
-                                                   "content": "Sunny, 24 C"}]}]
-    answer = claude.messages.create(model=MODEL, max_tokens=24, messages=history, tools=[WEATHER], extra_body=GREEDY)
+    history = ask + [
+        {"role": "assistant", "content": [u.model_dump() for u in uses]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "Sunny, 24 C"}],
+        },
+    ]
+    answer = claude.messages.create(
+        model=MODEL, max_tokens=24, messages=history, tools=[WEATHER], extra_body=GREEDY
+    )
     assert answer.content and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
 
 
@@ -72,7 +105,9 @@ class Capital(pydantic.BaseModel):
 
 
 def test_structured_output(claude):
-    parsed = claude.messages.parse(model=MODEL, max_tokens=40, messages=ASK, output_format=Capital, extra_body=GREEDY)
+    parsed = claude.messages.parse(
+        model=MODEL, max_tokens=40, messages=ASK, output_format=Capital, extra_body=GREEDY
+    )
     assert isinstance(parsed.parsed_output, Capital)
 
 
@@ -83,20 +118,26 @@ def test_count_tokens_matches_the_prompt(claude):
 
 
 def test_prefill_continues_the_assistant_turn(claude):
-    m = claude.messages.create(model=MODEL, max_tokens=8, extra_body=GREEDY,
-                               messages=ASK + [{"role": "assistant", "content": "The capital of France is"}])
+    m = claude.messages.create(
+        model=MODEL,
+        max_tokens=8,
+        extra_body=GREEDY,
+        messages=ASK + [{"role": "assistant", "content": "The capital of France is"}],
+    )
     assert _text(m).strip().startswith("Paris")
 
 
-BAD = [{"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-       {"messages": [{"role": "system", "content": "x"}]},
-       {"messages": ASK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
-       {"messages": ASK, "tool_choice": {"type": "tool"}, "tools": [WEATHER]},
-       {"messages": ASK, "max_tokens": 0},
-       {"messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 64}},  # no reasoning parser here
-       {"messages": ASK, "output_config": {"format": {"type": "json_schema", "schema": {"type": "strin"}}}},
-       {"messages": ASK, "mcp_servers": []},
-       {"messages": [], "max_tokens": 4}]
+BAD = [
+    {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+    {"messages": [{"role": "system", "content": "x"}]},
+    {"messages": ASK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+    {"messages": ASK, "tool_choice": {"type": "tool"}, "tools": [WEATHER]},
+    {"messages": ASK, "max_tokens": 0},
+    {"messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 64}},  # no reasoning parser here
+    {"messages": ASK, "output_config": {"format": {"type": "json_schema", "schema": {"type": "strin"}}}},
+    {"messages": ASK, "mcp_servers": []},
+    {"messages": [], "max_tokens": 4},
+]
 
 
 def test_errors_are_anthropic_shaped_and_queue_nothing(claude, server, async_engine):
@@ -111,8 +152,10 @@ def test_errors_are_anthropic_shaped_and_queue_nothing(claude, server, async_eng
         r = c.post("/v1/messages", json={"model": "claude-x", "max_tokens": 4, "messages": ASK})
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
         r = httpx.post(server.url + "/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": ASK})
-        assert r.status_code == 401 and r.json() == {"type": "error", "error": {
-            "type": "authentication_error", "message": r.json()["error"]["message"]}}
+        assert r.status_code == 401 and r.json() == {
+            "type": "error",
+            "error": {"type": "authentication_error", "message": r.json()["error"]["message"]},
+        }
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": []}])
     assert async_engine.num_inflight == 0
@@ -123,6 +166,8 @@ def test_errors_are_anthropic_shaped_and_queue_nothing(claude, server, async_eng
 def test_streamed_error_event_is_anthropic_shaped():
     from servescope.server.errors import anthropic_error_body
 
-    assert anthropic_error_body(429, "busy") == {"type": "error", "error": {"type": "rate_limit_error",
-                                                                            "message": "busy"}}
+    assert anthropic_error_body(429, "busy") == {
+        "type": "error",
+        "error": {"type": "rate_limit_error", "message": "busy"},
+    }
     assert json.loads(json.dumps(anthropic_error_body(500, "x")))["error"]["type"] == "api_error"

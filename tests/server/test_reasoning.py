@@ -67,7 +67,9 @@ BUDGET = 5
 
 @pytest.fixture(scope="module")
 def rserver(tiny_async_engine):
-    s = LiveServer(build_app(tiny_async_engine, model_name="tiny", api_key=KEY, reasoning_parser="deepseek_r1")).start()
+    s = LiveServer(
+        build_app(tiny_async_engine, model_name="tiny", api_key=KEY, reasoning_parser="deepseek_r1")
+    ).start()
     yield s
     s.stop()
 
@@ -78,29 +80,41 @@ def rhttp(rserver):
         yield c
 
 
-CHAT = {"messages": [{"role": "user", "content": "Why is the sky blue?"}], "max_tokens": 14, "temperature": 0,
-        "max_reasoning_tokens": BUDGET}
+CHAT = {
+    "messages": [{"role": "user", "content": "Why is the sky blue?"}],
+    "max_tokens": 14,
+    "temperature": 0,
+    "max_reasoning_tokens": BUDGET,
+}
 
 
 def _sse(r) -> list:
-    return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    return [
+        json.loads(line[6:])
+        for line in r.iter_lines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
 
 
 def test_budget_forces_the_end_of_reasoning_and_usage_counts_it(rhttp):
-    r = rhttp.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "return_tokens_as_token_ids": True})
+    r = rhttp.post(
+        "/v1/chat/completions", json={**CHAT, "logprobs": True, "return_tokens_as_token_ids": True}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     ids = [int(t["token"].removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["content"]]
     end = rhttp.post("/tokenize", json={"prompt": "</think>", "add_special_tokens": False}).json()["tokens"]
-    assert ids[BUDGET:BUDGET + len(end)] == end  # forced right after the budget
+    assert ids[BUDGET : BUDGET + len(end)] == end  # forced right after the budget
     msg = body["choices"][0]["message"]
     detok = lambda t: rhttp.post("/detokenize", json={"tokens": t}).json()["prompt"]  # noqa: E731
     assert msg["reasoning_content"] == detok(ids[:BUDGET])
-    assert (msg["content"] or "") == detok(ids[BUDGET + len(end):])
+    assert (msg["content"] or "") == detok(ids[BUDGET + len(end) :])
     assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == BUDGET + len(end)
     metrics = rhttp.get("/metrics").text
-    assert any(line.startswith("servescope:reasoning_tokens_total") and float(line.split()[-1]) > 0
-               for line in metrics.splitlines())
+    assert any(
+        line.startswith("servescope:reasoning_tokens_total") and float(line.split()[-1]) > 0
+        for line in metrics.splitlines()
+    )
 
 
 def test_streamed_chat_reassembles_to_the_whole_answer(rhttp):
@@ -114,21 +128,37 @@ def test_streamed_chat_reassembles_to_the_whole_answer(rhttp):
 
 
 def test_include_reasoning_false_drops_it(rhttp):
-    msg = rhttp.post("/v1/chat/completions", json={**CHAT, "include_reasoning": False}).json()["choices"][0]["message"]
+    msg = rhttp.post("/v1/chat/completions", json={**CHAT, "include_reasoning": False}).json()["choices"][0][
+        "message"
+    ]
     assert "reasoning_content" not in msg
 
 
 def test_reasoning_in_responses_and_messages(rhttp):
     whole = rhttp.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]
-    r = rhttp.post("/v1/responses", json={"input": CHAT["messages"][0]["content"], "max_output_tokens": 14,
-                                          "temperature": 0, "store": False,
-                                          "reasoning": {"effort": "low"}})
+    r = rhttp.post(
+        "/v1/responses",
+        json={
+            "input": CHAT["messages"][0]["content"],
+            "max_output_tokens": 14,
+            "temperature": 0,
+            "store": False,
+            "reasoning": {"effort": "low"},
+        },
+    )
     assert r.status_code == 200, r.text  # no budget field in the Responses API: the model runs to 14 tokens
     items = r.json()["output"]
     assert items[0]["type"] == "reasoning" and items[0]["content"][0]["type"] == "reasoning_text"
-    m = rhttp.post("/v1/messages", json={"model": "tiny", "max_tokens": 14, "temperature": 0,
-                                         "messages": CHAT["messages"],
-                                         "thinking": {"type": "enabled", "budget_tokens": BUDGET}})
+    m = rhttp.post(
+        "/v1/messages",
+        json={
+            "model": "tiny",
+            "max_tokens": 14,
+            "temperature": 0,
+            "messages": CHAT["messages"],
+            "thinking": {"type": "enabled", "budget_tokens": BUDGET},
+        },
+    )
     assert m.status_code == 200, m.text
     blocks = m.json()["content"]
     assert blocks[0] == {"type": "thinking", "thinking": whole["reasoning_content"], "signature": ""}
@@ -136,5 +166,9 @@ def test_reasoning_in_responses_and_messages(rhttp):
 
 
 def test_budget_without_a_parser_is_a_400(tiny_server):
-    r = httpx.post(tiny_server.url + "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer sk-dashboard-test"})
+    r = httpx.post(
+        tiny_server.url + "/v1/chat/completions",
+        json=CHAT,
+        headers={"Authorization": "Bearer sk-dashboard-test"},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_reasoning_tokens"

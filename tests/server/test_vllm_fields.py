@@ -15,12 +15,18 @@ MSG = [{"role": "user", "content": "Hi there"}]
 
 @pytest.fixture(scope="module")
 def th(tiny_server):
-    with httpx.Client(base_url=tiny_server.url, timeout=120, headers={"Authorization": f"Bearer {TINY_KEY}"}) as c:
+    with httpx.Client(
+        base_url=tiny_server.url, timeout=120, headers={"Authorization": f"Bearer {TINY_KEY}"}
+    ) as c:
         yield c
 
 
 def _sse(r) -> list:
-    return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    return [
+        json.loads(line[6:])
+        for line in r.iter_lines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
 
 
 def _chat(th, **kw):
@@ -33,17 +39,29 @@ def _ids(body) -> list:
     return [int(t["token"].removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["content"]]
 
 
-@pytest.mark.parametrize("path,body", [("/v1/chat/completions", {"messages": MSG}),
-                                       ("/v1/completions", {"prompt": "Hi there"})])
+@pytest.mark.parametrize(
+    "path,body", [("/v1/chat/completions", {"messages": MSG}), ("/v1/completions", {"prompt": "Hi there"})]
+)
 def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(th, path, body):
-    with th.stream("POST", path, json={**body, "max_tokens": 5, "stream": True, "ignore_eos": True,
-                                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+    with th.stream(
+        "POST",
+        path,
+        json={
+            **body,
+            "max_tokens": 5,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    ) as r:
         chunks = _sse(r)
     assert all("usage" in c and c["usage"] is not None for c in chunks)
     counts = [c["usage"]["completion_tokens"] for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 5
-    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
-               for c in chunks)
+    assert all(
+        c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+        for c in chunks
+    )
 
 
 def test_logit_controls_change_the_tokens(th):
@@ -57,12 +75,23 @@ def test_logit_controls_change_the_tokens(th):
     assert banned[0] != base[0]
 
 
-@pytest.mark.parametrize("field,value", [("logit_bias", {"99999999": 1}), ("logit_bias", {"x": 1}),
-                                         ("allowed_token_ids", [-1]), ("allowed_token_ids", []),
-                                         ("logits_processors", ["my.Proc"]), ("use_beam_search", True),
-                                         ("truncate_prompt_tokens", 0), ("kv_transfer_params", {}),
-                                         ("guided_whitespace_pattern", " "), ("mm_processor_kwargs", {"a": 1}),
-                                         ("chat_template_kwargs", {"messages": []}), ("chat_template", "{% if %}")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("logit_bias", {"99999999": 1}),
+        ("logit_bias", {"x": 1}),
+        ("allowed_token_ids", [-1]),
+        ("allowed_token_ids", []),
+        ("logits_processors", ["my.Proc"]),
+        ("use_beam_search", True),
+        ("truncate_prompt_tokens", 0),
+        ("kv_transfer_params", {}),
+        ("guided_whitespace_pattern", " "),
+        ("mm_processor_kwargs", {"a": 1}),
+        ("chat_template_kwargs", {"messages": []}),
+        ("chat_template", "{% if %}"),
+    ],
+)
 def test_refused_values_name_the_field(th, field, value):
     r = th.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2, field: value})
     assert r.status_code == 400, r.text
@@ -70,12 +99,15 @@ def test_refused_values_name_the_field(th, field, value):
 
 
 def test_continue_final_message_and_add_generation_prompt(th):
-    both = th.post("/v1/chat/completions", json={"messages": MSG, "continue_final_message": True,
-                                                 "add_generation_prompt": True})
+    both = th.post(
+        "/v1/chat/completions",
+        json={"messages": MSG, "continue_final_message": True, "add_generation_prompt": True},
+    )
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
     conv = MSG + [{"role": "assistant", "content": "The answer is"}]
-    tok = th.post("/tokenize", json={"messages": conv, "continue_final_message": True,
-                                     "add_generation_prompt": False}).json()
+    tok = th.post(
+        "/tokenize", json={"messages": conv, "continue_final_message": True, "add_generation_prompt": False}
+    ).json()
     text = th.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
     assert text.endswith("The answer is")
     closed = th.post("/tokenize", json={"messages": conv, "add_generation_prompt": False}).json()
@@ -87,9 +119,14 @@ def test_continue_final_message_and_add_generation_prompt(th):
 
 def test_chat_template_and_its_kwargs_reach_the_template(th):
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if flag %}FLAG{% endif %}"
-    on = th.post("/tokenize", json={"messages": MSG, "chat_template": template, "chat_template_kwargs": {"flag": True}})
+    on = th.post(
+        "/tokenize", json={"messages": MSG, "chat_template": template, "chat_template_kwargs": {"flag": True}}
+    )
     off = th.post("/tokenize", json={"messages": MSG, "chat_template": template})
-    detok = lambda r: th.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]  # noqa: E731
+
+    def detok(r):
+        return th.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+
     assert detok(on) == "Hi thereFLAG" and detok(off) == "Hi there"
     body = _chat(th, chat_template=template, chat_template_kwargs={"flag": True})
     assert body["usage"]["prompt_tokens"] == on.json()["count"]
@@ -99,8 +136,15 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(th):
     full = _chat(th)["usage"]["prompt_tokens"]
     assert full > 3
     assert _chat(th, truncate_prompt_tokens=3)["usage"]["prompt_tokens"] == 3
-    r = th.post("/v1/completions", json={"prompt": "one two three four five", "max_tokens": 1,
-                                         "truncate_prompt_tokens": 2, "echo": True})
+    r = th.post(
+        "/v1/completions",
+        json={
+            "prompt": "one two three four five",
+            "max_tokens": 1,
+            "truncate_prompt_tokens": 2,
+            "echo": True,
+        },
+    )
     assert r.json()["usage"]["prompt_tokens"] == 2
     assert r.json()["choices"][0]["text"].startswith(" four five")
 
@@ -138,7 +182,7 @@ def test_tokenize_and_detokenize(th):
     r = th.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True}).json()
     assert r["count"] == len(r["tokens"]) == len(r["token_strs"]) and r["max_model_len"] == 256
     assert th.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "hello world"
-    assert th.post("/detokenize", json={"tokens": [10 ** 9]}).status_code == 400
+    assert th.post("/detokenize", json={"tokens": [10**9]}).status_code == 400
     assert th.post("/tokenize", json={"prompt": "x", "messages": MSG}).status_code == 400
 
 
@@ -147,16 +191,22 @@ def test_embeddings_from_messages_and_truncated_input(th):
     assert r.status_code == 200, r.text
     n_chat = r.json()["usage"]["prompt_tokens"]
     assert n_chat == th.post("/tokenize", json={"messages": MSG}).json()["count"]
-    r = th.post("/v1/embeddings", json={"input": "one two three four", "truncate_prompt_tokens": 2,
-                                        "request_id": "e1"})
+    r = th.post(
+        "/v1/embeddings",
+        json={"input": "one two three four", "truncate_prompt_tokens": 2, "request_id": "e1"},
+    )
     assert r.json()["usage"]["prompt_tokens"] == 2 and r.json()["id"] == "embd-e1"
 
 
 def test_guidellm_shaped_request(http):
     """What guidellm sends on every streamed chat request (the embedded model)."""
-    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Say hello."}]}],
-            "max_completion_tokens": 8, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hello."}]}],
+        "max_completion_tokens": 8,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         chunks = _sse(r)

@@ -25,8 +25,8 @@ def add_parser(sub) -> None:
     s.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name clients send (default: --model, or smollm2-135m)")
     s.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
-                   help="split <think>...</think> reasoning from answers (reasoning_content, reasoning items, "
-                        "thinking blocks)")
+                   help="split <think>...</think> reasoning from answers (reasoning_content, "
+                        "reasoning items, thinking blocks)")
     add_engine_args(p)
 
 

@@ -86,15 +86,17 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
-        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids or ()))
-        _check(all(t >= 0 for t, _ in self.logit_bias), "logit_bias", "logit_bias keys must be token ids >= 0")
+        words = tuple(tuple(w) for w in self.bad_words_token_ids or ())
+        object.__setattr__(self, "bad_words_token_ids", words)
+        _check(all(t >= 0 for t, _ in self.logit_bias), "logit_bias",
+               "logit_bias keys must be token ids >= 0")
         _check(self.allowed_token_ids is None or (bool(self.allowed_token_ids) and all(
             isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)), "allowed_token_ids",
             "allowed_token_ids must be a non-empty list of token ids >= 0")
         _check(all(w and all(isinstance(t, int) and t >= 0 for t in w) for w in self.bad_words_token_ids),
                "bad_words", "each bad word must be a non-empty sequence of token ids >= 0")
-        _check(self.thinking_budget is None or isinstance(self.thinking_budget, ThinkingBudget), "thinking_budget",
-               "thinking_budget must be a ThinkingBudget")
+        _check(self.thinking_budget is None or isinstance(self.thinking_budget, ThinkingBudget),
+               "thinking_budget", "thinking_budget must be a ThinkingBudget")
         _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and bool(self.cache_salt)),
                "cache_salt", "cache_salt must be a non-empty string")
 

@@ -49,7 +49,10 @@ def apply_logit_controls(x: torch.Tensor, states: Sequence) -> None:
         if forced is not None and forced < vocab:
             only[i] = [forced]
     if bias_rows:
-        idx = (host_to_device(bias_rows, torch.long, x.device), host_to_device(bias_toks, torch.long, x.device))
+        idx = (
+            host_to_device(bias_rows, torch.long, x.device),
+            host_to_device(bias_toks, torch.long, x.device),
+        )
         x.index_put_(idx, host_to_device(bias_vals, torch.float32, x.device), accumulate=True)
     if ban_rows:
         idx = (host_to_device(ban_rows, torch.long, x.device), host_to_device(ban_toks, torch.long, x.device))
@@ -66,7 +69,7 @@ def banned_by_bad_words(words: Sequence[tuple], output: Sequence[int]) -> list:
     n = len(output)
     for w in words:
         k = len(w) - 1
-        if k == 0 or (k <= n and tuple(output[n - k:]) == w[:-1]):
+        if k == 0 or (k <= n and tuple(output[n - k :]) == w[:-1]):
             out.append(w[-1])
     return out
 
@@ -76,9 +79,9 @@ def forced_token(budget, output: Sequence[int]) -> Optional[int]:
     output did not open a block where the budget needs it to)."""
     start = budget.start_token_ids
     if start:
-        if len(output) < len(start) or tuple(output[:len(start)]) != start:
+        if len(output) < len(start) or tuple(output[: len(start)]) != start:
             return None
-    body = output[len(start):]
+    body = output[len(start) :]
     end = budget.end_token_ids
     if len(body) < budget.max_tokens or _contains(body, end):
         return None
@@ -89,7 +92,7 @@ def _contains(seq: Sequence[int], sub: tuple) -> bool:
     m = len(sub)
     first = sub[0]
     for i in range(len(seq) - m + 1):
-        if seq[i] == first and tuple(seq[i:i + m]) == sub:
+        if seq[i] == first and tuple(seq[i : i + m]) == sub:
             return True
     return False
 
@@ -97,6 +100,6 @@ def _contains(seq: Sequence[int], sub: tuple) -> bool:
 def _partial_end(seq: Sequence[int], end: tuple) -> int:
     """Length of the longest proper prefix of `end` that ends `seq` (0 if none)."""
     for k in range(min(len(end) - 1, len(seq)), 0, -1):
-        if tuple(seq[len(seq) - k:]) == end[:k]:
+        if tuple(seq[len(seq) - k :]) == end[:k]:
             return k
     return 0

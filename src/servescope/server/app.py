@@ -52,7 +52,8 @@ def _json_safe(x):
 
 def build_app(async_engine: AsyncEngine, model_name: str = "servescope",
               max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES, api_key: Optional[str] = None,
-              max_n: int = 8, max_queue: Optional[int] = None, reasoning_parser: Optional[str] = None) -> FastAPI:
+              max_n: int = 8, max_queue: Optional[int] = None,
+              reasoning_parser: Optional[str] = None) -> FastAPI:
     if max_n < 1:
         raise ValueError(f"max_n must be at least 1, got {max_n}")
     if max_queue is not None and max_queue < 1:

@@ -12,15 +12,27 @@ from typing import Optional
 
 from servescope.errors import InvalidParameterError
 from servescope.server.protocol import MAX_LOGPROBS, ChatCompletionRequest
-from servescope.server.serving_common import (ServingContext, check_model, merge_streams, run_until_disconnect,
-                                              sampling_params, start_streams)
+from servescope.server.serving_common import (
+    ServingContext,
+    check_model,
+    merge_streams,
+    run_until_disconnect,
+    sampling_params,
+    start_streams,
+)
 from servescope.server.serving_structured import compile_structure, requested_structure
 from servescope.server.tool_calls import ToolPlan, ToolStreamer
 from servescope.server.unsupported import check_fields
 from servescope.server.vllm_fields import check_vllm_fields, logit_controls, truncate_prompt, with_token_ids
 
-RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt", "chat_template",
-                            "continue_final_message")
+RESERVED_TEMPLATE_KWARGS = (
+    "messages",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "chat_template",
+    "continue_final_message",
+)
 
 
 @dataclass
@@ -56,8 +68,9 @@ class ParsedSample:
 def _top_n(req) -> Optional[int]:
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise InvalidParameterError("top_logprobs", f"top_logprobs must be between 0 and {MAX_LOGPROBS}, "
-                                                        f"got {req.top_logprobs}")
+            raise InvalidParameterError(
+                "top_logprobs", f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {req.top_logprobs}"
+            )
         if not req.logprobs and req.top_logprobs:
             raise InvalidParameterError("top_logprobs", "top_logprobs needs logprobs: true")
     return (req.top_logprobs or 0) if req.logprobs else None
@@ -89,8 +102,9 @@ def template_kwargs(req) -> dict:
     kw = dict(req.chat_template_kwargs or {})
     bad = [k for k in kw if k in RESERVED_TEMPLATE_KWARGS]
     if bad:
-        raise InvalidParameterError("chat_template_kwargs", f"chat_template_kwargs may not set {bad[0]!r}; "
-                                                            "use the request field")
+        raise InvalidParameterError(
+            "chat_template_kwargs", f"chat_template_kwargs may not set {bad[0]!r}; use the request field"
+        )
     if getattr(req, "reasoning_effort", None) is not None:
         kw.setdefault("reasoning_effort", req.reasoning_effort)
     if req.chat_template is not None:
@@ -112,8 +126,10 @@ def _extras(ctx: ServingContext, req, reasoning) -> dict:
     extra = dict(logit_controls(ctx.engine.tokenizer, ctx.engine.vocab_size, req), cache_salt=req.cache_salt)
     if req.max_reasoning_tokens is not None:
         if reasoning is None:
-            raise InvalidParameterError("max_reasoning_tokens", "max_reasoning_tokens needs a reasoning parser "
-                                                                "(serve --reasoning-parser)")
+            raise InvalidParameterError(
+                "max_reasoning_tokens",
+                "max_reasoning_tokens needs a reasoning parser (serve --reasoning-parser)",
+            )
         extra["thinking_budget"] = reasoning.budget(req.max_reasoning_tokens)
     return extra
 
@@ -131,14 +147,25 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatRun
     reasoning = ctx.reasoning if structure is None else None
     mt_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    kw = dict(logprobs=top_n, max_tokens_param=mt_param, prompt_logprobs=req.prompt_logprobs, structured=structure,
-              extra=_extras(ctx, req, reasoning))
+    kw = dict(
+        logprobs=top_n,
+        max_tokens_param=mt_param,
+        prompt_logprobs=req.prompt_logprobs,
+        structured=structure,
+        extra=_extras(ctx, req, reasoning),
+    )
     # validate the cheap fields before rendering the template (max_tokens checked again below)
-    sampling_params(ctx, req, max_tokens=max_tokens if max_tokens is not None else ctx.engine.max_model_len - 1, **kw)
+    sampling_params(
+        ctx, req, max_tokens=max_tokens if max_tokens is not None else ctx.engine.max_model_len - 1, **kw
+    )
     messages = chat_messages(req)
-    _, ids = await ctx.engine.render_chat(messages, add_generation_prompt=req.add_generation_prompt is not False,
-                                          tools=tools.rendered, add_special_tokens=bool(req.add_special_tokens),
-                                          **template_kwargs(req))
+    _, ids = await ctx.engine.render_chat(
+        messages,
+        add_generation_prompt=req.add_generation_prompt is not False,
+        tools=tools.rendered,
+        add_special_tokens=bool(req.add_special_tokens),
+        **template_kwargs(req),
+    )
     ids = truncate_prompt(ids, req.truncate_prompt_tokens, ctx.engine.max_model_len)
     if max_tokens is None:  # OpenAI: as many as the context allows
         max_tokens = max(1, ctx.engine.max_model_len - len(ids))
@@ -149,8 +176,19 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatRun
     echo = ""
     if req.echo and messages[-1]["role"] == role:
         echo = _text_of(messages[-1].get("content"))
-    return ChatRun(ctx, req, streams, ids, params, tools, top_n, reasoning, role, echo,
-                   usage={"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": 0})
+    return ChatRun(
+        ctx,
+        req,
+        streams,
+        ids,
+        params,
+        tools,
+        top_n,
+        reasoning,
+        role,
+        echo,
+        usage={"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": 0},
+    )
 
 
 def _text_of(content) -> str:
@@ -212,6 +250,7 @@ def count_reasoning(run: ChatRun, n: int) -> None:
 
 async def collect_final(run: ChatRun, request):
     """The finished RequestOutput of a run (a client that leaves aborts it)."""
+
     async def collect():
         async for _, out in merge_streams(run.streams):
             if out.finished:

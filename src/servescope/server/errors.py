@@ -46,8 +46,8 @@ def error_body(status: int, message: str, param: Optional[str] = None, code: Opt
 
 ANTHROPIC_PREFIX = "/v1/messages"
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                    503: "overloaded_error", 529: "overloaded_error"}
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
 def anthropic_error_body(status: int, message: str) -> dict:

@@ -49,7 +49,8 @@ class ServerMetrics:
         self.num_preemptions = c("num_preemptions", "Preemptions (engine total).")
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = c("generation_tokens", "Generated tokens.")
-        self.reasoning_tokens = c("reasoning_tokens", "Generated tokens inside reasoning blocks (reasoning parser).")
+        self.reasoning_tokens = c("reasoning_tokens",
+                                  "Generated tokens inside reasoning blocks (reasoning parser).")
         self.ttft = h("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.tpot = h("time_per_output_token_seconds", "Time per output token after the first.", TPOT_BUCKETS)
         self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)

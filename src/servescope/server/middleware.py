@@ -16,10 +16,13 @@ from servescope.server.errors import ANTHROPIC_PREFIX, anthropic_error_body, err
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
 
 
-async def _send_error(send, status: int, message: str, param=None, code=None, headers=(), path: str = "") -> None:
+async def _send_error(send, status: int, message: str, param=None, code=None, headers=(),
+                      path: str = "") -> None:
     # /v1/messages speaks Anthropic's error shape (serving_messages.py), the rest OpenAI's
-    err = anthropic_error_body(status, message) if path.startswith(ANTHROPIC_PREFIX) else error_body(status, message,
-                                                                                                   param, code)
+    if path.startswith(ANTHROPIC_PREFIX):
+        err = anthropic_error_body(status, message)
+    else:
+        err = error_body(status, message, param, code)
     body = json.dumps(err).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -57,7 +60,8 @@ class GuardMiddleware:
             try:
                 n = int(declared)
             except ValueError:
-                return await _send_error(send, 400, "invalid Content-Length header", code="invalid_header", path=path)
+                return await _send_error(send, 400, "invalid Content-Length header", code="invalid_header",
+                                         path=path)
             if n > limit:
                 return await _send_error(send, 413, f"the request body ({n} bytes) is over the limit of {limit} bytes",
                                          code="body_too_large", path=path)

@@ -15,10 +15,19 @@ from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from servescope.errors import InvalidParameterError
 from servescope.server.protocol_base import Base, Float
 
-PARAM_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "output_config",
-               "max_reasoning_tokens": "thinking.budget_tokens"}
-NEUTRAL = {"service_tier": (None, "auto", "standard_only"), "cache_control": None, "speed": (None, "standard"),
-           "inference_geo": None, "anthropic_version": None}
+PARAM_NAMES = {
+    "max_completion_tokens": "max_tokens",
+    "stop": "stop_sequences",
+    "response_format": "output_config",
+    "max_reasoning_tokens": "thinking.budget_tokens",
+}
+NEUTRAL = {
+    "service_tier": (None, "auto", "standard_only"),
+    "cache_control": None,
+    "speed": (None, "standard"),
+    "inference_geo": None,
+    "anthropic_version": None,
+}
 
 
 class AnthropicTool(Base):
@@ -99,7 +108,9 @@ def _tool_result_text(block: dict, where: str) -> str:
         parts = []
         for j, c in enumerate(content):
             if not isinstance(c, dict) or c.get("type") != "text":
-                raise InvalidParameterError(f"{where}.content[{j}]", f"{where}.content[{j}]: only text is supported")
+                raise InvalidParameterError(
+                    f"{where}.content[{j}]", f"{where}.content[{j}]: only text is supported"
+                )
             parts.append(_text(c, f"{where}.content[{j}]"))
         text = "".join(parts)
     else:
@@ -119,8 +130,9 @@ def _message(m: dict, i: int) -> list:
     """One Anthropic message -> chat messages (a user turn's tool results become tool messages)."""
     role = m.get("role")
     if role not in ("user", "assistant"):
-        raise InvalidParameterError(f"messages[{i}].role", f"messages[{i}].role must be user or assistant, "
-                                                           f"got {role!r}")
+        raise InvalidParameterError(
+            f"messages[{i}].role", f"messages[{i}].role must be user or assistant, got {role!r}"
+        )
     texts, calls, results, reasoning = [], [], [], []
     blocks = _blocks(m.get("content"), f"messages[{i}].content")
     if not blocks or (blocks == [{"type": "text", "text": ""}] and role == "user"):
@@ -133,18 +145,29 @@ def _message(m: dict, i: int) -> list:
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
                 raise InvalidParameterError(where, f"{where}: tool_use needs id and name")
-            calls.append({"id": b["id"], "type": "function", "function": {
-                "name": b["name"], "arguments": json.dumps(b.get("input", {}), ensure_ascii=False)}})
+            calls.append(
+                {
+                    "id": b["id"],
+                    "type": "function",
+                    "function": {
+                        "name": b["name"],
+                        "arguments": json.dumps(b.get("input", {}), ensure_ascii=False),
+                    },
+                }
+            )
         elif kind == "tool_result" and role == "user":
             if not isinstance(b.get("tool_use_id"), str):
                 raise InvalidParameterError(f"{where}.tool_use_id", f"{where}.tool_use_id must be a string")
-            results.append({"role": "tool", "tool_call_id": b["tool_use_id"],
-                            "content": _tool_result_text(b, where)})
+            results.append(
+                {"role": "tool", "tool_call_id": b["tool_use_id"], "content": _tool_result_text(b, where)}
+            )
         elif kind == "thinking" and role == "assistant":
             reasoning.append(b.get("thinking") or "")
         else:
-            raise InvalidParameterError(f"{where}.type", f"{where}: blocks of type {kind!r} are not supported "
-                                                         f"in a {role} message here")
+            raise InvalidParameterError(
+                f"{where}.type",
+                f"{where}: blocks of type {kind!r} are not supported in a {role} message here",
+            )
     out = list(results)
     if texts or calls or not results:
         msg = {"role": role, "content": "".join(texts) if texts or not calls else None}
@@ -162,8 +185,10 @@ def _tools(req: MessagesRequest) -> Optional[list]:
     out = []
     for i, t in enumerate(req.tools):
         if t.get("type") not in (None, "custom"):
-            raise InvalidParameterError(f"tools[{i}].type", f"tools[{i}]: only custom (client) tools are "
-                                                            f"supported, got {t.get('type')!r}")
+            raise InvalidParameterError(
+                f"tools[{i}].type",
+                f"tools[{i}]: only custom (client) tools are supported, got {t.get('type')!r}",
+            )
         tool = AnthropicTool.model_validate(t)
         fn = {"name": tool.name, "parameters": tool.input_schema}
         if tool.description:
@@ -189,28 +214,45 @@ def chat_request_body(req: MessagesRequest, has_reasoning_parser: bool) -> dict:
     """The chat request (a dict for ChatCompletionRequest) of a Messages request."""
     messages = []
     if req.system:
-        system = req.system if isinstance(req.system, str) else "".join(
-            _text(b, f"system[{k}]") for k, b in enumerate(req.system))
+        system = (
+            req.system
+            if isinstance(req.system, str)
+            else "".join(_text(b, f"system[{k}]") for k, b in enumerate(req.system))
+        )
         messages.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
         messages += _message(m, i)
     choice, parallel = _tool_choice(req)
-    body: dict = {"model": req.model, "messages": messages, "max_completion_tokens": req.max_tokens, "stop": req.stop_sequences,
-                  "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "tools": _tools(req),
-                  "tool_choice": choice, "parallel_tool_calls": parallel,
-                  "user": req.metadata.user_id if req.metadata else None}
+    body: dict = {
+        "model": req.model,
+        "messages": messages,
+        "max_completion_tokens": req.max_tokens,
+        "stop": req.stop_sequences,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "tools": _tools(req),
+        "tool_choice": choice,
+        "parallel_tool_calls": parallel,
+        "user": req.metadata.user_id if req.metadata else None,
+    }
     if messages[-1]["role"] == "assistant" and messages[-1].get("content"):  # a prefill: continue it
         body.update(add_generation_prompt=False, continue_final_message=True)
     th = req.thinking
     if th is not None and th.type == "enabled" and not has_reasoning_parser:
-        raise InvalidParameterError("thinking", "thinking needs a reasoning parser (serve --reasoning-parser)")
+        raise InvalidParameterError(
+            "thinking", "thinking needs a reasoning parser (serve --reasoning-parser)"
+        )
     if th is not None and th.type in ("enabled", "disabled"):
         body["chat_template_kwargs"] = {"enable_thinking": th.type == "enabled"}
         if th.type == "enabled" and th.budget_tokens is not None and has_reasoning_parser:
             body["max_reasoning_tokens"] = th.budget_tokens
     oc = req.output_config
     if oc is not None and oc.format is not None:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": oc.format.schema_}}
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": oc.format.schema_},
+        }
     if oc is not None and oc.effort is not None:
         body["reasoning_effort"] = oc.effort
     return {k: v for k, v in body.items() if v is not None}

@@ -14,12 +14,26 @@ from servescope.errors import InvalidParameterError
 from servescope.server.protocol_base import Base, Float
 
 # a chat request's field -> the Responses field it came from (errors name the field the client sent)
-PARAM_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
-               "messages": "input", "tool_choice": "tool_choice", "tools": "tools"}
+PARAM_NAMES = {
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "messages": "input",
+    "tool_choice": "tool_choice",
+    "tools": "tools",
+}
 # accepted with the values that change nothing about the answer
-NEUTRAL = {"service_tier": (None, "auto", "default"), "background": (None, False), "truncation": (None, "disabled"),
-           "include": (None, []), "prompt_cache_key": None, "safety_identifier": None, "user": None,
-           "stream_options": None, "max_tool_calls": None, "prompt_cache_retention": (None,)}
+NEUTRAL = {
+    "service_tier": (None, "auto", "default"),
+    "background": (None, False),
+    "truncation": (None, "disabled"),
+    "include": (None, []),
+    "prompt_cache_key": None,
+    "safety_identifier": None,
+    "user": None,
+    "stream_options": None,
+    "max_tool_calls": None,
+    "prompt_cache_retention": (None,),
+}
 
 
 class FunctionTool(Base):
@@ -94,8 +108,9 @@ def _tools(req: ResponsesRequest) -> Optional[list]:
     out = []
     for i, t in enumerate(req.tools):
         if t.get("type") != "function":
-            raise InvalidParameterError(f"tools[{i}].type", f"tools[{i}]: only function tools are supported, "
-                                                            f"got {t.get('type')!r}")
+            raise InvalidParameterError(
+                f"tools[{i}].type", f"tools[{i}]: only function tools are supported, got {t.get('type')!r}"
+            )
         f = FunctionTool.model_validate(t)
         out.append({"type": "function", "function": f.model_dump(exclude_none=True, exclude={"type"})})
     return out
@@ -109,10 +124,15 @@ def _text_of(content, param: str) -> str:
         raise InvalidParameterError(param, f"{param} must be a string or a list of text parts")
     texts = []
     for j, p in enumerate(content):
-        if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text") \
-                or not isinstance(p.get("text"), str):
+        if (
+            not isinstance(p, dict)
+            or p.get("type") not in ("input_text", "output_text", "text")
+            or not isinstance(p.get("text"), str)
+        ):
             kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-            raise InvalidParameterError(f"{param}[{j}]", f"{param}[{j}]: only text parts are supported, got {kind!r}")
+            raise InvalidParameterError(
+                f"{param}[{j}]", f"{param}[{j}]: only text parts are supported, got {kind!r}"
+            )
         texts.append(p["text"])
     return "".join(texts)
 
@@ -128,27 +148,43 @@ def input_messages(items, start: int = 0) -> list:
         if kind == "message":
             role = it.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise InvalidParameterError(f"input[{i}].role", f"input[{i}].role must be user, system, developer "
-                                                                f"or assistant, got {role!r}")
-            msg = {"role": "system" if role == "developer" else role,
-                   "content": _text_of(it.get("content"), f"input[{i}].content")}
+                raise InvalidParameterError(
+                    f"input[{i}].role",
+                    f"input[{i}].role must be user, system, developer or assistant, got {role!r}",
+                )
+            msg = {
+                "role": "system" if role == "developer" else role,
+                "content": _text_of(it.get("content"), f"input[{i}].content"),
+            }
             if role == "assistant" and pending_reasoning:
                 msg["reasoning_content"], pending_reasoning = pending_reasoning, None
             out.append(msg)
         elif kind == "function_call":
-            call = {"id": _str(it, "call_id", i), "type": "function",
-                    "function": {"name": _str(it, "name", i), "arguments": _str(it, "arguments", i)}}
+            call = {
+                "id": _str(it, "call_id", i),
+                "type": "function",
+                "function": {"name": _str(it, "name", i), "arguments": _str(it, "arguments", i)},
+            }
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": _str(it, "call_id", i),
-                        "content": _text_of(it.get("output"), f"input[{i}].output")})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _str(it, "call_id", i),
+                    "content": _text_of(it.get("output"), f"input[{i}].output"),
+                }
+            )
         elif kind == "reasoning":  # an earlier turn's reasoning: the template decides whether to show it
-            pending_reasoning = "".join(c.get("text", "") for c in it.get("content") or [] if isinstance(c, dict))
+            pending_reasoning = "".join(
+                c.get("text", "") for c in it.get("content") or [] if isinstance(c, dict)
+            )
         else:
-            raise InvalidParameterError(f"input[{i}].type", f"input[{i}]: items of type {kind!r} are not supported")
+            raise InvalidParameterError(
+                f"input[{i}].type", f"input[{i}]: items of type {kind!r} are not supported"
+            )
     return out
 
 
@@ -168,10 +204,19 @@ def chat_request_body(req: ResponsesRequest, history: list) -> dict:
     messages += input_messages(req.input)
     if not messages:
         raise InvalidParameterError("input", "input is empty")
-    body: dict = {"model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
-                  "temperature": req.temperature, "top_p": req.top_p, "tools": _tools(req),
-                  "tool_choice": _tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
-                  "request_id": req.request_id, "priority": req.priority, "cache_salt": req.cache_salt}
+    body: dict = {
+        "model": req.model,
+        "messages": messages,
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "tools": _tools(req),
+        "tool_choice": _tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "request_id": req.request_id,
+        "priority": req.priority,
+        "cache_salt": req.cache_salt,
+    }
     if req.top_logprobs is not None:
         body.update(logprobs=True, top_logprobs=req.top_logprobs)
     fmt = req.text.format if req.text else None
@@ -180,8 +225,10 @@ def chat_request_body(req: ResponsesRequest, history: list) -> dict:
     elif fmt is not None and fmt.type == "json_schema":
         if fmt.schema_ is None:
             raise InvalidParameterError("text.format.schema", "text.format json_schema needs a schema")
-        body["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}}
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict},
+        }
     if req.reasoning is not None and req.reasoning.effort is not None:
         body["reasoning_effort"] = req.reasoning.effort
     return {k: v for k, v in body.items() if v is not None}

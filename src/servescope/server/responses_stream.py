@@ -24,31 +24,50 @@ class ResponseBuilder:
     def __init__(self, ctx, req, run: ChatRun, rid: str, created: int):
         self.ctx, self.req, self.run, self.rid, self.created = ctx, req, run, rid, created
 
-    def envelope(self, status: str, output: list, usage: Optional[dict] = None,
-                 incomplete: Optional[str] = None) -> dict:
+    def envelope(
+        self, status: str, output: list, usage: Optional[dict] = None, incomplete: Optional[str] = None
+    ) -> dict:
         req = self.req
-        fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else None
+        fmt = (
+            req.text.format.model_dump(by_alias=True, exclude_none=True)
+            if req.text and req.text.format
+            else None
+        )
         choice = req.tool_choice
         return {
-            "id": self.rid, "object": "response", "created_at": self.created, "status": status, "error": None,
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
-            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "model": self.ctx.model_name, "output": output,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": self.ctx.model_name,
+            "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
-            "store": req.store is not False, "temperature": req.temperature, "top_p": req.top_p,
+            "store": req.store is not False,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
             "text": {"format": fmt or {"type": "text"}},
             "tool_choice": choice.model_dump() if hasattr(choice, "model_dump") else (choice or "auto"),
             "tools": [dict(t, strict=t.get("strict", False)) for t in (req.tools or [])],
-            "truncation": "disabled", "usage": usage, "metadata": req.metadata or {},
+            "truncation": "disabled",
+            "usage": usage,
+            "metadata": req.metadata or {},
         }
 
     def usage(self, o, reasoning_tokens: int, cached: int = 0) -> dict:
         n_in, n_out = len(self.run.prompt_ids), len(o.token_ids)
-        return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-                "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-                "total_tokens": n_in + n_out}
+        return {
+            "input_tokens": n_in,
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens": n_out,
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": n_in + n_out,
+        }
 
     def logprobs(self, o) -> list:
         if self.run.top_n is None:
@@ -57,19 +76,35 @@ class ResponseBuilder:
 
     @staticmethod
     def reasoning_item(rid: str, text: str, status: str = "completed") -> dict:
-        return {"id": rid, "type": "reasoning", "summary": [], "status": status,
-                "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
+        return {
+            "id": rid,
+            "type": "reasoning",
+            "summary": [],
+            "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else [],
+        }
 
     @staticmethod
     def message_item(mid: str, text: str, logprobs: list, status: str = "completed") -> dict:
         content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]
-        return {"id": mid, "type": "message", "role": "assistant", "status": status,
-                "content": content if status == "completed" else []}
+        return {
+            "id": mid,
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": content if status == "completed" else [],
+        }
 
     @staticmethod
     def call_item(fid: str, call: dict, arguments: str, status: str = "completed") -> dict:
-        return {"id": fid, "type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
-                "arguments": arguments, "status": status}
+        return {
+            "id": fid,
+            "type": "function_call",
+            "call_id": call["id"],
+            "name": call["function"]["name"],
+            "arguments": arguments,
+            "status": status,
+        }
 
     def final(self, p: ParsedSample, o, cached: int = 0) -> dict:
         output = []
@@ -80,8 +115,12 @@ class ResponseBuilder:
         for c in p.calls:
             output.append(self.call_item(_id("fc"), c, c["function"]["arguments"]))
         incomplete = "max_output_tokens" if o.finish_reason == "length" else None
-        return self.envelope("incomplete" if incomplete else "completed", output,
-                             self.usage(o, p.reasoning_tokens, cached), incomplete)
+        return self.envelope(
+            "incomplete" if incomplete else "completed",
+            output,
+            self.usage(o, p.reasoning_tokens, cached),
+            incomplete,
+        )
 
 
 class _EventWriter:
@@ -108,7 +147,10 @@ class _EventWriter:
         b, where = self.b, None
         if kind == "reasoning":
             self.item_id = _id("rs")
-            item, part = b.reasoning_item(self.item_id, "", "in_progress"), {"type": "reasoning_text", "text": ""}
+            item, part = (
+                b.reasoning_item(self.item_id, "", "in_progress"),
+                {"type": "reasoning_text", "text": ""},
+            )
         elif kind == "message":
             self.item_id = _id("msg")
             item = b.message_item(self.item_id, "", [], "in_progress")
@@ -123,7 +165,11 @@ class _EventWriter:
         return evs
 
     def grow(self, kind: str, delta: str, call: Optional[dict] = None) -> list:
-        evs = [] if self.kind == kind and (call is None or call["id"] == self.call["id"]) else self.open(kind, call)
+        evs = (
+            []
+            if self.kind == kind and (call is None or call["id"] == self.call["id"])
+            else self.open(kind, call)
+        )
         if not delta:
             return evs
         self.text += delta
@@ -131,7 +177,9 @@ class _EventWriter:
         if kind == "reasoning":
             evs.append(self.ev("response.reasoning_text.delta", **where, content_index=0, delta=delta))
         elif kind == "message":
-            evs.append(self.ev("response.output_text.delta", **where, content_index=0, delta=delta, logprobs=[]))
+            evs.append(
+                self.ev("response.output_text.delta", **where, content_index=0, delta=delta, logprobs=[])
+            )
         else:
             evs.append(self.ev("response.function_call_arguments.delta", **where, delta=delta))
         return evs
@@ -150,8 +198,14 @@ class _EventWriter:
             evs.append(self.ev("response.output_text.done", **where, content_index=0, text=text, logprobs=lp))
         else:
             item, part = b.call_item(self.item_id, self.call, text), None
-            evs.append(self.ev("response.function_call_arguments.done", **where, arguments=text,
-                               name=self.call["function"]["name"]))
+            evs.append(
+                self.ev(
+                    "response.function_call_arguments.done",
+                    **where,
+                    arguments=text,
+                    name=self.call["function"]["name"],
+                )
+            )
         if part is not None:
             evs.append(self.ev("response.content_part.done", **where, content_index=0, part=part))
         evs.append(self.ev("response.output_item.done", output_index=where["output_index"], item=item))
@@ -180,7 +234,11 @@ async def stream_events(b: ResponseBuilder, finish: Callable[[dict], None]):
             o = out.outputs[0]
             reason = check_finish(o, out.error)
             dr, dc, calls = streamer.feed(o.text, reason is not None)
-            for e in (w.grow("reasoning", dr) if dr else []) + (w.grow("message", dc) if dc else []) + w.calls(calls):
+            for e in (
+                (w.grow("reasoning", dr) if dr else [])
+                + (w.grow("message", dc) if dc else [])
+                + w.calls(calls)
+            ):
                 yield e
             if reason is None:
                 continue
@@ -192,8 +250,12 @@ async def stream_events(b: ResponseBuilder, finish: Callable[[dict], None]):
             n_reasoning = run.reasoning.count_tokens(o.text, o.token_ids) if run.reasoning is not None else 0
             count_reasoning(run, n_reasoning)
             incomplete = "max_output_tokens" if o.finish_reason == "length" else None
-            body = b.envelope("incomplete" if incomplete else "completed", w.output,
-                              b.usage(o, n_reasoning, out.num_cached_tokens), incomplete)
+            body = b.envelope(
+                "incomplete" if incomplete else "completed",
+                w.output,
+                b.usage(o, n_reasoning, out.num_cached_tokens),
+                incomplete,
+            )
             finish(body)
             yield w.ev("response.incomplete" if incomplete else "response.completed", response=body)
             return

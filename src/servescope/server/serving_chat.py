@@ -5,12 +5,26 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
-from servescope.server.chat_engine import (ChatRun, SampleStreamer, collect_final, count_reasoning, parse_sample,
-                                           start_chat)
+from servescope.server.chat_engine import (
+    ChatRun,
+    SampleStreamer,
+    collect_final,
+    count_reasoning,
+    parse_sample,
+    start_chat,
+)
 from servescope.server.protocol import ChatCompletionRequest
-from servescope.server.serving_common import (ServingContext, SSEResponse, StreamFrame, check_finish, finite,
-                                              merge_streams, new_id, stream_frame,
-                                              vllm_prompt_logprobs)
+from servescope.server.serving_common import (
+    ServingContext,
+    SSEResponse,
+    StreamFrame,
+    check_finish,
+    finite,
+    merge_streams,
+    new_id,
+    stream_frame,
+    vllm_prompt_logprobs,
+)
 from servescope.server.vllm_fields import response_id
 
 
@@ -18,10 +32,17 @@ def _logprob_content(ctx: ServingContext, entries: list, top_n: int) -> list:
     tt = ctx.token_text
     content = []
     for e in entries:
-        content.append({
-            "token": tt.text(e.token_id), "logprob": finite(e.logprob), "bytes": tt.bytes(e.token_id),
-            "top_logprobs": [{"token": tt.text(tid), "logprob": finite(lp), "bytes": tt.bytes(tid)}
-                             for tid, lp in e.top[:top_n]]})
+        content.append(
+            {
+                "token": tt.text(e.token_id),
+                "logprob": finite(e.logprob),
+                "bytes": tt.bytes(e.token_id),
+                "top_logprobs": [
+                    {"token": tt.text(tid), "logprob": finite(lp), "bytes": tt.bytes(tid)}
+                    for tid, lp in e.top[:top_n]
+                ],
+            }
+        )
     return content
 
 
@@ -51,13 +72,26 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             message["reasoning_content"] = p.reasoning
         if p.calls:
             message["tool_calls"] = p.calls
-        choices.append({"index": o.index, "message": message, "logprobs": lp, "finish_reason": p.finish_reason,
-                        "stop_reason": o.stop_reason})
+        choices.append(
+            {
+                "index": o.index,
+                "message": message,
+                "logprobs": lp,
+                "finish_reason": p.finish_reason,
+                "stop_reason": o.stop_reason,
+            }
+        )
         run.usage["completion_tokens"] += len(o.token_ids)
         reasoning_tokens += p.reasoning_tokens
     count_reasoning(run, reasoning_tokens)
-    body = {"id": rid, "object": "chat.completion", "created": ctx.created, "model": ctx.model_name,
-            "choices": choices, "usage": _usage(run, reasoning_tokens)}
+    body = {
+        "id": rid,
+        "object": "chat.completion",
+        "created": ctx.created,
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": _usage(run, reasoning_tokens),
+    }
     if req.prompt_logprobs is not None:
         body["prompt_logprobs"] = vllm_prompt_logprobs(run.ctx.token_text, out.prompt_logprobs)
     return body
@@ -70,10 +104,20 @@ async def _stream(run: ChatRun, frame: StreamFrame):
     done = [False] * n
     reasoning_tokens = 0
     for i in range(n):  # the role first, as OpenAI does; vLLM's echo next
-        yield chunk([{"index": i, "delta": {"role": run.role, "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
+        yield chunk(
+            [
+                {
+                    "index": i,
+                    "delta": {"role": run.role, "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
         if run.echo:
-            yield chunk([{"index": i, "delta": {"content": run.echo}, "logprobs": None, "finish_reason": None}])
+            yield chunk(
+                [{"index": i, "delta": {"content": run.echo}, "logprobs": None, "finish_reason": None}]
+            )
     async for _, out in merge_streams(run.streams):
         for o in out.outputs:
             i = o.index
@@ -82,7 +126,7 @@ async def _stream(run: ChatRun, frame: StreamFrame):
             frame.tokens_so_far[i] = len(o.token_ids)
             finish = check_finish(o, out.error)
             reasoning, content, call_deltas = streamers[i].feed(o.text, finish is not None)
-            new_lp = (o.logprobs or [])[sent_lp[i]:] if run.top_n is not None else []
+            new_lp = (o.logprobs or [])[sent_lp[i] :] if run.top_n is not None else []
             if not reasoning and not content and not call_deltas and not new_lp and finish is None:
                 continue
             sent_lp[i] += len(new_lp)
@@ -95,7 +139,11 @@ async def _stream(run: ChatRun, frame: StreamFrame):
                 finish = run.tools.finish_reason(call_deltas or streamers[i].named_call, finish)
                 if run.reasoning is not None:
                     reasoning_tokens += run.reasoning.count_tokens(o.text, o.token_ids)
-            delta = {"content": content} if content or (finish is None and not call_deltas and not reasoning) else {}
+            delta = (
+                {"content": content}
+                if content or (finish is None and not call_deltas and not reasoning)
+                else {}
+            )
             if reasoning:
                 delta["reasoning_content"] = reasoning
             if call_deltas:

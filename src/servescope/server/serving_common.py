@@ -54,7 +54,8 @@ def check_model(ctx: ServingContext, model: Optional[str]) -> None:
 
 def sampling_params(ctx: ServingContext, req, *, max_tokens: int, logprobs: Optional[int],
                     max_tokens_param: str = "max_tokens", prompt_logprobs: Optional[int] = None,
-                    structured: Optional[StructuredOutput] = None, extra: Optional[dict] = None) -> SamplingParams:
+                    structured: Optional[StructuredOutput] = None,
+                    extra: Optional[dict] = None) -> SamplingParams:
     """Server-side limits first (n cap, seed range, penalties), then SamplingParams' own checks,
     which name the field."""
     n = 1 if req.n is None else req.n

@@ -11,7 +11,8 @@ from servescope.server.errors import APIError
 from servescope.server.protocol import CompletionRequest
 from servescope.server.serving_common import (ServingContext, SSEResponse, StreamFrame, check_finish, check_model,
                                               finite, merge_streams, new_id, run_until_disconnect,
-                                              sampling_params, start_streams, stream_frame, vllm_prompt_logprobs)
+                                              sampling_params, start_streams, stream_frame,
+                                              vllm_prompt_logprobs)
 from servescope.server.serving_structured import compile_structure, requested_structure
 from servescope.server.unsupported import check_fields
 from servescope.server.vllm_fields import (check_vllm_fields, logit_controls, response_id, truncate_prompt,

@@ -21,8 +21,10 @@ async def _chat_input(ctx: ServingContext, req: EmbeddingRequest) -> list:
     """vLLM's chat embedding request: the rendered conversation is the one input."""
     check_template_fields(req)
     messages = [m.model_dump(exclude_none=True, exclude={"annotations"}) for m in req.messages]
-    _, ids = await ctx.engine.render_chat(messages, add_generation_prompt=req.add_generation_prompt is not False,
-                                          add_special_tokens=bool(req.add_special_tokens), **template_kwargs(req))
+    _, ids = await ctx.engine.render_chat(messages,
+                                          add_generation_prompt=req.add_generation_prompt is not False,
+                                          add_special_tokens=bool(req.add_special_tokens),
+                                          **template_kwargs(req))
     return [ids]
 
 
@@ -58,5 +60,6 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest) -> dict:
         emb = base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() if req.encoding_format == "base64" else v
         data.append({"object": "embedding", "index": i, "embedding": emb})
     n = sum(len(x) for x in ids)
-    return {"id": response_id("embd", req, new_id("embd")), "object": "list", "data": data, "model": ctx.model_name,
+    return {"id": response_id("embd", req, new_id("embd")), "object": "list", "data": data,
+            "model": ctx.model_name,
             "usage": {"prompt_tokens": n, "total_tokens": n}}

@@ -17,8 +17,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from servescope.errors import InvalidParameterError
-from servescope.server.chat_engine import (ChatRun, SampleStreamer, chat_messages, collect_final, count_reasoning,
-                                           parse_sample, start_chat, template_kwargs)
+from servescope.server.chat_engine import (
+    ChatRun,
+    SampleStreamer,
+    chat_messages,
+    collect_final,
+    count_reasoning,
+    parse_sample,
+    start_chat,
+    template_kwargs,
+)
 from servescope.server.errors import anthropic_error_body, to_api_error, validation_param
 from servescope.server.protocol import ChatCompletionRequest
 from servescope.server.protocol_messages import PARAM_NAMES, MessagesRequest, chat_request_body, check_extras
@@ -41,7 +49,9 @@ def _parse(raw: bytes, model=MessagesRequest):
         if err.get("type") == "json_invalid":
             raise InvalidParameterError(None, "the request body is not valid JSON") from None
         param = validation_param(err.get("loc", ()))
-        raise InvalidParameterError(param, f"{param}: {err.get('msg')}" if param else err.get("msg")) from None
+        raise InvalidParameterError(
+            param, f"{param}: {err.get('msg')}" if param else err.get("msg")
+        ) from None
 
 
 def _chat_request(ctx: ServingContext, req: MessagesRequest) -> ChatCompletionRequest:
@@ -70,14 +80,21 @@ def _tool_use(call: dict) -> dict:
         args = json.loads(call["function"]["arguments"] or "{}")
     except json.JSONDecodeError:  # a named call cut off by max_tokens: what the model wrote
         return {"type": "text", "text": call["function"]["arguments"]}
-    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
-            "input": args}
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + call["id"].removeprefix("call_"),
+        "name": call["function"]["name"],
+        "input": args,
+    }
 
 
 def _usage(run: ChatRun, out, output_tokens: int) -> dict:
-    return {"input_tokens": len(run.prompt_ids), "output_tokens": output_tokens,
-            "cache_read_input_tokens": out.num_cached_tokens if out is not None else 0,
-            "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": len(run.prompt_ids),
+        "output_tokens": output_tokens,
+        "cache_read_input_tokens": out.num_cached_tokens if out is not None else 0,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 async def create_message(ctx: ServingContext, req: MessagesRequest, request: Request):
@@ -90,8 +107,11 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request: Req
         raise _renamed(e) from None
     mid = f"msg_{uuid.uuid4().hex}"
     if req.stream:
-        return StreamingResponse(_stream(ctx, run, mid), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            _stream(ctx, run, mid),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     out = await collect_final(run, request)
     o = out.outputs[0]
     p = parse_sample(run, o, check_finish(o, out.error))
@@ -103,13 +123,21 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request: Req
         content.append({"type": "text", "text": p.content})
     content += [_tool_use(c) for c in p.calls]
     stop_reason, stop_sequence = _stop_reason(run, o, p.calls)
-    return {"id": mid, "type": "message", "role": "assistant", "model": ctx.model_name, "content": content,
-            "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-            "usage": _usage(run, out, len(o.token_ids))}
+    return {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": ctx.model_name,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": _usage(run, out, len(o.token_ids)),
+    }
 
 
 def _event(kind: str, data: dict) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    payload = json.dumps({"type": kind, **data}, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {kind}\ndata: {payload}\n\n"
 
 
 class _Blocks:
@@ -125,9 +153,14 @@ class _Blocks:
             self.index, self.kind, self.call_id = self.index + 1, kind, call_id
             evs.append(_event("content_block_start", {"index": self.index, "content_block": start}))
         if delta:
-            key = {"text": ("text_delta", "text"), "thinking": ("thinking_delta", "thinking"),
-                   "tool_use": ("input_json_delta", "partial_json")}[kind]
-            evs.append(_event("content_block_delta", {"index": self.index, "delta": {"type": key[0], key[1]: delta}}))
+            key = {
+                "text": ("text_delta", "text"),
+                "thinking": ("thinking_delta", "thinking"),
+                "tool_use": ("input_json_delta", "partial_json"),
+            }[kind]
+            evs.append(
+                _event("content_block_delta", {"index": self.index, "delta": {"type": key[0], key[1]: delta}})
+            )
         return evs
 
     def close(self) -> list:
@@ -135,8 +168,12 @@ class _Blocks:
             return []
         evs = []
         if self.kind == "thinking":
-            evs.append(_event("content_block_delta", {"index": self.index,
-                                                      "delta": {"type": "signature_delta", "signature": ""}}))
+            evs.append(
+                _event(
+                    "content_block_delta",
+                    {"index": self.index, "delta": {"type": "signature_delta", "signature": ""}},
+                )
+            )
         evs.append(_event("content_block_stop", {"index": self.index}))
         self.kind = None
         return evs
@@ -147,8 +184,12 @@ def _call_events(blocks: _Blocks, deltas: list) -> list:
     for d in deltas:
         if "id" in d:
             blocks.call_id = None  # a new call opens a new block
-            start = {"type": "tool_use", "id": "toolu_" + d["id"].removeprefix("call_"),
-                     "name": d["function"]["name"], "input": {}}
+            start = {
+                "type": "tool_use",
+                "id": "toolu_" + d["id"].removeprefix("call_"),
+                "name": d["function"]["name"],
+                "input": {},
+            }
             evs += blocks.grow("tool_use", "", start, call_id=d["id"])
         args = d.get("function", {}).get("arguments", "")
         if args:
@@ -157,8 +198,16 @@ def _call_events(blocks: _Blocks, deltas: list) -> list:
 
 
 async def _stream(ctx: ServingContext, run: ChatRun, mid: str):
-    start = {"id": mid, "type": "message", "role": "assistant", "model": ctx.model_name, "content": [],
-             "stop_reason": None, "stop_sequence": None, "usage": _usage(run, None, 0)}
+    start = {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": ctx.model_name,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": _usage(run, None, 0),
+    }
     yield _event("message_start", {"message": start})
     yield _event("ping", {})
     blocks, streamer, any_call = _Blocks(), SampleStreamer(run), False
@@ -167,7 +216,11 @@ async def _stream(ctx: ServingContext, run: ChatRun, mid: str):
             o = out.outputs[0]
             reason = check_finish(o, out.error)
             dr, dc, calls = streamer.feed(o.text, reason is not None)
-            evs = blocks.grow("thinking", dr, {"type": "thinking", "thinking": "", "signature": ""}) if dr else []
+            evs = (
+                blocks.grow("thinking", dr, {"type": "thinking", "thinking": "", "signature": ""})
+                if dr
+                else []
+            )
             evs += blocks.grow("text", dc, {"type": "text", "text": ""}) if dc else []
             evs += _call_events(blocks, calls)
             any_call = any_call or bool(calls)
@@ -180,8 +233,13 @@ async def _stream(ctx: ServingContext, run: ChatRun, mid: str):
             n_reasoning = run.reasoning.count_tokens(o.text, o.token_ids) if run.reasoning is not None else 0
             count_reasoning(run, n_reasoning)
             stop_reason, stop_sequence = _stop_reason(run, o, [None] if any_call else [])
-            yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                           "usage": {"output_tokens": len(o.token_ids)}})
+            yield _event(
+                "message_delta",
+                {
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                    "usage": {"output_tokens": len(o.token_ids)},
+                },
+            )
             yield _event("message_stop", {})
             return
     except Exception as e:  # noqa: BLE001 - after the 200 went out, errors travel in the stream
@@ -194,8 +252,12 @@ async def _stream(ctx: ServingContext, run: ChatRun, mid: str):
 async def count_tokens(ctx: ServingContext, req: MessagesRequest) -> dict:
     check_model(ctx, req.model)
     chat = _chat_request(ctx, req)
-    _, ids = await ctx.engine.render_chat(chat_messages(chat), add_generation_prompt=chat.add_generation_prompt is not False,
-                                          tools=ToolPlan(chat).rendered, **template_kwargs(chat))
+    _, ids = await ctx.engine.render_chat(
+        chat_messages(chat),
+        add_generation_prompt=chat.add_generation_prompt is not False,
+        tools=ToolPlan(chat).rendered,
+        **template_kwargs(chat),
+    )
     return {"input_tokens": len(ids)}
 
 

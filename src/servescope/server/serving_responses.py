@@ -22,7 +22,12 @@ from servescope.errors import InvalidParameterError
 from servescope.server.chat_engine import collect_final, count_reasoning, parse_sample, start_chat
 from servescope.server.errors import APIError, to_api_error, validation_param
 from servescope.server.protocol import ChatCompletionRequest
-from servescope.server.protocol_responses import PARAM_NAMES, ResponsesRequest, chat_request_body, check_extras
+from servescope.server.protocol_responses import (
+    PARAM_NAMES,
+    ResponsesRequest,
+    chat_request_body,
+    check_extras,
+)
 from servescope.server.responses_stream import ResponseBuilder, stream_events
 from servescope.server.serving_common import ServingContext, check_finish, new_id
 
@@ -54,8 +59,13 @@ def _chat_request(req: ResponsesRequest, store: ResponseStore) -> ChatCompletion
     if req.previous_response_id is not None:
         prev = store.get(req.previous_response_id)
         if prev is None:
-            raise APIError(404, f"previous response {req.previous_response_id!r} not found (not stored, or "
-                                "dropped from the bounded store)", param="previous_response_id", code="not_found")
+            raise APIError(
+                404,
+                f"previous response {req.previous_response_id!r} not found (not stored, or "
+                "dropped from the bounded store)",
+                param="previous_response_id",
+                code="not_found",
+            )
         history = prev[1]
     body = chat_request_body(req, history)
     try:
@@ -63,7 +73,9 @@ def _chat_request(req: ResponsesRequest, store: ResponseStore) -> ChatCompletion
     except ValidationError as e:
         err = e.errors()[0]
         param = validation_param(err.get("loc", ()))
-        raise InvalidParameterError(_responses_param(param), f"{_responses_param(param)}: {err.get('msg')}") from None
+        raise InvalidParameterError(
+            _responses_param(param), f"{_responses_param(param)}: {err.get('msg')}"
+        ) from None
 
 
 def _responses_param(param):
@@ -88,8 +100,13 @@ def _output_messages(body: dict) -> list:
         if item["type"] == "message":
             content += "".join(p["text"] for p in item["content"])
         elif item["type"] == "function_call":
-            calls.append({"id": item["call_id"], "type": "function",
-                          "function": {"name": item["name"], "arguments": item["arguments"]}})
+            calls.append(
+                {
+                    "id": item["call_id"],
+                    "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]},
+                }
+            )
         elif item["type"] == "reasoning":
             reasoning = "".join(p["text"] for p in item.get("content") or [])
     msg = {"role": "assistant", "content": content or (None if calls else "")}
@@ -111,12 +128,17 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, request: R
 
     def finish(body: dict) -> None:
         if req.store is not False:
-            store.put(body["id"], body, chat.model_dump(exclude_none=True)["messages"] + _output_messages(body))
+            store.put(
+                body["id"], body, chat.model_dump(exclude_none=True)["messages"] + _output_messages(body)
+            )
 
     if req.stream:
         events = stream_events(builder, finish)
-        return StreamingResponse(_closing(events, run), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            _closing(events, run),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     out = await collect_final(run, request)
     o = out.outputs[0]
     p = parse_sample(run, o, check_finish(o, out.error))

@@ -32,10 +32,16 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict:
     if req.prompt is not None:
         ids = await ctx.engine.encode(req.prompt, req.add_special_tokens is not False)
     else:
-        tools = [Tool.model_validate(t).model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        _, ids = await ctx.engine.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt is not False,
-                                              tools=tools, add_special_tokens=bool(req.add_special_tokens),
-                                              **template_kwargs(req))
+        tools = (
+            [Tool.model_validate(t).model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        )
+        _, ids = await ctx.engine.render_chat(
+            req.messages,
+            add_generation_prompt=req.add_generation_prompt is not False,
+            tools=tools,
+            add_special_tokens=bool(req.add_special_tokens),
+            **template_kwargs(req),
+        )
     body = {"count": len(ids), "max_model_len": ctx.engine.max_model_len, "tokens": ids}
     if req.return_token_strs:
         body["token_strs"] = [tok.id_to_token(t) for t in ids]
@@ -49,7 +55,9 @@ async def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> dict:
         raise InvalidParameterError("tokens", "this model has no tokenizer")
     vocab = ctx.engine.vocab_size
     if len(req.tokens) > MAX_DETOKENIZE_TOKENS or any(not 0 <= t < vocab for t in req.tokens):
-        raise InvalidParameterError("tokens", f"tokens must be at most {MAX_DETOKENIZE_TOKENS} ids in 0..{vocab - 1}")
+        raise InvalidParameterError(
+            "tokens", f"tokens must be at most {MAX_DETOKENIZE_TOKENS} ids in 0..{vocab - 1}"
+        )
     return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
 
 

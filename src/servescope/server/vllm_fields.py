@@ -23,34 +23,50 @@ def check_vllm_fields(req) -> None:
     if req.use_beam_search:
         raise InvalidParameterError("use_beam_search", "use_beam_search: beam search is not implemented here")
     if req.length_penalty not in (None, 1, 1.0):
-        raise InvalidParameterError("length_penalty", "length_penalty applies to beam search only, which is "
-                                                      "not implemented here")
+        raise InvalidParameterError(
+            "length_penalty", "length_penalty applies to beam search only, which is not implemented here"
+        )
     if req.logits_processors:
-        raise InvalidParameterError("logits_processors", "logits_processors: this server loads no logits "
-                                                         "processors by name (vLLM refuses them too unless "
-                                                         "started with --logits-processor-pattern)")
+        raise InvalidParameterError(
+            "logits_processors",
+            "logits_processors: this server loads no logits "
+            "processors by name (vLLM refuses them too unless "
+            "started with --logits-processor-pattern)",
+        )
     if req.kv_transfer_params is not None:
-        raise InvalidParameterError("kv_transfer_params", "kv_transfer_params: disaggregated serving (a KV "
-                                                          "connector) is not implemented here")
+        raise InvalidParameterError(
+            "kv_transfer_params",
+            "kv_transfer_params: disaggregated serving (a KV connector) is not implemented here",
+        )
     if req.guided_whitespace_pattern is not None:
-        raise InvalidParameterError("guided_whitespace_pattern", "guided_whitespace_pattern: the JSON grammar "
-                                                                 "here allows no free whitespace")
+        raise InvalidParameterError(
+            "guided_whitespace_pattern",
+            "guided_whitespace_pattern: the JSON grammar here allows no free whitespace",
+        )
     if req.guided_decoding_backend not in GUIDED_BACKENDS:
-        raise InvalidParameterError("guided_decoding_backend", "guided_decoding_backend: the only backend here "
-                                                               "is xgrammar")
+        raise InvalidParameterError(
+            "guided_decoding_backend", "guided_decoding_backend: the only backend here is xgrammar"
+        )
     if getattr(req, "prompt_embeds", None) is not None:
-        raise InvalidParameterError("prompt_embeds", "prompt_embeds: prompt embeddings are not accepted (vLLM "
-                                                     "refuses them too unless started with --enable-prompt-embeds)")
+        raise InvalidParameterError(
+            "prompt_embeds",
+            "prompt_embeds: prompt embeddings are not accepted (vLLM "
+            "refuses them too unless started with --enable-prompt-embeds)",
+        )
     check_template_fields(req)
     _guided_as_structured_outputs(req)
 
 
 def check_template_fields(req) -> None:
     if getattr(req, "continue_final_message", False) and getattr(req, "add_generation_prompt", False):
-        raise InvalidParameterError("continue_final_message", "cannot set both continue_final_message and "
-                                                              "add_generation_prompt to true")
+        raise InvalidParameterError(
+            "continue_final_message",
+            "cannot set both continue_final_message and add_generation_prompt to true",
+        )
     if getattr(req, "mm_processor_kwargs", None):
-        raise InvalidParameterError("mm_processor_kwargs", "mm_processor_kwargs: this server serves text only")
+        raise InvalidParameterError(
+            "mm_processor_kwargs", "mm_processor_kwargs: this server serves text only"
+        )
 
 
 def _guided_as_structured_outputs(req) -> None:
@@ -59,12 +75,21 @@ def _guided_as_structured_outputs(req) -> None:
     if not given:
         return
     if len(given) > 1:
-        raise InvalidParameterError(given[1], "only one kind of guided decoding per request "
-                                              f"(got {', '.join(given)})")
-    if req.structured_outputs is not None or (req.response_format is not None and req.response_format.type != "text"):
-        raise InvalidParameterError(given[0], f"{given[0]} cannot be combined with structured_outputs or "
-                                              "response_format")
-    key = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+        raise InvalidParameterError(
+            given[1], f"only one kind of guided decoding per request (got {', '.join(given)})"
+        )
+    if req.structured_outputs is not None or (
+        req.response_format is not None and req.response_format.type != "text"
+    ):
+        raise InvalidParameterError(
+            given[0], f"{given[0]} cannot be combined with structured_outputs or response_format"
+        )
+    key = {
+        "guided_json": "json",
+        "guided_regex": "regex",
+        "guided_choice": "choice",
+        "guided_grammar": "grammar",
+    }
     req.structured_outputs = StructuredOutputsParams(**{key[given[0]]: getattr(req, given[0])})
 
 
@@ -78,17 +103,22 @@ def logit_controls(tokenizer, vocab: int, req) -> dict:
             try:
                 tid = int(k)
             except ValueError:
-                raise InvalidParameterError("logit_bias", f"logit_bias keys are token ids, got {k!r}") from None
+                raise InvalidParameterError(
+                    "logit_bias", f"logit_bias keys are token ids, got {k!r}"
+                ) from None
             if not 0 <= tid < vocab:
-                raise InvalidParameterError("logit_bias", f"logit_bias: token id {tid} is out of vocabulary "
-                                                          f"(0..{vocab - 1})")
+                raise InvalidParameterError(
+                    "logit_bias", f"logit_bias: token id {tid} is out of vocabulary (0..{vocab - 1})"
+                )
             bias[tid] = max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(v)))
         out["logit_bias"] = bias
     if req.allowed_token_ids is not None:
         ids = req.allowed_token_ids
         if not ids or len(ids) > MAX_ALLOWED_TOKEN_IDS or any(not 0 <= t < vocab for t in ids):
-            raise InvalidParameterError("allowed_token_ids", f"allowed_token_ids must be a non-empty list of "
-                                                             f"token ids in 0..{vocab - 1}")
+            raise InvalidParameterError(
+                "allowed_token_ids",
+                f"allowed_token_ids must be a non-empty list of token ids in 0..{vocab - 1}",
+            )
         out["allowed_token_ids"] = tuple(dict.fromkeys(ids))
     if req.bad_words:
         out["bad_words_token_ids"] = bad_words_token_ids(tokenizer, req.bad_words)
@@ -119,8 +149,10 @@ def truncate_prompt(ids: list, keep: Optional[int], max_model_len: int) -> list:
     if keep == -1:
         keep = max_model_len
     if keep > max_model_len:
-        raise InvalidParameterError("truncate_prompt_tokens", f"truncate_prompt_tokens ({keep}) is beyond this "
-                                                              f"model's context of {max_model_len} tokens")
+        raise InvalidParameterError(
+            "truncate_prompt_tokens",
+            f"truncate_prompt_tokens ({keep}) is beyond this model's context of {max_model_len} tokens",
+        )
     return ids[-keep:]
 
 

@@ -106,8 +106,9 @@ def cut_after_final_message(text: str, messages: list) -> str:
                                                               "with content to continue")
     idx = text.rfind(content.strip())
     if idx < 0:
-        raise InvalidParameterError("continue_final_message", "the chat template does not render the last "
-                                                              "message's content verbatim, so it cannot be continued")
+        raise InvalidParameterError("continue_final_message",
+                                    "the chat template does not render the last message's content "
+                                    "verbatim, so it cannot be continued")
     return text[:idx + len(content.strip())]
 
 

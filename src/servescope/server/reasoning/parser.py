@@ -38,7 +38,7 @@ def _split(style: ReasoningStyle, text: str, finished: bool) -> Optional[tuple]:
     """(reasoning or None, answer or None), or None while the text may still open a block."""
     stripped = text.lstrip()
     if stripped.startswith(style.start):
-        body = stripped[len(style.start):]
+        body = stripped[len(style.start) :]
     elif not finished and style.start.startswith(stripped):
         return None  # empty, whitespace, or a partial "<think>"
     elif style.starts_in_reasoning:
@@ -47,11 +47,11 @@ def _split(style: ReasoningStyle, text: str, finished: bool) -> Optional[tuple]:
         return None, text
     idx = body.find(style.end)
     if idx >= 0:
-        return body[:idx], body[idx + len(style.end):]
+        return body[:idx], body[idx + len(style.end) :]
     if finished:
         return body, None
     hold = _partial_suffix(body, style.end)
-    return body[:len(body) - hold], None
+    return body[: len(body) - hold], None
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -85,7 +85,7 @@ class ReasoningParser:
             return 0
         end = self.end_ids
         for i in range(len(token_ids) - len(end) + 1):
-            if end and tuple(token_ids[i:i + len(end)]) == end:
+            if end and tuple(token_ids[i : i + len(end)]) == end:
                 return i + len(end)
         return len(token_ids)
 
@@ -94,7 +94,9 @@ class ReasoningParser:
         if max_tokens is None:
             return None
         if not self.end_ids:
-            raise InvalidParameterError("max_reasoning_tokens", "a reasoning budget needs the model's tokenizer")
+            raise InvalidParameterError(
+                "max_reasoning_tokens", "a reasoning budget needs the model's tokenizer"
+            )
         start = () if self.style.starts_in_reasoning else self.start_ids
         return ThinkingBudget(max_tokens=max_tokens, end_token_ids=self.end_ids, start_token_ids=start)
 
@@ -112,8 +114,8 @@ class ReasoningStreamer:
         if parts is None:
             return "", ""
         reasoning, answer = parts[0] or "", parts[1] or ""
-        dr = reasoning[len(self.sent_reasoning):] if reasoning.startswith(self.sent_reasoning) else ""
-        da = answer[len(self.sent_answer):] if answer.startswith(self.sent_answer) else ""
+        dr = reasoning[len(self.sent_reasoning) :] if reasoning.startswith(self.sent_reasoning) else ""
+        da = answer[len(self.sent_answer) :] if answer.startswith(self.sent_answer) else ""
         self.sent_reasoning += dr
         self.sent_answer += da
         return dr, da
