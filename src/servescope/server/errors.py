@@ -138,6 +138,9 @@ def install_error_handlers(app: FastAPI) -> None:
         if status == 422:
             status = 400
         detail = e.detail if isinstance(e.detail, str) else json.dumps(e.detail, default=str)
+        if request.url.path.startswith(ANTHROPIC_PREFIX):  # e.g. 405 on /v1/messages: Anthropic's shape
+            return JSONResponse(anthropic_error_body(status, detail), status_code=status,
+                                headers=getattr(e, "headers", None))
         return error_response(status, detail, None, None, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
