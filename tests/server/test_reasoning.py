@@ -172,3 +172,27 @@ def test_budget_without_a_parser_is_a_400(tiny_server):
         headers={"Authorization": "Bearer sk-dashboard-test"},
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_reasoning_tokens"
+
+
+def test_streamed_reasoning_reassembles_in_responses_and_messages(rserver, rhttp):
+    import anthropic
+    import openai
+
+    body = {"input": CHAT["messages"][0]["content"], "max_output_tokens": 14, "temperature": 0, "store": False}
+    whole = rhttp.post("/v1/responses", json=body).json()
+    client = openai.OpenAI(base_url=rserver.url + "/v1", api_key=KEY, max_retries=0,
+                           _strict_response_validation=True)
+    events = list(client.responses.create(model="tiny", stream=True, **body))
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert reasoning == whole["output"][0]["content"][0]["text"]
+    final = events[-1].response.model_dump(exclude={"id", "created_at"}, exclude_none=True)
+    assert [o["type"] for o in final["output"]] == [o["type"] for o in whole["output"]]
+
+    claude = anthropic.Anthropic(base_url=rserver.url, api_key=KEY, max_retries=0,
+                                 _strict_response_validation=True)
+    kw = dict(model="tiny", max_tokens=14, messages=CHAT["messages"], extra_body={"temperature": 0},
+              thinking={"type": "enabled", "budget_tokens": BUDGET})
+    plain = claude.messages.create(**kw)
+    with claude.messages.stream(**kw) as s:
+        streamed = s.get_final_message()
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in plain.content]
