@@ -152,6 +152,10 @@ def test_previous_response_id_continues_and_store_is_bounded(client):
     for i in range(3):
         store.put(f"r{i}", {}, [])
     assert store.get("r0") is None and store.get("r2") is not None
+    small = ResponseStore(capacity=100, max_bytes=200)
+    for i in range(5):
+        small.put(f"r{i}", {"text": "x" * 60}, [])
+    assert small.get("r0") is None and small.get("r4") is not None and small._bytes <= 200
 
 
 BAD = [

@@ -5,12 +5,14 @@ parser on), the message, function_call items. Streamed, the events are OpenAI's 
 response.in_progress, output_item.added, content_part.added, output_text.delta, ..., their done
 events, response.completed), each with its sequence_number; the final response is the one the
 items reassemble to. Stored responses (store, the default) live in a bounded in-memory store, so
-previous_response_id continues a conversation; the oldest are dropped beyond MAX_STORED.
+previous_response_id continues a conversation; the oldest are dropped beyond MAX_STORED responses or
+MAX_STORED_BYTES of their JSON.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import time
 
 from fastapi import FastAPI
@@ -32,26 +34,37 @@ from servescope.server.responses_stream import ResponseBuilder, stream_events
 from servescope.server.serving_common import ServingContext, check_finish, new_id
 
 MAX_STORED = 1024
+MAX_STORED_BYTES = 64 * 2**20
 
 
 class ResponseStore:
-    """Responses by id with the conversation that led to them (bounded: oldest out first)."""
+    """Responses by id with the conversation that led to them, bounded by count and by bytes (their
+    JSON size): the oldest go first."""
 
-    def __init__(self, capacity: int = MAX_STORED):
-        self.capacity = capacity
+    def __init__(self, capacity: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES):
+        self.capacity, self.max_bytes = capacity, max_bytes
         self._items: collections.OrderedDict = collections.OrderedDict()
+        self._bytes = 0
 
     def put(self, rid: str, response: dict, messages: list) -> None:
-        self._items[rid] = (response, messages)
-        self._items.move_to_end(rid)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        self.delete(rid)
+        size = len(json.dumps(response, default=str)) + len(json.dumps(messages, default=str))
+        if size > self.max_bytes:
+            return  # larger than the whole store: not kept (previous_response_id will say so)
+        self._items[rid] = (response, messages, size)
+        self._bytes += size
+        while len(self._items) > self.capacity or self._bytes > self.max_bytes:
+            self._bytes -= self._items.popitem(last=False)[1][2]
 
     def get(self, rid: str):
-        return self._items.get(rid)
+        item = self._items.get(rid)
+        return None if item is None else item[:2]
 
     def delete(self, rid: str) -> bool:
-        return self._items.pop(rid, None) is not None
+        item = self._items.pop(rid, None)
+        if item is not None:
+            self._bytes -= item[2]
+        return item is not None
 
 
 def _chat_request(req: ResponsesRequest, store: ResponseStore) -> ChatCompletionRequest:
