@@ -211,3 +211,19 @@ def test_guidellm_shaped_request(http):
         assert r.status_code == 200
         chunks = _sse(r)
     assert chunks[-1]["usage"]["completion_tokens"] == 8
+
+
+QWEN3_TAIL = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n"
+              "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+              "{% endif %}")
+
+
+def test_enable_thinking_reaches_a_qwen3_style_template(th):
+    def prompt(**kw):
+        r = th.post("/tokenize", json={"messages": MSG, "chat_template": QWEN3_TAIL, **kw})
+        return th.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+
+    assert prompt(chat_template_kwargs={"enable_thinking": False}).endswith("<think>\n\n</think>\n\n")
+    assert prompt(chat_template_kwargs={"enable_thinking": True}).endswith("assistant\n")
+    assert prompt().endswith("assistant\n")
