@@ -10,6 +10,9 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
 TEST_STAMP := $(VENV)/.installed-test
+# the client packages that need openai 2.x (tests/clients/requirements.txt says why), in their own venv
+CLIENTS_VENV ?= .venv-clients
+CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
 
 .PHONY: install install-test system-packages demo test test-fast bench clean
 
@@ -41,8 +44,15 @@ $(TEST_STAMP): $(STAMP)
 	$(PIP) install -q --no-compile -e ".[test]"
 	touch $(TEST_STAMP)
 
+$(CLIENTS_STAMP): tests/clients/requirements.txt
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -c "import torch" 2>/dev/null || \
+		$(CLIENTS_VENV)/bin/python -m pip install -q --no-compile "$(TORCH_SPEC)"
+	$(CLIENTS_VENV)/bin/python -m pip install -q --no-compile -r tests/clients/requirements.txt "$(TORCH_SPEC)"
+	touch $(CLIENTS_STAMP)
+
 install: $(STAMP)
-install-test: $(TEST_STAMP) system-packages
+install-test: $(TEST_STAMP) $(CLIENTS_STAMP) system-packages
 
 # Debian packages some tests use, installed with apt where we are root (as in CI); elsewhere those
 # tests skip and say what to install:
@@ -69,4 +79,4 @@ test-fast: install-test
 	$(PY) -m pytest tests -q -p no:cacheprovider -m "not slow"
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(CLIENTS_VENV) build *.egg-info src/*.egg-info

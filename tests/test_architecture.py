@@ -227,7 +227,8 @@ def unexplained_function_imports(path: Path) -> list:
             if own or (above in reasons and above in comment_only) or prev in explained_ends:
                 explained_ends.add(node.end_lineno)
             else:
-                out.append((node.lineno, f"{_rel(path)}:{node.lineno} in {fn.name}(): {lines[node.lineno - 1].strip()}"))
+                where = f"{_rel(path)}:{node.lineno} in {fn.name}()"
+                out.append((node.lineno, f"{where}: {lines[node.lineno - 1].strip()}"))
     return [text for _, text in sorted(out)]
 
 

@@ -62,8 +62,8 @@ def test_completion_stop_string(client):
 
 def test_completion_stream_with_usage(client, lenient_client):
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
-    chunks = list(lenient_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(lenient_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}))
     assert len({c.id for c in chunks}) == 1
     content = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in content) == full.choices[0].text

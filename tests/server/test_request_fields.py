@@ -21,7 +21,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 # field -> (a value a client would send, extra fields it needs, "ok" | "reject")
 COMPLETION_FIELDS = {
     "best_of": (2, {}, "reject"), "echo": (True, {}, "ok"), "frequency_penalty": (0.5, {}, "ok"),
-    "logit_bias": ({"50": 5}, {}, "reject"), "logprobs": (2, {}, "ok"), "max_tokens": (2, {}, "ok"),
+    "logit_bias": ({"50": 5}, {}, "ok"), "logprobs": (2, {}, "ok"), "max_tokens": (2, {}, "ok"),
     "model": (MODEL, {}, "ok"), "n": (2, {}, "ok"), "presence_penalty": (0.5, {}, "ok"), "prompt": ("Hi", {}, "ok"),
     "seed": (7, {}, "ok"), "stop": (["\n"], {}, "ok"), "stream": (True, {}, "ok"),
     "stream_options": ({"include_usage": True}, {"stream": True}, "ok"), "suffix": ("!", {}, "reject"),
@@ -30,7 +30,7 @@ COMPLETION_FIELDS = {
 CHAT_FIELDS = {
     "audio": ({"voice": "alloy", "format": "wav"}, {}, "reject"),
     "frequency_penalty": (0.5, {}, "ok"), "function_call": ("auto", {}, "reject"),
-    "functions": ([{"name": "f", "parameters": {}}], {}, "reject"), "logit_bias": ({"50": 5}, {}, "reject"),
+    "functions": ([{"name": "f", "parameters": {}}], {}, "reject"), "logit_bias": ({"50": 5}, {}, "ok"),
     "logprobs": (True, {}, "ok"), "max_completion_tokens": (2, {}, "ok"), "max_tokens": (2, {}, "ok"),
     "messages": ([{"role": "user", "content": "Hi"}], {}, "ok"), "metadata": ({"k": "v"}, {}, "reject"),
     "modalities": (["text", "audio"], {}, "reject"), "model": (MODEL, {}, "ok"),
@@ -38,7 +38,7 @@ CHAT_FIELDS = {
     "parallel_tool_calls": (False, {"tools": [WEATHER]}, "ok"),
     "prediction": ({"type": "content", "content": "Hello"}, {}, "reject"), "presence_penalty": (0.5, {}, "ok"),
     "prompt_cache_key": ("user-7", {}, "ok"), "prompt_cache_options": ({"mode": "x"}, {}, "reject"),
-    "prompt_cache_retention": ("24h", {}, "reject"), "reasoning_effort": ("low", {}, "reject"),
+    "prompt_cache_retention": ("24h", {}, "reject"), "reasoning_effort": ("low", {}, "ok"),
     "response_format": ({"type": "json_object"}, {}, "ok"), "safety_identifier": ("s-1", {}, "ok"),
     "seed": (7, {}, "ok"), "service_tier": ("flex", {}, "reject"), "stop": (["\n"], {}, "ok"),
     "store": (True, {}, "reject"), "stream": (True, {}, "ok"),

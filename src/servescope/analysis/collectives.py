@@ -167,7 +167,8 @@ def step_comm_cost(cfg: ModelConfig, num_tokens: int, num_logits: int, tp: int, 
     shard_logits = num_logits * -(-cfg.vocab_size // tp) * 4
     ar = n_reduce * all_reduce_seconds(act, tp, link)
     ga = gather_seconds(shard_logits, tp, link)
-    p2p = (pp - 1) * p2p_seconds(2 * act, link) + (p2p_seconds(num_logits * cfg.vocab_size * 4, link) if pp > 1 else 0.0)
+    logits = p2p_seconds(num_logits * cfg.vocab_size * 4, link) if pp > 1 else 0.0
+    p2p = (pp - 1) * p2p_seconds(2 * act, link) + logits
     moved = n_reduce * act * (2 * (tp - 1) / tp if tp > 1 else 0) + (tp - 1) * shard_logits \
         + (pp - 1) * 2 * act + (num_logits * cfg.vocab_size * 4 if pp > 1 else 0)
     return CommCost(ar, ga, p2p, moved)

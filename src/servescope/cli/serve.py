@@ -42,6 +42,13 @@ def add_parser(sub) -> None:
         metavar="NAME",
         help="the model name clients send (default: --model, or smollm2-135m)",
     )
+    s.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=("deepseek_r1", "qwen3"),
+        help="split <think>...</think> reasoning from answers (reasoning_content, reasoning items, "
+        "thinking blocks)",
+    )
     add_limit_args(p)
     add_engine_args(p)
 
@@ -89,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or "smollm2-135m"
     engine = measured_engine(engine_config_from_args(args))
     async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, model_name=name, api_key=api_key, limits=limits)
+    app = build_app(async_engine, model_name=name, api_key=api_key, limits=limits,
+                    reasoning_parser=args.reasoning_parser)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(
         f"servescope: serving {name!r} at http://{host}:{args.port}/v1 "

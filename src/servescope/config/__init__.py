@@ -25,7 +25,7 @@ from servescope.config.engine import (
 from servescope.config.families import SUPPORTED_ARCHITECTURES
 from servescope.config.layers import AttentionSpec, LayerSpec, MlpSpec
 from servescope.config.model import ModelConfig, RopeScaling
-from servescope.config.sampling import SAMPLING_EPS, SamplingParams, StructuredOutput
+from servescope.config.sampling import SAMPLING_EPS, SamplingParams, StructuredOutput, ThinkingBudget
 
 __all__ = [
     "AttentionSpec",
@@ -47,4 +47,5 @@ __all__ = [
     "SpeculativeConfig",
     "StructuredOutput",
     "TelemetryConfig",
+    "ThinkingBudget",
 ]

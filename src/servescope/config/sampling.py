@@ -36,6 +36,13 @@ class SamplingParams:
     # prefill that runs anyway; such a request does not reuse the prefix cache (its logits are due)
     prompt_logprobs: Optional[int] = None
     structured: Optional["StructuredOutput"] = None  # a grammar the output must follow
+    # vLLM's logits controls (sampling/logit_controls.py): ((token id, bias), ...) added to the logits,
+    # the only token ids that may be sampled, token sequences that may not be completed
+    logit_bias: tuple = ()
+    allowed_token_ids: Optional[tuple] = None
+    bad_words_token_ids: tuple = ()
+    thinking_budget: Optional["ThinkingBudget"] = None  # forces the end of a reasoning block
+    cache_salt: Optional[str] = None  # salts the prefix-cache hashes: only equal salts share blocks
 
     MAX_LOGPROBS = 20
 
@@ -47,6 +54,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._normalise_controls()
         _check(isinstance(self.n, int) and self.n >= 1, "n", f"n must be at least 1, got {self.n}")
         _check(self.temperature >= 0.0, "temperature", f"temperature must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
@@ -72,6 +80,31 @@ class SamplingParams:
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "stop_token_ids must be non-negative integers")
         _check(self.seed is None or isinstance(self.seed, int), "seed", f"seed must be an integer, got {self.seed!r}")
+
+    def _normalise_controls(self) -> None:
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        words = tuple(tuple(w) for w in self.bad_words_token_ids or ())
+        object.__setattr__(self, "bad_words_token_ids", words)
+        _check(all(t >= 0 for t, _ in self.logit_bias), "logit_bias",
+               "logit_bias keys must be token ids >= 0")
+        _check(self.allowed_token_ids is None or (bool(self.allowed_token_ids) and all(
+            isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)), "allowed_token_ids",
+            "allowed_token_ids must be a non-empty list of token ids >= 0")
+        _check(all(w and all(isinstance(t, int) and t >= 0 for t in w) for w in self.bad_words_token_ids),
+               "bad_words", "each bad word must be a non-empty sequence of token ids >= 0")
+        _check(self.thinking_budget is None or isinstance(self.thinking_budget, ThinkingBudget),
+               "thinking_budget", "thinking_budget must be a ThinkingBudget")
+        _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and bool(self.cache_salt)),
+               "cache_salt", "cache_salt must be a non-empty string")
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Whether the sampler must edit this request's logits beyond penalties (logit_controls.py)."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids
+                    or self.thinking_budget is not None)
 
     @property
     def greedy(self) -> bool:
@@ -106,6 +139,25 @@ class StructuredOutput:
         elif self.kind != "json_object":
             _check(isinstance(self.spec, str) and bool(self.spec), "structured",
                    f"a {self.kind} constraint needs a non-empty string")
+
+
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """At most `max_tokens` reasoning tokens: after that many output tokens (counted after
+    `start_token_ids` where given: the output must open the reasoning block itself, else no budget
+    applies) without `end_token_ids`, the sampler forces the end sequence, token by token."""
+
+    max_tokens: int
+    end_token_ids: tuple
+    start_token_ids: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "end_token_ids", tuple(self.end_token_ids))
+        object.__setattr__(self, "start_token_ids", tuple(self.start_token_ids))
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 0, "max_reasoning_tokens",
+               f"the reasoning budget must be >= 0 tokens, got {self.max_tokens}")
+        _check(bool(self.end_token_ids) and all(isinstance(t, int) and t >= 0 for t in self.end_token_ids),
+               "max_reasoning_tokens", "the reasoning budget needs the end-of-reasoning token ids")
 
 
 def _check(ok: bool, param: str, message: str) -> None:

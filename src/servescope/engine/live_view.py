@@ -72,7 +72,8 @@ class LiveView:
         t0, km = time.perf_counter(), self.engine.kv_manager
         # an idle engine loses nothing to a rebuild: then the map is always the state now
         idle_and_stale = not self.engine.has_unfinished() and self._map is not None and self._map["counts"] != {
-            "free": km.allocator.num_free, "used": km.num_used_blocks - (km.num_cached_blocks - km.num_evictable_blocks),
+            "free": km.allocator.num_free,
+            "used": km.num_used_blocks - (km.num_cached_blocks - km.num_evictable_blocks),
             "cached": km.num_cached_blocks - km.num_evictable_blocks, "evictable": km.num_evictable_blocks}
         if self._map is None or t0 >= self._map_due or idle_and_stale:
             self._map = self._build_block_map()

@@ -134,7 +134,8 @@ class KVCacheManager:
     def _request_hashes(self, request: SequenceLike, num_full: int) -> list[BlockHash]:
         known = self._hashes.get(request.request_id, [])
         if len(known) < num_full:
-            known = hash_full_blocks(request.all_token_ids, self.block_size, known, limit=num_full)
+            known = hash_full_blocks(request.all_token_ids, self.block_size, known, limit=num_full,
+                                     salt=getattr(request, "cache_salt", None))
             self._hashes[request.request_id] = known
         return known
 

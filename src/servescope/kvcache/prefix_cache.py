@@ -30,15 +30,22 @@ def hash_block_tokens(parent: Optional[BlockHash], token_ids: Sequence[int]) -> 
     return h.digest()
 
 
+def salted_root(salt: Optional[str]) -> Optional[BlockHash]:
+    """The parent "hash" of a salted sequence's first block (vLLM's cache_salt): requests with
+    different salts never share a block, equal salts share as usual; None: no salt."""
+    return None if salt is None else hashlib.sha256(_ROOT + b"|salt|" + salt.encode("utf-8")).digest()
+
+
 def hash_full_blocks(
-    token_ids: Sequence[int], block_size: int, known: Sequence[BlockHash] = (), limit: Optional[int] = None
+    token_ids: Sequence[int], block_size: int, known: Sequence[BlockHash] = (), limit: Optional[int] = None,
+    salt: Optional[str] = None,
 ) -> list[BlockHash]:
     """Hashes of the full blocks of token_ids (at most `limit` of them), extending the `known` prefix."""
     n = len(token_ids) // block_size
     if limit is not None:
         n = min(n, limit)
     out = list(known[:n])
-    parent = out[-1] if out else None
+    parent = out[-1] if out else salted_root(salt)
     for i in range(len(out), n):
         parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
         out.append(parent)

@@ -221,13 +221,15 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
         summary[mode] = {"floors_met": _met(rows, mode),
                          "max_abs_error": {k: max(abs(r["metrics"][k][f"{mode} error"]) for r in rows) for k in FLOORS}}
     sections = [("Simulated with the cost model alone (probe + measured host costs)", _table(rows, "cost model")),
-                ("Simulated with a measured step table (profiled on other workloads first)", _table(rows, "step table")),
+                ("Simulated with a measured step table (profiled on other workloads first)",
+                 _table(rows, "step table")),
                 ("Instances simulated", "\n".join(specs)),
                 ("Floors", f"cost model: {summary['cost model']['floors_met']} of {total}, step table: "
                            f"{summary['step table']['floors_met']} of {total} within their floors (median TTFT, "
                            f"median TPOT, output throughput 10%; p90 TTFT 20%); error = (simulated - measured) / "
                            f"measured; measured = the mean of {REAL_REPEATS} runs of the workload, "
-                           f"spread = (max - min) / mean of those runs (the same prompts at the same times: the machine's noise)")]
+                           "spread = (max - min) / mean of those runs (the same prompts at the same times: "
+                           "the machine's noise)")]
     report = write_report(opts.out, "Simulator vs engine on this machine", sections,
                           results={"rows": rows, "summary": summary, "instances": specs})
     return LabResult("simulate", opts.out, report, summary=summary)

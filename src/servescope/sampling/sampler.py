@@ -9,6 +9,7 @@ Processing order (vLLM's, where it has one):
   1. raw logprobs: log_softmax of the unmodified logits, float32 (only if a row asks)
   2. penalties on the raw logits: repetition (prompt + output), frequency, presence (output)
   3. min_tokens: EOS and stop_token_ids get -inf while len(output) < min_tokens
+  3b. logits controls (logit_controls.py): logit_bias, allowed_token_ids, bad_words, thinking budget
   4. greedy rows (temperature < 1e-5, vLLM's epsilon): argmax, ties to the lowest index
   5. other rows: divide by temperature, top-k, top-p, min-p, then sample
 Sampling is an exponential race: argmax(probs / q) with q ~ Exp(1) i.i.d. picks token i with
@@ -34,6 +35,7 @@ import torch
 
 from servescope.config import SAMPLING_EPS, SamplingParams
 from servescope.sampling.filters import apply_top_k_top_p_min_p
+from servescope.sampling.logit_controls import apply_logit_controls
 from servescope.sampling.penalties import apply_penalties, host_to_device, mask_tokens
 
 logger = logging.getLogger(__name__)
@@ -179,8 +181,9 @@ class Sampler:
         out_rows = [r or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for r, p in zip(rep_rows, params)]
         mask_r, mask_t = self._min_tokens_mask(states)
         grammar = any(s.grammar is not None for s in states)
+        controls = any(p.has_logit_controls for p in params)
 
-        if all(greedy) and not any(out_rows) and not mask_r and not grammar:
+        if all(greedy) and not any(out_rows) and not mask_r and not grammar and not controls:
             return None, logits.argmax(dim=-1), 0.0  # fast path, on the logits as given (any dtype)
 
         x = logits.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)  # [B, V]
@@ -199,6 +202,8 @@ class Sampler:
                 host_to_device([p.frequency_penalty for p in params], torch.float32, device),
             )
         mask_tokens(x, mask_r, mask_t)
+        if controls:
+            apply_logit_controls(x, states)
 
         greedy_ids = x.argmax(dim=-1) if any(greedy) else None  # [B]
         if all(greedy):

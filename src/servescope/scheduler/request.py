@@ -74,6 +74,11 @@ class Request:
         self.spec_token_ids: list[int] = []
 
     @property
+    def cache_salt(self):
+        """The prefix-cache salt of this request (kvcache hashes its blocks under it), or None."""
+        return self.sampling_params.cache_salt
+
+    @property
     def all_token_ids(self) -> list[int]:
         """Prompt then output tokens. A live list: read it, do not mutate it."""
         return self._all_token_ids

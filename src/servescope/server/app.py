@@ -1,6 +1,7 @@
 """build_app: the FastAPI application in front of an AsyncEngine.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, GET /v1/models, GET /health,
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, POST /v1/responses,
+POST /v1/messages (+ /count_tokens), POST /tokenize, POST /detokenize, GET /v1/models, GET /health,
 GET /metrics (Prometheus text, this app's own registry), GET /v1/internals?n=N (the last N step
 records and the KV cache state, read on the engine thread), GET /dashboard and its feed
 GET /v1/internals/stream (server/dashboard.py). Every limit on what a client may send or hold is a
@@ -32,7 +33,11 @@ from servescope.server.protocol import ChatCompletionRequest, CompletionRequest,
 from servescope.server.serving_chat import create_chat_completion
 from servescope.server.serving_common import ServingContext, TokenText
 from servescope.server.serving_completions import create_completion
+from servescope.server.reasoning import make_reasoning_parser
 from servescope.server.serving_embeddings import create_embedding
+from servescope.server.serving_messages import install_messages
+from servescope.server.serving_responses import install_responses
+from servescope.server.serving_tokenize import install_tokenize
 
 
 
@@ -48,27 +53,29 @@ def _json_safe(x):
 
 
 def build_app(async_engine: AsyncEngine, model_name: str = "servescope", api_key: Optional[str] = None,
-              limits: Optional[ServerLimits] = None, **limit_overrides) -> FastAPI:
+              limits: Optional[ServerLimits] = None, reasoning_parser: Optional[str] = None,
+              **limit_overrides) -> FastAPI:
     """limits: the server's limits (ServerLimits' defaults if None); limit_overrides: single fields
-    (e.g. max_queue=4) replaced on top of them."""
+    (e.g. max_queue=4) replaced on top of them; reasoning_parser: deepseek_r1 | qwen3 | None."""
     limits = dataclasses.replace(limits or ServerLimits(), **limit_overrides)
     app = FastAPI(title="servescope", version="0.1.0",
                   description="OpenAI-compatible API of the servescope engine.")
     ctx = ServingContext(engine=async_engine, model_name=model_name, max_n=limits.max_n,
                          max_queue=limits.max_queue, token_text=TokenText(async_engine.tokenizer),
-                         limits=limits, grammars=GrammarService(async_engine, limits))
-    metrics = ServerMetrics(model_name)
+                         limits=limits, grammars=GrammarService(async_engine, limits),
+                         reasoning=make_reasoning_parser(reasoning_parser, async_engine.tokenizer))
+    metrics = ctx.metrics = ServerMetrics(model_name)
     async_engine.output_listeners.append(metrics.on_output)
-    app.state.ctx = ctx
-    app.state.metrics = metrics
-    app.state.async_engine = async_engine
-    app.state.limits = limits
+    app.state.ctx, app.state.metrics, app.state.async_engine, app.state.limits = ctx, metrics, async_engine, limits
     ctx.grammars.warm()
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, limits=limits, api_key=api_key)
     previews = limits.dashboard_previews if limits.dashboard_previews is not None else api_key is not None
     install_dashboard(app, EngineSource(async_engine, model_name, previews=previews),  # /dashboard + its feed
                       max_viewers=limits.max_dashboard_viewers)
+    install_tokenize(app, ctx)  # /tokenize, /detokenize (vLLM's)
+    install_responses(app, ctx)  # /v1/responses (OpenAI's Responses API)
+    install_messages(app, ctx)  # /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

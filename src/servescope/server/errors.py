@@ -44,6 +44,18 @@ def error_body(status: int, message: str, param: Optional[str] = None, code: Opt
                       "param": param, "code": code}}
 
 
+ANTHROPIC_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    """Anthropic's error shape: {"type": "error", "error": {"type", "message"}}."""
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 def error_response(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
                    type: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code, type), status_code=status, headers=headers)
@@ -126,6 +138,9 @@ def install_error_handlers(app: FastAPI) -> None:
         if status == 422:
             status = 400
         detail = e.detail if isinstance(e.detail, str) else json.dumps(e.detail, default=str)
+        if request.url.path.startswith(ANTHROPIC_PREFIX):  # e.g. 405 on /v1/messages: Anthropic's shape
+            return JSONResponse(anthropic_error_body(status, detail), status_code=status,
+                                headers=getattr(e, "headers", None))
         return error_response(status, detail, None, None, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)

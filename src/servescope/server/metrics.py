@@ -49,12 +49,15 @@ class ServerMetrics:
         self.num_preemptions = c("num_preemptions", "Preemptions (engine total).")
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = c("generation_tokens", "Generated tokens.")
+        self.reasoning_tokens = c("reasoning_tokens",
+                                  "Generated tokens inside reasoning blocks (reasoning parser).")
         self.ttft = h("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.tpot = h("time_per_output_token_seconds", "Time per output token after the first.", TPOT_BUCKETS)
         self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
         self.queue_time = h("request_queue_time_seconds", "Time from arrival to first scheduling.", LATENCY_BUCKETS)
         # speculative decoding (vLLM's names): verifications with drafts, drafts scored, drafts accepted
-        self.spec_decode_num_drafts = c("spec_decode_num_drafts", "Speculative verifications with drafts (engine total).")
+        self.spec_decode_num_drafts = c("spec_decode_num_drafts",
+                                        "Speculative verifications with drafts (engine total).")
         self.spec_decode_num_draft_tokens = c("spec_decode_num_draft_tokens", "Draft tokens verified (engine total).")
         self.spec_decode_num_accepted_tokens = c("spec_decode_num_accepted_tokens",
                                                  "Draft tokens accepted (engine total).")
@@ -64,7 +67,8 @@ class ServerMetrics:
                         ("spec_decode_num_draft_tokens", self.spec_decode_num_draft_tokens),
                         ("spec_decode_num_accepted_tokens", self.spec_decode_num_accepted_tokens))
         # which CPU kernels serve (isa avx512 | avx2 | neon | scalar | eager; none: no CPU engine here)
-        self.cpu_kernels = Info("servescope:cpu_kernels", "The CPU kernel path in use.", L, registry=r).labels(model_name)
+        self.cpu_kernels = Info("servescope:cpu_kernels", "The CPU kernel path in use.", L,
+                                registry=r).labels(model_name)
         self._last = {name: 0 for name, _ in self._totals}
         self._lock = threading.Lock()
 

@@ -23,7 +23,7 @@ import hmac
 import json
 from typing import Optional
 
-from servescope.server.errors import error_body
+from servescope.server.errors import ANTHROPIC_PREFIX, anthropic_error_body, error_body
 from servescope.server.limits import ServerLimits
 
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
@@ -32,7 +32,10 @@ PAGE_PREFIXES = ("/dashboard", "/docs", "/redoc", "/openapi.json")
 
 
 def error_json(status: int, message: str, param, code, path: str) -> dict:
-    """The error body for a request to `path` (the one place to pick an API's own error shape)."""
+    """The error body for a request to `path` (the one place to pick an API's own error shape):
+    /v1/messages speaks Anthropic's (serving_messages.py), the rest OpenAI's."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return anthropic_error_body(status, message)
     return error_body(status, message, param, code)
 
 

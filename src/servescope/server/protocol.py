@@ -9,21 +9,18 @@ when the request is turned into SamplingParams and queued.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
+from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-Float = Annotated[float, Strict()]  # ints are accepted, strings and booleans are not
+from servescope.server.protocol_base import Base as _Base
+from servescope.server.protocol_base import Float
+from servescope.server.protocol_vllm import (ChatTemplateFields, StreamUsageFields, VllmChatFields,
+                                             VllmSamplingFields)
 
 MAX_LOGPROBS = 20
 
-
-class _Base(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
-
-
-class StreamOptions(_Base):
-    include_usage: Optional[StrictBool] = False
+StreamOptions = StreamUsageFields
 
 
 class JsonSchemaFormat(_Base):
@@ -48,8 +45,8 @@ class StructuredOutputsParams(_Base):
     json_object: Optional[StrictBool] = None
 
 
-class _SamplingFields(_Base):
-    """Fields shared by completions and chat completions."""
+class _SamplingFields(VllmSamplingFields):
+    """Fields shared by completions and chat completions (vLLM's extras: protocol_vllm.py)."""
 
     # top-level extras are kept, so that unsupported.py names the field and says why it is refused
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
@@ -85,6 +82,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[StrictStr, List[StrictStr], List[StrictInt], List[List[StrictInt]]]
     logprobs: Optional[StrictInt] = None  # OpenAI allows 0..5; up to 20 here
     echo: Optional[StrictBool] = False
+    prompt_embeds: Optional[Union[StrictStr, List[StrictStr]]] = None  # refused, as vLLM does by default
 
 
 class TextContentPart(_Base):
@@ -109,6 +107,7 @@ class ChatMessage(_Base):
     name: Optional[StrictStr] = None
     tool_calls: Optional[List[ToolCall]] = None  # assistant turns that called tools
     tool_call_id: Optional[StrictStr] = None  # tool turns: which call this answers
+    reasoning_content: Optional[StrictStr] = None  # an earlier answer's reasoning, for the template
     # output-only fields a client may send back with an earlier reply: accepted while they say nothing
     refusal: None = None
     annotations: Optional[List[None]] = None
@@ -137,7 +136,8 @@ class NamedToolChoice(_Base):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, VllmChatFields):
+    model_config = _SamplingFields.model_config  # extras kept (unsupported.py names them); the mixin forbids
     messages: List[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[StrictInt] = None
     logprobs: Optional[StrictBool] = False
@@ -147,10 +147,17 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: Optional[StrictBool] = True
 
 
-class EmbeddingRequest(_Base):
+class EmbeddingRequest(ChatTemplateFields):
+    """OpenAI's embedding request, with vLLM's extras (and its chat form: `messages` instead of `input`)."""
+
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # extras: rejected by unsupported.py
 
-    input: Union[StrictStr, List[StrictStr], List[StrictInt], List[List[StrictInt]]]
+    input: Optional[Union[StrictStr, List[StrictStr], List[StrictInt], List[List[StrictInt]]]] = None
+    messages: Optional[List[ChatMessage]] = None
+    add_special_tokens: Optional[StrictBool] = None  # default: True for input, False for messages
+    truncate_prompt_tokens: Optional[StrictInt] = Field(default=None, ge=-1)
+    priority: Optional[StrictInt] = 0
+    request_id: Optional[StrictStr] = None
     model: Optional[StrictStr] = None
     encoding_format: Optional[Literal["float", "base64"]] = "float"
     dimensions: Optional[StrictInt] = None

@@ -1,139 +1,156 @@
-"""POST /v1/chat/completions: messages -> the model's (sandboxed) chat template -> n choices."""
+"""POST /v1/chat/completions: messages -> the model's (sandboxed) chat template -> n choices.
+The engine request path is chat_engine.py's (shared with /v1/responses and /v1/messages)."""
 
 from __future__ import annotations
 
 from starlette.requests import Request
 
-from servescope.errors import InvalidParameterError
-from servescope.server.protocol import MAX_LOGPROBS, ChatCompletionRequest
-from servescope.server.serving_common import (ServingContext, SSEResponse, StreamFrame, check_finish, check_model,
-                                              finite, merge_streams, new_id, run_until_disconnect,
-                                              sampling_params, start_streams, vllm_prompt_logprobs)
-from servescope.server.serving_structured import compile_structure, requested_structure
-from servescope.server.request_checks import check_request, render_options
-from servescope.server.tool_calls import ToolPlan, ToolStreamer
-from servescope.server.unsupported import check_fields
+from servescope.server.chat_engine import (
+    ChatRun,
+    SampleStreamer,
+    collect_final,
+    count_reasoning,
+    parse_sample,
+    start_chat,
+)
+from servescope.server.protocol import ChatCompletionRequest
+from servescope.server.serving_common import (
+    ServingContext,
+    SSEResponse,
+    StreamFrame,
+    check_finish,
+    finite,
+    merge_streams,
+    new_id,
+    stream_frame,
+    vllm_prompt_logprobs,
+)
+from servescope.server.vllm_fields import response_id
 
 
 def _logprob_content(ctx: ServingContext, entries: list, top_n: int) -> list:
     tt = ctx.token_text
     content = []
     for e in entries:
-        content.append({
-            "token": tt.text(e.token_id), "logprob": finite(e.logprob), "bytes": tt.bytes(e.token_id),
-            "top_logprobs": [{"token": tt.text(tid), "logprob": finite(lp), "bytes": tt.bytes(tid)}
-                             for tid, lp in e.top[:top_n]]})
+        content.append(
+            {
+                "token": tt.text(e.token_id),
+                "logprob": finite(e.logprob),
+                "bytes": tt.bytes(e.token_id),
+                "top_logprobs": [
+                    {"token": tt.text(tid), "logprob": finite(lp), "bytes": tt.bytes(tid)}
+                    for tid, lp in e.top[:top_n]
+                ],
+            }
+        )
     return content
 
 
-def _structure(req, tools: ToolPlan) -> tuple:
-    structure, sparam = requested_structure(req)
-    tool_structure = tools.constraint()
-    if tool_structure is not None:
-        if structure is not None:
-            raise InvalidParameterError(sparam, f"{sparam} cannot be combined with tool_choice {tools.mode}")
-        return tool_structure, "tool_choice"
-    return structure, sparam
-
-
-def _messages(req) -> list:
-    """The conversation as plain dicts; OpenAI's `developer` role is a system message here."""
-    out = []
-    for m in req.messages:
-        d = m.model_dump(exclude_none=True, exclude={"annotations"})  # an empty list: nothing to render
-        if d["role"] == "developer":
-            d["role"] = "system"
-        out.append(d)
-    return out
+def _usage(run: ChatRun, reasoning_tokens: int) -> dict:
+    usage = run.usage
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    if run.reasoning is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request):
-    check_model(ctx, req.model)
-    check_fields(req)
-    check_request(ctx, req)
-    top_n = None
-    if req.top_logprobs is not None:
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise InvalidParameterError("top_logprobs", f"top_logprobs must be between 0 and {MAX_LOGPROBS}, "
-                                                        f"got {req.top_logprobs}")
-        if not req.logprobs:
-            raise InvalidParameterError("top_logprobs", "top_logprobs needs logprobs: true")
-    if req.logprobs:
-        top_n = req.top_logprobs or 0
-    tools = ToolPlan(req)
-    structure, sparam = _structure(req, tools)
-    if structure is not None:
-        ctx.grammars.check_size(structure, sparam)
-    mt_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    # validate the cheap fields before rendering the template (max_tokens checked again below)
-    kw = dict(logprobs=top_n, max_tokens_param=mt_param, prompt_logprobs=req.prompt_logprobs)
-    sampling_params(ctx, req, max_tokens=max_tokens if max_tokens is not None else ctx.engine.max_model_len - 1, **kw)
-    _, ids = await ctx.engine.render_chat(_messages(req), tools=tools.rendered, **render_options(ctx))
-    if max_tokens is None:  # OpenAI: as many as the context allows
-        max_tokens = max(1, ctx.engine.max_model_len - len(ids))
-    params = sampling_params(ctx, req, max_tokens=max_tokens, **kw)
-    params = params.replace(structured=await compile_structure(ctx, structure, sparam))
-    streams = await start_streams(ctx, [ids], params, max_tokens_param=mt_param)
-    rid, created, n = new_id("chatcmpl"), ctx.created, params.n
-    usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": 0}
+    run = await start_chat(ctx, req)
+    rid = response_id("chatcmpl", req, new_id("chatcmpl"))
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        frame = StreamFrame(ctx, rid, created, "chat.completion.chunk", usage, include_usage)
-        gen = frame.wrap(_stream(ctx, streams, n, top_n, tools, frame))
-        return SSEResponse(gen, on_close=lambda: [s.abort() for s in streams])
-
-    async def collect():
-        async for _, out in merge_streams(streams):
-            if out.finished:
-                return out
-
-    out = await run_until_disconnect(request, collect())
-    choices = []
+        frame = stream_frame(run.ctx, rid, "chat.completion.chunk", run.usage, req)
+        return SSEResponse(frame.wrap(_stream(run, frame)), on_close=run.abort)
+    out = await collect_final(run, request)
+    choices, reasoning_tokens = [], 0
     for o in out.outputs:
         lp = None
-        if top_n is not None:
-            lp = {"content": _logprob_content(ctx, o.logprobs or [], top_n), "refusal": None}
-        content, calls = tools.parse(o.text)
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        choices.append({"index": o.index, "message": message, "logprobs": lp,
-                        "finish_reason": tools.finish_reason(calls, check_finish(o, out.error))})
-        usage["completion_tokens"] += len(o.token_ids)
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    body = {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
-            "choices": choices, "usage": usage}
+        if run.top_n is not None:
+            lp = {"content": _logprob_content(run.ctx, o.logprobs or [], run.top_n), "refusal": None}
+        p = parse_sample(run, o, check_finish(o, out.error))
+        message = {"role": run.role, "content": p.content}
+        if p.reasoning is not None:
+            message["reasoning_content"] = p.reasoning
+        if p.calls:
+            message["tool_calls"] = p.calls
+        choices.append(
+            {
+                "index": o.index,
+                "message": message,
+                "logprobs": lp,
+                "finish_reason": p.finish_reason,
+                "stop_reason": o.stop_reason,
+            }
+        )
+        run.usage["completion_tokens"] += len(o.token_ids)
+        reasoning_tokens += p.reasoning_tokens
+    count_reasoning(run, reasoning_tokens)
+    body = {
+        "id": rid,
+        "object": "chat.completion",
+        "created": ctx.created,
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": _usage(run, reasoning_tokens),
+    }
     if req.prompt_logprobs is not None:
-        body["prompt_logprobs"] = vllm_prompt_logprobs(ctx.token_text, out.prompt_logprobs)
+        body["prompt_logprobs"] = vllm_prompt_logprobs(run.ctx.token_text, out.prompt_logprobs)
     return body
 
 
-async def _stream(ctx, streams, n, top_n, tools: ToolPlan, frame: StreamFrame):
-    chunk, usage = frame.chunk, frame.usage
-    streamers = [ToolStreamer(tools) for _ in range(n)]
+async def _stream(run: ChatRun, frame: StreamFrame):
+    chunk, n = frame.chunk, run.params.n
+    streamers = [SampleStreamer(run) for _ in range(n)]
     sent_lp = [0] * n
     done = [False] * n
-    for i in range(n):  # the role first, as OpenAI does
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
-    async for _, out in merge_streams(streams):
+    reasoning_tokens = 0
+    for i in range(n):  # the role first, as OpenAI does; vLLM's echo next
+        yield chunk(
+            [
+                {
+                    "index": i,
+                    "delta": {"role": run.role, "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
+        if run.echo:
+            yield chunk(
+                [{"index": i, "delta": {"content": run.echo}, "logprobs": None, "finish_reason": None}]
+            )
+    async for _, out in merge_streams(run.streams):
         for o in out.outputs:
             i = o.index
             if done[i]:
                 continue
+            frame.tokens_so_far[i] = len(o.token_ids)
             finish = check_finish(o, out.error)
-            content, call_deltas = streamers[i].feed(o.text, finish is not None)
-            new_lp = (o.logprobs or [])[sent_lp[i]:] if top_n is not None else []
-            if not content and not call_deltas and not new_lp and finish is None:
+            reasoning, content, call_deltas = streamers[i].feed(o.text, finish is not None)
+            new_lp = (o.logprobs or [])[sent_lp[i] :] if run.top_n is not None else []
+            if not reasoning and not content and not call_deltas and not new_lp and finish is None:
                 continue
             sent_lp[i] += len(new_lp)
-            lp = {"content": _logprob_content(ctx, new_lp, top_n), "refusal": None} if top_n is not None else None
+            lp = None
+            if run.top_n is not None:
+                lp = {"content": _logprob_content(run.ctx, new_lp, run.top_n), "refusal": None}
             if finish is not None:
                 done[i] = True
-                usage["completion_tokens"] += len(o.token_ids)
-                finish = tools.finish_reason(call_deltas or streamers[i].named_id, finish)
-            delta = {"content": content} if content or (finish is None and not call_deltas) else {}
+                run.usage["completion_tokens"] += len(o.token_ids)
+                finish = run.tools.finish_reason(call_deltas or streamers[i].named_call, finish)
+                if run.reasoning is not None:
+                    reasoning_tokens += run.reasoning.count_tokens(o.text, o.token_ids)
+            delta = (
+                {"content": content}
+                if content or (finish is None and not call_deltas and not reasoning)
+                else {}
+            )
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if call_deltas:
                 delta["tool_calls"] = call_deltas
-            yield chunk([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}])
+            c = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            if finish is not None:
+                c["stop_reason"] = o.stop_reason
+            yield chunk([c])
+    count_reasoning(run, reasoning_tokens)
+    _usage(run, reasoning_tokens)

@@ -42,6 +42,8 @@ class ServingContext:
     limits: ServerLimits = field(default_factory=ServerLimits)
     grammars: Optional[GrammarService] = None  # structured outputs' checks and compiles
     derived_prompt_chars: Optional[int] = None  # request_checks.max_prompt_chars, computed once
+    reasoning: Optional[object] = None  # a reasoning.ReasoningParser (serve --reasoning-parser)
+    metrics: Optional[object] = None  # the app's ServerMetrics
 
 
 def new_id(prefix: str) -> str:
@@ -56,7 +58,8 @@ def check_model(ctx: ServingContext, model: Optional[str]) -> None:
 
 def sampling_params(ctx: ServingContext, req, *, max_tokens: int, logprobs: Optional[int],
                     max_tokens_param: str = "max_tokens", prompt_logprobs: Optional[int] = None,
-                    structured: Optional[StructuredOutput] = None) -> SamplingParams:
+                    structured: Optional[StructuredOutput] = None,
+                    extra: Optional[dict] = None) -> SamplingParams:
     """Server-side limits first (n cap, seed range, penalties), then SamplingParams' own checks,
     which name the field."""
     n = 1 if req.n is None else req.n
@@ -67,7 +70,8 @@ def sampling_params(ctx: ServingContext, req, *, max_tokens: int, logprobs: Opti
     if req.repetition_penalty is not None and not (
             MIN_REPETITION_PENALTY <= req.repetition_penalty <= MAX_REPETITION_PENALTY):
         raise InvalidParameterError("repetition_penalty", f"repetition_penalty must be in "
-                                    f"[{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], got {req.repetition_penalty}")
+                                    f"[{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], "
+                                    f"got {req.repetition_penalty}")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise InvalidParameterError("logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
     if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
@@ -92,7 +96,8 @@ def sampling_params(ctx: ServingContext, req, *, max_tokens: int, logprobs: Opti
             min_tokens=req.min_tokens or 0, ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
             stop_token_ids=tuple(req.stop_token_ids or ()), prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens is not False,
-            include_stop_str_in_output=bool(req.include_stop_str_in_output), structured=structured)
+            include_stop_str_in_output=bool(req.include_stop_str_in_output), structured=structured,
+            **(extra or {}))
     except InvalidParameterError as e:
         raise rename_param(e, max_tokens_param) from None
 
@@ -104,14 +109,15 @@ def rename_param(e: InvalidParameterError, max_tokens_param: str) -> InvalidPara
 
 
 async def start_streams(ctx: ServingContext, prompts: list, params: SamplingParams,
-                        max_tokens_param: str = "max_tokens") -> list:
+                        max_tokens_param: str = "max_tokens", priority: int = 0) -> list:
     """Queue every prompt (token ids); all or nothing: on an error the ones queued are aborted."""
     ctx.engine.check_capacity(len(prompts), ctx.max_queue)
     streams: list[RequestStream] = []
     try:
         for ids in prompts:
             rid = ctx.engine.new_request_id()
-            streams.append(await ctx.engine.add_request(rid, ids, params, max_queue=ctx.max_queue))
+            streams.append(await ctx.engine.add_request(rid, ids, params, priority=priority,
+                                                        max_queue=ctx.max_queue))
     except InvalidParameterError as e:
         for s in streams:
             s.abort()
@@ -213,11 +219,17 @@ class StreamFrame:
     object: str  # "chat.completion.chunk" | "text_completion"
     usage: dict
     include_usage: bool
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: the usage so far in every chunk
+    tokens_so_far: dict = field(default_factory=dict)  # choice index -> its output tokens so far
 
     def chunk(self, choices: list, with_usage: Optional[dict] = None) -> str:
         obj = {"id": self.rid, "object": self.object, "created": self.created, "model": self.ctx.model_name,
                "choices": choices}
-        if self.include_usage:
+        if with_usage is None and self.continuous_usage:
+            done = sum(self.tokens_so_far.values())
+            with_usage = {"prompt_tokens": self.usage["prompt_tokens"], "completion_tokens": done,
+                          "total_tokens": self.usage["prompt_tokens"] + done}
+        if self.include_usage or self.continuous_usage:
             obj["usage"] = with_usage
         return sse(obj)
 
@@ -225,13 +237,22 @@ class StreamFrame:
         try:
             async for c in body:
                 yield c
-            if self.include_usage:
+            if self.include_usage or self.continuous_usage:
                 self.usage["total_tokens"] = self.usage["prompt_tokens"] + self.usage["completion_tokens"]
                 yield self.chunk([], with_usage=self.usage)
         except Exception as e:  # noqa: BLE001 - after the 200 went out, errors travel in the stream
             a = to_api_error(e)
             yield sse(error_body(a.status, a.message, a.param, a.code, a.type))
         yield SSE_DONE
+
+
+def stream_frame(ctx: ServingContext, rid: str, obj: str, usage: dict, req) -> StreamFrame:
+    """The frame of a streamed answer, by the request's stream_options (vLLM: continuous_usage_stats
+    puts the usage so far in every chunk, unless include_usage is false)."""
+    so = req.stream_options
+    include = bool(so and so.include_usage)
+    continuous = bool(so and so.continuous_usage_stats and so.include_usage is not False)
+    return StreamFrame(ctx, rid, ctx.created, obj, usage, include, continuous_usage=continuous)
 
 
 class SSEResponse(StreamingResponse):

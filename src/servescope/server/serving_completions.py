@@ -11,15 +11,18 @@ from servescope.server.errors import APIError
 from servescope.server.protocol import CompletionRequest
 from servescope.server.serving_common import (ServingContext, SSEResponse, StreamFrame, check_finish, check_model,
                                               finite, merge_streams, new_id, run_until_disconnect,
-                                              sampling_params, start_streams, vllm_prompt_logprobs)
+                                              sampling_params, start_streams, stream_frame,
+                                              vllm_prompt_logprobs)
 from servescope.server.request_checks import check_prompt_chars, check_request
 from servescope.server.serving_structured import compile_structure, requested_structure
 from servescope.server.unsupported import check_fields
+from servescope.server.vllm_fields import (check_vllm_fields, logit_controls, response_id, truncate_prompt,
+                                           with_token_ids)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
-async def _prompt_ids(ctx: ServingContext, prompt) -> tuple:
+async def _prompt_ids(ctx: ServingContext, prompt, add_special_tokens: bool = True) -> tuple:
     """(list of token id lists, list of prompt texts) from any of the four prompt forms."""
     if isinstance(prompt, str):
         items = [prompt]
@@ -47,7 +50,7 @@ async def _prompt_ids(ctx: ServingContext, prompt) -> tuple:
         if isinstance(p, str):
             if not p:
                 raise InvalidParameterError("prompt", "the prompt is empty")
-            ids.append(await ctx.engine.encode(p))
+            ids.append(await ctx.engine.encode(p, add_special_tokens))
             texts.append(p)
         else:
             if not p:
@@ -138,28 +141,33 @@ def _top_limited(entries: Optional[list], k: int) -> Optional[list]:
 async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request):
     check_model(ctx, req.model)
     check_fields(req)
+    check_vllm_fields(req)
     check_request(ctx, req)
+    ctx = with_token_ids(ctx, req)
     plan = _Plan(req)
     structure, sparam = requested_structure(req)
     if structure is not None:
         ctx.grammars.check_size(structure, sparam)
+    extra = dict(logit_controls(ctx.engine.tokenizer, ctx.engine.vocab_size, req), cache_salt=req.cache_salt)
     params = sampling_params(ctx, req, max_tokens=plan.max_tokens, logprobs=req.logprobs,
-                             prompt_logprobs=plan.engine_prompt_logprobs)
-    ids, texts = await _prompt_ids(ctx, req.prompt)
+                             prompt_logprobs=plan.engine_prompt_logprobs, extra=extra)
+    ids, texts = await _prompt_ids(ctx, req.prompt, req.add_special_tokens is not False)
+    if req.truncate_prompt_tokens is not None:
+        ids = [truncate_prompt(i, req.truncate_prompt_tokens, ctx.engine.max_model_len) for i in ids]
+        texts = [None] * len(ids)  # echo shows the prompt the model saw
     params = params.replace(structured=await compile_structure(ctx, structure, sparam))
-    streams = await start_streams(ctx, ids, params)
+    streams = await start_streams(ctx, ids, params, priority=req.priority or 0)
     if plan.echo:
         tok = ctx.engine.tokenizer
         texts = [t if t is not None else (tok.decode(i, skip_special_tokens=False) if tok else "")
                  for t, i in zip(texts, ids)]
     n = params.n
-    rid, created = new_id("cmpl"), ctx.created
+    rid, created = response_id("cmpl", req, new_id("cmpl")), ctx.created
     states = {pi * n + j: _ChoiceState(ctx, ids[pi], texts[pi] if plan.echo else "", plan.echo_logprobs)
               for pi in range(len(ids)) for j in range(n)}
     usage = {"prompt_tokens": sum(len(i) for i in ids), "completion_tokens": 0, "total_tokens": 0}
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        frame = StreamFrame(ctx, rid, created, "text_completion", usage, include_usage)
+        frame = stream_frame(ctx, rid, "text_completion", usage, req)
         gen = frame.wrap(_stream(ctx, streams, plan, n, texts, states, frame))
         return SSEResponse(gen, on_close=lambda: [s.abort() for s in streams])
     finals = await run_until_disconnect(request, _collect(streams))
@@ -191,6 +199,7 @@ async def _stream(ctx, streams, plan: _Plan, n, texts, states, frame: StreamFram
             st = states[idx]
             if st.finished:
                 continue
+            frame.tokens_so_far[idx] = len(o.token_ids)
             if not st.echoed and (plan.echo or plan.prompt_logprobs is not None):
                 st.echoed = True  # the prompt (and its logprobs) first, as its own chunk
                 yield chunk([_prompt_chunk(ctx, plan, idx, out, texts[pi] if plan.echo else "", st)])

@@ -20,7 +20,6 @@ NEUTRAL = {
     "prompt_cache_key": None,  # any value: a routing hint; prefix caching here is automatic
     "safety_identifier": None,  # any value: an end-user id, like `user`
     "best_of": (None, 1),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
     "function_call": (None, "none"),
     "functions": (None, []),
@@ -31,14 +30,12 @@ UNSUPPORTED = {
     "best_of": "best_of > 1 is not supported; use n",
     "function_call": "function_call is deprecated; use tools and tool_choice",
     "functions": "functions is deprecated; use tools",
-    "logit_bias": "logit_bias is not supported",
     "metadata": "metadata needs store, which this server does not offer",
     "modalities": "only the text modality is supported",
     "moderation": "moderation is not supported",
     "prediction": "predicted outputs are not supported",
     "prompt_cache_options": "prompt cache options are not supported (prefix caching is automatic)",
     "prompt_cache_retention": "prompt cache retention is not supported (prefix caching is automatic)",
-    "reasoning_effort": "reasoning_effort is not supported (the model does not reason in a separate channel)",
     "service_tier": "only the default service tier exists here",
     "store": "storing completions is not supported",
     "suffix": "suffix (insertion) is not supported",

@@ -15,7 +15,7 @@ order and a request is routed on the state the replicas have at its arrival.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 from servescope.errors import InvalidParameterError
 from servescope.kvcache.prefix_cache import hash_full_blocks

@@ -74,7 +74,8 @@ class Search:
         if not 0 < target <= 1:
             raise InvalidParameterError("slo_attainment", f"attainment must be in (0, 1], got {target}")
         self.spec_for, self.requests, self.slos, self.target = spec_for, requests, slos, target
-        self.max_devices, self.router, self.kv_link, self.max_concurrency = max_devices, router, kv_link, max_concurrency
+        self.max_devices, self.router = max_devices, router
+        self.kv_link, self.max_concurrency = kv_link, max_concurrency
         self.trials: dict = {}
 
     def trial(self, layout: Layout, spec) -> Trial:

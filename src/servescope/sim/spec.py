@@ -192,9 +192,11 @@ def describe(spec: InstanceSpec) -> str:
     sd = spec.spec_decode
     spec_txt = f", speculative k={sd.k} acceptance {sd.acceptance:g}" if sd.k else ""
     host = (f"step times x measured / predicted ({spec.step_table.source})" if spec.step_table else
-            f"host {spec.hardware.step_overhead_s * 1e3:.2f} ms/step + {spec.hardware.layer_overhead_s * 1e6:.0f} us/layer + "
+            f"host {spec.hardware.step_overhead_s * 1e3:.2f} ms/step + "
+            f"{spec.hardware.layer_overhead_s * 1e6:.0f} us/layer + "
             f"{spec.host.per_seq_s * 1e6:.0f} us/seq + {spec.host.per_token_s * 1e6:.0f} us/token ({spec.host.source})")
     return (f"{spec.model.name} on {spec.hardware.name} ({layout}), {adt} (KV {kdt}), KV cache {spec.num_blocks} "
             f"blocks = {kv_tokens} tokens, max_num_seqs {spec.scheduler.max_num_seqs}, token budget "
-            f"{spec.scheduler.max_num_batched_tokens}{'' if spec.scheduler.enable_chunked_prefill else ' (no chunking)'}, "
+            f"{spec.scheduler.max_num_batched_tokens}"
+            f"{'' if spec.scheduler.enable_chunked_prefill else ' (no chunking)'}, "
             f"prefix caching {'on' if spec.enable_prefix_caching else 'off'}{spec_txt}; {host}")

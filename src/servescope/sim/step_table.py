@@ -73,7 +73,8 @@ class StepTable:
         return _interp(max(context, 1.0), [(c, _interp(tokens, pts)) for c, pts in near])
 
     def to_dict(self) -> dict:
-        return {k: [[c, [list(p) for p in pts]] for c, pts in getattr(self, k)] for k in KINDS} | {"source": self.source}
+        table = {k: [[c, [list(p) for p in pts]] for c, pts in getattr(self, k)] for k in KINDS}
+        return table | {"source": self.source}
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepTable":

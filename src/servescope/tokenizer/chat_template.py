@@ -100,6 +100,7 @@ def render_chat_template(
     special_tokens: Optional[dict] = None,
     tools: Optional[list] = None,
     timeout_s: Optional[float] = None,
+    documents: Optional[list] = None,
     **kwargs,
 ) -> str:
     """Validate `messages` and render `template` with them.
@@ -113,7 +114,7 @@ def render_chat_template(
     context = {**_plain(special_tokens or {}), **_plain(kwargs)}
 
     def render():
-        return compiled.render(messages=msgs, tools=_plain(tools), documents=None,
+        return compiled.render(messages=msgs, tools=_plain(tools), documents=_plain(documents),
                                add_generation_prompt=bool(add_generation_prompt), **context)
 
     try:

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from typing import Iterable, Optional, Union
 
-from servescope.errors import ModelLoadError
+from servescope.errors import InvalidParameterError, ModelLoadError
 from servescope.tokenizer.source import TokenizerSource
 from servescope.tokenizer.chat_encoding import control_token_pattern, encode_chat
 from servescope.tokenizer.chat_template import CHATML_TEMPLATE, compile_chat_template, render_chat_template
@@ -78,13 +78,20 @@ class Tokenizer:
         """The raw vocabulary entry of one id (byte-level BPE shows spaces as 'Ġ')."""
         return self.hf.convert_ids_to_tokens(int(token_id))
 
-    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
+    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True, tools=None,
+                            chat_template: Optional[str] = None, continue_final_message: bool = False,
+                            **kwargs) -> str:
         """Render a conversation to the prompt string (encode it with add_special_tokens=False).
-        tools: OpenAI tool definitions, rendered by the template or, if it knows none, as Hermes text."""
-        if tools and not template_renders_tools(self.chat_template):
+        tools: OpenAI tool definitions, rendered by the template or, if it knows none, as Hermes text.
+        chat_template: a request's own template instead of the model's (compiled in the same sandbox).
+        continue_final_message: end the prompt inside the last message (no end-of-turn after it), so
+        the model continues it (vLLM's and transformers' option; exclusive with add_generation_prompt)."""
+        template = chat_template or self.chat_template
+        if tools and not template_renders_tools(template):
             messages, tools = messages_with_tools(messages, tools), None
-        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+        text = render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
                                     special_tokens=self.special_tokens, tools=tools, **kwargs)
+        return cut_after_final_message(text, messages) if continue_final_message else text
 
     @property
     def control_pattern(self):
@@ -108,6 +115,23 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, eos={sorted(self.eos_token_ids)})"
+
+
+def cut_after_final_message(text: str, messages: list) -> str:
+    """The rendered prompt up to the end of the last message's content (transformers' rule: its last
+    occurrence), so that generation continues that message."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if not content or not content.strip():
+        raise InvalidParameterError("continue_final_message", "continue_final_message needs a last message "
+                                                              "with content to continue")
+    idx = text.rfind(content.strip())
+    if idx < 0:
+        raise InvalidParameterError("continue_final_message",
+                                    "the chat template does not render the last message's content "
+                                    "verbatim, so it cannot be continued")
+    return text[:idx + len(content.strip())]
 
 
 def load_tokenizer(source: Union[TokenizerSource, str]) -> Tokenizer:
