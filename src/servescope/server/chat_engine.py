@@ -10,10 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from starlette.responses import StreamingResponse
+
 from servescope.errors import InvalidParameterError
 from servescope.server.protocol import MAX_LOGPROBS, ChatCompletionRequest
 from servescope.server.serving_common import (
     ServingContext,
+    check_finish,
     check_model,
     merge_streams,
     run_until_disconnect,
@@ -262,3 +265,19 @@ async def collect_final(run: ChatRun, request):
                 return out
 
     return await run_until_disconnect(request, collect())
+
+
+async def final_sample(run: ChatRun, request) -> tuple:
+    """(the finished RequestOutput, its one sample, that sample parsed) of a one-sample run, the
+    reasoning counted: what a non-streamed Responses or Messages answer is built from."""
+    out = await collect_final(run, request)
+    o = out.outputs[0]
+    p = parse_sample(run, o, check_finish(o, out.error))
+    count_reasoning(run, p.reasoning_tokens)
+    return out, o, p
+
+
+def sse_response(events) -> StreamingResponse:
+    """A server-sent-events response over `events` (byte or str chunks), unbuffered by proxies."""
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -14,16 +14,16 @@ import uuid
 from fastapi import FastAPI
 from pydantic import ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from servescope.errors import InvalidParameterError
 from servescope.server.chat_engine import (
     ChatRun,
     SampleStreamer,
     chat_messages,
-    collect_final,
     count_reasoning,
-    parse_sample,
+    final_sample,
+    sse_response,
     start_chat,
     template_kwargs,
 )
@@ -107,15 +107,8 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, request: Req
         raise _renamed(e) from None
     mid = f"msg_{uuid.uuid4().hex}"
     if req.stream:
-        return StreamingResponse(
-            _stream(ctx, run, mid),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    out = await collect_final(run, request)
-    o = out.outputs[0]
-    p = parse_sample(run, o, check_finish(o, out.error))
-    count_reasoning(run, p.reasoning_tokens)
+        return sse_response(_stream(ctx, run, mid))
+    out, o, p = await final_sample(run, request)
     content = []
     if p.reasoning is not None:
         content.append({"type": "thinking", "thinking": p.reasoning, "signature": ""})

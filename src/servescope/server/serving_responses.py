@@ -18,10 +18,9 @@ import time
 from fastapi import FastAPI
 from pydantic import ValidationError
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
 
 from servescope.errors import InvalidParameterError
-from servescope.server.chat_engine import collect_final, count_reasoning, parse_sample, start_chat
+from servescope.server.chat_engine import final_sample, sse_response, start_chat
 from servescope.server.errors import APIError, to_api_error, validation_param
 from servescope.server.protocol import ChatCompletionRequest
 from servescope.server.protocol_responses import (
@@ -31,7 +30,7 @@ from servescope.server.protocol_responses import (
     check_extras,
 )
 from servescope.server.responses_stream import ResponseBuilder, stream_events
-from servescope.server.serving_common import ServingContext, check_finish, new_id
+from servescope.server.serving_common import ServingContext, new_id
 
 MAX_STORED = 1024
 MAX_STORED_BYTES = 64 * 2**20
@@ -147,15 +146,8 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, request: R
 
     if req.stream:
         events = stream_events(builder, finish)
-        return StreamingResponse(
-            _closing(events, run),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    out = await collect_final(run, request)
-    o = out.outputs[0]
-    p = parse_sample(run, o, check_finish(o, out.error))
-    count_reasoning(run, p.reasoning_tokens)
+        return sse_response(_closing(events, run))
+    out, o, p = await final_sample(run, request)
     body = builder.final(p, o, out.num_cached_tokens)
     finish(body)
     return body
