@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from servescope.config.families import SUPPORTED_ARCHITECTURES, family, family_of_hf
+from servescope.config.hf_fields import check_fields, window_layers
 from servescope.config.layers import AttentionSpec, MlpSpec, uniform_layers
 from servescope.errors import InvalidParameterError
 
@@ -111,7 +112,12 @@ class ModelConfig:
         """Build from a Hugging Face config.json dict. Raises InvalidParameterError on unknown models
         and on fields that ask for maths the model does not implement."""
         fam = family_of_hf(d)
+        check_fields(d, fam.hf_fields, fam.name)
         d = {**fam.hf_defaults, **d}
+        sliding_window, kinds = window_layers(fam.window_pattern, d, int(d["num_hidden_layers"]))
+        if sliding_window is not None:
+            raise InvalidParameterError("sliding_window", f"config.json field 'sliding_window' = {sliding_window}: "
+                                                          "sliding-window attention is not implemented")
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         head_dim = d.get("head_dim") or hidden // heads
@@ -138,7 +144,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
             qk_norm=bool(d.get("qk_norm", False)),
-            sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
+            sliding_window=sliding_window,
             hidden_act=str(d.get("hidden_act", "silu")),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
