@@ -90,7 +90,14 @@ def test_gguf_sliding_window_and_softcap_metadata_are_refused(tmp_path):
             load_model_source(path)
 
 
-def test_mistral_window_is_refused_until_implemented(tmp_path):
-    path = make_tiny_hf_model(tmp_path, "mistral", vocab_size=512, with_tokenizer=False, sliding_window=16)
-    with pytest.raises(ModelLoadError, match="'sliding_window' = 16"):
-        load_model_source(str(path))
+def test_window_patterns_of_the_families():
+    mistral = ModelConfig.from_hf_dict(_as("MistralForCausalLM", "mistral", sliding_window=16))
+    assert [s.attention.kind for s in mistral.layer_specs()] == ["sliding"] * 4
+    qwen = ModelConfig.from_hf_dict(_as("Qwen2ForCausalLM", "qwen2", sliding_window=16, use_sliding_window=True,
+                                        max_window_layers=3))
+    assert [(s.attention.kind, s.attention.window) for s in qwen.layer_specs()] == [("full", 0)] * 3 + [("sliding", 16)]
+    given = ModelConfig.from_hf_dict(_as("Qwen2ForCausalLM", "qwen2", sliding_window=16, use_sliding_window=True,
+                                         layer_types=["sliding_attention", "full_attention"] * 2))
+    assert [s.attention.kind for s in given.layer_specs()] == ["sliding", "full"] * 2
+    for cfg in (mistral, qwen, given):  # to_hf_dict gives the same layers back
+        assert ModelConfig.from_hf_dict(cfg.to_hf_dict()).layer_specs() == cfg.layer_specs()
