@@ -82,7 +82,7 @@ def test_greedy_matches_transformers_generate(windowed):
 @pytest.mark.parametrize("overrides", [
     dict(),
     dict(max_num_batched_tokens=16),
-    dict(num_kv_blocks=24),
+    dict(num_kv_blocks=10, max_model_len=128),  # the longest prompt needs 7 blocks of 16 at once
 ], ids=["batched-prefix-cache", "chunk16", "preemption"])
 def test_batching_chunking_prefix_cache_preemption_change_nothing(windowed, overrides):
     from test_batching import PARAMS, assert_same_greedy
@@ -94,7 +94,7 @@ def test_batching_chunking_prefix_cache_preemption_change_nothing(windowed, over
                for i, n in enumerate(torch.randint(5, 60, (12,), generator=gen))]
     base = LLM(model=str(path), num_kv_blocks=96, max_model_len=256, enable_prefix_caching=False)
     alone = [base.generate(p, PARAMS)[0] for p in prompts]
-    llm = LLM(model=str(path), max_model_len=256, **{"num_kv_blocks": 96, **overrides})
+    llm = LLM(model=str(path), **{"num_kv_blocks": 96, "max_model_len": 256, **overrides})
     outs = llm.generate(prompts, PARAMS)
     assert_same_greedy(outs, alone)
     recs = list(llm.engine.step_records)
@@ -119,3 +119,28 @@ def test_bfloat16_paths_attend_over_the_window(windowed):
     for chunk in (24, None):
         diff = (paged_logits(llm.engine, ids, chunk=chunk, decode_from=90).float() - ref).abs().max().item()
         assert diff <= 0.05 and diff < full_diff / 4, (chunk, diff, full_diff)
+
+
+def test_engine_gives_back_the_blocks_that_slid_out(windowed):
+    """An all-windowed model's engine holds at most cdiv(window, S) + 1 blocks per decoding sequence; a
+    model with a full layer keeps them all. The tokens equal transformers' either way."""
+    family, path, hf = windowed
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, block_size=4)
+    ids = torch.randint(3, 49152, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    engine = llm.engine
+    engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    held = []
+    while engine.has_unfinished():
+        engine.step()
+        if engine.has_unfinished():
+            held.append(engine.kv_manager.num_held_blocks("r"))
+    decoding = held[1:]  # after the prefill step (the whole prompt's blocks: they go back at the next step)
+    windowed_only = family == "mistral"
+    assert held[0] == 30 // 4 + 1 and max(decoding) <= (WINDOW // 4 + 1 if windowed_only else 90 // 4 + 1)
+    assert (max(decoding) <= WINDOW // 4 + 1) == windowed_only
+    engine.kv_manager.check_invariants()
+    out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0].outputs[0]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=60, do_sample=False, min_new_tokens=60,
+                           attention_mask=torch.ones(1, 30, dtype=torch.long))[0, 30:].tolist()
+    assert out.token_ids == want

@@ -47,7 +47,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return
         super().store_kv(k, v, k_cache, v_cache, meta)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int = 0) -> torch.Tensor:
         if not _cpu_kernels(q, k_cache):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, window)
         nd = meta.num_decode_seqs

@@ -33,7 +33,8 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.view(n * s, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(n * s, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int = 0) -> torch.Tensor:
         nd = meta.num_decode_seqs
         out = torch.empty_like(q)
         if nd:

@@ -32,7 +32,8 @@ class TritonAttentionBackend(AttentionBackend):
     def store_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int = 0) -> torch.Tensor:
         nd = meta.num_decode_seqs
         if nd == meta.num_seqs:  # decode only: T == B, every row is one query
             return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
