@@ -201,39 +201,64 @@ static double kv_at(const C* row, int64_t j, int64_t d) {
   else return to_double(row[j]);
 }
 
+// every row of block `blk` made NaN (a float cache) or given a NaN scale (a quantised one): a kernel that
+// reads it returns NaN
+template <typename C>
+static void poison_block(std::vector<C>& cache, int64_t blk, int64_t S, int64_t hkv, int64_t d) {
+  const int64_t dp = d + kScalePad<C>;
+  for (int64_t r = blk * S * hkv; r < (blk + 1) * S * hkv; ++r) {
+    C* row = cache.data() + r * dp;
+    if constexpr (kQuantKV<C>) {
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      std::memcpy(row + d, &nan, 4);
+    } else if constexpr (std::is_same_v<C, bf16>) {
+      for (int64_t j = 0; j < d; ++j) row[j].bits = 0x7FC0;
+    } else {
+      for (int64_t j = 0; j < d; ++j) row[j] = std::numeric_limits<float>::quiet_NaN();
+    }
+  }
+}
+
+// window > 0: a sliding layer's decode, each sequence over its last `window` positions; the blocks wholly
+// before the window point at a poisoned block (as if freed and reused), which must never be read
 template <typename Q, typename C>
-static void check_decode(int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t ctx_max) {
-  const int64_t S = 16, per_seq = (ctx_max + S - 1) / S, nblk = b * per_seq + 1, dp = d + kScalePad<C>;
+static void check_decode(int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t ctx_max, int64_t window = 0) {
+  const int64_t S = 16, per_seq = (ctx_max + S - 1) / S, nblk = b * per_seq + 2, dp = d + kScalePad<C>;
   auto q = randv<Q>(b * h * d, 2.f);
   auto kc = rand_cache<C>(nblk * S * hkv, d), vc = rand_cache<C>(nblk * S * hkv, d);
+  poison_block(kc, nblk - 1, S, hkv, d);
+  poison_block(vc, nblk - 1, S, hkv, d);
   std::vector<int32_t> bt(b * per_seq), cl(b);
+  std::vector<int64_t> lo(b, 0);  // each sequence's first visible position
   for (int64_t i = 0; i < b; ++i) {
     cl[i] = (int32_t)std::max<int64_t>(1, ctx_max - 7 * i);
-    for (int64_t j = 0; j < per_seq; ++j) bt[i * per_seq + j] = (int32_t)(nblk - 1 - (i * per_seq + j));  // scattered
+    if (window > 0) lo[i] = std::max<int64_t>(0, cl[i] - window);
+    for (int64_t j = 0; j < per_seq; ++j)  // scattered; the slid-out blocks at the poisoned one
+      bt[i * per_seq + j] = (j + 1) * S <= lo[i] ? (int32_t)(nblk - 1) : (int32_t)(nblk - 2 - (i * per_seq + j));
   }
   std::vector<Q> out(b * h * d);
   const float scale = 1.0f / std::sqrt((float)d);
   paged_decode_rows<Q, C>(q.data(), h * d, d, kc.data(), vc.data(), S, hkv, d, bt.data(), per_seq, cl.data(), b, h, scale,
-                          out.data(), h * d, d);
+                          out.data(), h * d, d, window);
   std::vector<double> want(out.size());
   for (int64_t i = 0; i < b; ++i)
     for (int64_t hh = 0; hh < h; ++hh) {
       const int64_t kh = hh / (h / hkv);
-      std::vector<double> sc(cl[i]);
+      std::vector<double> sc(cl[i] - lo[i]);  // scores of the visible positions lo .. ctx - 1
       double mx = -1e300, den = 0;
       auto at = [&](const std::vector<C>& cache, int64_t p, int64_t j) {
         return kv_at(cache.data() + ((bt[i * per_seq + p / S] * S + p % S) * hkv + kh) * dp, j, d);
       };
-      for (int64_t p = 0; p < cl[i]; ++p) {
+      for (int64_t p = lo[i]; p < cl[i]; ++p) {
         double s = 0;
         for (int64_t j = 0; j < d; ++j) s += to_double(q[(i * h + hh) * d + j]) * at(kc, p, j);
-        sc[p] = s * scale;
-        mx = std::max(mx, sc[p]);
+        sc[p - lo[i]] = s * scale;
+        mx = std::max(mx, sc[p - lo[i]]);
       }
       for (auto& s : sc) den += (s = std::exp(s - mx));
       for (int64_t j = 0; j < d; ++j) {
         double a = 0;
-        for (int64_t p = 0; p < cl[i]; ++p) a += sc[p] * at(vc, p, j);
+        for (int64_t p = lo[i]; p < cl[i]; ++p) a += sc[p - lo[i]] * at(vc, p, j);
         want[(i * h + hh) * d + j] = a / den;
       }
     }
@@ -242,7 +267,7 @@ static void check_decode(int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t c
   const bool all_f32 = std::is_same_v<Q, float> && (std::is_same_v<C, float> || kQuantKV<C>);
   expect(kQuantKV<C> ? "paged_decode (quantised cache)" : "paged_decode", out.data(), want, all_f32 ? 2e-5 : 2e-2,
          "b=" + std::to_string(b) + " h=" + std::to_string(h) + " hkv=" + std::to_string(hkv) + " d=" + std::to_string(d) +
-             " ctx=" + std::to_string(ctx_max));
+             " ctx=" + std::to_string(ctx_max) + " window=" + std::to_string(window));
 }
 
 static void check_layer() {  // the vector layer's own pieces: exp, bfloat16 rounding, the transposed lane sum
@@ -404,6 +429,14 @@ int main() {
         check_decode<float, int8_t>(b, 6, 2, d, ctx);
         check_decode<float, fp8e4m3>(b, 6, 2, d, ctx);
         check_decode<bf16, int8_t>(b, 4, 4, d, ctx);
+      }
+  // sliding windows: shorter than a block, a block, across block edges, longer than the context
+  for (int64_t d : {64, 128, 48})
+    for (int64_t b : {1, 3})
+      for (int64_t window : {5, 16, 23, 100}) {
+        check_decode<float, float>(b, 6, 2, d, 70, window);
+        check_decode<bf16, bf16>(b, 4, 4, d, 70, window);
+        check_decode<float, int8_t>(b, 6, 2, d, 70, window);
       }
   check_fp8_widening();
   check_fp8_rounding();

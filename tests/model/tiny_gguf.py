@@ -73,7 +73,8 @@ def _unpermute(name, w, config, arch):
 def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=None, name: str = "tiny",
                     drop: tuple = (), replace: dict | None = None, chat_template: str | None = None,
                     token_count: int | None = None, extra_tensors: dict | None = None,
-                    rope_scaling: tuple | None = None, raw_tensors: dict | None = None) -> str:
+                    rope_scaling: tuple | None = None, raw_tensors: dict | None = None,
+                    extra_metadata: dict | None = None) -> str:
     """Write `state_dict` (HF names) with `config` (a servescope ModelConfig) as a GGUF file.
 
     drop: HF names to leave out; replace: {HF name: array} written instead of the real tensor.
@@ -81,6 +82,7 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
     rope_scaling: (type, factor) written as {arch}.rope.scaling.type / .factor metadata.
     raw_tensors: {HF name: (uint8 blocks [rows, bytes], GGML type)} written as they are, in the file's row
     order, instead of the tensor (the K-quants, which gguf-py cannot write from floats).
+    extra_metadata: {key: int or float} metadata written as uint32 / float32 (e.g. llama.attention.sliding_window).
     """
     import gguf
 
@@ -104,6 +106,8 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
     if rope_scaling:
         w.add_string(f"{arch}.rope.scaling.type", rope_scaling[0])
         w.add_float32(f"{arch}.rope.scaling.factor", rope_scaling[1])
+    for key, value in (extra_metadata or {}).items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
     if token_count:
         w.add_token_list([f"t{i}" for i in range(token_count)])
     if chat_template:

@@ -27,7 +27,7 @@ from servescope.analysis.hardware import HardwareSpec
 from servescope.analysis.packed_weights import packed_format
 from servescope.analysis.op_counts import (
     FLOAT_DTYPES, LINEAR_OPS, OP_NAMES, attended_keys, attention_flops, attention_flops_noncausal, check_seqs,
-    kv_cache_bytes_per_token, matmul_flops, resolve_dtypes, step_op_counts, weight_bytes,
+    kv_cache_bytes_per_token, layer_keys, matmul_flops, resolve_dtypes, step_op_counts, weight_bytes,
 )
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError
@@ -179,11 +179,11 @@ def step_cost(
     # the spec has one (the local probe): weight bytes / rate(M), M = tokens (lm_head: logit rows).
     # Decode attention (one query per sequence) likewise cannot beat its kernel's measured FLOP/s.
     dec_rate = hw.decode_attention_flops.get(adt)
-    dec_keys = sum(c + 1 for n, c in seqs if n == 1)  # attended_keys(1, c): the decode sequences' share
+    dec_keys = layer_keys(cfg, [s for s in seqs if s[0] == 1])  # the decode sequences' share, all layers
     attn_kernel = 0.0
     if dec_rate and dec_keys:
         attn_flops = next(f for name, f, _, _ in raw if name == "attention")
-        dec_flops = 4 * cfg.num_attention_heads * cfg.head_dim * L * dec_keys
+        dec_flops = 4 * cfg.num_attention_heads * cfg.head_dim * dec_keys
         attn_kernel = dec_flops / (dec_rate * eff_c) + (attn_flops - dec_flops) / peak
 
     def kernel_s(name: str, w: float) -> float:

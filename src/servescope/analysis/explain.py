@@ -23,7 +23,7 @@ from rich.table import Table
 from servescope.analysis.cost_model import critical_batch_size, step_cost
 from servescope.analysis.hardware import HardwareSpec
 from servescope.analysis.memory_planner import plan_memory
-from servescope.analysis.op_counts import kv_cache_bytes_per_token, resolve_dtypes, weight_bytes
+from servescope.analysis.op_counts import kv_cache_bytes_held, kv_cache_bytes_per_token, resolve_dtypes, weight_bytes
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError
 
@@ -84,7 +84,7 @@ def explain(cfg: ModelConfig, hw: HardwareSpec, batch: int = 1, prompt_len: int 
         "num_parameters": cfg.num_parameters(),
         "weight_bytes": weight_bytes(cfg, wdt, adt),
         "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg, kdt),
-        "kv_cache_bytes_per_sequence": kv_cache_bytes_per_token(cfg, kdt) * total_len,
+        "kv_cache_bytes_per_sequence": kv_cache_bytes_held(cfg, kdt, total_len),  # a window caps it
         "critical_batch_size": None if math.isinf(crit) else crit,
         "critical_batch_size_context": mid_ctx,
         "critical_batch_size_no_context": None if math.isinf(crit0) else crit0,

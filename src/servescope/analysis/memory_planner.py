@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from servescope.analysis.op_counts import kv_cache_bytes_per_token, resolve_dtypes, weight_bytes
+from servescope.config.layers import window_of
 from servescope.analysis.hardware import DTYPE_BYTES
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError
@@ -84,6 +85,9 @@ def plan_memory(cfg: ModelConfig, memory_bytes: int, weight_dtype: str = "bfloat
     per_tok = kv_cache_bytes_per_token(cfg, kdt)
     per_block = per_tok * block_size
     blocks_per_seq = math.ceil(ctx / block_size)
+    window = window_of(cfg.layer_specs())
+    if window:  # every layer windowed: the KV manager gives back the blocks that slid out of the window
+        blocks_per_seq = min(blocks_per_seq, math.ceil(window / block_size) + 1)
     free = max(budget - w - act, 0)
     num_blocks = free // per_block
     max_seqs = num_blocks // blocks_per_seq

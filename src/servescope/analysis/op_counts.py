@@ -17,7 +17,8 @@ Counting rules (the invariants the tests check):
   CPU flash kernel not at all; `attention_flops_noncausal` gives the full-product figure.
 - Weights are read once per step whatever the batch (the whole point of batching decode); the
   embedding table is the exception: only the T rows looked up are read.
-- "kv_read" reads each sequence's cached context (c tokens, all layers); the new tokens' K/V come
+- "kv_read" reads each sequence's cached context (c tokens, all layers; a sliding layer min(c, window),
+  and attention counts each layer's keys over its own window); the new tokens' K/V come
   from activations and are counted once in "kv_write".
 - "lm_head" runs only for tokens whose logits are needed: one per sequence in the engine.
 - int8 means weight-only quantisation: linear weights in decoder layers are 1 byte per parameter
@@ -35,6 +36,7 @@ from typing import Optional, Sequence
 from servescope.analysis.hardware import DTYPE_BYTES, DTYPES
 from servescope.analysis.packed_weights import packed_format
 from servescope.config import ModelConfig
+from servescope.config.layers import window_of
 from servescope.errors import InvalidParameterError
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -173,16 +175,47 @@ def check_seqs(seqs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def attended_keys(num_new: int, context_before: int) -> int:
-    """Sum over the new tokens of the keys each attends to, causally: sum_{p=c}^{c+n-1} (p + 1)."""
+def attended_keys(num_new: int, context_before: int, window: int = 0) -> int:
+    """Sum over the new tokens of the keys each attends to, causally: sum_{p=c}^{c+n-1} (p + 1), each
+    term capped at `window` for a sliding layer (window > 0)."""
     n, c = num_new, context_before
-    return n * c + n * (n + 1) // 2
+    if not window:
+        return n * c + n * (n + 1) // 2
+    k = max(0, min(c + n, window) - c)  # the first k tokens see all their keys, the rest `window` each
+    return k * c + k * (k + 1) // 2 + (n - k) * window
+
+
+def layer_windows(cfg: ModelConfig) -> dict:
+    """{window: number of layers} over the model's layer specs (0: full attention)."""
+    out: dict = {}
+    for spec in cfg.layer_specs():
+        out[spec.attention.window] = out.get(spec.attention.window, 0) + 1
+    return out
+
+
+def layer_keys(cfg: ModelConfig, seqs: Sequence[tuple[int, int]], read_only: bool = False) -> int:
+    """Keys attended, summed over the layers and the sequences: each layer kind over its own window.
+    read_only: the cached keys a step reads instead (each sequence's context, min(context, window) for a
+    sliding layer), per layer."""
+    total = 0
+    for window, count in layer_windows(cfg).items():
+        if read_only:
+            total += count * sum(min(c, window) if window else c for _, c in seqs)
+        else:
+            total += count * sum(attended_keys(n, c, window) for n, c in seqs)
+    return total
+
+
+def kv_cache_bytes_held(cfg: ModelConfig, kv_dtype: str, context: int) -> int:
+    """KV bytes one sequence of `context` tokens holds in the engine's cache (block rounding aside): every
+    layer's whole context, or with every layer windowed (the manager gives the rest back) the window's."""
+    window = window_of(cfg.layer_specs())
+    return kv_cache_bytes_per_token(cfg, kv_dtype) * (min(context, window) if window else context)
 
 
 def attention_flops(cfg: ModelConfig, seqs: Sequence[tuple[int, int]]) -> int:
-    """QK^T + PV FLOPs, counted exactly causally (see module docstring)."""
-    keys = sum(attended_keys(n, c) for n, c in check_seqs(seqs))
-    return 4 * cfg.num_attention_heads * cfg.head_dim * keys * cfg.num_hidden_layers
+    """QK^T + PV FLOPs, counted exactly causally (see module docstring), each layer over its window."""
+    return 4 * cfg.num_attention_heads * cfg.head_dim * layer_keys(cfg, check_seqs(seqs))
 
 
 def attention_flops_noncausal(cfg: ModelConfig, seqs: Sequence[tuple[int, int]]) -> int:
@@ -203,9 +236,9 @@ def step_op_counts(cfg: ModelConfig, seqs: Sequence[tuple[int, int]], wdt: str, 
     L, d, i, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, q, kv = cfg.num_attention_heads, cfg.q_size, cfg.kv_size
     T = sum(n for n, _ in seqs)
-    keys = sum(attended_keys(n, c) for n, c in seqs)
-    attn_flops = 4 * H * cfg.head_dim * L * keys  # = attention_flops(cfg, seqs), from the keys counted once
-    context = sum(c for _, c in seqs)
+    keys = layer_keys(cfg, seqs)  # summed over the layers, each over its own window
+    attn_flops = 4 * H * cfg.head_dim * keys  # = attention_flops(cfg, seqs)
+    read_per_layer = layer_keys(cfg, seqs, read_only=True)  # cached tokens read, summed over the layers
     mm = matmul_flops(cfg, T, n_logits)
     lin_w = _layer_linear_bytes(cfg, wdt, adt)
     emb_row, head_w, _ = table_bytes(cfg, wdt, adt)
@@ -220,7 +253,7 @@ def step_op_counts(cfg: ModelConfig, seqs: Sequence[tuple[int, int]], wdt: str, 
         # read q and the new k, v [T, q + 2kv], write out [T, q]; cached K/V are in kv_read
         ("attention", attn_flops, L * T * (2 * q + 2 * kv) * ab, 0),
         ("kv_write", 0, T * kv_tok, 0),
-        ("kv_read", 0, context * kv_tok, 0),
+        ("kv_read", 0, read_per_layer * (kv_tok // L), 0),  # a sliding layer reads min(context, window)
         # read attn [T, q], write [T, d]
         ("attn_out_proj", mm["attn_out_proj"], L * T * (q + d) * ab, L * lin_w["attn_out_proj"]),
         # gate and up each read x [T, d] and write [T, i]; down reads [T, i], writes [T, d]
@@ -229,8 +262,8 @@ def step_op_counts(cfg: ModelConfig, seqs: Sequence[tuple[int, int]], wdt: str, 
     # Small ops: 2 RMSNorms + 2 residual adds + RoPE (+ q/k norm, + bias adds) per layer, SiLU*up,
     # softmax (fused in SDPA: FLOPs only), and the final norm.
     qk = q + kv
-    misc_flops = L * (2 * _RMSNORM_FLOPS * T * d + 2 * T * d + _ROPE_FLOPS * T * qk
-                      + _SILU_MUL_FLOPS * T * i + _SOFTMAX_FLOPS * H * keys)
+    misc_flops = (L * (2 * _RMSNORM_FLOPS * T * d + 2 * T * d + _ROPE_FLOPS * T * qk + _SILU_MUL_FLOPS * T * i)
+                  + _SOFTMAX_FLOPS * H * keys)
     misc_bytes = L * (2 * 2 * T * d + 2 * 3 * T * d + 2 * T * qk + 3 * T * i) * ab
     if cfg.qk_norm:
         misc_flops += L * _RMSNORM_FLOPS * T * qk

@@ -25,15 +25,27 @@ class Family:
     fixed: dict = field(default_factory=dict)
     # the checkpoint holds q|k|v and gate|up as one tensor each (self_attn.qkv_proj, mlp.gate_up_proj)
     fused_checkpoint: bool = False
+    # config.json fields beyond config/hf_fields.READ that this family reads (any other field that would
+    # change the maths is a load error: config/hf_fields.py)
+    hf_fields: frozenset = frozenset()
+    # which layers attend over a sliding window (config/hf_fields.window_layers): "none" (the family has
+    # no window), "all" (every layer, when sliding_window is set), "max_window_layers" (transformers'
+    # Qwen2: layers from max_window_layers on, when use_sliding_window), "alternate" (even layers)
+    window_pattern: str = "none"
 
+
+_WINDOW_ALL = frozenset({"sliding_window"})
+_WINDOW_QWEN = frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"})
 
 FAMILIES = {f.name: f for f in (
     Family("llama", "LlamaForCausalLM", "llama"),  # Llama 2/3, SmolLM; Mistral GGUFs say "llama" too
-    Family("mistral", "MistralForCausalLM"),
-    Family("qwen2", "Qwen2ForCausalLM", "qwen2", hf_defaults={"attention_bias": True}),
-    Family("qwen3", "Qwen3ForCausalLM", "qwen3", fixed={"qk_norm": True}),
+    Family("mistral", "MistralForCausalLM", hf_fields=_WINDOW_ALL, window_pattern="all"),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen2", hf_defaults={"attention_bias": True}, hf_fields=_WINDOW_QWEN,
+           window_pattern="max_window_layers"),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen3", fixed={"qk_norm": True}, hf_fields=_WINDOW_QWEN,
+           window_pattern="max_window_layers"),
     # fused qkv_proj / gate_up_proj in the checkpoint (our own names: no fusing at load), LongRoPE
-    Family("phi3", "Phi3ForCausalLM", "phi3", fused_checkpoint=True),
+    Family("phi3", "Phi3ForCausalLM", "phi3", fused_checkpoint=True, hf_fields=_WINDOW_ALL, window_pattern="all"),
 )}
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)

@@ -10,11 +10,11 @@ error at load time, never a silently different model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
-
 from servescope.errors import InvalidParameterError
 
-ATTENTION_KINDS = ("full",)  # causal attention over the whole context
+# "full": causal attention over the whole context; "sliding": over the last `window` positions only (the
+# query at position p sees keys p - window + 1 .. p, transformers' sliding_window semantics)
+ATTENTION_KINDS = ("full", "sliding")
 MLP_KINDS = ("dense",)  # a gated MLP: down(act(gate(x)) * up(x))
 ACTIVATIONS = ("silu",)
 NORM_PLACEMENTS = ("pre",)  # an RMSNorm before attention and before the MLP, residual adds after each
@@ -25,11 +25,15 @@ class AttentionSpec:
     kind: str = "full"
     bias: bool = False  # a bias on the q, k, v projections (Qwen2)
     qk_norm: bool = False  # an RMSNorm over each head's features of q and k before rotary (Qwen3)
+    window: int = 0  # kind "sliding": keys within this many positions of the query (0 for "full")
 
     def __post_init__(self):
         if self.kind not in ATTENTION_KINDS:
             raise InvalidParameterError("attention", f"attention kind {self.kind!r} is not implemented "
                                                      f"(implemented: {', '.join(ATTENTION_KINDS)})")
+        if (self.kind == "sliding") != (self.window > 0):
+            raise InvalidParameterError("sliding_window", f"attention kind {self.kind!r} with window {self.window}: "
+                                                          "a sliding layer needs a positive window, a full one none")
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,8 @@ class LayerSpec:
                                                 f"(implemented: {', '.join(NORM_PLACEMENTS)})")
 
 
-def uniform_layers(num_layers: int, attention: Optional[AttentionSpec] = None,
-                   mlp: Optional[MlpSpec] = None) -> tuple:
-    """num_layers copies of one spec (every family so far has identical layers)."""
-    spec = LayerSpec(attention or AttentionSpec(), mlp or MlpSpec())
-    return (spec,) * num_layers
+def window_of(specs) -> int:
+    """The window every layer of `specs` attends over, 0 when any layer attends over the whole context
+    (then the KV cache keeps every block; config/layers.py's kinds)."""
+    windows = {s.attention.window for s in specs}
+    return windows.pop() if len(windows) == 1 else 0

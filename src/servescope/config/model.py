@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from servescope.config.families import family, family_of_hf
-from servescope.config.layers import AttentionSpec, MlpSpec, uniform_layers
+from servescope.config.hf_fields import check_fields, window_layers
+from servescope.config.layers import AttentionSpec, LayerSpec, MlpSpec
 from servescope.errors import InvalidParameterError
 
 ROPE_TYPES = ("default", "llama3", "linear", "longrope")
@@ -61,7 +62,11 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q, k, v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
-    sliding_window: Optional[int] = None  # recorded, not applied (Mistral v0.2+ has none)
+    sliding_window: Optional[int] = None  # the window of the layers that have one (AttentionSpec kind "sliding")
+    # per-layer attention kinds ("full" / "sliding") when they differ between layers (Qwen2's max_window_layers,
+    # Gemma 2's alternation); empty: every layer is "sliding" when sliding_window is set, else "full". May be
+    # longer than num_hidden_layers in the config of a pipeline stage's first layers.
+    layer_types: tuple = ()
     hidden_act: str = "silu"
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
@@ -79,12 +84,20 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})",
             )
+        if self.sliding_window is not None and int(self.sliding_window) <= 0:
+            raise InvalidParameterError("sliding_window", f"sliding_window must be positive, got {self.sliding_window}")
+        if self.layer_types and (len(self.layer_types) < self.num_hidden_layers or self.sliding_window is None):
+            raise InvalidParameterError("layer_types", "layer_types needs one kind per layer and a sliding_window")
 
     def layer_specs(self) -> tuple:
         """What each decoder layer computes (config/layers.py), validated: a kind the model does not
         implement raises here, at load time."""
-        attention = AttentionSpec(bias=self.attention_bias, qk_norm=self.qk_norm)
-        return uniform_layers(self.num_hidden_layers, attention, MlpSpec(activation=self.hidden_act))
+        mlp = MlpSpec(activation=self.hidden_act)
+        kinds = self.layer_types or ("sliding" if self.sliding_window else "full",) * self.num_hidden_layers
+        specs = {k: LayerSpec(AttentionSpec(k, bias=self.attention_bias, qk_norm=self.qk_norm,
+                                            window=int(self.sliding_window or 0) if k == "sliding" else 0), mlp)
+                 for k in set(kinds[:self.num_hidden_layers])}
+        return tuple(specs[k] for k in kinds[:self.num_hidden_layers])
 
     @property
     def q_size(self) -> int:
@@ -111,7 +124,9 @@ class ModelConfig:
         """Build from a Hugging Face config.json dict. Raises InvalidParameterError on unknown models
         and on fields that ask for maths the model does not implement."""
         fam = family_of_hf(d)
+        check_fields(d, fam.hf_fields, fam.name)
         d = {**fam.hf_defaults, **d}
+        sliding_window, kinds = window_layers(fam.window_pattern, d, int(d["num_hidden_layers"]))
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         head_dim = d.get("head_dim") or hidden // heads
@@ -138,7 +153,8 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
             qk_norm=bool(d.get("qk_norm", False)),
-            sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
+            sliding_window=sliding_window,
+            layer_types=kinds if len(set(kinds)) > 1 else (),
             hidden_act=str(d.get("hidden_act", "silu")),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -168,6 +184,7 @@ class ModelConfig:
         }
         if self.architecture in ("llama", "mistral"):
             d["attention_bias"] = self.attention_bias
+        d.update(_window_to_hf(self))
         if self.rope_scaling is not None:
             rs = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.rope_scaling).items()}
             if self.rope_scaling.rope_type == "longrope":
@@ -203,3 +220,15 @@ def _rope_from_hf(d: dict) -> tuple:
         long_factor=tuple(float(x) for x in rs.get("long_factor") or ()),
         attention_factor=None if attention_factor is None else float(attention_factor),
     )
+
+
+def _window_to_hf(cfg: ModelConfig) -> dict:
+    """The config.json fields that give cfg's windowed layers back under its family's window_pattern."""
+    if cfg.sliding_window is None:
+        return {}
+    out = {"sliding_window": cfg.sliding_window}
+    if family(cfg.architecture).window_pattern == "max_window_layers":
+        out.update(use_sliding_window=True, max_window_layers=0)  # all windowed unless layer_types says otherwise
+    if cfg.layer_types:
+        out["layer_types"] = [f"{k}_attention" for k in cfg.layer_types[:cfg.num_hidden_layers]]
+    return out

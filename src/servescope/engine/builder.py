@@ -24,6 +24,7 @@ import torch
 
 from servescope.analysis.hardware import HardwareSpec
 from servescope.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from servescope.config.layers import window_of
 from servescope.engine.executor import ModelExecutor
 from servescope.engine.hardware import default_hardware, default_link
 from servescope.engine.kv_sizing import check_kv_layout, kv_bytes_per_token, num_kv_blocks
@@ -97,7 +98,10 @@ def build_engine(config: EngineConfig, shared: Optional[LoadedModel] = None,
                 blocks, config.cache.block_size, blocks * config.cache.block_size, per_token,
                 runner.kv_cache_bytes / 2**20, str(kv_dtype).replace("torch.", ""))
     cache_config, scheduler_config = runtime_configs(config, blocks, max_len)
-    kv_manager = KVCacheManager(cache_config)
+    # blocks that slid out of every layer's window go back (a draft model's layers read the same tables:
+    # they may attend over the whole context, so then every block stays)
+    drafted = config.speculative.speculative_method == "draft"
+    kv_manager = KVCacheManager(cache_config, window=0 if drafted else window_of(shard_cfg.layer_specs()))
     cost = None
     if config.telemetry.predict_step_cost:
         hardware = hardware or default_hardware(device, config.telemetry.hardware)

@@ -10,6 +10,13 @@ Invariants (check_invariants() asserts them; tests call it after every sequence 
   - a block is hashed when the step that computes its last token is scheduled (allocate_slots),
     so a request admitted later in the same step can hit it: the engine writes all KV of a
     layer before any attention of that layer reads it.
+  - with a window (every layer of the model attends over its last `window` positions), a block whose
+    every position lies before the window of the request's next query goes back at once (a cached
+    one stays findable, evictable): its table entry becomes NO_BLOCK, so block i still means tokens
+    [i*S, (i+1)*S) and a decoding request holds at most cdiv(window, S) + 1 blocks. A prefix hit
+    needs the whole chain of its blocks from the first (the simplest correct rule: the lookup is the
+    same as without a window); the hit blocks already out of view go back right after admission.
+    A model with any full-attention layer keeps every block (window 0).
 Pure Python, no torch: tested on plain integers.
 """
 
@@ -38,6 +45,9 @@ class SequenceLike(Protocol):
     def num_tokens(self) -> int: ...
 
 
+# the table entry of a block that slid out of the window and went back (never read by the kernels)
+NO_BLOCK = -1
+
 # KVCacheManager.block_map() states
 BLOCK_FREE, BLOCK_USED, BLOCK_CACHED, BLOCK_EVICTABLE = 0, 1, 2, 3
 
@@ -47,8 +57,10 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, config: CacheConfig):
+    def __init__(self, config: CacheConfig, window: int = 0):
         self.config = config
+        # every layer's attention window (config/layers.window_of); 0: some layer reads the whole context
+        self.window = window
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks
         self.enable_prefix_caching = config.enable_prefix_caching
@@ -57,6 +69,7 @@ class KVCacheManager:
         self._blocks: dict[str, list[int]] = {}  # request id -> block table
         self._hashes: dict[str, list[BlockHash]] = {}  # request id -> hashes of its full blocks so far
         self._num_hashed: dict[str, int] = {}  # request id -> its leading blocks already offered to the cache
+        self._num_slid: dict[str, int] = {}  # request id -> its leading blocks given back (out of the window)
         # metrics, in tokens, counted at each admission (a request re-tried every step counts once)
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -104,6 +117,8 @@ class KVCacheManager:
         owners: list[str | None] = [None] * self.num_blocks
         for rid, table in self._blocks.items():
             for b in table:
+                if b == NO_BLOCK:
+                    continue
                 if owners[b] is None:
                     owners[b] = rid
                 states[b] = BLOCK_CACHED if self.prefix_cache.is_cached(b) else BLOCK_USED
@@ -164,6 +179,8 @@ class KVCacheManager:
             assert not held and request.num_computed_tokens == 0, f"{rid}: cache hit for a request that holds blocks"
             assert num_computed_from_cache == len(computed_blocks) * self.block_size
         admitting = not held
+        if held:  # blocks out of view go back first (whether or not this allocation succeeds: none reads them)
+            self._release_slid_out(rid, request.num_computed_tokens)
         total = request.num_computed_tokens + num_computed_from_cache + num_new_tokens
         num_new_blocks = max(self.num_blocks_for(total + num_lookahead_tokens) - len(held) - len(computed_blocks), 0)
         # Hit blocks that sit in the evictable list stop being available once we take them.
@@ -179,6 +196,8 @@ class KVCacheManager:
             table.append(b)
         if computed_blocks:
             self._num_hashed[rid] = len(computed_blocks)
+        if admitting:
+            self._release_slid_out(rid, num_computed_from_cache)
         for _ in range(num_new_blocks):
             table.append(self._allocate_block())
 
@@ -207,7 +226,8 @@ class KVCacheManager:
         hashes = self._request_hashes(request, num_full)
         for i in range(start, num_full):
             # False when another block already holds this content: this one stays private.
-            self.prefix_cache.insert(hashes[i], table[i])
+            if table[i] != NO_BLOCK:
+                self.prefix_cache.insert(hashes[i], table[i])
         self._num_hashed[rid] = num_full
 
     def rollback(self, request: SequenceLike, num_tokens: int) -> int:
@@ -240,17 +260,39 @@ class KVCacheManager:
         table = self._blocks.pop(rid, [])
         self._hashes.pop(rid, None)
         self._num_hashed.pop(rid, None)
+        self._num_slid.pop(rid, None)
         num_written = request.num_computed_tokens // self.block_size
         for i in range(len(table) - 1, -1, -1):
-            b = table[i]
-            if self.allocator.decref(b) > 0:
-                continue
-            if self.prefix_cache.is_cached(b) and i < num_written:
-                self.prefix_cache.add_evictable(b)
-            else:
-                if self.prefix_cache.is_cached(b):
-                    self.prefix_cache.uncache(b)
-                self.allocator.release(b)
+            if table[i] != NO_BLOCK:
+                self._drop(table[i], written=i < num_written)
+
+    def _drop(self, b: int, written: bool) -> None:
+        """One hold on block b ends: with no holder left, a cached block whose KV is written becomes
+        evictable (still findable), any other goes back to the free list."""
+        if self.allocator.decref(b) > 0:
+            return
+        if self.prefix_cache.is_cached(b) and written:
+            self.prefix_cache.add_evictable(b)
+        else:
+            if self.prefix_cache.is_cached(b):
+                self.prefix_cache.uncache(b)
+            self.allocator.release(b)
+
+    def _release_slid_out(self, rid: str, num_computed: int) -> None:
+        """Give back the request's blocks that lie wholly before the window of its next query (position
+        num_computed sees keys num_computed - window + 1 on): no layer reads them again."""
+        if not self.window:
+            return
+        table = self._blocks[rid]
+        dead = min(max(0, num_computed - self.window + 1) // self.block_size, len(table))
+        for i in range(self._num_slid.get(rid, 0), dead):
+            self._drop(table[i], written=True)
+            table[i] = NO_BLOCK
+        self._num_slid[rid] = max(dead, self._num_slid.get(rid, 0))
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (its table less the entries that slid out of the window)."""
+        return sum(b != NO_BLOCK for b in self._blocks.get(request_id, ()))
 
     def reset_prefix_cache(self) -> int:
         """Forget every hash (e.g. after weights change). Evictable blocks become free; blocks in
@@ -268,13 +310,15 @@ class KVCacheManager:
         cache.check_invariants()
         owners = [0] * self.num_blocks
         for rid, table in self._blocks.items():
-            assert len(set(table)) == len(table), f"{rid}: a block appears twice in its table {table}"
-            for b in table:
+            held = [b for b in table if b != NO_BLOCK]
+            assert len(set(held)) == len(held), f"{rid}: a block appears twice in its table {table}"
+            assert all(b == NO_BLOCK for b in table[:self._num_slid.get(rid, 0)]), f"{rid}: slid-out block held"
+            for b in held:
                 owners[b] += 1
             hashes = self._hashes.get(rid, [])
             assert self._num_hashed.get(rid, 0) <= len(table), f"{rid}: more blocks offered than held"
             for i, b in enumerate(table):
-                h = cache.hash_of(b)
+                h = cache.hash_of(b) if b != NO_BLOCK else None
                 if h is not None and i < self._num_hashed.get(rid, 0):
                     assert i < len(hashes) and hashes[i] == h, f"{rid}: block {b} (#{i}) cached under a foreign hash"
         free = set(alloc.free_block_ids())

@@ -139,6 +139,11 @@ class _Metadata:
         return v
 
 
+# {arch}.{suffix} GGUF metadata that changes the maths (llama.cpp's names) and is not implemented
+GGUF_UNIMPLEMENTED = ("attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping",
+                      "attention.sliding_window_pattern")
+
+
 def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
     arch = meta.raw_arch
     fam = family_of_gguf(arch)
@@ -150,6 +155,10 @@ def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
     name = meta.get("general.name") or os.path.basename(path)
     if family == "llama" and "mistral" in str(name).lower():
         family = "mistral"
+    for suffix in GGUF_UNIMPLEMENTED:  # maths llama.cpp applies that the model does not: refused, not ignored
+        if meta.arch_key(suffix) is not None:
+            raise ModelLoadError(f"{path}: GGUF metadata {arch}.{suffix} asks for attention maths that is "
+                                 "not implemented")
     tensor_names = {t.name for t in reader.tensors}
     hidden = _positive_int(meta, "embedding_length", meta.arch_key("embedding_length", required=True))
     heads = _positive_int(meta, "attention.head_count", meta.arch_key("attention.head_count", required=True))

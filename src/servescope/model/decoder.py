@@ -40,7 +40,8 @@ FUSED_PROJECTIONS = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_pr
 
 
 class Attention(nn.Module):
-    """Causal attention over the whole context (kind "full"), GQA, optional q/k/v bias and q/k norm."""
+    """Causal attention over the whole context (kind "full") or over the last `window` positions (kind
+    "sliding": the backend skips the keys before the window), GQA, optional q/k/v bias and q/k norm."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
@@ -48,6 +49,7 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        self.window = spec.attention.window  # 0: the whole context
         # output rows: q [H*D] | k [Hkv*D] | v [Hkv*D] (a tensor-parallel shard splits each part)
         self.qkv_sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.qkv_sizes), bias=spec.attention.bias)
@@ -69,7 +71,7 @@ class Attention(nn.Module):
         q, k = RotaryEmbedding.apply(cos_sin, q, k)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta)
-        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))  # [T, H*D] -> [T, Dm]
 
 
@@ -85,7 +87,7 @@ class GatedMLP(nn.Module):
         return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, Dm]
 
 
-ATTENTION_KINDS = {"full": Attention}
+ATTENTION_KINDS = {"full": Attention, "sliding": Attention}  # the window is the spec's
 MLP_KINDS = {"dense": GatedMLP}
 
 

@@ -83,7 +83,8 @@ def cpu_decode_plan(model: nn.Module):
         served += [p[2] for p in parts]
     if any(n.weight.dtype != dtype or n.eps != cfg.rms_norm_eps for n in norms_of) or dtype not in cpu_ops.DTYPES:
         return None
-    plan = mod.DecodePlan(layers, limits, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+    windows = [layer.self_attn.window for layer in model.model.layers]
+    plan = mod.DecodePlan(layers, limits, windows, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                           cfg.rms_norm_eps, cfg.head_dim ** -0.5)
     return DecodePlanLayers(plan, min(served), model.rotary)
 

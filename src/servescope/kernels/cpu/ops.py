@@ -70,10 +70,12 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     _EXT.mod.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, out=None) -> torch.Tensor:
+def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, out=None,
+                 window: int = 0) -> torch.Tensor:
     """q [B, H, D]; caches [N, S, Hkv, D] (int8 / fp8: [..., D + 4]); block_tables [>=B, M] int32;
-    context_lens [>=B] int32 -> [B, H, D]."""
-    return _EXT.mod.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, _EMPTY if out is None else out)
+    context_lens [>=B] int32 -> [B, H, D]. window > 0: each row reads its last `window` positions only."""
+    return _EXT.mod.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                 _EMPTY if out is None else out, window)
 
 
 def prefill_attention_supported(group: int, head_dim: int) -> bool:

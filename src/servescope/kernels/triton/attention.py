@@ -139,6 +139,7 @@ def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    window,  # > 0: only the sequence's last `window` positions are read (a sliding layer); 0: all of them
     stride_qb, stride_qh,
     stride_cn, stride_cs, stride_ch,  # cache [N, S, Hkv, D] strides (D stride 1); K and V share them
     stride_bt,
@@ -154,9 +155,10 @@ def _paged_decode_kernel(
     split = tl.program_id(2)
 
     ctx = tl.load(context_lens_ptr + b)
-    # the sequence's own context is cut into NUM_SPLITS ranges of whole BLOCK_N tiles
-    tiles_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), NUM_SPLITS)
-    lo = split * tiles_per_split * BLOCK_N
+    # the visible positions [first, ctx) are cut into NUM_SPLITS ranges of whole BLOCK_N tiles
+    first = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
+    tiles_per_split = tl.cdiv(tl.cdiv(ctx - first, BLOCK_N), NUM_SPLITS)
+    lo = first + split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, ctx)
 
     g = tl.arange(0, GROUP_PAD)
@@ -259,12 +261,13 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, max_context_len: int,
                  out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
-                 num_warps: int = 4) -> torch.Tensor:
+                 num_warps: int = 4, window: int = 0) -> torch.Tensor:
     """q [B, H, D] (one query token per sequence); caches [N, S, Hkv, D]; block_tables [B, M]
     int32; context_lens [B] int32 (0 allowed: the row's output is zeros) -> out [B, H, D] in
     q's dtype. max_context_len is a host-side upper bound used only to size split-K. num_warps:
     of the main kernel (at head dim 128, 4 warps use 255 registers and spill 84 bytes on sm_90,
-    8 do not spill; benchmarks/gpu.py times both)."""
+    8 do not spill; benchmarks/gpu.py times both). window > 0: each row reads its last `window`
+    positions only (a sliding layer)."""
     bsz, h, d = q.shape
     _check_cache(k_cache)
     _check_cache(v_cache)
@@ -282,7 +285,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     group = h // hkv
     d_pad = triton.next_power_of_2(d)
     if num_splits is None:
-        num_splits = choose_num_splits(bsz, hkv, max_context_len, q.device)
+        visible = min(max_context_len, window) if window else max_context_len
+        num_splits = choose_num_splits(bsz, hkv, visible, q.device)
     block_n = max(triton.next_power_of_2(s), 64 if d_pad <= 128 else 32)
     precision = "ieee" if k_cache.dtype == torch.float32 or quant else "tf32"
     if num_splits > 1:
@@ -295,7 +299,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _paged_decode_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_acc, part_m, part_l,
-        scale * 1.4426950408889634,
+        scale * 1.4426950408889634, int(window),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),

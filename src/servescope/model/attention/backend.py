@@ -63,6 +63,8 @@ class AttentionBackend:
         raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, H, D]; k, v [T, Hkv, D] (this step's, already stored) -> out [T, H, D]."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+        """q [T, H, D]; k, v [T, Hkv, D] (this step's, already stored) -> out [T, H, D]. window > 0: the
+        query at position p attends to keys p - window + 1 .. p only (a sliding layer; the blocks before
+        that may have been freed, so they are never read)."""
         raise NotImplementedError

@@ -47,20 +47,24 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return
         super().store_kv(k, v, k_cache, v_cache, meta)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int = 0) -> torch.Tensor:
         if not _cpu_kernels(q, k_cache):
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window)
         nd = meta.num_decode_seqs
         if nd < meta.num_seqs and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16:
+            if window:  # every token one query of the paged kernel over its own window: O(window) per token
+                return self._cpu_paged_tokens(q, k_cache, v_cache, meta, scale, range(meta.num_seqs), window)
             out = self._cpu_bf16_with_prefill(q, k_cache, v_cache, meta, scale)
             if out is not None:
                 return out
         if nd and nd == meta.num_seqs:  # decode only: the kernel's output is the result
-            return cpu_ops.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+            return cpu_ops.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window=window)
         out = torch.empty_like(q)
         if nd:
-            cpu_ops.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale, out=out[:nd])
-        self._attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
+            cpu_ops.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale, out=out[:nd],
+                                 window=window)
+        self._attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out, window)
         return out
 
     @classmethod
@@ -107,10 +111,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return long, rest, rest_idx, starts
 
     @staticmethod
-    def _cpu_paged_tokens(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, seqs) -> torch.Tensor:
+    def _cpu_paged_tokens(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, seqs,
+                          window: int = 0) -> torch.Tensor:
         """The tokens of sequences `seqs` (q holds exactly those, in order), each as one query of the
         paged decode kernel against its own sequence's cached keys up to its own position. That is
-        causal attention, exact per token whatever the chunking; the kernel's bfloat16 pair products
+        causal attention (over the token's last `window` keys when window > 0), exact per token whatever the
+        chunking; the kernel's bfloat16 pair products
         beat SDPA's bfloat16 kernel on prompts of a few hundred tokens (docs/BENCHMARKS.md)."""
         key = ("cpu_tokens", tuple(seqs))
         cached = meta.scratch.get(key)
@@ -124,4 +130,4 @@ class CpuAttentionBackend(TorchAttentionBackend):
             cached = (meta.block_tables[idx].contiguous(), torch.tensor(ctx_of_tok, dtype=torch.int32, device=q.device))
             meta.scratch[key] = cached
         tables, lens = cached
-        return cpu_ops.paged_decode(q, k_cache, v_cache, tables, lens, scale)
+        return cpu_ops.paged_decode(q, k_cache, v_cache, tables, lens, scale, window=window)

@@ -33,59 +33,56 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.view(n * s, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(n * s, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int = 0) -> torch.Tensor:
         nd = meta.num_decode_seqs
         out = torch.empty_like(q)
         if nd:
             # decodes come first in the flat layout: tokens [0, nd) are one query each
             out[:nd] = self._paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
                                           meta.context_lens[:nd], max(meta.context_lens_cpu[:nd]), scale,
-                                          meta.scratch)
-        self._attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
+                                          meta.scratch, window)
+        self._attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out, window)
         return out
 
     @staticmethod
-    def _attend_prefills(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
+    def _attend_prefills(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out,
+                         window: int = 0) -> None:
         """The sequences after the decodes (tokens from num_decode_seqs on), each a causal attention of
-        its new tokens over its cached keys, written into out [T, H, D]."""
+        its new tokens over its cached keys (the last `window` of them per query when window > 0), written
+        into out [T, H, D]."""
         start = meta.num_decode_seqs
         for i in range(start, meta.num_seqs):
             qlen = meta.query_lens_cpu[i]
             ctx = meta.context_lens_cpu[i]
             qi = q[start:start + qlen]  # [q, H, D]
-            if ctx == qlen and not kv_quant.is_quantized(k_cache.dtype):
+            if ctx == qlen and not kv_quant.is_quantized(k_cache.dtype) and not (window and qlen > window):
                 # nothing cached before: causal attention over this step's own k, v (a quantised cache is
                 # read instead, so that a prompt sees the same keys whether it runs in one step or in chunks)
                 out[start:start + qlen] = _sdpa(qi, k[start:start + qlen], v[start:start + qlen], scale, causal=True)
             else:
-                key = ("prefill", i)
+                key = ("prefill", i, window)
                 if key not in meta.scratch:
-                    nblk = (ctx + k_cache.shape[1] - 1) // k_cache.shape[1]
-                    blocks = meta.block_tables[i, :nblk].long()
-                    # query j sits at position ctx - qlen + j and sees keys 0 .. ctx - qlen + j
-                    qpos = torch.arange(ctx - qlen, ctx, device=q.device)
-                    mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # [q, ctx]
-                    meta.scratch[key] = (blocks, mask)
-                blocks, mask = meta.scratch[key]
-                # [nblk, S, Hkv, D] -> [nblk*S, Hkv, D] -> [ctx, Hkv, D]
-                ki = kv_quant.gather(k_cache, blocks, q.dtype).flatten(0, 1)[:ctx]
-                vi = kv_quant.gather(v_cache, blocks, q.dtype).flatten(0, 1)[:ctx]
+                    meta.scratch[key] = _prefill_keys(ctx, qlen, k_cache.shape[1], meta.block_tables[i], window,
+                                                      q.device)
+                blocks, lo, hi, mask = meta.scratch[key]
+                # [nblk, S, Hkv, D] -> [nblk*S, Hkv, D] -> the keys the chunk sees, [L, Hkv, D]
+                ki = kv_quant.gather(k_cache, blocks, q.dtype).flatten(0, 1)[lo:hi]
+                vi = kv_quant.gather(v_cache, blocks, q.dtype).flatten(0, 1)[lo:hi]
                 out[start:start + qlen] = _sdpa(qi, ki, vi, scale, mask=mask)
             start += qlen
 
     @staticmethod
     def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, max_ctx: int, scale: float,
-                      scratch: dict | None = None):
+                      scratch: dict | None = None, window: int = 0):
         b, h, d = q.shape
         s = k_cache.shape[1]
-        nblk = (max_ctx + s - 1) // s
-        cached = scratch.get("decode") if scratch is not None else None
+        key = ("decode", window)
+        cached = scratch.get(key) if scratch is not None else None
         if cached is None:
-            tables = block_tables[:, :nblk].long()  # [B, M]
-            valid = torch.arange(nblk * s, device=q.device)[None, :] < context_lens[:, None]  # [B, M*S]
-            cached = (tables, valid[:, None, None, :])  # mask [B, 1, 1, M*S]
+            cached = _decode_keys(block_tables, context_lens, max_ctx, s, window)
             if scratch is not None:
-                scratch["decode"] = cached
+                scratch[key] = cached
         tables, mask = cached
         # [B, M, S, Hkv, D] -> [B, M*S, Hkv, D]
         keys = kv_quant.gather(k_cache, tables, q.dtype).flatten(1, 2)
@@ -98,6 +95,41 @@ class TorchAttentionBackend(AttentionBackend):
         with _sdpa_backends(q.device):
             o = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask, scale=scale)  # [B, Hkv, H/Hkv, D]
         return o.reshape(b, h, d)
+
+
+def _prefill_keys(ctx: int, qlen: int, s: int, table, window: int, device) -> tuple:
+    """(block ids, slice start, slice end, mask [q, L]) of a chunk of qlen queries ending at position ctx - 1:
+    the blocks from the one holding the first key any query of the chunk sees (0, or the first query's
+    position - window + 1), the slice of their keys up to ctx, and the causal (and window) mask."""
+    first = max(0, ctx - qlen - window + 1) if window else 0
+    b0 = first // s
+    blocks = table[b0:(ctx + s - 1) // s].long()
+    kpos = torch.arange(first, ctx, device=device)[None, :]  # [1, L]
+    qpos = torch.arange(ctx - qlen, ctx, device=device)[:, None]  # [q, 1]: query j sits at ctx - qlen + j
+    mask = kpos <= qpos
+    if window:
+        mask &= kpos > qpos - window
+    return blocks, first - b0 * s, ctx - b0 * s, mask
+
+
+def _decode_keys(block_tables, context_lens, max_ctx: int, s: int, window: int) -> tuple:
+    """(block ids [B, M], mask [B, 1, 1, M*S]) of a decode step: each sequence's blocks from the one holding
+    its first visible key (position ctx - window, or 0), so that blocks that slid out of the window (and
+    may have been freed) are never read."""
+    dev = block_tables.device
+    nblk = (max_ctx + s - 1) // s
+    if not window:
+        tables = block_tables[:, :nblk].long()  # [B, M]
+        valid = torch.arange(nblk * s, device=dev)[None, :] < context_lens[:, None]  # [B, M*S]
+        return tables, valid[:, None, None, :]
+    lens = context_lens.long()
+    lo = (lens - window).clamp(min=0)  # [B] first visible position
+    m = min(nblk, (window + s - 1) // s + 1)  # blocks a window can touch
+    idx = (lo // s)[:, None] + torch.arange(m, device=dev)[None, :]  # [B, M] block index in each table
+    tables = block_tables.long().gather(1, idx.clamp(max=block_tables.shape[1] - 1))
+    pos = (idx[:, :, None] * s + torch.arange(s, device=dev)).flatten(1)  # [B, M*S] absolute positions
+    valid = (pos >= lo[:, None]) & (pos < lens[:, None])
+    return tables, valid[:, None, None, :]
 
 
 def _sdpa(q, k, v, scale, causal=False, mask=None):

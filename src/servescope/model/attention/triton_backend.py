@@ -32,18 +32,19 @@ class TritonAttentionBackend(AttentionBackend):
     def store_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int = 0) -> torch.Tensor:
         nd = meta.num_decode_seqs
         if nd == meta.num_seqs:  # decode only: T == B, every row is one query
             return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                max_context_len=meta.max_context_len)
+                                max_context_len=meta.max_context_len, window=window)
         out = torch.empty_like(q)  # [T, H, D]
         if nd:
             # decodes lead the flat layout: tokens [0, nd) are sequences [0, nd)
             paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale,
-                         max_context_len=max(meta.context_lens_cpu[:nd]), out=out[:nd])
+                         max_context_len=max(meta.context_lens_cpu[:nd]), out=out[:nd], window=window)
         out[nd:] = self._reference.forward(q[nd:], k[nd:], v[nd:], k_cache, v_cache,
-                                           _prefill_rows(meta, nd), scale)
+                                           _prefill_rows(meta, nd), scale, window)
         return out
 
 

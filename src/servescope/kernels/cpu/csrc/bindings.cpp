@@ -24,11 +24,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "pack_panels(w [N, K] float32 | bfloat16) -> float32 panels for panel_gemm");
   m.def("panel_gemm", &panel_gemm, "panel_gemm(x, panels, n, bias): float32 GEMM on packed panels -> [M, n]");
   py::class_<DecodePlan>(m, "DecodePlan")
-      .def(py::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>, int64_t, int64_t,
-                    int64_t, double, double>())
+      .def(py::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>, std::vector<int64_t>,
+                    int64_t, int64_t, int64_t, double, double>())
       .def("run_layers", &DecodePlan::run_layers,
            "run_layers(h, residual, cos, sin, kv_caches, slots, block_tables, context_lens) -> [h, residual]");
-  m.def("paged_decode", &paged_decode, "paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)");
+  m.def("paged_decode", &paged_decode,
+        "paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, window): window 0 = whole context");
   m.def("prefill_attention", &prefill_attention,
         "prefill_attention(q, k_cache, v_cache, block_table, ctx, scale): causal, one sequence, bfloat16");
   m.def("prefill_attention_supported", &prefill_attention_supported, "prefill_attention_supported(group, head_dim)");

@@ -187,9 +187,10 @@ void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
 }
 
 // q [B, H, D]; caches [N, S, Hkv, D] (int8 / fp8: [N, S, Hkv, D + 4], kv_quant.h); block_tables [B, M] int32; context_lens [B] int32 -> [B, H, D].
-// `out`, when given (numel > 0), is written instead of a new tensor.
+// `out`, when given (numel > 0), is written instead of a new tensor; window > 0: the last `window` positions of
+// each sequence only (decode_attention.h).
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                           at::Tensor context_lens, double scale, at::Tensor out) {
+                           at::Tensor context_lens, double scale, at::Tensor out, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
               "paged_decode: shapes");
@@ -209,7 +210,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
       using C = decltype(ctag);
       paged_decode_rows<Q, C>(data<Q>(q), q.stride(0), q.stride(1), data<C>(k_cache), data<C>(v_cache), S, hkv, d,
                               block_tables.data_ptr<int32_t>(), block_tables.stride(0), context_lens.data_ptr<int32_t>(),
-                              b, h, (float)scale, data<Q>(out), out.stride(0), out.stride(1));
+                              b, h, (float)scale, data<Q>(out), out.stride(0), out.stride(1), window);
     });
   });
   return out;

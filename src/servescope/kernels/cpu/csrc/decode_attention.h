@@ -3,7 +3,9 @@
 //
 // Shape legend: B sequences, H query heads, Hkv KV heads, G = H / Hkv, D head dim, S block size;
 // q [B, H, D] at strides (qs0, qs1), caches [N, S, Hkv, D], block tables [B, bts] int32, context
-// lengths [B] int32, out [B, H, D] at strides (os0, os1). An int8 / fp8 cache is [N, S, Hkv, D + 4]
+// lengths [B] int32, out [B, H, D] at strides (os0, os1); window > 0: each sequence reads only its last
+// `window` positions (a sliding-window layer: the query at ctx - 1 sees keys ctx - window .. ctx - 1; the
+// blocks before may have been freed and are never touched), 0: its whole context. An int8 / fp8 cache is [N, S, Hkv, D + 4]
 // (each row's float32 scale after its D values, kv_quant.h): its rows are dequantised a tile at a time
 // inside the kernels, never copied out whole.
 #pragma once
@@ -22,7 +24,7 @@ constexpr int64_t HT = 8;  // query heads per register tile
 template <typename Q, typename C>
 void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, int64_t S, int64_t hkv, int64_t d,
                 const int32_t* bt, int64_t bts, const int32_t* cl, int64_t b, int64_t h, float scale, Q* out,
-                int64_t os0, int64_t os1) {
+                int64_t os0, int64_t os1, int64_t window) {
   const int64_t g = h / hkv;
   const int64_t dp = d + kScalePad<C>;  // a row's pitch: D values (and the scale of a quantised cache)
   const int64_t row = hkv * dp;         // elements between consecutive positions of one head in the cache
@@ -46,7 +48,7 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
       std::fill(acc, acc + g * d, 0.f);
       const int64_t ctx = cl[bi];
       const int32_t* table = bt + bi * bts;
-      for (int64_t p = 0; p < ctx;) {
+      for (int64_t p = window > 0 ? std::max<int64_t>(0, ctx - window) : 0; p < ctx;) {
         const int64_t blk = table[p / S], off = p % S;
         const int64_t n = std::min<int64_t>({CH, S - off, ctx - p});
         const C* kb = kc + ((blk * S + off) * hkv + kh) * dp;
@@ -145,7 +147,7 @@ struct Tile {
 template <typename Q, typename C, int D>
 void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, int64_t S, int64_t hkv,
                  const int32_t* bt, int64_t bts, const int32_t* cl, int64_t b, int64_t h, float scale, Q* out,
-                 int64_t os0, int64_t os1) {
+                 int64_t os0, int64_t os1, int64_t window) {
   constexpr int NJ = D / W, HD = NJ >= 16 ? 1 : 16 / NJ, KW = W;  // KW keys per tile
   static_assert(D % W == 0, "decode_fast: head dim a multiple of the vector width");
   // bfloat16 queries and keys: the scores come from VDPBF16PS on the raw pairs (products of two
@@ -167,9 +169,12 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
   const int64_t nthreads = num_threads();
   const int64_t parts = b >= 2 * nthreads ? 1 : (2 * nthreads + b - 1) / b;  // context parts per sequence
   const int64_t items = b * parts;
-  auto range_of = [&](int64_t it, int64_t* p0, int64_t* p1) {  // item -> [p0, p1), cut at multiples of KW
-    const int64_t ctx = cl[it / parts], j = it % parts, per = (ctx + KW * parts - 1) / (KW * parts) * KW;
-    *p0 = std::min(ctx, j * per);
+  // item -> [p0, p1) within the sequence's visible positions [lo, ctx), cut at lo + multiples of KW
+  auto range_of = [&](int64_t it, int64_t* p0, int64_t* p1) {
+    const int64_t ctx = cl[it / parts], j = it % parts;
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+    const int64_t per = (ctx - lo + KW * parts - 1) / (KW * parts) * KW;
+    *p0 = std::min(ctx, lo + j * per);
     *p1 = std::min(ctx, *p0 + per);
   };
   std::vector<int64_t> cum(items + 1, 0);
@@ -407,13 +412,13 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
 template <typename Q, typename C>
 void paged_decode_rows(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, int64_t S, int64_t hkv,
                        int64_t d, const int32_t* bt, int64_t bts, const int32_t* cl, int64_t b, int64_t h, float scale,
-                       Q* out, int64_t os0, int64_t os1) {
+                       Q* out, int64_t os0, int64_t os1, int64_t window = 0) {
   if (d == 64)
-    decode_fast<Q, C, 64>(q, qs0, qs1, kc, vc, S, hkv, bt, bts, cl, b, h, scale, out, os0, os1);
+    decode_fast<Q, C, 64>(q, qs0, qs1, kc, vc, S, hkv, bt, bts, cl, b, h, scale, out, os0, os1, window);
   else if (d == 128)
-    decode_fast<Q, C, 128>(q, qs0, qs1, kc, vc, S, hkv, bt, bts, cl, b, h, scale, out, os0, os1);
+    decode_fast<Q, C, 128>(q, qs0, qs1, kc, vc, S, hkv, bt, bts, cl, b, h, scale, out, os0, os1, window);
   else
-    decode_any<Q, C>(q, qs0, qs1, kc, vc, S, hkv, d, bt, bts, cl, b, h, scale, out, os0, os1);
+    decode_any<Q, C>(q, qs0, qs1, kc, vc, S, hkv, d, bt, bts, cl, b, h, scale, out, os0, os1, window);
 }
 
 }  // namespace servescope_kernels

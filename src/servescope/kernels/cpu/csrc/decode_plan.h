@@ -22,22 +22,24 @@ struct PlanLinear {
 struct PlanLayer {
   at::Tensor ln1, ln2, q_norm, k_norm;  // q_norm / k_norm empty unless the model normalises q, k per head
   PlanLinear qkv, o, gate_up, down;
+  int64_t window;  // attention over the last `window` positions (a sliding layer), 0: the whole context
 };
 
 class DecodePlan {
  public:
   // layers: per layer [ln1, ln2, q_norm, k_norm, then for qkv, o, gate_up, down each: w, scale, bias, packed,
   // packed_bias, panels] (empty tensors where absent); limits: per layer, the four projections' row limits
-  // (gemv_rows, panel_rows) in turn
+  // (gemv_rows, panel_rows) in turn; windows: per layer, its attention window (0: the whole context)
   DecodePlan(std::vector<std::vector<at::Tensor>> layers, std::vector<std::vector<int64_t>> limits,
-             int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+             std::vector<int64_t> windows, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
-    TORCH_CHECK(limits.size() == layers.size(), "DecodePlan: limits per layer");
+    TORCH_CHECK(limits.size() == layers.size() && windows.size() == layers.size(), "DecodePlan: limits per layer");
     for (size_t i = 0; i < layers.size(); ++i) {
       const auto& t = layers[i];
       const auto& r = limits[i];
       TORCH_CHECK(t.size() == 28 && r.size() == 8, "DecodePlan: 28 tensors and 8 limits per layer");
       PlanLayer l;
+      l.window = windows[i];
       l.ln1 = t[0];
       l.ln2 = t[1];
       l.q_norm = t[2];
@@ -85,7 +87,7 @@ class DecodePlan {
       auto qk = rotary(q, k, cos, sin);
       const auto& [k_cache, v_cache] = kv_caches[i];
       store_kv(qk[1], v, k_cache, v_cache, slots);
-      auto o = paged_decode(qk[0], k_cache, v_cache, block_tables, context_lens, scale_, at::Tensor());
+      auto o = paged_decode(qk[0], k_cache, v_cache, block_tables, context_lens, scale_, at::Tensor(), l.window);
       auto r = add_rms_norm(linear(o.reshape({t, qs}), l.o), residual, l.ln2, eps_);
       residual = r[1];
       h = linear(silu_mul(linear(r[0], l.gate_up)), l.down);

@@ -1,0 +1,146 @@
+"""Sliding-window models equal transformers: a tiny random Mistral with a 16-token window (every layer) and a
+Qwen2 with use_sliding_window / max_window_layers (one full layer, one windowed), prompts several windows
+long: float32 logits through chunked prefill (chunks crossing window edges) and decode steps, greedy tokens;
+and the same greedy tokens batched, chunked, with prefix caching and under preemption as one at a time."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from helpers import paged_logits
+from servescope import LLM, SamplingParams
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "model"))
+from tiny_models import make_tiny_hf_model  # noqa: E402
+
+TOL = 5e-4  # as test_parity.py
+WINDOW = 16
+MODELS = {"mistral": dict(sliding_window=WINDOW),
+          "qwen2": dict(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=1)}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def windowed(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    family = request.param
+    path = make_tiny_hf_model(tmp_path_factory.mktemp(family), family, **MODELS[family])
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    return family, path, hf
+
+
+def test_layer_kinds_follow_the_family(windowed):
+    family, path, _ = windowed
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=512)
+    kinds = [s.attention.kind for s in llm.engine.model_config.layer_specs()]
+    assert kinds == (["sliding", "sliding"] if family == "mistral" else ["full", "sliding"])
+    assert {s.attention.window for s in llm.engine.model_config.layer_specs() if s.attention.kind == "sliding"} == {16}
+
+
+@pytest.mark.parametrize("chunk", [24, 7])
+def test_logits_match_transformers(windowed, chunk):
+    _, path, hf = windowed
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=512)
+    ids = torch.randint(3, 49152, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    ours = paged_logits(llm.engine, ids, chunk=chunk, decode_from=90)
+    diff = (ours - ref).abs().max().item()
+    assert diff <= TOL, f"max |logit diff| {diff:.2e}"
+    # the window matters: full attention over the same weights is far from transformers' windowed logits
+    full = LLM(model=str(_without_window(path)), num_kv_blocks=64, max_model_len=512)
+    assert (paged_logits(full.engine, ids, chunk=chunk, decode_from=90) - ref).abs().max().item() > 100 * TOL
+
+
+def _without_window(path):
+    import json
+    import shutil
+
+    out = path.parent / (path.name + "-full")
+    if not out.exists():
+        shutil.copytree(path, out)
+        cfg = json.loads((out / "config.json").read_text())
+        for key in ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types"):
+            cfg.pop(key, None)
+        (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_greedy_matches_transformers_generate(windowed):
+    _, path, hf = windowed
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=512)
+    ids = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, min_new_tokens=40,
+                           attention_mask=torch.ones(1, 40, dtype=torch.long))[0, 40:].tolist()
+    out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == want
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(),
+    dict(max_num_batched_tokens=16),
+    dict(num_kv_blocks=10, max_model_len=128),  # the longest prompt needs 7 blocks of 16 at once
+], ids=["batched-prefix-cache", "chunk16", "preemption"])
+def test_batching_chunking_prefix_cache_preemption_change_nothing(windowed, overrides):
+    from test_batching import PARAMS, assert_same_greedy
+
+    _, path, _ = windowed
+    gen = torch.Generator().manual_seed(4)
+    shared = torch.randint(3, 49152, (40,), generator=gen).tolist()  # 2.5 blocks, 2.5 windows
+    prompts = [(shared if i % 2 == 0 else []) + torch.randint(3, 49152, (int(n),), generator=gen).tolist()
+               for i, n in enumerate(torch.randint(5, 60, (12,), generator=gen))]
+    base = LLM(model=str(path), num_kv_blocks=96, max_model_len=256, enable_prefix_caching=False)
+    alone = [base.generate(p, PARAMS)[0] for p in prompts]
+    llm = LLM(model=str(path), **{"num_kv_blocks": 96, "max_model_len": 256, **overrides})
+    outs = llm.generate(prompts, PARAMS)
+    assert_same_greedy(outs, alone)
+    recs = list(llm.engine.step_records)
+    assert max(r.num_running for r in recs) > 1
+    if not overrides:
+        assert llm.engine.kv_manager.prefix_cache_hits > 0
+    if "num_kv_blocks" in overrides:
+        assert llm.engine.scheduler.num_preemptions > 0
+    llm.engine.kv_manager.check_invariants()
+
+
+def test_bfloat16_paths_attend_over_the_window(windowed):
+    """bfloat16 on the CPU sends every prefill token of a windowed layer through the paged kernel with the
+    window: its logits stay near transformers' float32 ones, much nearer than full attention's."""
+    _, path, hf = windowed
+    ids = torch.randint(3, 49152, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    full = LLM(model=str(_without_window(path)), num_kv_blocks=64, max_model_len=512)
+    full_diff = (paged_logits(full.engine, ids, chunk=24, decode_from=90) - ref).abs().max().item()
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=512, dtype="bfloat16")
+    for chunk in (24, None):
+        diff = (paged_logits(llm.engine, ids, chunk=chunk, decode_from=90).float() - ref).abs().max().item()
+        assert diff <= 0.05 and diff < full_diff / 4, (chunk, diff, full_diff)
+
+
+def test_engine_gives_back_the_blocks_that_slid_out(windowed):
+    """An all-windowed model's engine holds at most cdiv(window, S) + 1 blocks per decoding sequence; a
+    model with a full layer keeps them all. The tokens equal transformers' either way."""
+    family, path, hf = windowed
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, block_size=4)
+    ids = torch.randint(3, 49152, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    engine = llm.engine
+    engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    held = []
+    while engine.has_unfinished():
+        engine.step()
+        if engine.has_unfinished():
+            held.append(engine.kv_manager.num_held_blocks("r"))
+    decoding = held[1:]  # after the prefill step (the whole prompt's blocks: they go back at the next step)
+    windowed_only = family == "mistral"
+    assert held[0] == 30 // 4 + 1 and max(decoding) <= (WINDOW // 4 + 1 if windowed_only else 90 // 4 + 1)
+    assert (max(decoding) <= WINDOW // 4 + 1) == windowed_only
+    engine.kv_manager.check_invariants()
+    out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0].outputs[0]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=60, do_sample=False, min_new_tokens=60,
+                           attention_mask=torch.ones(1, 30, dtype=torch.long))[0, 30:].tolist()
+    assert out.token_ids == want
