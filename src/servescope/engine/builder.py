@@ -63,7 +63,6 @@ class EngineParts:
     sampler: Sampler
     cost: Optional[StepCostPredictor]  # annotates StepRecords (telemetry.predict_step_cost)
     decider: TokenDecider  # plain sampling, or speculative verification (config.speculative)
-    hardware: Optional[HardwareSpec] = None  # what `cost` predicts on
 
 
 # ------------------------------------------------------------------------------ stage 2: one engine
@@ -113,7 +112,7 @@ def build_engine(config: EngineConfig, shared: Optional[LoadedModel] = None,
         config=config, loaded=loaded, device=device, dtype=dtype, kv_dtype=kv_dtype, max_model_len=max_len,
         kv_bytes_per_token=per_token, cache_config=cache_config, scheduler_config=scheduler_config,
         runner=runner, kv_manager=kv_manager, scheduler=Scheduler(scheduler_config, kv_manager),
-        sampler=sampler, cost=cost, decider=decider, hardware=hardware if cost is not None else None)
+        sampler=sampler, cost=cost, decider=decider)
 
 
 def cost_predictor(config: EngineConfig, cfg: ModelConfig, hardware: HardwareSpec, dtype: torch.dtype,

@@ -70,9 +70,8 @@ class LLMEngine:
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._step_counter = 0
         self._grammars = None  # a structured.GrammarCompiler, built on the first structured request
-        self._cost, self.hardware = parts.cost, parts.hardware
+        self._cost = parts.cost
         self.decider = parts.decider  # engine/token_decider.py: plain sampling or speculative verification
-        self.spec = parts.decider if parts.decider.speculative else None  # the SpecDecoder, None when off
         self.start_time = time.perf_counter()
 
     def with_config(self, hardware_spec=None, **overrides) -> "LLMEngine":
@@ -84,6 +83,16 @@ class LLMEngine:
         if hardware_spec is None and config.telemetry.hardware == self.config.telemetry.hardware:
             hardware_spec = self.hardware
         return LLMEngine.from_parts(build_engine(config, shared=self.loaded, hardware=hardware_spec))
+
+    @property
+    def spec(self):
+        """The SpecDecoder (engine/spec_decode.py) when speculative decoding is on, else None."""
+        return self.decider if self.decider.speculative else None
+
+    @property
+    def hardware(self):
+        """The HardwareSpec the steps are predicted on (None when prediction is off)."""
+        return self._cost.hw if self._cost is not None else None
 
     @property
     def step_cost_predictor(self):

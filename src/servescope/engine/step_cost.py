@@ -32,9 +32,12 @@ class StepCostPredictor:
         real bytes; None: float weights in the activation dtype, or per-channel int8."""
         act = _DT[dtype]
         weight = weight_format or ("int8" if quantization == "int8" else act)
-        self.hw = hw
         self.predictor = StepPredictor(cfg, hw, (weight, _KV_DT[kv_dtype], act, dtype.itemsize), tp, pp,
                                        micro_batches, link if tp * pp > 1 else None)
+
+    @property
+    def hw(self) -> HardwareSpec:
+        return self.predictor.hw
 
     @property
     def act_dtype(self) -> str:

@@ -139,21 +139,24 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, states: list[SamplingState], greedy: list[bool]) -> tuple:
         """(token ids [B], seconds spent on grammar masks)."""
-        token_ids, _probs, mask_seconds = self._draw(logits, states, greedy)
+        token_ids, _, mask_seconds = self._draw(logits, states, greedy, keep_probs=False)
         return token_ids, mask_seconds
 
-    def _draw(self, logits: torch.Tensor, states: list[SamplingState], greedy: list[bool]) -> tuple:
-        """(token ids [B], the distributions sampled [B, V] or None when all rows are greedy, seconds
-        spent on grammar masks)."""
+    def _draw(self, logits: torch.Tensor, states: list[SamplingState], greedy: list[bool],
+              keep_probs: bool = True) -> tuple:
+        """(token ids [B], the distributions sampled [B, V] (None when all rows are greedy, or not
+        keep_probs: then the race divides them in place, no second [B, V] buffer), seconds spent on
+        grammar masks)."""
         x, greedy_ids, mask_seconds = self._processed(logits, states, greedy)
         if x is None:
             return greedy_ids, None, mask_seconds
         probs = x.softmax(dim=-1)  # [B, V]
-        sampled = (probs / self._exponential_noise(probs, states, greedy)).argmax(dim=-1)  # [B]
+        noise = self._exponential_noise(probs, states, greedy)
+        sampled = (probs / noise if keep_probs else probs.div_(noise)).argmax(dim=-1)  # [B]
         if any(greedy):
             sampled = torch.where(host_to_device(greedy, torch.bool, logits.device), greedy_ids, sampled)
         assert sampled.shape == (len(states),)
-        return sampled, probs, mask_seconds
+        return sampled, probs if keep_probs else None, mask_seconds
 
     def draw(self, logits: torch.Tensor, states: list[SamplingState]) -> tuple:
         """(token ids [B] on the device, the processed distributions [B, V] they were sampled from or

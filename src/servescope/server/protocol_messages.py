@@ -86,14 +86,6 @@ class MessagesRequest(Base):
     metadata: Optional[Metadata] = None
 
 
-def check_extras(req: MessagesRequest) -> None:
-    for name, value in (req.model_extra or {}).items():
-        ok = NEUTRAL.get(name, ())
-        if name in NEUTRAL and (ok is None or value in ok):
-            continue
-        raise InvalidParameterError(name, f"{name}: this server does not implement it")
-
-
 def _text(block: dict, where: str) -> str:
     if not isinstance(block.get("text"), str):
         raise InvalidParameterError(f"{where}.text", f"{where}.text must be a string")

@@ -93,15 +93,6 @@ class ResponsesRequest(Base):
     cache_salt: Optional[StrictStr] = None
 
 
-def check_extras(req: ResponsesRequest) -> None:
-    for name, value in (req.model_extra or {}).items():
-        ok = NEUTRAL.get(name, ())
-        if name in NEUTRAL and (ok is None or value in ok):
-            continue
-        why = "" if name not in NEUTRAL else f" (only {', '.join(map(repr, ok))} is accepted here)"
-        raise InvalidParameterError(name, f"{name}: this server does not implement it{why}")
-
-
 def _tools(req: ResponsesRequest) -> Optional[list]:
     if not req.tools:
         return None

@@ -29,9 +29,10 @@ from servescope.server.chat_engine import (
 )
 from servescope.server.errors import anthropic_error_body, to_api_error, validation_param
 from servescope.server.protocol import ChatCompletionRequest
-from servescope.server.protocol_messages import PARAM_NAMES, MessagesRequest, chat_request_body, check_extras
+from servescope.server.protocol_messages import NEUTRAL, PARAM_NAMES, MessagesRequest, chat_request_body
 from servescope.server.serving_common import ServingContext, check_finish, check_model, merge_streams
 from servescope.server.tool_calls import ToolPlan
+from servescope.server.unsupported import check_fields
 
 
 def _renamed(e: Exception) -> Exception:
@@ -55,7 +56,7 @@ def _parse(raw: bytes, model=MessagesRequest):
 
 
 def _chat_request(ctx: ServingContext, req: MessagesRequest) -> ChatCompletionRequest:
-    check_extras(req)
+    check_fields(req, NEUTRAL, {})
     try:
         return ChatCompletionRequest.model_validate(chat_request_body(req, ctx.reasoning is not None))
     except ValidationError as e:

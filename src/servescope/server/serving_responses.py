@@ -24,11 +24,12 @@ from servescope.server.chat_engine import final_sample, sse_response, start_chat
 from servescope.server.errors import APIError, to_api_error, validation_param
 from servescope.server.protocol import ChatCompletionRequest
 from servescope.server.protocol_responses import (
+    NEUTRAL,
     PARAM_NAMES,
     ResponsesRequest,
     chat_request_body,
-    check_extras,
 )
+from servescope.server.unsupported import check_fields
 from servescope.server.responses_stream import ResponseBuilder, stream_events
 from servescope.server.serving_common import ServingContext, new_id
 
@@ -130,7 +131,7 @@ def _output_messages(body: dict) -> list:
 
 
 async def create_response(ctx: ServingContext, req: ResponsesRequest, request: Request, store: ResponseStore):
-    check_extras(req)
+    check_fields(req, NEUTRAL, {})
     chat = _chat_request(req, store)
     try:
         run = await start_chat(ctx, chat)

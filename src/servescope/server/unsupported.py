@@ -44,12 +44,16 @@ UNSUPPORTED = {
 }
 
 
-def check_fields(req) -> None:
-    """Raise InvalidParameterError naming the first request field this server would ignore."""
+def check_fields(req, neutral: dict = NEUTRAL, unsupported: dict = UNSUPPORTED) -> None:
+    """Raise InvalidParameterError naming the first request field this server would ignore. neutral:
+    {field: the values accepted because they change nothing (None: any value)}; unsupported: {field: why
+    not}. Each API passes its own tables (the Responses and Messages APIs have theirs)."""
     for name, value in (req.model_extra or {}).items():
-        ok = NEUTRAL.get(name, ())
-        if name in NEUTRAL and (ok is None or value in ok):
+        ok = neutral.get(name, ())
+        if name in neutral and (ok is None or value in ok):
             continue
-        if name in UNSUPPORTED:
-            raise InvalidParameterError(name, f"{name}: {UNSUPPORTED[name]}")
+        if name in unsupported:
+            raise InvalidParameterError(name, f"{name}: {unsupported[name]}")
+        if name in neutral:
+            raise InvalidParameterError(name, f"{name}: only {', '.join(map(repr, ok))} is accepted here")
         raise InvalidParameterError(name, f"unknown field {name!r}: this server does not implement it")
