@@ -7,6 +7,7 @@ median of its decode steps' wall time is the figure. Windowed: flat past the win
 keys and the KV manager holds window / block + 1 blocks); full: grows with the context.
 
     python benchmarks/window_decode.py [--contexts 1024 8192] [--dtype float32] [--threads 2]
+    python benchmarks/window_decode.py --shape llama-3.2-1b --dtype bfloat16   # a real shape, as Mistral
 """
 
 from __future__ import annotations
@@ -55,14 +56,23 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=34)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shape", default=None, metavar="PRESET",
+                    help="take the model's dimensions from this preset (analysis/presets), as a Mistral model")
     args = ap.parse_args()
+    config = CONFIG
+    if args.shape:
+        from servescope.analysis.presets import load_preset  # only with --shape
+
+        hf = load_preset(args.shape).to_hf_dict()
+        config = {**hf, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "rope_scaling": None,
+                  "max_position_embeddings": max(CONFIG["max_position_embeddings"], max(args.contexts) + 64)}
     torch.set_num_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for name, extra in (("windowed", {"sliding_window": args.window}), ("full", {})):
             model_dir = Path(d) / name
             model_dir.mkdir()
-            (model_dir / "config.json").write_text(json.dumps({**CONFIG, **extra}))
+            (model_dir / "config.json").write_text(json.dumps({**config, **extra}))
             for ctx in args.contexts:
                 ms, held, blocks = decode_step_ms(model_dir, ctx, args.decode_tokens, args.dtype)
                 rows.append({"model": name, "context": ctx, "decode_step_ms": round(ms, 2), "held_blocks": held})

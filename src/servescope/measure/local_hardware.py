@@ -14,11 +14,11 @@ from typing import Optional
 
 import torch
 
-from servescope.analysis.collectives import LOCAL_GLOO, LinkSpec, cached_local_link, get_link, save_local_link
+from servescope.analysis.collectives import LinkSpec, cached_local_link, save_local_link
 from servescope.analysis.hardware import LOCAL_CPU, HardwareSpec, canonical_hardware_name
 from servescope.analysis.probe import EngineMeasurers, probe_local_hardware
 from servescope.config import EngineConfig
-from servescope.engine.hardware import default_hardware, default_link, local_link_key
+from servescope.engine.hardware import default_hardware, local_link_key
 from servescope.engine.llm_engine import LLMEngine
 from servescope.kernels.cpu import ops as cpu_ops
 from servescope.measure.kernel_rates import (measure_decode_attention_flops, measure_linear_rates,
@@ -82,13 +82,3 @@ def local_gloo_link(measure: bool = True, force: bool = False) -> Optional[LinkS
         link = fit_local_link(measure_all_reduce(), source=f"measured here: gloo, 2 processes ({key})")
         save_local_link(key, link)
     return link
-
-
-def link_for(hw: HardwareSpec, name: Optional[str] = None, measure: bool = False) -> Optional[LinkSpec]:
-    """The link between ranks: the named one, the GPU's NVLink/PCIe default, else the local gloo link
-    (None where it was never measured and `measure` is false)."""
-    if name:
-        return local_gloo_link(measure) if name == LOCAL_GLOO else get_link(name)
-    if hw.kind == "gpu":
-        return default_link(hw)
-    return local_gloo_link(measure)
