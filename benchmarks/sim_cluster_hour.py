@@ -7,6 +7,9 @@ seconds per simulated hour (a shorter run scales linearly: the cluster is in ste
 first seconds). One process: the simulator is single-threaded.
 
     python benchmarks/sim_cluster_hour.py --seconds 3600 --json benchmarks/results/sim_cluster_hour.json
+
+--context-quantum 0 predicts every step on its exact shape (sim/step_time.py); --check-every N predicts every
+Nth step on its exact shape as well and reports how far the memoised prediction was from it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 from servescope.config.engine import BatchingConfig, ParallelConfig
 from servescope.sim.cluster import ROUTERS, Deployment
 from servescope.sim.run import simulate
-from servescope.sim.spec import instance_spec
+from servescope.sim.spec import DEFAULT_CONTEXT_QUANTUM, instance_spec
 from servescope.bench.arrivals import arrival_times
 
 
@@ -54,26 +57,58 @@ class LazyRequest:
         return tuple(np.random.default_rng((self.w.seed, self.i)).integers(0, self.w.vocab, self.prompt_len).tolist())
 
 
+def check_memo(timer, every: int) -> list:
+    """Wrap the replicas' shared StepTimer so that every `every`th step is also predicted on its exact rows;
+    the list fills with (memoised - exact) / exact of those steps (the checks' CPU time counts in the run)."""
+    errors: list = []
+    memo = timer._memo
+    calls = [0]
+
+    def checked(seqs, num_logits):
+        hit = memo(seqs, num_logits)
+        calls[0] += 1
+        if calls[0] % every == 0:
+            exact = timer.predictor.predict(list(seqs), num_logits).seconds
+            errors.append(hit[0].seconds / exact - 1)
+        return hit
+
+    timer._memo = checked
+    return errors
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=3600.0, help="seconds of arrivals to simulate")
     p.add_argument("--rate", type=float, default=50.0)
     p.add_argument("--router", default="least-tokens", choices=ROUTERS)
+    p.add_argument("--context-quantum", type=int, default=DEFAULT_CONTEXT_QUANTUM)
+    p.add_argument("--check-every", type=int, default=0, help="compare every Nth memoised step with its exact one")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     spec = instance_spec("llama-3-70b", "H100", parallel=ParallelConfig(tensor_parallel_size=8),
                          batching=BatchingConfig(max_num_seqs=128, max_num_batched_tokens=4096))
+    spec = spec.replace(context_quantum=a.context_quantum)
     reqs = LazyWorkload(int(a.rate * a.seconds), a.rate, (512, 1536), (128, 384), spec.model.vocab_size)
     dep = Deployment(spec, 8, a.router, keep_steps=False)
+    errors = check_memo(dep.engines[0].timer, a.check_every) if a.check_every else None
     cpu0, wall0 = time.process_time(), time.perf_counter()
     run = simulate(dep, reqs)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    r = run.result
     steps = sum(e.num_steps for e in dep.engines)
     out = {"simulated_seconds": run.result.duration_s, "requests": len(reqs), "steps": steps, "cpu_seconds": cpu,
            "wall_seconds": wall, "cpu_us_per_step": cpu / steps * 1e6,
            "cpu_seconds_per_simulated_hour": cpu * 3600 / run.result.duration_s,
-           "median_ttft_ms": run.result.ttft.median_ms, "median_tpot_ms": run.result.tpot.median_ms,
-           "router": a.router, "rate": a.rate}
+           "median_ttft_ms": r.ttft.median_ms, "p90_ttft_ms": r.ttft.percentiles_ms[90.0],
+           "p99_ttft_ms": r.ttft.percentiles_ms[99.0], "median_tpot_ms": r.tpot.median_ms,
+           "p90_tpot_ms": r.tpot.percentiles_ms[90.0], "p99_tpot_ms": r.tpot.percentiles_ms[99.0],
+           "output_throughput": r.output_throughput, "router": a.router, "rate": a.rate,
+           "context_quantum": a.context_quantum}
+    if errors:
+        rel = np.abs(np.array(errors))
+        out["memo_check"] = {"steps": len(errors), "mean_error": float(np.mean(errors)),
+                             "mean_abs_error": float(rel.mean()), "p99_abs_error": float(np.percentile(rel, 99)),
+                             "max_abs_error": float(rel.max())}
     print(json.dumps(out, indent=1))
     if a.json:
         with open(a.json, "w") as f:

@@ -19,7 +19,9 @@ from servescope.sim.workload import SimRequest, synthetic_workload
 def _spec(**kw):
     cache = kw.pop("cache", KVCacheConfig(num_kv_blocks=256))
     batching = kw.pop("batching", BatchingConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048))
-    return instance_spec("smollm2-135m", "H100", cache=cache, batching=batching, **kw)
+    quantum = kw.pop("context_quantum", None)
+    spec = instance_spec("smollm2-135m", "H100", cache=cache, batching=batching, **kw)
+    return spec if quantum is None else spec.replace(context_quantum=quantum)
 
 
 def _run(spec, reqs, max_concurrency=None):
@@ -34,7 +36,7 @@ def test_it_runs_the_engines_own_scheduler_and_kv_manager():
 
 
 def test_one_request_takes_the_predicted_steps():
-    spec = _spec()
+    spec = _spec(context_quantum=0)  # every step predicted on its exact shape
     req = SimRequest(0.0, tuple(range(1, 601)), 5)
     dep, records, _, finished = _run(spec, [req])
     steps = dep.engines[0].steps

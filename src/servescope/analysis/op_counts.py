@@ -31,6 +31,7 @@ Counting rules (the invariants the tests check):
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 from servescope.analysis.hardware import DTYPE_BYTES, DTYPES
@@ -187,10 +188,15 @@ def attended_keys(num_new: int, context_before: int, window: int = 0) -> int:
 
 def layer_windows(cfg: ModelConfig) -> dict:
     """{window: number of layers} over the model's layer specs (0: full attention)."""
+    return dict(_layer_windows(cfg))
+
+
+@functools.lru_cache(maxsize=64)  # a config is frozen; every step's prediction asks this several times
+def _layer_windows(cfg: ModelConfig) -> tuple:
     out: dict = {}
     for spec in cfg.layer_specs():
         out[spec.attention.window] = out.get(spec.attention.window, 0) + 1
-    return out
+    return tuple(out.items())
 
 
 def layer_keys(cfg: ModelConfig, seqs: Sequence[tuple[int, int]], read_only: bool = False) -> int:

@@ -173,8 +173,17 @@ class KVCacheManager:
         positions (a draft model's KV of unverified tokens), never hashed.
         """
         rid = request.request_id
-        computed_blocks = computed_blocks or []
         held = self._blocks.get(rid, [])
+        if held and not computed_blocks and not num_lookahead_tokens and not self.window:
+            # the common step of a running request (a decode, the next chunk): when its blocks already
+            # hold the new tokens nothing is allocated, only blocks the step fills are hashed
+            total = request.num_computed_tokens + num_new_tokens
+            if total <= len(held) * self.block_size:
+                filled = min(total, request.num_tokens)
+                if self.enable_prefix_caching and filled // self.block_size > self._num_hashed.get(rid, 0):
+                    self._cache_full_blocks(request, filled)
+                return True
+        computed_blocks = computed_blocks or []
         if computed_blocks:
             assert not held and request.num_computed_tokens == 0, f"{rid}: cache hit for a request that holds blocks"
             assert num_computed_from_cache == len(computed_blocks) * self.block_size
@@ -218,9 +227,11 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
+        start = self._num_hashed.get(rid, 0)
+        if num_tokens // self.block_size <= start:  # no block filled since the last call
+            return
         table = self._blocks[rid]
         num_full = min(num_tokens // self.block_size, len(table))
-        start = self._num_hashed.get(rid, 0)
         if num_full <= start:
             return
         hashes = self._request_hashes(request, num_full)

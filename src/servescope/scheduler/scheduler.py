@@ -177,33 +177,37 @@ class Scheduler:
         """Step 1 of schedule(): the running requests, preempting when blocks run out. Fills the step's
         `scheduled`, `preempted` and `finished`; returns the token budget left."""
         kv = self.kv_manager
+        running = self._running
+        chunked = self.config.enable_chunked_prefill
+        cache_tokens = kv.num_blocks * kv.block_size  # num_blocks_for(n) > num_blocks  <=>  n > cache_tokens
         i = 0
-        while i < len(self._running) and token_budget > 0:
-            req = self._running[i]
-            num_new = req.num_tokens - req.num_computed_tokens
+        while i < len(running) and token_budget > 0:
+            req = running[i]
+            start = req.num_computed_tokens
+            num_new = req.num_tokens - start
             if num_new <= 0:  # nothing to compute (the engine sampled no token for it); skip
                 i += 1
                 continue
-            if kv.num_blocks_for(req.num_tokens) > kv.num_blocks:
+            if req.num_tokens > cache_tokens:
                 # It outgrew the whole cache: no amount of preemption helps.
-                self._running.pop(i)
+                running.pop(i)
                 self._finish_outgrown(req)
                 finished.append(req)
                 continue
-            if num_new > token_budget and not self.config.enable_chunked_prefill:
-                i += 1
-                continue
-            num_new = min(num_new, token_budget)
-            spec = self._take_spec_tokens(req, num_new, token_budget)
+            if num_new > token_budget:
+                if not chunked:
+                    i += 1
+                    continue
+                num_new = token_budget
+            spec = self._take_spec_tokens(req, num_new, token_budget) if req.spec_token_ids else ()
             num_new += len(spec)
-            start = req.num_computed_tokens
             if spec and not kv.allocate_slots(req, num_new):
                 num_new -= len(spec)  # no room to verify drafts: decode plainly before preempting anyone
                 spec = ()
             while not kv.allocate_slots(req, num_new):
-                victim = max(self._running, key=self._order_key)
-                j = self._running.index(victim)
-                self._running.pop(j)
+                victim = max(running, key=self._order_key)
+                j = running.index(victim)
+                running.pop(j)
                 if j < i:
                     i -= 1
                 undone = scheduled.pop(victim.request_id, None)
@@ -261,16 +265,14 @@ class Scheduler:
         return token_budget
 
     def _make_seq(self, req: Request, start: int, num_new: int, spec: tuple = ()) -> ScheduledSequence:
+        num_tokens = req.num_tokens
         return ScheduledSequence(
-            request=req,
-            num_new_tokens=num_new,
-            spec_token_ids=spec,
-            num_computed_tokens=start,
-            block_ids=self.kv_manager.get_block_ids(req.request_id),
+            req, num_new, start, self.kv_manager.get_block_ids(req.request_id),
             # prompt (or recompute) tokens: everything before the last known token, and a whole
             # one-token prompt on its first step
-            is_prefill=start < req.num_tokens - 1 or start < req.num_prompt_tokens,
-            will_sample=start + num_new - len(spec) == req.num_tokens,
+            start < num_tokens - 1 or start < req.num_prompt_tokens,  # is_prefill
+            start + num_new - len(spec) == num_tokens,  # will_sample
+            spec,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -309,19 +311,22 @@ class Scheduler:
         KV is scheduled (allocate_slots), so nothing is hashed here. Requests finished since
         schedule() (aborted in between) are skipped.
         """
+        requests, running = self._requests, RequestStatus.RUNNING
         for seq in output.scheduled:
             req = seq.request
-            if req.status is not RequestStatus.RUNNING or self._requests.get(req.request_id) is not req:
+            rid = req.request_id
+            if req.status is not running or requests.get(rid) is not req:
                 continue
-            assert req.num_computed_tokens == seq.num_computed_tokens, f"{req.request_id}: step applied twice"
+            assert req.num_computed_tokens == seq.num_computed_tokens, f"{rid}: step applied twice"
             num_spec = len(seq.spec_token_ids)
             req.num_computed_tokens += seq.num_new_tokens - num_spec
             if seq.will_sample:
-                toks = sampled.get(req.request_id)
-                toks = [] if toks is None else [toks] if isinstance(toks, int) else list(toks)
-                assert len(toks) <= num_spec + 1, f"{req.request_id}: {len(toks)} tokens for {num_spec} drafts"
-                assert list(seq.spec_token_ids[:max(len(toks) - 1, 0)]) == toks[:-1], "accepted tokens are drafts"
-                req.num_computed_tokens += max(len(toks) - 1, 0)  # the accepted drafts' KV is verified
+                toks = sampled.get(rid)
+                toks = () if toks is None else (toks,) if isinstance(toks, int) else list(toks)
+                assert len(toks) <= num_spec + 1, f"{rid}: {len(toks)} tokens for {num_spec} drafts"
+                if len(toks) > 1:
+                    assert list(seq.spec_token_ids[:len(toks) - 1]) == toks[:-1], "accepted tokens are drafts"
+                    req.num_computed_tokens += len(toks) - 1  # the accepted drafts' KV is verified
                 for tok in toks:
                     req.append_output_token(tok)
             if num_spec:

@@ -21,6 +21,7 @@ from servescope.errors import InvalidParameterError
 from servescope.kvcache.prefix_cache import hash_full_blocks
 from servescope.sim.engine import SimEngine
 from servescope.sim.spec import InstanceSpec
+from servescope.sim.step_time import StepTimer
 
 ROUTERS = ("round-robin", "least-tokens", "prefix")
 DEFAULT_BALANCE_TOKENS = 4096
@@ -36,7 +37,8 @@ class Deployment:
         if router not in ROUTERS:
             raise InvalidParameterError("router", f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
         self.spec, self.router, self.balance_tokens = spec, router, balance_tokens
-        self.engines = [SimEngine(spec, f"replica-{i}", keep_steps, seed + i) for i in range(replicas)]
+        timer = StepTimer(spec)
+        self.engines = [SimEngine(spec, f"replica-{i}", keep_steps, seed + i, timer) for i in range(replicas)]
         self._time = 0.0
         self._next = 0
         self._home: dict = {}  # request id -> replica index
@@ -55,8 +57,16 @@ class Deployment:
 
     # ---------------------------------------------------------------- Served
     def now(self) -> float:
-        busy = [e.clock for e in self.engines if e.has_unfinished()]
-        return min(busy) if busy else self._time
+        engine = self._earliest()
+        return self._time if engine is None else engine.clock
+
+    def _earliest(self):
+        """The busy replica whose next step starts first (the first of equals), or None."""
+        best = None
+        for e in self.engines:  # a plain loop: once or twice a simulated step
+            if (best is None or e.clock < best.clock) and e.has_unfinished():
+                best = e
+        return best
 
     def wait_until(self, t: float) -> None:
         self._time = max(self._time, t)
@@ -72,7 +82,7 @@ class Deployment:
         return engine.add_request(request_id, prompt, max_tokens, arrival_time)
 
     def step(self) -> list:
-        engine = min((e for e in self.engines if e.has_unfinished()), key=lambda e: e.clock)
+        engine = self._earliest()
         done = engine.step()
         self._time = max(self._time, engine.clock)
         return done

@@ -25,6 +25,7 @@ from servescope.config import SamplingParams
 from servescope.errors import InvalidParameterError
 from servescope.scheduler.request import Request
 from servescope.sim.engine import Finished, SimEngine
+from servescope.sim.step_time import StepTimer
 from servescope.sim.spec import InstanceSpec
 
 DEFAULT_KV_LINK = {"gpu": "ib-ndr400"}  # prefill and decode instances on different nodes
@@ -70,8 +71,9 @@ class Disaggregated:
                                                           "blocks: prefix caching must be on")
         self.spec = spec
         self.link = kv_link_for(spec, kv_link)
-        self.prefill = [SimEngine(spec, f"prefill-{i}", keep_steps, seed + i) for i in range(prefill)]
-        self.decode = [SimEngine(spec, f"decode-{i}", keep_steps, seed + prefill + i) for i in range(decode)]
+        timer = StepTimer(spec)  # one memo for every instance of the spec
+        self.prefill = [SimEngine(spec, f"prefill-{i}", keep_steps, seed + i, timer) for i in range(prefill)]
+        self.decode = [SimEngine(spec, f"decode-{i}", keep_steps, seed + prefill + i, timer) for i in range(decode)]
         self.engines = self.prefill + self.decode
         self._time = 0.0
         self._transfers: list = []  # heap of (lands at, request id)

@@ -45,15 +45,16 @@ class Finished:
 
 class SimEngine:
     """One engine instance on a virtual clock (seconds from 0). keep_steps: keep a StepRecord per step
-    (for traces; a cluster hour leaves it off)."""
+    (for traces; a cluster hour leaves it off). timer: a StepTimer of `spec` to share."""
 
-    def __init__(self, spec: InstanceSpec, name: str = "engine", keep_steps: bool = True, seed: int = 0):
+    def __init__(self, spec: InstanceSpec, name: str = "engine", keep_steps: bool = True, seed: int = 0,
+                 timer: Optional[StepTimer] = None):
         self.spec, self.name = spec, name
         self.clock = 0.0  # virtual seconds
         self.kv_manager = KVCacheManager(CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks,
                                                      enable_prefix_caching=spec.enable_prefix_caching))
         self.scheduler = Scheduler(spec.scheduler, self.kv_manager, clock=lambda: self.clock)
-        self.timer = StepTimer(spec)
+        self.timer = timer or StepTimer(spec)  # replicas of one spec share one (and its memo)
         self.steps: Optional[list] = [] if keep_steps else None
         self.num_steps = 0
         self.busy_seconds = 0.0  # virtual time spent in steps
@@ -66,6 +67,7 @@ class SimEngine:
         self._live: dict[str, tuple] = {}  # request id -> (Request, RequestMetrics, max_tokens, stream seed)
         self._rng = random.Random(seed)
         self._vocab = spec.model.vocab_size
+        self._max_model_len = spec.scheduler.max_model_len
         self._params = SamplingParams(temperature=0.0, ignore_eos=True)
 
     # ---------------------------------------------------------------- requests
@@ -115,18 +117,18 @@ class SimEngine:
             if not done and self.has_unfinished():  # the scheduler's invariant: something always runs
                 raise RuntimeError(f"{self.name}: {self.num_unfinished} requests wait and nothing can be scheduled")
             return done
-        seconds, pred, num_logits = self.timer.step_seconds(out)
+        seconds, pred, bound = self.timer.step_seconds(out)
         t0 = self.clock
         self.clock = t1 = t0 + seconds
         self.busy_seconds += seconds
         self.tokens_scheduled += out.total_num_scheduled_tokens
         self.seqs_scheduled += len(out.scheduled)
-        self.bound_seconds[pred.cost.bound] += seconds
+        self.bound_seconds[bound] += seconds
         self.peak_kv_usage = max(self.peak_kv_usage, self.kv_manager.usage)
-        sampled, accepted, drafted = self._sample(out)
+        sampled, due, accepted, drafted = self._sample(out)
         self.scheduler.update_from_output(out, sampled)
-        for rid, toks in sampled.items():
-            finished = self._deliver(rid, toks, t1)
+        for entry in due:
+            finished = self._deliver(entry, t1)
             if finished is not None:
                 done.append(finished)
         if self.spec.spec_decode.k:
@@ -137,39 +139,50 @@ class SimEngine:
         return done
 
     def _sample(self, out) -> tuple:
-        """{request id: its tokens this step} for every sequence whose next token is due; drafts accepted
-        one by one with the spec's probability until the first rejection, then the target's token."""
-        sampled, accepted, drafted = {}, 0, 0
+        """({request id: its tokens this step}, the live entries of those requests, accepted, drafted) for
+        every sequence whose next token is due; drafts accepted one by one with the spec's probability until
+        the first rejection, then the target's token."""
+        sampled, due, accepted, drafted = {}, [], 0, 0
         p = self.spec.spec_decode.acceptance
+        live, vocab = self._live, self._vocab
         for s in out.scheduled:
             if not s.will_sample:
                 continue
             req = s.request
-            seed = self._live[req.request_id][3]
-            n = req.num_output_tokens
-            if s.spec_token_ids:
+            rid = req.request_id
+            entry = live[rid]
+            due.append(entry)
+            seed = entry[3]
+            n = len(req.output_token_ids)
+            if not s.spec_token_ids:
+                sampled[rid] = (seed + n * _STREAM_MUL) % vocab  # self._token(seed, n), inlined: once a row a step
+            else:
                 k = len(s.spec_token_ids)
                 a = 0
                 while a < k and self._rng.random() < p:
                     a += 1
                 drafted += k
                 accepted += a
-                sampled[req.request_id] = list(s.spec_token_ids[:a]) + [self._token(seed, n + a)]
-            else:
-                sampled[req.request_id] = [self._token(seed, n)]
-        return sampled, accepted, drafted
+                sampled[rid] = list(s.spec_token_ids[:a]) + [self._token(seed, n + a)]
+        return sampled, due, accepted, drafted
 
-    def _deliver(self, rid: str, toks: list, now: float) -> Optional[Finished]:
+    def _deliver(self, entry: tuple, now: float) -> Optional[Finished]:
         """Stamp the tokens (the OutputProcessor's RequestMetrics) and finish the request at max_tokens or
-        the context length (stops are never hit: the workload's outputs ignore EOS, as bench serve's do)."""
-        req, metrics, max_tokens, _ = self._live[rid]
-        before = len(metrics.token_times)
-        n_out = min(req.num_output_tokens, max_tokens)
-        metrics.token_times.extend([now] * (n_out - before))
+        the context length (stops are never hit: the workload's outputs ignore EOS, as bench serve's do).
+        entry: the request's live entry (Request, RequestMetrics, max_tokens, stream seed)."""
+        req, metrics, max_tokens, _ = entry
+        times = metrics.token_times
+        before = len(times)
+        n_out = min(len(req.output_token_ids), max_tokens)
+        if n_out == before + 1:
+            times.append(now)
+        else:
+            times.extend([now] * (n_out - before))
         # outstanding: the prompt until its first token, then the outputs still to come
         self.outstanding_tokens -= n_out - before + (req.num_prompt_tokens if before == 0 < n_out else 0)
-        if n_out < max_tokens and req.num_tokens < self.spec.scheduler.max_model_len:
+        if n_out < max_tokens and req.num_tokens < self._max_model_len:
             return None
+        rid = req.request_id
         if req.num_output_tokens > n_out:
             req.truncate_output(n_out)  # accepted drafts past max_tokens are dropped, as the engine's
         self.scheduler.finish_request(rid, RequestStatus.FINISHED_LENGTH)

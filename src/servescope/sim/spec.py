@@ -27,6 +27,7 @@ from servescope.errors import InvalidParameterError
 
 CPU_DEFAULT_KV_BYTES = 1 << 30  # engine/kv_sizing.py's CPU default: at most 1 GiB of KV cache
 GPU_MEMORY_UTILIZATION = 0.9  # the share of a GPU's memory a planned instance uses (vLLM's default)
+DEFAULT_CONTEXT_QUANTUM = 16  # tokens: one KV block of the default size
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,13 @@ class InstanceSpec:
     spec_decode: SpecDecodeSpec = field(default_factory=SpecDecodeSpec)
     host: HostCosts = field(default_factory=HostCosts)
     step_table: Optional[StepTable] = None  # measured / predicted step times (sim/step_table.py): replaces host
+    # one-token rows' contexts are rounded to this many tokens when step predictions are memoised
+    # (sim/step_time.py says what that costs); 0: every step predicted on its exact shape
+    context_quantum: int = DEFAULT_CONTEXT_QUANTUM
+
+    def __post_init__(self):
+        if self.context_quantum < 0:
+            raise InvalidParameterError("context_quantum", f"context_quantum must be >= 0, got {self.context_quantum}")
 
     @property
     def num_devices(self) -> int:

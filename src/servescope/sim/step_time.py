@@ -8,13 +8,19 @@ roofline does not see and which matters for small models on a CPU. Or, with a me
 (sim/step_table.py), the prediction times the measured / predicted ratio of steps of its kind, context
 and size.
 
-Predictions are cached on the step's exact shape: a steady decode batch repeats its shapes only when
-contexts repeat, so the cache mostly serves the many identical small steps of light load.
+Predictions are memoised on the step's shape as the cost model sees it: the prefill rows exactly (each
+(num_new, context) in order), the one-token rows (decodes, verification rows) as their count and their
+mean context rounded to the spec's `context_quantum` tokens; a miss predicts the step with every
+one-token row at that rounded mean. A steady decode batch's exact shape never repeats (every context
+grows by one a step); its quantised one repeats for about `context_quantum` steps. What that costs: the
+one-token rows' KV reads are those of the rounded mean (off by at most quantum / 2 tokens a row, as
+often over as under), and a cost the cost model adds per row rather than per token of context would be
+averaged over the batch's rows (with sliding windows, min(context, window) of the mean instead of the
+mean of the mins). benchmarks/sim_cluster_hour.py --check-every measures the error against the
+unmemoised prediction; docs/BENCHMARKS.md has it. context_quantum 0: exact shapes, no rounding.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 from servescope.analysis.step_prediction import StepPrediction
 from servescope.scheduler.output import SchedulerOutput
@@ -45,25 +51,47 @@ class StepTimer:
         self.predictor = spec.predictor()
         self.host = spec.host
         self.table = spec.step_table
+        self.quantum = spec.context_quantum
         self._cache: dict = {}
 
     def predict(self, seqs: tuple, num_logits: int) -> StepPrediction:
-        key = (seqs, num_logits)
+        """The prediction of the step's rows as memoised (the module's docstring: quantised one-token rows)."""
+        return self._memo(seqs, num_logits)[0]
+
+    def _memo(self, seqs: tuple, num_logits: int) -> tuple:
+        """(prediction, its bound) of the step's rows, memoised on their shape."""
+        key, rows = self.shape(seqs, num_logits)
         hit = self._cache.get(key)
         if hit is None:
             if len(self._cache) >= CACHE_ENTRIES:
                 self._cache.clear()
-            hit = self._cache[key] = self.predictor.predict(list(seqs), num_logits)
+            pred = self.predictor.predict(rows, num_logits)
+            hit = self._cache[key] = (pred, pred.cost.bound)
         return hit
 
-    def step_seconds(self, out: SchedulerOutput) -> tuple[float, Optional[StepPrediction], int]:
-        """(seconds, the cost model's prediction, logit rows) of a non-empty step."""
+    def shape(self, seqs: tuple, num_logits: int) -> tuple:
+        """(memo key, the rows the prediction is made on) of a step's rows."""
+        q = self.quantum
+        if not q:
+            return (seqs, num_logits), list(seqs)
+        ones, context, longer = 0, 0, []
+        for n, c in seqs:
+            if n == 1:
+                ones += 1
+                context += c
+            else:
+                longer.append((n, c))
+        mean = round(context / q / ones) * q if ones else 0
+        return (ones, mean, tuple(longer), num_logits), [(1, mean)] * ones + longer
+
+    def step_seconds(self, out: SchedulerOutput) -> tuple[float, StepPrediction, str]:
+        """(seconds, the cost model's prediction, its bound: compute or memory) of a non-empty step."""
         seqs, num_logits = step_seqs(out)
-        pred = self.predict(seqs, num_logits)
+        pred, bound = self._memo(seqs, num_logits)
         if self.table is not None:
             context = sum(s.num_computed_tokens for s in out.scheduled) / len(out.scheduled)
             ratio = self.table.ratio(out.num_prefill_tokens == 0, out.total_num_scheduled_tokens, context)
-            return pred.seconds * ratio, pred, num_logits
+            return pred.seconds * ratio, pred, bound
         sampled_rows = sum(1 for s in out.scheduled if s.will_sample)
         host = self.host.per_seq_s * len(out.scheduled) + self.host.per_token_s * sampled_rows
-        return pred.seconds + host, pred, num_logits
+        return pred.seconds + host, pred, bound
