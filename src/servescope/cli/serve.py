@@ -49,6 +49,13 @@ def add_parser(sub) -> None:
         help="split <think>...</think> reasoning from answers (reasoning_content, reasoning items, "
         "thinking blocks)",
     )
+    s.add_argument(
+        "--disaggregate",
+        default=None,
+        metavar="LAYOUT",
+        help="prefill/decode disaggregation: 1P1D runs the prefill in a second engine process that sends "
+        "each prompt's KV to this one over gloo (engine/disaggregated.py)",
+    )
     add_limit_args(p)
     add_engine_args(p)
 
@@ -94,7 +101,22 @@ def run(args: argparse.Namespace) -> int:
     from servescope.server.http_guard import uvicorn_options
 
     name = args.served_model_name or args.model or "smollm2-135m"
-    engine = measured_engine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    if args.disaggregate is not None:
+        from servescope.engine.disaggregated import DisaggregatedEngine, check_layout  # torch: after the checks
+        from servescope.errors import InvalidParameterError, WorkerFailedError  # with the engine's imports
+
+        try:
+            check_layout(args.disaggregate, config)  # before any weights load
+        except InvalidParameterError as e:
+            return error(str(e))
+    engine = measured_engine(config)
+    if args.disaggregate is not None:
+        try:
+            engine = DisaggregatedEngine(engine, args.disaggregate)
+        except WorkerFailedError as e:
+            engine.shutdown()
+            return error(str(e))
     async_engine = AsyncEngine(engine)
     app = build_app(async_engine, model_name=name, api_key=api_key, limits=limits,
                     reasoning_parser=args.reasoning_parser)

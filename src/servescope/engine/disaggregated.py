@@ -1,0 +1,291 @@
+"""Prefill/decode disaggregation on one machine: 1 prefill engine process + 1 decode engine (1P1D).
+
+The decode engine is an ordinary LLMEngine in this process (the one `servescope serve` answers from);
+the prefill engine is another LLMEngine, built from the same EngineConfig in a spawned process. A
+request whose prompt has at least one full KV block goes first to the prefill process, which computes
+the prompt (one sampled token, dropped) and sends the KV of its full blocks back over a gloo process
+group of the two (engine/kv_transfer.py: out of its prefix cache, into the decode engine's as cached
+blocks). The decode engine then admits the request as a prefix-cache hit and computes the rest: the
+prompt's last partial block, the first token and every further one. So every token a client sees comes
+from the decode engine and its sampler (greedy output is the single engine's), the decode engine's
+scheduler and KV manager are the engine's own, and TTFT = queueing + prefill + transfer + the decode
+engine's first step, as sim/disagg.py models it.
+
+Channels: requests, aborts and STOP go to the worker on a multiprocessing queue; the worker answers on
+another with ("kv", request id, shape) right before it sends that tensor (bytes) on the gloo group, or
+("error", request id, message) for a request it refused, or ("failed", message) before it exits on a
+bug. A receiver thread here posts the matching gloo receive and hands (request id, KV) to the engine
+thread, which adopts the KV and adds the request between steps. A dead worker (or a broken group) is a
+WorkerFailedError from step(): AsyncEngine then fails every request in flight with it.
+
+CPU tensors over gloo only (NCCL would send the device tensors without the copy; not built here).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from servescope.config import EngineConfig, SamplingParams
+from servescope.engine.kv_transfer import adopt_prompt_kv, export_prompt_kv, num_transferable_blocks
+from servescope.engine.llm_engine import LLMEngine
+from servescope.errors import InvalidParameterError, WorkerFailedError
+from servescope.parallel.groups import free_port
+from servescope.parallel.launcher import watch_parent
+
+logger = logging.getLogger(__name__)
+
+LAYOUTS = ("1P1D",)
+START_TIMEOUT_S = 600.0  # for the prefill process to load its weights
+GROUP_TIMEOUT_S = 7 * 24 * 3600.0  # the receiver waits for the next transfer as long as the server is up
+IDLE_WAIT_S = 0.002  # the engine thread's wait for a transfer when the decode engine has nothing to run
+
+
+def check_layout(layout: str, config: EngineConfig) -> None:
+    """InvalidParameterError unless `layout` is one this module runs with this config."""
+    if layout not in LAYOUTS:
+        raise InvalidParameterError("disaggregate", f"--disaggregate must be one of {', '.join(LAYOUTS)}, "
+                                                    f"got {layout!r}")
+    if config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size != 1:
+        raise InvalidParameterError("disaggregate", "disaggregation runs one device per engine: TP and PP must be 1")
+    if not config.cache.enable_prefix_caching or config.cache.no_kv_cache:
+        raise InvalidParameterError("disaggregate", "the decode engine takes the sent KV as cached blocks: "
+                                                    "disaggregation needs prefix caching on (and a KV cache)")
+
+
+class DisaggregatedEngine:
+    """LLMEngine's interface (what AsyncEngine and the server use) over a decode engine in this process
+    and a prefill engine in a worker process. Attributes not defined here are the decode engine's."""
+
+    def __init__(self, decode: LLMEngine, layout: str = "1P1D", start_timeout_s: float = START_TIMEOUT_S):
+        check_layout(layout, decode.config)
+        self.decode, self.layout = decode, layout
+        self._pending: dict = {}  # request id -> (ids, params, priority, arrival) while in the prefill process
+        self._arrived: queue.Queue = queue.Queue()  # (request id, KV tensor | error message) for the engine thread
+        self._failure: Optional[str] = None
+        self.transfers = []  # (request id, blocks, bytes, seconds of the receive) of each KV received
+        ctx = mp.get_context("spawn")
+        self._to_worker, self._from_worker = ctx.Queue(), ctx.Queue()
+        port = free_port()
+        self._store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+        self._worker = ctx.Process(target=_prefill_worker, name="servescope-prefill", daemon=True,
+                                   args=(decode.config, port, self._to_worker, self._from_worker, os.getpid()))
+        self._worker.start()
+        # the group's rendezvous blocks until the worker joins: in a thread, so that a worker that dies
+        # first is reported (by _wait_ready) instead of waiting out the timeout
+        joined: list = []
+        threading.Thread(target=lambda: joined.append(dist.ProcessGroupGloo(
+            self._store, 0, 2, datetime.timedelta(seconds=GROUP_TIMEOUT_S))), daemon=True).start()
+        try:
+            self._wait_ready(start_timeout_s, joined)
+        except BaseException:
+            self._stop_worker()
+            raise
+        self._group = joined[0]
+        self._receiver = threading.Thread(target=self._receive, name="servescope-kv-receiver", daemon=True)
+        self._receiver.start()
+
+    def __getattr__(self, name):  # the decode engine's tokenizer, config, outputs, step records...
+        if name == "decode":
+            raise AttributeError(name)
+        return getattr(self.decode, name)
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt: Union[str, Sequence[int]],
+                    params: Optional[SamplingParams] = None, priority: int = 0,
+                    arrival_time: Optional[float] = None) -> None:
+        """Validate as the engine does, then send the prompt to the prefill process (a prompt without a
+        full block goes to the decode engine at once). Raises InvalidParameterError, nothing queued."""
+        params = params or SamplingParams()  # a dead worker is step()'s to report (it closes the engine)
+        if request_id in self._pending or request_id in self.decode.outputs:
+            raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
+        _, ids = self.decode._prompt_token_ids(prompt)
+        self.decode._check_fits(ids, params)
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        if num_transferable_blocks(len(ids), self.decode.cache_config.block_size) == 0:
+            self.decode.add_request(request_id, prompt, params, priority, arrival)
+            return
+        if params.structured is not None:
+            self.decode.grammar_compiler.compile(params.structured)  # a bad constraint fails here, not later
+        self._pending[request_id] = (prompt, ids, params, priority, arrival)
+        self._to_worker.put(("prefill", request_id, ids, params.cache_salt))
+
+    def abort(self, request_id: str) -> bool:
+        if self._pending.pop(request_id, None) is not None:
+            self._to_worker.put(("abort", request_id))  # its KV, if already on the way, is dropped on arrival
+            return True
+        return self.decode.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending) or self.decode.has_unfinished()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._pending) + self.decode.num_unfinished
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list:
+        """Adopt the KV that arrived and add those requests, then one decode-engine step (or, with nothing
+        to run there, a short wait for the next transfer)."""
+        self._check_alive()
+        if not self.decode.has_unfinished() and self._arrived.empty():
+            try:
+                self._adopt(*self._arrived.get(timeout=IDLE_WAIT_S))
+            except queue.Empty:
+                return []
+        while not self._arrived.empty():
+            self._adopt(*self._arrived.get_nowait())
+        self._check_alive()
+        return self.decode.step() if self.decode.has_unfinished() else []
+
+    def _adopt(self, request_id: str, kv) -> None:
+        entry = self._pending.pop(request_id, None)
+        if entry is None:  # aborted while in the prefill process
+            return
+        prompt, ids, params, priority, arrival = entry
+        if isinstance(kv, str):  # the prefill engine refused it: the decode engine prefills it itself
+            logger.warning("prefill of %s failed (%s); the decode engine computes its prompt", request_id, kv)
+        else:
+            adopt_prompt_kv(self.decode, request_id, ids, params.cache_salt, kv)
+        self.decode.add_request(request_id, prompt, params, priority, arrival)
+
+    # ---------------------------------------------------------------- the worker
+    def _receive(self) -> None:
+        """The receiver thread: one gloo receive per announced transfer, in the worker's order."""
+        while self._failure is None:
+            try:
+                msg = self._from_worker.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            except (EOFError, OSError):
+                break
+            try:
+                self._on_message(msg)
+            except Exception as e:  # noqa: BLE001 - a broken group: step() reports it
+                self._failure = f"the KV transfer from the prefill process failed: {type(e).__name__}: {e}"
+                break
+
+    def _on_message(self, msg: tuple) -> None:
+        if msg[0] == "kv":
+            _, rid, shape, dtype = msg
+            t0 = time.perf_counter()
+            kv = torch.empty(shape, dtype=dtype)
+            if kv.numel():
+                self._group.recv([kv.view(-1).view(torch.uint8)], 1, 0).wait()
+            self.transfers.append((rid, shape[2], kv.numel() * kv.element_size(), time.perf_counter() - t0))
+            self._arrived.put((rid, kv))
+        elif msg[0] == "error":
+            self._arrived.put((msg[1], msg[2]))
+        elif msg[0] == "failed":
+            self._failure = f"the prefill process failed: {msg[1]}"
+
+    def _wait_ready(self, timeout_s: float, joined: list) -> None:
+        """Until the worker said ready and the group is up; WorkerFailedError when the worker failed."""
+        deadline = time.monotonic() + timeout_s
+        ready = False
+        while not (ready and joined):
+            if ready:  # only the group's rendezvous is left
+                if self._worker.exitcode is not None or time.monotonic() > deadline:
+                    raise WorkerFailedError("the prefill process did not join the KV transfer group")
+                time.sleep(0.01)
+                continue
+            try:
+                msg = self._from_worker.get(timeout=0.2)
+            except queue.Empty:
+                if self._worker.exitcode is not None:
+                    raise WorkerFailedError(f"the prefill process exited with code {self._worker.exitcode} "
+                                            f"while loading") from None
+                if time.monotonic() > deadline:
+                    raise WorkerFailedError(f"the prefill process was not ready within {timeout_s:g} s") from None
+                continue
+            if msg[0] != "ready":
+                raise WorkerFailedError(f"the prefill process failed while loading: {msg[-1]}")
+            ready = True
+
+    def _check_alive(self) -> None:
+        if self._failure is None and self._worker.exitcode is not None:
+            self._failure = f"the prefill process exited with code {self._worker.exitcode}"
+        if self._failure is not None:
+            raise WorkerFailedError(f"{self._failure}; the engine must be restarted")
+
+    def _stop_worker(self) -> None:
+        if self._worker.is_alive():
+            self._to_worker.put(("stop",))
+            self._worker.join(5.0)
+        if self._worker.is_alive():
+            self._worker.terminate()
+            self._worker.join(2.0)
+
+    def shutdown(self, keep_workers: bool = False) -> None:
+        """Stop the prefill process, then the decode engine's own workers; idempotent."""
+        if self._failure is None:
+            self._failure = "the engine was shut down"
+        self._stop_worker()
+        self.decode.shutdown(keep_workers)
+
+
+def _prefill_worker(config: EngineConfig, port: int, inbox, outbox, parent_pid: int) -> None:
+    """The prefill process: its own engine on the same config; prefill each request (one token), send
+    the KV of its prompt's full blocks."""
+    watch_parent(parent_pid)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False,
+                              timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+        group = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+        engine = LLMEngine(config)
+    except Exception as e:  # noqa: BLE001 - reported to the server, which refuses to start
+        outbox.put(("failed", f"{type(e).__name__}: {e}"))
+        return
+    outbox.put(("ready",))
+    try:
+        _prefill_loop(engine, group, inbox, outbox)
+    except Exception as e:  # noqa: BLE001 - a bug: the server fails what is in flight with this message
+        logger.exception("the prefill process failed")
+        outbox.put(("failed", f"{type(e).__name__}: {e}"))
+
+
+def _prefill_loop(engine: LLMEngine, group, inbox, outbox) -> None:
+    salts: dict = {}  # request id -> (prompt ids, cache salt)
+    while True:
+        try:  # block while idle; between steps only take what is there
+            msgs = [inbox.get(timeout=None if not engine.has_unfinished() else 0.0)]
+        except queue.Empty:
+            msgs = []
+        while True:
+            try:
+                msgs.append(inbox.get_nowait())
+            except queue.Empty:
+                break
+        for msg in msgs:
+            if msg[0] == "stop":
+                return
+            if msg[0] == "abort":
+                if salts.pop(msg[1], None) is not None:
+                    engine.abort(msg[1])
+                continue
+            _, rid, ids, salt = msg
+            try:  # greedy, one token: the decode engine samples every token the client sees
+                engine.add_request(rid, ids, SamplingParams(max_tokens=1, temperature=0.0, cache_salt=salt))
+            except Exception as e:  # noqa: BLE001 - the decode engine prefills it then
+                outbox.put(("error", rid, f"{type(e).__name__}: {e}"))
+                continue
+            salts[rid] = (ids, salt)
+        if not engine.has_unfinished():
+            continue
+        for out in engine.step():
+            if out.finished and out.request_id in salts:
+                ids, salt = salts.pop(out.request_id)
+                kv = export_prompt_kv(engine, ids, salt)
+                outbox.put(("kv", out.request_id, tuple(kv.shape), kv.dtype))
+                if kv.numel():
+                    group.send([kv.contiguous().view(-1).view(torch.uint8)], 0, 0).wait()

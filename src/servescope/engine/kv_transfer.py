@@ -1,0 +1,81 @@
+"""A prompt's KV blocks out of one engine's cache and into another's (prefill/decode disaggregation).
+
+Out: after the prefill engine finished a request (one sampled token), the full blocks of its prompt are
+cached and evictable in its prefix cache until the next allocation reuses them; their ids are found by
+the prompt's block hashes (the same chain hash the engine caches them under, with the request's salt),
+and their K and V rows of every layer are copied into one tensor [layers, 2, blocks, block_size, kv
+heads, head dim (+ scales for int8 / fp8 KV)].
+
+In: the decode engine takes those blocks as if it had computed them: a holder sequence of the prompt's
+leading full blocks gets fresh blocks through the KV manager (which hashes them), the rows are written
+there, and the holder lets go with its KV marked written, so the blocks stay in the prefix cache as
+evictable. The request, added next, is admitted by the decode engine's own scheduler as a prefix-cache
+hit over those blocks and computes only the prompt's last partial block (and its first token). Nothing
+of the scheduler or the KV manager changes for it; a cache too full to take the blocks just means the
+decode engine recomputes the prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from servescope.config import SamplingParams
+from servescope.kvcache.prefix_cache import hash_full_blocks
+from servescope.scheduler.request import Request
+
+
+def num_transferable_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Full prompt blocks a prefix hit can use: never the block of the last token (its logits are due)."""
+    return (num_prompt_tokens - 1) // block_size
+
+
+def export_prompt_kv(engine, prompt_ids: Sequence[int], cache_salt: Optional[str]) -> torch.Tensor:
+    """The KV of the prompt's leading full blocks that `engine`'s prefix cache holds (call right after
+    the step that finished the request, before another allocation can evict them)."""
+    km = engine.kv_manager
+    limit = num_transferable_blocks(len(prompt_ids), km.block_size)
+    blocks = []
+    for h in hash_full_blocks(prompt_ids, km.block_size, limit=limit, salt=cache_salt):
+        b = km.prefix_cache.lookup(h)
+        if b is None:
+            break
+        blocks.append(b)
+    idx = torch.tensor(blocks, dtype=torch.long)
+    return torch.stack([torch.stack((k.index_select(0, idx.to(k.device)), v.index_select(0, idx.to(v.device))))
+                        for k, v in engine.runner.kv_caches]).cpu()
+
+
+def kv_shape(engine, num_blocks: int) -> tuple:
+    """The shape export_prompt_kv gives for `num_blocks` blocks of this engine's cache."""
+    k = engine.runner.kv_caches[0][0]
+    return (len(engine.runner.kv_caches), 2, num_blocks, *k.shape[1:])
+
+
+def adopt_prompt_kv(engine, request_id: str, prompt_ids: Sequence[int], cache_salt: Optional[str],
+                    kv: torch.Tensor) -> int:
+    """Write `kv` (export_prompt_kv's tensor of another engine of the same model and KV layout) into this
+    engine's cache as cached, evictable blocks of the prompt's leading full blocks. Returns the blocks
+    taken; 0 (nothing changed) when the cache has no room or nothing was sent."""
+    km = engine.kv_manager
+    num_blocks = kv.shape[2]
+    if num_blocks == 0:
+        return 0
+    caches = engine.runner.kv_caches
+    if tuple(kv.shape) != kv_shape(engine, num_blocks) or kv.dtype != caches[0][0].dtype:
+        raise ValueError(f"KV of shape {tuple(kv.shape)} {kv.dtype} does not fit this engine's cache "
+                         f"{kv_shape(engine, num_blocks)} {caches[0][0].dtype}")
+    tokens = list(prompt_ids[:num_blocks * km.block_size])
+    holder = Request(f"{request_id}/kv-in", tokens, SamplingParams(cache_salt=cache_salt), arrival_time=0.0)
+    if not km.allocate_slots(holder, len(tokens)):
+        return 0
+    try:
+        idx = torch.tensor(km.get_block_ids(holder.request_id), dtype=torch.long)
+        for layer, (k, v) in enumerate(caches):
+            k.index_copy_(0, idx.to(k.device), kv[layer, 0].to(k.device))
+            v.index_copy_(0, idx.to(v.device), kv[layer, 1].to(v.device))
+        holder.num_computed_tokens = len(tokens)  # written: free() leaves the hashed blocks findable
+    finally:
+        km.free(holder)  # a failed copy frees unwritten blocks (their hashes go): no block leaks
+    return num_blocks

@@ -1,0 +1,130 @@
+"""1 prefill + 1 decode engine process behind the real server on loopback (the embedded SmolLM2): greedy
+tokens are the single engine's, through the openai client; bad input is refused with nothing queued; a
+request aborted while its prompt is in the prefill process leaves no block held; a killed prefill
+process turns into 503s naming it, without a hang, and shutdown leaves no process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from servescope.cli import main as cli_main
+from servescope.config import SamplingParams
+from servescope.engine.async_engine import AsyncEngine
+from servescope.engine.disaggregated import DisaggregatedEngine
+from servescope.engine.llm_engine import LLMEngine
+from servescope.server.app import build_app
+from server.server_utils import LiveServer, openai_client
+
+MODEL, KEY = "smollm2-135m", "sk-disagg-test"
+PROMPTS = [
+    "The capital of France is",  # under one block: the decode engine takes it at once
+    "Write a short story about a robot who learns to paint. Once upon a time, in a small town by the sea, "
+    "there lived a robot named",
+    "The moon is Earth's only natural satellite. It orbits at an average distance of about 384,400 km and "
+    "takes about 27 days to go around the planet. Its surface is covered in craters, and it has no air. "
+    "Here are three more facts about the moon:\n1.",
+]
+MAX_TOKENS = 12
+
+
+def _greedy_ids(engine: LLMEngine) -> list:
+    """Each prompt's greedy tokens on the plain engine, one request at a time."""
+    out = []
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"ref-{i}", p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    out.append(o.outputs[0].token_ids)
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup():
+    engine = LLMEngine(max_model_len=1024, num_kv_blocks=256, num_threads=1)
+    expected = _greedy_ids(engine)
+    engine.kv_manager.reset_prefix_cache()  # the decode engine starts as cold as the single one did
+    dis = DisaggregatedEngine(engine)
+    ae = AsyncEngine(dis)
+    server = LiveServer(build_app(ae, model_name=MODEL, api_key=KEY)).start()
+    yield dis, ae, server, expected
+    server.stop()
+    ae.shutdown()
+    dis.shutdown()
+
+
+def test_greedy_tokens_are_the_single_engines(setup):
+    dis, _, server, expected = setup
+    client = openai_client(server, KEY, timeout=120)
+    texts = [client.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0.0,
+                                       extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
+    tok = dis.decode.tokenizer
+    assert texts == [tok.decode(ids) for ids in expected]
+    assert len(dis.transfers) == 2 and all(blocks >= 1 for _, blocks, _, _ in dis.transfers)
+    # a streamed request too: the same text in chunks
+    stream = openai_client(server, KEY, strict=False, timeout=120).completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+        extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream) == texts[1]
+    _wait_idle(dis)
+
+
+def _wait_idle(dis, timeout=30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while dis.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    km = dis.decode.kv_manager
+    assert not dis.has_unfinished() and km.num_used_blocks == 0  # only cached, evictable blocks remain
+
+
+def test_bad_input_is_refused_and_nothing_is_queued(setup):
+    dis, _, server, _ = setup
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60,
+                   json={"model": MODEL, "prompt": "word " * 1100, "max_tokens": 4})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+    assert not dis._pending
+
+
+def test_an_abort_during_the_prefill_leaves_no_block_held(setup):
+    dis, ae, _, _ = setup
+
+    def add_and_abort(engine):
+        engine.add_request("gone", PROMPTS[1], SamplingParams(max_tokens=4))
+        return engine.abort("gone")
+
+    assert asyncio.run(ae.run_on_engine(add_and_abort)) is True
+    time.sleep(1.0)  # its KV, if the prefill process had sent it, arrives and is dropped
+    _wait_idle(dis)
+    dis.decode.kv_manager.check_invariants()
+
+
+def test_bad_layouts_are_refused_before_anything_loads(capsys):
+    assert cli_main(["serve", "--disaggregate", "2P1D"]) == 2
+    assert "--disaggregate must be one of 1P1D" in capsys.readouterr().err
+    assert cli_main(["serve", "--disaggregate", "1P1D", "--no-prefix-caching"]) == 2
+    assert "needs prefix caching" in capsys.readouterr().err
+
+
+def test_zz_a_killed_prefill_process_gives_503s_not_a_hang(setup):
+    """Runs last in this module: it kills the shared engine's prefill process."""
+    dis, _, server, _ = setup
+    os.kill(dis._worker.pid, signal.SIGKILL)
+    dis._worker.join(10)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    t0 = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60,
+                   json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4})
+    assert r.status_code == 503, r.text
+    msg = r.json()["error"]["message"]
+    assert "prefill process exited with code -9" in msg and "restarted" in msg
+    assert time.monotonic() - t0 < 30
+    assert dis.decode.kv_manager.num_used_blocks == 0
+    dis.shutdown()
+    assert dis._worker.exitcode is not None

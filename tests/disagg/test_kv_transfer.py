@@ -1,0 +1,97 @@
+"""engine/kv_transfer.py on two engines of one tiny model in this process: the prompt's full blocks
+leave the prefill engine's prefix cache and land in the decode engine's as cached blocks with the same
+rows; the decode engine's own scheduler admits the request as a prefix hit over them and its greedy
+tokens are the single engine's."""
+
+import pytest
+import torch
+
+from servescope.config import SamplingParams
+from servescope.engine.kv_transfer import adopt_prompt_kv, export_prompt_kv, kv_shape
+from servescope.engine.llm_engine import LLMEngine
+from servescope.scheduler.request import Request
+from tiny_models import make_tiny_hf_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPT = [(7 * i + 3) % 500 + 5 for i in range(53)]  # 3 full blocks of 16 and 5 tokens
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("kvx"), "llama", num_hidden_layers=2)
+
+
+def _engine(path, **kw):
+    return LLMEngine(model=str(path), num_threads=1, max_model_len=256, **{"num_kv_blocks": 64, **kw})
+
+
+def _run(engine, rid, prompt, params=GREEDY):
+    engine.add_request(rid, prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                return out
+    raise AssertionError("no output")
+
+
+def test_the_prompts_kv_moves_and_the_decode_engine_admits_it_as_a_prefix_hit(model_path):
+    single, prefill, decode = _engine(model_path), _engine(model_path), _engine(model_path)
+    expected = _run(single, "a", PROMPT).outputs[0].token_ids
+    _run(prefill, "a", PROMPT, SamplingParams(temperature=0.0, max_tokens=1))
+    kv = export_prompt_kv(prefill, PROMPT, None)
+    assert tuple(kv.shape) == kv_shape(prefill, 3)  # (53 - 1) // 16 full blocks
+    assert adopt_prompt_kv(decode, "a", PROMPT, None, kv) == 3
+    km = decode.kv_manager
+    km.check_invariants()
+    assert km.num_cached_blocks == 3 and km.num_used_blocks == 0  # cached, evictable: nobody holds them
+    again = export_prompt_kv(decode, PROMPT, None)  # the same rows under the same hashes
+    assert torch.equal(again, kv)
+    out = _run(decode, "a", PROMPT)
+    assert out.outputs[0].token_ids == expected
+    assert out.metrics.num_cached_tokens == 48  # the decode engine computed 5 prompt tokens, not 53
+    km.check_invariants()
+    assert km.num_used_blocks == 0
+
+
+def test_a_salted_prompt_only_hits_under_its_own_salt(model_path):
+    prefill, decode = _engine(model_path), _engine(model_path)
+    _run(prefill, "a", PROMPT, SamplingParams(temperature=0.0, max_tokens=1, cache_salt="alice"))
+    assert export_prompt_kv(prefill, PROMPT, None).shape[2] == 0  # not findable without the salt
+    kv = export_prompt_kv(prefill, PROMPT, "alice")
+    assert adopt_prompt_kv(decode, "a", PROMPT, "alice", kv) == 3
+    salted = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, cache_salt="alice")
+    assert _run(decode, "b", PROMPT, SamplingParams(**{**GREEDY.__dict__, "max_tokens": 2})
+                ).metrics.num_cached_tokens == 0
+    assert _run(decode, "c", PROMPT, salted).metrics.num_cached_tokens == 48
+
+
+def test_the_decode_engine_reads_the_sent_kv(model_path):
+    """Rows that are not the prompt's (zeros) change what the decode engine computes: it reads the sent
+    KV instead of recomputing the prompt."""
+    prefill, decode, wrong = _engine(model_path), _engine(model_path), _engine(model_path)
+    _run(prefill, "a", PROMPT, SamplingParams(temperature=0.0, max_tokens=1))
+    kv = export_prompt_kv(prefill, PROMPT, None)
+    adopt_prompt_kv(decode, "a", PROMPT, None, kv)
+    adopt_prompt_kv(wrong, "a", PROMPT, None, torch.zeros_like(kv))
+    logprobs = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1)
+    right = _run(decode, "a", PROMPT, logprobs).outputs[0].logprobs[0]
+    zeroed = _run(wrong, "a", PROMPT, logprobs).outputs[0].logprobs[0]
+    assert right != zeroed
+
+
+def test_no_room_or_a_wrong_shape_changes_nothing(model_path):
+    prefill = _engine(model_path)
+    _run(prefill, "a", PROMPT, SamplingParams(temperature=0.0, max_tokens=1))
+    kv = export_prompt_kv(prefill, PROMPT, None)
+    small = _engine(model_path, num_kv_blocks=17)
+    km = small.kv_manager
+    hog = Request("hog", list(range(5, 5 + 15 * 16)), SamplingParams(), arrival_time=0.0)
+    assert km.allocate_slots(hog, 15 * 16)  # 2 blocks left: the prompt's 3 do not fit
+    before = (km.num_used_blocks, km.num_cached_blocks, km.num_free_blocks)
+    assert adopt_prompt_kv(small, "a", PROMPT, None, kv) == 0
+    assert (km.num_used_blocks, km.num_cached_blocks, km.num_free_blocks) == before
+    with pytest.raises(ValueError, match="does not fit"):
+        adopt_prompt_kv(small, "a", PROMPT, None, kv[:1])
+    assert (km.num_used_blocks, km.num_cached_blocks, km.num_free_blocks) == before
+    km.free(hog)
+    km.check_invariants()
