@@ -1,22 +1,23 @@
 """Prefill/decode disaggregation: P prefill instances and D decode instances, the KV sent between them.
 
-A request goes to the prefill instance with the fewest outstanding tokens and runs there for its first
-token only (TTFT). Its KV then crosses the link: kv_cache_bytes_per_token x prompt tokens, each of the
-instance's T x P ranks sending its share over its own port at once (bytes / ranks / bandwidth + the
-link's latency). When it lands, the decode instance with the fewest outstanding tokens receives it:
-the KV goes into that instance's cache as full blocks findable by their hashes (the engine's prefix
-cache: KVCacheManager.allocate_slots hashes them, free() leaves them cached and evictable), and the
-request (prompt + its first token, the remaining max_tokens) is added to its scheduler, which admits it
-with those blocks as a prefix hit and computes only the prompt's last partial block and the first
-token (at most block_size + 1 tokens: a real transfer would carry the partial block too). If the decode
-instance's cache cannot take the blocks, the request recomputes its prompt there (counted).
+A request goes to the prefill instance with the fewest outstanding tokens and runs there for one token
+(which is dropped, as vLLM's disaggregation proxy drops it). The KV of the prompt's full blocks that a
+prefix hit can use ((prompt - 1) // block_size of them) then crosses the link: kv_cache_bytes_per_token
+x their tokens, each of the instance's T x P ranks sending its share over its own port at once (bytes /
+ranks / bandwidth + the link's latency). When it lands, the decode instance with the fewest outstanding
+tokens receives it: the KV goes into that instance's cache as full blocks findable by their hashes (the
+engine's prefix cache: KVCacheManager.allocate_slots hashes them, free() leaves them cached and
+evictable), and the request (its prompt and max_tokens) is added to its scheduler, which admits it with
+those blocks as a prefix hit and computes only the prompt's last partial block, sampling the first
+token there (TTFT = queueing + prefill + transfer + that step). This is what engine/disaggregated.py
+runs for real. If the decode instance's cache cannot take the blocks, the request recomputes its prompt
+there (counted).
 """
 
 from __future__ import annotations
 
 import heapq
 import os
-import zlib
 from typing import Optional, Sequence
 
 from servescope.analysis.probe import cpu_model
@@ -94,6 +95,10 @@ class Disaggregated:
     def served_by(self, instance: int) -> set:
         return {rid for rid, homes in self._home.items() if instance in homes}
 
+    def sent_tokens(self, prompt_len: int) -> int:
+        """Tokens whose KV is sent: the prompt's full blocks a prefix hit can use."""
+        return (prompt_len - 1) // self.spec.block_size * self.spec.block_size
+
     def transfer_time(self, num_tokens: int) -> float:
         ranks = self.spec.tp * self.spec.pp
         return num_tokens * self.spec.kv_bytes_per_token / ranks / self.link.bandwidth + self.link.latency_s
@@ -139,14 +144,15 @@ class Disaggregated:
                 self._origin.pop(f.request_id)
                 return f
             self._origin[f.request_id] = (prompt, max_tokens, f)
-            seconds = self.transfer_time(len(prompt))
+            seconds = self.transfer_time(self.sent_tokens(len(prompt)))
             self.transfer_seconds += seconds
             heapq.heappush(self._transfers, (f.metrics.finished_time + seconds, f.request_id))
             return None
         self._origin.pop(f.request_id)
-        m, d = first.metrics, f.metrics  # the request's metrics: arrival and first token from the prefill
-        m.token_times.extend(d.token_times)
+        m, d = first.metrics, f.metrics  # the request's metrics: its arrival, the decode instance's tokens
+        m.token_times = d.token_times
         m.finished_time = d.finished_time
+        m.num_cached_tokens = d.num_cached_tokens
         m.num_preemptions += d.num_preemptions
         return Finished(f.request_id, m, f.error)
 
@@ -156,10 +162,9 @@ class Disaggregated:
         engine = self.decode[k]
         engine.wait_until(now)
         self._home[rid].add(len(self.prefill) + k)
-        tokens = prompt + (zlib.crc32(rid.encode()) % self.spec.model.vocab_size,)  # prompt + its first token
-        if not inject_kv(engine, rid, tokens[:-1]):
+        if not inject_kv(engine, rid, prompt[:self.sent_tokens(len(prompt))]):
             self.recomputed += 1
-        refused = engine.add_request(rid, tokens, max_tokens - 1, now)
+        refused = engine.add_request(rid, prompt, max_tokens, now)
         if refused is not None:  # cannot happen for a request the prefill instance took (same spec)
             raise RuntimeError(f"decode instance refused {rid}: {refused.error}")
 
