@@ -27,16 +27,29 @@ from servescope.sim.spec import DEFAULT_CONTEXT_QUANTUM, instance_spec
 from servescope.bench.arrivals import arrival_times
 
 
+CHUNK = 1024  # prompts drawn at once (one generator per chunk: a generator per prompt costs more than its draw)
+
+
 class LazyWorkload:
-    """bench serve's random workload drawn one request at a time when the driver asks for it: an hour at
-    50 req/s is 180k prompts of ~1k tokens, ~7 GB as Python ints if drawn up front."""
+    """bench serve's random workload drawn a chunk of requests at a time when the driver asks for them: an
+    hour at 50 req/s is 180k prompts of ~1k tokens, ~7 GB as Python ints if drawn up front."""
 
     def __init__(self, n: int, rate: float, prompt: tuple, output: tuple, vocab: int, seed: int = 0):
         rng = np.random.default_rng(seed)
         self.times = arrival_times(n, rate, 1.0, seed)
         self.prompt_lens = rng.integers(prompt[0], prompt[1] + 1, n)
         self.output_lens = rng.integers(output[0], output[1] + 1, n)
+        self.starts = np.concatenate(([0], np.cumsum(self.prompt_lens)))
         self.vocab, self.seed = vocab, seed
+        self._chunk = (-1, None)  # (chunk index, its prompts' tokens back to back)
+
+    def prompt(self, i: int) -> tuple:
+        c = i // CHUNK
+        if self._chunk[0] != c:
+            lo, hi = self.starts[c * CHUNK], self.starts[min((c + 1) * CHUNK, len(self.times))]
+            self._chunk = (c, np.random.default_rng((self.seed, c)).integers(0, self.vocab, hi - lo))
+        base = self.starts[c * CHUNK]
+        return tuple(self._chunk[1][self.starts[i] - base:self.starts[i + 1] - base].tolist())
 
     def __len__(self) -> int:
         return len(self.times)
@@ -54,7 +67,7 @@ class LazyRequest:
 
     @property
     def prompt(self) -> tuple:
-        return tuple(np.random.default_rng((self.w.seed, self.i)).integers(0, self.w.vocab, self.prompt_len).tolist())
+        return self.w.prompt(self.i)
 
 
 def check_memo(timer, every: int) -> list:

@@ -159,9 +159,13 @@ class Scheduler:
             self._schedule_waiting(token_budget, scheduled, finished)
 
         seqs = list(scheduled.values())
-        seqs = [s for s in seqs if not s.is_prefill] + [s for s in seqs if s.is_prefill]
-        num_prefill = sum(s.num_new_tokens for s in seqs if s.is_prefill)
-        num_total = sum(s.num_new_tokens for s in seqs)
+        num_prefill = num_total = 0
+        for s in seqs:
+            num_total += s.num_new_tokens
+            if s.is_prefill:
+                num_prefill += s.num_new_tokens
+        if num_prefill:  # decodes first (a prefill always has tokens: no prefill, nothing to move)
+            seqs = [s for s in seqs if not s.is_prefill] + [s for s in seqs if s.is_prefill]
         return SchedulerOutput(
             scheduled=seqs,
             total_num_scheduled_tokens=num_total,

@@ -42,6 +42,7 @@ class Deployment:
         self._time = 0.0
         self._next = 0
         self._home: dict = {}  # request id -> replica index
+        self._due = None  # the replica now() found to step next, until a request comes in
 
     @property
     def num_devices(self) -> int:
@@ -57,7 +58,7 @@ class Deployment:
 
     # ---------------------------------------------------------------- Served
     def now(self) -> float:
-        engine = self._earliest()
+        engine = self._due = self._earliest()  # step() runs it unless a request comes in between
         return self._time if engine is None else engine.clock
 
     def _earliest(self):
@@ -72,9 +73,10 @@ class Deployment:
         self._time = max(self._time, t)
 
     def has_unfinished(self) -> bool:
-        return any(e.has_unfinished() for e in self.engines)
+        return self._due is not None or any(e.has_unfinished() for e in self.engines)
 
     def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, arrival_time: float):
+        self._due = None  # the request may wake an idle replica or move one's clock
         i = self._route(prompt)
         self._home[request_id] = i
         engine = self.engines[i]
@@ -82,7 +84,8 @@ class Deployment:
         return engine.add_request(request_id, prompt, max_tokens, arrival_time)
 
     def step(self) -> list:
-        engine = self._earliest()
+        engine = self._due or self._earliest()
+        self._due = None
         done = engine.step()
         self._time = max(self._time, engine.clock)
         return done
