@@ -30,6 +30,7 @@ from servescope.measure.sequence_overhead import host_costs
 from servescope.sim.disagg import Disaggregated
 from servescope.sim.driver import bench_result, drive
 from servescope.sim.spec import HostCosts, instance_spec
+from servescope.sim.step_table import StepTable
 from servescope.sim.workload import synthetic_workload
 
 BLOCKS, SEQS, BUDGET, MAX_LEN = 2048, 32, 512, 4096
@@ -44,6 +45,8 @@ METRICS = ("median_ttft_ms", "median_tpot_ms", "p90_ttft_ms", "output_throughput
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--step-table", default=None, help="a table this script profiled before (skips the profile)")
+    p.add_argument("--save-table", default=None, help="write the profiled table here")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     config = EngineConfig(dtype="auto", num_threads=1, num_kv_blocks=BLOCKS, max_num_seqs=SEQS,
@@ -57,8 +60,11 @@ def main(argv=None) -> int:
                          host=HostCosts(per_seq, per_token, source))
     vocab = spec.model.vocab_size
     t0 = time.perf_counter()
-    table = profile_steps(engine, vocab)
-    print(f"step table profiled in {time.perf_counter() - t0:.0f} s", flush=True)
+    table = StepTable.load(a.step_table) if a.step_table else profile_steps(engine, vocab)
+    print(f"step table ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    if a.save_table:
+        with open(a.save_table, "w") as f:
+            json.dump(table.to_dict(), f)
     spec = spec.replace(step_table=table)
     link = local_gloo_link()
     engine.kv_manager.reset_prefix_cache()

@@ -74,6 +74,7 @@ def test_a_bad_trace_line_is_named(tmp_path, line, message):
     (["--model", "no-such-preset"], "unknown preset"),
     (["--hardware", "nope"], "unknown hardware"),
     (["-ep", "2"], "expert parallelism"),
+    (["--context-quantum", "-1"], "context_quantum must be >= 0"),
 ])
 def test_bad_arguments_are_one_clear_error(extra, message, capsys):
     assert main(SMALL + extra) == 2
@@ -100,3 +101,15 @@ def test_step_tables_fit_load_and_scale():
     assert StepTable.from_dict(json.loads(json.dumps(table.to_dict()))) == table
     with pytest.raises(InvalidParameterError):
         StepTable.from_dict({"decode": [[1, [[1, -1]]]], "prefill": [[1, [[1, 1]]]]})
+
+
+def test_the_context_quantum_only_rounds_step_times(tmp_path):
+    runs = {}
+    for q in ("0", "16"):
+        out = tmp_path / f"q{q}.json"
+        assert main(SMALL + ["--context-quantum", q, "--json", str(out)]) == 0
+        runs[q] = json.loads(out.read_text())
+    assert runs["0"]["completed"] == runs["16"]["completed"] == 6
+    assert runs["0"]["total_output_tokens"] == runs["16"]["total_output_tokens"]
+    for key in ("median_ttft_ms", "median_tpot_ms", "duration_s"):
+        assert runs["16"][key] == pytest.approx(runs["0"][key], rel=1e-2)

@@ -54,6 +54,9 @@ def add_parser(sub) -> None:
     w.add_argument("--max-concurrency", type=positive_int, default=None)
     m.add_argument("--step-table", default=None, metavar="JSON",
                    help="measured / predicted step times (lab simulate writes one): scales each predicted step")
+    m.add_argument("--context-quantum", type=int, default=None, metavar="TOKENS",
+                   help="step predictions are memoised with one-token rows at their mean context rounded to "
+                        "this many tokens (default 16; 0: every step predicted on its exact shape, slower)")
     w.add_argument("--trace-file", default=None, metavar="JSONL",
                    help="requests from a trace (arrival_time, prompt_len, output_len, session_id per line) "
                         "instead of the synthetic workload")

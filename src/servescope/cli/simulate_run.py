@@ -12,7 +12,8 @@ from servescope.config.engine import BatchingConfig, KVCacheConfig, ParallelConf
 from servescope.sim.cluster import Deployment
 from servescope.sim.disagg import Disaggregated
 from servescope.sim.run import simulate, write_trace
-from servescope.sim.spec import HostCosts, SpecDecodeSpec, describe, instance_spec, resolve_dtype
+from servescope.sim.spec import (DEFAULT_CONTEXT_QUANTUM, HostCosts, SpecDecodeSpec, describe, instance_spec,
+                                  resolve_dtype)
 from servescope.sim.step_table import StepTable
 from servescope.sim.workload import read_trace, synthetic_workload
 
@@ -66,7 +67,8 @@ def spec_from_args(args, tp: int = None, host: HostCosts = None):
         ep=args.expert_parallel_size, link=args.link or local_link(args, hw),
         spec_decode=SpecDecodeSpec(args.num_speculative_tokens,
                                    args.spec_acceptance if args.num_speculative_tokens else 0.0),
-        host=host, step_table=StepTable.load(args.step_table) if args.step_table else None)
+        host=host, step_table=StepTable.load(args.step_table) if args.step_table else None,
+        context_quantum=DEFAULT_CONTEXT_QUANTUM if args.context_quantum is None else args.context_quantum)
 
 
 def workload_from_args(args, vocab_size: int) -> list:

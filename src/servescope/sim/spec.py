@@ -144,7 +144,8 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
                   kv_cache_dtype: str = "auto", cache: KVCacheConfig = KVCacheConfig(),
                   batching: BatchingConfig = BatchingConfig(), parallel: ParallelConfig = ParallelConfig(),
                   ep: int = 1, link: "str | LinkSpec | None" = None, spec_decode: SpecDecodeSpec = SpecDecodeSpec(),
-                  host: HostCosts = HostCosts(), step_table: Optional[StepTable] = None) -> InstanceSpec:
+                  host: HostCosts = HostCosts(), step_table: Optional[StepTable] = None,
+                  context_quantum: int = DEFAULT_CONTEXT_QUANTUM) -> InstanceSpec:
     """Resolve an instance as engine/builder.py resolves an engine (the config parts are the engine's)."""
     cfg = load_preset(model) if isinstance(model, str) else model
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -189,7 +190,7 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
                         num_blocks=int(blocks), block_size=cache.block_size,
                         enable_prefix_caching=cache.enable_prefix_caching, tp=tp, pp=pp, ep=ep,
                         micro_batches=parallel.pipeline_micro_batches, link=link_spec, spec_decode=spec_decode,
-                        host=host, step_table=step_table)
+                        host=host, step_table=step_table, context_quantum=context_quantum)
 
 
 def describe(spec: InstanceSpec) -> str:
