@@ -56,7 +56,8 @@ def main(argv=None) -> int:
     dtype = str(engine.dtype).replace("torch.", "")
     per_seq, per_token, source = host_costs(dtype, with_tokenizer=True)
     spec = instance_spec("smollm2-135m", hw, dtype=dtype, cache=KVCacheConfig(num_kv_blocks=BLOCKS),
-                         batching=BatchingConfig(max_num_seqs=SEQS, max_num_batched_tokens=BUDGET, max_model_len=MAX_LEN),
+                         batching=BatchingConfig(max_num_seqs=SEQS, max_num_batched_tokens=BUDGET,
+                                                 max_model_len=MAX_LEN),
                          host=HostCosts(per_seq, per_token, source))
     vocab = spec.model.vocab_size
     t0 = time.perf_counter()

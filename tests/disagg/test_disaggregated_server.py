@@ -92,15 +92,23 @@ def test_bad_input_is_refused_and_nothing_is_queued(setup):
     assert not dis._pending
 
 
-def test_an_abort_during_the_prefill_leaves_no_block_held(setup):
-    dis, ae, _, _ = setup
+def test_an_abort_during_the_prefill_leaves_no_block_held_and_its_id_can_come_back(setup):
+    """The aborted request's KV (of another prompt) must not be taken for the next request of its id."""
+    dis, ae, _, expected = setup
 
     def add_and_abort(engine):
-        engine.add_request("gone", PROMPTS[1], SamplingParams(max_tokens=4))
-        return engine.abort("gone")
+        engine.add_request("again", PROMPTS[1], SamplingParams(max_tokens=4))
+        return engine.abort("again")
 
-    assert asyncio.run(ae.run_on_engine(add_and_abort)) is True
-    time.sleep(1.0)  # its KV, if the prefill process had sent it, arrives and is dropped
+    async def scenario():
+        assert await ae.run_on_engine(add_and_abort) is True
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        last = None
+        async for out in ae.generate("again", PROMPTS[2], params):
+            last = out
+        return last.outputs[0].token_ids
+
+    assert asyncio.run(scenario()) == expected[2]
     _wait_idle(dis)
     dis.decode.kv_manager.check_invariants()
 

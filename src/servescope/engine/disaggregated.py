@@ -24,6 +24,7 @@ CPU tensors over gloo only (NCCL would send the device tensors without the copy;
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import os
 import queue
@@ -56,7 +57,8 @@ def check_layout(layout: str, config: EngineConfig) -> None:
         raise InvalidParameterError("disaggregate", f"--disaggregate must be one of {', '.join(LAYOUTS)}, "
                                                     f"got {layout!r}")
     if config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size != 1:
-        raise InvalidParameterError("disaggregate", "disaggregation runs one device per engine: TP and PP must be 1")
+        raise InvalidParameterError("disaggregate",
+                                    "disaggregation runs one device per engine: TP and PP must be 1")
     if not config.cache.enable_prefix_caching or config.cache.no_kv_cache:
         raise InvalidParameterError("disaggregate", "the decode engine takes the sent KV as cached blocks: "
                                                     "disaggregation needs prefix caching on (and a KV cache)")
@@ -69,8 +71,12 @@ class DisaggregatedEngine:
     def __init__(self, decode: LLMEngine, layout: str = "1P1D", start_timeout_s: float = START_TIMEOUT_S):
         check_layout(layout, decode.config)
         self.decode, self.layout = decode, layout
-        self._pending: dict = {}  # request id -> (ids, params, priority, arrival) while in the prefill process
-        self._arrived: queue.Queue = queue.Queue()  # (request id, KV tensor | error message) for the engine thread
+        self._pending: dict = {}  # request id -> (prompt, ids, params, priority, arrival, ticket) meanwhile
+        # the worker knows each prefill by a ticket only: KV that arrives for an aborted request (its ticket
+        # gone from here) is dropped, never taken for a later request of the same id
+        self._ticket_of: dict = {}  # ticket -> request id
+        self._tickets = itertools.count()
+        self._arrived: queue.Queue = queue.Queue()  # (ticket, KV tensor | error message) for the engine thread
         self._failure: Optional[str] = None
         self.transfers = []  # (request id, blocks, bytes, seconds of the receive) of each KV received
         ctx = mp.get_context("spawn")
@@ -79,7 +85,8 @@ class DisaggregatedEngine:
         self._store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
         self._worker = ctx.Process(target=_prefill_worker, name="servescope-prefill", daemon=True,
-                                   args=(decode.config, port, self._to_worker, self._from_worker, os.getpid()))
+                                   args=(decode.config, port, self._to_worker, self._from_worker,
+                                         os.getpid()))
         self._worker.start()
         # the group's rendezvous blocks until the worker joins: in a thread, so that a worker that dies
         # first is reported (by _wait_ready) instead of waiting out the timeout
@@ -117,12 +124,16 @@ class DisaggregatedEngine:
             return
         if params.structured is not None:
             self.decode.grammar_compiler.compile(params.structured)  # a bad constraint fails here, not later
-        self._pending[request_id] = (prompt, ids, params, priority, arrival)
-        self._to_worker.put(("prefill", request_id, ids, params.cache_salt))
+        ticket = next(self._tickets)
+        self._pending[request_id] = (prompt, ids, params, priority, arrival, ticket)
+        self._ticket_of[ticket] = request_id
+        self._to_worker.put(("prefill", ticket, ids, params.cache_salt))
 
     def abort(self, request_id: str) -> bool:
-        if self._pending.pop(request_id, None) is not None:
-            self._to_worker.put(("abort", request_id))  # its KV, if already on the way, is dropped on arrival
+        entry = self._pending.pop(request_id, None)
+        if entry is not None:
+            del self._ticket_of[entry[-1]]
+            self._to_worker.put(("abort", entry[-1]))  # its KV, if already on the way, is dropped on arrival
             return True
         return self.decode.abort(request_id)
 
@@ -148,11 +159,11 @@ class DisaggregatedEngine:
         self._check_alive()
         return self.decode.step() if self.decode.has_unfinished() else []
 
-    def _adopt(self, request_id: str, kv) -> None:
-        entry = self._pending.pop(request_id, None)
-        if entry is None:  # aborted while in the prefill process
+    def _adopt(self, ticket: int, kv) -> None:
+        request_id = self._ticket_of.pop(ticket, None)
+        if request_id is None:  # aborted while in the prefill process
             return
-        prompt, ids, params, priority, arrival = entry
+        prompt, ids, params, priority, arrival, _ = self._pending.pop(request_id)
         if isinstance(kv, str):  # the prefill engine refused it: the decode engine prefills it itself
             logger.warning("prefill of %s failed (%s); the decode engine computes its prompt", request_id, kv)
         else:
@@ -177,13 +188,14 @@ class DisaggregatedEngine:
 
     def _on_message(self, msg: tuple) -> None:
         if msg[0] == "kv":
-            _, rid, shape, dtype = msg
+            _, ticket, shape, dtype = msg
             t0 = time.perf_counter()
             kv = torch.empty(shape, dtype=dtype)
             if kv.numel():
                 self._group.recv([kv.view(-1).view(torch.uint8)], 1, 0).wait()
-            self.transfers.append((rid, shape[2], kv.numel() * kv.element_size(), time.perf_counter() - t0))
-            self._arrived.put((rid, kv))
+            seconds = time.perf_counter() - t0
+            self.transfers.append((ticket, shape[2], kv.numel() * kv.element_size(), seconds))
+            self._arrived.put((ticket, kv))
         elif msg[0] == "error":
             self._arrived.put((msg[1], msg[2]))
         elif msg[0] == "failed":
@@ -206,7 +218,8 @@ class DisaggregatedEngine:
                     raise WorkerFailedError(f"the prefill process exited with code {self._worker.exitcode} "
                                             f"while loading") from None
                 if time.monotonic() > deadline:
-                    raise WorkerFailedError(f"the prefill process was not ready within {timeout_s:g} s") from None
+                    raise WorkerFailedError(
+                        f"the prefill process was not ready within {timeout_s:g} s") from None
                 continue
             if msg[0] != "ready":
                 raise WorkerFailedError(f"the prefill process failed while loading: {msg[-1]}")
@@ -255,7 +268,7 @@ def _prefill_worker(config: EngineConfig, port: int, inbox, outbox, parent_pid: 
 
 
 def _prefill_loop(engine: LLMEngine, group, inbox, outbox) -> None:
-    salts: dict = {}  # request id -> (prompt ids, cache salt)
+    salts: dict = {}  # engine request id (the ticket) -> (prompt ids, cache salt)
     while True:
         try:  # block while idle; between steps only take what is there
             msgs = [inbox.get(timeout=None if not engine.has_unfinished() else 0.0)]
@@ -270,22 +283,23 @@ def _prefill_loop(engine: LLMEngine, group, inbox, outbox) -> None:
             if msg[0] == "stop":
                 return
             if msg[0] == "abort":
-                if salts.pop(msg[1], None) is not None:
-                    engine.abort(msg[1])
+                if salts.pop(str(msg[1]), None) is not None:
+                    engine.abort(str(msg[1]))
                 continue
-            _, rid, ids, salt = msg
+            _, ticket, ids, salt = msg
             try:  # greedy, one token: the decode engine samples every token the client sees
-                engine.add_request(rid, ids, SamplingParams(max_tokens=1, temperature=0.0, cache_salt=salt))
+                one = SamplingParams(max_tokens=1, temperature=0.0, cache_salt=salt)
+                engine.add_request(str(ticket), ids, one)
             except Exception as e:  # noqa: BLE001 - the decode engine prefills it then
-                outbox.put(("error", rid, f"{type(e).__name__}: {e}"))
+                outbox.put(("error", ticket, f"{type(e).__name__}: {e}"))
                 continue
-            salts[rid] = (ids, salt)
+            salts[str(ticket)] = (ids, salt)
         if not engine.has_unfinished():
             continue
         for out in engine.step():
             if out.finished and out.request_id in salts:
                 ids, salt = salts.pop(out.request_id)
                 kv = export_prompt_kv(engine, ids, salt)
-                outbox.put(("kv", out.request_id, tuple(kv.shape), kv.dtype))
+                outbox.put(("kv", int(out.request_id), tuple(kv.shape), kv.dtype))
                 if kv.numel():
                     group.send([kv.contiguous().view(-1).view(torch.uint8)], 0, 0).wait()

@@ -43,8 +43,9 @@ def export_prompt_kv(engine, prompt_ids: Sequence[int], cache_salt: Optional[str
             break
         blocks.append(b)
     idx = torch.tensor(blocks, dtype=torch.long)
-    return torch.stack([torch.stack((k.index_select(0, idx.to(k.device)), v.index_select(0, idx.to(v.device))))
-                        for k, v in engine.runner.kv_caches]).cpu()
+    rows = [torch.stack((k.index_select(0, idx.to(k.device)), v.index_select(0, idx.to(v.device))))
+            for k, v in engine.runner.kv_caches]
+    return torch.stack(rows).cpu()
 
 
 def kv_shape(engine, num_blocks: int) -> tuple:

@@ -55,7 +55,7 @@ class StepTimer:
         self._cache: dict = {}
 
     def predict(self, seqs: tuple, num_logits: int) -> StepPrediction:
-        """The prediction of the step's rows as memoised (the module's docstring: quantised one-token rows)."""
+        """The prediction of the step's rows as memoised (quantised one-token rows: the module's docstring)."""
         return self._memo(seqs, num_logits)[0]
 
     def _memo(self, seqs: tuple, num_logits: int) -> tuple:
