@@ -26,7 +26,9 @@ def small_grids(monkeypatch, tmp_path):
     monkeypatch.setattr(shape_kernels, "ROWS", (1, 2, 9, 64))
     monkeypatch.setattr(shape_kernels, "HEAD_ROWS", (1, 4))
     monkeypatch.setattr(shape_kernels, "RUNS", 1)
+    monkeypatch.setattr(shape_kernels, "BUSY_SHARE", 0.0)  # a test run at low priority is never "quiet"
     monkeypatch.setattr(shape_kernels, "MISC_TOKENS", (1, 16))
+    monkeypatch.setattr(shape_kernels, "LAYER_TOKENS", (16, 64))
     monkeypatch.setattr(shape_kernels, "PAGED_GRID", ((1, 16), (4, 64), (8, 32)))
     monkeypatch.setattr(shape_kernels, "SHORT_GRID", ((16, 0), (32, 16)))
     monkeypatch.setattr(shape_kernels, "LONG_GRID", ((128, 0), (130, 64), (256, 0)))
@@ -53,6 +55,7 @@ def test_the_table_is_measured_once_cached_and_prices_the_steps(small_grids, tmp
     assert [r for r, _ in table.linear["qkv_proj"]] == [1, 2, 9, 64]
     assert all(t > 0 for pts in table.linear.values() for _, t in pts)
     assert table.long_min_tokens == (128 if dtype == "bfloat16" else 2)
+    assert [t for t, _ in table.prefill_factor] == [16, 64] and all(f >= 0.5 for _, f in table.prefill_factor)
     assert len(table.grid["paged"]) == 3 + (2 if dtype == "bfloat16" else 0) and len(table.grid["long"]) == 3
     # the engine's own predictions now come from it: its StepRecords carry them
     engine.add_request("r", list(range(3, 40)), SamplingParams(max_tokens=3, ignore_eos=True))
@@ -76,3 +79,11 @@ def test_engines_on_other_specs_are_left_alone(small_grids, tmp_path, monkeypatc
     engine = LLMEngine(EngineConfig(model=f"random:{path}", num_kv_blocks=64, max_model_len=256,
                                     skip_tokenizer_init=True, hardware="H100-SXM"))
     assert local_hardware.with_kernel_table(engine).hardware.kernel_tables == {}
+
+
+def test_a_table_measured_on_a_busy_machine_serves_the_run_but_is_not_cached(small_grids, tmp_path, monkeypatch):
+    monkeypatch.setattr(shape_kernels, "BUSY_SHARE", 1e6)  # no run gets a million CPUs per thread
+    monkeypatch.setattr(shape_kernels, "BUSY_MIN_WINDOW_S", 0.0)
+    engine = local_hardware.with_kernel_table(tiny_engine(tmp_path, "float32"))
+    assert len(engine.hardware.kernel_tables) == 1
+    assert not shape_kernels.cache_path().exists()

@@ -215,7 +215,8 @@ def measured_op_seconds(cfg: ModelConfig, seqs: list, table: KernelTable, T: int
     layers at the step's rows, attention by rows and attended keys per layer kind (its reads of the
     cached KV included, so kv_read is 0), the small per-layer ops with the KV store (kv_write 0)."""
     L = cfg.num_hidden_layers
-    lin = {name: table.linear_seconds(name, T) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    f = table.linear_factor(T, any(n > 1 for n, _ in seqs))  # the Python layer forward of a prefill step
+    lin = {name: f * table.linear_seconds(name, T) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
     attention = sum(count * table.attention_seconds(seqs, lambda s, w=window: attended_keys(s[0], s[1], w))
                     for window, count in layer_windows(cfg).items())
     return {"qkv_proj": L * lin["qkv_proj"], "attention": attention, "kv_write": 0.0, "kv_read": 0.0,

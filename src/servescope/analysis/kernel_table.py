@@ -19,6 +19,12 @@ and its attention and per-layer small ops on a grid of (rows, keys), with nothin
   keys: attended keys (causal), summed over the rows.
 - `misc`: [[tokens T, seconds per layer]] of the layer's small ops (the two add+RMSNorms, rotary,
   SiLU*up, the KV store), interpolated like `linear`.
+- `prefill_factor`: [[tokens T, f]]: a step with prefill tokens runs the model's own layer forward in
+  Python (a decode-only step runs the C++ decode plan, which calls the kernels back to back as the
+  `linear` times were taken), and that forward of a T-token prefill took f times what the table's
+  linear layers, attention and small ops add up to, the excess put on the linear layers (their GEMMs
+  between the other ops' traffic, the forward's own Python): the linear ops of such a step are
+  priced at f(T) times the table's.
 
 Each time is the kernel's own: the probe subtracts the Python call cost of the same call on a tiny
 shape, which the host overhead per layer (measure/overhead.py) already counts.
@@ -80,6 +86,13 @@ class KernelTable:
     misc: list  # [[tokens, seconds per layer], ...]
     source: str = ""
     grid: dict = field(default_factory=dict)  # the attention points timed (for the record)
+    prefill_factor: list = field(default_factory=lambda: [[1, 1.0]])  # [[tokens, f]]
+
+    def linear_factor(self, tokens: int, has_prefill: bool) -> float:
+        if not has_prefill:
+            return 1.0
+        pts = self.prefill_factor
+        return interpolate(pts, tokens) if tokens >= pts[0][0] else float(pts[0][1])
 
     def linear_seconds(self, name: str, rows: int) -> float:
         return interpolate(self.linear[name], rows) if rows > 0 else 0.0
@@ -109,7 +122,7 @@ class KernelTable:
     def to_dict(self) -> dict:
         return {"key": self.key, "linear": self.linear, "paged": vars(self.paged), "long": vars(self.long),
                 "long_min_tokens": self.long_min_tokens, "paged_max_context": self.paged_max_context,
-                "misc": self.misc, "source": self.source, "grid": self.grid}
+                "misc": self.misc, "source": self.source, "grid": self.grid, "prefill_factor": self.prefill_factor}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelTable":
@@ -123,7 +136,8 @@ class KernelTable:
         return cls(key=d["key"], linear={k: [list(p) for p in v] for k, v in d["linear"].items()},
                    paged=AttentionFit(**d["paged"]), long=AttentionFit(**d["long"]),
                    long_min_tokens=int(d["long_min_tokens"]), paged_max_context=int(d["paged_max_context"]),
-                   misc=[list(p) for p in d["misc"]], source=d.get("source", ""), grid=d.get("grid", {}))
+                   misc=[list(p) for p in d["misc"]], source=d.get("source", ""), grid=d.get("grid", {}),
+                   prefill_factor=[list(p) for p in d.get("prefill_factor", [[1, 1.0]])])
 
 
 def fit_linear_model(points: Sequence[tuple]) -> AttentionFit:

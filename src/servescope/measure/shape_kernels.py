@@ -26,15 +26,16 @@ import hashlib
 import json
 import logging
 import math
+import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from servescope.analysis.kernel_table import fit_linear_model, table_key
+from servescope.analysis.kernel_table import KernelTable, fit_linear_model, table_key
 from servescope.analysis.op_counts import attended_keys
-from servescope.analysis.probe import _cache_key, default_cache_path, torch_threads
+from servescope.analysis.probe import BUSY_MIN_WINDOW_S, BUSY_SHARE, _cache_key, default_cache_path, torch_threads
 from servescope.kernels import fused_ops
 from servescope.model.attention import kv_quant
 from servescope.model.attention.backend import AttentionMetadata
@@ -42,12 +43,16 @@ from servescope.model.attention.cpu import PAGED_PREFILL_MAX_CONTEXT, TILED_PREF
 
 logger = logging.getLogger(__name__)
 
-ROWS = (1, 2, 3, 4, 6, 8, 9, 12, 16, 24, 32, 48, 64, 128, 256, 512)
+# oneDNN's GEMM steps up at some row counts (a 2048-wide bfloat16 one here: +30% from 64 to 65 rows, +45%
+# from 257 to 320): points on both sides of the steps seen, since a mixed step may have any count
+ROWS = (1, 2, 3, 4, 6, 8, 9, 12, 16, 24, 32, 48, 64, 65, 80, 96, 128, 129, 160, 192, 256, 257, 320, 384, 448, 512)
 HEAD_ROWS = (1, 2, 4, 8, 9, 16, 32, 64)
 ALL_LAYER_ROWS = 16  # up to this many rows every layer is timed (memory-bound: the caches matter)
 PASS_BUDGET_S = 0.3
 RUNS = 5
+LARGE_RUNS = 3  # passes above ALL_LAYER_ROWS rows (each PASS_BUDGET_S)
 MISC_TOKENS = (1, 8, 64, 512)
+LAYER_TOKENS = (16, 64, 65, 128, 256, 320, 512)  # prefills through the model's own layer forward
 PAGED_GRID = ((1, 128), (1, 2048), (8, 512), (32, 128), (32, 1024))  # (decode rows, context each)
 SHORT_GRID = ((32, 0), (64, 512))  # bfloat16 prefill chunks the paged kernel takes: (tokens, context before)
 LONG_GRID = ((128, 0), (512, 0), (256, 512), (128, 1536), (512, 1024))  # one prefill: (tokens, context before)
@@ -105,6 +110,15 @@ def _pass(layers, xs: dict) -> list:
     return out
 
 
+def _back_to_back(layers, xs: dict) -> float:
+    """Seconds of one call per layer and projection, in layer order, with no timer between the calls."""
+    calls = [(mod, xs[name]) for layer in layers for name, mod in _layer_projections(layer)]
+    t0 = time.perf_counter()
+    for mod, x in calls:
+        mod(x)
+    return time.perf_counter() - t0
+
+
 def _per_call(runs: list, names, per: int) -> dict:
     """{projection: seconds per layer}: each call's median over the runs (a time slice lost to another
     process on a shared machine hits one run of a call, not the median), summed, over `per` layers."""
@@ -126,9 +140,11 @@ def call_overhead(dtype) -> float:
     return statistics.median(_timed(lambda: lin(x)) for _ in range(200))
 
 
-def measure_linear_tables(model, cfg, dtype) -> dict:
-    """{projection: [[rows, seconds per call], ...]} of the model's own linear modules."""
+def measure_linear_tables(model, cfg, dtype) -> tuple:
+    """({projection: [[rows, seconds per call], ...]} of the model's own linear modules, the CPUs its
+    threads got while they ran: the share of the machine the measurement had)."""
     layers = list(model.model.layers)
+    t0, cpu0 = time.perf_counter(), time.process_time()
     overhead = call_overhead(dtype)
     table = {n: [] for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
     with torch.inference_mode():
@@ -140,11 +156,18 @@ def measure_linear_tables(model, cfg, dtype) -> dict:
             else:
                 per_layer = sum(t for _, t in _pass(layers[:1], xs))
                 subset = layers[:max(2, min(len(layers), math.ceil(PASS_BUDGET_S / max(per_layer, 1e-9))))]
-            per = _per_call([_pass(subset, xs) for _ in range(RUNS)], table, len(subset))
+            runs = RUNS if rows <= ALL_LAYER_ROWS else min(RUNS, LARGE_RUNS)
+            per = _per_call([_pass(subset, xs) for _ in range(runs)], table, len(subset))
+            # the calls back to back, as a step makes them, took longer than each timed on its own
+            # (about 10% at a 1B shape's one-row GEMVs here): the pass's time, shared out by the calls'
+            whole = statistics.median(_back_to_back(subset, xs) for _ in range(runs)) / len(subset)
+            scale = whole / sum(per.values())
             for name in table:
-                table[name].append([rows, max(per[name] - overhead, 0.2 * per[name])])
+                t = per[name] * scale
+                table[name].append([rows, max(t - overhead, 0.2 * t)])
+        cpus = (time.process_time() - cpu0) / max(time.perf_counter() - t0, 1e-9)
         table["lm_head"] = _head_table(model, layers, cfg, dtype, overhead)
-    return table
+    return table, cpus
 
 
 def _head_table(model, layers, cfg, dtype, overhead: float) -> list:
@@ -275,6 +298,48 @@ def measure_misc(model, cfg, backend, dtype, kv_dtype) -> list:
     return out
 
 
+# --------------------------------------------------------------------------- the layer forward
+
+def _layer_seconds(model, cfg, backend, tokens: int, dtype, kv_dtype) -> float:
+    """Seconds per layer of the model's own layer forward over one prefill of `tokens` tokens (nothing
+    cached before), layers in order, as many as PASS_BUDGET_S takes (all of them at a few tokens)."""
+    layers = list(model.model.layers)
+    gen = torch.Generator().manual_seed(tokens)
+    h = (torch.randn(tokens, cfg.hidden_size, generator=gen) * 0.5).to(dtype)
+    cos_sin = model.rotary.table(torch.arange(tokens) % model.rotary.cos.shape[0])
+    blocks = -(-tokens // BLOCK) + 1
+    shape = (blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+
+    def run(subset, caches):
+        x = h
+        for layer, kv in zip(subset, caches):
+            x, _ = layer(cos_sin, x, h, kv, _meta([(tokens, 0)], blocks), backend)
+
+    def caches_for(n):
+        return [(kv_quant.allocate(*shape, kv_dtype, torch.device("cpu")),
+                 kv_quant.allocate(*shape, kv_dtype, torch.device("cpu"))) for _ in range(n)]
+
+    with torch.inference_mode():
+        one = caches_for(1)
+        run(layers[:1], one)  # warm-up
+        per_layer = _timed(lambda: run(layers[:1], one))
+        n = max(1, min(len(layers), math.ceil(PASS_BUDGET_S / max(per_layer, 1e-9))))
+        caches = caches_for(n)
+        return statistics.median(_timed(lambda: run(layers[:n], caches)) for _ in range(LARGE_RUNS)) / n
+
+
+def measure_prefill_factor(model, cfg, backend, partial: dict, dtype, kv_dtype) -> list:
+    """[[tokens, f]]: the layer forward of a prefill over what the table's parts add up to (kernel_table.py)."""
+    parts = KernelTable.from_dict({**partial, "key": "partial", "prefill_factor": [[1, 1.0]]})
+    out = []
+    for t in LAYER_TOKENS:
+        layer = _layer_seconds(model, cfg, backend, t, dtype, kv_dtype)
+        lin = sum(parts.linear_seconds(n, t) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+        rest = parts.attention_seconds([(t, 0)], lambda s: attended_keys(s[0], s[1])) + parts.misc_seconds(t)
+        out.append([t, max((layer - rest) / lin, 0.5) if lin > 0 else 1.0])
+    return out
+
+
 # --------------------------------------------------------------------------- the table, cached
 
 def measure_kernel_table(engine) -> dict:
@@ -283,12 +348,20 @@ def measure_kernel_table(engine) -> dict:
     wdt, kdt, adt, _ = pred.dtypes
     cfg, model, backend = engine.model_config, engine.model, engine.runner.backend
     t0 = time.perf_counter()
-    linear = measure_linear_tables(model, cfg, engine.dtype)
+    linear, cpus = measure_linear_tables(model, cfg, engine.dtype)
     attention = measure_attention(backend, cfg, engine.dtype, engine.kv_dtype)
     misc = measure_misc(model, cfg, backend, engine.dtype, engine.kv_dtype)
+    factor = measure_prefill_factor(model, cfg, backend, {"linear": linear, "misc": misc, **attention},
+                                    engine.dtype, engine.kv_dtype)
     took = time.perf_counter() - t0
     logger.info("kernel table for %s measured in %.0f s", table_key(cfg, wdt, adt, kdt), took)
+    busy = took >= BUSY_MIN_WINDOW_S and cpus < BUSY_SHARE * min(torch.get_num_threads(), os.cpu_count() or 1)
+    if busy:
+        logger.warning("the machine was busy while the kernel table was measured (its %d threads got %.1f CPUs): "
+                       "the table serves this run only and is not cached", torch.get_num_threads(), cpus)
     return {"key": table_key(cfg, wdt, adt, kdt), "linear": linear, "misc": misc, **attention,
+            "prefill_factor": factor, "busy": busy,
+            "cpus": cpus,
             "source": f"measured on the loaded model's modules and attention backend in {took:.0f} s "
                       f"(measure/shape_kernels.py, kernels {kernels_digest()})"}
 
@@ -315,6 +388,8 @@ def kernel_table_for(engine, force: bool = False) -> dict:
     if not force and key in cache:
         return cache[key]
     table = measure_kernel_table(engine)
+    if table.get("busy"):
+        return table
     cache[key] = table
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
