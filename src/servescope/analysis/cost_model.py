@@ -28,7 +28,8 @@ from servescope.analysis.kernel_table import KernelTable, lookup, table_key
 from servescope.analysis.packed_weights import packed_format
 from servescope.analysis.op_counts import (
     FLOAT_DTYPES, LINEAR_OPS, OP_NAMES, attended_keys, attention_flops, attention_flops_noncausal, check_seqs,
-    kv_cache_bytes_per_token, layer_keys, layer_windows, matmul_flops, resolve_dtypes, step_op_counts, weight_bytes,
+    kv_cache_bytes_per_token, layer_keys, layer_windows, matmul_flops, resolve_dtypes, step_op_counts,
+    weight_bytes,
 )
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError
@@ -216,12 +217,14 @@ def measured_op_seconds(cfg: ModelConfig, seqs: list, table: KernelTable, T: int
     cached KV included, so kv_read is 0), the small per-layer ops with the KV store (kv_write 0)."""
     L = cfg.num_hidden_layers
     f = table.linear_factor(T, any(n > 1 for n, _ in seqs))  # the Python layer forward of a prefill step
-    lin = {name: f * table.linear_seconds(name, T) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    lin = {name: f * table.linear_seconds(name, T)
+           for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
     attention = sum(count * table.attention_seconds(seqs, lambda s, w=window: attended_keys(s[0], s[1], w))
                     for window, count in layer_windows(cfg).items())
     return {"qkv_proj": L * lin["qkv_proj"], "attention": attention, "kv_write": 0.0, "kv_read": 0.0,
             "attn_out_proj": L * lin["o_proj"], "mlp": L * (lin["gate_up_proj"] + lin["down_proj"]),
-            "norms_rope_misc": L * table.misc_seconds(T), "lm_head": table.linear_seconds("lm_head", n_logits)}
+            "norms_rope_misc": L * table.misc_seconds(T),
+            "lm_head": table.linear_seconds("lm_head", n_logits)}
 
 
 def integer_gemm_flops(hw: HardwareSpec, weight_dtype: str, act_dtype: str) -> float:

@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 from servescope.config import ModelConfig
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-TABLE_VERSION = 1
+TABLE_VERSION = 2
 
 
 def table_key(cfg: ModelConfig, weight_dtype: str, act_dtype: str, kv_dtype: str) -> str:
@@ -47,7 +47,8 @@ def table_key(cfg: ModelConfig, weight_dtype: str, act_dtype: str, kv_dtype: str
     windows = sorted({s.attention.window for s in cfg.layer_specs()})
     return (f"L{cfg.num_hidden_layers}-d{cfg.hidden_size}-h{cfg.num_attention_heads}x{cfg.head_dim}"
             f"-kv{cfg.num_key_value_heads}-i{cfg.intermediate_size}-V{cfg.vocab_size}"
-            f"-bias{int(bool(cfg.attention_bias))}-qkn{int(bool(cfg.qk_norm))}-win{'.'.join(map(str, windows))}"
+            f"-bias{int(bool(cfg.attention_bias))}-qkn{int(bool(cfg.qk_norm))}"
+            f"-win{'.'.join(map(str, windows))}"
             f"|w={weight_dtype}|a={act_dtype}|kv={kv_dtype}|v{TABLE_VERSION}")
 
 
@@ -122,7 +123,8 @@ class KernelTable:
     def to_dict(self) -> dict:
         return {"key": self.key, "linear": self.linear, "paged": vars(self.paged), "long": vars(self.long),
                 "long_min_tokens": self.long_min_tokens, "paged_max_context": self.paged_max_context,
-                "misc": self.misc, "source": self.source, "grid": self.grid, "prefill_factor": self.prefill_factor}
+                "misc": self.misc, "source": self.source, "grid": self.grid,
+                "prefill_factor": self.prefill_factor}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelTable":
@@ -132,7 +134,8 @@ class KernelTable:
         for name, pts in list(d["linear"].items()) + [("misc", d["misc"])]:
             xs = [p[0] for p in pts]
             if not pts or xs != sorted(xs) or len(set(xs)) != len(xs) or any(p[1] < 0 for p in pts):
-                raise ValueError(f"kernel table {d.get('key')!r}: {name} must be [[x, seconds >= 0], ...], x ascending")
+                raise ValueError(f"kernel table {d.get('key')!r}: {name} must be [[x, seconds >= 0], ...], "
+                                 "x ascending")
         return cls(key=d["key"], linear={k: [list(p) for p in v] for k, v in d["linear"].items()},
                    paged=AttentionFit(**d["paged"]), long=AttentionFit(**d["long"]),
                    long_min_tokens=int(d["long_min_tokens"]), paged_max_context=int(d["paged_max_context"]),

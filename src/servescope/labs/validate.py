@@ -112,6 +112,11 @@ def _rates_line(hw, dt: str) -> str:
     return ", ".join(f"M={m}: {r / 1e9:.1f} GB/s" for m, r in pts)
 
 
+def _table_line(hw) -> str:
+    tables = list(hw.kernel_tables.values())
+    return "; ".join(f"{t['key']}: {t.get('source', '')}" for t in tables) or "no kernel table"
+
+
 def error_summary(errors: list) -> dict:
     abs_e = [abs(x) for x in errors]
     if not abs_e:
@@ -297,8 +302,9 @@ def _sections(opts: LabOptions, engine, hw, cal: dict, table: list, per_phase: d
          f"{hw.memory_bandwidth / 1e9:.1f} GB/s, and the host overhead the probe measured on a tiny model "
          f"({hw.step_overhead_s * 1e3:.2f} ms per step + {hw.layer_overhead_s * 1e6:.0f} µs per layer = "
          f"{oh_total * 1e3:.2f} ms per step here), and the linear ops no faster than the engine's linear "
-         f"kernel measured by the probe at the same row count ({_rates_line(hw, dt)}): nothing fitted to "
-         "these points.\n\n"
+         f"kernel measured by the probe at the same row count ({_rates_line(hw, dt)}); and where the probe "
+         f"timed the engine's own kernels at this model's shapes ({_table_line(hw)}), the linear layers, "
+         "attention and small ops at those times (measure/shape_kernels.py): nothing fitted to these points.\n\n"
          "**Roofline**: the same peaks alone (no overhead, no kernel rates). A and B start from it.\n\n"
          f"**A** (2 constants, fitted on decode batch {fit_dec[1]} and prefill {fit_pre[1]}): per-step overhead "
          f"o = {cal['overhead'] * 1e3:.2f} ms (= {cal['overhead'] / layers * 1e6:.0f} µs per layer over "

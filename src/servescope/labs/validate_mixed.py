@@ -36,7 +36,8 @@ def mixed_requests(rng: random.Random, vocab: int, quick: bool = False) -> list:
 def mixed_engine(session, quick: bool = False):
     _, prompts, outputs = QUICK if quick else (MIXED_REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS)
     longest = prompts[1] + outputs[1] + 16
-    return session.engine(max_num_seqs=CONCURRENCY, enable_chunked_prefill=True, max_num_batched_tokens=TOKEN_BUDGET,
+    return session.engine(max_num_seqs=CONCURRENCY, enable_chunked_prefill=True,
+                          max_num_batched_tokens=TOKEN_BUDGET,
                           max_model_len=longest, num_kv_blocks=CONCURRENCY * blocks_for(longest) + 16)
 
 
@@ -47,11 +48,12 @@ def run_mixed(engine, requests: list, prefix: str = "mixed") -> list:
         engine.add_request(f"{prefix}-{i}", prompt, greedy(max_tokens))
     while engine.has_unfinished():
         engine.step()
-    return [r for r in list(engine.step_records)[first:] if r.predicted_seconds is not None and r.wall_seconds > 0]
+    recs = list(engine.step_records)[first:]
+    return [r for r in recs if r.predicted_seconds is not None and r.wall_seconds > 0]
 
 
 def phase_errors(records: list) -> dict:
-    """{phase: {steps, median_abs, p90_abs, median_signed, measured_s, predicted_s, meets}} per phase that ran."""
+    """{phase: {steps, median_abs, p90_abs, median_signed, measured_s, predicted_s, meets}}, phases run."""
     out = {}
     for phase in PHASES:
         recs = [r for r in records if r.phase == phase]
@@ -68,15 +70,16 @@ def phase_errors(records: list) -> dict:
 
 
 def measure_mixed(session, seed: int, quick: bool = False) -> dict:
-    """The mixed check: its per-phase errors, and each step's (phase, tokens, sequences, measured, predicted)."""
+    """The mixed check: its errors per phase, each step's (phase, tokens, sequences, measured, predicted)."""
     engine = mixed_engine(session, quick)
     rng = random.Random(seed + 35)
     warm_up(engine, rng)
     warm_up(engine, rng, prompt_len=300, batch=4, max_tokens=8)
-    records = run_mixed(engine, mixed_requests(rng, engine.model_config.vocab_size, quick))
-    return {"phases": phase_errors(records), "requests": len(mixed_requests(random.Random(0), 1000, quick)),
-            "steps": [[r.phase, r.num_prefill_tokens + r.num_decode_tokens, len(r.context_lens), r.wall_seconds,
-                       r.predicted_seconds] for r in records]}
+    requests = mixed_requests(rng, engine.model_config.vocab_size, quick)
+    records = run_mixed(engine, requests)
+    steps = [[r.phase, r.num_prefill_tokens + r.num_decode_tokens, len(r.context_lens), r.wall_seconds,
+              r.predicted_seconds] for r in records]
+    return {"phases": phase_errors(records), "requests": len(requests), "steps": steps}
 
 
 def mixed_section(result: dict) -> str:
@@ -85,8 +88,8 @@ def mixed_section(result: dict) -> str:
              "met" if v["meets"] else "MISSED"] for ph, v in result["phases"].items()]
     return (f"{result['requests']} requests of {PROMPT_TOKENS[0]}-{PROMPT_TOKENS[1]} prompt tokens and "
             f"{OUTPUT_TOKENS[0]}-{OUTPUT_TOKENS[1]} output tokens (quick mode: fewer, shorter), at most "
-            f"{CONCURRENCY} running, chunked prefill with a {TOKEN_BUDGET}-token budget; each step's measured wall "
-            "time against its StepRecord's prediction. Floors (issue 35): median |error| <= "
+            f"{CONCURRENCY} running, chunked prefill with a {TOKEN_BUDGET}-token budget; each step's "
+            "measured wall time against its StepRecord's prediction. Floors (issue 35): median |error| <= "
             f"{100 * MEDIAN_FLOOR:.0f}%, p90 <= {100 * P90_FLOOR:.0f}% per phase.\n\n"
-            + md_table(["phase", "steps", "median |err| %", "p90 |err| %", "median signed %", "measured s (sum)",
-                        "predicted s (sum)", "floor"], rows))
+            + md_table(["phase", "steps", "median |err| %", "p90 |err| %", "median signed %",
+                        "measured s (sum)", "predicted s (sum)", "floor"], rows))

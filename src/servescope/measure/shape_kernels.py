@@ -1,23 +1,18 @@
 """The engine's kernels timed at one loaded model's own shapes (analysis/kernel_table.py says what the
 table holds and how the cost model reads it), measured once per CPU, model shape and dtypes, cached.
 
-What is timed, all on the engine's own objects, so that the table follows the kernels whatever they
-become (a new packed GEMM, another row limit):
-- the linear layers: the loaded model's projections (CpuLinear, QuantLinear, ... whatever the engine's
-  transforms put there) at ROWS rows, each call timed on its own in layer order (qkv, o, gate_up, down of
-  layer 0, then layer 1, ...), so the weights come from where a step finds them: at a few rows all
-  layers (a decode step streams them from memory), at many rows enough layers for PASS_BUDGET_S (the
-  GEMM is compute-bound). The head at HEAD_ROWS, each call after a pass over every layer at one row,
-  as a step reaches it;
-- attention: the engine's attention backend on caches of the model's KV heads, decode batches and
-  prefill sequences over cached prefixes (PAGED_GRID, LONG_GRID), cycling over enough cache copies
-  that the KV is read from memory as the step's layers read theirs, fitted by least squares to
+All on the engine's own objects, so the table follows the kernels whatever they become:
+- the projections (CpuLinear, QuantLinear, ... whatever the engine's transforms put there) at ROWS rows in
+  layer order, so the weights come from where a step finds them: all layers at a few rows (a decode
+  step streams them), enough for PASS_BUDGET_S at many (compute-bound); per-call times share out the
+  calls' back-to-back time. The head at HEAD_ROWS, each call after a one-row pass over every layer;
+- attention: the engine's backend on caches of the model's KV heads (decode batches, prefills over
+  cached prefixes), cycling over enough cache copies that the KV comes from memory, fitted to
   seconds = a + b * rows + c * keys per path (kernel_table.fit_linear_model);
-- the small per-layer ops (two add+RMSNorms, rotary, SiLU*up, the KV store) at MISC_TOKENS tokens.
-Every time is the kernel's: the same call on a tiny shape (the Python dispatch, which the probe's
-host overhead per layer counts already) is subtracted.
-
-On this CPU a 1B shape in bfloat16 takes about half a minute (docs/VALIDATION.md has the figures).
+- the small per-layer ops (two add+RMSNorms, rotary, SiLU*up, the KV store) at MISC_TOKENS tokens;
+- the model's own layer forward over a prefill of LAYER_TOKENS tokens (prefill_factor).
+The same call on a tiny shape (its dispatch: the probe's host overhead per layer has it) is subtracted.
+docs/VALIDATION.md has how long it takes per shape.
 """
 
 from __future__ import annotations
@@ -35,7 +30,8 @@ import torch
 
 from servescope.analysis.kernel_table import KernelTable, fit_linear_model, table_key
 from servescope.analysis.op_counts import attended_keys
-from servescope.analysis.probe import BUSY_MIN_WINDOW_S, BUSY_SHARE, _cache_key, default_cache_path, torch_threads
+from servescope.analysis.probe import (BUSY_MIN_WINDOW_S, BUSY_SHARE, _cache_key, default_cache_path,
+                                      torch_threads)
 from servescope.kernels import fused_ops
 from servescope.model.attention import kv_quant
 from servescope.model.attention.backend import AttentionMetadata
@@ -45,17 +41,19 @@ logger = logging.getLogger(__name__)
 
 # oneDNN's GEMM steps up at some row counts (a 2048-wide bfloat16 one here: +30% from 64 to 65 rows, +45%
 # from 257 to 320): points on both sides of the steps seen, since a mixed step may have any count
-ROWS = (1, 2, 3, 4, 6, 8, 9, 12, 16, 24, 32, 48, 64, 65, 80, 96, 128, 129, 160, 192, 256, 257, 320, 384, 448, 512)
+ROWS = (1, 2, 3, 4, 6, 8, 9, 12, 16, 24, 32, 48, 64, 65, 80, 96, 128, 129, 160, 192, 256, 257, 320, 384, 448,
+        512, 768, 1024, 2048)  # the last three: a whole prompt in one step (chunked prefill off)
 HEAD_ROWS = (1, 2, 4, 8, 9, 16, 32, 64)
 ALL_LAYER_ROWS = 16  # up to this many rows every layer is timed (memory-bound: the caches matter)
 PASS_BUDGET_S = 0.3
 RUNS = 5
 LARGE_RUNS = 3  # passes above ALL_LAYER_ROWS rows (each PASS_BUDGET_S)
 MISC_TOKENS = (1, 8, 64, 512)
-LAYER_TOKENS = (16, 64, 65, 128, 256, 320, 512)  # prefills through the model's own layer forward
+LAYER_TOKENS = (16, 64, 65, 128, 256, 320, 512, 1024, 2048)  # prefills through the model's own layer forward
 PAGED_GRID = ((1, 128), (1, 2048), (8, 512), (32, 128), (32, 1024))  # (decode rows, context each)
 SHORT_GRID = ((32, 0), (64, 512))  # bfloat16 prefill chunks the paged kernel takes: (tokens, context before)
-LONG_GRID = ((128, 0), (512, 0), (256, 512), (128, 1536), (512, 1024))  # one prefill: (tokens, context before)
+# one prefill: (tokens, context before)
+LONG_GRID = ((128, 0), (512, 0), (256, 512), (128, 1536), (512, 1024), (2048, 0))
 KV_COPIES_BYTES = 1 << 30  # caches cycled so that attention reads its KV from memory, as a step's layers do
 BLOCK = 16
 CACHE_NAME = "kernel_tables.json"
@@ -200,7 +198,8 @@ def _meta(seqs: list, blocks_per_seq: int, first_block: int = 0) -> AttentionMet
     starts = [0]
     for n in qlens:
         starts.append(starts[-1] + n)
-    return AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=torch.tensor(ctx, dtype=torch.int32),
+    return AttentionMetadata(slot_mapping=slots, block_tables=tables,
+                             context_lens=torch.tensor(ctx, dtype=torch.int32),
                              query_start_loc=torch.tensor(starts, dtype=torch.int32), query_lens_cpu=qlens,
                              context_lens_cpu=ctx, max_query_len=max(qlens), max_context_len=max(ctx),
                              num_decode_seqs=sum(1 for n in qlens if n == 1))
@@ -229,7 +228,8 @@ def measure_attention(backend, cfg, dtype, kv_dtype) -> dict:
     """The paged and long fits (kernel_table.AttentionFit as dicts), the routing limits and the grid."""
     bf16 = dtype == torch.bfloat16 and kv_dtype == torch.bfloat16
     long_min = TILED_PREFILL_MIN_TOKENS if bf16 else 2
-    paged_pts = [(b, [(1, c)] * b) for b, c in PAGED_GRID] + ([(n, [(n, c)]) for n, c in SHORT_GRID] if bf16 else [])
+    paged_pts = [(b, [(1, c)] * b) for b, c in PAGED_GRID]
+    paged_pts += [(n, [(n, c)]) for n, c in SHORT_GRID] if bf16 else []
     long_pts = [(n, [(n, c)]) for n, c in LONG_GRID]
     most = max(sum(n + c for n, c in s) for _, s in paged_pts + long_pts)
     blocks = -(-most // BLOCK) + 64
@@ -329,7 +329,7 @@ def _layer_seconds(model, cfg, backend, tokens: int, dtype, kv_dtype) -> float:
 
 
 def measure_prefill_factor(model, cfg, backend, partial: dict, dtype, kv_dtype) -> list:
-    """[[tokens, f]]: the layer forward of a prefill over what the table's parts add up to (kernel_table.py)."""
+    """[[tokens, f]]: a prefill's layer forward over what the table's parts add up to (kernel_table.py)."""
     parts = KernelTable.from_dict({**partial, "key": "partial", "prefill_factor": [[1, 1.0]]})
     out = []
     for t in LAYER_TOKENS:
@@ -355,13 +355,13 @@ def measure_kernel_table(engine) -> dict:
                                     engine.dtype, engine.kv_dtype)
     took = time.perf_counter() - t0
     logger.info("kernel table for %s measured in %.0f s", table_key(cfg, wdt, adt, kdt), took)
-    busy = took >= BUSY_MIN_WINDOW_S and cpus < BUSY_SHARE * min(torch.get_num_threads(), os.cpu_count() or 1)
+    threads = min(torch.get_num_threads(), os.cpu_count() or 1)
+    busy = took >= BUSY_MIN_WINDOW_S and cpus < BUSY_SHARE * threads
     if busy:
-        logger.warning("the machine was busy while the kernel table was measured (its %d threads got %.1f CPUs): "
-                       "the table serves this run only and is not cached", torch.get_num_threads(), cpus)
+        logger.warning("the machine was busy while the kernel table was measured (its %d threads got %.1f "
+                       "CPUs): the table serves this run only and is not cached", threads, cpus)
     return {"key": table_key(cfg, wdt, adt, kdt), "linear": linear, "misc": misc, **attention,
-            "prefill_factor": factor, "busy": busy,
-            "cpus": cpus,
+            "prefill_factor": factor, "busy": busy, "cpus": cpus,
             "source": f"measured on the loaded model's modules and attention backend in {took:.0f} s "
                       f"(measure/shape_kernels.py, kernels {kernels_digest()})"}
 
