@@ -74,7 +74,7 @@ def measure_mixed(session, seed: int, quick: bool = False) -> dict:
     engine = mixed_engine(session, quick)
     rng = random.Random(seed + 35)
     warm_up(engine, rng)
-    warm_up(engine, rng, prompt_len=300, batch=4, max_tokens=8)
+    warm_up(engine, rng, prompt_len=(QUICK[1] if quick else PROMPT_TOKENS)[1] // 2, batch=4, max_tokens=8)
     requests = mixed_requests(rng, engine.model_config.vocab_size, quick)
     records = run_mixed(engine, requests)
     steps = [[r.phase, r.num_prefill_tokens + r.num_decode_tokens, len(r.context_lens), r.wall_seconds,
