@@ -174,6 +174,11 @@ def test_validate(session, tmp_path, monkeypatch):
     # a prediction that does not grow with the prompt, or grows twice as fast, still fails it
     (lo, r_lo), (hi, r_hi) = sorted((n, r) for (phase, n), r in ratio.items() if phase == "prefill")
     assert 1 / 1.5 < r_hi / r_lo < 1.5, (r_lo, r_hi)
+    # the mixed check ran every request through continuous batching: decode-only steps and steps mixing a
+    # prefill chunk with decodes, each with its measured and predicted time
+    mixed = s["mixed"]
+    assert mixed["requests"] == 12 and {"decode", "mixed"} <= set(mixed["phases"])
+    assert all(m > 0 and p > 0 for _, _, _, m, p in mixed["steps"])
 
 
 def test_speculative(session, tmp_path):

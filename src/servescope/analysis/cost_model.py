@@ -24,10 +24,12 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from servescope.analysis.hardware import HardwareSpec
+from servescope.analysis.kernel_table import KernelTable, lookup, table_key
 from servescope.analysis.packed_weights import packed_format
 from servescope.analysis.op_counts import (
     FLOAT_DTYPES, LINEAR_OPS, OP_NAMES, attended_keys, attention_flops, attention_flops_noncausal, check_seqs,
-    kv_cache_bytes_per_token, layer_keys, matmul_flops, resolve_dtypes, step_op_counts, weight_bytes,
+    kv_cache_bytes_per_token, layer_keys, layer_windows, matmul_flops, resolve_dtypes, step_op_counts,
+    weight_bytes,
 )
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError
@@ -53,9 +55,12 @@ class OpCost:
     compute_seconds: float
     memory_seconds: float
     kernel_seconds: float = 0.0  # weight bytes / the measured linear-kernel rate (hw.linear_rates), or 0
+    measured: bool = False  # kernel_seconds is the kernel timed at this model's shapes (a KernelTable)
 
     @property
     def seconds(self) -> float:
+        if self.measured:
+            return self.kernel_seconds
         return max(self.compute_seconds, self.memory_seconds, self.kernel_seconds)
 
     @property
@@ -70,7 +75,7 @@ class OpCost:
         return {"name": self.name, "flops": self.flops, "bytes": self.bytes, "weight_bytes": self.weight_bytes,
                 "arithmetic_intensity": self.arithmetic_intensity, "predicted_seconds": self.seconds,
                 "compute_seconds": self.compute_seconds, "memory_seconds": self.memory_seconds,
-                "kernel_seconds": self.kernel_seconds, "bound": self.bound}
+                "kernel_seconds": self.kernel_seconds, "measured": self.measured, "bound": self.bound}
 
 
 @dataclass(frozen=True)
@@ -194,14 +199,32 @@ def step_cost(
         rate = hw.linear_rate(wdt, n_logits if name == "lm_head" else T)
         return w / (rate * eff_m) if rate else 0.0
 
+    table = lookup(hw.kernel_tables, table_key(cfg, wdt, adt, kdt)) if hw.kernel_tables else None
+    timed = measured_op_seconds(cfg, seqs, table, T, n_logits) if table is not None else {}
     ops = [OpCost(name=name, flops=float(f), bytes=float(a + w), weight_bytes=float(w),
                   compute_seconds=f / (linear_peak if name in LINEAR_OPS else peak), memory_seconds=(a + w) / bw,
-                  kernel_seconds=kernel_s(name, w))
+                  kernel_seconds=timed[name] if name in timed else kernel_s(name, w), measured=name in timed)
            for name, f, a, w in raw]
     if overhead_s is None:
         overhead_s = hw.step_overhead_s + L * hw.layer_overhead_s
     return StepCost(ops=ops, num_tokens=T, num_seqs=B, overhead_seconds=float(overhead_s),
                     peak_flops=peak, memory_bandwidth=bw)
+
+
+def measured_op_seconds(cfg: ModelConfig, seqs: list, table: KernelTable, T: int, n_logits: int) -> dict:
+    """{op group: seconds} of the op groups a KernelTable times at this model's shapes: the linear
+    layers at the step's rows, attention by rows and attended keys per layer kind (its reads of the
+    cached KV included, so kv_read is 0), the small per-layer ops with the KV store (kv_write 0)."""
+    L = cfg.num_hidden_layers
+    f = table.linear_factor(T, any(n > 1 for n, _ in seqs))  # the Python layer forward of a prefill step
+    lin = {name: f * table.linear_seconds(name, T)
+           for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    attention = sum(count * table.attention_seconds(seqs, lambda s, w=window: attended_keys(s[0], s[1], w))
+                    for window, count in layer_windows(cfg).items())
+    return {"qkv_proj": L * lin["qkv_proj"], "attention": attention, "kv_write": 0.0, "kv_read": 0.0,
+            "attn_out_proj": L * lin["o_proj"], "mlp": L * (lin["gate_up_proj"] + lin["down_proj"]),
+            "norms_rope_misc": L * table.misc_seconds(T),
+            "lm_head": table.linear_seconds("lm_head", n_logits)}
 
 
 def integer_gemm_flops(hw: HardwareSpec, weight_dtype: str, act_dtype: str) -> float:

@@ -23,6 +23,9 @@ Conventions (every spec follows them, so that predictions are comparable):
   weights (int4, int8-g32, a GGUF's Q4_0 / Q4_1 / Q8_0) with float32 activations, which it rounds to int8
   per 32-block and multiplies with int8 dot products: faster than the float32 matmul peak on CPUs with
   VNNI. 0: not measured (the cost model prices those matmuls at the activation dtype's peak).
+- `kernel_tables` (local probe only): the engine's kernels timed at a model's own shapes and dtypes
+  (analysis/kernel_table.py); where one matches a step's model, it prices the linear layers, attention
+  and the small per-layer ops instead of the peaks and the rates above.
 - `kernel_path` / `slow_dtypes` (local probe only): which CPU kernels were measured (their ISA), and
   the dtypes whose matmul is emulated here (bfloat16 without bf16 instructions: ~500x slower).
 """
@@ -60,6 +63,9 @@ class HardwareSpec:
     packed_gemm_flops: float = 0.0  # FLOP/s of the integer GEMM over group-32 packed weights (float32 activations)
     kernel_path: str = ""  # the CPU kernel path the probe measured ("avx2", "avx512 C++ kernels"); "" for datasheets
     slow_dtypes: list = field(default_factory=list)  # dtypes with no fast matmul here (never picked by default)
+    # table key -> analysis/kernel_table.KernelTable as a dict: the engine's kernels timed at one model's
+    # shapes (local probe only; measure/shape_kernels.py)
+    kernel_tables: dict = field(default_factory=dict)
 
     def linear_rate(self, weight_dtype: str, rows: int):
         """Weight bytes/s of the measured linear kernel at `rows` rows (log-log interpolation between

@@ -75,6 +75,8 @@ def add_parser(sub) -> None:
                           "the full sizes are the measurement")
     lab.add_argument("--model", default=None, help="model to run (default: the embedded SmolLM2-135M)")
     lab.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    lab.add_argument("--quantization", default=None, metavar="MODE",
+                     help="weight-only quantization of the model: int8, int4 (Q4_0's form), int8-g32 (Q8_0's), ...")
     lab.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     lab.add_argument("--hardware", default=None, help="spec the engine predicts with (default: local-cpu probe)")
 
@@ -333,8 +335,8 @@ def run_lab_command(args) -> int:
     session = None
     for name in names:
         out = base / name if (args.name == "all" or not args.out) else base
-        opts = LabOptions(out=out, quick=args.quick, model=args.model, dtype=args.dtype, threads=args.threads,
-                          hardware=args.hardware)
+        opts = LabOptions(out=out, quick=args.quick, model=args.model, dtype=args.dtype,
+                          quantization=args.quantization, threads=args.threads, hardware=args.hardware)
         session = session or LabSession(opts)
         with con.status(f"lab {name}: running..."):
             result = run_lab(name, opts, session)

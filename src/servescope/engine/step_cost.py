@@ -6,6 +6,7 @@ The engine calls analysis/ (pure functions); analysis never imports the engine.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -38,6 +39,11 @@ class StepCostPredictor:
     @property
     def hw(self) -> HardwareSpec:
         return self.predictor.hw
+
+    def use_hardware(self, hw: HardwareSpec) -> None:
+        """Predict from now on with `hw` (the same spec with the kernels timed at this model's shapes:
+        measure/local_hardware.with_kernel_table). Every holder of this predictor sees the change."""
+        self.predictor = dataclasses.replace(self.predictor, hw=hw)
 
     @property
     def act_dtype(self) -> str:

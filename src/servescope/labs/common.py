@@ -24,7 +24,8 @@ import torch
 from servescope.analysis.roofline import attainable_flops
 from servescope.config import EngineConfig, SamplingParams
 from servescope.engine.llm_engine import LLMEngine
-from servescope.measure.local_hardware import hardware_for_config, hardware_for_device, measured_engine
+from servescope.measure.local_hardware import (hardware_for_config, hardware_for_device, measured_engine,
+                                               with_kernel_table)
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class LabOptions:
     quick: bool = False
     model: Optional[str] = None  # None: the embedded SmolLM2-135M
     dtype: str = "float32"
+    quantization: Optional[str] = None  # weight-only quantization of the model (EngineConfig's modes)
     threads: Optional[int] = None  # torch threads (None: torch's default)
     hardware: Optional[str] = None  # spec the engine predicts with (None: the local CPU probe)
     seed: int = 0
@@ -69,8 +71,9 @@ class LabSession:
         o = self.opts
         # no tokenizer: the labs feed and read token ids (loading SmolLM2's costs 5 s here); no prefix
         # cache: random prompts share nothing, and a hit would shorten a measured prefill
-        settings = {"model": o.model, "dtype": o.dtype, "num_threads": o.threads, "hardware": o.hardware,
-                    "seed": o.seed, "enable_prefix_caching": False, "skip_tokenizer_init": True, **config_overrides}
+        settings = {"model": o.model, "dtype": o.dtype, "quantization": o.quantization, "num_threads": o.threads,
+                    "hardware": o.hardware, "seed": o.seed, "enable_prefix_caching": False, "skip_tokenizer_init": True,
+                    **config_overrides}
         cfg = EngineConfig(**settings)
         key = (cfg.model, cfg.dtype, cfg.device)
         if key not in self._loaded:
@@ -82,7 +85,7 @@ class LabSession:
         # this one set is given, with this lab's value (or the default), so the new engine's config is
         # exactly `cfg`, whatever the first lab asked for (no_kv_cache, chunking off, ...)
         changed = {k: getattr(cfg, k) for k in {**first_settings, **settings}}
-        return first.with_config(hardware_spec=hardware_for_config(cfg), **changed)
+        return with_kernel_table(first.with_config(hardware_spec=hardware_for_config(cfg), **changed))
 
 
 def blocks_for(tokens: int, block_size: int = 16, margin: int = 4) -> int:
@@ -290,7 +293,8 @@ def context_line(opts: LabOptions, engine, hw) -> str:
                 "(timings are noisy when it exceeds the thread count).")
     except OSError:
         load = ""
-    return (f"Model `{engine.model_config.name or engine.source_path}` ({opts.dtype}, "
+    quant = f", {opts.quantization}" if opts.quantization else ""
+    return (f"Model `{engine.model_config.name or engine.source_path}` ({opts.dtype}{quant}, "
             f"{engine.weight_bytes / 2**20:.0f} MiB of weights, {engine.model_config.num_hidden_layers} layers), "
             f"torch {torch.__version__} with {torch.get_num_threads()} threads; predictions: roofline of "
             f"`{hw.name}` ({hw.flops(act_dtype_name(opts)) / 1e9:.0f} GFLOP/s {act_dtype_name(opts)}, "

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from servescope.config import EngineConfig, SamplingParams
 from servescope.config.engine import BatchingConfig, KVCacheConfig
 from servescope.engine.llm_engine import LLMEngine
-from servescope.measure.local_hardware import probe_local_cpu
+from servescope.measure.local_hardware import with_kernel_table
 from servescope.measure.sequence_overhead import host_costs
 from servescope.errors import InvalidParameterError
 from servescope.labs.common import LabOptions, LabResult, LabSession, md_table, rel_error, write_report
@@ -154,8 +154,10 @@ def _compare(reals: list, sims: dict) -> dict:
 
 
 def _model_rows(name: str, model, preset: str, workloads, seed: int) -> tuple:
-    engine = _engine(model, preset)
-    hw = probe_local_cpu()  # after the engine: the probe is keyed by the torch threads it set
+    # the engine's kernels timed at its model's shapes (cached after the first run): the simulator prices
+    # its steps on the same spec, so the cost model is the engine's own, shapes and all
+    engine = with_kernel_table(_engine(model, preset))
+    hw = engine.hardware
     dtype = str(engine.dtype).replace("torch.", "")
     per_seq, per_token, source = host_costs(dtype, with_tokenizer=engine.tokenizer is not None)
     spec = instance_spec(preset, hw, dtype=dtype, cache=KVCacheConfig(num_kv_blocks=NUM_KV_BLOCKS,

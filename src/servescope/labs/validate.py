@@ -24,6 +24,7 @@ import torch
 
 from servescope.analysis.cost_model import step_cost
 from servescope.measure.local_hardware import probe_local_cpu
+from servescope.labs.validate_mixed import measure_mixed, mixed_section
 from servescope.labs.common import (
     LabOptions, LabResult, LabSession, act_dtype_name, blocks_for, context_line, interleaved, lab_hardware,
     md_table, median, new_figure, random_prompt, rel_error, run_to_completion, save_figure, seqs_of, warm_up,
@@ -111,6 +112,11 @@ def _rates_line(hw, dt: str) -> str:
     return ", ".join(f"M={m}: {r / 1e9:.1f} GB/s" for m, r in pts)
 
 
+def _table_line(hw) -> str:
+    tables = list(hw.kernel_tables.values())
+    return "; ".join(f"{t['key']}: {t.get('source', '')}" for t in tables) or "no kernel table"
+
+
 def error_summary(errors: list) -> dict:
     abs_e = [abs(x) for x in errors]
     if not abs_e:
@@ -136,7 +142,7 @@ def measure_repeat(opts: LabOptions, session: LabSession, rep: int) -> tuple:
                             max_model_len=max(max_len, DECODE_CONTEXT + DECODE_STEPS + 16),
                             num_kv_blocks=max(blocks_for(max_len), max(batches) * blocks_for(
                                 DECODE_CONTEXT + DECODE_STEPS + 1, margin=1)) + 8)
-    hw = lab_hardware(opts, engine)
+    hw = engine.hardware or lab_hardware(opts, engine)  # the spec its StepRecords predicted with
     rng = random.Random(opts.seed + rep)
     warm_up(engine, rng)
     warm_up(engine, rng, prompt_len=min(lens[-1], 512), batch=1, max_tokens=1)
@@ -181,14 +187,17 @@ def combine_repeats(runs: list, dt: str) -> tuple:
     return measured, hw, per_repeat
 
 
-def calibrate(cfg, measured: list, hw, dt: str) -> dict:
-    """The raw roofline (peaks only) and the two calibrations A and B fitted on some of the points."""
+def calibrate(cfg, measured: list, hw, dt: str, wdt: str) -> dict:
+    """The raw roofline (peaks only) and the two calibrations A and B fitted on some of the points
+    (weights in wdt, activations and KV in dt)."""
     # the roofline alone: the probed peaks without the measured overheads and kernel rates
-    peaks_only = hw.replace(step_overhead_s=0.0, layer_overhead_s=0.0, linear_rates={}, decode_attention_flops={})
+    peaks_only = hw.replace(step_overhead_s=0.0, layer_overhead_s=0.0, linear_rates={}, decode_attention_flops={},
+                            kernel_tables={})
 
     def predict_point(p, e, o, e_dec=None):
         eff = e_dec if (e_dec is not None and p[0] == "decode") else e
-        return step_cost(cfg, p[4], peaks_only, dt, dt, dt, efficiency={"compute": eff}, overhead_s=o).predicted_seconds
+        return step_cost(cfg, p[4], peaks_only, wdt, dt, dt, efficiency={"compute": eff},
+                         overhead_s=o).predicted_seconds
 
     decode = [p for p in measured if p[0] == "decode"]
     prefill = [p for p in measured if p[0] == "prefill"]
@@ -209,11 +218,11 @@ def calibrate(cfg, measured: list, hw, dt: str) -> dict:
             "B": {"fit": [fit_dec, fit_pre, fit_big], "predict": lambda p: predict_point(p, eff3, overhead3, e_dec)}}
 
 
-def score(cfg, measured: list, cal: dict, dt: str) -> tuple:
+def score(cfg, measured: list, cal: dict, dt: str, wdt: str) -> tuple:
     """(one row per point with every prediction and its error, the markdown cells, errors per phase)."""
     rows, table = [], []
     for p in measured:
-        raw = step_cost(cfg, p[4], cal["peaks_only"], dt, dt, dt).predicted_seconds
+        raw = step_cost(cfg, p[4], cal["peaks_only"], wdt, dt, dt).predicted_seconds
         probed = p[3]
         row = {"phase": p[0], "size": p[1], "measured_s": p[2], "raw_predicted_s": raw,
                "raw_error": rel_error(raw, p[2]), "predicted_s": probed, "error": rel_error(probed, p[2])}
@@ -293,8 +302,9 @@ def _sections(opts: LabOptions, engine, hw, cal: dict, table: list, per_phase: d
          f"{hw.memory_bandwidth / 1e9:.1f} GB/s, and the host overhead the probe measured on a tiny model "
          f"({hw.step_overhead_s * 1e3:.2f} ms per step + {hw.layer_overhead_s * 1e6:.0f} µs per layer = "
          f"{oh_total * 1e3:.2f} ms per step here), and the linear ops no faster than the engine's linear "
-         f"kernel measured by the probe at the same row count ({_rates_line(hw, dt)}): nothing fitted to "
-         "these points.\n\n"
+         f"kernel measured by the probe at the same row count ({_rates_line(hw, dt)}); and where the probe "
+         f"timed the engine's own kernels at this model's shapes ({_table_line(hw)}), the linear layers, "
+         "attention and small ops at those times (measure/shape_kernels.py): nothing fitted to these points.\n\n"
          "**Roofline**: the same peaks alone (no overhead, no kernel rates). A and B start from it.\n\n"
          f"**A** (2 constants, fitted on decode batch {fit_dec[1]} and prefill {fit_pre[1]}): per-step overhead "
          f"o = {cal['overhead'] * 1e3:.2f} ms (= {cal['overhead'] / layers * 1e6:.0f} µs per layer over "
@@ -313,13 +323,16 @@ def _sections(opts: LabOptions, engine, hw, cal: dict, table: list, per_phase: d
 
 def run(opts: LabOptions, session: LabSession) -> LabResult:
     runs = []  # per repeat: (hw, points)
-    for rep in range(1 if opts.quick else REPEATS):
+    # one repeat at a model of its own (a real shape's points take seconds each), three on the default one
+    for rep in range(1 if opts.quick or opts.model else REPEATS):
         hw, engine, measured = measure_repeat(opts, session, rep)
         runs.append((hw, measured))
     cfg, dt = engine.model_config, act_dtype_name(opts)
+    wdt = engine.step_cost_predictor.predictor.dtypes[0]  # the weights' format as the engine predicts them
     measured, hw, per_repeat = combine_repeats(runs, dt)
-    cal = calibrate(cfg, measured, hw, dt)
-    rows, table, per_phase = score(cfg, measured, cal, dt)
+    cal = calibrate(cfg, measured, hw, dt, wdt)
+    rows, table, per_phase = score(cfg, measured, cal, dt, wdt)
+    mixed = measure_mixed(session, opts.seed, opts.quick)
     plot = _plot(rows, cal, opts.out / "validation.png")
     fit_dec, fit_big, fit_pre = cal["fit_dec"], cal["fit_big"], cal["fit_pre"]
     summary = {"points": rows, "per_phase": per_phase,
@@ -332,9 +345,11 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
                                  "compute_efficiency": cal["eff3"], "decode_compute_efficiency": cal["e_dec"],
                                  "fit_points": [f"decode b={fit_dec[1]}", f"decode b={fit_big[1]}",
                                                 f"prefill {fit_pre[1]}"]},
-               "hardware": hw.to_dict(), "decode_context": DECODE_CONTEXT, "repeats": per_repeat,
+               "mixed": mixed, "hardware": {k: v for k, v in hw.to_dict().items() if k != "kernel_tables"},
+               "kernel_tables": hw.kernel_tables, "decode_context": DECODE_CONTEXT, "repeats": per_repeat,
                "host_overhead": {"step_s": hw.step_overhead_s, "layer_s": hw.layer_overhead_s,
                                  "per_step_total_s": hw.step_overhead_s + cfg.num_hidden_layers * hw.layer_overhead_s}}
     sections = _sections(opts, engine, hw, cal, table, per_phase, per_repeat)
+    sections.append(("Mixed continuous batching (issue 35)", mixed_section(mixed)))
     report = write_report(opts.out, "Cost model validation: predicted vs measured step time", sections, [plot], summary)
     return LabResult("validate", opts.out, report, [plot], summary)

@@ -24,6 +24,7 @@ from servescope.kernels.cpu import ops as cpu_ops
 from servescope.measure.kernel_rates import (measure_decode_attention_flops, measure_linear_rates,
                                              measure_packed_gemm_flops)
 from servescope.measure.overhead import measure_host_overhead
+from servescope.measure.shape_kernels import kernel_table_for
 from servescope.parallel.link_probe import fit_local_link, measure_all_reduce
 
 logger = logging.getLogger(__name__)
@@ -69,8 +70,26 @@ def hardware_for_config(config: EngineConfig) -> Optional[HardwareSpec]:
 
 def measured_engine(config: EngineConfig) -> LLMEngine:
     """An engine of `config` predicting its steps on the spec hardware_for_config resolves (the full
-    probe on a CPU, measured once per machine)."""
-    return LLMEngine(config, hardware_spec=hardware_for_config(config))
+    probe on a CPU, measured once per machine), with its kernels timed at its model's shapes
+    (with_kernel_table)."""
+    return with_kernel_table(LLMEngine(config, hardware_spec=hardware_for_config(config)))
+
+
+def with_kernel_table(engine: LLMEngine, force: bool = False) -> LLMEngine:
+    """`engine`, its step predictions now priced by its own kernels timed at its model's shapes and dtypes
+    (measure/shape_kernels.py: measured once per CPU, model shape and dtypes, then read from the cache), where
+    it predicts on the local CPU's probe with one rank; any other engine as it is."""
+    cost = engine.step_cost_predictor
+    if (cost is None or engine.device.type != "cpu" or cost.hw.name != LOCAL_CPU
+            or cost.predictor.tp * cost.predictor.pp > 1 or not cpu_ops.available()):
+        return engine
+    try:
+        table = kernel_table_for(engine, force=force)
+    except (AttributeError, RuntimeError, ValueError) as e:  # a model whose layers the probe cannot time
+        logger.warning("kernel table not measured (%s): predictions from the probe's peaks and rates", e)
+        return engine
+    cost.use_hardware(cost.hw.replace(kernel_tables={**cost.hw.kernel_tables, table["key"]: table}))
+    return engine
 
 
 def local_gloo_link(measure: bool = True, force: bool = False) -> Optional[LinkSpec]:

@@ -1,0 +1,206 @@
+"""The engine's kernels timed at one model's own shapes: what a step's linear layers, attention and small
+ops take on this machine, by rows and context (pure Python; measure/shape_kernels.py measures it).
+
+A roofline on a 2048^3 `torch.mm` and a 512 MiB `torch.sum` prices a step from two peaks. The engine's
+kernels reach neither at most of the shapes a serving step runs: a bfloat16 GEMM at 512 rows of a
+2048-wide model, the tiled prefill attention over a cached prefix, a packed GEMV at 8 rows. A
+KernelTable holds what those kernels took when the probe timed them on the model's own matrices (the
+loaded engine's modules, in layer order, so the caches see what a step sees) at a grid of row counts,
+and its attention and per-layer small ops on a grid of (rows, keys), with nothing from any workload:
+
+- `linear`: {projection: [[rows M, seconds per layer's call], ...]} for qkv_proj, o_proj, gate_up_proj,
+  down_proj (one layer's matrix), lm_head (the head). Between grid points time is interpolated
+  linearly in M; beyond the last point it grows with the last segment's slope (a GEMM past a few
+  hundred rows is compute-bound: linear in M).
+- `attention`: two linear models of one layer's attention call, least-squares fits to the timed grid:
+  `paged` (decode rows, and in bfloat16 the short prefill chunks, each row one query of the paged
+  kernel): seconds = a + b * rows + c * keys; `long` (a prefill sequence of at least `long_min_tokens`
+  tokens, or any prefill where the paged path does not take it): per sequence a + b * tokens + c * keys.
+  keys: attended keys (causal), summed over the rows.
+- `misc`: [[tokens T, seconds per layer]] of the layer's small ops (the two add+RMSNorms, rotary,
+  SiLU*up, the KV store), interpolated like `linear`.
+- `prefill_factor`: [[tokens T, f]]: a step with prefill tokens runs the model's own layer forward in
+  Python (a decode-only step runs the C++ decode plan, which calls the kernels back to back as the
+  `linear` times were taken), and that forward of a T-token prefill took f times what the table's
+  linear layers, attention and small ops add up to, the excess put on the linear layers (their GEMMs
+  between the other ops' traffic, the forward's own Python): the linear ops of such a step are
+  priced at f(T) times the table's.
+
+Each time is the kernel's own: the probe subtracts the Python call cost of the same call on a tiny
+shape, which the host overhead per layer (measure/overhead.py) already counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from servescope.config import ModelConfig
+
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+TABLE_VERSION = 2
+
+
+def table_key(cfg: ModelConfig, weight_dtype: str, act_dtype: str, kv_dtype: str) -> str:
+    """The shape and dtypes a KernelTable was measured at: a step of another model of the same shape
+    runs the same kernels (a random-weight Llama-3.2-1B and the real one)."""
+    windows = sorted({s.attention.window for s in cfg.layer_specs()})
+    return (f"L{cfg.num_hidden_layers}-d{cfg.hidden_size}-h{cfg.num_attention_heads}x{cfg.head_dim}"
+            f"-kv{cfg.num_key_value_heads}-i{cfg.intermediate_size}-V{cfg.vocab_size}"
+            f"-bias{int(bool(cfg.attention_bias))}-qkn{int(bool(cfg.qk_norm))}"
+            f"-win{'.'.join(map(str, windows))}"
+            f"|w={weight_dtype}|a={act_dtype}|kv={kv_dtype}|v{TABLE_VERSION}")
+
+
+def interpolate(points: Sequence, x: float) -> float:
+    """Piecewise-linear in x through [[x, y], ...] (x ascending); the last segment's slope beyond the
+    last point, the first point's y scaled by x below the first (never reached: rows start at 1)."""
+    if x <= points[0][0]:
+        return float(points[0][1]) * x / points[0][0]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return float(y1 + max(y1 - y0, 0.0) / (x1 - x0) * (x - x1))
+
+
+@dataclass(frozen=True)
+class AttentionFit:
+    """seconds = fixed + per_row * rows + per_key * keys (one layer's call)."""
+
+    fixed: float
+    per_row: float
+    per_key: float
+
+    def seconds(self, rows: int, keys: int) -> float:
+        return max(self.fixed + self.per_row * rows + self.per_key * keys, 0.0)
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    key: str
+    linear: dict  # projection -> [[rows, seconds], ...]
+    paged: AttentionFit
+    long: AttentionFit
+    long_min_tokens: int  # prefill sequences of this many tokens or more take the `long` path
+    paged_max_context: int  # a step whose short chunks see more context than this runs them on `long`
+    misc: list  # [[tokens, seconds per layer], ...]
+    source: str = ""
+    grid: dict = field(default_factory=dict)  # the attention points timed (for the record)
+    prefill_factor: list = field(default_factory=lambda: [[1, 1.0]])  # [[tokens, f]]
+
+    def linear_factor(self, tokens: int, has_prefill: bool) -> float:
+        if not has_prefill:
+            return 1.0
+        pts = self.prefill_factor
+        return interpolate(pts, tokens) if tokens >= pts[0][0] else float(pts[0][1])
+
+    def linear_seconds(self, name: str, rows: int) -> float:
+        return interpolate(self.linear[name], rows) if rows > 0 else 0.0
+
+    def misc_seconds(self, tokens: int) -> float:
+        return interpolate(self.misc, tokens)
+
+    def attention_seconds(self, seqs: Sequence[tuple], keys_of) -> float:
+        """One layer's attention over seqs [(new, context before)]; keys_of((n, c)) -> attended keys of
+        one sequence in this layer. The rows the paged kernel takes are one call; each long sequence
+        one call of its own."""
+        paged_rows = paged_keys = 0
+        total = 0.0
+        short = [s for s in seqs if 1 < s[0] < self.long_min_tokens]
+        has_long = any(s[0] >= self.long_min_tokens for s in seqs)
+        short_to_long = bool(short) and not has_long and max(n + c for n, c in seqs) > self.paged_max_context
+        for n, c in seqs:
+            if n == 1 or (n < self.long_min_tokens and not short_to_long):
+                paged_rows += n
+                paged_keys += keys_of((n, c))
+            else:
+                total += self.long.seconds(n, keys_of((n, c)))
+        if paged_rows:
+            total += self.paged.seconds(paged_rows, paged_keys)
+        return total
+
+    def to_dict(self) -> dict:
+        return {"key": self.key, "linear": self.linear, "paged": vars(self.paged), "long": vars(self.long),
+                "long_min_tokens": self.long_min_tokens, "paged_max_context": self.paged_max_context,
+                "misc": self.misc, "source": self.source, "grid": self.grid,
+                "prefill_factor": self.prefill_factor}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KernelTable":
+        missing = [p for p in PROJECTIONS if p not in d["linear"]]
+        if missing:
+            raise ValueError(f"kernel table {d.get('key')!r} lacks {', '.join(missing)}")
+        for name, pts in list(d["linear"].items()) + [("misc", d["misc"])]:
+            xs = [p[0] for p in pts]
+            if not pts or xs != sorted(xs) or len(set(xs)) != len(xs) or any(p[1] < 0 for p in pts):
+                raise ValueError(f"kernel table {d.get('key')!r}: {name} must be [[x, seconds >= 0], ...], "
+                                 "x ascending")
+        return cls(key=d["key"], linear={k: [list(p) for p in v] for k, v in d["linear"].items()},
+                   paged=AttentionFit(**d["paged"]), long=AttentionFit(**d["long"]),
+                   long_min_tokens=int(d["long_min_tokens"]), paged_max_context=int(d["paged_max_context"]),
+                   misc=[list(p) for p in d["misc"]], source=d.get("source", ""), grid=d.get("grid", {}),
+                   prefill_factor=[list(p) for p in d.get("prefill_factor", [[1, 1.0]])])
+
+
+def fit_linear_model(points: Sequence[tuple]) -> AttentionFit:
+    """Least squares of seconds = a + b * rows + c * keys over [(rows, keys, seconds)], each coefficient
+    kept >= 0 (a coefficient the solve makes negative is dropped and the rest refitted): pure Python,
+    three unknowns."""
+    names = ("fixed", "per_row", "per_key")
+    active = [0, 1, 2]
+    while True:
+        coef = _solve(points, active)
+        neg = [j for j, v in zip(active, coef) if v < 0]
+        if not neg:
+            out = dict.fromkeys(names, 0.0)
+            for j, v in zip(active, coef):
+                out[names[j]] = v
+            return AttentionFit(**out)
+        active = [j for j in active if j not in neg]
+        if not active:
+            return AttentionFit(0.0, 0.0, 0.0)
+
+
+def _solve(points: Sequence[tuple], active: list) -> list:
+    """Normal equations of the least-squares fit on the active columns (1, rows, keys)."""
+    rows = [[(1.0, float(r), float(k))[j] for j in active] for r, k, _ in points]
+    ys = [float(t) for _, _, t in points]
+    n = len(active)
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
+    b = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(n)]
+    # scale each column to its largest entry: rows and keys differ by orders of magnitude
+    s = [max(max(abs(r[j]) for r in rows), 1e-30) for j in range(n)]
+    a = [[a[i][j] / (s[i] * s[j]) for j in range(n)] for i in range(n)]
+    b = [b[i] / s[i] for i in range(n)]
+    x = _gauss(a, b)
+    return [x[j] / s[j] for j in range(n)]
+
+
+def _gauss(a: list, b: list) -> list:
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-12:
+            return [0.0] * n  # singular: too few distinct points for this column set
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col])]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+_PARSED: dict = {}  # key -> (the dict parsed, its KernelTable): the cost model asks at every step
+
+
+def lookup(tables: dict, key: str) -> Optional[KernelTable]:
+    """The KernelTable stored under `key` in a spec's kernel_tables, or None."""
+    d = tables.get(key) if tables else None
+    if not d:
+        return None
+    hit = _PARSED.get(key)
+    if hit is None or hit[0] is not d:
+        hit = _PARSED[key] = (d, KernelTable.from_dict(d))
+    return hit[1]

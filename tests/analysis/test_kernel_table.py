@@ -1,0 +1,100 @@
+"""analysis/kernel_table.py: the kernels timed at a model's own shapes, and how the cost model reads them."""
+
+import pytest
+
+from servescope.analysis.cost_model import step_cost
+from servescope.analysis.hardware import get_hardware
+from servescope.analysis.kernel_table import (AttentionFit, KernelTable, fit_linear_model, interpolate, lookup,
+                                              table_key)
+from servescope.analysis.op_counts import attended_keys
+from servescope.analysis.presets import load_preset
+
+CFG = load_preset("smollm2-135m")
+LINEAR = {"qkv_proj": [[1, 1e-4], [4, 2e-4], [64, 1e-3]], "o_proj": [[1, 5e-5], [64, 5e-4]],
+          "gate_up_proj": [[1, 3e-4], [64, 2e-3]], "down_proj": [[1, 2e-4], [64, 1e-3]],
+          "lm_head": [[1, 4e-3], [8, 5e-3]]}
+
+
+def table_dict(cfg=CFG, wdt="bfloat16", adt="bfloat16", kdt="bfloat16", long_min=128, paged_max=1024) -> dict:
+    return {"key": table_key(cfg, wdt, adt, kdt), "linear": LINEAR,
+            "paged": {"fixed": 1e-6, "per_row": 2e-7, "per_key": 1e-8},
+            "long": {"fixed": 1e-5, "per_row": 1e-6, "per_key": 2e-8},
+            "long_min_tokens": long_min, "paged_max_context": paged_max, "misc": [[1, 3e-6], [512, 4e-4]]}
+
+
+def test_interpolate_is_exact_at_points_linear_between_and_extends_the_last_slope():
+    pts = [[1, 1.0], [4, 4.0], [8, 6.0]]
+    assert interpolate(pts, 1) == 1.0 and interpolate(pts, 4) == 4.0 and interpolate(pts, 8) == 6.0
+    assert interpolate(pts, 2) == pytest.approx(2.0) and interpolate(pts, 6) == pytest.approx(5.0)
+    assert interpolate(pts, 12) == pytest.approx(8.0)  # slope 0.5 per row past the last point
+
+
+def test_fit_recovers_an_exact_linear_model_and_keeps_coefficients_non_negative():
+    truth = AttentionFit(2e-5, 3e-7, 4e-9)
+    pts = [(r, k, truth.seconds(r, k)) for r, k in ((1, 128), (8, 4096), (32, 4096), (32, 32768), (64, 1000))]
+    fit = fit_linear_model(pts)
+    assert fit.fixed == pytest.approx(truth.fixed, rel=1e-6)
+    assert fit.per_row == pytest.approx(truth.per_row, rel=1e-6)
+    assert fit.per_key == pytest.approx(truth.per_key, rel=1e-6)
+    # times that fall with the rows: the row term would be negative, so it is dropped and the rest refitted
+    falling = [(1, 100, 5e-6), (10, 100, 4e-6), (20, 200, 3e-6)]
+    fit = fit_linear_model(falling)
+    assert fit.per_row == 0.0 and fit.fixed >= 0 and fit.per_key >= 0
+
+
+def test_attention_routes_rows_as_the_cpu_backend_does():
+    t = KernelTable.from_dict(table_dict())
+    keys = lambda s: attended_keys(s[0], s[1])  # noqa: E731
+    decode = [(1, 100)] * 4
+    assert t.attention_seconds(decode, keys) == pytest.approx(t.paged.seconds(4, 4 * 101))
+    # a long prefill is a call of its own; decodes and a short chunk share one paged call
+    mixed = [(1, 100), (1, 50), (40, 10), (300, 0)]
+    paged = t.paged.seconds(1 + 1 + 40, 101 + 51 + attended_keys(40, 10))
+    assert t.attention_seconds(mixed, keys) == pytest.approx(paged + t.long.seconds(300, attended_keys(300, 0)))
+    # short chunks only, over more context than the paged path takes: they run on the long path
+    far = [(1, 2000), (40, 1500)]
+    assert t.attention_seconds(far, keys) == pytest.approx(
+        t.paged.seconds(1, 2001) + t.long.seconds(40, attended_keys(40, 1500)))
+    # float32 (long_min 2): every prefill sequence is its own call
+    f32 = KernelTable.from_dict(table_dict(long_min=2, paged_max=0))
+    assert f32.attention_seconds([(1, 10), (5, 0)], keys) == pytest.approx(
+        f32.paged.seconds(1, 11) + f32.long.seconds(5, 15))
+
+
+def test_step_cost_prices_the_timed_ops_from_the_table_and_the_rest_as_before():
+    base = get_hardware("H100-SXM").replace(kind="cpu", name="local-cpu")
+    hw = base.replace(kernel_tables={table_key(CFG, "bfloat16", "bfloat16", "bfloat16"): table_dict()})
+    seqs = [(1, 100)] * 4
+    c = step_cost(CFG, seqs, hw, "bfloat16")
+    L = CFG.num_hidden_layers
+    t = lookup(hw.kernel_tables, table_key(CFG, "bfloat16", "bfloat16", "bfloat16"))
+    assert c.op("qkv_proj").seconds == pytest.approx(L * interpolate(LINEAR["qkv_proj"], 4))
+    assert c.op("mlp").seconds == pytest.approx(L * (interpolate(LINEAR["gate_up_proj"], 4)
+                                                     + interpolate(LINEAR["down_proj"], 4)))
+    assert c.op("lm_head").seconds == pytest.approx(interpolate(LINEAR["lm_head"], 4))
+    assert c.op("attention").seconds == pytest.approx(L * t.paged.seconds(4, 4 * 101))
+    assert c.op("kv_read").seconds == 0 and c.op("kv_write").seconds == 0  # inside attention and misc
+    assert c.op("norms_rope_misc").seconds == pytest.approx(L * interpolate(table_dict()["misc"], 4))
+    plain = step_cost(CFG, seqs, base, "bfloat16")
+    assert c.op("embedding").seconds == plain.op("embedding").seconds  # not timed: the roofline's
+    # a table of other dtypes (or another shape) is never read
+    f32 = step_cost(CFG, seqs, hw, "float32").predicted_seconds
+    assert f32 == step_cost(CFG, seqs, base, "float32").predicted_seconds
+    assert step_cost(CFG, seqs, hw, "bfloat16", num_logits=8).op("lm_head").seconds == pytest.approx(5e-3)
+
+
+def test_a_malformed_table_is_refused():
+    bad = table_dict()
+    bad["linear"] = {**LINEAR, "qkv_proj": [[4, 1e-4], [1, 2e-4]]}
+    with pytest.raises(ValueError):
+        KernelTable.from_dict(bad)
+    missing = table_dict()
+    missing["linear"] = {k: v for k, v in LINEAR.items() if k != "lm_head"}
+    with pytest.raises(ValueError):
+        KernelTable.from_dict(missing)
+
+
+def test_the_key_names_shape_and_dtypes():
+    one = load_preset("llama-3.2-1b")
+    assert table_key(one, "q4_0", "float32", "float32") != table_key(one, "int4", "float32", "float32")
+    assert table_key(one, "bfloat16", "bfloat16", "bfloat16") != table_key(CFG, "bfloat16", "bfloat16", "bfloat16")
