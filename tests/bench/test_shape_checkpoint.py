@@ -16,10 +16,10 @@ from servescope.cli import main
 from servescope.errors import InvalidParameterError
 
 # a test-sized shape in the form of a preset: Llama's layers, 2 of them, hidden 64
-TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "max_position_embeddings": 512, "tie_word_embeddings": True, "vocab_size": 1000,
-        "hidden_act": "silu"}
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 512,
+        "tie_word_embeddings": True, "vocab_size": 1000, "hidden_act": "silu"}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,8 @@ def test_writes_a_directory_the_engine_runs(tiny_shape, tmp_path):
             assert tuple(t.shape) == (TOKENIZER_VOCAB, 64) and 0.015 < float(t.float().std()) < 0.025
     assert total == r.parameters and not any(n.startswith(".checkpoint-") for n in os.listdir(out.parent))
     llm = LLM(model=r.out, num_kv_blocks=16, max_model_len=64)
-    got = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    got = llm.generate(["The capital of France is"], greedy)
     assert len(got[0].outputs[0].token_ids) == 4
 
 

@@ -23,8 +23,8 @@ IDS = [(i * 37 + 11) % 500 + 3 for i in range(24)]
 
 @pytest.fixture(scope="module")
 def tied(tmp_path_factory):
-    return str(make_tiny_hf_model(tmp_path_factory.mktemp("tied"), "llama", vocab_size=512, with_tokenizer=False,
-                                  num_hidden_layers=2, tie_word_embeddings=True))
+    return str(make_tiny_hf_model(tmp_path_factory.mktemp("tied"), "llama", vocab_size=512,
+                                  with_tokenizer=False, num_hidden_layers=2, tie_word_embeddings=True))
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_untied_table_takes_the_modes_own_scheme(untied):
     model = LLM(model=untied, quantization="int4", **KW).engine.executor.model
     emb, head = model.model.embed_tokens, model.lm_head
     assert isinstance(emb, QuantEmbedding) and emb.qweight is not head.qweight
-    assert emb.qweight.dtype == torch.uint8 and tuple(emb.qweight.shape) == (512, 32)  # int4 g32, as token_embd
+    assert emb.qweight.dtype == torch.uint8 and tuple(emb.qweight.shape) == (512, 32)  # int4 g32: token_embd
     assert head.qweight.dtype == torch.int8  # the head keeps 8 bits
     ids = torch.tensor(IDS)
     assert (emb(ids) - _float_table(untied)[ids]).abs().max() < 0.05

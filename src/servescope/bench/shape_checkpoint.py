@@ -82,9 +82,10 @@ def shape_config(shape: str, layers: int | None = None) -> dict:
             cfg["max_window_layers"] = layers
     real_vocab = cfg.get("vocab_size")
     cfg.update(vocab_size=TOKENIZER_VOCAB, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
-    cfg["_source"] = (f"servescope checkpoint {shape}: random weights (normal, std {INIT_STD}) of the preset's "
-                      f"shape{'' if layers is None else f' cut to {layers} layers'}, with SmolLM2's vocabulary "
-                      f"({TOKENIZER_VOCAB} tokens; the shape's own is {real_vocab}) and SmolLM2's tokenizer")
+    cut = "" if layers is None else f" cut to {layers} layers"
+    cfg["_source"] = (f"servescope checkpoint {shape}: random weights (normal, std {INIT_STD}) of the "
+                      f"preset's shape{cut}, with SmolLM2's vocabulary ({TOKENIZER_VOCAB} tokens; the "
+                      f"shape's own is {real_vocab}) and SmolLM2's tokenizer")
     return cfg
 
 
@@ -110,21 +111,23 @@ def find_llama_cpp(where: str | None) -> LlamaCppTree:
     """llama.cpp's tree from `where` or $LLAMA_CPP_DIR: InvalidParameterError naming what is missing."""
     root = where or os.environ.get(ENV_DIR)
     if not root:
-        raise InvalidParameterError("llama_cpp", f"--gguf needs llama.cpp's source tree (convert_hf_to_gguf.py "
-                                    f"and a build with llama-quantize): pass --llama-cpp DIR or set ${ENV_DIR}; "
-                                    "docs/BENCHMARKS.md 'llama.cpp's own tools' says how to build it")
+        raise InvalidParameterError(
+            "llama_cpp", f"--gguf needs llama.cpp's source tree (convert_hf_to_gguf.py and a build with "
+            f"llama-quantize): pass --llama-cpp DIR or set ${ENV_DIR}; docs/BENCHMARKS.md "
+            "'llama.cpp's own tools' says how to build it")
     root = os.path.abspath(os.path.expanduser(root))
     converter = os.path.join(root, "convert_hf_to_gguf.py")
     gguf_py = os.path.join(root, "gguf-py")
     if not os.path.isfile(converter) or not os.path.isdir(gguf_py):
-        raise InvalidParameterError("llama_cpp", f"{root} is not a llama.cpp source tree (no convert_hf_to_gguf.py "
-                                    "and gguf-py/ in it)")
+        raise InvalidParameterError("llama_cpp", f"{root} is not a llama.cpp source tree (no "
+                                    "convert_hf_to_gguf.py and gguf-py/ in it)")
     quantize = os.path.join(root, "build", "bin", "llama-quantize")
     if not os.access(quantize, os.X_OK):
         quantize = find_tool("llama-quantize")
     if quantize is None:
-        raise InvalidParameterError("llama_cpp", f"llama-quantize not found in {root}/build/bin, $LLAMA_CPP_BIN or "
-                                    "PATH: build it with `cmake --build build --target llama-quantize`")
+        raise InvalidParameterError("llama_cpp", f"llama-quantize not found in {root}/build/bin, "
+                                    "$LLAMA_CPP_BIN or PATH: build it with `cmake --build build --target "
+                                    "llama-quantize`")
     return LlamaCppTree(converter, gguf_py, quantize)
 
 
@@ -135,8 +138,8 @@ def parse_gguf_types(spec: str | None) -> list:
     names = [s.strip().lower() for s in spec.split(",") if s.strip()]
     bad = [n for n in names if n not in GGUF_TYPES]
     if bad or not names:
-        raise InvalidParameterError("gguf", f"unknown GGUF type(s) {', '.join(bad) or spec!r}: use a comma-separated "
-                                    f"list of {', '.join(GGUF_TYPES)}")
+        raise InvalidParameterError("gguf", f"unknown GGUF type(s) {', '.join(bad) or spec!r}: use a "
+                                    f"comma-separated list of {', '.join(GGUF_TYPES)}")
     return list(dict.fromkeys(GGUF_TYPES[n] for n in names))
 
 
@@ -145,7 +148,8 @@ def check_destination(out: str) -> str:
     where its parent cannot be written."""
     out = os.path.abspath(os.path.expanduser(out))
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise InvalidParameterError("out", f"{out} exists and is not an empty directory; choose another --out")
+        raise InvalidParameterError("out", f"{out} exists and is not an empty directory; choose another "
+                                    "--out")
     parent = os.path.dirname(out)
     probe = parent
     while not os.path.exists(probe):
@@ -168,7 +172,8 @@ def write_shape_checkpoint(shape: str, out: str, layers: int | None = None, gguf
     try:
         config = ModelConfig.from_hf_dict(cfg, name=shape_name(shape))
     except (KeyError, TypeError, ValueError) as e:
-        raise InvalidParameterError("shape", f"{shape}: not a usable model config ({type(e).__name__}: {e})") from None
+        raise InvalidParameterError("shape", f"{shape}: not a usable model config "
+                                    f"({type(e).__name__}: {e})") from None
     created = _missing_parent(out)
     try:
         os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -285,7 +290,8 @@ def _write_ggufs(tmp: str, tree: LlamaCppTree, shape: str, types: list) -> dict:
     os.makedirs(gdir)
     f16 = os.path.join(gdir, f"{shape}-F16.gguf")
     env = {**os.environ, "PYTHONPATH": tree.gguf_py + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    _run([sys.executable, tree.converter, tmp, "--outtype", "f16", "--outfile", f16], env, "convert_hf_to_gguf.py")
+    _run([sys.executable, tree.converter, tmp, "--outtype", "f16", "--outfile", f16], env,
+         "convert_hf_to_gguf.py")
     out = {}
     for t in types:
         if t == "F16":

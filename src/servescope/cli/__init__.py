@@ -1,5 +1,5 @@
-"""servescope command line: generate | chat | serve | bench | replay | simulate | explain | lab | hardware | quantize |
-checkpoint.
+"""servescope command line: generate | chat | serve | bench | replay | simulate | explain | lab | hardware |
+quantize | checkpoint.
 
 The CLI parses, calls the library and renders; what a command computes lives below it (engine,
 bench, labs, analysis). The CLI owns all output (rich tables, progress bars); library code only logs.
