@@ -43,10 +43,10 @@ def gguf_path(args, gtype: str) -> str:
 
 def ours_single_stream(gguf: str, args) -> dict:
     """Decode batch 1 and prefill 512 of servescope on the file's own blocks."""
-    import torch
+    import torch  # (here: the serving half runs without torch in this process)
 
-    from servescope.bench.latency import run_engine_latency
-    from servescope.engine.llm import LLM
+    from servescope.bench.latency import run_engine_latency  # (likewise)
+    from servescope.engine.llm import LLM  # (likewise)
 
     torch.set_num_threads(args.threads)
     llm = LLM(model=gguf, quantization="gguf", num_threads=args.threads, max_num_seqs=4, max_model_len=1024)
@@ -87,9 +87,9 @@ def serve_pair(args, gguf: str, streams: int, tmp: str) -> dict:
 
 def our_server(args, gguf: str, streams: int, log):
     """`servescope serve` on the file's own blocks, `streams` sequences at a time, once healthy."""
-    import subprocess
+    import subprocess  # (stdlib; only the serving half starts processes)
 
-    from servescope.bench.serve_client import wait_healthy
+    from servescope.bench.serve_client import wait_healthy  # (httpx: only the serving half)
 
     cmd = [sys.executable, "-m", "servescope.cli", "serve", "--model", gguf, "--quantization", "gguf",
            "--port", str(args.port), "--threads", str(args.threads), "--max-num-seqs", str(streams),

@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 from servescope.analysis.presets import preset_hf_dict
@@ -163,8 +164,6 @@ def write_shape_checkpoint(shape: str, out: str, layers: int | None = None, gguf
                            llama_cpp: str | None = None, seed: int = 0) -> CheckpointReport:
     """Write `shape` (a preset name) to `out` as described in the module doc; every input is checked
     before the first byte is written."""
-    import time
-
     cfg = shape_config(shape, layers)
     types = parse_gguf_types(gguf)
     tree = find_llama_cpp(llama_cpp) if types else None
