@@ -1,4 +1,5 @@
-"""servescope command line: generate | chat | serve | bench | replay | simulate | explain | lab | hardware | quantize.
+"""servescope command line: generate | chat | serve | bench | replay | simulate | explain | lab | hardware |
+quantize | checkpoint.
 
 The CLI parses, calls the library and renders; what a command computes lives below it (engine,
 bench, labs, analysis). The CLI owns all output (rich tables, progress bars); library code only logs.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from servescope.cli import bench, generate, lab, quantize, replay, serve, simulate
+from servescope.cli import bench, checkpoint, generate, lab, quantize, replay, serve, simulate
 from servescope.cli.args import EXIT_USAGE, Parser
 from servescope.cli.output import error
 from servescope.errors import ServescopeError
@@ -31,6 +32,7 @@ COMMANDS = {
     "simulate": simulate,
     "explain": lab, "lab": lab, "hardware": lab,
     "quantize": quantize,
+    "checkpoint": checkpoint,
 }
 
 

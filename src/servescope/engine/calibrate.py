@@ -33,7 +33,7 @@ from servescope.quant.packed import dequantize, quantize
 from servescope.quant.scheme import QuantScheme
 from servescope.loader.quantized import check_out, save_quantized, saved_mode
 from servescope.quant.gptq import DAMP, gptq_quantize
-from servescope.model.quantize import parse_mode, projection_scheme
+from servescope.model.quantize import embedding_scheme, parse_mode, projection_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ def quantize_checkpoint(model, mode: str, out: str, method: str = "gptq", calibr
                                   output_error(w, dequantize(q_rtn, sc_rtn, w.shape[1]), h)))
         quantised.append((q, sc, mod))
     report.seconds["quantize"] = time.perf_counter() - t0
-    tensors = checkpoint_tensors(llm, projs, quantised)
+    tensors = checkpoint_tensors(llm, projs, quantised, scheme)
     quant_config = {"mode": mode, "method": method, "calibration": calibration if calibrated else None,
                     "calibration_tokens": report.calibration_tokens if calibrated else 0,
                     "damp": damp if method == "gptq" else None}
@@ -192,15 +192,21 @@ def quantize_checkpoint(model, mode: str, out: str, method: str = "gptq", calibr
     return report
 
 
-def checkpoint_tensors(llm: LLM, projs: list, quantised: list) -> dict:
-    """The file's tensors in Hugging Face names: the float ones from the model's state dict, each
-    fused projection's rows split back into its parts."""
+def checkpoint_tensors(llm: LLM, projs: list, quantised: list, scheme: QuantScheme) -> dict:
+    """The file's tensors in Hugging Face names: the norms from the model's state dict, each fused
+    projection's rows split back into its parts, and the packed embedding (loader/quantized.py): tied,
+    the head's own quantised rows renamed (one copy serves both); untied, the table rounded in the
+    mode's scheme (plain rounding: a lookup has no inputs to calibrate on)."""
     model, cfg = llm.engine.executor.model, llm.engine.model_config
     names = {id(mod): prefix for prefix, mod in model.named_modules()}
-    tensors = {}
-    for n, t in model.state_dict().items():
-        if n.endswith(("norm.weight", "embed_tokens.weight")):
-            tensors[n] = t.float()
+    tensors = {n: t.float() for n, t in model.state_dict().items() if n.endswith("norm.weight")}
+    if cfg.tie_word_embeddings:
+        q, sc, _ = next(item for item in quantised if item[2] is model.lm_head)
+        quantised = [item for item in quantised if item[2] is not model.lm_head]
+    else:
+        emb = model.model.embed_tokens.weight.detach().float()
+        q, sc = quantize(emb, embedding_scheme(scheme, False))
+    tensors["model.embed_tokens.qweight"], tensors["model.embed_tokens.scales"] = q, sc
     splits = {"qkv_proj": (("q_proj", cfg.q_size), ("k_proj", cfg.kv_size), ("v_proj", cfg.kv_size)),
               "gate_up_proj": (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size))}
     for q, sc, mod in quantised:

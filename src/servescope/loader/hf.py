@@ -50,7 +50,8 @@ def load_hf_dir(path: str) -> LoadedSource:
         shapes = expected_tensor_shapes(config)
         shapes.setdefault("lm_head.weight", (config.vocab_size, config.hidden_size))  # (tied: a quantised copy)
         dense, packed = quantized.read_packed(_read_weights(path, keep_dtype=True), mode, shapes,
-                                              quantized.head_scheme(mode, path), path)
+                                              quantized.head_scheme(mode, path), path,
+                                              tied=config.tie_word_embeddings)
         state_dict = check_state_dict(dense, config, path)
     chat_template = _read_chat_template(path)
     return LoadedSource(

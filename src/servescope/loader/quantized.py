@@ -4,10 +4,14 @@ load, optionally saved").
 `servescope quantize` (engine/calibrate.py) writes a Hugging Face style directory:
   config.json             the model's config plus "quantization_config": {"quant_method": "servescope",
                           "mode": the --quantization mode, "method": "rtn" | "gptq", how it was calibrated}
-  model.safetensors       norms and the embedding as float32 (the lookup keeps full precision, as at
-                          load); each quantised linear as "<name>.qweight" (the packed integers of
-                          quant/packed.py) and "<name>.scales" (float16), in Hugging Face names,
-                          q/k/v and gate/up apart (the loader fuses them as it fuses a GGUF's)
+  model.safetensors       norms as float32; each quantised linear as "<name>.qweight" (the packed
+                          integers of quant/packed.py) and "<name>.scales" (float16), in Hugging Face
+                          names, q/k/v and gate/up apart (the loader fuses them as it fuses a GGUF's);
+                          the embedding packed too, as model.embed_tokens.qweight / .scales: for tied
+                          embeddings the one copy that is also the head (no lm_head tensors), in the
+                          head's scheme; untied, in the mode's (model/quantize.embedding_scheme).
+                          Files written before the embedding was packed (a float32
+                          model.embed_tokens.weight and a packed lm_head) still load.
   tokenizer files, chat_template.jinja, generation_config.json
 The directory is written beside its destination and renamed into place: a failure leaves nothing.
 
@@ -29,7 +33,7 @@ import torch
 from servescope.errors import ModelLoadError
 from servescope.quant.scheme import QuantScheme
 from servescope.loader.gguf_packed import placeholder
-from servescope.model.quantize import parse_mode, projection_scheme
+from servescope.model.quantize import embedding_scheme, parse_mode, projection_scheme
 
 QUANT_METHOD = "servescope"
 WEIGHTS = "model.safetensors"
@@ -67,11 +71,13 @@ def head_scheme(mode: str, where: str) -> QuantScheme:
     return projection_scheme("lm_head", scheme_of(mode, where))
 
 
-def read_packed(tensors: dict, mode: str, shapes: dict, head_scheme, where: str) -> tuple:
+def read_packed(tensors: dict, mode: str, shapes: dict, head_scheme, where: str, tied: bool = False) -> tuple:
     """(dense state dict with float32 placeholders for packed weights, packed dict) from the file's
     tensors. shapes: the config's {hf name: shape} (loader/checkpoint.expected_tensor_shapes);
-    head_scheme: the scheme of the output head for this mode."""
+    head_scheme: the scheme of the output head for this mode; tied: the config ties the embedding to
+    the head (its packed table is then in the head's scheme)."""
     scheme = scheme_of(mode, where)
+    embed = embedding_scheme(scheme, tied)
     dense, packed = {}, {}
     for name, t in tensors.items():
         if name.endswith(".qweight") or name.endswith(".scales"):
@@ -82,7 +88,7 @@ def read_packed(tensors: dict, mode: str, shapes: dict, head_scheme, where: str)
         wname = base + ".weight"
         if wname not in shapes:
             raise ModelLoadError(f"{where}: packed tensor {qname} is not a weight of this model")
-        s = head_scheme if wname == "lm_head.weight" else scheme
+        s = {"lm_head.weight": head_scheme, "model.embed_tokens.weight": embed}.get(wname, scheme)
         n, k = shapes[wname]
         q, sc = tensors[qname], tensors.get(base + ".scales")
         if sc is None:

@@ -6,8 +6,12 @@ Int8Linear) and the packed group-wise forms of quant/packed.py (model/linears/pa
 `int4` (group 32, symmetric: GGUF Q4_0's scheme) or `int<4|8>-<g32|g64|g128|ch>[-sym|-asym]`, e.g.
 int4-g128-asym, int8-g32 (Q8_0).
 
-The output head is quantised too (for tied embeddings, a separate quantised copy: the embedding lookup
-keeps full precision). Applied by the engine's executor before the first step.
+The output head is quantised too (the 4-bit modes' in int8 group 32: HEAD_SCHEME), and so is the
+embedding table, as llama.cpp stores token_embd: its rows are kept packed and dequantised on lookup
+(QuantEmbedding). A tied embedding and head share one packed copy, in the head's scheme (the file's one
+tensor serves both, as a GGUF's token_embd does); an untied embedding takes the mode's own scheme (llama.cpp
+quantises an untied token_embd to the file's main type). Applied by the engine's executor before the first
+step.
 """
 
 from __future__ import annotations
@@ -21,19 +25,60 @@ from servescope.errors import InvalidParameterError
 from servescope.model.linears.huge_pages import move_to_huge_pages
 from servescope.model.linears.int8 import Int8Linear
 from servescope.model.linears.packed import QuantEmbedding, QuantLinear
+from servescope.quant.packed import quantize
 from servescope.quant.scheme import QuantScheme
 
 logger = logging.getLogger(__name__)
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
-    """Replace every projection of the decoder layers, and the output head, by Int8Linear. For tied
-    embeddings the head becomes an int8 copy and the embedding lookup keeps full precision."""
+    """Replace every projection of the decoder layers, and the output head, by Int8Linear. The embedding
+    reads the head's int8 rows and per-row scales when they are tied, else becomes int8 per channel itself."""
     act_dtype = model.model.norm.weight.dtype  # (the embedding may be packed)
     for parent, name, child in model.projections():
         if isinstance(child, nn.Linear):
             setattr(parent, name, Int8Linear(child.weight.data, child.bias, act_dtype))
+    emb = _float_embedding(model)
+    if emb is not None:
+        head = model.lm_head if isinstance(model.lm_head, Int8Linear) and _tied(model, emb) else None
+        if head is None:
+            head = Int8Linear(emb.weight.data, None, act_dtype)
+        model.model.embed_tokens = QuantEmbedding(head.weight_int8, head.scale, emb.embedding_dim, act_dtype)
     return model
+
+
+def _float_embedding(model: nn.Module):
+    """The float embedding table to quantise, or None: already packed (a GGUF's, a saved checkpoint's),
+    a tensor-parallel vocabulary shard, or a pipeline stage that does not embed (zero rows)."""
+    emb = model.model.embed_tokens
+    return emb if type(emb) is nn.Embedding and emb.weight.shape[0] == model.config.vocab_size else None
+
+
+def _tied(model: nn.Module, emb: nn.Embedding) -> bool:
+    """Whether the (already quantised) head was made from this embedding's own table."""
+    head = model.lm_head
+    return (model.config.tie_word_embeddings and head is not None
+            and getattr(head, "out_features", None) == emb.weight.shape[0])
+
+
+def embedding_scheme(scheme: QuantScheme, tied: bool) -> QuantScheme:
+    """The packed scheme of the embedding table under a mode's scheme: the head's when tied (one copy
+    serves both), the mode's own when not (llama.cpp's token_embd)."""
+    return projection_scheme("lm_head", scheme) if tied else scheme
+
+
+def quantize_embedding(model: nn.Module, scheme: QuantScheme) -> None:
+    """The float embedding (if any: _float_embedding) becomes a QuantEmbedding: over the head's packed
+    buffers when tied (the head already quantised from this very table), else quantised on its own."""
+    emb = _float_embedding(model)
+    if emb is None:
+        return
+    dtype = model.model.norm.weight.dtype
+    if isinstance(model.lm_head, QuantLinear) and _tied(model, emb):
+        packed, scales = model.lm_head.qweight, model.lm_head.scales
+    else:
+        packed, scales = quantize(emb.weight, embedding_scheme(scheme, model.config.tie_word_embeddings))
+    model.model.embed_tokens = QuantEmbedding(packed, scales, emb.embedding_dim, dtype)
 
 
 # The output head of the 4-bit modes: 8 bits in groups of 32 (llama.cpp keeps output.weight at 6-8 bits
@@ -66,8 +111,8 @@ def parse_mode(mode: str):
 
 
 def quantize_model(model: nn.Module, mode: str) -> nn.Module:
-    """Replace every projection of the decoder layers and the output head by the mode's linear (for
-    tied embeddings the head becomes a quantised copy; the embedding lookup keeps full precision).
+    """Replace every projection of the decoder layers and the output head by the mode's linear, and the
+    embedding table by its packed form (quantize_embedding: tied, the head's own buffers).
     Modules already quantised (a GGUF's packed weights) keep their blocks. Then every packed weight,
     in decode order, moves into one huge-page mapping (move_to_huge_pages: decode reads them all)."""
     scheme = parse_mode(mode)
@@ -78,6 +123,7 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
             if isinstance(child, nn.Linear):
                 setattr(parent, name, QuantLinear.from_linear(child, projection_scheme(name, scheme),
                                                               float_output=name == "lm_head"))
+        quantize_embedding(model, scheme)
     packed = [m for _, _, m in model.projections() if isinstance(m, QuantLinear)]
     packed += [m for m in model.modules() if isinstance(m, QuantEmbedding)]
     moved = move_to_huge_pages(packed)

@@ -138,8 +138,9 @@ class QuantLinear(torch.nn.Module):
 
 
 class QuantEmbedding(torch.nn.Module):
-    """An embedding table in the packed form (a GGUF's token_embd, shared with a tied QuantLinear
-    head): the looked-up rows are dequantised, nothing else."""
+    """An embedding table in the packed form (a GGUF's token_embd, or an --quantization mode's table:
+    model/quantize.py), usually the very buffers of a tied head (QuantLinear, or Int8Linear's int8 rows
+    with their per-row scales [N]): the looked-up rows are dequantised, nothing else."""
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, dim: int, dtype: torch.dtype):
         super().__init__()
@@ -149,7 +150,9 @@ class QuantEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        rows = dequantize(self.qweight[flat], self.scales[flat], self.embedding_dim, torch.float32)
+        scales = self.scales[flat]
+        scales = scales[:, None] if scales.dim() == 1 else scales  # (per-row scales: one group)
+        rows = dequantize(self.qweight[flat], scales, self.embedding_dim, torch.float32)
         return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
 
 
