@@ -213,7 +213,8 @@ inline bool amx_available() {
 #endif
 }
 
-// From this many rows of x on, the AMX kernel where it runs (docs/BENCHMARKS.md, issue 35 section)
+// From this many rows of x on, the AMX kernel where it runs (docs/BENCHMARKS.md, issue 35 section: below,
+// its fixed cost per weight panel and block exceeds the VNNI orders' work)
 constexpr int64_t QDOT_AMX_ROWS = 16;
 
 // The packed GEMV / GEMM entry: x [M, kp] float32 | bfloat16 (bfloat16 for group-32 weights only), bias [N]
