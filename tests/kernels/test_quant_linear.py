@@ -324,9 +324,10 @@ def test_dequantize_into_rejects_bad_outputs():
 @pytest.mark.parametrize("tile", [None, 7 * 100, 40 * 100 + 1])  # one piece; row tiles, the last partial
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "F.linear"])
 def test_prefill_path_tiles_dtypes_and_bias(dtype, tile, onednn, monkeypatch):
-    """Above the module's GEMV rows (MAX_ROWS; GROUP32_MAX_ROWS for group 32): the weight dequantised in row tiles into the reused scratch buffer and multiplied
-    in the activation dtype (bias included), against the float64 product of the same dequantised
-    weights; bfloat16 within its rounding of the inputs and of the output."""
+    """Above the module's GEMV rows (MAX_ROWS; GROUP32_MAX_ROWS for group 32): the weight dequantised in
+    row tiles into the reused scratch buffer and multiplied in the activation dtype (bias included),
+    against the float64 product of the same dequantised weights; bfloat16 within its rounding of the
+    inputs and of the output."""
     _ext()
     if tile is not None:
         monkeypatch.setattr(ql, "TILE_ELEMENTS", tile)
