@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
 
-    import torch
+    import torch  # after the arguments: --help answers without loading torch (as decode_batch_sweep.py)
 
     from servescope.bench.envinfo import environment_info
     from servescope.bench.latency import run_engine_latency
