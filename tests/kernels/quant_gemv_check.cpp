@@ -4,7 +4,11 @@
 // integer dot products for group 32, quant_gemv.h's float path for group 64) and the dequantisation,
 // against a float64 sum over the blocks decoded element by element. For group 32 the reference uses the
 // activations quantised to int8 per 32-block as the kernel does (so the two agree to float32 rounding),
-// and the kernel must also stay within the activation-rounding bound of the exact float product.
+// and the kernel must also stay within the activation-rounding bound of the exact float product. Each group-32
+// kernel (quant_rows forced to the streaming and weight-stationary VNNI orders, and AMX where it runs) is
+// checked the same way, for batching invariance (each row alone gives the same bits as in the batch) and
+// for bfloat16 activations (the same bits as their float32 values).
+#include "quant_amx.h"
 #include "quant_gemm.h"
 #include <cstdio>
 #include <random>
@@ -34,6 +38,24 @@ static int check(std::mt19937& g, bool i4, bool asym, int64_t N, int64_t kp, int
   quant_matvec(q, x.data(), M, bias.data(), y.data());
   std::vector<float> yg(M * N, 0.f);  // the prefill GEMM (group 32 only): the same values as the GEMV
   if (group == 32) quant_gemm_rows(q, x.data(), M, bias.data(), yg.data());
+  std::vector<std::vector<float>> yk;  // the group-32 kernels by order
+  if (group == 32)
+    for (QOrder o : {QOrder::Stream, QOrder::Tiled, QOrder::Amx}) {
+      if (o == QOrder::Amx && !amx_available()) continue;
+      yk.emplace_back(M * N);
+      quant_rows(q, x.data(), M, bias.data(), yk.back().data(), o);
+      std::vector<float> one(N);
+      for (int64_t m = 0; m < M; ++m) {
+        quant_rows(q, x.data() + m * kp, 1, bias.data(), one.data(), o);
+        if (std::memcmp(one.data(), yk.back().data() + m * N, N * sizeof(float))) ++bad;
+      }
+      std::vector<bf16> xb(M * kp);
+      std::vector<float> xw(M * kp), yb(M * N), yw(M * N);
+      for (int64_t i = 0; i < M * kp; ++i) xb[i] = float_to_bf16(x[i]), xw[i] = bf16_to_float(xb[i]);
+      quant_rows(q, xb.data(), M, bias.data(), yb.data(), o);
+      quant_rows(q, xw.data(), M, bias.data(), yw.data(), o);
+      if (std::memcmp(yb.data(), yw.data(), M * N * sizeof(float))) ++bad;
+    }
   // the whole matrix in float32, and rows 1.. of it cut at k = kp - 5 (a K that is not a whole block) in
   // bfloat16, which must be the float32 values rounded once
   std::vector<float> deq(N * kp);
@@ -63,6 +85,8 @@ static int check(std::mt19937& g, bool i4, bool asym, int64_t N, int64_t kp, int
       }
       if (std::abs(ref - y[m * N + n]) > 1e-3 * (1 + std::abs(ref))) ++bad;
       if (group == 32 && std::abs(ref - yg[m * N + n]) > 1e-3 * (1 + std::abs(ref))) ++bad;
+      for (const auto& v : yk)
+        if (std::abs(ref - v[m * N + n]) > 1e-3 * (1 + std::abs(ref))) ++bad;
       if (std::abs(exact - y[m * N + n]) > bound + 1e-3 * (1 + std::abs(exact))) ++bad;
     }
   return bad;
@@ -92,12 +116,15 @@ int main() {
   std::mt19937 g(1);
   int bad = check_rounding();
   // (rows, padded K, rows of x): whole and partial chunks of every ISA's vector, 1..4 and 5 (two tiles) rows of x
-  const int64_t shapes[][3] = {{7, 128, 3}, {5, 96, 1}, {9, 32, 5}, {6, 576, 2}, {13, 1536, 1}, {10, 160, 4}, {37, 288, 11}};
+  // and many rows: partial tiles of every kernel, activation blocks that exceed a kernel's L2 budget (8192 x 60
+  // for the weight-stationary order, x 140 for AMX)
+  const int64_t shapes[][3] = {{7, 128, 3},  {5, 96, 1},  {9, 32, 5},     {6, 576, 2},    {13, 1536, 1},
+                               {10, 160, 4}, {37, 288, 11}, {19, 96, 37}, {5, 8192, 60}, {3, 8192, 140}};
   for (int i4 = 0; i4 < 2; ++i4)
     for (int asym = 0; asym < 2; ++asym)
       for (const auto& sh : shapes)
         for (int64_t group : {32, 64})
           if (sh[1] % group == 0) bad += check(g, i4, asym, sh[0], sh[1], group, sh[2]);
-  printf("%s int8_dot=%d bad=%d\n", kIsa, SERVESCOPE_HAS_INT8_DOT, bad);
+  printf("%s int8_dot=%d amx=%d bad=%d\n", kIsa, SERVESCOPE_HAS_INT8_DOT, (int)amx_available(), bad);
   return bad != 0;
 }

@@ -1,6 +1,7 @@
 """csrc/quant_dot.h and quant_gemv.h on every ISA path, torch-free (quant_gemv_check.cpp): plain C++
 (scalar); AVX2 and AVX-512 with and without their VNNI dot products where this CPU runs them (compiled
-only where it does not); NEON with and without dotprod, cross-compiled and run under qemu where
+only where it does not), AVX-512 with AMX-INT8 tiles (the VNNI kernels too where the kernel refuses the
+tiles); NEON with and without dotprod, cross-compiled and run under qemu where
 g++-aarch64-linux-gnu and qemu-user are installed."""
 
 import os
@@ -36,6 +37,10 @@ def _jobs() -> dict:
                 runnable = (isa in supported_isas(cpu_flags(), machine_arch())
                             and (not vnni or X86_FLAG[isa] in cpu_flags()))
                 jobs[f"{isa}-{vnni}"] = (cmd(gxx, flags), () if runnable else None, vnni)
+        amx = ["-DSERVESCOPE_ISA_AVX512", *ISA_CFLAGS["avx512"], X86["avx512"], "-mamx-tile", "-mamx-int8"]
+        runnable = ("avx512" in supported_isas(cpu_flags(), machine_arch())
+                    and {"amx_int8", "avx512_vnni"} <= cpu_flags())
+        jobs["avx512-amx"] = (cmd(gxx, amx), () if runnable else None, True)
     cxx, qemu = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
     if cxx and qemu:
         for arch in ("armv8.2-a+dotprod", "armv8-a"):
@@ -63,6 +68,16 @@ def _check(built, name):
     assert out.returncode == 0 and "bad=0" in out.stdout, out.stdout + out.stderr
     if int8_dot is not None:
         assert f"int8_dot={int(int8_dot)}" in out.stdout, out.stdout
+
+
+def test_avx512_amx_path(built):
+    """The AMX-INT8 kernel beside the VNNI ones; where the CPU has the tiles it must also run (amx=1)."""
+    if machine_arch() not in ("x86_64", "amd64"):
+        pytest.skip("x86 paths need an x86 g++")
+    _check(built, "avx512-amx")
+    if "amx_int8" in cpu_flags() and JOBS["avx512-amx"][1] is not None:
+        out = subprocess.run([str(built["avx512-amx"].result())], capture_output=True, text=True, timeout=300)
+        assert "amx=1" in out.stdout, out.stdout
 
 
 def test_scalar_path(built):

@@ -324,9 +324,10 @@ def test_dequantize_into_rejects_bad_outputs():
 @pytest.mark.parametrize("tile", [None, 7 * 100, 40 * 100 + 1])  # one piece; row tiles, the last partial
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "F.linear"])
 def test_prefill_path_tiles_dtypes_and_bias(dtype, tile, onednn, monkeypatch):
-    """Above MAX_ROWS: the weight dequantised in row tiles into the reused scratch buffer and multiplied
-    in the activation dtype (bias included), against the float64 product of the same dequantised
-    weights; bfloat16 within its rounding of the inputs and of the output."""
+    """Above the module's GEMV rows (MAX_ROWS; GROUP32_MAX_ROWS for group 32): the weight dequantised in
+    row tiles into the reused scratch buffer and multiplied in the activation dtype (bias included),
+    against the float64 product of the same dequantised weights; bfloat16 within its rounding of the
+    inputs and of the output."""
     _ext()
     if tile is not None:
         monkeypatch.setattr(ql, "TILE_ELEMENTS", tile)
@@ -337,13 +338,14 @@ def test_prefill_path_tiles_dtypes_and_bias(dtype, tile, onednn, monkeypatch):
     first = QuantScheme(4, 32) if dtype == torch.bfloat16 else QuantScheme(4, 64)
     for scheme in (first, QuantScheme(8, 64, True)):
         q = ql.QuantLinear.from_linear(lin, scheme)
-        x = torch.randn(3, ql.MAX_ROWS + 2, 100).to(dtype)
+        m = q.gemv_rows // 3 + 1  # 3 * m rows: just past the GEMV's
+        x = torch.randn(3, m, 100).to(dtype)
         w = qp.dequantize(q.qweight, q.scales, 100, torch.float64)
         if dtype == torch.bfloat16:
             w = w.to(dtype).double()
         ref = x.double() @ w.T + lin.bias.double()
         y = q(x)
-        assert y.dtype == dtype and y.shape == (3, ql.MAX_ROWS + 2, 45)
+        assert y.dtype == dtype and y.shape == (3, m, 45)
         tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
         assert torch.allclose(y.double(), ref, **tol)
         assert torch.equal(q(x), y)  # the reused buffer leaves no trace in the next call

@@ -126,6 +126,6 @@ def test_kernel_probe_packed_gemm_rate():
 
     if not cpu_ops.available():
         pytest.skip("CPU op extension not built here")
-    assert measure_packed_gemm_flops(rows=16, dim=64, runs=1) > 1e6
+    assert measure_packed_gemm_flops(rows=257, dim=64, runs=1) > 1e6  # past GROUP32_MAX_ROWS: the integer GEMM
     with pytest.raises(ValueError, match="MAX_ROWS"):
-        measure_packed_gemm_flops(rows=8, dim=64)
+        measure_packed_gemm_flops(rows=256, dim=64)

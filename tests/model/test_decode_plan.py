@@ -85,11 +85,13 @@ def test_decode_plan_matches_module_path_bit_for_bit(tmp_path, monkeypatch, fami
     # bfloat16: the GEMV up to 2 rows, oneDNN above, where oneDNN takes the dtype (bfloat16 needs
     # AVX512-BF16 / AMX: on an AVX2 CPU the plan stops at the GEMV's 2 rows);
     # int8: the GEMV up to 16 rows, and the modules above (eager dequantisation)
-    # packed int4 / int8 (model/linears/packed.py): their GEMV up to MAX_ROWS
+    # packed group-32 int4 / int8 (model/linears/packed.py): quant_gemv up to GROUP32_MAX_ROWS, other groups
+    # up to MAX_ROWS
     onednn = cpu_linear.pack_for_onednn(torch.zeros(64, 64, dtype=getattr(torch, dtype))) is not None
     panel = cpu_linear.PANEL_MAX_ROWS if dtype == "float32" else 0
     dense = 1 << 30 if onednn else max(cpu_linear.MAX_ROWS[getattr(torch, dtype)], panel)
-    assert rows == ({"int8": 16}.get(quant, quant_linear.MAX_ROWS) if quant else dense)
+    packed = quant_linear.MAX_ROWS if quant and "g64" in quant else quant_linear.GROUP32_MAX_ROWS
+    assert rows == ({"int8": 16}.get(quant, packed) if quant else dense)
     # prompts of different lengths (different context lengths in one decode batch, one crossing a
     # 16-token block); batches on both sides of each GEMV limit
     prompts = [[(i * 7 + j * 13) % 500 + 3 for i in range(n)] for j, n in enumerate((5, 19, 33, 2, 40, 9, 1))]
@@ -98,6 +100,25 @@ def test_decode_plan_matches_module_path_bit_for_bit(tmp_path, monkeypatch, fami
         calls = _generate_comparing(llm, prompts[:n], sp)
         # every decode step the plan serves went through it (the others: the modules, compared all the same)
         assert calls == ({n: 11} if n <= rows else {}), calls
+
+
+@pytest.mark.parametrize("dtype,quant", [("bfloat16", "int4"), ("float32", "int8-g32"),
+                                         ("bfloat16", "int4-g32-asym")])
+def test_decode_plan_matches_modules_on_packed_batches(tmp_path, dtype, quant):
+    """Packed group-32 weights at decode batches on every kernel of quant_gemv (the streaming and
+    weight-stationary VNNI orders, AMX-INT8 tiles where the CPU has them: 3, 9 and 20 rows): the plan's
+    steps bit for bit those of the modules."""
+    from servescope import LLM, SamplingParams
+
+    path = make_tiny_hf_model(tmp_path, "llama", vocab_size=512, with_tokenizer=False, head_dim=64,
+                              num_hidden_layers=2)
+    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype=dtype, quantization=quant, num_kv_blocks=128,
+              max_model_len=64)
+    assert llm.engine.runner.executor.decode_plan.max_rows == quant_linear.GROUP32_MAX_ROWS
+    prompts = [[(i * 7 + j * 13) % 500 + 3 for i in range(2 + j % 9)] for j in range(20)]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for n in (3, 9, 20):
+        assert _generate_comparing(llm, prompts[:n], sp) == {n: 3}
 
 
 def test_decode_plan_limited_to_the_int8_gemv(tmp_path, monkeypatch):

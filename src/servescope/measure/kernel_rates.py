@@ -18,7 +18,7 @@ import torch
 
 from servescope.kernels.cpu import ops as cpu_ops
 from servescope.model.linears.cpu import CpuLinear
-from servescope.model.linears.packed import MAX_ROWS, QuantLinear
+from servescope.model.linears.packed import GROUP32_MAX_ROWS, QuantLinear
 from servescope.quant.scheme import BLOCK
 from servescope.timing import median_seconds
 
@@ -77,7 +77,7 @@ def measure_decode_attention_flops(dtype_name: str, batch: int = 32, context: in
 
 def measure_packed_gemm_flops(rows: int = 512, dim: int = 768, runs: int = 3) -> float:
     """FLOP/s (2 * M * N * K) of the engine's prefill path over int4 group-32 weights (QuantLinear with
-    float32 activations above MAX_ROWS rows: the integer GEMM, the path of int8-g32 and a GGUF's Q4_0 /
+    float32 activations above GROUP32_MAX_ROWS rows: the integer GEMM, the path of int8-g32 and a GGUF's Q4_0 /
     Q4_1 / Q8_0 too) at `rows` rows, the size of a prefill chunk, over the matrix shapes of one decoder
     layer of width `dim` that belongs to no model (two dim x dim, two 3dim x dim, one dim x 3dim): the
     rate moves by +-30% with the shape (a narrow K amortises the activations' rounding over fewer
@@ -85,8 +85,8 @@ def measure_packed_gemm_flops(rows: int = 512, dim: int = 768, runs: int = 3) ->
     the kernel's speed does not depend on their values."""
     if not cpu_ops.available():
         raise RuntimeError("the CPU op extension is not built here")
-    if rows <= MAX_ROWS:
-        raise ValueError(f"rows must exceed MAX_ROWS ({MAX_ROWS}): fewer go to the GEMV")
+    if rows <= GROUP32_MAX_ROWS:
+        raise ValueError(f"rows must exceed GROUP32_MAX_ROWS ({GROUP32_MAX_ROWS}): fewer go to quant_gemv")
     if dim % BLOCK:
         raise ValueError(f"dim must be a multiple of {BLOCK}, got {dim}")
     gen = torch.Generator().manual_seed(0)

@@ -36,6 +36,8 @@ OPTIONAL_CFLAGS = {
     "avx512_bf16": (("avx512",), "-mavx512bf16"),
     "avx512_vnni": (("avx512",), "-mavx512vnni"),
     "avx_vnni": (("avx2",), "-mavxvnni"),
+    "amx_tile": (("avx512",), "-mamx-tile"),  # AMX-INT8 tiles for packed weights (csrc/quant_amx.h)
+    "amx_int8": (("avx512",), "-mamx-int8"),
 }
 _ARM_EXTENSIONS = {"asimddp": "dotprod", "bf16": "bf16"}  # /proc/cpuinfo Features -> -march extension
 

@@ -1,12 +1,17 @@
 """Modules over the packed 4- and 8-bit weights of servescope.quant (quant/packed.py says the bytes):
 QuantLinear, and QuantEmbedding, which reads the same form.
 
-QuantLinear: decode-sized calls (up to MAX_ROWS rows) go to the C++ GEMV over the packed blocks. Larger
-ones (prefill) with group-32 scales (int4, int8-g32, every GGUF block type) and float32 activations run
-the integer GEMM (kernels/cpu/csrc/quant_gemm.h): the activations rounded to int8 per 32-block, as the
-GEMV already does at decode and llama.cpp does for its Q4_0 / Q8_0 prefill, so a row's result does not
-depend on how many rows share the call, and the int8 dot products do ~2x the float32 GEMM's work per
-cycle. The other groups, and bfloat16 activations (whose AMX / BF16 GEMM is faster still), dequantise the
+QuantLinear: decode-sized calls go to the C++ kernels over the packed blocks (quant_gemv): with group-32
+scales (int4, int8-g32, every GGUF block type) up to GROUP32_MAX_ROWS rows, float32 or bfloat16
+activations, every one on int8 dot products (the activations rounded to int8 per block; the kernel by rows,
+measured: quant_dot.h's streaming and weight-stationary VNNI orders, quant_amx.h's AMX-INT8 tiles where the
+CPU has them), so a batched decode step on packed weights never dequantises them; with other groups up to
+MAX_ROWS rows (quant_gemv.h's float GEMV). Larger ones (prefill) with group-32 scales and float32
+activations run the integer GEMM (kernels/cpu/csrc/quant_gemm.h): the activations rounded to int8 per
+32-block, as the GEMV already does at decode and llama.cpp does for its Q4_0 / Q8_0 prefill, so a row's
+result does not depend on how many rows share the call (up to float32 summation order between kernels),
+and the int8 dot products do ~2x the float32 GEMM's work per cycle. The other groups, and bfloat16
+activations above GROUP32_MAX_ROWS (whose AMX / BF16 GEMM is faster still), dequantise the
 matrix and run the float GEMM, which is compute-bound there anyway. On the CPU the dequantisation is C++,
 parallel over rows, written straight in the activation dtype (bfloat16 for a bfloat16 model: no float32
 copy in between) into a per-thread scratch buffer that is reused, up to TILE_ELEMENTS weights at a time,
@@ -35,8 +40,12 @@ from servescope.kernels.cpu.linear import onednn_linear
 from servescope.quant.packed import dequantize, quantize
 from servescope.quant.scheme import BLOCK, QuantScheme
 
-# Up to how many rows the packed GEMV runs; above, dequantise + GEMM (docs/BENCHMARKS.md)
+# Up to how many rows the packed GEMV of groups other than 32 runs; above, dequantise + GEMM
+# (docs/BENCHMARKS.md)
 MAX_ROWS = 8
+# Up to how many rows group-32 weights stay on quant_gemv's integer kernels, whatever the activation dtype:
+# a batched decode step's sizes (benchmarks/quant_rows.py; docs/BENCHMARKS.md, issue 35 section)
+GROUP32_MAX_ROWS = 256
 GPU_MAX_ROWS = 8  # likewise on a GPU, the Triton GEMV's (kernels/triton/quant.py MAX_M)
 # The most weights the prefill path dequantises for one GEMM call (16 MiB of float32): every projection
 # of a small model in one piece, a large model's matrices and a big vocabulary's head in row tiles
@@ -73,6 +82,7 @@ class QuantLinear(torch.nn.Module):
         self.float_output = float_output
         kp = packed.shape[1] * (2 if packed.dtype == torch.uint8 else 1)
         self.group32 = kp == scales.shape[1] * BLOCK  # one scale per 32-block: the integer GEMM's form
+        self.gemv_rows = GROUP32_MAX_ROWS if self.group32 else MAX_ROWS  # quant_gemv up to this many rows
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, scheme: QuantScheme, float_output: bool = False):
@@ -90,7 +100,7 @@ class QuantLinear(torch.nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         mod = _cpu_kernels(x2)
-        if mod is not None and x2.shape[0] <= MAX_ROWS:
+        if mod is not None and x2.shape[0] <= self.gemv_rows:
             y = mod.quant_gemv(x2, self.qweight, self.scales, _opt(self._bias_f32))
             y = y if self.float_output else y.to(x.dtype)
         elif x2.is_cuda and x2.shape[0] <= GPU_MAX_ROWS and _triton_quant() is not None:
@@ -133,8 +143,9 @@ class QuantLinear(torch.nn.Module):
 
     def plan_entry(self) -> tuple:
         """For the C++ DecodePlan (see CpuLinear.plan_entry): its `gemv` routes float16-scaled packed
-        weights to the packed GEMV, so the plan serves decode steps up to MAX_ROWS rows."""
-        return [self.qweight, self.scales, _opt(self._bias_f32), _EMPTY, _EMPTY, _EMPTY], (MAX_ROWS, 0), MAX_ROWS
+        weights to quant_gemv, as forward does, so the plan serves decode steps up to gemv_rows rows."""
+        entry = [self.qweight, self.scales, _opt(self._bias_f32), _EMPTY, _EMPTY, _EMPTY]
+        return entry, (self.gemv_rows, 0), self.gemv_rows
 
 
 class QuantEmbedding(torch.nn.Module):

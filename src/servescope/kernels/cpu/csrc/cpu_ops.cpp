@@ -274,6 +274,7 @@ at::Tensor panel_gemm(at::Tensor x, at::Tensor panels, int64_t n, at::Tensor bia
 std::map<std::string, std::string> isa_info() {
   return {{"isa", kIsa}, {"lanes", std::to_string(W)}, {"bf16_dot", SERVESCOPE_HAS_BF16_DOT ? "1" : "0"},
           {"int8_dot", SERVESCOPE_HAS_INT8_DOT ? "1" : "0"},
+          {"amx_int8", quant_amx_available() ? "1" : "0"},
           {"panel", std::to_string(PANEL_MR) + "x" + std::to_string(PANEL_NB)}};
 }
 

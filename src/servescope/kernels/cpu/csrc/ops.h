@@ -36,8 +36,9 @@ Tensor panel_gemm(Tensor x, Tensor panels, int64_t n, Tensor bias);
 std::map<std::string, std::string> isa_info();
 
 // quant_ops.cpp: packed int4 / int8 weights with float16 group scales (quant_gemv.h)
-Tensor quant_gemv(Tensor x, Tensor w, Tensor scales, Tensor bias);
+Tensor quant_gemv(Tensor x, Tensor w, Tensor scales, Tensor bias, int64_t order = 0);  // order: QOrder
 Tensor quant_gemm(Tensor x, Tensor w, Tensor scales, Tensor bias);
+bool quant_amx_available();  // the AMX-INT8 kernel (quant_amx.h) compiled in and granted the tiles
 Tensor quant_dequantize(Tensor w, Tensor scales, int64_t k);
 void quant_dequantize_into(Tensor w, Tensor scales, int64_t row0, Tensor out);
 

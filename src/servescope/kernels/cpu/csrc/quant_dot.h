@@ -54,9 +54,61 @@ struct QActs {
   std::vector<int32_t> corr;
 };
 
-// x [M, kp] float32 (kp a multiple of 32, zeros past K) -> a (its buffers keep their capacity between calls)
-template <bool I4>
-inline void quantize_acts(const float* x, int64_t M, int64_t kp, QActs& a) {
+// One activation row's 32-block (float32 or bfloat16, widened exactly) -> its int8 values at qb, its scale
+// d and the values' sum (bfloat16 rows are rounded straight to int8: no float32 copy of the rows)
+template <typename T>
+inline int32_t quantize_block(const T* xb, int8_t* qb, float* d) {
+  const float* xf;
+  alignas(64) float wide[32];
+  if constexpr (std::is_same_v<T, float>) {
+    xf = xb;
+  } else {
+    for (int i = 0; i < 32; i += W) store(wide + i, load(xb + i));
+    xf = wide;
+  }
+  *d = absmax32(xf) / 127.f;
+  return round_i8x32(xf, *d > 0.f ? 1.f / *d : 0.f, qb);
+}
+
+// Row m of the activations (x: its kp values) into a, in the chunks' layout
+template <bool I4, typename T>
+inline void quantize_act_row(const T* x, int64_t m, int64_t nb, int64_t nc, QActs& a) {
+  using C = Chunk<I4>;
+  for (int64_t b = 0; b < nb; ++b) {
+    int8_t qb[32];
+    float d;
+    const int32_t sum = quantize_block(x + b * 32, qb, &d);
+    int64_t first;  // the block's first lane (flat over rows and chunks)
+    if constexpr (I4) {
+      const int64_t c = b / (W / 4);
+      int8_t* dst = a.q.data() + (m * nc + c) * C::QBYTES + (b % (W / 4)) * 16;
+      std::memcpy(dst, qb, 16);
+      std::memcpy(dst + C::BYTES, qb + 16, 16);
+      first = (m * nc + c) * W + (b % (W / 4)) * 4;
+    } else {
+      std::memcpy(a.q.data() + m * nc * C::QBYTES + b * 32, qb, 32);
+      first = m * nc * W + b * 8;  // 8 lanes, on NEON (W = 4) over two chunks
+    }
+    for (int64_t l = first; l < first + C::LPB; ++l) {
+      a.dx[l] = d;
+      a.sx[l] = d * (float)sum / C::LPB;
+    }
+  }
+  constexpr int32_t off = I4 ? 8 : kS8Bias;
+  if (off == 0) return;
+  // lane l of chunk l / W: bytes 4 (l % W).. of each of its halves
+  for (int64_t l = m * nc * W; l < (m + 1) * nc * W; ++l) {
+    const int8_t* p = a.q.data() + (l / W) * C::QBYTES + (l % W) * 4;
+    int32_t s = p[0] + p[1] + p[2] + p[3];
+    if constexpr (I4) s += p[C::BYTES] + p[C::BYTES + 1] + p[C::BYTES + 2] + p[C::BYTES + 3];
+    a.corr[l] = -off * s;
+  }
+}
+
+// x [M, kp] float32 | bfloat16 (kp a multiple of 32, zeros past K) -> a (its buffers keep their capacity
+// between calls); rows in parallel (a batched decode step quantises up to a few hundred)
+template <bool I4, typename T>
+inline void quantize_acts(const T* x, int64_t M, int64_t kp, QActs& a) {
   using C = Chunk<I4>;
   const int64_t nb = kp / 32, nc = (kp + C::K - 1) / C::K;
   a.chunks = nc;
@@ -64,36 +116,9 @@ inline void quantize_acts(const float* x, int64_t M, int64_t kp, QActs& a) {
   a.dx.assign(M * nc * W, 0.f);
   a.sx.assign(M * nc * W, 0.f);
   a.corr.assign(M * nc * W, 0);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + m * kp + b * 32;
-      const float d = absmax32(xb) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-      int8_t qb[32];
-      const int32_t sum = round_i8x32(xb, id, qb);
-      int64_t first;  // the block's first lane (flat over rows and chunks)
-      if constexpr (I4) {
-        const int64_t c = b / (W / 4);
-        int8_t* dst = a.q.data() + (m * nc + c) * C::QBYTES + (b % (W / 4)) * 16;
-        std::memcpy(dst, qb, 16);
-        std::memcpy(dst + C::BYTES, qb + 16, 16);
-        first = (m * nc + c) * W + (b % (W / 4)) * 4;
-      } else {
-        std::memcpy(a.q.data() + m * nc * C::QBYTES + b * 32, qb, 32);
-        first = m * nc * W + b * 8;  // 8 lanes, on NEON (W = 4) over two chunks
-      }
-      for (int64_t l = first; l < first + C::LPB; ++l) {
-        a.dx[l] = d;
-        a.sx[l] = d * (float)sum / C::LPB;
-      }
-    }
-  constexpr int32_t off = I4 ? 8 : kS8Bias;
-  if (off == 0) return;
-  for (int64_t l = 0; l < M * nc * W; ++l) {  // lane l of chunk l / W: bytes 4 (l % W).. of each of its halves
-    const int8_t* p = a.q.data() + (l / W) * C::QBYTES + (l % W) * 4;
-    int32_t s = p[0] + p[1] + p[2] + p[3];
-    if constexpr (I4) s += p[C::BYTES] + p[C::BYTES + 1] + p[C::BYTES + 2] + p[C::BYTES + 3];
-    a.corr[l] = -off * s;
-  }
+  parallel_for(0, M, grain_for(kp), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantize_act_row<I4>(x + m * kp, m, nb, nc, a);
+  });
 }
 
 // One weight row's chunk c (w, sc: the row's bytes and scales): its bytes as the dot products' operands
@@ -231,34 +256,91 @@ inline void qdot_range(const QMatrix& q, const QActs& a, int64_t M, int64_t n0, 
   }
 }
 
-// x [M, kp] float32 (zeros past K), group-32 packed q, bias [N] or null -> y [M, N]
-inline void quant_dot_rows(const QMatrix& q, const float* x, int64_t M, const float* bias, float* y) {
+// The weight-stationary order, for many rows of x (a batched decode step): a tile of TILED_NR weight
+// rows meets TILED_MR rows of x at a time, and every row of a block of x passes over the tile while its
+// bytes sit in L1, so the weights are read from memory once per block of x (the streaming order above
+// reads them once per 4 rows of x). A block of x is as many rows as keep their quantised chunks within
+// TILED_ACT_BYTES (L2). Per (row of x, weight row) the arithmetic is qdot_rows', the same chunks in the
+// same order into the same sums, so a row's result does not depend on the order, the tile or how many
+// rows share the call: both orders give the same bits.
+#if defined(SERVESCOPE_ISA_AVX2)
+constexpr int TILED_MR = 2, TILED_NR = 2;  // 16 vector registers
+#else
+constexpr int TILED_MR = 4, TILED_NR = 2;
+#endif
+constexpr int64_t TILED_ACT_BYTES = 1 << 20;
+
+template <bool I4, bool ASYM, int NR>
+inline void qdot_tiled_rows(const QMatrix& q, const QActs& a, int64_t mb, int64_t me, int64_t r, float* y) {
+  int64_t m = mb;
+  for (; m + TILED_MR <= me; m += TILED_MR) qdot_rows<I4, ASYM, TILED_MR, NR>(q, a, m, r, 1, y + m * q.n, q.n);
+  if (m < me)
+    with_count<TILED_MR>(me - m, [&](auto rows) {
+      qdot_rows<I4, ASYM, decltype(rows)::value, NR>(q, a, m, r, 1, y + m * q.n, q.n);
+    });
+}
+
+template <bool I4, bool ASYM>
+inline void qdot_tiled_range(const QMatrix& q, const QActs& a, int64_t M, int64_t n0, int64_t n1, float* y) {
+  using C = Chunk<I4>;
+  const int64_t row_bytes = a.chunks * (C::QBYTES + 3 * W * 4);  // int8 values, dx, sx, corr
+  const int64_t block = std::max<int64_t>(TILED_MR, TILED_ACT_BYTES / row_bytes);
+  for (int64_t mb = 0; mb < M; mb += block) {
+    const int64_t me = std::min(M, mb + block);
+    int64_t r = n0;
+    for (; r + TILED_NR <= n1; r += TILED_NR) qdot_tiled_rows<I4, ASYM, TILED_NR>(q, a, mb, me, r, y);
+    for (; r < n1; ++r) qdot_tiled_rows<I4, ASYM, 1>(q, a, mb, me, r, y);
+  }
+}
+
+// Which kernel runs: Auto picks by rows (QDOT_TILED_ROWS here, QDOT_AMX_ROWS in quant_amx.h); the others
+// force one (the tests and benchmarks/quant_rows.py, which measured the crossovers)
+enum class QOrder : int64_t { Auto = 0, Stream = 1, Tiled = 2, Amx = 3 };
+// From this many rows of x on, the weight-stationary order (docs/BENCHMARKS.md, issue 35 section: it is
+// ahead from 2 rows on the Xeon; at 1 row the streaming order's four quarter streams win)
+constexpr int64_t QDOT_TILED_ROWS = 2;
+
+template <bool I4, bool ASYM>
+inline void qdot_any_range(const QMatrix& q, const QActs& a, int64_t M, int64_t n0, int64_t n1, float* y,
+                           bool tiled) {
+  if (tiled)
+    qdot_tiled_range<I4, ASYM>(q, a, M, n0, n1, y);
+  else
+    qdot_range<I4, ASYM>(q, a, M, n0, n1, y);
+}
+
+// x [M, kp] float32 | bfloat16 (zeros past K), group-32 packed q, bias [N] or null -> y [M, N]
+template <typename T>
+inline void quant_dot_rows(const QMatrix& q, const T* x, int64_t M, const float* bias, float* y,
+                           QOrder order = QOrder::Auto) {
   static thread_local QActs tls;  // the calling thread's; the workers below read it through `a`
   QActs& a = tls;
   if (q.int4)
     quantize_acts<true>(x, M, q.kp, a);
   else
     quantize_acts<false>(x, M, q.kp, a);
+  const bool tiled = order == QOrder::Tiled || (order == QOrder::Auto && M >= QDOT_TILED_ROWS);
   parallel_for(0, q.n, 32, [&](int64_t n0, int64_t n1) {
     if (q.int4 && q.asym)
-      qdot_range<true, true>(q, a, M, n0, n1, y);
+      qdot_any_range<true, true>(q, a, M, n0, n1, y, tiled);
     else if (q.int4)
-      qdot_range<true, false>(q, a, M, n0, n1, y);
+      qdot_any_range<true, false>(q, a, M, n0, n1, y, tiled);
     else if (q.asym)
-      qdot_range<false, true>(q, a, M, n0, n1, y);
+      qdot_any_range<false, true>(q, a, M, n0, n1, y, tiled);
     else
-      qdot_range<false, false>(q, a, M, n0, n1, y);
+      qdot_any_range<false, false>(q, a, M, n0, n1, y, tiled);
     if (bias)
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = n0; n < n1; ++n) y[m * q.n + n] += bias[n];
   });
 }
 
-// The decode GEMV of packed weights: integer dot products for group-32 scales, float activations
-// (quant_gemv.h) for the larger groups
-inline void quant_matvec(const QMatrix& q, const float* x, int64_t M, const float* bias, float* y) {
+// The GEMV of packed weights: integer dot products for group-32 scales, float32 activations (quant_gemv.h)
+// for the larger groups
+inline void quant_matvec(const QMatrix& q, const float* x, int64_t M, const float* bias, float* y,
+                         QOrder order = QOrder::Auto) {
   if (q.group == 32)
-    quant_dot_rows(q, x, M, bias, y);
+    quant_dot_rows(q, x, M, bias, y, order);
   else
     quant_gemv_rows(q, x, M, bias, y);
 }

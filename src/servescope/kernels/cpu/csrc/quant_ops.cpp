@@ -4,6 +4,7 @@
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 
+#include "quant_amx.h"
 #include "quant_gemm.h"
 #include "ops.h"
 
@@ -32,11 +33,13 @@ QMatrix describe(const at::Tensor& w, const at::Tensor& scales) {
   return q;
 }
 
-// x [M, K] (K <= kp) as float32 [M, kp] (zeros past K), checked against q and the bias, for `what`
-at::Tensor padded_rows(const at::Tensor& x, const QMatrix& q, const at::Tensor& bias, const char* what) {
+// x [M, K] (K <= kp) as [M, kp] (zeros past K), checked against q and the bias, for `what`: bfloat16 kept
+// as it is where keep_bf16 (the integer kernels round it straight to int8), anything else as float32
+at::Tensor padded_rows(const at::Tensor& x, const QMatrix& q, const at::Tensor& bias, const char* what,
+                       bool keep_bf16 = false) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) <= q.kp && x.size(1) > q.kp - q.group, what, ": x [M, K] against the packed K");
   TORCH_CHECK(bias.numel() == 0 || (bias.numel() == q.n && bias.scalar_type() == at::kFloat), what, ": bias");
-  auto xf = x.to(at::kFloat).contiguous();
+  auto xf = (keep_bf16 && x.scalar_type() == at::kBFloat16 ? x : x.to(at::kFloat)).contiguous();
   return xf.size(1) == q.kp ? xf : at::constant_pad_nd(xf, {0, q.kp - xf.size(1)});
 }
 
@@ -44,15 +47,26 @@ at::Tensor padded_rows(const at::Tensor& x, const QMatrix& q, const at::Tensor& 
 
 namespace servescope_ops {
 
-// x [M, K] (K <= kp; widened to float32), bias [N] float32 or empty -> y [M, N] float32
-at::Tensor quant_gemv(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor bias) {
+// x [M, K] (K <= kp; float32, or bfloat16 for group-32 weights, else widened to float32), bias [N] float32
+// or empty, order (QOrder: 0 by rows, 1 streaming, 2 weight-stationary, 3 AMX) -> y [M, N] float32
+at::Tensor quant_gemv(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor bias, int64_t order) {
   const QMatrix q = describe(w, scales);
-  const auto xf = padded_rows(x, q, bias, "quant_gemv");
-  auto y = at::empty({xf.size(0), q.n}, xf.options());
-  servescope_quant::quant_matvec(q, xf.data_ptr<float>(), xf.size(0), bias.numel() ? bias.data_ptr<float>() : nullptr,
-                                 y.data_ptr<float>());
+  TORCH_CHECK(order >= 0 && order <= 3, "quant_gemv: order must be 0 (by rows), 1 (streaming), 2 (tiled) or 3 (AMX)");
+  TORCH_CHECK(order != 3 || (servescope_quant::amx_available() && q.group == QBLOCK),
+              "quant_gemv: the AMX kernel needs AMX-INT8 here and group-32 weights");
+  const auto xp = padded_rows(x, q, bias, "quant_gemv", q.group == QBLOCK);
+  auto y = at::empty({xp.size(0), q.n}, at::TensorOptions().dtype(at::kFloat));
+  const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  const auto how = (servescope_quant::QOrder)order;
+  if (xp.scalar_type() == at::kBFloat16)
+    servescope_quant::quant_rows(q, (const servescope_simd::bf16*)xp.data_ptr(), xp.size(0), b, y.data_ptr<float>(),
+                                 how);
+  else
+    servescope_quant::quant_rows(q, xp.data_ptr<float>(), xp.size(0), b, y.data_ptr<float>(), how);
   return y;
 }
+
+bool quant_amx_available() { return servescope_quant::amx_available(); }
 
 // the same for group-32 weights and many rows: the prefill GEMM with integer dot products (quant_gemm.h)
 at::Tensor quant_gemm(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor bias) {

@@ -1,0 +1,234 @@
+// Packed group-32 weights times many activation rows on AMX-INT8 tiles (Sapphire Rapids and later Xeons):
+// the same arithmetic as quant_dot.h (activations rounded to int8 per 32-block with one float scale each,
+// int8 x int8 -> int32 per block, only the block's int32 scaled in float), with one TDPBSSD doing a
+// 16 x 16 x 32 block product (8192 multiply-adds) where VNNI does 64 per instruction. On a CPU whose
+// bfloat16 GEMM also runs on tiles, this is what keeps packed weights ahead of bfloat16 dense once a
+// decode batch has a dozen rows (docs/BENCHMARKS.md, issue 35 section).
+//
+// Result, for every (m, n): y = sum over blocks b of dw[n,b] dx[m,b] sum_k w[n,k] q[m,k] (+ mw[n,b] dx[m,b]
+// sum_k q[m,k] when asymmetric), w the stored integers as signed bytes (symmetric int4 as u - 8, asymmetric
+// int4 as u): the dequantised weight times the dequantised activations, as quant_dot.h computes it, up to
+// float32 summation order. Each activation row is a lane of its own, so a row's result does not depend on
+// the other rows of the call.
+//
+// Layout: A = 16 weight rows x one 32-block (a panel of the weight unpacked to int8 once per call, 16 x kp
+// bytes, in L2 while every activation tile passes), B = the block's 8 k-quads x 16 activation rows (the
+// activations re-laid when they are quantised), C = 16 x 16 int32, stored after each block and scaled into
+// 16 float vectors (lane = activation row) that stay in registers over the blocks.
+//
+// Compiled where the compiler targets AMX (-mamx-tile -mamx-int8, extension.py adds them on a CPU with
+// amx_int8); used only when the kernel grants the tile state (amx_ready); quant_dot.h's VNNI kernels
+// otherwise. SERVESCOPE_HAS_AMX_INT8 says whether it is compiled in.
+#pragma once
+
+#include "quant_dot.h"
+
+#if defined(SERVESCOPE_ISA_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define SERVESCOPE_HAS_AMX_INT8 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define SERVESCOPE_HAS_AMX_INT8 0
+#endif
+
+namespace servescope_quant {
+
+#if SERVESCOPE_HAS_AMX_INT8
+
+constexpr int64_t AMX_T = 16;  // weight rows per panel and activation rows per tile
+constexpr int64_t AMX_ACT_BYTES = 1 << 20;
+
+// Linux hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA),
+// once per process; a kernel that refuses leaves the VNNI kernels
+inline bool amx_ready() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0..3: C of 4 consecutive blocks (their products in flight together: one block's load, product and
+// store back to back is a chain of latencies), tmm4 / tmm5: A, tmm6 / tmm7: B, alternating. The
+// configuration is thread state that oneDNN's own tile kernels replace in the same threads, so every task
+// loads it and releases the tiles when done.
+inline void amx_configure() {
+  TileConfig c;
+  for (int i = 0; i < 4; ++i) c.rows[i] = AMX_T, c.colsb[i] = AMX_T * 4;
+  for (int i = 4; i < 6; ++i) c.rows[i] = AMX_T, c.colsb[i] = 32;
+  for (int i = 6; i < 8; ++i) c.rows[i] = 8, c.colsb[i] = AMX_T * 4;
+  _tile_loadconfig(&c);
+}
+
+// C tile c = the block product of the A rows at pa (stride kp) into tile a, and the B quads at pb into tile b,
+// stored to out. A macro: GCC's tile intrinsics take the tile numbers as literal tokens.
+#define SERVESCOPE_AMX_BLOCK(c, a, b, pa, kp, pb, out) \
+  do {                                                 \
+    _tile_loadd(a, pa, kp);                            \
+    _tile_loadd(b, pb, AMX_T * 4);                     \
+    _tile_zero(c);                                     \
+    _tile_dpbssd(c, a, b);                             \
+    _tile_stored(c, out, AMX_T * 4);                   \
+  } while (0)
+
+// The activations for the tiles: int8 [tiles][nb][8 quads][16 rows][4] and per (tile, block) the 16 rows'
+// scales dx and dx * sum(q) (the asymmetric offset's factor); rows past M are zeros
+struct AmxActs {
+  int64_t tiles = 0, nb = 0;
+  std::vector<int8_t> q;
+  std::vector<float> dx, sx;
+};
+
+template <typename T>
+inline void quantize_amx_acts(const T* x, int64_t M, int64_t kp, AmxActs& a) {
+  a.nb = kp / 32;
+  a.tiles = (M + AMX_T - 1) / AMX_T;
+  a.q.assign(a.tiles * a.nb * 32 * AMX_T, 0);
+  a.dx.assign(a.tiles * a.nb * AMX_T, 0.f);
+  a.sx.assign(a.tiles * a.nb * AMX_T, 0.f);
+  parallel_for(0, M, grain_for(kp), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < a.nb; ++b) {
+        int8_t qb[32];
+        float d;
+        const int32_t sum = quantize_block(x + m * kp + b * 32, qb, &d);
+        const int64_t tb = (m / AMX_T) * a.nb + b, r = m % AMX_T;
+        for (int j = 0; j < 8; ++j) std::memcpy(a.q.data() + ((tb * 8 + j) * AMX_T + r) * 4, qb + 4 * j, 4);
+        a.dx[tb * AMX_T + r] = d;
+        a.sx[tb * AMX_T + r] = d * (float)sum;
+      }
+  });
+}
+
+// Weight rows n0 .. n0 + 16 (past N: zeros) as signed bytes [16][kp] and their scales as floats [nb][16]
+inline void amx_panel(const QMatrix& q, int64_t n0, int8_t* pw, float* pd, float* pm) {
+  const int64_t nb = q.kp / 32, rb = q.row_bytes(), sc = q.asym ? 2 : 1;
+  for (int64_t r = 0; r < AMX_T; ++r) {
+    int8_t* dst = pw + r * q.kp;
+    if (n0 + r >= q.n) {
+      std::memset(dst, 0, q.kp);
+      for (int64_t b = 0; b < nb; ++b) pd[b * AMX_T + r] = pm[b * AMX_T + r] = 0.f;
+      continue;
+    }
+    const uint8_t* w = q.w + (n0 + r) * rb;
+    if (q.int4) {  // byte j of a block: element j (low nibble) and j + 16 (high)
+      const __m128i mask = _mm_set1_epi8(15), off = _mm_set1_epi8(q.asym ? 0 : 8);
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m128i v = _mm_loadu_si128((const __m128i*)(w + b * 16));
+        _mm_storeu_si128((__m128i*)(dst + b * 32), _mm_sub_epi8(_mm_and_si128(v, mask), off));
+        _mm_storeu_si128((__m128i*)(dst + b * 32 + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), off));
+      }
+    } else {
+      std::memcpy(dst, w, q.kp);
+    }
+    const uint16_t* s = q.scales + (n0 + r) * nb * sc;
+    for (int64_t b = 0; b < nb; ++b) {
+      pd[b * AMX_T + r] = half_to_float(s[b * sc]);
+      pm[b * AMX_T + r] = q.asym ? half_to_float(s[b * sc + 1]) : 0.f;
+    }
+  }
+}
+
+// acc[r] lane i = y[tile row i][panel row r] for one activation tile t against the panel
+template <bool ASYM>
+inline void amx_tile(const AmxActs& a, int64_t kp, int64_t t, const int8_t* pw, const float* pd, const float* pm,
+                     float* out) {
+  alignas(64) int32_t c[4][AMX_T * AMX_T];
+  __m512 acc[AMX_T];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  const int8_t* qt = a.q.data() + t * a.nb * 8 * AMX_T * 4;
+  for (int64_t b0 = 0; b0 < a.nb; b0 += 4) {
+    const int64_t nbk = std::min<int64_t>(4, a.nb - b0);
+    const int8_t *pa = pw + b0 * 32, *pb = qt + b0 * 8 * AMX_T * 4;
+    constexpr int64_t QB = 8 * AMX_T * 4;  // B bytes per block
+    SERVESCOPE_AMX_BLOCK(0, 4, 6, pa, kp, pb, c[0]);
+    if (nbk > 1) SERVESCOPE_AMX_BLOCK(1, 5, 7, pa + 32, kp, pb + QB, c[1]);
+    if (nbk > 2) SERVESCOPE_AMX_BLOCK(2, 4, 6, pa + 64, kp, pb + 2 * QB, c[2]);
+    if (nbk > 3) SERVESCOPE_AMX_BLOCK(3, 5, 7, pa + 96, kp, pb + 3 * QB, c[3]);
+    for (int64_t j = 0; j < nbk; ++j) {
+      const int64_t b = b0 + j, tb = t * a.nb + b;
+      const __m512 dx = _mm512_loadu_ps(a.dx.data() + tb * AMX_T);
+      for (int r = 0; r < AMX_T; ++r) {
+        const __m512 s = _mm512_mul_ps(_mm512_set1_ps(pd[b * AMX_T + r]), dx);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[j] + r * AMX_T)), s, acc[r]);
+      }
+      if constexpr (ASYM) {
+        const __m512 sx = _mm512_loadu_ps(a.sx.data() + tb * AMX_T);
+        for (int r = 0; r < AMX_T; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pm[b * AMX_T + r]), sx, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < AMX_T; ++r) _mm512_storeu_ps(out + r * AMX_T, acc[r]);
+}
+
+// x [M, kp] float32 | bfloat16 (zeros past K), group-32 packed q, bias [N] or null -> y [M, N]. Panels of
+// 16 weight rows are split over the threads; each unpacks its panel, then every activation tile meets it.
+template <typename T>
+inline void quant_amx_rows(const QMatrix& q, const T* x, int64_t M, const float* bias, float* y) {
+  static thread_local AmxActs tls;  // the calling thread's; the workers read it through `a`
+  AmxActs& a = tls;
+  quantize_amx_acts(x, M, q.kp, a);
+  const int64_t panels = (q.n + AMX_T - 1) / AMX_T, nb = a.nb;
+  parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    amx_configure();
+    static thread_local std::vector<int8_t> pw;
+    static thread_local std::vector<float> pd, pm;
+    pw.resize(AMX_T * q.kp);
+    pd.resize(nb * AMX_T);
+    pm.resize(nb * AMX_T);
+    alignas(64) float out[AMX_T * AMX_T];
+    // activation tiles in blocks whose bytes stay in L2 while the thread's panels pass (a panel is
+    // unpacked once per block of tiles)
+    const int64_t block = std::max<int64_t>(1, AMX_ACT_BYTES / (AMX_T * q.kp));
+    for (int64_t t0 = 0; t0 < a.tiles; t0 += block)
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * AMX_T, cols = std::min<int64_t>(AMX_T, q.n - n0);
+        amx_panel(q, n0, pw.data(), pd.data(), pm.data());
+        for (int64_t t = t0; t < std::min(a.tiles, t0 + block); ++t) {
+          if (q.asym)
+            amx_tile<true>(a, q.kp, t, pw.data(), pd.data(), pm.data(), out);
+          else
+            amx_tile<false>(a, q.kp, t, pw.data(), pd.data(), pm.data(), out);
+          const int64_t rows = std::min<int64_t>(AMX_T, M - t * AMX_T);
+          for (int64_t i = 0; i < rows; ++i)
+            for (int64_t r = 0; r < cols; ++r)
+              y[(t * AMX_T + i) * q.n + n0 + r] = out[r * AMX_T + i] + (bias ? bias[n0 + r] : 0.f);
+        }
+      }
+    _tile_release();
+  });
+}
+
+#endif  // SERVESCOPE_HAS_AMX_INT8
+
+// Whether the AMX kernel runs here: compiled in and granted the tiles
+inline bool amx_available() {
+#if SERVESCOPE_HAS_AMX_INT8
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
+// From this many rows of x on, the AMX kernel where it runs (docs/BENCHMARKS.md, issue 35 section: below,
+// its fixed cost per weight panel and block exceeds the VNNI orders' work)
+constexpr int64_t QDOT_AMX_ROWS = 16;
+
+// The packed GEMV / GEMM entry: x [M, kp] float32 | bfloat16 (bfloat16 for group-32 weights only), bias [N]
+// or null -> y [M, N]. order Auto picks the kernel by rows (QDOT_TILED_ROWS, QDOT_AMX_ROWS), the others
+// force one (Amx only where amx_available()); groups other than 32 take quant_gemv.h's float kernel.
+template <typename T>
+inline void quant_rows(const QMatrix& q, const T* x, int64_t M, const float* bias, float* y, QOrder order) {
+  if constexpr (std::is_same_v<T, float>)
+    if (q.group != 32) return quant_gemv_rows(q, x, M, bias, y);
+#if SERVESCOPE_HAS_AMX_INT8
+  if (order == QOrder::Amx || (order == QOrder::Auto && M >= QDOT_AMX_ROWS && amx_ready()))
+    return quant_amx_rows(q, x, M, bias, y);
+#endif
+  quant_dot_rows(q, x, M, bias, y, order);
+}
+
+}  // namespace servescope_quant

@@ -1,0 +1,118 @@
+"""The packed group-32 kernels for a batched decode step (csrc/quant_dot.h's streaming and weight-stationary
+VNNI orders, csrc/quant_amx.h's AMX-INT8 tiles where the CPU has them), each forced through quant_gemv's
+`order`: against a dequantise-then-float64 reference with the activations rounded to int8 per block, for
+every group-32 format (int4 / int8, symmetric / asymmetric: Q4_0, Q8_0, Q4_1 and the K-quants as loaded),
+K not a multiple of 32 or of any chunk, 1..256 rows (partial tiles of every kernel), float32 and bfloat16
+activations; batching invariance (a row's bits do not depend on how many rows share the call) within each
+kernel; the default order, and QuantLinear, up to GROUP32_MAX_ROWS rows without dequantising."""
+
+import pytest
+import torch
+
+from servescope.kernels.cpu import ops as cpu_ops
+from servescope.model.linears import packed as ql
+from servescope.quant import packed as qp
+from servescope.quant.scheme import QuantScheme
+
+G32 = [QuantScheme(b, 32, a) for b in (4, 8) for a in (False, True)]
+ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 256)
+STREAM, TILED, AMX = 1, 2, 3
+
+
+def _ext():
+    mod = cpu_ops.load()
+    if mod is None:
+        pytest.skip("CPU extension not built here")
+    return mod
+
+
+def _orders(mod) -> list:
+    return [STREAM, TILED] + ([AMX] if mod.isa().get("amx_int8") == "1" else [])
+
+
+@pytest.mark.parametrize("scheme", G32, ids=str)
+@pytest.mark.parametrize("n, k", [(37, 100), (20, 1000), (9, 31)])
+def test_every_kernel_matches_float64_reference_at_every_row_count(scheme, n, k):
+    mod = _ext()
+    torch.manual_seed(3)
+    w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(max(ROWS), k)
+    packed, scales = qp.quantize(w, scheme)
+    kp = scheme.padded_k(k)
+    ref_w = qp.dequantize(packed, scales, k, torch.float64)
+    for order in _orders(mod):
+        for dtype in (torch.float32, torch.bfloat16):
+            xs = x.to(dtype)
+            full = mod.quant_gemv(xs, packed, scales, b, order)
+            xa, step = qp.gemv_activations(xs.float(), kp, 32)
+            ref = xa @ ref_w.T + b.double()
+            assert full.dtype == torch.float32 and full.shape == (len(x), n)
+            assert torch.allclose(full.double(), ref, atol=1e-4, rtol=1e-5), (order, dtype)
+            bound = step @ ref_w.abs().T + 1e-4 * (1 + ref.abs())  # within the activations' rounding
+            assert torch.all((full.double() - (xs.double() @ ref_w.T + b.double())).abs() <= bound)
+            for m in ROWS:  # the first m rows alone: the same bits (batching invariance), every tile remainder
+                assert torch.equal(mod.quant_gemv(xs[:m], packed, scales, b, order), full[:m]), (order, m)
+
+
+@pytest.mark.parametrize("scheme", G32, ids=str)
+def test_bfloat16_activations_are_their_float32_values(scheme):
+    """bfloat16 rows are rounded to int8 straight from bfloat16: the same bits as their float32 widening."""
+    mod = _ext()
+    torch.manual_seed(4)
+    packed, scales = qp.quantize(torch.randn(40, 200), scheme)
+    x = torch.randn(24, 200).bfloat16()
+    for order in [0] + _orders(mod):
+        assert torch.equal(mod.quant_gemv(x, packed, scales, torch.empty(0), order),
+                           mod.quant_gemv(x.float(), packed, scales, torch.empty(0), order))
+
+
+def test_the_streaming_and_tiled_orders_give_the_same_bits():
+    """The two VNNI orders do the same arithmetic per (row, weight row) in the same order."""
+    mod = _ext()
+    torch.manual_seed(5)
+    for scheme in G32:
+        packed, scales = qp.quantize(torch.randn(70, 300), scheme)
+        x = torch.randn(13, 300)
+        assert torch.equal(mod.quant_gemv(x, packed, scales, torch.empty(0), STREAM),
+                           mod.quant_gemv(x, packed, scales, torch.empty(0), TILED))
+
+
+def test_default_order_agrees_with_each_row_alone():
+    """order 0 picks a kernel by rows: across kernels a row's result agrees to float32 summation order."""
+    mod = _ext()
+    torch.manual_seed(6)
+    packed, scales = qp.quantize(torch.randn(50, 256), QuantScheme(4, 32))
+    x = torch.randn(40, 256)
+    alone = torch.cat([mod.quant_gemv(x[i:i + 1], packed, scales, torch.empty(0)) for i in range(len(x))])
+    for m in (2, 8, 16, 40):
+        y = mod.quant_gemv(x[:m], packed, scales, torch.empty(0))
+        assert torch.allclose(y, alone[:m], atol=1e-4, rtol=1e-5)
+
+
+def test_bad_orders_are_refused():
+    mod = _ext()
+    packed, scales = qp.quantize(torch.randn(8, 64), QuantScheme(4, 32))
+    with pytest.raises(RuntimeError, match="order"):
+        mod.quant_gemv(torch.randn(2, 64), packed, scales, torch.empty(0), 4)
+    g64 = qp.quantize(torch.randn(8, 128), QuantScheme(4, 64))
+    with pytest.raises(RuntimeError, match="AMX"):
+        mod.quant_gemv(torch.randn(2, 128), *g64, torch.empty(0), AMX)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_linear_keeps_group32_batches_on_the_integer_kernels(dtype, monkeypatch):
+    """Up to GROUP32_MAX_ROWS rows QuantLinear calls quant_gemv (never the dequantising path) and the plan
+    is told the same limit; other groups stop at MAX_ROWS."""
+    _ext()
+    torch.manual_seed(7)
+    lin = torch.nn.Linear(96, 24, bias=True)
+    q = ql.QuantLinear.from_linear(lin, QuantScheme(4, 32))
+    limit = ql.GROUP32_MAX_ROWS
+    assert q.gemv_rows == limit and q.plan_entry()[1:] == ((limit, 0), limit)
+    assert ql.QuantLinear.from_linear(lin, QuantScheme(4, 64)).gemv_rows == ql.MAX_ROWS
+    monkeypatch.setattr(ql.QuantLinear, "_prefill", lambda *a: pytest.fail("dequantised a decode batch"))
+    x = torch.randn(ql.GROUP32_MAX_ROWS, 96).to(dtype)
+    xa = qp.gemv_activations(x.float(), 96, 32)[0]
+    ref = xa @ qp.dequantize(q.qweight, q.scales, 96, torch.float64).T + lin.bias.double()
+    y = q(x)
+    assert y.dtype == dtype
+    assert torch.allclose(y.double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
