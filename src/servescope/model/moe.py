@@ -16,6 +16,7 @@ engine last took them: `take_routing`), which the step record reports (telemetry
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import torch
@@ -48,15 +49,16 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     flat = ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept within each
     counts = torch.bincount(flat, minlength=gate_up.shape[0])  # [E]
-    active = torch.nonzero(counts).reshape(-1)
-    ends = torch.cumsum(counts, 0)
+    # the slices' bounds on the host (E small ints): fewer tensor ops per layer than indexing on the device
+    per_expert = counts.tolist()
+    ends = list(itertools.accumulate(per_expert))
     token_of = order // k  # [T*k] the token of each sorted pair
     xs = x.index_select(0, token_of)  # [T*k, Dm]
     ys = torch.empty_like(xs)
-    for e, end, n in zip(active.tolist(), ends[active].tolist(), counts[active].tolist()):
-        rows = slice(end - n, end)
+    for e in torch.nonzero(counts).reshape(-1).tolist():  # the active experts only
+        rows = slice(ends[e] - per_expert[e], ends[e])
         h = fused_ops.silu_mul(F.linear(xs[rows], gate_up[e]))  # [n, 2I] -> [n, I]
-        ys[rows] = F.linear(h, down[e])  # [n, I] -> [n, Dm]
+        torch.mm(h, down[e].t(), out=ys[rows])  # [n, I] -> [n, Dm], written in place
     ys.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1))
     out = torch.zeros_like(x).index_add_(0, token_of, ys)  # [T, Dm]
     return out, counts
