@@ -59,7 +59,19 @@ FAMILIES = {
         rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.15 * i for i in range(8)],
                       "long_factor": [2.0 + 1.5 * i for i in range(8)]},
     ),
+    # mixture-of-experts families (routers' weights larger, so that no token sits on a routing tie)
+    "mixtral": dict(_cls="MixtralForCausalLM", _cfg="MixtralConfig", tie_word_embeddings=False, rope_theta=1000000.0,
+                    num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None),
+    "qwen2_moe": dict(_cls="Qwen2MoeForCausalLM", _cfg="Qwen2MoeConfig", tie_word_embeddings=False,
+                      rope_theta=1000000.0, use_sliding_window=False, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[0]),
+    "qwen3_moe": dict(_cls="Qwen3MoeForCausalLM", _cfg="Qwen3MoeConfig", tie_word_embeddings=False,
+                      rope_theta=1000000.0, use_sliding_window=False, attention_bias=False, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+    "olmoe": dict(_cls="OlmoeForCausalLM", _cfg="OlmoeConfig", tie_word_embeddings=False, rope_theta=10000.0,
+                  num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False),
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def smollm2_gguf_path() -> str:
@@ -101,6 +113,8 @@ def make_tiny_hf_model(tmp_path, family: str, *, seed: int = 0, max_shard_size=N
             noise = torch.randn(p.shape, generator=gen)
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(".gate.weight") or name.endswith("shared_expert_gate.weight"):  # routers
+                p.copy_(0.5 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.1 * noise)
             else:

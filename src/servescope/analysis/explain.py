@@ -23,6 +23,7 @@ from rich.table import Table
 from servescope.analysis.cost_model import critical_batch_size, step_cost
 from servescope.analysis.hardware import HardwareSpec
 from servescope.analysis.memory_planner import plan_memory
+from servescope.analysis.moe import moe_summary
 from servescope.analysis.op_counts import kv_cache_bytes_held, kv_cache_bytes_per_token, resolve_dtypes, weight_bytes
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError
@@ -95,6 +96,8 @@ def explain(cfg: ModelConfig, hw: HardwareSpec, batch: int = 1, prompt_len: int 
         "tpot_seconds": tpot,
         "e2e_seconds": e2e,
         "decode_tokens_per_second": batch / tpot if tpot else None,
+        # a MoE: experts, active parameters, distinct experts a decode step of `batch` tokens reads per layer
+        "moe": moe_summary(cfg, batch),
     }
 
 
@@ -157,6 +160,16 @@ def render_explain_table(result: dict):
         ("end to end", _secs(result["e2e_seconds"])),
         ("decode tokens/s", _num(result["decode_tokens_per_second"])),
     ]
+    moe = result.get("moe")
+    if moe:
+        rows[1:1] = [
+            ("active parameters / token", f"{moe['active_parameters'] / 1e9:.2f} B"),
+            ("experts", f"{moe['top_k']} of {moe['num_experts']} per token, {moe['sparse_layers']} sparse "
+                        "layers" + (f", shared width {moe['shared_expert_width']}" if moe["shared_expert_width"]
+                                    else "")),
+            (f"distinct experts read / layer (decode, batch {w['batch']})",
+             f"{moe['expected_distinct_experts']:.1f} (uniform routing)"),
+        ]
     for k, v in rows:
         summary.add_row(k, v)
 

@@ -35,6 +35,7 @@ import functools
 from typing import Optional, Sequence
 
 from servescope.analysis.hardware import DTYPE_BYTES, DTYPES
+from servescope.analysis.moe import expected_distinct_experts
 from servescope.analysis.packed_weights import packed_format
 from servescope.config import ModelConfig
 from servescope.config.layers import window_of
@@ -134,6 +135,34 @@ def _layer_linear_bytes(cfg: ModelConfig, wdt: str, adt: str) -> dict[str, int]:
     }
 
 
+def mlp_counts(cfg: ModelConfig, num_tokens: int, wdt: str, adt: str,
+               distinct: Optional[float] = None) -> tuple[int, int, int]:
+    """(FLOPs, activation bytes, weight bytes) of every layer's MLP for `num_tokens` tokens. A dense layer:
+    the gated MLP. A sparse layer (config/moe.py): the router, k experts per token, the weights of the
+    distinct experts the step reads (`distinct` per layer: measured, else E(1 - (1 - k/E)^T), analysis/moe.py)
+    and the shared expert. Routed experts are not quantised (model/moe.py): their bytes are float's."""
+    T, ab, d = int(num_tokens), DTYPE_BYTES[adt], cfg.hidden_size
+    L, i = cfg.num_hidden_layers, cfg.intermediate_size
+    sparse = cfg.moe.num_sparse(L) if cfg.moe else 0
+    dense = L - sparse
+    flops, act = dense * 2 * T * 3 * d * i, dense * T * (3 * d + 3 * i) * ab
+    weights = dense * (2 * _linear_weight_bytes(i, d, wdt, adt) + _linear_weight_bytes(d, i, wdt, adt))
+    if not sparse:
+        return flops, act, weights
+    e = cfg.moe.experts
+    n = expected_distinct_experts(e.num_experts, e.top_k, T) if distinct is None else float(distinct)
+    width, shared = e.intermediate_size, e.shared_intermediate_size
+    fb = DTYPE_BYTES[dense_dtype(wdt, adt)]
+    expert_w = 3 * d * width * fb
+    shared_w = (2 * _linear_weight_bytes(shared, d, wdt, adt) + _linear_weight_bytes(d, shared, wdt, adt)
+                + d * fb) if shared else 0
+    flops += sparse * 2 * T * d * (e.num_experts + e.top_k * 3 * width + (3 * shared + 1 if shared else 0))
+    per_token = d + e.num_experts + e.top_k * (3 * d + 3 * width) + (3 * d + 3 * shared if shared else 0)
+    act += sparse * T * per_token * ab
+    weights += sparse * (e.num_experts * d * fb + round(n * expert_w) + shared_w)
+    return flops, act, weights
+
+
 def _norm_weight_elems_per_layer(cfg: ModelConfig) -> int:
     return 2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
 
@@ -143,8 +172,11 @@ def weight_bytes(cfg: ModelConfig, weight_dtype: str = "bfloat16", act_dtype: Op
     cfg.num_parameters() * bytes; for int8 see the module docstring."""
     wdt, adt, _ = resolve_dtypes(weight_dtype, act_dtype)
     eb = DTYPE_BYTES[dense_dtype(wdt, adt)]
-    per_layer = sum(_layer_linear_bytes(cfg, wdt, adt).values()) + _norm_weight_elems_per_layer(cfg) * eb
-    return cfg.num_hidden_layers * per_layer + table_bytes(cfg, wdt, adt)[2] + cfg.hidden_size * eb
+    lin = _layer_linear_bytes(cfg, wdt, adt)
+    per_layer = lin["qkv_proj"] + lin["attn_out_proj"] + _norm_weight_elems_per_layer(cfg) * eb
+    every_expert = cfg.moe.experts.num_experts if cfg.moe else 0
+    mlp = mlp_counts(cfg, 0, wdt, adt, distinct=every_expert)[2]
+    return cfg.num_hidden_layers * per_layer + mlp + table_bytes(cfg, wdt, adt)[2] + cfg.hidden_size * eb
 
 
 # --------------------------------------------------------------------------- FLOP counts
@@ -159,7 +191,7 @@ def matmul_flops(cfg: ModelConfig, num_tokens: int, num_logits: Optional[int] = 
     return {
         "qkv_proj": 2 * T * d * (cfg.q_size + 2 * cfg.kv_size) * L,
         "attn_out_proj": 2 * T * cfg.q_size * d * L,
-        "mlp": 2 * T * 3 * d * i * L,
+        "mlp": 2 * T * 3 * d * i * L if cfg.moe is None else mlp_counts(cfg, T, "float32", "float32")[0],
         "lm_head": 2 * n_logits * d * cfg.vocab_size,
     }
 
@@ -234,10 +266,10 @@ def attention_flops_noncausal(cfg: ModelConfig, seqs: Sequence[tuple[int, int]])
 # --------------------------------------------------------------------------- one step's op groups
 
 def step_op_counts(cfg: ModelConfig, seqs: Sequence[tuple[int, int]], wdt: str, adt: str, kdt: str,
-                   n_logits: int) -> list[tuple[str, int, int, int]]:
+                   n_logits: int, distinct_experts: Optional[float] = None) -> list:
     """(name, FLOPs, activation and KV bytes, weight bytes) of each op group of one step over checked
     `seqs`, in OP_NAMES order: weight, activation and KV dtypes resolved; `n_logits` rows through
-    lm_head."""
+    lm_head; distinct_experts: per sparse layer, as measured (None: expected under uniform routing)."""
     ab, eb = DTYPE_BYTES[adt], DTYPE_BYTES[dense_dtype(wdt, adt)]
     L, d, i, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, q, kv = cfg.num_attention_heads, cfg.q_size, cfg.kv_size
@@ -263,7 +295,7 @@ def step_op_counts(cfg: ModelConfig, seqs: Sequence[tuple[int, int]], wdt: str, 
         # read attn [T, q], write [T, d]
         ("attn_out_proj", mm["attn_out_proj"], L * T * (q + d) * ab, L * lin_w["attn_out_proj"]),
         # gate and up each read x [T, d] and write [T, i]; down reads [T, i], writes [T, d]
-        ("mlp", mm["mlp"], L * T * (3 * d + 3 * i) * ab, L * lin_w["mlp"]),
+        ("mlp", *mlp_counts(cfg, T, wdt, adt, distinct_experts)),
     ]
     # Small ops: 2 RMSNorms + 2 residual adds + RoPE (+ q/k norm, + bias adds) per layer, SiLU*up,
     # softmax (fused in SDPA: FLOPs only), and the final norm.

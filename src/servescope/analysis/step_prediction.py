@@ -43,11 +43,13 @@ class StepPredictor:
     def __post_init__(self):
         object.__setattr__(self, "shard", shard_config(self.cfg, self.tp))  # one rank's model, computed once
 
-    def predict(self, seqs: list, num_logits: int) -> StepPrediction:
+    def predict(self, seqs: list, num_logits: int, distinct_experts: Optional[float] = None) -> StepPrediction:
         """seqs: [(num_new_tokens, num_context_tokens_before)] of the step (a verification as 1 + k
-        one-token rows, as the engine runs it)."""
+        one-token rows, as the engine runs it); distinct_experts: a MoE's measured experts per sparse
+        layer (None: expected under uniform routing)."""
         wdt, kdt, adt, act_bytes = self.dtypes
-        cost = step_cost(self.shard, seqs, self.hw, wdt, kdt, adt, num_logits=num_logits)
+        cost = step_cost(self.shard, seqs, self.hw, wdt, kdt, adt, num_logits=num_logits,
+                         distinct_experts=distinct_experts)
         if self.pp > 1:
             m = auto_micro_batches(sum(n for n, _ in seqs if n > 1), self.pp, self.micro_batches)
             step = pipelined_step(self.cfg, seqs, self.hw, self.tp, self.pp, m, self.link, self.dtypes,

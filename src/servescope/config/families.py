@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from servescope.config.moe import MIXTRAL_FIELDS, OLMOE_FIELDS, QWEN_MOE_FIELDS
 from servescope.errors import InvalidParameterError
 
 
@@ -46,6 +47,15 @@ FAMILIES = {f.name: f for f in (
            window_pattern="max_window_layers"),
     # fused qkv_proj / gate_up_proj in the checkpoint (our own names: no fusing at load), LongRoPE
     Family("phi3", "Phi3ForCausalLM", "phi3", fused_checkpoint=True, hf_fields=_WINDOW_ALL, window_pattern="all"),
+    # mixture-of-experts families (config/moe.py reads their expert fields)
+    Family("mixtral", "MixtralForCausalLM", hf_fields=_WINDOW_ALL | MIXTRAL_FIELDS, window_pattern="all"),
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", hf_defaults={"qkv_bias": True},
+           hf_fields=_WINDOW_QWEN | QWEN_MOE_FIELDS, window_pattern="max_window_layers"),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", fixed={"qk_norm": True}, hf_fields=_WINDOW_QWEN | QWEN_MOE_FIELDS,
+           window_pattern="max_window_layers"),
+    # q/k RMSNorm over all heads' features at once (not per head)
+    Family("olmoe", "OlmoeForCausalLM", fixed={"qk_norm": True, "qk_norm_all_heads": True},
+           hf_fields=OLMOE_FIELDS),
 )}
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)

@@ -10,12 +10,16 @@ error at load time, never a silently different model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
+
+from servescope.config.moe import ExpertsSpec
 from servescope.errors import InvalidParameterError
 
 # "full": causal attention over the whole context; "sliding": over the last `window` positions only (the
 # query at position p sees keys p - window + 1 .. p, transformers' sliding_window semantics)
 ATTENTION_KINDS = ("full", "sliding")
-MLP_KINDS = ("dense",)  # a gated MLP: down(act(gate(x)) * up(x))
+# "dense": a gated MLP, down(act(gate(x)) * up(x)); "moe": routed experts of that shape (config/moe.py)
+MLP_KINDS = ("dense", "moe")
 ACTIVATIONS = ("silu",)
 NORM_PLACEMENTS = ("pre",)  # an RMSNorm before attention and before the MLP, residual adds after each
 
@@ -26,6 +30,7 @@ class AttentionSpec:
     bias: bool = False  # a bias on the q, k, v projections (Qwen2)
     qk_norm: bool = False  # an RMSNorm over each head's features of q and k before rotary (Qwen3)
     window: int = 0  # kind "sliding": keys within this many positions of the query (0 for "full")
+    qk_norm_all_heads: bool = False  # the q/k norm over all heads' features at once (OLMoE), not per head
 
     def __post_init__(self):
         if self.kind not in ATTENTION_KINDS:
@@ -40,6 +45,7 @@ class AttentionSpec:
 class MlpSpec:
     kind: str = "dense"
     activation: str = "silu"
+    experts: Optional[ExpertsSpec] = None  # kind "moe": the router and the experts
 
     def __post_init__(self):
         if self.kind not in MLP_KINDS:
@@ -48,6 +54,9 @@ class MlpSpec:
         if self.activation not in ACTIVATIONS:
             raise InvalidParameterError("hidden_act", f"activation {self.activation!r} is not implemented "
                                                       f"(implemented: {', '.join(ACTIVATIONS)})")
+        if (self.kind == "moe") != (self.experts is not None):
+            raise InvalidParameterError("mlp", f"MLP kind {self.kind!r} with experts {self.experts}: a "
+                                               "sparse layer needs its experts, a dense one none")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from servescope.config.families import family, family_of_hf
 from servescope.config.hf_fields import check_fields, window_layers
 from servescope.config.layers import AttentionSpec, LayerSpec, MlpSpec
+from servescope.config.moe import MoeConfig, expert_parameters, moe_from_hf, moe_to_hf
 from servescope.errors import InvalidParameterError
 
 ROPE_TYPES = ("default", "llama3", "linear", "longrope")
@@ -62,6 +63,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q, k, v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    qk_norm_all_heads: bool = False  # OLMoE: that RMSNorm over all heads' features at once
     sliding_window: Optional[int] = None  # the window of the layers that have one (AttentionSpec kind "sliding")
     # per-layer attention kinds ("full" / "sliding") when they differ between layers (Qwen2's max_window_layers,
     # Gemma 2's alternation); empty: every layer is "sliding" when sliding_window is set, else "full". May be
@@ -71,6 +73,7 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
     name: str = ""
+    moe: Optional[MoeConfig] = None  # the experts of a mixture-of-experts model (config/moe.py)
 
     def __post_init__(self):
         family(self.architecture)  # raises on an unknown one
@@ -92,12 +95,17 @@ class ModelConfig:
     def layer_specs(self) -> tuple:
         """What each decoder layer computes (config/layers.py), validated: a kind the model does not
         implement raises here, at load time."""
-        mlp = MlpSpec(activation=self.hidden_act)
-        kinds = self.layer_types or ("sliding" if self.sliding_window else "full",) * self.num_hidden_layers
-        specs = {k: LayerSpec(AttentionSpec(k, bias=self.attention_bias, qk_norm=self.qk_norm,
-                                            window=int(self.sliding_window or 0) if k == "sliding" else 0), mlp)
-                 for k in set(kinds[:self.num_hidden_layers])}
-        return tuple(specs[k] for k in kinds[:self.num_hidden_layers])
+        n = self.num_hidden_layers
+        mlps = {False: MlpSpec(activation=self.hidden_act)}
+        sparse = self.moe.sparse_layers if self.moe else (False,) * n
+        if self.moe:
+            mlps[True] = MlpSpec("moe", self.hidden_act, self.moe.experts)
+        kinds = self.layer_types or ("sliding" if self.sliding_window else "full",) * n
+        specs = {(k, s): LayerSpec(AttentionSpec(k, bias=self.attention_bias, qk_norm=self.qk_norm,
+                                                 window=int(self.sliding_window or 0) if k == "sliding" else 0,
+                                                 qk_norm_all_heads=self.qk_norm_all_heads), mlps[s])
+                 for k, s in set(zip(kinds[:n], sparse[:n]))}
+        return tuple(specs[ks] for ks in zip(kinds[:n], sparse[:n]))
 
     @property
     def q_size(self) -> int:
@@ -114,10 +122,11 @@ class ModelConfig:
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
-            attn += 2 * self.head_dim
-        per_layer = attn + 3 * d * i + 2 * d
+            attn += self.q_size + self.kv_size if self.qk_norm_all_heads else 2 * self.head_dim
+        sparse = self.moe.num_sparse(L) if self.moe else 0
+        moe = sparse * expert_parameters(self.moe.experts, d)[0] if self.moe else 0
         emb = v * d * (1 if self.tie_word_embeddings else 2)
-        return L * per_layer + emb + d
+        return L * (attn + 2 * d) + (L - sparse) * 3 * d * i + moe + emb + d
 
     @classmethod
     def from_hf_dict(cls, d: dict, name: str = "") -> "ModelConfig":
@@ -151,7 +160,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
+            attention_bias=bool(d.get("qkv_bias", d.get("attention_bias", False))),  # Qwen2-MoE: qkv_bias
             qk_norm=bool(d.get("qk_norm", False)),
             sliding_window=sliding_window,
             layer_types=kinds if len(set(kinds)) > 1 else (),
@@ -159,6 +168,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
+            moe=moe_from_hf(fam.name, d, int(d["num_hidden_layers"])),
         )
         cfg = cls(**{**fields, **fam.fixed})
         cfg.layer_specs()  # a layer kind the model does not implement fails here, at load
@@ -182,8 +192,11 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": self.hidden_act,
         }
-        if self.architecture in ("llama", "mistral"):
+        if self.architecture in ("llama", "mistral", "qwen3_moe", "olmoe"):
             d["attention_bias"] = self.attention_bias
+        if self.architecture == "qwen2_moe":
+            d["qkv_bias"] = self.attention_bias
+        d.update(moe_to_hf(self.architecture, self.moe, self.num_hidden_layers))
         d.update(_window_to_hf(self))
         if self.rope_scaling is not None:
             rs = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.rope_scaling).items()}

@@ -26,9 +26,11 @@ from servescope.engine.builder import EngineParts, build_engine
 from servescope.engine.output_processor import OutputProcessor
 from servescope.engine.prompt_scoring import plan_prompt_spans, record_prompt_logprobs
 from servescope.errors import InvalidParameterError
+from servescope.model.moe import take_step_routing
 from servescope.sampling.sampler import SamplingState, make_generator
 from servescope.scheduler.output import SchedulerOutput
 from servescope.scheduler.request import Request
+from servescope.telemetry.moe import record_routing
 from servescope.telemetry.step_record import StepRecord
 
 STEP_HISTORY = 100_000  # step records kept in memory (a few hundred bytes each)
@@ -264,6 +266,8 @@ class LLMEngine:
             ex = self.executor.step_stats()
             rec.comm_seconds, rec.comm_bytes = ex.comm_seconds, ex.comm_bytes
             rec.pipeline_micro_batches = ex.micro_batches
+            if self.model_config.moe is not None:  # the step's routing (model/moe.py, telemetry/moe.py)
+                record_routing(rec, *take_step_routing(self.model))
         if self._cost is not None and seqs:
             self._cost.annotate(rec, seqs, num_logits=num_logits)
         self.step_records.append(rec)

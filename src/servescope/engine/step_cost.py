@@ -13,6 +13,7 @@ import torch
 
 from servescope.analysis.collectives import LinkSpec
 from servescope.analysis.cost_model import StepCost
+from servescope.analysis.moe import expected_distinct_experts
 from servescope.analysis.step_prediction import StepPredictor
 from servescope.analysis.hardware import HardwareSpec
 from servescope.config import ModelConfig
@@ -56,7 +57,12 @@ class StepCostPredictor:
 
     def annotate(self, rec: StepRecord, seqs: list, num_logits: int) -> None:
         """seqs: [(num_new_tokens, num_context_tokens_before)] of the step."""
-        step = self.predictor.predict(seqs, num_logits)
+        active = rec.moe_experts_active  # a MoE's measured routing prices its expert bytes
+        step = self.predictor.predict(seqs, num_logits, sum(active) / len(active) if active else None)
+        moe = self.predictor.cfg.moe
+        if moe is not None:
+            rec.moe_expected_experts = expected_distinct_experts(moe.experts.num_experts, moe.experts.top_k,
+                                                                 sum(n for n, _ in seqs))
         cost = step.cost
         rec.predicted_seconds = step.seconds
         if step.comm_seconds is not None:

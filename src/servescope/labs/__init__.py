@@ -31,6 +31,8 @@ LABS = {
                                    "measured beside predicted"),
     "quantization": ("quantization", "decode step time and KV capacity vs bits per weight and per cached token, "
                                      "measured beside predicted"),
+    "moe": ("moe", "decode step time, bytes and experts read vs batch: dense vs MoE of equal active "
+                   "parameters, measured beside predicted"),
 }
 # not part of `lab all`: the cost model's validation (docs/VALIDATION.md)
 EXTRA_LABS = {

@@ -42,6 +42,7 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple]:
     d, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv, hd = config.q_size, config.kv_size, config.head_dim
     fused = family(config.architecture).fused_checkpoint
+    specs = config.layer_specs()
     shapes: dict[str, tuple] = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, d)
@@ -59,16 +60,37 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple]:
             shapes[p + "self_attn.k_proj.bias"] = (kv,)
             shapes[p + "self_attn.v_proj.bias"] = (kv,)
         if config.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (hd,)
-            shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        if fused:
+            shapes[p + "self_attn.q_norm.weight"] = (q,) if config.qk_norm_all_heads else (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (kv,) if config.qk_norm_all_heads else (hd,)
+        if specs[layer].mlp.kind == "moe":
+            shapes.update(_expert_shapes(config.architecture, p, specs[layer].mlp.experts, d))
+        elif fused:
             shapes[p + "mlp.gate_up_proj.weight"] = (2 * i, d)
+            shapes[p + "mlp.down_proj.weight"] = (d, i)
         else:
             shapes[p + "mlp.gate_proj.weight"] = (i, d)
             shapes[p + "mlp.up_proj.weight"] = (i, d)
-        shapes[p + "mlp.down_proj.weight"] = (d, i)
+            shapes[p + "mlp.down_proj.weight"] = (d, i)
         shapes[p + "input_layernorm.weight"] = (d,)
         shapes[p + "post_attention_layernorm.weight"] = (d,)
+    return shapes
+
+
+def _expert_shapes(architecture: str, prefix: str, experts, d: int) -> dict:
+    """A sparse layer's checkpoint tensors: the router, each expert's gate / up / down (Mixtral's w1 / w3 /
+    w2 under block_sparse_moe), a shared expert and its gate (model/moe.py stacks the experts at load)."""
+    i, s = experts.intermediate_size, experts.shared_intermediate_size
+    mixtral = architecture == "mixtral"
+    block = prefix + ("block_sparse_moe." if mixtral else "mlp.")
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    shapes = {block + "gate.weight": (experts.num_experts, d)}
+    for e in range(experts.num_experts):
+        for name, shape in zip(names, ((i, d), (i, d), (d, i))):
+            shapes[f"{block}experts.{e}.{name}.weight"] = shape
+    if s:
+        for name, shape in zip(("gate_proj", "up_proj", "down_proj"), ((s, d), (s, d), (d, s))):
+            shapes[f"{block}shared_expert.{name}.weight"] = shape
+        shapes[block + "shared_expert_gate.weight"] = (1, d)
     return shapes
 
 

@@ -32,11 +32,14 @@ from torch import nn
 from servescope.config import LayerSpec, ModelConfig
 from servescope.kernels import fused_ops
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
-from servescope.model.layers import RMSNorm, RotaryEmbedding
+from servescope.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from servescope.model.moe import SparseMoeBlock, stack_expert_checkpoint
 
 # (fused module, its parts in the checkpoint, in the order their outputs are concatenated)
 FUSED_PROJECTIONS = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                     ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
+                     ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+                     ("mlp.shared_expert.gate_up_proj",
+                      ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")))
 
 
 class Attention(nn.Module):
@@ -54,18 +57,22 @@ class Attention(nn.Module):
         self.qkv_sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.qkv_sizes), bias=spec.attention.bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.qk_norm_all_heads = spec.attention.qk_norm_all_heads  # OLMoE: over [H*D] and [Hkv*D] at once
         if spec.attention.qk_norm:  # Qwen3: RMSNorm over each head's D features of q and k, before rotary
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            widths = (cfg.q_size, cfg.kv_size) if self.qk_norm_all_heads else (cfg.head_dim, cfg.head_dim)
+            self.q_norm = RMSNorm(widths[0], cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(widths[1], cfg.rms_norm_eps)
 
     def forward(self, cos_sin: tuple, x, kv_cache, meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # [T, (H + 2 Hkv) D] -> 3 parts
+        if self.qk_norm_all_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H*D] -> [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv*D] -> [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") and not self.qk_norm_all_heads:
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = RotaryEmbedding.apply(cos_sin, q, k)
@@ -75,20 +82,8 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))  # [T, H*D] -> [T, Dm]
 
 
-class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) (kind "dense")."""
-
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate | up
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, Dm]
-
-
 ATTENTION_KINDS = {"full": Attention, "sliding": Attention}  # the window is the spec's
-MLP_KINDS = {"dense": GatedMLP}
+MLP_KINDS = {"dense": GatedMLP, "moe": SparseMoeBlock}
 
 
 class DecoderLayer(nn.Module):
@@ -182,9 +177,8 @@ class CausalLM(nn.Module):
         tensor-parallel shards) walk this list and replace modules in place."""
         out = []
         for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            out += [(attn, "qkv_proj", attn.qkv_proj), (attn, "o_proj", attn.o_proj),
-                    (mlp, "gate_up_proj", mlp.gate_up_proj), (mlp, "down_proj", mlp.down_proj)]
+            attn = layer.self_attn
+            out += [(attn, "qkv_proj", attn.qkv_proj), (attn, "o_proj", attn.o_proj), *layer.mlp.projections()]
         return out + [(self, "lm_head", self.lm_head)]
 
     @staticmethod
@@ -192,7 +186,7 @@ class CausalLM(nn.Module):
         """Checkpoint tensors (HF names) -> this model's names: each layer's q/k/v and gate/up
         weights (and biases) concatenated along the output dimension. A layer missing a part is left
         as it is, so that the build reports exactly which tensor is missing."""
-        sd = dict(state_dict)
+        sd = stack_expert_checkpoint(dict(state_dict))  # per-expert tensors -> stacked (model/moe.py)
         for i in range(num_layers):
             for fused, parts in FUSED_PROJECTIONS:
                 for kind in ("weight", "bias"):

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from servescope.config import RopeScaling
+from servescope.config import LayerSpec, ModelConfig, RopeScaling
 from servescope.kernels import fused_ops
 
 
@@ -24,6 +24,22 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # computed in float32 like Hugging Face, then cast back before the weight multiply
         return fused_ops.rms_norm(x, self.weight, self.eps)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) (kind "dense")."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, width: Optional[int] = None):
+        super().__init__()
+        width = width or cfg.intermediate_size  # a shared expert's own width (model/moe.py)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=False)  # gate | up
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
+
+    def projections(self) -> list:
+        return [(self, "gate_up_proj", self.gate_up_proj), (self, "down_proj", self.down_proj)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, Dm]
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -> torch.Tensor:

@@ -69,6 +69,8 @@ def cpu_decode_plan(model: nn.Module):
     norms_of, layers, limits, served = [], [], [], []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        if layer.spec.mlp.kind != "dense" or attn.qk_norm_all_heads:  # the plan has neither (model/moe.py)
+            return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(_plan_covers(m, dtype) for m in linears):
             return None

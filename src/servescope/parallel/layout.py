@@ -52,6 +52,9 @@ def local_kv_heads(cfg: ModelConfig, tp: int) -> int:
 def check_parallel(cfg: ModelConfig, tp: int, pp: int, num_devices: int, device_kind: str) -> ParallelLayout:
     """The layout of T x P ranks over `cfg`, or EngineConfigError naming what does not divide."""
     h, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    if cfg.moe is not None and tp * pp > 1:  # expert parallelism and sharded experts are not built yet
+        raise EngineConfigError("tensor and pipeline parallelism are not implemented for mixture-of-experts "
+                                "models yet (expert parallelism: a later step of config/moe.py's kind)")
     if h % tp:
         raise EngineConfigError(f"tensor_parallel_size {tp} does not divide the {h} attention heads")
     if hkv >= tp and hkv % tp:

@@ -44,6 +44,15 @@ class StepRecord:
     comm_bytes: int = 0
     predicted_comm_seconds: Optional[float] = None  # the cost model's collective time (in predicted_seconds)
     pipeline_micro_batches: int = 0  # a pipeline-parallel step: the micro-batches it was cut into (0: none)
+    # a mixture-of-experts model (telemetry/moe.py): per sparse layer the distinct experts the step's tokens
+    # were routed to, the tokens per expert summed over the sparse layers, max / mean tokens per expert
+    # (averaged over the layers), the routed experts' bytes read, and the distinct experts per layer that
+    # uniform routing would read (analysis/moe.py)
+    moe_experts_active: list = field(default_factory=list)
+    moe_tokens_per_expert: list = field(default_factory=list)
+    moe_imbalance: Optional[float] = None
+    moe_expert_bytes: int = 0
+    moe_expected_experts: Optional[float] = None
 
     @property
     def compute_seconds(self) -> float:

@@ -1,0 +1,161 @@
+"""The MLP kind "moe": a router and routed experts (config/moe.py), executed grouped by expert.
+
+Shape legend: T tokens, Dm model width, E experts, k experts per token, I one expert's MLP width.
+
+Execution (vLLM's and SGLang's fused-MoE order, in plain PyTorch): the T*k (token, expert) pairs are
+sorted by expert id, so that each active expert runs one gate|up and one down matmul over its contiguous
+slice of tokens, and the weighted outputs are scatter-added back to their tokens. Only the experts some
+token chose are touched: a batch-1 decode step reads k experts' weights per layer, not E. The experts'
+weights are stacked per layer ([E, 2I, Dm] gate|up, [E, Dm, I] down: transformers 5's own layout), so one
+expert is a contiguous slice and the checkpoint's per-expert tensors are stacked once at load
+(`stack_expert_checkpoint`).
+
+Each block counts the tokens routed to each expert (`routed_tokens`, summed over the forwards since the
+engine last took them: `take_routing`), which the step record reports (telemetry/moe.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servescope.config import LayerSpec, ModelConfig
+from servescope.kernels import fused_ops
+from servescope.model.layers import GatedMLP
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple:
+    """Router logits [T, E] -> (weights [T, k] in the logits' dtype, expert ids [T, k]): softmax in float32,
+    the top k kept, renormalised to sum to 1 where asked (transformers' order of operations)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor) -> tuple:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, and the tokens per expert [E].
+
+    x [T, Dm], ids / weights [T, k], gate_up [E, 2I, Dm], down [E, Dm, I] -> ([T, Dm], counts [E] int64).
+    One pass per active expert over its contiguous slice of the expert-sorted pairs; inactive experts are
+    never visited (their weights are not read)."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)  # [T*k]
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept within each
+    counts = torch.bincount(flat, minlength=gate_up.shape[0])  # [E]
+    # the slices' bounds on the host (E small ints): fewer tensor ops per layer than indexing on the device
+    per_expert = counts.tolist()
+    ends = list(itertools.accumulate(per_expert))
+    token_of = order // k  # [T*k] the token of each sorted pair
+    xs = x.index_select(0, token_of)  # [T*k, Dm]
+    ys = torch.empty_like(xs)
+    for e in torch.nonzero(counts).reshape(-1).tolist():  # the active experts only
+        rows = slice(ends[e] - per_expert[e], ends[e])
+        h = fused_ops.silu_mul(F.linear(xs[rows], gate_up[e]))  # [n, 2I] -> [n, I]
+        torch.mm(h, down[e].t(), out=ys[rows])  # [n, I] -> [n, Dm], written in place
+    ys.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1))
+    out = torch.zeros_like(x).index_add_(0, token_of, ys)  # [T, Dm]
+    return out, counts
+
+
+class Experts(nn.Module):
+    """E gated MLPs of width I, stacked: gate_up_proj [E, 2I, Dm] (gate | up), down_proj [E, Dm, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, width: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width), requires_grad=False)
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights (what a step reads per active expert)."""
+        return (self.gate_up_proj[0].numel() + self.down_proj[0].numel()) * self.gate_up_proj.element_size()
+
+
+class SparseMoeBlock(nn.Module):
+    """Kind "moe": router (`gate`, nn.Linear Dm -> E), routed experts, and Qwen2-MoE's shared expert (a
+    GatedMLP every token runs, scaled by sigmoid(shared_expert_gate(x)))."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        e = spec.mlp.experts
+        self.top_k, self.renormalise = e.top_k, e.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, e.num_experts, bias=False)
+        self.experts = Experts(e.num_experts, cfg.hidden_size, e.intermediate_size)
+        if e.shared_intermediate_size:
+            self.shared_expert = GatedMLP(cfg, spec, e.shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        # since the last take_routing; on the host whatever device the build runs under (meta included)
+        self.routed_tokens = torch.zeros(e.num_experts, dtype=torch.int64, device="cpu")
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalise)  # [T, k] each
+        out, counts = grouped_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        self.routed_tokens += counts.cpu()
+        self.forwards += 1
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def take_routing(self) -> tuple:
+        """(tokens routed to each expert [E] since the last call, forwards run), and start counting anew."""
+        counts, n = self.routed_tokens.clone(), self.forwards
+        self.routed_tokens.zero_()
+        self.forwards = 0
+        return counts, n
+
+    def projections(self) -> list:
+        """The swappable linears (the shared expert's; the router stays as it is, as vLLM keeps it)."""
+        return self.shared_expert.projections() if hasattr(self, "shared_expert") else []
+
+
+_MIXTRAL_ROUTER = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight$")
+_EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+# a checkpoint's per-expert part -> (stacked parameter, its place along the stacked rows)
+_PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+          "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", 0), "w2": ("down_proj", 0)}
+
+
+def stack_expert_checkpoint(sd: dict) -> dict:
+    """Per-expert checkpoint tensors (`mlp.experts.{e}.gate_proj.weight`, Mixtral's
+    `block_sparse_moe.experts.{e}.w1.weight` ...) -> this model's stacked `mlp.experts.gate_up_proj`
+    [E, 2I, Dm] and `mlp.experts.down_proj` [E, Dm, I]; Mixtral's `block_sparse_moe.gate` -> `mlp.gate`.
+    A layer missing an expert's part keeps its tensors as they are (the build names what is missing)."""
+    parts: dict = {}  # (layer, stacked name) -> {expert: {slot: tensor}}
+    for key in list(sd):
+        m = _MIXTRAL_ROUTER.match(key)
+        if m:
+            sd[f"model.layers.{m.group(1)}.mlp.gate.weight"] = sd.pop(key)
+            continue
+        m = _EXPERT_TENSOR.match(key)
+        if m and m.group(3) in _PARTS:
+            name, slot = _PARTS[m.group(3)]
+            parts.setdefault((m.group(1), name), {}).setdefault(int(m.group(2)), {})[slot] = key
+    for (layer, name), experts in parts.items():
+        slots = 2 if name == "gate_up_proj" else 1
+        if sorted(experts) != list(range(len(experts))) or any(len(s) != slots for s in experts.values()):
+            continue
+        stacked = [torch.cat([sd.pop(experts[e][s]) for s in range(slots)], dim=0)
+                   for e in range(len(experts))]
+        sd[f"model.layers.{layer}.mlp.experts.{name}"] = torch.stack(stacked)
+    return sd
+
+
+def moe_blocks(model: nn.Module) -> list:
+    """(layer index, SparseMoeBlock) of every sparse layer the model holds."""
+    layers = enumerate(model.model.layers)
+    return [(i, layer.mlp) for i, layer in layers if isinstance(layer.mlp, SparseMoeBlock)]
+
+
+def take_step_routing(model: nn.Module) -> tuple:
+    """(tokens per expert of each sparse layer [[E ints]], bytes of one routed expert) since the last call:
+    each block's counts taken and reset (one step's, the engine calls it once per step)."""
+    blocks = moe_blocks(model)
+    per_layer = [block.take_routing()[0].tolist() for _, block in blocks]
+    return per_layer, (blocks[0][1].experts.expert_bytes() if blocks else 0)
