@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from servescope.config.attention_fields import global_rope_dict, variant_fields, variant_to_hf
 from servescope.config.families import family, family_of_hf
 from servescope.config.hf_fields import check_fields, window_layers
 from servescope.config.layers import AttentionSpec, LayerSpec, MlpSpec
@@ -68,6 +69,18 @@ class ModelConfig:
     # longer than num_hidden_layers in the config of a pipeline stage's first layers.
     layer_types: tuple = ()
     hidden_act: str = "silu"
+    # Gemma 2/3 and gpt-oss (config/attention_fields.py reads them): the norms' placement (config/layers.py),
+    # embeddings times sqrt(hidden_size), the attention scale query_pre_attn_scalar ** -0.5 instead of
+    # head_dim ** -0.5, tanh soft-capping of the attention scores and of the final logits, the sliding layers'
+    # own rotary base, learned attention sinks
+    norm_placement: str = "pre"
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: Optional[float] = None
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    rope_local_theta: Optional[float] = None
+    attention_sinks: bool = False
+    attention_out_bias: bool = False  # gpt-oss: a bias on o_proj too
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
     name: str = ""
@@ -95,9 +108,18 @@ class ModelConfig:
         mlp = MlpSpec(activation=self.hidden_act)
         kinds = self.layer_types or ("sliding" if self.sliding_window else "full",) * self.num_hidden_layers
         specs = {k: LayerSpec(AttentionSpec(k, bias=self.attention_bias, qk_norm=self.qk_norm,
-                                            window=int(self.sliding_window or 0) if k == "sliding" else 0), mlp)
+                                            window=int(self.sliding_window or 0) if k == "sliding" else 0,
+                                            softcap=float(self.attn_logit_softcapping or 0.0),
+                                            sinks=self.attention_sinks, out_bias=self.attention_out_bias,
+                                            rope_theta=float(self.rope_local_theta or 0.0) if k == "sliding" else 0.0),
+                              mlp, norm=self.norm_placement)
                  for k in set(kinds[:self.num_hidden_layers])}
         return tuple(specs[k] for k in kinds[:self.num_hidden_layers])
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q.k: head_dim ** -0.5, or query_pre_attn_scalar ** -0.5 where the config sets it."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def q_size(self) -> int:
@@ -115,7 +137,7 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        per_layer = attn + 3 * d * i + 2 * d
+        per_layer = attn + 3 * d * i + (4 if self.norm_placement == "sandwich" else 2) * d
         emb = v * d * (1 if self.tie_word_embeddings else 2)
         return L * per_layer + emb + d
 
@@ -125,7 +147,8 @@ class ModelConfig:
         and on fields that ask for maths the model does not implement."""
         fam = family_of_hf(d)
         check_fields(d, fam.hf_fields, fam.name)
-        d = {**fam.hf_defaults, **d}
+        variants = variant_fields(d)  # (before the per-layer-type rope_parameters become the global layers')
+        d = global_rope_dict({**fam.hf_defaults, **d})
         sliding_window, kinds = window_layers(fam.window_pattern, d, int(d["num_hidden_layers"]))
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
@@ -160,7 +183,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             name=name,
         )
-        cfg = cls(**{**fields, **fam.fixed})
+        cfg = cls(**{**fields, **variants, **fam.fixed})
         cfg.layer_specs()  # a layer kind the model does not implement fails here, at load
         return cfg
 
@@ -185,6 +208,7 @@ class ModelConfig:
         if self.architecture in ("llama", "mistral"):
             d["attention_bias"] = self.attention_bias
         d.update(_window_to_hf(self))
+        d.update(variant_to_hf(self))
         if self.rope_scaling is not None:
             rs = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.rope_scaling).items()}
             if self.rope_scaling.rope_type == "longrope":

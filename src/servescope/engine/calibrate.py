@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
+from servescope.config.families import family
 from servescope.engine.llm import LLM
 from servescope.engine.model_runner import ModelRunner
 from servescope.errors import InvalidParameterError
@@ -198,9 +199,10 @@ def checkpoint_tensors(llm: LLM, projs: list, quantised: list) -> dict:
     model, cfg = llm.engine.executor.model, llm.engine.model_config
     names = {id(mod): prefix for prefix, mod in model.named_modules()}
     tensors = {}
+    offset = family(cfg.architecture).norm_offset  # the checkpoint's norms as the family writes them (Gemma: w - 1)
     for n, t in model.state_dict().items():
         if n.endswith(("norm.weight", "embed_tokens.weight")):
-            tensors[n] = t.float()
+            tensors[n] = t.float() - offset if n.endswith("norm.weight") else t.float()
     splits = {"qkv_proj": (("q_proj", cfg.q_size), ("k_proj", cfg.kv_size), ("v_proj", cfg.kv_size)),
               "gate_up_proj": (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size))}
     for q, sc, mod in quantised:
