@@ -31,6 +31,8 @@ LABS = {
                                    "measured beside predicted"),
     "quantization": ("quantization", "decode step time and KV capacity vs bits per weight and per cached token, "
                                      "measured beside predicted"),
+    "kv-layouts": ("kv_layouts", "KV bytes per token, KV held per sequence and capacity vs context for MHA, GQA, "
+                                 "MQA, windowed and hybrid layouts, measured beside predicted; decode step vs context"),
 }
 # not part of `lab all`: the cost model's validation (docs/VALIDATION.md)
 EXTRA_LABS = {
