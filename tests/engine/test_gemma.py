@@ -121,7 +121,7 @@ def test_batching_chunking_prefix_cache_preemption_change_nothing(gemma, overrid
     gen = torch.Generator().manual_seed(4)
     shared = torch.randint(3, 49152, (40,), generator=gen).tolist()  # 2.5 blocks, 2.5 windows
     prompts = [(shared if i % 2 == 0 else []) + torch.randint(3, 49152, (int(n),), generator=gen).tolist()
-               for i, n in enumerate(torch.randint(5, 60, (12,), generator=gen))]
+               for i, n in enumerate(torch.randint(5, 60, (8,), generator=gen))]
     base = LLM(model=str(path), num_kv_blocks=96, max_model_len=256, enable_prefix_caching=False)
     alone = [base.generate(p, PARAMS)[0] for p in prompts]
     llm = LLM(model=str(path), **{"num_kv_blocks": 96, "max_model_len": 256, **overrides})
