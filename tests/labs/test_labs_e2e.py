@@ -296,3 +296,30 @@ def test_moe(session, tmp_path):
     for measured, uniform in zip(moe["predicted_bytes"], moe["uniform_bytes"]):
         assert measured == pytest.approx(uniform, rel=0.1)
     assert s["moe_weight_bytes"] > 3 * s["dense_weight_bytes"]  # all E experts are held, k are active
+
+
+def test_kv_layouts(session, tmp_path):
+    s = run_quick("kv-layouts", session, tmp_path)
+    lay, window = s["layouts"], s["sizes"]["window"]
+    # counted: bytes per token on the cache tensors equal 2 x layers x KV heads x head_dim x 4 (float32), in
+    # the ratio of the KV heads
+    for r in lay.values():
+        assert r["bytes_per_token"] == r["predicted_bytes_per_token"] == 2 * 6 * r["kv_heads"] * 32 * 4
+    assert lay["MHA"]["bytes_per_token"] == 4 * lay["GQA"]["bytes_per_token"] == 8 * lay["MQA"]["bytes_per_token"]
+    # held per sequence, measured on the KV manager: the predicted count exactly; the windowed model flat past
+    # its window at cdiv(W, S) + 1 blocks, full attention (and the hybrid's one table) growing with the context
+    for name, r in lay.items():
+        for p in r["points"]:
+            assert p["held_bytes"] == p["predicted_held_bytes"], (name, p)
+    per_block = 16 * lay["windowed"]["bytes_per_token"]
+    past = [p for p in lay["windowed"]["points"] if p["context"] > 2 * window]
+    assert len(past) >= 2 and {p["held_bytes"] for p in past} == {(window // 16 + 1) * per_block}
+    gqa, hybrid = lay["GQA"]["points"], lay["hybrid"]["points"]
+    assert gqa[-1]["held_bytes"] > 3 * gqa[-3]["held_bytes"] and hybrid[-1]["held_bytes"] == gqa[-1]["held_bytes"]
+    # per-group tables would keep one layer in six whole: under half of what the one table holds at the end
+    assert hybrid[-1]["per_group_tables_bytes"] < 0.5 * hybrid[-1]["held_bytes"]
+    assert lay["windowed"]["points"][-1]["capacity"] > 2 * gqa[-1]["capacity"]
+    # the cost model: the windowed step's prediction flat past the window, the full one's growing
+    steps_w, steps_g = lay["windowed"]["steps"], lay["GQA"]["steps"]
+    assert steps_w[-1]["predicted_s"] == pytest.approx(steps_w[1]["predicted_s"], rel=0.01)
+    assert steps_g[-1]["predicted_s"] > steps_g[0]["predicted_s"]

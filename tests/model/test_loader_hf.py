@@ -16,7 +16,7 @@ from servescope.loader.checkpoint import expected_tensor_shapes  # noqa: E402
 from servescope.loader.source import load_model_source, resolve_model_path  # noqa: E402
 
 FAMILY_ARCH = {"llama": "llama", "llama_plain": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-               "phi3": "phi3", "phi3_longrope": "phi3",
+               "phi3": "phi3", "phi3_longrope": "phi3", "gemma2": "gemma2", "gemma3": "gemma3_text",
                **{f: f for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")}}
 
 
@@ -34,8 +34,8 @@ def test_hf_roundtrip(tmp_path, family, sharded):
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
         64, 2, 4, 2, 16)
     assert c.attention_bias == (family in ("qwen2", "qwen2_moe"))
-    assert c.qk_norm == (family in ("qwen3", "qwen3_moe", "olmoe"))
-    assert c.tie_word_embeddings == (family in ("llama_plain", "qwen2"))
+    assert c.qk_norm == (family in ("qwen3", "qwen3_moe", "olmoe", "gemma3"))
+    assert c.tie_word_embeddings == (family in ("llama_plain", "qwen2", "gemma2", "gemma3"))
     if family == "llama":
         assert c.rope_scaling.rope_type == "llama3" and c.rope_scaling.factor == 8.0
         assert c.rope_scaling.original_max_position_embeddings == 64

@@ -53,6 +53,14 @@ FAMILIES = {
     "qwen3": dict(_cls="Qwen3ForCausalLM", _cfg="Qwen3Config", tie_word_embeddings=False, rope_theta=1000000.0,
                   use_sliding_window=False, attention_bias=False),
     "phi3": dict(_cls="Phi3ForCausalLM", _cfg="Phi3Config", tie_word_embeddings=False, rope_theta=10000.0),
+    # Gemma: transformers' own defaults for the soft-caps and query scalar (50, 30, 256: head_dim 16 here, so the
+    # scalar differs from head_dim as in the real models), windows set by each test
+    "gemma2": dict(_cls="Gemma2ForCausalLM", _cfg="Gemma2Config", tie_word_embeddings=True, rope_theta=10000.0,
+                   hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=4096),
+    "gemma3": dict(_cls="Gemma3ForCausalLM", _cfg="Gemma3TextConfig", tie_word_embeddings=True,
+                   hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=4096,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
     "phi3_longrope": dict(
         _cls="Phi3ForCausalLM", _cfg="Phi3Config", tie_word_embeddings=False, rope_theta=10000.0,
         original_max_position_embeddings=64,

@@ -17,6 +17,12 @@ TP_CASES = {
     "llama-mqa": dict(num_key_value_heads=1),
     # a vocabulary that TP=2 does not divide: the last shard is padded
     "qwen2-odd-vocab": dict(vocab_size=49153),
+    # windows under the workload's 100-token prompt: all layers (Mistral; 64, so that the blocks it still holds
+    # make the workload preempt), every other one with soft-capped scores and logits (Gemma 2), two local
+    # layers with their own rotary base to one global (Gemma 3)
+    "mistral-window": dict(sliding_window=64),
+    "gemma2-window": dict(sliding_window=16, attn_logit_softcapping=0.05, final_logit_softcapping=2.0),
+    "gemma3-window": dict(sliding_window=16, num_hidden_layers=3, sliding_window_pattern=3),
 }
 
 

@@ -135,6 +135,23 @@ def _num(x, fmt="{:.1f}") -> str:
     return "-" if x is None else ("inf" if math.isinf(x) else fmt.format(x))
 
 
+def _kv_group_rows(mem: dict) -> list:
+    """One row per attention kind when the model has more than one (analysis/kv_layout.py)."""
+    groups = mem.get("kv_groups") or ()
+    if len(groups) < 2:
+        return []
+    rows = []
+    for g in groups:
+        name = "full" if not g["window"] else f"window {g['window']}"
+        per_tok = g["bytes_per_token"]
+        rows.append((f"KV {name} ({g['layers']} layers): token / seq held / needed",
+                     f"{_bytes(per_tok)} / {_bytes(per_tok * g['engine_tokens_per_sequence'])}"
+                     f" / {_bytes(per_tok * g['needed_tokens_per_sequence'])}"))
+    rows.append(("max sequences, block tables per group",
+                 str(mem["max_concurrent_sequences_per_group_tables"])))
+    return rows
+
+
 def render_explain_table(result: dict):
     """Rich renderables for `explain`'s result: a summary table, a phase table and one op table
     per phase, grouped so that `console.print(render_explain_table(r))` shows them all."""
@@ -152,6 +169,7 @@ def render_explain_table(result: dict):
         ("KV cache per sequence", _bytes(result["kv_cache_bytes_per_sequence"])),
         ("memory / free for KV", f"{_bytes(mem['memory_bytes'])} / {_bytes(mem['free_for_kv_bytes'])}"),
         ("max concurrent sequences", str(result["max_concurrent_sequences"])),
+        *_kv_group_rows(mem),
         (f"critical batch (context {result['critical_batch_size_context']})",
          "never compute-bound" if crit is None else f"{crit:.1f}"),
         ("ridge point", f"{hw['ridge_point']:.0f} FLOP/B"),

@@ -8,13 +8,12 @@ tokens (see `activation_bytes`); pass `activation_reserve_bytes` to override it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from servescope.analysis.op_counts import kv_cache_bytes_per_token, resolve_dtypes, weight_bytes
-from servescope.config.layers import window_of
 from servescope.analysis.hardware import DTYPE_BYTES
+from servescope.analysis.kv_layout import blocks_held, kv_groups, per_group_capacity
+from servescope.analysis.op_counts import kv_cache_bytes_per_token, resolve_dtypes, weight_bytes
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError
 
@@ -49,6 +48,10 @@ class MemoryPlan:
     num_kv_blocks: int
     max_concurrent_sequences: int  # sequences of context_len that fit at once
     fits: bool  # weights + activations fit at all and at least one sequence fits
+    # per attention kind (analysis/kv_layout.py): bytes per token, tokens held per sequence here and needed by
+    # the kind; and the sequences that would fit with block tables per group (not built: hybrids keep all)
+    kv_groups: tuple = ()
+    max_concurrent_sequences_per_group_tables: int = 0
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -84,10 +87,8 @@ def plan_memory(cfg: ModelConfig, memory_bytes: int, weight_dtype: str = "bfloat
            if activation_reserve_bytes is None else int(activation_reserve_bytes))
     per_tok = kv_cache_bytes_per_token(cfg, kdt)
     per_block = per_tok * block_size
-    blocks_per_seq = math.ceil(ctx / block_size)
-    window = window_of(cfg.layer_specs())
-    if window:  # every layer windowed: the KV manager gives back the blocks that slid out of the window
-        blocks_per_seq = min(blocks_per_seq, math.ceil(window / block_size) + 1)
+    blocks_per_seq = blocks_held(cfg, ctx, block_size)  # all-windowed: at most a window's blocks
+    groups = kv_groups(cfg, kdt, ctx, block_size)
     free = max(budget - w - act, 0)
     num_blocks = free // per_block
     max_seqs = num_blocks // blocks_per_seq
@@ -96,7 +97,8 @@ def plan_memory(cfg: ModelConfig, memory_bytes: int, weight_dtype: str = "bfloat
         block_size=block_size, kv_bytes_per_block=per_block, context_len=ctx,
         blocks_per_sequence=blocks_per_seq, kv_bytes_per_sequence=blocks_per_seq * per_block,
         free_for_kv_bytes=free, num_kv_blocks=num_blocks, max_concurrent_sequences=max_seqs,
-        fits=max_seqs >= 1,
+        fits=max_seqs >= 1, kv_groups=groups,
+        max_concurrent_sequences_per_group_tables=per_group_capacity(groups, free),
     )
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from servescope.config.moe import MIXTRAL_FIELDS, OLMOE_FIELDS, QWEN_MOE_FIELDS
+
+from servescope.config.attention_fields import GEMMA_FIELDS
 from servescope.errors import InvalidParameterError
 
 
@@ -31,8 +33,15 @@ class Family:
     hf_fields: frozenset = frozenset()
     # which layers attend over a sliding window (config/hf_fields.window_layers): "none" (the family has
     # no window), "all" (every layer, when sliding_window is set), "max_window_layers" (transformers'
-    # Qwen2: layers from max_window_layers on, when use_sliding_window), "alternate" (even layers)
+    # Qwen2: layers from max_window_layers on, when use_sliding_window), "alternate" (even layers), "every_nth"
+    # (Gemma 3: all but every sliding_window_pattern-th layer)
     window_pattern: str = "none"
+    # added to every RMSNorm weight at load: Gemma's norms multiply by (1 + w) (llama.cpp's converter adds
+    # the 1 to the tensor too), so the model's norms and kernels stay one kind
+    norm_offset: float = 0.0
+    # the chat template of a checkpoint of this family that has none (tokenizer/family_templates.py), None:
+    # the tokenizer's default
+    chat_template: Optional[str] = None
 
 
 _WINDOW_ALL = frozenset({"sliding_window"})
@@ -56,6 +65,16 @@ FAMILIES = {f.name: f for f in (
     # q/k RMSNorm over all heads' features at once (not per head)
     Family("olmoe", "OlmoeForCausalLM", fixed={"qk_norm": True, "qk_norm_all_heads": True},
            hf_fields=OLMOE_FIELDS),
+
+    # Gemma 2: (1 + w) norms, four per layer, scaled embeddings, GELU-tanh, soft-capped attention and logits,
+    # query_pre_attn_scalar, every other layer windowed; Gemma 3 (text): no soft-caps, q/k norms, five local
+    # layers (their own rotary base) to one global
+    Family("gemma2", "Gemma2ForCausalLM", hf_fields=GEMMA_FIELDS, window_pattern="alternate", norm_offset=1.0,
+           chat_template="gemma", fixed={"norm_placement": "sandwich", "scale_embeddings": True},
+           hf_defaults={"tie_word_embeddings": True}),
+    Family("gemma3_text", "Gemma3ForCausalLM", hf_fields=GEMMA_FIELDS, window_pattern="every_nth", norm_offset=1.0,
+           chat_template="gemma", fixed={"norm_placement": "sandwich", "scale_embeddings": True, "qk_norm": True},
+           hf_defaults={"tie_word_embeddings": True}),
 )}
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)

@@ -93,6 +93,9 @@ def window_layers(pattern: str, d: dict, num_layers: int) -> tuple:
         kinds = tuple("sliding" if i >= first else "full" for i in range(num_layers))
     elif pattern == "alternate":
         kinds = tuple("sliding" if (i + 1) % 2 else "full" for i in range(num_layers))
+    elif pattern == "every_nth":  # Gemma 3: n - 1 local layers, then one global (n = sliding_window_pattern)
+        n = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+        kinds = tuple("sliding" if (i + 1) % n else "full" for i in range(num_layers))
     else:
         raise ValueError(f"unknown window pattern {pattern!r}")
     given = d.get("layer_types")

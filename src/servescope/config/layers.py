@@ -20,8 +20,10 @@ from servescope.errors import InvalidParameterError
 ATTENTION_KINDS = ("full", "sliding")
 # "dense": a gated MLP, down(act(gate(x)) * up(x)); "moe": routed experts of that shape (config/moe.py)
 MLP_KINDS = ("dense", "moe")
-ACTIVATIONS = ("silu",)
-NORM_PLACEMENTS = ("pre",)  # an RMSNorm before attention and before the MLP, residual adds after each
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gate's activation (Gemma: GELU, tanh approximation)
+# "pre": an RMSNorm before attention and before the MLP, residual adds after each; "sandwich" (Gemma 2/3): also
+# an RMSNorm on the attention's and on the MLP's output before their residual adds (four per layer)
+NORM_PLACEMENTS = ("pre", "sandwich")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,14 @@ class AttentionSpec:
     qk_norm: bool = False  # an RMSNorm over each head's features of q and k before rotary (Qwen3)
     window: int = 0  # kind "sliding": keys within this many positions of the query (0 for "full")
     qk_norm_all_heads: bool = False  # the q/k norm over all heads' features at once (OLMoE), not per head
+    # attention-logit soft-capping (Gemma 2): each score s becomes softcap * tanh(s / softcap); 0: none
+    softcap: float = 0.0
+    # learned attention sinks (gpt-oss): one logit per query head joins the softmax's denominator only
+    sinks: bool = False
+    out_bias: bool = False  # a bias on the output projection (gpt-oss)
+    # the rotary base of this layer when it is not the model's (Gemma 3's local layers: plain rope at
+    # rope_local_base_freq); 0: the model's rope_theta and rope_scaling
+    rope_theta: float = 0.0
 
     def __post_init__(self):
         if self.kind not in ATTENTION_KINDS:
@@ -39,6 +49,13 @@ class AttentionSpec:
         if (self.kind == "sliding") != (self.window > 0):
             raise InvalidParameterError("sliding_window", f"attention kind {self.kind!r} with window {self.window}: "
                                                           "a sliding layer needs a positive window, a full one none")
+        if self.softcap < 0 or self.rope_theta < 0:
+            raise InvalidParameterError("attn_logit_softcapping", "softcap and rope_theta must not be negative")
+
+    @property
+    def plain_softmax(self) -> bool:
+        """The scores go straight into the softmax (no soft-cap, no sink): what every kernel computes."""
+        return not self.softcap and not self.sinks
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from servescope.config.attention_fields import global_rope_dict, variant_fields, variant_to_hf
 from servescope.config.families import family, family_of_hf
 from servescope.config.hf_fields import check_fields, window_layers
 from servescope.config.layers import AttentionSpec, LayerSpec, MlpSpec
@@ -70,6 +71,18 @@ class ModelConfig:
     # longer than num_hidden_layers in the config of a pipeline stage's first layers.
     layer_types: tuple = ()
     hidden_act: str = "silu"
+    # Gemma 2/3 and gpt-oss (config/attention_fields.py reads them): the norms' placement (config/layers.py),
+    # embeddings times sqrt(hidden_size), the attention scale query_pre_attn_scalar ** -0.5 instead of
+    # head_dim ** -0.5, tanh soft-capping of the attention scores and of the final logits, the sliding layers'
+    # own rotary base, learned attention sinks
+    norm_placement: str = "pre"
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: Optional[float] = None
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    rope_local_theta: Optional[float] = None
+    attention_sinks: bool = False
+    attention_out_bias: bool = False  # gpt-oss: a bias on o_proj too
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
     name: str = ""
@@ -101,11 +114,23 @@ class ModelConfig:
         if self.moe:
             mlps[True] = MlpSpec("moe", self.hidden_act, self.moe.experts)
         kinds = self.layer_types or ("sliding" if self.sliding_window else "full",) * n
-        specs = {(k, s): LayerSpec(AttentionSpec(k, bias=self.attention_bias, qk_norm=self.qk_norm,
-                                                 window=int(self.sliding_window or 0) if k == "sliding" else 0,
-                                                 qk_norm_all_heads=self.qk_norm_all_heads), mlps[s])
+        specs = {(k, s): LayerSpec(self._attention_spec(k), mlps[s], norm=self.norm_placement)
                  for k, s in set(zip(kinds[:n], sparse[:n]))}
         return tuple(specs[ks] for ks in zip(kinds[:n], sparse[:n]))
+
+    def _attention_spec(self, kind: str) -> AttentionSpec:
+        sliding = kind == "sliding"
+        return AttentionSpec(kind, bias=self.attention_bias, qk_norm=self.qk_norm,
+                             window=int(self.sliding_window or 0) if sliding else 0,
+                             qk_norm_all_heads=self.qk_norm_all_heads,
+                             softcap=float(self.attn_logit_softcapping or 0.0),
+                             sinks=self.attention_sinks, out_bias=self.attention_out_bias,
+                             rope_theta=float(self.rope_local_theta or 0.0) if sliding else 0.0)
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q.k: head_dim ** -0.5, or query_pre_attn_scalar ** -0.5 where the config sets it."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def q_size(self) -> int:
@@ -123,10 +148,11 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += self.q_size + self.kv_size if self.qk_norm_all_heads else 2 * self.head_dim
+        norms = (4 if self.norm_placement == "sandwich" else 2) * d
         sparse = self.moe.num_sparse(L) if self.moe else 0
         moe = sparse * expert_parameters(self.moe.experts, d)[0] if self.moe else 0
         emb = v * d * (1 if self.tie_word_embeddings else 2)
-        return L * (attn + 2 * d) + (L - sparse) * 3 * d * i + moe + emb + d
+        return L * (attn + norms) + (L - sparse) * 3 * d * i + moe + emb + d
 
     @classmethod
     def from_hf_dict(cls, d: dict, name: str = "") -> "ModelConfig":
@@ -134,7 +160,8 @@ class ModelConfig:
         and on fields that ask for maths the model does not implement."""
         fam = family_of_hf(d)
         check_fields(d, fam.hf_fields, fam.name)
-        d = {**fam.hf_defaults, **d}
+        variants = variant_fields(d)  # (before the per-layer-type rope_parameters become the global layers')
+        d = global_rope_dict({**fam.hf_defaults, **d})
         sliding_window, kinds = window_layers(fam.window_pattern, d, int(d["num_hidden_layers"]))
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
@@ -170,7 +197,7 @@ class ModelConfig:
             name=name,
             moe=moe_from_hf(fam.name, d, int(d["num_hidden_layers"])),
         )
-        cfg = cls(**{**fields, **fam.fixed})
+        cfg = cls(**{**fields, **variants, **fam.fixed})
         cfg.layer_specs()  # a layer kind the model does not implement fails here, at load
         return cfg
 
@@ -198,6 +225,7 @@ class ModelConfig:
             d["qkv_bias"] = self.attention_bias
         d.update(moe_to_hf(self.architecture, self.moe, self.num_hidden_layers))
         d.update(_window_to_hf(self))
+        d.update(variant_to_hf(self))
         if self.rope_scaling is not None:
             rs = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.rope_scaling).items()}
             if self.rope_scaling.rope_type == "longrope":

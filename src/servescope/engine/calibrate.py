@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
+from servescope.config.families import family
 from servescope.engine.llm import LLM
 from servescope.engine.model_runner import ModelRunner
 from servescope.errors import InvalidParameterError
@@ -199,7 +200,8 @@ def checkpoint_tensors(llm: LLM, projs: list, quantised: list, scheme: QuantSche
     mode's scheme (plain rounding: a lookup has no inputs to calibrate on)."""
     model, cfg = llm.engine.executor.model, llm.engine.model_config
     names = {id(mod): prefix for prefix, mod in model.named_modules()}
-    tensors = {n: t.float() for n, t in model.state_dict().items() if n.endswith("norm.weight")}
+    offset = family(cfg.architecture).norm_offset  # the checkpoint's norms as the family writes them (Gemma: w - 1)
+    tensors = {n: t.float() - offset for n, t in model.state_dict().items() if n.endswith("norm.weight")}
     if cfg.tie_word_embeddings:
         q, sc, _ = next(item for item in quantised if item[2] is model.lm_head)
         quantised = [item for item in quantised if item[2] is not model.lm_head]

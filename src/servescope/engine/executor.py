@@ -84,7 +84,8 @@ class ModelExecutor:
     @property
     def weight_bytes(self) -> int:
         """Bytes of every parameter and buffer the steps read (the rotary tables excluded)."""
-        rot = {id(self.model.rotary.cos), id(self.model.rotary.sin)}
+        rot = {id(t) for r in (self.model.rotary, getattr(self.model, "rotary_local", None)) if r is not None
+               for t in (r.cos, r.sin)}
         return sum(t.numel() * t.element_size() for t in
                    itertools.chain(self.model.parameters(), self.model.buffers()) if id(t) not in rot)
 

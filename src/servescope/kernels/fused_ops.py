@@ -82,6 +82,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out.to(x.dtype)  # a no-op in float32
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: gelu(gate, tanh approximation) * up (Gemma's MLP; plain torch on every device)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: silu(gate) * up."""
     if _use_fused(gate_up):

@@ -33,6 +33,8 @@ LABS = {
                                      "measured beside predicted"),
     "moe": ("moe", "decode step time, bytes and experts read vs batch: dense vs MoE of equal active "
                    "parameters, measured beside predicted"),
+    "kv-layouts": ("kv_layouts", "KV bytes per token, KV held per sequence and capacity vs context for MHA, GQA, "
+                                 "MQA, windowed and hybrid layouts, measured beside predicted; decode step vs context"),
 }
 # not part of `lab all`: the cost model's validation (docs/VALIDATION.md)
 EXTRA_LABS = {

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 
 from servescope.config import ModelConfig
+from servescope.config.families import family
 from servescope.errors import ModelLoadError
 from servescope.loader import gguf_packed
-from servescope.model.decoder import CausalLM, rotary_for
+from servescope.model.decoder import CausalLM, local_rotary_for, rotary_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,6 +28,8 @@ def materialize(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     model.tie_weights()  # every parameter was re-created: the head and the embedding are two again
     # non-persistent buffers (rotary tables) were built on meta: rebuild them on the device
     model.rotary = rotary_for(cfg, max_positions).to(device)
+    local = local_rotary_for(cfg, max_positions)
+    model.rotary_local = local.to(device) if local is not None else None
     return model
 
 
@@ -54,6 +57,9 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device: 
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     sd = model.fuse_checkpoint(sd, cfg.num_hidden_layers)
+    offset = family(cfg.architecture).norm_offset  # Gemma: (1 + w) norms become plain ones
+    if offset:
+        sd = {k: v + offset if k.endswith("norm.weight") else v for k, v in sd.items()}
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(set(sd) - set(expected))
     if missing:

@@ -73,6 +73,13 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple]:
             shapes[p + "mlp.down_proj.weight"] = (d, i)
         shapes[p + "input_layernorm.weight"] = (d,)
         shapes[p + "post_attention_layernorm.weight"] = (d,)
+        if config.norm_placement == "sandwich":
+            shapes[p + "pre_feedforward_layernorm.weight"] = (d,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (d,)
+        if config.attention_out_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (d,)
+        if config.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (config.num_attention_heads,)
     return shapes
 
 

@@ -16,9 +16,11 @@ from typing import Optional
 from safetensors import safe_open
 
 from servescope.config import ModelConfig
+from servescope.config.families import family
 from servescope.errors import InvalidParameterError, ModelLoadError
 from servescope.loader import quantized
 from servescope.loader.checkpoint import LoadedSource, check_state_dict, expected_tensor_shapes, to_float32
+from servescope.tokenizer.family_templates import family_template
 from servescope.tokenizer.source import TokenizerSource
 
 logger = logging.getLogger(__name__)
@@ -53,7 +55,8 @@ def load_hf_dir(path: str) -> LoadedSource:
                                               quantized.head_scheme(mode, path), path,
                                               tied=config.tie_word_embeddings)
         state_dict = check_state_dict(dense, config, path)
-    chat_template = _read_chat_template(path)
+    # a checkpoint without a template of its own gets its family's (Gemma's turns), else the tokenizer's default
+    chat_template = _read_chat_template(path) or family_template(family(config.architecture).chat_template)
     return LoadedSource(
         config=config,
         state_dict=state_dict,

@@ -51,12 +51,15 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale
         self.window = spec.attention.window  # 0: the whole context
+        self.softcap = spec.attention.softcap  # 0: the scores go into the softmax as they are
+        if spec.attention.sinks:  # gpt-oss: one learned logit per query head in the softmax's denominator
+            self.sinks = nn.Parameter(torch.empty(cfg.num_attention_heads))
         # output rows: q [H*D] | k [Hkv*D] | v [Hkv*D] (a tensor-parallel shard splits each part)
         self.qkv_sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.qkv_sizes), bias=spec.attention.bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=spec.attention.out_bias)
         self.qk_norm_all_heads = spec.attention.qk_norm_all_heads  # OLMoE: over [H*D] and [Hkv*D] at once
         if spec.attention.qk_norm:  # Qwen3: RMSNorm over each head's D features of q and k, before rotary
             widths = (cfg.q_size, cfg.kv_size) if self.qk_norm_all_heads else (cfg.head_dim, cfg.head_dim)
@@ -78,7 +81,8 @@ class Attention(nn.Module):
         q, k = RotaryEmbedding.apply(cos_sin, q, k)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta)
-        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window)  # [T, H, D]
+        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window,  # [T, H, D]
+                            softcap=self.softcap, sinks=getattr(self, "sinks", None))
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))  # [T, H*D] -> [T, Dm]
 
 
@@ -87,15 +91,21 @@ MLP_KINDS = {"dense": GatedMLP, "moe": SparseMoeBlock}
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm: input_layernorm -> attention -> residual add, post_attention_layernorm -> MLP."""
+    """Pre-norm: input_layernorm -> attention -> residual add, post_attention_layernorm -> MLP. Sandwich
+    (Gemma 2/3, Hugging Face's names): input_layernorm -> attention -> post_attention_layernorm -> residual
+    add, pre_feedforward_layernorm -> MLP -> post_feedforward_layernorm (its residual add in the next norm)."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
         self.spec = spec
+        self.sandwich = spec.norm == "sandwich"
         self.self_attn = ATTENTION_KINDS[spec.attention.kind](cfg, spec)
         self.mlp = MLP_KINDS[spec.mlp.kind](cfg, spec)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, cos_sin, h, residual, kv_cache, meta, backend):
         """h: this layer's input before the residual add of the previous layer's MLP output
@@ -107,9 +117,13 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = fused_ops.add_rms_norm(h, residual, ln.weight, ln.eps)
         attn = self.self_attn(cos_sin, x, kv_cache, meta, backend)
-        ln = self.post_attention_layernorm
+        if self.sandwich:
+            attn, ln = self.post_attention_layernorm(attn), self.pre_feedforward_layernorm
+        else:
+            ln = self.post_attention_layernorm
         x, residual = fused_ops.add_rms_norm(attn, residual, ln.weight, ln.eps)
-        return self.mlp(x), residual
+        out = self.mlp(x)
+        return (self.post_feedforward_layernorm(out) if self.sandwich else out), residual
 
 
 class Backbone(nn.Module):
@@ -132,6 +146,7 @@ class CausalLM(nn.Module):
         self.model = Backbone(cfg)
         with torch.device("cpu"):  # real tables even under a meta-device build (its arange would import dynamo)
             self.rotary = rotary_for(cfg, max_positions)
+            self.rotary_local = local_rotary_for(cfg, max_positions)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
@@ -143,16 +158,20 @@ class CausalLM(nn.Module):
 
     # ---------------------------------------------------------------- the four steps of a forward
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> h [T, Dm]."""
-        return self.model.embed_tokens(input_ids)
+        """input_ids [T] -> h [T, Dm] (Gemma: times sqrt(Dm) rounded to the activation dtype, as transformers)."""
+        h = self.model.embed_tokens(input_ids)
+        if self.config.scale_embeddings:
+            h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)
+        return h
 
     def run_layers(self, h: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
                    kv_caches: list, meta: AttentionMetadata, backend: AttentionBackend) -> tuple:
         """The layers this model holds (a pipeline stage: its own) over (h, residual) [T, Dm] -> the
         same after the last of them (residual None: h is the embeddings). kv_caches: one per held layer."""
         cos_sin = self.rotary.table(positions)  # once per call, shared by the layers
+        local = self.rotary_local.table(positions) if self.rotary_local is not None else None
         for layer, kv in zip(self.model.layers, kv_caches):
-            h, residual = layer(cos_sin, h, residual, kv, meta, backend)
+            h, residual = layer(local if layer.spec.attention.rope_theta else cos_sin, h, residual, kv, meta, backend)
         return h, residual
 
     def final_norm(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -168,8 +187,11 @@ class CausalLM(nn.Module):
         return self.final_norm(h, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, Dm] (only the rows whose next token is due) -> logits [B, V] in float32."""
-        return self.lm_head(hidden).float()
+        """hidden [B, Dm] (only the rows whose next token is due) -> logits [B, V] in float32 (Gemma 2:
+        soft-capped, cap * tanh(logits / cap))."""
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def projections(self) -> list:
         """(parent module, attribute, module) of every swappable linear: the decoder layers'
@@ -200,3 +222,11 @@ def rotary_for(cfg: ModelConfig, max_positions: Optional[int] = None) -> RotaryE
     """The rotary tables of cfg for positions up to max_positions (the model's context by default)."""
     return RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
                            cfg.rope_scaling, context=cfg.max_position_embeddings)
+
+
+def local_rotary_for(cfg: ModelConfig, max_positions: Optional[int] = None) -> Optional[RotaryEmbedding]:
+    """The tables of the layers with their own rotary base (Gemma 3's local layers: plain rope at
+    rope_local_theta), None when every layer uses the model's."""
+    if cfg.rope_local_theta is None:
+        return None
+    return RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_local_theta, None)

@@ -27,11 +27,12 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) (kind "dense")."""
+    """down(act(gate(x)) * up(x)) (kind "dense"), act silu or GELU's tanh approximation (Gemma)."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, width: Optional[int] = None):
         super().__init__()
         width = width or cfg.intermediate_size  # a shared expert's own width (model/moe.py)
+        self.act_mul = fused_ops.silu_mul if spec.mlp.activation == "silu" else fused_ops.gelu_tanh_mul
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=False)  # gate | up
         self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
 
@@ -39,7 +40,7 @@ class GatedMLP(nn.Module):
         return [(self, "gate_up_proj", self.gate_up_proj), (self, "down_proj", self.down_proj)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, Dm]
+        return self.down_proj(self.act_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, Dm]
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -> torch.Tensor:

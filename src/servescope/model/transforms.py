@@ -64,6 +64,8 @@ def cpu_decode_plan(model: nn.Module):
     if mod is None:
         return None
     cfg = model.config
+    if not all(_plan_covers_layer(layer.spec) for layer in model.model.layers):
+        return None
     dtype = model.model.norm.weight.dtype  # (the embedding may be packed)
     empty = torch.empty(0)
     norms_of, layers, limits, served = [], [], [], []
@@ -87,8 +89,16 @@ def cpu_decode_plan(model: nn.Module):
         return None
     windows = [layer.self_attn.window for layer in model.model.layers]
     plan = mod.DecodePlan(layers, limits, windows, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                          cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+                          cfg.rms_norm_eps, cfg.attention_scale)
     return DecodePlanLayers(plan, min(served), model.rotary)
+
+
+def _plan_covers_layer(spec) -> bool:
+    """A layer the plan computes as the modules do: pre-norm, silu, the model's rotary tables, a plain softmax
+    (Gemma's four norms and GELU, a layer's own rotary base, soft-caps and sinks are the modules' alone)."""
+    a = spec.attention
+    return (spec.norm == "pre" and spec.mlp.activation == "silu" and a.plain_softmax and not a.rope_theta
+            and not a.out_bias)
 
 
 def _plan_covers(m: nn.Module, dtype: torch.dtype) -> bool:

@@ -63,8 +63,11 @@ class AttentionBackend:
         raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int = 0,
+                softcap: float = 0.0, sinks=None) -> torch.Tensor:
         """q [T, H, D]; k, v [T, Hkv, D] (this step's, already stored) -> out [T, H, D]. window > 0: the
         query at position p attends to keys p - window + 1 .. p only (a sliding layer; the blocks before
-        that may have been freed, so they are never read)."""
+        that may have been freed, so they are never read). softcap > 0: each score s becomes
+        softcap * tanh(s / softcap); sinks [H]: one more logit per head in the softmax, its weight dropped
+        (scores.py; a backend whose kernels have neither hands such a layer to the reference's)."""
         raise NotImplementedError

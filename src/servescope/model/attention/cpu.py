@@ -48,9 +48,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().store_kv(k, v, k_cache, v_cache, meta)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                window: int = 0) -> torch.Tensor:
-        if not _cpu_kernels(q, k_cache):
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window)
+                window: int = 0, softcap: float = 0.0, sinks=None) -> torch.Tensor:
+        # the C++ kernels compute softmax(q.k * scale) only: soft-capped scores and sinks are the reference's
+        if not _cpu_kernels(q, k_cache) or softcap or sinks is not None:
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
         nd = meta.num_decode_seqs
         if nd < meta.num_seqs and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16:
             if window:  # every token one query of the paged kernel over its own window: O(window) per token

@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from servescope.model.attention import kv_quant
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
+from servescope.model.attention.scores import attend
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -34,23 +35,24 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache.view(n * s, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                window: int = 0) -> torch.Tensor:
+                window: int = 0, softcap: float = 0.0, sinks=None) -> torch.Tensor:
         nd = meta.num_decode_seqs
         out = torch.empty_like(q)
         if nd:
             # decodes come first in the flat layout: tokens [0, nd) are one query each
             out[:nd] = self._paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
                                           meta.context_lens[:nd], max(meta.context_lens_cpu[:nd]), scale,
-                                          meta.scratch, window)
-        self._attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out, window)
+                                          meta.scratch, window, softcap, sinks)
+        self._attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out, window, softcap, sinks)
         return out
 
     @staticmethod
     def _attend_prefills(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out,
-                         window: int = 0) -> None:
+                         window: int = 0, softcap: float = 0.0, sinks=None) -> None:
         """The sequences after the decodes (tokens from num_decode_seqs on), each a causal attention of
         its new tokens over its cached keys (the last `window` of them per query when window > 0), written
-        into out [T, H, D]."""
+        into out [T, H, D]. softcap, sinks: scores.attend's."""
+        mods = dict(softcap=softcap, sinks=sinks)
         start = meta.num_decode_seqs
         for i in range(start, meta.num_seqs):
             qlen = meta.query_lens_cpu[i]
@@ -59,7 +61,8 @@ class TorchAttentionBackend(AttentionBackend):
             if ctx == qlen and not kv_quant.is_quantized(k_cache.dtype) and not (window and qlen > window):
                 # nothing cached before: causal attention over this step's own k, v (a quantised cache is
                 # read instead, so that a prompt sees the same keys whether it runs in one step or in chunks)
-                out[start:start + qlen] = _sdpa(qi, k[start:start + qlen], v[start:start + qlen], scale, causal=True)
+                out[start:start + qlen] = _sdpa(qi, k[start:start + qlen], v[start:start + qlen], scale, causal=True,
+                                                **mods)
             else:
                 key = ("prefill", i, window)
                 if key not in meta.scratch:
@@ -69,12 +72,12 @@ class TorchAttentionBackend(AttentionBackend):
                 # [nblk, S, Hkv, D] -> [nblk*S, Hkv, D] -> the keys the chunk sees, [L, Hkv, D]
                 ki = kv_quant.gather(k_cache, blocks, q.dtype).flatten(0, 1)[lo:hi]
                 vi = kv_quant.gather(v_cache, blocks, q.dtype).flatten(0, 1)[lo:hi]
-                out[start:start + qlen] = _sdpa(qi, ki, vi, scale, mask=mask)
+                out[start:start + qlen] = _sdpa(qi, ki, vi, scale, mask=mask, **mods)
             start += qlen
 
     @staticmethod
     def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, max_ctx: int, scale: float,
-                      scratch: dict | None = None, window: int = 0):
+                      scratch: dict | None = None, window: int = 0, softcap: float = 0.0, sinks=None):
         b, h, d = q.shape
         s = k_cache.shape[1]
         key = ("decode", window)
@@ -92,6 +95,8 @@ class TorchAttentionBackend(AttentionBackend):
         qg = q.view(b, hkv, h // hkv, d)
         kt = keys.permute(0, 2, 1, 3)
         vt = vals.permute(0, 2, 1, 3)
+        if softcap or sinks is not None:  # q as [B, H, 1, D]: one query per head
+            return attend(q[:, :, None], kt, vt, scale, mask, softcap, sinks).reshape(b, h, d)
         with _sdpa_backends(q.device):
             o = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask, scale=scale)  # [B, Hkv, H/Hkv, D]
         return o.reshape(b, h, d)
@@ -132,12 +137,17 @@ def _decode_keys(block_tables, context_lens, max_ctx: int, s: int, window: int) 
     return tables, valid[:, None, None, :]
 
 
-def _sdpa(q, k, v, scale, causal=False, mask=None):
-    """q [q, H, D], k, v [L, Hkv, D] -> [q, H, D]; grouped-query heads via enable_gqa."""
+def _sdpa(q, k, v, scale, causal=False, mask=None, softcap: float = 0.0, sinks=None):
+    """q [q, H, D], k, v [L, Hkv, D] -> [q, H, D]; grouped-query heads via enable_gqa (scores.attend where
+    the scores are soft-capped or meet sinks: SDPA has neither)."""
     # [q, H, D] -> [1, H, q, D]; [L, Hkv, D] -> [1, Hkv, L, D]
     qt = q.transpose(0, 1)[None]
     kt = k.transpose(0, 1)[None]
     vt = v.transpose(0, 1)[None]
+    if softcap or sinks is not None:
+        if mask is None:  # causal over the chunk's own keys (L == q)
+            mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
+        return attend(qt, kt, vt, scale, mask, softcap, sinks)[0].transpose(0, 1)
     with _sdpa_backends(q.device):
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=causal and mask is None,
                                            scale=scale, enable_gqa=kt.shape[1] != qt.shape[1])

@@ -33,7 +33,9 @@ class TritonAttentionBackend(AttentionBackend):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                window: int = 0) -> torch.Tensor:
+                window: int = 0, softcap: float = 0.0, sinks=None) -> torch.Tensor:
+        if softcap or sinks is not None:  # the Triton kernel has neither: the reference's (scores.py)
+            return self._reference.forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
         nd = meta.num_decode_seqs
         if nd == meta.num_seqs:  # decode only: T == B, every row is one query
             return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,

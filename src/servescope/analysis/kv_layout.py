@@ -1,0 +1,67 @@
+"""The KV cache per group of layers of one attention kind (full, or sliding over a window w): bytes per token,
+the tokens each group's layers hold per sequence in this engine, and what they would need with block tables
+per group (vLLM's hybrid allocator idea), which this engine does not have yet.
+
+This engine keeps one block table per sequence for all layers. A sequence therefore holds the same blocks in
+every layer: all cdiv(context, S) of them, or, when every layer is windowed, at most cdiv(w, S) + 1 (the KV
+manager gives back what slid out: config/layers.window_of). A hybrid model (Gemma 2, Gemma 3) keeps every
+block in its windowed layers too; `needed_tokens_per_sequence` is what those layers would keep with tables of
+their own, and `per_group_capacity` what that would buy. MLA (a latent per token instead of K and V) is not
+a kind here yet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from servescope.analysis.op_counts import kv_cache_bytes_per_token
+from servescope.config import ModelConfig
+from servescope.config.layers import window_of
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    kind: str  # "full" | "sliding"
+    window: int  # 0 for full attention
+    layers: int
+    bytes_per_token: int  # K and V of one token over this group's layers
+    engine_tokens_per_sequence: int  # cache slots its layers hold per sequence in this engine (whole blocks)
+    needed_tokens_per_sequence: int  # what the kind needs (whole blocks): a window's, or the context's
+
+    @property
+    def engine_bytes_per_sequence(self) -> int:
+        return self.bytes_per_token * self.engine_tokens_per_sequence
+
+    @property
+    def needed_bytes_per_sequence(self) -> int:
+        return self.bytes_per_token * self.needed_tokens_per_sequence
+
+
+def blocks_held(cfg: ModelConfig, context: int, block_size: int) -> int:
+    """Blocks one sequence of `context` tokens holds in the engine (the same for every layer)."""
+    blocks = math.ceil(context / block_size)
+    window = window_of(cfg.layer_specs())
+    return min(blocks, math.ceil(window / block_size) + 1) if window else blocks
+
+
+def kv_groups(cfg: ModelConfig, kv_dtype: str, context: int, block_size: int) -> tuple:
+    """One KVGroup per attention kind of cfg's layers (full first), at `context` tokens per sequence."""
+    per_layer = kv_cache_bytes_per_token(cfg, kv_dtype) // cfg.num_hidden_layers
+    counts: dict = {}
+    for spec in cfg.layer_specs():
+        counts[spec.attention.window] = counts.get(spec.attention.window, 0) + 1
+    held = blocks_held(cfg, context, block_size) * block_size
+    blocks = math.ceil(context / block_size)
+    out = []
+    for window in sorted(counts):
+        need = min(blocks, math.ceil(window / block_size) + 1) if window else blocks
+        out.append(KVGroup("sliding" if window else "full", window, counts[window], per_layer * counts[window],
+                           held, need * block_size))
+    return tuple(out)
+
+
+def per_group_capacity(groups, free_bytes: int) -> int:
+    """Sequences that would fit in free_bytes if each group held only what its kind needs."""
+    need = sum(g.needed_bytes_per_sequence for g in groups)
+    return free_bytes // need if need else 0
