@@ -7,6 +7,7 @@ float32 logits within 1e-4 through chunked prefill (chunks crossing window edges
 as transformers' generate, and the same greedy tokens batched, chunked, with prefix caching and under preemption
 as one at a time. Each field is shown to matter: the same weights with it dropped are far from transformers."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -89,7 +90,9 @@ def test_every_gemma_field_matters(gemma):
 
 
 def _edited(path, key, value):
-    out = path.parent / f"{path.name}-{key}"
+    # one directory per (key, value): two tests editing the same key with different values must not share one
+    digest = hashlib.sha1(json.dumps(value, sort_keys=True).encode()).hexdigest()[:8]
+    out = path.parent / f"{path.name}-{key}-{digest}"
     if not out.exists():
         shutil.copytree(path, out)
         cfg = json.loads((out / "config.json").read_text())

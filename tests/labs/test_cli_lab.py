@@ -81,8 +81,8 @@ def test_hardware_list(tmp_path, monkeypatch, capsys):
 def test_lab_list_and_unknown(capsys):
     assert main(["lab", "list"]) == 0
     out = capsys.readouterr().out.splitlines()
-    # the 6 of `lab all`, speculative, quantization, then validate and parallelism
-    assert len(out) == 12 and out[0].startswith("prefill-vs-decode")
+    # the labs of `lab all` (LABS), then validate, simulate, cluster and parallelism
+    assert len(out) == 14 and out[0].startswith("prefill-vs-decode")
     assert any(line.startswith("parallelism") for line in out) and any(line.startswith("speculative") for line in out)
     assert any(line.startswith("quantization") for line in out)
     assert main(["lab", "nope"]) == 2

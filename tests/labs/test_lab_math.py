@@ -111,7 +111,8 @@ def test_write_report_and_md_table(tmp_path):
 
 def test_registry_names():
     assert list(LABS) == ["prefill-vs-decode", "kv-cache", "attention-scaling", "batching",
-                          "latency-vs-throughput", "chunked-prefill", "speculative", "quantization"]
+                          "latency-vs-throughput", "chunked-prefill", "speculative", "quantization", "moe",
+                          "kv-layouts"]
     assert list(all_labs()) == list(LABS) + ["validate", "simulate", "cluster", "parallelism"]
 
 

@@ -169,8 +169,12 @@ def _fused_targets(layer) -> list:
     """(parent, attribute, checkpoint parts) of a decoder layer's projections, fused ones first."""
     out = []
     for fused, parts in FUSED_PROJECTIONS:
-        parent_name, attr = fused.split(".")
-        out.append((getattr(layer, parent_name), attr, parts))
+        parent_name, attr = fused.rsplit(".", 1)
+        try:
+            parent = layer.get_submodule(parent_name)
+        except AttributeError:  # a projection this layer does not have (a MoE's shared expert on a dense layer)
+            continue
+        out.append((parent, attr, parts))
     for name in ("self_attn.o_proj", "mlp.down_proj"):
         parent_name, attr = name.split(".")
         out.append((getattr(layer, parent_name), attr, (name,)))
