@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from servescope.cli.output import write_json
 from servescope.config import EngineConfig
 from servescope.config.engine import BatchingConfig, KVCacheConfig
 from servescope.engine.disaggregated import DisaggregatedEngine
@@ -93,8 +94,7 @@ def main(argv=None) -> int:
     finally:
         pair.shutdown()
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(a.json, out)
     return 0
 
 

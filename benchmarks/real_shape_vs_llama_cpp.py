@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from servescope.bench import llama_cpp_tools as lct  # noqa: E402
 from servescope.bench.envinfo import environment_info  # noqa: E402
+from servescope.cli.output import write_json  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from llama_cpp_baseline import bench_serve  # noqa: E402
@@ -153,8 +153,7 @@ def main() -> int:
                       flush=True)
     doc["finished_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2, default=str)
+        write_json(args.json, doc)
     return 0
 
 

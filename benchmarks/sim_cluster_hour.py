@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from servescope.cli.output import write_json
 from servescope.config.engine import BatchingConfig, ParallelConfig
 from servescope.sim.cluster import ROUTERS, Deployment
 from servescope.sim.run import simulate
@@ -124,8 +125,7 @@ def main(argv=None) -> int:
                              "max_abs_error": float(rel.max())}
     print(json.dumps(out, indent=1))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(a.json, out)
     return 0
 
 

@@ -36,3 +36,52 @@ def paged_logits(engine, ids, chunk=None, decode_from=None):
             hidden = runner.executor.forward(batch, runner.kv_caches, runner.backend)
             out.append(runner.executor.compute_logits(hidden))
     return torch.cat(out)
+
+
+# The family parity checks every model family's tests run the same way (test_sliding_window, test_gemma,
+# test_moe): transformers' greedy generate, and greedy outputs unchanged by batching, chunking, prefix
+# caching and preemption.
+BATCHING_OVERRIDES = dict(argvalues=[
+    dict(),
+    dict(max_num_batched_tokens=16),
+    dict(num_kv_blocks=10, max_model_len=128),  # the longest prompt needs 7 blocks of 16 at once
+], ids=["batched-prefix-cache", "chunk16", "preemption"])
+
+
+def random_ids(n, seed):
+    return torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_greedy_matches_transformers(path, hf, n):
+    """n prompt tokens (seed 3), n greedy tokens: ours equal transformers' generate on the same weights."""
+    from servescope import LLM, SamplingParams  # lazy: as the test modules import them
+
+    ids = random_ids(n, 3)
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=512)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                           attention_mask=torch.ones(1, n, dtype=torch.long))[0, n:].tolist()
+    out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == want
+
+
+def assert_batching_changes_nothing(path, overrides, num_prompts):
+    """num_prompts prompts (every other one behind a shared 40-token prefix: 2.5 blocks), greedy, one engine
+    with `overrides` against each prompt alone: the same tokens, and the feature really ran."""
+    from servescope import LLM  # lazy: as the test modules import it
+    from test_batching import PARAMS, assert_same_greedy  # lazy: a sibling test module on the path
+
+    gen = torch.Generator().manual_seed(4)
+    shared = torch.randint(3, 49152, (40,), generator=gen).tolist()
+    prompts = [(shared if i % 2 == 0 else []) + torch.randint(3, 49152, (int(n),), generator=gen).tolist()
+               for i, n in enumerate(torch.randint(5, 60, (num_prompts,), generator=gen))]
+    base = LLM(model=str(path), num_kv_blocks=96, max_model_len=256, enable_prefix_caching=False)
+    alone = [base.generate(p, PARAMS)[0] for p in prompts]
+    llm = LLM(model=str(path), **{"num_kv_blocks": 96, "max_model_len": 256, **overrides})
+    assert_same_greedy(llm.generate(prompts, PARAMS), alone)
+    assert max(r.num_running for r in llm.engine.step_records) > 1
+    if not overrides:
+        assert llm.engine.kv_manager.prefix_cache_hits > 0
+    if "num_kv_blocks" in overrides:
+        assert llm.engine.scheduler.num_preemptions > 0
+    llm.engine.kv_manager.check_invariants()

@@ -16,8 +16,9 @@ import sys
 import pytest
 import torch
 
-from helpers import paged_logits
-from servescope import LLM, SamplingParams
+from helpers import (BATCHING_OVERRIDES, assert_batching_changes_nothing, assert_greedy_matches_transformers,
+                     paged_logits, random_ids)
+from servescope import LLM
 from servescope.errors import ModelLoadError
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "model"))
@@ -39,10 +40,6 @@ DROPS = {"gemma2": {"attn_logit_softcapping": None, "final_logit_softcapping": N
          "gemma3": {"query_pre_attn_scalar": 16, "layer_types": ["full_attention"] * 3,
                     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}}
-
-
-def _prompt(n, seed):
-    return torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -69,7 +66,7 @@ def test_layer_specs_follow_the_family(gemma):
 def test_logits_match_transformers(gemma, chunk):
     _, path, hf = gemma
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=512)
-    ids = _prompt(120, 1)
+    ids = random_ids(120, 1)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     diff = (paged_logits(llm.engine, ids, chunk=chunk, decode_from=90) - ref).abs().max().item()
@@ -79,7 +76,7 @@ def test_logits_match_transformers(gemma, chunk):
 def test_every_gemma_field_matters(gemma):
     """The same weights with one field dropped are far from transformers: each is really applied."""
     family, path, hf = gemma
-    ids = _prompt(60, 2)
+    ids = random_ids(60, 2)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     for key, value in DROPS[family].items():
@@ -103,45 +100,19 @@ def _edited(path, key, value):
 
 def test_greedy_matches_transformers_generate(gemma):
     _, path, hf = gemma
-    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=512)
-    ids = _prompt(40, 3)
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, min_new_tokens=40,
-                           attention_mask=torch.ones(1, 40, dtype=torch.long))[0, 40:].tolist()
-    out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
-    assert out.token_ids == want
+    assert_greedy_matches_transformers(path, hf, 40)
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(),
-    dict(max_num_batched_tokens=16),
-    dict(num_kv_blocks=10, max_model_len=128),  # the longest prompt needs 7 blocks of 16 at once
-], ids=["batched-prefix-cache", "chunk16", "preemption"])
+@pytest.mark.parametrize("overrides", **BATCHING_OVERRIDES)
 def test_batching_chunking_prefix_cache_preemption_change_nothing(gemma, overrides):
-    from test_batching import PARAMS, assert_same_greedy
-
-    _, path, _ = gemma
-    gen = torch.Generator().manual_seed(4)
-    shared = torch.randint(3, 49152, (40,), generator=gen).tolist()  # 2.5 blocks, 2.5 windows
-    prompts = [(shared if i % 2 == 0 else []) + torch.randint(3, 49152, (int(n),), generator=gen).tolist()
-               for i, n in enumerate(torch.randint(5, 60, (8,), generator=gen))]
-    base = LLM(model=str(path), num_kv_blocks=96, max_model_len=256, enable_prefix_caching=False)
-    alone = [base.generate(p, PARAMS)[0] for p in prompts]
-    llm = LLM(model=str(path), **{"num_kv_blocks": 96, "max_model_len": 256, **overrides})
-    assert_same_greedy(llm.generate(prompts, PARAMS), alone)
-    assert max(r.num_running for r in llm.engine.step_records) > 1
-    if not overrides:
-        assert llm.engine.kv_manager.prefix_cache_hits > 0
-    if "num_kv_blocks" in overrides:
-        assert llm.engine.scheduler.num_preemptions > 0
-    llm.engine.kv_manager.check_invariants()
+    assert_batching_changes_nothing(gemma[1], overrides, 8)
 
 
 def test_bfloat16_stays_near_float32_transformers(gemma):
     """bfloat16 (Gemma 3's windowed layers through the C++ paged kernels, Gemma 2's soft-capped ones through
     the reference attention) stays near transformers' float32 logits."""
     _, path, hf = gemma
-    ids = _prompt(120, 1)
+    ids = random_ids(120, 1)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=512, dtype="bfloat16")

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from helpers import paged_logits
+from helpers import (BATCHING_OVERRIDES, assert_batching_changes_nothing, assert_greedy_matches_transformers,
+                     paged_logits)
 from servescope import LLM, SamplingParams
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "model"))
@@ -70,40 +71,12 @@ def _without_window(path):
 
 def test_greedy_matches_transformers_generate(windowed):
     _, path, hf = windowed
-    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=512)
-    ids = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, min_new_tokens=40,
-                           attention_mask=torch.ones(1, 40, dtype=torch.long))[0, 40:].tolist()
-    out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
-    assert out.token_ids == want
+    assert_greedy_matches_transformers(path, hf, 40)
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(),
-    dict(max_num_batched_tokens=16),
-    dict(num_kv_blocks=10, max_model_len=128),  # the longest prompt needs 7 blocks of 16 at once
-], ids=["batched-prefix-cache", "chunk16", "preemption"])
+@pytest.mark.parametrize("overrides", **BATCHING_OVERRIDES)
 def test_batching_chunking_prefix_cache_preemption_change_nothing(windowed, overrides):
-    from test_batching import PARAMS, assert_same_greedy
-
-    _, path, _ = windowed
-    gen = torch.Generator().manual_seed(4)
-    shared = torch.randint(3, 49152, (40,), generator=gen).tolist()  # 2.5 blocks, 2.5 windows
-    prompts = [(shared if i % 2 == 0 else []) + torch.randint(3, 49152, (int(n),), generator=gen).tolist()
-               for i, n in enumerate(torch.randint(5, 60, (12,), generator=gen))]
-    base = LLM(model=str(path), num_kv_blocks=96, max_model_len=256, enable_prefix_caching=False)
-    alone = [base.generate(p, PARAMS)[0] for p in prompts]
-    llm = LLM(model=str(path), **{"num_kv_blocks": 96, "max_model_len": 256, **overrides})
-    outs = llm.generate(prompts, PARAMS)
-    assert_same_greedy(outs, alone)
-    recs = list(llm.engine.step_records)
-    assert max(r.num_running for r in recs) > 1
-    if not overrides:
-        assert llm.engine.kv_manager.prefix_cache_hits > 0
-    if "num_kv_blocks" in overrides:
-        assert llm.engine.scheduler.num_preemptions > 0
-    llm.engine.kv_manager.check_invariants()
+    assert_batching_changes_nothing(windowed[1], overrides, 12)
 
 
 def test_bfloat16_paths_attend_over_the_window(windowed):

@@ -185,17 +185,19 @@ def step_cost(
     # Linear ops also cannot beat the measured rate of the engine's kernel at their row count, where
     # the spec has one (the local probe): weight bytes / rate(M), M = tokens (lm_head: logit rows).
     # Decode attention (one query per sequence) likewise cannot beat its kernel's measured FLOP/s.
-    dec_rate = hw.decode_attention_flops.get(adt)
-    dec_keys = layer_keys(cfg, [s for s in seqs if s[0] == 1])  # the decode sequences' share, all layers
-    attn_kernel = 0.0
-    if dec_rate and dec_keys:
+    # (asked only for ops the kernel table, where there is one, did not time)
+    def attention_kernel_s() -> float:
+        dec_rate = hw.decode_attention_flops.get(adt)
+        dec_keys = layer_keys(cfg, [s for s in seqs if s[0] == 1])  # the decode sequences' share, all layers
+        if not (dec_rate and dec_keys):
+            return 0.0
         attn_flops = next(f for name, f, _, _ in raw if name == "attention")
         dec_flops = 4 * cfg.num_attention_heads * cfg.head_dim * dec_keys
-        attn_kernel = dec_flops / (dec_rate * eff_c) + (attn_flops - dec_flops) / peak
+        return dec_flops / (dec_rate * eff_c) + (attn_flops - dec_flops) / peak
 
     def kernel_s(name: str, w: float) -> float:
         if name == "attention":
-            return attn_kernel
+            return attention_kernel_s()
         if name not in LINEAR_OPS:
             return 0.0
         rate = hw.linear_rate(wdt, n_logits if name == "lm_head" else T)

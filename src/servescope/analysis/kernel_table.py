@@ -32,6 +32,8 @@ shape, which the host overhead per layer (measure/overhead.py) already counts.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -41,6 +43,7 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 TABLE_VERSION = 2
 
 
+@functools.lru_cache(maxsize=64)  # once per (config, dtypes): every step's prediction asks for it
 def table_key(cfg: ModelConfig, weight_dtype: str, act_dtype: str, kv_dtype: str) -> str:
     """The shape and dtypes a KernelTable was measured at: a step of another model of the same shape
     runs the same kernels (a random-weight Llama-3.2-1B and the real one)."""
@@ -60,6 +63,8 @@ def interpolate(points: Sequence, x: float) -> float:
     for (x0, y0), (x1, y1) in zip(points, points[1:]):
         if x <= x1:
             return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    if len(points) == 1:  # one point (the default prefill factor [[1, 1.0]]): flat beyond it
+        return float(points[0][1])
     (x0, y0), (x1, y1) = points[-2], points[-1]
     return float(y1 + max(y1 - y0, 0.0) / (x1 - x0) * (x - x1))
 

@@ -37,7 +37,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from servescope.config import EngineConfig, SamplingParams
-from servescope.engine.kv_transfer import adopt_prompt_kv, export_prompt_kv, num_transferable_blocks
+from servescope.engine.kv_transfer import adopt_prompt_kv, export_prompt_kv
+from servescope.kvcache.prefix_cache import max_hit_blocks
 from servescope.engine.llm_engine import LLMEngine
 from servescope.errors import InvalidParameterError, WorkerFailedError
 from servescope.parallel.groups import free_port
@@ -119,7 +120,7 @@ class DisaggregatedEngine:
         _, ids = self.decode._prompt_token_ids(prompt)
         self.decode._check_fits(ids, params)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
-        if num_transferable_blocks(len(ids), self.decode.cache_config.block_size) == 0:
+        if max_hit_blocks(len(ids), self.decode.cache_config.block_size) == 0:
             self.decode.add_request(request_id, prompt, params, priority, arrival)
             return
         if params.structured is not None:

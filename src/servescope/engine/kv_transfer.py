@@ -22,26 +22,16 @@ from typing import Optional, Sequence
 import torch
 
 from servescope.config import SamplingParams
-from servescope.kvcache.prefix_cache import hash_full_blocks
+from servescope.kvcache.prefix_cache import hash_full_blocks, max_hit_blocks
 from servescope.scheduler.request import Request
-
-
-def num_transferable_blocks(num_prompt_tokens: int, block_size: int) -> int:
-    """Full prompt blocks a prefix hit can use: never the block of the last token (its logits are due)."""
-    return (num_prompt_tokens - 1) // block_size
 
 
 def export_prompt_kv(engine, prompt_ids: Sequence[int], cache_salt: Optional[str]) -> torch.Tensor:
     """The KV of the prompt's leading full blocks that `engine`'s prefix cache holds (call right after
     the step that finished the request, before another allocation can evict them)."""
     km = engine.kv_manager
-    limit = num_transferable_blocks(len(prompt_ids), km.block_size)
-    blocks = []
-    for h in hash_full_blocks(prompt_ids, km.block_size, limit=limit, salt=cache_salt):
-        b = km.prefix_cache.lookup(h)
-        if b is None:
-            break
-        blocks.append(b)
+    limit = max_hit_blocks(len(prompt_ids), km.block_size)
+    blocks = km.cached_run(hash_full_blocks(prompt_ids, km.block_size, limit=limit, salt=cache_salt))
     idx = torch.tensor(blocks, dtype=torch.long)
     rows = [torch.stack((k.index_select(0, idx.to(k.device)), v.index_select(0, idx.to(v.device))))
             for k, v in engine.runner.kv_caches]

@@ -27,7 +27,7 @@ from typing import Protocol, Sequence
 
 from servescope.config import CacheConfig
 from servescope.kvcache.block_allocator import BlockAllocator
-from servescope.kvcache.prefix_cache import BlockHash, PrefixCache, hash_full_blocks
+from servescope.kvcache.prefix_cache import BlockHash, PrefixCache, hash_full_blocks, max_hit_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -136,15 +136,19 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.request_id in self._blocks:
             return [], 0
-        max_hit = (request.num_tokens - 1) // self.block_size
-        hashes = self._request_hashes(request, max_hit)
+        max_hit = max_hit_blocks(request.num_tokens, self.block_size)
+        blocks = self.cached_run(self._request_hashes(request, max_hit)[:max_hit])
+        return blocks, len(blocks) * self.block_size
+
+    def cached_run(self, hashes) -> list:
+        """The cached blocks of the leading run of `hashes` (up to the first miss). Touches nothing."""
         blocks: list[int] = []
-        for h in hashes[:max_hit]:
+        for h in hashes:
             b = self.prefix_cache.lookup(h)
             if b is None:
                 break
             blocks.append(b)
-        return blocks, len(blocks) * self.block_size
+        return blocks
 
     def _request_hashes(self, request: SequenceLike, num_full: int) -> list[BlockHash]:
         known = self._hashes.get(request.request_id, [])
@@ -228,8 +232,6 @@ class KVCacheManager:
             return
         rid = request.request_id
         start = self._num_hashed.get(rid, 0)
-        if num_tokens // self.block_size <= start:  # no block filled since the last call
-            return
         table = self._blocks[rid]
         num_full = min(num_tokens // self.block_size, len(table))
         if num_full <= start:

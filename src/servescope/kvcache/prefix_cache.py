@@ -23,6 +23,12 @@ BlockHash = bytes  # 32-byte sha256 digest
 _ROOT = b"servescope-kv-root"  # the parent "hash" of a sequence's first block
 
 
+def max_hit_blocks(num_tokens: int, block_size: int) -> int:
+    """Full blocks of a num_tokens prompt a prefix hit may use: never the block of the last token (its
+    logits are due, so at least that token is computed)."""
+    return (num_tokens - 1) // block_size
+
+
 def hash_block_tokens(parent: Optional[BlockHash], token_ids: Sequence[int]) -> BlockHash:
     """Stable (process- and run-independent) hash of one full block and everything before it."""
     h = hashlib.sha256(parent if parent is not None else _ROOT)

@@ -10,12 +10,11 @@ that prediction still misses.
 
 from __future__ import annotations
 
-import random
 
 from servescope.analysis.cost_model import critical_batch_size
 from servescope.labs.common import (
-    LabOptions, LabResult, LabSession, act_dtype_name, blocks_for, context_line, interleaved, lab_hardware,
-    md_table, median, new_figure, random_prompt, rel_error, run_to_completion, save_figure, warm_up, write_report,
+    decode_sweep, LabOptions, LabResult, LabSession, act_dtype_name, context_line, lab_hardware,
+    md_table, median, new_figure, rel_error, save_figure, write_report,
 )
 
 PROMPT_LEN = 32
@@ -35,22 +34,8 @@ def overhead_fit(measured: list, predicted: list) -> float:
 
 def measure(opts: LabOptions, session: LabSession) -> tuple:
     """(engine, {batch: [the decode StepRecords where all `batch` sequences decode]})."""
-    sizes = batch_sizes(opts.quick)
-    max_b = max(sizes)
-    engine = session.engine(max_num_seqs=max_b, max_num_batched_tokens=max(max_b * PROMPT_LEN, 1024),
-                            num_kv_blocks=max_b * blocks_for(PROMPT_LEN + DECODE_STEPS + 1, margin=1) + 8,
-                            max_model_len=PROMPT_LEN + DECODE_STEPS + 16)
-    rng = random.Random(opts.seed)
-    warm_up(engine, rng)
-    vocab = engine.model_config.vocab_size
-
-    def decode(b, rnd):
-        prompts = [random_prompt(rng, PROMPT_LEN, vocab) for _ in range(b)]
-        _, recs = run_to_completion(engine, prompts, DECODE_STEPS + 1, f"b{b}r{rnd}-")
-        return [r for r in recs if r.phase == "decode" and r.num_decode_seqs == b]
-
-    by_b = interleaved(sizes, QUICK_ROUNDS if opts.quick else 1, decode)
-    return engine, {b: sum(runs, []) for b, runs in by_b.items()}
+    return decode_sweep(session, batch_sizes(opts.quick), QUICK_ROUNDS if opts.quick else 1, opts.seed,
+                        PROMPT_LEN, DECODE_STEPS, 1024)
 
 
 def run(opts: LabOptions, session: LabSession) -> LabResult:

@@ -130,6 +130,30 @@ def warm_up(engine, rng: random.Random, prompt_len: int = 32, batch: int = 2, ma
     run_to_completion(engine, [random_prompt(rng, prompt_len, vocab) for _ in range(batch)], max_tokens, "warm")
 
 
+def decode_only_records(engine, rng: random.Random, batch: int, prompt_len: int, steps: int, prefix: str) -> list:
+    """Run `batch` random prompts of prompt_len tokens for steps + 1 new tokens each; the StepRecords of the
+    steps where all `batch` sequences decode."""
+    vocab = engine.model_config.vocab_size
+    prompts = [random_prompt(rng, prompt_len, vocab) for _ in range(batch)]
+    _, recs = run_to_completion(engine, prompts, steps + 1, prefix)
+    return [r for r in recs if r.phase == "decode" and r.num_decode_seqs == batch]
+
+
+def decode_sweep(session, sizes: Sequence, rounds: int, seed: int, prompt_len: int, steps: int,
+                 min_batched_tokens: int, prefix: str = "") -> tuple:
+    """(engine, {batch: decode-only StepRecords}) of one engine sized for the largest batch, warmed up, the
+    batch sizes measured interleaved `rounds` times (the decode-vs-batch labs)."""
+    max_b = max(sizes)
+    engine = session.engine(max_num_seqs=max_b, max_num_batched_tokens=max(max_b * prompt_len, min_batched_tokens),
+                            num_kv_blocks=max_b * blocks_for(prompt_len + steps + 1, margin=1) + 8,
+                            max_model_len=prompt_len + steps + 16)
+    rng = random.Random(seed)
+    warm_up(engine, rng, prompt_len=prompt_len)
+    by_b = interleaved(sizes, rounds, lambda b, rnd: decode_only_records(engine, rng, b, prompt_len, steps,
+                                                                         f"{prefix}b{b}r{rnd}-"))
+    return engine, {b: sum(runs, []) for b, runs in by_b.items()}
+
+
 def interleaved(points: Sequence, rounds: int, measure: Callable) -> dict:
     """{point: [measure(point, round) for each round]}, the points measured in turn `rounds` times
     (1, 2, ..., n, then again): a slow or fast phase of a shared machine lasts seconds, long enough

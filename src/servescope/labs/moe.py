@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 
 from servescope.analysis.moe import expected_distinct_experts
 from servescope.labs.common import (
-    LabOptions, LabResult, LabSession, blocks_for, context_line, interleaved, lab_hardware, md_table, median,
-    new_figure, random_prompt, rel_error, run_to_completion, save_figure, seqs_of, warm_up, write_report,
+    decode_sweep, LabOptions, LabResult, LabSession, context_line, lab_hardware, md_table, median,
+    new_figure, rel_error, save_figure, seqs_of, write_report,
 )
 
 PROMPT_LEN = 16
@@ -47,21 +46,8 @@ def measure(opts: LabOptions, kind: str) -> tuple:
     path = opts.out / f"{kind}-config.json"
     path.write_text(json.dumps(MODELS[kind]))
     session = LabSession(dataclasses.replace(opts, model=f"random:{path}"))
-    sizes = batch_sizes(opts.quick)
-    max_b = max(sizes)
-    engine = session.engine(max_num_seqs=max_b, max_num_batched_tokens=max(max_b * PROMPT_LEN, 512),
-                            num_kv_blocks=max_b * blocks_for(PROMPT_LEN + DECODE_STEPS + 1, margin=1) + 8,
-                            max_model_len=PROMPT_LEN + DECODE_STEPS + 16)
-    rng = random.Random(opts.seed)
-    warm_up(engine, rng, prompt_len=PROMPT_LEN)
-
-    def decode(b, rnd):
-        prompts = [random_prompt(rng, PROMPT_LEN, engine.model_config.vocab_size) for _ in range(b)]
-        _, recs = run_to_completion(engine, prompts, DECODE_STEPS + 1, f"{kind}b{b}r{rnd}-")
-        return [r for r in recs if r.phase == "decode" and r.num_decode_seqs == b]
-
-    by_b = interleaved(sizes, QUICK_ROUNDS if opts.quick else 1, decode)
-    return engine, {b: sum(runs, []) for b, runs in by_b.items()}
+    return decode_sweep(session, batch_sizes(opts.quick), QUICK_ROUNDS if opts.quick else 1, opts.seed,
+                        PROMPT_LEN, DECODE_STEPS, 512, prefix=kind)
 
 
 def _uniform_prediction(engine, rec) -> tuple:

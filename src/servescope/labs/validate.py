@@ -26,9 +26,9 @@ from servescope.analysis.cost_model import step_cost
 from servescope.measure.local_hardware import probe_local_cpu
 from servescope.labs.validate_mixed import measure_mixed, mixed_section
 from servescope.labs.common import (
-    LabOptions, LabResult, LabSession, act_dtype_name, blocks_for, context_line, interleaved, lab_hardware,
-    md_table, median, new_figure, random_prompt, rel_error, run_to_completion, save_figure, seqs_of, warm_up,
-    write_report,
+    LabOptions, LabResult, LabSession, act_dtype_name, blocks_for, context_line, decode_only_records,
+    interleaved, lab_hardware, md_table, median, new_figure, random_prompt, rel_error, run_to_completion,
+    save_figure, seqs_of, warm_up, write_report,
 )
 
 DECODE_CONTEXT = 128
@@ -149,9 +149,7 @@ def measure_repeat(opts: LabOptions, session: LabSession, rep: int) -> tuple:
     vocab = engine.model_config.vocab_size
 
     def decode(b, rnd):
-        _, recs = run_to_completion(engine, [random_prompt(rng, DECODE_CONTEXT, vocab) for _ in range(b)],
-                                    DECODE_STEPS + 1, f"v{rep}b{b}r{rnd}-")
-        return [r for r in recs if r.phase == "decode" and r.num_decode_seqs == b]
+        return decode_only_records(engine, rng, b, DECODE_CONTEXT, DECODE_STEPS, f"v{rep}b{b}r{rnd}-")
 
     def prefill(n, rnd):
         if n >= 2048 and rnd:  # one run of the longest prompt (seconds each)

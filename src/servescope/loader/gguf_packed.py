@@ -166,16 +166,8 @@ def apply_packed(model: torch.nn.Module, packed: dict, dtype: torch.dtype) -> No
 
 
 def _fused_targets(layer) -> list:
-    """(parent, attribute, checkpoint parts) of a decoder layer's projections, fused ones first."""
-    out = []
-    for fused, parts in FUSED_PROJECTIONS:
-        parent_name, attr = fused.rsplit(".", 1)
-        try:
-            parent = layer.get_submodule(parent_name)
-        except AttributeError:  # a projection this layer does not have (a MoE's shared expert on a dense layer)
-            continue
-        out.append((parent, attr, parts))
-    for name in ("self_attn.o_proj", "mlp.down_proj"):
-        parent_name, attr = name.split(".")
-        out.append((getattr(layer, parent_name), attr, (name,)))
-    return out
+    """(parent, attribute, checkpoint parts) of a decoder layer's projections (a fused one's parts in the
+    checkpoint's names, FUSED_PROJECTIONS; any other is its own single part)."""
+    names = {id(m): name for name, m in layer.named_modules()}
+    fused = dict(FUSED_PROJECTIONS)
+    return [(parent, attr, fused.get(names[id(m)], (names[id(m)],))) for parent, attr, m in layer.projections()]

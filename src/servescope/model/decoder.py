@@ -107,6 +107,11 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def projections(self) -> list:
+        """(parent module, attribute, module) of this layer's swappable linears: attention's, then the MLP's."""
+        attn = self.self_attn
+        return [(attn, "qkv_proj", attn.qkv_proj), (attn, "o_proj", attn.o_proj), *self.mlp.projections()]
+
     def forward(self, cos_sin, h, residual, kv_cache, meta, backend):
         """h: this layer's input before the residual add of the previous layer's MLP output
         (residual None for the first layer). Returns (mlp output, residual stream) so that each
@@ -197,11 +202,7 @@ class CausalLM(nn.Module):
         """(parent module, attribute, module) of every swappable linear: the decoder layers'
         projections in layer order, then the output head. Transforms (quantisation, kernel choice,
         tensor-parallel shards) walk this list and replace modules in place."""
-        out = []
-        for layer in self.model.layers:
-            attn = layer.self_attn
-            out += [(attn, "qkv_proj", attn.qkv_proj), (attn, "o_proj", attn.o_proj), *layer.mlp.projections()]
-        return out + [(self, "lm_head", self.lm_head)]
+        return [p for layer in self.model.layers for p in layer.projections()] + [(self, "lm_head", self.lm_head)]
 
     @staticmethod
     def fuse_checkpoint(state_dict: dict, num_layers: int) -> dict:

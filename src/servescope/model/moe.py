@@ -48,14 +48,15 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     t, k = ids.shape
     flat = ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept within each
-    counts = torch.bincount(flat, minlength=gate_up.shape[0])  # [E]
-    # the slices' bounds on the host (E small ints): fewer tensor ops per layer than indexing on the device
+    # the counts, and the slices' bounds from them, on the host (E small ints; one device-to-host copy): fewer
+    # tensor ops per layer than indexing on the device
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).cpu()  # [E]
     per_expert = counts.tolist()
     ends = list(itertools.accumulate(per_expert))
     token_of = order // k  # [T*k] the token of each sorted pair
     xs = x.index_select(0, token_of)  # [T*k, Dm]
     ys = torch.empty_like(xs)
-    for e in torch.nonzero(counts).reshape(-1).tolist():  # the active experts only
+    for e in (e for e, n in enumerate(per_expert) if n):  # the active experts only
         rows = slice(ends[e] - per_expert[e], ends[e])
         h = fused_ops.silu_mul(F.linear(xs[rows], gate_up[e]))  # [n, 2I] -> [n, I]
         torch.mm(h, down[e].t(), out=ys[rows])  # [n, I] -> [n, Dm], written in place
@@ -92,23 +93,20 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         # since the last take_routing; on the host whatever device the build runs under (meta included)
         self.routed_tokens = torch.zeros(e.num_experts, dtype=torch.int64, device="cpu")
-        self.forwards = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalise)  # [T, k] each
         out, counts = grouped_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
-        self.routed_tokens += counts.cpu()
-        self.forwards += 1
+        self.routed_tokens += counts
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
-    def take_routing(self) -> tuple:
-        """(tokens routed to each expert [E] since the last call, forwards run), and start counting anew."""
-        counts, n = self.routed_tokens.clone(), self.forwards
+    def take_routing(self) -> torch.Tensor:
+        """The tokens routed to each expert [E] since the last call, and start counting anew."""
+        counts = self.routed_tokens.clone()
         self.routed_tokens.zero_()
-        self.forwards = 0
-        return counts, n
+        return counts
 
     def projections(self) -> list:
         """The swappable linears (the shared expert's; the router stays as it is, as vLLM keeps it)."""
@@ -157,5 +155,5 @@ def take_step_routing(model: nn.Module) -> tuple:
     """(tokens per expert of each sparse layer [[E ints]], bytes of one routed expert) since the last call:
     each block's counts taken and reset (one step's, the engine calls it once per step)."""
     blocks = moe_blocks(model)
-    per_layer = [block.take_routing()[0].tolist() for _, block in blocks]
+    per_layer = [block.take_routing().tolist() for _, block in blocks]
     return per_layer, (blocks[0][1].experts.expert_bytes() if blocks else 0)

@@ -71,8 +71,6 @@ def cpu_decode_plan(model: nn.Module):
     norms_of, layers, limits, served = [], [], [], []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if layer.spec.mlp.kind != "dense" or attn.qk_norm_all_heads:  # the plan has neither (model/moe.py)
-            return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(_plan_covers(m, dtype) for m in linears):
             return None
@@ -94,11 +92,12 @@ def cpu_decode_plan(model: nn.Module):
 
 
 def _plan_covers_layer(spec) -> bool:
-    """A layer the plan computes as the modules do: pre-norm, silu, the model's rotary tables, a plain softmax
-    (Gemma's four norms and GELU, a layer's own rotary base, soft-caps and sinks are the modules' alone)."""
+    """A layer the plan computes as the modules do: pre-norm, a dense silu MLP, the model's rotary tables, a
+    plain softmax, per-head q/k norms (Gemma's four norms and GELU, a layer's own rotary base, soft-caps, sinks,
+    experts and OLMoE's all-heads q/k norm are the modules' alone)."""
     a = spec.attention
-    return (spec.norm == "pre" and spec.mlp.activation == "silu" and a.plain_softmax and not a.rope_theta
-            and not a.out_bias)
+    return (spec.norm == "pre" and spec.mlp.kind == "dense" and spec.mlp.activation == "silu" and a.plain_softmax
+            and not a.rope_theta and not a.out_bias and not a.qk_norm_all_heads)
 
 
 def _plan_covers(m: nn.Module, dtype: torch.dtype) -> bool:

@@ -24,6 +24,7 @@ from servescope.analysis.probe import cpu_model
 from servescope.analysis.collectives import LOCAL_GLOO, LinkSpec, cached_local_link, get_link
 from servescope.config import SamplingParams
 from servescope.errors import InvalidParameterError
+from servescope.kvcache.prefix_cache import max_hit_blocks
 from servescope.scheduler.request import Request
 from servescope.sim.engine import Finished, SimEngine
 from servescope.sim.step_time import StepTimer
@@ -97,7 +98,7 @@ class Disaggregated:
 
     def sent_tokens(self, prompt_len: int) -> int:
         """Tokens whose KV is sent: the prompt's full blocks a prefix hit can use."""
-        return (prompt_len - 1) // self.spec.block_size * self.spec.block_size
+        return max_hit_blocks(prompt_len, self.spec.block_size) * self.spec.block_size
 
     def transfer_time(self, num_tokens: int) -> float:
         ranks = self.spec.tp * self.spec.pp
