@@ -52,7 +52,7 @@ def ours_single_stream(gguf: str, args) -> dict:
     llm = LLM(model=gguf, quantization="gguf", num_threads=args.threads, max_num_seqs=4, max_model_len=1024)
     dec = run_engine_latency(llm, 1, 16, 128, iters=args.iters, measure_bandwidth=False)
     pre = run_engine_latency(llm, 1, 512, 1, iters=args.iters, measure_bandwidth=False)
-    ttfts = [r["ttft_s"] for r in pre["runs"]]
+    ttfts = [r["ttft_s"] for r in pre["iterations"]]
     out = {"decode_b1_tokens_per_s": dec["decode_tokens_per_s"],
            "prefill512_tokens_per_s": 512 / statistics.median(ttfts), "prefill512_ttft_s": ttfts,
            "weight_bytes": llm.engine.weight_bytes}
