@@ -11,6 +11,8 @@ ninja) leaves `load()` returning None and callers on PyTorch. Forcing a path the
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import hashlib
 import logging
@@ -18,7 +20,7 @@ import os
 import threading
 import time
 
-from torch.utils.cpp_extension import load as load_ext
+from torch.utils import cpp_extension
 
 from servescope.analysis.cpu_isa import cpu_flags, local_isa
 
@@ -61,6 +63,24 @@ def headers_digest(csrc_dir: str) -> str:
     return h.hexdigest()[:12]
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: str):
+    """Hold the build of the extension in `build_dir` against every other process building it.
+
+    torch's own lock is a file (`lock`) that its builder deletes when done, and that any later build
+    waits on forever when its builder was killed mid-build (a server stopped while it compiled): an
+    install or a test run then hangs. An flock is released by the OS when its holder dies, so whoever
+    holds it knows a `lock` file left there has no builder and removes it before torch looks."""
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, "servescope-build.flock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            logger.warning("removing %s, left by a build that did not finish", stale)
+            os.remove(stale)
+        yield
+
+
 class CpuExtension:
     def __init__(self, name: str, sources, what: str, extra_cflags=()):
         """sources: a file name under csrc/, or several compiled into the one extension."""
@@ -93,7 +113,11 @@ class CpuExtension:
             digest = headers_digest(os.path.dirname(self.sources[0]))
             cflags = BASE_CFLAGS + isa_cflags(isa, cpu_flags()) + self.extra_cflags + [f"-DSERVESCOPE_HEADERS={digest}"]
             t0 = time.perf_counter()
-            self.mod = load_ext(name=f"{self.name}_{isa}", sources=self.sources, verbose=False, extra_cflags=cflags)
+            name = f"{self.name}_{isa}"
+            build_dir = cpp_extension._get_build_directory(name, verbose=False)
+            with build_lock(build_dir):
+                self.mod = cpp_extension.load(name=name, sources=self.sources, verbose=False,
+                                              extra_cflags=cflags, build_directory=build_dir)
             self.isa = isa
             logger.info("%s ready for %s (%.1f s)", self.what, isa, time.perf_counter() - t0)
         except Exception as e:  # no compiler, headers, ninja...: the eager path still works
