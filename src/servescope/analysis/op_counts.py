@@ -185,13 +185,19 @@ def matmul_flops(cfg: ModelConfig, num_tokens: int, num_logits: Optional[int] = 
     """Linear-layer FLOPs (2*M*N*K per matmul) for `num_tokens` tokens through every layer and
     `num_logits` rows through lm_head (default: all tokens, as a plain HF forward computes).
     Equals what FlopCounterMode counts for aten.mm/addmm in such a forward."""
-    T = int(num_tokens)
+    proj = _projection_flops(cfg, int(num_tokens), num_logits)
+    mlp = mlp_counts(cfg, int(num_tokens), "float32", "float32")[0]  # dense or sparse layers
+    return {"qkv_proj": proj["qkv_proj"], "attn_out_proj": proj["attn_out_proj"], "mlp": mlp,
+            "lm_head": proj["lm_head"]}
+
+
+def _projection_flops(cfg: ModelConfig, T: int, num_logits: Optional[int]) -> dict[str, int]:
+    """matmul_flops less the MLP (which mlp_counts gives, with its bytes, where a step needs both)."""
     n_logits = T if num_logits is None else int(num_logits)
-    L, d, i = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
+    L, d = cfg.num_hidden_layers, cfg.hidden_size
     return {
         "qkv_proj": 2 * T * d * (cfg.q_size + 2 * cfg.kv_size) * L,
         "attn_out_proj": 2 * T * cfg.q_size * d * L,
-        "mlp": 2 * T * 3 * d * i * L if cfg.moe is None else mlp_counts(cfg, T, "float32", "float32")[0],
         "lm_head": 2 * n_logits * d * cfg.vocab_size,
     }
 
@@ -277,7 +283,7 @@ def step_op_counts(cfg: ModelConfig, seqs: Sequence[tuple[int, int]], wdt: str, 
     keys = layer_keys(cfg, seqs)  # summed over the layers, each over its own window
     attn_flops = 4 * H * cfg.head_dim * keys  # = attention_flops(cfg, seqs)
     read_per_layer = layer_keys(cfg, seqs, read_only=True)  # cached tokens read, summed over the layers
-    mm = matmul_flops(cfg, T, n_logits)
+    mm = _projection_flops(cfg, T, n_logits)
     lin_w = _layer_linear_bytes(cfg, wdt, adt)
     emb_row, head_w, _ = table_bytes(cfg, wdt, adt)
     kv_tok = kv_cache_bytes_per_token(cfg, kdt)
