@@ -1,5 +1,7 @@
 """analysis/kernel_table.py: the kernels timed at a model's own shapes, and how the cost model reads them."""
 
+import dataclasses
+
 import pytest
 
 from servescope.analysis.cost_model import step_cost
@@ -98,3 +100,16 @@ def test_the_key_names_shape_and_dtypes():
     one = load_preset("llama-3.2-1b")
     assert table_key(one, "q4_0", "float32", "float32") != table_key(one, "int4", "float32", "float32")
     assert table_key(one, "bfloat16", "bfloat16", "bfloat16") != table_key(CFG, "bfloat16", "bfloat16", "bfloat16")
+
+
+def test_the_key_tells_apart_models_whose_layers_run_different_maths_at_equal_dimensions():
+    one = load_preset("llama-3.2-1b")
+    key = table_key(one, "bfloat16", "bfloat16", "bfloat16")
+    capped = dataclasses.replace(one, attn_logit_softcapping=50.0)
+    sinks = dataclasses.replace(one, attention_sinks=True)
+    moe = load_preset("qwen3-30b-a3b")
+    dense = dataclasses.replace(moe, moe=None)
+    assert len({key, table_key(capped, "bfloat16", "bfloat16", "bfloat16"),
+                table_key(sinks, "bfloat16", "bfloat16", "bfloat16")}) == 3
+    assert table_key(moe, "bfloat16", "bfloat16", "bfloat16") != table_key(dense, "bfloat16", "bfloat16", "bfloat16")
+    assert key == table_key(load_preset("llama-3.2-1b"), "bfloat16", "bfloat16", "bfloat16")

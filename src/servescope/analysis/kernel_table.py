@@ -33,7 +33,7 @@ shape, which the host overhead per layer (measure/overhead.py) already counts.
 from __future__ import annotations
 
 import functools
-
+import hashlib
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -46,12 +46,16 @@ TABLE_VERSION = 2
 @functools.lru_cache(maxsize=64)  # once per (config, dtypes): every step's prediction asks for it
 def table_key(cfg: ModelConfig, weight_dtype: str, act_dtype: str, kv_dtype: str) -> str:
     """The shape and dtypes a KernelTable was measured at: a step of another model of the same shape
-    runs the same kernels (a random-weight Llama-3.2-1B and the real one)."""
+    runs the same kernels (a random-weight Llama-3.2-1B and the real one). The readable part names the
+    dimensions; the digest covers everything else the layers run (attention kinds with their windows,
+    soft-caps and sinks, norms, activations, experts), so that a MoE and a dense model of equal
+    dimensions, or a soft-capped and a plain one, never share a table."""
     windows = sorted({s.attention.window for s in cfg.layer_specs()})
+    layers = hashlib.sha1(repr((cfg.layer_specs(), cfg.moe)).encode()).hexdigest()[:10]
     return (f"L{cfg.num_hidden_layers}-d{cfg.hidden_size}-h{cfg.num_attention_heads}x{cfg.head_dim}"
             f"-kv{cfg.num_key_value_heads}-i{cfg.intermediate_size}-V{cfg.vocab_size}"
             f"-bias{int(bool(cfg.attention_bias))}-qkn{int(bool(cfg.qk_norm))}"
-            f"-win{'.'.join(map(str, windows))}"
+            f"-win{'.'.join(map(str, windows))}-layers{layers}"
             f"|w={weight_dtype}|a={act_dtype}|kv={kv_dtype}|v{TABLE_VERSION}")
 
 

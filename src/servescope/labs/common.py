@@ -106,13 +106,14 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def run_to_completion(engine, prompts: Sequence[list], max_tokens: int, prefix: str = "r") -> tuple:
+def run_to_completion(engine, prompts: Sequence[list], max_tokens, prefix: str = "r") -> tuple:
     """Queue every prompt, step until all finish. Returns (final RequestOutputs in order, the
-    StepRecords of these steps)."""
+    StepRecords of these steps). max_tokens: one for all, or one per prompt."""
     first_step = engine.step_records[-1].step + 1 if engine.step_records else 1
     ids = [f"{prefix}{i}-{time.perf_counter_ns()}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
-        engine.add_request(rid, p, greedy(max_tokens))
+    limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    for rid, p, limit in zip(ids, prompts, limits, strict=True):
+        engine.add_request(rid, p, greedy(limit))
     final = {}
     while len(final) < len(ids):
         for out in engine.step():

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import random
 
-from servescope.labs.common import blocks_for, greedy, md_table, median, percentile, random_prompt, warm_up
+from servescope.labs.common import (blocks_for, md_table, median, percentile, random_prompt, run_to_completion,
+                                    warm_up)
 
 MIXED_REQUESTS = 48
 PROMPT_TOKENS = (20, 700)
@@ -42,13 +43,8 @@ def mixed_engine(session, quick: bool = False):
 
 
 def run_mixed(engine, requests: list, prefix: str = "mixed") -> list:
-    """Queue every request, step until all finish; the StepRecords of those steps."""
-    first = len(engine.step_records)
-    for i, (prompt, max_tokens) in enumerate(requests):
-        engine.add_request(f"{prefix}-{i}", prompt, greedy(max_tokens))
-    while engine.has_unfinished():
-        engine.step()
-    recs = list(engine.step_records)[first:]
+    """Queue every request, step until all finish; the StepRecords of those steps that carry a prediction."""
+    _, recs = run_to_completion(engine, [p for p, _ in requests], [n for _, n in requests], prefix)
     return [r for r in recs if r.predicted_seconds is not None and r.wall_seconds > 0]
 
 

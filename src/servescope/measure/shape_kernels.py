@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from servescope.analysis.kernel_table import KernelTable, fit_linear_model, table_key
-from servescope.analysis.op_counts import attended_keys
+from servescope.analysis.op_counts import attended_keys, layer_windows
 from servescope.analysis.probe import (BUSY_MIN_WINDOW_S, BUSY_SHARE, _cache_key, default_cache_path,
                                       torch_threads)
 from servescope.kernels import fused_ops
@@ -311,9 +311,9 @@ def _layer_seconds(model, cfg, backend, tokens: int, dtype, kv_dtype) -> float:
     shape = (blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
 
     def run(subset, caches):
-        x = h
+        x, meta = h, _meta([(tokens, 0)], blocks)  # once per pass, as the engine builds it once per step
         for layer, kv in zip(subset, caches):
-            x, _ = layer(cos_sin, x, h, kv, _meta([(tokens, 0)], blocks), backend)
+            x, _ = layer(cos_sin, x, h, kv, meta, backend)
 
     def caches_for(n):
         return [(kv_quant.allocate(*shape, kv_dtype, torch.device("cpu")),
@@ -331,11 +331,15 @@ def _layer_seconds(model, cfg, backend, tokens: int, dtype, kv_dtype) -> float:
 def measure_prefill_factor(model, cfg, backend, partial: dict, dtype, kv_dtype) -> list:
     """[[tokens, f]]: a prefill's layer forward over what the table's parts add up to (kernel_table.py)."""
     parts = KernelTable.from_dict({**partial, "key": "partial", "prefill_factor": [[1, 1.0]]})
+    windows = layer_windows(cfg)
     out = []
     for t in LAYER_TOKENS:
         layer = _layer_seconds(model, cfg, backend, t, dtype, kv_dtype)
         lin = sum(parts.linear_seconds(n, t) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
-        rest = parts.attention_seconds([(t, 0)], lambda s: attended_keys(s[0], s[1])) + parts.misc_seconds(t)
+        # a layer's attention as the cost model prices it: each layer kind over its own window
+        attention = sum(count * parts.attention_seconds([(t, 0)], lambda s, w=w: attended_keys(s[0], s[1], w))
+                        for w, count in windows.items()) / cfg.num_hidden_layers
+        rest = attention + parts.misc_seconds(t)
         out.append([t, max((layer - rest) / lin, 0.5) if lin > 0 else 1.0])
     return out
 
