@@ -111,5 +111,6 @@ def test_the_key_tells_apart_models_whose_layers_run_different_maths_at_equal_di
     dense = dataclasses.replace(moe, moe=None)
     assert len({key, table_key(capped, "bfloat16", "bfloat16", "bfloat16"),
                 table_key(sinks, "bfloat16", "bfloat16", "bfloat16")}) == 3
-    assert table_key(moe, "bfloat16", "bfloat16", "bfloat16") != table_key(dense, "bfloat16", "bfloat16", "bfloat16")
+    bf16 = ("bfloat16",) * 3
+    assert table_key(moe, *bf16) != table_key(dense, *bf16)
     assert key == table_key(load_preset("llama-3.2-1b"), "bfloat16", "bfloat16", "bfloat16")

@@ -78,7 +78,7 @@ def test_bad_input_writes_nothing(tiny, tmp_path):
     full = tmp_path / "full"
     full.mkdir()
     (full / "keep.txt").write_text("mine")
-    with pytest.raises(ModelLoadError, match="not an empty directory"):
+    with pytest.raises(InvalidParameterError, match="not an empty directory"):
         quantize_checkpoint(tiny, "int4", str(full), method="rtn", skip_tokenizer_init=True)
     assert os.listdir(full) == ["keep.txt"]
     for mode, method, match in (("int5", "rtn", "unknown quantization"), ("int8", "rtn", "int8-ch"),

@@ -29,7 +29,8 @@ HOLDER = textwrap.dedent("""
 
 
 def test_a_killed_builders_lock_is_cleared_and_a_live_one_waited_for(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert holder.stdout.readline().strip() == "holding"
         with open(tmp_path / "servescope-build.flock", "w") as probe:

@@ -28,10 +28,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -40,6 +38,7 @@ from servescope.bench.llama_cpp_tools import find_tool
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError, ServescopeError
 from servescope.loader.checkpoint import expected_tensor_shapes
+from servescope.loader.output_dir import atomic_directory, check_destination
 
 logger = logging.getLogger(__name__)
 
@@ -144,22 +143,6 @@ def parse_gguf_types(spec: str | None) -> list:
     return list(dict.fromkeys(GGUF_TYPES[n] for n in names))
 
 
-def check_destination(out: str) -> str:
-    """The absolute destination; InvalidParameterError where it exists and is not an empty directory, or
-    where its parent cannot be written."""
-    out = os.path.abspath(os.path.expanduser(out))
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise InvalidParameterError("out", f"{out} exists and is not an empty directory; choose another "
-                                    "--out")
-    parent = os.path.dirname(out)
-    probe = parent
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
-        raise InvalidParameterError("out", f"cannot write {out}: {probe} is not a writable directory")
-    return out
-
-
 def write_shape_checkpoint(shape: str, out: str, layers: int | None = None, gguf: str | None = None,
                            llama_cpp: str | None = None, seed: int = 0) -> CheckpointReport:
     """Write `shape` (a preset name) to `out` as described in the module doc; every input is checked
@@ -167,21 +150,13 @@ def write_shape_checkpoint(shape: str, out: str, layers: int | None = None, gguf
     cfg = shape_config(shape, layers)
     types = parse_gguf_types(gguf)
     tree = find_llama_cpp(llama_cpp) if types else None
-    out = check_destination(out)
+    out = check_destination(out)  # before the first byte is written (and again when writing)
     try:
         config = ModelConfig.from_hf_dict(cfg, name=shape_name(shape))
     except (KeyError, TypeError, ValueError) as e:
         raise InvalidParameterError("shape", f"{shape}: not a usable model config "
                                     f"({type(e).__name__}: {e})") from None
-    created = _missing_parent(out)
-    try:
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".checkpoint-", dir=os.path.dirname(out))
-    except OSError as e:
-        _remove_created(created)
-        raise InvalidParameterError("out", f"cannot write {out}: {e.strerror}") from None
-    try:
-        os.chmod(tmp, 0o755)  # (mkdtemp's is 0o700)
+    with atomic_directory(out, ".checkpoint-") as tmp:
         t0 = time.perf_counter()
         params, nbytes = _write_weights(tmp, config, seed)
         _write_metadata(tmp, cfg)
@@ -191,28 +166,8 @@ def write_shape_checkpoint(shape: str, out: str, layers: int | None = None, gguf
             t0 = time.perf_counter()
             report.ggufs = _write_ggufs(tmp, tree, shape_name(shape), types)
             report.seconds["gguf"] = time.perf_counter() - t0
-        if os.path.isdir(out):
-            os.rmdir(out)  # (empty, checked above)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        _remove_created(created)
-        raise
     report.ggufs = {t: os.path.join(out, os.path.relpath(p, tmp)) for t, p in report.ggufs.items()}
     return report
-
-
-def _missing_parent(out: str):
-    """The topmost parent directory of `out` that does not exist yet (None: all exist)."""
-    top, p = None, os.path.dirname(out)
-    while not os.path.exists(p):
-        top, p = p, os.path.dirname(p)
-    return top
-
-
-def _remove_created(top) -> None:
-    if top is not None:
-        shutil.rmtree(top, ignore_errors=True)
 
 
 def _write_weights(tmp: str, config: ModelConfig, seed: int) -> tuple:
@@ -267,16 +222,14 @@ def _random_tensor(name: str, shape, gen):
 
 def _write_metadata(tmp: str, cfg: dict) -> None:
     """config.json, generation_config.json and the embedded SmolLM2's tokenizer files."""
-    from transformers import AutoTokenizer  # lazy: seconds of import
-
     from servescope.loader.source import resolve_model_path  # lazy: the loader pulls in torch
+    from servescope.tokenizer.hf_tokenizer import load_tokenizer  # lazy: transformers, seconds of import
 
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
     with open(os.path.join(tmp, "generation_config.json"), "w", encoding="utf-8") as f:
         json.dump({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, f, indent=2)
-    gguf_path = resolve_model_path(None)
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    tok = load_tokenizer(resolve_model_path(None)).hf
     if len(tok) != TOKENIZER_VOCAB:
         raise InvalidParameterError("model", f"the embedded tokenizer has {len(tok)} tokens, expected "
                                     f"{TOKENIZER_VOCAB}: the table would not match it")

@@ -32,7 +32,8 @@ from servescope.engine.model_runner import ModelRunner
 from servescope.errors import InvalidParameterError
 from servescope.quant.packed import dequantize, quantize
 from servescope.quant.scheme import QuantScheme
-from servescope.loader.quantized import check_out, save_quantized, saved_mode
+from servescope.loader.output_dir import check_destination
+from servescope.loader.quantized import save_quantized, saved_mode
 from servescope.quant.gptq import DAMP, gptq_quantize
 from servescope.model.quantize import embedding_scheme, parse_mode, projection_scheme
 
@@ -151,7 +152,7 @@ def quantize_checkpoint(model, mode: str, out: str, method: str = "gptq", calibr
     if isinstance(model, str) and saved_mode(model) is not None:
         raise InvalidParameterError("model", f"{model} is already quantised ({saved_mode(model)}); quantise the "
                                     "float model it came from")
-    check_out(out)  # (before the minutes of work, and again when writing)
+    check_destination(out)  # (before the minutes of work, and again when writing)
     report = QuantizeReport(out, mode, method, 0)
     t0 = time.perf_counter()
     llm = LLM(model=model, dtype="float32", num_kv_blocks=max(64, samples * -(-(tokens + 16) // 16)),

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import torch
 
 from servescope.errors import ModelLoadError
 from servescope.quant.scheme import QuantScheme
 from servescope.loader.gguf_packed import placeholder
+from servescope.loader.output_dir import atomic_directory, check_destination
 from servescope.model.quantize import embedding_scheme, parse_mode, projection_scheme
 
 QUANT_METHOD = "servescope"
@@ -107,26 +106,14 @@ def read_packed(tensors: dict, mode: str, shapes: dict, head_scheme, where: str,
     return dense, packed
 
 
-def check_out(out: str) -> str:
-    """The absolute destination; ModelLoadError where it exists and is not an empty directory."""
-    out = os.path.abspath(os.path.expanduser(out))
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ModelLoadError(f"{out} exists and is not an empty directory; choose another --out")
-    return out
-
-
 def save_quantized(out: str, config_dict: dict, quant_config: dict, tensors: dict, tokenizer,
                    eos_token_ids) -> str:
     """Write the directory described above, atomically. tensors: {name: tensor} as they go in the file;
     tokenizer: servescope's Tokenizer (its HF tokenizer is saved, and its chat template)."""
     from safetensors.torch import save_file  # lazy: only this command writes safetensors
 
-    out = check_out(out)
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".quantize-", dir=parent)
-    try:
-        os.chmod(tmp, 0o755)  # (mkdtemp's is 0o700: the saved model is as readable as any other)
+    out = check_destination(out)
+    with atomic_directory(out, ".quantize-") as tmp:
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump({**config_dict, "quantization_config": {"quant_method": QUANT_METHOD, **quant_config}}, f,
                       indent=2)
@@ -138,10 +125,4 @@ def save_quantized(out: str, config_dict: dict, quant_config: dict, tensors: dic
             if tokenizer.has_chat_template:
                 with open(os.path.join(tmp, "chat_template.jinja"), "w", encoding="utf-8") as f:
                     f.write(tokenizer.chat_template)
-        if os.path.isdir(out):
-            os.rmdir(out)  # (empty, checked above)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -331,15 +331,13 @@ def _layer_seconds(model, cfg, backend, tokens: int, dtype, kv_dtype) -> float:
 def measure_prefill_factor(model, cfg, backend, partial: dict, dtype, kv_dtype) -> list:
     """[[tokens, f]]: a prefill's layer forward over what the table's parts add up to (kernel_table.py)."""
     parts = KernelTable.from_dict({**partial, "key": "partial", "prefill_factor": [[1, 1.0]]})
-    windows = layer_windows(cfg)
     out = []
     for t in LAYER_TOKENS:
         layer = _layer_seconds(model, cfg, backend, t, dtype, kv_dtype)
         lin = sum(parts.linear_seconds(n, t) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
-        # a layer's attention as the cost model prices it: each layer kind over its own window
         attention = sum(count * parts.attention_seconds([(t, 0)], lambda s, w=w: attended_keys(s[0], s[1], w))
-                        for w, count in windows.items()) / cfg.num_hidden_layers
-        rest = attention + parts.misc_seconds(t)
+                        for w, count in layer_windows(cfg).items())  # as the cost model prices it
+        rest = attention / cfg.num_hidden_layers + parts.misc_seconds(t)
         out.append([t, max((layer - rest) / lin, 0.5) if lin > 0 else 1.0])
     return out
 
