@@ -51,8 +51,7 @@ def load_hf_dir(path: str) -> LoadedSource:
     else:  # a `servescope quantize` checkpoint: its packed linears run as they are (loader/quantized.py)
         shapes = expected_tensor_shapes(config)
         shapes.setdefault("lm_head.weight", (config.vocab_size, config.hidden_size))  # (tied: a quantised copy)
-        dense, packed = quantized.read_packed(_read_weights(path, keep_dtype=True), mode, shapes,
-                                              quantized.head_scheme(mode, path), path,
+        dense, packed = quantized.read_packed(_read_weights(path, keep_dtype=True), mode, shapes, path,
                                               tied=config.tie_word_embeddings)
         state_dict = check_state_dict(dense, config, path)
     # a checkpoint without a template of its own gets its family's (Gemma's turns), else the tokenizer's default

@@ -66,17 +66,12 @@ def scheme_of(mode: str, where: str) -> QuantScheme:
     return scheme
 
 
-def head_scheme(mode: str, where: str) -> QuantScheme:
-    return projection_scheme("lm_head", scheme_of(mode, where))
-
-
-def read_packed(tensors: dict, mode: str, shapes: dict, head_scheme, where: str, tied: bool = False) -> tuple:
+def read_packed(tensors: dict, mode: str, shapes: dict, where: str, tied: bool = False) -> tuple:
     """(dense state dict with float32 placeholders for packed weights, packed dict) from the file's
-    tensors. shapes: the config's {hf name: shape} (loader/checkpoint.expected_tensor_shapes);
-    head_scheme: the scheme of the output head for this mode; tied: the config ties the embedding to
-    the head (its packed table is then in the head's scheme)."""
+    tensors. shapes: the config's {hf name: shape} (loader/checkpoint.expected_tensor_shapes); tied: the
+    config ties the embedding to the head (its packed table is then in the head's scheme)."""
     scheme = scheme_of(mode, where)
-    embed = embedding_scheme(scheme, tied)
+    head, embed = projection_scheme("lm_head", scheme), embedding_scheme(scheme, tied)
     dense, packed = {}, {}
     for name, t in tensors.items():
         if name.endswith(".qweight") or name.endswith(".scales"):
@@ -87,7 +82,7 @@ def read_packed(tensors: dict, mode: str, shapes: dict, head_scheme, where: str,
         wname = base + ".weight"
         if wname not in shapes:
             raise ModelLoadError(f"{where}: packed tensor {qname} is not a weight of this model")
-        s = {"lm_head.weight": head_scheme, "model.embed_tokens.weight": embed}.get(wname, scheme)
+        s = {"lm_head.weight": head, "model.embed_tokens.weight": embed}.get(wname, scheme)
         n, k = shapes[wname]
         q, sc = tensors[qname], tensors.get(base + ".scales")
         if sc is None:

@@ -38,12 +38,7 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     for parent, name, child in model.projections():
         if isinstance(child, nn.Linear):
             setattr(parent, name, Int8Linear(child.weight.data, child.bias, act_dtype))
-    emb = _float_embedding(model)
-    if emb is not None:
-        head = model.lm_head if isinstance(model.lm_head, Int8Linear) and _tied(model, emb) else None
-        if head is None:
-            head = Int8Linear(emb.weight.data, None, act_dtype)
-        model.model.embed_tokens = QuantEmbedding(head.weight_int8, head.scale, emb.embedding_dim, act_dtype)
+    quantize_embedding(model, "int8")
     return model
 
 
@@ -67,15 +62,22 @@ def embedding_scheme(scheme: QuantScheme, tied: bool) -> QuantScheme:
     return projection_scheme("lm_head", scheme) if tied else scheme
 
 
-def quantize_embedding(model: nn.Module, scheme: QuantScheme) -> None:
-    """The float embedding (if any: _float_embedding) becomes a QuantEmbedding: over the head's packed
-    buffers when tied (the head already quantised from this very table), else quantised on its own."""
+def quantize_embedding(model: nn.Module, scheme) -> None:
+    """The float embedding (if any: _float_embedding) becomes a QuantEmbedding: over the head's quantised
+    buffers when tied (the head already quantised from this very table), else quantised on its own, in
+    the mode's scheme (a QuantScheme, or "int8": int8 rows with a scale per row, as Int8Linear's)."""
     emb = _float_embedding(model)
     if emb is None:
         return
     dtype = model.model.norm.weight.dtype
-    if isinstance(model.lm_head, QuantLinear) and _tied(model, emb):
-        packed, scales = model.lm_head.qweight, model.lm_head.scales
+    head = model.lm_head if _tied(model, emb) else None
+    if isinstance(head, QuantLinear):
+        packed, scales = head.qweight, head.scales
+    elif isinstance(head, Int8Linear):
+        packed, scales = head.weight_int8, head.scale
+    elif scheme == "int8":
+        rows = Int8Linear(emb.weight.data, None, dtype)
+        packed, scales = rows.weight_int8, rows.scale
     else:
         packed, scales = quantize(emb.weight, embedding_scheme(scheme, model.config.tie_word_embeddings))
     model.model.embed_tokens = QuantEmbedding(packed, scales, emb.embedding_dim, dtype)
