@@ -11,7 +11,11 @@ import time
 import httpx
 import pytest
 
+from servescope.engine.async_engine import AsyncEngine
+from servescope.engine.llm_engine import LLMEngine
+from servescope.server.app import build_app
 from .conftest import API_KEY, TINY_KEY
+from .server_utils import LiveServer
 from .test_internals_stream import _load
 
 try:
@@ -110,6 +114,7 @@ def test_panels_follow_a_load_and_prompts_stay_text(browser, tiny_server):
     for canvas in ("c-timeline", "c-roofline", "c-blocks", "c-ttft", "c-tpot", "c-itl", "c-throughput"):
         assert _painted(page, canvas) > 500, canvas
     assert page.locator("#panel-spec").is_hidden() and page.locator("#panel-comm").is_hidden()
+    assert page.locator("#panel-moe").is_hidden()  # a dense model routes nothing
     assert errors == []
     page.close()
 
@@ -176,3 +181,33 @@ def test_a_replayed_trace_in_the_page(browser):
         page.close()
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def moe_server(tmp_path_factory):
+    from tiny_models import make_tiny_hf_model  # tests/model is on sys.path (tests/conftest.py)
+
+    path = make_tiny_hf_model(tmp_path_factory.mktemp("dash-moe"), "qwen3_moe")
+    ae = AsyncEngine(LLMEngine(model=str(path), num_kv_blocks=96, block_size=8, max_model_len=256, max_num_seqs=8,
+                               max_num_batched_tokens=128))
+    s = LiveServer(build_app(ae, model_name="tiny", api_key=TINY_KEY)).start()
+    yield s, ae.engine.model_config
+    s.stop()
+    ae.shutdown()
+
+
+def test_a_moe_models_expert_panel(browser, moe_server):
+    server, cfg = moe_server
+    page, errors = _open(browser, server.url, TINY_KEY)
+    _wait(page, "document.getElementById('conn-text').textContent === 'live'")
+    assert page.locator("#panel-moe").is_hidden()  # nothing routed yet
+    assert _load(server.url, 6, 16) == [200] * 6
+    _wait(page, "!document.getElementById('panel-moe').classList.contains('hidden')")
+    snap = httpx.get(server.url + "/v1/internals?n=1", headers={"Authorization": f"Bearer {TINY_KEY}"}).json()
+    _wait(page, f"Number(document.body.dataset.lastStep) >= {snap['steps'][-1]['step']}")
+    assert int(page.text_content("[data-testid=moe-experts]")) == cfg.moe.experts.num_experts
+    assert page.text_content("[data-testid=moe-imbalance]").endswith("×")
+    assert _painted(page, "c-moe-active") > 300 and _painted(page, "c-moe-load") > 300
+    assert page.locator("#panel-spec").is_hidden() and errors == []
+    page.close()
+

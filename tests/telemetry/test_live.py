@@ -57,8 +57,16 @@ def test_step_event_carries_optional_fields_only_when_present():
     d = step_event(_rec(), t0=100.0)
     assert d["t"] == 1500.0 and d["ms"] == 4.0 and d["pred_ms"] == 3.0 and d["phase"] == "mixed"
     assert (d["flops"], d["bytes"], d["kv_used"], d["running"]) == (4e9, 1e9, 5, 3)
-    assert "spec_proposed" not in d and "comm_seconds" not in d
+    assert "spec_proposed" not in d and "comm_seconds" not in d and "moe_tokens" not in d
     rec = _rec(predicted_seconds=None)
     rec.num_draft_tokens, rec.num_accepted_tokens = 8, 5  # a step that verified 8 drafts
     d = step_event(rec, t0=100.0)
     assert d["pred_ms"] is None and (d["spec_proposed"], d["spec_accepted"]) == (8, 5)
+
+
+def test_a_moe_step_carries_its_routing():
+    rec = _rec(moe_experts_active=[3, 2], moe_tokens_per_expert=[4, 0, 1, 1], moe_imbalance=1.75,
+               moe_expert_bytes=5 * 1024, moe_expected_experts=2.5)
+    d = step_event(rec, t0=100.0)
+    assert (d["moe_active"], d["moe_expected"], d["moe_imbalance"]) == (2.5, 2.5, 1.75)
+    assert d["moe_tokens"] == [4, 0, 1, 1] and d["moe_bytes"] == 5 * 1024

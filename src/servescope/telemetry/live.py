@@ -43,6 +43,11 @@ def step_event(rec, t0: float) -> dict:
         d.update({wire: getattr(rec, field) for wire, field in SPEC_STEP_FIELDS.items()})
     if getattr(rec, "comm_bytes", 0):  # a parallel engine's step (one process communicates nothing)
         d.update({wire: getattr(rec, field) for wire, field in COMM_STEP_FIELDS.items()})
+    if rec.moe_experts_active:  # a mixture-of-experts step (telemetry/moe.py): its routing
+        active = rec.moe_experts_active
+        d.update({"moe_active": _round(sum(active) / len(active), 3),
+                  "moe_expected": _round(rec.moe_expected_experts, 3),
+                  "moe_imbalance": _round(rec.moe_imbalance, 3), "moe_bytes": rec.moe_expert_bytes, "moe_tokens": list(rec.moe_tokens_per_expert)})
     return d
 
 

@@ -9,7 +9,7 @@ const COLORS = { prefill: "#e8833a", decode: "#3a7de8", mixed: "#9b59b6", free: 
 
 const state = {
   info: null, steps: [], lastStep: 0, frame: null, rates: [], prev: null, dropped: 0,
-  sawSpec: false, sawComm: false,
+  sawSpec: false, sawComm: false, sawMoe: false,
 };
 
 function $(id) { return document.getElementById(id); }
@@ -95,6 +95,7 @@ function onFrame(f) {
     state.lastStep = s.step;
     if (s.spec_proposed !== undefined) state.sawSpec = true;
     if (s.comm_seconds !== undefined) state.sawComm = true;
+    if (s.moe_tokens !== undefined) state.sawMoe = true;
   }
   if (state.steps.length > MAX_STEPS) state.steps.splice(0, state.steps.length - MAX_STEPS);
   if (state.prev && f.time > state.prev.time) {
@@ -381,6 +382,34 @@ function drawOptional() {
   }
 }
 
+const MOE_LOAD_STEPS = 100;  // steps summed in the tokens-per-expert bars
+
+function drawExperts() {
+  const steps = state.steps.filter(s => s.moe_tokens !== undefined);
+  if (!steps.length) return;
+  $("panel-moe").classList.remove("hidden");
+  lineChart("c-moe-active", [
+    { color: COLORS.decode, values: steps.map(s => s.moe_active) },
+    { color: "#111", values: steps.map(s => s.moe_expected) }],
+    { fmt: v => v.toFixed(1), xlabel: "the last " + steps.length + " MoE steps, newest right" });
+  const recent = steps.slice(-MOE_LOAD_STEPS), E = recent[recent.length - 1].moe_tokens.length;
+  const load = new Array(E).fill(0);
+  for (const s of recent) s.moe_tokens.forEach((n, e) => { load[e] += n; });
+  $("moe-experts").textContent = E;
+  $("moe-window").textContent = recent.length;
+  $("moe-imbalance").textContent = fmt(recent[recent.length - 1].moe_imbalance) + "×";
+  const { ctx, w, h } = canvas("c-moe-load");
+  const L = 40, R = 8, T = 8, B = 18, top = Math.max(1, ...load), bw = (w - L - R) / E;
+  const y = v => h - B - (h - B - T) * v / top;
+  axes(ctx, L, T, w - R, h - B, "expert 0 … " + (E - 1), "");
+  ctx.fillStyle = "#5b6475"; ctx.textAlign = "right"; ctx.fillText(fmt(top), L - 4, T + 8); ctx.fillText("0", L - 4, h - B);
+  ctx.fillStyle = COLORS.mixed;
+  load.forEach((n, e) => ctx.fillRect(L + e * bw + (bw > 3 ? 0.5 : 0), y(n), Math.max(1, bw - (bw > 3 ? 1 : 0)), h - B - y(n)));
+  const even = load.reduce((a, b) => a + b, 0) / E;
+  ctx.strokeStyle = "#111"; ctx.setLineDash([4, 3]); ctx.beginPath(); ctx.moveTo(L, y(even)); ctx.lineTo(w - R, y(even));
+  ctx.stroke(); ctx.setLineDash([]);
+}
+
 function draw() {
   const f = state.frame;
   if (!f || document.hidden) return;
@@ -398,6 +427,7 @@ function draw() {
     { color: COLORS.prefill, values: state.rates.map(r => r.prefill) }],
     { fmt: v => fmt(v, " tok/s"), xlabel: "the last " + state.rates.length + " updates, newest right" });
   drawOptional();
+  if (state.sawMoe) drawExperts();
   document.body.dataset.lastStep = f.last_step;  // for tests: the newest step drawn
 }
 
