@@ -71,11 +71,13 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, out=None,
-                 window: int = 0) -> torch.Tensor:
+                 window: int = 0, softcap: float = 0.0, sinks=None) -> torch.Tensor:
     """q [B, H, D]; caches [N, S, Hkv, D] (int8 / fp8: [..., D + 4]); block_tables [>=B, M] int32;
-    context_lens [>=B] int32 -> [B, H, D]. window > 0: each row reads its last `window` positions only."""
+    context_lens [>=B] int32 -> [B, H, D]. window > 0: each row reads its last `window` positions only;
+    softcap > 0 and sinks [H] (any float dtype): model/attention/scores.attend's."""
+    sinks = _EMPTY if sinks is None else sinks.float().contiguous()
     return _EXT.mod.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                 _EMPTY if out is None else out, window)
+                                 _EMPTY if out is None else out, window, float(softcap), sinks)
 
 
 def prefill_attention_supported(group: int, head_dim: int) -> bool:

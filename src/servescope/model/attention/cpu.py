@@ -49,23 +49,26 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 window: int = 0, softcap: float = 0.0, sinks=None) -> torch.Tensor:
-        # the C++ kernels compute softmax(q.k * scale) only: soft-capped scores and sinks are the reference's
-        if not _cpu_kernels(q, k_cache) or softcap or sinks is not None:
+        if not _cpu_kernels(q, k_cache):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
+        # soft-capped scores and sinks: the decode rows in the paged kernel (it has both), prefill chunks the
+        # reference's (the bfloat16 prefill paths below compute softmax(q.k * scale) only)
+        plain = not softcap and sinks is None
         nd = meta.num_decode_seqs
-        if nd < meta.num_seqs and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16:
+        if plain and nd < meta.num_seqs and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16:
             if window:  # every token one query of the paged kernel over its own window: O(window) per token
                 return self._cpu_paged_tokens(q, k_cache, v_cache, meta, scale, range(meta.num_seqs), window)
             out = self._cpu_bf16_with_prefill(q, k_cache, v_cache, meta, scale)
             if out is not None:
                 return out
+        mods = dict(window=window, softcap=softcap, sinks=sinks)
         if nd and nd == meta.num_seqs:  # decode only: the kernel's output is the result
-            return cpu_ops.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window=window)
+            return cpu_ops.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, **mods)
         out = torch.empty_like(q)
         if nd:
             cpu_ops.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale, out=out[:nd],
-                                 window=window)
-        self._attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out, window)
+                                 **mods)
+        self._attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out, **mods)
         return out
 
     @classmethod

@@ -1,10 +1,10 @@
 """Attention whose scores change before the softmax: tanh soft-capping (Gemma 2) and learned sinks (gpt-oss),
 in plain PyTorch, in the order of operations of transformers' eager attention.
 
-SDPA and the C++ and Triton kernels compute softmax(q.k * scale) only; a layer with a soft-cap or sinks
-(AttentionSpec.plain_softmax false) is served by the reference backend, which calls `attend` here, on
-every device and in every step shape (the CPU and Triton backends hand such layers to it; the C++ decode
-plan declines such models).
+SDPA, the tiled prefill kernel and the Triton kernels compute softmax(q.k * scale) only; a layer with a
+soft-cap or sinks (AttentionSpec.plain_softmax false) is served by the reference backend, which calls
+`attend` here, except for its decode rows on the CPU, which the C++ paged decode kernel computes with both
+(csrc/decode_attention.h's ScoreMods; the C++ decode plan still declines such models).
 
 Shape legend: B batch, H query heads, Hkv KV heads, q queries, L keys, D head dim.
 """

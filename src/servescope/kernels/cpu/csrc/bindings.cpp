@@ -32,7 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run_layers", &DecodePlan::run_layers,
            "run_layers(h, residual, cos, sin, kv_caches, slots, block_tables, context_lens) -> [h, residual]");
   m.def("paged_decode", &paged_decode,
-        "paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, window): window 0 = whole context");
+        "paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, window, softcap, sinks): window 0 = "
+        "whole context, softcap 0 = none, sinks empty = none");
   m.def("prefill_attention", &prefill_attention,
         "prefill_attention(q, k_cache, v_cache, block_table, ctx, scale): causal, one sequence, bfloat16");
   m.def("prefill_attention_supported", &prefill_attention_supported, "prefill_attention_supported(group, head_dim)");

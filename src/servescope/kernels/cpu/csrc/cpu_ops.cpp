@@ -188,9 +188,10 @@ void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
 
 // q [B, H, D]; caches [N, S, Hkv, D] (int8 / fp8: [N, S, Hkv, D + 4], kv_quant.h); block_tables [B, M] int32; context_lens [B] int32 -> [B, H, D].
 // `out`, when given (numel > 0), is written instead of a new tensor; window > 0: the last `window` positions of
-// each sequence only (decode_attention.h).
+// each sequence only; softcap > 0, sinks [H] float32 (numel > 0): decode_attention.h's ScoreMods.
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                           at::Tensor context_lens, double scale, at::Tensor out, int64_t window) {
+                           at::Tensor context_lens, double scale, at::Tensor out, int64_t window, double softcap,
+                           at::Tensor sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
               "paged_decode: shapes");
@@ -201,6 +202,11 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
   TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() && context_lens.numel() >= b,
               "paged_decode: context_lens int32 [B]");
   if (q.stride(2) != 1) q = q.contiguous();
+  TORCH_CHECK(softcap >= 0.0, "paged_decode: softcap >= 0");
+  const bool has_sinks = sinks.defined() && sinks.numel() > 0;
+  TORCH_CHECK(!has_sinks || (sinks.scalar_type() == at::kFloat && sinks.is_contiguous() && sinks.numel() == h),
+              "paged_decode: sinks float32 [H]");
+  const ScoreMods mods{(float)softcap, has_sinks ? sinks.data_ptr<float>() : nullptr};
   if (!out.defined() || out.numel() == 0) out = at::empty({b, h, d}, q.options());
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.stride(2) == 1,
               "paged_decode: out");
@@ -210,7 +216,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
       using C = decltype(ctag);
       paged_decode_rows<Q, C>(data<Q>(q), q.stride(0), q.stride(1), data<C>(k_cache), data<C>(v_cache), S, hkv, d,
                               block_tables.data_ptr<int32_t>(), block_tables.stride(0), context_lens.data_ptr<int32_t>(),
-                              b, h, (float)scale, data<Q>(out), out.stride(0), out.stride(1), window);
+                              b, h, (float)scale, data<Q>(out), out.stride(0), out.stride(1), window, mods);
     });
   });
   return out;

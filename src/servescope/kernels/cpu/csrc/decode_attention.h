@@ -16,6 +16,16 @@ namespace servescope_kernels {
 
 using namespace servescope_simd;
 
+// What changes the scores before the softmax (model/attention/scores.py has the torch reference): softcap > 0,
+// each score s (already times the scale) becomes softcap * tanh(s / softcap) (Gemma 2); sinks [H] float32,
+// one more logit per query head in the softmax, its probability dropped (gpt-oss). The default: neither.
+struct ScoreMods {
+  float softcap = 0.f;
+  const float* sinks = nullptr;
+  // the softmax's denominator with head i's sink joined, the running max being m
+  float denominator(float den, float m, int64_t i) const { return sinks ? den + std::exp(sinks[i] - m) : den; }
+};
+
 // Any head dim: one task per (sequence, KV head); the G query heads of the group share each K and V
 // row (loaded once). Online softmax over chunks of up to CH positions within a block.
 constexpr int64_t CH = 32;
@@ -24,7 +34,7 @@ constexpr int64_t HT = 8;  // query heads per register tile
 template <typename Q, typename C>
 void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, int64_t S, int64_t hkv, int64_t d,
                 const int32_t* bt, int64_t bts, const int32_t* cl, int64_t b, int64_t h, float scale, Q* out,
-                int64_t os0, int64_t os1, int64_t window) {
+                int64_t os0, int64_t os1, int64_t window, ScoreMods mods) {
   const int64_t g = h / hkv;
   const int64_t dp = d + kScalePad<C>;  // a row's pitch: D values (and the scale of a quantised cache)
   const int64_t row = hkv * dp;         // elements between consecutive positions of one head in the cache
@@ -71,6 +81,8 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
         // online softmax: rescale the running sums by exp(old max - new max)
         for (int64_t i = 0; i < g; ++i) {
           float* s = sc + i * CH;
+          if (mods.softcap > 0.f)
+            for (int64_t t = 0; t < n; t += W) storen(s + t, vsoftcap(loadn(s + t, n - t), mods.softcap), n - t);
           float cmax = s[0];
           for (int64_t t = 1; t < n; ++t) cmax = std::max(cmax, s[t]);
           const float mnew = std::max(mx[i], cmax);
@@ -104,7 +116,8 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
       }
       for (int64_t i = 0; i < g; ++i) {
         Q* o = out + bi * os0 + (kh * g + i) * os1;
-        const vf inv = set1(den[i] > 0.f ? 1.0f / den[i] : 0.f);
+        const float all = mods.denominator(den[i], mx[i], kh * g + i);
+        const vf inv = set1(all > 0.f ? 1.0f / all : 0.f);
         for (int64_t j = 0; j < d; j += W) storen(o + j, mul(loadn(acc + i * d + j, d - j), inv), d - j);
       }
     }
@@ -147,7 +160,7 @@ struct Tile {
 template <typename Q, typename C, int D>
 void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, int64_t S, int64_t hkv,
                  const int32_t* bt, int64_t bts, const int32_t* cl, int64_t b, int64_t h, float scale, Q* out,
-                 int64_t os0, int64_t os1, int64_t window) {
+                 int64_t os0, int64_t os1, int64_t window, ScoreMods mods) {
   constexpr int NJ = D / W, HD = NJ >= 16 ? 1 : 16 / NJ, KW = W;  // KW keys per tile
   static_assert(D % W == 0, "decode_fast: head dim a multiple of the vector width");
   // bfloat16 queries and keys: the scores come from VDPBF16PS on the raw pairs (products of two
@@ -303,6 +316,7 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
             }
             vf sum = transpose_sum(part);
             if constexpr (kDot) sum = mul(sum, set1(scale));  // q unscaled: exact bf16 pairs
+            if (mods.softcap > 0.f) sum = vsoftcap(sum, mods.softcap);
             const vf sc = first_lanes(sum, n, -std::numeric_limits<float>::infinity());
             const float mnew = std::max(mx[i], reduce_max(sc));
             // exp(-inf) = 0 on the first keys; an unchanged max (most tiles) needs no exp: exp(0) = 1 exactly
@@ -383,7 +397,8 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
       }
       for (int64_t i = 0; i < h; ++i) {
         Q* o = out + bi * os0 + i * os1;
-        const vf inv = set1(den_[i] > 0.f ? 1.0f / den_[i] : 0.f);
+        const float all = mods.denominator(den_[i], mx_[i], i);
+        const vf inv = set1(all > 0.f ? 1.0f / all : 0.f);
         for (int j = 0; j < NJ; ++j) store(o + W * j, mul(load(acc_ + i * D + W * j), inv));
       }
     }
@@ -402,6 +417,7 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
         den += pp[1] * c;
         for (int k = 0; k < NJ; ++k) acc[k] = fmadd(loadn(pp + 2 + W * k, W), set1(c), acc[k]);
       }
+      den = mods.denominator(den, m, i);
       const vf inv = set1(den > 0.f ? 1.0f / den : 0.f);
       Q* o = out + bi * os0 + i * os1;
       for (int k = 0; k < NJ; ++k) store(o + W * k, mul(acc[k], inv));
@@ -412,13 +428,13 @@ void decode_fast(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc,
 template <typename Q, typename C>
 void paged_decode_rows(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, int64_t S, int64_t hkv,
                        int64_t d, const int32_t* bt, int64_t bts, const int32_t* cl, int64_t b, int64_t h, float scale,
-                       Q* out, int64_t os0, int64_t os1, int64_t window = 0) {
+                       Q* out, int64_t os0, int64_t os1, int64_t window = 0, ScoreMods mods = {}) {
   if (d == 64)
-    decode_fast<Q, C, 64>(q, qs0, qs1, kc, vc, S, hkv, bt, bts, cl, b, h, scale, out, os0, os1, window);
+    decode_fast<Q, C, 64>(q, qs0, qs1, kc, vc, S, hkv, bt, bts, cl, b, h, scale, out, os0, os1, window, mods);
   else if (d == 128)
-    decode_fast<Q, C, 128>(q, qs0, qs1, kc, vc, S, hkv, bt, bts, cl, b, h, scale, out, os0, os1, window);
+    decode_fast<Q, C, 128>(q, qs0, qs1, kc, vc, S, hkv, bt, bts, cl, b, h, scale, out, os0, os1, window, mods);
   else
-    decode_any<Q, C>(q, qs0, qs1, kc, vc, S, hkv, d, bt, bts, cl, b, h, scale, out, os0, os1, window);
+    decode_any<Q, C>(q, qs0, qs1, kc, vc, S, hkv, d, bt, bts, cl, b, h, scale, out, os0, os1, window, mods);
 }
 
 }  // namespace servescope_kernels

@@ -412,6 +412,15 @@ inline vf vexp(vf x) {
 #endif
 }
 
+// c * tanh(x / c) for float32 lanes (attention soft-capping, c > 0): tanh(y) = sign(y) (1 - e) / (1 + e) with
+// e = exp(-2|y|) in (0, 1], which never overflows; within a few ulp of c, absolutely, of torch's tanh
+inline vf vsoftcap(vf x, float c) {
+  const vf y = mul(x, set1(1.0f / c));
+  const vf e = vexp(mul(max(y, sub(zero(), y)), set1(-2.0f)));
+  const vf t = mul(div(sub(set1(1.0f), e), add(set1(1.0f), e)), set1(c));
+  return where_lt(y, 0.0f, sub(zero(), t), t);
+}
+
 // v rounded to T and widened back (the rounding an eager op in dtype T does to its result)
 template <typename T>
 inline vf rnd(vf v) {
