@@ -92,24 +92,29 @@ class Deployment:
 
     # ---------------------------------------------------------------- routing
     def _route(self, prompt: Sequence[int]) -> int:
-        n = len(self.engines)
-        if n == 1:
+        if len(self.engines) == 1:
             return 0
+        loads = [e.outstanding_tokens for e in self.engines]
+        hits = [self.cached_prefix(e, prompt) for e in self.engines] if self.router == "prefix" else None
+        return self.choose(loads, hits)
+
+    def choose(self, loads: Sequence[int], hits) -> int:
+        """The replica the router sends a request to, from each replica's outstanding tokens and (the prefix
+        router only, else None) the tokens of the prompt its prefix cache holds. Advances round-robin."""
+        n = len(loads)
         if self.router == "round-robin":
             self._next = (self._next + 1) % n
             return (self._next - 1) % n
-        loads = [e.outstanding_tokens for e in self.engines]
         least = min(range(n), key=loads.__getitem__)
         if self.router == "least-tokens":
             return least
-        hits = [self._cached_prefix(e, prompt) for e in self.engines]
         best = max(range(n), key=lambda i: (hits[i], -loads[i]))
         if hits[best] == 0 or loads[best] - loads[least] > self.balance_tokens:
             return least
         return best
 
     @staticmethod
-    def _cached_prefix(engine: SimEngine, prompt: Sequence[int]) -> int:
+    def cached_prefix(engine: SimEngine, prompt: Sequence[int]) -> int:
         """Tokens of the prompt's leading full blocks that the replica's prefix cache holds now."""
         km = engine.kv_manager
         if not km.enable_prefix_caching:

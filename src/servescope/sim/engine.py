@@ -53,7 +53,7 @@ class SimEngine:
         self.clock = 0.0  # virtual seconds
         self.kv_manager = KVCacheManager(CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks,
                                                      enable_prefix_caching=spec.enable_prefix_caching))
-        self.scheduler = Scheduler(spec.scheduler, self.kv_manager, clock=lambda: self.clock)
+        self.scheduler = Scheduler(spec.scheduler, self.kv_manager, clock=self.now)  # a bound method: pickles
         self.timer = timer or StepTimer(spec)  # replicas of one spec share one (and its memo)
         self.steps: Optional[list] = [] if keep_steps else None
         self.num_steps = 0
