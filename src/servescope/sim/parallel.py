@@ -60,10 +60,12 @@ class _Group:
         busy = min((e.clock for e in self.engines if e.has_unfinished()), default=math.inf)
         return loads, hits, busy, self.time
 
-    def run_out(self) -> None:
+    def run_out(self, start: float) -> dict:
+        """Run the replicas to the end; {request index: its record (sim/driver.record_of)} of this group's."""
         for e in self.engines:
             while e.has_unfinished():
                 self._step(e)
+        return {j: record_of(self.requests[j], f, self.arrivals[j], start) for j, f in self.finished.items()}
 
     def _step(self, engine) -> None:
         for f in engine.step():
@@ -80,9 +82,9 @@ class _Group:
             self.finished[j] = refused
 
 
-def _serve(conn, group: _Group) -> None:
+def _serve(conn, group: _Group, start: float) -> None:
     """A child's loop: (request to add or -1, its replica, the request to meet for or -1, whether it opens a
-    batch) until the last message, then (finished, latest finish, its replicas) back."""
+    batch) until the last message, then (records, finished, latest finish, its replicas) back."""
     try:
         while True:
             add, replica, upto, opens_batch = conn.recv()
@@ -91,8 +93,8 @@ def _serve(conn, group: _Group) -> None:
             if upto < 0:
                 break
             conn.send(group.meet(upto, opens_batch))
-        group.run_out()
-        conn.send(("done", group.finished, group.last, group.engines))
+        records = group.run_out(start)
+        conn.send(("done", records, group.finished, group.last, group.engines))
     except BaseException:  # noqa: BLE001 -- anything the child hits is reported to the parent, which raises
         conn.send(("error", traceback.format_exc()))
     finally:
@@ -115,16 +117,17 @@ def drive_replicas(deployment: Deployment, requests: Sequence, workers: int = 2,
     try:
         for g in groups[1:]:
             parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child_end, g), daemon=True)
+            proc = ctx.Process(target=_serve, args=(child_end, g, start), daemon=True)
             proc.start()
             child_end.close()
             conns.append(parent_end)
             procs.append(proc)
         _route_all(deployment, groups, conns, owner, start, prefix)
-        groups[0].run_out()
+        records = groups[0].run_out(start)  # the records of each group's requests built in its process
         finished, last = dict(groups[0].finished), max(start, groups[0].last)
         for g, conn in zip(groups[1:], conns):
-            _, done, child_last, engines = _reply(conn)
+            _, more, done, child_last, engines = _reply(conn)
+            records.update(more)
             finished.update(done)
             last = max(last, child_last)
             for i, e in zip(g.indices, engines):
@@ -139,8 +142,7 @@ def drive_replicas(deployment: Deployment, requests: Sequence, workers: int = 2,
     deployment._time = max([deployment._time] + [e.clock for e in deployment.engines])
     deployment._due = None
     n = len(requests)
-    records = [record_of(requests[j], finished[j], arrivals[j], start) for j in range(n)]
-    return records, max(last - start, 1e-9), [finished[j] for j in range(n)]
+    return [records[j] for j in range(n)], max(last - start, 1e-9), [finished[j] for j in range(n)]
 
 
 def _route_all(deployment: Deployment, groups: list, conns: list, owner: list, start: float, prefix: str) -> None:
