@@ -25,6 +25,7 @@ from servescope.sim.step_time import StepTimer
 
 ROUTERS = ("round-robin", "least-tokens", "prefix")
 DEFAULT_BALANCE_TOKENS = 4096
+_STALE = object()  # Deployment._due before the next replica to step is looked up
 
 
 class Deployment:
@@ -42,7 +43,7 @@ class Deployment:
         self._time = 0.0
         self._next = 0
         self._home: dict = {}  # request id -> replica index
-        self._due = None  # the replica now() found to step next, until a request comes in
+        self._due = _STALE  # the busy replica to step next (None: none is busy), until a step or a request
 
     @property
     def num_devices(self) -> int:
@@ -58,25 +59,34 @@ class Deployment:
 
     # ---------------------------------------------------------------- Served
     def now(self) -> float:
-        engine = self._due = self._earliest()  # step() runs it unless a request comes in between
+        engine = self._due_replica()
         return self._time if engine is None else engine.clock
 
-    def _earliest(self):
-        """The busy replica whose next step starts first (the first of equals), or None."""
-        best = None
-        for e in self.engines:  # a plain loop: once or twice a simulated step
-            if (best is None or e.clock < best.clock) and e.has_unfinished():
-                best = e
-        return best
+    def _due_replica(self):
+        """The busy replica whose next step starts first (the first of equals), or None; found once between
+        two steps or requests (the driver asks now(), has_unfinished() and step() for each step)."""
+        if self._due is _STALE:
+            best = None
+            for e in self.engines:  # a plain loop: once a simulated step
+                if (best is None or e.clock < best.clock) and e.has_unfinished():
+                    best = e
+            self._due = best
+        return self._due
 
     def wait_until(self, t: float) -> None:
         self._time = max(self._time, t)
 
+    def resync(self) -> None:
+        """After the replicas were stepped elsewhere (sim/parallel.py): the latest time is their latest clock,
+        the next replica to step is looked up again."""
+        self._time = max([self._time] + [e.clock for e in self.engines])
+        self._due = _STALE
+
     def has_unfinished(self) -> bool:
-        return self._due is not None or any(e.has_unfinished() for e in self.engines)
+        return self._due_replica() is not None
 
     def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, arrival_time: float):
-        self._due = None  # the request may wake an idle replica or move one's clock
+        self._due = _STALE  # the request may wake an idle replica or move one's clock
         i = self._route(prompt)
         self._home[request_id] = i
         engine = self.engines[i]
@@ -84,8 +94,8 @@ class Deployment:
         return engine.add_request(request_id, prompt, max_tokens, arrival_time)
 
     def step(self) -> list:
-        engine = self._due or self._earliest()
-        self._due = None
+        engine = self._due_replica()
+        self._due = _STALE
         done = engine.step()
         self._time = max(self._time, engine.clock)
         return done

@@ -139,8 +139,7 @@ def drive_replicas(deployment: Deployment, requests: Sequence, workers: int = 2,
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()
-    deployment._time = max([deployment._time] + [e.clock for e in deployment.engines])
-    deployment._due = None
+    deployment.resync()
     n = len(requests)
     return [records[j] for j in range(n)], max(last - start, 1e-9), [finished[j] for j in range(n)]
 
