@@ -1,4 +1,5 @@
-"""Replicas in several processes (sim/parallel.py) give the sequential run's results, bit for bit."""
+"""The simulator's fast paths change no result: replicas in several processes (sim/parallel.py) and the
+inline token delivery (SimEngine._deliver_all) give the plain sequential run's records, bit for bit."""
 
 import random
 
@@ -7,6 +8,7 @@ import pytest
 from servescope.config.engine import BatchingConfig, KVCacheConfig
 from servescope.sim.cluster import Deployment
 from servescope.sim.driver import drive
+from servescope.sim.engine import SimEngine
 from servescope.sim.parallel import drive_replicas
 from servescope.sim.run import simulate
 from servescope.sim.spec import SpecDecodeSpec, instance_spec
@@ -91,3 +93,23 @@ def test_a_failing_worker_raises_in_the_parent():
     dep.engines[1].step = broken  # the child's replica fails on its first step
     with pytest.raises(RuntimeError, match="boom"):
         drive_replicas(dep, _workload(10, 50.0), 2)
+
+
+def _plain_deliver_all(self, due, now, done):
+    """SimEngine._deliver_all without its inline case: every entry through _deliver."""
+    for entry in due:
+        finished = self._deliver(entry, now)
+        if finished is not None:
+            done.append(finished)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_the_inline_delivery_gives_the_plain_ones_records(k, monkeypatch):
+    # least-tokens routes on the outstanding tokens that delivery keeps: a difference there moves requests
+    spec = _spec(spec_decode=SpecDecodeSpec(k=k, acceptance=0.7))
+    reqs = _workload(120, 4000.0, seed=3)
+    fast = drive(Deployment(spec, 3, "least-tokens"), reqs)
+    monkeypatch.setattr(SimEngine, "_deliver_all", _plain_deliver_all)
+    plain_dep = Deployment(spec, 3, "least-tokens")
+    _same(fast, drive(plain_dep, reqs))
+    assert all(e.outstanding_tokens == 0 for e in plain_dep.engines)
