@@ -92,10 +92,10 @@ def check_memo(timer, every: int) -> list:
     return errors
 
 
-def cpu_seconds() -> float:
+def cpu_seconds() -> tuple:
     """CPU seconds of this process and of its finished children (the worker processes)."""
     me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+    return me.ru_utime + me.ru_stime, children.ru_utime + children.ru_stime
 
 
 def main(argv=None) -> int:
@@ -116,13 +116,16 @@ def main(argv=None) -> int:
     errors = check_memo(dep.engines[0].timer, a.check_every) if a.check_every else None
     cpu0, wall0 = cpu_seconds(), time.perf_counter()
     run = simulate(dep, reqs, workers=1 if a.check_every else a.workers)
-    cpu, wall = cpu_seconds() - cpu0, time.perf_counter() - wall0
+    wall = time.perf_counter() - wall0
+    cpu_self, cpu_children = (after - before for after, before in zip(cpu_seconds(), cpu0))
+    cpu = cpu_self + cpu_children
     r = run.result
     steps = sum(e.num_steps for e in dep.engines)
     out = {"simulated_seconds": run.result.duration_s, "requests": len(reqs), "steps": steps, "cpu_seconds": cpu,
            "wall_seconds": wall, "cpu_us_per_step": cpu / steps * 1e6,
            "cpu_seconds_per_simulated_hour": cpu * 3600 / run.result.duration_s,
            "wall_seconds_per_simulated_hour": wall * 3600 / run.result.duration_s, "workers": a.workers,
+           "cpu_seconds_this_process": cpu_self, "cpu_seconds_workers": cpu_children,
            "median_ttft_ms": r.ttft.median_ms, "p90_ttft_ms": r.ttft.percentiles_ms[90.0],
            "p99_ttft_ms": r.ttft.percentiles_ms[99.0], "median_tpot_ms": r.tpot.median_ms,
            "p90_tpot_ms": r.tpot.percentiles_ms[90.0], "p99_tpot_ms": r.tpot.percentiles_ms[99.0],
