@@ -87,9 +87,7 @@ class Deployment:
 
     def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, arrival_time: float):
         self._due = _STALE  # the request may wake an idle replica or move one's clock
-        i = self._route(prompt)
-        self._home[request_id] = i
-        engine = self.engines[i]
+        engine = self.engines[self._route(request_id, prompt)]
         engine.wait_until(arrival_time)  # an idle replica starts its next step when the request arrives
         return engine.add_request(request_id, prompt, max_tokens, arrival_time)
 
@@ -101,17 +99,24 @@ class Deployment:
         return done
 
     # ---------------------------------------------------------------- routing
-    def _route(self, prompt: Sequence[int]) -> int:
+    def _route(self, request_id: str, prompt: Sequence[int]) -> int:
         if len(self.engines) == 1:
-            return 0
+            return self.choose(request_id, [0], None)
         loads = [e.outstanding_tokens for e in self.engines]
         hits = [self.cached_prefix(e, prompt) for e in self.engines] if self.router == "prefix" else None
-        return self.choose(loads, hits)
+        return self.choose(request_id, loads, hits)
 
-    def choose(self, loads: Sequence[int], hits) -> int:
-        """The replica the router sends a request to, from each replica's outstanding tokens and (the prefix
-        router only, else None) the tokens of the prompt its prefix cache holds. Advances round-robin."""
+    def choose(self, request_id: str, loads: Sequence[int], hits) -> int:
+        """The replica the router sends the request to, from each replica's outstanding tokens and (the prefix
+        router only, else None) the tokens of the prompt its prefix cache holds; it is the request's home
+        from now on (served_by). Advances round-robin."""
+        self._home[request_id] = i = self._pick(loads, hits)
+        return i
+
+    def _pick(self, loads: Sequence[int], hits) -> int:
         n = len(loads)
+        if n == 1:
+            return 0
         if self.router == "round-robin":
             self._next = (self._next + 1) % n
             return (self._next - 1) % n

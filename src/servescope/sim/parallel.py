@@ -166,8 +166,7 @@ def _route_all(deployment: Deployment, groups: list, conns: list, owner: list, s
             if busy == math.inf:
                 time_seen = max(time_seen, arrivals[j])  # drive's wait_until
             now = busy if busy < math.inf else time_seen
-        replica = deployment.choose(loads, hits) if len(loads) > 1 else 0
-        deployment._home[f"{prefix}-{j}"] = replica
+        replica = deployment.choose(f"{prefix}-{j}", loads, hits)
         if owner[replica] == 0:
             groups[0].add(j, replica)
         else:
