@@ -1,6 +1,7 @@
 """The simulator's fast paths change no result: replicas in several processes (sim/parallel.py) and the
 inline token delivery (SimEngine._deliver_all) give the plain sequential run's records, bit for bit."""
 
+import os
 import random
 
 import pytest
@@ -92,6 +93,10 @@ def test_a_failing_worker_raises_in_the_parent():
 
     dep.engines[1].step = broken  # the child's replica fails on its first step
     with pytest.raises(RuntimeError, match="boom"):
+        drive_replicas(dep, _workload(10, 50.0), 2)
+    dep = Deployment(spec, 2, "round-robin")
+    dep.engines[1].step = lambda: os._exit(3)  # the child dies without a word
+    with pytest.raises(RuntimeError, match="exited without an answer"):
         drive_replicas(dep, _workload(10, 50.0), 2)
 
 

@@ -176,7 +176,10 @@ def _route_all(deployment: Deployment, groups: list, conns: list, owner: list, s
 
 
 def _reply(conn):
-    msg = conn.recv()
+    try:
+        msg = conn.recv()
+    except EOFError:
+        raise RuntimeError("a simulator worker process exited without an answer") from None
     if isinstance(msg, tuple) and msg and msg[0] == "error":
         raise RuntimeError(f"a simulator worker process failed:\n{msg[1]}")
     return msg
