@@ -8,6 +8,7 @@ import pytest
 
 from servescope.config.engine import BatchingConfig, KVCacheConfig
 from servescope.sim.cluster import Deployment
+from servescope.sim.disagg import Disaggregated
 from servescope.sim.driver import drive
 from servescope.sim.engine import SimEngine
 from servescope.sim.parallel import drive_replicas
@@ -82,6 +83,12 @@ def test_simulate_takes_workers_and_keeps_the_report():
     b = simulate(Deployment(spec, 2, "least-tokens", keep_steps=False), reqs, workers=2)
     assert a.result.to_dict() == b.result.to_dict()
     assert a.stats == b.stats
+    # disaggregated instances and a concurrency limit stay in one process, with the same results
+    one = simulate(Disaggregated(spec, 1, 1), reqs)
+    assert simulate(Disaggregated(spec, 1, 1), reqs, workers=2).result.to_dict() == one.result.to_dict()
+    limited = simulate(Deployment(spec, 2, "least-tokens"), reqs, max_concurrency=4)
+    assert simulate(Deployment(spec, 2, "least-tokens"), reqs, max_concurrency=4,
+                    workers=2).result.to_dict() == limited.result.to_dict()
 
 
 def test_a_failing_worker_raises_in_the_parent():

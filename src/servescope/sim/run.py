@@ -27,10 +27,11 @@ class SimRun:
 def simulate(deployment: Deployment, requests: Sequence, max_concurrency: Optional[int] = None, goodput=None,
              percentiles=(90.0, 99.0), config: Optional[dict] = None, workers: int = 1) -> SimRun:
     """Send `requests` (sim/workload.SimRequest) to the deployment on its virtual clock. workers > 1: the
-    replicas of a deployment without a concurrency limit run in that many processes (sim/parallel.py: the
-    same results)."""
+    replicas of a data-parallel Deployment without a concurrency limit run in that many processes
+    (sim/parallel.py: the same results); anything else runs in this one."""
     t0 = time.perf_counter()
-    if workers > 1 and max_concurrency is None and len(deployment.engines) > 1:
+    replicas = isinstance(deployment, Deployment) and len(deployment.engines) > 1  # not P/D instances
+    if workers > 1 and max_concurrency is None and replicas:
         records, duration, finished = drive_replicas(deployment, requests, workers)
     else:
         records, duration, finished = drive(deployment, requests, max_concurrency)
