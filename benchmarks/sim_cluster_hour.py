@@ -2,7 +2,8 @@
 
 Llama-3-70B, 8 replicas of TP8 on H100s (64 GPUs) behind a router, bench serve's random workload
 at 50 requests/s (prompts 512-1536 tokens, outputs 128-384). Runs --seconds of arrivals (the whole hour
-by default) and prints the CPU seconds it took, the steps simulated, the CPU time per step, and the CPU
+by default) and prints the wall and CPU seconds it took (--workers N: the replicas in N processes,
+sim/parallel.py; CPU seconds include the workers'), the steps simulated, the CPU time per step, and the CPU
 seconds per simulated hour (a shorter run scales linearly: the cluster is in steady state after the
 first seconds). One process: the simulator is single-threaded.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 
 import numpy as np
@@ -90,6 +92,12 @@ def check_memo(timer, every: int) -> list:
     return errors
 
 
+def cpu_seconds() -> tuple:
+    """CPU seconds of this process and of its finished children (the worker processes)."""
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, children.ru_utime + children.ru_stime
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=3600.0, help="seconds of arrivals to simulate")
@@ -97,6 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--router", default="least-tokens", choices=ROUTERS)
     p.add_argument("--context-quantum", type=int, default=DEFAULT_CONTEXT_QUANTUM)
     p.add_argument("--check-every", type=int, default=0, help="compare every Nth memoised step with its exact one")
+    p.add_argument("--workers", type=int, default=1, help="processes the 8 replicas run in (sim/parallel.py)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     spec = instance_spec("llama-3-70b", "H100", parallel=ParallelConfig(tensor_parallel_size=8),
@@ -105,14 +114,18 @@ def main(argv=None) -> int:
     reqs = LazyWorkload(int(a.rate * a.seconds), a.rate, (512, 1536), (128, 384), spec.model.vocab_size)
     dep = Deployment(spec, 8, a.router, keep_steps=False)
     errors = check_memo(dep.engines[0].timer, a.check_every) if a.check_every else None
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    run = simulate(dep, reqs)
-    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    cpu0, wall0 = cpu_seconds(), time.perf_counter()
+    run = simulate(dep, reqs, workers=1 if a.check_every else a.workers)
+    wall = time.perf_counter() - wall0
+    cpu_self, cpu_children = (after - before for after, before in zip(cpu_seconds(), cpu0))
+    cpu = cpu_self + cpu_children
     r = run.result
     steps = sum(e.num_steps for e in dep.engines)
     out = {"simulated_seconds": run.result.duration_s, "requests": len(reqs), "steps": steps, "cpu_seconds": cpu,
            "wall_seconds": wall, "cpu_us_per_step": cpu / steps * 1e6,
            "cpu_seconds_per_simulated_hour": cpu * 3600 / run.result.duration_s,
+           "wall_seconds_per_simulated_hour": wall * 3600 / run.result.duration_s, "workers": a.workers,
+           "cpu_seconds_this_process": cpu_self, "cpu_seconds_workers": cpu_children,
            "median_ttft_ms": r.ttft.median_ms, "p90_ttft_ms": r.ttft.percentiles_ms[90.0],
            "p99_ttft_ms": r.ttft.percentiles_ms[99.0], "median_tpot_ms": r.tpot.median_ms,
            "p90_tpot_ms": r.tpot.percentiles_ms[90.0], "p99_tpot_ms": r.tpot.percentiles_ms[99.0],

@@ -26,7 +26,6 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -41,14 +40,13 @@ from servescope.engine.kv_transfer import adopt_prompt_kv, export_prompt_kv
 from servescope.kvcache.prefix_cache import max_hit_blocks
 from servescope.engine.llm_engine import LLMEngine
 from servescope.errors import InvalidParameterError, WorkerFailedError
-from servescope.parallel.groups import free_port
-from servescope.parallel.launcher import watch_parent
+from servescope.parallel.groups import WORKER_TIMEOUT_S, free_port, master_store, worker_store
+from servescope.parallel.launcher import WorkerGroup, watch_parent
 
 logger = logging.getLogger(__name__)
 
 LAYOUTS = ("1P1D",)
 START_TIMEOUT_S = 600.0  # for the prefill process to load its weights
-GROUP_TIMEOUT_S = 7 * 24 * 3600.0  # the receiver waits for the next transfer as long as the server is up
 IDLE_WAIT_S = 0.002  # the engine thread's wait for a transfer when the decode engine has nothing to run
 
 
@@ -72,7 +70,7 @@ class DisaggregatedEngine:
     def __init__(self, decode: LLMEngine, layout: str = "1P1D", start_timeout_s: float = START_TIMEOUT_S):
         check_layout(layout, decode.config)
         self.decode, self.layout = decode, layout
-        self._pending: dict = {}  # request id -> (prompt, ids, params, priority, arrival, ticket) meanwhile
+        self._pending: dict = {}  # request id -> (text, ids, params, priority, arrival, ticket) meanwhile
         # the worker knows each prefill by a ticket only: KV that arrives for an aborted request (its ticket
         # gone from here) is dropped, never taken for a later request of the same id
         self._ticket_of: dict = {}  # ticket -> request id
@@ -83,17 +81,14 @@ class DisaggregatedEngine:
         ctx = mp.get_context("spawn")
         self._to_worker, self._from_worker = ctx.Queue(), ctx.Queue()
         port = free_port()
-        self._store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-        self._worker = ctx.Process(target=_prefill_worker, name="servescope-prefill", daemon=True,
-                                   args=(decode.config, port, self._to_worker, self._from_worker,
-                                         os.getpid()))
-        self._worker.start()
+        self._store = master_store(port, 2)
+        self._workers = WorkerGroup(_prefill_worker, 2, (decode.config, port, self._to_worker, self._from_worker))
+        self._worker = self._workers.procs[0]
         # the group's rendezvous blocks until the worker joins: in a thread, so that a worker that dies
         # first is reported (by _wait_ready) instead of waiting out the timeout
         joined: list = []
         threading.Thread(target=lambda: joined.append(dist.ProcessGroupGloo(
-            self._store, 0, 2, datetime.timedelta(seconds=GROUP_TIMEOUT_S))), daemon=True).start()
+            self._store, 0, 2, datetime.timedelta(seconds=WORKER_TIMEOUT_S))), daemon=True).start()
         try:
             self._wait_ready(start_timeout_s, joined)
         except BaseException:
@@ -112,21 +107,19 @@ class DisaggregatedEngine:
     def add_request(self, request_id: str, prompt: Union[str, Sequence[int]],
                     params: Optional[SamplingParams] = None, priority: int = 0,
                     arrival_time: Optional[float] = None) -> None:
-        """Validate as the engine does, then send the prompt to the prefill process (a prompt without a
-        full block goes to the decode engine at once). Raises InvalidParameterError, nothing queued."""
+        """Validate (the decode engine's validate_request, once), then send the prompt to the prefill process
+        (a prompt without a full block goes to the decode engine at once). Raises InvalidParameterError,
+        nothing queued."""
         params = params or SamplingParams()  # a dead worker is step()'s to report (it closes the engine)
         if request_id in self._pending or request_id in self.decode.outputs:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
-        _, ids = self.decode._prompt_token_ids(prompt)
-        self.decode._check_fits(ids, params)
+        text, ids = self.decode.validate_request(prompt, params)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         if max_hit_blocks(len(ids), self.decode.cache_config.block_size) == 0:
-            self.decode.add_request(request_id, prompt, params, priority, arrival)
+            self.decode.enqueue(request_id, text, ids, params, priority, arrival)
             return
-        if params.structured is not None:
-            self.decode.grammar_compiler.compile(params.structured)  # a bad constraint fails here, not later
         ticket = next(self._tickets)
-        self._pending[request_id] = (prompt, ids, params, priority, arrival, ticket)
+        self._pending[request_id] = (text, ids, params, priority, arrival, ticket)
         self._ticket_of[ticket] = request_id
         self._to_worker.put(("prefill", ticket, ids, params.cache_salt))
 
@@ -164,12 +157,12 @@ class DisaggregatedEngine:
         request_id = self._ticket_of.pop(ticket, None)
         if request_id is None:  # aborted while in the prefill process
             return
-        prompt, ids, params, priority, arrival, _ = self._pending.pop(request_id)
+        text, ids, params, priority, arrival, _ = self._pending.pop(request_id)
         if isinstance(kv, str):  # the prefill engine refused it: the decode engine prefills it itself
             logger.warning("prefill of %s failed (%s); the decode engine computes its prompt", request_id, kv)
         else:
             adopt_prompt_kv(self.decode, request_id, ids, params.cache_salt, kv)
-        self.decode.add_request(request_id, prompt, params, priority, arrival)
+        self.decode.enqueue(request_id, text, ids, params, priority, arrival)
 
     # ---------------------------------------------------------------- the worker
     def _receive(self) -> None:
@@ -235,10 +228,7 @@ class DisaggregatedEngine:
     def _stop_worker(self) -> None:
         if self._worker.is_alive():
             self._to_worker.put(("stop",))
-            self._worker.join(5.0)
-        if self._worker.is_alive():
-            self._worker.terminate()
-            self._worker.join(2.0)
+        self._workers.shutdown()  # waits for it, then terminates, then kills
 
     def shutdown(self, keep_workers: bool = False) -> None:
         """Stop the prefill process, then the decode engine's own workers; idempotent."""
@@ -248,14 +238,13 @@ class DisaggregatedEngine:
         self.decode.shutdown(keep_workers)
 
 
-def _prefill_worker(config: EngineConfig, port: int, inbox, outbox, parent_pid: int) -> None:
-    """The prefill process: its own engine on the same config; prefill each request (one token), send
-    the KV of its prompt's full blocks."""
+def _prefill_worker(rank: int, config: EngineConfig, port: int, inbox, outbox, parent_pid: int) -> None:
+    """The prefill process (rank 1 of the pair): its own engine on the same config; prefill each request (one
+    token), send the KV of its prompt's full blocks."""
     watch_parent(parent_pid)
     try:
-        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False,
-                              timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-        group = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+        store = worker_store(port, 2)
+        group = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=WORKER_TIMEOUT_S))
         engine = LLMEngine(config)
     except Exception as e:  # noqa: BLE001 - reported to the server, which refuses to start
         outbox.put(("failed", f"{type(e).__name__}: {e}"))

@@ -145,12 +145,24 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.outputs:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
+        text, ids = self.validate_request(prompt, params)
+        self.enqueue(request_id, text, ids, params, priority, arrival_time)
+
+    def validate_request(self, prompt: Union[str, Sequence[int]], params: SamplingParams) -> tuple:
+        """(prompt text or None, token ids) of a request this engine accepts (the prompt tokenised and checked,
+        the context and the constraint too); raises InvalidParameterError otherwise."""
         text, ids = self._prompt_token_ids(prompt)
         self._check_fits(ids, params)
+        if params.structured is not None:
+            self.grammar_compiler.compile(params.structured)  # raises on a bad constraint before anything is queued
+        return text, ids
+
+    def enqueue(self, request_id: str, text: Optional[str], ids: list, params: SamplingParams, priority: int = 0,
+                arrival_time: Optional[float] = None) -> None:
+        """Queue a request that validate_request accepted (its text and ids), without checking it again
+        (engine/disaggregated.py validates on arrival and queues after the prefill process is done)."""
         now = time.perf_counter() if arrival_time is None else arrival_time
         grammar = self.grammar_compiler if params.structured is not None else None
-        if grammar is not None:
-            grammar.compile(params.structured)  # raises on a bad constraint before anything is queued
         samples = []
         for i in range(params.n):  # n samples: n scheduler requests, seeds seed, seed + 1, ...
             sp = params if params.n == 1 or params.seed is None else params.replace(seed=params.seed + i)

@@ -25,6 +25,7 @@ from servescope.sim.step_time import StepTimer
 
 ROUTERS = ("round-robin", "least-tokens", "prefix")
 DEFAULT_BALANCE_TOKENS = 4096
+_STALE = object()  # Deployment._due before the next replica to step is looked up
 
 
 class Deployment:
@@ -42,7 +43,7 @@ class Deployment:
         self._time = 0.0
         self._next = 0
         self._home: dict = {}  # request id -> replica index
-        self._due = None  # the replica now() found to step next, until a request comes in
+        self._due = _STALE  # the busy replica to step next (None: none is busy), until a step or a request
 
     @property
     def num_devices(self) -> int:
@@ -58,58 +59,77 @@ class Deployment:
 
     # ---------------------------------------------------------------- Served
     def now(self) -> float:
-        engine = self._due = self._earliest()  # step() runs it unless a request comes in between
+        engine = self._due_replica()
         return self._time if engine is None else engine.clock
 
-    def _earliest(self):
-        """The busy replica whose next step starts first (the first of equals), or None."""
-        best = None
-        for e in self.engines:  # a plain loop: once or twice a simulated step
-            if (best is None or e.clock < best.clock) and e.has_unfinished():
-                best = e
-        return best
+    def _due_replica(self):
+        """The busy replica whose next step starts first (the first of equals), or None; found once between
+        two steps or requests (the driver asks now(), has_unfinished() and step() for each step)."""
+        if self._due is _STALE:
+            best = None
+            for e in self.engines:  # a plain loop: once a simulated step
+                if (best is None or e.clock < best.clock) and e.has_unfinished():
+                    best = e
+            self._due = best
+        return self._due
 
     def wait_until(self, t: float) -> None:
         self._time = max(self._time, t)
 
+    def resync(self) -> None:
+        """After the replicas were stepped elsewhere (sim/parallel.py): the latest time is their latest clock,
+        the next replica to step is looked up again."""
+        self._time = max([self._time] + [e.clock for e in self.engines])
+        self._due = _STALE
+
     def has_unfinished(self) -> bool:
-        return self._due is not None or any(e.has_unfinished() for e in self.engines)
+        return self._due_replica() is not None
 
     def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, arrival_time: float):
-        self._due = None  # the request may wake an idle replica or move one's clock
-        i = self._route(prompt)
-        self._home[request_id] = i
-        engine = self.engines[i]
+        self._due = _STALE  # the request may wake an idle replica or move one's clock
+        engine = self.engines[self._route(request_id, prompt)]
         engine.wait_until(arrival_time)  # an idle replica starts its next step when the request arrives
         return engine.add_request(request_id, prompt, max_tokens, arrival_time)
 
     def step(self) -> list:
-        engine = self._due or self._earliest()
-        self._due = None
+        engine = self._due_replica()
+        self._due = _STALE
         done = engine.step()
         self._time = max(self._time, engine.clock)
         return done
 
     # ---------------------------------------------------------------- routing
-    def _route(self, prompt: Sequence[int]) -> int:
-        n = len(self.engines)
+    def _route(self, request_id: str, prompt: Sequence[int]) -> int:
+        if len(self.engines) == 1:
+            return self.choose(request_id, [0], None)
+        loads = [e.outstanding_tokens for e in self.engines]
+        hits = [self.cached_prefix(e, prompt) for e in self.engines] if self.router == "prefix" else None
+        return self.choose(request_id, loads, hits)
+
+    def choose(self, request_id: str, loads: Sequence[int], hits) -> int:
+        """The replica the router sends the request to, from each replica's outstanding tokens and (the prefix
+        router only, else None) the tokens of the prompt its prefix cache holds; it is the request's home
+        from now on (served_by). Advances round-robin."""
+        self._home[request_id] = i = self._pick(loads, hits)
+        return i
+
+    def _pick(self, loads: Sequence[int], hits) -> int:
+        n = len(loads)
         if n == 1:
             return 0
         if self.router == "round-robin":
             self._next = (self._next + 1) % n
             return (self._next - 1) % n
-        loads = [e.outstanding_tokens for e in self.engines]
         least = min(range(n), key=loads.__getitem__)
         if self.router == "least-tokens":
             return least
-        hits = [self._cached_prefix(e, prompt) for e in self.engines]
         best = max(range(n), key=lambda i: (hits[i], -loads[i]))
         if hits[best] == 0 or loads[best] - loads[least] > self.balance_tokens:
             return least
         return best
 
     @staticmethod
-    def _cached_prefix(engine: SimEngine, prompt: Sequence[int]) -> int:
+    def cached_prefix(engine: SimEngine, prompt: Sequence[int]) -> int:
         """Tokens of the prompt's leading full blocks that the replica's prefix cache holds now."""
         km = engine.kv_manager
         if not km.enable_prefix_caching:

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 from servescope.bench.metrics import BenchmarkResult
 from servescope.sim.cluster import Deployment
 from servescope.sim.driver import bench_result, drive
+from servescope.sim.parallel import drive_replicas
 from servescope.telemetry.trace import write_chrome_trace
 
 
@@ -24,10 +25,16 @@ class SimRun:
 
 
 def simulate(deployment: Deployment, requests: Sequence, max_concurrency: Optional[int] = None, goodput=None,
-             percentiles=(90.0, 99.0), config: Optional[dict] = None) -> SimRun:
-    """Send `requests` (sim/workload.SimRequest) to the deployment on its virtual clock."""
+             percentiles=(90.0, 99.0), config: Optional[dict] = None, workers: int = 1) -> SimRun:
+    """Send `requests` (sim/workload.SimRequest) to the deployment on its virtual clock. workers > 1: the
+    replicas of a data-parallel Deployment without a concurrency limit run in that many processes
+    (sim/parallel.py: the same results); anything else runs in this one."""
     t0 = time.perf_counter()
-    records, duration, finished = drive(deployment, requests, max_concurrency)
+    replicas = isinstance(deployment, Deployment) and len(deployment.engines) > 1  # not P/D instances
+    if workers > 1 and max_concurrency is None and replicas:
+        records, duration, finished = drive_replicas(deployment, requests, workers)
+    else:
+        records, duration, finished = drive(deployment, requests, max_concurrency)
     result = bench_result(records, duration, goodput, percentiles, config)
     return SimRun(result, deployment, finished, time.perf_counter() - t0, deployment.stats(duration))
 

@@ -1,0 +1,185 @@
+"""A data-parallel deployment's replicas simulated in several processes, with the sequential run's results.
+
+Replicas of a `Deployment` share nothing but the router: between two arrivals each replica steps on its
+own. The sequential loop (sim/driver.drive over Deployment) adds requests in batches: at the deployment's
+`now` (the earliest clock of a busy replica, or the latest time seen when none is busy) it adds every
+next request that has arrived by then, on the replicas as they are; then it steps the earliest replica
+until the next request has arrived by `now`, i.e. every busy replica runs exactly its steps that start
+before that arrival. Here the replicas are split into groups, one per process (this one runs the first
+group, forked children the others), and the groups meet at every request: for one that opens a batch
+each runs its replicas' steps that start before the arrival, each reports its replicas' outstanding
+tokens (and, for the prefix router, the prompt's cached tokens) and its earliest busy and latest clock,
+this process computes the batch's `now` and routes with Deployment.choose on the same numbers, and the
+chosen replica's group adds the request before going on. Every replica therefore sees
+the same requests at the same states and takes the same steps, and every float is summed in the same
+order: each request's token times, hence bench serve's report, are identical to the sequential run's
+(tests/sim/test_parallel.py compares them). At the end the children send back their finished requests
+and their replicas (SimEngine pickles), which replace this process's copies in `deployment.engines`.
+
+Only without a concurrency limit: with one, when a request is sent depends on when others finish, which
+the groups learn only at the next meeting.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import traceback
+from typing import Sequence
+
+from servescope.sim.cluster import Deployment
+from servescope.sim.driver import record_of
+
+
+class _Group:
+    """Replicas of one process: `indices` into the deployment's engines."""
+
+    def __init__(self, deployment: Deployment, indices: Sequence[int], requests: Sequence, arrivals: list,
+                 prefix: str):
+        self.dep, self.indices = deployment, list(indices)
+        self.engines = [deployment.engines[i] for i in self.indices]
+        self.requests, self.arrivals, self.prefix = requests, arrivals, prefix
+        self.finished: dict = {}  # request index -> Finished
+        self.last = 0.0  # the latest finish of a step-finished request
+        self.time = 0.0  # the latest clock a step reached (the deployment's `_time` rule)
+
+    def meet(self, j: int, opens_batch: bool) -> tuple:
+        """Before request j is routed: run every step that starts before it arrives if it opens a batch; then
+        (outstanding tokens, prefix-cached tokens of its prompt or None) of each replica, the earliest clock
+        of a busy replica (inf if none), the latest clock a step reached."""
+        if opens_batch:
+            t = self.arrivals[j]
+            for e in self.engines:
+                while e.clock < t and e.has_unfinished():
+                    self._step(e)
+        loads = [e.outstanding_tokens for e in self.engines]
+        hits = None
+        if self.dep.router == "prefix":
+            prompt = self.requests[j].prompt
+            hits = [self.dep.cached_prefix(e, prompt) for e in self.engines]
+        busy = min((e.clock for e in self.engines if e.has_unfinished()), default=math.inf)
+        return loads, hits, busy, self.time
+
+    def run_out(self, start: float) -> dict:
+        """Run the replicas to the end; {request index: its record (sim/driver.record_of)} of this group's."""
+        for e in self.engines:
+            while e.has_unfinished():
+                self._step(e)
+        return {j: record_of(self.requests[j], f, self.arrivals[j], start) for j, f in self.finished.items()}
+
+    def _step(self, engine) -> None:
+        for f in engine.step():
+            self.finished[int(f.request_id.rsplit("-", 1)[1])] = f
+            self.last = max(self.last, f.metrics.finished_time)
+        self.time = max(self.time, engine.clock)
+
+    def add(self, j: int, replica: int) -> None:
+        """Send request j to the deployment's replica `replica` (one of this group's), as Deployment.add."""
+        engine, r, t = self.dep.engines[replica], self.requests[j], self.arrivals[j]
+        engine.wait_until(t)
+        refused = engine.add_request(f"{self.prefix}-{j}", r.prompt, r.output_len, t)
+        if refused is not None:
+            self.finished[j] = refused
+
+
+def _serve(conn, group: _Group, start: float) -> None:
+    """A child's loop: (request to add or -1, its replica, the request to meet for or -1, whether it opens a
+    batch) until the last message, then (records, finished, latest finish, its replicas) back."""
+    try:
+        while True:
+            add, replica, upto, opens_batch = conn.recv()
+            if add >= 0:
+                group.add(add, replica)
+            if upto < 0:
+                break
+            conn.send(group.meet(upto, opens_batch))
+        records = group.run_out(start)
+        conn.send(("done", records, group.finished, group.last, group.engines))
+    except BaseException:  # noqa: BLE001 -- anything the child hits is reported to the parent, which raises
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def drive_replicas(deployment: Deployment, requests: Sequence, workers: int = 2, prefix: str = "req") -> tuple:
+    """sim/driver.drive(deployment, requests) without a concurrency limit, the replicas split over `workers`
+    processes; (records in request order, duration in seconds, finished objects), the same as drive's."""
+    n_rep = len(deployment.engines)
+    workers = max(1, min(workers, n_rep))
+    start = deployment.now()
+    arrivals = [start + r.arrival for r in requests]
+    bounds = [n_rep * g // workers for g in range(workers + 1)]
+    groups = [_Group(deployment, range(bounds[g], bounds[g + 1]), requests, arrivals, prefix)
+              for g in range(workers)]
+    owner = [g for g in range(workers) for _ in groups[g].indices]
+    ctx = multiprocessing.get_context("fork")  # the children inherit the deployment and the workload as they are
+    conns, procs = [], []
+    try:
+        for g in groups[1:]:
+            parent_end, child_end = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(child_end, g, start), daemon=True)
+            proc.start()
+            child_end.close()
+            conns.append(parent_end)
+            procs.append(proc)
+        _route_all(deployment, groups, conns, owner, start, prefix)
+        records = groups[0].run_out(start)  # the records of each group's requests built in its process
+        finished, last = dict(groups[0].finished), max(start, groups[0].last)
+        for g, conn in zip(groups[1:], conns):
+            _, more, done, child_last, engines = _reply(conn)
+            records.update(more)
+            finished.update(done)
+            last = max(last, child_last)
+            for i, e in zip(g.indices, engines):
+                e.timer = deployment.engines[0].timer  # one memo again, as the replicas had
+                deployment.engines[i] = e
+        for proc in procs:
+            proc.join()
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+    deployment.resync()
+    n = len(requests)
+    return [records[j] for j in range(n)], max(last - start, 1e-9), [finished[j] for j in range(n)]
+
+
+def _route_all(deployment: Deployment, groups: list, conns: list, owner: list, start: float, prefix: str) -> None:
+    """Meet the groups at every request and route it (the sequential loop's batches: the module docstring);
+    the children get their last additions with the message that ends their loop."""
+    arrivals = groups[0].arrivals
+    now = time_seen = start
+    pending = [(-1, -1)] * len(conns)  # per child: (request, replica) to add at the next meeting
+    for j in range(len(arrivals)):
+        opens = arrivals[j] > now
+        for c, conn in enumerate(conns):
+            conn.send((*pending[c], j, opens))
+        pending = [(-1, -1)] * len(conns)
+        loads, hits, busy, seen = groups[0].meet(j, opens)
+        for conn in conns:
+            more = _reply(conn)
+            loads = loads + more[0]
+            hits = None if hits is None else hits + more[1]
+            busy, seen = min(busy, more[2]), max(seen, more[3])
+        if opens:  # Deployment.now(): the earliest busy replica's clock, else the latest time seen
+            time_seen = max(time_seen, seen)
+            if busy == math.inf:
+                time_seen = max(time_seen, arrivals[j])  # drive's wait_until
+            now = busy if busy < math.inf else time_seen
+        replica = deployment.choose(f"{prefix}-{j}", loads, hits)
+        if owner[replica] == 0:
+            groups[0].add(j, replica)
+        else:
+            pending[owner[replica] - 1] = (j, replica)
+    for c, conn in enumerate(conns):
+        conn.send((*pending[c], -1, False))
+
+
+def _reply(conn):
+    try:
+        msg = conn.recv()
+    except EOFError:
+        raise RuntimeError("a simulator worker process exited without an answer") from None
+    if isinstance(msg, tuple) and msg and msg[0] == "error":
+        raise RuntimeError(f"a simulator worker process failed:\n{msg[1]}")
+    return msg
