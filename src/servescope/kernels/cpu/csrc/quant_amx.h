@@ -11,10 +11,14 @@
 // float32 summation order. Each activation row is a lane of its own, so a row's result does not depend on
 // the other rows of the call.
 //
-// Layout: A = 16 weight rows x one 32-block (a panel of the weight unpacked to int8 once per call, 16 x kp
-// bytes, in L2 while every activation tile passes), B = the block's 8 k-quads x 16 activation rows (the
-// activations re-laid when they are quantised), C = 16 x 16 int32, stored after each block and scaled into
-// 16 float vectors (lane = activation row) that stay in registers over the blocks.
+// Layout: A = 16 weight rows x one 32-block (a panel: int4 rows unpacked to int8 once per block of
+// activation tiles into a 16 x kp buffer; int8 rows read where they lie), B = the block's 8 k-quads x 16
+// activation rows (the activations re-laid when they are quantised), C = 16 x 16 int32, stored per block and
+// scaled into 16 float vectors (lane = activation row) that stay in registers over the blocks.
+// Where the time goes (docs/BENCHMARKS.md, "packed decode on AMX" section): at 16 rows the panel's weight
+// reads, so the next panel is prefetched while this one computes and the float scaling of 4 blocks runs while
+// the next 4 blocks' tile products are in flight; per extra activation tile, the per-block C store and
+// float scaling (3 vector operations per C row), which group-32 scales leave no way to skip.
 //
 // Compiled where the compiler targets AMX (-mamx-tile -mamx-int8, extension.py adds them on a CPU with
 // amx_int8); used only when the kernel grants the tile state (amx_ready); quant_dot.h's VNNI kernels
@@ -105,7 +109,7 @@ inline void quantize_amx_acts(const T* x, int64_t M, int64_t kp, AmxActs& a) {
 
 // A panel: weight rows n0 .. n0 + 16 as the A operand (signed bytes, `a` with row stride `lda`) and their
 // scales as floats, row r's at d[r * ld ..] (ld = nb, or 2 nb interleaved d, m when asymmetric); rows past
-// N are zeros. Symmetric int8 rows are read where they lie (no copy) unless the panel is partial.
+// N are zeros. int8 rows are read where they lie (no copy) unless the panel is partial.
 struct AmxPanel {
   const int8_t* a = nullptr;
   int64_t lda = 0, ld = 0;
@@ -119,8 +123,10 @@ inline void amx_unpack4(const uint8_t* w, int8_t* dst, __m512i off) {
   const __m512i v = _mm512_loadu_si512(w);
   const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(v, mask), off);
   const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), mask), off);
-  _mm512_storeu_si512(dst, _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), hi));
-  _mm512_storeu_si512(dst + 64, _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), hi));
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+  const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  _mm512_storeu_si512(dst, _mm512_permutex2var_epi64(lo, first, hi));
+  _mm512_storeu_si512(dst + 64, _mm512_permutex2var_epi64(lo, second, hi));
 }
 
 // The panel's rows (row n0 on, up to N) unpacked into pw (row stride kp), row by row (one sequential
@@ -167,11 +173,12 @@ inline AmxPanel amx_panel(const QMatrix& q, int64_t n0, int8_t* pw, float* pd) {
   return p;
 }
 
-// Bring the next panel's packed rows towards L1 while this one computes: `step` of every row's bytes per
-// call (the kernel's block loop spreads them over its first activation tile)
+// Bring the next panel's packed rows towards L1 while this one computes: bytes from .. from + bytes of each
+// of its 16 rows per call (the kernel's block loop spreads the rows over its first activation tile)
 inline void amx_prefetch_rows(const uint8_t* w, int64_t rb, int64_t from, int64_t bytes) {
   for (int64_t r = 0; r < AMX_T; ++r)
-    for (int64_t o = from; o < std::min(from + bytes, rb); o += 64) _mm_prefetch((const char*)w + r * rb + o, _MM_HINT_T0);
+    for (int64_t o = from; o < std::min(from + bytes, rb); o += 64)
+      _mm_prefetch((const char*)w + r * rb + o, _MM_HINT_T0);
 }
 
 // acc[r] += the scaled products of blocks b0 .. b0 + nbk whose int32 C tiles are at c[0..nbk)
@@ -187,7 +194,8 @@ inline void amx_scale(const AmxActs& a, int64_t t, const AmxPanel& p, int64_t b0
     }
     if constexpr (ASYM) {
       const __m512 sx = _mm512_loadu_ps(a.sx.data() + tb * AMX_T);
-      for (int r = 0; r < AMX_T; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p.d[r * p.ld + b * 2 + 1]), sx, acc[r]);
+      for (int r = 0; r < AMX_T; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p.d[r * p.ld + b * 2 + 1]), sx, acc[r]);
     }
   }
 }
@@ -197,7 +205,8 @@ inline void amx_scale(const AmxActs& a, int64_t t, const AmxPanel& p, int64_t b0
 // the tile products of 4 blocks are issued before the float scaling of the 4 before them, so that the
 // scaling's loads never wait on the products' latency (two sets of C buffers).
 template <bool ASYM>
-inline void amx_tile(const AmxActs& a, int64_t t, const AmxPanel& p, const uint8_t* next, int64_t rb, float* out) {
+inline void amx_tile(const AmxActs& a, int64_t t, const AmxPanel& p, const uint8_t* next, int64_t rb,
+                     float* out) {
   alignas(64) int32_t c[2][4][AMX_T * AMX_T];
   __m512 acc[AMX_T];
   for (auto& v : acc) v = _mm512_setzero_ps();
