@@ -338,7 +338,7 @@ def test_prefill_path_tiles_dtypes_and_bias(dtype, tile, onednn, monkeypatch):
     first = QuantScheme(4, 32) if dtype == torch.bfloat16 else QuantScheme(4, 64)
     for scheme in (first, QuantScheme(8, 64, True)):
         q = ql.QuantLinear.from_linear(lin, scheme)
-        m = q.gemv_rows // 3 + 1  # 3 * m rows: just past the GEMV's
+        m = q.row_limit(dtype) // 3 + 1  # 3 * m rows: just past the GEMV's
         x = torch.randn(3, m, 100).to(dtype)
         w = qp.dequantize(q.qweight, q.scales, 100, torch.float64)
         if dtype == torch.bfloat16:

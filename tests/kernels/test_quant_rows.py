@@ -100,19 +100,44 @@ def test_bad_orders_are_refused():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quant_linear_keeps_group32_batches_on_the_integer_kernels(dtype, monkeypatch):
-    """Up to GROUP32_MAX_ROWS rows QuantLinear calls quant_gemv (never the dequantising path) and the plan
-    is told the same limit; other groups stop at MAX_ROWS."""
+    """Up to group32_max_rows(dtype) rows QuantLinear calls quant_gemv (never the dequantising path) and the
+    plan is told the same limit; other groups stop at MAX_ROWS."""
     _ext()
     torch.manual_seed(7)
     lin = torch.nn.Linear(96, 24, bias=True)
     q = ql.QuantLinear.from_linear(lin, QuantScheme(4, 32))
-    limit = ql.GROUP32_MAX_ROWS
-    assert q.gemv_rows == limit and q.plan_entry()[1:] == ((limit, 0), limit)
-    assert ql.QuantLinear.from_linear(lin, QuantScheme(4, 64)).gemv_rows == ql.MAX_ROWS
+    limit = ql.group32_max_rows(dtype)
+    assert q.row_limit(dtype) == limit and q.plan_entry(dtype)[1:] == ((limit, 0), limit)
+    assert ql.QuantLinear.from_linear(lin, QuantScheme(4, 64)).row_limit(dtype) == ql.MAX_ROWS
     monkeypatch.setattr(ql.QuantLinear, "_prefill", lambda *a: pytest.fail("dequantised a decode batch"))
-    x = torch.randn(ql.GROUP32_MAX_ROWS, 96).to(dtype)
+    x = torch.randn(limit, 96).to(dtype)
     xa = qp.gemv_activations(x.float(), 96, 32)[0]
     ref = xa @ qp.dequantize(q.qweight, q.scales, 96, torch.float64).T + lin.bias.double()
     y = q(x)
     assert y.dtype == dtype
     assert torch.allclose(y.double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
+
+
+@pytest.mark.parametrize("amx_bf16", [True, False])
+def test_group32_row_limit_by_dtype_and_cpu(amx_bf16, monkeypatch):
+    """bfloat16 activations on a CPU whose bfloat16 GEMM runs on AMX tiles leave quant_gemv past
+    GROUP32_MAX_ROWS_BF16_AMX rows (dequantise + oneDNN measured faster there); float32 activations, and
+    bfloat16 elsewhere, stay on it up to GROUP32_MAX_ROWS; a module's fixed gemv_rows overrides both."""
+    _ext()
+    monkeypatch.setattr(ql, "_BF16_ON_AMX", amx_bf16)
+    bf16_limit = ql.GROUP32_MAX_ROWS_BF16_AMX if amx_bf16 else ql.GROUP32_MAX_ROWS
+    assert ql.group32_max_rows(torch.bfloat16) == bf16_limit
+    assert ql.group32_max_rows(torch.float32) == ql.GROUP32_MAX_ROWS
+    torch.manual_seed(3)
+    q = ql.QuantLinear.from_linear(torch.nn.Linear(64, 16, bias=False), QuantScheme(4, 32))
+    calls = []
+    monkeypatch.setattr(ql.QuantLinear, "_prefill",
+                        lambda self, m, x: calls.append(len(x)) or torch.zeros(len(x), 16))
+    for rows in (bf16_limit, bf16_limit + 1):
+        calls.clear()
+        q(torch.randn(rows, 64).bfloat16())
+        assert calls == ([] if rows <= bf16_limit else [rows]), (rows, calls)
+    q.gemv_rows = 10**9
+    calls.clear()
+    q(torch.randn(bf16_limit + 1, 64).bfloat16())
+    assert calls == [] and q.plan_entry(torch.bfloat16)[2] == 10**9

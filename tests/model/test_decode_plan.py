@@ -85,12 +85,13 @@ def test_decode_plan_matches_module_path_bit_for_bit(tmp_path, monkeypatch, fami
     # bfloat16: the GEMV up to 2 rows, oneDNN above, where oneDNN takes the dtype (bfloat16 needs
     # AVX512-BF16 / AMX: on an AVX2 CPU the plan stops at the GEMV's 2 rows);
     # int8: the GEMV up to 16 rows, and the modules above (eager dequantisation)
-    # packed group-32 int4 / int8 (model/linears/packed.py): quant_gemv up to GROUP32_MAX_ROWS, other groups
+    # packed group-32 int4 / int8 (model/linears/packed.py): quant_gemv up to group32_max_rows, other groups
     # up to MAX_ROWS
     onednn = cpu_linear.pack_for_onednn(torch.zeros(64, 64, dtype=getattr(torch, dtype))) is not None
     panel = cpu_linear.PANEL_MAX_ROWS if dtype == "float32" else 0
     dense = 1 << 30 if onednn else max(cpu_linear.MAX_ROWS[getattr(torch, dtype)], panel)
-    packed = quant_linear.MAX_ROWS if quant and "g64" in quant else quant_linear.GROUP32_MAX_ROWS
+    g32 = quant_linear.group32_max_rows(getattr(torch, dtype))
+    packed = quant_linear.MAX_ROWS if quant and "g64" in quant else g32
     assert rows == ({"int8": 16}.get(quant, packed) if quant else dense)
     # prompts of different lengths (different context lengths in one decode batch, one crossing a
     # 16-token block); batches on both sides of each GEMV limit
@@ -114,7 +115,8 @@ def test_decode_plan_matches_modules_on_packed_batches(tmp_path, dtype, quant):
                               num_hidden_layers=2)
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype=dtype, quantization=quant, num_kv_blocks=128,
               max_model_len=64)
-    assert llm.engine.runner.executor.decode_plan.max_rows == quant_linear.GROUP32_MAX_ROWS
+    g32 = quant_linear.group32_max_rows(getattr(torch, dtype))
+    assert llm.engine.runner.executor.decode_plan.max_rows == g32
     prompts = [[(i * 7 + j * 13) % 500 + 3 for i in range(2 + j % 9)] for j in range(20)]
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for n in (3, 9, 20):

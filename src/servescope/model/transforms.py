@@ -74,7 +74,7 @@ def cpu_decode_plan(model: nn.Module):
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(_plan_covers(m, dtype) for m in linears):
             return None
-        parts = [m.plan_entry() for m in linears]
+        parts = [m.plan_entry(dtype) for m in linears]
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if hasattr(attn, "q_norm"):
             norms += [attn.q_norm, attn.k_norm]

@@ -36,10 +36,10 @@ class CpuLinear(torch.nn.Module):
             return onednn_linear(x, self._packed, self.bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
-    def plan_entry(self) -> tuple:
-        """What the C++ DecodePlan needs to issue this module's kernels itself: ([weight, int8 scale,
-        float32 bias, oneDNN-packed weight, bias, panels], (the GEMV's row limit, the panel GEMM's),
-        the most rows it serves)."""
+    def plan_entry(self, dtype: torch.dtype) -> tuple:
+        """What the C++ DecodePlan needs to issue this module's kernels itself, for the plan's activation
+        dtype (the weight's, here): ([weight, int8 scale, float32 bias, oneDNN-packed weight, bias, panels],
+        (the GEMV's row limit, the panel GEMM's), the most rows it serves)."""
         rows = MAX_ROWS.get(self.weight.dtype, 0)
         panel_rows = 0 if self._panels is None else PANEL_MAX_ROWS
         served = max(rows, panel_rows) if self._packed is None else 1 << 30  # oneDNN serves any M once packed

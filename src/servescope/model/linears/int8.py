@@ -34,7 +34,7 @@ class Int8Linear(nn.Module):
         self._scale_f32 = scale.float()
         self._bias_f32 = None if bias is None else bias.detach().float()
 
-    def plan_entry(self) -> tuple:
+    def plan_entry(self, dtype: torch.dtype) -> tuple:
         """What the C++ DecodePlan needs (see CpuLinear.plan_entry): the int8 GEMV only, so the plan
         serves this module up to the GEMV's row limit (its larger-M path is eager dequantisation)."""
         rows = cpu_linear.MAX_ROWS[torch.int8]

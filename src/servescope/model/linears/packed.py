@@ -2,17 +2,18 @@
 QuantLinear, and QuantEmbedding, which reads the same form.
 
 QuantLinear: decode-sized calls go to the C++ kernels over the packed blocks (quant_gemv): with group-32
-scales (int4, int8-g32, every GGUF block type) up to GROUP32_MAX_ROWS rows, float32 or bfloat16
-activations, every one on int8 dot products (the activations rounded to int8 per block; the kernel by rows,
-measured: quant_dot.h's streaming and weight-stationary VNNI orders, quant_amx.h's AMX-INT8 tiles where the
-CPU has them), so a batched decode step on packed weights never dequantises them; with other groups up to
-MAX_ROWS rows (quant_gemv.h's float GEMV). Larger ones (prefill) with group-32 scales and float32
-activations run the integer GEMM (kernels/cpu/csrc/quant_gemm.h): the activations rounded to int8 per
-32-block, as the GEMV already does at decode and llama.cpp does for its Q4_0 / Q8_0 prefill, so a row's
-result does not depend on how many rows share the call (up to float32 summation order between kernels),
-and the int8 dot products do ~2x the float32 GEMM's work per cycle. The other groups, and bfloat16
-activations above GROUP32_MAX_ROWS (whose AMX / BF16 GEMM is faster still), dequantise the
-matrix and run the float GEMM, which is compute-bound there anyway. On the CPU the dequantisation is C++,
+scales (int4, int8-g32, every GGUF block type) up to group32_max_rows(dtype) rows (measured per kind of
+CPU), float32 or bfloat16 activations, every one on int8 dot products (the activations rounded to int8 per
+block; the kernel by rows, measured: quant_dot.h's streaming and weight-stationary VNNI orders,
+quant_amx.h's AMX-INT8 tiles where the CPU has them), so a batched decode step on packed weights never
+dequantises them; with other groups up to MAX_ROWS rows (quant_gemv.h's float GEMV). Larger ones
+(prefill) with group-32 scales and float32 activations run the integer GEMM
+(kernels/cpu/csrc/quant_gemm.h): the activations rounded to int8 per 32-block, as the GEMV already does at
+decode and llama.cpp does for its Q4_0 / Q8_0 prefill, so a row's result does not depend on how many rows
+share the call (up to float32 summation order between kernels), and the int8 dot products do ~2x the
+float32 GEMM's work per cycle. The other groups, and bfloat16 activations above that limit (whose AMX /
+BF16 GEMM is faster still), dequantise the matrix and run the float GEMM, which is compute-bound there
+anyway. On the CPU the dequantisation is C++,
 parallel over rows, written straight in the activation dtype (bfloat16 for a bfloat16 model: no float32
 copy in between) into a per-thread scratch buffer that is reused, up to TILE_ELEMENTS weights at a time,
 and the GEMM is oneDNN's on that plain buffer (torch's default float32 GEMM, MKL, costs ~1.25x as much
@@ -35,6 +36,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from servescope.analysis.cpu_isa import cpu_flags
 from servescope.kernels.cpu import ops as cpu_ops
 from servescope.kernels.cpu.linear import onednn_linear
 from servescope.quant.packed import dequantize, quantize
@@ -43,14 +45,24 @@ from servescope.quant.scheme import BLOCK, QuantScheme
 # Up to how many rows the packed GEMV of groups other than 32 runs; above, dequantise + GEMM
 # (docs/BENCHMARKS.md)
 MAX_ROWS = 8
-# Up to how many rows group-32 weights stay on quant_gemv's integer kernels, whatever the activation dtype:
-# a batched decode step's sizes (benchmarks/quant_rows.py; docs/BENCHMARKS.md, issue 35 section)
+# Up to how many rows group-32 weights stay on quant_gemv's integer kernels: a batched decode step's sizes
+# (benchmarks/quant_rows.py; docs/BENCHMARKS.md, issue 35 sections)
 GROUP32_MAX_ROWS = 256
+# ... with bfloat16 activations on a CPU whose bfloat16 GEMM runs on AMX tiles: from 256 rows on,
+# dequantising to bfloat16 + oneDNN's AMX-BF16 GEMM beats the AMX-INT8 kernel there, at 128 it does not
+# (measured on the Sapphire Rapids-class Xeon: docs/BENCHMARKS.md, "packed decode on AMX" section)
+GROUP32_MAX_ROWS_BF16_AMX = 128
+_BF16_ON_AMX = "amx_bf16" in cpu_flags()  # read once: /proc/cpuinfo does not change under a process
 GPU_MAX_ROWS = 8  # likewise on a GPU, the Triton GEMV's (kernels/triton/quant.py MAX_M)
 # The most weights the prefill path dequantises for one GEMM call (16 MiB of float32): every projection
 # of a small model in one piece, a large model's matrices and a big vocabulary's head in row tiles
 TILE_ELEMENTS = 1 << 22
 _EMPTY = torch.empty(0)
+
+
+def group32_max_rows(dtype: torch.dtype) -> int:
+    """Up to how many rows group-32 packed weights run quant_gemv with `dtype` activations on this CPU."""
+    return GROUP32_MAX_ROWS_BF16_AMX if dtype == torch.bfloat16 and _BF16_ON_AMX else GROUP32_MAX_ROWS
 
 
 def _triton_quant():
@@ -82,7 +94,7 @@ class QuantLinear(torch.nn.Module):
         self.float_output = float_output
         kp = packed.shape[1] * (2 if packed.dtype == torch.uint8 else 1)
         self.group32 = kp == scales.shape[1] * BLOCK  # one scale per 32-block: the integer GEMM's form
-        self.gemv_rows = GROUP32_MAX_ROWS if self.group32 else MAX_ROWS  # quant_gemv up to this many rows
+        self.gemv_rows = None  # a fixed row limit for quant_gemv (tests); None: row_limit's by dtype and CPU
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, scheme: QuantScheme, float_output: bool = False):
@@ -96,11 +108,17 @@ class QuantLinear(torch.nn.Module):
     def weight_bytes(self) -> int:
         return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 2
 
+    def row_limit(self, dtype: torch.dtype) -> int:
+        """Up to how many rows of `dtype` activations forward (and the decode plan) call quant_gemv."""
+        if self.gemv_rows is not None:
+            return self.gemv_rows
+        return group32_max_rows(dtype) if self.group32 else MAX_ROWS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         mod = _cpu_kernels(x2)
-        if mod is not None and x2.shape[0] <= self.gemv_rows:
+        if mod is not None and x2.shape[0] <= self.row_limit(x2.dtype):
             y = mod.quant_gemv(x2, self.qweight, self.scales, _opt(self._bias_f32))
             y = y if self.float_output else y.to(x.dtype)
         elif x2.is_cuda and x2.shape[0] <= GPU_MAX_ROWS and _triton_quant() is not None:
@@ -141,11 +159,12 @@ class QuantLinear(torch.nn.Module):
             self._bias_cast = self.bias.detach().to(dtype)
         return self._bias_cast
 
-    def plan_entry(self) -> tuple:
+    def plan_entry(self, dtype: torch.dtype) -> tuple:
         """For the C++ DecodePlan (see CpuLinear.plan_entry): its `gemv` routes float16-scaled packed
-        weights to quant_gemv, as forward does, so the plan serves decode steps up to gemv_rows rows."""
+        weights to quant_gemv, as forward does, so the plan serves decode steps up to row_limit rows."""
         entry = [self.qweight, self.scales, _opt(self._bias_f32), _EMPTY, _EMPTY, _EMPTY]
-        return entry, (self.gemv_rows, 0), self.gemv_rows
+        rows = self.row_limit(dtype)
+        return entry, (rows, 0), rows
 
 
 class QuantEmbedding(torch.nn.Module):

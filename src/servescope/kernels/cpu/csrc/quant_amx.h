@@ -11,10 +11,14 @@
 // float32 summation order. Each activation row is a lane of its own, so a row's result does not depend on
 // the other rows of the call.
 //
-// Layout: A = 16 weight rows x one 32-block (a panel of the weight unpacked to int8 once per call, 16 x kp
-// bytes, in L2 while every activation tile passes), B = the block's 8 k-quads x 16 activation rows (the
-// activations re-laid when they are quantised), C = 16 x 16 int32, stored after each block and scaled into
-// 16 float vectors (lane = activation row) that stay in registers over the blocks.
+// Layout: A = 16 weight rows x one 32-block (a panel: int4 rows unpacked to int8 once per block of
+// activation tiles into a 16 x kp buffer; int8 rows read where they lie), B = the block's 8 k-quads x 16
+// activation rows (the activations re-laid when they are quantised), C = 16 x 16 int32, stored per block and
+// scaled into 16 float vectors (lane = activation row) that stay in registers over the blocks.
+// Where the time goes (docs/BENCHMARKS.md, "packed decode on AMX" section): at 16 rows the panel's weight
+// reads, so the next panel is prefetched while this one computes and the float scaling of 4 blocks runs while
+// the next 4 blocks' tile products are in flight; per extra activation tile, the per-block C store and
+// float scaling (3 vector operations per C row), which group-32 scales leave no way to skip.
 //
 // Compiled where the compiler targets AMX (-mamx-tile -mamx-int8, extension.py adds them on a CPU with
 // amx_int8); used only when the kernel grants the tile state (amx_ready); quant_dot.h's VNNI kernels
@@ -63,15 +67,15 @@ inline void amx_configure() {
   _tile_loadconfig(&c);
 }
 
-// C tile c = the block product of the A rows at pa (stride kp) into tile a, and the B quads at pb into tile b,
-// stored to out. A macro: GCC's tile intrinsics take the tile numbers as literal tokens.
-#define SERVESCOPE_AMX_BLOCK(c, a, b, pa, kp, pb, out) \
-  do {                                                 \
-    _tile_loadd(a, pa, kp);                            \
-    _tile_loadd(b, pb, AMX_T * 4);                     \
-    _tile_zero(c);                                     \
-    _tile_dpbssd(c, a, b);                             \
-    _tile_stored(c, out, AMX_T * 4);                   \
+// C tile c = the block product of the A rows at pa (stride lda) in tile a and the B quads at pb in tile b
+// (stored later: a tile store right after its product waits out the product's latency, and the
+// instructions behind it with it). Macros: GCC's tile intrinsics take the tile numbers as literal tokens.
+#define SERVESCOPE_AMX_DOT(c, a, b, pa, lda, pb) \
+  do {                                           \
+    _tile_loadd(a, pa, lda);                     \
+    _tile_loadd(b, pb, AMX_T * 4);               \
+    _tile_zero(c);                               \
+    _tile_dpbssd(c, a, b);                       \
   } while (0)
 
 // The activations for the tiles: int8 [tiles][nb][8 quads][16 rows][4] and per (tile, block) the 16 rows'
@@ -103,64 +107,130 @@ inline void quantize_amx_acts(const T* x, int64_t M, int64_t kp, AmxActs& a) {
   });
 }
 
-// Weight rows n0 .. n0 + 16 (past N: zeros) as signed bytes [16][kp] and their scales as floats [nb][16]
-inline void amx_panel(const QMatrix& q, int64_t n0, int8_t* pw, float* pd, float* pm) {
-  const int64_t nb = q.kp / 32, rb = q.row_bytes(), sc = q.asym ? 2 : 1;
-  for (int64_t r = 0; r < AMX_T; ++r) {
-    int8_t* dst = pw + r * q.kp;
-    if (n0 + r >= q.n) {
-      std::memset(dst, 0, q.kp);
-      for (int64_t b = 0; b < nb; ++b) pd[b * AMX_T + r] = pm[b * AMX_T + r] = 0.f;
-      continue;
-    }
-    const uint8_t* w = q.w + (n0 + r) * rb;
-    if (q.int4) {  // byte j of a block: element j (low nibble) and j + 16 (high)
-      const __m128i mask = _mm_set1_epi8(15), off = _mm_set1_epi8(q.asym ? 0 : 8);
-      for (int64_t b = 0; b < nb; ++b) {
-        const __m128i v = _mm_loadu_si128((const __m128i*)(w + b * 16));
-        _mm_storeu_si128((__m128i*)(dst + b * 32), _mm_sub_epi8(_mm_and_si128(v, mask), off));
-        _mm_storeu_si128((__m128i*)(dst + b * 32 + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), off));
-      }
-    } else {
-      std::memcpy(dst, w, q.kp);
-    }
-    const uint16_t* s = q.scales + (n0 + r) * nb * sc;
-    for (int64_t b = 0; b < nb; ++b) {
-      pd[b * AMX_T + r] = half_to_float(s[b * sc]);
-      pm[b * AMX_T + r] = q.asym ? half_to_float(s[b * sc + 1]) : 0.f;
+// A panel: weight rows n0 .. n0 + 16 as the A operand (signed bytes, `a` with row stride `lda`) and their
+// scales as floats, row r's at d[r * ld ..] (ld = nb, or 2 nb interleaved d, m when asymmetric); rows past
+// N are zeros. int8 rows are read where they lie (no copy) unless the panel is partial.
+struct AmxPanel {
+  const int8_t* a = nullptr;
+  int64_t lda = 0, ld = 0;
+  float* d = nullptr;
+};
+
+// 64 packed int4 bytes (4 blocks of one row) -> 128 signed bytes in element order (block b: its 16 low
+// nibbles, elements 0..15, then its 16 high ones)
+inline void amx_unpack4(const uint8_t* w, int8_t* dst, __m512i off) {
+  const __m512i mask = _mm512_set1_epi8(15);
+  const __m512i v = _mm512_loadu_si512(w);
+  const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(v, mask), off);
+  const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), mask), off);
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+  const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  _mm512_storeu_si512(dst, _mm512_permutex2var_epi64(lo, first, hi));
+  _mm512_storeu_si512(dst + 64, _mm512_permutex2var_epi64(lo, second, hi));
+}
+
+// The panel's rows (row n0 on, up to N) unpacked into pw (row stride kp), row by row (one sequential
+// stream: reading the 16 rows' blocks side by side measured slower)
+inline void amx_unpack(const QMatrix& q, int64_t n0, int8_t* pw) {
+  const int64_t rb = q.row_bytes(), rows = std::min<int64_t>(AMX_T, q.n - n0), nb = q.kp / 32;
+  const uint8_t* w = q.w + n0 * rb;
+  if (!q.int4) {
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(pw + r * q.kp, w + r * rb, q.kp);
+    return;
+  }
+  const __m512i off = _mm512_set1_epi8(q.asym ? 0 : 8);
+  for (int64_t r = 0; r < rows; ++r) {  // byte j of a block: element j (low nibble) and j + 16 (high)
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) amx_unpack4(w + r * rb + b * 16, pw + r * q.kp + b * 32, off);
+    if (b < nb) {  // the last 1-3 blocks through a zero-padded copy
+      alignas(64) uint8_t tail[64] = {};
+      alignas(64) int8_t out[128];
+      std::memcpy(tail, w + r * rb + b * 16, (nb - b) * 16);
+      amx_unpack4(tail, out, off);
+      std::memcpy(pw + r * q.kp + b * 32, out, (nb - b) * 32);
     }
   }
 }
 
-// acc[r] lane i = y[tile row i][panel row r] for one activation tile t against the panel
+inline AmxPanel amx_panel(const QMatrix& q, int64_t n0, int8_t* pw, float* pd) {
+  const int64_t nb = q.kp / 32, rb = q.row_bytes(), sc = q.asym ? 2 : 1, ld = nb * sc;
+  const bool whole = n0 + AMX_T <= q.n, direct = whole && !q.int4;
+  AmxPanel p{direct ? (const int8_t*)q.w + n0 * rb : pw, direct ? rb : q.kp, ld, pd};
+  if (!direct) amx_unpack(q, n0, pw);
+  for (int64_t r = 0; r < AMX_T; ++r) {
+    float* d = pd + r * ld;
+    if (n0 + r >= q.n) {
+      std::memset(pw + r * q.kp, 0, q.kp);
+      std::fill(d, d + ld, 0.f);
+      continue;
+    }
+    const uint16_t* s = q.scales + (n0 + r) * ld;
+    for (int64_t i = 0; i < ld; i += 16) {
+      const __mmask16 k = (__mmask16)(ld - i >= 16 ? 0xFFFF : (1u << (ld - i)) - 1);
+      _mm512_mask_storeu_ps(d + i, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, s + i)));
+    }
+  }
+  return p;
+}
+
+// Bring the next panel's packed rows towards L1 while this one computes: bytes from .. from + bytes of each
+// of its 16 rows per call (the kernel's block loop spreads the rows over its first activation tile)
+inline void amx_prefetch_rows(const uint8_t* w, int64_t rb, int64_t from, int64_t bytes) {
+  for (int64_t r = 0; r < AMX_T; ++r)
+    for (int64_t o = from; o < std::min(from + bytes, rb); o += 64)
+      _mm_prefetch((const char*)w + r * rb + o, _MM_HINT_T0);
+}
+
+// acc[r] += the scaled products of blocks b0 .. b0 + nbk whose int32 C tiles are at c[0..nbk)
 template <bool ASYM>
-inline void amx_tile(const AmxActs& a, int64_t kp, int64_t t, const int8_t* pw, const float* pd, const float* pm,
+inline void amx_scale(const AmxActs& a, int64_t t, const AmxPanel& p, int64_t b0, int64_t nbk,
+                      const int32_t (*c)[AMX_T * AMX_T], __m512* acc) {
+  for (int64_t j = 0; j < nbk; ++j) {
+    const int64_t b = b0 + j, tb = t * a.nb + b;
+    const __m512 dx = _mm512_loadu_ps(a.dx.data() + tb * AMX_T);
+    for (int r = 0; r < AMX_T; ++r) {
+      const __m512 s = _mm512_mul_ps(_mm512_set1_ps(p.d[r * p.ld + b * (ASYM ? 2 : 1)]), dx);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[j] + r * AMX_T)), s, acc[r]);
+    }
+    if constexpr (ASYM) {
+      const __m512 sx = _mm512_loadu_ps(a.sx.data() + tb * AMX_T);
+      for (int r = 0; r < AMX_T; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p.d[r * p.ld + b * 2 + 1]), sx, acc[r]);
+    }
+  }
+}
+
+// acc[r] lane i = y[tile row i][panel row r] for one activation tile t against the panel; while it runs,
+// the rows at `next` (the following panel, row stride rb; null for none) are prefetched. Software-pipelined:
+// the tile products of 4 blocks are issued before the float scaling of the 4 before them, so that the
+// scaling's loads never wait on the products' latency (two sets of C buffers).
+template <bool ASYM>
+inline void amx_tile(const AmxActs& a, int64_t t, const AmxPanel& p, const uint8_t* next, int64_t rb,
                      float* out) {
-  alignas(64) int32_t c[4][AMX_T * AMX_T];
+  alignas(64) int32_t c[2][4][AMX_T * AMX_T];
   __m512 acc[AMX_T];
   for (auto& v : acc) v = _mm512_setzero_ps();
   const int8_t* qt = a.q.data() + t * a.nb * 8 * AMX_T * 4;
+  const int64_t lda = p.lda, pf = next ? (rb * 4 + a.nb - 1) / a.nb : 0;  // prefetch bytes per 4 blocks
+  int64_t prev = -1;
   for (int64_t b0 = 0; b0 < a.nb; b0 += 4) {
     const int64_t nbk = std::min<int64_t>(4, a.nb - b0);
-    const int8_t *pa = pw + b0 * 32, *pb = qt + b0 * 8 * AMX_T * 4;
+    const int8_t *pa = p.a + b0 * 32, *pb = qt + b0 * 8 * AMX_T * 4;
     constexpr int64_t QB = 8 * AMX_T * 4;  // B bytes per block
-    SERVESCOPE_AMX_BLOCK(0, 4, 6, pa, kp, pb, c[0]);
-    if (nbk > 1) SERVESCOPE_AMX_BLOCK(1, 5, 7, pa + 32, kp, pb + QB, c[1]);
-    if (nbk > 2) SERVESCOPE_AMX_BLOCK(2, 4, 6, pa + 64, kp, pb + 2 * QB, c[2]);
-    if (nbk > 3) SERVESCOPE_AMX_BLOCK(3, 5, 7, pa + 96, kp, pb + 3 * QB, c[3]);
-    for (int64_t j = 0; j < nbk; ++j) {
-      const int64_t b = b0 + j, tb = t * a.nb + b;
-      const __m512 dx = _mm512_loadu_ps(a.dx.data() + tb * AMX_T);
-      for (int r = 0; r < AMX_T; ++r) {
-        const __m512 s = _mm512_mul_ps(_mm512_set1_ps(pd[b * AMX_T + r]), dx);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[j] + r * AMX_T)), s, acc[r]);
-      }
-      if constexpr (ASYM) {
-        const __m512 sx = _mm512_loadu_ps(a.sx.data() + tb * AMX_T);
-        for (int r = 0; r < AMX_T; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pm[b * AMX_T + r]), sx, acc[r]);
-      }
-    }
+    int32_t(*cg)[AMX_T * AMX_T] = c[(b0 / 4) & 1];
+    SERVESCOPE_AMX_DOT(0, 4, 6, pa, lda, pb);
+    if (nbk > 1) SERVESCOPE_AMX_DOT(1, 5, 7, pa + 32, lda, pb + QB);
+    if (nbk > 2) SERVESCOPE_AMX_DOT(2, 4, 6, pa + 64, lda, pb + 2 * QB);
+    if (nbk > 3) SERVESCOPE_AMX_DOT(3, 5, 7, pa + 96, lda, pb + 3 * QB);
+    if (next) amx_prefetch_rows(next, rb, (b0 / 4) * pf, pf);
+    if (prev >= 0) amx_scale<ASYM>(a, t, p, prev, 4, c[(prev / 4) & 1], acc);
+    _tile_stored(0, cg[0], AMX_T * 4);
+    if (nbk > 1) _tile_stored(1, cg[1], AMX_T * 4);
+    if (nbk > 2) _tile_stored(2, cg[2], AMX_T * 4);
+    if (nbk > 3) _tile_stored(3, cg[3], AMX_T * 4);
+    prev = b0;
   }
+  if (prev >= 0) amx_scale<ASYM>(a, t, p, prev, a.nb - prev, c[(prev / 4) & 1], acc);
   for (int r = 0; r < AMX_T; ++r) _mm512_storeu_ps(out + r * AMX_T, acc[r]);
 }
 
@@ -171,14 +241,13 @@ inline void quant_amx_rows(const QMatrix& q, const T* x, int64_t M, const float*
   static thread_local AmxActs tls;  // the calling thread's; the workers read it through `a`
   AmxActs& a = tls;
   quantize_amx_acts(x, M, q.kp, a);
-  const int64_t panels = (q.n + AMX_T - 1) / AMX_T, nb = a.nb;
+  const int64_t panels = (q.n + AMX_T - 1) / AMX_T, nb = a.nb, rb = q.row_bytes();
   parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     amx_configure();
     static thread_local std::vector<int8_t> pw;
-    static thread_local std::vector<float> pd, pm;
+    static thread_local std::vector<float> pd;
     pw.resize(AMX_T * q.kp);
-    pd.resize(nb * AMX_T);
-    pm.resize(nb * AMX_T);
+    pd.resize(nb * 2 * AMX_T);
     alignas(64) float out[AMX_T * AMX_T];
     // activation tiles in blocks whose bytes stay in L2 while the thread's panels pass (a panel is
     // unpacked once per block of tiles)
@@ -186,12 +255,15 @@ inline void quant_amx_rows(const QMatrix& q, const T* x, int64_t M, const float*
     for (int64_t t0 = 0; t0 < a.tiles; t0 += block)
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * AMX_T, cols = std::min<int64_t>(AMX_T, q.n - n0);
-        amx_panel(q, n0, pw.data(), pd.data(), pm.data());
+        const AmxPanel pan = amx_panel(q, n0, pw.data(), pd.data());
+        // the next panel's rows, while the first tile computes (whole panels only: the last may be short)
+        const uint8_t* next = p + 1 < p1 && n0 + 2 * AMX_T <= q.n ? q.w + (n0 + AMX_T) * rb : nullptr;
         for (int64_t t = t0; t < std::min(a.tiles, t0 + block); ++t) {
+          const uint8_t* pf = t == t0 ? next : nullptr;
           if (q.asym)
-            amx_tile<true>(a, q.kp, t, pw.data(), pd.data(), pm.data(), out);
+            amx_tile<true>(a, t, pan, pf, rb, out);
           else
-            amx_tile<false>(a, q.kp, t, pw.data(), pd.data(), pm.data(), out);
+            amx_tile<false>(a, t, pan, pf, rb, out);
           const int64_t rows = std::min<int64_t>(AMX_T, M - t * AMX_T);
           for (int64_t i = 0; i < rows; ++i)
             for (int64_t r = 0; r < cols; ++r)
