@@ -85,7 +85,7 @@ FAMILIES = {
                         num_key_value_heads=4, rope_theta=10000.0, kv_lora_rank=32, q_lora_rank=None,
                         qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, first_k_dense_replace=1,
                         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
-                        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5),
+                        topk_method="group_limited_greedy", n_group=2, topk_group=1, routed_scaling_factor=1.5),
     "deepseek_v3": dict(_cls="DeepseekV3ForCausalLM", _cfg="DeepseekV3Config", tie_word_embeddings=False,
                         num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
                         qk_nope_head_dim=16, v_head_dim=24, first_k_dense_replace=1, n_routed_experts=8,
