@@ -53,3 +53,14 @@ def test_absorbed_decode_flops_equal_the_flop_counter(q_lora_rank):
     seqs = [(1, c - 1) for c in ctx]
     want = sum(mla_costs.projection_flops(cfg, 2).values()) + mla_costs.attention_flops(cfg, seqs, attended_keys)
     assert fc.get_total_flops() == want
+
+
+def test_deepseek_v2_lite_preset():
+    """DeepSeek-V2-Lite's published config: 15.7 B parameters, and 27 layers x (512 + 64) x 2 bytes of KV per
+    token in bfloat16, against 2 x 27 x 16 heads x (128 + 64) x 2 had it cached per-head K and V."""
+    from servescope.analysis.presets import load_preset
+
+    cfg = load_preset("deepseek-v2-lite")
+    assert 15.6e9 < cfg.num_parameters() < 15.8e9
+    assert kv_cache_bytes_per_token(cfg, "bfloat16") == 27 * 576 * 2
+    assert cfg.rope_scaling.rope_type == "yarn" and cfg.mla.scale < (128 + 64) ** -0.5 * 1.6
