@@ -303,8 +303,11 @@ def test_kv_layouts(session, tmp_path):
     lay, window = s["layouts"], s["sizes"]["window"]
     # counted: bytes per token on the cache tensors equal 2 x layers x KV heads x head_dim x 4 (float32), in
     # the ratio of the KV heads
-    for r in lay.values():
-        assert r["bytes_per_token"] == r["predicted_bytes_per_token"] == 2 * 6 * r["kv_heads"] * 32 * 4
+    for name, r in lay.items():
+        # MLA: one latent row of kv_lora_rank + qk_rope_head_dim = 64 + 16 per layer (the floor)
+        want = 6 * (64 + 16) * 4 if name == "MLA" else 2 * 6 * r["kv_heads"] * 32 * 4
+        assert r["bytes_per_token"] == r["predicted_bytes_per_token"] == want, name
+    assert lay["MHA"]["bytes_per_token"] > 6 * lay["MLA"]["bytes_per_token"]
     assert lay["MHA"]["bytes_per_token"] == 4 * lay["GQA"]["bytes_per_token"] == 8 * lay["MQA"]["bytes_per_token"]
     # held per sequence, measured on the KV manager: the predicted count exactly; the windowed model flat past
     # its window at cdiv(W, S) + 1 blocks, full attention (and the hybrid's one table) growing with the context

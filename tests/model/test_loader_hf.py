@@ -17,7 +17,7 @@ from servescope.loader.source import load_model_source, resolve_model_path  # no
 
 FAMILY_ARCH = {"llama": "llama", "llama_plain": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                "phi3": "phi3", "phi3_longrope": "phi3", "gemma2": "gemma2", "gemma3": "gemma3_text",
-               **{f: f for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")}}
+               **{f: f for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")}}
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
@@ -31,8 +31,9 @@ def test_hf_roundtrip(tmp_path, family, sharded):
     src = load_model_source(str(path))
     c = src.config
     assert src.format == "hf" and c.architecture == FAMILY_ARCH[family]
+    kv_heads = 4 if family.startswith("deepseek") else 2  # (DeepSeek's tiny models: one KV head per head)
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
-        64, 2, 4, 2, 16)
+        64, 2, 4, kv_heads, 16)
     assert c.attention_bias == (family in ("qwen2", "qwen2_moe"))
     assert c.qk_norm == (family in ("qwen3", "qwen3_moe", "olmoe", "gemma3"))
     assert c.tie_word_embeddings == (family in ("llama_plain", "qwen2", "gemma2", "gemma3"))
@@ -43,6 +44,9 @@ def test_hf_roundtrip(tmp_path, family, sharded):
         rs = c.rope_scaling
         assert rs.rope_type == "longrope" and rs.original_max_position_embeddings == 64
         assert len(rs.short_factor) == len(rs.long_factor) == 8 and rs.long_factor[1] == 3.5
+    elif family == "deepseek_v3":
+        rs = c.rope_scaling
+        assert rs.rope_type == "yarn" and (rs.factor, rs.mscale, rs.mscale_all_dim) == (4.0, 1.0, 0.707)
     else:
         assert c.rope_scaling is None
     assert src.generation_config["eos_token_id"] == [2]

@@ -78,6 +78,22 @@ FAMILIES = {
                       num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
     "olmoe": dict(_cls="OlmoeForCausalLM", _cfg="OlmoeConfig", tie_word_embeddings=False, rope_theta=10000.0,
                   num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False),
+    # DeepSeek: multi-head latent attention (heads = KV heads: transformers repeats its per-head K/V by
+    # num_attention_heads / num_key_value_heads), the first layer dense, then experts; V2 without a query LoRA,
+    # grouped greedy routing; V3 with the query LoRA, yarn rope with both mscales, sigmoid grouped routing
+    "deepseek_v2": dict(_cls="DeepseekV2ForCausalLM", _cfg="DeepseekV2Config", tie_word_embeddings=False,
+                        num_key_value_heads=4, rope_theta=10000.0, kv_lora_rank=32, q_lora_rank=None,
+                        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, first_k_dense_replace=1,
+                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
+                        topk_method="group_limited_greedy", n_group=2, topk_group=1, routed_scaling_factor=1.5),
+    "deepseek_v3": dict(_cls="DeepseekV3ForCausalLM", _cfg="DeepseekV3Config", tie_word_embeddings=False,
+                        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
+                        qk_nope_head_dim=16, v_head_dim=24, first_k_dense_replace=1, n_routed_experts=8,
+                        num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=4,
+                        topk_group=2, routed_scaling_factor=2.5,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707}),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
@@ -127,6 +143,9 @@ def make_tiny_hf_model(tmp_path, family: str, *, seed: int = 0, max_shard_size=N
                 p.copy_(0.1 * noise)
             else:
                 p.copy_(0.05 * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias (a buffer, saved)
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
         if config.tie_word_embeddings:
             model.tie_weights()
 

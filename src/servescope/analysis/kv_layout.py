@@ -6,8 +6,8 @@ This engine keeps one block table per sequence for all layers. A sequence theref
 every layer: all cdiv(context, S) of them, or, when every layer is windowed, at most cdiv(w, S) + 1 (the KV
 manager gives back what slid out: config/layers.window_of). A hybrid model (Gemma 2, Gemma 3) keeps every
 block in its windowed layers too; `needed_tokens_per_sequence` is what those layers would keep with tables of
-their own, and `per_group_capacity` what that would buy. MLA (a latent per token instead of K and V) is not
-a kind here yet.
+their own, and `per_group_capacity` what that would buy. Latent attention (MLA) is a group of kind "latent":
+one row of kv_lora_rank + qk_rope_head_dim values per token and layer instead of K and V per KV head.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from servescope.config.layers import window_of
 
 @dataclass(frozen=True)
 class KVGroup:
-    kind: str  # "full" | "sliding"
+    kind: str  # "full" | "sliding" | "latent"
     window: int  # 0 for full attention
     layers: int
     bytes_per_token: int  # K and V of one token over this group's layers
@@ -56,7 +56,8 @@ def kv_groups(cfg: ModelConfig, kv_dtype: str, context: int, block_size: int) ->
     out = []
     for window in sorted(counts):
         need = min(blocks, math.ceil(window / block_size) + 1) if window else blocks
-        out.append(KVGroup("sliding" if window else "full", window, counts[window], per_layer * counts[window],
+        kind = "sliding" if window else ("latent" if cfg.mla else "full")
+        out.append(KVGroup(kind, window, counts[window], per_layer * counts[window],
                            held, need * block_size))
     return tuple(out)
 

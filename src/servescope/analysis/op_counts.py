@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 
 from servescope.analysis.hardware import DTYPE_BYTES, DTYPES
 from servescope.analysis.moe import expected_distinct_experts
+from servescope.analysis import mla as mla_costs
 from servescope.analysis.packed_weights import packed_format
 from servescope.config import ModelConfig
 from servescope.config.layers import window_of
@@ -85,11 +86,12 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bfloat16") -> in
     if kv_dtype not in KV_DTYPES:
         raise InvalidParameterError("kv_dtype",
                                     f"KV cache dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    heads, k_dim, v_dim = cfg.kv_cache_geometry  # latent attention: one row of r + R, no V (config/mla.py)
     if kv_dtype in _KV_ELEMENT_BYTES:
-        row = cfg.head_dim * _KV_ELEMENT_BYTES[kv_dtype] + KV_SCALE_BYTES
+        rows = sum(w * _KV_ELEMENT_BYTES[kv_dtype] + KV_SCALE_BYTES for w in (k_dim, v_dim) if w)
     else:
-        row = cfg.head_dim * DTYPE_BYTES[kv_dtype]
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * row
+        rows = (k_dim + v_dim) * DTYPE_BYTES[kv_dtype]
+    return cfg.num_hidden_layers * heads * rows
 
 
 def _linear_weight_bytes(out_features: int, in_features: int, wdt: str, adt: str, bias: bool = False) -> int:
@@ -128,6 +130,10 @@ def table_bytes(cfg: ModelConfig, wdt: str, adt: str) -> tuple[int, int, int]:
 
 def _layer_linear_bytes(cfg: ModelConfig, wdt: str, adt: str) -> dict[str, int]:
     d, i = cfg.hidden_size, cfg.intermediate_size
+    if cfg.mla:  # latent attention's projections (analysis/mla.py); its kv_b_proj stays float
+        lin = mla_costs.linear_bytes(cfg, lambda o, k: _linear_weight_bytes(o, k, wdt, adt))
+        lin["qkv_proj"] += mla_costs.kv_b_elements(cfg) * DTYPE_BYTES[dense_dtype(wdt, adt)]
+        return {**lin, "mlp": 2 * _linear_weight_bytes(i, d, wdt, adt) + _linear_weight_bytes(d, i, wdt, adt)}
     return {
         "qkv_proj": _linear_weight_bytes(cfg.q_size + 2 * cfg.kv_size, d, wdt, adt, cfg.attention_bias),
         "attn_out_proj": _linear_weight_bytes(d, cfg.q_size, wdt, adt),
@@ -164,7 +170,8 @@ def mlp_counts(cfg: ModelConfig, num_tokens: int, wdt: str, adt: str,
 
 
 def _norm_weight_elems_per_layer(cfg: ModelConfig) -> int:
-    return 2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    latent = cfg.mla.q_lora_rank + cfg.mla.kv_lora_rank if cfg.mla else 0  # q_a_layernorm, kv_a_layernorm
+    return 2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0) + latent
 
 
 def weight_bytes(cfg: ModelConfig, weight_dtype: str = "bfloat16", act_dtype: Optional[str] = None) -> int:
@@ -195,9 +202,10 @@ def _projection_flops(cfg: ModelConfig, T: int, num_logits: Optional[int]) -> di
     """matmul_flops less the MLP (which mlp_counts gives, with its bytes, where a step needs both)."""
     n_logits = T if num_logits is None else int(num_logits)
     L, d = cfg.num_hidden_layers, cfg.hidden_size
+    proj = mla_costs.projection_flops(cfg, T) if cfg.mla else {  # (latent attention's kv_b_proj: its attention)
+        "qkv_proj": 2 * T * d * (cfg.q_size + 2 * cfg.kv_size) * L, "attn_out_proj": 2 * T * cfg.q_size * d * L}
     return {
-        "qkv_proj": 2 * T * d * (cfg.q_size + 2 * cfg.kv_size) * L,
-        "attn_out_proj": 2 * T * cfg.q_size * d * L,
+        **proj,
         "lm_head": 2 * n_logits * d * cfg.vocab_size,
     }
 
@@ -258,7 +266,10 @@ def kv_cache_bytes_held(cfg: ModelConfig, kv_dtype: str, context: int) -> int:
 
 
 def attention_flops(cfg: ModelConfig, seqs: Sequence[tuple[int, int]]) -> int:
-    """QK^T + PV FLOPs, counted exactly causally (see module docstring), each layer over its window."""
+    """QK^T + PV FLOPs, counted exactly causally (see module docstring), each layer over its window (latent
+    attention: analysis/mla.py's, with the absorbed and expanded matmuls)."""
+    if cfg.mla:
+        return mla_costs.attention_flops(cfg, check_seqs(seqs), attended_keys)
     return 4 * cfg.num_attention_heads * cfg.head_dim * layer_keys(cfg, check_seqs(seqs))
 
 
@@ -281,7 +292,7 @@ def step_op_counts(cfg: ModelConfig, seqs: Sequence[tuple[int, int]], wdt: str, 
     H, q, kv = cfg.num_attention_heads, cfg.q_size, cfg.kv_size
     T = sum(n for n, _ in seqs)
     keys = layer_keys(cfg, seqs)  # summed over the layers, each over its own window
-    attn_flops = 4 * H * cfg.head_dim * keys  # = attention_flops(cfg, seqs)
+    attn_flops = attention_flops(cfg, seqs) if cfg.mla else 4 * H * cfg.head_dim * keys
     read_per_layer = layer_keys(cfg, seqs, read_only=True)  # cached tokens read, summed over the layers
     mm = _projection_flops(cfg, T, n_logits)
     lin_w = _layer_linear_bytes(cfg, wdt, adt)

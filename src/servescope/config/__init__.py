@@ -4,6 +4,7 @@ The bottom of the layers: this package imports nothing from servescope except er
 other layer may import it. All configs are frozen dataclasses validated in `__post_init__`.
   model.py     ModelConfig (and RopeScaling): the shape of a transformer
   layers.py    LayerSpec (AttentionSpec, MlpSpec): what one decoder layer computes
+  mla.py       MlaSpec: the latent of multi-head latent attention (DeepSeek-V2/V3)
   families.py  the family table: HF and GGUF architecture names -> a family and its defaults
   sampling.py  SamplingParams: how to sample one request
   engine.py    EngineConfig, composed of Load/KVCache/Batching/Parallel/Speculative/Telemetry

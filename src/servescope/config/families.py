@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from servescope.config.moe import MIXTRAL_FIELDS, OLMOE_FIELDS, QWEN_MOE_FIELDS
+from servescope.config.mla import MLA_FIELDS
+from servescope.config.moe import DEEPSEEK_FIELDS, MIXTRAL_FIELDS, OLMOE_FIELDS, QWEN_MOE_FIELDS
 
 from servescope.config.attention_fields import GEMMA_FIELDS
 from servescope.errors import InvalidParameterError
@@ -75,6 +76,11 @@ FAMILIES = {f.name: f for f in (
     Family("gemma3_text", "Gemma3ForCausalLM", hf_fields=GEMMA_FIELDS, window_pattern="every_nth", norm_offset=1.0,
            chat_template="gemma", fixed={"norm_placement": "sandwich", "scale_embeddings": True, "qk_norm": True},
            hf_defaults={"tie_word_embeddings": True}),
+    # multi-head latent attention in every layer (config/mla.py reads it: the family's hf_fields name
+    # kv_lora_rank), DeepSeek's routers and shared experts (config/moe.py)
+    Family("deepseek_v2", "DeepseekV2ForCausalLM",  # (V2's rope always rotates interleaved pairs)
+           hf_fields=(MLA_FIELDS - {"rope_interleave"}) | DEEPSEEK_FIELDS),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", hf_fields=MLA_FIELDS | DEEPSEEK_FIELDS),
 )}
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)

@@ -12,12 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from servescope.config.mla import MlaSpec
 from servescope.config.moe import ExpertsSpec
 from servescope.errors import InvalidParameterError
 
 # "full": causal attention over the whole context; "sliding": over the last `window` positions only (the
-# query at position p sees keys p - window + 1 .. p, transformers' sliding_window semantics)
-ATTENTION_KINDS = ("full", "sliding")
+# query at position p sees keys p - window + 1 .. p, transformers' sliding_window semantics); "latent": DeepSeek's
+# multi-head latent attention over the whole context (config/mla.py: the cache holds one latent row per token)
+ATTENTION_KINDS = ("full", "sliding", "latent")
 # "dense": a gated MLP, down(act(gate(x)) * up(x)); "moe": routed experts of that shape (config/moe.py)
 MLP_KINDS = ("dense", "moe")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gate's activation (Gemma: GELU, tanh approximation)
@@ -41,6 +43,7 @@ class AttentionSpec:
     # the rotary base of this layer when it is not the model's (Gemma 3's local layers: plain rope at
     # rope_local_base_freq); 0: the model's rope_theta and rope_scaling
     rope_theta: float = 0.0
+    latent: Optional[MlaSpec] = None  # kind "latent": the latent's shape (config/mla.py)
 
     def __post_init__(self):
         if self.kind not in ATTENTION_KINDS:
@@ -49,6 +52,12 @@ class AttentionSpec:
         if (self.kind == "sliding") != (self.window > 0):
             raise InvalidParameterError("sliding_window", f"attention kind {self.kind!r} with window {self.window}: "
                                                           "a sliding layer needs a positive window, a full one none")
+        if (self.kind == "latent") != (self.latent is not None):
+            raise InvalidParameterError("kv_lora_rank", f"attention kind {self.kind!r} with latent {self.latent}: "
+                                                        "a latent layer needs its MlaSpec, the others none")
+        if self.latent is not None and (self.qk_norm or self.softcap or self.sinks or self.rope_theta):
+            raise InvalidParameterError("kv_lora_rank", "latent attention with q/k norms, soft-caps, sinks or a "
+                                                        "layer rotary base is not implemented")
         if self.softcap < 0 or self.rope_theta < 0:
             raise InvalidParameterError("attn_logit_softcapping", "softcap and rope_theta must not be negative")
 

@@ -14,10 +14,12 @@ from servescope.config.attention_fields import global_rope_dict, variant_fields,
 from servescope.config.families import family, family_of_hf
 from servescope.config.hf_fields import check_fields, window_layers
 from servescope.config.layers import AttentionSpec, LayerSpec, MlpSpec
+from servescope.config.mla import MlaSpec, mla_from_hf, mla_parameters, mla_to_hf, yarn_mscale
 from servescope.config.moe import MoeConfig, expert_parameters, moe_from_hf, moe_to_hf
 from servescope.errors import InvalidParameterError
 
-ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
+_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,14 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
     short_factor: tuple = ()  # longrope: one per frequency (head_dim / 2)
     long_factor: tuple = ()
-    attention_factor: Optional[float] = None  # longrope: None derives it from the context extension
+    attention_factor: Optional[float] = None  # longrope, yarn: None derives it from the context extension
+    # yarn (DeepSeek-V2/V3): the ramp between interpolated and original frequencies, and cos / sin times
+    # mscale(factor, mscale) / mscale(factor, mscale_all_dim) (transformers' _compute_yarn_parameters)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    truncate: bool = True
 
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:
@@ -43,6 +52,21 @@ class RopeScaling:
             )
         if self.rope_type == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
             raise InvalidParameterError("rope_scaling", "longrope needs short_factor and long_factor of equal length")
+
+    @property
+    def yarn_attention_factor(self) -> float:
+        """yarn: the factor on cos and sin (given, or from mscale and mscale_all_dim, else from factor alone)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    def to_hf(self) -> dict:
+        """The rope_scaling dict of config.json (the yarn keys only for yarn)."""
+        rs = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        return {k: v for k, v in rs.items() if v is not None and v != [] and (k not in _YARN_KEYS
+                                                                              or self.rope_type == "yarn")}
 
 
 @dataclass(frozen=True)
@@ -87,6 +111,7 @@ class ModelConfig:
     eos_token_ids: tuple = ()
     name: str = ""
     moe: Optional[MoeConfig] = None  # the experts of a mixture-of-experts model (config/moe.py)
+    mla: Optional[MlaSpec] = None  # latent attention in every layer (DeepSeek-V2/V3, config/mla.py)
 
     def __post_init__(self):
         family(self.architecture)  # raises on an unknown one
@@ -113,13 +138,15 @@ class ModelConfig:
         sparse = self.moe.sparse_layers if self.moe else (False,) * n
         if self.moe:
             mlps[True] = MlpSpec("moe", self.hidden_act, self.moe.experts)
-        kinds = self.layer_types or ("sliding" if self.sliding_window else "full",) * n
+        kinds = self.layer_types or ("latent" if self.mla else "sliding" if self.sliding_window else "full",) * n
         specs = {(k, s): LayerSpec(self._attention_spec(k), mlps[s], norm=self.norm_placement)
                  for k, s in set(zip(kinds[:n], sparse[:n]))}
         return tuple(specs[ks] for ks in zip(kinds[:n], sparse[:n]))
 
     def _attention_spec(self, kind: str) -> AttentionSpec:
         sliding = kind == "sliding"
+        if kind == "latent":
+            return AttentionSpec(kind, bias=self.attention_bias, out_bias=self.attention_bias, latent=self.mla)
         return AttentionSpec(kind, bias=self.attention_bias, qk_norm=self.qk_norm,
                              window=int(self.sliding_window or 0) if sliding else 0,
                              qk_norm_all_heads=self.qk_norm_all_heads,
@@ -129,7 +156,10 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        """The factor on q.k: head_dim ** -0.5, or query_pre_attn_scalar ** -0.5 where the config sets it."""
+        """The factor on q.k: head_dim ** -0.5, or query_pre_attn_scalar ** -0.5 where the config sets it
+        (latent attention: its own, config/mla.py)."""
+        if self.mla:
+            return self.mla.scale
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
@@ -140,10 +170,20 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def kv_cache_geometry(self) -> tuple:
+        """(heads, K row width, V row width) of one layer's KV cache per token: (Hkv, D, D), or for latent
+        attention (1, kv_lora_rank + qk_rope_head_dim, 0): the latent row alone, read as keys and values."""
+        if self.mla:
+            return 1, self.mla.latent_dim, 0
+        return self.num_key_value_heads, self.head_dim, self.head_dim
+
     def num_parameters(self) -> int:
         """Parameter count (embeddings counted once when tied)."""
         d, i, L, v = self.hidden_size, self.intermediate_size, self.num_hidden_layers, self.vocab_size
         attn = d * self.q_size + 2 * d * self.kv_size + self.q_size * d
+        if self.mla:
+            attn = mla_parameters(self.mla, d, self.num_attention_heads, self.attention_bias)
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
@@ -166,6 +206,9 @@ class ModelConfig:
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         head_dim = d.get("head_dim") or hidden // heads
+        mla = mla_from_hf(d, _rope_dict(d)) if "kv_lora_rank" in fam.hf_fields else None
+        if mla:  # the rotary tables' width: DeepSeek rotates qk_rope_head_dim features of each head
+            head_dim = mla.qk_rope_head_dim
         partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
         if float(partial) != 1.0:
             raise InvalidParameterError("partial_rotary_factor", f"partial_rotary_factor {partial} (rotary "
@@ -196,6 +239,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             name=name,
             moe=moe_from_hf(fam.name, d, int(d["num_hidden_layers"])),
+            mla=mla,
         )
         cfg = cls(**{**fields, **variants, **fam.fixed})
         cfg.layer_specs()  # a layer kind the model does not implement fails here, at load
@@ -224,13 +268,15 @@ class ModelConfig:
         if self.architecture == "qwen2_moe":
             d["qkv_bias"] = self.attention_bias
         d.update(moe_to_hf(self.architecture, self.moe, self.num_hidden_layers))
+        if self.mla:
+            d.update(mla_to_hf(self.mla), attention_bias=self.attention_bias)
         d.update(_window_to_hf(self))
         d.update(variant_to_hf(self))
         if self.rope_scaling is not None:
-            rs = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.rope_scaling).items()}
+            rs = self.rope_scaling.to_hf()
             if self.rope_scaling.rope_type == "longrope":
                 d["original_max_position_embeddings"] = rs["original_max_position_embeddings"]
-            d["rope_scaling"] = {k: v for k, v in rs.items() if v is not None and v != []}
+            d["rope_scaling"] = rs
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:
@@ -241,9 +287,9 @@ class ModelConfig:
 def _rope_from_hf(d: dict) -> tuple:
     """(rope_theta, RopeScaling or None) of a config.json: `rope_scaling` or transformers 5's
     `rope_parameters` (which may carry rope_theta)."""
-    rs = d.get("rope_scaling") or d.get("rope_parameters")
+    rs = _rope_dict(d)
     rope_theta = float(d.get("rope_theta", 10000.0))
-    if not isinstance(rs, dict):
+    if not rs:
         return rope_theta, None
     rope_theta = float(rs.get("rope_theta", rope_theta))
     rtype = rs.get("rope_type", rs.get("type", "default"))
@@ -260,7 +306,14 @@ def _rope_from_hf(d: dict) -> tuple:
         short_factor=tuple(float(x) for x in rs.get("short_factor") or ()),
         long_factor=tuple(float(x) for x in rs.get("long_factor") or ()),
         attention_factor=None if attention_factor is None else float(attention_factor),
+        **{k: (bool(rs[k]) if k == "truncate" else float(rs[k])) for k in _YARN_KEYS if rs.get(k) is not None},
     )
+
+
+def _rope_dict(d: dict) -> dict:
+    """The rope_scaling / rope_parameters dict of a config.json ({} where it has none)."""
+    rs = d.get("rope_scaling") or d.get("rope_parameters")
+    return rs if isinstance(rs, dict) else {}
 
 
 def _window_to_hf(cfg: ModelConfig) -> dict:

@@ -5,9 +5,12 @@ A sparse layer routes every token to `top_k` of `num_experts` gated MLPs of widt
 softmax over the router's logits, the top k kept (renormalised to sum to 1 where `norm_topk_prob`), the
 experts' outputs summed with those weights. Qwen2-MoE adds a shared expert that every token runs, scaled
 by sigmoid(shared_expert_gate(x)). Which layers are sparse is each family's rule (`sparse_layers`);
-the others are the dense MLP of `ModelConfig.intermediate_size`. DeepSeek's routers (sigmoid scores,
-grouped top-k, bias correction, routed scaling) and gpt-oss's wait for their attention kinds (MLA,
-sinks): their configs are refused by the family table, not run as something else.
+the others are the dense MLP of `ModelConfig.intermediate_size`. DeepSeek's routers: V2 softmax scores, top-k
+greedy or within the best `topk_group` of `n_group` expert groups (a group scored by its best expert),
+times routed_scaling_factor; V3 sigmoid scores plus a correction bias for the choice only, groups scored by
+their two best, the chosen scores renormalised and scaled. Their shared experts (n_shared_experts of
+moe_intermediate_size, one MLP) are ungated, and the first first_k_dense_replace layers dense. gpt-oss's
+router waits for its family row (refused by the family table, not run as something else).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Optional
 
 from servescope.errors import InvalidParameterError
 
-ROUTERS = ("softmax_topk",)
+ROUTERS = ("softmax_topk", "deepseek_v2", "deepseek_v3")
 
 # config.json fields of the MoE families that only training reads (auxiliary losses, jitter noise)
 TRAINING_ONLY = frozenset({"router_aux_loss_coef", "output_router_logits", "router_jitter_noise"})
@@ -27,6 +30,11 @@ MIXTRAL_FIELDS = frozenset({"num_local_experts", "num_experts_per_tok"}) | TRAIN
 QWEN_MOE_FIELDS = frozenset({
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
     "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size", "qkv_bias"}) | TRAINING_ONLY
+DEEPSEEK_FIELDS = frozenset({
+    "n_routed_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+    "routed_scaling_factor", "n_group", "topk_group", "topk_method", "norm_topk_prob", "first_k_dense_replace",
+    "moe_layer_freq", "scoring_func", "aux_loss_alpha", "seq_aux", "ep_size",
+    "num_nextn_predict_layers", "num_mtp_layers"}) | TRAINING_ONLY  # (the multi-token-prediction layers are unused)
 OLMOE_FIELDS = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
                           "clip_qkv"}) | TRAINING_ONLY
 
@@ -41,6 +49,12 @@ class ExpertsSpec:
     norm_topk_prob: bool = False  # renormalise the kept top-k probabilities to sum to 1
     shared_intermediate_size: int = 0  # a shared expert every token runs (0: none), gated by sigmoid(x . g)
     router: str = "softmax_topk"
+    shared_gated: bool = True  # the shared expert scaled by sigmoid(x . g) (Qwen2-MoE); DeepSeek's is not
+    # DeepSeek: experts in n_group groups, only the best topk_group groups' experts eligible; the routed
+    # weights times routed_scaling_factor
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         if self.router not in ROUTERS:
@@ -50,6 +64,9 @@ class ExpertsSpec:
             raise InvalidParameterError("num_experts_per_tok",
                                         f"{self.top_k} experts per token of {self.num_experts} "
                                         f"(width {self.intermediate_size}): need 0 < k <= E")
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise InvalidParameterError("n_group", f"{self.num_experts} experts in {self.n_group} groups, "
+                                                   f"{self.topk_group} kept: need equal groups and 0 < kept <= groups")
         if self.shared_intermediate_size < 0:
             raise InvalidParameterError("shared_expert_intermediate_size", "must not be negative")
 
@@ -71,6 +88,8 @@ def moe_from_hf(family_name: str, d: dict, num_layers: int) -> Optional[MoeConfi
         e = ExpertsSpec(int(d["num_local_experts"]), int(d.get("num_experts_per_tok", 2)),
                         int(d["intermediate_size"]), norm_topk_prob=True)
         return MoeConfig(e, (True,) * num_layers)
+    if family_name in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_moe(family_name, d, num_layers)
     if family_name not in ("qwen2_moe", "qwen3_moe", "olmoe"):
         return None
     if d.get("clip_qkv") is not None:
@@ -91,6 +110,31 @@ def moe_from_hf(family_name: str, d: dict, num_layers: int) -> Optional[MoeConfi
     return MoeConfig(e, tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)))
 
 
+def _deepseek_moe(family_name: str, d: dict, num_layers: int) -> Optional[MoeConfig]:
+    """DeepSeek-V2/V3's experts as transformers builds them (layers from first_k_dense_replace on are sparse;
+    moe_layer_freq is not read by transformers either); None when every layer is dense."""
+    first = int(d.get("first_k_dense_replace") or 0)
+    num = int(d.get("n_routed_experts") or d.get("num_local_experts") or 0)
+    if first >= num_layers or not num:
+        return None
+    v3 = family_name == "deepseek_v3"
+    method = d.get("topk_method", "noaux_tc" if v3 else "greedy")
+    if method not in (("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")):
+        raise InvalidParameterError("topk_method", f"topk_method {method!r} is not implemented for {family_name}")
+    if d.get("scoring_func", "sigmoid" if v3 else "softmax") != ("sigmoid" if v3 else "softmax"):
+        raise InvalidParameterError("scoring_func", f"scoring_func {d['scoring_func']!r} is not implemented "
+                                                    f"for {family_name}")
+    grouped = v3 or method == "group_limited_greedy"
+    e = ExpertsSpec(num, int(d.get("num_experts_per_tok") or 1), int(d["moe_intermediate_size"]),
+                    norm_topk_prob=v3 and bool(d.get("norm_topk_prob", True)),  # V2's router never renormalises
+                    shared_intermediate_size=int(d["moe_intermediate_size"]) * int(d.get("n_shared_experts") or 0),
+                    router=family_name, shared_gated=False,
+                    n_group=int(d.get("n_group") or 1) if grouped else 1,
+                    topk_group=int(d.get("topk_group") or 1) if grouped else 1,
+                    routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)))
+    return MoeConfig(e, tuple(i >= first for i in range(num_layers)))
+
+
 def moe_to_hf(family_name: str, moe: Optional[MoeConfig], num_layers: int) -> dict:
     """The config.json fields that give `moe` back under its family (inverse of moe_from_hf)."""
     if moe is None:
@@ -98,6 +142,14 @@ def moe_to_hf(family_name: str, moe: Optional[MoeConfig], num_layers: int) -> di
     e = moe.experts
     if family_name == "mixtral":
         return {"num_local_experts": e.num_experts, "num_experts_per_tok": e.top_k}
+    if e.router in ("deepseek_v2", "deepseek_v3"):
+        return {"n_routed_experts": e.num_experts, "num_experts_per_tok": e.top_k,
+                "moe_intermediate_size": e.intermediate_size,
+                "n_shared_experts": e.shared_intermediate_size // e.intermediate_size,
+                "first_k_dense_replace": moe.sparse_layers.index(True), "norm_topk_prob": e.norm_topk_prob,
+                "n_group": e.n_group, "topk_group": e.topk_group, "routed_scaling_factor": e.routed_scaling_factor,
+                **({} if e.router == "deepseek_v3" else
+                   {"topk_method": "group_limited_greedy" if e.n_group > 1 else "greedy"})}
     out = {"num_experts": e.num_experts, "num_experts_per_tok": e.top_k, "norm_topk_prob": e.norm_topk_prob}
     if family_name == "olmoe":
         return out
@@ -111,6 +163,6 @@ def moe_to_hf(family_name: str, moe: Optional[MoeConfig], num_layers: int) -> di
 def expert_parameters(e: ExpertsSpec, hidden: int) -> tuple:
     """(all, active per token) parameters of one sparse layer's MLP: router, routed and shared experts."""
     per_expert = 3 * hidden * e.intermediate_size
-    shared = 3 * hidden * e.shared_intermediate_size + (hidden if e.shared_intermediate_size else 0)
+    shared = 3 * hidden * e.shared_intermediate_size + (hidden if e.shared_intermediate_size and e.shared_gated else 0)
     router = e.num_experts * hidden
     return router + e.num_experts * per_expert + shared, router + e.top_k * per_expert + shared

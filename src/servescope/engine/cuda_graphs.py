@@ -42,6 +42,8 @@ class CudaGraphRunner:
         if not all(s.attention.plain_softmax for s in model.config.layer_specs()):
             raise ValueError("soft-capped attention scores and attention sinks run the reference attention "
                              "(model/attention/scores.py), which CUDA graphs cannot capture; run without them")
+        if model.config.mla:  # its store and expanded prefill are torch ops the graph's padded rows would break
+            raise ValueError("latent attention (DeepSeek) is not captured in CUDA graphs yet; run without them")
         sizes = sorted({int(b) for b in batch_sizes if int(b) > 0})
         if not sizes:
             raise ValueError("no batch size to capture")

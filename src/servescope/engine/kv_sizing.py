@@ -32,15 +32,22 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def check_kv_layout(cfg: ModelConfig, kv_dtype: torch.dtype) -> None:
-    """A quantised cache keeps a float32 scale after each row of D values: D must keep it aligned."""
+    """A quantised cache keeps a float32 scale after each row of D values: D must keep it aligned. Latent
+    attention stores its latent rows in the model's float dtypes only (model/mla.py writes them itself)."""
+    if kv_quant.is_quantized(kv_dtype) and cfg.mla:
+        raise EngineConfigError(f"a {str(kv_dtype).replace('torch.', '')} KV cache is not implemented for latent "
+                                "attention (DeepSeek); use kv_cache_dtype auto, float32 or bfloat16")
     if kv_quant.is_quantized(kv_dtype) and cfg.head_dim % kv_quant.SCALE_BYTES:
         raise EngineConfigError(f"a {str(kv_dtype).replace('torch.', '')} KV cache needs a head dim divisible by "
                                 f"{kv_quant.SCALE_BYTES}; this model's is {cfg.head_dim}")
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
-    """2 (K and V) * layers * KV heads * (head dim * bytes per element, + 4 scale bytes when quantised)."""
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * kv_quant.row_bytes(kv_dtype, cfg.head_dim)
+    """2 (K and V) * layers * KV heads * (head dim * bytes per element, + 4 scale bytes when quantised); latent
+    attention: layers * (kv_lora_rank + qk_rope_head_dim) * bytes per element."""
+    heads, k_dim, v_dim = cfg.kv_cache_geometry
+    rows = kv_quant.row_bytes(kv_dtype, k_dim) + (kv_quant.row_bytes(kv_dtype, v_dim) if v_dim else 0)
+    return cfg.num_hidden_layers * heads * rows
 
 
 def available_memory_bytes(device: torch.device) -> int:

@@ -82,10 +82,12 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_dtype = kv_dtype
-        shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
-        # one K and one V tensor per layer: [N, S, Hkv, D] ([..., D + 4] int8 / fp8 rows with their scales)
+        heads, k_dim, v_dim = model_config.kv_cache_geometry
+        # one K and one V tensor per layer: [N, S, Hkv, D] ([..., D + 4] int8 / fp8 rows with their scales); latent
+        # attention: its latent rows [N, S, 1, r + R] and an empty V (model/mla.py)
         self.kv_caches = kv_caches if kv_caches is not None else [
-            (kv_quant.allocate(*shape, kv_dtype, device), kv_quant.allocate(*shape, kv_dtype, device))
+            (kv_quant.allocate(num_blocks, block_size, heads, k_dim, kv_dtype, device),
+             kv_quant.allocate(num_blocks, block_size, heads, v_dim, kv_dtype, device))
             for _ in range(model_config.num_hidden_layers)]
 
     @property

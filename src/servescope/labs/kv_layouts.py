@@ -53,6 +53,11 @@ def layouts(window: int) -> dict:
         "hybrid": {**_SHAPE, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_key_value_heads": 2,
                    "attention_bias": False, "use_sliding_window": True, "sliding_window": window,
                    "max_window_layers": 0, "layer_types": local},
+        # DeepSeek-V2's latent attention on dense layers (first_k_dense_replace: every layer): the cache holds
+        # kv_lora_rank + qk_rope_head_dim = 80 values per token and layer, whatever the heads
+        "MLA": {**_SHAPE, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                "num_key_value_heads": 8, "head_dim": 16, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
+                "qk_nope_head_dim": 32, "v_head_dim": 32, "q_lora_rank": None, "first_k_dense_replace": 6},
     }
 
 
@@ -107,7 +112,7 @@ def measure_layout(opts: LabOptions, name: str, config: dict, sz: dict) -> dict:
                        "per_group_tables_bytes": per_group, "capacity": KV_BUDGET // held_bytes,
                        "predicted_capacity": KV_BUDGET // per_group if per_group else 0})
     bins = _bins(trace, sz)
-    return {"kv_heads": cfg.num_key_value_heads, "bytes_per_token": _cache_bytes_per_token(engine),
+    return {"kv_heads": cfg.kv_cache_geometry[0], "bytes_per_token": _cache_bytes_per_token(engine),
             "predicted_bytes_per_token": per_tok, "points": points, "steps": bins,
             "kinds": [s.attention.kind for s in cfg.layer_specs()]}
 
@@ -173,7 +178,10 @@ def _shows(results: dict, sz: dict) -> str:
     return "\n\n".join([
         "Per token, the cache holds K and V for every layer and KV head: MHA "
         f"{results['MHA']['bytes_per_token']:.0f} B, GQA {g['bytes_per_token']:.0f} B, MQA "
-        f"{results['MQA']['bytes_per_token']:.0f} B here (measured on the cache tensors, equal to the prediction).",
+        f"{results['MQA']['bytes_per_token']:.0f} B here (measured on the cache tensors, equal to the prediction). "
+        f"Latent attention (MLA) holds one compressed row per token and layer instead: "
+        f"{results['MLA']['bytes_per_token']:.0f} B, {results['MHA']['bytes_per_token'] / results['MLA']['bytes_per_token']:.1f}x "
+        f"less than MHA over the same 8 heads.",
         f"At {last['GQA']['context']} tokens of context one GQA sequence holds {last['GQA']['held_bytes'] / 2**20:.2f} "
         f"MiB; the windowed model {last['windowed']['held_bytes'] / 2**20:.2f} MiB, flat past its window of "
         f"{sz['window']} (the manager gives back the blocks that slid out). The hybrid holds "

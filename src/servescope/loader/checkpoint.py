@@ -11,6 +11,7 @@ import torch
 
 from servescope.config import ModelConfig
 from servescope.config.families import family
+from servescope.config.mla import mla_tensor_shapes
 from servescope.errors import ModelLoadError
 from servescope.tokenizer.source import TokenizerSource
 
@@ -48,14 +49,17 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple]:
         shapes["lm_head.weight"] = (v, d)
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
-        if fused:
+        if config.mla:  # latent attention (config/mla.py): its own tensors
+            shapes.update(mla_tensor_shapes(config.mla, p, d, config.num_attention_heads, config.attention_bias))
+        elif fused:
             shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, d)
         else:
             shapes[p + "self_attn.q_proj.weight"] = (q, d)
             shapes[p + "self_attn.k_proj.weight"] = (kv, d)
             shapes[p + "self_attn.v_proj.weight"] = (kv, d)
-        shapes[p + "self_attn.o_proj.weight"] = (d, q)
-        if config.attention_bias:
+        if not config.mla:
+            shapes[p + "self_attn.o_proj.weight"] = (d, q)
+        if config.attention_bias and not config.mla:
             shapes[p + "self_attn.q_proj.bias"] = (q,)
             shapes[p + "self_attn.k_proj.bias"] = (kv,)
             shapes[p + "self_attn.v_proj.bias"] = (kv,)
@@ -94,10 +98,14 @@ def _expert_shapes(architecture: str, prefix: str, experts, d: int) -> dict:
     for e in range(experts.num_experts):
         for name, shape in zip(names, ((i, d), (i, d), (d, i))):
             shapes[f"{block}experts.{e}.{name}.weight"] = shape
+    if experts.router == "deepseek_v3":
+        shapes[block + "gate.e_score_correction_bias"] = (experts.num_experts,)
+    shared = "shared_expert" if experts.shared_gated else "shared_experts"  # DeepSeek's name (ungated)
     if s:
         for name, shape in zip(("gate_proj", "up_proj", "down_proj"), ((s, d), (s, d), (d, s))):
-            shapes[f"{block}shared_expert.{name}.weight"] = shape
-        shapes[block + "shared_expert_gate.weight"] = (1, d)
+            shapes[f"{block}{shared}.{name}.weight"] = shape
+        if experts.shared_gated:
+            shapes[block + "shared_expert_gate.weight"] = (1, d)
     return shapes
 
 

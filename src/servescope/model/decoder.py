@@ -33,13 +33,16 @@ from servescope.config import LayerSpec, ModelConfig
 from servescope.kernels import fused_ops
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
 from servescope.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from servescope.model.mla import LatentAttention
 from servescope.model.moe import SparseMoeBlock, stack_expert_checkpoint
 
 # (fused module, its parts in the checkpoint, in the order their outputs are concatenated)
 FUSED_PROJECTIONS = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
                      ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
                      ("mlp.shared_expert.gate_up_proj",
-                      ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")))
+                      ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")),
+                     ("mlp.shared_experts.gate_up_proj",  # DeepSeek's (ungated) shared experts
+                      ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")))
 
 
 class Attention(nn.Module):
@@ -66,6 +69,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(widths[0], cfg.rms_norm_eps)
             self.k_norm = RMSNorm(widths[1], cfg.rms_norm_eps)
 
+    def projections(self) -> list:
+        return [(self, "qkv_proj", self.qkv_proj), (self, "o_proj", self.o_proj)]
+
     def forward(self, cos_sin: tuple, x, kv_cache, meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
@@ -86,7 +92,8 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))  # [T, H*D] -> [T, Dm]
 
 
-ATTENTION_KINDS = {"full": Attention, "sliding": Attention}  # the window is the spec's
+ATTENTION_KINDS = {"full": Attention, "sliding": Attention,  # the window is the spec's
+                   "latent": LatentAttention}  # DeepSeek's MLA (model/mla.py)
 MLP_KINDS = {"dense": GatedMLP, "moe": SparseMoeBlock}
 
 
@@ -109,8 +116,7 @@ class DecoderLayer(nn.Module):
 
     def projections(self) -> list:
         """(parent module, attribute, module) of this layer's swappable linears: attention's, then the MLP's."""
-        attn = self.self_attn
-        return [(attn, "qkv_proj", attn.qkv_proj), (attn, "o_proj", attn.o_proj), *self.mlp.projections()]
+        return [*self.self_attn.projections(), *self.mlp.projections()]
 
     def forward(self, cos_sin, h, residual, kv_cache, meta, backend):
         """h: this layer's input before the residual add of the previous layer's MLP output

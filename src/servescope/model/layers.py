@@ -52,6 +52,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -
         return (inv / scaling.factor).float()
     if scaling.rope_type == "longrope":  # the short factors; rotary_tables switches to the long ones
         return _longrope_inv_freq(head_dim, theta, scaling.short_factor)
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     # llama3: long wavelengths are divided by `factor`, short ones kept, a smooth ramp between
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -62,6 +64,25 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled).float()
+
+
+def _yarn_inv_freq(dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN's frequencies in transformers' float32 order (_compute_yarn_parameters): the original ones for
+    the fast-rotating dimensions, divided by `factor` for the slow ones, a linear ramp between the
+    dimensions that rotate beta_fast and beta_slow times over the original context."""
+    pos = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    orig = scaling.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (scaling.factor * pos)) * (1 - extrapolation) + (1.0 / pos) * extrapolation
 
 
 def _longrope_inv_freq(head_dim: int, theta: float, factors) -> torch.Tensor:
@@ -90,6 +111,9 @@ def rotary_tables(head_dim: int, max_positions: int, theta: float, scaling: Opti
     max_position_embeddings (LongRoPE's attention factor), max_positions when None."""
     t = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(t, rope_inv_freq(head_dim, theta, scaling))  # [P, D/2]
+    if scaling is not None and scaling.rope_type == "yarn":
+        scale = scaling.yarn_attention_factor
+        return freqs.cos() * scale, freqs.sin() * scale
     if scaling is None or scaling.rope_type != "longrope":
         return freqs.cos(), freqs.sin()
     lo = min(scaling.original_max_position_embeddings, max_positions)

@@ -38,6 +38,28 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple:
     return weights.to(logits.dtype), ids
 
 
+def route_deepseek(logits: torch.Tensor, e, bias) -> tuple:
+    """DeepSeek's routers (ExpertsSpec e, router "deepseek_v2" / "deepseek_v3"), transformers' order of float32
+    operations: V2 softmax scores, V3 sigmoid scores plus the correction bias [E] (for the choice only); with
+    groups, only the experts of the best topk_group groups are eligible (a group scored by its best expert, V3:
+    by the sum of its best two); the top k scores, renormalised where norm_topk_prob (V3), times
+    routed_scaling_factor. logits [T, E] float32 -> (weights [T, k] float32, ids [T, k])."""
+    v3 = e.router == "deepseek_v3"
+    scores = logits.sigmoid() if v3 else logits.softmax(dim=-1, dtype=torch.float32)
+    choice = scores + bias if v3 else scores
+    if e.n_group > 1:
+        grouped = choice.view(-1, e.n_group, e.num_experts // e.n_group)  # [T, G, E/G]
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if v3 else grouped.max(dim=-1).values
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(e.topk_group, dim=-1)[1], 1)
+        keep = keep.bool()[:, :, None].expand_as(grouped).reshape(choice.shape)
+        choice = choice.masked_fill(~keep, float("-inf") if v3 else 0.0)
+    ids = choice.topk(e.top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if e.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * e.routed_scaling_factor, ids
+
+
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor) -> tuple:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, and the tokens per expert [E].
@@ -80,26 +102,39 @@ class Experts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Kind "moe": router (`gate`, nn.Linear Dm -> E), routed experts, and Qwen2-MoE's shared expert (a
-    GatedMLP every token runs, scaled by sigmoid(shared_expert_gate(x)))."""
+    GatedMLP every token runs, scaled by sigmoid(shared_expert_gate(x))) or DeepSeek's ungated `shared_experts`
+    (its router: `route_deepseek`, in float32, with V3's `gate.e_score_correction_bias`)."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
         e = spec.mlp.experts
-        self.top_k, self.renormalise = e.top_k, e.norm_topk_prob
+        self.spec, self.top_k, self.renormalise = e, e.top_k, e.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, e.num_experts, bias=False)
+        if e.router == "deepseek_v3":
+            # a parameter, not a buffer: the loader fills parameters (and names any it misses)
+            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(e.num_experts), requires_grad=False)
         self.experts = Experts(e.num_experts, cfg.hidden_size, e.intermediate_size)
-        if e.shared_intermediate_size:
+        if e.shared_intermediate_size and not e.shared_gated:
+            self.shared_experts = GatedMLP(cfg, spec, e.shared_intermediate_size)
+        elif e.shared_intermediate_size:
             self.shared_expert = GatedMLP(cfg, spec, e.shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         # since the last take_routing; on the host whatever device the build runs under (meta included)
         self.routed_tokens = torch.zeros(e.num_experts, dtype=torch.int64, device="cpu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalise)  # [T, k] each
+        if self.spec.router == "softmax_topk":
+            weights, ids = route(self.gate(x), self.top_k, self.renormalise)  # [T, k] each
+        else:
+            logits = F.linear(x.float(), self.gate.weight.float())  # DeepSeek routes in float32
+            bias = getattr(self.gate, "e_score_correction_bias", None)
+            weights, ids = route_deepseek(logits, self.spec, None if bias is None else bias.float())
         out, counts = grouped_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
         self.routed_tokens += counts
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(x)
         return out
 
     def take_routing(self) -> torch.Tensor:
@@ -110,7 +145,8 @@ class SparseMoeBlock(nn.Module):
 
     def projections(self) -> list:
         """The swappable linears (the shared expert's; the router stays as it is, as vLLM keeps it)."""
-        return self.shared_expert.projections() if hasattr(self, "shared_expert") else []
+        shared = getattr(self, "shared_expert", None) or getattr(self, "shared_experts", None)
+        return shared.projections() if shared is not None else []
 
 
 _MIXTRAL_ROUTER = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight$")

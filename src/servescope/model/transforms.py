@@ -94,9 +94,9 @@ def cpu_decode_plan(model: nn.Module):
 def _plan_covers_layer(spec) -> bool:
     """A layer the plan computes as the modules do: pre-norm, a dense silu MLP, the model's rotary tables, a
     plain softmax, per-head q/k norms (Gemma's four norms and GELU, a layer's own rotary base, soft-caps, sinks,
-    experts and OLMoE's all-heads q/k norm are the modules' alone)."""
+    experts, latent attention and OLMoE's all-heads q/k norm are the modules' alone)."""
     a = spec.attention
-    return (spec.norm == "pre" and spec.mlp.kind == "dense" and spec.mlp.activation == "silu" and a.plain_softmax
+    return (a.kind != "latent" and spec.norm == "pre" and spec.mlp.kind == "dense" and spec.mlp.activation == "silu" and a.plain_softmax
             and not a.rope_theta and not a.out_bias and not a.qk_norm_all_heads)
 
 

@@ -55,6 +55,9 @@ def check_parallel(cfg: ModelConfig, tp: int, pp: int, num_devices: int, device_
     if cfg.moe is not None and tp * pp > 1:  # expert parallelism and sharded experts are not built yet
         raise EngineConfigError("tensor and pipeline parallelism are not implemented for mixture-of-experts "
                                 "models yet (expert parallelism: a later step of config/moe.py's kind)")
+    if cfg.mla is not None and tp * pp > 1:  # a latent layer's shards (heads of kv_b_proj) are not built yet
+        raise EngineConfigError("tensor and pipeline parallelism are not implemented for latent attention "
+                                "(DeepSeek) yet")
     if h % tp:
         raise EngineConfigError(f"tensor_parallel_size {tp} does not divide the {h} attention heads")
     if hkv >= tp and hkv % tp:

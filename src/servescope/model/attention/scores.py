@@ -22,11 +22,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask
     sinks [H] or None -> [B, H, q, D]. Each score s becomes softcap * tanh(s / softcap) when softcap > 0;
     a sink is one more logit per head in the softmax whose probability is dropped (the weights of the
     real keys then sum to less than one)."""
-    b, h, nq, _ = q.shape
-    group = h // k.shape[1]
-    if group > 1:  # [B, Hkv, L, D] -> [B, H, L, D]: query head i reads KV head i // group
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, q, L]
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    # grouped-query heads without copying K and V per query head: query head i reads KV head i // (H / Hkv), so
+    # [B, H, q, D] viewed as [B, Hkv, (H / Hkv) q, D] multiplies each KV head's keys once
+    s = torch.matmul(q.reshape(b, hkv, -1, d), k.transpose(-1, -2)).view(b, h, nq, nk) * scale  # [B, H, q, L]
     if softcap:
         s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~mask, float("-inf"))
@@ -36,4 +36,4 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask
         s = torch.cat([s, sinks.to(s.dtype).view(1, h, 1, 1).expand(b, h, nq, 1)], dim=-1)
         s = s - s.max(dim=-1, keepdim=True).values
         p = torch.softmax(s, dim=-1, dtype=torch.float32)[..., :-1]
-    return torch.matmul(p.to(v.dtype), v)
+    return torch.matmul(p.to(v.dtype).reshape(b, hkv, -1, nk), v).view(b, h, nq, v.shape[-1])
