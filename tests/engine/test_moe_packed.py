@@ -51,7 +51,7 @@ def moe_files(request, tmp_path_factory):
 
 
 def _transformers_logits(hf_dir, state_dict, tmp_path) -> torch.Tensor:
-    """transformers' float32 logits of IDS with `state_dict` (HF names) in place of the directory's weights."""
+    """transformers' float32 logits of IDS, `state_dict` (HF names) in place of the directory's weights."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -117,7 +117,8 @@ def test_hf_moe_quantization_packs_the_experts(moe_files, mode, module, floor):
 def test_unimplemented_routing_metadata_is_refused(tmp_path):
     hf = make_tiny_hf_model(tmp_path, "qwen3_moe", vocab_size=VOCAB, with_tokenizer=False)
     src = load_model_source(str(hf))
-    path = write_tiny_moe_gguf(tmp_path / "sigmoid.gguf", src, extra_metadata={"qwen3moe.expert_gating_func": 2})
+    path = write_tiny_moe_gguf(tmp_path / "sigmoid.gguf", src,
+                               extra_metadata={"qwen3moe.expert_gating_func": 2})
     with pytest.raises(ModelLoadError, match="sigmoid.gguf.*expert_gating_func 2"):
         load_model_source(path)
     path = write_tiny_moe_gguf(tmp_path / "count.gguf", src, extra_metadata={"qwen3moe.expert_count": 4})
@@ -144,8 +145,9 @@ def test_llama_cpp_converter_output_loads_to_transformers_logits(family, tmp_pat
     hf_dir = make_tiny_hf_model(tmp_path, family, mlp_only_layers=[], rms_norm_eps=1e-5)
     out = tmp_path / "m.gguf"
     env = {**os.environ, "PYTHONPATH": os.path.join(root, "gguf-py")}
-    r = subprocess.run([sys.executable, os.path.join(root, "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
-                        "--outfile", str(out)], capture_output=True, text=True, env=env)
+    cmd = [sys.executable, os.path.join(root, "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
+           "--outfile", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     ids = [i + 3 for i in IDS]

@@ -176,9 +176,11 @@ def write_tiny_moe_gguf(path, source, qtype=None, **kw) -> str:
             floats[f"blk.{i}.ffn_gate_inp_shexp.weight"] = sd[p + "shared_expert_gate.weight"].numpy()[0]
             drop.add(p + "shared_expert_gate.weight")
     meta = {f"{arch}.expert_count": e.num_experts, f"{arch}.expert_used_count": e.top_k,
-            **({} if arch in ("llama", "olmoe") else {f"{arch}.expert_feed_forward_length": e.intermediate_size}),
+            **({} if arch in ("llama", "olmoe")
+               else {f"{arch}.expert_feed_forward_length": e.intermediate_size}),
             **({f"{arch}.expert_shared_feed_forward_length": e.shared_intermediate_size}
                if e.shared_intermediate_size else {})}
     dense = {k: v for k, v in sd.items() if k not in drop}
+    meta.update(kw.pop("extra_metadata", {}))
     return write_tiny_gguf(path, cfg, dense, arch=arch, qtype=qtype, extra_tensors=floats,
-                           quantised_tensors=stacked, extra_metadata={**meta, **kw.pop("extra_metadata", {})}, **kw)
+                           quantised_tensors=stacked, extra_metadata=meta, **kw)

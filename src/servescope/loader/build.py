@@ -55,7 +55,8 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device: 
                 max_positions: int | None = None, packed: dict | None = None) -> torch.nn.Module:
     """packed: a GGUF's blocks (LoadedSource.packed), swapped in for their placeholders after the build (the
     experts' before it: materialize)."""
-    packed = {k: tuple(x.to(device) if torch.is_tensor(x) else x for x in v) for k, v in (packed or {}).items()}
+    packed = {k: tuple(x.to(device) if torch.is_tensor(x) else x for x in v)
+              for k, v in (packed or {}).items()}
     model = materialize(cfg, device, dtype, max_positions, packed)
     expected = dict(model.named_parameters())  # tied: the head's weight is the embedding's, listed once
     sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")

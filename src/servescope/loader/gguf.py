@@ -181,8 +181,8 @@ def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
             eos_ids.append(int(v))
     bos = meta.get("tokenizer.ggml.bos_token_id")
     layers = int(meta.arch_key("block_count", required=True))
-    moe = gguf_experts.moe_from_gguf(meta, family, tensor_names, layers) if family in gguf_experts.RENORMALISED \
-        else None
+    moe = (gguf_experts.moe_from_gguf(meta, family, tensor_names, layers)
+           if family in gguf_experts.RENORMALISED else None)
     try:
         fields = dict(
             architecture=family,
@@ -299,7 +299,8 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
             raise ModelLoadError(f"{path}: cannot dequantise tensor {t.name} ({type(e).__name__}: {e})") from None
         if w.size != int(np.prod(shape)):
             raise ModelLoadError(f"{path}: tensor {t.name} has {w.size} values, its header says {list(shape)}")
-        shape = (1, shape[0]) if hf_name.endswith("shared_expert_gate.weight") else shape  # llama.cpp's is 1-D
+        if hf_name.endswith("shared_expert_gate.weight"):  # llama.cpp's is 1-D
+            shape = (1, shape[0])
         w = _unpermute(w.reshape(shape), hf_name, arch, config)
         if t.tensor_type == GGMLQuantizationType.F32 or not w.flags.writeable:
             w = w.copy()  # F32 "dequantisation" is a view of the memory-mapped file
@@ -348,8 +349,8 @@ def _read_stacked_experts(t, shape: tuple, stacked: tuple, config: ModelConfig, 
         try:
             w = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
         except NotImplementedError:
-            raise ModelLoadError(f"{path}: tensor {t.name} uses quantisation {t.tensor_type.name}, which the gguf "
-                                 "package cannot dequantise") from None
+            raise ModelLoadError(f"{path}: tensor {t.name} uses quantisation {t.tensor_type.name}, which the "
+                                 "gguf package cannot dequantise") from None
         w = w.reshape(shape)
     state_dict.update(gguf_experts.split_experts(config.architecture, layer, part, w, count))
 

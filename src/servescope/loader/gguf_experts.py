@@ -2,7 +2,8 @@
 
 llama.cpp stores a sparse layer's experts stacked, one 3-D tensor per projection:
   blk.N.ffn_gate_inp.weight   router [E, Dm] (llama-quantize leaves it in float)
-  blk.N.ffn_gate_exps.weight  [E, I, Dm]   blk.N.ffn_up_exps.weight [E, I, Dm]   blk.N.ffn_down_exps.weight [E, Dm, I]
+  blk.N.ffn_gate_exps.weight [E, I, Dm], blk.N.ffn_up_exps.weight [E, I, Dm], blk.N.ffn_down_exps.weight
+  [E, Dm, I]
   blk.N.ffn_{gate,up,down}_shexp.weight, blk.N.ffn_gate_inp_shexp.weight [Dm]: Qwen2-MoE's shared expert and
   its sigmoid gate
 and the experts' shape as `{arch}.expert_count`, `.expert_used_count`, `.expert_feed_forward_length` (the
@@ -56,17 +57,19 @@ def moe_from_gguf(meta, family: str, tensor_names: set, num_layers: int) -> MoeC
     asks for routing the model does not implement (another gating function, scaled or grouped experts)."""
     gating = meta.arch_key("expert_gating_func")
     if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
-        raise ModelLoadError(f"{meta.path}: {meta.arch}.expert_gating_func {gating} (not softmax) is not implemented")
+        raise ModelLoadError(f"{meta.path}: {meta.arch}.expert_gating_func {gating} (not softmax) is not "
+                             "implemented")
     scale = meta.arch_key("expert_weights_scale")
     if scale not in (None, 1.0) or meta.arch_key("expert_group_count") not in (None, 0, 1):
-        raise ModelLoadError(f"{meta.path}: scaled or grouped expert routing ({meta.arch}.expert_weights_scale, "
-                             ".expert_group_count) is not implemented")
+        raise ModelLoadError(f"{meta.path}: scaled or grouped expert routing "
+                             f"({meta.arch}.expert_weights_scale, .expert_group_count) is not implemented")
     count = int(meta.arch_key("expert_count", required=True))
     used = int(meta.arch_key("expert_used_count", required=True))
     width = meta.arch_key("expert_feed_forward_length") or meta.arch_key("feed_forward_length", required=True)
     norm = meta.arch_key("expert_weights_norm")
-    experts = ExpertsSpec(count, used, int(width), norm_topk_prob=RENORMALISED[family] if norm is None else bool(norm),
-                          shared_intermediate_size=int(meta.arch_key("expert_shared_feed_forward_length") or 0))
+    shared = int(meta.arch_key("expert_shared_feed_forward_length") or 0)
+    experts = ExpertsSpec(count, used, int(width), shared_intermediate_size=shared,
+                          norm_topk_prob=RENORMALISED[family] if norm is None else bool(norm))
     sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(num_layers))
     if not any(sparse):
         raise ModelLoadError(f"{meta.path}: {meta.arch}.expert_count is {count} but no layer has a router "
@@ -119,7 +122,8 @@ def settle_experts(packed: dict, state_dict: dict, path: str) -> None:
     floated = []
     for layer, keys in layers.items():
         got = [packed.get(k) for k in keys]
-        forms = {None if g is None else (g[0].dtype, g[1].dim()) for g, k in zip(got, keys) if not _is_down(k)}
+        forms = {None if g is None else (g[0].dtype, g[1].dim())
+                 for g, k in zip(got, keys) if not _is_down(k)}
         if all(g is None for g in got) or (None not in got and len(forms) == 1):
             continue
         for k, g in zip(keys, got):
