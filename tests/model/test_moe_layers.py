@@ -15,7 +15,7 @@ from tiny_models import MOE_FAMILIES, make_tiny_hf_model  # noqa: E402
 from servescope.config import ModelConfig  # noqa: E402
 from servescope.config.moe import ExpertsSpec  # noqa: E402
 from servescope.errors import InvalidParameterError  # noqa: E402
-from servescope.model.moe import grouped_experts, route, stack_expert_checkpoint  # noqa: E402
+from servescope.model.moe import Experts, grouped_experts, route, stack_expert_checkpoint  # noqa: E402
 
 QWEN_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 64,
             "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 6,
@@ -46,7 +46,9 @@ def test_grouped_experts_equal_the_definition_and_read_only_the_chosen(tokens, k
     unchosen = [j for j in range(e) if j not in chosen]
     gate_up[unchosen] = float("nan")  # an expert no token chose is never read: its NaNs cannot show
     down[unchosen] = float("nan")
-    got, counts = grouped_experts(x, ids, weights, gate_up, down)
+    experts = Experts(e, d, i)
+    experts.gate_up_proj.data, experts.down_proj.data = gate_up, down
+    got, counts = grouped_experts(x, ids, weights, experts)
     assert torch.allclose(got, want, atol=1e-12, rtol=0)
     assert counts.tolist() == [int((ids == j).sum()) for j in range(e)] and int(counts.sum()) == tokens * k
 

@@ -21,6 +21,9 @@ HF_TO_GGUF_LAYER = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
 HF_TO_GGUF_GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -74,7 +77,7 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
                     drop: tuple = (), replace: dict | None = None, chat_template: str | None = None,
                     token_count: int | None = None, extra_tensors: dict | None = None,
                     rope_scaling: tuple | None = None, raw_tensors: dict | None = None,
-                    extra_metadata: dict | None = None) -> str:
+                    extra_metadata: dict | None = None, quantised_tensors: dict | None = None) -> str:
     """Write `state_dict` (HF names) with `config` (a servescope ModelConfig) as a GGUF file.
 
     drop: HF names to leave out; replace: {HF name: array} written instead of the real tensor.
@@ -83,6 +86,8 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
     raw_tensors: {HF name: (uint8 blocks [rows, bytes], GGML type)} written as they are, in the file's row
     order, instead of the tensor (the K-quants, which gguf-py cannot write from floats).
     extra_metadata: {key: int or float} metadata written as uint32 / float32 (e.g. llama.attention.sliding_window).
+    quantised_tensors: {GGUF name: float array} written in `qtype` like the 2-D weights (a MoE's stacked
+    experts [E, rows, K]).
     """
     import gguf
 
@@ -129,8 +134,53 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
             w.add_tensor(hf_to_gguf_name(hf_name), a)
     for gguf_name, a in (extra_tensors or {}).items():
         w.add_tensor(gguf_name, np.asarray(a, dtype=np.float32))
+    for gguf_name, a in (quantised_tensors or {}).items():
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gguf_name, a)
+        else:
+            w.add_tensor(gguf_name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+# llama.cpp's general.architecture of each MoE family (Mixtral's GGUFs say "llama" with experts)
+MOE_GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+
+
+def write_tiny_moe_gguf(path, source, qtype=None, **kw) -> str:
+    """A MoE LoadedSource (HF per-expert names) as llama.cpp's converter writes it: each sparse layer's
+    experts stacked per projection (blk.N.ffn_{gate,up,down}_exps [E, rows, K], in `qtype`), the router
+    blk.N.ffn_gate_inp in float32 (llama-quantize leaves it so), Qwen2-MoE's shared expert and its 1-D gate,
+    and the expert metadata."""
+    cfg, sd = source.config, source.state_dict
+    arch, e = MOE_GGUF_ARCH[cfg.architecture], cfg.moe.experts
+    block = "block_sparse_moe" if cfg.architecture == "mixtral" else "mlp"
+    parts = (("gate", "w1"), ("up", "w3"), ("down", "w2")) if block == "block_sparse_moe" else \
+        (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
+    drop, stacked, floats = set(), {}, {}
+    for i, sparse in enumerate(cfg.moe.sparse_layers[:cfg.num_hidden_layers]):
+        if not sparse:
+            continue
+        p = f"model.layers.{i}.{block}."
+        for part, hf in parts:
+            keys = [f"{p}experts.{x}.{hf}.weight" for x in range(e.num_experts)]
+            stacked[f"blk.{i}.ffn_{part}_exps.weight"] = np.stack([sd[k].numpy() for k in keys])
+            drop.update(keys)
+        floats[f"blk.{i}.ffn_gate_inp.weight"] = sd[p + "gate.weight"].numpy()
+        drop.add(p + "gate.weight")
+        if e.shared_intermediate_size:
+            floats[f"blk.{i}.ffn_gate_inp_shexp.weight"] = sd[p + "shared_expert_gate.weight"].numpy()[0]
+            drop.add(p + "shared_expert_gate.weight")
+    meta = {f"{arch}.expert_count": e.num_experts, f"{arch}.expert_used_count": e.top_k,
+            **({} if arch in ("llama", "olmoe")
+               else {f"{arch}.expert_feed_forward_length": e.intermediate_size}),
+            **({f"{arch}.expert_shared_feed_forward_length": e.shared_intermediate_size}
+               if e.shared_intermediate_size else {})}
+    dense = {k: v for k, v in sd.items() if k not in drop}
+    meta.update(kw.pop("extra_metadata", {}))
+    return write_tiny_gguf(path, cfg, dense, arch=arch, qtype=qtype, extra_tensors=floats,
+                           quantised_tensors=stacked, extra_metadata=meta, **kw)

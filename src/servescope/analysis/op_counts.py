@@ -146,7 +146,7 @@ def mlp_counts(cfg: ModelConfig, num_tokens: int, wdt: str, adt: str,
     """(FLOPs, activation bytes, weight bytes) of every layer's MLP for `num_tokens` tokens. A dense layer:
     the gated MLP. A sparse layer (config/moe.py): the router, k experts per token, the weights of the
     distinct experts the step reads (`distinct` per layer: measured, else E(1 - (1 - k/E)^T), analysis/moe.py)
-    and the shared expert. Routed experts are not quantised (model/moe.py): their bytes are float's."""
+    and the shared expert. Routed experts are in the weights' format, packed or float, as the projections."""
     T, ab, d = int(num_tokens), DTYPE_BYTES[adt], cfg.hidden_size
     L, i = cfg.num_hidden_layers, cfg.intermediate_size
     sparse = cfg.moe.num_sparse(L) if cfg.moe else 0
@@ -159,7 +159,7 @@ def mlp_counts(cfg: ModelConfig, num_tokens: int, wdt: str, adt: str,
     n = expected_distinct_experts(e.num_experts, e.top_k, T) if distinct is None else float(distinct)
     width, shared = e.intermediate_size, e.shared_intermediate_size
     fb = DTYPE_BYTES[dense_dtype(wdt, adt)]
-    expert_w = 3 * d * width * fb
+    expert_w = 2 * _linear_weight_bytes(width, d, wdt, adt) + _linear_weight_bytes(d, width, wdt, adt)
     shared_w = (2 * _linear_weight_bytes(shared, d, wdt, adt) + _linear_weight_bytes(d, shared, wdt, adt)
                 + d * fb) if shared else 0
     flops += sparse * 2 * T * d * (e.num_experts + e.top_k * 3 * width + (3 * shared + 1 if shared else 0))

@@ -57,14 +57,15 @@ FAMILIES = {f.name: f for f in (
            window_pattern="max_window_layers"),
     # fused qkv_proj / gate_up_proj in the checkpoint (our own names: no fusing at load), LongRoPE
     Family("phi3", "Phi3ForCausalLM", "phi3", fused_checkpoint=True, hf_fields=_WINDOW_ALL, window_pattern="all"),
-    # mixture-of-experts families (config/moe.py reads their expert fields)
+    # mixture-of-experts families (config/moe.py reads their expert fields; Mixtral's GGUFs say "llama" with
+    # experts: loader/gguf_experts.py)
     Family("mixtral", "MixtralForCausalLM", hf_fields=_WINDOW_ALL | MIXTRAL_FIELDS, window_pattern="all"),
-    Family("qwen2_moe", "Qwen2MoeForCausalLM", hf_defaults={"qkv_bias": True},
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2moe", hf_defaults={"qkv_bias": True},
            hf_fields=_WINDOW_QWEN | QWEN_MOE_FIELDS, window_pattern="max_window_layers"),
-    Family("qwen3_moe", "Qwen3MoeForCausalLM", fixed={"qk_norm": True}, hf_fields=_WINDOW_QWEN | QWEN_MOE_FIELDS,
-           window_pattern="max_window_layers"),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3moe", fixed={"qk_norm": True},
+           hf_fields=_WINDOW_QWEN | QWEN_MOE_FIELDS, window_pattern="max_window_layers"),
     # q/k RMSNorm over all heads' features at once (not per head)
-    Family("olmoe", "OlmoeForCausalLM", fixed={"qk_norm": True, "qk_norm_all_heads": True},
+    Family("olmoe", "OlmoeForCausalLM", "olmoe", fixed={"qk_norm": True, "qk_norm_all_heads": True},
            hf_fields=OLMOE_FIELDS),
 
     # Gemma 2: (1 + w) norms, four per layer, scaled embeddings, GELU-tanh, soft-capped attention and logits,

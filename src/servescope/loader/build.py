@@ -12,18 +12,21 @@ import torch
 from servescope.config import ModelConfig
 from servescope.config.families import family
 from servescope.errors import ModelLoadError
-from servescope.loader import gguf_packed
+from servescope.loader import gguf_experts, gguf_packed
 from servescope.model.decoder import CausalLM, local_rotary_for, rotary_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def materialize(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                max_positions: int | None = None) -> torch.nn.Module:
+                max_positions: int | None = None, packed: dict | None = None) -> torch.nn.Module:
     """An uninitialised model of `cfg` on `device` in `dtype` (no float32 copy on the host first), with
-    its rotary tables and tied weights in place; the caller fills the parameters."""
+    its rotary tables and tied weights in place; the caller fills the parameters. packed: a GGUF's blocks
+    on `device`, whose experts replace the float ones before anything is allocated."""
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions=max_positions)
+    if packed:
+        gguf_experts.packed_experts(model, packed)
     _allocate(model, device, dtype)
     model.tie_weights()  # every parameter was re-created: the head and the embedding are two again
     # non-persistent buffers (rotary tables) were built on meta: rebuild them on the device
@@ -41,7 +44,7 @@ def _allocate(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) 
     for mod in model.modules():
         for table in (mod._parameters, mod._buffers):
             for name, t in table.items():
-                if t is None:
+                if t is None or not t.is_meta:  # (packed experts: built on the device already)
                     continue
                 new = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
                 table[name] = torch.nn.Parameter(new, requires_grad=t.requires_grad) \
@@ -50,10 +53,14 @@ def _allocate(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) 
 
 def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device: torch.device,
                 max_positions: int | None = None, packed: dict | None = None) -> torch.nn.Module:
-    """packed: a GGUF's blocks (LoadedSource.packed), swapped in for their placeholders after the build."""
-    model = materialize(cfg, device, dtype, max_positions)
+    """packed: a GGUF's blocks (LoadedSource.packed), swapped in for their placeholders after the build (the
+    experts' before it: materialize)."""
+    packed = {k: tuple(x.to(device) if torch.is_tensor(x) else x for x in v)
+              for k, v in (packed or {}).items()}
+    model = materialize(cfg, device, dtype, max_positions, packed)
     expected = dict(model.named_parameters())  # tied: the head's weight is the embedding's, listed once
-    sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+    sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")
+          and not (k in packed and gguf_experts.is_expert_key(k))}
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     sd = model.fuse_checkpoint(sd, cfg.num_hidden_layers)
@@ -73,7 +80,6 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device: 
         for name, p in expected.items():
             p.copy_(sd[name].to(dtype))
     if packed:
-        gguf_packed.apply_packed(model, {k: tuple(x.to(device) if torch.is_tensor(x) else x for x in v)
-                                         for k, v in packed.items()}, dtype)
+        gguf_packed.apply_packed(model, packed, dtype)
     model.requires_grad_(False)
     return model.eval()

@@ -23,9 +23,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from servescope.config import ModelConfig, RopeScaling
+from servescope.config.families import family as family_row
 from servescope.config.families import family_of_gguf, gguf_architectures
 from servescope.errors import InvalidParameterError, ModelLoadError
-from servescope.loader import gguf_packed
+from servescope.loader import gguf_experts, gguf_packed
 from servescope.loader.gguf_file import read_gguf
 from servescope.loader.checkpoint import LoadedSource, check_state_dict
 from servescope.tokenizer.source import TokenizerSource
@@ -151,7 +152,8 @@ def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
         supported = [a for a in gguf_architectures() if not family_of_gguf(a).fused_checkpoint]
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; supported: "
                              f"{', '.join(supported)} (llama: Llama 2/3, SmolLM, Mistral)")
-    family = fam.name  # Mistral GGUFs say "llama" (detected from general.name below)
+    # Mistral GGUFs say "llama" (detected from general.name below), Mixtral's "llama" with experts
+    family = gguf_experts.family_of(arch, reader.fields) or fam.name
     name = meta.get("general.name") or os.path.basename(path)
     if family == "llama" and "mistral" in str(name).lower():
         family = "mistral"
@@ -178,13 +180,16 @@ def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
         if v is not None and int(v) not in eos_ids:
             eos_ids.append(int(v))
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    layers = int(meta.arch_key("block_count", required=True))
+    moe = (gguf_experts.moe_from_gguf(meta, family, tensor_names, layers)
+           if family in gguf_experts.RENORMALISED else None)
     try:
-        return ModelConfig(
+        fields = dict(
             architecture=family,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(meta.arch_key("feed_forward_length", required=True)),
-            num_hidden_layers=int(meta.arch_key("block_count", required=True)),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
@@ -198,7 +203,9 @@ def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=tuple(eos_ids),
             name=str(name),
+            moe=moe,
         )
+        return ModelConfig(**{**fields, **family_row(family).fixed})  # (OLMoE: its q/k norm over all heads)
     except InvalidParameterError as e:
         raise ModelLoadError(f"{path}: invalid model config in GGUF metadata: {e.message}") from None
 
@@ -249,8 +256,9 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
     file_size = os.path.getsize(path)
     state_dict, packed, dequantised, repacked = {}, {}, {}, {}
     for t in reader.tensors:
-        hf_name = gguf_to_hf_name(t.name)
-        if hf_name is None:
+        hf_name = gguf_to_hf_name(t.name) or _expert_layer_name(t.name, config)
+        stacked = gguf_experts.stacked_expert(t.name) if config.moe else None
+        if hf_name is None and stacked is None:
             logger.debug("%s: skipping tensor %s", path, t.name)
             continue
         if t.data_offset + t.n_bytes > file_size or t.data.nbytes != t.n_bytes:
@@ -259,6 +267,9 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
                 f"but the file has {file_size} bytes"
             )
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+        if stacked is not None:
+            _read_stacked_experts(t, shape, stacked, config, keep_packed, state_dict, packed, path)
+            continue
         runs_packed = len(shape) == 2 and keep_packed and _runs_packed(t, hf_name)
         if runs_packed or (len(shape) == 2 and t.tensor_type in gguf_packed.NATIVE):
             try:
@@ -288,6 +299,8 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
             raise ModelLoadError(f"{path}: cannot dequantise tensor {t.name} ({type(e).__name__}: {e})") from None
         if w.size != int(np.prod(shape)):
             raise ModelLoadError(f"{path}: tensor {t.name} has {w.size} values, its header says {list(shape)}")
+        if hf_name.endswith("shared_expert_gate.weight"):  # llama.cpp's is 1-D
+            shape = (1, shape[0])
         w = _unpermute(w.reshape(shape), hf_name, arch, config)
         if t.tensor_type == GGMLQuantizationType.F32 or not w.flags.writeable:
             w = w.copy()  # F32 "dequantisation" is a view of the memory-mapped file
@@ -300,7 +313,46 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
                     ", ".join(f"{n} tensors of {k} into {gguf_packed.REPACKED_FORM[k]}"
                               for k, n in sorted(repacked.items())))
     gguf_packed.settle_fused(packed, state_dict, config.num_hidden_layers, path)
+    gguf_experts.settle_experts(packed, state_dict, path)
     return state_dict, packed
+
+
+def _expert_layer_name(name: str, config: ModelConfig) -> str | None:
+    """The HF key of a MoE layer's router or shared-expert tensor (loader/gguf_experts.py), else None."""
+    m = _LAYER_RE.match(name)
+    return gguf_experts.layer_name(config.architecture, m.group(1), m.group(2), m.group(3)) \
+        if m and config.moe else None
+
+
+def _read_stacked_experts(t, shape: tuple, stacked: tuple, config: ModelConfig, keep_packed: bool,
+                          state_dict: dict, packed: dict, path: str) -> None:
+    """One stacked expert tensor [E, rows, K] into per-expert HF keys: packed blocks (and placeholders)
+    where they run packed, else float32 views."""
+    if len(shape) != 3 or shape[0] != config.moe.experts.num_experts:
+        raise ModelLoadError(f"{path}: tensor {t.name} has shape {list(shape)}, expected [experts "
+                             f"{config.moe.experts.num_experts}, rows, columns]")
+    (count, rows, k), (layer, part) = shape, stacked
+    native = gguf_packed.is_native(t.tensor_type)
+    if native:
+        try:
+            qs, scales = gguf_packed.split_blocks(t.data, t.tensor_type, count * rows, k)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: tensor {t.name}: {e}") from None
+        if keep_packed:
+            pieces = gguf_experts.split_experts(config.architecture, layer, part, (qs, scales), count)
+            for key, (q, sc) in pieces.items():
+                packed[key] = (q, sc, k)
+                state_dict[key] = gguf_packed.placeholder((rows, k))
+            return
+        w = gguf_packed.dequantize(qs, scales, k).reshape(shape)
+    else:
+        try:
+            w = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        except NotImplementedError:
+            raise ModelLoadError(f"{path}: tensor {t.name} uses quantisation {t.tensor_type.name}, which the "
+                                 "gguf package cannot dequantise") from None
+        w = w.reshape(shape)
+    state_dict.update(gguf_experts.split_experts(config.architecture, layer, part, w, count))
 
 
 def _unpermute(w, hf_name: str, arch: str, config: ModelConfig):

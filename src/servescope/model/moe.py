@@ -60,19 +60,18 @@ def route_deepseek(logits: torch.Tensor, e, bias) -> tuple:
     return weights * e.routed_scaling_factor, ids
 
 
-def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor) -> tuple:
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: nn.Module) -> tuple:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, and the tokens per expert [E].
 
-    x [T, Dm], ids / weights [T, k], gate_up [E, 2I, Dm], down [E, Dm, I] -> ([T, Dm], counts [E] int64).
-    One pass per active expert over its contiguous slice of the expert-sorted pairs; inactive experts are
-    never visited (their weights are not read)."""
+    x [T, Dm], ids / weights [T, k], experts: Experts or PackedExperts (`run(e, xs, out)`, `num_experts`)
+    -> ([T, Dm], counts [E] int64). One pass per active expert over its contiguous slice of the
+    expert-sorted pairs; inactive experts are never visited (their weights are not read)."""
     t, k = ids.shape
     flat = ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept within each
     # the counts, and the slices' bounds from them, on the host (E small ints; one device-to-host copy): fewer
     # tensor ops per layer than indexing on the device
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).cpu()  # [E]
+    counts = torch.bincount(flat, minlength=experts.num_experts).cpu()  # [E]
     per_expert = counts.tolist()
     ends = list(itertools.accumulate(per_expert))
     token_of = order // k  # [T*k] the token of each sorted pair
@@ -80,8 +79,7 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     ys = torch.empty_like(xs)
     for e in (e for e, n in enumerate(per_expert) if n):  # the active experts only
         rows = slice(ends[e] - per_expert[e], ends[e])
-        h = fused_ops.silu_mul(F.linear(xs[rows], gate_up[e]))  # [n, 2I] -> [n, I]
-        torch.mm(h, down[e].t(), out=ys[rows])  # [n, I] -> [n, Dm], written in place
+        experts.run(e, xs[rows], ys[rows])
     ys.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1))
     out = torch.zeros_like(x).index_add_(0, token_of, ys)  # [T, Dm]
     return out, counts
@@ -92,12 +90,50 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, width: int):
         super().__init__()
+        self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width), requires_grad=False)
+
+    def run(self, e: int, xs: torch.Tensor, out: torch.Tensor) -> None:
+        """Expert e over the rows xs [n, Dm], written into out [n, Dm]."""
+        h = fused_ops.silu_mul(F.linear(xs, self.gate_up_proj[e]))  # [n, 2I] -> [n, I]
+        torch.mm(h, self.down_proj[e].t(), out=out)
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights (what a step reads per active expert)."""
         return (self.gate_up_proj[0].numel() + self.down_proj[0].numel()) * self.gate_up_proj.element_size()
+
+
+class PackedExperts(nn.Module):
+    """E gated MLPs as one linear module per expert and projection (QuantLinear over packed blocks, or
+    Int8Linear): gate_up[e] Dm -> 2I (gate | up), down[e] I -> Dm. A step runs each active expert's two
+    modules once over that expert's tokens, so a batch-1 decode reads k experts' packed blocks per layer
+    through the packed GEMV (model/linears/packed.py chooses the kernel by rows, as for any projection)."""
+
+    def __init__(self, gate_up: list, down: list):
+        super().__init__()
+        if len(gate_up) != len(down) or not gate_up:
+            raise ValueError(f"{len(gate_up)} gate|up and {len(down)} down modules: one of each per expert")
+        self.num_experts = len(gate_up)
+        self.gate_up = nn.ModuleList(gate_up)
+        self.down = nn.ModuleList(down)
+
+    def run(self, e: int, xs: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(self.down[e](fused_ops.silu_mul(self.gate_up[e](xs))))
+
+    def expert_bytes(self) -> int:
+        return sum(_module_bytes(m) for m in (self.gate_up[0], self.down[0]))
+
+    def linears(self) -> list:
+        """Every expert's modules (the huge-page move and the weight count walk them)."""
+        return [*self.gate_up, *self.down]
+
+
+def _module_bytes(m: nn.Module) -> int:
+    """Bytes of a linear module's weights: its own count where it has one (QuantLinear), else its buffers'."""
+    if hasattr(m, "weight_bytes"):
+        return m.weight_bytes()
+    return sum(t.numel() * t.element_size() for t in m.buffers())
 
 
 class SparseMoeBlock(nn.Module):
@@ -129,7 +165,7 @@ class SparseMoeBlock(nn.Module):
             logits = F.linear(x.float(), self.gate.weight.float())  # DeepSeek routes in float32
             bias = getattr(self.gate, "e_score_correction_bias", None)
             weights, ids = route_deepseek(logits, self.spec, None if bias is None else bias.float())
-        out, counts = grouped_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        out, counts = grouped_experts(x, ids, weights, self.experts)
         self.routed_tokens += counts
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

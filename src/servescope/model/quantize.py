@@ -25,16 +25,37 @@ from servescope.errors import InvalidParameterError
 from servescope.model.linears.huge_pages import move_to_huge_pages
 from servescope.model.linears.int8 import Int8Linear
 from servescope.model.linears.packed import QuantEmbedding, QuantLinear
+from servescope.model.moe import Experts, PackedExperts, moe_blocks
 from servescope.quant.packed import quantize
 from servescope.quant.scheme import QuantScheme
 
 logger = logging.getLogger(__name__)
 
 
+def quantize_experts(model: nn.Module, scheme) -> None:
+    """Every sparse layer's float experts (Experts) -> PackedExperts: one module per expert and projection,
+    QuantLinear in `scheme`'s packed form, or Int8Linear for the per-channel "int8" mode. A layer's float
+    experts are dropped once it is packed (a big MoE holds its float weights plus one layer's packed)."""
+    act_dtype = model.model.norm.weight.dtype
+    for _, block in moe_blocks(model):
+        experts = block.experts
+        if not isinstance(experts, Experts):
+            continue  # (a GGUF's experts: packed by the loader)
+        gate_up, down = [], []
+        for e in range(experts.num_experts):
+            for w, out in ((experts.gate_up_proj[e], gate_up), (experts.down_proj[e], down)):
+                if scheme == "int8":
+                    out.append(Int8Linear(w.data, None, act_dtype))
+                else:
+                    out.append(QuantLinear(*quantize(w.data, scheme), w.shape[1]))
+        block.experts = PackedExperts(gate_up, down)
+
+
 def quantize_int8(model: nn.Module) -> nn.Module:
     """Replace every projection of the decoder layers, and the output head, by Int8Linear. The embedding
     reads the head's int8 rows and per-row scales when they are tied, else becomes int8 per channel itself."""
     act_dtype = model.model.norm.weight.dtype  # (the embedding may be packed)
+    quantize_experts(model, "int8")
     for parent, name, child in model.projections():
         if isinstance(child, nn.Linear):
             setattr(parent, name, Int8Linear(child.weight.data, child.bias, act_dtype))
@@ -121,12 +142,15 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     if scheme == "int8":
         return quantize_int8(model)
     if scheme is not None:  # (gguf: the loader kept the file's blocks)
+        quantize_experts(model, scheme)
         for parent, name, child in model.projections():
             if isinstance(child, nn.Linear):
                 setattr(parent, name, QuantLinear.from_linear(child, projection_scheme(name, scheme),
                                                               float_output=name == "lm_head"))
         quantize_embedding(model, scheme)
     packed = [m for _, _, m in model.projections() if isinstance(m, QuantLinear)]
+    packed += [m for _, block in moe_blocks(model) if isinstance(block.experts, PackedExperts)
+               for m in block.experts.linears() if isinstance(m, QuantLinear)]
     packed += [m for m in model.modules() if isinstance(m, QuantEmbedding)]
     moved = move_to_huge_pages(packed)
     if moved:
