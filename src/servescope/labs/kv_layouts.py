@@ -180,7 +180,8 @@ def _shows(results: dict, sz: dict) -> str:
         f"{results['MHA']['bytes_per_token']:.0f} B, GQA {g['bytes_per_token']:.0f} B, MQA "
         f"{results['MQA']['bytes_per_token']:.0f} B here (measured on the cache tensors, equal to the prediction). "
         f"Latent attention (MLA) holds one compressed row per token and layer instead: "
-        f"{results['MLA']['bytes_per_token']:.0f} B, {results['MHA']['bytes_per_token'] / results['MLA']['bytes_per_token']:.1f}x "
+        f"{results['MLA']['bytes_per_token']:.0f} B, "
+        f"{results['MHA']['bytes_per_token'] / results['MLA']['bytes_per_token']:.1f}x "
         f"less than MHA over the same 8 heads.",
         f"At {last['GQA']['context']} tokens of context one GQA sequence holds {last['GQA']['held_bytes'] / 2**20:.2f} "
         f"MiB; the windowed model {last['windowed']['held_bytes'] / 2**20:.2f} MiB, flat past its window of "

@@ -38,7 +38,8 @@ class LatentAttention(nn.Module):
         super().__init__()
         m = spec.attention.latent
         self.num_heads, self.scale, self.interleave = cfg.num_attention_heads, m.scale, m.rope_interleave
-        self.nope, self.rope, self.rank, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
+        self.nope, self.rope = m.qk_nope_head_dim, m.qk_rope_head_dim
+        self.rank, self.v_dim = m.kv_lora_rank, m.v_head_dim
         h, d, bias = cfg.num_attention_heads, cfg.hidden_size, spec.attention.bias
         if m.q_lora_rank:
             self.q_a_proj = nn.Linear(d, m.q_lora_rank, bias=bias)

@@ -96,7 +96,8 @@ def _plan_covers_layer(spec) -> bool:
     plain softmax, per-head q/k norms (Gemma's four norms and GELU, a layer's own rotary base, soft-caps, sinks,
     experts, latent attention and OLMoE's all-heads q/k norm are the modules' alone)."""
     a = spec.attention
-    return (a.kind != "latent" and spec.norm == "pre" and spec.mlp.kind == "dense" and spec.mlp.activation == "silu" and a.plain_softmax
+    return (a.kind != "latent" and spec.norm == "pre" and spec.mlp.kind == "dense" and spec.mlp.activation == "silu"
+            and a.plain_softmax
             and not a.rope_theta and not a.out_bias and not a.qk_norm_all_heads)
 
 

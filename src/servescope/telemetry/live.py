@@ -47,7 +47,8 @@ def step_event(rec, t0: float) -> dict:
         active = rec.moe_experts_active
         d.update({"moe_active": _round(sum(active) / len(active), 3),
                   "moe_expected": _round(rec.moe_expected_experts, 3),
-                  "moe_imbalance": _round(rec.moe_imbalance, 3), "moe_bytes": rec.moe_expert_bytes, "moe_tokens": list(rec.moe_tokens_per_expert)})
+                  "moe_imbalance": _round(rec.moe_imbalance, 3), "moe_bytes": rec.moe_expert_bytes,
+                  "moe_tokens": list(rec.moe_tokens_per_expert)})
     return d
 
 
