@@ -88,9 +88,12 @@ def test_what_is_not_implemented_is_refused_naming_it(field, value, match):
         ModelConfig.from_hf_dict(d)
     with pytest.raises(InvalidParameterError, match="router 'sigmoid_grouped'"):
         ExpertsSpec(8, 2, 16, router="sigmoid_grouped")
-    with pytest.raises(InvalidParameterError, match="unsupported architecture"):  # DeepSeek waits for MLA
+    # DeepSeek is a family now: Qwen's expert fields in its config are refused by name, not run as a DeepSeek
+    with pytest.raises(InvalidParameterError, match="'num_experts' is not known to servescope for deepseek_v3"):
         ModelConfig.from_hf_dict({**QWEN_MOE, "architectures": ["DeepseekV3ForCausalLM"],
                                   "model_type": "deepseek_v3"})
+    with pytest.raises(InvalidParameterError, match="unsupported architecture"):  # gpt-oss has no family row
+        ModelConfig.from_hf_dict({**QWEN_MOE, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"})
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
