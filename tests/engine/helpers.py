@@ -1,5 +1,8 @@
 """Test helpers: run a model over a whole token sequence through the paged-cache path."""
 
+import hashlib
+import json
+import shutil
 from types import SimpleNamespace
 
 import torch
@@ -50,6 +53,32 @@ BATCHING_OVERRIDES = dict(argvalues=[
 
 def random_ids(n, seed):
     return torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_logits_match_transformers(path, hf, chunk, tol):
+    """A 120-token prompt in chunks of `chunk`, the last 30 tokens decoded one by one: every row's logits
+    within tol of transformers' forward on the same weights."""
+    from servescope import LLM  # lazy: as the test modules import it
+
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=512)
+    ids = random_ids(120, 1)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    diff = (paged_logits(llm.engine, ids, chunk=chunk, decode_from=90) - ref).abs().max().item()
+    assert diff <= tol, f"max |logit diff| {diff:.2e}"
+
+
+def edited_checkpoint(path, key, value):
+    """A copy of the checkpoint directory `path` with config.json's `key` set to `value`, made once per (key,
+    value): two tests editing the same key with different values must not share one."""
+    digest = hashlib.sha1(json.dumps(value, sort_keys=True).encode()).hexdigest()[:8]
+    out = path.parent / f"{path.name}-{key}-{digest}"
+    if not out.exists():
+        shutil.copytree(path, out)
+        cfg = json.loads((out / "config.json").read_text())
+        cfg[key] = value
+        (out / "config.json").write_text(json.dumps(cfg))
+    return out
 
 
 def assert_greedy_matches_transformers(path, hf, n):

@@ -9,17 +9,14 @@ greedy tokens as transformers' generate, and the same greedy tokens batched, chu
 under preemption as one at a time. The KV cache holds (kv_lora_rank + qk_rope_head_dim) values per token and
 layer. Each DeepSeek field is shown to matter: the same weights with it changed are far from transformers."""
 
-import hashlib
-import json
 import os
-import shutil
 import sys
 
 import pytest
 import torch
 
 from helpers import (BATCHING_OVERRIDES, assert_batching_changes_nothing, assert_greedy_matches_transformers,
-                     paged_logits, random_ids)
+                     assert_logits_match_transformers, edited_checkpoint, paged_logits, random_ids)
 from servescope import LLM
 from servescope.errors import EngineConfigError, InvalidParameterError, ModelLoadError
 
@@ -64,12 +61,7 @@ def test_layer_specs_follow_the_family(deepseek):
 @pytest.mark.parametrize("chunk", [24, 7])
 def test_logits_match_transformers(deepseek, chunk):
     _, path, hf = deepseek
-    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=512)
-    ids = random_ids(120, 1)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    diff = (paged_logits(llm.engine, ids, chunk=chunk, decode_from=90) - ref).abs().max().item()
-    assert diff <= TOL, f"max |logit diff| {diff:.2e}"
+    assert_logits_match_transformers(path, hf, chunk, TOL)
 
 
 def test_every_deepseek_field_matters(deepseek):
@@ -79,20 +71,9 @@ def test_every_deepseek_field_matters(deepseek):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     for key, value in CHANGES[family].items():
-        llm = LLM(model=str(_edited(path, key, value)), num_kv_blocks=64, max_model_len=512)
+        llm = LLM(model=str(edited_checkpoint(path, key, value)), num_kv_blocks=64, max_model_len=512)
         diff = (paged_logits(llm.engine, ids, chunk=24, decode_from=50) - ref).abs().max().item()
         assert diff > 100 * TOL, (key, diff)
-
-
-def _edited(path, key, value):
-    digest = hashlib.sha1(json.dumps(value, sort_keys=True).encode()).hexdigest()[:8]
-    out = path.parent / f"{path.name}-{key}-{digest}"
-    if not out.exists():
-        shutil.copytree(path, out)
-        cfg = json.loads((out / "config.json").read_text())
-        cfg[key] = value
-        (out / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 def test_the_cache_holds_the_latent_only(deepseek):
@@ -136,8 +117,8 @@ def test_what_is_not_built_is_refused(deepseek):
     family, path, _ = deepseek
     with pytest.raises(EngineConfigError, match="latent attention"):
         LLM(model=str(path), num_kv_blocks=8, max_model_len=128, kv_cache_dtype="int8")
-    bad = _edited(path, "topk_method", "no_such_method") if family == "deepseek_v2" else \
-        _edited(path, "scoring_func", "softmax")
+    bad = edited_checkpoint(path, "topk_method", "no_such_method") if family == "deepseek_v2" else \
+        edited_checkpoint(path, "scoring_func", "softmax")
     with pytest.raises((ModelLoadError, InvalidParameterError), match="topk_method|scoring_func"):
         LLM(model=str(bad), num_kv_blocks=8, max_model_len=128)
 

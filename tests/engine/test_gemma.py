@@ -7,7 +7,6 @@ float32 logits within 1e-4 through chunked prefill (chunks crossing window edges
 as transformers' generate, and the same greedy tokens batched, chunked, with prefix caching and under preemption
 as one at a time. Each field is shown to matter: the same weights with it dropped are far from transformers."""
 
-import hashlib
 import json
 import os
 import shutil
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from helpers import (BATCHING_OVERRIDES, assert_batching_changes_nothing, assert_greedy_matches_transformers,
-                     paged_logits, random_ids)
+                     assert_logits_match_transformers, edited_checkpoint, paged_logits, random_ids)
 from servescope import LLM
 from servescope.errors import ModelLoadError
 
@@ -65,12 +64,7 @@ def test_layer_specs_follow_the_family(gemma):
 @pytest.mark.parametrize("chunk", [24, 7])
 def test_logits_match_transformers(gemma, chunk):
     _, path, hf = gemma
-    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=512)
-    ids = random_ids(120, 1)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    diff = (paged_logits(llm.engine, ids, chunk=chunk, decode_from=90) - ref).abs().max().item()
-    assert diff <= TOL, f"max |logit diff| {diff:.2e}"
+    assert_logits_match_transformers(path, hf, chunk, TOL)
 
 
 def test_every_gemma_field_matters(gemma):
@@ -80,22 +74,10 @@ def test_every_gemma_field_matters(gemma):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     for key, value in DROPS[family].items():
-        edited = _edited(path, key, value)
+        edited = edited_checkpoint(path, key, value)
         llm = LLM(model=str(edited), num_kv_blocks=64, max_model_len=512)
         diff = (paged_logits(llm.engine, ids, chunk=24, decode_from=50) - ref).abs().max().item()
         assert diff > 100 * TOL, (key, diff)
-
-
-def _edited(path, key, value):
-    # one directory per (key, value): two tests editing the same key with different values must not share one
-    digest = hashlib.sha1(json.dumps(value, sort_keys=True).encode()).hexdigest()[:8]
-    out = path.parent / f"{path.name}-{key}-{digest}"
-    if not out.exists():
-        shutil.copytree(path, out)
-        cfg = json.loads((out / "config.json").read_text())
-        cfg[key] = value
-        (out / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 def test_greedy_matches_transformers_generate(gemma):
@@ -142,7 +124,7 @@ def test_a_local_rope_of_another_type_is_refused(gemma, tmp_path):
     family, path, _ = gemma
     if family != "gemma3":
         pytest.skip("Gemma 3's per-layer-type rope_parameters")
-    bad = _edited(path, "rope_parameters", {"sliding_attention": {"rope_type": "linear", "factor": 2.0,
+    bad = edited_checkpoint(path, "rope_parameters", {"sliding_attention": {"rope_type": "linear", "factor": 2.0,
                                                                   "rope_theta": 10000.0},
                                             "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
     with pytest.raises(ModelLoadError, match="sliding_attention"):
