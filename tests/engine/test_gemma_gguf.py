@@ -4,15 +4,19 @@ window, soft-caps and rotary bases as metadata; gguf-py, so it runs wherever the
 of the directory and to transformers' float32 logits on the same weights, windows of 16 under prompts of 120
 tokens, with the same greedy tokens; a Q8_0 file loads and generates, float and kept packed; metadata whose maths
 is not implemented is refused by name; llama.cpp's own converter's files (where its tree is given: LLAMA_CPP_DIR)
-load to transformers' logits too.
+load to transformers' logits too, and llama.cpp itself (llama-server, where LLAMA_CPP_BIN or PATH has it)
+generates our greedy tokens from them.
 
 The query scalar is head_dim here: no GGUF key holds query_pre_attn_scalar, and llama.cpp takes head_dim (hidden
 / heads for the 27B models), as the 2B, 9B, 1B, 4B and 12B checkpoints have it."""
 
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import urllib.request
 from types import SimpleNamespace
 
 import gguf
@@ -22,6 +26,7 @@ import torch
 
 from helpers import paged_logits
 from servescope import LLM, SamplingParams
+from servescope.bench.llama_cpp_tools import LlamaServer, find_tool
 from servescope.bench.accuracy import compare
 from servescope.errors import ModelLoadError
 from servescope.loader.gguf import _config_from_metadata, _Metadata
@@ -189,18 +194,15 @@ def _llama_cpp_tree():
 # Gemma 2's converter reads only a sentencepiece tokenizer.model; the tiny checkpoint carries the SmolLM2 BPE
 # tokenizer, so its vocabulary is written as Gemma 3's converter does without one (the tensors and the metadata
 # are the converter's own)
-_CONVERT = """import sys; sys.path.insert(0, sys.argv[1]); sys.argv = sys.argv[1:]
+_CONVERT = """import sys; sys.path.insert(0, sys.argv[1]); sys.argv = sys.argv[2:]
 from conversion.gemma import Gemma2Model
 Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()
 import convert_hf_to_gguf; convert_hf_to_gguf.main()"""
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
-def test_llama_cpp_converter_output_loads_to_transformers_logits(family, tmp_path):
-    """llama.cpp's own convert_hf_to_gguf.py (float32 out) on a tiny checkpoint: the same logits as transformers
-    on the directory (its patterns: Gemma 2 alternating, Gemma 3 five local layers to one global)."""
-    from transformers import AutoModelForCausalLM
-
+def _converted(family, tmp_path):
+    """(HF directory, the GGUF llama.cpp's converter makes of it in float32) of a tiny checkpoint of `family`
+    with llama.cpp's own layer patterns (Gemma 2 alternating, Gemma 3 five local layers to one global)."""
     root = _llama_cpp_tree()
     layers = {"gemma2": dict(num_hidden_layers=2, attn_logit_softcapping=0.05, final_logit_softcapping=2.0),
               "gemma3": dict(num_hidden_layers=6)}[family]
@@ -211,6 +213,16 @@ def test_llama_cpp_converter_output_loads_to_transformers_logits(family, tmp_pat
            "--outtype", "f32", "--outfile", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
+    return hf_dir, out
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_llama_cpp_converter_output_loads_to_transformers_logits(family, tmp_path):
+    """llama.cpp's own convert_hf_to_gguf.py (float32 out) on a tiny checkpoint: the same layers and the same
+    logits as transformers on the directory."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, out = _converted(family, tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
     ids = torch.randint(3, 49152, (120,), generator=torch.Generator().manual_seed(2)).tolist()
     with torch.no_grad():
@@ -219,3 +231,26 @@ def test_llama_cpp_converter_output_loads_to_transformers_logits(family, tmp_pat
     assert llm.engine.model_config.layer_specs() == load_model_source(str(hf_dir)).config.layer_specs()
     diff = (paged_logits(llm.engine, ids, chunk=24, decode_from=90) - ref).abs().max().item()
     assert diff <= TOL, f"{family}: max |logit diff| {diff:.2e}"
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_llama_cpp_runs_the_converter_output_to_our_greedy_tokens(family, tmp_path):
+    """llama.cpp itself (llama-server, where LLAMA_CPP_BIN or PATH has it) on the converter's file: the greedy
+    tokens of a 40-token prompt (past the window) are ours, so both read the metadata alike."""
+    server = find_tool("llama-server")
+    if server is None:
+        pytest.skip("llama.cpp's llama-server not found (LLAMA_CPP_BIN)")
+    _, out = _converted(family, tmp_path)
+    ids = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    ours = _engine(out).generate(ids, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [server, "-m", str(out), "-t", "1", "-np", "1", "-c", "512", "--no-warmup", "--port", str(port)]
+    body = {"prompt": ids, "n_predict": 30, "samplers": ["top_k"], "top_k": 1, "ignore_eos": True,
+            "cache_prompt": False, "return_tokens": True}
+    with LlamaServer(cmd, log_path=str(tmp_path / "server.log")) as srv:
+        req = urllib.request.Request(srv.base_url + "/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        theirs = json.loads(urllib.request.urlopen(req, timeout=120).read())["tokens"]
+    assert theirs == ours.outputs[0].token_ids
