@@ -110,7 +110,8 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
     w.add_head_count(config.num_attention_heads)
     w.add_head_count_kv(config.num_key_value_heads)
     w.add_key_length(config.head_dim)
-    w.add_value_length(config.head_dim)
+    if f"{arch}.attention.value_length" not in (extra_metadata or {}):
+        w.add_value_length(config.head_dim)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_rope_freq_base(config.rope_theta)
     if not token_count:  # with a token list the loader must take the vocabulary size from it
@@ -203,7 +204,8 @@ def write_tiny_gemma_gguf(path, source, qtype=None, **kw) -> str:
     """A Gemma 2 / Gemma 3 LoadedSource as llama.cpp's converter writes it (Gemma2Model / Gemma3Model): the
     sandwich norms under their GGUF names, every norm weight with Gemma's 1 added (the converter's
     `data_torch + 1`), no output.weight when tied, and the metadata those converters write: key and value length,
-    the sliding window, Gemma 2's two soft-caps, Gemma 3's global and local rotary bases and final soft-cap.
+    the sliding window, Gemma 2's two soft-caps, Gemma 3's global and local rotary bases, final soft-cap and the
+    global layers' rope scaling.
     The layer pattern is llama.cpp's default (Gemma 2: 2, Gemma 3: 6) unless extra_metadata says
     `{arch}.attention.sliding_window_pattern`."""
     cfg, sd = source.config, source.state_dict
@@ -220,6 +222,8 @@ def write_tiny_gemma_gguf(path, source, qtype=None, **kw) -> str:
     if cfg.rope_local_theta is not None:
         meta[f"{arch}.rope.freq_base_swa"] = float(cfg.rope_local_theta)
     meta.update(kw.pop("extra_metadata", {}))
+    if cfg.rope_scaling is not None:  # the global layers' (Gemma 3 4B and up: linear)
+        kw.setdefault("rope_scaling", (cfg.rope_scaling.rope_type, float(cfg.rope_scaling.factor)))
     drop = tuple(kw.pop("drop", ())) + (("lm_head.weight",) if cfg.tie_word_embeddings else ())
     return write_tiny_gguf(path, cfg, sd, arch=arch, qtype=qtype, replace=replace, extra_metadata=meta, drop=drop,
                            layer_names=GEMMA_TO_GGUF_LAYER, **kw)
