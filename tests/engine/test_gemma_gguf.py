@@ -82,9 +82,11 @@ def _transformers(hf_dir, state_dict, tmp_path):
 
 def test_gguf_config_is_the_directory_config(gemma_files):
     """Windows on the same layers, soft-caps, rotary bases, query scalar, activation, norms and tied head as the
-    config.json the file was made from."""
+    config.json the file was made from; a file without a chat template gets Gemma's turns."""
     _, hf_dir, f32, _ = gemma_files
-    ours, want = load_model_source(f32).config, load_model_source(str(hf_dir)).config
+    src = load_model_source(f32)
+    ours, want = src.config, load_model_source(str(hf_dir)).config
+    assert "<start_of_turn>" in src.chat_template and src.tokenizer_source.chat_template == src.chat_template
     assert ours.layer_specs() == want.layer_specs()
     for key in ("architecture", "sliding_window", "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
                 "rope_theta", "rope_local_theta", "rope_scaling", "query_pre_attn_scalar", "hidden_act",
