@@ -32,12 +32,19 @@ HF_TO_GGUF_GLOBAL = {
 }
 
 
-def hf_to_gguf_name(name: str) -> str:
+# Gemma's four norms a layer (llama.cpp's Gemma2/Gemma3 tensor map): post_attention_layernorm is the attention
+# output's norm there, ffn_norm the MLP input's
+GEMMA_TO_GGUF_LAYER = {**HF_TO_GGUF_LAYER, "post_attention_layernorm": "post_attention_norm",
+                       "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+GEMMA_GGUF_ARCH = {"gemma2": "gemma2", "gemma3_text": "gemma3"}
+
+
+def hf_to_gguf_name(name: str, layer_names: dict = HF_TO_GGUF_LAYER) -> str:
     if name in HF_TO_GGUF_GLOBAL:
         return HF_TO_GGUF_GLOBAL[name]
     _, _, layer, rest = name.split(".", 3)  # model.layers.N.<module>.<param>
     module, param = rest.rsplit(".", 1)
-    return f"blk.{layer}.{HF_TO_GGUF_LAYER[module]}.{param}"
+    return f"blk.{layer}.{layer_names[module]}.{param}"
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -77,7 +84,8 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
                     drop: tuple = (), replace: dict | None = None, chat_template: str | None = None,
                     token_count: int | None = None, extra_tensors: dict | None = None,
                     rope_scaling: tuple | None = None, raw_tensors: dict | None = None,
-                    extra_metadata: dict | None = None, quantised_tensors: dict | None = None) -> str:
+                    extra_metadata: dict | None = None, quantised_tensors: dict | None = None,
+                    layer_names: dict = HF_TO_GGUF_LAYER) -> str:
     """Write `state_dict` (HF names) with `config` (a servescope ModelConfig) as a GGUF file.
 
     drop: HF names to leave out; replace: {HF name: array} written instead of the real tensor.
@@ -85,9 +93,10 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
     rope_scaling: (type, factor) written as {arch}.rope.scaling.type / .factor metadata.
     raw_tensors: {HF name: (uint8 blocks [rows, bytes], GGML type)} written as they are, in the file's row
     order, instead of the tensor (the K-quants, which gguf-py cannot write from floats).
-    extra_metadata: {key: int or float} metadata written as uint32 / float32 (e.g. llama.attention.sliding_window).
+    extra_metadata: {key: int, float or list} metadata written as uint32 / float32 / an array (e.g.
+    llama.attention.sliding_window).
     quantised_tensors: {GGUF name: float array} written in `qtype` like the 2-D weights (a MoE's stacked
-    experts [E, rows, K]).
+    experts [E, rows, K]). layer_names: {HF module: GGUF name} of the layers' tensors.
     """
     import gguf
 
@@ -101,7 +110,8 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
     w.add_head_count(config.num_attention_heads)
     w.add_head_count_kv(config.num_key_value_heads)
     w.add_key_length(config.head_dim)
-    w.add_value_length(config.head_dim)
+    if f"{arch}.attention.value_length" not in (extra_metadata or {}):
+        w.add_value_length(config.head_dim)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_rope_freq_base(config.rope_theta)
     if not token_count:  # with a token list the loader must take the vocabulary size from it
@@ -112,7 +122,10 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
         w.add_string(f"{arch}.rope.scaling.type", rope_scaling[0])
         w.add_float32(f"{arch}.rope.scaling.factor", rope_scaling[1])
     for key, value in (extra_metadata or {}).items():
-        (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
+        if isinstance(value, list):
+            w.add_array(key, value)
+        else:
+            (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
     if token_count:
         w.add_token_list([f"t{i}" for i in range(token_count)])
     if chat_template:
@@ -120,18 +133,19 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
     for hf_name, t in state_dict.items():
         if hf_name in drop:
             continue
+        gname = hf_to_gguf_name(hf_name, layer_names)
         if hf_name in (raw_tensors or {}):
             blocks, raw_type = raw_tensors[hf_name]
-            w.add_tensor(hf_to_gguf_name(hf_name), np.ascontiguousarray(blocks, dtype=np.uint8), raw_dtype=raw_type)
+            w.add_tensor(gname, np.ascontiguousarray(blocks, dtype=np.uint8), raw_dtype=raw_type)
             continue
         a = np.asarray((replace or {}).get(hf_name, t.numpy() if hasattr(t, "numpy") else t), dtype=np.float32)
         a = _permute(hf_name, a, config, arch)
         if a.ndim == 2 and qtype == gguf.GGMLQuantizationType.F16:
-            w.add_tensor(hf_to_gguf_name(hf_name), a.astype(np.float16))
+            w.add_tensor(gname, a.astype(np.float16))
         elif a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(hf_to_gguf_name(hf_name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+            w.add_tensor(gname, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
-            w.add_tensor(hf_to_gguf_name(hf_name), a)
+            w.add_tensor(gname, a)
     for gguf_name, a in (extra_tensors or {}).items():
         w.add_tensor(gguf_name, np.asarray(a, dtype=np.float32))
     for gguf_name, a in (quantised_tensors or {}).items():
@@ -184,3 +198,32 @@ def write_tiny_moe_gguf(path, source, qtype=None, **kw) -> str:
     meta.update(kw.pop("extra_metadata", {}))
     return write_tiny_gguf(path, cfg, dense, arch=arch, qtype=qtype, extra_tensors=floats,
                            quantised_tensors=stacked, extra_metadata=meta, **kw)
+
+
+def write_tiny_gemma_gguf(path, source, qtype=None, **kw) -> str:
+    """A Gemma 2 / Gemma 3 LoadedSource as llama.cpp's converter writes it (Gemma2Model / Gemma3Model): the
+    sandwich norms under their GGUF names, every norm weight with Gemma's 1 added (the converter's
+    `data_torch + 1`), no output.weight when tied, and the metadata those converters write: key and value length,
+    the sliding window, Gemma 2's two soft-caps, Gemma 3's global and local rotary bases, final soft-cap and the
+    global layers' rope scaling.
+    The layer pattern is llama.cpp's default (Gemma 2: 2, Gemma 3: 6) unless extra_metadata says
+    `{arch}.attention.sliding_window_pattern`."""
+    cfg, sd = source.config, source.state_dict
+    arch = GEMMA_GGUF_ARCH[cfg.architecture]
+    one = np.float32(1.0)
+    replace = {k: v.numpy() + one for k, v in sd.items() if k.endswith("norm.weight")}
+    replace.update(kw.pop("replace", {}))
+    meta = {}
+    if cfg.sliding_window:
+        meta[f"{arch}.attention.sliding_window"] = int(cfg.sliding_window)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, key) is not None:
+            meta[f"{arch}.{key}"] = float(getattr(cfg, key))
+    if cfg.rope_local_theta is not None:
+        meta[f"{arch}.rope.freq_base_swa"] = float(cfg.rope_local_theta)
+    meta.update(kw.pop("extra_metadata", {}))
+    if cfg.rope_scaling is not None:  # the global layers' (Gemma 3 4B and up: linear)
+        kw.setdefault("rope_scaling", (cfg.rope_scaling.rope_type, float(cfg.rope_scaling.factor)))
+    drop = tuple(kw.pop("drop", ())) + (("lm_head.weight",) if cfg.tie_word_embeddings else ())
+    return write_tiny_gguf(path, cfg, sd, arch=arch, qtype=qtype, replace=replace, extra_metadata=meta, drop=drop,
+                           layer_names=GEMMA_TO_GGUF_LAYER, **kw)

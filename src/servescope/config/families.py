@@ -71,11 +71,13 @@ FAMILIES = {f.name: f for f in (
     # Gemma 2: (1 + w) norms, four per layer, scaled embeddings, GELU-tanh, soft-capped attention and logits,
     # query_pre_attn_scalar, every other layer windowed; Gemma 3 (text): no soft-caps, q/k norms, five local
     # layers (their own rotary base) to one global
-    Family("gemma2", "Gemma2ForCausalLM", hf_fields=GEMMA_FIELDS, window_pattern="alternate", norm_offset=1.0,
-           chat_template="gemma", fixed={"norm_placement": "sandwich", "scale_embeddings": True},
+    # (GGUF: loader/gguf_gemma.py reads llama.cpp's names and metadata)
+    Family("gemma2", "Gemma2ForCausalLM", "gemma2", hf_fields=GEMMA_FIELDS, window_pattern="alternate",
+           norm_offset=1.0, chat_template="gemma", fixed={"norm_placement": "sandwich", "scale_embeddings": True},
            hf_defaults={"tie_word_embeddings": True}),
-    Family("gemma3_text", "Gemma3ForCausalLM", hf_fields=GEMMA_FIELDS, window_pattern="every_nth", norm_offset=1.0,
-           chat_template="gemma", fixed={"norm_placement": "sandwich", "scale_embeddings": True, "qk_norm": True},
+    Family("gemma3_text", "Gemma3ForCausalLM", "gemma3", hf_fields=GEMMA_FIELDS, window_pattern="every_nth",
+           norm_offset=1.0, chat_template="gemma",
+           fixed={"norm_placement": "sandwich", "scale_embeddings": True, "qk_norm": True},
            hf_defaults={"tie_word_embeddings": True}),
     # multi-head latent attention in every layer (config/mla.py reads it: the family's hf_fields name
     # kv_lora_rank), DeepSeek's routers and shared experts (config/moe.py)

@@ -5,7 +5,8 @@ implements). llama.cpp's converter permutes the rows of Q and K for the "llama" 
 that its rotary kernel can rotate adjacent pairs; HF checkpoints rotate the two halves of each head
 ("rotate_half"). We undo that permutation here, exactly as transformers' GGUF loader does, so the
 weights are bit-identical to what `AutoModelForCausalLM.from_pretrained(..., gguf_file=...)` gets.
-Qwen2/Qwen3 GGUFs are not permuted (llama.cpp runs them with NEOX-style rope).
+Qwen2/Qwen3 GGUFs are not permuted (llama.cpp runs them with NEOX-style rope), nor are Gemma's, whose
+names, folded norms and metadata loader/gguf_gemma.py reads.
 
 Q4_0, Q4_1 and Q8_0 weights of the projections, the head and the embedding stay in their blocks
 with keep_packed (`--quantization gguf`; loader/gguf_packed.py); otherwise everything is float32.
@@ -26,9 +27,10 @@ from servescope.config import ModelConfig, RopeScaling
 from servescope.config.families import family as family_row
 from servescope.config.families import family_of_gguf, gguf_architectures
 from servescope.errors import InvalidParameterError, ModelLoadError
-from servescope.loader import gguf_experts, gguf_packed
-from servescope.loader.gguf_file import read_gguf
+from servescope.loader import gguf_experts, gguf_gemma, gguf_packed
+from servescope.loader.gguf_file import f32_value, read_gguf
 from servescope.loader.checkpoint import LoadedSource, check_state_dict
+from servescope.tokenizer.family_templates import family_template
 from servescope.tokenizer.source import TokenizerSource
 
 logger = logging.getLogger(__name__)
@@ -52,16 +54,19 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_SANDWICH_LAYER_NAMES = {**_LAYER_NAMES, **gguf_gemma.SANDWICH_NORMS}  # Gemma's four norms a layer
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """Map a GGUF tensor name to its HF checkpoint key; None for tensors we do not use (rope_freqs)."""
+def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
+    """Map a GGUF tensor name of general.architecture `arch` to its HF checkpoint key; None for tensors we do
+    not use (rope_freqs)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _LAYER_RE.match(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = _SANDWICH_LAYER_NAMES if arch in gguf_gemma.FAMILIES else _LAYER_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -91,7 +96,8 @@ def load_gguf(path: str, keep_packed: bool = False) -> LoadedSource:
     state_dict = check_state_dict(state_dict, config, path)
 
     eos_ids = list(config.eos_token_ids)
-    chat_template = meta.get("tokenizer.chat_template")
+    chat_template = (meta.get("tokenizer.chat_template")
+                     or family_template(family_row(config.architecture).chat_template))
     generation_config = {"eos_token_id": eos_ids}
     if config.bos_token_id is not None:
         generation_config["bos_token_id"] = config.bos_token_id
@@ -140,7 +146,8 @@ class _Metadata:
         return v
 
 
-# {arch}.{suffix} GGUF metadata that changes the maths (llama.cpp's names) and is not implemented
+# {arch}.{suffix} GGUF metadata that changes the maths (llama.cpp's names) and is not implemented (Gemma's
+# architectures read them: loader/gguf_gemma.py, which refuses any key it does not read)
 GGUF_UNIMPLEMENTED = ("attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping",
                       "attention.sliding_window_pattern")
 
@@ -158,7 +165,7 @@ def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
     if family == "llama" and "mistral" in str(name).lower():
         family = "mistral"
     for suffix in GGUF_UNIMPLEMENTED:  # maths llama.cpp applies that the model does not: refused, not ignored
-        if meta.arch_key(suffix) is not None:
+        if arch not in gguf_gemma.FAMILIES and meta.arch_key(suffix) is not None:
             raise ModelLoadError(f"{path}: GGUF metadata {arch}.{suffix} asks for attention maths that is "
                                  "not implemented")
     tensor_names = {t.name for t in reader.tensors}
@@ -194,8 +201,8 @@ def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             max_position_embeddings=int(meta.arch_key("context_length", 4096)),
-            rms_norm_eps=_f32(meta.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=_f32(meta.arch_key("rope.freq_base", 10000.0)),
+            rms_norm_eps=f32_value(meta.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=f32_value(meta.arch_key("rope.freq_base", 10000.0)),
             rope_scaling=_rope_scaling(meta, reader, head_dim, path),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
@@ -205,6 +212,8 @@ def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
             name=str(name),
             moe=moe,
         )
+        if arch in gguf_gemma.FAMILIES:  # windows, soft-caps, local rotary base, attention scale
+            fields.update(gguf_gemma.config_fields(meta, fields))
         return ModelConfig(**{**fields, **family_row(family).fixed})  # (OLMoE: its q/k norm over all heads)
     except InvalidParameterError as e:
         raise ModelLoadError(f"{path}: invalid model config in GGUF metadata: {e.message}") from None
@@ -220,11 +229,6 @@ def _positive_int(meta: _Metadata, suffix: str, value) -> int:
     if n <= 0:
         raise ModelLoadError(f"{meta.path}: {meta.arch}.{suffix} must be positive, got {n}")
     return n
-
-
-def _f32(v) -> float:
-    """A float32 metadata value as the shortest decimal that round-trips (1e-05, not 9.9999997e-06)."""
-    return float(repr(np.float32(v)).removeprefix("np.float32(").removesuffix(")"))
 
 
 def _rope_scaling(meta: _Metadata, reader, head_dim: int, path: str):
@@ -254,9 +258,10 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
     """(state dict, packed blocks {hf name: (packed, scales, K)}); packed tensors have a placeholder
     in the state dict."""
     file_size = os.path.getsize(path)
+    norm_offset = family_row(config.architecture).norm_offset
     state_dict, packed, dequantised, repacked = {}, {}, {}, {}
     for t in reader.tensors:
-        hf_name = gguf_to_hf_name(t.name) or _expert_layer_name(t.name, config)
+        hf_name = gguf_to_hf_name(t.name, arch) or _expert_layer_name(t.name, config)
         stacked = gguf_experts.stacked_expert(t.name) if config.moe else None
         if hf_name is None and stacked is None:
             logger.debug("%s: skipping tensor %s", path, t.name)
@@ -302,6 +307,8 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
         if hf_name.endswith("shared_expert_gate.weight"):  # llama.cpp's is 1-D
             shape = (1, shape[0])
         w = _unpermute(w.reshape(shape), hf_name, arch, config)
+        if norm_offset and hf_name.endswith("norm.weight"):  # stored with Gemma's 1 added (loader/gguf_gemma.py)
+            w = w - np.float32(norm_offset)
         if t.tensor_type == GGMLQuantizationType.F32 or not w.flags.writeable:
             w = w.copy()  # F32 "dequantisation" is a view of the memory-mapped file
         state_dict[hf_name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))

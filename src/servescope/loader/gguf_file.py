@@ -154,3 +154,8 @@ def _value(buf: memoryview, pos: int, vtype: int) -> tuple:
             items.append(item)
         return items, pos
     raise ValueError(f"unknown GGUF value type {vtype}")
+
+
+def f32_value(v) -> float:
+    """A float32 metadata value as the shortest decimal that round-trips (1e-05, not 9.9999997e-06)."""
+    return float(repr(np.float32(v)).removeprefix("np.float32(").removesuffix(")"))
