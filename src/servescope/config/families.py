@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from servescope.config.mla import MLA_FIELDS
-from servescope.config.moe import DEEPSEEK_FIELDS, MIXTRAL_FIELDS, OLMOE_FIELDS, QWEN_MOE_FIELDS
+from servescope.config.moe import DEEPSEEK_FIELDS, GPT_OSS_FIELDS, MIXTRAL_FIELDS, OLMOE_FIELDS, QWEN_MOE_FIELDS
 
 from servescope.config.attention_fields import GEMMA_FIELDS
 from servescope.errors import InvalidParameterError
@@ -43,10 +43,17 @@ class Family:
     # the chat template of a checkpoint of this family that has none (tokenizer/family_templates.py), None:
     # the tokenizer's default
     chat_template: Optional[str] = None
+    # o_proj has a bias wherever q/k/v have one (gpt-oss's attention_bias covers all four)
+    out_bias: bool = False
 
 
 _WINDOW_ALL = frozenset({"sliding_window"})
 _WINDOW_QWEN = frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"})
+# what transformers' GptOssConfig assumes of a config.json that does not say it (yarn rope of factor 32 over 4096)
+_GPT_OSS_DEFAULTS = {"attention_bias": True, "rope_theta": 150000.0, "rms_norm_eps": 1e-5, "head_dim": 64,
+                     "sliding_window": 128, "max_position_embeddings": 131072,
+                     "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "original_max_position_embeddings": 4096}}
 
 FAMILIES = {f.name: f for f in (
     Family("llama", "LlamaForCausalLM", "llama"),  # Llama 2/3, SmolLM; Mistral GGUFs say "llama" too
@@ -84,6 +91,12 @@ FAMILIES = {f.name: f for f in (
     Family("deepseek_v2", "DeepseekV2ForCausalLM",  # (V2's rope always rotates interleaved pairs)
            hf_fields=(MLA_FIELDS - {"rope_interleave"}) | DEEPSEEK_FIELDS),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", hf_fields=MLA_FIELDS | DEEPSEEK_FIELDS),
+    # gpt-oss: learned attention sinks, biases on q/k/v and o_proj, every other layer windowed, yarn rope, every
+    # layer's MLP experts with gpt-oss's router and clamped SwiGLU (config/moe.py; the checkpoint's interleaved,
+    # transposed expert tensors: model/moe.py)
+    Family("gpt_oss", "GptOssForCausalLM", hf_fields=frozenset({"sliding_window", "layer_types"}) | GPT_OSS_FIELDS,
+           window_pattern="alternate", hf_defaults=_GPT_OSS_DEFAULTS, fixed={"attention_sinks": True},
+           out_bias=True),
 )}
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)

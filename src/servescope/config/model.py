@@ -186,6 +186,7 @@ class ModelConfig:
             attn = mla_parameters(self.mla, d, self.num_attention_heads, self.attention_bias)
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
+        attn += (d if self.attention_out_bias else 0) + (self.num_attention_heads if self.attention_sinks else 0)
         if self.qk_norm:
             attn += self.q_size + self.kv_size if self.qk_norm_all_heads else 2 * self.head_dim
         norms = (4 if self.norm_placement == "sandwich" else 2) * d
@@ -231,6 +232,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("qkv_bias", d.get("attention_bias", False))),  # Qwen2-MoE: qkv_bias
+            attention_out_bias=fam.out_bias and bool(d.get("attention_bias", False)),
             qk_norm=bool(d.get("qk_norm", False)),
             sliding_window=sliding_window,
             layer_types=kinds if len(set(kinds)) > 1 else (),
@@ -263,7 +265,7 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": self.hidden_act,
         }
-        if self.architecture in ("llama", "mistral", "qwen3_moe", "olmoe"):
+        if self.architecture in ("llama", "mistral", "qwen3_moe", "olmoe", "gpt_oss"):
             d["attention_bias"] = self.attention_bias
         if self.architecture == "qwen2_moe":
             d["qkv_bias"] = self.attention_bias
@@ -277,6 +279,8 @@ class ModelConfig:
             if self.rope_scaling.rope_type == "longrope":
                 d["original_max_position_embeddings"] = rs["original_max_position_embeddings"]
             d["rope_scaling"] = rs
+        elif family(self.architecture).hf_defaults.get("rope_parameters"):  # (gpt-oss: yarn unless it says not)
+            d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:
@@ -318,8 +322,8 @@ def _rope_dict(d: dict) -> dict:
 
 def _window_to_hf(cfg: ModelConfig) -> dict:
     """The config.json fields that give cfg's windowed layers back under its family's window_pattern."""
-    if cfg.sliding_window is None:
-        return {}
+    if cfg.sliding_window is None:  # (gpt-oss: windowed unless it says null)
+        return {"sliding_window": None} if family(cfg.architecture).hf_defaults.get("sliding_window") else {}
     out = {"sliding_window": cfg.sliding_window}
     if family(cfg.architecture).window_pattern == "max_window_layers":
         out.update(use_sliding_window=True, max_window_layers=0)  # all windowed unless layer_types says otherwise

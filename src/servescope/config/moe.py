@@ -9,8 +9,10 @@ the others are the dense MLP of `ModelConfig.intermediate_size`. DeepSeek's rout
 greedy or within the best `topk_group` of `n_group` expert groups (a group scored by its best expert),
 times routed_scaling_factor; V3 sigmoid scores plus a correction bias for the choice only, groups scored by
 their two best, the chosen scores renormalised and scaled. Their shared experts (n_shared_experts of
-moe_intermediate_size, one MLP) are ungated, and the first first_k_dense_replace layers dense. gpt-oss's
-router waits for its family row (refused by the family table, not run as something else).
+moe_intermediate_size, one MLP) are ungated, and the first first_k_dense_replace layers dense. gpt-oss
+(router "gpt_oss"): the router has a bias, the top k of its logits are kept and softmaxed over those k; its
+experts have biases on gate|up and down and a clamped SwiGLU (gate clamped above at swiglu_limit, up to
+[-limit, limit], out = (up + 1) * gate * sigmoid(swiglu_alpha * gate)); every layer is sparse.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Optional
 
 from servescope.errors import InvalidParameterError
 
-ROUTERS = ("softmax_topk", "deepseek_v2", "deepseek_v3")
+ROUTERS = ("softmax_topk", "deepseek_v2", "deepseek_v3", "gpt_oss")
 
 # config.json fields of the MoE families that only training reads (auxiliary losses, jitter noise)
 TRAINING_ONLY = frozenset({"router_aux_loss_coef", "output_router_logits", "router_jitter_noise"})
@@ -37,6 +39,8 @@ DEEPSEEK_FIELDS = frozenset({
     "num_nextn_predict_layers", "num_mtp_layers"}) | TRAINING_ONLY  # (the multi-token-prediction layers are unused)
 OLMOE_FIELDS = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
                           "clip_qkv"}) | TRAINING_ONLY
+GPT_OSS_FIELDS = frozenset({"num_local_experts", "num_experts", "num_experts_per_tok", "swiglu_alpha",
+                            "swiglu_limit"}) | TRAINING_ONLY
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,14 @@ class ExpertsSpec:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # gpt-oss (router "gpt_oss"): the clamped SwiGLU's limit and sigmoid gain (its experts and router have biases)
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
+
+    @property
+    def biased(self) -> bool:
+        """The router and the experts' gate|up and down have biases (gpt-oss)."""
+        return self.router == "gpt_oss"
 
     def __post_init__(self):
         if self.router not in ROUTERS:
@@ -69,6 +81,9 @@ class ExpertsSpec:
                                                    f"{self.topk_group} kept: need equal groups and 0 < kept <= groups")
         if self.shared_intermediate_size < 0:
             raise InvalidParameterError("shared_expert_intermediate_size", "must not be negative")
+        if self.biased and not self.swiglu_limit > 0:
+            raise InvalidParameterError("swiglu_limit", f"swiglu_limit {self.swiglu_limit}: gpt-oss's clamped "
+                                                        "SwiGLU needs a positive limit")
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,12 @@ def moe_from_hf(family_name: str, d: dict, num_layers: int) -> Optional[MoeConfi
         return MoeConfig(e, (True,) * num_layers)
     if family_name in ("deepseek_v2", "deepseek_v3"):
         return _deepseek_moe(family_name, d, num_layers)
+    if family_name == "gpt_oss":  # (transformers' GptOssConfig defaults)
+        e = ExpertsSpec(int(d.get("num_local_experts", d.get("num_experts", 128))),
+                        int(d.get("num_experts_per_tok", 4)), int(d["intermediate_size"]), router="gpt_oss",
+                        swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+                        swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
+        return MoeConfig(e, (True,) * num_layers)
     if family_name not in ("qwen2_moe", "qwen3_moe", "olmoe"):
         return None
     if d.get("clip_qkv") is not None:
@@ -142,6 +163,9 @@ def moe_to_hf(family_name: str, moe: Optional[MoeConfig], num_layers: int) -> di
     e = moe.experts
     if family_name == "mixtral":
         return {"num_local_experts": e.num_experts, "num_experts_per_tok": e.top_k}
+    if e.router == "gpt_oss":
+        return {"num_local_experts": e.num_experts, "num_experts_per_tok": e.top_k,
+                "swiglu_limit": e.swiglu_limit, "swiglu_alpha": e.swiglu_alpha}
     if e.router in ("deepseek_v2", "deepseek_v3"):
         return {"n_routed_experts": e.num_experts, "num_experts_per_tok": e.top_k,
                 "moe_intermediate_size": e.intermediate_size,
@@ -162,7 +186,7 @@ def moe_to_hf(family_name: str, moe: Optional[MoeConfig], num_layers: int) -> di
 
 def expert_parameters(e: ExpertsSpec, hidden: int) -> tuple:
     """(all, active per token) parameters of one sparse layer's MLP: router, routed and shared experts."""
-    per_expert = 3 * hidden * e.intermediate_size
+    per_expert = 3 * hidden * e.intermediate_size + (2 * e.intermediate_size + hidden if e.biased else 0)
     shared = 3 * hidden * e.shared_intermediate_size + (hidden if e.shared_intermediate_size and e.shared_gated else 0)
-    router = e.num_experts * hidden
+    router = e.num_experts * (hidden + 1 if e.biased else hidden)
     return router + e.num_experts * per_expert + shared, router + e.top_k * per_expert + shared
