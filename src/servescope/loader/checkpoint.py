@@ -94,6 +94,10 @@ def _expert_shapes(architecture: str, prefix: str, experts, d: int) -> dict:
     mixtral = architecture == "mixtral"
     block = prefix + ("block_sparse_moe." if mixtral else "mlp.")
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    if experts.router == "gpt_oss":  # stacked per layer, gate|up interleaved and transposed (model/moe.py)
+        n, ex = experts.num_experts, block + "experts."
+        return {block + "router.weight": (n, d), block + "router.bias": (n,), ex + "gate_up_proj": (n, d, 2 * i),
+                ex + "gate_up_proj_bias": (n, 2 * i), ex + "down_proj": (n, i, d), ex + "down_proj_bias": (n, d)}
     shapes = {block + "gate.weight": (experts.num_experts, d)}
     for e in range(experts.num_experts):
         for name, shape in zip(names, ((i, d), (i, d), (d, i))):

@@ -60,6 +60,13 @@ def route_deepseek(logits: torch.Tensor, e, bias) -> tuple:
     return weights * e.routed_scaling_factor, ids
 
 
+def route_gpt_oss(logits: torch.Tensor, top_k: int) -> tuple:
+    """gpt-oss's router: logits [T, E] (bias included) -> (weights [T, k], ids [T, k]): the top k logits,
+    softmaxed over those k only, in the logits' dtype (transformers' GptOssTopKRouter)."""
+    top, ids = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+
+
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: nn.Module) -> tuple:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, and the tokens per expert [E].
 
@@ -104,6 +111,24 @@ class Experts(nn.Module):
         return (self.gate_up_proj[0].numel() + self.down_proj[0].numel()) * self.gate_up_proj.element_size()
 
 
+class ClampedExperts(Experts):
+    """gpt-oss's experts: Experts' stacked weights plus biases, gate_up_proj_bias [E, 2I] (gate | up) and
+    down_proj_bias [E, Dm], and the clamped SwiGLU: gate clamped above at `limit`, up to [-limit, limit],
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    def __init__(self, num_experts: int, hidden: int, width: int, limit: float, alpha: float):
+        super().__init__(num_experts, hidden, width)
+        self.limit, self.alpha = limit, alpha
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * width), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+
+    def run(self, e: int, xs: torch.Tensor, out: torch.Tensor) -> None:
+        gate, up = F.linear(xs, self.gate_up_proj[e], self.gate_up_proj_bias[e]).chunk(2, dim=-1)  # [n, I] each
+        gate = gate.clamp(max=self.limit)
+        h = (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        torch.addmm(self.down_proj_bias[e], h, self.down_proj[e].t(), out=out)
+
+
 class PackedExperts(nn.Module):
     """E gated MLPs as one linear module per expert and projection (QuantLinear over packed blocks, or
     Int8Linear): gate_up[e] Dm -> 2I (gate | up), down[e] I -> Dm. A step runs each active expert's two
@@ -145,11 +170,15 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         e = spec.mlp.experts
         self.spec, self.top_k, self.renormalise = e, e.top_k, e.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, e.num_experts, bias=False)
+        self.gate = nn.Linear(cfg.hidden_size, e.num_experts, bias=e.biased)  # (gpt-oss's router: a bias)
         if e.router == "deepseek_v3":
             # a parameter, not a buffer: the loader fills parameters (and names any it misses)
             self.gate.e_score_correction_bias = nn.Parameter(torch.empty(e.num_experts), requires_grad=False)
-        self.experts = Experts(e.num_experts, cfg.hidden_size, e.intermediate_size)
+        if e.biased:
+            self.experts = ClampedExperts(e.num_experts, cfg.hidden_size, e.intermediate_size, e.swiglu_limit,
+                                          e.swiglu_alpha)
+        else:
+            self.experts = Experts(e.num_experts, cfg.hidden_size, e.intermediate_size)
         if e.shared_intermediate_size and not e.shared_gated:
             self.shared_experts = GatedMLP(cfg, spec, e.shared_intermediate_size)
         elif e.shared_intermediate_size:
@@ -161,6 +190,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.router == "softmax_topk":
             weights, ids = route(self.gate(x), self.top_k, self.renormalise)  # [T, k] each
+        elif self.spec.router == "gpt_oss":
+            weights, ids = route_gpt_oss(self.gate(x), self.top_k)
         else:
             logits = F.linear(x.float(), self.gate.weight.float())  # DeepSeek routes in float32
             bias = getattr(self.gate, "e_score_correction_bias", None)
@@ -185,6 +216,7 @@ class SparseMoeBlock(nn.Module):
         return shared.projections() if shared is not None else []
 
 
+_GPT_OSS_ROUTER = re.compile(r"(model\.layers\.\d+\.mlp\.)router\.(weight|bias)$")
 _MIXTRAL_ROUTER = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight$")
 _EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 # a checkpoint's per-expert part -> (stacked parameter, its place along the stacked rows)
@@ -196,7 +228,9 @@ def stack_expert_checkpoint(sd: dict) -> dict:
     """Per-expert checkpoint tensors (`mlp.experts.{e}.gate_proj.weight`, Mixtral's
     `block_sparse_moe.experts.{e}.w1.weight` ...) -> this model's stacked `mlp.experts.gate_up_proj`
     [E, 2I, Dm] and `mlp.experts.down_proj` [E, Dm, I]; Mixtral's `block_sparse_moe.gate` -> `mlp.gate`.
-    A layer missing an expert's part keeps its tensors as they are (the build names what is missing)."""
+    A layer missing an expert's part keeps its tensors as they are (the build names what is missing).
+    gpt-oss's stacked experts: `gpt_oss_checkpoint`."""
+    gpt_oss_checkpoint(sd)
     parts: dict = {}  # (layer, stacked name) -> {expert: {slot: tensor}}
     for key in list(sd):
         m = _MIXTRAL_ROUTER.match(key)
@@ -215,6 +249,29 @@ def stack_expert_checkpoint(sd: dict) -> dict:
                    for e in range(len(experts))]
         sd[f"model.layers.{layer}.mlp.experts.{name}"] = torch.stack(stacked)
     return sd
+
+
+def gpt_oss_checkpoint(sd: dict) -> None:
+    """gpt-oss's expert tensors -> this model's names and layout, in place, in each layer that has gpt-oss's
+    router (`mlp.router`, becoming `mlp.gate`): gate_up_proj [E, Dm, 2I] with gate and up interleaved (even and
+    odd columns) -> [E, 2I] rows gate | up over Dm, its bias [E, 2I] likewise; down_proj [E, I, Dm] -> [E, Dm, I]."""
+    for key in list(sd):
+        m = _GPT_OSS_ROUTER.match(key)
+        if not m:
+            continue
+        mlp = m.group(1)
+        sd[f"{mlp}gate.{m.group(2)}"] = sd.pop(key)
+        if m.group(2) != "weight":
+            continue
+        ex = mlp + "experts."
+        if ex + "gate_up_proj" in sd:
+            w = sd[ex + "gate_up_proj"].transpose(1, 2)  # [E, 2I, Dm], rows interleaved
+            sd[ex + "gate_up_proj"] = torch.cat([w[:, 0::2], w[:, 1::2]], dim=1)
+        if ex + "gate_up_proj_bias" in sd:
+            b = sd[ex + "gate_up_proj_bias"]
+            sd[ex + "gate_up_proj_bias"] = torch.cat([b[:, 0::2], b[:, 1::2]], dim=1)
+        if ex + "down_proj" in sd:
+            sd[ex + "down_proj"] = sd[ex + "down_proj"].transpose(1, 2).contiguous()
 
 
 def moe_blocks(model: nn.Module) -> list:

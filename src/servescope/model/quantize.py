@@ -25,7 +25,7 @@ from servescope.errors import InvalidParameterError
 from servescope.model.linears.huge_pages import move_to_huge_pages
 from servescope.model.linears.int8 import Int8Linear
 from servescope.model.linears.packed import QuantEmbedding, QuantLinear
-from servescope.model.moe import Experts, PackedExperts, moe_blocks
+from servescope.model.moe import ClampedExperts, Experts, PackedExperts, moe_blocks
 from servescope.quant.packed import quantize
 from servescope.quant.scheme import QuantScheme
 
@@ -41,6 +41,9 @@ def quantize_experts(model: nn.Module, scheme) -> None:
         experts = block.experts
         if not isinstance(experts, Experts):
             continue  # (a GGUF's experts: packed by the loader)
+        if isinstance(experts, ClampedExperts):  # PackedExperts run silu(gate) * up without biases
+            raise InvalidParameterError("quantization", "packed experts with biases and gpt-oss's clamped SwiGLU "
+                                                        "are not implemented: run gpt-oss unquantised")
         gate_up, down = [], []
         for e in range(experts.num_experts):
             for w, out in ((experts.gate_up_proj[e], gate_up), (experts.down_proj[e], down)):
