@@ -17,7 +17,8 @@ from servescope.loader.source import load_model_source, resolve_model_path  # no
 
 FAMILY_ARCH = {"llama": "llama", "llama_plain": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                "phi3": "phi3", "phi3_longrope": "phi3", "gemma2": "gemma2", "gemma3": "gemma3_text",
-               **{f: f for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")}}
+               **{f: f for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
+                                    "gpt_oss")}}
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
@@ -34,7 +35,7 @@ def test_hf_roundtrip(tmp_path, family, sharded):
     kv_heads = 4 if family.startswith("deepseek") else 2  # (DeepSeek's tiny models: one KV head per head)
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
         64, 2, 4, kv_heads, 16)
-    assert c.attention_bias == (family in ("qwen2", "qwen2_moe"))
+    assert c.attention_bias == (family in ("qwen2", "qwen2_moe", "gpt_oss"))
     assert c.qk_norm == (family in ("qwen3", "qwen3_moe", "olmoe", "gemma3"))
     assert c.tie_word_embeddings == (family in ("llama_plain", "qwen2", "gemma2", "gemma3"))
     if family == "llama":
@@ -47,6 +48,8 @@ def test_hf_roundtrip(tmp_path, family, sharded):
     elif family == "deepseek_v3":
         rs = c.rope_scaling
         assert rs.rope_type == "yarn" and (rs.factor, rs.mscale, rs.mscale_all_dim) == (4.0, 1.0, 0.707)
+    elif family == "gpt_oss":
+        assert c.rope_scaling.rope_type == "yarn" and c.rope_scaling.factor == 8.0 and c.attention_sinks
     else:
         assert c.rope_scaling is None
     assert src.generation_config["eos_token_id"] == [2]

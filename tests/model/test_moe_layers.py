@@ -15,7 +15,8 @@ from tiny_models import MOE_FAMILIES, make_tiny_hf_model  # noqa: E402
 from servescope.config import ModelConfig  # noqa: E402
 from servescope.config.moe import ExpertsSpec  # noqa: E402
 from servescope.errors import InvalidParameterError  # noqa: E402
-from servescope.model.moe import Experts, grouped_experts, route, stack_expert_checkpoint  # noqa: E402
+from servescope.model.moe import (Experts, gpt_oss_checkpoint, grouped_experts, route,  # noqa: E402
+                                  stack_expert_checkpoint)
 
 QWEN_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 64,
             "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 6,
@@ -92,11 +93,12 @@ def test_what_is_not_implemented_is_refused_naming_it(field, value, match):
     with pytest.raises(InvalidParameterError, match="'num_experts' is not known to servescope for deepseek_v3"):
         ModelConfig.from_hf_dict({**QWEN_MOE, "architectures": ["DeepseekV3ForCausalLM"],
                                   "model_type": "deepseek_v3"})
-    with pytest.raises(InvalidParameterError, match="unsupported architecture"):  # gpt-oss has no family row
+    # so is gpt-oss: Qwen's expert width is refused by name, not read as gpt-oss's
+    with pytest.raises(InvalidParameterError, match="'moe_intermediate_size' is not known to servescope for gpt_oss"):
         ModelConfig.from_hf_dict({**QWEN_MOE, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"})
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", [*MOE_FAMILIES, "gpt_oss"])
 def test_parameter_count_equals_transformers(tmp_path, family):
     from transformers import AutoModelForCausalLM
 
@@ -118,3 +120,23 @@ def test_checkpoint_experts_stack_in_expert_order():
     assert out["model.layers.0.mlp.experts.down_proj"][1].eq(12).all()
     partial = {"model.layers.0.mlp.experts.0.gate_proj.weight": torch.zeros(3, 2)}  # no up: kept
     assert list(stack_expert_checkpoint(dict(partial))) == list(partial)
+
+
+def test_gpt_oss_experts_are_deinterleaved_and_transposed_at_load():
+    """gpt-oss's gate_up_proj [E, Dm, 2I] (gate the even columns, up the odd) becomes rows gate | up [E, 2I, Dm];
+    down_proj [E, I, Dm] becomes [E, Dm, I]; the router becomes mlp.gate. A layer without gpt-oss's router keeps
+    its stacked tensors as they are (this model's own layout)."""
+    e, d, i = 2, 3, 4
+    gu = torch.arange(e * d * 2 * i, dtype=torch.float32).view(e, d, 2 * i)
+    p = "model.layers.0.mlp."
+    sd = {p + "router.weight": torch.zeros(e, d), p + "router.bias": torch.ones(e), p + "experts.gate_up_proj": gu,
+          p + "experts.gate_up_proj_bias": torch.arange(2 * i, dtype=torch.float32).repeat(e, 1),
+          p + "experts.down_proj": torch.randn(e, i, d), "model.layers.1.mlp.experts.gate_up_proj": gu}
+    down = sd[p + "experts.down_proj"]
+    gpt_oss_checkpoint(sd)
+    assert sd[p + "gate.bias"].tolist() == [1.0, 1.0] and p + "router.weight" not in sd
+    assert torch.equal(sd[p + "experts.gate_up_proj"][:, :i], gu[:, :, 0::2].transpose(1, 2))
+    assert torch.equal(sd[p + "experts.gate_up_proj"][:, i:], gu[:, :, 1::2].transpose(1, 2))
+    assert sd[p + "experts.gate_up_proj_bias"][0].tolist() == [0.0, 2.0, 4.0, 6.0, 1.0, 3.0, 5.0, 7.0]
+    assert torch.equal(sd[p + "experts.down_proj"], down.transpose(1, 2))
+    assert sd["model.layers.1.mlp.experts.gate_up_proj"] is gu

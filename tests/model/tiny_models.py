@@ -94,6 +94,13 @@ FAMILIES = {
                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                          "original_max_position_embeddings": 128, "beta_fast": 32.0,
                                          "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707}),
+    # gpt-oss: sinks, q/k/v/o biases, every other layer windowed, yarn rope (factor 8 over 64 positions, so that
+    # prompts of 120 reach past it), biased router and experts, a SwiGLU limit of 0.5 (7.0 is never reached by
+    # the tiny model's activations), windows set by each test
+    "gpt_oss": dict(_cls="GptOssForCausalLM", _cfg="GptOssConfig", tie_word_embeddings=False, num_local_experts=4,
+                    num_experts_per_tok=2, intermediate_size=32, sliding_window=4096, swiglu_limit=0.5,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
@@ -137,9 +144,11 @@ def make_tiny_hf_model(tmp_path, family: str, *, seed: int = 0, max_shard_size=N
             noise = torch.randn(p.shape, generator=gen)
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * noise)
-            elif name.endswith(".gate.weight") or name.endswith("shared_expert_gate.weight"):  # routers
+            elif name.endswith((".gate.weight", "shared_expert_gate.weight", ".router.weight")):  # routers
                 p.copy_(0.5 * noise)
-            elif name.endswith(".bias"):
+            elif name.endswith(".sinks"):  # gpt-oss: logits of the size of the scores' own
+                p.copy_(noise)
+            elif name.endswith((".bias", "_bias")):  # (gpt-oss's experts: gate_up_proj_bias, down_proj_bias)
                 p.copy_(0.1 * noise)
             else:
                 p.copy_(0.05 * noise)
