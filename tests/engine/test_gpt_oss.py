@@ -19,7 +19,9 @@ from helpers import (BATCHING_OVERRIDES, assert_batching_changes_nothing, assert
                      assert_logits_match_transformers, edited_checkpoint, paged_logits, random_ids)
 from servescope import LLM
 from servescope.config import ModelConfig
-from servescope.errors import InvalidParameterError, ModelLoadError
+from servescope.errors import EngineConfigError, InvalidParameterError, ModelLoadError
+from servescope.model.transforms import _plan_covers_layer
+from servescope.parallel.layout import check_parallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "model"))
 from tiny_models import make_tiny_hf_model  # noqa: E402
@@ -146,3 +148,7 @@ def test_what_is_not_built_is_refused(gpt_oss):
         LLM(model=str(mxfp4), num_kv_blocks=8, max_model_len=128)
     with pytest.raises(InvalidParameterError, match="clamped SwiGLU"):  # packed experts have no biases
         LLM(model=str(path), num_kv_blocks=8, max_model_len=128, quantization="int8")
+    cfg = LLM(model=str(path), num_kv_blocks=8, max_model_len=128).engine.model_config
+    with pytest.raises(EngineConfigError, match="mixture-of-experts"):  # no sharded experts yet
+        check_parallel(cfg, 2, 1, 2, "cpu")
+    assert not any(_plan_covers_layer(s) for s in cfg.layer_specs())  # the C++ decode plan leaves it to the modules
