@@ -81,6 +81,35 @@ def test_transformers_defaults_are_the_familys():
     assert (ours.moe.experts.num_experts, ours.moe.experts.top_k, ours.moe.experts.swiglu_limit) == (128, 4, 7.0)
 
 
+# openai/gpt-oss-120b's config.json (its layer_types: 18 x [sliding, full]) less its MXFP4 quantization_config
+RELEASED = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+    "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 18, "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 36,
+    "num_key_value_heads": 8, "num_local_experts": 128, "output_router_logits": False, "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088}
+
+
+def test_the_released_config_is_read_as_transformers_reads_it():
+    from transformers import GptOssConfig
+
+    ours = ModelConfig.from_hf_dict(RELEASED)
+    theirs = ModelConfig.from_hf_dict(GptOssConfig.from_dict(RELEASED).to_dict())
+    assert ours == theirs
+    assert ours.num_parameters() == pytest.approx(116.8e9, rel=0.01)  # gpt-oss-120b's published count
+    for key, value in (("experts_per_token", 2), ("initial_context_length", 8192)):  # they must agree
+        with pytest.raises(InvalidParameterError, match=key):
+            ModelConfig.from_hf_dict({**RELEASED, key: value})
+    with pytest.raises(InvalidParameterError, match="quantization_config.*mxfp4"):
+        ModelConfig.from_hf_dict({**RELEASED, "quantization_config": {"quant_method": "mxfp4"}})
+
+
 @pytest.mark.parametrize("chunk", [24, 7])
 def test_logits_match_transformers(gpt_oss, chunk):
     path, hf = gpt_oss

@@ -27,6 +27,12 @@ def variant_fields(d: dict) -> dict:
     for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
         if d.get(key) is not None:
             out[key] = float(d[key])
+    if d.get("initial_context_length") is not None:  # gpt-oss (OpenAI's name; transformers reads the rope's)
+        rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+        if int(d["initial_context_length"]) != int(rope.get("original_max_position_embeddings", 4096)):
+            raise InvalidParameterError("initial_context_length", "initial_context_length "
+                                        f"{d['initial_context_length']} differs from the rope's "
+                                        "original_max_position_embeddings")
     local = _local_rope_theta(d)
     if local is not None:
         out["rope_local_theta"] = local

@@ -39,8 +39,10 @@ DEEPSEEK_FIELDS = frozenset({
     "num_nextn_predict_layers", "num_mtp_layers"}) | TRAINING_ONLY  # (the multi-token-prediction layers are unused)
 OLMOE_FIELDS = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
                           "clip_qkv"}) | TRAINING_ONLY
+# (experts_per_token and initial_context_length: OpenAI's own names, in the released config.json files, which
+# transformers does not read; accepted where they agree with the fields it does read)
 GPT_OSS_FIELDS = frozenset({"num_local_experts", "num_experts", "num_experts_per_tok", "swiglu_alpha",
-                            "swiglu_limit"}) | TRAINING_ONLY
+                            "swiglu_limit", "experts_per_token", "initial_context_length"}) | TRAINING_ONLY
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,9 @@ def moe_from_hf(family_name: str, d: dict, num_layers: int) -> Optional[MoeConfi
                         int(d.get("num_experts_per_tok", 4)), int(d["intermediate_size"]), router="gpt_oss",
                         swiglu_limit=float(d.get("swiglu_limit", 7.0)),
                         swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
+        if d.get("experts_per_token", e.top_k) != e.top_k:
+            raise InvalidParameterError("experts_per_token", f"experts_per_token {d['experts_per_token']} differs "
+                                                             f"from num_experts_per_tok {e.top_k}")
         return MoeConfig(e, (True,) * num_layers)
     if family_name not in ("qwen2_moe", "qwen3_moe", "olmoe"):
         return None
