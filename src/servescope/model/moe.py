@@ -128,6 +128,10 @@ class ClampedExperts(Experts):
         h = (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
         torch.addmm(self.down_proj_bias[e], h, self.down_proj[e].t(), out=out)
 
+    def expert_bytes(self) -> int:
+        biases = self.gate_up_proj_bias[0].numel() + self.down_proj_bias[0].numel()
+        return super().expert_bytes() + biases * self.gate_up_proj_bias.element_size()
+
 
 class PackedExperts(nn.Module):
     """E gated MLPs as one linear module per expert and projection (QuantLinear over packed blocks, or
