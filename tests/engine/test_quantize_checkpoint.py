@@ -91,6 +91,16 @@ def test_bad_input_writes_nothing(tiny, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["full"]  # no half-written directory, no temporary left
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+def test_a_model_with_tensors_the_file_cannot_hold_is_refused_before_any_work(tmp_path, family):
+    """A mixture of experts (routers, experts) or latent attention (kv_b_proj): the saved file would lack them
+    and fail at load, so the command refuses, naming a tensor, and writes nothing."""
+    path = make_tiny_hf_model(tmp_path / "m", family, vocab_size=512, with_tokenizer=False)
+    with pytest.raises(InvalidParameterError, match="does not save .* tensors yet .*--quantization int4"):
+        quantize_checkpoint(str(path), "int4", str(tmp_path / "q"), method="rtn", skip_tokenizer_init=True)
+    assert not (tmp_path / "q").exists() and sorted(os.listdir(tmp_path)) == ["m"]
+
+
 def test_a_saved_checkpoint_keeps_its_mode_and_its_shapes_are_checked(tiny, tmp_path):
     out = quantize_checkpoint(tiny, "int4", str(tmp_path / "q"), method="rtn", skip_tokenizer_init=True).out
     with pytest.raises(InvalidParameterError, match="already quantised"):

@@ -159,6 +159,7 @@ def quantize_checkpoint(model, mode: str, out: str, method: str = "gptq", calibr
               skip_tokenizer_init=skip_tokenizer_init)
     report.seconds["load"] = time.perf_counter() - t0
     projs = llm.engine.executor.model.projections()
+    check_saveable(llm.engine.executor.model, projs, mode)
     hess = [None] * len(projs)  # (plain rounding needs no calibration)
     calibrated = method != "rtn"
     if calibrated:
@@ -192,6 +193,20 @@ def quantize_checkpoint(model, mode: str, out: str, method: str = "gptq", calibr
                                 llm.engine.loaded.eos_token_ids)
     report.file_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return report
+
+
+def check_saveable(model, projs: list, mode: str) -> None:
+    """The file holds norms, the swappable projections and the embedding (checkpoint_tensors): a model with
+    any other parameter (a mixture of experts' routers and experts, attention sinks, latent attention's
+    kv_b_proj) is refused here, before any work, instead of written without it and failing at load."""
+    names = {id(mod): prefix for prefix, mod in model.named_modules()}
+    saved = {names[id(mod)] for _, _, mod in projs} | {"model.embed_tokens", "lm_head"}
+    missing = [n for n, _ in model.named_parameters()
+               if not n.endswith("norm.weight") and n.rpartition(".")[0] not in saved]
+    if missing:
+        raise InvalidParameterError("model", f"servescope quantize does not save {len(missing)} of this model's "
+                                    f"tensors yet ({', '.join(missing[:3])}, ...): load the float model with "
+                                    f"--quantization {mode} instead")
 
 
 def checkpoint_tensors(llm: LLM, projs: list, quantised: list, scheme: QuantScheme) -> dict:
