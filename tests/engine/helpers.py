@@ -68,6 +68,35 @@ def assert_logits_match_transformers(path, hf, chunk, tol):
     assert diff <= tol, f"max |logit diff| {diff:.2e}"
 
 
+def assert_every_field_matters(path, hf, changes: dict, tol):
+    """The same weights with one config field changed at a time (`changes`: {key: value}) are far (> 100 tol)
+    from transformers' logits on the original: each field is really applied."""
+    from servescope import LLM  # lazy: as the test modules import it
+
+    ids = random_ids(60, 2)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    for key, value in changes.items():
+        llm = LLM(model=str(edited_checkpoint(path, key, value)), num_kv_blocks=64, max_model_len=512)
+        diff = (paged_logits(llm.engine, ids, chunk=24, decode_from=50) - ref).abs().max().item()
+        assert diff > 100 * tol, (key, diff)
+
+
+def assert_bfloat16_near_float32_transformers(path, hf):
+    """bfloat16 weights and cache against transformers in float32, per position of a chunked prompt and its
+    decode steps: a few roundings per layer (median <= 0.05); a position whose token sits near a routing tie
+    may pick another expert in bfloat16 and move further (95% within 0.1)."""
+    from servescope import LLM  # lazy: as the test modules import it
+
+    ids = random_ids(120, 1)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=512, dtype="bfloat16")
+    per_position = (paged_logits(llm.engine, ids, chunk=24, decode_from=90).float() - ref).abs().max(dim=-1).values
+    assert per_position.median().item() <= 0.05
+    assert (per_position <= 0.1).float().mean().item() >= 0.95
+
+
 def edited_checkpoint(path, key, value):
     """A copy of the checkpoint directory `path` with config.json's `key` set to `value`, made once per (key,
     value): two tests editing the same key with different values must not share one."""
