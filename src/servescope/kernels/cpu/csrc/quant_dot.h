@@ -293,7 +293,7 @@ inline void qdot_tiled_range(const QMatrix& q, const QActs& a, int64_t M, int64_
   }
 }
 
-// Which kernel runs: Auto picks by rows (QDOT_TILED_ROWS here, QDOT_AMX_ROWS in quant_amx.h); the others
+// Which kernel runs: Auto picks by rows (QDOT_TILED_ROWS here, QDOT_AMX_ROWS_* in quant_amx.h); the others
 // force one (the tests and benchmarks/quant_rows.py, which measured the crossovers)
 enum class QOrder : int64_t { Auto = 0, Stream = 1, Tiled = 2, Amx = 3 };
 // From this many rows of x on, the weight-stationary order (docs/BENCHMARKS.md, issue 35 section: it is
