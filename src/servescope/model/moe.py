@@ -197,9 +197,8 @@ class SparseMoeBlock(nn.Module):
         elif self.spec.router == "gpt_oss":
             weights, ids = route_gpt_oss(self.gate(x), self.top_k)
         else:
-            logits = F.linear(x.float(), self.gate.weight.float())  # DeepSeek routes in float32
-            bias = getattr(self.gate, "e_score_correction_bias", None)
-            weights, ids = route_deepseek(logits, self.spec, None if bias is None else bias.float())
+            weight, bias = self._float32_router()
+            weights, ids = route_deepseek(F.linear(x.float(), weight), self.spec, bias)  # in float32
         out, counts = grouped_experts(x, ids, weights, self.experts)
         self.routed_tokens += counts
         if hasattr(self, "shared_expert"):
@@ -207,6 +206,18 @@ class SparseMoeBlock(nn.Module):
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
         return out
+
+    def _float32_router(self) -> tuple:
+        """DeepSeek routes in float32: the router's weight and correction bias as float32, converted once per
+        change of the parameters (keyed on their storage and version counters: a load or a move converts
+        again), not every step: in bfloat16 a V3-sized router is 256 x 7168 values per layer."""
+        w, b = self.gate.weight, getattr(self.gate, "e_score_correction_bias", None)
+        key = (w._version, w.data_ptr(), w.device, None if b is None else (b._version, b.data_ptr()))
+        cached = self.__dict__.get("_router_f32")
+        if cached is None or cached[0] != key:
+            cached = (key, w.float(), None if b is None else b.float())
+            self.__dict__["_router_f32"] = cached
+        return cached[1], cached[2]
 
     def take_routing(self) -> torch.Tensor:
         """The tokens routed to each expert [E] since the last call, and start counting anew."""
