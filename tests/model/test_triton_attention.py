@@ -161,3 +161,61 @@ def test_backend_mixed_decode_and_prefill_matches_torch_backend(dtype):
         caches.append((kc, vc))
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("softcap,with_sinks,window", [(5.0, False, 0), (0.0, True, 0), (3.0, True, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_softcap_and_sinks_match_reference(num_splits, softcap, with_sinks, window, dtype):
+    """Gemma 2's soft-capped scores and gpt-oss's sinks (one more logit per head, no value) against the
+    reference's scores.attend; with a window, split-K partitions, and an empty (padded) row."""
+    gen = torch.Generator().manual_seed(int(softcap * 10) + 3 * with_sinks + window)
+    s, hkv, group, d, n = 16, 2, 3, 64, 48
+    lens = [1, 37, 150, 96]
+    kc, vc = _caches(n, s, hkv, d, dtype, gen)
+    # scaled keys so the soft-cap bites (raw scores ~ +-8 against caps of 3 and 5)
+    kc, vc = kc * 3, vc
+    tables = _tables(lens, s, n, gen)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    q = torch.randn(len(lens), hkv * group, d, generator=gen).to(dtype).to(DEV)
+    # sinks from far below the scores to above them: the denominator's extra term from nothing to most of it
+    sinks = (torch.linspace(-6.0, 6.0, hkv * group) if with_sinks else None)
+    sinks = sinks.to(DEV) if sinks is not None else None
+    scale = d ** -0.5
+    ref = TorchAttentionBackend._paged_decode(q, kc, vc, tables, ctx, max(lens), scale, window=window,
+                                              softcap=softcap, sinks=sinks)
+    out = paged_decode(q, kc, vc, tables, ctx, scale, max_context_len=max(lens), num_splits=num_splits,
+                       window=window, softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    plain = paged_decode(q, kc, vc, tables, ctx, scale, max_context_len=max(lens), num_splits=num_splits,
+                         window=window)
+    assert (out.float() - plain.float()).abs().max() > 50 * TOL[dtype]  # the mods change the answer
+    empty = paged_decode(q[:1], kc, vc, tables[:1], torch.zeros(1, dtype=torch.int32, device=DEV), scale,
+                         max_context_len=512, num_splits=num_splits, softcap=softcap, sinks=sinks)
+    assert torch.equal(empty, torch.zeros_like(empty))  # a padded graph row: zeros, never NaN
+
+
+def test_backend_mixed_step_with_softcap_and_sinks_matches_torch_backend():
+    """Decode rows through the Triton kernel, prefill rows through scores.attend, in one flat step."""
+    gen = torch.Generator().manual_seed(12)
+    s, hkv, h, d, n = 16, 2, 6, 64, 32
+    seqs = [(1, 21), (1, 48), (9, 9), (7, 40)]
+    kc, vc = _caches(n, s, hkv, d, torch.float32, gen)
+    tables = _tables([c for _, c in seqs], s, n, gen)
+    qsl = [0]
+    for ql, _ in seqs:
+        qsl.append(qsl[-1] + ql)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64, device=DEV), block_tables=tables,
+        context_lens=torch.tensor([c for _, c in seqs], dtype=torch.int32, device=DEV),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEV),
+        query_lens_cpu=[q for q, _ in seqs], context_lens_cpu=[c for _, c in seqs],
+        max_query_len=9, max_context_len=48, num_decode_seqs=2)
+    q = torch.randn(qsl[-1], h, d, generator=gen).to(DEV) * 3
+    k = torch.randn(qsl[-1], hkv, d, generator=gen).to(DEV)
+    v = torch.randn(qsl[-1], hkv, d, generator=gen).to(DEV)
+    sinks = torch.linspace(-2.0, 2.0, h).to(DEV)
+    mods = dict(window=24, softcap=4.0, sinks=sinks)
+    ref = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, d ** -0.5, **mods)
+    out = TritonAttentionBackend().forward(q, k, v, kc, vc, meta, d ** -0.5, **mods)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)

@@ -24,7 +24,7 @@ from servescope.kernels.triton import fused as triton_fused, gemv as triton_gemv
 from servescope.kernels.triton import attention as tk
 
 target = GPUTarget("cuda", 90, 32)
-FLOATS = {"eps", "scale_log2"}
+FLOATS = {"eps", "scale_log2", "softcap_log2"}
 
 def attrs(fn):
     # what a launch with 16-byte aligned tensors and strides, and widths N, K that are multiples of
@@ -58,6 +58,15 @@ CASES = [  # (kernel, pointer dtype, constexprs, warps)
     (tk._paged_decode_kernel, "*bf16", dict(NUM_HEADS=32, GROUP=4, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128,
                                             BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=4, PRECISION="tf32"), 4),
     (tk._decode_reduce_kernel, "*bf16", dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4), 4),
+    # Gemma-2-2B's soft-capped heads (8 / 4, head dim 256: BLOCK_N 32) and gpt-oss-20b's sinks (64 / 8, dim 64)
+    (tk._paged_decode_kernel, "*bf16", dict(NUM_HEADS=8, GROUP=2, GROUP_PAD=16, HEAD_DIM=256, D_PAD=256,
+                                            BLOCK_SIZE=16, BLOCK_N=32, NUM_SPLITS=1, PRECISION="tf32",
+                                            SOFTCAP=True), 8),
+    (tk._paged_decode_kernel, "*bf16", dict(NUM_HEADS=64, GROUP=8, GROUP_PAD=16, HEAD_DIM=64, D_PAD=64,
+                                            BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=4, PRECISION="tf32",
+                                            SINKS=True), 4),
+    (tk._decode_reduce_kernel, "*bf16", dict(NUM_HEADS=64, HEAD_DIM=64, D_PAD=64, NUM_SPLITS=4, SPLITS_PAD=4,
+                                             SINKS=True), 4),
 ]
 bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ptxas = os.path.join(bindir, "ptxas-blackwell")
@@ -97,7 +106,7 @@ def test_every_triton_kernel_compiles_for_sm90_without_spills():
     proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(res) == 10
+    assert len(res) == 13
     for r in res:
         assert r["cubin"], r
         # None: no ptxas to ask (the cubin was still built). The paged decode kernel at head dim 128

@@ -39,9 +39,6 @@ class CudaGraphRunner:
                              f"(it must skip slot -1 and accept context length 0); use 'triton'")
         if runner.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        if not all(s.attention.plain_softmax for s in model.config.layer_specs()):
-            raise ValueError("soft-capped attention scores and attention sinks run the reference attention "
-                             "(model/attention/scores.py), which CUDA graphs cannot capture; run without them")
         if model.config.mla:  # its store and expanded prefill are torch ops the graph's padded rows would break
             raise ValueError("latent attention (DeepSeek) is not captured in CUDA graphs yet; run without them")
         sizes = sorted({int(b) for b in batch_sizes if int(b) > 0})

@@ -135,11 +135,19 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
+def _tanh(x):
+    # 1 - 2 / (e^2x + 1): finite for every x (e^2x = inf gives 1, 0 gives -1); portable to the interpreter
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
     window,  # > 0: only the sequence's last `window` positions are read (a sliding layer); 0: all of them
+    softcap_log2,  # SOFTCAP: the soft-cap * log2(e); each base-2 score s becomes softcap_log2 * tanh(s / softcap_log2)
+    sinks_ptr,  # SINKS: [H] one more logit per query head in the softmax, its value row dropped
     stride_qb, stride_qh,
     stride_cn, stride_cs, stride_ch,  # cache [N, S, Hkv, D] strides (D stride 1); K and V share them
     stride_bt,
@@ -148,6 +156,7 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     # one program: sequence b, KV head kvh (all its G query heads), context partition `split`
     b = tl.program_id(0)
@@ -187,6 +196,8 @@ def _paged_decode_kernel(
             k = k * tl.load((k_cache_ptr + row + HEAD_DIM).to(tl.pointer_type(tl.float32), bitcast=True),
                             mask=t_mask, other=0.0)[:, None]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G, BLOCK_N]
+        if SOFTCAP:
+            s = softcap_log2 * _tanh(s / softcap_log2)
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile has at least one valid token
         alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
@@ -200,6 +211,12 @@ def _paged_decode_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
+        if SINKS:  # the sink's logit joins the denominator (its row has no value): rescale to the new max
+            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_new)  # 0 for an empty context (m_i = -inf)
+            l_i = l_i * alpha + tl.exp2(sink - m_new)
+            acc = acc * alpha[:, None]
         # an empty context (a padded CUDA-graph row) yields zeros, not NaN
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = acc / l_safe[:, None]
@@ -215,10 +232,10 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr,
     stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SINKS: tl.constexpr,
 ):
     # one program: sequence b, query head h; combines the P partial softmaxes
     b = tl.program_id(0)
@@ -229,10 +246,13 @@ def _decode_reduce_kernel(
     base = (b * NUM_HEADS + h) * NUM_SPLITS
     m = tl.load(part_m_ptr + base + p, mask=p_mask, other=float("-inf"))
     part_sum = tl.load(part_l_ptr + base + p, mask=p_mask, other=0.0)
-    m_max = tl.max(m, 0)
+    sink = tl.full([], float("-inf"), tl.float32)  # no sink: weight exp2(-inf) = 0
+    if SINKS:  # the sink's logit (base 2) joins the softmax after the partitions merge
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+    m_max = tl.maximum(tl.max(m, 0), sink)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every partition empty: weights 0
     w = tl.exp2(m - m_max)  # [P]; exp2(-inf) = 0 for empty partitions
-    total = tl.sum(part_sum * w, 0)
+    total = tl.sum(part_sum * w, 0) + tl.exp2(sink - m_max)
     acc = tl.load(part_acc_ptr + (base + p)[:, None] * D_PAD + d[None, :], mask=p_mask[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)  # [D]
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
@@ -261,13 +281,16 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, max_context_len: int,
                  out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
-                 num_warps: int = 4, window: int = 0) -> torch.Tensor:
+                 num_warps: int = 4, window: int = 0, softcap: float = 0.0,
+                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [B, H, D] (one query token per sequence); caches [N, S, Hkv, D]; block_tables [B, M]
     int32; context_lens [B] int32 (0 allowed: the row's output is zeros) -> out [B, H, D] in
     q's dtype. max_context_len is a host-side upper bound used only to size split-K. num_warps:
     of the main kernel (at head dim 128, 4 warps use 255 registers and spill 84 bytes on sm_90,
     8 do not spill; benchmarks/gpu.py times both). window > 0: each row reads its last `window`
-    positions only (a sliding layer)."""
+    positions only (a sliding layer). softcap > 0: each score s becomes softcap * tanh(s / softcap) (Gemma 2);
+    sinks [H]: one more logit per query head in the softmax whose value row is dropped (gpt-oss); both as
+    model/attention/scores.attend defines them."""
     bsz, h, d = q.shape
     _check_cache(k_cache)
     _check_cache(v_cache)
@@ -278,6 +301,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
     assert q.stride(2) == 1, "q must be contiguous in the head dim"
     assert block_tables.stride(1) == 1
+    if sinks is not None:
+        assert sinks.shape == (h,) and sinks.device == q.device, f"sinks {tuple(sinks.shape)} for {h} heads"
+        sinks = sinks.contiguous()
     if out is None:
         out = torch.empty_like(q)
     if bsz == 0:
@@ -299,7 +325,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _paged_decode_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_acc, part_m, part_l,
-        scale * 1.4426950408889634, int(window),
+        scale * 1.4426950408889634, int(window), float(softcap) * 1.4426950408889634,
+        q if sinks is None else sinks,  # an unused pointer when there are no sinks
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -307,13 +334,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         NUM_HEADS=h, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=s, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION=precision, QUANT=quant,
+        SOFTCAP=bool(softcap), SINKS=sinks is not None,
         num_warps=num_warps,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(bsz, h)](
-            out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
+            out, part_acc, part_m, part_l, q if sinks is None else sinks, out.stride(0), out.stride(1),
             NUM_HEADS=h, HEAD_DIM=d, D_PAD=d_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), SINKS=sinks is not None,
             num_warps=4,
         )
     return out

@@ -1,10 +1,11 @@
 """Attention whose scores change before the softmax: tanh soft-capping (Gemma 2) and learned sinks (gpt-oss),
 in plain PyTorch, in the order of operations of transformers' eager attention.
 
-SDPA, the tiled prefill kernel and the Triton kernels compute softmax(q.k * scale) only; a layer with a
-soft-cap or sinks (AttentionSpec.plain_softmax false) is served by the reference backend, which calls
-`attend` here, except for its decode rows on the CPU, which the C++ paged decode kernel computes with both
-(csrc/decode_attention.h's ScoreMods; the C++ decode plan still declines such models).
+SDPA and the tiled prefill kernel compute softmax(q.k * scale) only; a layer with a soft-cap or sinks
+(AttentionSpec.plain_softmax false) has its prefill rows served by `attend` here. Decode rows take the paged
+decode kernels, which compute both: the C++ one on the CPU (csrc/decode_attention.h's ScoreMods) and the
+Triton one on GPUs (kernels/triton/attention.py's SOFTCAP / SINKS), so a decode-only step of such a model
+runs no reference code and CUDA graphs capture it. The C++ decode plan still declines such models.
 
 Shape legend: B batch, H query heads, Hkv KV heads, q queries, L keys, D head dim.
 """

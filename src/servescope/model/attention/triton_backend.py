@@ -34,19 +34,19 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 window: int = 0, softcap: float = 0.0, sinks=None) -> torch.Tensor:
-        if softcap or sinks is not None:  # the Triton kernel has neither: the reference's (scores.py)
-            return self._reference.forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
+        # soft-caps and sinks: the decode kernel's SOFTCAP / SINKS, the reference's scores.attend for prefills
+        mods = dict(window=window, softcap=softcap, sinks=sinks)
         nd = meta.num_decode_seqs
         if nd == meta.num_seqs:  # decode only: T == B, every row is one query
             return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                max_context_len=meta.max_context_len, window=window)
+                                max_context_len=meta.max_context_len, **mods)
         out = torch.empty_like(q)  # [T, H, D]
         if nd:
             # decodes lead the flat layout: tokens [0, nd) are sequences [0, nd)
             paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale,
-                         max_context_len=max(meta.context_lens_cpu[:nd]), out=out[:nd], window=window)
+                         max_context_len=max(meta.context_lens_cpu[:nd]), out=out[:nd], **mods)
         out[nd:] = self._reference.forward(q[nd:], k[nd:], v[nd:], k_cache, v_cache,
-                                           _prefill_rows(meta, nd), scale, window)
+                                           _prefill_rows(meta, nd), scale, **mods)
         return out
 
 
