@@ -1,5 +1,6 @@
-"""measure/shape_kernels.py: the engine's kernels timed at the loaded model's shapes, cached, and read by the
-engine's step predictions (with_kernel_table). A tiny random model and small grids: seconds."""
+"""measure/shape_kernels.py (+ moe_kernels.py, kernel_cache.py): the engine's kernels timed at the loaded model's
+shapes, cached, and read by the engine's step predictions (with_kernel_table). Tiny random models and small grids:
+seconds."""
 
 import json
 
@@ -10,7 +11,7 @@ from servescope.analysis.kernel_table import PROJECTIONS, KernelTable, table_key
 from servescope.config import EngineConfig, SamplingParams
 from servescope.engine.llm_engine import LLMEngine
 from servescope.kernels.cpu import ops as cpu_ops
-from servescope.measure import local_hardware, shape_kernels
+from servescope.measure import kernel_cache, local_hardware, moe_kernels, shape_kernels
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 128,
         "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
@@ -26,7 +27,9 @@ def small_grids(monkeypatch, tmp_path):
     monkeypatch.setattr(shape_kernels, "ROWS", (1, 2, 9, 64))
     monkeypatch.setattr(shape_kernels, "HEAD_ROWS", (1, 4))
     monkeypatch.setattr(shape_kernels, "RUNS", 1)
-    monkeypatch.setattr(shape_kernels, "BUSY_SHARE", 0.0)  # a test run at low priority is never "quiet"
+    monkeypatch.setattr(moe_kernels, "RUNS", 1)
+    monkeypatch.setattr(moe_kernels, "MOE_TOKENS", (1, 4, 32))
+    monkeypatch.setattr(kernel_cache, "BUSY_SHARE", 0.0)  # a test run at low priority is never "quiet"
     monkeypatch.setattr(shape_kernels, "MISC_TOKENS", (1, 16))
     monkeypatch.setattr(shape_kernels, "LAYER_TOKENS", (16, 64))
     monkeypatch.setattr(shape_kernels, "PAGED_GRID", ((1, 16), (4, 64), (8, 32)))
@@ -34,9 +37,9 @@ def small_grids(monkeypatch, tmp_path):
     monkeypatch.setattr(shape_kernels, "LONG_GRID", ((128, 0), (130, 64), (256, 0)))
 
 
-def tiny_engine(tmp_path, dtype: str, quantization=None) -> LLMEngine:
+def tiny_engine(tmp_path, dtype: str, quantization=None, config=TINY) -> LLMEngine:
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(TINY))
+    path.write_text(json.dumps(config))
     # any spec named local-cpu: with_kernel_table only times engines that predict on the local probe
     spec = get_hardware("H100-SXM").replace(name=LOCAL_CPU, kind="cpu")
     return LLMEngine(EngineConfig(model=f"random:{path}", dtype=dtype, quantization=quantization, num_kv_blocks=256,
@@ -67,13 +70,13 @@ def test_the_table_is_measured_once_cached_and_prices_the_steps(small_grids, tmp
     assert engine.step_records[-1].predicted_seconds == pytest.approx(
         engine.step_cost_predictor.predictor.predict([(1, engine.step_records[-1].context_lens[0] - 1)], 1).seconds)
     # cached under this CPU, thread count, kernels' sources and shape: a second engine reads it back
-    monkeypatch.setattr(shape_kernels, "measure_kernel_table", lambda e: pytest.fail("measured twice"))
+    monkeypatch.setattr(kernel_cache, "measure_kernel_table", lambda e: pytest.fail("measured twice"))
     again = local_hardware.with_kernel_table(tiny_engine(tmp_path, dtype, quantization))
     assert again.hardware.kernel_tables[key] == engine.hardware.kernel_tables[key]
 
 
 def test_engines_on_other_specs_are_left_alone(small_grids, tmp_path, monkeypatch):
-    monkeypatch.setattr(shape_kernels, "measure_kernel_table", lambda e: pytest.fail("measured"))
+    monkeypatch.setattr(kernel_cache, "measure_kernel_table", lambda e: pytest.fail("measured"))
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TINY))
     engine = LLMEngine(EngineConfig(model=f"random:{path}", num_kv_blocks=64, max_model_len=256,
@@ -82,8 +85,47 @@ def test_engines_on_other_specs_are_left_alone(small_grids, tmp_path, monkeypatc
 
 
 def test_a_table_measured_on_a_busy_machine_serves_the_run_but_is_not_cached(small_grids, tmp_path, monkeypatch):
-    monkeypatch.setattr(shape_kernels, "BUSY_SHARE", 1e6)  # no run gets a million CPUs per thread
-    monkeypatch.setattr(shape_kernels, "BUSY_MIN_WINDOW_S", 0.0)
+    monkeypatch.setattr(kernel_cache, "BUSY_SHARE", 1e6)  # no run gets a million CPUs per thread
+    monkeypatch.setattr(kernel_cache, "BUSY_MIN_WINDOW_S", 0.0)
     engine = local_hardware.with_kernel_table(tiny_engine(tmp_path, "float32"))
     assert len(engine.hardware.kernel_tables) == 1
-    assert not shape_kernels.cache_path().exists()
+    assert not kernel_cache.cache_path().exists()
+
+
+# a MoE whose first layer is dense (DeepSeek's first_k_dense_replace in Qwen2-MoE's terms: mlp_only_layers)
+MOE = {**TINY, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "num_hidden_layers": 3,
+       "moe_intermediate_size": 64, "shared_expert_intermediate_size": 128, "num_experts": 16,
+       "num_experts_per_tok": 4, "mlp_only_layers": [0], "decoder_sparse_step": 1, "norm_topk_prob": False}
+
+
+def test_a_moe_table_times_its_sparse_blocks_and_prices_the_mlp_by_the_steps_routing(small_grids, tmp_path):
+    engine = local_hardware.with_kernel_table(tiny_engine(tmp_path, "float32", config=MOE))
+    cfg = engine.model_config
+    wdt, kdt, adt, _ = engine.step_cost_predictor.predictor.dtypes
+    table = KernelTable.from_dict(engine.hardware.kernel_tables[table_key(cfg, wdt, adt, kdt)])
+    assert [t for t, _ in table.moe] == [1, 4, 32] and all(s > 0 for _, s in table.moe)
+    distinct = dict(table.moe_distinct)
+    assert distinct[1] == 4 and 4 <= distinct[4] <= 16 and distinct[32] <= 16  # k at one row, at most E
+    assert table.linear["gate_up_proj"][0][1] > 0  # the dense first layer's MLP is timed as a projection
+    # the MLP of a step: the dense layer's projections plus two sparse blocks, scaled by the measured routing
+    cost = engine.step_cost_predictor.predictor.predict([(1, 20)], 1, distinct_experts=2.0).cost
+    want = (table.linear_seconds("gate_up_proj", 1) + table.linear_seconds("down_proj", 1)
+            + 2 * table.moe_seconds(1) * 2.0 / 4)
+    assert cost.op("mlp").measured and cost.op("mlp").seconds == pytest.approx(want)
+    engine.add_request("r", list(range(3, 40)), SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert all(r.predicted_seconds and r.predicted_seconds > 0 for r in engine.step_records)
+
+
+def test_moe_seconds_scale_with_the_measured_experts_and_the_table_round_trips():
+    t = KernelTable.from_dict({"key": "k", "linear": {p: [[1, 1e-4]] for p in PROJECTIONS}, "misc": [[1, 1e-5]],
+                               "paged": {"fixed": 0.0, "per_row": 0.0, "per_key": 0.0},
+                               "long": {"fixed": 0.0, "per_row": 0.0, "per_key": 0.0}, "long_min_tokens": 2,
+                               "paged_max_context": 0, "moe": [[1, 2e-3], [8, 6e-3]],
+                               "moe_distinct": [[1, 4.0], [8, 16.0]]})
+    assert t.moe_seconds(1) == pytest.approx(2e-3) and t.moe_seconds(8, 8.0) == pytest.approx(3e-3)
+    assert t.moe_seconds(4) == pytest.approx(2e-3 + 4e-3 * 3 / 7) and t.moe_seconds(0) == 0.0
+    assert KernelTable.from_dict(t.to_dict()) == t
+    with pytest.raises(ValueError, match="moe"):
+        KernelTable.from_dict({**t.to_dict(), "moe": [[8, 1e-3], [1, 1e-3]]})  # rows must ascend

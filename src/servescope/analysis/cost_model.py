@@ -204,7 +204,7 @@ def step_cost(
         return w / (rate * eff_m) if rate else 0.0
 
     table = lookup(hw.kernel_tables, table_key(cfg, wdt, adt, kdt)) if hw.kernel_tables else None
-    timed = measured_op_seconds(cfg, seqs, table, T, n_logits) if table is not None else {}
+    timed = measured_op_seconds(cfg, seqs, table, T, n_logits, distinct_experts) if table is not None else {}
     ops = [OpCost(name=name, flops=float(f), bytes=float(a + w), weight_bytes=float(w),
                   compute_seconds=f / (linear_peak if name in LINEAR_OPS else peak), memory_seconds=(a + w) / bw,
                   kernel_seconds=timed[name] if name in timed else kernel_s(name, w), measured=name in timed)
@@ -215,20 +215,29 @@ def step_cost(
                     peak_flops=peak, memory_bandwidth=bw)
 
 
-def measured_op_seconds(cfg: ModelConfig, seqs: list, table: KernelTable, T: int, n_logits: int) -> dict:
+def measured_op_seconds(cfg: ModelConfig, seqs: list, table: KernelTable, T: int, n_logits: int,
+                        distinct_experts: Optional[float] = None) -> dict:
     """{op group: seconds} of the op groups a KernelTable times at this model's shapes: the linear
-    layers at the step's rows, attention by rows and attended keys per layer kind (its reads of the
-    cached KV included, so kv_read is 0), the small per-layer ops with the KV store (kv_write 0)."""
+    layers at the step's rows, a MoE's sparse blocks at its rows (scaled by the step's measured distinct
+    experts), attention by rows and attended keys per layer kind (its reads of the cached KV included, so
+    kv_read is 0), the small per-layer ops with the KV store (kv_write 0). A MoE table without its
+    block times leaves the MLP to the roofline."""
     L = cfg.num_hidden_layers
+    sparse = cfg.moe.num_sparse(L) if cfg.moe else 0
     f = table.linear_factor(T, any(n > 1 for n, _ in seqs))  # the Python layer forward of a prefill step
     lin = {name: f * table.linear_seconds(name, T)
            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
     attention = sum(count * table.attention_seconds(seqs, lambda s, w=window: attended_keys(s[0], s[1], w))
                     for window, count in layer_windows(cfg).items())
-    return {"qkv_proj": L * lin["qkv_proj"], "attention": attention, "kv_write": 0.0, "kv_read": 0.0,
-            "attn_out_proj": L * lin["o_proj"], "mlp": L * (lin["gate_up_proj"] + lin["down_proj"]),
-            "norms_rope_misc": L * table.misc_seconds(T),
-            "lm_head": table.linear_seconds("lm_head", n_logits)}
+    out = {"qkv_proj": L * lin["qkv_proj"], "attention": attention, "kv_write": 0.0, "kv_read": 0.0,
+           "attn_out_proj": L * lin["o_proj"],
+           "mlp": (L - sparse) * (lin["gate_up_proj"] + lin["down_proj"])
+           + sparse * f * table.moe_seconds(T, distinct_experts),
+           "norms_rope_misc": L * table.misc_seconds(T),
+           "lm_head": table.linear_seconds("lm_head", n_logits)}
+    if sparse and not table.moe:
+        del out["mlp"]
+    return out
 
 
 def integer_gemm_flops(hw: HardwareSpec, weight_dtype: str, act_dtype: str) -> float:

@@ -19,6 +19,12 @@ and its attention and per-layer small ops on a grid of (rows, keys), with nothin
   keys: attended keys (causal), summed over the rows.
 - `misc`: [[tokens T, seconds per layer]] of the layer's small ops (the two add+RMSNorms, rotary,
   SiLU*up, the KV store), interpolated like `linear`.
+- `moe` (a MoE): [[tokens T, seconds per sparse layer]] of the model's own sparse MLP block (router,
+  routed experts grouped by expert, shared expert: whatever runs them) on T rows of random activations,
+  and `moe_distinct`: [[T, distinct experts per layer those calls read]] (random rows route nearly
+  uniformly). A step whose routing was measured is priced at the block's time scaled by its distinct
+  experts over the timed calls' (at batch 1 both are k). A sparse layer has no gate_up_proj / down_proj
+  rows of its own: a model without dense layers holds [[1, 0.0]] there.
 - `prefill_factor`: [[tokens T, f]]: a step with prefill tokens runs the model's own layer forward in
   Python (a decode-only step runs the C++ decode plan, which calls the kernels back to back as the
   `linear` times were taken), and that forward of a T-token prefill took f times what the table's
@@ -97,6 +103,8 @@ class KernelTable:
     source: str = ""
     grid: dict = field(default_factory=dict)  # the attention points timed (for the record)
     prefill_factor: list = field(default_factory=lambda: [[1, 1.0]])  # [[tokens, f]]
+    moe: list = field(default_factory=list)  # [[tokens, seconds per sparse layer's block]]; [] without experts
+    moe_distinct: list = field(default_factory=list)  # [[tokens, distinct experts per layer the timed calls read]]
 
     def linear_factor(self, tokens: int, has_prefill: bool) -> float:
         if not has_prefill:
@@ -109,6 +117,18 @@ class KernelTable:
 
     def misc_seconds(self, tokens: int) -> float:
         return interpolate(self.misc, tokens)
+
+    def moe_seconds(self, tokens: int, distinct: Optional[float] = None) -> float:
+        """One sparse layer's MLP block at `tokens` rows; with the step's measured distinct experts per layer,
+        scaled by them over the distinct experts the timed calls read at that many rows."""
+        if not self.moe or tokens <= 0:
+            return 0.0
+        t = interpolate(self.moe, tokens)
+        if distinct is not None and self.moe_distinct:
+            timed = interpolate(self.moe_distinct, tokens)
+            if timed > 0:
+                t *= float(distinct) / timed
+        return t
 
     def attention_seconds(self, seqs: Sequence[tuple], keys_of) -> float:
         """One layer's attention over seqs [(new, context before)]; keys_of((n, c)) -> attended keys of
@@ -133,14 +153,15 @@ class KernelTable:
         return {"key": self.key, "linear": self.linear, "paged": vars(self.paged), "long": vars(self.long),
                 "long_min_tokens": self.long_min_tokens, "paged_max_context": self.paged_max_context,
                 "misc": self.misc, "source": self.source, "grid": self.grid,
-                "prefill_factor": self.prefill_factor}
+                "prefill_factor": self.prefill_factor, "moe": self.moe, "moe_distinct": self.moe_distinct}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelTable":
         missing = [p for p in PROJECTIONS if p not in d["linear"]]
         if missing:
             raise ValueError(f"kernel table {d.get('key')!r} lacks {', '.join(missing)}")
-        for name, pts in list(d["linear"].items()) + [("misc", d["misc"])]:
+        optional = [(n, d[n]) for n in ("moe", "moe_distinct") if d.get(n)]
+        for name, pts in list(d["linear"].items()) + [("misc", d["misc"])] + optional:
             xs = [p[0] for p in pts]
             if not pts or xs != sorted(xs) or len(set(xs)) != len(xs) or any(p[1] < 0 for p in pts):
                 raise ValueError(f"kernel table {d.get('key')!r}: {name} must be [[x, seconds >= 0], ...], "
@@ -149,7 +170,8 @@ class KernelTable:
                    paged=AttentionFit(**d["paged"]), long=AttentionFit(**d["long"]),
                    long_min_tokens=int(d["long_min_tokens"]), paged_max_context=int(d["paged_max_context"]),
                    misc=[list(p) for p in d["misc"]], source=d.get("source", ""), grid=d.get("grid", {}),
-                   prefill_factor=[list(p) for p in d.get("prefill_factor", [[1, 1.0]])])
+                   prefill_factor=[list(p) for p in d.get("prefill_factor", [[1, 1.0]])],
+                   moe=[list(p) for p in d.get("moe", [])], moe_distinct=[list(p) for p in d.get("moe_distinct", [])])
 
 
 def fit_linear_model(points: Sequence[tuple]) -> AttentionFit:

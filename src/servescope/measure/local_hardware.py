@@ -24,7 +24,7 @@ from servescope.kernels.cpu import ops as cpu_ops
 from servescope.measure.kernel_rates import (measure_decode_attention_flops, measure_linear_rates,
                                              measure_packed_gemm_flops)
 from servescope.measure.overhead import measure_host_overhead
-from servescope.measure.shape_kernels import kernel_table_for
+from servescope.measure.kernel_cache import kernel_table_for
 from servescope.parallel.link_probe import fit_local_link, measure_all_reduce
 
 logger = logging.getLogger(__name__)

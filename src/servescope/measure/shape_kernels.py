@@ -1,8 +1,10 @@
 """The engine's kernels timed at one loaded model's own shapes (analysis/kernel_table.py says what the
-table holds and how the cost model reads it), measured once per CPU, model shape and dtypes, cached.
+table holds and how the cost model reads it); measure/kernel_cache.py assembles the table (with a MoE's
+sparse blocks: measure/moe_kernels.py) and caches it once per CPU, model shape and dtypes.
 
 All on the engine's own objects, so the table follows the kernels whatever they become:
-- the projections (CpuLinear, QuantLinear, ... whatever the engine's transforms put there) at ROWS rows in
+- the projections (CpuLinear, QuantLinear, ... whatever the engine's transforms put there; a sparse layer's
+  MLP is its block, timed whole by moe_kernels.py) at ROWS rows in
   layer order, so the weights come from where a step finds them: all layers at a few rows (a decode
   step streams them), enough for PASS_BUDGET_S at many (compute-bound); per-call times share out the
   calls' back-to-back time. The head at HEAD_ROWS, each call after a one-row pass over every layer;
@@ -17,25 +19,20 @@ docs/VALIDATION.md has how long it takes per shape.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from servescope.analysis.kernel_table import KernelTable, fit_linear_model, table_key
+from servescope.analysis.kernel_table import KernelTable, fit_linear_model
 from servescope.analysis.op_counts import attended_keys, layer_windows
-from servescope.analysis.probe import (BUSY_MIN_WINDOW_S, BUSY_SHARE, _cache_key, default_cache_path,
-                                      torch_threads)
 from servescope.kernels import fused_ops
 from servescope.model.attention import kv_quant
 from servescope.model.attention.backend import AttentionMetadata
 from servescope.model.attention.cpu import PAGED_PREFILL_MAX_CONTEXT, TILED_PREFILL_MIN_TOKENS
+from servescope.model.moe import SparseMoeBlock
 
 logger = logging.getLogger(__name__)
 
@@ -56,21 +53,6 @@ SHORT_GRID = ((32, 0), (64, 512))  # bfloat16 prefill chunks the paged kernel ta
 LONG_GRID = ((128, 0), (512, 0), (256, 512), (128, 1536), (512, 1024), (2048, 0))
 KV_COPIES_BYTES = 1 << 30  # caches cycled so that attention reads its KV from memory, as a step's layers do
 BLOCK = 16
-CACHE_NAME = "kernel_tables.json"
-_SOURCES = ("kernels/cpu/csrc", "kernels/cpu/linear.py", "model/linears", "model/attention/cpu.py")
-
-
-def kernels_digest() -> str:
-    """A digest of the kernels' sources: a table measured on other kernels is measured again."""
-    root = Path(__file__).resolve().parent.parent
-    h = hashlib.sha1()
-    for rel in _SOURCES:
-        p = root / rel
-        for f in sorted(p.rglob("*") if p.is_dir() else [p]):
-            if f.is_file() and f.suffix in (".h", ".cpp", ".py"):
-                h.update(f.name.encode())
-                h.update(f.read_bytes())
-    return h.hexdigest()[:12]
 
 
 def _timed(fn) -> float:
@@ -87,8 +69,10 @@ def _median_of(fn, runs: int = RUNS) -> float:
 # --------------------------------------------------------------------------- linear layers
 
 def _layer_projections(layer) -> list:
-    return [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
-            ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]
+    attn = [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj)]
+    if isinstance(layer.mlp, SparseMoeBlock):  # its block is timed whole (measure_moe_table)
+        return attn
+    return attn + [("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]
 
 
 def _inputs(cfg, rows: int, dtype) -> dict:
@@ -117,13 +101,13 @@ def _back_to_back(layers, xs: dict) -> float:
     return time.perf_counter() - t0
 
 
-def _per_call(runs: list, names, per: int) -> dict:
-    """{projection: seconds per layer}: each call's median over the runs (a time slice lost to another
-    process on a shared machine hits one run of a call, not the median), summed, over `per` layers."""
-    out = dict.fromkeys(names, 0.0)
+def _per_call(runs: list) -> dict:
+    """{projection: [seconds of each of its calls]}: each call's median over the runs (a time slice lost to
+    another process on a shared machine hits one run of a call, not the median)."""
+    out: dict = {}
     for j, (name, _) in enumerate(runs[0]):
-        out[name] += statistics.median(r[j][1] for r in runs)
-    return {n: v / per for n, v in out.items()}
+        out.setdefault(name, []).append(statistics.median(r[j][1] for r in runs))
+    return out
 
 
 def call_overhead(dtype) -> float:
@@ -155,16 +139,19 @@ def measure_linear_tables(model, cfg, dtype) -> tuple:
                 per_layer = sum(t for _, t in _pass(layers[:1], xs))
                 subset = layers[:max(2, min(len(layers), math.ceil(PASS_BUDGET_S / max(per_layer, 1e-9))))]
             runs = RUNS if rows <= ALL_LAYER_ROWS else min(RUNS, LARGE_RUNS)
-            per = _per_call([_pass(subset, xs) for _ in range(runs)], table, len(subset))
+            calls = _per_call([_pass(subset, xs) for _ in range(runs)])
             # the calls back to back, as a step makes them, took longer than each timed on its own
             # (about 10% at a 1B shape's one-row GEMVs here): the pass's time, shared out by the calls'
-            whole = statistics.median(_back_to_back(subset, xs) for _ in range(runs)) / len(subset)
-            scale = whole / sum(per.values())
-            for name in table:
-                t = per[name] * scale
+            whole = statistics.median(_back_to_back(subset, xs) for _ in range(runs))
+            scale = whole / sum(sum(c) for c in calls.values())
+            for name, times in calls.items():  # per call of that projection (a sparse layer has no MLP rows)
+                t = sum(times) / len(times) * scale
                 table[name].append([rows, max(t - overhead, 0.2 * t)])
         cpus = (time.process_time() - cpu0) / max(time.perf_counter() - t0, 1e-9)
         table["lm_head"] = _head_table(model, layers, cfg, dtype, overhead)
+    for name, pts in table.items():
+        if not pts:  # no layer has this projection (every MLP sparse): nothing of it runs
+            table[name] = [[1, 0.0]]
     return table, cpus
 
 
@@ -332,69 +319,15 @@ def measure_prefill_factor(model, cfg, backend, partial: dict, dtype, kv_dtype) 
     """[[tokens, f]]: a prefill's layer forward over what the table's parts add up to (kernel_table.py)."""
     parts = KernelTable.from_dict({**partial, "key": "partial", "prefill_factor": [[1, 1.0]]})
     out = []
+    L = cfg.num_hidden_layers
+    sparse = cfg.moe.num_sparse(L) if cfg.moe else 0
     for t in LAYER_TOKENS:
         layer = _layer_seconds(model, cfg, backend, t, dtype, kv_dtype)
-        lin = sum(parts.linear_seconds(n, t) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+        lin = (parts.linear_seconds("qkv_proj", t) + parts.linear_seconds("o_proj", t)
+               + (L - sparse) / L * (parts.linear_seconds("gate_up_proj", t) + parts.linear_seconds("down_proj", t))
+               + sparse / L * parts.moe_seconds(t))  # per layer, as measured_op_seconds prices a step
         attention = sum(count * parts.attention_seconds([(t, 0)], lambda s, w=w: attended_keys(s[0], s[1], w))
                         for w, count in layer_windows(cfg).items())  # as the cost model prices it
         rest = attention / cfg.num_hidden_layers + parts.misc_seconds(t)
         out.append([t, max((layer - rest) / lin, 0.5) if lin > 0 else 1.0])
     return out
-
-
-# --------------------------------------------------------------------------- the table, cached
-
-def measure_kernel_table(engine) -> dict:
-    """The KernelTable (as a dict) of a loaded CPU engine's model at its shapes and dtypes."""
-    pred = engine.step_cost_predictor.predictor
-    wdt, kdt, adt, _ = pred.dtypes
-    cfg, model, backend = engine.model_config, engine.model, engine.runner.backend
-    t0 = time.perf_counter()
-    linear, cpus = measure_linear_tables(model, cfg, engine.dtype)
-    attention = measure_attention(backend, cfg, engine.dtype, engine.kv_dtype)
-    misc = measure_misc(model, cfg, backend, engine.dtype, engine.kv_dtype)
-    factor = measure_prefill_factor(model, cfg, backend, {"linear": linear, "misc": misc, **attention},
-                                    engine.dtype, engine.kv_dtype)
-    took = time.perf_counter() - t0
-    logger.info("kernel table for %s measured in %.0f s", table_key(cfg, wdt, adt, kdt), took)
-    threads = min(torch.get_num_threads(), os.cpu_count() or 1)
-    busy = took >= BUSY_MIN_WINDOW_S and cpus < BUSY_SHARE * threads
-    if busy:
-        logger.warning("the machine was busy while the kernel table was measured (its %d threads got %.1f "
-                       "CPUs): the table serves this run only and is not cached", threads, cpus)
-    return {"key": table_key(cfg, wdt, adt, kdt), "linear": linear, "misc": misc, **attention,
-            "prefill_factor": factor, "busy": busy, "cpus": cpus,
-            "source": f"measured on the loaded model's modules and attention backend in {took:.0f} s "
-                      f"(measure/shape_kernels.py, kernels {kernels_digest()})"}
-
-
-def cache_path() -> Path:
-    return default_cache_path().with_name(CACHE_NAME)
-
-
-def _machine_key() -> str:
-    return f"{_cache_key(torch_threads())}|kernels={kernels_digest()}"
-
-
-def kernel_table_for(engine, force: bool = False) -> dict:
-    """The engine's KernelTable dict, read from the cache (this CPU, thread count, kernels' sources and
-    the model's shape and dtypes) or measured now and cached."""
-    pred = engine.step_cost_predictor.predictor
-    wdt, kdt, adt, _ = pred.dtypes
-    key = f"{_machine_key()}|{table_key(pred.cfg, wdt, adt, kdt)}"
-    path = cache_path()
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if not force and key in cache:
-        return cache[key]
-    table = measure_kernel_table(engine)
-    if table.get("busy"):
-        return table
-    cache[key] = table
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(cache))
-    tmp.replace(path)
-    return table
