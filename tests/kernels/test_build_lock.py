@@ -58,3 +58,14 @@ def test_the_extension_loads_past_a_stale_torch_lock(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "C++ kernels" in out.stdout and not (copy / "lock").exists()
+
+
+def test_each_checkout_builds_in_a_directory_of_its_own(tmp_path):
+    """Two checkouts loading in turn must not share torch's build directory: its build file names the sources
+    by path, so each would rebuild over the other's every time."""
+    from servescope.kernels.cpu.extension import checkout_tag
+
+    a, b = tmp_path / "a" / "csrc" / "ops.cpp", tmp_path / "b" / "csrc" / "ops.cpp"
+    assert checkout_tag(str(a)) != checkout_tag(str(b))
+    assert checkout_tag(str(a)) == checkout_tag(str(a.parent / "other.cpp"))  # one tag per checkout's csrc
+    assert len(checkout_tag(str(a))) == 8

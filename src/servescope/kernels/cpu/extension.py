@@ -63,6 +63,14 @@ def headers_digest(csrc_dir: str) -> str:
     return h.hexdigest()[:12]
 
 
+def checkout_tag(source: str) -> str:
+    """A short digest of where the sources lie. torch's build directory is named after the extension alone,
+    and its build file names the sources by their paths: two checkouts (two clones, worktrees, or a clone
+    and an installed copy) loading in turn would each find the other's build file and compile again, every
+    time. A build directory per checkout keeps each one's build."""
+    return hashlib.sha1(os.path.dirname(os.path.abspath(source)).encode()).hexdigest()[:8]
+
+
 @contextlib.contextmanager
 def build_lock(build_dir: str):
     """Hold the build of the extension in `build_dir` against every other process building it.
@@ -114,7 +122,7 @@ class CpuExtension:
             cflags = BASE_CFLAGS + isa_cflags(isa, cpu_flags()) + self.extra_cflags + [f"-DSERVESCOPE_HEADERS={digest}"]
             t0 = time.perf_counter()
             name = f"{self.name}_{isa}"
-            build_dir = cpp_extension._get_build_directory(name, verbose=False)
+            build_dir = cpp_extension._get_build_directory(f"{name}-{checkout_tag(self.sources[0])}", verbose=False)
             with build_lock(build_dir):
                 self.mod = cpp_extension.load(name=name, sources=self.sources, verbose=False,
                                               extra_cflags=cflags, build_directory=build_dir)
