@@ -26,14 +26,16 @@ CASES = {
     # attention sharded by heads, the experts over the same two ranks (vLLM's enable_expert_parallel)
     "qwen3_moe-tp2-ep2": ("qwen3_moe", dict(tensor_parallel_size=2, expert_parallel_size=2)),
     "mixtral-tp2-ep2": ("mixtral", dict(tensor_parallel_size=2, expert_parallel_size=2)),
+    # each rank packs its own experts (int8 per channel: per expert, so the same numbers as one process's)
+    "olmoe-ep2-int8": ("olmoe", dict(expert_parallel_size=2), dict(quantization="int8")),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_expert_parallel_equals_one_process(tmp_path, case):
-    family, parallel = CASES[case]
+    family, parallel, *common = CASES[case]
     path = str(make_tiny_hf_model(tmp_path, family))
-    recs = assert_same_as_single_process(path, **parallel)
+    recs = assert_same_as_single_process(path, *common, **parallel)
     for r in recs:  # every routed pair ran on exactly one rank; rank 0 sent some of its rows to rank 1
         assert len(r.moe_rows_per_rank) == 2 and sum(r.moe_rows_per_rank) == sum(r.moe_tokens_per_expert)
         assert r.moe_rank_imbalance >= 1.0 and 0 < r.all_to_all_seconds <= r.comm_seconds
