@@ -70,3 +70,17 @@ def test_explain_shows_expert_parallelism_for_moe_presets():
             explain_parallel(cfg, hw, LINKS["nvlink4"], tp, pp, ep=ep)
     with pytest.raises(InvalidParameterError, match="no experts"):
         explain_parallel(load_preset("llama-3-8b"), hw, LINKS["nvlink4"], 1, 1, ep=2)
+
+
+def test_step_prediction_adds_the_expert_parallel_collectives_at_tp_1():
+    from servescope.analysis.step_prediction import StepPredictor
+
+    cfg, hw = load_preset("mixtral-8x7b"), get_hardware("h100")
+    dtypes = ("bfloat16", "bfloat16", "bfloat16", 2)
+    seqs = [(1, 256)] * 8
+    alone = StepPredictor(cfg, hw, dtypes).predict(seqs, 8)
+    ep = StepPredictor(cfg, hw, dtypes, link=LINKS["nvlink4"], ep=2).predict(seqs, 8)
+    want = step_comm_cost(cfg, 8, 8, 1, 1, LINKS["nvlink4"], 2, ep=2)
+    assert ep.comm_seconds == pytest.approx(want.seconds) and want.all_to_all_seconds > 0
+    assert ep.cost.predicted_seconds < alone.cost.predicted_seconds  # half the routed experts' rows and weights
+    assert ep.seconds == pytest.approx(ep.cost.predicted_seconds + ep.comm_seconds)
