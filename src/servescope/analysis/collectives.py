@@ -11,6 +11,15 @@ activations twice per layer (after attention, after the MLP), once more after th
 embedding, and gathers the [B, V/Tp] logit shards; a pipeline-parallel step sends (h, residual)
 [2, T, Dm] from each stage to the next and the logits [B, V] (float32) back to rank 0.
 
+An expert-parallel step over N ranks (parallel/expert_parallel.py) adds per sparse layer: the tokens per
+expert all-gathered ([N, E] int64), the dispatch and the combine all-to-alls (each rank's slice of
+Tr = ceil(T/N) tokens as Tr k rows [Dm], of which (N-1)/N leave it under uniform routing), and the slices'
+outputs all-gathered ([N Tr, Dm]); with tensor-parallel attention its sparse layers all-reduce only a shared
+expert's output. An all-to-all is priced as pairwise exchange: bytes sent / bandwidth + (N-1) x latency; an
+all-gather as the ring: (N-1) x (bytes per rank / bandwidth + latency). Against vLLM's all-reduce of [T, Dm]
+partial sums (its TP + EP without data parallelism), the all-to-alls move (N-1)/N T Dm (2k/N + 1) bytes per
+rank to the all-reduce's 2 (N-1)/N T Dm: more at N = 2 for k >= 2 (1.5x at k = 2), less once N > 2k.
+
 The local link (gloo between processes of one machine, measured by parallel/link_probe.py) is not an
 alpha-beta line: torch's ProcessGroupGloo runs gloo's ring all-reduce (gloo/allreduce.cc, `ring`), which
 cuts the buffer into S = roundUp(max(ceil(B / 1 MiB), 2N), N) segments (gloo's kMaxSegmentSize is 1 MiB;
@@ -142,36 +151,69 @@ def p2p_seconds(num_bytes: float, link: LinkSpec) -> float:
     return num_bytes / link.bandwidth + link.latency_s if num_bytes > 0 else 0.0
 
 
+def all_to_all_seconds(bytes_sent: float, ranks: int, link: LinkSpec) -> float:
+    """One rank's all-to-all, bytes_sent to the other ranks: pairwise exchange, N - 1 messages."""
+    return bytes_sent / link.bandwidth + (ranks - 1) * link.latency_s if ranks > 1 else 0.0
+
+
+def all_gather_seconds(bytes_per_rank: float, ranks: int, link: LinkSpec) -> float:
+    """Ring all-gather of each rank's bytes_per_rank: N - 1 steps of one rank's part."""
+    return (ranks - 1) * (bytes_per_rank / link.bandwidth + link.latency_s) if ranks > 1 else 0.0
+
+
 @dataclass(frozen=True)
 class CommCost:
-    """The collectives of one step on one rank: seconds and bytes, by kind."""
+    """The collectives of one step on one rank: seconds and bytes, by kind (an expert-parallel step's
+    all-gathers in gather_seconds, its dispatch and combine in all_to_all_seconds)."""
 
     all_reduce_seconds: float = 0.0
     gather_seconds: float = 0.0
     p2p_seconds: float = 0.0
     bytes: float = 0.0
+    all_to_all_seconds: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return self.all_reduce_seconds + self.gather_seconds + self.p2p_seconds
+        return self.all_reduce_seconds + self.gather_seconds + self.p2p_seconds + self.all_to_all_seconds
+
+
+def expert_parallel_cost(cfg: ModelConfig, num_tokens: int, ep: int, link: LinkSpec, act_bytes: int = 4) -> tuple:
+    """(all-to-all seconds, all-gather seconds, bytes sent) of one rank over a step's sparse layers at EP = N,
+    rank 0's share (the largest slice) under uniform routing."""
+    if ep <= 1 or cfg.moe is None or num_tokens <= 0:
+        return 0.0, 0.0, 0.0
+    sparse, e = cfg.moe.num_sparse(cfg.num_hidden_layers), cfg.moe.experts
+    mine = -(-num_tokens // ep)  # Tr
+    rows = mine * cfg.hidden_size * act_bytes  # one slice [Tr, Dm]
+    sent = rows * e.top_k * (ep - 1) / ep  # the dispatch's rows to the other ranks (the combine's likewise)
+    counts = e.num_experts * 8
+    a2a = sparse * 2 * all_to_all_seconds(sent, ep, link)
+    gathers = sparse * (all_gather_seconds(counts, ep, link) + all_gather_seconds(rows, ep, link))
+    return a2a, gathers, sparse * (2 * sent + (ep - 1) * (counts + rows))
 
 
 def step_comm_cost(cfg: ModelConfig, num_tokens: int, num_logits: int, tp: int, pp: int, link: LinkSpec,
-                   act_bytes: int = 4) -> CommCost:
-    """What a step of num_tokens tokens (num_logits rows sampled) spends in collectives at TP x PP."""
+                   act_bytes: int = 4, ep: int = 1) -> CommCost:
+    """What a step of num_tokens tokens (num_logits rows sampled) spends in collectives at TP x PP (EP: the
+    experts over the tensor-parallel ranks, or over ranks of replicated attention at TP = 1)."""
     if num_tokens <= 0:
         return CommCost()
     act = num_tokens * cfg.hidden_size * act_bytes  # one [T, Dm] activation
-    # pipeline stages run one after another: the step's all-reduces are those of every stage
-    n_reduce = 2 * cfg.num_hidden_layers + 1 if tp > 1 else 0
+    # pipeline stages run one after another: the step's all-reduces are those of every stage; an
+    # expert-parallel sparse layer all-reduces only its shared expert's output
+    L = cfg.num_hidden_layers
+    sparse = cfg.moe.num_sparse(L) if cfg.moe is not None and ep > 1 else 0
+    after_mlp = L - sparse + (sparse if sparse and cfg.moe.experts.shared_intermediate_size else 0)
+    n_reduce = L + after_mlp + 1 if tp > 1 else 0
     shard_logits = num_logits * -(-cfg.vocab_size // tp) * 4
     ar = n_reduce * all_reduce_seconds(act, tp, link)
     ga = gather_seconds(shard_logits, tp, link)
     logits = p2p_seconds(num_logits * cfg.vocab_size * 4, link) if pp > 1 else 0.0
     p2p = (pp - 1) * p2p_seconds(2 * act, link) + logits
+    a2a, ep_gathers, ep_bytes = expert_parallel_cost(cfg, num_tokens, ep, link, act_bytes)
     moved = n_reduce * act * (2 * (tp - 1) / tp if tp > 1 else 0) + (tp - 1) * shard_logits \
-        + (pp - 1) * 2 * act + (num_logits * cfg.vocab_size * 4 if pp > 1 else 0)
-    return CommCost(ar, ga, p2p, moved)
+        + (pp - 1) * 2 * act + (num_logits * cfg.vocab_size * 4 if pp > 1 else 0) + ep_bytes
+    return CommCost(ar, ga + ep_gathers, p2p, moved, a2a)
 
 
 def get_link(name: str, local: "LinkSpec | None" = None) -> LinkSpec:
@@ -235,12 +277,19 @@ def _least_squares(rows: list, y: list):
 
 def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     """The model one tensor-parallel rank computes: H/T query heads, max(1, Hkv/T) KV heads, I/T MLP
-    columns, ceil(V/T) vocabulary rows, every layer (pipeline stages run one after another)."""
+    columns (a mixture's shared expert's too: its routed experts are split by expert parallelism, priced by
+    step_cost's expert_parallel), ceil(V/T) vocabulary rows, every layer (pipeline stages run one after
+    another)."""
     if tp == 1:
         return cfg
+    moe = cfg.moe
+    if moe is not None and moe.experts.shared_intermediate_size:
+        shared = moe.experts.shared_intermediate_size // tp
+        moe = dataclasses.replace(moe, experts=dataclasses.replace(moe.experts, shared_intermediate_size=shared))
     return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
                                num_key_value_heads=max(1, cfg.num_key_value_heads // tp),
-                               intermediate_size=cfg.intermediate_size // tp, vocab_size=-(-cfg.vocab_size // tp))
+                               intermediate_size=cfg.intermediate_size // tp, vocab_size=-(-cfg.vocab_size // tp),
+                               moe=moe)
 
 
 # ------------------------------------------------------------------ the measured local link, cached

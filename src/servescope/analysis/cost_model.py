@@ -162,6 +162,7 @@ def step_cost(
     efficiency: Optional[dict] = None,
     overhead_s: Optional[float] = None,
     distinct_experts: Optional[float] = None,
+    expert_parallel: int = 1,
 ) -> StepCost:
     """Predicted cost of one step over `seqs` [(num_new_tokens, num_context_tokens_before), ...].
 
@@ -169,6 +170,7 @@ def step_cost(
     (default 1.0 each), for calibrating against measured steps.
     overhead_s: fixed seconds added to the step; default hw.step_overhead_s + L * hw.layer_overhead_s.
     distinct_experts: a MoE's experts read per sparse layer, as measured (None: expected, analysis/moe.py).
+    expert_parallel: N, one expert-parallel rank's step (1/N of the routed experts' work; op_counts.mlp_counts).
     num_logits: rows through lm_head; default one per sequence (what the engine computes).
     """
     seqs = check_seqs(seqs)
@@ -180,7 +182,7 @@ def step_cost(
     L = cfg.num_hidden_layers
     T, B = sum(n for n, _ in seqs), len(seqs)
     n_logits = B if num_logits is None else int(num_logits)
-    raw = step_op_counts(cfg, seqs, wdt, adt, kdt, n_logits, distinct_experts)
+    raw = step_op_counts(cfg, seqs, wdt, adt, kdt, n_logits, distinct_experts, expert_parallel)
 
     # Linear ops also cannot beat the measured rate of the engine's kernel at their row count, where
     # the spec has one (the local probe): weight bytes / rate(M), M = tokens (lm_head: logit rows).

@@ -142,11 +142,13 @@ def _layer_linear_bytes(cfg: ModelConfig, wdt: str, adt: str) -> dict[str, int]:
 
 
 def mlp_counts(cfg: ModelConfig, num_tokens: int, wdt: str, adt: str,
-               distinct: Optional[float] = None) -> tuple[int, int, int]:
+               distinct: Optional[float] = None, expert_parallel: int = 1) -> tuple[int, int, int]:
     """(FLOPs, activation bytes, weight bytes) of every layer's MLP for `num_tokens` tokens. A dense layer:
     the gated MLP. A sparse layer (config/moe.py): the router, k experts per token, the weights of the
     distinct experts the step reads (`distinct` per layer: measured, else E(1 - (1 - k/E)^T), analysis/moe.py)
-    and the shared expert. Routed experts are in the weights' format, packed or float, as the projections."""
+    and the shared expert. Routed experts are in the weights' format, packed or float, as the projections.
+    expert_parallel N: one rank's share of an expert-parallel step, 1/N of the routed experts' rows and of the
+    distinct experts read (uniform routing: every rank's experts as busy); router and shared expert whole."""
     T, ab, d = int(num_tokens), DTYPE_BYTES[adt], cfg.hidden_size
     L, i = cfg.num_hidden_layers, cfg.intermediate_size
     sparse = cfg.moe.num_sparse(L) if cfg.moe else 0
@@ -162,10 +164,11 @@ def mlp_counts(cfg: ModelConfig, num_tokens: int, wdt: str, adt: str,
     expert_w = 2 * _linear_weight_bytes(width, d, wdt, adt) + _linear_weight_bytes(d, width, wdt, adt)
     shared_w = (2 * _linear_weight_bytes(shared, d, wdt, adt) + _linear_weight_bytes(d, shared, wdt, adt)
                 + d * fb) if shared else 0
-    flops += sparse * 2 * T * d * (e.num_experts + e.top_k * 3 * width + (3 * shared + 1 if shared else 0))
-    per_token = d + e.num_experts + e.top_k * (3 * d + 3 * width) + (3 * d + 3 * shared if shared else 0)
-    act += sparse * T * per_token * ab
-    weights += sparse * (e.num_experts * d * fb + round(n * expert_w) + shared_w)
+    routed = e.top_k / expert_parallel  # routed (token, expert) rows per token on this rank
+    flops += round(sparse * 2 * T * d * (e.num_experts + routed * 3 * width + (3 * shared + 1 if shared else 0)))
+    per_token = d + e.num_experts + routed * (3 * d + 3 * width) + (3 * d + 3 * shared if shared else 0)
+    act += round(sparse * T * per_token * ab)
+    weights += sparse * (e.num_experts * d * fb + round(n / expert_parallel * expert_w) + shared_w)
     return flops, act, weights
 
 
@@ -283,10 +286,11 @@ def attention_flops_noncausal(cfg: ModelConfig, seqs: Sequence[tuple[int, int]])
 # --------------------------------------------------------------------------- one step's op groups
 
 def step_op_counts(cfg: ModelConfig, seqs: Sequence[tuple[int, int]], wdt: str, adt: str, kdt: str,
-                   n_logits: int, distinct_experts: Optional[float] = None) -> list:
+                   n_logits: int, distinct_experts: Optional[float] = None, expert_parallel: int = 1) -> list:
     """(name, FLOPs, activation and KV bytes, weight bytes) of each op group of one step over checked
     `seqs`, in OP_NAMES order: weight, activation and KV dtypes resolved; `n_logits` rows through
-    lm_head; distinct_experts: per sparse layer, as measured (None: expected under uniform routing)."""
+    lm_head; distinct_experts: per sparse layer, as measured (None: expected under uniform routing);
+    expert_parallel: one expert-parallel rank's share of the routed experts (mlp_counts)."""
     ab, eb = DTYPE_BYTES[adt], DTYPE_BYTES[dense_dtype(wdt, adt)]
     L, d, i, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, q, kv = cfg.num_attention_heads, cfg.q_size, cfg.kv_size
@@ -312,7 +316,7 @@ def step_op_counts(cfg: ModelConfig, seqs: Sequence[tuple[int, int]], wdt: str, 
         # read attn [T, q], write [T, d]
         ("attn_out_proj", mm["attn_out_proj"], L * T * (q + d) * ab, L * lin_w["attn_out_proj"]),
         # gate and up each read x [T, d] and write [T, i]; down reads [T, i], writes [T, d]
-        ("mlp", *mlp_counts(cfg, T, wdt, adt, distinct_experts)),
+        ("mlp", *mlp_counts(cfg, T, wdt, adt, distinct_experts, expert_parallel)),
     ]
     # Small ops: 2 RMSNorms + 2 residual adds + RoPE (+ q/k norm, + bias adds) per layer, SiLU*up,
     # softmax (fused in SDPA: FLOPs only), and the final norm.

@@ -11,7 +11,10 @@ schedule of its micro-batches (analysis/pipeline_schedule.py: fill, the bottlene
 stalls, the hand-overs), as the engine cuts the step (`micro_batches`, 0: its auto rule); one
 micro-batch runs the stages one after another. Tensor parallelism divides each layer's work by T and
 adds 2L + 1 all-reduces of the step's activations plus the gather of the logits. On a CPU spec the
-T x P ranks share the one machine (each rank's work at 1/(T x P) of it).
+T x P ranks share the one machine (each rank's work at 1/(T x P) of it). Expert parallelism (--ep X, a
+mixture of experts: X = T, or T = 1 with the attention replicated on X ranks) gives each rank 1/X of the
+routed experts' rows and weights and adds, per sparse layer, the dispatch and combine all-to-alls and two
+all-gathers (collectives.expert_parallel_cost); it is refused with P > 1, as the engine refuses it.
 """
 
 from __future__ import annotations
@@ -56,18 +59,20 @@ def _pipeline_phase(name: str, cfg: ModelConfig, seqs: list, num_logits: int, hw
 
 
 def _phase(name: str, cfg: ModelConfig, seqs: list, num_logits: int, hw: HardwareSpec, link: LinkSpec,
-           tp: int, pp: int, dtypes: tuple, micro_batches: int = 0) -> dict:
+           tp: int, pp: int, dtypes: tuple, micro_batches: int = 0, ep: int = 1) -> dict:
     if pp > 1:
         return _pipeline_phase(name, cfg, seqs, num_logits, hw, link, tp, pp, dtypes, micro_batches)
     wdt, kdt, adt, act_bytes = dtypes
     single = step_cost(cfg, seqs, hw, wdt, kdt, adt, num_logits=num_logits).predicted_seconds
-    compute = step_cost(shard_config(cfg, tp), seqs, hw, wdt, kdt, adt, num_logits=num_logits).predicted_seconds
-    if hw.kind == "cpu":  # one machine: its T busy ranks share the cores and the memory bandwidth it has
-        compute *= tp
-    comm = step_comm_cost(cfg, sum(n for n, _ in seqs), num_logits, tp, pp, link, act_bytes)
+    compute = step_cost(shard_config(cfg, tp), seqs, hw, wdt, kdt, adt, num_logits=num_logits,
+                        expert_parallel=ep).predicted_seconds
+    if hw.kind == "cpu":  # one machine: its busy ranks share the cores and the memory bandwidth it has
+        compute *= max(tp, ep)
+    comm = step_comm_cost(cfg, sum(n for n, _ in seqs), num_logits, tp, pp, link, act_bytes, ep)
     total = compute + comm.seconds
     return {"name": name, "single_device_seconds": single, "compute_seconds": compute,
             "all_reduce_seconds": comm.all_reduce_seconds, "gather_seconds": comm.gather_seconds,
+            "all_to_all_seconds": comm.all_to_all_seconds,
             "p2p_seconds": comm.p2p_seconds, "comm_seconds": comm.seconds, "comm_bytes": comm.bytes,
             "step_seconds": total, "speedup": single / total if total else None,
             "comm_share": comm.seconds / total if total else 0.0,
@@ -77,21 +82,23 @@ def _phase(name: str, cfg: ModelConfig, seqs: list, num_logits: int, hw: Hardwar
 def explain_parallel(cfg: ModelConfig, hw: HardwareSpec, link: LinkSpec, tp: int, pp: int, batch: int = 1,
                      prompt_len: int = 512, output_len: int = 128, weight_dtype: str = "bfloat16",
                      kv_dtype: Optional[str] = None, act_dtype: Optional[str] = None,
-                     micro_batches: int = 0) -> dict:
+                     micro_batches: int = 0, ep: int = 1) -> dict:
     """The parallel account of `explain`'s workload (the same phases: one prefill step of every
-    prompt, the decode step at the middle context); micro_batches: a pipeline step's (0: auto)."""
+    prompt, the decode step at the middle context); micro_batches: a pipeline step's (0: auto); ep: the
+    expert-parallel ranks of a mixture of experts."""
     if tp < 1 or pp < 1:
         raise InvalidParameterError("tp", f"tp and pp must be >= 1, got {tp}, {pp}")
     if cfg.num_attention_heads % tp or pp > cfg.num_hidden_layers:
         raise InvalidParameterError("tp", f"TP={tp} must divide the {cfg.num_attention_heads} heads and PP={pp} "
                                           f"be at most the {cfg.num_hidden_layers} layers")
+    _check_experts(cfg, tp, pp, ep)
     wdt, adt, kdt = resolve_dtypes(weight_dtype, act_dtype, kv_dtype)
     dtypes = (wdt, kdt, adt, {"float32": 4}.get(adt, 2))
     mid = prompt_len + max(output_len - 2, 0) // 2
-    phases = [_phase("prefill", cfg, [(prompt_len, 0)] * batch, batch, hw, link, tp, pp, dtypes, micro_batches)]
+    phases = [_phase("prefill", cfg, [(prompt_len, 0)] * batch, batch, hw, link, tp, pp, dtypes, micro_batches, ep)]
     if output_len > 1:
-        phases.append(_phase("decode", cfg, [(1, mid)] * batch, batch, hw, link, tp, pp, dtypes, micro_batches))
-    shard = shard_config(cfg, tp)
+        phases.append(_phase("decode", cfg, [(1, mid)] * batch, batch, hw, link, tp, pp, dtypes, micro_batches, ep))
+    shard = _rank_experts(shard_config(cfg, tp), ep)
     # one rank's memory: its shard of 1/P of the layers (the embedding and head counted on every rank,
     # a slight over-count for P > 1); every rank holds the same KV blocks
     rank_cfg = dataclasses.replace(shard, num_hidden_layers=-(-cfg.num_hidden_layers // pp))
@@ -100,25 +107,51 @@ def explain_parallel(cfg: ModelConfig, hw: HardwareSpec, link: LinkSpec, tp: int
     rank_plan = plan_memory(rank_cfg, hw.memory_bytes, wdt, kdt, context_len=prompt_len + output_len, act_dtype=adt,
                             max_num_batched_tokens=max(prompt_len * batch, 16), max_num_seqs=batch)
     return {
-        "tp": tp, "pp": pp, "link": {"name": link.name, "bandwidth": link.bandwidth, "latency_s": link.latency_s,
-                                     "source": link.source},
+        "tp": tp, "pp": pp, "ep": ep,
+        "link": {"name": link.name, "bandwidth": link.bandwidth, "latency_s": link.latency_s, "source": link.source},
         "weight_bytes_per_rank": weight_bytes(shard, wdt, adt) / pp,
         "kv_cache_bytes_per_token_per_rank": kv_cache_bytes_per_token(shard, kdt) / pp,
         "max_concurrent_sequences": rank_plan.max_concurrent_sequences,
         "max_concurrent_sequences_one_device": single_plan.max_concurrent_sequences,
         "phases": phases,
-        "verdict": verdict(phases, tp, pp, link.name),
+        "verdict": verdict(phases, tp, pp, link.name, ep),
     }
 
 
-def verdict(phases: list, tp: int, pp: int, link: str) -> str:
+def _check_experts(cfg: ModelConfig, tp: int, pp: int, ep: int) -> None:
+    """The engine's rule (parallel/layout.py): EP over a mixture's experts, X = T or T = 1, one stage, X dividing
+    the experts; a mixture at TP > 1 splits its experts (EP = TP: sharding each expert is not built)."""
+    if cfg.moe is None:
+        if ep > 1:
+            raise InvalidParameterError("ep", f"EP={ep}: the model has no experts to split")
+        return
+    if tp > 1 and ep == 1:
+        raise InvalidParameterError("ep", f"a mixture of experts at TP={tp} splits its experts: add --ep {tp}")
+    if ep > 1 and (tp not in (1, ep) or pp > 1 or cfg.moe.experts.num_experts % ep):
+        raise InvalidParameterError("ep", f"EP={ep} at TP={tp} x PP={pp}: needs EP = TP or TP = 1, PP = 1, and EP "
+                                          f"dividing the {cfg.moe.experts.num_experts} experts")
+
+
+def _rank_experts(cfg: ModelConfig, ep: int) -> ModelConfig:
+    """`cfg` with the routed experts one expert-parallel rank holds (E/X of them), for its weights and memory (the
+    replicated router counted at E/X rows: a slight under-count)."""
+    if ep == 1 or cfg.moe is None:
+        return cfg
+    e = cfg.moe.experts
+    mine = e.num_experts // ep
+    experts = dataclasses.replace(e, num_experts=mine, top_k=min(e.top_k, mine), n_group=1, topk_group=1)
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, experts=experts))
+
+
+def verdict(phases: list, tp: int, pp: int, link: str, ep: int = 1) -> str:
     """One sentence per phase: does T x P cut the step, or does the link dominate it?"""
     out = []
+    layout = f"TP={tp} x PP={pp}" + (f" with EP={ep}" if ep > 1 else "")
     for p in phases:
         change = "cuts" if p["speedup"] and p["speedup"] > 1 else "lengthens"
         why = (f"the link dominates: collectives {p['comm_share']:.0%} of the step" if p["link_dominates"]
                else f"compute per rank dominates; collectives {p['comm_share']:.0%} of the step")
-        out.append(f"{p['name']}: TP={tp} x PP={pp} over {link} {change} the step "
+        out.append(f"{p['name']}: {layout} over {link} {change} the step "
                    f"{p['single_device_seconds'] * 1e3:.3g} ms -> {p['step_seconds'] * 1e3:.3g} ms "
                    f"({p['speedup']:.2f}x); {why}" + _pipeline_note(p.get("pipeline")))
     return ". ".join(out)

@@ -28,7 +28,7 @@ class StepPrediction:
 
 @dataclass(frozen=True)
 class StepPredictor:
-    """Predicts steps of one model on one spec at TP x PP. dtypes: (weight, kv, activation, activation
+    """Predicts steps of one model on one spec at TP x PP (with EP). dtypes: (weight, kv, activation, activation
     bytes), as the engine resolves them; micro_batches: pipeline_micro_batches (0: the engine's auto rule);
     link: between the ranks (None: compute only)."""
 
@@ -39,6 +39,7 @@ class StepPredictor:
     pp: int = 1
     micro_batches: int = 0
     link: Optional[LinkSpec] = None
+    ep: int = 1  # expert-parallel ranks (a mixture's routed experts split over them)
 
     def __post_init__(self):
         object.__setattr__(self, "shard", shard_config(self.cfg, self.tp))  # one rank's model, computed once
@@ -49,14 +50,14 @@ class StepPredictor:
         layer (None: expected under uniform routing)."""
         wdt, kdt, adt, act_bytes = self.dtypes
         cost = step_cost(self.shard, seqs, self.hw, wdt, kdt, adt, num_logits=num_logits,
-                         distinct_experts=distinct_experts)
+                         distinct_experts=distinct_experts, expert_parallel=self.ep)
         if self.pp > 1:
             m = auto_micro_batches(sum(n for n, _ in seqs if n > 1), self.pp, self.micro_batches)
             step = pipelined_step(self.cfg, seqs, self.hw, self.tp, self.pp, m, self.link, self.dtypes,
                                   num_logits=num_logits)
             return StepPrediction(step.step_seconds, step.comm_seconds if self.link is not None else None, cost)
-        if self.link is not None and self.tp > 1:
+        if self.link is not None and max(self.tp, self.ep) > 1:
             comm = step_comm_cost(self.cfg, sum(n for n, _ in seqs), num_logits, self.tp, self.pp, self.link,
-                                  act_bytes)
+                                  act_bytes, self.ep)
             return StepPrediction(cost.predicted_seconds + comm.seconds, comm.seconds, cost)
         return StepPrediction(cost.predicted_seconds, None, cost)

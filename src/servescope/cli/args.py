@@ -11,6 +11,7 @@ import math
 import sys
 
 from servescope.config import KV_CACHE_DTYPES, EngineConfig, SamplingParams, SpeculativeConfig
+from servescope.errors import EngineConfigError
 
 EXIT_USAGE = 2
 
@@ -113,6 +114,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="shard each layer over T processes (gloo on the CPU, NCCL on GPUs)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1, metavar="P",
                    help="split the layers into P stages, one process each (x T)")
+    g.add_argument("--expert-parallel-size", "-ep", type=positive_int, default=1, metavar="X",
+                   help="a mixture of experts: split its routed experts over X processes, tokens sent to them by "
+                        "all-to-all (X = T, or with T = 1 over X processes of replicated attention)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="vLLM's spelling: the experts split over the tensor-parallel ranks (-ep T)")
     g.add_argument("--pipeline-micro-batches", type=int, default=0, metavar="M",
                    help="cut each pipeline step into M micro-batches so that the stages overlap "
                         "(0: auto, P for a step with enough prefill tokens; 1: stages one after another)")
@@ -133,8 +139,19 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         attention_backend=a.attention_backend, gpu_linear=a.gpu_linear, quantization=a.quantization,
         num_threads=a.threads, hardware=a.hardware, speculative=speculative_config_from_args(a),
         tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
+        expert_parallel_size=expert_parallel_size(a),
         distributed_timeout_s=a.distributed_timeout, distributed_backend=a.distributed_backend,
         pipeline_micro_batches=a.pipeline_micro_batches)
+
+
+def expert_parallel_size(a: argparse.Namespace) -> int:
+    """-ep X, or --enable-expert-parallel: X = T (vLLM's rule, where EP is TP x DP and DP is 1 here)."""
+    if not a.enable_expert_parallel:
+        return a.expert_parallel_size
+    if a.expert_parallel_size not in (1, a.tensor_parallel_size) or a.tensor_parallel_size == 1:
+        raise EngineConfigError("--enable-expert-parallel splits the experts over the -tp ranks: give -tp T > 1 "
+                         "(or -ep X alone)")
+    return a.tensor_parallel_size
 
 
 def speculative_config_from_args(a: argparse.Namespace) -> SpeculativeConfig:

@@ -62,6 +62,8 @@ def add_parser(sub) -> None:
                    help="the draft's weights (a copy of the target's shape)")
     e.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size: per-rank compute + all-reduces")
     e.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size: stages + point-to-point sends")
+    e.add_argument("--ep", type=positive_int, default=1,
+                   help="expert-parallel size (a mixture of experts): its experts split over EP ranks + all-to-alls")
     e.add_argument("--micro-batches", type=int, default=0, metavar="M",
                    help="micro-batches a pipeline step is cut into (0: the engine's auto rule; 1: no overlap)")
     e.add_argument("--link", default=None, help="link between ranks: nvlink4, pcie4, pcie5, local-gloo "
@@ -191,11 +193,12 @@ def run_explain(args) -> int:
         result["speculative"] = explain_speculative(
             cfg, hw, args.speculative, args.spec_k, args.acceptance, args.prompt_len + args.output_len // 2,
             weight_dtype=args.dtype, kv_dtype=args.kv_dtype, draft_weight_dtype=args.draft_dtype)
-    if args.tp * args.pp > 1:
+    if max(args.tp, args.ep) * args.pp > 1:
         result["parallel"] = explain_parallel(cfg, hw, explain_link(hw, args.link), args.tp, args.pp,
                                               batch=args.batch, prompt_len=args.prompt_len,
                                               output_len=args.output_len, weight_dtype=args.dtype,
-                                              kv_dtype=args.kv_dtype, micro_batches=max(0, args.micro_batches))
+                                              kv_dtype=args.kv_dtype, micro_batches=max(0, args.micro_batches),
+                                              ep=args.ep)
     if args.plot:
         result["plot"] = str(plot_explain(result, hw, args.plot))
     if args.measure:
@@ -250,18 +253,21 @@ def explain_link(hw, name):
 def parallel_table(p: dict):
     from rich.table import Table  # lazy: rich is 0.13 s of `--help` (cli/output.py)
 
-    t = Table(title=f"TP={p['tp']} x PP={p['pp']} over {p['link']['name']} "
+    ep = f" with EP={p['ep']}" if p.get("ep", 1) > 1 else ""
+    t = Table(title=f"TP={p['tp']} x PP={p['pp']}{ep} over {p['link']['name']} "
                     f"({p['link']['bandwidth'] / 1e9:.3g} GB/s, {p['link']['latency_s'] * 1e6:.3g} us per hop): "
                     f"{p['weight_bytes_per_rank'] / 2**30:.3g} GiB weights and "
                     f"{p['kv_cache_bytes_per_token_per_rank'] / 1024:.3g} KiB KV per token per rank; "
                     f"{p['max_concurrent_sequences']} sequences fit (one device: "
                     f"{p['max_concurrent_sequences_one_device']})")
-    for col in ("phase", "one device", "compute/rank", "all-reduce", "gather", "p2p", "step", "speedup", "comm"):
+    a2a = ["all-to-all"] if ep else []  # (expert parallelism's dispatch and combine)
+    for col in ("phase", "one device", "compute/rank", "all-reduce", "gather", *a2a, "p2p", "step", "speedup", "comm"):
         t.add_column(col, justify="left" if col == "phase" else "right")
+    keys = ("single_device_seconds", "compute_seconds", "all_reduce_seconds", "gather_seconds",
+            *(["all_to_all_seconds"] if ep else []), "p2p_seconds", "step_seconds")
     for ph in p["phases"]:
-        t.add_row(ph["name"], *(f"{ph[k] * 1e3:.3g} ms" for k in ("single_device_seconds", "compute_seconds",
-                  "all_reduce_seconds", "gather_seconds", "p2p_seconds", "step_seconds")),
-                  f"{ph['speedup']:.2f}x", f"{ph['comm_share']:.0%}")
+        t.add_row(ph["name"], *(f"{ph[k] * 1e3:.3g} ms" for k in keys), f"{ph['speedup']:.2f}x",
+                  f"{ph['comm_share']:.0%}")
     for ph in p["phases"]:
         pipe = ph.get("pipeline")
         if pipe:  # the schedule behind the step column

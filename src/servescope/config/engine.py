@@ -110,11 +110,14 @@ class BatchingConfig:
 class ParallelConfig:
     """How the model is split over processes (parallel/): tensor parallel (each layer's heads and MLP
     columns sharded, an all-reduce after attention and after the MLP) times pipeline parallel (layers
-    split into stages). What depends on the model (heads divisible, enough layers, enough devices) is
-    checked by the builder before any process starts."""
+    split into stages); expert parallel (a mixture of experts' routed experts split over the ranks, tokens
+    sent to them by all-to-all) over the tensor-parallel ranks (vLLM's enable_expert_parallel), or with
+    tensor_parallel_size 1 over ranks whose attention is replicated. What depends on the model (heads
+    divisible, enough layers, enough devices) is checked by the builder before any process starts."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    expert_parallel_size: int = 1
     distributed_backend: str = "auto"  # auto (gloo on the CPU, nccl on CUDA) | gloo | nccl
     # a collective that waits longer than this (a hung or dead worker) fails the engine loudly
     distributed_timeout_s: float = 60.0
@@ -124,9 +127,15 @@ class ParallelConfig:
     pipeline_micro_batches: int = 0
 
     def __post_init__(self):
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
             size = getattr(self, name)
             _require(isinstance(size, int) and size >= 1, f"{name} must be a positive integer, got {size!r}")
+        ep, tp = self.expert_parallel_size, self.tensor_parallel_size
+        _require(ep == 1 or tp in (1, ep),
+                 f"expert_parallel_size {ep} runs over the tensor-parallel ranks: tensor_parallel_size must be "
+                 f"{ep} (attention sharded) or 1 (attention replicated), got {tp}")
+        _require(ep == 1 or self.pipeline_parallel_size == 1,
+                 "expert parallelism with pipeline parallelism is not built (pipeline_parallel_size must be 1)")
         _require(self.distributed_backend in ("auto", "gloo", "nccl"),
                  f"distributed_backend must be auto, gloo or nccl, got {self.distributed_backend!r}")
         _require(isinstance(self.pipeline_micro_batches, int) and self.pipeline_micro_batches >= 0,
@@ -136,7 +145,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return max(self.tensor_parallel_size, self.expert_parallel_size) * self.pipeline_parallel_size
 
 
 SPECULATIVE_METHODS = ("ngram", "draft")
@@ -253,8 +262,9 @@ class EngineConfig:
             _require(self.speculative.speculative_method != "draft",
                      "a draft model with tensor/pipeline parallelism is not supported yet (use ngram)")
             _require(self.load.quantization != "gguf",
-                     "quantization gguf (packed GGUF blocks) with tensor/pipeline parallelism is not "
-                     "supported yet: the shards cut float weights (int8/int4 quantise each shard)")
+                     "quantization gguf (packed GGUF blocks, packed experts included) with tensor/pipeline/"
+                     "expert parallelism is not supported yet: the shards cut float weights (int8/int4 "
+                     "quantise each shard)")
 
     def replace(self, **settings: Any) -> "EngineConfig":
         """A copy with some flat settings or whole parts changed (validated again)."""

@@ -126,7 +126,8 @@ def cost_predictor(config: EngineConfig, cfg: ModelConfig, hardware: HardwareSpe
                     "(`servescope lab parallelism` measures it)")
     return StepCostPredictor(cfg, hardware, link, dtype, kv_dtype, config.load.quantization,
                              par.tensor_parallel_size, par.pipeline_parallel_size, par.pipeline_micro_batches,
-                             weight_format=weight_format(model, config.load.quantization))
+                             weight_format=weight_format(model, config.load.quantization),
+                             ep=par.expert_parallel_size)
 
 
 def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig, blocks: int) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -42,6 +42,11 @@ class ExecutorStepStats:
     comm_seconds: float = 0.0  # rank 0's time inside collectives
     comm_bytes: int = 0
     micro_batches: int = 0  # the pipeline micro-batches the step was cut into (0: no pipeline)
+    # expert parallelism (parallel/expert_parallel.py): rank 0's time and bytes sent in the all-to-alls (in
+    # comm_seconds / comm_bytes too), and the (token, expert) rows each rank's experts ran, over the sparse layers
+    all_to_all_seconds: float = 0.0
+    all_to_all_bytes: int = 0
+    expert_rows_per_rank: list = field(default_factory=list)
 
 
 class ModelExecutor:

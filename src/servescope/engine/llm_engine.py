@@ -30,7 +30,7 @@ from servescope.model.moe import take_step_routing
 from servescope.sampling.sampler import SamplingState, make_generator
 from servescope.scheduler.output import SchedulerOutput
 from servescope.scheduler.request import Request
-from servescope.telemetry.moe import record_routing
+from servescope.telemetry.moe import record_expert_parallel, record_routing
 from servescope.telemetry.step_record import StepRecord
 
 STEP_HISTORY = 100_000  # step records kept in memory (a few hundred bytes each)
@@ -278,6 +278,8 @@ class LLMEngine:
             ex = self.executor.step_stats()
             rec.comm_seconds, rec.comm_bytes = ex.comm_seconds, ex.comm_bytes
             rec.pipeline_micro_batches = ex.micro_batches
+            if ex.expert_rows_per_rank:  # expert parallelism: the load of each rank and the all-to-alls
+                record_expert_parallel(rec, ex.expert_rows_per_rank, ex.all_to_all_seconds, ex.all_to_all_bytes)
             if self.model_config.moe is not None:  # the step's routing (model/moe.py, telemetry/moe.py)
                 record_routing(rec, *take_step_routing(self.model))
         if self._cost is not None and seqs:

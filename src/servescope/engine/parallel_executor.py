@@ -33,6 +33,7 @@ from servescope.config import EngineConfig, ModelConfig
 from servescope.engine.executor import ExecutorStepStats, ModelExecutor
 from servescope.errors import EngineConfigError, WorkerFailedError
 from servescope.parallel import plan
+from servescope.parallel.expert_parallel import apply_expert_parallel
 from servescope.parallel.groups import (START_TIMEOUT_S, DistContext, backend_for, context, destroy_group,
                                        free_port, init_group, master_store, torchrun_rank, wait_ready)
 from servescope.parallel.launcher import ParkedGroup, WorkerGroup, park, take_parked
@@ -63,15 +64,23 @@ def parallel_layout(config: EngineConfig, cfg: ModelConfig, device: torch.device
         n, kind = torch.cuda.device_count(), "CUDA devices"
     else:
         n, kind = os.cpu_count() or 1, "CPU cores"  # each rank needs a core of its own
-    return check_parallel(cfg, par.tensor_parallel_size, par.pipeline_parallel_size, n, kind)
+    return check_parallel(cfg, par.tensor_parallel_size, par.pipeline_parallel_size, n, kind,
+                          par.expert_parallel_size)
 
 
 def shard_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
-    """The stage's layers, then the tensor-parallel shards of what is left."""
+    """The stage's layers, then the tensor-parallel shards of what is left, then this rank's experts."""
     keep_stage(model, ctx)
     if ctx.layout.tp > 1:
         apply_tensor_parallel(model, ctx)
+    if ctx.layout.ep > 1:
+        apply_expert_parallel(model, ctx)
     return model
+
+
+def uses_decode_plan(layout: ParallelLayout) -> bool:
+    """The C++ decode plan runs a rank's layers only where no collective sits between their kernels."""
+    return layout.tp == 1 and layout.ep == 1
 
 
 class ParallelExecutor(ModelExecutor):
@@ -113,10 +122,10 @@ class ParallelExecutor(ModelExecutor):
                 group.workers.shutdown(0.0)
             destroy_group()
             raise WorkerFailedError(f"the parallel workers did not start: {e}") from e
-        logger.info("parallel engine: tensor_parallel_size=%d x pipeline_parallel_size=%d over %s",
-                    layout.tp, layout.pp, backend)
+        logger.info("parallel engine: tensor_parallel_size=%d x pipeline_parallel_size=%d, "
+                    "expert_parallel_size=%d over %s", layout.tp, layout.pp, layout.ep, backend)
         ex = cls.prepare(shard_model(model, ctx), device, config.load.quantization, config.load.gpu_linear,
-                         decode_plan=layout.tp == 1, ctx=ctx, workers=group.workers if group else None)
+                         decode_plan=uses_decode_plan(layout), ctx=ctx, workers=group.workers if group else None)
         ex.timeout_s, ex.group, ex.micro_batches = par.distributed_timeout_s, group, par.pipeline_micro_batches
         return ex
 
@@ -161,9 +170,12 @@ class ParallelExecutor(ModelExecutor):
     # ---------------------------------------------------------------- the step
     def run(self, batch, kv_caches: list, backend, logits_indices: torch.Tensor) -> torch.Tensor:
         self.ctx.comm.take()
+        self.ctx.experts.take()
         out, cuts = self._guarded(self._plan_and_step, batch, kv_caches, backend, logits_indices)
         seconds, nbytes = self.ctx.comm.take()
-        self._last = ExecutorStepStats(seconds, nbytes, len(cuts) + 1 if self.ctx.layout.pp > 1 else 0)
+        a2a_seconds, a2a_bytes, rows = self.ctx.experts.take()
+        self._last = ExecutorStepStats(seconds, nbytes, len(cuts) + 1 if self.ctx.layout.pp > 1 else 0,
+                                       a2a_seconds, a2a_bytes, rows)
         return out
 
     def step_stats(self) -> ExecutorStepStats:
@@ -232,6 +244,8 @@ def local_step(ex, batch, kv_caches: list, backend, logits_indices: torch.Tensor
         return path.run_layers(h, residual, mb.positions, kv_caches, mb.meta, backend)
 
     h, residual = run_stage(model, pieces, layers, ctx, model.model.norm.weight.dtype)
+    if ctx.layout.tp == 1 and ctx.shard != 0:  # a replica of the attention (expert parallel): rank 0 samples
+        return None
     if not ctx.is_last_stage:
         return _logits_from_last_stage(ex, logits_indices.numel()) if ctx.rank == 0 else None
     n = logits_indices.numel()

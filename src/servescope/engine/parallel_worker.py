@@ -17,7 +17,8 @@ import torch
 
 from servescope.config import EngineConfig
 from servescope.engine.model_runner import ModelRunner, step_batch_from_buffer
-from servescope.engine.parallel_executor import ParallelExecutor, local_step, parallel_layout, shard_model
+from servescope.engine.parallel_executor import (ParallelExecutor, local_step, parallel_layout, shard_model,
+                                                 uses_decode_plan)
 from servescope.engine.weights import build_weights, resolve_device, resolve_dtypes
 from servescope.parallel import plan
 from servescope.parallel.groups import (WORKER_TIMEOUT_S, backend_for, context, destroy_group, init_group,
@@ -48,7 +49,7 @@ def worker_main(rank: int, flat_config: dict, store_port: Optional[int], parent_
         else:  # the same processes and process group, maybe another layout: its TP groups again
             ctx = context(layout, rank, WORKER_TIMEOUT_S)
         ex = ParallelExecutor.prepare(shard_model(model, ctx), device, config.load.quantization,
-                                      config.load.gpu_linear, decode_plan=layout.tp == 1, ctx=ctx)
+                                      config.load.gpu_linear, decode_plan=uses_decode_plan(layout), ctx=ctx)
         flat_config = _serve(ex, model_config, ex.attention_backend(config.load.attention_backend), device)
         generation += 1
     destroy_group()

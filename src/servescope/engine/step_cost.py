@@ -28,14 +28,14 @@ class StepCostPredictor:
 
     def __init__(self, cfg: ModelConfig, hw: HardwareSpec, link: Optional[LinkSpec], dtype: torch.dtype,
                  kv_dtype: torch.dtype, quantization: Optional[str], tp: int = 1, pp: int = 1,
-                 micro_batches: int = 0, weight_format: Optional[str] = None):
+                 micro_batches: int = 0, weight_format: Optional[str] = None, ep: int = 1):
         """link: between the ranks of a parallel engine (None: no communication predicted).
         weight_format: the packed weights' format (model/quantize.weight_format), counted in their
         real bytes; None: float weights in the activation dtype, or per-channel int8."""
         act = _DT[dtype]
         weight = weight_format or ("int8" if quantization == "int8" else act)
         self.predictor = StepPredictor(cfg, hw, (weight, _KV_DT[kv_dtype], act, dtype.itemsize), tp, pp,
-                                       micro_batches, link if tp * pp > 1 else None)
+                                       micro_batches, link if max(tp, ep) * pp > 1 else None, ep)
 
     @property
     def hw(self) -> HardwareSpec:

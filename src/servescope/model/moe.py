@@ -190,6 +190,9 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         # since the last take_routing; on the host whatever device the build runs under (meta included)
         self.routed_tokens = torch.zeros(e.num_experts, dtype=torch.int64, device="cpu")
+        # expert parallelism (parallel/expert_parallel.py): this rank's experts and the all-to-alls around them,
+        # `run` in grouped_experts' place (the step's counts of every rank); None: every expert is here
+        self.expert_parallel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.router == "softmax_topk":
@@ -199,7 +202,8 @@ class SparseMoeBlock(nn.Module):
         else:
             weight, bias = self._float32_router()
             weights, ids = route_deepseek(F.linear(x.float(), weight), self.spec, bias)  # in float32
-        out, counts = grouped_experts(x, ids, weights, self.experts)
+        run = grouped_experts if self.expert_parallel is None else self.expert_parallel.run
+        out, counts = run(x, ids, weights, self.experts)
         self.routed_tokens += counts
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

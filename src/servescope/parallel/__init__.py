@@ -1,9 +1,11 @@
-"""Tensor and pipeline parallelism on torch.distributed (gloo on the CPU, NCCL on GPUs).
+"""Tensor, pipeline and expert parallelism on torch.distributed (gloo on the CPU, NCCL on GPUs).
 
 - layout.py           ranks -> (stage, shard), each stage's layers, the checks made before any process starts
 - groups.py           process-group start (localhost TCP or torchrun's env://), the tensor-parallel groups
 - tensor_parallel.py  the TP transform applied after the model is built: column/row shards, vocab-parallel
                       embedding and head
+- expert_parallel.py  the EP transform applied after it: a mixture's routed experts split over the ranks,
+                      tokens sent to them and back by all-to-all
 - pipeline.py         a stage's slice of the model and its forward, micro-batch by micro-batch (hidden
                       states handed on with asynchronous point-to-point sends)
 - microbatch.py       where rank 0 cuts a pipeline step, and each micro-batch's slice of the step

@@ -66,6 +66,25 @@ class CommStats:
 
 
 @dataclass
+class ExpertTraffic:
+    """Expert parallelism on this rank since the last `take()` (one step's): seconds and bytes sent in its
+    all-to-alls, and the (token, expert) rows each expert-parallel rank's experts ran (every rank's, known
+    from the counts every rank shares), summed over the sparse layers."""
+
+    seconds: float = 0.0
+    bytes: int = 0
+    rows_per_rank: list = field(default_factory=list)
+
+    def add_rows(self, rows: list) -> None:
+        self.rows_per_rank = [a + b for a, b in zip(self.rows_per_rank, rows)] if self.rows_per_rank else list(rows)
+
+    def take(self) -> tuple:
+        out = (self.seconds, self.bytes, self.rows_per_rank)
+        self.seconds, self.bytes, self.rows_per_rank = 0.0, 0, []
+        return out
+
+
+@dataclass
 class DistContext:
     """This rank's place in the layout and the groups it talks on."""
 
@@ -73,6 +92,7 @@ class DistContext:
     rank: int
     tp_group: object = None  # None: the default group (P == 1, where the TP group is everyone)
     comm: CommStats = field(default_factory=CommStats)
+    experts: ExpertTraffic = field(default_factory=ExpertTraffic)
 
     @property
     def stage(self) -> int:
@@ -139,7 +159,7 @@ def context(layout: ParallelLayout, rank: int, timeout_s: float) -> DistContext:
     """This rank's DistContext in the joined group, with the TP groups of `layout` (made again for
     every engine: the layout may differ from the last one on the same processes)."""
     tp_group = None
-    if layout.pp > 1 and layout.tp > 1:
+    if layout.pp > 1 and layout.width > 1:
         for stage in range(layout.pp):
             g = dist.new_group(layout.tp_group_ranks(stage), timeout=datetime.timedelta(seconds=timeout_s))
             if layout.stage_of(rank) == stage:

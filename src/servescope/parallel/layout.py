@@ -1,9 +1,11 @@
 """Who holds what: ranks -> (pipeline stage, tensor-parallel shard), each stage's layers, and the checks
 that reject a bad combination before any process starts.
 
-Rank r is shard r % T of stage r // T (T = tensor_parallel_size, P = pipeline_parallel_size), so the
-ranks of one stage are consecutive (one node's GPUs under torchrun) and rank 0, the engine, is shard 0
-of stage 0. The head (and, tied, the embedding it shares) lives on the last stage, vLLM's layout.
+Rank r is shard r % W of stage r // W (W = max(T, X) ranks per stage; T = tensor_parallel_size,
+X = expert_parallel_size, P = pipeline_parallel_size), so the ranks of one stage are consecutive (one
+node's GPUs under torchrun) and rank 0, the engine, is shard 0 of stage 0. The head (and, tied, the
+embedding it shares) lives on the last stage, vLLM's layout. Expert parallelism runs over the ranks of the
+stage: X = T (each rank one attention shard and E/X experts), or T = 1 (attention replicated on the X ranks).
 """
 
 from __future__ import annotations
@@ -19,19 +21,25 @@ class ParallelLayout:
     tp: int
     pp: int
     num_layers: int
+    ep: int = 1  # expert-parallel ranks (1, or the stage's ranks)
+
+    @property
+    def width(self) -> int:
+        """Ranks per stage."""
+        return max(self.tp, self.ep)
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp
+        return self.width * self.pp
 
     def stage_of(self, rank: int) -> int:
-        return rank // self.tp
+        return rank // self.width
 
     def shard_of(self, rank: int) -> int:
-        return rank % self.tp
+        return rank % self.width
 
     def rank_of(self, stage: int, shard: int) -> int:
-        return stage * self.tp + shard
+        return stage * self.width + shard
 
     def stage_layers(self, stage: int) -> range:
         """The layers of `stage`: consecutive, the first L % P stages one layer more (so that stage 0,
@@ -41,7 +49,7 @@ class ParallelLayout:
         return range(start, start + base + (stage < extra))
 
     def tp_group_ranks(self, stage: int) -> list:
-        return [self.rank_of(stage, s) for s in range(self.tp)]
+        return [self.rank_of(stage, s) for s in range(self.width)]
 
 
 def local_kv_heads(cfg: ModelConfig, tp: int) -> int:
@@ -49,12 +57,11 @@ def local_kv_heads(cfg: ModelConfig, tp: int) -> int:
     return max(1, cfg.num_key_value_heads // tp)
 
 
-def check_parallel(cfg: ModelConfig, tp: int, pp: int, num_devices: int, device_kind: str) -> ParallelLayout:
-    """The layout of T x P ranks over `cfg`, or EngineConfigError naming what does not divide."""
+def check_parallel(cfg: ModelConfig, tp: int, pp: int, num_devices: int, device_kind: str,
+                   ep: int = 1) -> ParallelLayout:
+    """The layout of max(T, X) x P ranks over `cfg`, or EngineConfigError naming what does not divide."""
     h, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    if cfg.moe is not None and tp * pp > 1:  # expert parallelism and sharded experts are not built yet
-        raise EngineConfigError("tensor and pipeline parallelism are not implemented for mixture-of-experts "
-                                "models yet (expert parallelism: a later step of config/moe.py's kind)")
+    _check_experts(cfg, tp, pp, ep)
     if cfg.mla is not None and tp * pp > 1:  # a latent layer's shards (heads of kv_b_proj) are not built yet
         raise EngineConfigError("tensor and pipeline parallelism are not implemented for latent attention "
                                 "(DeepSeek) yet")
@@ -73,8 +80,30 @@ def check_parallel(cfg: ModelConfig, tp: int, pp: int, num_devices: int, device_
         raise EngineConfigError(
             f"pipeline_parallel_size {pp} is more than the model's {cfg.num_hidden_layers} layers "
             f"(each stage needs at least one)")
-    if tp * pp > num_devices:
+    world = max(tp, ep) * pp
+    if world > num_devices:
         raise EngineConfigError(
-            f"tensor_parallel_size {tp} x pipeline_parallel_size {pp} = {tp * pp} processes, but only "
+            f"tensor_parallel_size {tp} x pipeline_parallel_size {pp}"
+            f"{f' with expert_parallel_size {ep}' if ep > 1 else ''} = {world} processes, but only "
             f"{num_devices} {device_kind} {'is' if num_devices == 1 else 'are'} available")
-    return ParallelLayout(tp, pp, cfg.num_hidden_layers)
+    return ParallelLayout(tp, pp, cfg.num_hidden_layers, ep)
+
+
+def _check_experts(cfg: ModelConfig, tp: int, pp: int, ep: int) -> None:
+    """A mixture of experts runs parallel only with its experts split (X = T, or T = 1), one stage; a dense
+    model takes no expert parallelism (nothing would be split)."""
+    if cfg.moe is None:
+        if ep > 1:
+            raise EngineConfigError(f"expert_parallel_size {ep}: the model has no experts to split")
+        return
+    e = cfg.moe.experts
+    if pp > 1:
+        raise EngineConfigError("pipeline parallelism is not built for mixture-of-experts models")
+    if tp > 1 and ep == 1:  # sharding each expert's columns (vLLM's TP for experts) is not built
+        raise EngineConfigError("tensor parallelism of a mixture-of-experts model needs its experts split over the "
+                                "ranks: add expert parallelism (--enable-expert-parallel, expert_parallel_size)")
+    if e.num_experts % ep:
+        raise EngineConfigError(f"expert_parallel_size {ep} does not divide the {e.num_experts} experts")
+    if tp > 1 and e.shared_intermediate_size % tp:
+        raise EngineConfigError(f"tensor_parallel_size {tp} does not divide the shared expert's width "
+                                f"{e.shared_intermediate_size}")

@@ -16,6 +16,8 @@ vocabulary rows.
 - vocabulary parallel: the embedding looks up only its rows (zero elsewhere) and all-reduces; the
   head computes its ceil(V/Tp) logits and the executor gathers them (tied: the head shares the
   embedding shard's weight).
+A mixture of experts' router is not a projection (replicated); its shared expert is an MLP like the dense
+ones (sharded, all-reduced); its routed experts are split by parallel/expert_parallel.py, after this.
 The swapped modules are plain nn.Linear, so quantisation and the CPU linears still apply to each
 shard (they walk `model.projections()` after this).
 """
@@ -86,7 +88,6 @@ def apply_tensor_parallel(model: nn.Module, ctx: DistContext) -> nn.Module:
     d = cfg.head_dim
     hq, hkv = cfg.num_attention_heads // tp, local_kv_heads(cfg, tp)
     kv0 = _kv_first_head(cfg.num_key_value_heads, tp, shard)
-    n_mlp = cfg.intermediate_size // tp
     hooked = set()
     for parent, name, mod in model.projections():
         if mod is None or name == "lm_head":
@@ -99,12 +100,12 @@ def apply_tensor_parallel(model: nn.Module, ctx: DistContext) -> nn.Module:
                      (q + k + kv0 * d, q + k + (kv0 + hkv) * d)]
             setattr(parent, name, _rows(mod, spans))
             parent.num_heads, parent.num_kv_heads, parent.qkv_sizes = hq, hkv, (hq * d, hkv * d, hkv * d)
-        elif name == "gate_up_proj":
+        elif name == "gate_up_proj":  # (a dense MLP's width, or a mixture's shared expert's)
             i = mod.out_features // 2
-            setattr(parent, name, _rows(mod, [(shard * n_mlp, (shard + 1) * n_mlp),
-                                               (i + shard * n_mlp, i + (shard + 1) * n_mlp)]))
+            n = i // tp
+            setattr(parent, name, _rows(mod, [(shard * n, (shard + 1) * n), (i + shard * n, i + (shard + 1) * n)]))
         elif name in ("o_proj", "down_proj"):
-            width = hq * d if name == "o_proj" else n_mlp
+            width = hq * d if name == "o_proj" else mod.in_features // tp
             setattr(parent, name, _cols(mod, shard * width, (shard + 1) * width, keep_bias=shard == 0))
             if id(parent) not in hooked:  # the parent's output is this projection's partial sum
                 parent.register_forward_hook(lambda _m, _inp, out: all_reduce(out, ctx))

@@ -17,3 +17,11 @@ def record_routing(rec: StepRecord, per_layer: list, expert_bytes: int) -> None:
     ratios = [max(c) * len(c) / sum(c) for c in per_layer if sum(c)]
     rec.moe_imbalance = sum(ratios) / len(ratios)
     rec.moe_expert_bytes = sum(rec.moe_experts_active) * expert_bytes
+
+
+def record_expert_parallel(rec: StepRecord, rows_per_rank: list, a2a_seconds: float, a2a_bytes: int) -> None:
+    """rows_per_rank: the (token, expert) rows each expert-parallel rank's experts ran in the step."""
+    rec.moe_rows_per_rank = list(rows_per_rank)
+    total = sum(rows_per_rank)
+    rec.moe_rank_imbalance = max(rows_per_rank) * len(rows_per_rank) / total if total else None
+    rec.all_to_all_seconds, rec.all_to_all_bytes = a2a_seconds, a2a_bytes

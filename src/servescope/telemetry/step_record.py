@@ -53,6 +53,12 @@ class StepRecord:
     moe_imbalance: Optional[float] = None
     moe_expert_bytes: int = 0
     moe_expected_experts: Optional[float] = None
+    # expert parallelism (parallel/expert_parallel.py): the (token, expert) rows each rank's experts ran over the
+    # step's sparse layers, their max / mean (1.0: every rank equally loaded), and rank 0's all-to-alls (in comm_*)
+    moe_rows_per_rank: list = field(default_factory=list)
+    moe_rank_imbalance: Optional[float] = None
+    all_to_all_seconds: float = 0.0
+    all_to_all_bytes: int = 0
 
     @property
     def compute_seconds(self) -> float:

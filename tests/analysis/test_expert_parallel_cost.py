@@ -1,0 +1,86 @@
+"""What expert parallelism costs in the model (pure functions): a rank's share of the routed experts, the
+all-to-alls and all-gathers per sparse layer, the all-reduces it leaves out, and `explain --ep`."""
+
+import pytest
+
+from servescope.analysis.collectives import (LINKS, LinkSpec, all_reduce_seconds, expert_parallel_cost,
+                                             step_comm_cost)
+from servescope.analysis.cost_model import step_cost
+from servescope.analysis.hardware import get_hardware
+from servescope.analysis.op_counts import mlp_counts
+from servescope.analysis.parallel_explain import explain_parallel
+from servescope.analysis.presets import load_preset
+from servescope.errors import InvalidParameterError
+
+LINK = LinkSpec("test", bandwidth=1e9, latency_s=10e-6)
+
+
+def test_a_rank_runs_one_nth_of_the_routed_experts_rows_and_reads_one_nth_of_them():
+    cfg = load_preset("qwen3-30b-a3b")  # every layer sparse, no shared expert
+    e, d, L = cfg.moe.experts, cfg.hidden_size, cfg.num_hidden_layers
+    one, four = mlp_counts(cfg, 64, "bfloat16", "bfloat16", 40.0), mlp_counts(cfg, 64, "bfloat16", "bfloat16", 40.0, 4)
+    routed_flops = L * 2 * 64 * d * e.top_k * 3 * e.intermediate_size
+    assert one[0] - four[0] == pytest.approx(routed_flops * 3 / 4, rel=1e-9)
+    expert_bytes = 3 * d * e.intermediate_size * 2  # bfloat16
+    assert one[2] - four[2] == pytest.approx(L * 40.0 * expert_bytes * 3 / 4, rel=1e-6)
+    hw = get_hardware("h100")
+    assert step_cost(cfg, [(1, 512)] * 64, hw, expert_parallel=4).predicted_seconds < \
+        step_cost(cfg, [(1, 512)] * 64, hw).predicted_seconds
+
+
+def test_all_to_alls_and_gathers_per_sparse_layer():
+    cfg = load_preset("mixtral-8x7b")  # 32 sparse layers, k = 2 of 8
+    d, layers = cfg.hidden_size, 32
+    a2a, gathers, sent = expert_parallel_cost(cfg, 10, 2, LINK, act_bytes=2)
+    slice_bytes = 5 * d * 2  # ceil(10 / 2) tokens
+    # dispatch and combine: k rows per token, half of them to the other rank
+    assert a2a == pytest.approx(layers * 2 * (slice_bytes * 2 / 2 / 1e9 + 10e-6))
+    assert gathers == pytest.approx(layers * ((8 * 8 / 1e9 + 10e-6) + (slice_bytes / 1e9 + 10e-6)))
+    assert sent == pytest.approx(layers * (2 * slice_bytes + 8 * 8 + slice_bytes))
+    assert expert_parallel_cost(cfg, 10, 1, LINK) == (0.0, 0.0, 0.0)
+    assert expert_parallel_cost(load_preset("llama-3-8b"), 10, 2, LINK) == (0.0, 0.0, 0.0)
+
+
+def test_tp_with_ep_all_reduces_after_attention_and_shared_experts_only():
+    cfg = load_preset("mixtral-8x7b")  # no shared expert: one all-reduce per layer, one for the embedding
+    act = 16 * cfg.hidden_size * 2
+    ep = step_comm_cost(cfg, 16, 16, 2, 1, LINK, 2, ep=2)
+    assert ep.all_reduce_seconds == pytest.approx((cfg.num_hidden_layers + 1) * all_reduce_seconds(act, 2, LINK))
+    assert ep.all_to_all_seconds > 0
+    assert ep.seconds == pytest.approx(ep.all_reduce_seconds + ep.gather_seconds + ep.all_to_all_seconds)
+    qwen = load_preset("qwen1.5-moe-a2.7b")  # a shared expert in every sparse layer: its all-reduce stays
+    act = 16 * qwen.hidden_size * 2
+    shared = step_comm_cost(qwen, 16, 16, 2, 1, LINK, 2, ep=2)
+    reduces = 2 * qwen.num_hidden_layers + 1
+    assert shared.all_reduce_seconds == pytest.approx(reduces * all_reduce_seconds(act, 2, LINK))
+    replicated = step_comm_cost(cfg, 16, 16, 1, 1, LINK, 2, ep=2)  # EP over replicated attention: no all-reduce
+    assert replicated.all_reduce_seconds == 0 and replicated.all_to_all_seconds == ep.all_to_all_seconds
+
+
+def test_explain_shows_expert_parallelism_for_moe_presets():
+    cfg, hw = load_preset("qwen3-30b-a3b"), get_hardware("h100")
+    r = explain_parallel(cfg, hw, LINKS["nvlink4"], 4, 1, batch=16, ep=4)
+    assert r["ep"] == 4 and "with EP=4" in r["verdict"]
+    assert all(p["all_to_all_seconds"] > 0 for p in r["phases"])
+    one = explain_parallel(cfg, hw, LINKS["nvlink4"], 1, 1, batch=16, ep=4)  # replicated attention
+    assert r["weight_bytes_per_rank"] < one["weight_bytes_per_rank"] < 0.5 * cfg.num_parameters() * 2
+    for tp, pp, ep, message in ((2, 1, 1, "add --ep 2"), (1, 1, 3, "dividing the 128 experts"),
+                                (1, 2, 2, "PP = 1"), (4, 1, 2, "EP = TP or TP = 1")):
+        with pytest.raises(InvalidParameterError, match=message):
+            explain_parallel(cfg, hw, LINKS["nvlink4"], tp, pp, ep=ep)
+    with pytest.raises(InvalidParameterError, match="no experts"):
+        explain_parallel(load_preset("llama-3-8b"), hw, LINKS["nvlink4"], 1, 1, ep=2)
+
+
+def test_step_prediction_adds_the_expert_parallel_collectives_at_tp_1():
+    from servescope.analysis.step_prediction import StepPredictor
+
+    cfg, hw = load_preset("mixtral-8x7b"), get_hardware("h100")
+    dtypes = ("bfloat16", "bfloat16", "bfloat16", 2)
+    seqs = [(1, 256)] * 8
+    alone = StepPredictor(cfg, hw, dtypes).predict(seqs, 8)
+    ep = StepPredictor(cfg, hw, dtypes, link=LINKS["nvlink4"], ep=2).predict(seqs, 8)
+    want = step_comm_cost(cfg, 8, 8, 1, 1, LINKS["nvlink4"], 2, ep=2)
+    assert ep.comm_seconds == pytest.approx(want.seconds) and want.all_to_all_seconds > 0
+    assert ep.cost.predicted_seconds < alone.cost.predicted_seconds  # half the routed experts' rows and weights
+    assert ep.seconds == pytest.approx(ep.cost.predicted_seconds + ep.comm_seconds)
