@@ -95,6 +95,29 @@ def test_fused_op_across_threads(threads):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_fused_op_at_a_wider_shape(dtype):
+    """Rows wide and many enough that every loop of the op (gather, quantisation, experts, sum) is split over
+    the threads, AMX-sized experts included."""
+    g = torch.Generator().manual_seed(5)
+    h, width, n = 1024, 512, 16
+    gate_up = [QuantLinear(*quantize(torch.randn(2 * width, h, generator=g) * 0.05, SCHEMES["q4_0"]), h)
+               for _ in range(n)]
+    down = [QuantLinear(*quantize(torch.randn(h, width, generator=g) * 0.05, SCHEMES["q4_0"]), width)
+            for _ in range(n)]
+    experts = PackedExperts(gate_up, down)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for t in (1, 16, 64):
+            x = torch.randn(t, h, generator=g).to(dtype)
+            ids = torch.stack([torch.randperm(n, generator=g)[:4] for _ in range(t)])
+            weights = torch.rand(t, 4, generator=g).to(dtype)
+            assert torch.equal(experts.grouped(x, ids, weights)[0], grouped_experts(x, ids, weights, experts)[0])
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_a_local_range_of_experts(dtype):
     """Experts 4..7 only (an expert-parallel rank's): pairs routed elsewhere are skipped; the reference is
     grouped_experts over those four and a fifth, last in expert order, that takes the other pairs at weight 0

@@ -174,7 +174,8 @@ struct MoeScratch {
 template <typename T>
 void moe_packed(const MoeWeights& ex, const T* x, int64_t t, const int64_t* ids, const float* wts, int64_t k, T* out,
                 int64_t* counts) {
-  static thread_local MoeScratch<T> s;
+  static thread_local MoeScratch<T> tls;  // the calling thread's; the workers read it through `s`
+  MoeScratch<T>& s = tls;
   const int64_t e = (int64_t)ex.gate_up.size(), hdim = ex.gate_up[0].kp, inner = ex.gate_up[0].n / 2;
   moe_route(ids, t, k, ex.first, e, s.route);
   const int64_t p = s.route.start[e];
