@@ -19,6 +19,7 @@ from helpers import paged_logits
 from servescope import LLM, SamplingParams
 from servescope.bench.accuracy import compare
 from servescope.errors import ModelLoadError
+from servescope.kernels.cpu import ops as cpu_ops
 from servescope.loader.source import load_model_source
 from servescope.model.linears.int8 import Int8Linear
 from servescope.model.linears.packed import QuantLinear
@@ -94,6 +95,8 @@ def test_gguf_experts_run_packed(moe_files, qtype, floor):
     assert r["top1"] / r["tokens"] >= 0.9
     assert llm.engine.weight_bytes < 0.45 * ref.engine.weight_bytes
     one = blocks[0][1].experts
+    if cpu_ops.available():  # decode steps run the fused C++ op over these experts (tests/model/test_moe_fused.py)
+        assert one._fused(torch.zeros(1, llm.engine.model_config.hidden_size)) is not None
     packed_bytes = one.gate_up[0].weight_bytes() + one.down[0].weight_bytes()
     llm.generate([[5, 9, 33]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     rec = llm.engine.step_records[-1]

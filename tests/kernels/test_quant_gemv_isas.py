@@ -22,10 +22,11 @@ X86 = {"avx512": "-mavx512vnni", "avx2": "-mavxvnni"}  # the path's int8 dot-pro
 X86_FLAG = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}
 
 
-def _jobs() -> dict:
-    """Every build this machine can make: {name: (command without -o, how to run it or None, int8 dot)}."""
+def isa_jobs(src: str = SRC) -> dict:
+    """Every build of the check program `src` this machine can make: {name: (command without -o, how to run
+    it or None, int8 dot)} (test_moe_experts_isas.py builds its own program the same ways)."""
     def cmd(cxx, flags):
-        return [cxx, "-std=c++17", "-O2", *flags, "-I", CSRC, SRC]
+        return [cxx, "-std=c++17", "-O2", *flags, "-I", CSRC, src]
 
     jobs, gxx = {}, shutil.which("g++")
     if gxx:
@@ -49,7 +50,7 @@ def _jobs() -> dict:
     return jobs
 
 
-JOBS = _jobs()
+JOBS = isa_jobs()
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +58,12 @@ def built(tmp_path_factory):
     yield from build_all({k: c for k, (c, _, _) in JOBS.items()}, tmp_path_factory.mktemp("quant_isas"))
 
 
-def _check(built, name):
-    if name not in JOBS:
+def check_build(built, name, jobs=JOBS):
+    """Run the build `name` of `jobs` where this CPU can: it must print bad=0 (and its int8_dot)."""
+    if name not in jobs:
         pytest.skip(f"{name}: no compiler for it here (g++, or g++-aarch64-linux-gnu and qemu-user)")
     exe = built[name].result()
-    _, runner, int8_dot = JOBS[name]
+    _, runner, int8_dot = jobs[name]
     if runner is None:  # compiled only: this CPU lacks the ISA
         return
     out = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
@@ -74,14 +76,14 @@ def test_avx512_amx_path(built):
     """The AMX-INT8 kernel beside the VNNI ones; where the CPU has the tiles it must also run (amx=1)."""
     if machine_arch() not in ("x86_64", "amd64"):
         pytest.skip("x86 paths need an x86 g++")
-    _check(built, "avx512-amx")
+    check_build(built, "avx512-amx")
     if "amx_int8" in cpu_flags() and JOBS["avx512-amx"][1] is not None:
         out = subprocess.run([str(built["avx512-amx"].result())], capture_output=True, text=True, timeout=300)
         assert "amx=1" in out.stdout, out.stdout
 
 
 def test_scalar_path(built):
-    _check(built, "scalar")
+    check_build(built, "scalar")
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
@@ -89,9 +91,9 @@ def test_scalar_path(built):
 def test_x86_paths(isa, vnni, built):
     if machine_arch() not in ("x86_64", "amd64"):
         pytest.skip("x86 paths need an x86 g++")
-    _check(built, f"{isa}-{vnni}")
+    check_build(built, f"{isa}-{vnni}")
 
 
 @pytest.mark.parametrize("arch", ["armv8.2-a+dotprod", "armv8-a"], ids=["dotprod", "plain"])
 def test_neon_path_under_qemu(arch, built):
-    _check(built, f"neon-{arch}")
+    check_build(built, f"neon-{arch}")

@@ -10,6 +10,12 @@ weights are stacked per layer ([E, 2I, Dm] gate|up, [E, Dm, I] down: transformer
 expert is a contiguous slice and the checkpoint's per-expert tensors are stacked once at load
 (`stack_expert_checkpoint`).
 
+Packed experts (PackedExperts of group-32 QuantLinears: GGUF Q4_0 / Q4_1 / Q8_0, --quantization int4 /
+int8-g32) on the CPU run that same order as one C++ op per layer (kernels/cpu's moe_packed,
+csrc/moe_experts.h: the grouping, the experts' packed GEMVs, silu and the weighted sum; the same kernels and
+roundings, so the same bits) for up to the modules' packed-GEMV row limit of tokens; `grouped_experts` is
+the reference it is tested against and runs everything else (float experts, GPUs, long prefill chunks).
+
 Each block counts the tokens routed to each expert (`routed_tokens`, summed over the forwards since the
 engine last took them: `take_routing`), which the step record reports (telemetry/moe.py).
 """
@@ -25,7 +31,9 @@ from torch import nn
 
 from servescope.config import LayerSpec, ModelConfig
 from servescope.kernels import fused_ops
+from servescope.kernels.cpu import ops as cpu_ops
 from servescope.model.layers import GatedMLP
+from servescope.model.linears.packed import QuantLinear
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple:
@@ -101,6 +109,10 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width), requires_grad=False)
 
+    def grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
+        """The routed experts' weighted sum and tokens per expert (grouped_experts)."""
+        return grouped_experts(x, ids, weights, self)
+
     def run(self, e: int, xs: torch.Tensor, out: torch.Tensor) -> None:
         """Expert e over the rows xs [n, Dm], written into out [n, Dm]."""
         h = fused_ops.silu_mul(F.linear(xs, self.gate_up_proj[e]))  # [n, 2I] -> [n, I]
@@ -137,7 +149,10 @@ class PackedExperts(nn.Module):
     """E gated MLPs as one linear module per expert and projection (QuantLinear over packed blocks, or
     Int8Linear): gate_up[e] Dm -> 2I (gate | up), down[e] I -> Dm. A step runs each active expert's two
     modules once over that expert's tokens, so a batch-1 decode reads k experts' packed blocks per layer
-    through the packed GEMV (model/linears/packed.py chooses the kernel by rows, as for any projection)."""
+    through the packed GEMV (model/linears/packed.py chooses the kernel by rows, as for any projection);
+    where the fused op applies (`_fused`), one C++ call runs all of them."""
+
+    fused = True  # whether `grouped` may run the fused op; False: grouped_experts always (the reference)
 
     def __init__(self, gate_up: list, down: list):
         super().__init__()
@@ -150,12 +165,52 @@ class PackedExperts(nn.Module):
     def run(self, e: int, xs: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(self.down[e](fused_ops.silu_mul(self.gate_up[e](xs))))
 
+    def grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
+        op = self._fused(x)
+        if op is None:
+            return grouped_experts(x, ids, weights, self)
+        out, counts = op.run(x, ids, weights)
+        return out, counts
+
+    def _fused(self, x: torch.Tensor):
+        """The fused op's handle where it runs this call, else None: float32 / bfloat16 rows on the CPU, at
+        most the modules' quant_gemv row limit of them (so that every expert's rows would have taken
+        quant_gemv in grouped_experts: the same kernels; a long prefill chunk takes grouped_experts' GEMMs),
+        every expert a group-32 QuantLinear (`_fused_op`). Built once, and again after the weights move (the
+        huge-page move replaces the buffers)."""
+        if not self.fused or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        g, d = self.gate_up[0], self.down[-1]
+        if not isinstance(g, QuantLinear) or x.shape[0] > min(g.row_limit(x.dtype), d.row_limit(x.dtype)):
+            return None
+        key = (g.qweight.data_ptr(), d.qweight.data_ptr())
+        cached = self.__dict__.get("_fused_op")
+        if cached is None or cached[0] != key:
+            cached = (key, _fused_op(self))
+            self.__dict__["_fused_op"] = cached
+        return cached[1]
+
     def expert_bytes(self) -> int:
         return sum(_module_bytes(m) for m in (self.gate_up[0], self.down[0]))
 
     def linears(self) -> list:
         """Every expert's modules (the huge-page move and the weight count walk them)."""
         return [*self.gate_up, *self.down]
+
+
+def _fused_op(experts: PackedExperts):
+    """kernels/cpu's moe_packed over the experts' packed tensors, or None where it does not apply: a module
+    other than a group-32 QuantLinear without bias on the CPU whose K is whole 32-blocks, mixed formats, no
+    extension."""
+    for m in experts.linears():
+        if not (isinstance(m, QuantLinear) and m.group32 and m.bias is None and not m.float_output
+                and m.qweight.device.type == "cpu" and m.in_features % 32 == 0):
+            return None
+    try:
+        return cpu_ops.moe_packed([(m.qweight, m.scales) for m in experts.gate_up],
+                                  [(m.qweight, m.scales) for m in experts.down])
+    except RuntimeError:  # the op's own checks (formats, shapes): grouped_experts runs them
+        return None
 
 
 def _module_bytes(m: nn.Module) -> int:
@@ -191,25 +246,34 @@ class SparseMoeBlock(nn.Module):
         # since the last take_routing; on the host whatever device the build runs under (meta included)
         self.routed_tokens = torch.zeros(e.num_experts, dtype=torch.int64, device="cpu")
         # expert parallelism (parallel/expert_parallel.py): this rank's experts and the all-to-alls around them,
-        # `run` in grouped_experts' place (the step's counts of every rank); None: every expert is here
+        # `run` in the experts' `grouped` place (the step's counts of every rank); None: every expert is here
         self.expert_parallel = None
+        # the router's function, chosen once (config/moe.py's ROUTERS): x [T, Dm] -> (weights, ids [T, k])
+        self._route = {"softmax_topk": self._route_softmax, "gpt_oss": self._route_gpt_oss,
+                       "deepseek_v2": self._route_deepseek, "deepseek_v3": self._route_deepseek}[e.router]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.spec.router == "softmax_topk":
-            weights, ids = route(self.gate(x), self.top_k, self.renormalise)  # [T, k] each
-        elif self.spec.router == "gpt_oss":
-            weights, ids = route_gpt_oss(self.gate(x), self.top_k)
+        weights, ids = self._route(x)  # [T, k] each
+        if self.expert_parallel is None:
+            out, counts = self.experts.grouped(x, ids, weights)
         else:
-            weight, bias = self._float32_router()
-            weights, ids = route_deepseek(F.linear(x.float(), weight), self.spec, bias)  # in float32
-        run = grouped_experts if self.expert_parallel is None else self.expert_parallel.run
-        out, counts = run(x, ids, weights, self.experts)
+            out, counts = self.expert_parallel.run(x, ids, weights, self.experts)
         self.routed_tokens += counts
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
         return out
+
+    def _route_softmax(self, x: torch.Tensor) -> tuple:
+        return route(self.gate(x), self.top_k, self.renormalise)
+
+    def _route_gpt_oss(self, x: torch.Tensor) -> tuple:
+        return route_gpt_oss(self.gate(x), self.top_k)
+
+    def _route_deepseek(self, x: torch.Tensor) -> tuple:
+        weight, bias = self._float32_router()
+        return route_deepseek(F.linear(x.float(), weight), self.spec, bias)  # in float32
 
     def _float32_router(self) -> tuple:
         """DeepSeek routes in float32: the router's weight and correction bias as float32, converted once per

@@ -16,7 +16,8 @@ One sparse layer on every rank (`ExpertParallel.run`, in the block's grouped_exp
 2. the slice's T_r k (token, expert) pairs sorted by expert, so grouped by destination rank; the tokens per
    expert [E] of every rank all-gathered ([N, E]: what each rank is sent, and the step's whole routing).
 3. dispatch: all_to_all_single of the pairs' rows [T_r k, Dm] with the per-rank counts as splits.
-4. the rank's experts run over what they received (grouped_experts over the received rows, grouped by expert).
+4. the rank's experts run over what they received (the experts' `grouped`: the fused op for packed group-32
+   experts, else grouped_experts; the received rows grouped by expert).
 5. combine: the results back by the reverse all_to_all_single; each pair's row times its routing weight,
    summed into its token (the single process's order of operations: expert-sorted pairs, index_add).
 6. the slices all-gathered (padded to Tr rows) into [T, Dm]: every rank holds every token's output again.
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from servescope.model.moe import ClampedExperts, Experts, PackedExperts, grouped_experts, moe_blocks
+from servescope.model.moe import ClampedExperts, Experts, PackedExperts, moe_blocks
 from servescope.parallel.groups import DistContext
 
 
@@ -88,7 +89,7 @@ class ExpertParallel:
         self._all_to_all(got, rows, recv_splits, send_splits)
         local_ids = torch.arange(len(self.local), device=x.device).repeat(self.ranks)
         local_ids = local_ids.repeat_interleave(received.reshape(-1).to(x.device)).unsqueeze(1)  # [R, 1]
-        ys, _ = grouped_experts(got, local_ids, torch.ones_like(local_ids, dtype=x.dtype), experts)
+        ys, _ = experts.grouped(got, local_ids, torch.ones_like(local_ids, dtype=x.dtype))  # the fused op where it runs
         back = torch.empty_like(rows)
         self._all_to_all(back, ys, send_splits, recv_splits)
         back.mul_(weights[lo:hi].reshape(-1).index_select(0, order).unsqueeze(1))

@@ -3,9 +3,9 @@ against the vector layer csrc/simd.h; csrc/prefill_attention.cpp, csrc/quant_ops
 csrc/bindings.cpp), compiled on first use for the CPU's instruction set (extension.py) and cached.
 
 One C++ call each for rms_norm, add_rms_norm, rotary, silu_mul (dispatched from kernels/fused_ops.py)
-and store_kv, paged decode attention, causal prefill attention (from model/attention/cpu.py): at batch 1
-their eager PyTorch versions are dozens of tiny ops per layer whose dispatch overhead exceeds their
-arithmetic.
+and store_kv, paged decode attention, causal prefill attention (from model/attention/cpu.py), and an MoE
+layer's routed experts over packed weights (`moe_packed`, from model/moe.py): at batch 1 their eager
+PyTorch versions are dozens of tiny ops per layer whose dispatch overhead exceeds their arithmetic.
 `load()` is None where the extension cannot be built (no compiler, SERVESCOPE_CPU_KERNELS=0, read
 once at the first call); callers then use the torch references, which the tests compare against.
 `kernel_path()` says which path runs ("avx2 C++ kernels", "eager PyTorch").
@@ -90,3 +90,17 @@ def prefill_attention(q, k_cache, v_cache, block_table, ctx: int, scale: float) 
     keys 0 .. ctx - 1 in the paged cache (this step's already stored). q [T, H, D] bfloat16;
     block_table [>= ceil(ctx / S)] int32 -> [T, H, D]."""
     return _EXT.mod.prefill_attention(q, k_cache, v_cache, block_table, ctx, scale)
+
+
+def moe_packed(gate_up: list, down: list, first: int = 0):
+    """One MoE layer's routed experts over packed group-32 weights as one C++ op (csrc/moe_experts.h), or None
+    without the extension. gate_up / down: per local expert (qweight, scales) of its [2I, H] gate | up and
+    [H, I] down matrices (quant/packed.py's form: int4 or int8, symmetric or asymmetric), local expert e being
+    the router's expert first + e (a subset of the experts, for expert parallelism). The handle's
+    `run(x [T, H] float32 | bfloat16, ids [T, k] int64, weights [T, k])` -> (out [T, H] in x's dtype, tokens
+    per local expert [E] int64): model/moe.py's grouped_experts bit for bit, pairs routed outside the local
+    experts skipped. Raises RuntimeError for weights outside that form (other groups, mixed formats)."""
+    if _EXT.load() is None:
+        return None
+    return _EXT.mod.MoePacked([w for w, _ in gate_up], [s for _, s in gate_up], [w for w, _ in down],
+                              [s for _, s in down], first)

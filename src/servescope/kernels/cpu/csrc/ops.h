@@ -14,9 +14,14 @@
 #include <ATen/core/Tensor.h>
 
 #include <map>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
+
+namespace servescope_moe {
+struct MoeWeights;  // moe_experts.h
+}
 
 namespace servescope_ops {
 
@@ -41,6 +46,22 @@ Tensor quant_gemm(Tensor x, Tensor w, Tensor scales, Tensor bias);
 bool quant_amx_available();  // the AMX-INT8 kernel (quant_amx.h) compiled in and granted the tiles
 Tensor quant_dequantize(Tensor w, Tensor scales, int64_t k);
 void quant_dequantize_into(Tensor w, Tensor scales, int64_t row0, Tensor out);
+
+// quant_ops.cpp: one MoE layer's routed experts over packed group-32 weights in one call (moe_experts.h).
+// Built once per layer from the experts' packed tensors (held here, so the descriptors stay valid):
+// gate_up [2I, H] and down [H, I] per local expert, local expert e being the router's expert first + e.
+class MoePacked {
+ public:
+  MoePacked(std::vector<Tensor> gate_up_w, std::vector<Tensor> gate_up_s, std::vector<Tensor> down_w,
+            std::vector<Tensor> down_s, int64_t first);
+  // x [T, H] float32 | bfloat16, ids [T, k] int64, weights [T, k] -> [out [T, H] in x's dtype, counts [E] int64]
+  std::vector<Tensor> run(Tensor x, Tensor ids, Tensor weights) const;
+  int64_t num_experts() const;
+
+ private:
+  std::vector<Tensor> tensors_;
+  std::shared_ptr<const servescope_moe::MoeWeights> weights_;
+};
 
 // prefill_attention.cpp (AVX512-BF16 only; elsewhere "unsupported")
 Tensor prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int64_t ctx, double scale);

@@ -229,12 +229,15 @@ inline void qdot_rows(const QMatrix& q, const QActs& a, int64_t m0, int64_t r0, 
 // Rows n0 .. n1 of y for every row of x. One row of x reads 4 weight rows at a time from the four
 // quarters of the range, as the float GEMV does: four long sequential streams for the prefetchers
 // (4 neighbouring rows, a few cache lines each, read in turn, left them behind the loads).
+// (rows mb .. me of x: a call over a slice of the quantised rows, as the fused experts' op runs each expert
+// over its own rows of one quantised batch)
 template <bool I4, bool ASYM>
-inline void qdot_range(const QMatrix& q, const QActs& a, int64_t M, int64_t n0, int64_t n1, float* y) {
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+inline void qdot_range(const QMatrix& q, const QActs& a, int64_t mb, int64_t me, int64_t n0, int64_t n1,
+                       float* y) {
+  for (int64_t m0 = mb; m0 < me; m0 += 4) {
     float* ym = y + m0 * q.n;
     int64_t r = n0;
-    switch (std::min<int64_t>(4, M - m0)) {
+    switch (std::min<int64_t>(4, me - m0)) {
       case 1: {
         const int64_t quarter = (n1 - n0) / 4;
         for (int64_t i = 0; i < quarter; ++i) qdot_rows<I4, ASYM, 1, 4>(q, a, m0, n0 + i, quarter, ym, q.n);
@@ -281,12 +284,13 @@ inline void qdot_tiled_rows(const QMatrix& q, const QActs& a, int64_t mb, int64_
 }
 
 template <bool I4, bool ASYM>
-inline void qdot_tiled_range(const QMatrix& q, const QActs& a, int64_t M, int64_t n0, int64_t n1, float* y) {
+inline void qdot_tiled_range(const QMatrix& q, const QActs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
+                             float* y) {
   using C = Chunk<I4>;
   const int64_t row_bytes = a.chunks * (C::QBYTES + 3 * W * 4);  // int8 values, dx, sx, corr
   const int64_t block = std::max<int64_t>(TILED_MR, TILED_ACT_BYTES / row_bytes);
-  for (int64_t mb = 0; mb < M; mb += block) {
-    const int64_t me = std::min(M, mb + block);
+  for (int64_t mb = m0; mb < m1; mb += block) {
+    const int64_t me = std::min(m1, mb + block);
     int64_t r = n0;
     for (; r + TILED_NR <= n1; r += TILED_NR) qdot_tiled_rows<I4, ASYM, TILED_NR>(q, a, mb, me, r, y);
     for (; r < n1; ++r) qdot_tiled_rows<I4, ASYM, 1>(q, a, mb, me, r, y);
@@ -301,12 +305,12 @@ enum class QOrder : int64_t { Auto = 0, Stream = 1, Tiled = 2, Amx = 3 };
 constexpr int64_t QDOT_TILED_ROWS = 2;
 
 template <bool I4, bool ASYM>
-inline void qdot_any_range(const QMatrix& q, const QActs& a, int64_t M, int64_t n0, int64_t n1, float* y,
-                           bool tiled) {
+inline void qdot_any_range(const QMatrix& q, const QActs& a, int64_t mb, int64_t me, int64_t n0, int64_t n1,
+                           float* y, bool tiled) {
   if (tiled)
-    qdot_tiled_range<I4, ASYM>(q, a, M, n0, n1, y);
+    qdot_tiled_range<I4, ASYM>(q, a, mb, me, n0, n1, y);
   else
-    qdot_range<I4, ASYM>(q, a, M, n0, n1, y);
+    qdot_range<I4, ASYM>(q, a, mb, me, n0, n1, y);
 }
 
 // x [M, kp] float32 | bfloat16 (zeros past K), group-32 packed q, bias [N] or null -> y [M, N]
@@ -322,13 +326,13 @@ inline void quant_dot_rows(const QMatrix& q, const T* x, int64_t M, const float*
   const bool tiled = order == QOrder::Tiled || (order == QOrder::Auto && M >= QDOT_TILED_ROWS);
   parallel_for(0, q.n, 32, [&](int64_t n0, int64_t n1) {
     if (q.int4 && q.asym)
-      qdot_any_range<true, true>(q, a, M, n0, n1, y, tiled);
+      qdot_any_range<true, true>(q, a, 0, M, n0, n1, y, tiled);
     else if (q.int4)
-      qdot_any_range<true, false>(q, a, M, n0, n1, y, tiled);
+      qdot_any_range<true, false>(q, a, 0, M, n0, n1, y, tiled);
     else if (q.asym)
-      qdot_any_range<false, true>(q, a, M, n0, n1, y, tiled);
+      qdot_any_range<false, true>(q, a, 0, M, n0, n1, y, tiled);
     else
-      qdot_any_range<false, false>(q, a, M, n0, n1, y, tiled);
+      qdot_any_range<false, false>(q, a, 0, M, n0, n1, y, tiled);
     if (bias)
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = n0; n < n1; ++n) y[m * q.n + n] += bias[n];

@@ -3,7 +3,9 @@
 // them like any other projection); declared in ops.h, bound in bindings.cpp.
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
+#include "moe_experts.h"
 #include "quant_amx.h"
 #include "quant_gemm.h"
 #include "ops.h"
@@ -99,6 +101,65 @@ at::Tensor quant_dequantize(at::Tensor w, at::Tensor scales, int64_t k) {
   auto out = at::empty({w.size(0), k}, at::TensorOptions().dtype(at::kFloat));
   quant_dequantize_into(w, scales, 0, out);
   return out;
+}
+
+namespace {
+
+// every matrix of one projection: group 32, one format and shape; K its packed width
+std::vector<QMatrix> describe_all(const std::vector<at::Tensor>& w, const std::vector<at::Tensor>& s,
+                                  const char* what) {
+  TORCH_CHECK(!w.empty() && w.size() == s.size(), "MoePacked: ", what, ": one weight and one scale tensor per expert");
+  std::vector<QMatrix> out;
+  for (size_t e = 0; e < w.size(); ++e) {
+    out.push_back(describe(w[e], s[e]));
+    const QMatrix &q = out.back(), &q0 = out[0];
+    TORCH_CHECK(q.group == QBLOCK, "MoePacked: ", what, ": group-32 scales only");
+    TORCH_CHECK(q.int4 == q0.int4 && q.asym == q0.asym && q.n == q0.n && q.kp == q0.kp,
+                "MoePacked: ", what, ": every expert in one format and shape");
+  }
+  return out;
+}
+
+}  // namespace
+
+MoePacked::MoePacked(std::vector<Tensor> gate_up_w, std::vector<Tensor> gate_up_s, std::vector<Tensor> down_w,
+                     std::vector<Tensor> down_s, int64_t first) {
+  auto ex = std::make_shared<servescope_moe::MoeWeights>();
+  ex->gate_up = describe_all(gate_up_w, gate_up_s, "gate_up");
+  ex->down = describe_all(down_w, down_s, "down");
+  ex->first = first;
+  const QMatrix &g = ex->gate_up[0], &d = ex->down[0];
+  TORCH_CHECK(ex->gate_up.size() == ex->down.size(), "MoePacked: as many down as gate_up matrices");
+  TORCH_CHECK(first >= 0, "MoePacked: first must be >= 0");
+  TORCH_CHECK(g.n % 2 == 0 && d.kp == g.n / 2 && d.n == g.kp,
+              "MoePacked: gate_up [2I, H] and down [H, I] with H, I multiples of 32");
+  for (auto* l : {&gate_up_w, &gate_up_s, &down_w, &down_s}) tensors_.insert(tensors_.end(), l->begin(), l->end());
+  weights_ = ex;
+}
+
+int64_t MoePacked::num_experts() const { return (int64_t)weights_->gate_up.size(); }
+
+std::vector<Tensor> MoePacked::run(Tensor x, Tensor ids, Tensor weights) const {
+  const int64_t hdim = weights_->gate_up[0].kp;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == hdim && x.device().is_cpu(), "MoePacked: x [T, H] on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "MoePacked: x float32 or bfloat16");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong,
+              "MoePacked: ids [T, k] int64");
+  TORCH_CHECK(weights.sizes() == ids.sizes(), "MoePacked: weights [T, k] like ids");
+  x = x.contiguous();
+  ids = ids.contiguous();
+  const auto w = weights.to(at::kFloat).contiguous();
+  auto out = at::empty_like(x);
+  auto counts = at::empty({num_experts()}, ids.options());
+  const int64_t t = x.size(0), k = ids.size(1);
+  if (x.scalar_type() == at::kFloat)
+    servescope_moe::moe_packed(*weights_, x.data_ptr<float>(), t, ids.data_ptr<int64_t>(), w.data_ptr<float>(), k,
+                               out.data_ptr<float>(), counts.data_ptr<int64_t>());
+  else
+    servescope_moe::moe_packed(*weights_, (const servescope_simd::bf16*)x.data_ptr(), t, ids.data_ptr<int64_t>(),
+                               w.data_ptr<float>(), k, (servescope_simd::bf16*)out.data_ptr(),
+                               counts.data_ptr<int64_t>());
+  return {out, counts};
 }
 
 }  // namespace servescope_ops

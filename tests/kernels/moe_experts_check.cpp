@@ -1,0 +1,162 @@
+// Torch-free check of the fused MoE experts (csrc/moe_experts.h) on one ISA path: tests/kernels/
+// test_moe_experts_isas.py compiles it for every path quant_gemv_check.cpp covers. For each packed format
+// (int4 / int8, symmetric / asymmetric), float32 and bfloat16 activations, token counts 1..17 and k = 1..8,
+// with a local range of experts (first = 2: pairs routed to experts 0, 1, 8, 9 are skipped) and one local
+// expert that no token chooses, moe_packed must equal bit for bit the reference's order of operations
+// (model/moe.py's grouped_experts over PackedExperts: per expert quant_rows over its gathered rows, gate|up
+// rounded to the dtype, silu_mul, down, then per token rnd(rnd(y) * w) summed in expert order in float32,
+// rounded once), and stay within the activations' int8 rounding of a float64 sum over the dequantised weights.
+#include "moe_experts.h"
+#include <cstdio>
+#include <random>
+using namespace servescope_moe;
+
+constexpr int64_t H = 96, I = 64, E = 6, FIRST = 2, TOTAL = 10, UNUSED = 3;  // global expert 3: no token
+
+struct Packed {
+  std::vector<uint8_t> w;
+  std::vector<uint16_t> s;
+  QMatrix q;
+};
+
+static Packed make(std::mt19937& g, bool i4, bool asym, int64_t n, int64_t kp) {
+  Packed p;
+  p.w.resize(n * (i4 ? kp / 2 : kp));
+  for (auto& b : p.w) b = g() & 0xFF;
+  p.s.resize(n * (kp / 32) * (asym ? 2 : 1));
+  for (auto& h : p.s) h = 0x2400 + (g() & 0x3FF);
+  p.q = QMatrix{p.w.data(), n, kp, 32, i4, asym, p.s.data()};
+  return p;
+}
+
+static double weight(const QMatrix& q, int64_t n, int64_t k) {
+  const int64_t b = k / 32, j = k % 32, sc = q.asym ? 2 : 1;
+  const uint16_t* sp = q.scales + (n * (q.kp / 32) + b) * sc;
+  const double d = half_to_float(sp[0]);
+  const double u = q.int4 ? (double)((q.w[n * q.kp / 2 + b * 16 + (j % 16)] >> (j < 16 ? 0 : 4)) & 15)
+                          : (double)(int8_t)q.w[n * q.kp + k];
+  return q.asym ? d * u + half_to_float(sp[1]) : (q.int4 ? d * (u - 8) : d * u);
+}
+
+template <typename T>
+static float val(T v) {
+  if constexpr (std::is_same_v<T, float>) return v; else return bf16_to_float(v);
+}
+
+// The reference's order of operations, expert by expert, through the kernels it calls
+template <typename T>
+static std::vector<float> reference(const MoeWeights& ex, const std::vector<T>& x, const std::vector<int64_t>& ids,
+                                    const std::vector<float>& wts, int64_t t, int64_t k) {
+  std::vector<float> out(t * H, 0.f);  // (bfloat16 outputs: summed in float32, rounded at the end)
+  for (int64_t e = 0; e < E; ++e) {
+    std::vector<int64_t> tok;
+    std::vector<float> tw;
+    for (int64_t i = 0; i < t * k; ++i)
+      if (ids[i] == FIRST + e) tok.push_back(i / k), tw.push_back(wts[i]);
+    const int64_t m = tok.size();
+    if (!m) continue;
+    std::vector<T> xs(m * H), gt(m * 2 * I), h(m * I);
+    for (int64_t r = 0; r < m; ++r) std::memcpy(xs.data() + r * H, x.data() + tok[r] * H, H * sizeof(T));
+    std::vector<float> g(m * 2 * I), y(m * H);
+    quant_rows(ex.gate_up[e], xs.data(), m, nullptr, g.data(), QOrder::Auto);
+    for (int64_t i = 0; i < m * 2 * I; ++i)
+      if constexpr (std::is_same_v<T, float>) gt[i] = g[i]; else gt[i] = float_to_bf16(g[i]);
+    servescope_kernels::silu_mul_rows<T>(gt.data(), 2 * I, h.data(), m, I);
+    quant_rows(ex.down[e], h.data(), m, nullptr, y.data(), QOrder::Auto);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c = 0; c < H; ++c) {
+        float& o = out[tok[r] * H + c];
+        if constexpr (std::is_same_v<T, float>) {
+          o = o + y[r * H + c] * tw[r];
+        } else {
+          const float v = bf16_to_float(float_to_bf16(bf16_to_float(float_to_bf16(y[r * H + c])) * tw[r]));
+          o = o + v;
+        }
+      }
+  }
+  if constexpr (!std::is_same_v<T, float>)
+    for (auto& o : out) o = bf16_to_float(float_to_bf16(o));
+  return out;
+}
+
+// float64 over the dequantised weights; returns the largest |error| / the largest |value|
+template <typename T>
+static double exact_error(const MoeWeights& ex, const std::vector<T>& x, const std::vector<int64_t>& ids,
+                          const std::vector<float>& wts, const std::vector<T>& got, int64_t t, int64_t k) {
+  double err = 0, big = 1e-30;
+  for (int64_t i = 0; i < t; ++i) {
+    std::vector<double> o(H, 0.0);
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = ids[i * k + j] - FIRST;
+      if (e < 0 || e >= E) continue;
+      std::vector<double> h(I);
+      for (int64_t n = 0; n < I; ++n) {
+        double gs = 0, us = 0;
+        for (int64_t c = 0; c < H; ++c) {
+          gs += weight(ex.gate_up[e], n, c) * val(x[i * H + c]);
+          us += weight(ex.gate_up[e], n + I, c) * val(x[i * H + c]);
+        }
+        h[n] = gs / (1 + std::exp(-gs)) * us;
+      }
+      for (int64_t c = 0; c < H; ++c) {
+        double s = 0;
+        for (int64_t n = 0; n < I; ++n) s += weight(ex.down[e], c, n) * h[n];
+        o[c] += wts[i * k + j] * s;
+      }
+    }
+    for (int64_t c = 0; c < H; ++c) {
+      err = std::max(err, std::abs(o[c] - val(got[i * H + c])));
+      big = std::max(big, std::abs(o[c]));
+    }
+  }
+  return err / big;
+}
+
+template <typename T>
+static int check(std::mt19937& g, const MoeWeights& ex, int64_t t, int64_t k, double* worst) {
+  std::vector<T> x(t * H);
+  for (auto& v : x) {
+    const float f = (float)((int)(g() % 200) - 100) / 50.f;
+    if constexpr (std::is_same_v<T, float>) v = f; else v = float_to_bf16(f);
+  }
+  std::vector<int64_t> ids(t * k), counts(E);
+  std::vector<float> wts(t * k);
+  for (int64_t i = 0; i < t; ++i) {
+    std::vector<int64_t> pool;
+    for (int64_t e = 0; e < TOTAL; ++e)
+      if (e != UNUSED) pool.push_back(e);
+    std::shuffle(pool.begin(), pool.end(), g);
+    for (int64_t j = 0; j < k; ++j) ids[i * k + j] = pool[j], wts[i * k + j] = (float)(g() % 1000 + 1) / 1000.f;
+  }
+  std::vector<T> out(t * H);
+  moe_packed(ex, x.data(), t, ids.data(), wts.data(), k, out.data(), counts.data());
+  int bad = 0;
+  const auto ref = reference(ex, x, ids, wts, t, k);
+  for (int64_t i = 0; i < t * H; ++i) bad += val(out[i]) != ref[i];
+  for (int64_t e = 0; e < E; ++e) bad += counts[e] != std::count(ids.begin(), ids.end(), FIRST + e);
+  bad += counts[UNUSED - FIRST] != 0;
+  const double err = exact_error(ex, x, ids, wts, out, t, k);
+  *worst = std::max(*worst, err);
+  bad += !(err < (std::is_same_v<T, float> ? 0.05 : 0.1));  // (relative to the largest output)
+  return bad;
+}
+
+int main() {
+  std::mt19937 g(7);
+  int bad = 0;
+  double worst = 0;
+  for (bool i4 : {true, false})
+    for (bool asym : {false, true}) {
+      std::vector<Packed> gu, dn;
+      for (int64_t e = 0; e < E; ++e)
+        gu.push_back(make(g, i4, asym, 2 * I, H)), dn.push_back(make(g, i4, asym, H, I));
+      MoeWeights ex;
+      ex.first = FIRST;
+      for (int64_t e = 0; e < E; ++e) ex.gate_up.push_back(gu[e].q), ex.down.push_back(dn[e].q);
+      for (int64_t t : {1, 2, 3, 5, 8, 17})
+        for (int64_t k = 1; k <= 8; ++k)
+          bad += check<float>(g, ex, t, k, &worst) + check<bf16>(g, ex, t, k, &worst);
+    }
+  std::printf("bad=%d worst=%.4f int8_dot=%d amx=%d\n", bad, worst, SERVESCOPE_HAS_INT8_DOT, (int)amx_available());
+  return bad != 0;
+}
