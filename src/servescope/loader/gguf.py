@@ -257,8 +257,8 @@ def _rope_scaling(meta: _Metadata, reader, head_dim: int, path: str):
 
 def _runs_packed(t, hf_name: str) -> bool:
     # (latent attention's kv_b_proj stays float: its weight is read as W_UK and W_UV, model/mla.py)
-    return gguf_packed.is_native(t.tensor_type) and hf_name.endswith(("proj.weight", "embed_tokens.weight",
-                                                                      "lm_head.weight")) \
+    return gguf_packed.is_native(t.tensor_type) and hf_name.endswith(("proj.weight", "proj_with_mqa.weight",
+                                                                      "embed_tokens.weight", "lm_head.weight")) \
         and not hf_name.endswith("kv_b_proj.weight")
 
 
