@@ -124,6 +124,8 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
     for key, value in (extra_metadata or {}).items():
         if isinstance(value, list):
             w.add_array(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
         else:
             (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
     if token_count:
@@ -227,3 +229,87 @@ def write_tiny_gemma_gguf(path, source, qtype=None, **kw) -> str:
     drop = tuple(kw.pop("drop", ())) + (("lm_head.weight",) if cfg.tie_word_embeddings else ())
     return write_tiny_gguf(path, cfg, sd, arch=arch, qtype=qtype, replace=replace, extra_metadata=meta, drop=drop,
                            layer_names=GEMMA_TO_GGUF_LAYER, **kw)
+
+
+# DeepSeek's latent attention and experts under llama.cpp's deepseek2 names (its converter's DeepseekV2Model)
+DEEPSEEK_TO_GGUF_LAYER = {
+    **HF_TO_GGUF_LAYER, "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+
+
+def deepseek_gguf_metadata(cfg, split_kv_b: bool = True) -> dict:
+    """The deepseek2.* keys llama.cpp's converter writes for `cfg` (a DeepSeek ModelConfig) beyond write_tiny_gguf's:
+    one KV head, the absorbed form's key / value lengths beside the per-head ones (none of those in an older file,
+    whose key_length / value_length are the per-head sizes), the experts, yarn's log multiplier."""
+    m, e, a = cfg.mla, cfg.moe.experts if cfg.moe else None, "deepseek2"
+    meta = {f"{a}.attention.head_count_kv": 1, f"{a}.attention.kv_lora_rank": m.kv_lora_rank,
+            f"{a}.rope.dimension_count": m.qk_rope_head_dim,
+            f"{a}.leading_dense_block_count": cfg.moe.sparse_layers.index(True) if cfg.moe else cfg.num_hidden_layers}
+    if split_kv_b:
+        meta.update({f"{a}.attention.key_length": m.latent_dim, f"{a}.attention.value_length": m.kv_lora_rank,
+                     f"{a}.attention.key_length_mla": m.qk_head_dim, f"{a}.attention.value_length_mla": m.v_head_dim})
+    else:
+        meta.update({f"{a}.attention.key_length": m.qk_head_dim, f"{a}.attention.value_length": m.v_head_dim})
+    if m.q_lora_rank:
+        meta[f"{a}.attention.q_lora_rank"] = m.q_lora_rank
+    if e:
+        meta.update({f"{a}.expert_count": e.num_experts, f"{a}.expert_used_count": e.top_k,
+                     f"{a}.expert_feed_forward_length": e.intermediate_size,
+                     f"{a}.expert_shared_count": e.shared_intermediate_size // e.intermediate_size,
+                     f"{a}.expert_group_count": e.n_group, f"{a}.expert_group_used_count": e.topk_group,
+                     f"{a}.expert_gating_func": 2 if e.router == "deepseek_v3" else 1,
+                     f"{a}.expert_weights_scale": float(e.routed_scaling_factor)})
+        if e.norm_topk_prob:
+            meta[f"{a}.expert_weights_norm"] = True
+    rs = cfg.rope_scaling
+    if rs is not None and rs.rope_type == "yarn":
+        meta.update({f"{a}.rope.scaling.original_context_length": rs.original_max_position_embeddings,
+                     f"{a}.rope.scaling.yarn_beta_fast": float(rs.beta_fast),
+                     f"{a}.rope.scaling.yarn_beta_slow": float(rs.beta_slow)})
+        if rs.mscale_all_dim:
+            meta[f"{a}.rope.scaling.yarn_log_multiplier"] = float(0.1 * rs.mscale_all_dim)
+    return meta
+
+
+def write_tiny_deepseek_gguf(path, source, qtype=None, split_kv_b: bool = True, **kw) -> str:
+    """A DeepSeek-V2/V3 LoadedSource as llama.cpp's converter writes it: kv_b_proj split per head into attn_k_b
+    (W_UK transposed, [H, r, n]) and attn_v_b ([H, v, r]) (split_kv_b; else one attn_kv_b, as older converters
+    wrote it), the experts stacked, the router in float32, V3's correction bias as blk.N.exp_probs_b.bias, and
+    deepseek_gguf_metadata's keys. The split tensors are stored in `qtype` where their rows are whole blocks."""
+    import gguf
+
+    cfg, sd = source.config, source.state_dict
+    m, heads = cfg.mla, cfg.num_attention_heads
+    q = qtype if qtype is not None else gguf.GGMLQuantizationType.F32
+    drop, stacked, floats = set(), {}, {}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        if split_kv_b:
+            kv_b = sd[p + "self_attn.kv_b_proj.weight"].numpy().reshape(heads, -1, m.kv_lora_rank)
+            for name, t in ((f"blk.{i}.attn_k_b.weight", kv_b[:, :m.qk_nope_head_dim].transpose(0, 2, 1)),
+                            (f"blk.{i}.attn_v_b.weight", kv_b[:, m.qk_nope_head_dim:])):
+                whole = q == gguf.GGMLQuantizationType.F32 or t.shape[-1] % 32 == 0
+                (stacked if whole else floats)[name] = np.ascontiguousarray(t)
+            drop.add(p + "self_attn.kv_b_proj.weight")
+        if not (cfg.moe and cfg.moe.sparse_layers[i]):
+            continue
+        for part in ("gate", "up", "down"):
+            keys = [f"{p}mlp.experts.{x}.{part}_proj.weight" for x in range(cfg.moe.experts.num_experts)]
+            stacked[f"blk.{i}.ffn_{part}_exps.weight"] = np.stack([sd[k].numpy() for k in keys])
+            drop.update(keys)
+        floats[f"blk.{i}.ffn_gate_inp.weight"] = sd[p + "mlp.gate.weight"].numpy()
+        drop.add(p + "mlp.gate.weight")
+        if p + "mlp.gate.e_score_correction_bias" in sd:
+            floats[f"blk.{i}.exp_probs_b.bias"] = sd[p + "mlp.gate.e_score_correction_bias"].numpy()
+            drop.add(p + "mlp.gate.e_score_correction_bias")
+    meta = {**deepseek_gguf_metadata(cfg, split_kv_b), **kw.pop("extra_metadata", {})}
+    rs = cfg.rope_scaling
+    if rs is not None:
+        kw.setdefault("rope_scaling", (rs.rope_type, float(rs.factor)))
+    drop.update(kw.pop("drop", ()))
+    floats.update(kw.pop("extra_tensors", {}))
+    return write_tiny_gguf(path, cfg, sd, arch="deepseek2", qtype=qtype, drop=tuple(drop), extra_tensors=floats,
+                           quantised_tensors=stacked, extra_metadata=meta, layer_names=DEEPSEEK_TO_GGUF_LAYER, **kw)

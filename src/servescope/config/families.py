@@ -88,7 +88,8 @@ FAMILIES = {f.name: f for f in (
            hf_defaults={"tie_word_embeddings": True}),
     # multi-head latent attention in every layer (config/mla.py reads it: the family's hf_fields name
     # kv_lora_rank), DeepSeek's routers and shared experts (config/moe.py)
-    Family("deepseek_v2", "DeepseekV2ForCausalLM",  # (V2's rope always rotates interleaved pairs)
+    # (GGUF: loader/gguf_deepseek.py reads llama.cpp's deepseek2 files; sigmoid routing makes them deepseek_v3)
+    Family("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek2",  # (V2's rope always rotates interleaved pairs)
            hf_fields=(MLA_FIELDS - {"rope_interleave"}) | DEEPSEEK_FIELDS),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", hf_fields=MLA_FIELDS | DEEPSEEK_FIELDS),
     # gpt-oss: learned attention sinks, biases on q/k/v and o_proj, every other layer windowed, yarn rope, every

@@ -27,7 +27,7 @@ from servescope.config import ModelConfig, RopeScaling
 from servescope.config.families import family as family_row
 from servescope.config.families import family_of_gguf, gguf_architectures
 from servescope.errors import InvalidParameterError, ModelLoadError
-from servescope.loader import gguf_experts, gguf_gemma, gguf_packed
+from servescope.loader import gguf_deepseek, gguf_experts, gguf_gemma, gguf_packed
 from servescope.loader.gguf_file import f32_value, read_gguf
 from servescope.loader.checkpoint import LoadedSource, check_state_dict
 from servescope.tokenizer.family_templates import family_template
@@ -64,6 +64,8 @@ def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _LAYER_RE.match(name)
+    if m and arch == gguf_deepseek.ARCH:  # latent attention, DeepSeek's router and shared experts
+        return gguf_deepseek.hf_name(*m.groups())
     names = _SANDWICH_LAYER_NAMES if arch in gguf_gemma.FAMILIES else _LAYER_NAMES
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
@@ -174,7 +176,7 @@ def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
     kv_heads = _positive_int(meta, "attention.head_count_kv", meta.arch_key("attention.head_count_kv", heads))
     head_dim = _positive_int(meta, "attention.key_length", meta.arch_key("attention.key_length", hidden // heads))
     rope_dim = meta.arch_key("rope.dimension_count")
-    if rope_dim is not None and int(rope_dim) != head_dim:
+    if rope_dim is not None and int(rope_dim) != head_dim and arch != gguf_deepseek.ARCH:
         raise ModelLoadError(f"{path}: partial rotary embedding (rope.dimension_count {rope_dim} != head_dim "
                              f"{head_dim}) is not supported")
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -214,6 +216,8 @@ def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
         )
         if arch in gguf_gemma.FAMILIES:  # windows, soft-caps, local rotary base, attention scale
             fields.update(gguf_gemma.config_fields(meta, fields))
+        if arch == gguf_deepseek.ARCH:  # latent attention, DeepSeek's experts, yarn's softmax scale
+            fields.update(gguf_deepseek.config_fields(meta, fields, tensor_names))
         return ModelConfig(**{**fields, **family_row(family).fixed})  # (OLMoE: its q/k norm over all heads)
     except InvalidParameterError as e:
         raise ModelLoadError(f"{path}: invalid model config in GGUF metadata: {e.message}") from None
@@ -244,14 +248,18 @@ def _rope_scaling(meta: _Metadata, reader, head_dim: int, path: str):
                     logger.info("%s: rope_freqs tensor found: using llama3 rope scaling, factor %g", path, factor)
                     return RopeScaling(rope_type="llama3", factor=factor)
         return None
+    if rtype == "yarn" and meta.raw_arch == gguf_deepseek.ARCH:
+        return gguf_deepseek.yarn_scaling(meta)
     if rtype == "linear":
         return RopeScaling(rope_type="linear", factor=float(meta.arch_key("rope.scaling.factor", 1.0)))
     raise ModelLoadError(f"{path}: unsupported rope scaling type {rtype!r} (supported: none, linear, llama3)")
 
 
 def _runs_packed(t, hf_name: str) -> bool:
-    return gguf_packed.is_native(t.tensor_type) and hf_name.endswith(("proj.weight", "embed_tokens.weight",
-                                                                      "lm_head.weight"))
+    # (latent attention's kv_b_proj stays float: its weight is read as W_UK and W_UV, model/mla.py)
+    return gguf_packed.is_native(t.tensor_type) and hf_name.endswith(("proj.weight", "proj_with_mqa.weight",
+                                                                      "embed_tokens.weight", "lm_head.weight")) \
+        and not hf_name.endswith("kv_b_proj.weight")
 
 
 def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed: bool) -> tuple:
@@ -319,6 +327,8 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
         logger.info("%s: repacked at load (loader/gguf_packed.py): %s", path,
                     ", ".join(f"{n} tensors of {k} into {gguf_packed.REPACKED_FORM[k]}"
                               for k, n in sorted(repacked.items())))
+    if arch == gguf_deepseek.ARCH:
+        gguf_deepseek.settle(state_dict, config, path)
     gguf_packed.settle_fused(packed, state_dict, config.num_hidden_layers, path)
     gguf_experts.settle_experts(packed, state_dict, path)
     return state_dict, packed

@@ -125,7 +125,7 @@ def settle_fused(packed: dict, state_dict: dict, num_layers: int, path: str) -> 
         for _, parts in FUSED_PROJECTIONS:
             keys = [f"model.layers.{i}.{p}.weight" for p in parts]
             got = [packed.get(k) for k in keys]
-            if all(g is None for g in got):
+            if all(g is None for g in got) or not all(k in state_dict for k in keys):  # (latent attention: q alone)
                 continue
             kinds = {None if g is None else (g[0].dtype, g[1].dim()) for g in got}
             if len(kinds) == 1:
