@@ -66,3 +66,33 @@ def per_group_capacity(groups, free_bytes: int) -> int:
     """Sequences that would fit in free_bytes if each group held only what its kind needs."""
     need = sum(g.needed_bytes_per_sequence for g in groups)
     return free_bytes // need if need else 0
+
+
+def layers_per_window(cfg: ModelConfig) -> dict:
+    """window -> the number of cfg's layers attending over it (0: the whole context)."""
+    counts: dict = {}
+    for spec in cfg.layer_specs():
+        counts[spec.attention.window] = counts.get(spec.attention.window, 0) + 1
+    return counts
+
+
+def group_blocks(layers: dict, num_blocks: int, block_size: int, max_num_seqs: int, max_step_tokens: int,
+                 max_num_batched_tokens: int) -> dict:
+    """The pools of a cache with a block table per group (kvcache/hybrid.py) in the memory of num_blocks blocks
+    of every layer: window -> blocks. layers: window -> its layers (layers_per_window).
+
+    A windowed group gets what max_num_seqs sequences hold at once -- each at most cdiv(w + step, S) + 1 blocks
+    (its window, and the tokens one step adds: 1 + drafts for a decode) -- plus one step's prefill chunks
+    (cdiv(max_num_batched_tokens, S) + 1), never more than num_blocks; the first group (full attention, or the
+    widest window) gets the rest of the bytes: with L layers in all and L_g in group g,
+    N_first = (num_blocks * L - sum of N_g * L_g over the others) // L_first."""
+    first = 0 if 0 in layers else max(layers)
+    spent, out = 0, {}
+    for w, n in layers.items():
+        if w == first:
+            continue
+        per_seq = math.ceil((w + max_step_tokens) / block_size) + 1
+        out[w] = min(num_blocks, max_num_seqs * per_seq + math.ceil(max_num_batched_tokens / block_size) + 1)
+        spent += out[w] * n
+    out[first] = (num_blocks * sum(layers.values()) - spent) // layers[first]
+    return out
