@@ -125,6 +125,11 @@ class HybridKVCacheManager:
     def num_held_blocks(self, request_id: str) -> int:
         return sum(g.num_held_blocks(request_id) for g in self.groups)
 
+    def held_kv_tokens(self, request_id: str) -> float:
+        """Tokens' worth of every layer's KV that the request's blocks hold (a group's block: its layers' share)."""
+        held = self.held_blocks_per_group(request_id)
+        return sum(h * self.block_size * n for h, n in zip(held, self.layers)) / sum(self.layers)
+
     def held_blocks_per_group(self, request_id: str) -> tuple:
         return tuple(g.num_held_blocks(request_id) for g in self.groups)
 

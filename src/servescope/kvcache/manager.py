@@ -16,7 +16,9 @@ Invariants (check_invariants() asserts them; tests call it after every sequence 
     [i*S, (i+1)*S) and a decoding request holds at most cdiv(window, S) + 1 blocks. A prefix hit
     needs the whole chain of its blocks from the first (the simplest correct rule: the lookup is the
     same as without a window); the hit blocks already out of view go back right after admission.
-    A model with any full-attention layer keeps every block (window 0).
+    A model whose layers mix windows gets a block table per group of layers (kvcache/hybrid.py: one
+    manager like this one per group, each with its own window and pool); one table for all layers of
+    such a model (window 0) keeps every block.
 Pure Python, no torch: tested on plain integers.
 """
 
@@ -331,6 +333,10 @@ class KVCacheManager:
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds now (its table less the entries that slid out of the window)."""
         return sum(b != NO_BLOCK for b in self._blocks.get(request_id, ()))
+
+    def held_kv_tokens(self, request_id: str) -> float:
+        """Tokens' worth of every layer's KV that the request's blocks hold."""
+        return self.num_held_blocks(request_id) * self.block_size
 
     def reset_prefix_cache(self) -> int:
         """Forget every hash (e.g. after weights change). Evictable blocks become free; blocks in
