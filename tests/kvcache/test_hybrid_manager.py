@@ -167,3 +167,13 @@ def test_a_windowed_pool_smaller_than_one_sequence_binds_the_length():
     assert roomy.num_blocks == 100  # one sequence needs at most cdiv(64 + 32, 16) + 1 = 7 windowed blocks
     tight = make({0: 100, 64: 5}, step=32)
     assert tight.num_blocks == 5
+
+
+def test_the_block_map_shows_every_groups_blocks():
+    m = make({0: 10, 16: 6}, step=16)
+    a = Seq("a", range(40))
+    admit(m, a, chunk=16)
+    run(m, a, 16)
+    states, owners = m.block_map()
+    assert len(states) == len(owners) == 16
+    assert owners[:10].count("a") == 3 and owners[10:].count("a") == m.held_blocks_per_group("a")[1] == 2
