@@ -107,14 +107,16 @@ def test_the_engine_keeps_a_table_per_group_for_hybrid_models_only(hybrid, tmp_p
 @pytest.mark.parametrize("overrides", [
     dict(max_num_seqs=4, max_num_batched_tokens=16),  # chunks of 16: every chunk edge a window edge ...
     dict(max_num_seqs=4, max_num_batched_tokens=24),  # ... and chunks across them
-    dict(num_kv_blocks=9, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16),  # preemption
+    # preemption: a budget this tight gives every group the uniform cache's 8 blocks (group_blocks' cap)
+    dict(num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=16),
     dict(max_num_seqs=4, speculative_method="ngram", num_speculative_tokens=3),  # verification rows per group
 ], ids=["chunk16", "chunk24", "preemption", "ngram"])
 def test_batching_chunking_prefix_cache_preemption_change_nothing(hybrid, overrides):
     llm = assert_batching_changes_nothing(hybrid[1], overrides, 8)
     km = llm.engine.kv_manager
-    assert isinstance(km, HybridKVCacheManager) and km.groups[1].num_blocks < km.groups[0].num_blocks
-    assert km.prefix_cache_hits > 0
+    assert isinstance(km, HybridKVCacheManager) and km.prefix_cache_hits > 0
+    if "num_kv_blocks" not in overrides:
+        assert km.groups[1].num_blocks < km.groups[0].num_blocks
 
 
 def test_the_decode_plans_group_runs_equal_the_modules(hybrid):
