@@ -1,6 +1,7 @@
 """KV per group of layers of one attention kind (analysis/kv_layout.py) in the memory planner and explain:
-bytes per token per group, what the engine holds per sequence (one block table for all layers: a hybrid keeps
-every block, an all-windowed model a window's) and what each kind needs, counted here from the layer shapes."""
+bytes per token per group, what one block table for all layers holds per sequence (a hybrid keeps every block,
+an all-windowed model a window's) and what each kind needs (the engine's table per group), counted here from the
+layer shapes."""
 
 import math
 

@@ -143,3 +143,4 @@ def assert_batching_changes_nothing(path, overrides, num_prompts):
     if "num_kv_blocks" in overrides:
         assert llm.engine.scheduler.num_preemptions > 0
     llm.engine.kv_manager.check_invariants()
+    return llm

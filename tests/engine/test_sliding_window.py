@@ -95,23 +95,27 @@ def test_bfloat16_paths_attend_over_the_window(windowed):
 
 
 def test_engine_gives_back_the_blocks_that_slid_out(windowed):
-    """An all-windowed model's engine holds at most cdiv(window, S) + 1 blocks per decoding sequence; a
-    model with a full layer keeps them all. The tokens equal transformers' either way."""
+    """A windowed layer holds at most cdiv(window, S) + 1 blocks per decoding sequence: an all-windowed model's
+    one table, and the windowed group's table of a model with a full layer (kvcache/hybrid.py: a table per group
+    of layers), whose full group keeps them all. The tokens equal transformers' either way."""
     family, path, hf = windowed
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, block_size=4)
     ids = torch.randint(3, 49152, (30,), generator=torch.Generator().manual_seed(5)).tolist()
     engine = llm.engine
+    km = engine.kv_manager
+    groups = km.groups if km.num_groups > 1 else (km,)
+    assert [g.window for g in groups] == ([WINDOW] if family == "mistral" else [0, WINDOW])
     engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     held = []
     while engine.has_unfinished():
         engine.step()
         if engine.has_unfinished():
-            held.append(engine.kv_manager.num_held_blocks("r"))
-    decoding = held[1:]  # after the prefill step (the whole prompt's blocks: they go back at the next step)
-    windowed_only = family == "mistral"
-    assert held[0] == 30 // 4 + 1 and max(decoding) <= (WINDOW // 4 + 1 if windowed_only else 90 // 4 + 1)
-    assert (max(decoding) <= WINDOW // 4 + 1) == windowed_only
-    engine.kv_manager.check_invariants()
+            held.append([g.num_held_blocks("r") for g in groups])
+    for i, g in enumerate(groups):
+        decoding = [h[i] for h in held[1:]]  # after the prefill step (the whole prompt's blocks go back next step)
+        assert held[0][i] == 30 // 4 + 1 and max(decoding) <= (WINDOW // 4 + 1 if g.window else 90 // 4 + 1)
+        assert (max(decoding) <= WINDOW // 4 + 1) == bool(g.window)
+    km.check_invariants()
     out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0].outputs[0]
     with torch.no_grad():
         want = hf.generate(torch.tensor([ids]), max_new_tokens=60, do_sample=False, min_new_tokens=60,

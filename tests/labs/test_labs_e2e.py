@@ -310,7 +310,7 @@ def test_kv_layouts(session, tmp_path):
     assert lay["MHA"]["bytes_per_token"] > 6 * lay["MLA"]["bytes_per_token"]
     assert lay["MHA"]["bytes_per_token"] == 4 * lay["GQA"]["bytes_per_token"] == 8 * lay["MQA"]["bytes_per_token"]
     # held per sequence, measured on the KV manager: the predicted count exactly; the windowed model flat past
-    # its window at cdiv(W, S) + 1 blocks, full attention (and the hybrid's one table) growing with the context
+    # its window at cdiv(W, S) + 1 blocks, full attention (and the hybrid's global layer) growing with the context
     for name, r in lay.items():
         for p in r["points"]:
             assert p["held_bytes"] == p["predicted_held_bytes"], (name, p)
@@ -318,9 +318,10 @@ def test_kv_layouts(session, tmp_path):
     past = [p for p in lay["windowed"]["points"] if p["context"] > 2 * window]
     assert len(past) >= 2 and {p["held_bytes"] for p in past} == {(window // 16 + 1) * per_block}
     gqa, hybrid = lay["GQA"]["points"], lay["hybrid"]["points"]
-    assert gqa[-1]["held_bytes"] > 3 * gqa[-3]["held_bytes"] and hybrid[-1]["held_bytes"] == gqa[-1]["held_bytes"]
-    # per-group tables would keep one layer in six whole: under half of what the one table holds at the end
-    assert hybrid[-1]["per_group_tables_bytes"] < 0.5 * hybrid[-1]["held_bytes"]
+    assert gqa[-1]["held_bytes"] > 3 * gqa[-3]["held_bytes"] and hybrid[-1]["one_table_bytes"] == gqa[-1]["held_bytes"]
+    # a table per group keeps one layer in six whole: under half of what one table for all layers would hold
+    assert hybrid[-1]["held_bytes"] < 0.5 * hybrid[-1]["one_table_bytes"]
+    assert hybrid[-1]["capacity"] > 2 * gqa[-1]["capacity"]
     assert lay["windowed"]["points"][-1]["capacity"] > 2 * gqa[-1]["capacity"]
     # the cost model: the windowed step's prediction flat past the window, the full one's growing
     steps_w, steps_g = lay["windowed"]["steps"], lay["GQA"]["steps"]

@@ -144,7 +144,7 @@ def _kv_group_rows(mem: dict) -> list:
     for g in groups:
         name = "full" if not g["window"] else f"window {g['window']}"
         per_tok = g["bytes_per_token"]
-        rows.append((f"KV {name} ({g['layers']} layers): token / seq held / needed",
+        rows.append((f"KV {name} ({g['layers']} layers): token / seq, one table / per group",
                      f"{_bytes(per_tok)} / {_bytes(per_tok * g['engine_tokens_per_sequence'])}"
                      f" / {_bytes(per_tok * g['needed_tokens_per_sequence'])}"))
     rows.append(("max sequences, block tables per group",

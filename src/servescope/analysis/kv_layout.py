@@ -1,13 +1,13 @@
 """The KV cache per group of layers of one attention kind (full, or sliding over a window w): bytes per token,
-the tokens each group's layers hold per sequence in this engine, and what they would need with block tables
-per group (vLLM's hybrid allocator idea), which this engine does not have yet.
+the tokens each group's layers hold per sequence, and how the engine splits a memory budget between the groups.
 
-This engine keeps one block table per sequence for all layers. A sequence therefore holds the same blocks in
-every layer: all cdiv(context, S) of them, or, when every layer is windowed, at most cdiv(w, S) + 1 (the KV
-manager gives back what slid out: config/layers.window_of). A hybrid model (Gemma 2, Gemma 3) keeps every
-block in its windowed layers too; `needed_tokens_per_sequence` is what those layers would keep with tables of
-their own, and `per_group_capacity` what that would buy. Latent attention (MLA) is a group of kind "latent":
-one row of kv_lora_rank + qk_rope_head_dim values per token and layer instead of K and V per KV head.
+The engine keeps a block table per group of layers of one window (kvcache/hybrid.py, vLLM's hybrid allocator
+idea) when a model mixes windows (Gemma 2, Gemma 3, gpt-oss): a windowed group holds at most cdiv(w, S) + 1
+blocks per sequence, the full group every block; `group_blocks` sizes each group's pool. One table for all layers
+remains where per-group tables are not built (tensor / pipeline parallelism, a draft model): there a hybrid keeps
+every block in every layer (`blocks_held`, the planner's max_concurrent_sequences); an all-windowed model
+(Mistral) gives back what slid out either way (config/layers.window_of). Latent attention (MLA) is a group of kind
+"latent": one row of kv_lora_rank + qk_rope_head_dim values per token and layer instead of K and V per KV head.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ class KVGroup:
     window: int  # 0 for full attention
     layers: int
     bytes_per_token: int  # K and V of one token over this group's layers
-    engine_tokens_per_sequence: int  # cache slots its layers hold per sequence in this engine (whole blocks)
-    needed_tokens_per_sequence: int  # what the kind needs (whole blocks): a window's, or the context's
+    engine_tokens_per_sequence: int  # slots its layers hold per sequence with one table for all layers
+    needed_tokens_per_sequence: int  # what the kind needs (whole blocks): a window's, or the context's; what
+    # the engine's table per group holds
 
     @property
     def engine_bytes_per_sequence(self) -> int:
@@ -39,7 +40,8 @@ class KVGroup:
 
 
 def blocks_held(cfg: ModelConfig, context: int, block_size: int) -> int:
-    """Blocks one sequence of `context` tokens holds in the engine (the same for every layer)."""
+    """Blocks one sequence of `context` tokens holds with one block table for all layers (the same in every
+    layer)."""
     blocks = math.ceil(context / block_size)
     window = window_of(cfg.layer_specs())
     return min(blocks, math.ceil(window / block_size) + 1) if window else blocks
@@ -48,9 +50,7 @@ def blocks_held(cfg: ModelConfig, context: int, block_size: int) -> int:
 def kv_groups(cfg: ModelConfig, kv_dtype: str, context: int, block_size: int) -> tuple:
     """One KVGroup per attention kind of cfg's layers (full first), at `context` tokens per sequence."""
     per_layer = kv_cache_bytes_per_token(cfg, kv_dtype) // cfg.num_hidden_layers
-    counts: dict = {}
-    for spec in cfg.layer_specs():
-        counts[spec.attention.window] = counts.get(spec.attention.window, 0) + 1
+    counts = layers_per_window(cfg)
     held = blocks_held(cfg, context, block_size) * block_size
     blocks = math.ceil(context / block_size)
     out = []
@@ -63,6 +63,36 @@ def kv_groups(cfg: ModelConfig, kv_dtype: str, context: int, block_size: int) ->
 
 
 def per_group_capacity(groups, free_bytes: int) -> int:
-    """Sequences that would fit in free_bytes if each group held only what its kind needs."""
+    """Sequences that fit in free_bytes when each group holds only what its kind needs (a table per group)."""
     need = sum(g.needed_bytes_per_sequence for g in groups)
     return free_bytes // need if need else 0
+
+
+def layers_per_window(cfg: ModelConfig) -> dict:
+    """window -> the number of cfg's layers attending over it (0: the whole context)."""
+    counts: dict = {}
+    for spec in cfg.layer_specs():
+        counts[spec.attention.window] = counts.get(spec.attention.window, 0) + 1
+    return counts
+
+
+def group_blocks(layers: dict, num_blocks: int, block_size: int, max_num_seqs: int, max_step_tokens: int,
+                 max_num_batched_tokens: int) -> dict:
+    """The pools of a cache with a block table per group (kvcache/hybrid.py) in the memory of num_blocks blocks
+    of every layer: window -> blocks. layers: window -> its layers (layers_per_window).
+
+    A windowed group gets what max_num_seqs sequences hold at once -- each at most cdiv(w + step, S) + 1 blocks
+    (its window, and the tokens one step adds: 1 + drafts for a decode) -- plus one step's prefill chunks
+    (cdiv(max_num_batched_tokens, S) + 1), never more than num_blocks; the first group (full attention, or the
+    widest window) gets the rest of the bytes: with L layers in all and L_g in group g,
+    N_first = (num_blocks * L - sum of N_g * L_g over the others) // L_first."""
+    first = 0 if 0 in layers else max(layers)
+    spent, out = 0, {}
+    for w, n in layers.items():
+        if w == first:
+            continue
+        per_seq = math.ceil((w + max_step_tokens) / block_size) + 1
+        out[w] = min(num_blocks, max_num_seqs * per_seq + math.ceil(max_num_batched_tokens / block_size) + 1)
+        spent += out[w] * n
+    out[first] = (num_blocks * sum(layers.values()) - spent) // layers[first]
+    return out

@@ -46,10 +46,11 @@ class MemoryPlan:
     kv_bytes_per_sequence: int  # whole blocks at context_len
     free_for_kv_bytes: int  # memory - weights - activations (0 if negative)
     num_kv_blocks: int
-    max_concurrent_sequences: int  # sequences of context_len that fit at once
+    max_concurrent_sequences: int  # sequences of context_len that fit at once with one block table for all layers
     fits: bool  # weights + activations fit at all and at least one sequence fits
-    # per attention kind (analysis/kv_layout.py): bytes per token, tokens held per sequence here and needed by
-    # the kind; and the sequences that would fit with block tables per group (not built: hybrids keep all)
+    # per attention kind (analysis/kv_layout.py): bytes per token, tokens held per sequence with one table and
+    # needed by the kind; and the sequences that fit with a block table per group (what the engine does for a
+    # hybrid in one process without a draft model: kvcache/hybrid.py)
     kv_groups: tuple = ()
     max_concurrent_sequences_per_group_tables: int = 0
 

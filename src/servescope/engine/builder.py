@@ -23,11 +23,13 @@ from typing import Optional
 import torch
 
 from servescope.analysis.hardware import HardwareSpec
+from servescope.analysis.kv_layout import layers_per_window
 from servescope.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from servescope.config.layers import window_of
 from servescope.engine.executor import ModelExecutor
 from servescope.engine.hardware import default_hardware, default_link
-from servescope.engine.kv_sizing import check_kv_layout, kv_bytes_per_token, num_kv_blocks
+from servescope.engine.kv_sizing import (check_kv_layout, kv_bytes_per_token, kv_group_blocks, max_step_tokens,
+                                         num_kv_blocks)
 from servescope.engine.model_runner import ModelRunner
 from servescope.engine.parallel_worker import become_torchrun_worker, worker_main
 from servescope.engine.spec_builder import build_token_decider
@@ -36,6 +38,7 @@ from servescope.engine.token_decider import TokenDecider
 from servescope.engine.weights import (WEIGHT_SETTINGS, LoadedModel, adopt_saved_quantization, load_model,
                                        resolve_device, resolve_dtypes)
 from servescope.errors import EngineConfigError
+from servescope.kvcache.hybrid import HybridKVCacheManager
 from servescope.kvcache.manager import KVCacheManager
 from servescope.model.quantize import weight_format
 from servescope.sampling.sampler import Sampler
@@ -58,7 +61,7 @@ class EngineParts:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     runner: ModelRunner  # its executor: loaded's, or a fork of it (an engine on shared weights)
-    kv_manager: KVCacheManager
+    kv_manager: KVCacheManager  # or HybridKVCacheManager (its interface): a block table per group of layers
     scheduler: Scheduler
     sampler: Sampler
     cost: Optional[StepCostPredictor]  # annotates StepRecords (telemetry.predict_step_cost)
@@ -88,19 +91,28 @@ def build_engine(config: EngineConfig, shared: Optional[LoadedModel] = None,
     shard_cfg = executor.shard_config(cfg)  # this process's heads and layers (a parallel engine: fewer)
     check_kv_layout(shard_cfg, kv_dtype)
     blocks = num_kv_blocks(config.cache, config.batching, shard_cfg, kv_dtype, device)
-    max_len = resolve_max_model_len(config, cfg, blocks)
+    group_blocks = kv_group_blocks(config, shard_cfg, blocks)  # None: one block table for all layers
+    hybrid = None if group_blocks is None else HybridKVCacheManager(
+        runtime_configs(config, blocks, 1)[0], group_blocks, layers_per_window(shard_cfg),
+        max_step_tokens(config, shard_cfg))
+    max_len = resolve_max_model_len(config, cfg, blocks if hybrid is None else hybrid.num_blocks)
     backend = executor.attention_backend(config.load.attention_backend)
-    runner = ModelRunner(executor, shard_cfg, backend, blocks, config.cache.block_size, kv_dtype, device)
+    runner = ModelRunner(executor, shard_cfg, backend, blocks, config.cache.block_size, kv_dtype, device,
+                         group_blocks=group_blocks)
     executor.start_kv_cache(blocks, config.cache.block_size, kv_dtype)
     per_token = kv_bytes_per_token(shard_cfg, kv_dtype)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens, %d bytes per token, %.1f MiB (%s)",
                 blocks, config.cache.block_size, blocks * config.cache.block_size, per_token,
                 runner.kv_cache_bytes / 2**20, str(kv_dtype).replace("torch.", ""))
+    if hybrid is not None:
+        logger.info("KV cache per group of layers: %s", ", ".join(
+            f"window {g['window'] or 'full'} ({g['layers']} layers): {g['num_blocks']} blocks"
+            for g in hybrid.group_stats()))
     cache_config, scheduler_config = runtime_configs(config, blocks, max_len)
     # blocks that slid out of every layer's window go back (a draft model's layers read the same tables:
     # they may attend over the whole context, so then every block stays)
     drafted = config.speculative.speculative_method == "draft"
-    kv_manager = KVCacheManager(cache_config, window=0 if drafted else window_of(shard_cfg.layer_specs()))
+    kv_manager = hybrid or KVCacheManager(cache_config, window=0 if drafted else window_of(shard_cfg.layer_specs()))
     cost = None
     if config.telemetry.predict_step_cost:
         hardware = hardware or default_hardware(device, config.telemetry.hardware)
@@ -165,6 +177,9 @@ def runtime_configs(config: EngineConfig, num_blocks: int, max_model_len: int) -
 def capture_cuda_graphs(config: EngineConfig, executor: ModelExecutor, runner: ModelRunner, max_model_len: int) -> None:
     """Decode CUDA graphs for the batch sizes up to max_num_seqs (CUDA, Triton attention, use_cuda_graph)."""
     if not (runner.device.type == "cuda" and config.load.use_cuda_graph and runner.backend.name == "triton"):
+        return
+    if runner.group_windows:  # a graph holds one set of tables for all layers (engine/cuda_graphs.py)
+        logger.info("CUDA graphs are not captured for a KV cache with a block table per group of layers")
         return
     sizes = [b for b in config.load.cuda_graph_batch_sizes if b <= config.batching.max_num_seqs]
     executor.capture_cuda_graphs(runner, sizes, -(-max_model_len // config.cache.block_size))

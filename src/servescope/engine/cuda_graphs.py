@@ -121,7 +121,8 @@ class CudaGraphRunner:
     def can_run(self, batch) -> bool:
         meta = batch.meta
         b = meta.num_seqs
-        return (meta.is_decode_only and batch.num_tokens == b
+        # a graph holds one set of tables for all layers: a step with a table per group of layers runs eagerly
+        return (meta.is_decode_only and batch.num_tokens == b and not meta.window_groups
                 and meta.block_tables.shape[1] <= self.max_blocks_per_seq
                 and self._graph_size(b) is not None)
 

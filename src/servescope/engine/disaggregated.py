@@ -69,6 +69,9 @@ class DisaggregatedEngine:
 
     def __init__(self, decode: LLMEngine, layout: str = "1P1D", start_timeout_s: float = START_TIMEOUT_S):
         check_layout(layout, decode.config)
+        if decode.kv_manager.num_groups > 1:  # engine/kv_transfer.py copies one table's blocks
+            raise InvalidParameterError("disaggregate", "disaggregation of a model whose layers mix attention "
+                                                        "windows (a block table per group of layers) is not built")
         self.decode, self.layout = decode, layout
         self._pending: dict = {}  # request id -> (text, ids, params, priority, arrival, ticket) meanwhile
         # the worker knows each prefill by a ticket only: KV that arrives for an aborted request (its ticket

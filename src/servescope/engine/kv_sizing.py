@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
-from servescope.config import BatchingConfig, KVCacheConfig, ModelConfig
+from servescope.analysis.kv_layout import group_blocks, layers_per_window
+from servescope.config import BatchingConfig, EngineConfig, KVCacheConfig, ModelConfig
 from servescope.errors import EngineConfigError
 from servescope.model.attention import kv_quant
 
@@ -95,3 +97,25 @@ def num_kv_blocks(cache: KVCacheConfig, batching: BatchingConfig, cfg: ModelConf
             f"tokens x {per_block // cache.block_size} bytes per token)")
     logger.debug("KV budget from %s", source)
     return int(blocks)
+
+
+def kv_group_blocks(config: EngineConfig, cfg: ModelConfig, num_blocks: int) -> Optional[dict]:
+    """window -> the blocks of each group's pool, where cfg's layers mix attention windows and the engine keeps a
+    block table per group (kvcache/hybrid.py), in the memory of num_blocks blocks of every layer; None: one table
+    for all layers -- one kind of layer; a draft model (it reads the target's tables over all its own layers);
+    tensor / pipeline parallelism (their step plans carry one table)."""
+    layers = layers_per_window(cfg)
+    if (len(layers) < 2 or config.speculative.speculative_method == "draft"
+            or config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size > 1):
+        return None
+    batching = config.batching
+    return group_blocks(layers, num_blocks, config.cache.block_size, batching.max_num_seqs,
+                        1 + (config.speculative.num_speculative_tokens or 0), max_step_tokens(config, cfg))
+
+
+def max_step_tokens(config: EngineConfig, cfg: ModelConfig) -> int:
+    """The most tokens one step adds to one sequence: a chunk, or a whole prompt without chunked prefill."""
+    batching = config.batching
+    if batching.enable_chunked_prefill and not config.cache.no_kv_cache:
+        return batching.max_num_batched_tokens
+    return max(batching.max_num_batched_tokens, batching.max_model_len or cfg.max_position_embeddings)

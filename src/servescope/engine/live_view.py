@@ -72,9 +72,10 @@ class LiveView:
         t0, km = time.perf_counter(), self.engine.kv_manager
         # an idle engine loses nothing to a rebuild: then the map is always the state now
         idle_and_stale = not self.engine.has_unfinished() and self._map is not None and self._map["counts"] != {
-            "free": km.allocator.num_free,
-            "used": km.num_used_blocks - (km.num_cached_blocks - km.num_evictable_blocks),
-            "cached": km.num_cached_blocks - km.num_evictable_blocks, "evictable": km.num_evictable_blocks}
+            "free": sum(g.allocator.num_free for g in _groups(km)),
+            "used": sum(g.num_used_blocks - (g.num_cached_blocks - g.num_evictable_blocks) for g in _groups(km)),
+            "cached": sum(g.num_cached_blocks - g.num_evictable_blocks for g in _groups(km)),
+            "evictable": sum(g.num_evictable_blocks for g in _groups(km))}
         if self._map is None or t0 >= self._map_due or idle_and_stale:
             self._map = self._build_block_map()
             self._map_due = t0 + (time.perf_counter() - t0) / MAP_SHARE
@@ -88,11 +89,18 @@ class LiveView:
         counts = [0, 0, 0, 0]
         for s in states:
             counts[s] += 1
-        return {"num_blocks": km.num_blocks, "block_size": km.block_size,
-                "states": "".join(map(str, states)),
-                "owners": _run_lengths([-1 if o is None else index[o] for o in owners]),
-                "requests": requests,
-                "counts": dict(zip(("free", "used", "cached", "evictable"), counts))}
+        out = {"num_blocks": len(states), "block_size": km.block_size,
+               "states": "".join(map(str, states)),
+               "owners": _run_lengths([-1 if o is None else index[o] for o in owners]),
+               "requests": requests,
+               "counts": dict(zip(("free", "used", "cached", "evictable"), counts))}
+        if km.num_groups > 1:  # a table per group of layers: the groups' blocks one after the other
+            offsets = [0]
+            for g in km.groups:
+                offsets.append(offsets[-1] + g.num_blocks)
+            out["groups"] = [{"window": w, "offset": o, "blocks": g.num_blocks}
+                             for w, o, g in zip(km.windows, offsets, km.groups)]
+        return out
 
     def _queues(self) -> dict:
         sched = self.engine.scheduler
@@ -133,3 +141,8 @@ class LiveView:
         peak = hw.flops(cost.act_dtype)
         return {"name": hw.name, "dtype": cost.act_dtype, "peak_flops": peak, "bandwidth": hw.memory_bandwidth,
                 "ridge": peak / hw.memory_bandwidth}
+
+
+def _groups(km) -> tuple:
+    """The KV managers behind km: its groups' (kvcache/hybrid.py), or km itself."""
+    return km.groups if km.num_groups > 1 else (km,)

@@ -271,7 +271,7 @@ class LLMEngine:
             kv_blocks_cached=km.num_cached_blocks, kv_usage=km.usage,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_preemptions_total=self.scheduler.num_preemptions, grammar_mask_seconds=decision.mask_seconds,
-            kv_bytes_used=km.num_used_blocks * self.cache_config.block_size * self.kv_bytes_per_token)
+            kv_bytes_used=int(km.used_kv_tokens() * self.kv_bytes_per_token))
         rec.num_spec_seqs, rec.num_draft_tokens, rec.num_accepted_tokens = (
             decision.num_spec_seqs, decision.num_draft_tokens, decision.num_accepted_tokens)
         if out.scheduled:
@@ -291,14 +291,15 @@ class LLMEngine:
     def kv_cache_state(self) -> dict:
         km, cc = self.kv_manager, self.cache_config
         return {
-            "num_blocks": cc.num_blocks, "block_size": cc.block_size,
+            "num_blocks": km.num_blocks, "block_size": cc.block_size,
             "blocks_used": km.num_used_blocks, "blocks_free": km.num_free_blocks,
             "blocks_cached": km.num_cached_blocks, "usage": km.usage,
-            "bytes_per_token": self.kv_bytes_per_token, "capacity_tokens": cc.num_blocks * cc.block_size,
+            "bytes_per_token": self.kv_bytes_per_token, "capacity_tokens": km.num_blocks * cc.block_size,
             "dtype": str(self.kv_dtype).replace("torch.", ""),
             "total_bytes": self.runner.kv_cache_bytes,
             "prefix_cache_queries": km.prefix_cache_queries, "prefix_cache_hits": km.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
             **self.decider.state(),
+            **({"groups": km.group_stats()} if km.num_groups > 1 else {}),  # a block table per group of layers
         }

@@ -16,7 +16,9 @@ Invariants (check_invariants() asserts them; tests call it after every sequence 
     [i*S, (i+1)*S) and a decoding request holds at most cdiv(window, S) + 1 blocks. A prefix hit
     needs the whole chain of its blocks from the first (the simplest correct rule: the lookup is the
     same as without a window); the hit blocks already out of view go back right after admission.
-    A model with any full-attention layer keeps every block (window 0).
+    A model whose layers mix windows gets a block table per group of layers (kvcache/hybrid.py: one
+    manager like this one per group, each with its own window and pool); one table for all layers of
+    such a model (window 0) keeps every block.
 Pure Python, no torch: tested on plain integers.
 """
 
@@ -57,6 +59,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
+    num_groups = 1  # one block table for all layers (kvcache/hybrid.py: one per group of layers)
+
     def __init__(self, config: CacheConfig, window: int = 0):
         self.config = config
         # every layer's attention window (config/layers.window_of); 0: some layer reads the whole context
@@ -98,6 +102,10 @@ class KVCacheManager:
         """Fraction of blocks referenced by some request (0..1)."""
         return self.num_used_blocks / self.num_blocks
 
+    def used_kv_tokens(self) -> float:
+        """Tokens' worth of every layer's KV that the used blocks hold."""
+        return self.num_used_blocks * self.block_size
+
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
@@ -107,6 +115,10 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return list(self._blocks.get(request_id, ()))
+
+    def get_group_block_ids(self, request_id: str) -> tuple:
+        """The request's block table per group of layers (kvcache/hybrid.py); () with one table for all layers."""
+        return ()
 
     def block_map(self) -> tuple[list[int], list[str | None]]:
         """Each block's state and first owner, for live views: (states, owners), both of length
@@ -192,15 +204,11 @@ class KVCacheManager:
             assert not held and request.num_computed_tokens == 0, f"{rid}: cache hit for a request that holds blocks"
             assert num_computed_from_cache == len(computed_blocks) * self.block_size
         admitting = not held
-        if held:  # blocks out of view go back first (whether or not this allocation succeeds: none reads them)
-            self._release_slid_out(rid, request.num_computed_tokens)
-        total = request.num_computed_tokens + num_computed_from_cache + num_new_tokens
-        num_new_blocks = max(self.num_blocks_for(total + num_lookahead_tokens) - len(held) - len(computed_blocks), 0)
-        # Hit blocks that sit in the evictable list stop being available once we take them.
-        num_hit_evictable = sum(1 for b in computed_blocks if self.allocator.ref_count(b) == 0)
-        if num_new_blocks > self.num_free_blocks - num_hit_evictable:
+        num_new_blocks = self._blocks_to_allocate(request, num_new_tokens, computed_blocks, num_computed_from_cache,
+                                                  num_lookahead_tokens)
+        if num_new_blocks is None:
             return False
-
+        total = request.num_computed_tokens + num_computed_from_cache + num_new_tokens
         table = self._blocks.setdefault(rid, held)
         for b in computed_blocks:
             if self.allocator.ref_count(b) == 0:
@@ -219,6 +227,25 @@ class KVCacheManager:
             self.prefix_cache_hits += num_computed_from_cache
         self._cache_full_blocks(request, min(total, request.num_tokens))
         return True
+
+    def can_allocate(self, request: SequenceLike, num_new_tokens: int, computed_blocks: list[int] | None = None,
+                     num_computed_from_cache: int = 0, num_lookahead_tokens: int = 0) -> bool:
+        """Whether allocate_slots() with the same arguments would succeed. Allocates nothing; a running
+        request's blocks that slid out of the window go back (as allocate_slots would: none reads them)."""
+        return self._blocks_to_allocate(request, num_new_tokens, computed_blocks or [], num_computed_from_cache,
+                                        num_lookahead_tokens) is not None
+
+    def _blocks_to_allocate(self, request: SequenceLike, num_new_tokens: int, computed_blocks: list[int],
+                            num_computed_from_cache: int, num_lookahead_tokens: int) -> int | None:
+        """New blocks the allocation takes, or None when free + evictable blocks do not suffice."""
+        held = self._blocks.get(request.request_id, [])
+        if held:  # blocks out of view go back first (whether or not this allocation succeeds: none reads them)
+            self._release_slid_out(request.request_id, request.num_computed_tokens)
+        total = request.num_computed_tokens + num_computed_from_cache + num_new_tokens
+        num_new_blocks = max(self.num_blocks_for(total + num_lookahead_tokens) - len(held) - len(computed_blocks), 0)
+        # Hit blocks that sit in the evictable list stop being available once we take them.
+        num_hit_evictable = sum(1 for b in computed_blocks if self.allocator.ref_count(b) == 0)
+        return None if num_new_blocks > self.num_free_blocks - num_hit_evictable else num_new_blocks
 
     def _allocate_block(self) -> int:
         if self.allocator.num_free == 0:
@@ -306,6 +333,10 @@ class KVCacheManager:
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds now (its table less the entries that slid out of the window)."""
         return sum(b != NO_BLOCK for b in self._blocks.get(request_id, ()))
+
+    def held_kv_tokens(self, request_id: str) -> float:
+        """Tokens' worth of every layer's KV that the request's blocks hold."""
+        return self.num_held_blocks(request_id) * self.block_size
 
     def reset_prefix_cache(self) -> int:
         """Forget every hash (e.g. after weights change). Evictable blocks become free; blocks in

@@ -6,10 +6,11 @@ Five random models of one shape, differing only in attention: MHA (as many KV he
 (GQA, Gemma 3's five windowed layers to one global). For each, measured beside predicted:
 - KV bytes per token: the engine's cache tensors' bytes over their token slots, beside the cost model's
   2 x layers x KV heads x head_dim x dtype bytes (analysis/op_counts.py);
-- KV held per sequence vs context: the blocks the engine's KV manager holds for one request as it decodes,
-  beside analysis/kv_layout.py's count. A windowed model gives back what slid out, so it stays flat past W;
-  the hybrid keeps every block (one table for all layers), and what block tables per group would hold is
-  shown beside it, predicted only (this engine does not have them);
+- KV held per sequence vs context: the bytes of the blocks the engine's KV manager holds for one request as it
+  decodes (each group's blocks times its layers' bytes), beside analysis/kv_layout.py's count. A windowed model
+  gives back what slid out, so it stays flat past W; the hybrid keeps a block table per group of layers
+  (kvcache/hybrid.py): its windowed layers flat past W, its global layer growing. What one table for all layers
+  would hold (every block in every layer) is shown beside it, predicted;
 - capacity: the sequences of each context that a fixed KV budget holds;
 - decode step time vs context (one request): the step's wall time and the cost model's prediction.
 """
@@ -71,9 +72,7 @@ def _engine(opts: LabOptions, config_path, context: int):
 
 def _cache_bytes_per_token(engine) -> float:
     """The engine's KV tensors' bytes over the token slots they hold (measured on the tensors themselves)."""
-    total = sum(t.numel() * t.element_size() for kv in engine.runner.kv_caches for t in kv)
-    cc = engine.cache_config
-    return total / (cc.num_blocks * cc.block_size)
+    return engine.runner.kv_bytes_per_token  # each layer's tensors' bytes over that layer's token slots
 
 
 def _decode_trace(engine, sz: dict, rng: random.Random) -> list:
@@ -85,7 +84,7 @@ def _decode_trace(engine, sz: dict, rng: random.Random) -> list:
         engine.step()
         rec = engine.step_records[-1]
         if rec.num_decode_seqs and engine.has_unfinished():
-            out.append((rec.context_lens[0], engine.kv_manager.num_held_blocks("kv"), rec.wall_seconds,
+            out.append((rec.context_lens[0], engine.kv_manager.held_kv_tokens("kv"), rec.wall_seconds,
                         rec.predicted_seconds))
     return out
 
@@ -105,12 +104,11 @@ def measure_layout(opts: LabOptions, name: str, config: dict, sz: dict) -> dict:
     for c in _checkpoints(sz):
         ctx, held, _, _ = min(trace, key=lambda t: abs(t[0] - c))
         groups = kv_groups(cfg, kdt, ctx, cc.block_size)
-        held_bytes = held * cc.block_size * per_tok
+        held_bytes = round(held * per_tok)
         per_group = sum(g.needed_bytes_per_sequence for g in groups)
-        points.append({"context": ctx, "held_bytes": held_bytes,
-                       "predicted_held_bytes": sum(g.engine_bytes_per_sequence for g in groups),
-                       "per_group_tables_bytes": per_group, "capacity": KV_BUDGET // held_bytes,
-                       "predicted_capacity": KV_BUDGET // per_group if per_group else 0})
+        points.append({"context": ctx, "held_bytes": held_bytes, "predicted_held_bytes": per_group,
+                       "one_table_bytes": sum(g.engine_bytes_per_sequence for g in groups),
+                       "capacity": KV_BUDGET // held_bytes, "predicted_capacity": KV_BUDGET // per_group})
     bins = _bins(trace, sz)
     return {"kv_heads": cfg.kv_cache_geometry[0], "bytes_per_token": _cache_bytes_per_token(engine),
             "predicted_bytes_per_token": per_tok, "points": points, "steps": bins,
@@ -153,8 +151,8 @@ def _plot(results: dict, sz: dict, path):
         ax2.plot([p["context"] for p in pts], [p["predicted_held_bytes"] / 2**20 for p in pts], "x",
                  color=line.get_color())
         if n == "hybrid":
-            ax2.plot([p["context"] for p in pts], [p["per_group_tables_bytes"] / 2**20 for p in pts], ":",
-                     color=line.get_color(), label="hybrid, tables per group (predicted)")
+            ax2.plot([p["context"] for p in pts], [p["one_table_bytes"] / 2**20 for p in pts], ":",
+                     color=line.get_color(), label="hybrid, one table for all layers (predicted)")
         steps = results[n]["steps"]
         ax3.plot([s["context"] for s in steps], [s["measured_s"] * 1e3 for s in steps], "o-", color=line.get_color(),
                  label=n)
@@ -186,11 +184,11 @@ def _shows(results: dict, sz: dict) -> str:
         f"At {last['GQA']['context']} tokens of context one GQA sequence holds {last['GQA']['held_bytes'] / 2**20:.2f} "
         f"MiB; the windowed model {last['windowed']['held_bytes'] / 2**20:.2f} MiB, flat past its window of "
         f"{sz['window']} (the manager gives back the blocks that slid out). The hybrid holds "
-        f"{last['hybrid']['held_bytes'] / 2**20:.2f} MiB: one block table for all layers keeps every block in its "
-        f"windowed layers too; tables per group would hold {last['hybrid']['per_group_tables_bytes'] / 2**20:.2f} "
-        f"MiB (predicted; not built). In {KV_BUDGET >> 20} MiB: GQA {last['GQA']['capacity']} sequences, windowed "
-        f"{last['windowed']['capacity']}, hybrid {last['hybrid']['capacity']} (per-group tables: "
-        f"{last['hybrid']['predicted_capacity']}).",
+        f"{last['hybrid']['held_bytes'] / 2**20:.2f} MiB with a block table per group of layers (its windowed "
+        f"layers flat past the window, its global one growing); one table for all layers would keep every block "
+        f"in every layer: {last['hybrid']['one_table_bytes'] / 2**20:.2f} MiB (predicted). In {KV_BUDGET >> 20} "
+        f"MiB: GQA {last['GQA']['capacity']} sequences, windowed {last['windowed']['capacity']}, hybrid "
+        f"{last['hybrid']['capacity']} (predicted {last['hybrid']['predicted_capacity']}).",
         "Decode step, last context bin over first: " + ", ".join(f"{n} x{r:.2f}" for n, r in ratio.items())
         + f". The windowed model reads at most {sz['window']} keys per layer, so its predicted step stops growing "
         "past the window; on a model this small a measured step is mostly fixed costs (and, on a shared machine, "
@@ -204,7 +202,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     plot = _plot(results, sz, opts.out / "kv_layouts.png")
     rows = [[n, r["kv_heads"], "/".join(sorted(set(r["kinds"]))), round(r["bytes_per_token"]),
              r["predicted_bytes_per_token"],
-             r["points"][-1]["held_bytes"] / 2**20, r["points"][-1]["per_group_tables_bytes"] / 2**20,
+             r["points"][-1]["held_bytes"] / 2**20, r["points"][-1]["one_table_bytes"] / 2**20,
              r["points"][-1]["capacity"], r["steps"][0]["measured_s"] * 1e3, r["steps"][-1]["measured_s"] * 1e3,
              r["steps"][-1]["predicted_s"] * 1e3] for n, r in results.items()]
     ctx = results["GQA"]["points"][-1]["context"]
@@ -213,7 +211,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
                   f"{_SHAPE['num_attention_heads']} query heads of {_SHAPE['head_dim']}, {opts.dtype}; window "
                   f"{sz['window']}; one request decoding from a {sz['prompt']}-token prompt to {sz['context']}."),
         ("Layouts", md_table(["layout", "KV heads", "kinds", "B/token measured", "B/token predicted",
-                              f"MiB held at {ctx}", "MiB with per-group tables", f"seqs in {KV_BUDGET >> 20} MiB",
+                              f"MiB held at {ctx}", "MiB with one table", f"seqs in {KV_BUDGET >> 20} MiB",
                               "first step ms", "last step ms", "last predicted ms"], rows)),
         ("What it shows", _shows(results, sz)),
     ]

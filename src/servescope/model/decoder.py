@@ -86,6 +86,7 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         q, k = RotaryEmbedding.apply(cos_sin, q, k)
         k_cache, v_cache = kv_cache
+        meta = meta.for_window(self.window)  # a cache with a block table per group: this layer's group's
         backend.store_kv(k, v, k_cache, v_cache, meta)
         o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window,  # [T, H, D]
                             softcap=self.softcap, sinks=getattr(self, "sinks", None))

@@ -35,8 +35,11 @@ class DecodePlanLayers:
     """The model's layers as one C++ call, for decode-only steps (one token per sequence) of up to
     max_rows sequences on a cache the C++ kernels read."""
 
-    def __init__(self, plan, max_rows: int, rotary):
-        self.plan, self.max_rows, self.rotary = plan, max_rows, rotary
+    def __init__(self, plan, max_rows: int, rotary, segments: tuple = ()):
+        """segments: (first layer, end, window, plan of those layers) for each run of consecutive layers of one
+        window: a cache with a block table per group of layers (kvcache/hybrid.py) runs them in turn, each on
+        its group's tables; the same kernels in the same order as the one plan of all layers."""
+        self.plan, self.max_rows, self.rotary, self.segments = plan, max_rows, rotary, segments
 
     def serves(self, meta, num_tokens: int, kv_caches: list, backend) -> bool:
         return (meta.is_decode_only and num_tokens <= self.max_rows and backend.name == "torch"
@@ -46,8 +49,13 @@ class DecodePlanLayers:
         """As CausalLM.run_layers: (h, residual) [T, Dm] in and out (residual None: h is the embeddings)."""
         cos, sin = self.rotary.table(positions)
         empty = h.new_empty(0)
-        h, residual = self.plan.run_layers(h, empty if residual is None else residual, cos, sin, kv_caches,
-                                           meta.slot_mapping, meta.block_tables, meta.context_lens)
+        if not meta.window_groups:
+            return self.plan.run_layers(h, empty if residual is None else residual, cos, sin, kv_caches,
+                                        meta.slot_mapping, meta.block_tables, meta.context_lens)
+        for lo, hi, window, plan in self.segments:
+            m = meta.for_window(window)
+            h, residual = plan.run_layers(h, empty if residual is None else residual, cos, sin, kv_caches[lo:hi],
+                                          m.slot_mapping, m.block_tables, m.context_lens)
         return h, residual
 
 
@@ -86,9 +94,14 @@ def cpu_decode_plan(model: nn.Module):
     if any(n.weight.dtype != dtype or n.eps != cfg.rms_norm_eps for n in norms_of) or dtype not in cpu_ops.DTYPES:
         return None
     windows = [layer.self_attn.window for layer in model.model.layers]
-    plan = mod.DecodePlan(layers, limits, windows, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                          cfg.rms_norm_eps, cfg.attention_scale)
-    return DecodePlanLayers(plan, min(served), model.rotary)
+    args = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.attention_scale)
+    plan = mod.DecodePlan(layers, limits, windows, *args)
+    segments, lo = [], 0
+    for i in range(1, len(windows) + 1):  # runs of consecutive layers of one window
+        if len(set(windows)) > 1 and (i == len(windows) or windows[i] != windows[lo]):
+            segments.append((lo, i, windows[lo], mod.DecodePlan(layers[lo:i], limits[lo:i], windows[lo:i], *args)))
+            lo = i
+    return DecodePlanLayers(plan, min(served), model.rotary, tuple(segments))
 
 
 def _plan_covers_layer(spec) -> bool:

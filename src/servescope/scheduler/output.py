@@ -20,6 +20,9 @@ class ScheduledSequence:
     # draft tokens verified this step: they follow the request's last token, so num_new_tokens is
     # 1 + len(spec_token_ids) and logits are due at each of those positions
     spec_token_ids: tuple = ()
+    # a cache with a block table per group of layers of one window (kvcache/hybrid.py): each group's table,
+    # the first being block_ids; () with one table for all layers
+    group_block_ids: tuple = ()
 
     @property
     def request_id(self) -> str:

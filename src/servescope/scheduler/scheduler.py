@@ -277,6 +277,7 @@ class Scheduler:
             start < num_tokens - 1 or start < req.num_prompt_tokens,  # is_prefill
             start + num_new - len(spec) == num_tokens,  # will_sample
             spec,
+            self.kv_manager.get_group_block_ids(req.request_id),
         )
 
     def _preempt(self, req: Request) -> None:

@@ -38,6 +38,13 @@ class AttentionMetadata:
     num_decode_seqs: int = 0  # the first num_decode_seqs sequences have query_len == 1 (decodes first)
     # Per-step values a backend derives once and reuses in every layer (masks, gathered indices).
     scratch: dict = field(default_factory=dict)
+    # A cache with a block table per group of layers of one window (kvcache/hybrid.py): window -> that group's
+    # metadata (its own slot_mapping, block_tables and scratch; the rest shared). Empty: every layer reads this.
+    window_groups: dict = field(default_factory=dict)
+
+    def for_window(self, window: int) -> "AttentionMetadata":
+        """The metadata a layer attending over `window` (0: the whole context) reads: its group's."""
+        return self.window_groups.get(window, self) if self.window_groups else self
 
     @property
     def num_seqs(self) -> int:

@@ -267,7 +267,9 @@ function drawRoofline() {
 function drawBlocks(kv) {
   const { ctx, w, h } = canvas("c-blocks");
   $("kv-bs").textContent = kv.block_size === null ? "?" : kv.block_size;
-  $("kv-note").textContent = kv.synthetic ? "A recorded trace keeps only the counts: blocks are drawn in order, not where they were." : "";
+  $("kv-note").textContent = kv.synthetic ? "A recorded trace keeps only the counts: blocks are drawn in order, not where they were."
+    : kv.groups ? "A table per group of layers, one after the other: " + kv.groups.map(
+      (g) => (g.window ? "window " + g.window : "full") + " " + g.blocks).join(", ") : "";
   const c = kv.counts;
   $("kv-free").textContent = c.free; $("kv-used").textContent = c.used + c.cached;
   $("kv-cached").textContent = c.cached; $("kv-evictable").textContent = c.evictable;
