@@ -45,20 +45,17 @@ class DecodeRun:
         self.last_step = [min(e[2] - n, max_len - r.num_tokens) - 1 for r, e, n in zip(rows, entries, n_out0)]
         self.finish_step = min(self.last_step)
         self.cache_steps = kv.num_blocks * b - max(r.num_tokens for r in rows) + 1
-        # rows whose step j can change blocks, by j % S, in admission order (schedule()'s): those at the first
-        # position of a block (a new block) and, with prefix caching, at the last (it fills and is hashed)
-        by_phase: list = [[] for _ in range(b)]
+        # rows by their position mod S: those at the first position of a block at step j (a new block) are
+        # by_phase[-j % S]; with prefix caching those at the last (it fills and is hashed), by_phase[(-j-1) % S]
+        self.by_phase = by_phase = [[] for _ in range(b)]
         for i, p in enumerate(p0):
             by_phase[p % b].append(i)
-        self.starts_block = [len(by_phase[-ph % b]) for ph in range(b)]
-        if kv.enable_prefix_caching and b > 1:
-            self.touch = [sorted(by_phase[-ph % b] + by_phase[(-ph - 1) % b]) for ph in range(b)]
-        else:
-            self.touch = [by_phase[-ph % b] for ph in range(b)]
+        self.hashing = kv.enable_prefix_caching and b > 1
         self.free0 = kv.num_free_blocks
         self.allocs = 0  # blocks the planned steps may take (every block start counted)
         self.clock0 = self.clock = engine.clock
         self.plan: list = []  # per planned step: (seconds, prediction, bound, its end)
+        self._last: tuple = (None, None)  # (decode shape, decode_seconds) of the last planned step
         self.blocked = False  # the next step cannot be planned: it runs as a single step
 
     @classmethod
@@ -76,17 +73,22 @@ class DecodeRun:
         """Plan the steps that start before t, as far as the stretch goes (then `blocked`): up to and with the
         first step that finishes a request."""
         plan, b, timer, p0, sum0 = self.plan, self.block_size, self.engine.timer, self.p0, self.sum0
+        n, last = len(p0), self._last
         while self.clock < t and not self.blocked:
             j = len(plan)
-            new_blocks = self.starts_block[j % b]
+            new_blocks = len(self.by_phase[-j % b])
             if j >= self.cache_steps or self.allocs + new_blocks > self.free0:
                 self.blocked = True
                 return
             self.allocs += new_blocks
-            seconds, pred, bound = timer.decode_seconds(p0, j, sum0)
+            shape = timer.decode_shape(n, sum0 + j * n)
+            if shape is None or shape != last[0]:  # the step's time changes only with its shape
+                last = (shape, timer.decode_seconds(p0, j, sum0))
+            seconds, pred, bound = last[1]
             self.clock = self.clock + seconds
             plan.append((seconds, pred, bound, self.clock))
             self.blocked = j == self.finish_step
+        self._last = last
 
     def commit(self) -> list:
         """Apply the planned steps to the scheduler, the KV manager, the requests and the engine's counters;
@@ -94,14 +96,19 @@ class DecodeRun:
         e, m = self.engine, len(self.plan)
         if not m:
             return []
-        kv, b, rows, p0, touch = e.kv_manager, self.block_size, self.rows, self.p0, self.touch
+        kv, b, rows, p0, by_phase = e.kv_manager, self.block_size, self.rows, self.p0, self.by_phase
+        touch: dict = {}
         finishing = m - 1 == self.finish_step
         applied = [0] * len(rows)  # steps whose tokens each request holds
         peak, busy, bound_seconds = e.peak_kv_usage, e.busy_seconds, e.bound_seconds
         records = e.steps is not None
         start, allocate = self.clock0, kv.allocate_slots
         for j, (seconds, pred, bound, end) in enumerate(self.plan):
-            touched = touch[j % b]
+            touched = touch.get(j % b)
+            if touched is None:  # the rows whose step j can change blocks, in admission order (schedule()'s)
+                touched = by_phase[-j % b]
+                if self.hashing:
+                    touched = touch[j % b] = sorted(touched + by_phase[(-j - 1) % b])
             for i in touched:  # as this step's schedule(): the request as it saw it, then its allocation
                 req = rows[i]
                 if applied[i] < j:
@@ -118,10 +125,12 @@ class DecodeRun:
                 e._record_step(pred, start, seconds, 0, len(rows), 0, len(rows), [p + j + 1 for p in p0], 0, 0, 0)
             start = end
         ends = [step[3] for step in self.plan]
-        for i, req in enumerate(rows):
-            self._bring(i, m, applied)
+        vocab, n_out0 = e._vocab, self.n_out0
+        for i, (req, entry) in enumerate(zip(rows, self.entries)):  # _bring(i, m) inline: once a row a stretch
+            seed, n = entry[3], n_out0[i]
+            req.extend_output_tokens([(seed + k * _STREAM_MUL) % vocab for k in range(n + applied[i], n + m)])
             req.num_computed_tokens = p0[i] + m
-            self.entries[i][1].token_times.extend(ends)
+            entry[1].token_times.extend(ends)
         n = len(rows) * m
         e.peak_kv_usage, e.busy_seconds, e.clock = peak, busy, self.clock
         e.tokens_scheduled += n

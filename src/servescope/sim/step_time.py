@@ -90,9 +90,17 @@ class StepTimer:
 
     def _quantised(self, ones: int, context: int, longer: tuple, num_logits: int) -> tuple:
         """shape() of `ones` one-token rows whose contexts sum to `context`, then the `longer` rows."""
-        q = self.quantum
-        mean = round(context / q / ones) * q if ones else 0
+        mean = self._mean(context, ones) if ones else 0
         return (ones, mean, longer, num_logits), [(1, mean)] * ones + list(longer)
+
+    def _mean(self, context: int, ones: int) -> int:
+        q = self.quantum
+        return round(context / q / ones) * q
+
+    def decode_shape(self, num_seqs: int, context_sum: int):
+        """What decode_seconds of num_seqs decodes whose contexts sum to context_sum depends on besides num_seqs:
+        their rounded mean context; None when it depends on more (exact shapes, or a step table's context)."""
+        return self._mean(context_sum, num_seqs) if self.quantum and self.table is None else None
 
     def step_seconds(self, out: SchedulerOutput) -> tuple[float, StepPrediction, str]:
         """(seconds, the cost model's prediction, its bound: compute or memory) of a non-empty step."""
