@@ -112,6 +112,11 @@ class SimEngine:
     def _token(self, seed: int, position: int) -> int:
         return (seed + position * _STREAM_MUL) % self._vocab
 
+    def stream(self, seed: int, start: int, stop: int) -> list:
+        """The output tokens at positions [start, stop) of the stream `seed` (_token of each)."""
+        vocab = self._vocab
+        return [(seed + n * _STREAM_MUL) % vocab for n in range(start, stop)]
+
     # ---------------------------------------------------------------- the step
     def step(self) -> list:
         """One step: schedule, advance the clock by its predicted time, hand out tokens, finish what is

@@ -3,12 +3,13 @@ state and records that as many single steps give.
 
 A stretch starts when the scheduler says its next step can only decode (Scheduler.decode_batch: nothing
 waits, every running request is one token behind, no drafts). Every step after it is the same batch one
-position further until a request finishes (its max_tokens or the context: the stretch stops before that
-step) or an allocation could fail (the stretch stops before the step whose new blocks would exceed the
-blocks free at its start, so nothing in it can preempt). Such a step's time depends only on the batch's
-contexts: the plan holds each step's predicted seconds (StepTimer.decode_seconds, the memo single steps
-use) and its end, so the instance's next step start and outstanding tokens at any time are known
-without touching the scheduler; a router asks for them (sim/parallel.py).
+position further until a request finishes (its max_tokens or the context: that step is the stretch's last,
+applied with its finishes as step() delivers them) or an allocation could fail (the stretch stops before
+the step whose new blocks would exceed the blocks free at its start, so nothing in it can preempt).
+Such a step's time depends only on the batch's contexts: the plan holds each step's predicted seconds
+(StepTimer.decode_seconds, the memo single steps use) and its end, so the instance's next step start
+and outstanding tokens at any time are known without touching the scheduler; a router asks for them
+(sim/parallel.py).
 
 `commit` applies the planned steps as single steps would have, in their order: for each step, the KV
 manager's `allocate_slots(req, 1)` of every request whose step can change its blocks -- the position
@@ -24,8 +25,6 @@ counters (summed step by step in the same order) and, when kept, a StepRecord pe
 from __future__ import annotations
 
 from typing import Optional
-
-_STREAM_MUL = 2654435761  # sim/engine.py's output streams
 
 
 class DecodeRun:
@@ -125,10 +124,10 @@ class DecodeRun:
                 e._record_step(pred, start, seconds, 0, len(rows), 0, len(rows), [p + j + 1 for p in p0], 0, 0, 0)
             start = end
         ends = [step[3] for step in self.plan]
-        vocab, n_out0 = e._vocab, self.n_out0
+        stream, n_out0 = e.stream, self.n_out0
         for i, (req, entry) in enumerate(zip(rows, self.entries)):  # _bring(i, m) inline: once a row a stretch
-            seed, n = entry[3], n_out0[i]
-            req.extend_output_tokens([(seed + k * _STREAM_MUL) % vocab for k in range(n + applied[i], n + m)])
+            n = n_out0[i]
+            req.extend_output_tokens(stream(entry[3], n + applied[i], n + m))
             req.num_computed_tokens = p0[i] + m
             entry[1].token_times.extend(ends)
         n = len(rows) * m
@@ -151,6 +150,6 @@ class DecodeRun:
 
     def _bring(self, i: int, j: int, applied: list) -> None:
         """Give request i the tokens of the steps before step j of the stretch (its own output stream)."""
-        seed, vocab, n0 = self.entries[i][3], self.engine._vocab, self.n_out0[i]
-        self.rows[i].extend_output_tokens([(seed + n * _STREAM_MUL) % vocab for n in range(n0 + applied[i], n0 + j)])
+        n0 = self.n_out0[i]
+        self.rows[i].extend_output_tokens(self.engine.stream(self.entries[i][3], n0 + applied[i], n0 + j))
         applied[i] = j
