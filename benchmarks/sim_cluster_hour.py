@@ -10,7 +10,9 @@ first seconds). One process: the simulator is single-threaded.
     python benchmarks/sim_cluster_hour.py --seconds 3600 --json benchmarks/results/sim_cluster_hour.json
 
 --context-quantum 0 predicts every step on its exact shape (sim/step_time.py); --check-every N predicts every
-Nth step on its exact shape as well and reports how far the memoised prediction was from it.
+Nth step on its exact shape as well and reports how far the memoised prediction was from it (stepping one
+at a time: the check wraps the memo single steps use). --no-fast-forward steps every replica one step at a
+time (sim/fast_forward.py plans the stretches of steps that only decode by default; the same report).
 """
 
 from __future__ import annotations
@@ -106,13 +108,15 @@ def main(argv=None) -> int:
     p.add_argument("--context-quantum", type=int, default=DEFAULT_CONTEXT_QUANTUM)
     p.add_argument("--check-every", type=int, default=0, help="compare every Nth memoised step with its exact one")
     p.add_argument("--workers", type=int, default=1, help="processes the 8 replicas run in (sim/parallel.py)")
+    p.add_argument("--no-fast-forward", action="store_true", help="step every replica one step at a time")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     spec = instance_spec("llama-3-70b", "H100", parallel=ParallelConfig(tensor_parallel_size=8),
                          batching=BatchingConfig(max_num_seqs=128, max_num_batched_tokens=4096))
     spec = spec.replace(context_quantum=a.context_quantum)
     reqs = LazyWorkload(int(a.rate * a.seconds), a.rate, (512, 1536), (128, 384), spec.model.vocab_size)
-    dep = Deployment(spec, 8, a.router, keep_steps=False)
+    fast_forward = not (a.no_fast_forward or a.check_every)
+    dep = Deployment(spec, 8, a.router, keep_steps=False, fast_forward=fast_forward)
     errors = check_memo(dep.engines[0].timer, a.check_every) if a.check_every else None
     cpu0, wall0 = cpu_seconds(), time.perf_counter()
     run = simulate(dep, reqs, workers=1 if a.check_every else a.workers)
@@ -130,7 +134,7 @@ def main(argv=None) -> int:
            "p99_ttft_ms": r.ttft.percentiles_ms[99.0], "median_tpot_ms": r.tpot.median_ms,
            "p90_tpot_ms": r.tpot.percentiles_ms[90.0], "p99_tpot_ms": r.tpot.percentiles_ms[99.0],
            "output_throughput": r.output_throughput, "router": a.router, "rate": a.rate,
-           "context_quantum": a.context_quantum}
+           "context_quantum": a.context_quantum, "fast_forward": fast_forward}
     if errors:
         rel = np.abs(np.array(errors))
         out["memo_check"] = {"steps": len(errors), "mean_error": float(np.mean(errors)),

@@ -69,6 +69,8 @@ def add_parser(sub) -> None:
     c = s.add_argument_group("cluster")
     c.add_argument("--replicas", type=positive_int, default=1, help="data-parallel replicas (colocated)")
     c.add_argument("--router", default="least-tokens", choices=ROUTERS)
+    c.add_argument("--no-fast-forward", action="store_true",
+                   help="step every replica one step at a time (the same results, slower; sim/fast_forward.py)")
     c.add_argument("--prefill-instances", type=int, default=0, metavar="P",
                    help="prefill/decode disaggregation: P prefill instances ...")
     c.add_argument("--decode-instances", type=int, default=0, metavar="D", help="... and D decode instances")

@@ -83,7 +83,8 @@ def deployment_from_args(args, spec, keep_steps: bool = True):
         link = args.kv_link if args.kv_link not in (None, "local-gloo") else local_link(args, spec.hardware)
         return Disaggregated(spec, args.prefill_instances, args.decode_instances, kv_link=link or args.kv_link,
                              keep_steps=keep_steps)
-    return Deployment(spec, args.replicas, args.router, keep_steps=keep_steps)
+    return Deployment(spec, args.replicas, args.router, keep_steps=keep_steps,
+                      fast_forward=not args.no_fast_forward)
 
 
 def run_simulate(args, con, write_json) -> int:

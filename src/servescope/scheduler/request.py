@@ -103,6 +103,11 @@ class Request:
         self.output_token_ids.append(tok)
         self._all_token_ids.append(tok)
 
+    def extend_output_tokens(self, toks: Sequence[int]) -> None:
+        """append_output_token of each of toks, in one go (a simulator applying several decode steps at once)."""
+        self.output_token_ids.extend(toks)
+        self._all_token_ids.extend(toks)
+
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop output tokens past the first num_output_tokens (a stop inside a step's several tokens)."""
         extra = self.num_output_tokens - num_output_tokens

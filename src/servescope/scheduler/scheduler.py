@@ -227,6 +227,26 @@ class Scheduler:
                 i += 1
         return token_budget
 
+    def decode_batch(self) -> Optional[list[Request]]:
+        """The running requests (admission order, a copy) when the next schedule() can do nothing but give
+        each of them one decode token, else None: nothing waits or is to be reported, every running request
+        has an output and is one token behind it with no drafts, they all fit the token budget, and none
+        outgrew the cache (the checks of _schedule_running's loop, for num_new = 1). Blocks are not looked
+        at: a decode whose new block cannot be allocated still preempts. While no request finishes and no
+        allocation fails, the steps after such a step are such steps too, each request one position further
+        (a simulator may apply them at once, calling allocate_slots(req, 1) wherever it can change blocks)."""
+        running = self._running
+        if self._waiting or self._finished_to_report or not running:
+            return None
+        if len(running) > self.config.max_num_batched_tokens:
+            return None
+        cache_tokens = self.kv_manager.num_blocks * self.kv_manager.block_size
+        for req in running:
+            n = req.num_tokens
+            if req.spec_token_ids or not req.output_token_ids or req.num_computed_tokens != n - 1 or n > cache_tokens:
+                return None
+        return list(running)
+
     def _take_spec_tokens(self, req: Request, num_new: int, token_budget: int) -> tuple:
         """The request's drafts to verify this step (consumed: the proposer sets new ones after the
         step). Only a decode speculates; the drafts are cut to the step's token budget and so that

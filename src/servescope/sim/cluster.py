@@ -32,14 +32,17 @@ class Deployment:
     """N data-parallel replicas of `spec` behind a router (sim/driver.Served)."""
 
     def __init__(self, spec: InstanceSpec, replicas: int = 1, router: str = "least-tokens",
-                 keep_steps: bool = True, balance_tokens: int = DEFAULT_BALANCE_TOKENS, seed: int = 0):
+                 keep_steps: bool = True, balance_tokens: int = DEFAULT_BALANCE_TOKENS, seed: int = 0,
+                 fast_forward: bool = True):
         if replicas < 1:
             raise InvalidParameterError("replicas", f"replicas must be at least 1, got {replicas}")
         if router not in ROUTERS:
             raise InvalidParameterError("router", f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
         self.spec, self.router, self.balance_tokens = spec, router, balance_tokens
         timer = StepTimer(spec)
-        self.engines = [SimEngine(spec, f"replica-{i}", keep_steps, seed + i, timer) for i in range(replicas)]
+        self.fast_forward = fast_forward  # sim/run.simulate drives it through sim/parallel.py, whose replicas plan
+        self.engines = [SimEngine(spec, f"replica-{i}", keep_steps, seed + i, timer, fast_forward)
+                        for i in range(replicas)]
         self._time = 0.0
         self._next = 0
         self._home: dict = {}  # request id -> replica index

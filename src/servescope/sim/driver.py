@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import operator
 from typing import Optional, Protocol, Sequence
 
 from servescope.bench.metrics import BenchmarkResult, RequestRecord, compute_metrics
@@ -42,8 +43,8 @@ def record_of(req: SimRequest, finished, sent: float, start: float) -> RequestRe
                              latency=max((m.finished_time or sent) - sent, 0.0),
                              error=finished.error or "no token produced")
     # tokens that came out of one step (accepted drafts) reach a client as one chunk: ITL between chunks
-    chunks = [t for i, t in enumerate(times) if i == 0 or t != times[i - 1]]
-    itl = [b - a for a, b in zip(chunks, chunks[1:])]
+    chunks = times[:1] + [b for a, b in zip(times, times[1:]) if b != a]
+    itl = list(map(operator.sub, chunks[1:], chunks[:-1]))  # b - a of each neighbouring pair
     return RequestRecord(success=True, prompt_len=req.prompt_len, output_len=len(times), ttft=times[0] - sent,
                          itl=itl, latency=times[-1] - sent, start_time=sent - start)
 

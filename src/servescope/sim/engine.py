@@ -26,6 +26,7 @@ from servescope.config import CacheConfig, SamplingParams
 from servescope.kvcache.manager import KVCacheManager
 from servescope.scheduler.request import Request, RequestStatus
 from servescope.scheduler.scheduler import Scheduler
+from servescope.sim.fast_forward import DecodeRun
 from servescope.sim.spec import InstanceSpec
 from servescope.sim.step_time import StepTimer
 from servescope.telemetry.request_metrics import RequestMetrics
@@ -45,11 +46,13 @@ class Finished:
 
 class SimEngine:
     """One engine instance on a virtual clock (seconds from 0). keep_steps: keep a StepRecord per step
-    (for traces; a cluster hour leaves it off). timer: a StepTimer of `spec` to share."""
+    (for traces; a cluster hour leaves it off). timer: a StepTimer of `spec` to share. fast_forward: advance()
+    plans stretches of steps that only decode instead of running them (sim/fast_forward.py; step() never does)."""
 
     def __init__(self, spec: InstanceSpec, name: str = "engine", keep_steps: bool = True, seed: int = 0,
-                 timer: Optional[StepTimer] = None):
-        self.spec, self.name = spec, name
+                 timer: Optional[StepTimer] = None, fast_forward: bool = True):
+        self.spec, self.name, self.fast_forward = spec, name, fast_forward
+        self._run: Optional[DecodeRun] = None  # the planned stretch, not yet applied (commit)
         self.clock = 0.0  # virtual seconds
         self.kv_manager = KVCacheManager(CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks,
                                                      enable_prefix_caching=spec.enable_prefix_caching))
@@ -82,6 +85,7 @@ class SimEngine:
                     arrival_time: float) -> Optional[Finished]:
         """Queue a request (arrival_time: the virtual time it was sent). A request the engine would refuse
         (LLMEngine._check_fits: it cannot fit the context) comes back at once as a Finished with its error."""
+        self.settle()
         metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         max_len = self.spec.scheduler.max_model_len
         if not prompt_token_ids or len(prompt_token_ids) + max_tokens > max_len:
@@ -99,6 +103,7 @@ class SimEngine:
 
     def wait_until(self, t: float) -> None:
         """Idle until virtual time t (nothing runs in between)."""
+        self.settle()
         self.clock = max(self.clock, t)
 
     def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, arrival_time: float):
@@ -107,10 +112,17 @@ class SimEngine:
     def _token(self, seed: int, position: int) -> int:
         return (seed + position * _STREAM_MUL) % self._vocab
 
+    def stream(self, seed: int, start: int, stop: int) -> list:
+        """The output tokens at positions [start, stop) of the stream `seed` (_token of each)."""
+        vocab = self._vocab
+        return [(seed + n * _STREAM_MUL) % vocab for n in range(start, stop)]
+
     # ---------------------------------------------------------------- the step
     def step(self) -> list:
         """One step: schedule, advance the clock by its predicted time, hand out tokens, finish what is
         done. Returns the requests finished by it (Finished)."""
+        if self._run is not None:
+            self.settle()
         out = self.scheduler.schedule()
         done = [self._refused(r) for r in out.finished_requests]
         if not out.scheduled:
@@ -132,8 +144,64 @@ class SimEngine:
             self._propose()
         self.num_steps += 1
         if self.steps is not None:
-            self._record(out, pred, t0, seconds, drafted, accepted)
+            sched = out.scheduled
+            npf = sum(1 for s in sched if s.is_prefill)
+            self._record_step(pred, t0, seconds, npf, len(sched) - npf, out.num_prefill_tokens, out.num_decode_tokens,
+                              [s.num_computed_tokens + s.num_new_tokens for s in sched],
+                              sum(1 for s in sched if s.spec_token_ids), drafted, accepted)
         return done
+
+    # ---------------------------------------------------------------- fast-forward (sim/fast_forward.py)
+    def advance(self, t: float) -> list:
+        """Run every step that starts before virtual time t (the requests they finish, Finished); with
+        fast_forward the steps of a stretch that only decodes are planned, and applied by commit() when
+        something needs the state (a request added, a step that is not such a step, the end)."""
+        done: list = []
+        while True:
+            run = self._run
+            if run is not None:
+                run.extend_to(t)
+                if not run.blocked:
+                    return done  # planned through t
+                planned = run.steps
+                done.extend(self.commit())
+                if planned:
+                    continue  # a new stretch may follow at once
+                if self.clock >= t:
+                    return done
+                done.extend(self.step())  # the step that cannot be in a stretch
+                continue
+            if self.clock >= t or not self.has_unfinished():
+                return done
+            if self.fast_forward:
+                self._run = DecodeRun.start(self)
+                if self._run is not None:
+                    continue
+            done.extend(self.step())
+
+    def commit(self) -> list:
+        """Apply the planned steps of the stretch, if any; the requests its last step finished (Finished)."""
+        run, self._run = self._run, None
+        return [] if run is None else run.commit()
+
+    def settle(self) -> None:
+        """commit() before the state is read or changed. A stretch's finishing step is applied in advance(), which
+        planned it: none is pending here."""
+        if self._run is not None and self.commit():
+            raise RuntimeError(f"{self.name}: requests finished outside advance()")
+
+    def next_start(self) -> float:
+        """When the next step that is not planned starts: the clock after the planned steps."""
+        return self.clock if self._run is None else self._run.clock
+
+    def steps_taken(self) -> int:
+        """Steps run or planned."""
+        return self.num_steps + (0 if self._run is None else self._run.steps)
+
+    def load(self) -> int:
+        """Outstanding tokens after the planned steps (each takes one token of every request in it)."""
+        run = self._run
+        return self.outstanding_tokens - (0 if run is None else len(run.rows) * run.steps)
 
     def _sample(self, out) -> tuple:
         """({request id: its tokens this step}, the live entries of those requests, accepted, drafted) for
@@ -200,9 +268,13 @@ class SimEngine:
         self.outstanding_tokens -= n_out - before + (req.num_prompt_tokens if before == 0 < n_out else 0)
         if n_out < max_tokens and req.num_tokens < self._max_model_len:
             return None
-        rid = req.request_id
         if req.num_output_tokens > n_out:
             req.truncate_output(n_out)  # accepted drafts past max_tokens are dropped, as the engine's
+        return self.finish(entry, now)
+
+    def finish(self, entry: tuple, now: float) -> Finished:
+        """A request that got its last token: finished by the scheduler (its blocks freed), its metrics closed."""
+        rid = entry[0].request_id
         self.scheduler.finish_request(rid, RequestStatus.FINISHED_LENGTH)
         return self._close(rid, now)
 
@@ -231,6 +303,7 @@ class SimEngine:
     def utilisation(self, duration: float) -> dict:
         """What the run asked of this instance: busy share, mean tokens and sequences per step against the
         limits, compute- vs memory-bound time, the fullest KV cache, preemptions, prefix-cache hits."""
+        self.settle()
         n, sc = max(self.num_steps, 1), self.spec.scheduler
         return {"name": self.name, "busy": self.busy_seconds / duration if duration > 0 else 0.0,
                 "steps": self.num_steps, "token_budget_used": self.tokens_scheduled / n / sc.max_num_batched_tokens,
@@ -240,19 +313,18 @@ class SimEngine:
                 "prefix_hit_rate": self.kv_manager.prefix_cache_hit_rate}
 
     # ---------------------------------------------------------------- telemetry
-    def _record(self, out, pred, t0: float, seconds: float, drafted: int, accepted: int) -> None:
+    def _record_step(self, pred, t0: float, seconds: float, npf: int, ndec: int, prefill_tokens: int,
+                     decode_tokens: int, context_lens: list, num_spec: int, drafted: int, accepted: int) -> None:
         km, sched = self.kv_manager, self.scheduler
-        npf = sum(1 for s in out.scheduled if s.is_prefill)
         cost = pred.cost
         self.steps.append(StepRecord(
             step=self.num_steps, start_time=t0, wall_seconds=seconds, num_prefill_seqs=npf,
-            num_decode_seqs=len(out.scheduled) - npf, num_prefill_tokens=out.num_prefill_tokens,
-            num_decode_tokens=out.num_decode_tokens,
-            context_lens=[s.num_computed_tokens + s.num_new_tokens for s in out.scheduled],
+            num_decode_seqs=ndec, num_prefill_tokens=prefill_tokens, num_decode_tokens=decode_tokens,
+            context_lens=context_lens,
             kv_blocks_used=km.num_used_blocks, kv_blocks_free=km.num_free_blocks,
             kv_blocks_cached=km.num_cached_blocks, kv_usage=km.usage, num_running=sched.num_running,
             num_waiting=sched.num_waiting, num_preemptions_total=sched.num_preemptions,
-            num_spec_seqs=sum(1 for s in out.scheduled if s.spec_token_ids), num_draft_tokens=drafted,
+            num_spec_seqs=num_spec, num_draft_tokens=drafted,
             num_accepted_tokens=accepted, kv_bytes_used=km.num_used_blocks * self.spec.block_size
             * self.spec.kv_bytes_per_token,
             predicted_seconds=pred.seconds, flops=cost.flops, bytes=cost.bytes,

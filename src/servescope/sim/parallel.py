@@ -50,28 +50,32 @@ class _Group:
         if opens_batch:
             t = self.arrivals[j]
             for e in self.engines:
-                while e.clock < t and e.has_unfinished():
-                    self._step(e)
-        loads = [e.outstanding_tokens for e in self.engines]
+                before = e.steps_taken()
+                self._collect(e.advance(t))
+                if e.steps_taken() != before:
+                    self.time = max(self.time, e.next_start())
+        loads = [e.load() for e in self.engines]
         hits = None
         if self.dep.router == "prefix":
             prompt = self.requests[j].prompt
-            hits = [self.dep.cached_prefix(e, prompt) for e in self.engines]
-        busy = min((e.clock for e in self.engines if e.has_unfinished()), default=math.inf)
+            hits = []
+            for e in self.engines:
+                e.settle()  # the prefix cache as the planned steps leave it
+                hits.append(self.dep.cached_prefix(e, prompt))
+        busy = min((e.next_start() for e in self.engines if e.has_unfinished()), default=math.inf)
         return loads, hits, busy, self.time
 
     def run_out(self, start: float) -> dict:
         """Run the replicas to the end; {request index: its record (sim/driver.record_of)} of this group's."""
         for e in self.engines:
-            while e.has_unfinished():
-                self._step(e)
+            self._collect(e.advance(math.inf))
+            e.settle()
         return {j: record_of(self.requests[j], f, self.arrivals[j], start) for j, f in self.finished.items()}
 
-    def _step(self, engine) -> None:
-        for f in engine.step():
+    def _collect(self, finished: list) -> None:
+        for f in finished:
             self.finished[int(f.request_id.rsplit("-", 1)[1])] = f
             self.last = max(self.last, f.metrics.finished_time)
-        self.time = max(self.time, engine.clock)
 
     def add(self, j: int, replica: int) -> None:
         """Send request j to the deployment's replica `replica` (one of this group's), as Deployment.add."""

@@ -28,10 +28,13 @@ def simulate(deployment: Deployment, requests: Sequence, max_concurrency: Option
              percentiles=(90.0, 99.0), config: Optional[dict] = None, workers: int = 1) -> SimRun:
     """Send `requests` (sim/workload.SimRequest) to the deployment on its virtual clock. workers > 1: the
     replicas of a data-parallel Deployment without a concurrency limit run in that many processes
-    (sim/parallel.py: the same results); anything else runs in this one."""
+    (sim/parallel.py: the same results); anything else runs in this one. A Deployment with fast_forward (the
+    default) without a concurrency limit goes through sim/parallel.py in one process too: its replicas plan
+    their stretches of decodes (sim/fast_forward.py) and the router reads their loads from the plans, with
+    the step-by-step run's results."""
     t0 = time.perf_counter()
-    replicas = isinstance(deployment, Deployment) and len(deployment.engines) > 1  # not P/D instances
-    if workers > 1 and max_concurrency is None and replicas:
+    colocated = isinstance(deployment, Deployment) and max_concurrency is None  # not P/D instances
+    if colocated and ((workers > 1 and len(deployment.engines) > 1) or deployment.fast_forward):
         records, duration, finished = drive_replicas(deployment, requests, workers)
     else:
         records, duration, finished = drive(deployment, requests, max_concurrency)

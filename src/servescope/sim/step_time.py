@@ -22,6 +22,8 @@ unmemoised prediction; docs/BENCHMARKS.md has it. context_quantum 0: exact shape
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from servescope.analysis.step_prediction import StepPrediction
 from servescope.scheduler.output import SchedulerOutput
 from servescope.sim.spec import InstanceSpec
@@ -62,7 +64,9 @@ class StepTimer:
         """(prediction, its bound) of the step's rows, memoised on their shape. The bound is the prediction's
         own (CostBreakdown.bound), kept beside it because that property sums over the ops on every read
         (~4 us, once a step for SimEngine.bound_seconds: ~10 s of a simulated cluster hour)."""
-        key, rows = self.shape(seqs, num_logits)
+        return self._lookup(*self.shape(seqs, num_logits), num_logits)
+
+    def _lookup(self, key: tuple, rows: list, num_logits: int) -> tuple:
         hit = self._cache.get(key)
         if hit is None:
             if len(self._cache) >= CACHE_ENTRIES:
@@ -73,8 +77,7 @@ class StepTimer:
 
     def shape(self, seqs: tuple, num_logits: int) -> tuple:
         """(memo key, the rows the prediction is made on) of a step's rows."""
-        q = self.quantum
-        if not q:
+        if not self.quantum:
             return (seqs, num_logits), list(seqs)
         ones, context, longer = 0, 0, []
         for n, c in seqs:
@@ -83,17 +86,51 @@ class StepTimer:
                 context += c
             else:
                 longer.append((n, c))
-        mean = round(context / q / ones) * q if ones else 0
-        return (ones, mean, tuple(longer), num_logits), [(1, mean)] * ones + longer
+        return self._quantised(ones, context, tuple(longer), num_logits)
+
+    def _quantised(self, ones: int, context: int, longer: tuple, num_logits: int) -> tuple:
+        """shape() of `ones` one-token rows whose contexts sum to `context`, then the `longer` rows."""
+        mean = self._mean(context, ones) if ones else 0
+        return (ones, mean, longer, num_logits), [(1, mean)] * ones + list(longer)
+
+    def _mean(self, context: int, ones: int) -> int:
+        q = self.quantum
+        return round(context / q / ones) * q
+
+    def decode_shape(self, num_seqs: int, context_sum: int):
+        """What decode_seconds of num_seqs decodes whose contexts sum to context_sum depends on besides num_seqs:
+        their rounded mean context; None when it depends on more (exact shapes, or a step table's context)."""
+        return self._mean(context_sum, num_seqs) if self.quantum and self.table is None else None
 
     def step_seconds(self, out: SchedulerOutput) -> tuple[float, StepPrediction, str]:
         """(seconds, the cost model's prediction, its bound: compute or memory) of a non-empty step."""
         seqs, num_logits = step_seqs(out)
-        pred, bound = self._memo(seqs, num_logits)
+        scheduled = out.scheduled
+        sampled_rows = sum(1 for s in scheduled if s.will_sample)
+        context = sum(s.num_computed_tokens for s in scheduled) if self.table is not None else 0
+        return self._seconds(self._memo(seqs, num_logits), len(scheduled), sampled_rows, out.num_prefill_tokens == 0,
+                             out.total_num_scheduled_tokens, context)
+
+    def decode_seconds(self, contexts: Sequence[int], shift: int,
+                       context_sum: int) -> tuple[float, StepPrediction, str]:
+        """step_seconds of a step of one-token decodes (no drafts) whose contexts before it are c + shift for c
+        in `contexts` (in the step's order; they sum to context_sum + shift * len), every one sampling:
+        sim/fast_forward.py plans such steps without a SchedulerOutput."""
+        n = len(contexts)
+        total = context_sum + shift * n
+        if self.quantum:
+            hit = self._lookup(*self._quantised(n, total, (), n), n)
+        else:
+            hit = self._memo(tuple([(1, c + shift) for c in contexts]), n)
+        return self._seconds(hit, n, n, True, n, total)
+
+    def _seconds(self, hit: tuple, num_seqs: int, sampled_rows: int, decode_only: bool, num_tokens: int,
+                 context_sum: int) -> tuple[float, StepPrediction, str]:
+        """step_seconds from the memoised (prediction, bound) of the step's rows and its counts: sequences, those
+        that sample, whether no prefill tokens are in it, its tokens, its sequences' contexts before it, summed."""
+        pred, bound = hit
         if self.table is not None:
-            context = sum(s.num_computed_tokens for s in out.scheduled) / len(out.scheduled)
-            ratio = self.table.ratio(out.num_prefill_tokens == 0, out.total_num_scheduled_tokens, context)
+            ratio = self.table.ratio(decode_only, num_tokens, context_sum / num_seqs)
             return pred.seconds * ratio, pred, bound
-        sampled_rows = sum(1 for s in out.scheduled if s.will_sample)
-        host = self.host.per_seq_s * len(out.scheduled) + self.host.per_token_s * sampled_rows
+        host = self.host.per_seq_s * num_seqs + self.host.per_token_s * sampled_rows
         return pred.seconds + host, pred, bound

@@ -1,0 +1,155 @@
+"""Fast-forward: an instance's steps that only decode, planned in bulk and applied when needed, with the
+state and records that as many single steps give.
+
+A stretch starts when the scheduler says its next step can only decode (Scheduler.decode_batch: nothing
+waits, every running request is one token behind, no drafts). Every step after it is the same batch one
+position further until a request finishes (its max_tokens or the context: that step is the stretch's last,
+applied with its finishes as step() delivers them) or an allocation could fail (the stretch stops before
+the step whose new blocks would exceed the blocks free at its start, so nothing in it can preempt).
+Such a step's time depends only on the batch's contexts: the plan holds each step's predicted seconds
+(StepTimer.decode_seconds, the memo single steps use) and its end, so the instance's next step start
+and outstanding tokens at any time are known without touching the scheduler; a router asks for them
+(sim/parallel.py).
+
+`commit` applies the planned steps as single steps would have, in their order: for each step, the KV
+manager's `allocate_slots(req, 1)` of every request whose step can change its blocks -- the position
+starts a block (a new block, when the held ones do not cover it) or fills one (its hash goes into the
+prefix cache): the manager's invariants say a request holds ceil(tokens / S) blocks and hashes a block
+when the step computing its last token is scheduled, so at any other position the call changes nothing
+-- made with the request exactly as that step's schedule() saw it (its tokens and num_computed_tokens);
+then the tokens of every step (each request's own stream), their times, the clock, the instance's
+counters (summed step by step in the same order) and, when kept, a StepRecord per step. A window
+(sliding-window KV that frees blocks) or speculative decoding never fast-forwards.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class DecodeRun:
+    """The planned stretch of one SimEngine (start() gives one, or None when the next step cannot start one)."""
+
+    def __init__(self, engine, rows: list):
+        self.engine, self.rows = engine, rows
+        self.entries = entries = [engine._live[r.request_id] for r in rows]
+        self.p0 = p0 = [r.num_computed_tokens for r in rows]  # each request's position at the first step
+        self.n_out0 = n_out0 = [len(r.output_token_ids) for r in rows]
+        self.sum0 = sum(p0)
+        kv = engine.kv_manager
+        self.block_size = b = kv.block_size
+        # the step at which each request gets its last token (max_tokens or the context: it finishes there),
+        # and the steps the cache allows (schedule() finishes a request that outgrew it with an error)
+        max_len = engine._max_model_len
+        self.last_step = [min(e[2] - n, max_len - r.num_tokens) - 1 for r, e, n in zip(rows, entries, n_out0)]
+        self.finish_step = min(self.last_step)
+        self.cache_steps = kv.num_blocks * b - max(r.num_tokens for r in rows) + 1
+        # rows by their position mod S: those at the first position of a block at step j (a new block) are
+        # by_phase[-j % S]; with prefix caching those at the last (it fills and is hashed), by_phase[(-j-1) % S]
+        self.by_phase = by_phase = [[] for _ in range(b)]
+        for i, p in enumerate(p0):
+            by_phase[p % b].append(i)
+        self.hashing = kv.enable_prefix_caching and b > 1
+        self.free0 = kv.num_free_blocks
+        self.allocs = 0  # blocks the planned steps may take (every block start counted)
+        self.clock0 = self.clock = engine.clock
+        self.plan: list = []  # per planned step: (seconds, prediction, bound, its end)
+        self._last: tuple = (None, None)  # (decode shape, decode_seconds) of the last planned step
+        self.blocked = False  # the next step cannot be planned: it runs as a single step
+
+    @classmethod
+    def start(cls, engine) -> Optional["DecodeRun"]:
+        if engine.spec.spec_decode.k or engine.kv_manager.window:
+            return None
+        rows = engine.scheduler.decode_batch()
+        return cls(engine, rows) if rows else None
+
+    @property
+    def steps(self) -> int:
+        return len(self.plan)
+
+    def extend_to(self, t: float) -> None:
+        """Plan the steps that start before t, as far as the stretch goes (then `blocked`): up to and with the
+        first step that finishes a request."""
+        plan, b, timer, p0, sum0 = self.plan, self.block_size, self.engine.timer, self.p0, self.sum0
+        n, last = len(p0), self._last
+        while self.clock < t and not self.blocked:
+            j = len(plan)
+            new_blocks = len(self.by_phase[-j % b])
+            if j >= self.cache_steps or self.allocs + new_blocks > self.free0:
+                self.blocked = True
+                return
+            self.allocs += new_blocks
+            shape = timer.decode_shape(n, sum0 + j * n)
+            if shape is None or shape != last[0]:  # the step's time changes only with its shape
+                last = (shape, timer.decode_seconds(p0, j, sum0))
+            seconds, pred, bound = last[1]
+            self.clock = self.clock + seconds
+            plan.append((seconds, pred, bound, self.clock))
+            self.blocked = j == self.finish_step
+        self._last = last
+
+    def commit(self) -> list:
+        """Apply the planned steps to the scheduler, the KV manager, the requests and the engine's counters;
+        the requests the last one finished (Finished), if it is the stretch's finishing step."""
+        e, m = self.engine, len(self.plan)
+        if not m:
+            return []
+        kv, b, rows, p0, by_phase = e.kv_manager, self.block_size, self.rows, self.p0, self.by_phase
+        touch: dict = {}
+        finishing = m - 1 == self.finish_step
+        applied = [0] * len(rows)  # steps whose tokens each request holds
+        peak, busy, bound_seconds = e.peak_kv_usage, e.busy_seconds, e.bound_seconds
+        records = e.steps is not None
+        start, allocate = self.clock0, kv.allocate_slots
+        for j, (seconds, pred, bound, end) in enumerate(self.plan):
+            touched = touch.get(j % b)
+            if touched is None:  # the rows whose step j can change blocks, in admission order (schedule()'s)
+                touched = by_phase[-j % b]
+                if self.hashing:
+                    touched = touch[j % b] = sorted(touched + by_phase[(-j - 1) % b])
+            for i in touched:  # as this step's schedule(): the request as it saw it, then its allocation
+                req = rows[i]
+                if applied[i] < j:
+                    self._bring(i, j, applied)
+                req.num_computed_tokens = p0[i] + j
+                if not allocate(req, 1):
+                    raise RuntimeError(f"{e.name}: a fast-forwarded decode found no free block (the stretch's bound)")
+            if touched or j == 0:
+                peak = max(peak, kv.usage)
+            busy += seconds
+            bound_seconds[bound] += seconds
+            if records and not (finishing and j == m - 1):  # the finishing step's after its finishes, as step()'s
+                e.num_steps += 1
+                e._record_step(pred, start, seconds, 0, len(rows), 0, len(rows), [p + j + 1 for p in p0], 0, 0, 0)
+            start = end
+        ends = [step[3] for step in self.plan]
+        stream, n_out0 = e.stream, self.n_out0
+        for i, (req, entry) in enumerate(zip(rows, self.entries)):  # _bring(i, m) inline: once a row a stretch
+            n = n_out0[i]
+            req.extend_output_tokens(stream(entry[3], n + applied[i], n + m))
+            req.num_computed_tokens = p0[i] + m
+            entry[1].token_times.extend(ends)
+        n = len(rows) * m
+        e.peak_kv_usage, e.busy_seconds, e.clock = peak, busy, self.clock
+        e.tokens_scheduled += n
+        e.seqs_scheduled += n
+        e.outstanding_tokens -= n  # each step's token of a request that has its first already
+        done = []
+        if finishing:  # as step()'s delivery: in the step's order, each through the scheduler's finish_request
+            done = [e.finish(self.entries[i], self.clock) for i in range(len(rows)) if self.last_step[i] == m - 1]
+            if records:
+                seconds, pred, _, _ = self.plan[-1]
+                e.num_steps += 1
+                e._record_step(pred, self.plan[-2][3] if m > 1 else self.clock0, seconds, 0, len(rows), 0, len(rows),
+                               [p + m for p in p0], 0, 0, 0)
+        if not records:
+            e.num_steps += m
+        self.plan = []
+        return done
+
+    def _bring(self, i: int, j: int, applied: list) -> None:
+        """Give request i the tokens of the steps before step j of the stretch (its own output stream)."""
+        n0 = self.n_out0[i]
+        self.rows[i].extend_output_tokens(self.engine.stream(self.entries[i][3], n0 + applied[i], n0 + j))
+        applied[i] = j

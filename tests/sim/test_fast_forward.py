@@ -1,0 +1,135 @@
+"""Fast-forward (sim/fast_forward.py): stretches of steps that only decode, planned and applied in bulk, give
+exactly what stepping one at a time gives -- every request's token times, every StepRecord, the instances'
+counters, the KV caches' blocks -- on workloads with queues, prefix sharing, preemption, finishes, idle gaps
+and every router; and it can be turned off."""
+
+import random
+
+import pytest
+
+from servescope.config.engine import BatchingConfig, KVCacheConfig
+from servescope.sim import fast_forward
+from servescope.sim.cluster import Deployment
+from servescope.sim.driver import drive
+from servescope.sim.parallel import drive_replicas
+from servescope.sim.run import simulate
+from servescope.sim.spec import SpecDecodeSpec, instance_spec
+from servescope.sim.workload import SimRequest
+from test_fast_paths import _same
+
+
+def _spec(blocks=64, caching=True, quantum=None, **kw):
+    spec = instance_spec("smollm2-135m", "H100", cache=KVCacheConfig(num_kv_blocks=blocks,
+                                                                    enable_prefix_caching=caching),
+                         batching=BatchingConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024),
+                         **kw)
+    return spec if quantum is None else spec.replace(context_quantum=quantum)
+
+
+def _workload(n: int, rate: float, seed: int = 0, shared: bool = True) -> list:
+    """Poisson arrivals; with `shared` a third continue one of a few prefixes (prefix hits and the prefix
+    router's choice); one prompt too long for the context (refused)."""
+    rng = random.Random(seed)
+    prefixes = [tuple(rng.randrange(1, 49152) for _ in range(rng.randrange(64, 300))) for _ in range(3)]
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        tail = tuple(rng.randrange(1, 49152) for _ in range(rng.randrange(8, 200)))
+        prompt = (prefixes[i % 3] + tail) if shared and i % 3 == 0 else tail
+        if i == n // 2:
+            prompt = tuple(range(1, 1100))
+        out.append(SimRequest(t, prompt, rng.randrange(4, 120)))
+    return out
+
+
+def _planned(monkeypatch) -> list:
+    """Counts the steps applied by stretches: [steps, stretches]."""
+    count = [0, 0]
+    commit = fast_forward.DecodeRun.commit
+
+    def counted(self):
+        count[0] += self.steps
+        count[1] += bool(self.steps)
+        return commit(self)
+
+    monkeypatch.setattr(fast_forward.DecodeRun, "commit", counted)
+    return count
+
+
+def _kv_state(dep) -> list:
+    out = []
+    for e in dep.engines:
+        km = e.kv_manager
+        km.check_invariants()
+        out.append((km.block_map(), km.allocator.free_block_ids(), km.prefix_cache.evictable_blocks(),
+                    km.prefix_cache_queries, km.prefix_cache_hits, e.scheduler.num_preemptions))
+    return out
+
+
+CASES = {  # name: (spec, replicas, router, workload)
+    "burst, prefix sharing, preemption": (_spec(), 3, "prefix", _workload(150, 4000.0)),
+    "moderate rate, least-tokens": (_spec(blocks=96), 4, "least-tokens", _workload(200, 60.0, seed=1)),
+    "low rate with idle gaps, one replica": (_spec(blocks=256), 1, "round-robin", _workload(40, 2.0, seed=2)),
+    "no prefix caching, round-robin": (_spec(caching=False), 2, "round-robin", _workload(150, 300.0, seed=3)),
+    "exact step shapes (quantum 0)": (_spec(quantum=0), 2, "least-tokens", _workload(100, 200.0, seed=4)),
+    "speculative decoding (never fast-forwards)": (_spec(spec_decode=SpecDecodeSpec(k=3, acceptance=0.6)), 2,
+                                                   "least-tokens", _workload(80, 200.0, seed=5)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fast_forward_gives_the_step_by_step_runs_records_traces_and_caches(case, monkeypatch):
+    spec, replicas, router, reqs = CASES[case]
+    stepped = Deployment(spec, replicas, router, fast_forward=False)
+    one_by_one = drive(stepped, reqs)
+    planned = _planned(monkeypatch)
+    fast = Deployment(spec, replicas, router)
+    _same(one_by_one, drive_replicas(fast, reqs, 1))
+    assert [e.steps for e in fast.engines] == [e.steps for e in stepped.engines]  # every StepRecord
+    assert fast.stats(1.0) == stepped.stats(1.0)
+    assert [(e.clock, e.busy_seconds, e.outstanding_tokens) for e in fast.engines] == \
+        [(e.clock, e.busy_seconds, e.outstanding_tokens) for e in stepped.engines]
+    assert _kv_state(fast) == _kv_state(stepped)
+    assert all(fast.served_by(i) == stepped.served_by(i) for i in range(replicas))
+    steps = sum(e.num_steps for e in fast.engines)
+    if spec.spec_decode.k:
+        assert planned == [0, 0]
+    else:  # stretches were taken (a burst leaves fewer: queues mean prefills)
+        assert planned[0] > steps / 4 and planned[1] >= 10, (planned, steps)
+
+
+def test_the_workloads_reach_what_they_are_for():
+    records, _, finished = drive(Deployment(*CASES["burst, prefix sharing, preemption"][:3], fast_forward=False),
+                                 CASES["burst, prefix sharing, preemption"][3])
+    assert any(f.metrics.num_preemptions for f in finished)
+    assert any(f.metrics.num_cached_tokens for f in finished)
+    assert sum(not r.success for r in records) == 1
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_simulate_fast_forwards_by_default_with_the_same_report(workers, monkeypatch):
+    spec, reqs = _spec(blocks=96), _workload(120, 60.0, seed=6)
+    off = simulate(Deployment(spec, 2, "least-tokens", keep_steps=False, fast_forward=False), reqs)
+    planned = _planned(monkeypatch)
+    on = simulate(Deployment(spec, 2, "least-tokens", keep_steps=False), reqs, workers=workers)
+    assert on.result.to_dict() == off.result.to_dict() and on.stats == off.stats
+    if workers == 1:
+        assert planned[0] > 0  # (a worker process's stretches are not counted here)
+
+
+def test_turned_off_it_never_plans(monkeypatch):
+    def refuse(engine):
+        raise AssertionError("planned a stretch with fast_forward off")
+
+    monkeypatch.setattr(fast_forward.DecodeRun, "start", refuse)
+    spec, reqs = _spec(), _workload(60, 300.0, seed=7)
+    simulate(Deployment(spec, 2, "least-tokens", fast_forward=False), reqs)
+    drive_replicas(Deployment(spec, 2, "least-tokens", fast_forward=False), reqs, 1)
+
+
+def test_a_concurrency_limit_steps_one_at_a_time_with_the_same_results(monkeypatch):
+    spec, reqs = _spec(), _workload(60, 300.0, seed=8)
+    off = simulate(Deployment(spec, 2, "least-tokens", fast_forward=False), reqs, max_concurrency=4)
+    planned = _planned(monkeypatch)
+    on = simulate(Deployment(spec, 2, "least-tokens"), reqs, max_concurrency=4)
+    assert on.result.to_dict() == off.result.to_dict() and planned == [0, 0]
