@@ -235,10 +235,8 @@ class Scheduler:
         at: a decode whose new block cannot be allocated still preempts. While no request finishes and no
         allocation fails, the steps after such a step are such steps too, each request one position further
         (a simulator may apply them at once, calling allocate_slots(req, 1) wherever it can change blocks)."""
-        running = self._running
-        if self._waiting or self._finished_to_report or not running:
-            return None
-        if len(running) > self.config.max_num_batched_tokens:
+        running, budget = self._running, self.config.max_num_batched_tokens
+        if self._waiting or self._finished_to_report or not running or len(running) > budget:
             return None
         cache_tokens = self.kv_manager.num_blocks * self.kv_manager.block_size
         for req in running:
