@@ -13,8 +13,14 @@ converted by llama.cpp's own convert_hf_to_gguf.py and quantised by llama-quanti
     the same non-expert weights), and that count over the median decode step against the read
     bandwidth sampled in the same run (analysis/probe.measure_read_bandwidth).
 
+  - with --reference-experts, the experts through grouped_experts' torch ops (PackedExperts.fused = False:
+    the path before the fused C++ op), for an A/B in one tree;
+  - with --kernel-table, the cost model's error on each batch's decode steps and on a 512-token prefill,
+    the engine predicting with its kernels timed at this model's shapes (measure/local_hardware.
+    with_kernel_table: measured once per CPU and shape, cached).
+
     python benchmarks/moe_real_shape.py --gguf DIR/gguf/olmoe-1b-7b-Q4_0.gguf --llama-cpp /work/llama.cpp \
-        --threads 2 [--batches 1,4,16] [--json out.json]
+        --threads 2 [--batches 1,4,16] [--reference-experts] [--kernel-table] [--json out.json]
 """
 
 from __future__ import annotations
@@ -65,11 +71,25 @@ def ours(gguf: str, args) -> dict:
     from servescope.bench.latency import run_engine_latency  # (torch)
     from servescope.engine.llm import LLM  # (torch)
 
+    from servescope.model.moe import PackedExperts  # (torch)
+
     torch.set_num_threads(args.threads)
+    PackedExperts.fused = not args.reference_experts
     t0 = time.perf_counter()
     llm = LLM(model=gguf, quantization="gguf", num_threads=args.threads, max_num_seqs=max(args.batches),
               max_model_len=1024)
-    out = {"load_seconds": time.perf_counter() - t0, "weight_bytes": llm.engine.weight_bytes, "batches": {}}
+    out = {"load_seconds": time.perf_counter() - t0, "weight_bytes": llm.engine.weight_bytes, "batches": {},
+           "experts": "grouped_experts (torch ops)" if args.reference_experts else "fused op where it applies"}
+    if args.kernel_table:
+        from servescope.measure.local_hardware import with_kernel_table  # (torch)
+
+        t0 = time.perf_counter()
+        with_kernel_table(llm.engine)
+        out["kernel_table_seconds"] = time.perf_counter() - t0
+        pre = run_engine_latency(llm, 1, 512, 1, iters=args.iters, measure_bandwidth=False)
+        errs = [s.prediction_error for s in pre["_steps"] if s.phase == "prefill"]
+        out["prefill_512_prediction_error"] = statistics.median(e for e in errs if e is not None)
+        print(f"prefill 512: prediction error {100 * out['prefill_512_prediction_error']:+.1f}%", flush=True)
     for b in args.batches:
         res = run_engine_latency(llm, b, 16, args.new, iters=args.iters, measure_bandwidth=True)
         dec = [s for s in res["_steps"] if s.phase == "decode" and s.num_decode_seqs == b]
@@ -79,6 +99,9 @@ def ours(gguf: str, args) -> dict:
         row = {"decode_tokens_per_s": b / step, "ms_per_token": 1e3 * step / b, "median_step_s": step,
                "experts_read_per_layer": statistics.mean(active), "decode_steps": len(dec),
                "session_bandwidth": res.get("session_bandwidth", {}).get("median")}
+        errs = [s.prediction_error for s in dec if s.prediction_error is not None]
+        if args.kernel_table and errs:
+            row["decode_prediction_error"] = statistics.median(errs)
         row.update(step_bytes(llm, active))
         row["read_bytes_per_s"] = row["read_bytes"] / step
         if row["session_bandwidth"]:
@@ -88,8 +111,9 @@ def ours(gguf: str, args) -> dict:
               f"{row['experts_read_per_layer']:.1f} experts/layer, "
               f"{row['read_bytes'] / 2**20:.0f} MiB read/step "
               f"({row['read_bytes'] / row['floor_bytes']:.3f}x the floor's), "
-              f"{row['read_bytes_per_s'] / 1e9:.1f} GB/s of {(row['session_bandwidth'] or 0) / 1e9:.1f}",
-              flush=True)
+              f"{row['read_bytes_per_s'] / 1e9:.1f} GB/s of {(row['session_bandwidth'] or 0) / 1e9:.1f}"
+              + (f", prediction error {100 * row['decode_prediction_error']:+.1f}%"
+                 if "decode_prediction_error" in row else ""), flush=True)
     return out
 
 
@@ -103,6 +127,8 @@ def main() -> int:
     ap.add_argument("--llama-new", type=int, default=128, help="llama-bench -n")
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--reference-experts", action="store_true", help="the experts through torch ops (A/B)")
+    ap.add_argument("--kernel-table", action="store_true", help="predict with the kernels timed at this shape")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
