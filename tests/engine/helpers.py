@@ -2,9 +2,13 @@
 
 import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from servescope.engine.model_runner import ModelRunner
@@ -144,3 +148,40 @@ def assert_batching_changes_nothing(path, overrides, num_prompts):
         assert llm.engine.scheduler.num_preemptions > 0
     llm.engine.kv_manager.check_invariants()
     return llm
+
+
+def gguf_engine(path, **kw):
+    """An LLM over a tiny GGUF file or directory, no tokenizer (the GGUF family tests' engine)."""
+    from servescope import LLM
+
+    return LLM(model=str(path), skip_tokenizer_init=True, **{"num_kv_blocks": 64, "max_model_len": 512, **kw})
+
+
+def transformers_with_weights(hf_dir, state_dict, tmp_path):
+    """transformers' model of hf_dir's config with `state_dict` (HF names) as its weights, eager attention."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "weights"
+    out.mkdir()
+    shutil.copy(hf_dir / "config.json", out / "config.json")
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def llama_cpp_tree() -> str:
+    """llama.cpp's source tree (LLAMA_CPP_DIR), or the test is skipped."""
+    root = os.environ.get("LLAMA_CPP_DIR")
+    if not root or not os.path.isfile(os.path.join(root, "convert_hf_to_gguf.py")):
+        pytest.skip("llama.cpp's tree not given (LLAMA_CPP_DIR)")
+    return root
+
+
+def llama_cpp_convert(root: str, hf_dir, out) -> None:
+    """llama.cpp's own convert_hf_to_gguf.py on hf_dir, float32 out, into `out`."""
+    env = {**os.environ, "PYTHONPATH": os.path.join(root, "gguf-py")}
+    cmd = [sys.executable, os.path.join(root, "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
+           "--outfile", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -13,7 +13,6 @@ yarn rope. Its mscale is mscale_all_dim, as llama.cpp takes it (the converter wr
 
 import dataclasses
 import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -21,8 +20,8 @@ import gguf
 import pytest
 import torch
 
-from helpers import paged_logits
-from servescope import LLM, SamplingParams
+from helpers import gguf_engine, llama_cpp_convert, llama_cpp_tree, paged_logits, transformers_with_weights
+from servescope import SamplingParams
 from servescope.bench.accuracy import compare
 from servescope.config.mla import yarn_mscale
 from servescope.errors import ModelLoadError
@@ -58,23 +57,8 @@ def deepseek_files(request, tmp_path_factory):
             write_tiny_deepseek_gguf(tmp / "q8_0.gguf", src, qtype=Q.Q8_0))
 
 
-def _engine(path, **kw):
-    return LLM(model=str(path), skip_tokenizer_init=True, num_kv_blocks=64, max_model_len=512, **kw)
 
 
-def _transformers(hf_dir, state_dict, tmp_path):
-    """transformers' model of hf_dir's config with `state_dict` (HF names) as its weights, eager attention."""
-    import shutil
-
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path / "weights"
-    out.mkdir()
-    shutil.copy(hf_dir / "config.json", out / "config.json")
-    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def _same_specs(ours, want):
@@ -113,10 +97,10 @@ def test_gguf_loads_to_transformers_logits(deepseek_files, form, tmp_path):
     for k, v in src.state_dict.items():
         if form != "q8_0" or v.dim() == 1 or k.endswith("mlp.gate.weight"):  # (Q8_0: the float ones)
             assert torch.equal(v, direct[k]), k
-    hf = _transformers(hf_dir, src.state_dict, tmp_path)
+    hf = transformers_with_weights(hf_dir, src.state_dict, tmp_path)
     with torch.no_grad():
         ref = hf(torch.tensor([IDS])).logits[0]
-    diff = (paged_logits(_engine(src.path).engine, IDS, chunk=24, decode_from=90) - ref).abs().max().item()
+    diff = (paged_logits(gguf_engine(src.path).engine, IDS, chunk=24, decode_from=90) - ref).abs().max().item()
     assert diff <= TOL, f"{family} {form}: max |logit diff| {diff:.2e}"
 
 
@@ -124,13 +108,13 @@ def test_gguf_greedy_tokens_are_transformers(deepseek_files, tmp_path):
     """40 prompt tokens, 40 greedy tokens: those of transformers' generate (neither stops at the end-of-sequence
     token, which comes up in a vocabulary of 256, nor holds it off)."""
     _, hf_dir, f32, _, _ = deepseek_files
-    hf = _transformers(hf_dir, load_model_source(f32).state_dict, tmp_path)
+    hf = transformers_with_weights(hf_dir, load_model_source(f32).state_dict, tmp_path)
     ids = IDS[:40]
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
         want = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False,
                            attention_mask=torch.ones(1, 40, dtype=torch.long))[0, 40:].tolist()
-    out = _engine(f32).generate(ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+    out = gguf_engine(f32).generate(ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == want
 
 
@@ -139,7 +123,7 @@ def test_q8_0_file_runs_packed(deepseek_files):
     W_UV), the dense and shared MLPs, the experts (PackedExperts) and the embedding run over the file's Q8_0 blocks,
     within the packed GGUF KL floor of the float load of the same file, and generate."""
     family, _, _, _, q8 = deepseek_files
-    ref, llm = _engine(q8), _engine(q8, quantization="gguf")
+    ref, llm = gguf_engine(q8), gguf_engine(q8, quantization="gguf")
     model = llm.engine.runner.executor.model
     attn = [layer.self_attn for layer in model.model.layers]
     assert all(isinstance(m, QuantLinear) for a in attn for _, _, m in a.projections())
@@ -221,11 +205,6 @@ def test_llama_cpp_defaults():
     assert dense.moe is None and [s.mlp.kind for s in dense.layer_specs()] == ["dense", "dense"]
 
 
-def _llama_cpp_tree():
-    root = os.environ.get("LLAMA_CPP_DIR")
-    if not root or not os.path.isfile(os.path.join(root, "convert_hf_to_gguf.py")):
-        pytest.skip("llama.cpp's tree not given (LLAMA_CPP_DIR)")
-    return root
 
 
 @pytest.mark.parametrize("family", sorted(MODELS))
@@ -238,21 +217,17 @@ def test_llama_cpp_converter_output_loads_to_transformers_logits(family, tmp_pat
     a correction bias)."""
     from transformers import AutoModelForCausalLM
 
-    root = _llama_cpp_tree()
+    root = llama_cpp_tree()
     scoring = {"deepseek_v2": "softmax", "deepseek_v3": "sigmoid"}[family]
     hf_dir = make_tiny_hf_model(tmp_path, family, scoring_func=scoring, **MODELS[family])
     out = tmp_path / "m.gguf"
-    env = {**os.environ, "PYTHONPATH": os.path.join(root, "gguf-py")}
-    cmd = [sys.executable, os.path.join(root, "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
-           "--outfile", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
+    llama_cpp_convert(root, hf_dir, out)
     assert "blk.0.attn_k_b.weight" in {t.name for t in gguf.GGUFReader(str(out)).tensors}
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
     ids = torch.randint(3, 49152, (120,), generator=torch.Generator().manual_seed(2)).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    llm = _engine(out)
+    llm = gguf_engine(out)
     _same_specs(llm.engine.model_config.layer_specs(), load_model_source(str(hf_dir)).config.layer_specs())
     diff = (paged_logits(llm.engine, ids, chunk=24, decode_from=90) - ref).abs().max().item()
     assert diff <= TOL, f"{family}: max |logit diff| {diff:.2e}"

@@ -12,7 +12,6 @@ The query scalar is head_dim here: no GGUF key holds query_pre_attn_scalar, and 
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -23,8 +22,8 @@ import gguf
 import pytest
 import torch
 
-from helpers import paged_logits
-from servescope import LLM, SamplingParams
+from helpers import gguf_engine, llama_cpp_tree, paged_logits, transformers_with_weights
+from servescope import SamplingParams
 from servescope.bench.llama_cpp_tools import LlamaServer, find_tool
 from servescope.bench.accuracy import compare
 from servescope.errors import ModelLoadError
@@ -63,21 +62,8 @@ def gemma_files(request, tmp_path_factory):
                          for q in ("F32", "Q8_0"))
 
 
-def _engine(path, **kw):
-    return LLM(model=str(path), skip_tokenizer_init=True, num_kv_blocks=64, max_model_len=512, **kw)
 
 
-def _transformers(hf_dir, state_dict, tmp_path):
-    """transformers' model of hf_dir's config with `state_dict` (HF names) as its weights, eager attention."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path / "weights"
-    out.mkdir()
-    shutil.copy(hf_dir / "config.json", out / "config.json")
-    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def test_gguf_config_is_the_directory_config(gemma_files):
@@ -106,22 +92,22 @@ def test_gguf_loads_to_transformers_logits(gemma_files, qtype, tmp_path):
     for k, v in src.state_dict.items():
         if k.endswith("norm.weight") or qtype == "F32":
             assert torch.allclose(v, direct[k], rtol=0, atol=1e-6), k
-    hf = _transformers(hf_dir, src.state_dict, tmp_path)
+    hf = transformers_with_weights(hf_dir, src.state_dict, tmp_path)
     with torch.no_grad():
         ref = hf(torch.tensor([IDS])).logits[0]
-    diff = (paged_logits(_engine(src.path).engine, IDS, chunk=24, decode_from=90) - ref).abs().max().item()
+    diff = (paged_logits(gguf_engine(src.path).engine, IDS, chunk=24, decode_from=90) - ref).abs().max().item()
     assert diff <= TOL, f"{family} {qtype}: max |logit diff| {diff:.2e}"
 
 
 def test_gguf_greedy_tokens_are_transformers(gemma_files, tmp_path):
     """40 prompt tokens (past the window of 16), 40 greedy tokens: those of transformers' generate."""
     _, hf_dir, f32, _ = gemma_files
-    hf = _transformers(hf_dir, load_model_source(f32).state_dict, tmp_path)
+    hf = transformers_with_weights(hf_dir, load_model_source(f32).state_dict, tmp_path)
     ids = IDS[:40]
     with torch.no_grad():
         want = hf.generate(torch.tensor([ids]), max_new_tokens=40, min_new_tokens=40, do_sample=False,
                            attention_mask=torch.ones(1, 40, dtype=torch.long))[0, 40:].tolist()
-    out = _engine(f32).generate(ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+    out = gguf_engine(f32).generate(ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == want
 
 
@@ -129,7 +115,7 @@ def test_q8_0_file_runs_packed(gemma_files):
     """quantization="gguf": the projections and the embedding run over the file's Q8_0 blocks, within the packed
     GGUF KL floor of the float load of the same file, and generate."""
     family, _, _, q8 = gemma_files
-    ref, llm = _engine(q8), _engine(q8, quantization="gguf")
+    ref, llm = gguf_engine(q8), gguf_engine(q8, quantization="gguf")
     model = llm.engine.runner.executor.model
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) >= 3 * MODELS[family]["num_hidden_layers"]
     r = compare(paged_logits(ref.engine, IDS), paged_logits(llm.engine, IDS), IDS)
@@ -196,11 +182,6 @@ def test_llama_cpp_defaults_and_patterns():
     assert big2.attention_scale == 32 ** -0.5
 
 
-def _llama_cpp_tree():
-    root = os.environ.get("LLAMA_CPP_DIR")
-    if not root or not os.path.isfile(os.path.join(root, "convert_hf_to_gguf.py")):
-        pytest.skip("llama.cpp's tree not given (LLAMA_CPP_DIR)")
-    return root
 
 
 # Gemma 2's converter reads only a sentencepiece tokenizer.model; the tiny checkpoint carries the SmolLM2 BPE
@@ -215,7 +196,7 @@ import convert_hf_to_gguf; convert_hf_to_gguf.main()"""
 def _converted(family, tmp_path):
     """(HF directory, the GGUF llama.cpp's converter makes of it in float32) of a tiny checkpoint of `family`
     with llama.cpp's own layer patterns (Gemma 2 alternating, Gemma 3 five local layers to one global)."""
-    root = _llama_cpp_tree()
+    root = llama_cpp_tree()
     layers = {"gemma2": dict(num_hidden_layers=2, attn_logit_softcapping=0.05, final_logit_softcapping=2.0),
               "gemma3": dict(num_hidden_layers=6, rope_parameters=GEMMA3_ROPE)}[family]
     hf_dir = make_tiny_hf_model(tmp_path, family, sliding_window=WINDOW, query_pre_attn_scalar=16, **layers)
@@ -239,7 +220,7 @@ def test_llama_cpp_converter_output_loads_to_transformers_logits(family, tmp_pat
     ids = torch.randint(3, 49152, (120,), generator=torch.Generator().manual_seed(2)).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    llm = _engine(out)
+    llm = gguf_engine(out)
     assert llm.engine.model_config.layer_specs() == load_model_source(str(hf_dir)).config.layer_specs()
     diff = (paged_logits(llm.engine, ids, chunk=24, decode_from=90) - ref).abs().max().item()
     assert diff <= TOL, f"{family}: max |logit diff| {diff:.2e}"
@@ -269,7 +250,7 @@ def test_llama_cpp_agrees_with_us_on_the_converter_output(family, tmp_path):
         reply = json.loads(urllib.request.urlopen(req, timeout=120).read())
     theirs, steps = reply["tokens"], reply["completion_probabilities"]
     assert len(theirs) == len(steps) == 30
-    ours = torch.log_softmax(paged_logits(_engine(out).engine, ids + theirs)[len(ids) - 1:-1].double(), -1)
+    ours = torch.log_softmax(paged_logits(gguf_engine(out).engine, ids + theirs)[len(ids) - 1:-1].double(), -1)
     worst = max(abs(ours[i, t["id"]].item() - t["logprob"]) for i, step in enumerate(steps)
                 for t in step["top_logprobs"])
     assert worst <= 0.05, f"{family}: max |log-probability diff| {worst:.3f}"

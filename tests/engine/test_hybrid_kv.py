@@ -165,3 +165,11 @@ def _sequences_held(km, ctx, chunk):
                 return held
             seq.num_computed_tokens += n
         held += 1
+
+
+def test_disable_hybrid_kv_cache_manager_keeps_one_table(hybrid):
+    """vLLM's flag of the same name: one table for all layers, the layout a parallel engine keeps."""
+    engine = LLM(model=str(hybrid[1]), num_kv_blocks=64, max_model_len=512,
+                 disable_hybrid_kv_cache_manager=True).engine
+    assert type(engine.kv_manager) is KVCacheManager and engine.kv_manager.num_blocks == 64
+    assert {k.shape[0] for k, _ in engine.runner.kv_caches} == {64}

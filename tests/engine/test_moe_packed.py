@@ -8,14 +8,13 @@ given: LLAMA_CPP_DIR) loads to transformers' logits too."""
 
 import os
 import shutil
-import subprocess
 import sys
 
 import gguf
 import pytest
 import torch
 
-from helpers import paged_logits
+from helpers import gguf_engine, llama_cpp_convert, llama_cpp_tree, paged_logits
 from servescope import LLM, SamplingParams
 from servescope.bench.accuracy import compare
 from servescope.errors import ModelLoadError
@@ -35,10 +34,9 @@ VOCAB = 256
 # Qwen2-MoE's shared expert at a width of whole 32-blocks (the tiny default, 48, is not)
 OVERRIDES = {"qwen2_moe": {"shared_expert_intermediate_size": 64}}
 IDS = torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+SMALL = dict(num_kv_blocks=32, max_model_len=128)  # the engines' cache
 
 
-def _engine(path, **kw):
-    return LLM(model=str(path), skip_tokenizer_init=True, num_kv_blocks=32, max_model_len=128, **kw)
 
 
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
@@ -74,7 +72,7 @@ def test_gguf_moe_loads_to_transformers_logits(moe_files, tmp_path):
     assert src.config.architecture == family
     assert src.config.moe == load_model_source(str(hf_dir)).config.moe  # experts, k, widths, sparse layers
     ref = _transformers_logits(hf_dir, src.state_dict, tmp_path)
-    ours = paged_logits(_engine(q4).engine, IDS, chunk=16, decode_from=48)
+    ours = paged_logits(gguf_engine(q4, **SMALL).engine, IDS, chunk=16, decode_from=48)
     diff = (ours - ref).abs().max().item()
     assert diff <= TOL, f"{family}: max |logit diff| {diff:.2e}"
 
@@ -86,7 +84,7 @@ def test_gguf_experts_run_packed(moe_files, qtype, floor):
     and the step records count a routed expert at its packed bytes."""
     family, _, q4, q8 = moe_files
     path = q4 if qtype == "Q4_0" else q8
-    ref, llm = _engine(path), _engine(path, quantization="gguf")
+    ref, llm = gguf_engine(path, **SMALL), gguf_engine(path, quantization="gguf", **SMALL)
     blocks = moe_blocks(llm.engine.runner.executor.model)
     assert blocks and all(isinstance(b.experts, PackedExperts) for _, b in blocks)
     assert all(isinstance(m, QuantLinear) for _, b in blocks for m in b.experts.linears())
@@ -109,7 +107,7 @@ def test_hf_moe_quantization_packs_the_experts(moe_files, mode, module, floor):
     """--quantization on an HF MoE checkpoint packs every routed expert (not only attention and the shared
     expert), within the mode's KL floor of float32."""
     family, hf_dir, _, _ = moe_files
-    ref, llm = _engine(hf_dir), _engine(hf_dir, quantization=mode)
+    ref, llm = gguf_engine(hf_dir, **SMALL), gguf_engine(hf_dir, quantization=mode, **SMALL)
     blocks = moe_blocks(llm.engine.runner.executor.model)
     assert all(isinstance(m, module) for _, b in blocks for m in b.experts.linears())
     r = compare(paged_logits(ref.engine, IDS), paged_logits(llm.engine, IDS), IDS)
@@ -129,11 +127,6 @@ def test_unimplemented_routing_metadata_is_refused(tmp_path):
         load_model_source(path)
 
 
-def _llama_cpp_tree():
-    root = os.environ.get("LLAMA_CPP_DIR")
-    if not root or not os.path.isfile(os.path.join(root, "convert_hf_to_gguf.py")):
-        pytest.skip("llama.cpp's tree not given (LLAMA_CPP_DIR)")
-    return root
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
@@ -142,21 +135,17 @@ def test_llama_cpp_converter_output_loads_to_transformers_logits(family, tmp_pat
     same logits as transformers on the directory."""
     from transformers import AutoModelForCausalLM
 
-    root = _llama_cpp_tree()
+    root = llama_cpp_tree()
     # (llama.cpp maps no dense layer here; its OLMoE converter writes an RMSNorm epsilon of 1e-5 whatever the
     # config says)
     hf_dir = make_tiny_hf_model(tmp_path, family, mlp_only_layers=[], rms_norm_eps=1e-5)
     out = tmp_path / "m.gguf"
-    env = {**os.environ, "PYTHONPATH": os.path.join(root, "gguf-py")}
-    cmd = [sys.executable, os.path.join(root, "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
-           "--outfile", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
+    llama_cpp_convert(root, hf_dir, out)
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     ids = [i + 3 for i in IDS]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    llm = LLM(model=str(out), num_kv_blocks=32, max_model_len=128)
+    llm = LLM(model=str(out), **SMALL)
     assert llm.engine.model_config.architecture == family
     diff = (paged_logits(llm.engine, ids) - ref).abs().max().item()
     assert diff <= TOL, f"{family}: max |logit diff| {diff:.2e}"

@@ -11,7 +11,10 @@ from servescope import LLM, SamplingParams
 ROUND_1 = [[5, 6, 7, 8, 9] * 7, [100, 200, 300], list(range(1000, 1100)), [7] * 20]
 ROUND_2 = [ROUND_1[2][:64] + [11, 12], ROUND_1[0] + [13], [4, 4, 4]]  # 4 and 2 full blocks seen before
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-ENGINE = dict(num_kv_blocks=12, max_model_len=144, max_num_seqs=4, max_num_batched_tokens=32, num_threads=1)
+# one block table for all layers in both engines: the parallel ones keep one (kv_sizing.kv_group_blocks), and the
+# workload's scheduling (preemptions, hits) must be the same for the steps to compare
+ENGINE = dict(num_kv_blocks=12, max_model_len=144, max_num_seqs=4, max_num_batched_tokens=32, num_threads=1,
+              disable_hybrid_kv_cache_manager=True)
 
 
 def record_logits(llm: LLM) -> list:

@@ -85,6 +85,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step (baseline)")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="one block table for all layers even where they mix attention windows (Gemma 2/3, gpt-oss)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--gpu-linear", default="cublas", choices=["cublas", "triton", "auto"],
                    help="decode matmuls on a GPU: cuBLAS, the Triton GEMV, or the faster of the two per "
@@ -136,6 +138,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
         enable_chunked_prefill=not a.no_chunked_prefill, no_kv_cache=a.no_kv_cache,
+        disable_hybrid_kv_cache_manager=a.disable_hybrid_kv_cache_manager,
         attention_backend=a.attention_backend, gpu_linear=a.gpu_linear, quantization=a.quantization,
         num_threads=a.threads, hardware=a.hardware, speculative=speculative_config_from_args(a),
         tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,

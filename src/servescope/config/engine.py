@@ -74,6 +74,9 @@ class KVCacheConfig:
     kv_cache_dtype: str = "auto"  # auto: same as dtype | float32 | bfloat16 | float16 | int8 | fp8 | fp8_e4m3
     enable_prefix_caching: bool = True
     no_kv_cache: bool = False  # recompute the whole sequence every step (the labs' baseline)
+    # one block table for all layers even where they mix windows (vLLM's flag of the same name): the memory use
+    # of a model without kvcache/hybrid.py, and the layout tensor / pipeline parallel engines keep
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self):
         _require(self.block_size > 0, f"block_size must be positive, got {self.block_size}")

@@ -106,7 +106,7 @@ class ParallelExecutor(ModelExecutor):
         backend = backend_for(device, par.distributed_backend)
         group = None
         if torchrun_rank() is None:
-            group = take_parked(layout.world_size, backend)
+            group = take_parked(layout.world_size, backend, par.distributed_timeout_s)
         try:
             if group is not None:  # the processes and the process group are there: new weights only
                 group.generation += 1
@@ -137,7 +137,7 @@ class ParallelExecutor(ModelExecutor):
         port = free_port()
         store = master_store(port, layout.world_size)
         workers = WorkerGroup(worker_target, layout.world_size, (config.flat(), port))
-        group = ParkedGroup(workers, store, layout.world_size, backend)
+        group = ParkedGroup(workers, store, layout.world_size, backend, timeout_s=config.parallel.distributed_timeout_s)
         try:
             wait_ready(store, layout.world_size, workers.check_alive, START_TIMEOUT_S)
         except Exception:

@@ -65,13 +65,15 @@ class WorkerGroup:
 @dataclass
 class ParkedGroup:
     """A healthy group whose engine was shut down with keep_workers: the next parallel engine of the
-    same world size and backend in this process sends its workers REBUILD instead of spawning."""
+    same world size, backend and collective timeout in this process sends its workers REBUILD instead of
+    spawning (the default process group keeps the timeout it was made with)."""
 
     workers: WorkerGroup
     store: object  # rank 0's TCPStore (the workers report each rebuild to it)
     world_size: int
     backend: str
     generation: int = 0  # engines built on these workers so far, less one
+    timeout_s: float = 0.0  # the process group's collective timeout
 
 
 _parked: list = []  # at most one ParkedGroup: rank 0 has one default process group
@@ -82,10 +84,11 @@ def park(group: ParkedGroup) -> None:
     _parked.append(group)
 
 
-def take_parked(world_size: int, backend: str) -> Optional[ParkedGroup]:
+def take_parked(world_size: int, backend: str, timeout_s: float) -> Optional[ParkedGroup]:
     """The parked group when it fits; a parked group that does not fit is stopped (its process group
     must go before a new one starts)."""
-    if _parked and (_parked[0].world_size, _parked[0].backend) == (world_size, backend):
+    if _parked and (_parked[0].world_size, _parked[0].backend, _parked[0].timeout_s) == (world_size, backend,
+                                                                                           timeout_s):
         return _parked.pop()
     stop_parked()
     return None
