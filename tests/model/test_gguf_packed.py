@@ -67,6 +67,38 @@ def test_tiny_gguf_runs_packed_like_its_float32_load(tmp_path, family, qtype):
         assert_greedy_equal_up_to_a_near_tie(a.outputs[0], b.outputs[0], 2e-2)
 
 
+def test_the_build_allocates_no_float_copy_of_packed_weights(tmp_path, monkeypatch):
+    """The packed modules are built on the meta model, before anything is allocated: no float tensor the
+    shape of a packed projection, embedding or head is ever made (a 3B Q4_0 file took 12 GB that way), and
+    the build consumes the blocks (a fused projection's parts are not held beside their concatenation)."""
+    from servescope.loader import build
+
+    src = load_model_source(str(make_tiny_hf_model(tmp_path, "qwen2", vocab_size=256, with_tokenizer=False)))
+    path = write_tiny_gguf(tmp_path / "m.gguf", src.config, src.state_dict, arch="qwen2", qtype=Q.Q8_0)
+    loaded = load_model_source(path, keep_packed=True)
+    shapes, real_allocate = [], build._allocate
+
+    def recording_allocate(model, device, dtype):  # the shapes of what the build allocates in float
+        shapes.extend(tuple(t.shape) for t in [*model.parameters(), *model.buffers()]
+                      if t.is_meta and t.is_floating_point())
+        real_allocate(model, device, dtype)
+
+    monkeypatch.setattr(build, "_allocate", recording_allocate)
+    packed_shapes = {tuple(v[0].shape[:1]) + (v[2],) for v in loaded.packed.values()}
+    model = build.build_model(loaded.config, loaded.state_dict, torch.float32, torch.device("cpu"),
+                              packed=loaded.packed)
+    c = loaded.config
+    fused = {(c.hidden_size + 2 * c.num_key_value_heads * c.head_dim, c.hidden_size),
+             (2 * c.intermediate_size, c.hidden_size)}
+    assert shapes and not (set(shapes) & (packed_shapes | fused)), set(shapes) & (packed_shapes | fused)
+    assert loaded.packed == {}
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, ql.QuantLinear) and qkv.bias is not None  # (Qwen2: biases loaded beside the blocks)
+    ref = src.state_dict
+    want = torch.cat([ref[f"model.layers.0.self_attn.{p}_proj.bias"] for p in "qkv"])
+    assert torch.equal(qkv.bias, want) and torch.equal(qkv._bias_f32, want)
+
+
 def assert_greedy_equal_up_to_a_near_tie(a, b, logprob_tol: float, tie_gap: float = 0.5) -> int:
     """Two completions of the same weights, float32 and in the file's blocks: the decode GEMV rounds its
     activations to int8 per 32-block (llama.cpp's numerics, ~0.4% per element), the prefill GEMM does

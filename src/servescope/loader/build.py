@@ -13,6 +13,7 @@ from servescope.config import ModelConfig
 from servescope.config.families import family
 from servescope.errors import ModelLoadError
 from servescope.loader import gguf_experts, gguf_packed
+from servescope.model.linears.packed import QuantLinear
 from servescope.model.decoder import CausalLM, local_rotary_for, rotary_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,11 +23,13 @@ def materialize(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                 max_positions: int | None = None, packed: dict | None = None) -> torch.nn.Module:
     """An uninitialised model of `cfg` on `device` in `dtype` (no float32 copy on the host first), with
     its rotary tables and tied weights in place; the caller fills the parameters. packed: a GGUF's blocks
-    on `device`, whose experts replace the float ones before anything is allocated."""
+    on `device`, whose modules (experts, projections, embedding, head) replace the float ones before
+    anything is allocated."""
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions=max_positions)
     if packed:
         gguf_experts.packed_experts(model, packed)
+        gguf_packed.apply_packed(model, packed, dtype)
     _allocate(model, device, dtype)
     model.tie_weights()  # every parameter was re-created: the head and the embedding are two again
     # non-persistent buffers (rotary tables) were built on meta: rebuild them on the device
@@ -53,14 +56,17 @@ def _allocate(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) 
 
 def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device: torch.device,
                 max_positions: int | None = None, packed: dict | None = None) -> torch.nn.Module:
-    """packed: a GGUF's blocks (LoadedSource.packed), swapped in for their placeholders after the build (the
-    experts' before it: materialize)."""
-    packed = {k: tuple(x.to(device) if torch.is_tensor(x) else x for x in v)
-              for k, v in (packed or {}).items()}
+    """packed: a GGUF's blocks (LoadedSource.packed), built into their modules before the float parameters
+    are allocated (materialize); the build consumes the dict (a fused projection's parts are dropped once
+    concatenated, so that the peak holds each block once)."""
+    packed = {} if packed is None else packed
+    for k, v in packed.items():  # (in place: the build consumes the blocks, so that each is held once)
+        packed[k] = tuple(x.to(device) if torch.is_tensor(x) else x for x in v)
+    packed_keys = set(packed)
     model = materialize(cfg, device, dtype, max_positions, packed)
     expected = dict(model.named_parameters())  # tied: the head's weight is the embedding's, listed once
     sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")
-          and not (k in packed and gguf_experts.is_expert_key(k))}
+          and k not in packed_keys}  # (packed: built on the blocks already, materialize)
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     sd = model.fuse_checkpoint(sd, cfg.num_hidden_layers)
@@ -79,7 +85,8 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device: 
     with torch.no_grad():
         for name, p in expected.items():
             p.copy_(sd[name].to(dtype))
-    if packed:
-        gguf_packed.apply_packed(model, packed, dtype)
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.refresh_bias()
     model.requires_grad_(False)
     return model.eval()

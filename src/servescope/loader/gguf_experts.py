@@ -165,4 +165,6 @@ def packed_experts(model: torch.nn.Module, packed: dict) -> None:
             g, u, d = (packed[keys[p][e]] for p in ("gate", "up", "down"))
             gate_up.append(QuantLinear(torch.cat([g[0], u[0]]), torch.cat([g[1], u[1]]), g[2]))
             down.append(QuantLinear(d[0], d[1], d[2]))
+            for p in _PARTS:
+                del packed[keys[p][e]]
         block.experts = PackedExperts(gate_up, down)

@@ -17,8 +17,9 @@ K-quants' super-blocks of 256 are repacked into those forms at load (`REPACKED`)
         int8 step being about a quarter of the 6-bit step of the larger-scaled of its group's two
         sub-blocks.
 The loader puts a zero-cost placeholder in the state dict in their place (a broadcast zero of the right
-shape, so that the shape checks and the model build run as for any checkpoint), and `apply_packed`
-swaps the built model's modules for QuantLinear / QuantEmbedding over the blocks afterwards. Other
+shape), and `apply_packed` swaps the model's modules for QuantLinear / QuantEmbedding over the blocks while
+the model is still on the meta device, so that no float copy of a packed weight is ever allocated (a 3B
+model's would be 12 GB in float32), checking each module's shape against its blocks. Other
 types (Q5_x, Q2_K, Q3_K, Q5_K, ...) are dequantised to float32 by the loader, which says so in a log line.
 """
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
+from servescope.errors import ModelLoadError
 from servescope.model.decoder import FUSED_PROJECTIONS
 from servescope.model.linears.packed import QuantEmbedding, QuantLinear
 from servescope.quant.packed import dequantize, quantize
@@ -145,7 +147,9 @@ def settle_fused(packed: dict, state_dict: dict, num_layers: int, path: str) -> 
 
 
 def apply_packed(model: torch.nn.Module, packed: dict, dtype: torch.dtype) -> None:
-    """Replace the built model's projections, head and embedding by modules over the packed blocks."""
+    """Replace the (meta) model's projections, head and embedding by modules over the packed blocks. A
+    replaced projection's bias stays a meta parameter, allocated and loaded with the others (then
+    `QuantLinear.refresh_bias`)."""
     for i, layer in enumerate(model.model.layers):
         for parent, fused_name, parts in _fused_targets(layer):
             keys = [f"model.layers.{i}.{p}.weight" for p in parts]
@@ -154,15 +158,29 @@ def apply_packed(model: torch.nn.Module, packed: dict, dtype: torch.dtype) -> No
             old = getattr(parent, fused_name)
             qs = torch.cat([packed[k][0] for k in keys])
             scales = torch.cat([packed[k][1] for k in keys])
+            _check_shape(f"model.layers.{i}.{fused_name}", (qs.shape[0], packed[keys[0]][2]),
+                         (old.out_features, old.in_features))
             setattr(parent, fused_name, QuantLinear(qs, scales, packed[keys[0]][2], old.bias))
+            for k in keys:  # (the parts' only other holder: the caller's dict, which the build consumes)
+                del packed[k]
     emb = packed.get("model.embed_tokens.weight")
     if emb is not None:
+        old = model.model.embed_tokens
+        _check_shape("model.embed_tokens", (emb[0].shape[0], emb[2]), (old.num_embeddings, old.embedding_dim))
         model.model.embed_tokens = QuantEmbedding(emb[0], emb[1], emb[2], dtype)
     head = packed.get("lm_head.weight")  # (a saved quantised checkpoint: the tied head's own packed copy)
     if head is None and model.config.tie_word_embeddings:
         head = emb
     if head is not None:
+        _check_shape("lm_head", (head[0].shape[0], head[2]), (model.lm_head.out_features, model.lm_head.in_features))
         model.lm_head = QuantLinear(head[0], head[1], head[2], None, float_output=True)
+    packed.pop("model.embed_tokens.weight", None)
+    packed.pop("lm_head.weight", None)
+
+
+def _check_shape(name: str, blocks: tuple, module: tuple) -> None:
+    if tuple(blocks) != tuple(module):
+        raise ModelLoadError(f"tensor {name}.weight has shape {tuple(blocks)}, expected {tuple(module)}")
 
 
 def _fused_targets(layer) -> list:

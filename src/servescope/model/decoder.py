@@ -165,7 +165,7 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Tied embeddings: the head reads the embedding's weight (one tensor, counted once). Called
         again after anything that re-creates parameters (to_empty from the meta device)."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # (not a packed head)
             self.lm_head.weight = self.model.embed_tokens.weight
 
     # ---------------------------------------------------------------- the four steps of a forward

@@ -96,6 +96,11 @@ class QuantLinear(torch.nn.Module):
         self.group32 = kp == scales.shape[1] * BLOCK  # one scale per 32-block: the integer GEMM's form
         self.gemv_rows = None  # a fixed row limit for quant_gemv (tests); None: row_limit's by dtype and CPU
 
+    def refresh_bias(self) -> None:
+        """After the bias parameter was allocated and loaded in place (a module built on the meta device)."""
+        self._bias_f32 = None if self.bias is None else self.bias.detach().float()
+        self._bias_cast = None
+
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, scheme: QuantScheme, float_output: bool = False):
         packed, scales = quantize(linear.weight, scheme)
