@@ -48,6 +48,9 @@ def read_mxfp4(tensors: dict, shapes: dict, where: str) -> tuple:
             dense[name] = to_float32(t) if t.is_floating_point() else t
             continue
         layers.setdefault((m.group(1), m.group(2)), {})[m.group(3)] = t
+    if not layers:
+        raise ModelLoadError(f"{where}: quantization_config says mxfp4 but the files hold no MXFP4 expert tensors "
+                             "(model.layers.N.mlp.experts.*_blocks / _scales)")
     for (layer, proj), parts in sorted(layers.items()):
         stacked = f"model.layers.{layer}.mlp.experts.{proj}"
         if stacked not in shapes or set(parts) != {"blocks", "scales"}:
