@@ -50,6 +50,10 @@ def quantize(w: torch.Tensor) -> tuple:
     n, k = w.shape
     if k % BLOCK:
         raise ValueError(f"MXFP4 rows hold whole blocks of {BLOCK}, got {k} weights")
+    rows = max(1, (1 << 16) // k)  # rows per chunk: the nearest-value search's temporaries stay a few MiB
+    if n > rows:
+        parts = [quantize(w[r:r + rows]) for r in range(0, n, rows)]
+        return torch.cat([b for b, _ in parts]), torch.cat([s for _, s in parts])
     x = w.detach().float().reshape(n, k // BLOCK, BLOCK)
     amax = x.abs().amax(dim=2)
     e = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2 + 127, torch.zeros_like(amax)).clamp(0, 254)
