@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import (BATCHING_OVERRIDES, assert_batching_changes_nothing, assert_greedy_matches_transformers,
-                     assert_logits_match_transformers, edited_checkpoint, paged_logits, random_ids,
-                     transformers_with_weights)
+from helpers import (BATCHING_OVERRIDES, assert_batching_changes_nothing, assert_bfloat16_near_float32_transformers,
+                     assert_greedy_matches_transformers, assert_logits_match_transformers, edited_checkpoint,
+                     paged_logits, random_ids, transformers_with_weights)
 from servescope import LLM, SamplingParams
 from servescope.bench.accuracy import compare
 from servescope.errors import InvalidParameterError, ModelLoadError
@@ -163,3 +163,9 @@ def test_gpt_oss_gguf_is_refused_clearly(tmp_path):
     w.close()
     with pytest.raises(ModelLoadError, match="gpt-oss GGUF files .* are not read yet; load the Hugging Face"):
         load_model_source(str(path))
+
+
+def test_bfloat16_stays_near_float32_transformers(mxfp4):
+    """bfloat16 activations over the same MXFP4 experts (the fused op on bfloat16 rows)."""
+    path, hf, _ = mxfp4
+    assert_bfloat16_near_float32_transformers(path, hf)
