@@ -35,12 +35,14 @@ def is_mxfp4_config(hf_config: dict) -> bool:
 
 def read_mxfp4(tensors: dict, shapes: dict, where: str) -> tuple:
     """(dense state dict, packed {per-expert HF key: (blocks, scales, K)}) of a gpt-oss MXFP4 checkpoint's
-    tensors (as stored). shapes: the config's {hf name: shape} (expected_tensor_shapes): a layer's stacked expert
+    tensors (as stored; emptied as they are read, so the stacked blocks and their re-laid copies coexist one
+    layer at a time). shapes: the config's {hf name: shape} (expected_tensor_shapes): a layer's stacked expert
     weights get zero-cost placeholders in the dense dict for the shape checks (the caller drops them). Raises
     ModelLoadError for a block tensor the model has no place for, one without its scales, or a shape that does
     not match the config."""
     dense, packed, layers = {}, {}, {}
-    for name, t in tensors.items():
+    for name in list(tensors):  # (taken out of `tensors` as read: a layer's stacked blocks go once it is re-laid)
+        t = tensors.pop(name)
         m = _TENSOR.match(name)
         if m is None:
             if name.endswith(("_blocks", "_scales")):
@@ -51,7 +53,8 @@ def read_mxfp4(tensors: dict, shapes: dict, where: str) -> tuple:
     if not layers:
         raise ModelLoadError(f"{where}: quantization_config says mxfp4 but the files hold no MXFP4 expert tensors "
                              "(model.layers.N.mlp.experts.*_blocks / _scales)")
-    for (layer, proj), parts in sorted(layers.items()):
+    for layer, proj in sorted(layers):
+        parts = layers.pop((layer, proj))
         stacked = f"model.layers.{layer}.mlp.experts.{proj}"
         if stacked not in shapes or set(parts) != {"blocks", "scales"}:
             raise ModelLoadError(f"{where}: {stacked}_blocks and _scales: the pair is incomplete or the config "
