@@ -21,6 +21,11 @@ from helpers import (BATCHING_OVERRIDES, assert_batching_changes_nothing, assert
 from servescope import LLM
 from servescope.config import ModelConfig
 from servescope.errors import EngineConfigError, InvalidParameterError, ModelLoadError
+from servescope.bench.accuracy import compare
+from servescope.model.linears.int8 import Int8Linear
+from servescope.model.linears.packed import QuantLinear
+from servescope.model.moe import moe_blocks
+from servescope.model.moe_clamped import PackedClampedExperts
 from servescope.model.transforms import _plan_covers_layer
 from servescope.parallel.layout import check_parallel
 
@@ -107,8 +112,11 @@ def test_the_released_config_is_read_as_transformers_reads_it():
     for key, value in (("experts_per_token", 2), ("initial_context_length", 8192)):  # they must agree
         with pytest.raises(InvalidParameterError, match=key):
             ModelConfig.from_hf_dict({**RELEASED, key: value})
-    with pytest.raises(InvalidParameterError, match="quantization_config.*mxfp4"):
-        ModelConfig.from_hf_dict({**RELEASED, "quantization_config": {"quant_method": "mxfp4"}})
+    released = ModelConfig.from_hf_dict({**RELEASED, "quantization_config": {"quant_method": "mxfp4"}})
+    assert released.moe.experts.weight_format == "mxfp4" and ours.moe.experts.weight_format == ""  # (the cost
+    assert released.num_parameters() == ours.num_parameters()  # model's; loader/hf_mxfp4.py keeps them packed)
+    with pytest.raises(InvalidParameterError, match="quantization_config.*awq"):
+        ModelConfig.from_hf_dict({**RELEASED, "quantization_config": {"quant_method": "awq"}})
 
 
 @pytest.mark.parametrize("chunk", [24, 7])
@@ -153,16 +161,29 @@ def test_bfloat16_stays_near_float32_transformers(gpt_oss):
     assert_bfloat16_near_float32_transformers(*gpt_oss)
 
 
+@pytest.mark.parametrize("mode,module,floor", [("int4", QuantLinear, 0.1), ("int8", Int8Linear, 0.01)])
+def test_quantization_packs_the_experts_with_their_biases(gpt_oss, mode, module, floor):
+    """--quantization packs gpt-oss's experts (PackedClampedExperts: the biases and the clamped SwiGLU kept),
+    within the mode's KL floor of float32."""
+    path, _ = gpt_oss
+    ids = random_ids(60, 2)
+    ref = LLM(model=str(path), num_kv_blocks=64, max_model_len=512)
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=512, quantization=mode)
+    blocks = moe_blocks(llm.engine.executor.model)
+    assert all(isinstance(b.experts, PackedClampedExperts) for _, b in blocks)
+    assert all(isinstance(m, module) for _, b in blocks for m in b.experts.linears())
+    r = compare(paged_logits(ref.engine, ids), paged_logits(llm.engine, ids), ids)
+    assert r["kl"] / r["tokens"] <= floor, f"{mode}: mean KL {r['kl'] / r['tokens']:.4f}"
+
+
 def test_what_is_not_built_is_refused(gpt_oss):
     path, _ = gpt_oss
     with pytest.raises((ModelLoadError, InvalidParameterError), match="swiglu_beta"):  # an unknown field
         LLM(model=str(edited_checkpoint(path, "swiglu_beta", 1.0)), num_kv_blocks=8, max_model_len=128)
     mxfp4 = edited_checkpoint(path, "quantization_config", {"quant_method": "mxfp4",
                                                             "modules_to_not_convert": ["model.layers.*.self_attn"]})
-    with pytest.raises((ModelLoadError, InvalidParameterError), match="quantization_config.*mxfp4"):
+    with pytest.raises(ModelLoadError, match="mxfp4 but the files hold no MXFP4 expert tensors"):
         LLM(model=str(mxfp4), num_kv_blocks=8, max_model_len=128)
-    with pytest.raises(InvalidParameterError, match="clamped SwiGLU"):  # packed experts have no biases
-        LLM(model=str(path), num_kv_blocks=8, max_model_len=128, quantization="int8")
     cfg = LLM(model=str(path), num_kv_blocks=8, max_model_len=128).engine.model_config
     with pytest.raises(EngineConfigError, match="mixture-of-experts"):  # no sharded experts yet
         check_parallel(cfg, 2, 1, 2, "cpu")

@@ -6,6 +6,7 @@
 // (model/moe.py's grouped_experts over PackedExperts: per expert quant_rows over its gathered rows, gate|up
 // rounded to the dtype, silu_mul, down, then per token rnd(rnd(y) * w) summed in expert order in float32,
 // rounded once), and stay within the activations' int8 rounding of a float64 sum over the dequantised weights.
+// MXFP4 experts run as gpt-oss's: biases on both projections and the clamped SwiGLU.
 #include "moe_experts.h"
 #include <cstdio>
 #include <random>
@@ -13,24 +14,38 @@ using namespace servescope_moe;
 
 constexpr int64_t H = 96, I = 64, E = 6, FIRST = 2, TOTAL = 10, UNUSED = 3;  // global expert 3: no token
 
+constexpr float ALPHA = 1.702f, LIMIT = 7.0f;
+
 struct Packed {
-  std::vector<uint8_t> w;
+  std::vector<uint8_t> w, e;
   std::vector<uint16_t> s;
+  std::vector<float> bias;
   QMatrix q;
 };
 
-static Packed make(std::mt19937& g, bool i4, bool asym, int64_t n, int64_t kp) {
+static Packed make(std::mt19937& g, bool i4, bool asym, int64_t n, int64_t kp, bool mx = false) {
   Packed p;
   p.w.resize(n * (i4 ? kp / 2 : kp));
   for (auto& b : p.w) b = g() & 0xFF;
   p.s.resize(n * (kp / 32) * (asym ? 2 : 1));
   for (auto& h : p.s) h = 0x2400 + (g() & 0x3FF);
   p.q = QMatrix{p.w.data(), n, kp, 32, i4, asym, p.s.data()};
+  if (mx) {
+    p.e.resize(n * (kp / 32));
+    for (auto& e : p.e) e = 119 + g() % 6;  // 2^-8 .. 2^-3
+    p.q.e8m0 = p.e.data();
+    p.q.scales = nullptr;
+    p.bias.resize(n);
+    for (auto& v : p.bias) v = (float)((int)(g() % 200) - 100) / 100.f;
+  }
   return p;
 }
 
 static double weight(const QMatrix& q, int64_t n, int64_t k) {
   const int64_t b = k / 32, j = k % 32, sc = q.asym ? 2 : 1;
+  if (q.mx())
+    return (double)e8m0_half(q.e8m0[n * (q.kp / 32) + b]) *
+           MXFP4_VALUES[(q.w[n * q.kp / 2 + b * 16 + (j % 16)] >> (j < 16 ? 0 : 4)) & 15];
   const uint16_t* sp = q.scales + (n * (q.kp / 32) + b) * sc;
   const double d = half_to_float(sp[0]);
   const double u = q.int4 ? (double)((q.w[n * q.kp / 2 + b * 16 + (j % 16)] >> (j < 16 ? 0 : 4)) & 15)
@@ -58,11 +73,15 @@ static std::vector<float> reference(const MoeWeights& ex, const std::vector<T>& 
     std::vector<T> xs(m * H), gt(m * 2 * I), h(m * I);
     for (int64_t r = 0; r < m; ++r) std::memcpy(xs.data() + r * H, x.data() + tok[r] * H, H * sizeof(T));
     std::vector<float> g(m * 2 * I), y(m * H);
-    quant_rows(ex.gate_up[e], xs.data(), m, nullptr, g.data(), QOrder::Auto);
+    const bool gpt_oss = ex.act == MOE_ACT_CLAMPED_SWIGLU;
+    quant_rows(ex.gate_up[e], xs.data(), m, gpt_oss ? ex.gate_up_bias[e] : nullptr, g.data(), QOrder::Auto);
     for (int64_t i = 0; i < m * 2 * I; ++i)
       if constexpr (std::is_same_v<T, float>) gt[i] = g[i]; else gt[i] = float_to_bf16(g[i]);
-    servescope_kernels::silu_mul_rows<T>(gt.data(), 2 * I, h.data(), m, I);
-    quant_rows(ex.down[e], h.data(), m, nullptr, y.data(), QOrder::Auto);
+    if (gpt_oss)
+      moe_clamped_swiglu<T>(g.data(), m, I, ALPHA, LIMIT, h.data());
+    else
+      servescope_kernels::silu_mul_rows<T>(gt.data(), 2 * I, h.data(), m, I);
+    quant_rows(ex.down[e], h.data(), m, gpt_oss ? ex.down_bias[e] : nullptr, y.data(), QOrder::Auto);
     for (int64_t r = 0; r < m; ++r)
       for (int64_t c = 0; c < H; ++c) {
         float& o = out[tok[r] * H + c];
@@ -90,16 +109,23 @@ static double exact_error(const MoeWeights& ex, const std::vector<T>& x, const s
       const int64_t e = ids[i * k + j] - FIRST;
       if (e < 0 || e >= E) continue;
       std::vector<double> h(I);
+      const bool gpt_oss = ex.act == MOE_ACT_CLAMPED_SWIGLU;
       for (int64_t n = 0; n < I; ++n) {
-        double gs = 0, us = 0;
+        double gs = gpt_oss ? ex.gate_up_bias[e][n] : 0, us = gpt_oss ? ex.gate_up_bias[e][n + I] : 0;
         for (int64_t c = 0; c < H; ++c) {
           gs += weight(ex.gate_up[e], n, c) * val(x[i * H + c]);
           us += weight(ex.gate_up[e], n + I, c) * val(x[i * H + c]);
         }
-        h[n] = gs / (1 + std::exp(-gs)) * us;
+        if (gpt_oss) {
+          gs = std::min(gs, (double)LIMIT);
+          us = std::min(std::max(us, -(double)LIMIT), (double)LIMIT);
+          h[n] = (us + 1) * gs / (1 + std::exp(-ALPHA * gs));
+        } else {
+          h[n] = gs / (1 + std::exp(-gs)) * us;
+        }
       }
       for (int64_t c = 0; c < H; ++c) {
-        double s = 0;
+        double s = gpt_oss ? ex.down_bias[e][c] : 0;
         for (int64_t n = 0; n < I; ++n) s += weight(ex.down[e], c, n) * h[n];
         o[c] += wts[i * k + j] * s;
       }
@@ -145,14 +171,18 @@ int main() {
   std::mt19937 g(7);
   int bad = 0;
   double worst = 0;
-  for (bool i4 : {true, false})
-    for (bool asym : {false, true}) {
+  for (int fmt = 0; fmt < 5; ++fmt) {  // int4 / int8, symmetric / asymmetric, then MXFP4 (gpt-oss's)
+      const bool i4 = fmt < 2 || fmt == 4, asym = fmt % 2 == 1 && fmt < 4, mx = fmt == 4;
       std::vector<Packed> gu, dn;
       for (int64_t e = 0; e < E; ++e)
-        gu.push_back(make(g, i4, asym, 2 * I, H)), dn.push_back(make(g, i4, asym, H, I));
+        gu.push_back(make(g, i4, asym, 2 * I, H, mx)), dn.push_back(make(g, i4, asym, H, I, mx));
       MoeWeights ex;
       ex.first = FIRST;
       for (int64_t e = 0; e < E; ++e) ex.gate_up.push_back(gu[e].q), ex.down.push_back(dn[e].q);
+      if (mx) {
+        for (int64_t e = 0; e < E; ++e) ex.gate_up_bias.push_back(gu[e].bias.data()), ex.down_bias.push_back(dn[e].bias.data());
+        ex.act = MOE_ACT_CLAMPED_SWIGLU, ex.alpha = ALPHA, ex.limit = LIMIT;
+      }
       for (int64_t t : {1, 2, 3, 5, 8, 17})
         for (int64_t k = 1; k <= 8; ++k)
           bad += check<float>(g, ex, t, k, &worst) + check<bf16>(g, ex, t, k, &worst);

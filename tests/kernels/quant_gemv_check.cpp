@@ -7,7 +7,8 @@
 // and the kernel must also stay within the activation-rounding bound of the exact float product. Each group-32
 // kernel (quant_rows forced to the streaming and weight-stationary VNNI orders, and AMX where it runs) is
 // checked the same way, for batching invariance (each row alone gives the same bits as in the batch) and
-// for bfloat16 activations (the same bits as their float32 values).
+// for bfloat16 activations (the same bits as their float32 values). MXFP4 (E8M0 scales, e2m1 nibbles) goes
+// through the same group-32 kernels, the prefill GEMM and the dequantisation.
 #include "quant_amx.h"
 #include "quant_gemm.h"
 #include <cstdio>
@@ -24,7 +25,8 @@ static double act_value(const std::vector<float>& x, int64_t m, int64_t kp, int6
   return (double)d * (double)std::max(-127L, std::min(127L, std::lrint(x[m * kp + k] * id)));
 }
 
-static int check(std::mt19937& g, bool i4, bool asym, int64_t N, int64_t kp, int64_t group, int64_t M) {
+static int check(std::mt19937& g, bool i4, bool asym, int64_t N, int64_t kp, int64_t group, int64_t M,
+                 bool mx = false) {
   int bad = 0;
   const int64_t G = kp / group;
   std::vector<uint8_t> w(N * (i4 ? kp / 2 : kp));
@@ -35,6 +37,9 @@ static int check(std::mt19937& g, bool i4, bool asym, int64_t N, int64_t kp, int
   for (auto& v : x) v = (float)((int)(g() % 200) - 100) / 50.f;
   for (auto& v : bias) v = (float)((int)(g() % 200) - 100) / 10.f;
   QMatrix q{w.data(), N, kp, group, i4, asym, s.data()};
+  std::vector<uint8_t> e(N * G);  // MXFP4: E8M0 scales 2^-10 .. 2^1, and the two subnormal halves' bytes
+  for (auto& v : e) v = g() % 16 == 0 ? g() % 2 : 117 + g() % 12;
+  if (mx) q.e8m0 = e.data(), q.scales = nullptr;
   quant_matvec(q, x.data(), M, bias.data(), y.data());
   std::vector<float> yg(M * N, 0.f);  // the prefill GEMM (group 32 only): the same values as the GEMV
   if (group == 32) quant_gemm_rows(q, x.data(), M, bias.data(), yg.data());
@@ -77,6 +82,7 @@ static int check(std::mt19937& g, bool i4, bool asym, int64_t N, int64_t kp, int
         double u = i4 ? (double)((w[n * kp / 2 + b * 16 + (j % 16)] >> (j < 16 ? 0 : 4)) & 15)
                       : (double)(int8_t)w[n * kp + k];
         double val = asym ? d * u + half_to_float(sp[1]) : (i4 ? d * (u - 8) : d * u);
+        if (mx) val = (double)e8m0_half(e[n * G + b]) * MXFP4_VALUES[(int)u];
         if (m == 0 && std::abs(deq[n * kp + k] - val) > 1e-5) ++bad;
         double step = 0, xa = group == 32 ? act_value(x, m, kp, k, &step) : x[m * kp + k];
         ref += val * xa;
@@ -125,6 +131,7 @@ int main() {
       for (const auto& sh : shapes)
         for (int64_t group : {32, 64})
           if (sh[1] % group == 0) bad += check(g, i4, asym, sh[0], sh[1], group, sh[2]);
+  for (const auto& sh : shapes) bad += check(g, true, false, sh[0], sh[1], 32, sh[2], true);  // MXFP4
   printf("%s int8_dot=%d amx=%d bad=%d\n", kIsa, SERVESCOPE_HAS_INT8_DOT, (int)amx_available(), bad);
   return bad != 0;
 }

@@ -49,6 +49,8 @@ def test_real_fields_that_change_the_maths_are_refused(field, value):
 def test_foreign_quantization_config_is_refused():
     with pytest.raises(InvalidParameterError, match="quant_method 'gptq'"):
         ModelConfig.from_hf_dict({**BASE, "quantization_config": {"quant_method": "gptq", "bits": 4}})
+    with pytest.raises(InvalidParameterError, match="quant_method 'mxfp4' is not supported for llama"):  # gpt-oss's
+        ModelConfig.from_hf_dict({**BASE, "quantization_config": {"quant_method": "mxfp4"}})
 
 
 def test_bookkeeping_fields_load():

@@ -169,3 +169,39 @@ def make_tiny_hf_model(tmp_path, family: str, *, seed: int = 0, max_shard_size=N
         smollm2_hf_tokenizer().save_pretrained(out)
     assert os.path.isfile(out / "config.json")
     return out
+
+
+MXFP4_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def make_tiny_mxfp4_gpt_oss(tmp_path, **overrides) -> tuple:
+    """A tiny random gpt-oss checkpoint as openai releases theirs: the routed experts in MXFP4 (`_blocks` /
+    `_scales` in transformers' layout, quantization_config quant_method "mxfp4"), the rest in float. Returns
+    (its directory, the float checkpoint it was quantised from, the dequantised state dict: every tensor as
+    transformers' own MXFP4 conversion reads it, the reference's weights)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from servescope.quant import mxfp4
+
+    src = make_tiny_hf_model(tmp_path, "gpt_oss", **overrides)
+    out = Path(str(src) + "-mxfp4")
+    shutil.copytree(src, out)
+    (out / "model.safetensors").unlink()
+    tensors, dequantised = load_file(str(src / "model.safetensors")), {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name)  # [E, K, N]: transposed
+        parts = [mxfp4.quantize(w[e].t()) for e in range(w.shape[0])]
+        blocks = torch.stack([mxfp4.to_hf_blocks(b) for b, _ in parts])  # [E, N, K/32, 16]
+        scales = torch.stack([s for _, s in parts])
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        dequantised[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    dequantised.update({k: v for k, v in tensors.items() if not k.endswith(("_blocks", "_scales"))})
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_NOT_CONVERTED}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out, src, dequantised

@@ -15,7 +15,7 @@ from servescope.config import EngineConfig
 from servescope.errors import EngineConfigError
 from servescope.parallel.expert_parallel import expert_range, token_slice
 from servescope.parallel.layout import check_parallel
-from tiny_models import make_tiny_hf_model
+from tiny_models import make_tiny_hf_model, make_tiny_mxfp4_gpt_oss
 
 CASES = {
     # attention replicated on both ranks: a gated shared expert and a dense first layer (Qwen2-MoE), DeepSeek-V3's
@@ -40,6 +40,13 @@ def test_expert_parallel_equals_one_process(tmp_path, case):
         assert len(r.moe_rows_per_rank) == 2 and sum(r.moe_rows_per_rank) == sum(r.moe_tokens_per_expert)
         assert r.moe_rank_imbalance >= 1.0 and 0 < r.all_to_all_seconds <= r.comm_seconds
         assert r.all_to_all_bytes <= r.comm_bytes
+    assert any(r.all_to_all_bytes > 0 for r in recs)
+
+
+def test_mxfp4_gpt_oss_expert_parallel_equals_one_process(tmp_path):
+    """gpt-oss as released (MXFP4 experts, kept packed): each rank keeps its experts' blocks and biases."""
+    path, _, _ = make_tiny_mxfp4_gpt_oss(tmp_path)
+    recs = assert_same_as_single_process(str(path), expert_parallel_size=2)
     assert any(r.all_to_all_bytes > 0 for r in recs)
 
 

@@ -184,7 +184,8 @@ def render_explain_table(result: dict):
             ("active parameters / token", f"{moe['active_parameters'] / 1e9:.2f} B"),
             ("experts", f"{moe['top_k']} of {moe['num_experts']} per token, {moe['sparse_layers']} sparse "
                         "layers" + (f", shared width {moe['shared_expert_width']}" if moe["shared_expert_width"]
-                                    else "")),
+                                    else "") + (f", stored {moe['expert_format'].upper()}"
+                                                if moe.get("expert_format") else "")),
             (f"distinct experts read / layer (decode, batch {w['batch']})",
              f"{moe['expected_distinct_experts']:.1f} (uniform routing)"),
         ]

@@ -48,7 +48,7 @@ def moe_summary(cfg: ModelConfig, tokens: Optional[int] = None) -> Optional[dict
         return None
     e = cfg.moe.experts
     out = {"num_experts": e.num_experts, "top_k": e.top_k, "expert_width": e.intermediate_size,
-           "shared_expert_width": e.shared_intermediate_size,
+           "shared_expert_width": e.shared_intermediate_size, "expert_format": e.weight_format or None,
            "sparse_layers": cfg.moe.num_sparse(cfg.num_hidden_layers),
            "total_parameters": cfg.num_parameters(), "active_parameters": active_parameters(cfg)}
     if tokens is not None:

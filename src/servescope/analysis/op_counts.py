@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 from servescope.analysis.hardware import DTYPE_BYTES, DTYPES
 from servescope.analysis.moe import expected_distinct_experts
 from servescope.analysis import mla as mla_costs
-from servescope.analysis.packed_weights import packed_format
+from servescope.analysis.packed_weights import MXFP4_BITS_PER_WEIGHT, packed_format
 from servescope.config import ModelConfig
 from servescope.config.layers import window_of
 from servescope.errors import InvalidParameterError
@@ -162,6 +162,8 @@ def mlp_counts(cfg: ModelConfig, num_tokens: int, wdt: str, adt: str,
     width, shared = e.intermediate_size, e.shared_intermediate_size
     fb = DTYPE_BYTES[dense_dtype(wdt, adt)]
     expert_w = 2 * _linear_weight_bytes(width, d, wdt, adt) + _linear_weight_bytes(d, width, wdt, adt)
+    if e.weight_format == "mxfp4":  # gpt-oss as released: its experts' own 4.25 bits per weight, packed
+        expert_w = round(3 * width * d * MXFP4_BITS_PER_WEIGHT / 8)
     shared_w = (2 * _linear_weight_bytes(shared, d, wdt, adt) + _linear_weight_bytes(d, shared, wdt, adt)
                 + d * fb) if shared else 0
     routed = e.top_k / expert_parallel  # routed (token, expert) rows per token on this rank

@@ -10,7 +10,8 @@ The weight formats a step's weights can be in, besides the float and int8 dtypes
   in the files this engine writes and ships.
 Bytes per weight of a row of K (quant/packed.py's form, GGUF's block sizes): the packed
 integers of K rounded up to the group, plus one float16 scale per group (and one float16 offset when
-asymmetric): Q4_0 18 / 32 = 0.5625, Q4_1 20 / 32 = 0.625, Q8_0 34 / 32 = 1.0625 bytes per weight.
+asymmetric): Q4_0 18 / 32 = 0.5625, Q4_1 20 / 32 = 0.625, Q8_0 34 / 32 = 1.0625 bytes per weight; MXFP4
+17 / 32 = 0.53125 (4.25 bits).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
+# MXFP4 (gpt-oss's released experts, quant/mxfp4.py): 32 e2m1 nibbles and one E8M0 scale byte per block,
+# 17 / 32 bytes per weight; a model in it keeps its other weights in the float dtype (config/moe.py's
+# ExpertsSpec.weight_format), so it is counted per expert, not as a whole-model format
+MXFP4_BITS_PER_WEIGHT = (32 * 4 + 8) / 32
 GGUF_FORMATS = {"q4_0": "int4-g32-sym", "q4_1": "int4-g32-asym", "q8_0": "int8-g32-sym"}
 _GROUPS = {"g32": 32, "g64": 64, "g128": 128, "ch": None}
 

@@ -60,8 +60,11 @@ def check_fields(d: dict, family_fields: frozenset, family_name: str) -> None:
             method = value.get("quant_method") if isinstance(value, dict) else None
             if method == "servescope":  # our own packed checkpoint (loader/quantized.py)
                 continue
+            if method == "mxfp4" and family_name == "gpt_oss":  # gpt-oss's released experts (loader/hf_mxfp4.py)
+                continue
             raise InvalidParameterError(key, f"config.json field {key!r}: quant_method {method!r} is not "
-                                             "supported (only servescope's own quantised checkpoints)")
+                                             "supported for " + family_name + " (servescope's own quantised "
+                                             "checkpoints, and gpt-oss's mxfp4 experts)")
         if key in NEUTRAL:
             allowed = NEUTRAL[key]
             if allowed is None or value in allowed:

@@ -64,6 +64,9 @@ class ExpertsSpec:
     # gpt-oss (router "gpt_oss"): the clamped SwiGLU's limit and sigmoid gain (its experts and router have biases)
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
+    # the routed experts' own stored format where the checkpoint fixes it: "mxfp4" (gpt-oss as released:
+    # quant/mxfp4.py, 4.25 bits per weight, whatever the rest of the model is in); "" follows the model's
+    weight_format: str = ""
 
     @property
     def biased(self) -> bool:
@@ -111,7 +114,9 @@ def moe_from_hf(family_name: str, d: dict, num_layers: int) -> Optional[MoeConfi
         e = ExpertsSpec(int(d.get("num_local_experts", d.get("num_experts", 128))),
                         int(d.get("num_experts_per_tok", 4)), int(d["intermediate_size"]), router="gpt_oss",
                         swiglu_limit=float(d.get("swiglu_limit", 7.0)),
-                        swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
+                        swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
+                        weight_format="mxfp4" if (d.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+                        else "")
         if d.get("experts_per_token", e.top_k) != e.top_k:
             raise InvalidParameterError("experts_per_token", f"experts_per_token {d['experts_per_token']} differs "
                                                              f"from num_experts_per_tok {e.top_k}")
@@ -169,8 +174,9 @@ def moe_to_hf(family_name: str, moe: Optional[MoeConfig], num_layers: int) -> di
     if family_name == "mixtral":
         return {"num_local_experts": e.num_experts, "num_experts_per_tok": e.top_k}
     if e.router == "gpt_oss":
+        mxfp4 = {"quantization_config": {"quant_method": "mxfp4"}} if e.weight_format == "mxfp4" else {}
         return {"num_local_experts": e.num_experts, "num_experts_per_tok": e.top_k,
-                "swiglu_limit": e.swiglu_limit, "swiglu_alpha": e.swiglu_alpha}
+                "swiglu_limit": e.swiglu_limit, "swiglu_alpha": e.swiglu_alpha, **mxfp4}
     if e.router in ("deepseek_v2", "deepseek_v3"):
         return {"n_routed_experts": e.num_experts, "num_experts_per_tok": e.top_k,
                 "moe_intermediate_size": e.intermediate_size,

@@ -35,7 +35,8 @@ class LoadedSource:
 
     def num_bytes(self) -> int:
         dense = sum(t.numel() * t.element_size() for k, t in self.state_dict.items() if k not in self.packed)
-        return dense + sum(q.numel() * q.element_size() + s.numel() * 2 for q, s, _ in self.packed.values())
+        return dense + sum(q.numel() * q.element_size() + s.numel() * s.element_size()
+                           for q, s, _ in self.packed.values())
 
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple]:

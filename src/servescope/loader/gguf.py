@@ -150,12 +150,16 @@ class _Metadata:
 
 # {arch}.{suffix} GGUF metadata that changes the maths (llama.cpp's names) and is not implemented (Gemma's
 # architectures read them: loader/gguf_gemma.py, which refuses any key it does not read)
+GPT_OSS_ARCH = "gpt-oss"
 GGUF_UNIMPLEMENTED = ("attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping",
                       "attention.sliding_window_pattern")
 
 
 def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
     arch = meta.raw_arch
+    if arch == GPT_OSS_ARCH:  # refused whole rather than run in part
+        raise ModelLoadError(f"{path}: gpt-oss GGUF files (llama.cpp's architecture 'gpt-oss', MXFP4 experts) are not "
+                             "read yet; load the Hugging Face directory instead (its MXFP4 experts run packed)")
     fam = family_of_gguf(arch)
     if fam is None or fam.fused_checkpoint:  # a fused family's GGUF tensor names are not mapped yet
         supported = [a for a in gguf_architectures() if not family_of_gguf(a).fused_checkpoint]

@@ -29,6 +29,7 @@ from servescope.config.moe import ExpertsSpec, MoeConfig
 from servescope.errors import ModelLoadError
 from servescope.model.linears.packed import QuantLinear
 from servescope.model.moe import PackedExperts, moe_blocks
+from servescope.model.moe_clamped import PackedClampedExperts
 from servescope.quant.packed import dequantize
 
 logger = logging.getLogger(__name__)
@@ -139,11 +140,6 @@ def settle_experts(packed: dict, state_dict: dict, path: str) -> None:
 _EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.\d+\.(\w+)\.weight$")
 
 
-def is_expert_key(key: str) -> bool:
-    """Whether an HF key is one routed expert's part (not the router, not a shared expert)."""
-    return _EXPERT_KEY.match(key) is not None
-
-
 def _is_down(key: str) -> bool:
     return key.endswith(("down_proj.weight", "w2.weight"))
 
@@ -151,8 +147,9 @@ def _is_down(key: str) -> bool:
 def packed_experts(model: torch.nn.Module, packed: dict) -> None:
     """Swap each sparse layer's Experts whose every expert part is in `packed` ({HF key: (blocks, scales,
     K)}) for PackedExperts over those blocks (QuantLinear per expert and projection: gate | up concatenated
-    per expert, as the float model fuses them). Run on the model before its parameters are allocated, so
-    the float experts never take memory (loader/build.py then drops these keys from the checkpoint).
+    per expert, as the float model fuses them); gpt-oss's (MXFP4, loader/hf_mxfp4.py) for PackedClampedExperts.
+    Run on the model before its parameters are allocated, so the float experts never take memory
+    (loader/build.py then drops these keys from the checkpoint).
     settle_experts has made each layer all packed or all float."""
     family = model.config.architecture
     for i, block in moe_blocks(model):
@@ -167,4 +164,8 @@ def packed_experts(model: torch.nn.Module, packed: dict) -> None:
             down.append(QuantLinear(d[0], d[1], d[2]))
             for p in _PARTS:
                 del packed[keys[p][e]]
-        block.experts = PackedExperts(gate_up, down)
+        spec = block.spec
+        if spec.biased:  # gpt-oss: its biases (loaded by name afterwards) and clamped SwiGLU
+            block.experts = PackedClampedExperts(gate_up, down, spec.swiglu_limit, spec.swiglu_alpha, device="meta")
+        else:
+            block.experts = PackedExperts(gate_up, down)

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from servescope.config import ModelConfig
 from servescope.config.families import family
 from servescope.errors import InvalidParameterError, ModelLoadError
-from servescope.loader import quantized
+from servescope.loader import hf_mxfp4, quantized
 from servescope.loader.checkpoint import LoadedSource, check_state_dict, expected_tensor_shapes, to_float32
 from servescope.tokenizer.family_templates import family_template
 from servescope.tokenizer.source import TokenizerSource
@@ -46,7 +46,11 @@ def load_hf_dir(path: str) -> LoadedSource:
     eos_ids = tuple(generation_config["eos_token_id"])
     mode = quantized.saved_mode(path)
     packed = {}
-    if mode is None:
+    if hf_mxfp4.is_mxfp4_config(hf_config):  # gpt-oss as released: MXFP4 experts kept packed
+        dense, packed = hf_mxfp4.read_mxfp4(_read_weights(path, keep_dtype=True), expected_tensor_shapes(config),
+                                            path)
+        state_dict = hf_mxfp4.drop_packed_placeholders(check_state_dict(dense, config, path), packed)
+    elif mode is None:
         state_dict = check_state_dict(_read_weights(path), config, path)
     else:  # a `servescope quantize` checkpoint: its packed linears run as they are (loader/quantized.py)
         shapes = expected_tensor_shapes(config)

@@ -123,6 +123,14 @@ class Experts(nn.Module):
         return (self.gate_up_proj[0].numel() + self.down_proj[0].numel()) * self.gate_up_proj.element_size()
 
 
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's activation of [n, 2I] (gate | up) -> [n, I]: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g),
+    g = min(gate, limit)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class ClampedExperts(Experts):
     """gpt-oss's experts: Experts' stacked weights plus biases, gate_up_proj_bias [E, 2I] (gate | up) and
     down_proj_bias [E, Dm], and the clamped SwiGLU: gate clamped above at `limit`, up to [-limit, limit],
@@ -135,9 +143,7 @@ class ClampedExperts(Experts):
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
 
     def run(self, e: int, xs: torch.Tensor, out: torch.Tensor) -> None:
-        gate, up = F.linear(xs, self.gate_up_proj[e], self.gate_up_proj_bias[e]).chunk(2, dim=-1)  # [n, I] each
-        gate = gate.clamp(max=self.limit)
-        h = (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        h = clamped_swiglu(F.linear(xs, self.gate_up_proj[e], self.gate_up_proj_bias[e]), self.limit, self.alpha)
         torch.addmm(self.down_proj_bias[e], h, self.down_proj[e].t(), out=out)
 
     def expert_bytes(self) -> int:
@@ -153,6 +159,7 @@ class PackedExperts(nn.Module):
     where the fused op applies (`_fused`), one C++ call runs all of them."""
 
     fused = True  # whether `grouped` may run the fused op; False: grouped_experts always (the reference)
+    act, alpha, limit = 0, 0.0, 0.0  # the fused op's activation: silu(gate) * up (model/moe_clamped.py: gpt-oss's)
 
     def __init__(self, gate_up: list, down: list):
         super().__init__()
@@ -197,18 +204,27 @@ class PackedExperts(nn.Module):
         """Every expert's modules (the huge-page move and the weight count walk them)."""
         return [*self.gate_up, *self.down]
 
+    def biases(self) -> tuple:
+        """The fused op's per-expert float32 biases (gate|up [2I] list, down [H] list): none here."""
+        return [], []
+
 
 def _fused_op(experts: PackedExperts):
     """kernels/cpu's moe_packed over the experts' packed tensors, or None where it does not apply: a module
-    other than a group-32 QuantLinear without bias on the CPU whose K is whole 32-blocks, mixed formats, no
-    extension."""
+    other than a group-32 QuantLinear without bias on the CPU whose K is whole 32-blocks, mixed formats (MXFP4
+    included), no extension. The experts' own biases (`biases`) and activation (`act`, `alpha`, `limit`) go
+    with them."""
     for m in experts.linears():
-        if not (isinstance(m, QuantLinear) and m.group32 and m.bias is None and not m.float_output
+        if not (isinstance(m, QuantLinear) and m.group32 and not m.float_output
                 and m.qweight.device.type == "cpu" and m.in_features % 32 == 0):
             return None
+    if any(m.bias is not None for m in experts.linears()):
+        return None
+    gate_up_b, down_b = experts.biases()
     try:
         return cpu_ops.moe_packed([(m.qweight, m.scales) for m in experts.gate_up],
-                                  [(m.qweight, m.scales) for m in experts.down])
+                                  [(m.qweight, m.scales) for m in experts.down], 0, gate_up_b, down_b,
+                                  experts.act, experts.alpha, experts.limit)
     except RuntimeError:  # the op's own checks (formats, shapes): grouped_experts runs them
         return None
 

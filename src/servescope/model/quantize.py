@@ -26,6 +26,7 @@ from servescope.model.linears.huge_pages import move_to_huge_pages
 from servescope.model.linears.int8 import Int8Linear
 from servescope.model.linears.packed import QuantEmbedding, QuantLinear
 from servescope.model.moe import ClampedExperts, Experts, PackedExperts, moe_blocks
+from servescope.model.moe_clamped import PackedClampedExperts
 from servescope.quant.packed import quantize
 from servescope.quant.scheme import QuantScheme
 
@@ -41,9 +42,6 @@ def quantize_experts(model: nn.Module, scheme) -> None:
         experts = block.experts
         if not isinstance(experts, Experts):
             continue  # (a GGUF's experts: packed by the loader)
-        if isinstance(experts, ClampedExperts):  # PackedExperts run silu(gate) * up without biases
-            raise InvalidParameterError("quantization", "packed experts with biases and gpt-oss's clamped SwiGLU "
-                                                        "are not implemented: run gpt-oss unquantised")
         gate_up, down = [], []
         for e in range(experts.num_experts):
             for w, out in ((experts.gate_up_proj[e], gate_up), (experts.down_proj[e], down)):
@@ -51,7 +49,12 @@ def quantize_experts(model: nn.Module, scheme) -> None:
                     out.append(Int8Linear(w.data, None, act_dtype))
                 else:
                     out.append(QuantLinear(*quantize(w.data, scheme), w.shape[1]))
-        block.experts = PackedExperts(gate_up, down)
+        if isinstance(experts, ClampedExperts):  # gpt-oss: its biases and clamped SwiGLU kept
+            packed = PackedClampedExperts(gate_up, down, experts.limit, experts.alpha)
+            packed.gate_up_proj_bias, packed.down_proj_bias = experts.gate_up_proj_bias, experts.down_proj_bias
+            block.experts = packed
+        else:
+            block.experts = PackedExperts(gate_up, down)
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:

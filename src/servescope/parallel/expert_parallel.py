@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from servescope.model.moe import ClampedExperts, Experts, PackedExperts, moe_blocks
+from servescope.model.moe_clamped import PackedClampedExperts
 from servescope.parallel.groups import DistContext
 
 
@@ -119,6 +120,13 @@ class ExpertParallel:
 
 def _local_experts(experts: nn.Module, keep: range) -> nn.Module:
     """The experts of `keep` only (ids from 0), the others' weights dropped."""
+    if isinstance(experts, PackedClampedExperts):  # (gpt-oss's: its biases split with the experts)
+        out = PackedClampedExperts([experts.gate_up[e] for e in keep], [experts.down[e] for e in keep],
+                                   experts.limit, experts.alpha)
+        for name in ("gate_up_proj_bias", "down_proj_bias"):
+            setattr(out, name, nn.Parameter(getattr(experts, name).detach()[keep.start:keep.stop].clone(),
+                                            requires_grad=False))
+        return out
     if isinstance(experts, PackedExperts):
         return PackedExperts([experts.gate_up[e] for e in keep], [experts.down[e] for e in keep])
     if isinstance(experts, Experts):

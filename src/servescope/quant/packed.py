@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from servescope.quant import mxfp4
 from servescope.quant import search as quant_search
 from servescope.quant.scheme import BLOCK, QuantScheme
 
@@ -72,7 +73,10 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, k: int, dtype=torch.float32) -> torch.Tensor:
-    """The packed matrix as [N, k] floats (torch only: the reference, and the path off the CPU)."""
+    """The packed matrix as [N, k] floats (torch only: the reference, and the path off the CPU); MXFP4's
+    E8M0-scaled blocks too (quant/mxfp4.py)."""
+    if mxfp4.is_mxfp4(scales):
+        return mxfp4.dequantize(packed, scales, k, dtype)
     q = unpack(packed).to(dtype)
     n, kp = q.shape
     groups = scales.shape[1]

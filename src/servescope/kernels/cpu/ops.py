@@ -92,15 +92,18 @@ def prefill_attention(q, k_cache, v_cache, block_table, ctx: int, scale: float) 
     return _EXT.mod.prefill_attention(q, k_cache, v_cache, block_table, ctx, scale)
 
 
-def moe_packed(gate_up: list, down: list, first: int = 0):
+def moe_packed(gate_up: list, down: list, first: int = 0, gate_up_bias=(), down_bias=(), act: int = 0,
+               alpha: float = 0.0, limit: float = 0.0):
     """One MoE layer's routed experts over packed group-32 weights as one C++ op (csrc/moe_experts.h), or None
     without the extension. gate_up / down: per local expert (qweight, scales) of its [2I, H] gate | up and
     [H, I] down matrices (quant/packed.py's form: int4 or int8, symmetric or asymmetric), local expert e being
     the router's expert first + e (a subset of the experts, for expert parallelism). The handle's
     `run(x [T, H] float32 | bfloat16, ids [T, k] int64, weights [T, k])` -> (out [T, H] in x's dtype, tokens
     per local expert [E] int64): model/moe.py's grouped_experts bit for bit, pairs routed outside the local
-    experts skipped. Raises RuntimeError for weights outside that form (other groups, mixed formats)."""
+    experts skipped. MXFP4 experts (uint8 E8M0 scales, quant/mxfp4.py) too. gate_up_bias / down_bias: per local
+    expert float32 [2I] / [H] biases or empty; act 0: silu(gate) * up, 1: gpt-oss's clamped SwiGLU (alpha,
+    limit). Raises RuntimeError for weights outside that form (other groups, mixed formats)."""
     if _EXT.load() is None:
         return None
     return _EXT.mod.MoePacked([w for w, _ in gate_up], [s for _, s in gate_up], [w for w, _ in down],
-                              [s for _, s in down], first)
+                              [s for _, s in down], first, list(gate_up_bias), list(down_bias), act, alpha, limit)

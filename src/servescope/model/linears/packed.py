@@ -1,5 +1,6 @@
-"""Modules over the packed 4- and 8-bit weights of servescope.quant (quant/packed.py says the bytes):
-QuantLinear, and QuantEmbedding, which reads the same form.
+"""Modules over the packed 4- and 8-bit weights of servescope.quant (quant/packed.py says the bytes; MXFP4's
+E8M0-scaled e2m1 blocks, quant/mxfp4.py, run through the same group-32 kernels): QuantLinear, and
+QuantEmbedding, which reads the same form.
 
 QuantLinear: decode-sized calls go to the C++ kernels over the packed blocks (quant_gemv): with group-32
 scales (int4, int8-g32, every GGUF block type) up to group32_max_rows(dtype) rows (measured per kind of
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from servescope.analysis.cpu_isa import cpu_flags
 from servescope.kernels.cpu import ops as cpu_ops
 from servescope.kernels.cpu.linear import onednn_linear
+from servescope.quant import mxfp4
 from servescope.quant.packed import dequantize, quantize
 from servescope.quant.scheme import BLOCK, QuantScheme
 
@@ -94,6 +96,7 @@ class QuantLinear(torch.nn.Module):
         self.float_output = float_output
         kp = packed.shape[1] * (2 if packed.dtype == torch.uint8 else 1)
         self.group32 = kp == scales.shape[1] * BLOCK  # one scale per 32-block: the integer GEMM's form
+        self.mxfp4 = mxfp4.is_mxfp4(scales)  # E8M0 scales over e2m1 nibbles (quant/mxfp4.py)
         self.gemv_rows = None  # a fixed row limit for quant_gemv (tests); None: row_limit's by dtype and CPU
 
     def refresh_bias(self) -> None:
@@ -111,7 +114,7 @@ class QuantLinear(torch.nn.Module):
         return 4 if self.qweight.dtype == torch.uint8 else 8
 
     def weight_bytes(self) -> int:
-        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 2
+        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * self.scales.element_size()
 
     def row_limit(self, dtype: torch.dtype) -> int:
         """Up to how many rows of `dtype` activations forward (and the decode plan) call quant_gemv."""
@@ -126,7 +129,7 @@ class QuantLinear(torch.nn.Module):
         if mod is not None and x2.shape[0] <= self.row_limit(x2.dtype):
             y = mod.quant_gemv(x2, self.qweight, self.scales, _opt(self._bias_f32))
             y = y if self.float_output else y.to(x.dtype)
-        elif x2.is_cuda and x2.shape[0] <= GPU_MAX_ROWS and _triton_quant() is not None:
+        elif x2.is_cuda and x2.shape[0] <= GPU_MAX_ROWS and not self.mxfp4 and _triton_quant() is not None:
             bias = None if self.bias is None else self.bias.float()
             y = _triton_quant().quant_gemv(x2, self.qweight, self.scales, self.in_features, bias)
             y = y if self.float_output else y.to(x.dtype)

@@ -27,8 +27,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "pack_panels(w [N, K] float32 | bfloat16) -> float32 panels for panel_gemm");
   m.def("panel_gemm", &panel_gemm, "panel_gemm(x, panels, n, bias): float32 GEMM on packed panels -> [M, n]");
   py::class_<MoePacked>(m, "MoePacked")
-      .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, int64_t>(),
-           "MoePacked(gate_up_w, gate_up_s, down_w, down_s, first): one layer's packed group-32 experts")
+      .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, int64_t,
+                    std::vector<Tensor>, std::vector<Tensor>, int64_t, double, double>(),
+           "MoePacked(gate_up_w, gate_up_s, down_w, down_s, first, gate_up_b, down_b, act, alpha, limit): one layer's "
+           "packed group-32 experts (int4 / int8 / MXFP4), biases optional, act 0 silu or 1 clamped SwiGLU")
       .def("run", &MoePacked::run, "run(x, ids, weights) -> [out, counts]: the routed experts' weighted sum")
       .def("num_experts", &MoePacked::num_experts);
   py::class_<DecodePlan>(m, "DecodePlan")

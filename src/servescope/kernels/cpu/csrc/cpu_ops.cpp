@@ -226,7 +226,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
 // scale [N] float32 (int8 only, else empty), bias [N] float32 or empty -> y [M, N] float32.
 // Packed weights (float16 group scales) go to quant_gemv.
 at::Tensor gemv(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor bias) {
-  if (scale.scalar_type() == at::kHalf) return quant_gemv(x, w, scale, bias);
+  if (scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kByte) return quant_gemv(x, w, scale, bias, 0);
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: shapes");
   TORCH_CHECK(w.is_contiguous(), "gemv: w must be contiguous");
   auto xf = x.to(at::kFloat).contiguous();

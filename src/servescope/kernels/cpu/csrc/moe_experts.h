@@ -32,9 +32,15 @@ using namespace servescope_quant;
 
 // One layer's local experts: gate_up[e] [2I, H] (gate rows, then up rows) and down[e] [H, I], each
 // projection in one packed format (group 32); local expert e is the router's expert first + e
+// (MXFP4 too); gpt-oss's experts add biases (per local expert, float32 [2I] and [H]; empty: none) and
+// the clamped SwiGLU (MOE_ACT_CLAMPED_SWIGLU: gate = min(gate, limit), up = clamp(up, -limit, limit),
+// (up + 1) * gate * sigmoid(alpha * gate))
+constexpr int64_t MOE_ACT_SILU = 0, MOE_ACT_CLAMPED_SWIGLU = 1;
 struct MoeWeights {
   std::vector<QMatrix> gate_up, down;
-  int64_t first = 0;
+  std::vector<const float*> gate_up_bias, down_bias;
+  int64_t first = 0, act = MOE_ACT_SILU;
+  float alpha = 0.f, limit = 0.f;
 };
 
 // The pairs grouped by local expert: start [E + 1] (expert e's pairs are start[e] .. start[e + 1]),
@@ -63,14 +69,16 @@ inline void moe_route(const int64_t* ids, int64_t t, int64_t k, int64_t first, i
 // streaming order for one row, the weight-stationary one from QDOT_TILED_ROWS (quant_dot_rows' choice)
 inline void moe_dot(const QMatrix& q, const QActs& a, int64_t mb, int64_t me, int64_t n0, int64_t n1, float* y) {
   const bool tiled = me - mb >= QDOT_TILED_ROWS;
-  if (q.int4 && q.asym)
-    qdot_any_range<true, true>(q, a, mb, me, n0, n1, y, tiled);
+  if (q.mx())
+    qdot_any_range<true, FMT_MX>(q, a, mb, me, n0, n1, y, tiled);
+  else if (q.int4 && q.asym)
+    qdot_any_range<true, FMT_ASYM>(q, a, mb, me, n0, n1, y, tiled);
   else if (q.int4)
-    qdot_any_range<true, false>(q, a, mb, me, n0, n1, y, tiled);
+    qdot_any_range<true, FMT_SYM>(q, a, mb, me, n0, n1, y, tiled);
   else if (q.asym)
-    qdot_any_range<false, true>(q, a, mb, me, n0, n1, y, tiled);
+    qdot_any_range<false, FMT_ASYM>(q, a, mb, me, n0, n1, y, tiled);
   else
-    qdot_any_range<false, false>(q, a, mb, me, n0, n1, y, tiled);
+    qdot_any_range<false, FMT_SYM>(q, a, mb, me, n0, n1, y, tiled);
 }
 
 constexpr int64_t MOE_COLS = 64;  // output columns per work item of the shared loop
@@ -80,10 +88,34 @@ inline bool moe_amx(const QMatrix& q, int64_t rows) {
   return amx_available() && rows >= (q.int4 ? QDOT_AMX_ROWS_INT4 : QDOT_AMX_ROWS_INT8);
 }
 
-// y [P, N] = each active expert's matrix w[e] over its rows of xs [P, kp] (float32 | bfloat16, the pairs'
-// rows in expert order)
 template <typename T>
-void moe_projection(const std::vector<QMatrix>& w, const MoeRoute& r, const T* xs, float* y) {
+void moe_products(const std::vector<QMatrix>& w, const MoeRoute& r, const T* xs, float* y);
+
+// y [P, N] = each active expert's matrix w[e] over its rows of xs [P, kp] (float32 | bfloat16, the pairs'
+// rows in expert order), plus its bias where `bias` has them (added in float32 after the products, as
+// quant_gemv adds a linear's bias)
+template <typename T>
+void moe_projection(const std::vector<QMatrix>& w, const MoeRoute& r, const T* xs, float* y,
+                    const std::vector<const float*>& bias) {
+  moe_products(w, r, xs, y);
+  if (bias.empty()) return;
+  const int64_t e = (int64_t)w.size(), n = w[0].n;
+  parallel_for(0, r.start[e], grain_for(n), [&](int64_t p0, int64_t p1) {
+    int64_t x = 0;
+    for (int64_t i = p0; i < p1; ++i) {
+      while (r.start[x + 1] <= i) ++x;
+      const float* b = bias[x];
+      float* row = y + i * n;
+      int64_t c = 0;
+      for (; c + W <= n; c += W) store(row + c, add(load(row + c), load(b + c)));
+      if (c < n) storen(row + c, add(loadn(row + c, n - c), loadn(b + c, n - c)), n - c);
+    }
+  });
+}
+
+// moe_projection's products (no bias)
+template <typename T>
+void moe_products(const std::vector<QMatrix>& w, const MoeRoute& r, const T* xs, float* y) {
   const int64_t e = (int64_t)w.size(), kp = w[0].kp, n = w[0].n;
   std::vector<int64_t> item_e, item_n, cum{0};  // the shared loop's items: expert, first column; costs
   for (int64_t x = 0; x < e; ++x) {
@@ -105,7 +137,7 @@ void moe_projection(const std::vector<QMatrix>& w, const MoeRoute& r, const T* x
   static thread_local QActs tls;  // the calling thread's; the workers read it through `a`
   QActs& a = tls;
   if (w[0].int4)
-    quantize_acts<true>(xs, r.start[e], kp, a);
+    quantize_acts<true>(xs, r.start[e], kp, a, w[0].mx() ? MXFP4_OFFSET : 8);
   else
     quantize_acts<false>(xs, r.start[e], kp, a);
   const int64_t items = (int64_t)item_e.size();
@@ -136,6 +168,25 @@ void moe_activation(const float* g, int64_t p, int64_t inner, T* h, std::vector<
     });
     servescope_kernels::silu_mul_rows<T>(scratch.data(), 2 * inner, h, p, inner);
   }
+}
+
+// h [P, I] = gpt-oss's clamped SwiGLU of g [P, 2I] float32 (gate | up halves), in float32 with each input
+// rounded to T first and the result rounded to T (the reference's tensors are in T)
+template <typename T>
+void moe_clamped_swiglu(const float* g, int64_t p, int64_t inner, float alpha, float limit, T* h) {
+  parallel_for(0, p, grain_for(inner), [&](int64_t r0, int64_t r1) {
+    const vf one = set1(1.0f), lim = set1(limit), nlim = set1(-limit), na = set1(-alpha);
+    for (int64_t i = r0; i < r1; ++i) {
+      const float* gr = g + i * 2 * inner;
+      for (int64_t j = 0; j < inner; j += W) {
+        const int64_t m = std::min<int64_t>(W, inner - j);
+        const vf gate = min(rnd<T>(loadn(gr + j, m)), lim);
+        const vf up = min(max(rnd<T>(loadn(gr + inner + j, m)), nlim), lim);
+        const vf glu = div(gate, add(one, vexp(mul(gate, na))));  // gate * sigmoid(alpha * gate)
+        storen(h + i * inner + j, mul(add(up, one), glu), m);
+      }
+    }
+  });
 }
 
 // out[t] = sum over t's local pairs, in expert order, of rnd(rnd(y[pair]) * w[t, j]), the sum in float32
@@ -186,11 +237,14 @@ void moe_packed(const MoeWeights& ex, const T* x, int64_t t, const int64_t* ids,
       std::memcpy(s.xs.data() + i * hdim, x + s.route.token[i] * hdim, hdim * sizeof(T));
   });
   s.gate_up.resize(p * 2 * inner);
-  moe_projection(ex.gate_up, s.route, s.xs.data(), s.gate_up.data());
+  moe_projection(ex.gate_up, s.route, s.xs.data(), s.gate_up.data(), ex.gate_up_bias);
   s.h.resize(p * inner);
-  moe_activation(s.gate_up.data(), p, inner, s.h.data(), s.cast);
+  if (ex.act == MOE_ACT_CLAMPED_SWIGLU)
+    moe_clamped_swiglu(s.gate_up.data(), p, inner, ex.alpha, ex.limit, s.h.data());
+  else
+    moe_activation(s.gate_up.data(), p, inner, s.h.data(), s.cast);
   s.down.resize(p * hdim);
-  moe_projection(ex.down, s.route, s.h.data(), s.down.data());
+  moe_projection(ex.down, s.route, s.h.data(), s.down.data(), ex.down_bias);
   moe_combine(s.route, s.down.data(), wts, t, k, hdim, out);
 }
 

@@ -52,8 +52,11 @@ void quant_dequantize_into(Tensor w, Tensor scales, int64_t row0, Tensor out);
 // gate_up [2I, H] and down [H, I] per local expert, local expert e being the router's expert first + e.
 class MoePacked {
  public:
+  // (gate_up_b / down_b: per expert float32 [2I] / [H] biases or empty; act 0: silu(gate) * up, 1: gpt-oss's
+  // clamped SwiGLU with alpha and limit)
   MoePacked(std::vector<Tensor> gate_up_w, std::vector<Tensor> gate_up_s, std::vector<Tensor> down_w,
-            std::vector<Tensor> down_s, int64_t first);
+            std::vector<Tensor> down_s, int64_t first, std::vector<Tensor> gate_up_b, std::vector<Tensor> down_b,
+            int64_t act, double alpha, double limit);
   // x [T, H] float32 | bfloat16, ids [T, k] int64, weights [T, k] -> [out [T, H] in x's dtype, counts [E] int64]
   std::vector<Tensor> run(Tensor x, Tensor ids, Tensor weights) const;
   int64_t num_experts() const;

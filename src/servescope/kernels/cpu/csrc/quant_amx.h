@@ -129,6 +129,19 @@ inline void amx_unpack4(const uint8_t* w, int8_t* dst, __m512i off) {
   _mm512_storeu_si512(dst + 64, _mm512_permutex2var_epi64(lo, second, hi));
 }
 
+// amx_unpack4 for MXFP4's nibbles: their table values (MXFP4_VALUES) instead of u - 8
+inline void amx_unpack4_mx(const uint8_t* w, int8_t* dst) {
+  const __m512i mask = _mm512_set1_epi8(15);
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)MXFP4_VALUES));
+  const __m512i v = _mm512_loadu_si512(w);
+  const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, mask));
+  const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+  const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  _mm512_storeu_si512(dst, _mm512_permutex2var_epi64(lo, first, hi));
+  _mm512_storeu_si512(dst + 64, _mm512_permutex2var_epi64(lo, second, hi));
+}
+
 // The panel's rows (row n0 on, up to N) unpacked into pw (row stride kp), row by row (one sequential
 // stream: reading the 16 rows' blocks side by side measured slower)
 inline void amx_unpack(const QMatrix& q, int64_t n0, int8_t* pw) {
@@ -139,6 +152,20 @@ inline void amx_unpack(const QMatrix& q, int64_t n0, int8_t* pw) {
     return;
   }
   const __m512i off = _mm512_set1_epi8(q.asym ? 0 : 8);
+  if (q.mx()) {  // MXFP4: the table's signed values (MXFP4_VALUES), bytes in the same order
+    for (int64_t r = 0; r < rows; ++r) {
+      alignas(64) uint8_t tail[64] = {};
+      for (int64_t b = 0; b < nb; b += 4) {
+        const int64_t n = std::min<int64_t>(4, nb - b);
+        const uint8_t* src = w + r * rb + b * 16;
+        if (n < 4) std::memcpy(tail, src, n * 16), src = tail;
+        alignas(64) int8_t out[128];
+        amx_unpack4_mx(src, out);
+        std::memcpy(pw + r * q.kp + b * 32, out, n * 32);
+      }
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {  // byte j of a block: element j (low nibble) and j + 16 (high)
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4) amx_unpack4(w + r * rb + b * 16, pw + r * q.kp + b * 32, off);
@@ -162,6 +189,10 @@ inline AmxPanel amx_panel(const QMatrix& q, int64_t n0, int8_t* pw, float* pd) {
     if (n0 + r >= q.n) {
       std::memset(pw + r * q.kp, 0, q.kp);
       std::fill(d, d + ld, 0.f);
+      continue;
+    }
+    if (q.mx()) {
+      for (int64_t b = 0; b < nb; ++b) d[b] = e8m0_half(q.e8m0[(n0 + r) * nb + b]);
       continue;
     }
     const uint16_t* s = q.scales + (n0 + r) * ld;

@@ -33,6 +33,10 @@ namespace servescope_quant {
 
 using namespace servescope_simd;
 
+// The weight formats of the kernels' FMT parameter: symmetric (int4 u - 8, int8 q), asymmetric (d u + m),
+// MXFP4 (int4 only: the nibble's doubled e2m1 value, MXFP4_VALUES, times the halved E8M0 scale)
+constexpr int FMT_SYM = 0, FMT_ASYM = 1, FMT_MX = 2;
+
 template <bool I4>
 struct Chunk {
   static constexpr int64_t BYTES = 4 * W;               // packed weight bytes per chunk
@@ -72,7 +76,7 @@ inline int32_t quantize_block(const T* xb, int8_t* qb, float* d) {
 
 // Row m of the activations (x: its kp values) into a, in the chunks' layout
 template <bool I4, typename T>
-inline void quantize_act_row(const T* x, int64_t m, int64_t nb, int64_t nc, QActs& a) {
+inline void quantize_act_row(const T* x, int64_t m, int64_t nb, int64_t nc, QActs& a, int32_t i4_off) {
   using C = Chunk<I4>;
   for (int64_t b = 0; b < nb; ++b) {
     int8_t qb[32];
@@ -94,7 +98,7 @@ inline void quantize_act_row(const T* x, int64_t m, int64_t nb, int64_t nc, QAct
       a.sx[l] = d * (float)sum / C::LPB;
     }
   }
-  constexpr int32_t off = I4 ? 8 : kS8Bias;
+  const int32_t off = I4 ? i4_off : kS8Bias;
   if (off == 0) return;
   // lane l of chunk l / W: bytes 4 (l % W).. of each of its halves
   for (int64_t l = m * nc * W; l < (m + 1) * nc * W; ++l) {
@@ -106,9 +110,10 @@ inline void quantize_act_row(const T* x, int64_t m, int64_t nb, int64_t nc, QAct
 }
 
 // x [M, kp] float32 | bfloat16 (kp a multiple of 32, zeros past K) -> a (its buffers keep their capacity
-// between calls); rows in parallel (a batched decode step quantises up to a few hundred)
+// between calls); rows in parallel (a batched decode step quantises up to a few hundred). i4_off: the
+// unsigned 4-bit operand's offset (8 for symmetric int4, MXFP4_OFFSET for MXFP4's table values)
 template <bool I4, typename T>
-inline void quantize_acts(const T* x, int64_t M, int64_t kp, QActs& a) {
+inline void quantize_acts(const T* x, int64_t M, int64_t kp, QActs& a, int32_t i4_off = 8) {
   using C = Chunk<I4>;
   const int64_t nb = kp / 32, nc = (kp + C::K - 1) / C::K;
   a.chunks = nc;
@@ -117,27 +122,35 @@ inline void quantize_acts(const T* x, int64_t M, int64_t kp, QActs& a) {
   a.sx.assign(M * nc * W, 0.f);
   a.corr.assign(M * nc * W, 0);
   parallel_for(0, M, grain_for(kp), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_act_row<I4>(x + m * kp, m, nb, nc, a);
+    for (int64_t m = m0; m < m1; ++m) quantize_act_row<I4>(x + m * kp, m, nb, nc, a, i4_off);
   });
 }
 
 // One weight row's chunk c (w, sc: the row's bytes and scales): its bytes as the dot products' operands
 // (lo, and hi for int4) and its block scales spread over the lanes. FULL: the chunk lies wholly inside
 // the row (constant masks), else the row's last, partial chunk.
-template <bool I4, bool ASYM, bool FULL>
-inline void weight_chunk(const uint8_t* w, const uint16_t* sc, int64_t rb, int64_t nb, int64_t c, vb& lo, vb& hi,
+template <bool I4, int FMT, bool FULL>
+inline void weight_chunk(const uint8_t* w, const void* sc, int64_t rb, int64_t nb, int64_t c, vb& lo, vb& hi,
                          vf* out) {
   using C = Chunk<I4>;
+  constexpr bool ASYM = FMT == FMT_ASYM;
   constexpr int B = W / C::LPB > 0 ? W / C::LPB : 1;  // blocks per chunk (NEON int8: half a block, B unused)
   const int64_t b0 = c * C::K / 32;
   const vb raw = FULL ? loadb(w + c * C::BYTES) : loadbn(w + c * C::BYTES, rb - c * C::BYTES);
+  if constexpr (FMT == FMT_MX) {
+    static_assert(I4, "MXFP4 is a 4-bit format");
+    lo = lut16(low_nibbles(raw), MXFP4_UNSIGNED);
+    hi = lut16(high_nibbles(raw), MXFP4_UNSIGNED);
+    e8m0_lanes<C::LPB>((const uint8_t*)sc + b0, FULL ? B : nb - b0, out);
+    return;
+  }
   if constexpr (I4) {
     lo = low_nibbles(raw);
     hi = high_nibbles(raw);
   } else {
     lo = hi = raw;  // (hi unused)
   }
-  half_lanes<C::LPB, ASYM ? 2 : 1>(sc + b0 * (ASYM ? 2 : 1), FULL ? B : nb - b0, out);
+  half_lanes<C::LPB, ASYM ? 2 : 1>((const uint16_t*)sc + b0 * (ASYM ? 2 : 1), FULL ? B : nb - b0, out);
 }
 
 // Pointers to one activation row's quantised chunks
@@ -148,9 +161,10 @@ struct ActRow {
 };
 
 // tot + the chunk c's products of one weight row (lo, hi, scales sc) with activation row x
-template <bool I4, bool ASYM>
+template <bool I4, int FMT>
 inline vf chunk_dot(const ActRow& x, int64_t c, vb lo, vb hi, const vf* sc, vf tot) {
   using C = Chunk<I4>;
+  constexpr bool ASYM = FMT == FMT_ASYM;
   const int8_t* qa = x.q + c * C::QBYTES;
   const vi init = (I4 ? !ASYM : kS8Bias != 0) ? loadi(x.corr + c * W) : zeroi();
   vi acc;
@@ -166,15 +180,18 @@ inline vf chunk_dot(const ActRow& x, int64_t c, vb lo, vb hi, const vf* sc, vf t
 // acc[m][s] += chunks c0 .. c1 of activation rows m0 + m against weight rows r0 + s * rs. MR = 1 takes the
 // weight rows one at a time (the fewest live registers: AVX2 has 16); more rows of x hold the NR rows'
 // operands while every row of x meets them. The sums stay in locals (registers) for the whole loop.
-template <bool I4, bool ASYM, int MR, int NR, bool FULL>
+template <bool I4, int FMT, int MR, int NR, bool FULL>
 inline void qdot_chunks(const QMatrix& q, const QActs& a, int64_t m0, int64_t r0, int64_t rs, int64_t c0, int64_t c1,
                         vf (&acc)[MR][NR]) {
   using C = Chunk<I4>;
+  constexpr bool ASYM = FMT == FMT_ASYM;
   constexpr int S = ASYM ? 2 : 1;
+  constexpr int64_t SB = FMT == FMT_MX ? 1 : 2 * S;  // scale bytes per block
   const int64_t nb = q.kp / 32, rb = I4 ? q.kp / 2 : q.kp, nc = a.chunks;
   const uint8_t* wr[NR];
-  const uint16_t* sr[NR];
-  for (int s = 0; s < NR; ++s) wr[s] = q.w + (r0 + s * rs) * rb, sr[s] = q.scales + (r0 + s * rs) * nb * S;
+  const uint8_t* sr[NR];
+  const uint8_t* scales = FMT == FMT_MX ? q.e8m0 : (const uint8_t*)q.scales;
+  for (int s = 0; s < NR; ++s) wr[s] = q.w + (r0 + s * rs) * rb, sr[s] = scales + (r0 + s * rs) * nb * SB;
   ActRow x[MR];
   for (int m = 0; m < MR; ++m) {
     const int64_t at = (m0 + m) * nc;
@@ -185,11 +202,11 @@ inline void qdot_chunks(const QMatrix& q, const QActs& a, int64_t m0, int64_t r0
     for (int s = 0; s < NR; ++s) tot[m][s] = acc[m][s];
   // Software prefetch: each weight stream 512 bytes ahead, and the scales of each stream's next row when
   // a row starts (5-8% off the step's GEMVs at 2 threads in medians of 7 interleaved runs, shared machine)
-  const int64_t next = (rs == 1 ? NR : 1) * nb * S;
+  const int64_t next = (rs == 1 ? NR : 1) * nb * SB;
   if (c0 == 0)
     for (int s = 0; s < NR; ++s) {
       __builtin_prefetch(sr[s] + next, 0, 3);
-      __builtin_prefetch(sr[s] + next + 32, 0, 3);
+      __builtin_prefetch(sr[s] + next + 64, 0, 3);
     }
   for (int64_t c = c0; c < c1; ++c) {
     for (int s = 0; s < NR; ++s) __builtin_prefetch(wr[s] + c * C::BYTES + 512, 0, 3);
@@ -197,15 +214,15 @@ inline void qdot_chunks(const QMatrix& q, const QActs& a, int64_t m0, int64_t r0
       for (int s = 0; s < NR; ++s) {
         vb lo, hi;
         vf sc[S];
-        weight_chunk<I4, ASYM, FULL>(wr[s], sr[s], rb, nb, c, lo, hi, sc);
-        tot[0][s] = chunk_dot<I4, ASYM>(x[0], c, lo, hi, sc, tot[0][s]);
+        weight_chunk<I4, FMT, FULL>(wr[s], sr[s], rb, nb, c, lo, hi, sc);
+        tot[0][s] = chunk_dot<I4, FMT>(x[0], c, lo, hi, sc, tot[0][s]);
       }
     } else {
       vb lo[NR], hi[NR];
       vf sc[NR][S];
-      for (int s = 0; s < NR; ++s) weight_chunk<I4, ASYM, FULL>(wr[s], sr[s], rb, nb, c, lo[s], hi[s], sc[s]);
+      for (int s = 0; s < NR; ++s) weight_chunk<I4, FMT, FULL>(wr[s], sr[s], rb, nb, c, lo[s], hi[s], sc[s]);
       for (int m = 0; m < MR; ++m)
-        for (int s = 0; s < NR; ++s) tot[m][s] = chunk_dot<I4, ASYM>(x[m], c, lo[s], hi[s], sc[s], tot[m][s]);
+        for (int s = 0; s < NR; ++s) tot[m][s] = chunk_dot<I4, FMT>(x[m], c, lo[s], hi[s], sc[s], tot[m][s]);
     }
   }
   for (int m = 0; m < MR; ++m)
@@ -214,14 +231,14 @@ inline void qdot_chunks(const QMatrix& q, const QActs& a, int64_t m0, int64_t r0
 
 // y[m * ldy + r] for activation rows m0 .. m0 + MR of a against NR weight rows r = r0 + s * rs (group-32
 // scales): the row's whole chunks, then its partial last one
-template <bool I4, bool ASYM, int MR, int NR>
+template <bool I4, int FMT, int MR, int NR>
 inline void qdot_rows(const QMatrix& q, const QActs& a, int64_t m0, int64_t r0, int64_t rs, float* y, int64_t ldy) {
   const int64_t full = (q.int4 ? q.kp / 2 : q.kp) / Chunk<I4>::BYTES;
   vf tot[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int s = 0; s < NR; ++s) tot[m][s] = zero();
-  qdot_chunks<I4, ASYM, MR, NR, true>(q, a, m0, r0, rs, 0, full, tot);
-  if (full < a.chunks) qdot_chunks<I4, ASYM, MR, NR, false>(q, a, m0, r0, rs, full, a.chunks, tot);
+  qdot_chunks<I4, FMT, MR, NR, true>(q, a, m0, r0, rs, 0, full, tot);
+  if (full < a.chunks) qdot_chunks<I4, FMT, MR, NR, false>(q, a, m0, r0, rs, full, a.chunks, tot);
   for (int m = 0; m < MR; ++m)
     for (int s = 0; s < NR; ++s) y[m * ldy + r0 + s * rs] = reduce_add(tot[m][s]);
 }
@@ -231,7 +248,7 @@ inline void qdot_rows(const QMatrix& q, const QActs& a, int64_t m0, int64_t r0, 
 // (4 neighbouring rows, a few cache lines each, read in turn, left them behind the loads).
 // (rows mb .. me of x: a call over a slice of the quantised rows, as the fused experts' op runs each expert
 // over its own rows of one quantised batch)
-template <bool I4, bool ASYM>
+template <bool I4, int FMT>
 inline void qdot_range(const QMatrix& q, const QActs& a, int64_t mb, int64_t me, int64_t n0, int64_t n1,
                        float* y) {
   for (int64_t m0 = mb; m0 < me; m0 += 4) {
@@ -240,20 +257,20 @@ inline void qdot_range(const QMatrix& q, const QActs& a, int64_t mb, int64_t me,
     switch (std::min<int64_t>(4, me - m0)) {
       case 1: {
         const int64_t quarter = (n1 - n0) / 4;
-        for (int64_t i = 0; i < quarter; ++i) qdot_rows<I4, ASYM, 1, 4>(q, a, m0, n0 + i, quarter, ym, q.n);
-        for (r = n0 + 4 * quarter; r < n1; ++r) qdot_rows<I4, ASYM, 1, 1>(q, a, m0, r, 1, ym, q.n);
+        for (int64_t i = 0; i < quarter; ++i) qdot_rows<I4, FMT, 1, 4>(q, a, m0, n0 + i, quarter, ym, q.n);
+        for (r = n0 + 4 * quarter; r < n1; ++r) qdot_rows<I4, FMT, 1, 1>(q, a, m0, r, 1, ym, q.n);
         break;
       }
       case 2:
-        for (; r + 2 <= n1; r += 2) qdot_rows<I4, ASYM, 2, 2>(q, a, m0, r, 1, ym, q.n);
-        for (; r < n1; ++r) qdot_rows<I4, ASYM, 2, 1>(q, a, m0, r, 1, ym, q.n);
+        for (; r + 2 <= n1; r += 2) qdot_rows<I4, FMT, 2, 2>(q, a, m0, r, 1, ym, q.n);
+        for (; r < n1; ++r) qdot_rows<I4, FMT, 2, 1>(q, a, m0, r, 1, ym, q.n);
         break;
       case 3:
-        for (; r < n1; ++r) qdot_rows<I4, ASYM, 3, 1>(q, a, m0, r, 1, ym, q.n);
+        for (; r < n1; ++r) qdot_rows<I4, FMT, 3, 1>(q, a, m0, r, 1, ym, q.n);
         break;
       default:  // 4 x 2: 8 accumulators, the most that stay in registers beside the weights
-        for (; r + 2 <= n1; r += 2) qdot_rows<I4, ASYM, 4, 2>(q, a, m0, r, 1, ym, q.n);
-        for (; r < n1; ++r) qdot_rows<I4, ASYM, 4, 1>(q, a, m0, r, 1, ym, q.n);
+        for (; r + 2 <= n1; r += 2) qdot_rows<I4, FMT, 4, 2>(q, a, m0, r, 1, ym, q.n);
+        for (; r < n1; ++r) qdot_rows<I4, FMT, 4, 1>(q, a, m0, r, 1, ym, q.n);
         break;
     }
   }
@@ -273,17 +290,17 @@ constexpr int TILED_MR = 4, TILED_NR = 2;
 #endif
 constexpr int64_t TILED_ACT_BYTES = 1 << 20;
 
-template <bool I4, bool ASYM, int NR>
+template <bool I4, int FMT, int NR>
 inline void qdot_tiled_rows(const QMatrix& q, const QActs& a, int64_t mb, int64_t me, int64_t r, float* y) {
   int64_t m = mb;
-  for (; m + TILED_MR <= me; m += TILED_MR) qdot_rows<I4, ASYM, TILED_MR, NR>(q, a, m, r, 1, y + m * q.n, q.n);
+  for (; m + TILED_MR <= me; m += TILED_MR) qdot_rows<I4, FMT, TILED_MR, NR>(q, a, m, r, 1, y + m * q.n, q.n);
   if (m < me)
     with_count<TILED_MR>(me - m, [&](auto rows) {
-      qdot_rows<I4, ASYM, decltype(rows)::value, NR>(q, a, m, r, 1, y + m * q.n, q.n);
+      qdot_rows<I4, FMT, decltype(rows)::value, NR>(q, a, m, r, 1, y + m * q.n, q.n);
     });
 }
 
-template <bool I4, bool ASYM>
+template <bool I4, int FMT>
 inline void qdot_tiled_range(const QMatrix& q, const QActs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
                              float* y) {
   using C = Chunk<I4>;
@@ -292,8 +309,8 @@ inline void qdot_tiled_range(const QMatrix& q, const QActs& a, int64_t m0, int64
   for (int64_t mb = m0; mb < m1; mb += block) {
     const int64_t me = std::min(m1, mb + block);
     int64_t r = n0;
-    for (; r + TILED_NR <= n1; r += TILED_NR) qdot_tiled_rows<I4, ASYM, TILED_NR>(q, a, mb, me, r, y);
-    for (; r < n1; ++r) qdot_tiled_rows<I4, ASYM, 1>(q, a, mb, me, r, y);
+    for (; r + TILED_NR <= n1; r += TILED_NR) qdot_tiled_rows<I4, FMT, TILED_NR>(q, a, mb, me, r, y);
+    for (; r < n1; ++r) qdot_tiled_rows<I4, FMT, 1>(q, a, mb, me, r, y);
   }
 }
 
@@ -304,13 +321,13 @@ enum class QOrder : int64_t { Auto = 0, Stream = 1, Tiled = 2, Amx = 3 };
 // ahead from 2 rows on the Xeon; at 1 row the streaming order's four quarter streams win)
 constexpr int64_t QDOT_TILED_ROWS = 2;
 
-template <bool I4, bool ASYM>
+template <bool I4, int FMT>
 inline void qdot_any_range(const QMatrix& q, const QActs& a, int64_t mb, int64_t me, int64_t n0, int64_t n1,
                            float* y, bool tiled) {
   if (tiled)
-    qdot_tiled_range<I4, ASYM>(q, a, mb, me, n0, n1, y);
+    qdot_tiled_range<I4, FMT>(q, a, mb, me, n0, n1, y);
   else
-    qdot_range<I4, ASYM>(q, a, mb, me, n0, n1, y);
+    qdot_range<I4, FMT>(q, a, mb, me, n0, n1, y);
 }
 
 // x [M, kp] float32 | bfloat16 (zeros past K), group-32 packed q, bias [N] or null -> y [M, N]
@@ -320,19 +337,21 @@ inline void quant_dot_rows(const QMatrix& q, const T* x, int64_t M, const float*
   static thread_local QActs tls;  // the calling thread's; the workers below read it through `a`
   QActs& a = tls;
   if (q.int4)
-    quantize_acts<true>(x, M, q.kp, a);
+    quantize_acts<true>(x, M, q.kp, a, q.mx() ? MXFP4_OFFSET : 8);
   else
     quantize_acts<false>(x, M, q.kp, a);
   const bool tiled = order == QOrder::Tiled || (order == QOrder::Auto && M >= QDOT_TILED_ROWS);
   parallel_for(0, q.n, 32, [&](int64_t n0, int64_t n1) {
-    if (q.int4 && q.asym)
-      qdot_any_range<true, true>(q, a, 0, M, n0, n1, y, tiled);
+    if (q.mx())
+      qdot_any_range<true, FMT_MX>(q, a, 0, M, n0, n1, y, tiled);
+    else if (q.int4 && q.asym)
+      qdot_any_range<true, FMT_ASYM>(q, a, 0, M, n0, n1, y, tiled);
     else if (q.int4)
-      qdot_any_range<true, false>(q, a, 0, M, n0, n1, y, tiled);
+      qdot_any_range<true, FMT_SYM>(q, a, 0, M, n0, n1, y, tiled);
     else if (q.asym)
-      qdot_any_range<false, true>(q, a, 0, M, n0, n1, y, tiled);
+      qdot_any_range<false, FMT_ASYM>(q, a, 0, M, n0, n1, y, tiled);
     else
-      qdot_any_range<false, false>(q, a, 0, M, n0, n1, y, tiled);
+      qdot_any_range<false, FMT_SYM>(q, a, 0, M, n0, n1, y, tiled);
     if (bias)
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = n0; n < n1; ++n) y[m * q.n + n] += bias[n];

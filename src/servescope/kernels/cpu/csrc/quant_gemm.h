@@ -64,7 +64,8 @@ inline void quantize_gemm_acts(const float* x, int64_t M, int64_t kp, int32_t of
   });
 }
 
-// Columns n0 .. n0 + NP of q re-laid for the tile: bytes [kp / 4][NP][4] (int4 as its 0..15 values,
+// Columns n0 .. n0 + NP of q re-laid for the tile: bytes [kp / 4][NP][4] (int4 as its 0..15 values, MXFP4 as
+// MXFP4_UNSIGNED's,
 // int8 as stored) and float scales [nb][NP] (d, then m when asymmetric); columns past N are zeros.
 inline void build_panel(const QMatrix& q, int64_t n0, int8_t* panel, float* pd, float* pm) {
   const int64_t nb = q.kp / QBLOCK, rb = q.row_bytes(), sc = q.asym ? 2 : 1, quads = q.kp / 4;
@@ -76,13 +77,13 @@ inline void build_panel(const QMatrix& q, int64_t n0, int8_t* panel, float* pd, 
       continue;
     }
     const uint8_t* w = q.w + (n0 + c) * rb;
-    const uint16_t* s = q.scales + (n0 + c) * nb * sc;
+    const uint16_t* s = q.mx() ? nullptr : q.scales + (n0 + c) * nb * sc;
     for (int64_t b = 0; b < nb; ++b) {
       if (q.int4)  // the packed quad pairs, unpacked below: byte i holds element i and i + 16
         for (int j = 0; j < 4; ++j) std::memcpy(panel + ((b * 8 + j) * GEMM_NP + c) * 4, w + b * 16 + 4 * j, 4);
       else
         for (int j = 0; j < 8; ++j) std::memcpy(panel + ((b * 8 + j) * GEMM_NP + c) * 4, w + b * QBLOCK + 4 * j, 4);
-      pd[b * GEMM_NP + c] = half_to_float(s[b * sc]);
+      pd[b * GEMM_NP + c] = q.mx() ? e8m0_half(q.e8m0[(n0 + c) * nb + b]) : half_to_float(s[b * sc]);
       pm[b * GEMM_NP + c] = q.asym ? half_to_float(s[b * sc + 1]) : 0.f;
     }
   }
@@ -92,8 +93,9 @@ inline void build_panel(const QMatrix& q, int64_t n0, int8_t* panel, float* pd, 
         for (int64_t v = 0; v < GEMM_NP * 4; v += 4 * W) {
           int8_t* p = panel + (b * 8 + j) * GEMM_NP * 4 + v;
           const vb raw = loadb(p);
-          storeb(p + 4 * GEMM_NP * 4, high_nibbles(raw));
-          storeb(p, low_nibbles(raw));
+          // (MXFP4: the nibbles' table values plus MXFP4_OFFSET, the activations' offset)
+          storeb(p + 4 * GEMM_NP * 4, q.mx() ? lut16(high_nibbles(raw), MXFP4_UNSIGNED) : high_nibbles(raw));
+          storeb(p, q.mx() ? lut16(low_nibbles(raw), MXFP4_UNSIGNED) : low_nibbles(raw));
         }
 }
 
@@ -155,7 +157,7 @@ inline void gemm_panel_rows(const GemmActs& a, int64_t M, int64_t kp, const int8
 inline void quant_gemm_rows(const QMatrix& q, const float* x, int64_t M, const float* bias, float* y) {
   static thread_local GemmActs tls;  // the calling thread's; the workers read it through `a`
   GemmActs& a = tls;
-  const int32_t off = q.int4 ? (q.asym ? 0 : 8) : kS8Bias;
+  const int32_t off = q.mx() ? MXFP4_OFFSET : q.int4 ? (q.asym ? 0 : 8) : kS8Bias;
   quantize_gemm_acts(x, M, q.kp, off, a);
   const int64_t panels = (q.n + GEMM_NP - 1) / GEMM_NP, nb = a.nb;
   parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {

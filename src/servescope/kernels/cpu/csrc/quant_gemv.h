@@ -58,6 +58,10 @@ struct QMatrix {
   int64_t n, kp, group;    // rows, padded K (a multiple of group), group (a multiple of 32)
   bool int4, asym;
   const uint16_t* scales;  // float16 [N, G] or [N, G, 2]
+  // MXFP4 (int4 bytes of e2m1 nibbles in the same order, group 32, symmetric): E8M0 scale bytes [N, kp / 32]
+  // instead of `scales`; value 2^(e - 127) * e2m1(u) = e8m0_half(e) * MXFP4_VALUES[u] (simd.h)
+  const uint8_t* e8m0 = nullptr;
+  bool mx() const { return e8m0 != nullptr; }
   int64_t row_bytes() const { return int4 ? kp / 2 : kp; }
   int64_t groups() const { return kp / group; }
 };
@@ -179,7 +183,14 @@ inline void dequantize_rows(const QMatrix& q, int64_t r0, int64_t rows, int64_t 
   parallel_for(r0, r0 + rows, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t r = n0; r < n1; ++r) {
       T* row = out + (r - r0) * k;
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t b = 0; q.mx() && b * QBLOCK < k; ++b) {  // MXFP4: 32 table values times the block's scale
+        alignas(64) float v[QBLOCK];
+        const uint8_t* p = q.w + r * rb + b * 16;
+        const float d = e8m0_half(q.e8m0[r * G + b]);
+        for (int i = 0; i < 16; ++i) v[i] = MXFP4_VALUES[p[i] & 15] * d, v[16 + i] = MXFP4_VALUES[p[i] >> 4] * d;
+        for (int64_t i = 0; i < QBLOCK; i += W) put(row, b * QBLOCK + i, load(v + i));
+      }
+      for (int64_t g = 0; g < G && !q.mx(); ++g) {
         const uint16_t* sp = q.scales + (r * G + g) * sc;
         const float d = half_to_float(sp[0]);
         const float mo = q.asym ? half_to_float(sp[1]) : (q.int4 ? -8.f * d : 0.f);

@@ -15,10 +15,19 @@ using servescope_quant::QMatrix;
 
 namespace {
 
-// w uint8 [N, kp/2] (int4) | int8 [N, kp]; scales float16 [N, G] (symmetric) | [N, G, 2] (asymmetric)
+// w uint8 [N, kp/2] (int4) | int8 [N, kp]; scales float16 [N, G] (symmetric) | [N, G, 2] (asymmetric);
+// MXFP4: w uint8 [N, kp/2] of e2m1 nibbles, scales uint8 [N, kp/32] (E8M0)
 QMatrix describe(const at::Tensor& w, const at::Tensor& scales) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && scales.is_contiguous(), "quant: w [N, bytes], contiguous");
   TORCH_CHECK(w.scalar_type() == at::kByte || w.scalar_type() == at::kChar, "quant: w uint8 (int4) or int8");
+  if (scales.scalar_type() == at::kByte) {
+    TORCH_CHECK(w.scalar_type() == at::kByte && scales.dim() == 2 && scales.size(0) == w.size(0) &&
+                    scales.size(1) * 16 == w.size(1),
+                "quant: MXFP4 w uint8 [N, kp/2] with E8M0 scales uint8 [N, kp/32]");
+    QMatrix q{(const uint8_t*)w.data_ptr(), w.size(0), 2 * w.size(1), QBLOCK, true, false, nullptr};
+    q.e8m0 = (const uint8_t*)scales.data_ptr();
+    return q;
+  }
   TORCH_CHECK(scales.scalar_type() == at::kHalf && (scales.dim() == 2 || (scales.dim() == 3 && scales.size(2) == 2)) &&
                   scales.size(0) == w.size(0),
               "quant: scales float16 [N, G] or [N, G, 2]");
@@ -107,15 +116,21 @@ namespace {
 
 // every matrix of one projection: group 32, one format and shape; K its packed width
 std::vector<QMatrix> describe_all(const std::vector<at::Tensor>& w, const std::vector<at::Tensor>& s,
-                                  const char* what) {
+                                  const char* what, std::vector<at::Tensor>& bias, std::vector<const float*>& bp) {
   TORCH_CHECK(!w.empty() && w.size() == s.size(), "MoePacked: ", what, ": one weight and one scale tensor per expert");
   std::vector<QMatrix> out;
   for (size_t e = 0; e < w.size(); ++e) {
     out.push_back(describe(w[e], s[e]));
     const QMatrix &q = out.back(), &q0 = out[0];
     TORCH_CHECK(q.group == QBLOCK, "MoePacked: ", what, ": group-32 scales only");
-    TORCH_CHECK(q.int4 == q0.int4 && q.asym == q0.asym && q.n == q0.n && q.kp == q0.kp,
+    TORCH_CHECK(q.int4 == q0.int4 && q.asym == q0.asym && q.mx() == q0.mx() && q.n == q0.n && q.kp == q0.kp,
                 "MoePacked: ", what, ": every expert in one format and shape");
+  }
+  TORCH_CHECK(bias.empty() || bias.size() == w.size(), "MoePacked: ", what, ": one bias per expert or none");
+  for (auto& b : bias) {
+    b = b.to(at::kFloat).contiguous();
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == out[0].n, "MoePacked: ", what, ": bias [N] per expert");
+    bp.push_back(b.data_ptr<float>());
   }
   return out;
 }
@@ -123,17 +138,23 @@ std::vector<QMatrix> describe_all(const std::vector<at::Tensor>& w, const std::v
 }  // namespace
 
 MoePacked::MoePacked(std::vector<Tensor> gate_up_w, std::vector<Tensor> gate_up_s, std::vector<Tensor> down_w,
-                     std::vector<Tensor> down_s, int64_t first) {
+                     std::vector<Tensor> down_s, int64_t first, std::vector<Tensor> gate_up_b,
+                     std::vector<Tensor> down_b, int64_t act, double alpha, double limit) {
   auto ex = std::make_shared<servescope_moe::MoeWeights>();
-  ex->gate_up = describe_all(gate_up_w, gate_up_s, "gate_up");
-  ex->down = describe_all(down_w, down_s, "down");
+  ex->gate_up = describe_all(gate_up_w, gate_up_s, "gate_up", gate_up_b, ex->gate_up_bias);
+  ex->down = describe_all(down_w, down_s, "down", down_b, ex->down_bias);
   ex->first = first;
+  TORCH_CHECK(act == servescope_moe::MOE_ACT_SILU || act == servescope_moe::MOE_ACT_CLAMPED_SWIGLU,
+              "MoePacked: act 0 (silu) or 1 (clamped SwiGLU)");
+  ex->act = act;
+  ex->alpha = (float)alpha;
+  ex->limit = (float)limit;
   const QMatrix &g = ex->gate_up[0], &d = ex->down[0];
   TORCH_CHECK(ex->gate_up.size() == ex->down.size(), "MoePacked: as many down as gate_up matrices");
   TORCH_CHECK(first >= 0, "MoePacked: first must be >= 0");
   TORCH_CHECK(g.n % 2 == 0 && d.kp == g.n / 2 && d.n == g.kp,
               "MoePacked: gate_up [2I, H] and down [H, I] with H, I multiples of 32");
-  for (auto* l : {&gate_up_w, &gate_up_s, &down_w, &down_s}) tensors_.insert(tensors_.end(), l->begin(), l->end());
+  for (auto* l : {&gate_up_w, &gate_up_s, &down_w, &down_s, &gate_up_b, &down_b}) tensors_.insert(tensors_.end(), l->begin(), l->end());
   weights_ = ex;
 }
 

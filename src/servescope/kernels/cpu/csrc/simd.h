@@ -481,6 +481,21 @@ inline void with_count(int64_t n, const F& f) {
     with_count<N - 1>(n, f);
 }
 
+// An E8M0 scale byte (MXFP4's per-block 2^(e - 127)) halved, as a float: 2^(e - 128), exact for every e (the
+// two smallest are float32 subnormals): MXFP4's e2m1 values are taken doubled, as the integers of
+// MXFP4_VALUES (ggml's kvalues_mxfp4 and GGML_E8M0_TO_FP32_HALF); 255 (E8M0's NaN) reads as 2^127
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+// The e2m1 nibble's value doubled (signed), and the same plus MXFP4_OFFSET (0..24, the unsigned operand of
+// the int8 dot products: the activations' sums take the offset back out, as symmetric int4's 8)
+alignas(16) constexpr int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr int32_t MXFP4_OFFSET = 12;
+alignas(16) constexpr int8_t MXFP4_UNSIGNED[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
 // ---------------------------------------------------------------------------------------------
 // Integer dot products for packed weights (csrc/quant_dot.h), beside the float layer above.
 // vb: 4W bytes; vi: W int32 lanes, lane i owning bytes 4i..4i+3 of a vb (the layout VNNI's vpdpbusd,
@@ -555,6 +570,29 @@ inline void half_lanes(const uint16_t* h, int64_t n, vf* out) {
 
 // 32 floats x * id rounded to int8 (to nearest even, as std::lrint in the default rounding mode) and
 // clamped to +-127, stored at q; returns their sum (the activation quantisation of quant_dot.h)
+
+// MXFP4 (quant_dot.h): 16-entry byte table lookup of nibbles idx (0..15) in every 128-bit lane
+inline vb lut16(vb idx, const int8_t* table) {
+  return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)table)), idx);
+}
+// Per-block E8M0 scales (MXFP4), halved (e8m0_half) and spread over the lanes of their blocks, blocks j < n
+template <int LPB>
+inline void e8m0_lanes(const uint8_t* e, int64_t n, vf* out) {
+  if constexpr (LPB >= W) {
+    out[0] = _mm512_set1_ps(e8m0_half(e[0]));
+  } else {
+    constexpr int B = W / LPB;
+    const int64_t cnt = std::min<int64_t>(n, B);
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << cnt) - 1), e));
+    const __m512i big = _mm512_slli_epi32(_mm512_sub_epi32(v, _mm512_set1_epi32(1)), 23);
+    const __m512i small = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), v);
+    const __m512i bits = _mm512_mask_blend_epi32(_mm512_cmpge_epi32_mask(v, _mm512_set1_epi32(2)), small, big);
+    const __m512i blk = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          LPB == 8 ? 3 : LPB == 4 ? 2 : LPB == 2 ? 1 : 0);
+    out[0] = _mm512_permutexvar_ps(blk, _mm512_castsi512_ps(bits));
+  }
+}
+
 inline int32_t round_i8x32(const float* x, float id, int8_t* q) {
   const __m512 s = _mm512_set1_ps(id);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
@@ -634,6 +672,27 @@ inline void half_lanes(const uint16_t* h, int64_t n, vf* out) {
   }
 }
 
+inline vb lut16(vb idx, const int8_t* table) {
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)table)), idx);
+}
+template <int LPB>
+inline void e8m0_lanes(const uint8_t* e, int64_t n, vf* out) {
+  if constexpr (LPB >= W) {
+    out[0] = _mm256_set1_ps(e8m0_half(e[0]));
+  } else {
+    constexpr int B = W / LPB;
+    static_assert(B <= 4, "AVX2: at most 4 blocks per vector");
+    uint32_t raw = 0;
+    std::memcpy(&raw, e, std::min<int64_t>(n, B));
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_cvtsi32_si128((int)raw));
+    const __m256i big = _mm256_slli_epi32(_mm256_sub_epi32(v, _mm256_set1_epi32(1)), 23);
+    const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), v);
+    const __m256i bits = _mm256_blendv_epi8(small, big, _mm256_cmpgt_epi32(v, _mm256_set1_epi32(1)));
+    const __m256i blk = _mm256_srli_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), LPB == 4 ? 2 : LPB == 2 ? 1 : 0);
+    out[0] = _mm256_permutevar8x32_ps(_mm256_castsi256_ps(bits), blk);
+  }
+}
+
 inline int32_t round_i8x32(const float* x, float id, int8_t* q) {
   const __m256 s = _mm256_set1_ps(id);
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
@@ -687,6 +746,13 @@ template <int LPB, int S>
 inline void half_lanes(const uint16_t* h, int64_t, vf* out) {
   static_assert(LPB >= W, "NEON: a vector's lanes lie in one block");
   for (int t = 0; t < S; ++t) out[t] = set1(half_to_float(h[t]));
+}
+
+inline vb lut16(vb idx, const int8_t* table) { return vqtbl1q_s8(vld1q_s8(table), vreinterpretq_u8_s8(idx)); }
+template <int LPB>
+inline void e8m0_lanes(const uint8_t* e, int64_t, vf* out) {
+  static_assert(LPB >= W, "NEON: a vector's lanes lie in one block");
+  out[0] = set1(e8m0_half(e[0]));
 }
 
 inline int32_t round_i8x32(const float* x, float id, int8_t* q) {
@@ -751,6 +817,14 @@ inline vi dot_u4x2(vi acc, vb u0, vb s0, vb u1, vb s1) { return dot_u4(dot_u4(ac
 template <int LPB, int S>
 inline void half_lanes(const uint16_t* h, int64_t n, vf* out) {
   for (int t = 0; t < S; ++t) out[t] = lanes([&](int i) { return i / LPB < n ? half_to_float(h[(i / LPB) * S + t]) : 0.f; });
+}
+inline vb lut16(vb idx, const int8_t* table) {
+  for (auto& x : idx.b) x = table[x & 15];
+  return idx;
+}
+template <int LPB>
+inline void e8m0_lanes(const uint8_t* e, int64_t n, vf* out) {
+  out[0] = lanes([&](int i) { return i / LPB < n ? e8m0_half(e[i / LPB]) : 0.f; });
 }
 inline int32_t round_i8x32(const float* x, float id, int8_t* q) {
   int32_t sum = 0;
