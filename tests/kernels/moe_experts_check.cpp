@@ -1,5 +1,5 @@
-// Torch-free check of the fused MoE experts (csrc/moe_experts.h) on one ISA path: tests/kernels/
-// test_moe_experts_isas.py compiles it for every path quant_gemv_check.cpp covers. For each packed format
+// Torch-free check of the fused MoE experts (csrc/moe_experts.h) on one ISA path, the other part of
+// packed_check.cpp (built for every path quant_gemv_check.cpp covers). For each packed format
 // (int4 / int8, symmetric / asymmetric), float32 and bfloat16 activations, token counts 1..17 and k = 1..8,
 // with a local range of experts (first = 2: pairs routed to experts 0, 1, 8, 9 are skipped) and one local
 // expert that no token chooses, moe_packed must equal bit for bit the reference's order of operations
@@ -10,6 +10,7 @@
 #include "moe_experts.h"
 #include <cstdio>
 #include <random>
+namespace moe_experts_check {
 using namespace servescope_moe;
 
 constexpr int64_t H = 96, I = 64, E = 6, FIRST = 2, TOTAL = 10, UNUSED = 3;  // global expert 3: no token
@@ -167,7 +168,8 @@ static int check(std::mt19937& g, const MoeWeights& ex, int64_t t, int64_t k, do
   return bad;
 }
 
-int main() {
+// the number of failed checks; *worst: the largest error against the float64 sum
+int run(double* worst_out) {
   std::mt19937 g(7);
   int bad = 0;
   double worst = 0;
@@ -187,6 +189,8 @@ int main() {
         for (int64_t k = 1; k <= 8; ++k)
           bad += check<float>(g, ex, t, k, &worst) + check<bf16>(g, ex, t, k, &worst);
     }
-  std::printf("bad=%d worst=%.4f int8_dot=%d amx=%d\n", bad, worst, SERVESCOPE_HAS_INT8_DOT, (int)amx_available());
-  return bad != 0;
+  *worst_out = worst;
+  return bad;
 }
+
+}  // namespace moe_experts_check

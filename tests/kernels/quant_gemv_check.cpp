@@ -1,5 +1,5 @@
-// Torch-free check of the packed-weight kernels on one ISA path (tests/kernels/test_quant_gemv_isas.py
-// compiles it for the scalar path natively, for the x86 paths where the CPU has them, and for NEON with
+// Torch-free check of the packed-weight kernels on one ISA path, one part of packed_check.cpp (which
+// tests/kernels/test_quant_gemv_isas.py compiles for the scalar path natively, for the x86 paths where the CPU has them, and for NEON with
 // the aarch64 cross compiler under qemu, with and without dotprod): the decode GEMV (quant_dot.h's
 // integer dot products for group 32, quant_gemv.h's float path for group 64) and the dequantisation,
 // against a float64 sum over the blocks decoded element by element. For group 32 the reference uses the
@@ -13,6 +13,7 @@
 #include "quant_gemm.h"
 #include <cstdio>
 #include <random>
+namespace quant_gemv_check {
 using namespace servescope_quant;
 
 // the activation value the group-32 kernel multiplies with: x rounded to its block's int8 grid
@@ -118,7 +119,8 @@ static int check_rounding() {
   return bad;
 }
 
-int main() {
+// the number of failed checks
+int run() {
   std::mt19937 g(1);
   int bad = check_rounding();
   // (rows, padded K, rows of x): whole and partial chunks of every ISA's vector, 1..4 and 5 (two tiles) rows of x
@@ -132,6 +134,7 @@ int main() {
         for (int64_t group : {32, 64})
           if (sh[1] % group == 0) bad += check(g, i4, asym, sh[0], sh[1], group, sh[2]);
   for (const auto& sh : shapes) bad += check(g, true, false, sh[0], sh[1], 32, sh[2], true);  // MXFP4
-  printf("%s int8_dot=%d amx=%d bad=%d\n", kIsa, SERVESCOPE_HAS_INT8_DOT, (int)amx_available(), bad);
-  return bad != 0;
+  return bad;
 }
+
+}  // namespace quant_gemv_check

@@ -1,10 +1,13 @@
-"""csrc/quant_dot.h and quant_gemv.h on every ISA path, torch-free (quant_gemv_check.cpp): plain C++
-(scalar); AVX2 and AVX-512 with and without their VNNI dot products where this CPU runs them (compiled
-only where it does not), AVX-512 with AMX-INT8 tiles (the VNNI kernels too where the kernel refuses the
-tiles); NEON with and without dotprod, cross-compiled and run under qemu where
+"""The packed-weight kernels on every ISA path, torch-free (packed_check.cpp: quant_gemv_check.cpp's GEMV
+orders, AMX panels, prefill GEMM and dequantisation against float64, and moe_experts_check.cpp's fused MoE
+op bit for bit with the reference's order of operations, in one program so that each build compiles the
+kernels once): plain C++ (scalar); AVX2 and AVX-512 with and without their VNNI dot products where this CPU
+runs them (compiled only where it does not), AVX-512 with AMX-INT8 tiles (the VNNI kernels too where the
+kernel refuses the tiles); NEON with and without dotprod, cross-compiled and run under qemu where
 g++-aarch64-linux-gnu and qemu-user are installed."""
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -17,14 +20,14 @@ from parallel_build import build_all  # tests/kernels, on sys.path as the test f
 
 HERE = os.path.dirname(__file__)
 CSRC = os.path.join(HERE, "..", "..", "src", "servescope", "kernels", "cpu", "csrc")
-SRC = os.path.join(HERE, "quant_gemv_check.cpp")
+SRC = os.path.join(HERE, "packed_check.cpp")
 X86 = {"avx512": "-mavx512vnni", "avx2": "-mavxvnni"}  # the path's int8 dot-product flag
 X86_FLAG = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}
 
 
 def isa_jobs(src: str = SRC) -> dict:
     """Every build of the check program `src` this machine can make: {name: (command without -o, how to run
-    it or None, int8 dot)} (test_moe_experts_isas.py builds its own program the same ways)."""
+    it or None, int8 dot)}."""
     def cmd(cxx, flags):
         return [cxx, "-std=c++17", "-O2", *flags, "-I", CSRC, src]
 
@@ -67,7 +70,7 @@ def check_build(built, name, jobs=JOBS):
     if runner is None:  # compiled only: this CPU lacks the ISA
         return
     out = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "bad=0" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and re.search(r"\bbad=0\b", out.stdout), out.stdout + out.stderr
     if int8_dot is not None:
         assert f"int8_dot={int(int8_dot)}" in out.stdout, out.stdout
 

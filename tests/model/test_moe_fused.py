@@ -3,7 +3,7 @@ runs it) against its reference, model/moe.py's grouped_experts over the same mod
 kernels and roundings), and against a float64 sum over the dequantised experts: every packed group-32
 format, float32 and bfloat16, odd and even token counts, k = 1..8, an expert no token chooses, a local
 range of experts (expert parallelism), 1-3 threads. Where it does not apply the reference runs.
-(tests/kernels/test_moe_experts_isas.py runs the same op on every ISA path, torch-free.)"""
+(tests/kernels/test_quant_gemv_isas.py runs the same op on every ISA path, torch-free.)"""
 
 import pytest
 import torch

@@ -6,7 +6,7 @@ GEMM and the dequantisation equal a float64 product over the dequantised weight 
 the kernels round them (quant_dot.h), at odd widths and many row counts; without the extension, the torch
 fallback equals the dequantised float product. The fused MoE op over MXFP4 experts with gpt-oss's biases and
 clamped SwiGLU against PackedClampedExperts' own per-expert reference and a float64 sum. (The kernels on every
-ISA path, torch-free: tests/kernels/test_quant_gemv_isas.py, test_moe_experts_isas.py.)"""
+ISA path, torch-free: tests/kernels/test_quant_gemv_isas.py.)"""
 
 import pytest
 import torch
