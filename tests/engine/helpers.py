@@ -170,6 +170,15 @@ def transformers_with_weights(hf_dir, state_dict, tmp_path):
     return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
 
 
+def gguf_logits_diff(src, hf_dir, ids, tmp_path) -> float:
+    """max |logit| difference between a GGUF file's engine (src: its LoadedSource) and transformers on the same
+    weights, through prefill chunks of 24 tokens and decode steps from the 90th (the GGUF family tests' check)."""
+    hf = transformers_with_weights(hf_dir, src.state_dict, tmp_path)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    return (paged_logits(gguf_engine(src.path).engine, ids, chunk=24, decode_from=90) - ref).abs().max().item()
+
+
 def llama_cpp_tree() -> str:
     """llama.cpp's source tree (LLAMA_CPP_DIR), or the test is skipped."""
     root = os.environ.get("LLAMA_CPP_DIR")

@@ -20,7 +20,8 @@ import gguf
 import pytest
 import torch
 
-from helpers import gguf_engine, llama_cpp_convert, llama_cpp_tree, paged_logits, transformers_with_weights
+from helpers import (gguf_engine, gguf_logits_diff, llama_cpp_convert, llama_cpp_tree, paged_logits,
+                     transformers_with_weights)
 from servescope import SamplingParams
 from servescope.bench.accuracy import compare
 from servescope.config.mla import yarn_mscale
@@ -97,10 +98,7 @@ def test_gguf_loads_to_transformers_logits(deepseek_files, form, tmp_path):
     for k, v in src.state_dict.items():
         if form != "q8_0" or v.dim() == 1 or k.endswith("mlp.gate.weight"):  # (Q8_0: the float ones)
             assert torch.equal(v, direct[k]), k
-    hf = transformers_with_weights(hf_dir, src.state_dict, tmp_path)
-    with torch.no_grad():
-        ref = hf(torch.tensor([IDS])).logits[0]
-    diff = (paged_logits(gguf_engine(src.path).engine, IDS, chunk=24, decode_from=90) - ref).abs().max().item()
+    diff = gguf_logits_diff(src, hf_dir, IDS, tmp_path)
     assert diff <= TOL, f"{family} {form}: max |logit diff| {diff:.2e}"
 
 

@@ -22,7 +22,7 @@ import gguf
 import pytest
 import torch
 
-from helpers import gguf_engine, llama_cpp_tree, paged_logits, transformers_with_weights
+from helpers import gguf_engine, gguf_logits_diff, llama_cpp_tree, paged_logits, transformers_with_weights
 from servescope import SamplingParams
 from servescope.bench.llama_cpp_tools import LlamaServer, find_tool
 from servescope.bench.accuracy import compare
@@ -92,10 +92,7 @@ def test_gguf_loads_to_transformers_logits(gemma_files, qtype, tmp_path):
     for k, v in src.state_dict.items():
         if k.endswith("norm.weight") or qtype == "F32":
             assert torch.allclose(v, direct[k], rtol=0, atol=1e-6), k
-    hf = transformers_with_weights(hf_dir, src.state_dict, tmp_path)
-    with torch.no_grad():
-        ref = hf(torch.tensor([IDS])).logits[0]
-    diff = (paged_logits(gguf_engine(src.path).engine, IDS, chunk=24, decode_from=90) - ref).abs().max().item()
+    diff = gguf_logits_diff(src, hf_dir, IDS, tmp_path)
     assert diff <= TOL, f"{family} {qtype}: max |logit diff| {diff:.2e}"
 
 
