@@ -29,7 +29,7 @@ from typing import Protocol, Sequence
 
 from servescope.config import CacheConfig
 from servescope.kvcache.block_allocator import BlockAllocator
-from servescope.kvcache.prefix_cache import BlockHash, PrefixCache, hash_full_blocks, max_hit_blocks
+from servescope.kvcache.prefix_cache import BlockHash, PrefixCache, extend_block_hashes, max_hit_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -163,11 +163,14 @@ class KVCacheManager:
         return blocks
 
     def _request_hashes(self, request: SequenceLike, num_full: int) -> list[BlockHash]:
-        known = self._hashes.get(request.request_id, [])
-        if len(known) < num_full:
-            known = hash_full_blocks(request.all_token_ids, self.block_size, known, limit=num_full,
-                                     salt=getattr(request, "cache_salt", None))
-            self._hashes[request.request_id] = known
+        known = self._hashes.get(request.request_id)
+        if known is None:
+            if num_full <= 0:
+                return []
+            known = self._hashes[request.request_id] = []
+        if len(known) < num_full:  # extended in place: the list is this request's alone
+            extend_block_hashes(known, request.all_token_ids, self.block_size, num_full,
+                                getattr(request, "cache_salt", None))
         return known
 
     # -- allocation ------------------------------------------------------------------------
@@ -191,14 +194,21 @@ class KVCacheManager:
         rid = request.request_id
         held = self._blocks.get(rid, [])
         if held and not computed_blocks and not num_lookahead_tokens and not self.window:
-            # the common step of a running request (a decode, the next chunk): when its blocks already
-            # hold the new tokens nothing is allocated, only blocks the step fills are hashed
+            # the common step of a running request (a decode, the next chunk): the blocks its new tokens need
+            # past those it holds (none, mostly), then the blocks the step fills are hashed -- what the general
+            # path below does for a request that holds blocks and gets no hit, without its bookkeeping
             total = request.num_computed_tokens + num_new_tokens
-            if total <= len(held) * self.block_size:
-                filled = min(total, request.num_tokens)
-                if self.enable_prefix_caching and filled // self.block_size > self._num_hashed.get(rid, 0):
-                    self._cache_full_blocks(request, filled)
-                return True
+            size = self.block_size
+            if total > len(held) * size:
+                need = -(-total // size) - len(held)
+                if need > self.allocator.num_free + self.prefix_cache.num_evictable:
+                    return False
+                for _ in range(need):
+                    held.append(self._allocate_block())
+            filled = min(total, request.num_tokens)
+            if self.enable_prefix_caching and filled // size > self._num_hashed.get(rid, 0):
+                self._cache_full_blocks(request, filled)
+            return True
         computed_blocks = computed_blocks or []
         if computed_blocks:
             assert not held and request.num_computed_tokens == 0, f"{rid}: cache hit for a request that holds blocks"

@@ -98,6 +98,8 @@ def _serve(conn, group: _Group, start: float) -> None:
                 break
             conn.send(group.meet(upto, opens_batch))
         records = group.run_out(start)
+        for e in group.engines:
+            e.timer = None  # the parent's replicas share its timer (and memo): not sent back
         conn.send(("done", records, group.finished, group.last, group.engines))
     except BaseException:  # noqa: BLE001 -- anything the child hits is reported to the parent, which raises
         conn.send(("error", traceback.format_exc()))
