@@ -197,6 +197,10 @@ class SimEngine:
         """When the next step that is not planned starts: the clock after the planned steps."""
         return self.clock if self._run is None else self._run.clock
 
+    def planned_steps(self) -> int:
+        """Steps planned and not yet applied (commit)."""
+        return 0 if self._run is None else self._run.steps
+
     def steps_taken(self) -> int:
         """Steps run or planned."""
         return self.num_steps + (0 if self._run is None else self._run.steps)
