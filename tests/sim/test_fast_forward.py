@@ -8,7 +8,7 @@ import random
 import pytest
 
 from servescope.config.engine import BatchingConfig, KVCacheConfig
-from servescope.sim import fast_forward
+from servescope.sim import fast_forward, parallel
 from servescope.sim.cluster import Deployment
 from servescope.sim.driver import drive
 from servescope.sim.parallel import drive_replicas
@@ -133,3 +133,26 @@ def test_a_concurrency_limit_steps_one_at_a_time_with_the_same_results(monkeypat
     planned = _planned(monkeypatch)
     on = simulate(Deployment(spec, 2, "least-tokens"), reqs, max_concurrency=4)
     assert on.result.to_dict() == off.result.to_dict() and planned == [0, 0]
+
+
+@pytest.mark.parametrize("router", ["round-robin", "least-tokens", "prefix"])
+def test_stretches_applied_while_a_process_waits_change_nothing(router, monkeypatch):
+    """sim/parallel.py applies planned stretches while it waits for the other process (a stretch split
+    anywhere); here every planned stretch is applied at every wait, in the parent and the children, and the
+    records, token times and caches are the sequential run's."""
+    applied = []
+
+    def always(self, conn):  # as if the other process were always the slower one
+        applied.append(sum(e.planned_steps() for e in self.engines))
+        for e in self.engines:
+            e.settle()
+
+    monkeypatch.setattr(parallel._Group, "prepay_until", always)
+    spec, reqs = _spec(blocks=96), _workload(150, 300.0, seed=9)
+    stepped = Deployment(spec, 4, router, fast_forward=False)
+    fast = Deployment(spec, 4, router)
+    _same(drive(stepped, reqs), drive_replicas(fast, reqs, 2))
+    assert _kv_state(fast) == _kv_state(stepped)
+    assert [(e.clock, e.busy_seconds, e.outstanding_tokens) for e in fast.engines] == \
+        [(e.clock, e.busy_seconds, e.outstanding_tokens) for e in stepped.engines]
+    assert (sum(applied) > 0) == (router != "prefix")  # the prefix router's meetings apply them already

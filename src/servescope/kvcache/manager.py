@@ -29,7 +29,7 @@ from typing import Protocol, Sequence
 
 from servescope.config import CacheConfig
 from servescope.kvcache.block_allocator import BlockAllocator
-from servescope.kvcache.prefix_cache import BlockHash, PrefixCache, hash_full_blocks, max_hit_blocks
+from servescope.kvcache.prefix_cache import BlockHash, PrefixCache, extend_block_hashes, max_hit_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -163,11 +163,14 @@ class KVCacheManager:
         return blocks
 
     def _request_hashes(self, request: SequenceLike, num_full: int) -> list[BlockHash]:
-        known = self._hashes.get(request.request_id, [])
-        if len(known) < num_full:
-            known = hash_full_blocks(request.all_token_ids, self.block_size, known, limit=num_full,
-                                     salt=getattr(request, "cache_salt", None))
-            self._hashes[request.request_id] = known
+        known = self._hashes.get(request.request_id)
+        if known is None:
+            if num_full <= 0:
+                return []
+            known = self._hashes[request.request_id] = []
+        if len(known) < num_full:  # extended in place: the list is this request's alone
+            extend_block_hashes(known, request.all_token_ids, self.block_size, num_full,
+                                getattr(request, "cache_salt", None))
         return known
 
     # -- allocation ------------------------------------------------------------------------
@@ -191,14 +194,20 @@ class KVCacheManager:
         rid = request.request_id
         held = self._blocks.get(rid, [])
         if held and not computed_blocks and not num_lookahead_tokens and not self.window:
-            # the common step of a running request (a decode, the next chunk): when its blocks already
-            # hold the new tokens nothing is allocated, only blocks the step fills are hashed
+            # the common step of a running request (a decode, the next chunk): the blocks its new tokens need
+            # past those it holds (none, mostly), then the blocks the step fills are hashed -- what the general
+            # path below does for a request that holds blocks and gets no hit, without its bookkeeping
             total = request.num_computed_tokens + num_new_tokens
-            if total <= len(held) * self.block_size:
-                filled = min(total, request.num_tokens)
-                if self.enable_prefix_caching and filled // self.block_size > self._num_hashed.get(rid, 0):
-                    self._cache_full_blocks(request, filled)
-                return True
+            size = self.block_size
+            if total > len(held) * size:
+                need = -(-total // size) - len(held)
+                if need > self.allocator.num_free + self.prefix_cache.num_evictable:
+                    return False
+                self._allocate_blocks(need, held)
+            filled = min(total, request.num_tokens)
+            if self.enable_prefix_caching and filled // size > self._num_hashed.get(rid, 0):
+                self._cache_full_blocks(request, filled)
+            return True
         computed_blocks = computed_blocks or []
         if computed_blocks:
             assert not held and request.num_computed_tokens == 0, f"{rid}: cache hit for a request that holds blocks"
@@ -219,8 +228,7 @@ class KVCacheManager:
             self._num_hashed[rid] = len(computed_blocks)
         if admitting:
             self._release_slid_out(rid, num_computed_from_cache)
-        for _ in range(num_new_blocks):
-            table.append(self._allocate_block())
+        self._allocate_blocks(num_new_blocks, table)
 
         if admitting and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
@@ -247,11 +255,14 @@ class KVCacheManager:
         num_hit_evictable = sum(1 for b in computed_blocks if self.allocator.ref_count(b) == 0)
         return None if num_new_blocks > self.num_free_blocks - num_hit_evictable else num_new_blocks
 
-    def _allocate_block(self) -> int:
-        if self.allocator.num_free == 0:
-            # Reuse the least recently freed cached block: its hash dies with it.
-            self.allocator.release(self.prefix_cache.evict())
-        return self.allocator.allocate()
+    def _allocate_blocks(self, n: int, table: list) -> None:
+        """Append n newly allocated blocks to the table, each from the free list, or when it is empty the least
+        recently freed cached block (its hash dies with it)."""
+        alloc, cache = self.allocator, self.prefix_cache
+        for _ in range(n):
+            if alloc.num_free == 0:
+                alloc.release(cache.evict())
+            table.append(alloc.allocate())
 
     def _cache_full_blocks(self, request: SequenceLike, num_tokens: int) -> None:
         """Hash the request's blocks that are full within its first num_tokens tokens."""
@@ -302,9 +313,14 @@ class KVCacheManager:
         self._num_hashed.pop(rid, None)
         self._num_slid.pop(rid, None)
         num_written = request.num_computed_tokens // self.block_size
-        for i in range(len(table) - 1, -1, -1):
-            if table[i] != NO_BLOCK:
-                self._drop(table[i], written=i < num_written)
+        decref, cache = self.allocator.decref, self.prefix_cache
+        for i in range(len(table) - 1, -1, -1):  # _drop of each, inline
+            b = table[i]
+            if b != NO_BLOCK and decref(b) == 0:
+                if i < num_written and cache.is_cached(b):
+                    cache.add_evictable(b)
+                else:
+                    self._let_go(b)
 
     def _drop(self, b: int, written: bool) -> None:
         """One hold on block b ends: with no holder left, a cached block whose KV is written becomes
@@ -314,9 +330,13 @@ class KVCacheManager:
         if self.prefix_cache.is_cached(b) and written:
             self.prefix_cache.add_evictable(b)
         else:
-            if self.prefix_cache.is_cached(b):
-                self.prefix_cache.uncache(b)
-            self.allocator.release(b)
+            self._let_go(b)
+
+    def _let_go(self, b: int) -> None:
+        """A block nobody holds whose KV is not written, or that is not cached, goes back to the free list."""
+        if self.prefix_cache.is_cached(b):
+            self.prefix_cache.uncache(b)
+        self.allocator.release(b)
 
     def _release_slid_out(self, rid: str, num_computed: int) -> None:
         """Give back the request's blocks that lie wholly before the window of its next query (position

@@ -13,6 +13,7 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections import OrderedDict
@@ -29,11 +30,15 @@ def max_hit_blocks(num_tokens: int, block_size: int) -> int:
     return (num_tokens - 1) // block_size
 
 
+@functools.lru_cache(maxsize=64)
+def _packer(n: int):
+    """The bound pack of n little-endian int64s (one per block size: no format string parsed per block)."""
+    return struct.Struct(f"<{n}q").pack
+
+
 def hash_block_tokens(parent: Optional[BlockHash], token_ids: Sequence[int]) -> BlockHash:
     """Stable (process- and run-independent) hash of one full block and everything before it."""
-    h = hashlib.sha256(parent if parent is not None else _ROOT)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return h.digest()
+    return hashlib.sha256((parent if parent is not None else _ROOT) + _packer(len(token_ids))(*token_ids)).digest()
 
 
 def salted_root(salt: Optional[str]) -> Optional[BlockHash]:
@@ -50,12 +55,23 @@ def hash_full_blocks(
     n = len(token_ids) // block_size
     if limit is not None:
         n = min(n, limit)
-    out = list(known[:n])
-    parent = out[-1] if out else salted_root(salt)
-    for i in range(len(out), n):
-        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
-        out.append(parent)
-    return out
+    return extend_block_hashes(list(known[:n]), token_ids, block_size, n, salt)
+
+
+def extend_block_hashes(hashes: list, token_ids: Sequence[int], block_size: int, limit: int,
+                        salt: Optional[str] = None) -> list:
+    """Append to `hashes` (those of the leading full blocks of token_ids) the hashes of the next full blocks,
+    up to `limit` blocks in all, in place (a request's list grows a block at a time: no copy of what it holds);
+    returns `hashes`."""
+    n = min(len(token_ids) // block_size, limit)
+    parent = hashes[-1] if hashes else salted_root(salt)
+    pack = _packer(block_size)
+    append, sha256 = hashes.append, hashlib.sha256
+    for i in range(len(hashes), n):
+        parent = sha256((parent if parent is not None else _ROOT)
+                        + pack(*token_ids[i * block_size:(i + 1) * block_size])).digest()
+        append(parent)
+    return hashes
 
 
 class PrefixCache:

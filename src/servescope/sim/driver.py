@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import collections
 import heapq
-import operator
+from array import array
 from typing import Optional, Protocol, Sequence
+
+import numpy as np
 
 from servescope.bench.metrics import BenchmarkResult, RequestRecord, compute_metrics
 from servescope.sim.workload import SimRequest
@@ -42,11 +44,19 @@ def record_of(req: SimRequest, finished, sent: float, start: float) -> RequestRe
         return RequestRecord(success=False, prompt_len=req.prompt_len, start_time=sent - start,
                              latency=max((m.finished_time or sent) - sent, 0.0),
                              error=finished.error or "no token produced")
-    # tokens that came out of one step (accepted drafts) reach a client as one chunk: ITL between chunks
-    chunks = times[:1] + [b for a, b in zip(times, times[1:]) if b != a]
-    itl = list(map(operator.sub, chunks[1:], chunks[:-1]))  # b - a of each neighbouring pair
     return RequestRecord(success=True, prompt_len=req.prompt_len, output_len=len(times), ttft=times[0] - sent,
-                         itl=itl, latency=times[-1] - sent, start_time=sent - start)
+                         itl=chunk_gaps(times), latency=times[-1] - sent, start_time=sent - start)
+
+
+def chunk_gaps(times) -> tuple:
+    """The ITLs of a request's token times: tokens that came out of one step (accepted drafts) reach a client
+    as one chunk, so the gaps are those between chunks -- b - a of each neighbouring pair of times with b != a
+    (the b of a chunk's first token, the a of the chunk before's last, equal to its first). In float64 as
+    Python computes them (IEEE subtraction either way; b - a == 0 exactly when b == a), with no Python float
+    made per token but the results."""
+    t = np.frombuffer(times, dtype=np.float64) if isinstance(times, array) else np.asarray(times, dtype=np.float64)
+    gaps = t[1:] - t[:-1]
+    return tuple(gaps[gaps != 0].tolist())
 
 
 def drive(engine: Served, requests: Sequence[SimRequest], max_concurrency: Optional[int] = None,

@@ -95,7 +95,7 @@ class DecodeRun:
         e, m = self.engine, len(self.plan)
         if not m:
             return []
-        kv, b, rows, p0, by_phase = e.kv_manager, self.block_size, self.rows, self.p0, self.by_phase
+        kv, b, rows, p0 = e.kv_manager, self.block_size, self.rows, self.p0
         touch: dict = {}
         finishing = m - 1 == self.finish_step
         applied = [0] * len(rows)  # steps whose tokens each request holds
@@ -104,13 +104,11 @@ class DecodeRun:
         start, allocate = self.clock0, kv.allocate_slots
         for j, (seconds, pred, bound, end) in enumerate(self.plan):
             touched = touch.get(j % b)
-            if touched is None:  # the rows whose step j can change blocks, in admission order (schedule()'s)
-                touched = by_phase[-j % b]
-                if self.hashing:
-                    touched = touch[j % b] = sorted(touched + by_phase[(-j - 1) % b])
-            for i in touched:  # as this step's schedule(): the request as it saw it, then its allocation
+            if touched is None:
+                touched = touch[j % b] = self._touched(j)
+            for i, hashes in touched:  # as this step's schedule(): the request as it saw it, then its allocation
                 req = rows[i]
-                if applied[i] < j:
+                if hashes and applied[i] < j:
                     self._bring(i, j, applied)
                 req.num_computed_tokens = p0[i] + j
                 if not allocate(req, 1):
@@ -147,6 +145,16 @@ class DecodeRun:
             e.num_steps += m
         self.plan = []
         return done
+
+    def _touched(self, j: int) -> list:
+        """(row, whether its call hashes a block) of each row whose step j can change blocks, in admission order
+        (schedule()'s): those at a block start, and with prefix caching those filling one. Only a row that hashes
+        needs the tokens before step j (its block's); at a block start the call reads its position, and its
+        token count only to see that no block is to be hashed (the one before was, at its fill)."""
+        b, by_phase, caching = self.block_size, self.by_phase, self.engine.kv_manager.enable_prefix_caching
+        if not self.hashing:  # block size 1 hashes at every block start
+            return [(i, caching) for i in by_phase[-j % b]]
+        return sorted([(i, False) for i in by_phase[-j % b]] + [(i, True) for i in by_phase[(-j - 1) % b]])
 
     def _bring(self, i: int, j: int, applied: list) -> None:
         """Give request i the tokens of the steps before step j of the stretch (its own output stream)."""

@@ -30,6 +30,8 @@ from typing import Sequence
 from servescope.sim.cluster import Deployment
 from servescope.sim.driver import record_of
 
+PREPAY_STEPS = 8  # the shortest planned stretch applied ahead of need (a split one restarts its plan)
+
 
 class _Group:
     """Replicas of one process: `indices` into the deployment's engines."""
@@ -65,6 +67,19 @@ class _Group:
         busy = min((e.next_start() for e in self.engines if e.has_unfinished()), default=math.inf)
         return loads, hits, busy, self.time
 
+    def prepay_until(self, conn) -> None:
+        """While nothing has come on `conn`: apply, one replica at a time, stretches this group planned
+        (SimEngine.settle: the steps the next request routed there or the stretch's end would apply; the
+        stretch goes on from there as a new one with the same steps, sim/fast_forward.py), so that the work
+        is not waiting for the meeting that needs it while this process waits for the other."""
+        while not conn.poll():
+            for e in self.engines:
+                if e.planned_steps() >= PREPAY_STEPS:
+                    e.settle()
+                    break
+            else:
+                return
+
     def run_out(self, start: float) -> dict:
         """Run the replicas to the end; {request index: its record (sim/driver.record_of)} of this group's."""
         for e in self.engines:
@@ -97,7 +112,10 @@ def _serve(conn, group: _Group, start: float) -> None:
             if upto < 0:
                 break
             conn.send(group.meet(upto, opens_batch))
+            group.prepay_until(conn)
         records = group.run_out(start)
+        for e in group.engines:
+            e.timer = None  # the parent's replicas share its timer (and memo): not sent back
         conn.send(("done", records, group.finished, group.last, group.engines))
     except BaseException:  # noqa: BLE001 -- anything the child hits is reported to the parent, which raises
         conn.send(("error", traceback.format_exc()))
@@ -161,6 +179,7 @@ def _route_all(deployment: Deployment, groups: list, conns: list, owner: list, s
         pending = [(-1, -1)] * len(conns)
         loads, hits, busy, seen = groups[0].meet(j, opens)
         for conn in conns:
+            groups[0].prepay_until(conn)
             more = _reply(conn)
             loads = loads + more[0]
             hits = None if hits is None else hits + more[1]
