@@ -121,3 +121,35 @@ def test_engine_gives_back_the_blocks_that_slid_out(windowed):
         want = hf.generate(torch.tensor([ids]), max_new_tokens=60, do_sample=False, min_new_tokens=60,
                            attention_mask=torch.ones(1, 30, dtype=torch.long))[0, 30:].tolist()
     assert out.token_ids == want
+
+
+def test_a_prefix_hit_survives_the_eviction_of_blocks_out_of_view(windowed):
+    """The windowed layers' blocks at the start of a cached prompt (the first to be evicted) are gone: a request
+    with that prompt still hits it whole, the windowed tables take only the blocks in view, and the tokens equal
+    transformers' (a kernel reading a block the hit did not take would be far off)."""
+    from servescope.kvcache.prefix_cache import hash_full_blocks
+
+    family, path, hf = windowed
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, block_size=4, enable_prefix_caching=True)
+    engine, sp = llm.engine, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ids = torch.randint(3, 49152, (60,), generator=torch.Generator().manual_seed(7)).tolist()
+    llm.generate(ids, sp)
+    km = engine.kv_manager
+    groups = km.groups if km.num_groups > 1 else (km,)
+    for g in groups:
+        if g.window:  # evict the first 8 blocks of the prompt: what the LRU takes first
+            for h in hash_full_blocks(ids, 4, limit=8):
+                blk = g.prefix_cache.lookup(h)
+                g.prefix_cache.take(blk)
+                g.prefix_cache.uncache(blk)
+                g.allocator.release(blk)
+    km.check_invariants()
+    hits = km.prefix_cache_hits
+    prompt = ids + [11, 12, 13]
+    out = llm.generate(prompt, sp)[0].outputs[0]
+    assert km.prefix_cache_hits - hits == 60  # the whole prompt's 15 full blocks
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, min_new_tokens=20,
+                           attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+    assert out.token_ids == want
+    km.check_invariants()

@@ -1,7 +1,8 @@
 """HybridKVCacheManager: a block table per group of layers of one window (plain integers). A windowed group holds
 at most cdiv(window, S) + 1 blocks per decoding sequence at 8k context while the full group holds them all; an
-allocation is all or nothing; a prefix hit is what every group holds; preemption and abort free every group; the
-invariants hold after random sequences of operations; the planner's pools keep the bytes of the uniform cache."""
+allocation is all or nothing; a prefix hit is what every group can serve (a windowed group: the blocks in view);
+preemption and abort free every group; the invariants hold after random sequences of operations; the planner's
+pools keep the bytes of the uniform cache."""
 
 import random
 
@@ -11,6 +12,7 @@ from servescope.analysis.kv_layout import group_blocks
 from servescope.config import CacheConfig
 from servescope.kvcache.hybrid import HybridKVCacheManager
 from servescope.kvcache.manager import NO_BLOCK, cdiv
+from servescope.kvcache.prefix_cache import hash_full_blocks
 
 from test_kv_cache_manager import Seq, admit  # tests/kvcache, on sys.path as the test file's folder
 
@@ -105,6 +107,30 @@ def test_a_prefix_hit_is_what_every_group_holds():
     m.free(c)
     admit(m, b)
     m.check_invariants()
+
+
+def test_a_windowed_group_serves_a_hit_from_the_blocks_in_view():
+    """The windowed group's first blocks (the LRU's first victims) are gone, the full group holds the whole chain:
+    the hit is whole; the windowed group's table takes only the blocks its first new token reads (keys 81 on)."""
+    m = make({0: 64, 16: 64}, step=64)
+    a = Seq("a", range(100))
+    admit(m, a)
+    m.free(a)
+    win = m.groups[1]
+    for h in hash_full_blocks(range(100), 16, limit=4):  # evict blocks 0-3 of the windowed group
+        blk = win.prefix_cache.lookup(h)
+        win.prefix_cache.take(blk)
+        win.prefix_cache.uncache(blk)
+        win.allocator.release(blk)
+    b = Seq("b", list(range(100)) + [7])
+    (full, windowed), n = m.get_computed_blocks(b)
+    assert n == 96 and len(full) == 6 and NO_BLOCK not in full
+    assert windowed[:5] == [NO_BLOCK] * 5 and windowed[5] != NO_BLOCK
+    admit(m, b)
+    decode(m, b, 20)
+    m.free(b)
+    m.check_invariants()
+    assert m.num_free_blocks == m.num_blocks
 
 
 def test_random_operations_keep_every_invariant():

@@ -6,6 +6,7 @@ import pytest
 
 from servescope.config import CacheConfig
 from servescope.kvcache.manager import NO_BLOCK, KVCacheManager, cdiv
+from servescope.kvcache.prefix_cache import hash_full_blocks
 
 from test_kv_cache_manager import Seq, admit  # tests/kvcache, on sys.path as the test file's folder
 
@@ -73,38 +74,55 @@ def test_slid_out_blocks_are_freed_or_evictable_and_reused():
     m.check_invariants()
 
 
-def test_prefix_hit_uses_a_whole_cached_chain_and_gives_back_what_is_out_of_view():
+def test_a_prefix_hit_takes_only_the_blocks_in_view():
     m = make(num_blocks=16, block_size=4, window=6)
     a = Seq("a", range(24))
     admit(m, a)  # 6 full blocks, hashed; all but the last two slide out when a decodes on
     decode(m, a, 1)
     b = Seq("b", list(range(24)) + [7, 7, 7])
     blocks, n = m.get_computed_blocks(b)
-    assert n == 24 and blocks == [m.prefix_cache.lookup(h) for h in m._request_hashes(b, 6)]
+    # b's first new token (position 24) sees keys 19 on: blocks 4 and 5; the hit does not take blocks 0-3
+    hashes = m._request_hashes(b, 6)
+    assert n == 24 and blocks == [NO_BLOCK] * 4 + [m.prefix_cache.lookup(h) for h in hashes[4:6]]
     admit(m, b)
-    table = m.get_block_ids("b")
-    # the first blocks of the hit are already out of view of b's first new token (position 24): given back
-    first_visible = 24 - 6 + 1
-    assert all((x == NO_BLOCK) == ((i + 1) * 4 <= first_visible) for i, x in enumerate(table))
-    assert all(x == blocks[i] for i, x in enumerate(table[:6]) if x != NO_BLOCK)  # the rest are the hit's
+    assert m.get_block_ids("b")[:6] == blocks
+    m.check_invariants()
     m.free(a)
     m.free(b)
     m.check_invariants()
 
 
-def test_an_evicted_prefix_block_ends_the_hit():
-    """The simplest correct rule: a hit needs its chain from block 0; once an early block is evicted
-    (reused by another request) nothing after it is hit, though later blocks may still be cached."""
-    m = make(num_blocks=5, block_size=4, window=4)
-    a = Seq("a", range(12))
+def evict(m, token_ids, indices):
+    """Evict the cached blocks of token_ids' full blocks `indices` (as the LRU does for another request)."""
+    hashes = hash_full_blocks(token_ids, m.block_size)
+    for i in indices:
+        b = m.prefix_cache.lookup(hashes[i])
+        m.prefix_cache.take(b)
+        m.prefix_cache.uncache(b)
+        m.allocator.release(b)
+
+
+@pytest.mark.parametrize("evicted,hit", [((), 6), ((0, 1), 6), ((0, 1, 2, 3), 6), ((5,), 5), ((4,), 4), ((2, 5), 5),
+                                         ((3, 5), 3), ((0, 1, 2, 3, 4, 5), 0)])
+def test_evicted_blocks_end_the_hit_only_where_the_window_reads_them(evicted, hit):
+    """Window 6, blocks of 4: a hit of n blocks reads blocks (4n - 5) // 4 .. n - 1 (the keys its first new
+    token sees). The blocks at the chain's start go first in the LRU; losing them costs nothing."""
+    m = make(num_blocks=16, block_size=4, window=6)
+    a = Seq("a", range(24))
     admit(m, a)
-    decode(m, a, 4)
+    decode(m, a, 1)
     m.free(a)
-    other = Seq("o", range(500, 516))  # takes every free block, evicting from the LRU end
-    admit(m, other)
-    m.free(other)
-    again = Seq("c", range(13))
-    blocks, n = m.get_computed_blocks(again)
-    for i, blk in enumerate(blocks):
-        assert m.prefix_cache.hash_of(blk) == m._request_hashes(again, 3)[i]
+    evict(m, range(24), evicted)
     m.check_invariants()
+    c = Seq("c", list(range(24)) + [9])
+    blocks, n = m.get_computed_blocks(c)
+    assert n == 4 * hit and len(blocks) == hit
+    first = max(0, 4 * hit - 6 + 1) // 4
+    assert all(b == NO_BLOCK for b in blocks[:first]) and NO_BLOCK not in blocks[first:]
+    admit(m, c)
+    decode(m, c, 6)
+    m.free(c)
+    m.check_invariants()
+    assert m.num_free_blocks == 16  # nothing leaked: every block free or evictable
+
+

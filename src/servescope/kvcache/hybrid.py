@@ -27,6 +27,7 @@ from dataclasses import replace
 
 from servescope.config import CacheConfig
 from servescope.kvcache.manager import NO_BLOCK, KVCacheManager, SequenceLike, cdiv
+from servescope.kvcache.window_hit import longest_hit
 from servescope.kvcache.prefix_cache import max_hit_blocks
 
 
@@ -145,18 +146,16 @@ class HybridKVCacheManager:
 
     # -- prefix cache ----------------------------------------------------------------------
     def get_computed_blocks(self, request: SequenceLike) -> tuple[list, int]:
-        """Per group, the blocks of the longest prefix that every group holds cached, and the tokens it covers
-        ([] and 0 without a hit). Touches nothing: allocate_slots() takes the blocks."""
+        """Per group, the blocks of the longest prefix that every group can serve from its cache (a windowed
+        group: the blocks the next query sees, NO_BLOCK before them; kvcache/window_hit.py), and the tokens it
+        covers ([] and 0 without a hit). Touches nothing: allocate_slots() takes the blocks."""
         first = self.groups[0]
         if not self.enable_prefix_caching or request.request_id in first._blocks:
             return [], 0
         max_hit = max_hit_blocks(request.num_tokens, self.block_size)
         hashes = first._request_hashes(request, max_hit)[:max_hit]
-        runs = [first.cached_run(hashes)]
-        for g in self.groups[1:]:
-            runs.append(g.cached_run(hashes[:len(min(runs, key=len))]))
-        n = min(len(r) for r in runs)
-        return ([r[:n] for r in runs], n * self.block_size) if n else ([], 0)
+        n, tables = longest_hit([(g.prefix_cache.lookup, g.window) for g in self.groups], hashes, self.block_size)
+        return (tables, n * self.block_size) if n else ([], 0)
 
     def cached_run(self, hashes) -> list:
         """The first group's cached blocks of the leading run of `hashes` that every group holds."""

@@ -14,8 +14,7 @@ Invariants (check_invariants() asserts them; tests call it after every sequence 
     every position lies before the window of the request's next query goes back at once (a cached
     one stays findable, evictable): its table entry becomes NO_BLOCK, so block i still means tokens
     [i*S, (i+1)*S) and a decoding request holds at most cdiv(window, S) + 1 blocks. A prefix hit
-    needs the whole chain of its blocks from the first (the simplest correct rule: the lookup is the
-    same as without a window); the hit blocks already out of view go back right after admission.
+    needs only the blocks its next query sees (kvcache/window_hit.py): NO_BLOCK before them.
     A model whose layers mix windows gets a block table per group of layers (kvcache/hybrid.py: one
     manager like this one per group, each with its own window and pool); one table for all layers of
     such a model (window 0) keeps every block.
@@ -30,6 +29,7 @@ from typing import Protocol, Sequence
 from servescope.config import CacheConfig
 from servescope.kvcache.block_allocator import BlockAllocator
 from servescope.kvcache.prefix_cache import BlockHash, PrefixCache, extend_block_hashes, max_hit_blocks
+from servescope.kvcache.window_hit import NO_BLOCK, first_in_view, longest_hit
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +46,6 @@ class SequenceLike(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
-
-# the table entry of a block that slid out of the window and went back (never read by the kernels)
-NO_BLOCK = -1
 
 # KVCacheManager.block_map() states
 BLOCK_FREE, BLOCK_USED, BLOCK_CACHED, BLOCK_EVICTABLE = 0, 1, 2, 3
@@ -149,8 +146,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.request_id in self._blocks:
             return [], 0
         max_hit = max_hit_blocks(request.num_tokens, self.block_size)
-        blocks = self.cached_run(self._request_hashes(request, max_hit)[:max_hit])
-        return blocks, len(blocks) * self.block_size
+        n, (blocks,) = longest_hit([(self.prefix_cache.lookup, self.window)],
+                                   self._request_hashes(request, max_hit)[:max_hit], self.block_size)
+        return blocks, n * self.block_size
 
     def cached_run(self, hashes) -> list:
         """The cached blocks of the leading run of `hashes` (up to the first miss). Touches nothing."""
@@ -220,9 +218,10 @@ class KVCacheManager:
         total = request.num_computed_tokens + num_computed_from_cache + num_new_tokens
         table = self._blocks.setdefault(rid, held)
         for b in computed_blocks:
-            if self.allocator.ref_count(b) == 0:
-                self.prefix_cache.take(b)
-            self.allocator.incref(b)
+            if b != NO_BLOCK:  # (a windowed hit's blocks out of view: kvcache/window_hit.py)
+                if self.allocator.ref_count(b) == 0:
+                    self.prefix_cache.take(b)
+                self.allocator.incref(b)
             table.append(b)
         if computed_blocks:
             self._num_hashed[rid] = len(computed_blocks)
@@ -252,7 +251,7 @@ class KVCacheManager:
         total = request.num_computed_tokens + num_computed_from_cache + num_new_tokens
         num_new_blocks = max(self.num_blocks_for(total + num_lookahead_tokens) - len(held) - len(computed_blocks), 0)
         # Hit blocks that sit in the evictable list stop being available once we take them.
-        num_hit_evictable = sum(1 for b in computed_blocks if self.allocator.ref_count(b) == 0)
+        num_hit_evictable = sum(1 for b in computed_blocks if b != NO_BLOCK and self.allocator.ref_count(b) == 0)
         return None if num_new_blocks > self.num_free_blocks - num_hit_evictable else num_new_blocks
 
     def _allocate_blocks(self, n: int, table: list) -> None:
@@ -344,10 +343,11 @@ class KVCacheManager:
         if not self.window:
             return
         table = self._blocks[rid]
-        dead = min(max(0, num_computed - self.window + 1) // self.block_size, len(table))
+        dead = min(first_in_view(num_computed, self.window, self.block_size), len(table))
         for i in range(self._num_slid.get(rid, 0), dead):
-            self._drop(table[i], written=True)
-            table[i] = NO_BLOCK
+            if table[i] != NO_BLOCK:  # (a hit's blocks out of view were never taken)
+                self._drop(table[i], written=True)
+                table[i] = NO_BLOCK
         self._num_slid[rid] = max(dead, self._num_slid.get(rid, 0))
 
     def num_held_blocks(self, request_id: str) -> int:
