@@ -11,11 +11,16 @@ do), with float32 experts and with MXFP4 experts as the released files have them
   prefill, prefix caching and preemption change nothing;
 - Q8_0 attention beside MXFP4 experts runs packed with quantization="gguf";
 - malformed files (no sinks, a misshapen MXFP4 tensor, a missing expert bias) and metadata whose maths is not
-  run are refused by name; llama.cpp's own converter's files (LLAMA_CPP_DIR) load to transformers' logits."""
+  run are refused by name; llama.cpp's own converter's files (LLAMA_CPP_DIR) load to transformers' logits, and
+  llama.cpp itself (LLAMA_CPP_BIN) agrees with us on them but for yarn's rounding (ggml rounds the ramp's ends,
+  the checkpoint does not: the engine follows the checkpoint)."""
 
 import dataclasses
+import json
 import os
+import socket
 import sys
+import urllib.request
 
 import gguf
 import pytest
@@ -25,8 +30,10 @@ from helpers import (BATCHING_OVERRIDES, assert_batching_changes_nothing, gguf_e
                      llama_cpp_tree, paged_logits, random_ids, transformers_with_weights)
 from servescope import SamplingParams
 from servescope.bench.accuracy import compare
+from servescope.bench.llama_cpp_tools import LlamaServer, find_tool
 from servescope.errors import ModelLoadError
 from servescope.kernels.cpu import ops as cpu_ops
+from servescope.loader import gguf_gpt_oss
 from servescope.loader.source import load_model_source
 from servescope.model.linears.packed import QuantLinear
 from servescope.model.moe import moe_blocks
@@ -234,3 +241,39 @@ def test_llama_cpp_converter_output_loads_to_transformers(released, tmp_path, mo
     assert ours.config.layer_specs() == load_model_source(str(hf_dir)).config.layer_specs()
     diff = (paged_logits(_engine(out).engine, IDS, chunk=24, decode_from=90) - _ref_logits(hf)).abs().max().item()
     assert diff <= TOL, f"max |logit diff| {diff:.2e}"
+
+
+def test_llama_cpp_agrees_with_us_but_for_yarn_rounding(tmp_path, monkeypatch):
+    """llama.cpp itself (llama-server, where LLAMA_CPP_BIN or PATH has it) on its converter's file of the MXFP4
+    release form, 30 greedy steps after a 40-token prompt (past the window): with yarn's ramp rounded to whole
+    dimensions as ggml rounds it, the log-probabilities of its top 5 tokens at each step are ours on the same
+    prefix within 0.02 (the tensors, MXFP4 nibbles, window pattern, sinks, router and clamp read as llama.cpp reads
+    them). The engine itself keeps the checkpoint's unrounded ramp (transformers' `truncate: false`, the 1e-4
+    parity above), which moves these log-probabilities by about 0.1 on this tiny model."""
+    server = find_tool("llama-server")
+    if server is None:
+        pytest.skip("llama.cpp's llama-server not found (LLAMA_CPP_BIN)")
+    root = llama_cpp_tree()
+    hf_dir, _, _ = make_tiny_mxfp4_gpt_oss(tmp_path, sliding_window=WINDOW, swiglu_limit=7.0)
+    out = tmp_path / "m.gguf"
+    llama_cpp_convert(root, hf_dir, out)
+    ids = random_ids(40, 5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [server, "-m", str(out), "-t", "1", "-np", "1", "-c", "512", "--no-warmup", "--port", str(port)]
+    body = {"prompt": ids, "n_predict": 30, "samplers": ["top_k"], "top_k": 1, "ignore_eos": True,
+            "cache_prompt": False, "return_tokens": True, "n_probs": 5}
+    with LlamaServer(cmd, log_path=str(tmp_path / "server.log")) as srv:
+        req = urllib.request.Request(srv.base_url + "/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(req, timeout=120).read())
+    theirs, steps = reply["tokens"], reply["completion_probabilities"]
+    assert len(theirs) == len(steps) == 30
+    yarn = gguf_gpt_oss.yarn_scaling
+    assert load_model_source(str(out)).config.rope_scaling.truncate is False  # (as loaded: the checkpoint's)
+    monkeypatch.setattr(gguf_gpt_oss, "yarn_scaling", lambda meta: dataclasses.replace(yarn(meta), truncate=True))
+    ours = torch.log_softmax(paged_logits(_engine(out).engine, ids + theirs)[len(ids) - 1:-1].double(), -1)
+    worst = max(abs(ours[i, t["id"]].item() - t["logprob"]) for i, step in enumerate(steps)
+                for t in step["top_logprobs"])
+    assert worst <= 0.02, f"max |log-probability diff| {worst:.3f}"
