@@ -216,7 +216,8 @@ def test_llama_cpp_converter_output_loads_to_transformers(released, tmp_path, mo
     vocabulary path; the SwiGLU limit at llama.cpp's fixed 7, which its files do not say): the float checkpoint
     (experts written in float) to transformers' logits within 1e-4; the MXFP4 release form (the converter
     re-lays the nibbles itself) to the same blocks as the engine's load of the directory, and through the torch
-    fallback to transformers on the dequantised weights."""
+    fallback to transformers on the dequantised weights. The float file's tokenizer (read from the GGUF) serves
+    text."""
     from transformers import AutoModelForCausalLM
 
     root = llama_cpp_tree()
@@ -241,6 +242,12 @@ def test_llama_cpp_converter_output_loads_to_transformers(released, tmp_path, mo
     assert ours.config.layer_specs() == load_model_source(str(hf_dir)).config.layer_specs()
     diff = (paged_logits(_engine(out).engine, IDS, chunk=24, decode_from=90) - _ref_logits(hf)).abs().max().item()
     assert diff <= TOL, f"max |logit diff| {diff:.2e}"
+    if not released:  # the file's own vocabulary (the converter's GPT-2 path) serves text
+        from servescope import LLM
+
+        text = LLM(model=str(out), num_kv_blocks=16, max_model_len=128).generate(
+            ["Hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0]
+        assert len(text.token_ids) == 4 and text.text
 
 
 def test_llama_cpp_agrees_with_us_but_for_yarn_rounding(tmp_path, monkeypatch):
