@@ -142,10 +142,15 @@ def test_mxfp4_torch_fallback_matches_transformers(files, tmp_path, monkeypatch)
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="needs the CPU kernel extension")
 def test_mxfp4_kernels_greedy_and_kl(files, tmp_path):
-    (paths, _, src_dir, _) = files
+    """The kernels (int8 activations over the nibbles, the fused MoE op): transformers' greedy tokens, the HF MXFP4
+    directory's greedy tokens, and the logits within the int8-activation KL floor."""
+    (paths, mx_dir, src_dir, _) = files
     path, stored = paths["mxfp4"]
     hf = transformers_with_weights(src_dir, stored, tmp_path)
     _greedy_equal(path, hf)
+    ids, params = random_ids(40, 6), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    from_hf = gguf_engine(mx_dir).generate(ids, params)[0].outputs[0].token_ids  # the HF MXFP4 directory's load
+    assert _engine(path).generate(ids, params)[0].outputs[0].token_ids == from_hf
     r = compare(_ref_logits(hf), paged_logits(_engine(path).engine, IDS, chunk=24, decode_from=90), IDS)
     assert r["kl"] / r["tokens"] <= 0.01 and r["top1"] == r["tokens"], r
 
