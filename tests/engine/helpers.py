@@ -127,9 +127,10 @@ def assert_greedy_matches_transformers(path, hf, n):
     assert out.token_ids == want
 
 
-def assert_batching_changes_nothing(path, overrides, num_prompts):
+def assert_batching_changes_nothing(path, overrides, num_prompts, **llm_kw):
     """num_prompts prompts (every other one behind a shared 40-token prefix: 2.5 blocks), greedy, one engine
-    with `overrides` against each prompt alone: the same tokens, and the feature really ran."""
+    with `overrides` against each prompt alone: the same tokens, and the feature really ran. llm_kw: more LLM
+    arguments for both engines (a GGUF without a vocabulary: skip_tokenizer_init)."""
     from servescope import LLM  # lazy: as the test modules import it
     from test_batching import PARAMS, assert_same_greedy  # lazy: a sibling test module on the path
 
@@ -137,9 +138,9 @@ def assert_batching_changes_nothing(path, overrides, num_prompts):
     shared = torch.randint(3, 49152, (40,), generator=gen).tolist()
     prompts = [(shared if i % 2 == 0 else []) + torch.randint(3, 49152, (int(n),), generator=gen).tolist()
                for i, n in enumerate(torch.randint(5, 60, (num_prompts,), generator=gen))]
-    base = LLM(model=str(path), num_kv_blocks=96, max_model_len=256, enable_prefix_caching=False)
+    base = LLM(model=str(path), num_kv_blocks=96, max_model_len=256, enable_prefix_caching=False, **llm_kw)
     alone = [base.generate(p, PARAMS)[0] for p in prompts]
-    llm = LLM(model=str(path), **{"num_kv_blocks": 96, "max_model_len": 256, **overrides})
+    llm = LLM(model=str(path), **{"num_kv_blocks": 96, "max_model_len": 256, **overrides, **llm_kw})
     assert_same_greedy(llm.generate(prompts, PARAMS), alone)
     assert max(r.num_running for r in llm.engine.step_records) > 1
     if not overrides:

@@ -147,24 +147,6 @@ def test_bad_files_are_refused(mxfp4, tmp_path):
     assert cfg["quantization_config"]["quant_method"] == "mxfp4"
 
 
-def test_gpt_oss_gguf_is_refused_clearly(tmp_path):
-    """llama.cpp's gpt-oss GGUF (architecture "gpt-oss", MXFP4 expert tensors) is not read yet: the load says so
-    and points at the Hugging Face directory, whatever else the file holds."""
-    import gguf
-
-    path = tmp_path / "gpt-oss.gguf"
-    w = gguf.GGUFWriter(str(path), "gpt-oss")
-    w.add_block_count(1)
-    w.add_expert_count(4)
-    w.add_tensor("token_embd.weight", torch.zeros(8, 64).numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ModelLoadError, match="gpt-oss GGUF files .* are not read yet; load the Hugging Face"):
-        load_model_source(str(path))
-
-
 def test_bfloat16_stays_near_float32_transformers(mxfp4):
     """bfloat16 activations over the same MXFP4 experts (the fused op on bfloat16 rows)."""
     path, hf, _ = mxfp4

@@ -85,7 +85,7 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
                     token_count: int | None = None, extra_tensors: dict | None = None,
                     rope_scaling: tuple | None = None, raw_tensors: dict | None = None,
                     extra_metadata: dict | None = None, quantised_tensors: dict | None = None,
-                    layer_names: dict = HF_TO_GGUF_LAYER) -> str:
+                    layer_names: dict = HF_TO_GGUF_LAYER, gguf_raw: dict | None = None) -> str:
     """Write `state_dict` (HF names) with `config` (a servescope ModelConfig) as a GGUF file.
 
     drop: HF names to leave out; replace: {HF name: array} written instead of the real tensor.
@@ -96,7 +96,8 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
     extra_metadata: {key: int, float or list} metadata written as uint32 / float32 / an array (e.g.
     llama.attention.sliding_window).
     quantised_tensors: {GGUF name: float array} written in `qtype` like the 2-D weights (a MoE's stacked
-    experts [E, rows, K]). layer_names: {HF module: GGUF name} of the layers' tensors.
+    experts [E, rows, K]). layer_names: {HF module: GGUF name} of the layers' tensors. gguf_raw: {GGUF name:
+    (bytes, GGML type)} written as they are (gpt-oss's MXFP4 experts).
     """
     import gguf
 
@@ -150,6 +151,8 @@ def write_tiny_gguf(path, config, state_dict: dict, arch: str = "llama", qtype=N
             w.add_tensor(gname, a)
     for gguf_name, a in (extra_tensors or {}).items():
         w.add_tensor(gguf_name, np.asarray(a, dtype=np.float32))
+    for gguf_name, (blocks, raw_type) in (gguf_raw or {}).items():
+        w.add_tensor(gguf_name, np.ascontiguousarray(blocks, dtype=np.uint8), raw_dtype=raw_type)
     for gguf_name, a in (quantised_tensors or {}).items():
         a = np.ascontiguousarray(a, dtype=np.float32)
         if qtype == gguf.GGMLQuantizationType.F32:
@@ -313,3 +316,73 @@ def write_tiny_deepseek_gguf(path, source, qtype=None, split_kv_b: bool = True, 
     floats.update(kw.pop("extra_tensors", {}))
     return write_tiny_gguf(path, cfg, sd, arch="deepseek2", qtype=qtype, drop=tuple(drop), extra_tensors=floats,
                            quantised_tensors=stacked, extra_metadata=meta, layer_names=DEEPSEEK_TO_GGUF_LAYER, **kw)
+
+
+# gpt-oss under llama.cpp's names (its converter's GptOssModel): the MLP's input norm is post_attention_norm
+GPT_OSS_TO_GGUF_LAYER = {**HF_TO_GGUF_LAYER, "post_attention_layernorm": "post_attention_norm"}
+
+
+def write_tiny_gpt_oss_gguf(path, source, qtype=None, expert_qtype=None, **kw) -> tuple:
+    """A gpt-oss LoadedSource (a float HF directory's) as llama.cpp's converter writes it: the sinks as
+    blk.N.attn_sinks.weight, the router (weight and bias, float32) as ffn_gate_inp, each layer's experts stacked
+    per projection with gate and up apart (ffn_gate_exps / ffn_up_exps [E, I, Dm], ffn_down_exps [E, Dm, I], in
+    `expert_qtype`: MXFP4 as the releases' files, or float32) and their biases, the window, yarn and expert
+    metadata (and `swiglu_clamp_exp` where the limit is not llama.cpp's 7). Returns (path, the HF state dict of
+    what the file holds: its quantised tensors dequantised)."""
+    import gguf
+
+    cfg, sd = source.config, source.state_dict
+    q = qtype if qtype is not None else gguf.GGMLQuantizationType.F32
+    eq = expert_qtype if expert_qtype is not None else gguf.GGMLQuantizationType.F32
+    a, e = "gpt-oss", cfg.moe.experts
+    floats, raw, drop = {}, {}, set()
+    stored = {k: torch_tensor(gguf_stored_values(k, v.numpy(), cfg, a, q)) for k, v in sd.items()}
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        stored[p + "mlp.router.weight"] = sd[p + "mlp.router.weight"]  # (kept in float32, as llama-quantize does)
+        ex = p + "mlp.experts."
+        gate_up, bias = sd[ex + "gate_up_proj"].transpose(1, 2).numpy(), sd[ex + "gate_up_proj_bias"].numpy()
+        parts = {"gate": gate_up[:, 0::2], "up": gate_up[:, 1::2], "down": sd[ex + "down_proj"].transpose(1, 2).numpy()}
+        back = {}
+        for part, w in parts.items():
+            w = np.ascontiguousarray(w, dtype=np.float32)
+            if eq == gguf.GGMLQuantizationType.F32:
+                floats[f"{b}ffn_{part}_exps.weight"], back[part] = w, w
+            else:
+                raw[f"{b}ffn_{part}_exps.weight"] = (gguf.quants.quantize(w, eq), eq)
+                back[part] = gguf.quants.dequantize(raw[f"{b}ffn_{part}_exps.weight"][0], eq).reshape(w.shape)
+        stored[ex + "gate_up_proj"] = torch_tensor(np.stack([back["gate"], back["up"]], 2)
+                                                   .reshape(e.num_experts, -1, cfg.hidden_size).transpose(0, 2, 1))
+        stored[ex + "down_proj"] = torch_tensor(back["down"].transpose(0, 2, 1))
+        floats.update({f"{b}ffn_gate_exps.bias": bias[:, 0::2], f"{b}ffn_up_exps.bias": bias[:, 1::2],
+                       f"{b}ffn_down_exps.bias": sd[ex + "down_proj_bias"].numpy(),
+                       f"{b}attn_sinks.weight": sd[p + "self_attn.sinks"].numpy(),
+                       f"{b}ffn_gate_inp.weight": sd[p + "mlp.router.weight"].numpy(),
+                       f"{b}ffn_gate_inp.bias": sd[p + "mlp.router.bias"].numpy()})
+        drop.update(ex + n for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"))
+        drop.update((p + "self_attn.sinks", p + "mlp.router.weight", p + "mlp.router.bias"))
+    meta = {f"{a}.expert_count": e.num_experts, f"{a}.expert_used_count": e.top_k,
+            f"{a}.expert_feed_forward_length": e.intermediate_size, f"{a}.attention.sliding_window": cfg.sliding_window}
+    if e.swiglu_limit != 7.0:
+        meta[f"{a}.swiglu_clamp_exp"] = float(e.swiglu_limit)
+    rs = cfg.rope_scaling
+    if rs is not None:
+        kw.setdefault("rope_scaling", (rs.rope_type, float(rs.factor)))
+        meta.update({f"{a}.rope.scaling.original_context_length": rs.original_max_position_embeddings,
+                     f"{a}.rope.scaling.yarn_beta_fast": float(rs.beta_fast),
+                     f"{a}.rope.scaling.yarn_beta_slow": float(rs.beta_slow)})
+    meta.update(kw.pop("extra_metadata", {}))
+    floats = {k: v for k, v in floats.items() if k not in kw.get("drop_gguf", ())}
+    raw = {k: v for k, v in raw.items() if k not in kw.pop("drop_gguf", ())}
+    raw.update(kw.pop("gguf_raw", {}))
+    floats.update(kw.pop("extra_tensors", {}))
+    out = write_tiny_gguf(path, cfg, {k: v for k, v in sd.items() if k not in drop}, arch=a, qtype=q,
+                          extra_tensors=floats, extra_metadata=meta, layer_names=GPT_OSS_TO_GGUF_LAYER,
+                          gguf_raw=raw, **kw)
+    return out, stored
+
+
+def torch_tensor(a):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))

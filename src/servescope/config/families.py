@@ -94,10 +94,10 @@ FAMILIES = {f.name: f for f in (
     Family("deepseek_v3", "DeepseekV3ForCausalLM", hf_fields=MLA_FIELDS | DEEPSEEK_FIELDS),
     # gpt-oss: learned attention sinks, biases on q/k/v and o_proj, every other layer windowed, yarn rope, every
     # layer's MLP experts with gpt-oss's router and clamped SwiGLU (config/moe.py; the checkpoint's interleaved,
-    # transposed expert tensors: model/moe.py)
-    Family("gpt_oss", "GptOssForCausalLM", hf_fields=frozenset({"sliding_window", "layer_types"}) | GPT_OSS_FIELDS,
-           window_pattern="alternate", hf_defaults=_GPT_OSS_DEFAULTS, fixed={"attention_sinks": True},
-           out_bias=True),
+    # transposed expert tensors: model/moe.py; GGUF: loader/gguf_gpt_oss.py)
+    Family("gpt_oss", "GptOssForCausalLM", "gpt-oss",
+           hf_fields=frozenset({"sliding_window", "layer_types"}) | GPT_OSS_FIELDS, window_pattern="alternate",
+           hf_defaults=_GPT_OSS_DEFAULTS, fixed={"attention_sinks": True}, out_bias=True),
 )}
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)

@@ -6,7 +6,8 @@ that its rotary kernel can rotate adjacent pairs; HF checkpoints rotate the two 
 ("rotate_half"). We undo that permutation here, exactly as transformers' GGUF loader does, so the
 weights are bit-identical to what `AutoModelForCausalLM.from_pretrained(..., gguf_file=...)` gets.
 Qwen2/Qwen3 GGUFs are not permuted (llama.cpp runs them with NEOX-style rope), nor are Gemma's, whose
-names, folded norms and metadata loader/gguf_gemma.py reads.
+names, folded norms and metadata loader/gguf_gemma.py reads (DeepSeek's: gguf_deepseek.py; gpt-oss's, with
+its MXFP4 experts, which always stay packed: gguf_gpt_oss.py).
 
 Q4_0, Q4_1 and Q8_0 weights of the projections, the head and the embedding stay in their blocks
 with keep_packed (`--quantization gguf`; loader/gguf_packed.py); otherwise everything is float32.
@@ -27,7 +28,8 @@ from servescope.config import ModelConfig, RopeScaling
 from servescope.config.families import family as family_row
 from servescope.config.families import family_of_gguf, gguf_architectures
 from servescope.errors import InvalidParameterError, ModelLoadError
-from servescope.loader import gguf_deepseek, gguf_experts, gguf_gemma, gguf_packed
+from servescope.loader import gguf_deepseek, gguf_experts, gguf_gemma, gguf_gpt_oss, gguf_packed
+from servescope.loader.hf_mxfp4 import drop_packed_placeholders
 from servescope.loader.gguf_file import f32_value, read_gguf
 from servescope.loader.checkpoint import LoadedSource, check_state_dict
 from servescope.tokenizer.family_templates import family_template
@@ -66,6 +68,8 @@ def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
     m = _LAYER_RE.match(name)
     if m and arch == gguf_deepseek.ARCH:  # latent attention, DeepSeek's router and shared experts
         return gguf_deepseek.hf_name(*m.groups())
+    if m and arch == gguf_gpt_oss.ARCH:  # sinks, the router's bias, the MLP's input norm
+        return gguf_gpt_oss.hf_name(*m.groups())
     names = _SANDWICH_LAYER_NAMES if arch in gguf_gemma.FAMILIES else _LAYER_NAMES
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
@@ -95,7 +99,7 @@ def load_gguf(path: str, keep_packed: bool = False) -> LoadedSource:
     except (TypeError, ValueError, ArithmeticError) as e:  # a metadata value of the wrong type or range
         raise ModelLoadError(f"{path}: invalid GGUF metadata ({type(e).__name__}: {e})") from None
     state_dict, packed = _read_tensors(reader, config, meta.arch, path, keep_packed)
-    state_dict = check_state_dict(state_dict, config, path)
+    state_dict = drop_packed_placeholders(check_state_dict(state_dict, config, path), packed)  # (gpt-oss's)
 
     eos_ids = list(config.eos_token_ids)
     chat_template = (meta.get("tokenizer.chat_template")
@@ -149,17 +153,13 @@ class _Metadata:
 
 
 # {arch}.{suffix} GGUF metadata that changes the maths (llama.cpp's names) and is not implemented (Gemma's
-# architectures read them: loader/gguf_gemma.py, which refuses any key it does not read)
-GPT_OSS_ARCH = "gpt-oss"
+# architectures and gpt-oss read them: loader/gguf_gemma.py, gguf_gpt_oss.py, which refuse any key they do not read)
 GGUF_UNIMPLEMENTED = ("attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping",
                       "attention.sliding_window_pattern")
 
 
 def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
     arch = meta.raw_arch
-    if arch == GPT_OSS_ARCH:  # refused whole rather than run in part
-        raise ModelLoadError(f"{path}: gpt-oss GGUF files (llama.cpp's architecture 'gpt-oss', MXFP4 experts) are not "
-                             "read yet; load the Hugging Face directory instead (its MXFP4 experts run packed)")
     fam = family_of_gguf(arch)
     if fam is None or fam.fused_checkpoint:  # a fused family's GGUF tensor names are not mapped yet
         supported = [a for a in gguf_architectures() if not family_of_gguf(a).fused_checkpoint]
@@ -171,7 +171,7 @@ def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
     if family == "llama" and "mistral" in str(name).lower():
         family = "mistral"
     for suffix in GGUF_UNIMPLEMENTED:  # maths llama.cpp applies that the model does not: refused, not ignored
-        if arch not in gguf_gemma.FAMILIES and meta.arch_key(suffix) is not None:
+        if arch not in (*gguf_gemma.FAMILIES, gguf_gpt_oss.ARCH) and meta.arch_key(suffix) is not None:
             raise ModelLoadError(f"{path}: GGUF metadata {arch}.{suffix} asks for attention maths that is "
                                  "not implemented")
     tensor_names = {t.name for t in reader.tensors}
@@ -222,6 +222,8 @@ def _config_from_metadata(meta: _Metadata, reader, path: str) -> ModelConfig:
             fields.update(gguf_gemma.config_fields(meta, fields))
         if arch == gguf_deepseek.ARCH:  # latent attention, DeepSeek's experts, yarn's softmax scale
             fields.update(gguf_deepseek.config_fields(meta, fields, tensor_names))
+        if arch == gguf_gpt_oss.ARCH:  # windows, sinks, gpt-oss's experts
+            fields.update(gguf_gpt_oss.config_fields(meta, fields, reader))
         return ModelConfig(**{**fields, **family_row(family).fixed})  # (OLMoE: its q/k norm over all heads)
     except InvalidParameterError as e:
         raise ModelLoadError(f"{path}: invalid model config in GGUF metadata: {e.message}") from None
@@ -252,8 +254,8 @@ def _rope_scaling(meta: _Metadata, reader, head_dim: int, path: str):
                     logger.info("%s: rope_freqs tensor found: using llama3 rope scaling, factor %g", path, factor)
                     return RopeScaling(rope_type="llama3", factor=factor)
         return None
-    if rtype == "yarn" and meta.raw_arch == gguf_deepseek.ARCH:
-        return gguf_deepseek.yarn_scaling(meta)
+    if rtype == "yarn" and meta.raw_arch in (gguf_deepseek.ARCH, gguf_gpt_oss.ARCH):
+        return (gguf_deepseek if meta.raw_arch == gguf_deepseek.ARCH else gguf_gpt_oss).yarn_scaling(meta)
     if rtype == "linear":
         return RopeScaling(rope_type="linear", factor=float(meta.arch_key("rope.scaling.factor", 1.0)))
     raise ModelLoadError(f"{path}: unsupported rope scaling type {rtype!r} (supported: none, linear, llama3)")
@@ -271,8 +273,11 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
     in the state dict."""
     file_size = os.path.getsize(path)
     norm_offset = family_row(config.architecture).norm_offset
-    state_dict, packed, dequantised, repacked = {}, {}, {}, {}
+    state_dict, packed, dequantised, repacked, experts = {}, {}, {}, {}, []
     for t in reader.tensors:
+        if arch == gguf_gpt_oss.ARCH and gguf_gpt_oss.is_expert_tensor(t.name):  # read by layer, after the loop
+            experts.append(t)
+            continue
         hf_name = gguf_to_hf_name(t.name, arch) or _expert_layer_name(t.name, config)
         stacked = gguf_experts.stacked_expert(t.name) if config.moe else None
         if hf_name is None and stacked is None:
@@ -333,6 +338,8 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
                               for k, n in sorted(repacked.items())))
     if arch == gguf_deepseek.ARCH:
         gguf_deepseek.settle(state_dict, config, path)
+    if arch == gguf_gpt_oss.ARCH:
+        gguf_gpt_oss.read_experts(experts, config, keep_packed, state_dict, packed, path)
     gguf_packed.settle_fused(packed, state_dict, config.num_hidden_layers, path)
     gguf_experts.settle_experts(packed, state_dict, path)
     return state_dict, packed

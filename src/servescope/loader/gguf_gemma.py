@@ -55,7 +55,7 @@ OWN_KEYS = {
 }
 # llama.cpp's defaults when a key is absent (llama-hparams.h, src/models/gemma2.cpp, gemma3.cpp)
 _DEFAULT_WINDOW = {"gemma2": 4096, "gemma3": None}
-_DEFAULT_PATTERN = {"gemma2": 2, "gemma3": 6}
+_DEFAULT_PATTERN = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}
 _DEFAULT_SOFTCAPS = {"gemma2": (50.0, 30.0), "gemma3": (None, None)}
 _LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa when the file says none
 # the layer counts of the 27B models, whose attention scale llama.cpp takes from hidden / heads
@@ -77,7 +77,7 @@ def config_fields(meta, fields: dict) -> dict:
     if value_length is not None and int(value_length) != head_dim:
         raise ModelLoadError(f"{path}: {arch}.attention.value_length {value_length} != key_length {head_dim} "
                              "is not implemented")
-    window, kinds = _windows(meta, layers, fields["max_position_embeddings"])
+    window, kinds = windows(meta, layers, fields["max_position_embeddings"])
     attn_cap, final_cap = _softcaps(meta)
     local = _local_rope_base(meta, fields, window is not None)
     large = layers == _LAYERS_27B[arch]
@@ -87,10 +87,10 @@ def config_fields(meta, fields: dict) -> dict:
                 final_logit_softcapping=final_cap, rope_local_theta=local, query_pre_attn_scalar=float(scalar))
 
 
-def _windows(meta, layers: int, context: int) -> tuple:
+def windows(meta, layers: int, context: int) -> tuple:
     """(sliding_window or None, per-layer kinds) as llama.cpp's load_swa_pattern / set_swa_pattern."""
     arch, path = meta.raw_arch, meta.path
-    window = meta.arch_key("attention.sliding_window", _DEFAULT_WINDOW[arch])
+    window = meta.arch_key("attention.sliding_window", _DEFAULT_WINDOW.get(arch))
     if window is None or int(window) <= 0 or int(window) >= context:
         return None, ("full",) * layers
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern", _DEFAULT_PATTERN[arch])
