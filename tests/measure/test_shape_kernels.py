@@ -8,6 +8,7 @@ import pytest
 
 from servescope.analysis.hardware import LOCAL_CPU, get_hardware
 from servescope.analysis.kernel_table import PROJECTIONS, KernelTable, table_key
+from servescope.analysis.op_counts import routed_expert_bytes
 from servescope.config import EngineConfig, SamplingParams
 from servescope.engine.llm_engine import LLMEngine
 from servescope.kernels.cpu import ops as cpu_ops
@@ -107,10 +108,13 @@ def test_a_moe_table_times_its_sparse_blocks_and_prices_the_mlp_by_the_steps_rou
     distinct = dict(table.moe_distinct)
     assert distinct[1] == 4 and 4 <= distinct[4] <= 16 and distinct[32] <= 16  # k at one row, at most E
     assert table.linear["gate_up_proj"][0][1] > 0  # the dense first layer's MLP is timed as a projection
-    # the MLP of a step: the dense layer's projections plus two sparse blocks, scaled by the measured routing
+    # the MLP of a step: the dense layer's projections plus two sparse blocks, their expert reads (one expert's
+    # bytes at the bandwidth) scaled by the measured routing
     cost = engine.step_cost_predictor.predictor.predict([(1, 20)], 1, distinct_experts=2.0).cost
+    read_s = routed_expert_bytes(cfg, wdt, adt) / engine.hardware.memory_bandwidth
+    assert 0 < read_s and table.moe_seconds(1, 2.0, read_s) < table.moe_seconds(1)
     want = (table.linear_seconds("gate_up_proj", 1) + table.linear_seconds("down_proj", 1)
-            + 2 * table.moe_seconds(1) * 2.0 / 4)
+            + 2 * table.moe_seconds(1, 2.0, read_s))
     assert cost.op("mlp").measured and cost.op("mlp").seconds == pytest.approx(want)
     engine.add_request("r", list(range(3, 40)), SamplingParams(max_tokens=3, ignore_eos=True))
     while engine.has_unfinished():
@@ -126,6 +130,9 @@ def test_moe_seconds_scale_with_the_measured_experts_and_the_table_round_trips()
                                "moe_distinct": [[1, 4.0], [8, 16.0]]})
     assert t.moe_seconds(1) == pytest.approx(2e-3) and t.moe_seconds(8, 8.0) == pytest.approx(3e-3)
     assert t.moe_seconds(4) == pytest.approx(2e-3 + 4e-3 * 3 / 7) and t.moe_seconds(0) == 0.0
+    # only the share that reads the experts scales: at 8 rows, 16 experts at 0.1 ms each are 1.6 of the 6 ms
+    assert t.moe_seconds(8, 8.0, 1e-4) == pytest.approx(6e-3 - 1.6e-3 / 2)
+    assert t.moe_seconds(8, 8.0, 1e-3) == pytest.approx(3e-3)  # reads bound the whole block: all of it scales
     assert KernelTable.from_dict(t.to_dict()) == t
     with pytest.raises(ValueError, match="moe"):
         KernelTable.from_dict({**t.to_dict(), "moe": [[8, 1e-3], [1, 1e-3]]})  # rows must ascend

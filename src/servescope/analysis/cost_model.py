@@ -28,8 +28,8 @@ from servescope.analysis.kernel_table import KernelTable, lookup, table_key
 from servescope.analysis.packed_weights import packed_format
 from servescope.analysis.op_counts import (
     FLOAT_DTYPES, LINEAR_OPS, OP_NAMES, attended_keys, attention_flops, attention_flops_noncausal, check_seqs,
-    kv_cache_bytes_per_token, layer_keys, layer_windows, matmul_flops, resolve_dtypes, step_op_counts,
-    weight_bytes,
+    kv_cache_bytes_per_token, layer_keys, layer_windows, matmul_flops, resolve_dtypes, routed_expert_bytes,
+    step_op_counts, weight_bytes,
 )
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError
@@ -206,7 +206,8 @@ def step_cost(
         return w / (rate * eff_m) if rate else 0.0
 
     table = lookup(hw.kernel_tables, table_key(cfg, wdt, adt, kdt)) if hw.kernel_tables else None
-    timed = measured_op_seconds(cfg, seqs, table, T, n_logits, distinct_experts) if table is not None else {}
+    read_s = routed_expert_bytes(cfg, wdt, adt) / hw.memory_bandwidth if cfg.moe and table is not None else 0.0
+    timed = measured_op_seconds(cfg, seqs, table, T, n_logits, distinct_experts, read_s) if table is not None else {}
     ops = [OpCost(name=name, flops=float(f), bytes=float(a + w), weight_bytes=float(w),
                   compute_seconds=f / (linear_peak if name in LINEAR_OPS else peak), memory_seconds=(a + w) / bw,
                   kernel_seconds=timed[name] if name in timed else kernel_s(name, w), measured=name in timed)
@@ -218,12 +219,12 @@ def step_cost(
 
 
 def measured_op_seconds(cfg: ModelConfig, seqs: list, table: KernelTable, T: int, n_logits: int,
-                        distinct_experts: Optional[float] = None) -> dict:
+                        distinct_experts: Optional[float] = None, expert_read_s: float = 0.0) -> dict:
     """{op group: seconds} of the op groups a KernelTable times at this model's shapes: the linear
-    layers at the step's rows, a MoE's sparse blocks at its rows (scaled by the step's measured distinct
-    experts), attention by rows and attended keys per layer kind (its reads of the cached KV included, so
-    kv_read is 0), the small per-layer ops with the KV store (kv_write 0). A MoE table without its
-    block times leaves the MLP to the roofline."""
+    layers at the step's rows, a MoE's sparse blocks at its rows (their weight reads scaled by the step's
+    measured distinct experts: expert_read_s, one expert at the bandwidth), attention by rows and attended
+    keys per layer kind (its reads of the cached KV included, so kv_read is 0), the small per-layer ops with
+    the KV store (kv_write 0). A MoE table without its block times leaves the MLP to the roofline."""
     L = cfg.num_hidden_layers
     sparse = cfg.moe.num_sparse(L) if cfg.moe else 0
     f = table.linear_factor(T, any(n > 1 for n, _ in seqs))  # the Python layer forward of a prefill step
@@ -234,7 +235,7 @@ def measured_op_seconds(cfg: ModelConfig, seqs: list, table: KernelTable, T: int
     out = {"qkv_proj": L * lin["qkv_proj"], "attention": attention, "kv_write": 0.0, "kv_read": 0.0,
            "attn_out_proj": L * lin["o_proj"],
            "mlp": (L - sparse) * (lin["gate_up_proj"] + lin["down_proj"])
-           + sparse * f * table.moe_seconds(T, distinct_experts),
+           + sparse * f * table.moe_seconds(T, distinct_experts, expert_read_s),
            "norms_rope_misc": L * table.misc_seconds(T),
            "lm_head": table.linear_seconds("lm_head", n_logits)}
     if sparse and not table.moe:

@@ -118,16 +118,20 @@ class KernelTable:
     def misc_seconds(self, tokens: int) -> float:
         return interpolate(self.misc, tokens)
 
-    def moe_seconds(self, tokens: int, distinct: Optional[float] = None) -> float:
+    def moe_seconds(self, tokens: int, distinct: Optional[float] = None, expert_read_s: float = 0.0) -> float:
         """One sparse layer's MLP block at `tokens` rows; with the step's measured distinct experts per layer,
-        scaled by them over the distinct experts the timed calls read at that many rows."""
+        the share of the time that reads the experts' weights scaled by them over the distinct experts the timed
+        calls read at that many rows. expert_read_s: one expert's weights at the memory bandwidth (0: the whole
+        time scales). A decode block is its weight reads; a prefill block multiplies the same rows whatever
+        experts they go to, and fewer distinct experts save only their reads."""
         if not self.moe or tokens <= 0:
             return 0.0
         t = interpolate(self.moe, tokens)
         if distinct is not None and self.moe_distinct:
             timed = interpolate(self.moe_distinct, tokens)
             if timed > 0:
-                t *= float(distinct) / timed
+                read = min(t, timed * expert_read_s) if expert_read_s > 0 else t
+                t += read * (float(distinct) / timed - 1.0)
         return t
 
     def attention_seconds(self, seqs: Sequence[tuple], keys_of) -> float:

@@ -161,9 +161,7 @@ def mlp_counts(cfg: ModelConfig, num_tokens: int, wdt: str, adt: str,
     n = expected_distinct_experts(e.num_experts, e.top_k, T) if distinct is None else float(distinct)
     width, shared = e.intermediate_size, e.shared_intermediate_size
     fb = DTYPE_BYTES[dense_dtype(wdt, adt)]
-    expert_w = 2 * _linear_weight_bytes(width, d, wdt, adt) + _linear_weight_bytes(d, width, wdt, adt)
-    if e.weight_format == "mxfp4":  # gpt-oss as released: its experts' own 4.25 bits per weight, packed
-        expert_w = round(3 * width * d * MXFP4_BITS_PER_WEIGHT / 8)
+    expert_w = routed_expert_bytes(cfg, wdt, adt)
     shared_w = (2 * _linear_weight_bytes(shared, d, wdt, adt) + _linear_weight_bytes(d, shared, wdt, adt)
                 + d * fb) if shared else 0
     routed = e.top_k / expert_parallel  # routed (token, expert) rows per token on this rank
@@ -172,6 +170,14 @@ def mlp_counts(cfg: ModelConfig, num_tokens: int, wdt: str, adt: str,
     act += round(sparse * T * per_token * ab)
     weights += sparse * (e.num_experts * d * fb + round(n / expert_parallel * expert_w) + shared_w)
     return flops, act, weights
+
+
+def routed_expert_bytes(cfg: ModelConfig, wdt: str, adt: str) -> int:
+    """Weight bytes of one routed expert (gate, up and down) in the weights' format."""
+    d, width = cfg.hidden_size, cfg.moe.experts.intermediate_size
+    if cfg.moe.experts.weight_format == "mxfp4":  # gpt-oss as released: its experts' own 4.25 bits per weight
+        return round(3 * width * d * MXFP4_BITS_PER_WEIGHT / 8)
+    return 2 * _linear_weight_bytes(width, d, wdt, adt) + _linear_weight_bytes(d, width, wdt, adt)
 
 
 def _norm_weight_elems_per_layer(cfg: ModelConfig) -> int:
