@@ -180,6 +180,28 @@ def gguf_logits_diff(src, hf_dir, ids, tmp_path) -> float:
     return (paged_logits(gguf_engine(src.path).engine, ids, chunk=24, decode_from=90) - ref).abs().max().item()
 
 
+def llama_server_greedy(server: str, gguf, ids, tmp_path, n: int = 30) -> tuple:
+    """llama.cpp's llama-server on `gguf`: n greedy tokens after the prompt `ids` and, at each step, its top 5
+    log-probabilities ({"id", "logprob"} entries, /completion's completion_probabilities)."""
+    import socket
+    import urllib.request
+
+    from servescope.bench.llama_cpp_tools import LlamaServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [server, "-m", str(gguf), "-t", "1", "-np", "1", "-c", "512", "--no-warmup", "--port", str(port)]
+    body = {"prompt": ids, "n_predict": n, "samplers": ["top_k"], "top_k": 1, "ignore_eos": True,
+            "cache_prompt": False, "return_tokens": True, "n_probs": 5}
+    with LlamaServer(cmd, log_path=str(tmp_path / "server.log")) as srv:
+        req = urllib.request.Request(srv.base_url + "/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(req, timeout=120).read())
+    assert len(reply["tokens"]) == len(reply["completion_probabilities"]) == n
+    return reply["tokens"], reply["completion_probabilities"]
+
+
 def llama_cpp_tree() -> str:
     """llama.cpp's source tree (LLAMA_CPP_DIR), or the test is skipped."""
     root = os.environ.get("LLAMA_CPP_DIR")

@@ -10,21 +10,19 @@ gives their tokens our log-probabilities.
 The query scalar is head_dim here: no GGUF key holds query_pre_attn_scalar, and llama.cpp takes head_dim (hidden
 / heads for the 27B models), as the 2B, 9B, 1B, 4B and 12B checkpoints have it."""
 
-import json
 import os
-import socket
 import subprocess
 import sys
-import urllib.request
 from types import SimpleNamespace
 
 import gguf
 import pytest
 import torch
 
-from helpers import gguf_engine, gguf_logits_diff, llama_cpp_tree, paged_logits, transformers_with_weights
+from helpers import (gguf_engine, gguf_logits_diff, llama_cpp_tree, llama_server_greedy, paged_logits,
+                     transformers_with_weights)
 from servescope import SamplingParams
-from servescope.bench.llama_cpp_tools import LlamaServer, find_tool
+from servescope.bench.llama_cpp_tools import find_tool
 from servescope.bench.accuracy import compare
 from servescope.errors import ModelLoadError
 from servescope.loader.gguf import _config_from_metadata, _Metadata
@@ -235,18 +233,7 @@ def test_llama_cpp_agrees_with_us_on_the_converter_output(family, tmp_path):
         pytest.skip("llama.cpp's llama-server not found (LLAMA_CPP_BIN)")
     _, out = _converted(family, tmp_path)
     ids = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(5)).tolist()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [server, "-m", str(out), "-t", "1", "-np", "1", "-c", "512", "--no-warmup", "--port", str(port)]
-    body = {"prompt": ids, "n_predict": 30, "samplers": ["top_k"], "top_k": 1, "ignore_eos": True,
-            "cache_prompt": False, "return_tokens": True, "n_probs": 5}
-    with LlamaServer(cmd, log_path=str(tmp_path / "server.log")) as srv:
-        req = urllib.request.Request(srv.base_url + "/completion", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        reply = json.loads(urllib.request.urlopen(req, timeout=120).read())
-    theirs, steps = reply["tokens"], reply["completion_probabilities"]
-    assert len(theirs) == len(steps) == 30
+    theirs, steps = llama_server_greedy(server, out, ids, tmp_path)
     ours = torch.log_softmax(paged_logits(gguf_engine(out).engine, ids + theirs)[len(ids) - 1:-1].double(), -1)
     worst = max(abs(ours[i, t["id"]].item() - t["logprob"]) for i, step in enumerate(steps)
                 for t in step["top_logprobs"])

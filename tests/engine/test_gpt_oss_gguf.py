@@ -16,21 +16,18 @@ do), with float32 experts and with MXFP4 experts as the released files have them
   the checkpoint does not: the engine follows the checkpoint)."""
 
 import dataclasses
-import json
 import os
-import socket
 import sys
-import urllib.request
 
 import gguf
 import pytest
 import torch
 
 from helpers import (BATCHING_OVERRIDES, assert_batching_changes_nothing, gguf_engine, llama_cpp_convert,
-                     llama_cpp_tree, paged_logits, random_ids, transformers_with_weights)
+                     llama_cpp_tree, llama_server_greedy, paged_logits, random_ids, transformers_with_weights)
 from servescope import SamplingParams
 from servescope.bench.accuracy import compare
-from servescope.bench.llama_cpp_tools import LlamaServer, find_tool
+from servescope.bench.llama_cpp_tools import find_tool
 from servescope.errors import ModelLoadError
 from servescope.kernels.cpu import ops as cpu_ops
 from servescope.loader import gguf_gpt_oss
@@ -270,18 +267,7 @@ def test_llama_cpp_agrees_with_us_but_for_yarn_rounding(tmp_path, monkeypatch):
     out = tmp_path / "m.gguf"
     llama_cpp_convert(root, hf_dir, out)
     ids = random_ids(40, 5)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [server, "-m", str(out), "-t", "1", "-np", "1", "-c", "512", "--no-warmup", "--port", str(port)]
-    body = {"prompt": ids, "n_predict": 30, "samplers": ["top_k"], "top_k": 1, "ignore_eos": True,
-            "cache_prompt": False, "return_tokens": True, "n_probs": 5}
-    with LlamaServer(cmd, log_path=str(tmp_path / "server.log")) as srv:
-        req = urllib.request.Request(srv.base_url + "/completion", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        reply = json.loads(urllib.request.urlopen(req, timeout=120).read())
-    theirs, steps = reply["tokens"], reply["completion_probabilities"]
-    assert len(theirs) == len(steps) == 30
+    theirs, steps = llama_server_greedy(server, out, ids, tmp_path)
     yarn = gguf_gpt_oss.yarn_scaling
     assert load_model_source(str(out)).config.rope_scaling.truncate is False  # (as loaded: the checkpoint's)
     monkeypatch.setattr(gguf_gpt_oss, "yarn_scaling", lambda meta: dataclasses.replace(yarn(meta), truncate=True))
