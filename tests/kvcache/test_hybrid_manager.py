@@ -12,9 +12,9 @@ from servescope.analysis.kv_layout import group_blocks
 from servescope.config import CacheConfig
 from servescope.kvcache.hybrid import HybridKVCacheManager
 from servescope.kvcache.manager import NO_BLOCK, cdiv
-from servescope.kvcache.prefix_cache import hash_full_blocks
 
 from test_kv_cache_manager import Seq, admit  # tests/kvcache, on sys.path as the test file's folder
+from test_window_blocks import evict
 
 
 def make(blocks: dict, layers=None, block_size=16, caching=True, step=64):
@@ -116,12 +116,7 @@ def test_a_windowed_group_serves_a_hit_from_the_blocks_in_view():
     a = Seq("a", range(100))
     admit(m, a)
     m.free(a)
-    win = m.groups[1]
-    for h in hash_full_blocks(range(100), 16, limit=4):  # evict blocks 0-3 of the windowed group
-        blk = win.prefix_cache.lookup(h)
-        win.prefix_cache.take(blk)
-        win.prefix_cache.uncache(blk)
-        win.allocator.release(blk)
+    evict(m.groups[1], range(100), range(4))  # blocks 0-3 of the windowed group
     b = Seq("b", list(range(100)) + [7])
     (full, windowed), n = m.get_computed_blocks(b)
     assert n == 96 and len(full) == 6 and NO_BLOCK not in full

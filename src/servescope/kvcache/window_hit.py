@@ -37,6 +37,8 @@ def longest_hit(groups: list, hashes: list, block_size: int) -> tuple:
                 n += 1
             limit = n
     cached = {i: [lookup(h) for h in hashes[:limit]] for i, (lookup, window) in enumerate(groups) if window}
+    if any(all(b is None for b in run) for run in cached.values()):  # (a window reads at least block n - 1)
+        limit = 0
     misses = {i: list(accumulate((b is None for b in run), initial=0)) for i, run in cached.items()}
     n = limit
     while n and not all(m[n] == m[first_in_view(n * block_size, groups[i][1], block_size)]
