@@ -48,5 +48,10 @@ def run(args: argparse.Namespace) -> int:
     if r.method != "rtn":
         c.print(f"calibration: {r.calibration_tokens} tokens; layer output error on them, {r.method} / plain rounding: "
                 f"{r.mean_error_ratio:.2f} (mean over {len(r.errors)} projections)")
+        if r.expert_errors:
+            ratios = [e / p for _, e, p in r.expert_errors if p > 0]
+            c.print(f"routed experts (importance-weighted rounding): weighted error, {r.method} / plain rounding: "
+                    f"{sum(ratios) / max(len(ratios), 1):.2f} (mean over {len(r.expert_errors)} expert projections "
+                    "that calibration tokens reached)")
     c.print(f"run it: servescope generate --model {r.out}")
     return 0

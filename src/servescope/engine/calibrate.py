@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import torch
 
 from servescope.config.families import family
+from servescope.engine import calibrate_experts
 from servescope.engine.llm import LLM
 from servescope.engine.model_runner import ModelRunner
 from servescope.errors import InvalidParameterError
@@ -54,6 +55,9 @@ class QuantizeReport:
     seconds: dict = field(default_factory=dict)  # stage -> wall seconds
     # per projection: (name, relative output error of this method, of plain rounding)
     errors: list = field(default_factory=list)
+    # per routed expert's projection a calibration token reached: (name, importance-weighted error of the
+    # method, of plain rounding) (engine/calibrate_experts.py)
+    expert_errors: list = field(default_factory=list)
     file_bytes: int = 0
 
     @property
@@ -160,13 +164,14 @@ def quantize_checkpoint(model, mode: str, out: str, method: str = "gptq", calibr
     report.seconds["load"] = time.perf_counter() - t0
     projs = llm.engine.executor.model.projections()
     check_saveable(llm.engine.executor.model, projs, mode)
-    hess = [None] * len(projs)  # (plain rounding needs no calibration)
+    hess, stats = [None] * len(projs), None  # (plain rounding needs no calibration)
     calibrated = method != "rtn"
     if calibrated:
         t0 = time.perf_counter()
         seqs = calibration_sequences(llm, calibration, samples, tokens, seed)
         report.calibration_tokens = sum(map(len, seqs))
-        hess = projection_hessians(llm, seqs)
+        with calibrate_experts.ExpertStats(llm.engine.executor.model) as stats:
+            hess = projection_hessians(llm, seqs)
         report.seconds["calibrate"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     quantised = []
@@ -185,6 +190,9 @@ def quantize_checkpoint(model, mode: str, out: str, method: str = "gptq", calibr
         quantised.append((q, sc, mod))
     report.seconds["quantize"] = time.perf_counter() - t0
     tensors = checkpoint_tensors(llm, projs, quantised, scheme)
+    experts, report.expert_errors = calibrate_experts.expert_tensors(
+        llm.engine.executor.model, scheme, stats, llm.engine.model_config.architecture)
+    tensors.update(experts)
     quant_config = {"mode": mode, "method": method, "calibration": calibration if calibrated else None,
                     "calibration_tokens": report.calibration_tokens if calibrated else 0,
                     "damp": damp if method == "gptq" else None}
@@ -196,11 +204,13 @@ def quantize_checkpoint(model, mode: str, out: str, method: str = "gptq", calibr
 
 
 def check_saveable(model, projs: list, mode: str) -> None:
-    """The file holds norms, the swappable projections and the embedding (checkpoint_tensors): a model with
-    any other parameter (a mixture of experts' routers and experts, attention sinks, latent attention's
-    kv_b_proj) is refused here, before any work, instead of written without it and failing at load."""
+    """The file holds norms, the swappable projections, the embedding (checkpoint_tensors) and softmax-routed
+    experts with their routers (calibrate_experts): a model with any other parameter (gpt-oss's expert biases
+    and sinks, DeepSeek's routers and latent attention's kv_b_proj) is refused here, before any work, instead
+    of written without it and failing at load."""
     names = {id(mod): prefix for prefix, mod in model.named_modules()}
-    saved = {names[id(mod)] for _, _, mod in projs} | {"model.embed_tokens", "lm_head"}
+    saved = ({names[id(mod)] for _, _, mod in projs} | {"model.embed_tokens", "lm_head"}
+             | calibrate_experts.saveable_modules(model))
     missing = [n for n, _ in model.named_parameters()
                if not n.endswith("norm.weight") and n.rpartition(".")[0] not in saved]
     if missing:
@@ -225,11 +235,12 @@ def checkpoint_tensors(llm: LLM, projs: list, quantised: list, scheme: QuantSche
         emb = model.model.embed_tokens.weight.detach().float()
         q, sc = quantize(emb, embedding_scheme(scheme, False))
     tensors["model.embed_tokens.qweight"], tensors["model.embed_tokens.scales"] = q, sc
-    splits = {"qkv_proj": (("q_proj", cfg.q_size), ("k_proj", cfg.kv_size), ("v_proj", cfg.kv_size)),
-              "gate_up_proj": (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size))}
     for q, sc, mod in quantised:
         prefix = names[id(mod)]
         parent, _, attr = prefix.rpartition(".")
+        splits = {"qkv_proj": (("q_proj", cfg.q_size), ("k_proj", cfg.kv_size), ("v_proj", cfg.kv_size)),
+                  # (a shared expert's width is its own: the rows in halves)
+                  "gate_up_proj": (("gate_proj", q.shape[0] // 2), ("up_proj", q.shape[0] // 2))}
         parts = splits.get(attr, ((attr, q.shape[0]),))
         r0 = 0
         for part, rows in parts:

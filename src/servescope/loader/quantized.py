@@ -12,6 +12,8 @@ load, optionally saved").
                           head's scheme; untied, in the mode's (model/quantize.embedding_scheme).
                           Files written before the embedding was packed (a float32
                           model.embed_tokens.weight and a packed lm_head) still load.
+                          A mixture of experts' routed experts packed per expert under a GGUF's
+                          per-expert names, its routers in float32 (engine/calibrate_experts.py).
   tokenizer files, chat_template.jinja, generation_config.json
 The directory is written beside its destination and renamed into place: a failure leaves nothing.
 
