@@ -183,6 +183,33 @@ def test_a_replayed_trace_in_the_page(browser):
         srv.stop()
 
 
+def test_a_replayed_expert_parallel_trace_shows_each_ranks_load(browser):
+    """A trace of a mixture of experts under expert parallelism (telemetry/test_trace.moe_records: 2 ranks, 9 and 3
+    rows): the replay draws the expert panel with the ranks' rows, their imbalance and the all-to-alls' share."""
+    from telemetry.test_trace import moe_records
+
+    from servescope.server.background import BackgroundServer
+    from servescope.server.replay import ReplaySource, build_replay_app
+    from servescope.telemetry.trace import chrome_trace
+    from servescope.telemetry.trace_replay import read_recorded_run
+
+    run = read_recorded_run(chrome_trace(moe_records()))
+    srv = BackgroundServer(build_replay_app(ReplaySource(run, "ep.json", speed=1.0))).start()
+    try:
+        page, errors = _open(browser, srv.url)
+        _wait(page, "Number(document.body.dataset.lastStep) === 3")
+        assert page.locator("#panel-moe").is_visible() and page.locator("#moe-ep").is_visible()
+        assert page.text_content("[data-testid=moe-experts]") == "4"
+        assert page.text_content("[data-testid=moe-ep-ranks]") == "2"
+        assert page.text_content("[data-testid=moe-ep-rows]") == "9 / 3"
+        assert page.text_content("[data-testid=moe-ep-imbalance]") == "1.50×"
+        assert page.text_content("[data-testid=moe-ep-a2a]") == "20%"  # 1 ms of the 5 ms step
+        assert _painted(page, "c-moe-load") > 300 and errors == []
+        page.close()
+    finally:
+        srv.stop()
+
+
 @pytest.fixture(scope="module")
 def moe_server(tmp_path_factory):
     from tiny_models import make_tiny_hf_model  # tests/model is on sys.path (tests/conftest.py)
@@ -208,6 +235,6 @@ def test_a_moe_models_expert_panel(browser, moe_server):
     assert int(page.text_content("[data-testid=moe-experts]")) == cfg.moe.experts.num_experts
     assert page.text_content("[data-testid=moe-imbalance]").endswith("×")
     assert _painted(page, "c-moe-active") > 300 and _painted(page, "c-moe-load") > 300
-    assert page.locator("#panel-spec").is_hidden() and errors == []
+    assert page.locator("#panel-spec").is_hidden() and page.locator("#moe-ep").is_hidden() and errors == []
     page.close()
 

@@ -139,3 +139,40 @@ def test_trace_of_a_real_engine_run(tmp_path):
     for e in ev:
         if e["ph"] == "X":
             assert e["dur"] >= 0
+
+
+def moe_records():
+    """_records() with mixture-of-experts routing on steps 2 and 3, step 3 under expert parallelism (2 ranks)."""
+    from servescope.telemetry.moe import record_expert_parallel, record_routing
+
+    recs = _records()
+    record_routing(recs[1], [[1, 0, 1, 0], [0, 2, 0, 0]], expert_bytes=1000)
+    record_routing(recs[2], [[3, 1, 0, 2], [1, 1, 2, 2]], expert_bytes=1000)
+    recs[1].moe_expected_experts = recs[2].moe_expected_experts = 1.5
+    record_expert_parallel(recs[2], [9, 3], a2a_seconds=0.001, a2a_bytes=4096)
+    return recs
+
+
+def test_a_mixture_of_experts_routing_survives_the_trace():
+    """The expert panel's fields ride in the step's args and come back from a replay as the live view sent them;
+    a hand-edited trace's junk in them is dropped, not drawn."""
+    from servescope.telemetry.live import step_event
+    from servescope.telemetry.trace_replay import read_recorded_run
+
+    recs = moe_records()
+    trace = chrome_trace(recs)
+    steps = read_recorded_run(trace).steps
+    live = [step_event(r, recs[0].start_time) for r in recs]
+    moe_keys = [sorted(k for k in s if k.startswith(("moe_", "a2a"))) for s in live]
+    assert moe_keys[0] == [] and "moe_rank_rows" not in moe_keys[1] and "moe_rank_rows" in moe_keys[2]
+    for got, want, keys in zip(steps, live, moe_keys):
+        assert {k: got.get(k) for k in keys} == {k: want[k] for k in keys} and not [
+            k for k in got if k.startswith(("moe_", "a2a")) and k not in keys]
+    assert steps[2]["moe_rank_rows"] == [9, 3] and steps[2]["moe_rank_imbalance"] == 1.5
+    assert steps[2]["a2a_ms"] == 1.0 and steps[2]["moe_tokens"] == [4, 2, 2, 4]
+    step = next(e for e in trace["traceEvents"] if e.get("cat") == "step" and e["args"]["step"] == 3)
+    step["args"]["moe"].update({"moe_rank_rows": ["<b>"], "moe_imbalance": "x", "other": 1})
+    got = read_recorded_run(trace).steps[2]
+    assert "moe_rank_rows" not in got and "a2a_ms" not in got and got["moe_imbalance"] is None and "other" not in got
+    step["args"]["moe"] = {"moe_tokens": "nope"}
+    assert not [k for k in read_recorded_run(trace).steps[2] if k.startswith("moe_")]

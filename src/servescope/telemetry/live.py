@@ -43,12 +43,24 @@ def step_event(rec, t0: float) -> dict:
         d.update({wire: getattr(rec, field) for wire, field in SPEC_STEP_FIELDS.items()})
     if getattr(rec, "comm_bytes", 0):  # a parallel engine's step (one process communicates nothing)
         d.update({wire: getattr(rec, field) for wire, field in COMM_STEP_FIELDS.items()})
-    if rec.moe_experts_active:  # a mixture-of-experts step (telemetry/moe.py): its routing
-        active = rec.moe_experts_active
-        d.update({"moe_active": _round(sum(active) / len(active), 3),
-                  "moe_expected": _round(rec.moe_expected_experts, 3),
-                  "moe_imbalance": _round(rec.moe_imbalance, 3), "moe_bytes": rec.moe_expert_bytes,
-                  "moe_tokens": list(rec.moe_tokens_per_expert)})
+    d.update(moe_fields(rec))
+    return d
+
+
+def moe_fields(rec) -> dict:
+    """A mixture-of-experts step's routing on the wire (telemetry/moe.py; empty for a dense step): distinct
+    experts per layer, the uniform expectation, imbalance, bytes, tokens per expert; under expert parallelism
+    also the (token, expert) rows each rank ran, their imbalance and the all-to-alls' time. A Chrome trace
+    carries the same dict (telemetry/trace.py), so a replay draws the expert panel too."""
+    if not rec.moe_experts_active:
+        return {}
+    active = rec.moe_experts_active
+    d = {"moe_active": _round(sum(active) / len(active), 3), "moe_expected": _round(rec.moe_expected_experts, 3),
+         "moe_imbalance": _round(rec.moe_imbalance, 3), "moe_bytes": rec.moe_expert_bytes,
+         "moe_tokens": list(rec.moe_tokens_per_expert)}
+    if rec.moe_rows_per_rank:
+        d.update({"moe_rank_rows": list(rec.moe_rows_per_rank), "moe_rank_imbalance": _round(rec.moe_rank_imbalance, 3),
+                  "a2a_ms": _round(rec.all_to_all_seconds * 1e3)})
     return d
 
 

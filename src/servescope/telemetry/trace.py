@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
+from servescope.telemetry.live import moe_fields
+
 ENGINE_PID = 1
 STEPS_TID = 1
 REQUESTS_PID = 2
@@ -74,6 +76,9 @@ def _step_events(step_records: Sequence, t0: float) -> list:
             "GFLOP/s": None if fps is None else round(fps / 1e9, 3),
             "hardware": r.hardware,
         }
+        moe = moe_fields(r)
+        if moe:  # (a mixture of experts: its routing, as the live view sends it)
+            args["moe"] = moe
         events.append({"name": r.phase, "cat": "step", "ph": "X", "ts": ts,
                        "dur": round(max(r.wall_seconds, 0.0) * 1e6, 3),
                        "pid": ENGINE_PID, "tid": STEPS_TID, "args": args})

@@ -57,7 +57,26 @@ def _step(e: dict, counters: dict) -> dict:
         "running": int(c.get("requests", {}).get("running", 0)),
         "waiting": int(c.get("requests", {}).get("waiting", 0)),
         "preemptions": 0,
+        **_moe(a.get("moe")),
     }
+
+
+MOE_NUMBERS = ("moe_active", "moe_expected", "moe_imbalance", "moe_bytes", "moe_rank_imbalance", "a2a_ms")
+MOE_LISTS = ("moe_tokens", "moe_rank_rows")
+
+
+def _moe(d) -> dict:
+    """A step's mixture-of-experts routing (telemetry/live.moe_fields) as the trace holds it: only its known
+    keys, numbers and lists of numbers (a trace is a file from anywhere; the page draws what comes)."""
+    if not isinstance(d, dict) or not isinstance(d.get("moe_tokens"), list):
+        return {}
+    num = (int, float)
+    out = {k: d[k] if isinstance(d.get(k), num) and not isinstance(d.get(k), bool) else None for k in MOE_NUMBERS}
+    out.update({k: d[k] for k in MOE_LISTS if isinstance(d.get(k), list)
+                and all(isinstance(x, num) and not isinstance(x, bool) for x in d[k])})
+    if "moe_rank_rows" not in out:  # (one process: no expert-parallel fields, as live sends none)
+        out = {k: v for k, v in out.items() if k not in ("moe_rank_imbalance", "a2a_ms")}
+    return out if "moe_tokens" in out else {}
 
 
 def _requests(events: list) -> list:

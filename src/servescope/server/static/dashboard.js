@@ -405,11 +405,33 @@ function drawExperts() {
   const y = v => h - B - (h - B - T) * v / top;
   axes(ctx, L, T, w - R, h - B, "expert 0 … " + (E - 1), "");
   ctx.fillStyle = "#5b6475"; ctx.textAlign = "right"; ctx.fillText(fmt(top), L - 4, T + 8); ctx.fillText("0", L - 4, h - B);
-  ctx.fillStyle = COLORS.mixed;
-  load.forEach((n, e) => ctx.fillRect(L + e * bw + (bw > 3 ? 0.5 : 0), y(n), Math.max(1, bw - (bw > 3 ? 1 : 0)), h - B - y(n)));
+  // expert parallelism: rank r holds experts [r E/N, (r + 1) E/N), shaded alternately, with its share of the rows
+  const ep = recent.filter(s => Array.isArray(s.moe_rank_rows)), N = ep.length ? ep[ep.length - 1].moe_rank_rows.length : 0;
+  const rankOf = e => N ? Math.floor(e * N / E) : 0;
+  load.forEach((n, e) => {
+    ctx.fillStyle = rankOf(e) % 2 ? COLORS.decode : COLORS.mixed;
+    ctx.fillRect(L + e * bw + (bw > 3 ? 0.5 : 0), y(n), Math.max(1, bw - (bw > 3 ? 1 : 0)), h - B - y(n));
+  });
   const even = load.reduce((a, b) => a + b, 0) / E;
   ctx.strokeStyle = "#111"; ctx.setLineDash([4, 3]); ctx.beginPath(); ctx.moveTo(L, y(even)); ctx.lineTo(w - R, y(even));
   ctx.stroke(); ctx.setLineDash([]);
+  $("moe-ep").classList.toggle("hidden", !N);
+  if (N) drawRanks(ep, N);
+}
+
+function drawRanks(ep, N) {
+  // rows each rank's experts ran over the same steps, the busiest over the mean, the all-to-alls' share of the time
+  const rows = new Array(N).fill(0);
+  let a2a = 0, ms = 0;
+  for (const s of ep) {
+    s.moe_rank_rows.forEach((n, r) => { rows[r] += n; });
+    a2a += s.a2a_ms || 0; ms += s.ms || 0;
+  }
+  const mean = rows.reduce((a, b) => a + b, 0) / N;
+  $("moe-ep-ranks").textContent = N;
+  $("moe-ep-rows").textContent = rows.map(v => v >= 1000 ? fmt(v) : String(v)).join(" / ");
+  $("moe-ep-imbalance").textContent = mean > 0 ? fmt(Math.max(...rows) / mean) + "×" : "–";
+  $("moe-ep-a2a").textContent = ms > 0 ? (100 * a2a / ms).toFixed(0) + "%" : "–";
 }
 
 function draw() {
