@@ -50,6 +50,24 @@ def test_mxfp4_gpt_oss_expert_parallel_equals_one_process(tmp_path):
     assert any(r.all_to_all_bytes > 0 for r in recs)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_packed_gguf_experts_under_expert_parallelism_equal_one_process(tmp_path, qtype):
+    """A llama.cpp MoE file with its experts kept packed (--quantization gguf): each rank keeps its experts'
+    blocks whole and runs them on the fused op, the same numbers as one process's."""
+    import gguf
+    from tiny_gguf import write_tiny_moe_gguf
+
+    from servescope.loader.source import load_model_source
+
+    hf = make_tiny_hf_model(tmp_path, "qwen2_moe", with_tokenizer=False,
+                            shared_expert_intermediate_size=64)
+    path = write_tiny_moe_gguf(tmp_path / "m.gguf", load_model_source(str(hf)),
+                               qtype=gguf.GGMLQuantizationType[qtype])
+    recs = assert_same_as_single_process(path, dict(quantization="gguf", skip_tokenizer_init=True),
+                                        expert_parallel_size=2)
+    assert any(r.all_to_all_bytes > 0 for r in recs)
+
+
 def test_token_slices_and_expert_ranges_cover_everything_once():
     for t in (1, 2, 5, 32):
         slices = [token_slice(t, 2, r) for r in range(2)]
@@ -72,7 +90,7 @@ def test_bad_expert_layouts_are_refused_before_any_process(preset, tp, ep, messa
 @pytest.mark.parametrize("settings, message", [
     (dict(expert_parallel_size=2, pipeline_parallel_size=2), "expert parallelism with pipeline parallelism"),
     (dict(expert_parallel_size=2, tensor_parallel_size=4), "tensor_parallel_size must be 2 .* or 1"),
-    (dict(expert_parallel_size=2, quantization="gguf"), "packed experts included"),
+    (dict(expert_parallel_size=2, tensor_parallel_size=2, quantization="gguf"), "expert parallelism alone"),
 ])
 def test_expert_parallel_settings_that_cannot_run_are_refused(settings, message):
     with pytest.raises(EngineConfigError, match=message):
