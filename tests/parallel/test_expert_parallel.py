@@ -68,6 +68,26 @@ def test_packed_gguf_experts_under_expert_parallelism_equal_one_process(tmp_path
     assert any(r.all_to_all_bytes > 0 for r in recs)
 
 
+@pytest.mark.parametrize("parallel", [dict(pipeline_parallel_size=2),
+                                      dict(pipeline_parallel_size=2, expert_parallel_size=2)])
+def test_a_mixture_of_experts_on_a_pipeline_equals_one_process(tmp_path, monkeypatch, parallel):
+    """Stages of a mixture of experts (with expert parallelism inside each stage: four processes, let run on
+    this machine's cores): the same numbers as one process, and each step's record holds every stage's routing
+    (each token routed to k experts in every sparse layer, whichever stage holds it) and every rank's rows."""
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    path = str(make_tiny_hf_model(tmp_path, "qwen2_moe", num_hidden_layers=4, mlp_only_layers=[0]))
+    recs = assert_same_as_single_process(path, **parallel)
+    sparse, k = 3, 2  # layers 1-3 (layer 0 dense, on stage 0 with layer 1; stage 1 holds layers 2-3)
+    for r in recs:
+        assert len(r.moe_experts_active) == sparse and sum(r.moe_tokens_per_expert) == r.num_tokens * k * sparse
+        if parallel.get("expert_parallel_size"):
+            assert len(r.moe_rows_per_rank) == 4 and sum(r.moe_rows_per_rank) == r.num_tokens * k * sparse
+        else:
+            assert r.moe_rows_per_rank == []
+
+
 def test_token_slices_and_expert_ranges_cover_everything_once():
     for t in (1, 2, 5, 32):
         slices = [token_slice(t, 2, r) for r in range(2)]
@@ -88,7 +108,6 @@ def test_bad_expert_layouts_are_refused_before_any_process(preset, tp, ep, messa
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(expert_parallel_size=2, pipeline_parallel_size=2), "expert parallelism with pipeline parallelism"),
     (dict(expert_parallel_size=2, tensor_parallel_size=4), "tensor_parallel_size must be 2 .* or 1"),
     (dict(expert_parallel_size=2, tensor_parallel_size=2, quantization="gguf"), "expert parallelism alone"),
 ])

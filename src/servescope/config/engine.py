@@ -137,8 +137,6 @@ class ParallelConfig:
         _require(ep == 1 or tp in (1, ep),
                  f"expert_parallel_size {ep} runs over the tensor-parallel ranks: tensor_parallel_size must be "
                  f"{ep} (attention sharded) or 1 (attention replicated), got {tp}")
-        _require(ep == 1 or self.pipeline_parallel_size == 1,
-                 "expert parallelism with pipeline parallelism is not built (pipeline_parallel_size must be 1)")
         _require(self.distributed_backend in ("auto", "gloo", "nccl"),
                  f"distributed_backend must be auto, gloo or nccl, got {self.distributed_backend!r}")
         _require(isinstance(self.pipeline_micro_batches, int) and self.pipeline_micro_batches >= 0,

@@ -28,6 +28,7 @@ import torch
 from servescope.engine.cuda_graphs import CudaGraphRunner
 from servescope.errors import EngineConfigError
 from servescope.model.attention import AttentionBackend, get_attention_backend
+from servescope.model.moe import take_step_routing
 from servescope.kernels.cpu import ops as cpu_ops
 from servescope.model.quantize import quantize_model
 from servescope.model.transforms import cpu_decode_plan, use_cpu_linears
@@ -124,6 +125,11 @@ class ModelExecutor:
     def step_stats(self) -> ExecutorStepStats:
         """What the last step spent in collectives and how it was cut (nothing, in one process)."""
         return ExecutorStepStats()
+
+    def take_routing(self) -> tuple:
+        """A mixture of experts' routing since the last call: ([[tokens per expert]] per sparse layer, one routed
+        expert's bytes) (model/moe.take_step_routing; a pipeline's rank 0 adds the later stages')."""
+        return take_step_routing(self.model)
 
     def shard_config(self, cfg):
         """The ModelConfig of the part of the model this process holds (its KV cache's shape): the

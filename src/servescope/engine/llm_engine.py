@@ -26,7 +26,6 @@ from servescope.engine.builder import EngineParts, build_engine
 from servescope.engine.output_processor import OutputProcessor
 from servescope.engine.prompt_scoring import plan_prompt_spans, record_prompt_logprobs
 from servescope.errors import InvalidParameterError
-from servescope.model.moe import take_step_routing
 from servescope.sampling.sampler import SamplingState, make_generator
 from servescope.scheduler.output import SchedulerOutput
 from servescope.scheduler.request import Request
@@ -281,7 +280,7 @@ class LLMEngine:
             if ex.expert_rows_per_rank:  # expert parallelism: the load of each rank and the all-to-alls
                 record_expert_parallel(rec, ex.expert_rows_per_rank, ex.all_to_all_seconds, ex.all_to_all_bytes)
             if self.model_config.moe is not None:  # the step's routing (model/moe.py, telemetry/moe.py)
-                record_routing(rec, *take_step_routing(self.model))
+                record_routing(rec, *self.executor.take_routing())
         if self._cost is not None and seqs:
             self._cost.annotate(rec, seqs, num_logits=num_logits)
         self.step_records.append(rec)

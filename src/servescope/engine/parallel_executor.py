@@ -32,6 +32,7 @@ from servescope.analysis.pipeline_schedule import auto_micro_batches
 from servescope.config import EngineConfig, ModelConfig
 from servescope.engine.executor import ExecutorStepStats, ModelExecutor
 from servescope.errors import EngineConfigError, WorkerFailedError
+from servescope.model.moe import moe_blocks
 from servescope.parallel import plan
 from servescope.parallel.expert_parallel import apply_expert_parallel
 from servescope.parallel.groups import (START_TIMEOUT_S, DistContext, backend_for, context, destroy_group,
@@ -39,7 +40,7 @@ from servescope.parallel.groups import (START_TIMEOUT_S, DistContext, backend_fo
 from servescope.parallel.launcher import ParkedGroup, WorkerGroup, park, take_parked
 from servescope.parallel.layout import ParallelLayout, check_parallel, local_kv_heads
 from servescope.parallel.microbatch import choose_cuts, micro_batches
-from servescope.parallel.pipeline import keep_stage, run_stage
+from servescope.parallel.pipeline import keep_stage, recv_stage_routing, run_stage, send_stage_routing
 from servescope.parallel.tensor_parallel import apply_tensor_parallel
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class ParallelExecutor(ModelExecutor):
         # at garbage collection or exit too: STOP while the group is healthy, then wait, then terminate
         self._health = {"ok": True, "device": device}
         self._finalizer = weakref.finalize(self, _stop, workers, ctx.rank == 0, self._health)
+        self.stage_routing = ([], [])  # rank 0 of a pipeline: the later stages' routing of the last step
+        self.expert_bytes = 0  # one routed expert's bytes (set before the stages are cut: stage 0 may hold none)
 
     @classmethod
     def start(cls, config: EngineConfig, model, device: torch.device, layout: ParallelLayout,
@@ -124,9 +127,12 @@ class ParallelExecutor(ModelExecutor):
             raise WorkerFailedError(f"the parallel workers did not start: {e}") from e
         logger.info("parallel engine: tensor_parallel_size=%d x pipeline_parallel_size=%d, "
                     "expert_parallel_size=%d over %s", layout.tp, layout.pp, layout.ep, backend)
+        blocks = moe_blocks(model)  # (before the stages are cut: stage 0 may hold no sparse layer)
+        expert_bytes = blocks[0][1].experts.expert_bytes() if blocks else 0
         ex = cls.prepare(shard_model(model, ctx), device, config.load.quantization, config.load.gpu_linear,
                          decode_plan=uses_decode_plan(layout), ctx=ctx, workers=group.workers if group else None)
         ex.timeout_s, ex.group, ex.micro_batches = par.distributed_timeout_s, group, par.pipeline_micro_batches
+        ex.expert_bytes = expert_bytes
         return ex
 
     @staticmethod
@@ -174,9 +180,15 @@ class ParallelExecutor(ModelExecutor):
         out, cuts = self._guarded(self._plan_and_step, batch, kv_caches, backend, logits_indices)
         seconds, nbytes = self.ctx.comm.take()
         a2a_seconds, a2a_bytes, rows = self.ctx.experts.take()
+        rows = rows + self.stage_routing[1] if rows else rows  # (the later stages' ranks after stage 0's)
         self._last = ExecutorStepStats(seconds, nbytes, len(cuts) + 1 if self.ctx.layout.pp > 1 else 0,
                                        a2a_seconds, a2a_bytes, rows)
         return out
+
+    def take_routing(self) -> tuple:
+        """Stage 0's routing, then the later stages' (sent to rank 0 with each step)."""
+        per_layer, _ = super().take_routing()
+        return per_layer + self.stage_routing[0], self.expert_bytes
 
     def step_stats(self) -> ExecutorStepStats:
         return self._last
@@ -235,7 +247,19 @@ def _stop(workers: Optional[WorkerGroup], is_root: bool, health: dict) -> None:
 def local_step(ex, batch, kv_caches: list, backend, logits_indices: torch.Tensor,
                cuts: list = ()) -> Optional[torch.Tensor]:
     """This rank's part of one step (every rank, the same order of collectives), in the micro-batches
-    `cuts` makes of it on a pipeline. Returns the float32 logits [B', V] on rank 0, None elsewhere."""
+    `cuts` makes of it on a pipeline. Returns the float32 logits [B', V] on rank 0, None elsewhere. A mixture
+    of experts on a pipeline: then each later stage's routing goes to rank 0 (parallel/pipeline.py)."""
+    out = _stage_step(ex, batch, kv_caches, backend, logits_indices, cuts)
+    ctx = ex.ctx
+    if ctx.layout.pp > 1 and ex.model.config.moe is not None:
+        if ctx.rank == 0:
+            ex.stage_routing = recv_stage_routing(ex.model.config, ctx, ex.device)
+        elif ctx.shard == 0:
+            send_stage_routing(ex.model, ctx)
+    return out
+
+
+def _stage_step(ex, batch, kv_caches: list, backend, logits_indices: torch.Tensor, cuts) -> Optional[torch.Tensor]:
     ctx, model = ex.ctx, ex.model
     pieces = micro_batches(batch.input_ids, batch.positions, batch.meta, list(cuts))
 

@@ -90,15 +90,13 @@ def check_parallel(cfg: ModelConfig, tp: int, pp: int, num_devices: int, device_
 
 
 def _check_experts(cfg: ModelConfig, tp: int, pp: int, ep: int) -> None:
-    """A mixture of experts runs parallel only with its experts split (X = T, or T = 1), one stage; a dense
-    model takes no expert parallelism (nothing would be split)."""
+    """A mixture of experts runs tensor-parallel only with its experts split (X = T, or T = 1), in any number of
+    stages; a dense model takes no expert parallelism (nothing would be split)."""
     if cfg.moe is None:
         if ep > 1:
             raise EngineConfigError(f"expert_parallel_size {ep}: the model has no experts to split")
         return
     e = cfg.moe.experts
-    if pp > 1:
-        raise EngineConfigError("pipeline parallelism is not built for mixture-of-experts models")
     if tp > 1 and ep == 1:  # sharding each expert's columns (vLLM's TP for experts) is not built
         raise EngineConfigError("tensor parallelism of a mixture-of-experts model needs its experts split over the "
                                 "ranks: add expert parallelism (--enable-expert-parallel, expert_parallel_size)")

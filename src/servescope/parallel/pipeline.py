@@ -15,6 +15,10 @@ stage that receives posts all its receives at the start of the step, so stage s 
 micro-batch i while stage s computes i + 1 (analysis/pipeline_schedule.py has the schedule). With one
 micro-batch the stages run one after the other: P > 1 then buys memory (each rank holds L/P layers and
 their KV), not speed.
+
+A mixture of experts' routing (tokens per expert per sparse layer, and under expert parallelism the rows each
+rank ran) is counted on the rank that runs the layer: after each step every later stage's shard 0 sends its
+stage's to rank 0 (`send_stage_routing`), which records the whole step.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from servescope.model.moe import moe_blocks
 from servescope.parallel.groups import DistContext
 from servescope.parallel.microbatch import MicroBatch
 
@@ -84,3 +89,36 @@ def _stage_input(model: nn.Module, mb: MicroBatch, recv, ctx: DistContext) -> tu
     buf, work = recv
     ctx.comm.wait(work, buf)
     return buf[0], buf[1]
+
+
+ROUTING_TAG = 1 << 20  # (apart from the micro-batches' tags)
+
+
+def send_stage_routing(model: nn.Module, ctx: DistContext) -> None:
+    """A later stage's shard 0, after its part of a mixture of experts' step: its sparse layers' tokens per
+    expert (taken and reset) and, under expert parallelism, the rows each of the stage's ranks ran, to rank 0,
+    which records the whole step (`recv_stage_routing`). One int64 message [L_s * E + X]."""
+    per_layer = [block.take_routing() for _, block in moe_blocks(model)]
+    _, _, rows = ctx.experts.take()
+    parts = per_layer + ([torch.tensor(rows, dtype=torch.int64)] if ctx.layout.ep > 1 else [])
+    if parts:
+        msg = torch.cat(parts).to(model.model.norm.weight.device)  # (NCCL sends device tensors only)
+        ctx.comm.timed(dist.send, msg, 0, tag=ROUTING_TAG)
+
+
+def recv_stage_routing(cfg, ctx: DistContext, device: torch.device) -> tuple:
+    """Rank 0: ([[E ints]] per sparse layer of stages 1..P-1, [rows per rank of those stages] (empty without
+    expert parallelism)), stage by stage."""
+    layout, e = ctx.layout, cfg.moe.experts.num_experts
+    per_layer, rows = [], []
+    for stage in range(1, layout.pp):
+        sparse = sum(cfg.moe.sparse_layers[i] for i in layout.stage_layers(stage))
+        n = sparse * e + (layout.ep if layout.ep > 1 else 0)
+        if not n:
+            continue
+        msg = torch.empty(n, dtype=torch.int64, device=device)
+        ctx.comm.timed(dist.recv, msg, layout.rank_of(stage, 0), tag=ROUTING_TAG)
+        msg = msg.cpu()
+        per_layer += msg[:sparse * e].view(sparse, e).tolist()
+        rows += msg[sparse * e:].tolist()
+    return per_layer, rows
