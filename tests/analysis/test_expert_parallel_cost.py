@@ -1,9 +1,11 @@
 """What expert parallelism costs in the model (pure functions): a rank's share of the routed experts, the
 all-to-alls and all-gathers per sparse layer, the all-reduces it leaves out, and `explain --ep`."""
 
+import dataclasses
+
 import pytest
 
-from servescope.analysis.collectives import (LINKS, LinkSpec, all_reduce_seconds, expert_parallel_cost,
+from servescope.analysis.collectives import (LINKS, LinkSpec, all_reduce_seconds, expert_parallel_cost, shard_config,
                                              step_comm_cost)
 from servescope.analysis.cost_model import step_cost
 from servescope.analysis.hardware import get_hardware
@@ -64,10 +66,13 @@ def test_explain_shows_expert_parallelism_for_moe_presets():
     assert all(p["all_to_all_seconds"] > 0 for p in r["phases"])
     one = explain_parallel(cfg, hw, LINKS["nvlink4"], 1, 1, batch=16, ep=4)  # replicated attention
     assert r["weight_bytes_per_rank"] < one["weight_bytes_per_rank"] < 0.5 * cfg.num_parameters() * 2
-    for tp, pp, ep, message in ((2, 1, 1, "add --ep 2"), (1, 1, 3, "dividing the 128 experts"),
-                                (1, 2, 2, "PP = 1"), (4, 1, 2, "EP = TP or TP = 1")):
+    for tp, pp, ep, message in ((1, 1, 3, "dividing the 128 experts"), (4, 1, 2, "EP = TP or TP = 1")):
         with pytest.raises(InvalidParameterError, match=message):
             explain_parallel(cfg, hw, LINKS["nvlink4"], tp, pp, ep=ep)
+    odd = dataclasses.replace(cfg, moe=dataclasses.replace(
+        cfg.moe, experts=dataclasses.replace(cfg.moe.experts, intermediate_size=766)))
+    with pytest.raises(InvalidParameterError, match="does not divide the experts' width 766"):
+        explain_parallel(odd, hw, LINKS["nvlink4"], 4, 1)
     with pytest.raises(InvalidParameterError, match="no experts"):
         explain_parallel(load_preset("llama-3-8b"), hw, LINKS["nvlink4"], 1, 1, ep=2)
 
@@ -84,3 +89,19 @@ def test_step_prediction_adds_the_expert_parallel_collectives_at_tp_1():
     assert ep.comm_seconds == pytest.approx(want.seconds) and want.all_to_all_seconds > 0
     assert ep.cost.predicted_seconds < alone.cost.predicted_seconds  # half the routed experts' rows and weights
     assert ep.seconds == pytest.approx(ep.cost.predicted_seconds + ep.comm_seconds)
+
+
+def test_tensor_parallel_inside_each_expert_and_expert_parallel_stages_are_priced():
+    """TP without EP shards each expert's width (the rank reads 1/T of every active expert, no all-to-all, one
+    all-reduce per layer after the MLP); EP inside pipeline stages adds each stage's all-to-alls."""
+    cfg, hw = load_preset("qwen3-30b-a3b"), get_hardware("h100")
+    e = cfg.moe.experts
+    inside, split = shard_config(cfg, 4), shard_config(cfg, 4, ep=4)
+    assert inside.moe.experts.intermediate_size == e.intermediate_size // 4
+    assert split.moe.experts.intermediate_size == e.intermediate_size  # (split whole over the ranks instead)
+    r = explain_parallel(cfg, hw, LINKS["nvlink4"], 4, 1, batch=16)
+    assert r["ep"] == 1 and all(p["all_to_all_seconds"] == 0 and p["all_reduce_seconds"] > 0 for p in r["phases"])
+    assert r["weight_bytes_per_rank"] < 0.3 * cfg.num_parameters() * 2
+    staged = explain_parallel(cfg, hw, LINKS["nvlink4"], 2, 2, batch=16, ep=2)
+    flat = explain_parallel(cfg, hw, LINKS["nvlink4"], 2, 2, batch=16)
+    assert staged["phases"][1]["comm_seconds"] > flat["phases"][1]["comm_seconds"]  # the stages' all-to-alls

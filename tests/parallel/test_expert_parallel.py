@@ -98,7 +98,7 @@ def test_token_slices_and_expert_ranges_cover_everything_once():
 
 @pytest.mark.parametrize("preset, tp, ep, message", [
     ("mixtral-8x7b", 1, 3, "expert_parallel_size 3 does not divide the 8 experts"),
-    ("mixtral-8x7b", 2, 1, "needs its experts split over the ranks: add expert parallelism"),
+    ("mixtral-8x7b", 3, 1, "does not divide the"),
     ("llama-3-8b", 1, 2, "expert_parallel_size 2: the model has no experts to split"),
     ("mixtral-8x7b", 8, 8, "= 8 processes, but only 4 CPU cores are available"),
 ])
@@ -116,10 +116,21 @@ def test_expert_parallel_settings_that_cannot_run_are_refused(settings, message)
         EngineConfig(model="x", **settings)
 
 
-def test_a_moe_engine_without_expert_parallel_is_refused_before_its_workers_start(tmp_path):
-    path = str(make_tiny_hf_model(tmp_path, "qwen3_moe"))
-    with pytest.raises(EngineConfigError, match="add expert parallelism"):
-        LLM(model=path, num_kv_blocks=8, max_model_len=64, tensor_parallel_size=2)
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_tensor_parallel_inside_each_expert_equals_one_process(tmp_path, family):
+    """TP without EP (vLLM's default for a MoE): every expert's width split over the ranks (gpt-oss's biases with
+    it), the sparse block's routed and shared partial sums all-reduced once; no all-to-all."""
+    path = str(make_tiny_hf_model(tmp_path, family))
+    recs = assert_same_as_single_process(path, tensor_parallel_size=2)
+    assert all(r.all_to_all_bytes == 0 and r.moe_rows_per_rank == [] for r in recs)
+    sparse = {"qwen2_moe": 1, "gpt_oss": 2}[family]  # (Qwen2-MoE's first layer is dense)
+    assert all(len(r.moe_experts_active) == sparse for r in recs)  # the routing, counted on rank 0
+
+
+def test_packed_experts_are_not_sharded_inside(tmp_path):
+    path, _, _ = make_tiny_mxfp4_gpt_oss(tmp_path)
+    with pytest.raises(Exception, match="tensor parallelism shards float experts, not PackedClampedExperts"):
+        LLM(model=str(path), num_kv_blocks=8, max_model_len=64, tensor_parallel_size=2)
 
 
 def test_cli_enable_expert_parallel_is_ep_equal_tp():

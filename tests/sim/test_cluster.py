@@ -111,3 +111,22 @@ def test_simulate_reports_bench_serves_keys():
                 "p90_ttft_ms", "p99_tpot_ms", "mean_itl_ms", "median_e2el_ms"):
         assert key in d
     assert d["completed"] == 5
+
+
+def test_a_mixture_of_experts_is_simulated_with_its_experts_split_or_sharded():
+    """-ep X on a MoE preset prices each rank's share of the experts and the all-to-alls (its predictor carries
+    EP); TP without EP shards each expert; EP on a dense model, or X neither T nor with T = 1, is refused."""
+    reqs = synthetic_workload(24, 128, 16, 151936, request_rate=20.0)
+
+    def run(tp: int, ep: int):
+        spec = instance_spec("qwen3-30b-a3b", "h100", parallel=ParallelConfig(tensor_parallel_size=tp), ep=ep)
+        assert spec.predictor().ep == ep
+        return simulate(Deployment(spec), reqs).result.to_dict()
+
+    one, ep2, tp2 = run(1, 1), run(1, 2), run(2, 1)
+    assert ep2["median_tpot_ms"] < one["median_tpot_ms"] and tp2["median_tpot_ms"] < one["median_tpot_ms"]
+    assert ep2["median_tpot_ms"] != tp2["median_tpot_ms"]
+    with pytest.raises(InvalidParameterError, match="is dense"):
+        instance_spec("llama-3-8b", "h100", ep=2)
+    with pytest.raises(InvalidParameterError, match="EP = TP or TP = 1"):
+        instance_spec("qwen3-30b-a3b", "h100", parallel=ParallelConfig(tensor_parallel_size=4), ep=2)

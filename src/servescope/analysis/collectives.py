@@ -275,21 +275,36 @@ def _least_squares(rows: list, y: list):
     return [a[j][n] / a[j][j] / norm[j] for j in range(n)]
 
 
-def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+def shard_config(cfg: ModelConfig, tp: int, ep: int = 1) -> ModelConfig:
     """The model one tensor-parallel rank computes: H/T query heads, max(1, Hkv/T) KV heads, I/T MLP
-    columns (a mixture's shared expert's too: its routed experts are split by expert parallelism, priced by
-    step_cost's expert_parallel), ceil(V/T) vocabulary rows, every layer (pipeline stages run one after
-    another)."""
+    columns (a mixture's shared expert's too; its routed experts: under expert parallelism (ep > 1) split
+    whole over the ranks, priced by step_cost's expert_parallel, else I/T of each expert's width), ceil(V/T)
+    vocabulary rows, every layer (pipeline stages run one after another)."""
     if tp == 1:
         return cfg
     moe = cfg.moe
-    if moe is not None and moe.experts.shared_intermediate_size:
-        shared = moe.experts.shared_intermediate_size // tp
-        moe = dataclasses.replace(moe, experts=dataclasses.replace(moe.experts, shared_intermediate_size=shared))
+    if moe is not None:
+        e = moe.experts
+        width = e.intermediate_size // tp if ep == 1 else e.intermediate_size
+        moe = dataclasses.replace(moe, experts=dataclasses.replace(
+            e, intermediate_size=width, shared_intermediate_size=e.shared_intermediate_size // tp))
     return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
                                num_key_value_heads=max(1, cfg.num_key_value_heads // tp),
                                intermediate_size=cfg.intermediate_size // tp, vocab_size=-(-cfg.vocab_size // tp),
                                moe=moe)
+
+
+def rank_weights_config(cfg: ModelConfig, tp: int, ep: int = 1) -> ModelConfig:
+    """What one rank holds, for its weights and memory: its tensor-parallel shard (shard_config) with, under
+    expert parallelism, E/X of the routed experts (the replicated router counted at E/X rows: a slight
+    under-count)."""
+    shard = shard_config(cfg, tp, ep)
+    if ep == 1 or shard.moe is None:
+        return shard
+    e = shard.moe.experts
+    mine = e.num_experts // ep
+    experts = dataclasses.replace(e, num_experts=mine, top_k=min(e.top_k, mine), n_group=1, topk_group=1)
+    return dataclasses.replace(shard, moe=dataclasses.replace(shard.moe, experts=experts))
 
 
 # ------------------------------------------------------------------ the measured local link, cached

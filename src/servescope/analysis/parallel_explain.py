@@ -14,7 +14,8 @@ adds 2L + 1 all-reduces of the step's activations plus the gather of the logits.
 T x P ranks share the one machine (each rank's work at 1/(T x P) of it). Expert parallelism (--ep X, a
 mixture of experts: X = T, or T = 1 with the attention replicated on X ranks) gives each rank 1/X of the
 routed experts' rows and weights and adds, per sparse layer, the dispatch and combine all-to-alls and two
-all-gathers (collectives.expert_parallel_cost); it is refused with P > 1, as the engine refuses it.
+all-gathers (collectives.expert_parallel_cost), inside each pipeline stage at P > 1. A mixture at TP > 1
+without EP shards each expert's width instead (vLLM's default; one all-reduce after each sparse layer).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from servescope.analysis.collectives import LinkSpec, shard_config, step_comm_cost
+from servescope.analysis.collectives import LinkSpec, rank_weights_config, shard_config, step_comm_cost
 from servescope.analysis.cost_model import step_cost
 from servescope.analysis.hardware import HardwareSpec
 from servescope.analysis.memory_planner import plan_memory
@@ -33,14 +34,14 @@ from servescope.errors import InvalidParameterError
 
 
 def _pipeline_phase(name: str, cfg: ModelConfig, seqs: list, num_logits: int, hw: HardwareSpec, link: LinkSpec,
-                    tp: int, pp: int, dtypes: tuple, micro_batches: int) -> dict:
+                    tp: int, pp: int, dtypes: tuple, micro_batches: int, ep: int = 1) -> dict:
     """A phase at P > 1: the schedule with the engine's micro-batches beside one micro-batch."""
     wdt, kdt, adt, _ = dtypes
     single = step_cost(cfg, seqs, hw, wdt, kdt, adt, num_logits=num_logits).predicted_seconds
-    share = tp * pp if hw.kind == "cpu" else 1
+    share = max(tp, ep) * pp if hw.kind == "cpu" else 1
     m = auto_micro_batches(sum(n for n, _ in seqs if n > 1), pp, micro_batches)
-    step = pipelined_step(cfg, seqs, hw, tp, pp, m, link, dtypes, share, num_logits)
-    whole = pipelined_step(cfg, seqs, hw, tp, pp, 1, link, dtypes, share, num_logits)
+    step = pipelined_step(cfg, seqs, hw, tp, pp, m, link, dtypes, share, num_logits, ep)
+    whole = pipelined_step(cfg, seqs, hw, tp, pp, 1, link, dtypes, share, num_logits, ep)
     sched, total = step.schedule, step.step_seconds
     compute = max(sum(row) for row in zip(*step.compute_only)) + step.head_seconds  # the busiest stage
     reduces = step.comm_seconds - sched.p2p_seconds - step.logits_seconds
@@ -61,10 +62,10 @@ def _pipeline_phase(name: str, cfg: ModelConfig, seqs: list, num_logits: int, hw
 def _phase(name: str, cfg: ModelConfig, seqs: list, num_logits: int, hw: HardwareSpec, link: LinkSpec,
            tp: int, pp: int, dtypes: tuple, micro_batches: int = 0, ep: int = 1) -> dict:
     if pp > 1:
-        return _pipeline_phase(name, cfg, seqs, num_logits, hw, link, tp, pp, dtypes, micro_batches)
+        return _pipeline_phase(name, cfg, seqs, num_logits, hw, link, tp, pp, dtypes, micro_batches, ep)
     wdt, kdt, adt, act_bytes = dtypes
     single = step_cost(cfg, seqs, hw, wdt, kdt, adt, num_logits=num_logits).predicted_seconds
-    compute = step_cost(shard_config(cfg, tp), seqs, hw, wdt, kdt, adt, num_logits=num_logits,
+    compute = step_cost(shard_config(cfg, tp, ep), seqs, hw, wdt, kdt, adt, num_logits=num_logits,
                         expert_parallel=ep).predicted_seconds
     if hw.kind == "cpu":  # one machine: its busy ranks share the cores and the memory bandwidth it has
         compute *= max(tp, ep)
@@ -98,7 +99,7 @@ def explain_parallel(cfg: ModelConfig, hw: HardwareSpec, link: LinkSpec, tp: int
     phases = [_phase("prefill", cfg, [(prompt_len, 0)] * batch, batch, hw, link, tp, pp, dtypes, micro_batches, ep)]
     if output_len > 1:
         phases.append(_phase("decode", cfg, [(1, mid)] * batch, batch, hw, link, tp, pp, dtypes, micro_batches, ep))
-    shard = _rank_experts(shard_config(cfg, tp), ep)
+    shard = rank_weights_config(cfg, tp, ep)
     # one rank's memory: its shard of 1/P of the layers (the embedding and head counted on every rank,
     # a slight over-count for P > 1); every rank holds the same KV blocks
     rank_cfg = dataclasses.replace(shard, num_hidden_layers=-(-cfg.num_hidden_layers // pp))
@@ -119,28 +120,18 @@ def explain_parallel(cfg: ModelConfig, hw: HardwareSpec, link: LinkSpec, tp: int
 
 
 def _check_experts(cfg: ModelConfig, tp: int, pp: int, ep: int) -> None:
-    """The engine's rule (parallel/layout.py): EP over a mixture's experts, X = T or T = 1, one stage, X dividing
-    the experts; a mixture at TP > 1 splits its experts (EP = TP: sharding each expert is not built)."""
+    """The engine's rule (parallel/layout.py): EP over a mixture's experts, X = T or T = 1, X dividing the
+    experts; a mixture at TP > 1 without EP shards each expert (T dividing its width)."""
     if cfg.moe is None:
         if ep > 1:
             raise InvalidParameterError("ep", f"EP={ep}: the model has no experts to split")
         return
-    if tp > 1 and ep == 1:
-        raise InvalidParameterError("ep", f"a mixture of experts at TP={tp} splits its experts: add --ep {tp}")
-    if ep > 1 and (tp not in (1, ep) or pp > 1 or cfg.moe.experts.num_experts % ep):
-        raise InvalidParameterError("ep", f"EP={ep} at TP={tp} x PP={pp}: needs EP = TP or TP = 1, PP = 1, and EP "
-                                          f"dividing the {cfg.moe.experts.num_experts} experts")
-
-
-def _rank_experts(cfg: ModelConfig, ep: int) -> ModelConfig:
-    """`cfg` with the routed experts one expert-parallel rank holds (E/X of them), for its weights and memory (the
-    replicated router counted at E/X rows: a slight under-count)."""
-    if ep == 1 or cfg.moe is None:
-        return cfg
-    e = cfg.moe.experts
-    mine = e.num_experts // ep
-    experts = dataclasses.replace(e, num_experts=mine, top_k=min(e.top_k, mine), n_group=1, topk_group=1)
-    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, experts=experts))
+    if tp > 1 and ep == 1 and cfg.moe.experts.intermediate_size % tp:
+        raise InvalidParameterError("ep", f"TP={tp} does not divide the experts' width "
+                                          f"{cfg.moe.experts.intermediate_size}: split the experts instead (--ep {tp})")
+    if ep > 1 and (tp not in (1, ep) or cfg.moe.experts.num_experts % ep):
+        raise InvalidParameterError("ep", f"EP={ep} at TP={tp}: needs EP = TP or TP = 1, and EP dividing the "
+                                          f"{cfg.moe.experts.num_experts} experts")
 
 
 def verdict(phases: list, tp: int, pp: int, link: str, ep: int = 1) -> str:

@@ -22,7 +22,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from servescope.analysis.collectives import LinkSpec, all_reduce_seconds, gather_seconds, p2p_seconds, shard_config
+from servescope.analysis.collectives import (LinkSpec, all_reduce_seconds, expert_parallel_cost, gather_seconds,
+                                             p2p_seconds, shard_config)
 from servescope.analysis.cost_model import step_cost
 from servescope.config import ModelConfig
 
@@ -118,12 +119,13 @@ def stage_layers(num_layers: int, pp: int) -> list:
 
 def pipeline_step(cfg: ModelConfig, seqs: list, hw, pp: int, num_micro: int, link: Optional[LinkSpec],
                   tp: int = 1, dtypes: tuple = ("float32", "float32", "float32", 4),
-                  share: float = 1.0) -> PipelineSchedule:
+                  share: float = 1.0, ep: int = 1) -> PipelineSchedule:
     """The schedule of one step over `pp` stages cut in up to `num_micro` micro-batches. cfg: the
     model one tensor-parallel rank holds (all layers; each stage keeps its share), dtypes (weight, kv,
     act, act bytes), share: how many ranks share the spec's machine (a CPU spec: every rank of the
     engine; 1 where each rank is a device). The head's logits are computed after the last micro-batch
-    (on the last stage) and are not in the schedule; `head_seconds` gives them."""
+    (on the last stage) and are not in the schedule; `head_seconds` gives them. ep: expert-parallel ranks
+    inside each stage (a rank's share of the routed experts, and the stage's all-to-alls and all-gathers)."""
     wdt, kdt, adt, act_bytes = dtypes
     pieces = split_seqs(seqs, cut_points(sum(n for n, _ in seqs), num_micro))
     per_stage = stage_layers(cfg.num_hidden_layers, pp)
@@ -134,11 +136,13 @@ def pipeline_step(cfg: ModelConfig, seqs: list, hw, pp: int, num_micro: int, lin
         for s, n_layers in enumerate(per_stage):
             stage_cfg = dataclasses.replace(cfg, num_hidden_layers=n_layers)
             cost = step_cost(stage_cfg, piece, hw, wdt, kdt, adt, num_logits=0,
-                             overhead_s=n_layers * hw.layer_overhead_s)
+                             overhead_s=n_layers * hw.layer_overhead_s, expert_parallel=ep)
             # the head runs once, after the pipeline (head_seconds); only stage 0 embeds
             c = (cost.predicted_seconds - cost.op("lm_head").seconds - (s > 0) * cost.op("embedding").seconds) * share
             if link is not None and tp > 1:  # two all-reduces per layer, one after stage 0's embedding
                 c += (2 * n_layers + (s == 0)) * all_reduce_seconds(act, tp, link)
+            if link is not None and ep > 1:
+                c += sum(expert_parallel_cost(stage_cfg, sum(n for n, _ in piece), ep, link, act_bytes)[:2])
             row.append(c)
         rows.append(row)
         handover.append(p2p_seconds(2 * act, link) if link is not None else 0.0)
@@ -193,13 +197,13 @@ class PipelinedStep:
 
 
 def pipelined_step(cfg: ModelConfig, seqs: list, hw, tp: int, pp: int, num_micro: int, link: Optional[LinkSpec],
-                   dtypes: tuple, share: float = 1.0, num_logits: Optional[int] = None) -> PipelinedStep:
-    """The whole step at TP x PP in up to num_micro micro-batches (cfg: the full model; one rank
-    computes its tensor-parallel shard of its stage's layers)."""
-    shard = shard_config(cfg, tp)
+                   dtypes: tuple, share: float = 1.0, num_logits: Optional[int] = None, ep: int = 1) -> PipelinedStep:
+    """The whole step at TP x PP (EP inside each stage) in up to num_micro micro-batches (cfg: the full model;
+    one rank computes its tensor-parallel shard of its stage's layers)."""
+    shard = shard_config(cfg, tp, ep)
     n_logits = len(seqs) if num_logits is None else num_logits
-    sched = pipeline_step(shard, seqs, hw, pp, num_micro, link, tp, dtypes, share)
-    bare = pipeline_step(shard, seqs, hw, pp, num_micro, None, tp, dtypes, share)
+    sched = pipeline_step(shard, seqs, hw, pp, num_micro, link, tp, dtypes, share, ep)
+    bare = pipeline_step(shard, seqs, hw, pp, num_micro, None, tp, dtypes, share, ep)
     logits = 0.0
     if link is not None and n_logits:
         logits = (gather_seconds(n_logits * shard.vocab_size * 4, tp, link)

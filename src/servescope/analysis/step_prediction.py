@@ -42,7 +42,7 @@ class StepPredictor:
     ep: int = 1  # expert-parallel ranks (a mixture's routed experts split over them)
 
     def __post_init__(self):
-        object.__setattr__(self, "shard", shard_config(self.cfg, self.tp))  # one rank's model, computed once
+        object.__setattr__(self, "shard", shard_config(self.cfg, self.tp, self.ep))  # one rank's model, computed once
 
     def predict(self, seqs: list, num_logits: int, distinct_experts: Optional[float] = None) -> StepPrediction:
         """seqs: [(num_new_tokens, num_context_tokens_before)] of the step (a verification as 1 + k
@@ -54,7 +54,7 @@ class StepPredictor:
         if self.pp > 1:
             m = auto_micro_batches(sum(n for n, _ in seqs if n > 1), self.pp, self.micro_batches)
             step = pipelined_step(self.cfg, seqs, self.hw, self.tp, self.pp, m, self.link, self.dtypes,
-                                  num_logits=num_logits)
+                                  num_logits=num_logits, ep=self.ep)
             return StepPrediction(step.step_seconds, step.comm_seconds if self.link is not None else None, cost)
         if self.link is not None and max(self.tp, self.ep) > 1:
             comm = step_comm_cost(self.cfg, sum(n for n, _ in seqs), num_logits, self.tp, self.pp, self.link,

@@ -90,16 +90,17 @@ def check_parallel(cfg: ModelConfig, tp: int, pp: int, num_devices: int, device_
 
 
 def _check_experts(cfg: ModelConfig, tp: int, pp: int, ep: int) -> None:
-    """A mixture of experts runs tensor-parallel only with its experts split (X = T, or T = 1), in any number of
-    stages; a dense model takes no expert parallelism (nothing would be split)."""
+    """A mixture of experts at TP > 1 shards each expert (X = 1) or splits the experts over the ranks (X = T, or
+    T = 1 with the attention replicated), in any number of stages; a dense model takes no expert parallelism
+    (nothing would be split)."""
     if cfg.moe is None:
         if ep > 1:
             raise EngineConfigError(f"expert_parallel_size {ep}: the model has no experts to split")
         return
     e = cfg.moe.experts
-    if tp > 1 and ep == 1:  # sharding each expert's columns (vLLM's TP for experts) is not built
-        raise EngineConfigError("tensor parallelism of a mixture-of-experts model needs its experts split over the "
-                                "ranks: add expert parallelism (--enable-expert-parallel, expert_parallel_size)")
+    if tp > 1 and ep == 1 and e.intermediate_size % tp:  # TP inside each expert (parallel/tensor_parallel.py)
+        raise EngineConfigError(f"tensor_parallel_size {tp} does not divide the experts' width {e.intermediate_size} "
+                                "(or split the experts over the ranks: --enable-expert-parallel)")
     if e.num_experts % ep:
         raise EngineConfigError(f"expert_parallel_size {ep} does not divide the {e.num_experts} experts")
     if tp > 1 and e.shared_intermediate_size % tp:

@@ -11,13 +11,17 @@ vocabulary rows.
 - row parallel: o_proj and down_proj keep their input columns of this shard; the partial sums are
   all-reduced by a forward hook on their parent (the attention block, the MLP), whose output is the
   projection's output. One all-reduce each, two per layer.
+- attention sinks (gpt-oss's logit per query head) go with their heads.
 - KV heads: sharded with the query heads they serve; where Hkv < Tp each shard holds the one KV head
   of its query heads (replicated, as vLLM does).
 - vocabulary parallel: the embedding looks up only its rows (zero elsewhere) and all-reduces; the
   head computes its ceil(V/Tp) logits and the executor gathers them (tied: the head shares the
   embedding shard's weight).
 A mixture of experts' router is not a projection (replicated); its shared expert is an MLP like the dense
-ones (sharded, all-reduced); its routed experts are split by parallel/expert_parallel.py, after this.
+ones (sharded); its routed experts are split by parallel/expert_parallel.py, after this, under expert
+parallelism, and otherwise sharded inside each expert (vLLM's default for a MoE at TP): every expert keeps I/Tp
+of its gate and up rows and of its down columns, so a rank computes a partial sum of every routed expert, and
+the sparse block's output (routed experts plus the shared expert) is all-reduced once.
 The swapped modules are plain nn.Linear, so quantisation and the CPU linears still apply to each
 shard (they walk `model.projections()` after this).
 """
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servescope.errors import EngineConfigError
+from servescope.model.moe import ClampedExperts, Experts, moe_blocks
 from servescope.parallel.groups import DistContext
 from servescope.parallel.layout import local_kv_heads
 
@@ -88,7 +93,8 @@ def apply_tensor_parallel(model: nn.Module, ctx: DistContext) -> nn.Module:
     d = cfg.head_dim
     hq, hkv = cfg.num_attention_heads // tp, local_kv_heads(cfg, tp)
     kv0 = _kv_first_head(cfg.num_key_value_heads, tp, shard)
-    hooked = set()
+    blocks = [b for _, b in moe_blocks(model)] if ctx.layout.ep == 1 else []  # (experts sharded here)
+    hooked = {id(getattr(b, "shared_expert", None) or getattr(b, "shared_experts", None)) for b in blocks}
     for parent, name, mod in model.projections():
         if mod is None or name == "lm_head":
             continue
@@ -100,6 +106,9 @@ def apply_tensor_parallel(model: nn.Module, ctx: DistContext) -> nn.Module:
                      (q + k + kv0 * d, q + k + (kv0 + hkv) * d)]
             setattr(parent, name, _rows(mod, spans))
             parent.num_heads, parent.num_kv_heads, parent.qkv_sizes = hq, hkv, (hq * d, hkv * d, hkv * d)
+            if getattr(parent, "sinks", None) is not None:  # gpt-oss: one logit per query head, with its head
+                parent.sinks = nn.Parameter(parent.sinks.detach()[shard * hq:(shard + 1) * hq].clone(),
+                                            requires_grad=False)
         elif name == "gate_up_proj":  # (a dense MLP's width, or a mixture's shared expert's)
             i = mod.out_features // 2
             n = i // tp
@@ -112,8 +121,30 @@ def apply_tensor_parallel(model: nn.Module, ctx: DistContext) -> nn.Module:
                 hooked.add(id(parent))
         else:
             raise EngineConfigError(f"tensor parallelism does not know how to shard projection {name!r}")
+    for block in blocks:
+        _shard_experts(block.experts, tp, shard)
+        block.register_forward_hook(lambda _m, _inp, out: all_reduce(out, ctx))  # routed + shared partial sums
     _shard_vocab(model, ctx)
     return model
+
+
+def _shard_experts(ex: nn.Module, tp: int, shard: int) -> None:
+    """Every expert's gate and up rows [s n, (s + 1) n) and down columns (n = I/Tp), in place; gpt-oss's biases
+    with them (the down bias on shard 0 only, as a row-parallel bias)."""
+    if type(ex) not in (Experts, ClampedExperts):
+        raise EngineConfigError(f"tensor parallelism shards float experts, not {type(ex).__name__} (packed experts "
+                                "run under expert parallelism: --enable-expert-parallel)")
+    i = ex.down_proj.shape[2]
+    n = i // tp
+    rows = torch.cat([torch.arange(shard * n, (shard + 1) * n), torch.arange(i + shard * n, i + (shard + 1) * n)])
+    rows = rows.to(ex.gate_up_proj.device)
+    ex.gate_up_proj = nn.Parameter(ex.gate_up_proj.detach()[:, rows].contiguous(), requires_grad=False)
+    down = ex.down_proj.detach()[:, :, shard * n:(shard + 1) * n]
+    ex.down_proj = nn.Parameter(down.contiguous(), requires_grad=False)
+    if isinstance(ex, ClampedExperts):
+        ex.gate_up_proj_bias = nn.Parameter(ex.gate_up_proj_bias.detach()[:, rows].contiguous(), requires_grad=False)
+        if shard:
+            ex.down_proj_bias = nn.Parameter(torch.zeros_like(ex.down_proj_bias), requires_grad=False)
 
 
 def vocab_shard(vocab_size: int, tp: int, shard: int) -> tuple:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from servescope.analysis.cpu_isa import local_fast_bf16
-from servescope.analysis.collectives import DEFAULT_LINK, LinkSpec, get_link, shard_config
+from servescope.analysis.collectives import DEFAULT_LINK, LinkSpec, get_link, rank_weights_config
 from servescope.analysis.hardware import HardwareSpec, get_hardware
 from servescope.analysis.memory_planner import plan_memory
 from servescope.analysis.op_counts import DTYPE_BYTES, kv_cache_bytes_per_token
@@ -99,7 +99,7 @@ class InstanceSpec:
 
     def predictor(self) -> StepPredictor:
         return StepPredictor(self.model, self.hardware, self.dtypes, self.tp, self.pp, self.micro_batches,
-                             self.link)
+                             self.link, self.ep)
 
     def replace(self, **kw) -> "InstanceSpec":
         return dataclasses.replace(self, **kw)
@@ -125,10 +125,10 @@ def _cpu_blocks(cfg: ModelConfig, kv_bytes_tok: int, block_size: int, max_num_se
 
 
 def _gpu_blocks(cfg: ModelConfig, hw: HardwareSpec, wdt: str, kdt: str, adt: str, block_size: int,
-                tp: int, pp: int, batching: BatchingConfig) -> int:
-    """KV blocks the memory planner leaves on each GPU of a TP x PP instance (its shard of the weights
-    and of the KV heads, its stage's layers), times nothing: every rank holds the same block ids."""
-    shard = shard_config(cfg, tp)
+                tp: int, pp: int, batching: BatchingConfig, ep: int = 1) -> int:
+    """KV blocks the memory planner leaves on each GPU of a TP x PP (x EP) instance (its shard of the weights,
+    its experts, its KV heads, its stage's layers), times nothing: every rank holds the same block ids."""
+    shard = rank_weights_config(cfg, tp, ep)
     stage = dataclasses.replace(shard, num_hidden_layers=-(-cfg.num_hidden_layers // pp))
     plan = plan_memory(stage, hw.memory_bytes, wdt, kdt, context_len=block_size, block_size=block_size,
                        act_dtype=adt, max_num_batched_tokens=batching.max_num_batched_tokens,
@@ -150,9 +150,12 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
     cfg = load_preset(model) if isinstance(model, str) else model
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    if ep != 1:
+    if ep != 1 and cfg.moe is None:
         raise InvalidParameterError("ep", f"expert parallelism needs a mixture-of-experts model; {cfg.name} "
                                           f"is dense (EP must be 1)")
+    if ep != 1 and (tp not in (1, ep) or cfg.moe.experts.num_experts % ep):
+        raise InvalidParameterError("ep", f"EP={ep} at TP={tp}: needs EP = TP or TP = 1, and EP dividing the "
+                                          f"{cfg.moe.experts.num_experts} experts (the engine's rule)")
     if cfg.num_attention_heads % tp or cfg.intermediate_size % tp or cfg.num_hidden_layers < pp:
         raise InvalidParameterError("layout", f"{cfg.name} cannot be split TP={tp} x PP={pp} (heads "
                                               f"{cfg.num_attention_heads}, layers {cfg.num_hidden_layers})")
@@ -167,7 +170,7 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
     elif hw.kind == "cpu":
         blocks = _cpu_blocks(cfg, kv_tok, cache.block_size, batching.max_num_seqs, max_len, hw)
     else:
-        blocks = _gpu_blocks(cfg, hw, adt, kdt, adt, cache.block_size, tp, pp, batching)
+        blocks = _gpu_blocks(cfg, hw, adt, kdt, adt, cache.block_size, tp, pp, batching, ep)
     if blocks < 1:
         raise InvalidParameterError("kv_cache", "the KV cache holds less than one block")
     if blocks * cache.block_size < max_len:
@@ -181,7 +184,7 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
                             else max(batching.max_num_batched_tokens, max_len),
                             max_model_len=max_len, enable_chunked_prefill=chunked, block_size=cache.block_size)
     link_spec = link if isinstance(link, LinkSpec) else None
-    if tp * pp > 1 and link_spec is None and link != "none":
+    if max(tp, ep) * pp > 1 and link_spec is None and link != "none":
         if link is None and hw.kind == "cpu":
             raise InvalidParameterError("link", "ranks on the local CPU talk over gloo: pass the measured local link "
                                                 "(`servescope simulate` measures it once), or a named --link")
