@@ -50,8 +50,9 @@ def max_logit_diff(a: list, b: list) -> float:
 def assert_same_as_single_process(path: str, common: dict | None = None, **parallel) -> list:
     """The parallel engine's greedy tokens equal one process's, its logits within 1e-4 at every step
     (common: settings of both engines). Returns the parallel engine's StepRecords."""
-    ref_tokens, ref_logits, ref_stats = run_workload(LLM(model=path, **ENGINE, **(common or {})))
-    llm = LLM(model=path, **ENGINE, **(common or {}), **parallel)
+    kw = {**ENGINE, **(common or {})}
+    ref_tokens, ref_logits, ref_stats = run_workload(LLM(model=path, **kw))
+    llm = LLM(model=path, **kw, **parallel)
     try:
         tokens, logits, stats = run_workload(llm)
     finally:

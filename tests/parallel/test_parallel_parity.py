@@ -30,7 +30,9 @@ TP_CASES = {
 def test_tensor_parallel_2_equals_one_process(tmp_path, case):
     family = case.split("-")[0]
     path = str(make_tiny_hf_model(tmp_path, family, **TP_CASES[case]))
-    assert_same_as_single_process(path, tensor_parallel_size=2)
+    # windowed layers: a block table per group of layers (kvcache/hybrid.py), the engine's default
+    common = dict(disable_hybrid_kv_cache_manager=False) if "window" in case else None
+    assert_same_as_single_process(path, common, tensor_parallel_size=2)
 
 
 def test_tensor_parallel_2_with_an_int8_kv_cache_equals_one_process(tmp_path):
@@ -81,3 +83,22 @@ def test_tensor_parallel_2_with_ngram_speculation_equals_one_process(tmp_path):
     finally:
         llm.engine.shutdown(keep_workers=True)
     assert got == want and drafted > 0
+
+
+def test_tensor_parallel_keeps_a_block_table_per_group_of_layers(tmp_path):
+    """Gemma 3's local and global layers at TP=2: rank 0 keeps the hybrid manager's table per group (the step
+    plan carries every group's slots and table to the workers), so a windowed group's pool holds only its window
+    per sequence, as in one process; the windowed parity cases above run this layout through the workload."""
+    from servescope import LLM
+    from helpers_parallel import ENGINE
+    from servescope.kvcache.hybrid import HybridKVCacheManager
+
+    path = str(make_tiny_hf_model(tmp_path, "gemma3", **TP_CASES["gemma3-window"]))
+    kw = {**ENGINE, "disable_hybrid_kv_cache_manager": False}
+    one = LLM(model=path, **kw)
+    llm = LLM(model=path, **kw, tensor_parallel_size=2)
+    try:
+        assert isinstance(llm.engine.kv_manager, HybridKVCacheManager)
+        assert llm.engine.kv_manager.group_stats() == one.engine.kv_manager.group_stats()
+    finally:
+        llm.engine.shutdown(keep_workers=True)

@@ -103,11 +103,11 @@ def kv_group_blocks(config: EngineConfig, cfg: ModelConfig, num_blocks: int) -> 
     """window -> the blocks of each group's pool, where cfg's layers mix attention windows and the engine keeps a
     block table per group (kvcache/hybrid.py), in the memory of num_blocks blocks of every layer; None: one table
     for all layers -- one kind of layer; a draft model (it reads the target's tables over all its own layers);
-    tensor / pipeline parallelism (their step plans carry one table); disable_hybrid_kv_cache_manager."""
+    pipeline stages (each holds some of the layers, so some of the kinds; the step plan carries every group's
+    table under tensor parallelism, whose ranks hold every layer); disable_hybrid_kv_cache_manager."""
     layers = layers_per_window(cfg)
     if (len(layers) < 2 or config.speculative.speculative_method == "draft"
-            or config.cache.disable_hybrid_kv_cache_manager
-            or config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size > 1):
+            or config.cache.disable_hybrid_kv_cache_manager or config.parallel.pipeline_parallel_size > 1):
         return None
     batching = config.batching
     return group_blocks(layers, num_blocks, config.cache.block_size, batching.max_num_seqs,

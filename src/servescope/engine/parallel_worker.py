@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from servescope.config import EngineConfig
+from servescope.engine.kv_sizing import kv_group_blocks
 from servescope.engine.model_runner import ModelRunner, step_batch_from_buffer
 from servescope.engine.parallel_executor import (ParallelExecutor, local_step, parallel_layout, shard_model,
                                                  uses_decode_plan)
@@ -50,7 +51,7 @@ def worker_main(rank: int, flat_config: dict, store_port: Optional[int], parent_
             ctx = context(layout, rank, WORKER_TIMEOUT_S)
         ex = ParallelExecutor.prepare(shard_model(model, ctx), device, config.load.quantization,
                                       config.load.gpu_linear, decode_plan=uses_decode_plan(layout), ctx=ctx)
-        flat_config = _serve(ex, model_config, ex.attention_backend(config.load.attention_backend), device)
+        flat_config = _serve(ex, config, model_config, ex.attention_backend(config.load.attention_backend), device)
         generation += 1
     destroy_group()
     if parent_pid is not None:  # a spawned worker: skip torch's interpreter teardown (seconds on a busy
@@ -71,7 +72,7 @@ def _build(config: EngineConfig, rank: int) -> tuple:
     return model, model_config, parallel_layout(config, model_config, device, count_devices=False), device
 
 
-def _serve(ex: ParallelExecutor, model_config, backend, device: torch.device) -> Optional[dict]:
+def _serve(ex: ParallelExecutor, config: EngineConfig, model_config, backend, device: torch.device) -> Optional[dict]:
     """Run step plans until STOP (returns None) or REBUILD (returns the next engine's settings)."""
     runner = None
     while True:
@@ -82,12 +83,13 @@ def _serve(ex: ParallelExecutor, model_config, backend, device: torch.device) ->
             return plan.rebuild_config(msg)
         if msg.command == plan.ALLOCATE_KV:
             blocks, block_size, dtype_index = msg.header[1:4]
-            runner = ModelRunner(ex, ex.shard_config(model_config), backend, blocks, block_size,
-                                 plan.KV_DTYPES[dtype_index], device)
+            shard_cfg = ex.shard_config(model_config)  # (rank 0's groups of layers: the same rule, same inputs)
+            runner = ModelRunner(ex, shard_cfg, backend, blocks, block_size, plan.KV_DTYPES[dtype_index], device,
+                                 group_blocks=kv_group_blocks(config, shard_cfg, blocks))
             continue
         t, b, max_blocks, decodes, _ = msg.dims
-        buf, logits_rows, cuts = msg.step_parts()
-        batch = step_batch_from_buffer(buf, t, b, max_blocks, decodes)
+        buf, logits_rows, cuts, widths = msg.step_parts()
+        batch = step_batch_from_buffer(buf, t, b, max_blocks, decodes, groups=tuple(zip(runner.group_windows, widths)))
         with torch.inference_mode():
             local_step(ex, batch, runner.kv_caches, backend, logits_rows, cuts)
 

@@ -2,9 +2,11 @@
 torch.distributed broadcasts: no pickled objects, the same message under torchrun across machines.
 
 A message is a fixed header [HEADER_LEN] then, for a step, one payload: the runner's flat step
-buffer (ids, positions, slots, logits index, context lens, query starts, block table; see
-engine/model_runner.step_batch_from_buffer), the row indices whose logits are due, then the token
-offsets where a pipeline step is cut into micro-batches (parallel/microbatch.py; none: one).
+buffer (ids, positions, slots, logits index, context lens, query starts, block table, then each further
+group's slots and table where the KV cache keeps a block table per group of layers; see
+engine/model_runner.step_batch_from_buffer), the row indices whose logits are due, the token offsets where
+a pipeline step is cut into micro-batches (parallel/microbatch.py; none: one), then each further group's
+table width (the worker knows the groups' windows from its own model and config).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 STOP, STEP, ALLOCATE_KV, REBUILD = 0, 1, 2, 3
-HEADER_LEN = 8  # [command, T, B, max blocks, decodes, logits rows, payload length, micro-batch cuts]
+HEADER_LEN = 9  # [command, T, B, max blocks, decodes, logits rows, payload length, micro-batch cuts, groups]
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8) + (
     (torch.float8_e4m3fn,) if hasattr(torch, "float8_e4m3fn") else ())  # the index travels in a header
 
@@ -34,10 +36,12 @@ class Message:
         return tuple(self.header[1:6])
 
     def step_parts(self) -> tuple:
-        """(the runner's step buffer, the logits rows, the micro-batch cuts) of a STEP's payload."""
-        n, c = self.header[5], self.header[7]
-        end = self.payload.numel() - n - c
-        return self.payload[:end], self.payload[end:end + n], self.payload[end + n:].tolist()
+        """(the runner's step buffer, the logits rows, the micro-batch cuts, the further groups' table widths) of
+        a STEP's payload."""
+        n, c, g = self.header[5], self.header[7], self.header[8]
+        end = self.payload.numel() - n - c - g
+        tail = self.payload[end + n:].tolist()
+        return self.payload[:end], self.payload[end:end + n], tail[:c], tail[c:]
 
 
 def _broadcast(t: torch.Tensor, comm=None) -> None:
@@ -51,9 +55,11 @@ def send_step(batch, logits_indices: torch.Tensor, comm=None, cuts: tuple = ()) 
     """Rank 0: the StepBatch (its buffer), the logits rows and the micro-batch cuts to every rank."""
     t, b = batch.num_tokens, batch.meta.num_seqs
     buf = batch.buffer
-    payload = torch.cat([buf, logits_indices.to(buf.dtype), torch.tensor(cuts, dtype=buf.dtype, device=buf.device)])
+    widths = [g.block_tables.shape[1] for g in batch.meta.window_groups.values()]  # (the runner's group order)
+    tail = torch.tensor(list(cuts) + widths, dtype=buf.dtype, device=buf.device)
+    payload = torch.cat([buf, logits_indices.to(buf.dtype), tail])
     header = [STEP, t, b, batch.meta.block_tables.shape[1], batch.meta.num_decode_seqs,
-              logits_indices.numel(), payload.numel(), len(cuts)]
+              logits_indices.numel(), payload.numel(), len(cuts), len(widths)]
     _broadcast(torch.tensor(header, dtype=torch.int64, device=payload.device), comm)
     _broadcast(payload, comm)
 
