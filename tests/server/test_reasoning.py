@@ -23,6 +23,13 @@ CASES = [  # style, output text, (reasoning, answer)
     ("qwen3", "Paris.", (None, "Paris.")),
     ("qwen3", "<think>cut off", ("cut off", None)),
     ("qwen3", "<thin", (None, "<thin")),
+    # gpt-oss's harmony channels (the markers are special tokens, kept in these requests' text)
+    ("openai_gptoss", "<|channel|>analysis<|message|>Sky: Rayleigh.<|end|><|start|>assistant<|channel|>final"
+                      "<|message|>Blue light scatters most.", ("Sky: Rayleigh.", "Blue light scatters most.")),
+    ("openai_gptoss", "<|channel|>final<|message|>Paris.", (None, "Paris.")),  # no analysis
+    ("openai_gptoss", "<|channel|>analysis<|message|>cut off", ("cut off", None)),
+    ("openai_gptoss", "<|channel|>analysis<|message|>a<|end|>", ("a", None)),  # the header not yet written
+    ("openai_gptoss", "plain", (None, "plain")),
 ]
 
 
@@ -196,3 +203,38 @@ def test_streamed_reasoning_reassembles_in_responses_and_messages(rserver, rhttp
     with claude.messages.stream(**kw) as s:
         streamed = s.get_final_message()
     assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in plain.content]
+
+
+def test_harmony_requests_keep_special_tokens_and_a_budget_forces_the_final_header(tmp_path):
+    """--reasoning-parser openai_gptoss: the channels' markers are special tokens, so its requests are decoded
+    with them (a random model pushed to write one shows it in the text); its budget closes the analysis with the
+    end marker and the final channel's header, tokens of the model's own tokenizer."""
+    from tiny_models import make_tiny_hf_model
+    from transformers import AutoTokenizer
+
+    from servescope.engine.async_engine import AsyncEngine
+    from servescope.engine.llm_engine import LLMEngine
+
+    markers = ["<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>"]
+    path = make_tiny_hf_model(tmp_path, "llama_plain", vocab_size=49160)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": markers})
+    tok.save_pretrained(path)
+    ae = AsyncEngine(LLMEngine(model=str(path), num_kv_blocks=32, block_size=8, max_model_len=128))
+    s = LiveServer(build_app(ae, model_name="tiny", api_key=KEY, reasoning_parser="openai_gptoss")).start()
+    try:
+        with httpx.Client(base_url=s.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as c:
+            channel = tok.convert_tokens_to_ids("<|channel|>")
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+                    "logit_bias": {str(channel): 100}}
+            msg = c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+            assert msg["content"].startswith("<|channel|>")  # kept: skip_special_tokens would drop it
+        parser = make_reasoning_parser("openai_gptoss", ae.tokenizer)
+        budget = parser.budget(4)
+        assert budget.start_token_ids == tuple(tok.encode("<|channel|>analysis<|message|>", add_special_tokens=False))
+        closing = "<|end|><|start|>assistant<|channel|>final<|message|>"
+        assert budget.end_token_ids == tuple(tok.encode(closing, add_special_tokens=False))
+        assert tok.convert_tokens_to_ids("<|end|>") == budget.end_token_ids[0]
+    finally:
+        s.stop()
+        ae.shutdown()

@@ -45,9 +45,9 @@ def add_parser(sub) -> None:
     s.add_argument(
         "--reasoning-parser",
         default=None,
-        choices=("deepseek_r1", "qwen3"),
-        help="split <think>...</think> reasoning from answers (reasoning_content, reasoning items, "
-        "thinking blocks)",
+        choices=("deepseek_r1", "qwen3", "openai_gptoss"),
+        help="split <think>...</think> reasoning (openai_gptoss: gpt-oss's analysis channel) from answers "
+        "(reasoning_content, reasoning items, thinking blocks)",
     )
     s.add_argument(
         "--disaggregate",

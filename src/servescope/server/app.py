@@ -56,7 +56,7 @@ def build_app(async_engine: AsyncEngine, model_name: str = "servescope", api_key
               limits: Optional[ServerLimits] = None, reasoning_parser: Optional[str] = None,
               **limit_overrides) -> FastAPI:
     """limits: the server's limits (ServerLimits' defaults if None); limit_overrides: single fields
-    (e.g. max_queue=4) replaced on top of them; reasoning_parser: deepseek_r1 | qwen3 | None."""
+    (e.g. max_queue=4) replaced on top of them; reasoning_parser: deepseek_r1 | qwen3 | openai_gptoss | None."""
     limits = dataclasses.replace(limits or ServerLimits(), **limit_overrides)
     app = FastAPI(title="servescope", version="0.1.0",
                   description="OpenAI-compatible API of the servescope engine.")

@@ -135,6 +135,8 @@ def _extras(ctx: ServingContext, req, reasoning) -> dict:
                 "max_reasoning_tokens needs a reasoning parser (serve --reasoning-parser)",
             )
         extra["thinking_budget"] = reasoning.budget(req.max_reasoning_tokens)
+    if reasoning is not None and reasoning.style.special_markers:  # (harmony's channels are special tokens)
+        extra["skip_special_tokens"] = False
     return extra
 
 

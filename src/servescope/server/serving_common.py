@@ -95,9 +95,8 @@ def sampling_params(ctx: ServingContext, req, *, max_tokens: int, logprobs: Opti
             seed=req.seed, stop=tuple(stop), max_tokens=max_tokens,
             min_tokens=req.min_tokens or 0, ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
             stop_token_ids=tuple(req.stop_token_ids or ()), prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=req.skip_special_tokens is not False,
             include_stop_str_in_output=bool(req.include_stop_str_in_output), structured=structured,
-            **(extra or {}))
+            **{"skip_special_tokens": req.skip_special_tokens is not False, **(extra or {})})
     except InvalidParameterError as e:
         raise rename_param(e, max_tokens_param) from None
 

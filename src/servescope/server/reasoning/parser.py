@@ -1,11 +1,16 @@
 """Splitting a model's reasoning from its answer: `[<think>] reasoning </think> answer`.
 
-Two styles, vLLM's names:
+Three styles, vLLM's names:
   - deepseek_r1: the chat template opens the block in the prompt, so the output starts inside it
     (a leading <think> the model writes anyway is dropped); no </think>: all of it is reasoning.
   - qwen3: the output opens the block itself (<think> first, after whitespace); otherwise there is
     no reasoning (e.g. chat_template_kwargs.enable_thinking false: the template wrote an empty block
     into the prompt). An open block that never closes (max_tokens) is reasoning.
+  - openai_gptoss: gpt-oss's harmony channels, `<|channel|>analysis<|message|>reasoning<|end|>` then
+    `<|start|>assistant<|channel|>final<|message|>answer` (the final header alone when there is no
+    analysis); the header that opens the answer is dropped. Its markers are special tokens, so its
+    requests keep special tokens in their text (`special_markers`). Tool calls in the commentary channel
+    are not parsed (the text after the analysis is the answer as written).
 The text after </think> is the answer as the model wrote it (vLLM strips nothing either).
 
 The streamer's deltas always concatenate to the whole-output split of the text so far: it holds
@@ -29,13 +34,35 @@ class ReasoningStyle:
     starts_in_reasoning: bool  # the prompt opened the block (deepseek_r1)
     start: str = "<think>"
     end: str = "</think>"
+    answer_starts: tuple = ()  # headers that open the answer, dropped from it (harmony's final channel)
+    special_markers: bool = False  # the markers are special tokens: the text must keep them
 
 
-PARSERS = {"deepseek_r1": ReasoningStyle("deepseek_r1", True), "qwen3": ReasoningStyle("qwen3", False)}
+HARMONY_FINAL = ("<|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>")
+PARSERS = {"deepseek_r1": ReasoningStyle("deepseek_r1", True), "qwen3": ReasoningStyle("qwen3", False),
+           "openai_gptoss": ReasoningStyle("openai_gptoss", False, "<|channel|>analysis<|message|>", "<|end|>",
+                                           HARMONY_FINAL, special_markers=True)}
 
 
 def _split(style: ReasoningStyle, text: str, finished: bool) -> Optional[tuple]:
     """(reasoning or None, answer or None), or None while the text may still open a block."""
+    parts = _split_block(style, text, finished)
+    if parts is None or not style.answer_starts or parts[1] is None:
+        return parts
+    return parts[0], _answer(style, parts[1], finished)
+
+
+def _answer(style: ReasoningStyle, text: str, finished: bool) -> str:
+    """The answer without the header that opens it ("" while the text may still become one)."""
+    for header in style.answer_starts:
+        if text.startswith(header):
+            return text[len(header):]
+    if not finished and any(h.startswith(text) for h in style.answer_starts):
+        return ""
+    return text
+
+
+def _split_block(style: ReasoningStyle, text: str, finished: bool) -> Optional[tuple]:
     stripped = text.lstrip()
     if stripped.startswith(style.start):
         body = stripped[len(style.start) :]
@@ -68,6 +95,9 @@ class ReasoningParser:
     def __init__(self, style: ReasoningStyle, tokenizer):
         self.style = style
         self.end_ids = tuple(tokenizer.encode(style.end, add_special_tokens=False)) if tokenizer else ()
+        # what a budget forces when the reasoning runs long: the end marker, then the answer's header
+        closing = style.end + (style.answer_starts[0] if style.answer_starts else "")
+        self.close_ids = tuple(tokenizer.encode(closing, add_special_tokens=False)) if tokenizer else ()
         self.start_ids = tuple(tokenizer.encode(style.start, add_special_tokens=False)) if tokenizer else ()
 
     def split(self, text: str) -> tuple:
@@ -98,7 +128,7 @@ class ReasoningParser:
                 "max_reasoning_tokens", "a reasoning budget needs the model's tokenizer"
             )
         start = () if self.style.starts_in_reasoning else self.start_ids
-        return ThinkingBudget(max_tokens=max_tokens, end_token_ids=self.end_ids, start_token_ids=start)
+        return ThinkingBudget(max_tokens=max_tokens, end_token_ids=self.close_ids, start_token_ids=start)
 
 
 class ReasoningStreamer:
