@@ -192,6 +192,21 @@ def test_tool_call_parsers():
         deltas += d
     assert sent == "Let me check." and [d["function"]["arguments"] for d in deltas] == \
         [c["function"]["arguments"] for c in plan.parse(text)[1]]
+    # gpt-oss's harmony: calls to functions.NAME (recipient in the channel or the role header), the rest after
+    # the reasoning parser took the analysis; the final channel is content
+    harmony = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+               '{"city": "Oslo"}<|call|><|start|>assistant to=functions.get_time<|channel|>commentary json'
+               '<|message|>{"zone": "UTC"}')
+    content, calls = plan.parse(harmony)
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "UTC"})]
+    content, calls = plan.parse("<|channel|>final<|message|>It is sunny.")
+    assert (content, calls) == ("<|channel|>final<|message|>It is sunny.", [])  # no call: the text as it is
+    st, sent, deltas = ToolStreamer(plan), "", []
+    for k in range(1, len(harmony) + 1):
+        c, d = st.feed(harmony[:k], k == len(harmony))
+        sent, deltas = sent + c, deltas + d
+    assert sent == "" and [d["function"]["name"] for d in deltas] == ["get_weather", "get_time"]
 
 
 BAD = [

@@ -2,8 +2,10 @@
 and the same as OpenAI's streamed deltas.
 
 Modes (vLLM's behaviour): `none` renders no tools and parses nothing; `auto` renders them and parses
-Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>` blocks or a Llama-3 style JSON object
-`{"name", "parameters"}`; `required` constrains the output to a JSON array of {"name",
+Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>` blocks, a Llama-3 style JSON object
+`{"name", "parameters"}`, or gpt-oss's harmony messages to a function (`<|channel|>commentary
+to=functions.NAME ... <|message|>ARGS<|call|>`, the recipient in the role or the channel header; the
+final channel's text is the content); `required` constrains the output to a JSON array of {"name",
 "parameters"} over the tools (one item unless parallel_tool_calls); a named function constrains the
 output to that function's arguments. So required and named calls always validate against the
 tool's schema. finish_reason is "tool_calls" when auto/required produced calls, "stop" for named.
@@ -92,6 +94,10 @@ def _call(name: str, arguments: str) -> dict:
 
 
 def _parse_auto(text: str, parallel: bool) -> tuple:
+    if "to=functions." in text and "<|message|>" in text:
+        harmony = _harmony_calls(text)
+        if harmony[1]:
+            return harmony[0], harmony[1][:None if parallel else 1]
     idx = text.find(TAG_OPEN)
     if idx >= 0:
         calls = []
@@ -107,6 +113,28 @@ def _parse_auto(text: str, parallel: bool) -> tuple:
         args = obj.get("parameters", obj.get("arguments"))
         return None, [_call(obj["name"], json.dumps(args, ensure_ascii=False))]
     return text, []
+
+
+_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+
+
+def _harmony_calls(text: str) -> tuple:
+    """(content or None, calls) of harmony messages: each `[<|start|>assistant] header <|message|> body`, a
+    call where the header names a function recipient (its body, up to <|call|>, the arguments), content
+    where it is the final channel (or has no channel); analysis messages are reasoning, not content."""
+    calls, content = [], []
+    for seg in text.split("<|start|>"):
+        head, sep, body = seg.removeprefix("assistant").partition("<|message|>")
+        if not sep:
+            continue
+        body = re.split(r"<\|(?:call|end|return)\|>", body, maxsplit=1)[0]
+        m = _RECIPIENT.search(head)
+        if m:
+            obj = _json_object(body.strip())
+            calls.append(_call(m.group(1), json.dumps(obj, ensure_ascii=False) if obj is not None else body.strip()))
+        elif "<|channel|>" not in head or "<|channel|>final" in head:
+            content.append(body)
+    return ("".join(content) or None), calls
 
 
 def _json_object(s: str) -> Optional[dict]:
@@ -135,7 +163,9 @@ class ToolStreamer:
         if self.plan.mode == "none":
             return self._content(text), []
         if not finished:
-            safe = "" if text.lstrip().startswith(("{", "[", "<|python_tag|>")) else _safe_prefix(text)
+            held = ("{", "[", "<|python_tag|>", "<|start|>", "<|channel|>")  # (may yet be a call: parsed at the end)
+            t = text.lstrip()
+            safe = "" if t.startswith(held) or any(h.startswith(t) for h in held) else _safe_prefix(text)
             return self._content(safe), []
         content, calls = self.plan.parse(text)
         return self._content(content or ""), [dict(c, index=i) for i, c in enumerate(calls)]

@@ -9,8 +9,8 @@ Three styles, vLLM's names:
   - openai_gptoss: gpt-oss's harmony channels, `<|channel|>analysis<|message|>reasoning<|end|>` then
     `<|start|>assistant<|channel|>final<|message|>answer` (the final header alone when there is no
     analysis); the header that opens the answer is dropped. Its markers are special tokens, so its
-    requests keep special tokens in their text (`special_markers`). Tool calls in the commentary channel
-    are not parsed (the text after the analysis is the answer as written).
+    requests keep special tokens in their text (`special_markers`). A call to a function in the commentary
+    channel stays in the answer, where the tool-call parser takes it (server/tool_calls.py).
 The text after </think> is the answer as the model wrote it (vLLM strips nothing either).
 
 The streamer's deltas always concatenate to the whole-output split of the text so far: it holds
