@@ -43,6 +43,28 @@ class BlockAllocator:
         self._ref[b] = 1
         return b
 
+    def allocate_many(self, n: int) -> list[int]:
+        """allocate() n times (n <= num_free): the first n free blocks, in free-list order."""
+        if n > len(self._free):
+            raise NoFreeBlocksError(f"{n} KV blocks asked for, {len(self._free)} free")
+        free, on_free, ref = self._free, self._on_free_list, self._ref
+        out = [free.popleft() for _ in range(n)]
+        for b in out:
+            on_free[b] = False
+            ref[b] = 1
+        return out
+
+    def reuse(self, blocks: list[int]) -> list[int]:
+        """Give each held block (ref 0, off the free list: one just evicted from the prefix cache) its first
+        owner again: what release() then allocate() of it does when the free list is empty, without the trip.
+        Returns `blocks`."""
+        on_free, ref = self._on_free_list, self._ref
+        for b in blocks:
+            if on_free[b] or ref[b] != 0:
+                raise AssertionError(f"reuse of block {b}: free={on_free[b]} ref={ref[b]}")
+            ref[b] = 1
+        return blocks
+
     def incref(self, b: int) -> int:
         """Add an owner. Allowed on a held (ref 0, evictable) block, never on a free one."""
         if self._on_free_list[b]:
@@ -57,6 +79,18 @@ class BlockAllocator:
             raise AssertionError(f"decref of block {b}, whose ref count is {self._ref[b]}")
         self._ref[b] -= 1
         return self._ref[b]
+
+    def decref_all(self, blocks) -> list[int]:
+        """decref() of each block in order; the blocks whose count reached 0, in that order."""
+        ref, out = self._ref, []
+        for b in blocks:
+            n = ref[b] - 1
+            if n < 0:
+                raise AssertionError(f"decref of block {b}, whose ref count is {ref[b]}")
+            ref[b] = n
+            if not n:
+                out.append(b)
+        return out
 
     def release(self, b: int) -> None:
         """Put a held block (ref 0) back on the free list."""

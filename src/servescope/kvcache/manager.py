@@ -257,11 +257,10 @@ class KVCacheManager:
     def _allocate_blocks(self, n: int, table: list) -> None:
         """Append n newly allocated blocks to the table, each from the free list, or when it is empty the least
         recently freed cached block (its hash dies with it)."""
-        alloc, cache = self.allocator, self.prefix_cache
-        for _ in range(n):
-            if alloc.num_free == 0:
-                alloc.release(cache.evict())
-            table.append(alloc.allocate())
+        k = min(n, self.allocator.num_free)
+        table.extend(self.allocator.allocate_many(k))
+        if n > k:  # each evicted block goes where release() then allocate() of it would put it, at once
+            table.extend(self.allocator.reuse(self.prefix_cache.evict_many(n - k)))
 
     def _cache_full_blocks(self, request: SequenceLike, num_tokens: int) -> None:
         """Hash the request's blocks that are full within its first num_tokens tokens."""
@@ -273,11 +272,8 @@ class KVCacheManager:
         num_full = min(num_tokens // self.block_size, len(table))
         if num_full <= start:
             return
-        hashes = self._request_hashes(request, num_full)
-        for i in range(start, num_full):
-            # False when another block already holds this content: this one stays private.
-            if table[i] != NO_BLOCK:
-                self.prefix_cache.insert(hashes[i], table[i])
+        # (a block whose content another block already holds stays private: insert's rule)
+        self.prefix_cache.insert_blocks(self._request_hashes(request, num_full), table, start, num_full, NO_BLOCK)
         self._num_hashed[rid] = num_full
 
     def rollback(self, request: SequenceLike, num_tokens: int) -> int:
@@ -312,14 +308,17 @@ class KVCacheManager:
         self._num_hashed.pop(rid, None)
         self._num_slid.pop(rid, None)
         num_written = request.num_computed_tokens // self.block_size
-        decref, cache = self.allocator.decref, self.prefix_cache
-        for i in range(len(table) - 1, -1, -1):  # _drop of each, inline
-            b = table[i]
-            if b != NO_BLOCK and decref(b) == 0:
-                if i < num_written and cache.is_cached(b):
-                    cache.add_evictable(b)
-                else:
-                    self._let_go(b)
+        is_cached = self.prefix_cache.is_cached
+        if NO_BLOCK not in table and not any(map(is_cached, table[num_written:])):  # _drop of each, in bulk
+            last = self.allocator.decref_all(table[::-1])  # (no unwritten block cached: a cached one is written)
+            self.prefix_cache.add_evictable_all([b for b in last if is_cached(b)])
+            for b in last:
+                if not is_cached(b):
+                    self.allocator.release(b)
+            return
+        for i in range(len(table) - 1, -1, -1):
+            if table[i] != NO_BLOCK:
+                self._drop(table[i], written=i < num_written)
 
     def _drop(self, b: int, written: bool) -> None:
         """One hold on block b ends: with no holder left, a cached block whose KV is written becomes

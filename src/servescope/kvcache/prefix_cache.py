@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+import sys
+from array import array
 from collections import OrderedDict
 from typing import Optional, Sequence
 
@@ -62,16 +64,37 @@ def extend_block_hashes(hashes: list, token_ids: Sequence[int], block_size: int,
                         salt: Optional[str] = None) -> list:
     """Append to `hashes` (those of the leading full blocks of token_ids) the hashes of the next full blocks,
     up to `limit` blocks in all, in place (a request's list grows a block at a time: no copy of what it holds);
-    returns `hashes`."""
+    returns `hashes`. Several blocks at once take their tokens' bytes in one conversion (_int64_bytes: the
+    bytes hash_block_tokens packs, block by block)."""
     n = min(len(token_ids) // block_size, limit)
+    k = len(hashes)
+    if n <= k:
+        return hashes
     parent = hashes[-1] if hashes else salted_root(salt)
-    pack = _packer(block_size)
+    if parent is None:
+        parent = _ROOT
     append, sha256 = hashes.append, hashlib.sha256
-    for i in range(len(hashes), n):
-        parent = sha256((parent if parent is not None else _ROOT)
-                        + pack(*token_ids[i * block_size:(i + 1) * block_size])).digest()
+    if n == k + 1:  # a decode filling its block
+        append(sha256(parent + _packer(block_size)(*token_ids[k * block_size:n * block_size])).digest())
+        return hashes
+    data, width = _int64_bytes(token_ids[k * block_size:n * block_size]), 8 * block_size
+    for off in range(0, len(data), width):
+        parent = sha256(parent + data[off:off + width]).digest()
         append(parent)
     return hashes
+
+
+def _int64_bytes(token_ids: Sequence[int]) -> bytes:
+    """The tokens as little-endian int64s, back to back: struct's "<{n}q" pack of them, made by array."""
+    if _NATIVE_INT64 is None:
+        return _packer(len(token_ids))(*token_ids)
+    a = array(_NATIVE_INT64, token_ids)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+_NATIVE_INT64 = next((code for code in "ql" if array(code).itemsize == 8), None)
 
 
 class PrefixCache:
@@ -117,6 +140,16 @@ class PrefixCache:
         self._hash_of[block] = h
         return True
 
+    def insert_blocks(self, hashes: Sequence[BlockHash], blocks: Sequence[int], start: int, stop: int,
+                      skip: int) -> None:
+        """insert(hashes[i], blocks[i]) for i in [start, stop), passing over blocks equal to `skip` (NO_BLOCK)."""
+        block_of, hash_of = self._block_of, self._hash_of
+        for i in range(start, stop):
+            h, b = hashes[i], blocks[i]
+            if b != skip and h not in block_of and b not in hash_of:
+                block_of[h] = b
+                hash_of[b] = h
+
     def uncache(self, block: int) -> None:
         """Forget a block's hash (it must not be evictable: evict() or take() it first)."""
         assert block not in self._evictable, f"uncache of evictable block {block}"
@@ -129,6 +162,14 @@ class PrefixCache:
         assert block not in self._evictable, f"block {block} is already evictable"
         self._evictable[block] = None
 
+    def add_evictable_all(self, blocks: Sequence[int]) -> None:
+        """add_evictable() of each block in order: each cached and not evictable (the caller's ref counts say so:
+        a block comes here when its last holder lets go, and an evictable block has none)."""
+        ev, hash_of = self._evictable, self._hash_of
+        for b in blocks:
+            assert b in hash_of, f"block {b} is not cached"
+            ev[b] = None
+
     def take(self, block: int) -> None:
         """A cache hit revives an evictable block: it is no longer a candidate for eviction."""
         del self._evictable[block]
@@ -138,6 +179,18 @@ class PrefixCache:
         block, _ = self._evictable.popitem(last=False)
         self.uncache(block)
         return block
+
+    def evict_many(self, n: int) -> list[int]:
+        """evict() n times: the n least recently freed evictable blocks, in that order, their hashes dropped."""
+        if n > len(self._evictable):
+            raise KeyError(f"{n} evictions asked for, {len(self._evictable)} evictable blocks")
+        popitem, hash_pop, block_of = self._evictable.popitem, self._hash_of.pop, self._block_of
+        out = []
+        for _ in range(n):
+            b = popitem(last=False)[0]
+            del block_of[hash_pop(b)]
+            out.append(b)
+        return out
 
     def clear(self) -> list[int]:
         """Forget every hash; return the blocks that were evictable (now merely held, ref 0)."""

@@ -17,8 +17,10 @@ starts a block (a new block, when the held ones do not cover it) or fills one (i
 prefix cache): the manager's invariants say a request holds ceil(tokens / S) blocks and hashes a block
 when the step computing its last token is scheduled, so at any other position the call changes nothing
 -- made with the request exactly as that step's schedule() saw it (its tokens and num_computed_tokens);
-then the tokens of every step (each request's own stream), their times, the clock, the instance's
-counters (summed step by step in the same order) and, when kept, a StepRecord per step. A window
+then the times of every step's tokens, the clock, the instance's counters (summed step by step in the
+same order) and, when kept, a StepRecord per step. Every token of the stretch (each request's own stream)
+is given to its request before the first call, as the calls need only the tokens before their positions
+(a call hashes the blocks full within min(position + 1, its tokens): the position bounds it either way). A window
 (sliding-window KV that frees blocks) or speculative decoding never fast-forwards.
 """
 
@@ -96,9 +98,11 @@ class DecodeRun:
         if not m:
             return []
         kv, b, rows, p0 = e.kv_manager, self.block_size, self.rows, self.p0
+        stream, n_out0 = e.stream, self.n_out0
+        for i, (req, entry) in enumerate(zip(rows, self.entries)):  # every token of the stretch first: see below
+            req.extend_output_tokens(stream(entry[3], n_out0[i], n_out0[i] + m))
         touch: dict = {}
         finishing = m - 1 == self.finish_step
-        applied = [0] * len(rows)  # steps whose tokens each request holds
         peak, busy, bound_seconds = e.peak_kv_usage, e.busy_seconds, e.bound_seconds
         records = e.steps is not None
         start, allocate = self.clock0, kv.allocate_slots
@@ -106,10 +110,8 @@ class DecodeRun:
             touched = touch.get(j % b)
             if touched is None:
                 touched = touch[j % b] = self._touched(j)
-            for i, hashes in touched:  # as this step's schedule(): the request as it saw it, then its allocation
+            for i in touched:  # as this step's schedule(): the request at its position, then its allocation
                 req = rows[i]
-                if hashes and applied[i] < j:
-                    self._bring(i, j, applied)
                 req.num_computed_tokens = p0[i] + j
                 if not allocate(req, 1):
                     raise RuntimeError(f"{e.name}: a fast-forwarded decode found no free block (the stretch's bound)")
@@ -122,10 +124,7 @@ class DecodeRun:
                 e._record_step(pred, start, seconds, 0, len(rows), 0, len(rows), [p + j + 1 for p in p0], 0, 0, 0)
             start = end
         ends = [step[3] for step in self.plan]
-        stream, n_out0 = e.stream, self.n_out0
-        for i, (req, entry) in enumerate(zip(rows, self.entries)):  # _bring(i, m) inline: once a row a stretch
-            n = n_out0[i]
-            req.extend_output_tokens(stream(entry[3], n + applied[i], n + m))
+        for i, (req, entry) in enumerate(zip(rows, self.entries)):
             req.num_computed_tokens = p0[i] + m
             entry[1].token_times.extend(ends)
         n = len(rows) * m
@@ -147,17 +146,9 @@ class DecodeRun:
         return done
 
     def _touched(self, j: int) -> list:
-        """(row, whether its call hashes a block) of each row whose step j can change blocks, in admission order
-        (schedule()'s): those at a block start, and with prefix caching those filling one. Only a row that hashes
-        needs the tokens before step j (its block's); at a block start the call reads its position, and its
-        token count only to see that no block is to be hashed (the one before was, at its fill)."""
-        b, by_phase, caching = self.block_size, self.by_phase, self.engine.kv_manager.enable_prefix_caching
-        if not self.hashing:  # block size 1 hashes at every block start
-            return [(i, caching) for i in by_phase[-j % b]]
-        return sorted([(i, False) for i in by_phase[-j % b]] + [(i, True) for i in by_phase[(-j - 1) % b]])
-
-    def _bring(self, i: int, j: int, applied: list) -> None:
-        """Give request i the tokens of the steps before step j of the stretch (its own output stream)."""
-        n0 = self.n_out0[i]
-        self.rows[i].extend_output_tokens(self.engine.stream(self.entries[i][3], n0 + applied[i], n0 + j))
-        applied[i] = j
+        """The rows whose step j can change blocks, in admission order (schedule()'s): those at a block start,
+        and with prefix caching those filling one."""
+        b, by_phase = self.block_size, self.by_phase
+        if not self.hashing:  # block size 1 (a block starts and fills at every position), or no prefix caching
+            return by_phase[-j % b]
+        return sorted(by_phase[-j % b] + by_phase[(-j - 1) % b])

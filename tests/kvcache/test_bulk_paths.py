@@ -1,0 +1,143 @@
+"""The KV manager's bulk paths (several blocks hashed from one byte conversion, blocks taken from the free list and
+from eviction in one go, a request's blocks let go in one pass) leave exactly the state the one-block-at-a-time
+rules leave: the same hashes, block ids, reference counts, free list and evictable order, on random workloads with
+prefix hits, duplicates, partial and unwritten blocks, preemption-like frees and a full cache."""
+
+import random
+
+import pytest
+
+from servescope.kvcache.block_allocator import BlockAllocator, NoFreeBlocksError
+from servescope.kvcache.manager import KVCacheManager
+from servescope.kvcache.prefix_cache import PrefixCache, extend_block_hashes, hash_block_tokens, salted_root
+from servescope.kvcache.window_hit import NO_BLOCK
+from test_kv_cache_manager import Seq, make, snapshot
+
+
+def _one_by_one(tokens, block_size, salt=None):
+    parent, out = salted_root(salt), []
+    for i in range(len(tokens) // block_size):
+        parent = hash_block_tokens(parent, tokens[i * block_size:(i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_hashes_of_several_blocks_at_once_equal_the_chain_block_by_block(block_size, salt):
+    rng = random.Random(block_size)
+    values = [0, 1, -5, 2**40, -(2**63), 2**63 - 1]
+    tokens = [rng.choice(values + [rng.randrange(1 << 20)]) for _ in range(20 * block_size + 2)]
+    want = _one_by_one(tokens, block_size, salt)
+    assert extend_block_hashes([], tokens, block_size, 10**6, salt) == want
+    for known in (1, 2, 7):  # grown from a prefix, one block and several at a time, up to a limit
+        hashes = want[:known]
+        assert extend_block_hashes(hashes, tokens, block_size, known + 1, salt) == want[:known + 1]
+        assert extend_block_hashes(hashes, tokens, block_size, 15, salt) == want[:15]
+    with pytest.raises(OverflowError):  # not an int64 (as struct refuses it one block at a time)
+        extend_block_hashes([], [2**63] * (2 * block_size), block_size, 2)
+
+
+def test_allocator_and_cache_in_bulk_as_one_at_a_time():
+    a, b = BlockAllocator(10), BlockAllocator(10)
+    assert a.allocate_many(4) == [b.allocate() for _ in range(4)]
+    with pytest.raises(NoFreeBlocksError):
+        a.allocate_many(7)
+    assert a.decref_all([2, 0, 3]) == [2, 0, 3]
+    with pytest.raises(AssertionError):
+        a.decref_all([2])  # its count is 0
+    with pytest.raises(AssertionError):
+        a.reuse([5])  # on the free list
+    assert a.reuse([2, 0]) == [2, 0] and (a.ref_count(2), a.ref_count(0)) == (1, 1)
+    c, d = PrefixCache(), PrefixCache()
+    for cache in (c, d):
+        for blk in (7, 3, 9, 1):
+            cache.insert(hash_block_tokens(None, [blk]), blk)
+    c.add_evictable_all([3, 7, 1])
+    for blk in (3, 7, 1):
+        d.add_evictable(blk)
+    assert c.evict_many(2) == [d.evict(), d.evict()]
+    assert (c.evictable_blocks(), c.num_cached) == (d.evictable_blocks(), d.num_cached)
+    with pytest.raises(KeyError):
+        c.evict_many(2)
+
+
+class OneAtATime(KVCacheManager):
+    """The manager with its bulk paths replaced by the one-block rules they stand for."""
+
+    def _allocate_blocks(self, n, table):
+        for _ in range(n):
+            if self.allocator.num_free == 0:
+                self.allocator.release(self.prefix_cache.evict())
+            table.append(self.allocator.allocate())
+
+    def _cache_full_blocks(self, request, num_tokens):
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        start, table = self._num_hashed.get(rid, 0), self._blocks[rid]
+        num_full = min(num_tokens // self.block_size, len(table))
+        if num_full <= start:
+            return
+        hashes = _one_by_one(request.all_token_ids, self.block_size)[:num_full]
+        for i in range(start, num_full):
+            if table[i] != NO_BLOCK:
+                self.prefix_cache.insert(hashes[i], table[i])
+        self._hashes[rid] = hashes
+        self._num_hashed[rid] = num_full
+
+    def free(self, request):
+        rid = request.request_id
+        table = self._blocks.pop(rid, [])
+        for d in (self._hashes, self._num_hashed, self._num_slid):
+            d.pop(rid, None)
+        num_written = request.num_computed_tokens // self.block_size
+        for i in range(len(table) - 1, -1, -1):
+            if table[i] != NO_BLOCK:
+                self._drop(table[i], written=i < num_written)
+
+
+def _state(m):
+    c = m.prefix_cache
+    return snapshot(m), dict(c._block_of), list(c._evictable)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("caching", [True, False])
+def test_random_workloads_leave_the_one_block_at_a_time_state(seed, caching):
+    rng = random.Random(seed)
+    bulk = make(num_blocks=40, block_size=4, caching=caching)
+    ref = OneAtATime(bulk.config)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 24))] for _ in range(3)]
+    live = {}  # rid -> (Seq in bulk, Seq in ref)
+    for step in range(400):
+        op = rng.random()
+        if op < 0.35 or not live:  # admit, often on a shared prefix (hits, same-content duplicates)
+            toks = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(0, 14))]
+            pair = (Seq(f"r{step}", toks), Seq(f"r{step}", toks))
+            chunk = rng.choice([None, 3, 9])
+            for m, s in zip((bulk, ref), pair):
+                blocks, n = m.get_computed_blocks(s)
+                new = s.num_tokens - n if chunk is None else min(chunk, s.num_tokens - n)
+                ok = m.allocate_slots(s, new, blocks, n)
+                if ok:
+                    s.num_computed_tokens = n + new
+            assert (bulk.get_block_ids(pair[0].request_id) != []) == (ref.get_block_ids(pair[1].request_id) != [])
+            if bulk.get_block_ids(pair[0].request_id):
+                live[pair[0].request_id] = pair
+        elif op < 0.8:  # a decode (or the rest of a chunked prompt) of a live request
+            rid = rng.choice(sorted(live))
+            tok = rng.randrange(50)
+            for m, s in zip((bulk, ref), live[rid]):
+                if s.num_computed_tokens == s.num_tokens:
+                    s.all_token_ids.append(tok)
+                if m.allocate_slots(s, s.num_tokens - s.num_computed_tokens):
+                    s.num_computed_tokens = s.num_tokens
+        else:  # finish or preempt; sometimes before the step's KV is written (unwritten hashed blocks)
+            rid = rng.choice(sorted(live))
+            back = rng.choice([0, 0, 1, 5])
+            for m, s in zip((bulk, ref), live.pop(rid)):
+                s.num_computed_tokens = max(s.num_computed_tokens - back, 0)
+                m.free(s)
+        bulk.check_invariants()
+        assert _state(bulk) == _state(ref), step
