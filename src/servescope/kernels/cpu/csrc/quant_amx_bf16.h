@@ -268,10 +268,12 @@ inline bool amx_bf16_available() {
 }
 
 // From this many bfloat16 rows of x on, the AMX-BF16 kernel where it runs (benchmarks/quant_rows.py at the 1B
-// shape, one thread's CPU time: its fixed cost, the dequantisation, ~1.2x quant_amx.h's at 1-16 rows for int4
-// and ~1.7x for int8 (twice the bytes to widen), its growth per 16 rows about half quant_amx.h's (no per-block
-// store and rescale); int4 is level at 32 rows and ahead from 48, int8 level at 64 rows)
-constexpr int64_t QDOT_AMX_BF16_ROWS_INT4 = 32, QDOT_AMX_BF16_ROWS_INT8 = 64;
+// shape, one thread's CPU time: its fixed cost, the dequantisation, ~1.2x quant_amx.h's at 1-16 rows for int4;
+// its growth per 16 rows about half quant_amx.h's, no per-block store and rescale). int4 (Q4_0, Q4_1, MXFP4)
+// is level at 32 rows and ahead from 48 (Q4_1, whose offsets cost quant_amx.h a second rescale, from 32).
+// int8 blocks (twice the bytes to widen; quant_amx.h reads them in place) were not ahead up to 128 rows in
+// every run (level to 10% behind at 64-128), so they stay on quant_amx.h: no crossover.
+constexpr int64_t QDOT_AMX_BF16_ROWS_INT4 = 32, QDOT_AMX_BF16_ROWS_INT8 = INT64_MAX;
 
 // The packed GEMV / GEMM entry: x [M, kp] float32 | bfloat16 (bfloat16 for group-32 weights only), bias [N]
 // or null -> y [M, N]. order Auto picks the kernel by rows (QDOT_TILED_ROWS, QDOT_AMX_ROWS_*, and for bfloat16
