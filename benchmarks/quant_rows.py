@@ -1,6 +1,6 @@
 """Packed-weight kernels against bfloat16 dense oneDNN by rows, at the Llama-3.2-1B shape: the evidence for
-which packed kernel runs at how many rows (csrc/quant_dot.h QDOT_TILED_ROWS, model/linears/packed.py
-PACKED_MAX_ROWS).
+which packed kernel runs at how many rows (csrc/quant_dot.h QDOT_TILED_ROWS, csrc/quant_amx.h QDOT_AMX_ROWS_*,
+csrc/quant_amx_bf16.h QDOT_AMX_BF16_ROWS_*, model/linears/packed.py PACKED_MAX_ROWS).
 
 A batched decode step multiplies M rows by every weight. This times one pass over --layers layers of the
 1B shape's projections (qkv 3072x2048, o 2048x2048, gate_up 16384x2048, down 2048x8192; distinct weights
@@ -9,6 +9,8 @@ interleaved rounds, and prints the medians (ms) and the fastest packed path per 
   stream     quant_gemv's streaming order (4 rows of x per pass over the weights), int8 dot products
   tiled      quant_gemv's weight-stationary order (every row of a block of x per weight tile)
   amx        quant_gemv's AMX-INT8 kernel (csrc/quant_amx.h), where the CPU has it
+  amx-bf16   quant_gemv's AMX-BF16 kernel (csrc/quant_amx_bf16.h: each panel dequantised to bfloat16 once),
+             where the CPU has it
   gemm       quant_gemm, the panel GEMM (re-lays the weights per call; float32 activations only)
   deq+dnn    the weights dequantised to the activation dtype in tiles, then oneDNN's GEMM
              (QuantLinear._prefill)
@@ -73,6 +75,8 @@ def paths(mod, dtype) -> dict:
     }
     if mod.isa().get("amx_int8") == "1":
         out["amx"] = lambda lin, x: mod.quant_gemv(x, lin.qweight, lin.scales, empty, 3)
+    if mod.isa().get("amx_bf16") == "1":
+        out["amx-bf16"] = lambda lin, x: mod.quant_gemv(x, lin.qweight, lin.scales, empty, 4)
     if dtype == torch.float32:
         out["gemm"] = lambda lin, x: mod.quant_gemm(x, lin.qweight, lin.scales, empty)
     return out

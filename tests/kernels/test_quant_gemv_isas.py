@@ -41,9 +41,10 @@ def isa_jobs(src: str = SRC) -> dict:
                 runnable = (isa in supported_isas(cpu_flags(), machine_arch())
                             and (not vnni or X86_FLAG[isa] in cpu_flags()))
                 jobs[f"{isa}-{vnni}"] = (cmd(gxx, flags), () if runnable else None, vnni)
-        amx = ["-DSERVESCOPE_ISA_AVX512", *ISA_CFLAGS["avx512"], X86["avx512"], "-mamx-tile", "-mamx-int8"]
+        amx = ["-DSERVESCOPE_ISA_AVX512", *ISA_CFLAGS["avx512"], X86["avx512"], "-mamx-tile", "-mamx-int8",
+               "-mamx-bf16", "-mavx512bf16"]
         runnable = ("avx512" in supported_isas(cpu_flags(), machine_arch())
-                    and {"amx_int8", "avx512_vnni"} <= cpu_flags())
+                    and {"amx_int8", "amx_bf16", "avx512_vnni", "avx512_bf16"} <= cpu_flags())
         jobs["avx512-amx"] = (cmd(gxx, amx), () if runnable else None, True)
     cxx, qemu = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
     if cxx and qemu:
@@ -76,13 +77,13 @@ def check_build(built, name, jobs=JOBS):
 
 
 def test_avx512_amx_path(built):
-    """The AMX-INT8 kernel beside the VNNI ones; where the CPU has the tiles it must also run (amx=1)."""
+    """The AMX-INT8 and AMX-BF16 kernels beside the VNNI ones; where the CPU has the tiles they must also run."""
     if machine_arch() not in ("x86_64", "amd64"):
         pytest.skip("x86 paths need an x86 g++")
     check_build(built, "avx512-amx")
     if "amx_int8" in cpu_flags() and JOBS["avx512-amx"][1] is not None:
         out = subprocess.run([str(built["avx512-amx"].result())], capture_output=True, text=True, timeout=300)
-        assert "amx=1" in out.stdout, out.stdout
+        assert "amx=1" in out.stdout and "amx_bf16=1" in out.stdout, out.stdout
 
 
 def test_scalar_path(built):

@@ -1,6 +1,8 @@
 """The packed group-32 kernels for a batched decode step (csrc/quant_dot.h's streaming and weight-stationary
-VNNI orders, csrc/quant_amx.h's AMX-INT8 tiles where the CPU has them), each forced through quant_gemv's
-`order`: against a dequantise-then-float64 reference with the activations rounded to int8 per block, for
+VNNI orders, csrc/quant_amx.h's AMX-INT8 tiles and csrc/quant_amx_bf16.h's AMX-BF16 tiles where the CPU has
+them), each forced through quant_gemv's `order`: the integer ones against a dequantise-then-float64 reference
+with the activations rounded to int8 per block, the AMX-BF16 one with weights and activations rounded to bfloat16
+(and within those roundings of the exact product), for
 every group-32 format (int4 / int8, symmetric / asymmetric: Q4_0, Q8_0, Q4_1 and the K-quants as loaded),
 K not a multiple of 32 or of any chunk, 1..256 rows (partial tiles of every kernel), float32 and bfloat16
 activations; batching invariance (a row's bits do not depend on how many rows share the call) within each
@@ -16,7 +18,7 @@ from servescope.quant.scheme import QuantScheme
 
 G32 = [QuantScheme(b, 32, a) for b in (4, 8) for a in (False, True)]
 ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 256)
-STREAM, TILED, AMX = 1, 2, 3
+STREAM, TILED, AMX, AMX_BF16 = 1, 2, 3, 4
 
 
 def _ext():
@@ -28,6 +30,10 @@ def _ext():
 
 def _orders(mod) -> list:
     return [STREAM, TILED] + ([AMX] if mod.isa().get("amx_int8") == "1" else [])
+
+
+def _has_amx_bf16(mod) -> bool:
+    return mod.isa().get("amx_bf16") == "1"
 
 
 @pytest.mark.parametrize("scheme", G32, ids=str)
@@ -55,14 +61,63 @@ def test_every_kernel_matches_float64_reference_at_every_row_count(scheme, n, k)
 
 @pytest.mark.parametrize("scheme", G32, ids=str)
 def test_bfloat16_activations_are_their_float32_values(scheme):
-    """bfloat16 rows are rounded to int8 straight from bfloat16: the same bits as their float32 widening."""
+    """bfloat16 rows are rounded to int8 straight from bfloat16: the same bits as their float32 widening (24 rows:
+    below the AMX-BF16 kernel's crossover, which order 0 takes for bfloat16 rows only; forced, it rounds float32
+    rows to bfloat16, so it gives the same bits too)."""
     mod = _ext()
     torch.manual_seed(4)
     packed, scales = qp.quantize(torch.randn(40, 200), scheme)
     x = torch.randn(24, 200).bfloat16()
-    for order in [0] + _orders(mod):
+    for order in [0] + _orders(mod) + ([AMX_BF16] if _has_amx_bf16(mod) else []):
         assert torch.equal(mod.quant_gemv(x, packed, scales, torch.empty(0), order),
                            mod.quant_gemv(x.float(), packed, scales, torch.empty(0), order))
+
+
+@pytest.mark.parametrize("scheme", G32, ids=str)
+@pytest.mark.parametrize("n, k", [(37, 100), (20, 1000), (9, 31), (70, 600)])
+def test_amx_bf16_kernel_is_bfloat16_weights_times_bfloat16_rows(scheme, n, k):
+    """AMX-BF16: the dequantised weights rounded to bfloat16 (quant_dequantize_into's bits) times the rows
+    rounded to bfloat16, summed in float32; within both roundings of the exact float64 product; each row's bits
+    independent of the rows beside it (partial tiles, odd tile counts, K chunks and their remainders)."""
+    mod = _ext()
+    if not _has_amx_bf16(mod):
+        pytest.skip("no AMX-BF16 here")
+    torch.manual_seed(8)
+    w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(max(ROWS), k).bfloat16()
+    packed, scales = qp.quantize(w, scheme)
+    wb = torch.empty(n, k, dtype=torch.bfloat16)
+    mod.quant_dequantize_into(packed, scales, 0, wb)
+    full = mod.quant_gemv(x, packed, scales, b, AMX_BF16)
+    ref = x.double() @ wb.double().T + b.double()
+    assert torch.allclose(full.double(), ref, atol=1e-4, rtol=1e-5)
+    exact_w = qp.dequantize(packed, scales, k, torch.float64)
+    bound = (x.double().abs() @ exact_w.abs().T) / 2**8 + 1e-4
+    assert torch.all((full.double() - (x.double() @ exact_w.T + b.double())).abs() <= bound)
+    for m in ROWS:
+        assert torch.equal(mod.quant_gemv(x[:m], packed, scales, b, AMX_BF16), full[:m]), m
+
+
+def test_default_order_takes_amx_bf16_for_bfloat16_rows_from_its_crossover():
+    """order 0 with bfloat16 rows: 4-bit weights on the integer kernels below the AMX-BF16 crossover and on
+    AMX-BF16 from it; int8 weights (no crossover measured) and float32 rows never take it."""
+    mod = _ext()
+    if not _has_amx_bf16(mod):
+        pytest.skip("no AMX-BF16 here")
+    torch.manual_seed(9)
+    for scheme in (QuantScheme(4, 32), QuantScheme(4, 32, True), QuantScheme(8, 32)):
+        packed, scales = qp.quantize(torch.randn(48, 128), scheme)
+        x = torch.randn(80, 128).bfloat16()
+        bf16_bits = [torch.equal(mod.quant_gemv(x[:m], packed, scales, torch.empty(0)),
+                                 mod.quant_gemv(x[:m], packed, scales, torch.empty(0), AMX_BF16))
+                     for m in range(1, len(x) + 1)]
+        if scheme.bits == 8:
+            assert not any(bf16_bits), scheme
+            continue
+        first = bf16_bits.index(True) + 1
+        assert 1 < first <= 64 and all(bf16_bits[first - 1:]), (scheme, first)
+        xf = x.float()
+        assert not torch.equal(mod.quant_gemv(xf, packed, scales, torch.empty(0)),
+                               mod.quant_gemv(xf, packed, scales, torch.empty(0), AMX_BF16))
 
 
 def test_the_streaming_and_tiled_orders_give_the_same_bits():
@@ -92,10 +147,12 @@ def test_bad_orders_are_refused():
     mod = _ext()
     packed, scales = qp.quantize(torch.randn(8, 64), QuantScheme(4, 32))
     with pytest.raises(RuntimeError, match="order"):
-        mod.quant_gemv(torch.randn(2, 64), packed, scales, torch.empty(0), 4)
+        mod.quant_gemv(torch.randn(2, 64), packed, scales, torch.empty(0), 5)
     g64 = qp.quantize(torch.randn(8, 128), QuantScheme(4, 64))
     with pytest.raises(RuntimeError, match="AMX"):
         mod.quant_gemv(torch.randn(2, 128), *g64, torch.empty(0), AMX)
+    with pytest.raises(RuntimeError, match="AMX-BF16"):
+        mod.quant_gemv(torch.randn(2, 128), *g64, torch.empty(0), AMX_BF16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

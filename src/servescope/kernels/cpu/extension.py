@@ -40,6 +40,7 @@ OPTIONAL_CFLAGS = {
     "avx_vnni": (("avx2",), "-mavxvnni"),
     "amx_tile": (("avx512",), "-mamx-tile"),  # AMX-INT8 tiles for packed weights (csrc/quant_amx.h)
     "amx_int8": (("avx512",), "-mamx-int8"),
+    "amx_bf16": (("avx512",), "-mamx-bf16"),  # AMX-BF16 tiles for packed weights (csrc/quant_amx_bf16.h)
 }
 _ARM_EXTENSIONS = {"asimddp": "dotprod", "bf16": "bf16"}  # /proc/cpuinfo Features -> -march extension
 

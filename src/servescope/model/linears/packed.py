@@ -4,11 +4,13 @@ QuantEmbedding, which reads the same form.
 
 QuantLinear: decode-sized calls go to the C++ kernels over the packed blocks (quant_gemv): with group-32
 scales (int4, int8-g32, every GGUF block type) up to group32_max_rows(dtype) rows (measured per kind of
-CPU), float32 or bfloat16 activations, every one on int8 dot products (the activations rounded to int8 per
+CPU), float32 or bfloat16 activations, on int8 dot products (the activations rounded to int8 per
 block; the kernel by rows, measured: quant_dot.h's streaming and weight-stationary VNNI orders,
-quant_amx.h's AMX-INT8 tiles where the CPU has them), so a batched decode step on packed weights never
-dequantises them; with other groups up to MAX_ROWS rows (quant_gemv.h's float GEMV). Larger ones
-(prefill) with group-32 scales and float32 activations run the integer GEMM
+quant_amx.h's AMX-INT8 tiles where the CPU has them) except bfloat16 rows from a few dozen on where the CPU
+has AMX-BF16 (quant_amx_bf16.h: each 32-row panel dequantised to bfloat16 in L1 once per call, a chunk of K
+at a time, then bfloat16 tile products: bfloat16 dense's precision), so a batched decode step on packed
+weights never materialises a dequantised matrix; with other groups up to MAX_ROWS rows (quant_gemv.h's
+float GEMV). Larger ones (prefill) with group-32 scales and float32 activations run the integer GEMM
 (kernels/cpu/csrc/quant_gemm.h): the activations rounded to int8 per 32-block, as the GEMV already does at
 decode and llama.cpp does for its Q4_0 / Q8_0 prefill, so a row's result does not depend on how many rows
 share the call (up to float32 summation order between kernels), and the int8 dot products do ~2x the

@@ -16,8 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu_mul(gate_up) -> silu(gate) * up");
   m.def("store_kv", &store_kv, "store_kv(k, v, k_cache, v_cache, slot_mapping), in place");
   m.def("quant_gemv", &quant_gemv,
-        "quant_gemv(x, w, scales, bias, order=0): packed int4/int8 weights -> float32; order 1 / 2 forces the "
-        "streaming / weight-stationary loop order (0: by rows)",
+        "quant_gemv(x, w, scales, bias, order=0): packed int4/int8 weights -> float32; order 1 / 2 / 3 / 4 forces "
+        "the streaming / weight-stationary VNNI order, AMX-INT8 or AMX-BF16 (0: by rows)",
         py::arg("x"), py::arg("w"), py::arg("scales"), py::arg("bias"), py::arg("order") = 0);
   m.def("quant_gemm", &quant_gemm, "quant_gemm(x, w, scales, bias): group-32 packed weights, int8 activations -> float32");
   m.def("quant_dequantize", &quant_dequantize, "quant_dequantize(w, scales, k) -> float32 [N, k]");

@@ -281,6 +281,7 @@ std::map<std::string, std::string> isa_info() {
   return {{"isa", kIsa}, {"lanes", std::to_string(W)}, {"bf16_dot", SERVESCOPE_HAS_BF16_DOT ? "1" : "0"},
           {"int8_dot", SERVESCOPE_HAS_INT8_DOT ? "1" : "0"},
           {"amx_int8", quant_amx_available() ? "1" : "0"},
+          {"amx_bf16", quant_amx_bf16_available() ? "1" : "0"},
           {"panel", std::to_string(PANEL_MR) + "x" + std::to_string(PANEL_NB)}};
 }
 

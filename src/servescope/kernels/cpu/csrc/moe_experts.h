@@ -23,7 +23,7 @@
 #pragma once
 
 #include "kernels.h"
-#include "quant_amx.h"
+#include "quant_amx_bf16.h"
 
 namespace servescope_moe {
 

@@ -44,6 +44,7 @@ std::map<std::string, std::string> isa_info();
 Tensor quant_gemv(Tensor x, Tensor w, Tensor scales, Tensor bias, int64_t order = 0);  // order: QOrder
 Tensor quant_gemm(Tensor x, Tensor w, Tensor scales, Tensor bias);
 bool quant_amx_available();  // the AMX-INT8 kernel (quant_amx.h) compiled in and granted the tiles
+bool quant_amx_bf16_available();  // the AMX-BF16 kernel (quant_amx_bf16.h) likewise
 Tensor quant_dequantize(Tensor w, Tensor scales, int64_t k);
 void quant_dequantize_into(Tensor w, Tensor scales, int64_t row0, Tensor out);
 

@@ -322,19 +322,4 @@ inline bool amx_available() {
 // place, so they cross over sooner)
 constexpr int64_t QDOT_AMX_ROWS_INT4 = 8, QDOT_AMX_ROWS_INT8 = 4;
 
-// The packed GEMV / GEMM entry: x [M, kp] float32 | bfloat16 (bfloat16 for group-32 weights only), bias [N]
-// or null -> y [M, N]. order Auto picks the kernel by rows (QDOT_TILED_ROWS, QDOT_AMX_ROWS_*), the others
-// force one (Amx only where amx_available()); groups other than 32 take quant_gemv.h's float kernel.
-template <typename T>
-inline void quant_rows(const QMatrix& q, const T* x, int64_t M, const float* bias, float* y, QOrder order) {
-  if constexpr (std::is_same_v<T, float>)
-    if (q.group != 32) return quant_gemv_rows(q, x, M, bias, y);
-#if SERVESCOPE_HAS_AMX_INT8
-  const int64_t amx_rows = q.int4 ? QDOT_AMX_ROWS_INT4 : QDOT_AMX_ROWS_INT8;
-  if (order == QOrder::Amx || (order == QOrder::Auto && M >= amx_rows && amx_ready()))
-    return quant_amx_rows(q, x, M, bias, y);
-#endif
-  quant_dot_rows(q, x, M, bias, y, order);
-}
-
 }  // namespace servescope_quant

@@ -6,7 +6,7 @@
 #include <ATen/ops/empty_like.h>
 
 #include "moe_experts.h"
-#include "quant_amx.h"
+#include "quant_amx_bf16.h"
 #include "quant_gemm.h"
 #include "ops.h"
 
@@ -59,12 +59,16 @@ at::Tensor padded_rows(const at::Tensor& x, const QMatrix& q, const at::Tensor& 
 namespace servescope_ops {
 
 // x [M, K] (K <= kp; float32, or bfloat16 for group-32 weights, else widened to float32), bias [N] float32
-// or empty, order (QOrder: 0 by rows, 1 streaming, 2 weight-stationary, 3 AMX) -> y [M, N] float32
+// or empty, order (QOrder: 0 by rows, 1 streaming, 2 weight-stationary, 3 AMX-INT8, 4 AMX-BF16) -> y [M, N]
+// float32
 at::Tensor quant_gemv(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor bias, int64_t order) {
   const QMatrix q = describe(w, scales);
-  TORCH_CHECK(order >= 0 && order <= 3, "quant_gemv: order must be 0 (by rows), 1 (streaming), 2 (tiled) or 3 (AMX)");
+  TORCH_CHECK(order >= 0 && order <= 4,
+              "quant_gemv: order must be 0 (by rows), 1 (streaming), 2 (tiled), 3 (AMX-INT8) or 4 (AMX-BF16)");
   TORCH_CHECK(order != 3 || (servescope_quant::amx_available() && q.group == QBLOCK),
               "quant_gemv: the AMX kernel needs AMX-INT8 here and group-32 weights");
+  TORCH_CHECK(order != 4 || (servescope_quant::amx_bf16_available() && q.group == QBLOCK),
+              "quant_gemv: the AMX-BF16 kernel needs AMX-BF16 here and group-32 weights");
   const auto xp = padded_rows(x, q, bias, "quant_gemv", q.group == QBLOCK);
   auto y = at::empty({xp.size(0), q.n}, at::TensorOptions().dtype(at::kFloat));
   const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
@@ -78,6 +82,7 @@ at::Tensor quant_gemv(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor 
 }
 
 bool quant_amx_available() { return servescope_quant::amx_available(); }
+bool quant_amx_bf16_available() { return servescope_quant::amx_bf16_available(); }
 
 // the same for group-32 weights and many rows: the prefill GEMM with integer dot products (quant_gemm.h)
 at::Tensor quant_gemm(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor bias) {
