@@ -36,11 +36,13 @@ class DecodePlanLayers:
     """The model's layers as one C++ call, for decode-only steps (one token per sequence) of up to
     max_rows sequences on a cache the C++ kernels read."""
 
-    def __init__(self, plan, max_rows: int, rotary, segments: tuple = ()):
+    def __init__(self, plan, max_rows: int, rotary, segments: tuple = (), sparse: dict | None = None):
         """segments: (first layer, end, window, plan of those layers) for each run of consecutive layers of one
         window: a cache with a block table per group of layers (kvcache/hybrid.py) runs them in turn, each on
-        its group's tables; the same kernels in the same order as the one plan of all layers."""
+        its group's tables; the same kernels in the same order as the one plan of all layers. sparse: {layer
+        index: its PlanSparseMlp} (what the kernel table times as the plan runs it: measure/moe_kernels.py)."""
         self.plan, self.max_rows, self.rotary, self.segments = plan, max_rows, rotary, segments
+        self.sparse = sparse or {}
 
     def serves(self, meta, num_tokens: int, kv_caches: list, backend) -> bool:
         return (meta.is_decode_only and num_tokens <= self.max_rows and backend.name == "torch"
@@ -114,7 +116,8 @@ def cpu_decode_plan(model: nn.Module):
             segments.append((lo, i, windows[lo], mod.DecodePlan(layers[lo:i], limits[lo:i], windows[lo:i],
                                                                 sparse[lo:i], *args)))
             lo = i
-    return DecodePlanLayers(plan, min(served), model.rotary, tuple(segments))
+    return DecodePlanLayers(plan, min(served), model.rotary, tuple(segments),
+                            {i: m for i, m in enumerate(sparse) if m is not None})
 
 
 def _sparse_mlp(mod, block: SparseMoeBlock, dtype: torch.dtype):
