@@ -150,3 +150,22 @@ def test_llama_cpp_converter_output_loads_to_transformers_logits(family, tmp_pat
     diff = (paged_logits(llm.engine, ids) - ref).abs().max().item()
     assert diff <= TOL, f"{family}: max |logit diff| {diff:.2e}"
     assert llm.engine.model_config.moe == load_model_source(str(hf_dir)).config.moe
+
+
+def test_a_layer_of_mixed_expert_types_runs_float_with_one_warning(tmp_path, caplog):
+    """Down experts in a type without a packed kernel (Q5_0) beside Q4_0 gate and up: those layers' experts are
+    float32 (gate and up dequantised too), said in one warning naming the layers and their parts' types; the
+    other layers stay packed, and the decode plan leaves the model to the modules."""
+    import logging  # (stdlib; only this test reads the log)
+
+    src = load_model_source(str(make_tiny_hf_model(tmp_path, "olmoe", vocab_size=VOCAB, with_tokenizer=False,
+                                                   num_hidden_layers=3)))
+    q5 = {f"blk.{i}.ffn_down_exps.weight": Q.Q5_0 for i in (1, 2)}
+    path = write_tiny_moe_gguf(tmp_path / "mixed.gguf", src, qtype=Q.Q4_0, expert_types=q5)
+    with caplog.at_level(logging.WARNING, logger="servescope.loader.gguf_experts"):
+        llm = gguf_engine(path, quantization="gguf", **SMALL)
+    lines = [r.getMessage() for r in caplog.records if "not packed" in r.getMessage()]
+    assert len(lines) == 1 and "layer(s) 1, 2: gate Q4_0, up Q4_0, down Q5_0" in lines[0], lines
+    blocks = moe_blocks(llm.engine.runner.executor.model)
+    assert [isinstance(b.experts, PackedExperts) for _, b in blocks] == [True, False, False]
+    assert llm.engine.runner.executor.decode_plan is None

@@ -122,6 +122,29 @@ def test_a_moe_table_times_its_sparse_blocks_and_prices_the_mlp_by_the_steps_rou
     assert all(r.predicted_seconds and r.predicted_seconds > 0 for r in engine.step_records)
 
 
+def test_a_planned_moe_is_timed_as_its_decode_steps_run_it(small_grids, tmp_path):
+    """Packed experts on the fused op: the C++ decode plan runs the sparse MLPs of decode steps, so the table
+    times the plan's (up to its rows), the blocks' forward above; the same routing either way."""
+    engine = tiny_engine(tmp_path, "float32", quantization="int4", config=MOE)
+    plan, model, cfg = engine.executor.decode_plan, engine.model, engine.model_config
+    assert plan is not None and sorted(plan.sparse) == [1, 2]
+
+    class Spy:
+        def __init__(self, mlp):
+            self.mlp, self.rows = mlp, []
+
+        def run(self, x):
+            self.rows.append(x.shape[0])
+            return self.mlp.run(x)
+
+    plan.sparse = {i: Spy(m) for i, m in plan.sparse.items()}
+    plan.max_rows = 4
+    times, distinct = moe_kernels.measure_moe_table(model, cfg, engine.dtype, plan)
+    assert [t for t, _ in times] == [1, 4, 32] and all(s > 0 for _, s in times)
+    assert all(set(s.rows) == {1, 4} for s in plan.sparse.values())
+    assert distinct == moe_kernels.measure_moe_table(model, cfg, engine.dtype)[1]
+
+
 def test_moe_seconds_scale_with_the_measured_experts_and_the_table_round_trips():
     t = KernelTable.from_dict({"key": "k", "linear": {p: [[1, 1e-4]] for p in PROJECTIONS}, "misc": [[1, 1e-5]],
                                "paged": {"fixed": 0.0, "per_row": 0.0, "per_key": 0.0},

@@ -19,42 +19,8 @@ from servescope.model.linears import packed as quant_linear
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="CPU op extension not built here")
 
 sys.path.insert(0, os.path.dirname(__file__))
+from decode_plan_check import generate_comparing  # noqa: E402
 from tiny_models import make_tiny_hf_model  # noqa: E402
-
-
-def _generate_comparing(llm, prompts, sp) -> dict:
-    """Greedy generation in which every forward pass the plan serves is also run through the module
-    path (the model's own forward) on a copy of the KV cache; hidden states and caches must be equal.
-    (Comparing two whole generations would not do: oneDNN's prefill GEMMs are not bitwise repeatable
-    from run to run.) Returns the plan's calls by decode batch size."""
-    ex = llm.engine.runner.executor
-    plan, forward = ex.decode_plan, ex.forward
-    run_layers = plan.run_layers
-    calls: dict = {}
-
-    def spy(h, *a):
-        calls[h.shape[0]] = calls.get(h.shape[0], 0) + 1
-        return run_layers(h, *a)
-
-    def both(batch, kv_caches, backend):
-        before = sum(calls.values())
-        copies = [(k.clone(), v.clone()) for k, v in kv_caches]
-        out = forward(batch, kv_caches, backend)
-        if sum(calls.values()) > before:  # the plan ran: now the modules on the copy
-            ref = ex.model(batch.input_ids, batch.positions, copies, batch.meta, backend)
-            assert torch.equal(out, ref)
-            for (k, v), (kr, vr) in zip(kv_caches, copies):
-                assert torch.equal(k, kr) and torch.equal(v, vr)
-        return out
-
-    plan.run_layers = spy
-    ex.forward = both
-    try:
-        llm.generate(prompts, sp)
-    finally:
-        del plan.run_layers
-        del ex.forward
-    return calls
 
 
 @pytest.mark.parametrize("family,head_dim,dtype,quant", [
@@ -98,7 +64,7 @@ def test_decode_plan_matches_module_path_bit_for_bit(tmp_path, monkeypatch, fami
     prompts = [[(i * 7 + j * 13) % 500 + 3 for i in range(n)] for j, n in enumerate((5, 19, 33, 2, 40, 9, 1))]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for n in (1, 2, 3, 7):
-        calls = _generate_comparing(llm, prompts[:n], sp)
+        calls = generate_comparing(llm, prompts[:n], sp)
         # every decode step the plan serves went through it (the others: the modules, compared all the same)
         assert calls == ({n: 11} if n <= rows else {}), calls
 
@@ -120,7 +86,7 @@ def test_decode_plan_matches_modules_on_packed_batches(tmp_path, dtype, quant):
     prompts = [[(i * 7 + j * 13) % 500 + 3 for i in range(2 + j % 9)] for j in range(20)]
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for n in (3, 9, 20):
-        assert _generate_comparing(llm, prompts[:n], sp) == {n: 3}
+        assert generate_comparing(llm, prompts[:n], sp) == {n: 3}
 
 
 def test_decode_plan_limited_to_the_int8_gemv(tmp_path, monkeypatch):
@@ -130,7 +96,7 @@ def test_decode_plan_limited_to_the_int8_gemv(tmp_path, monkeypatch):
     path = make_tiny_hf_model(tmp_path, "llama_plain", vocab_size=512, with_tokenizer=False)
     llm = LLM(model=str(path), skip_tokenizer_init=True, quantization="int8", num_kv_blocks=64, max_model_len=64)
     prompts = [[(i * 5 + j) % 500 + 3 for i in range(4)] for j in range(17)]
-    calls = _generate_comparing(llm, prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    calls = generate_comparing(llm, prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert calls == {}, calls
 
 

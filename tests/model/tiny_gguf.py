@@ -174,7 +174,7 @@ def write_tiny_moe_gguf(path, source, qtype=None, **kw) -> str:
     """A MoE LoadedSource (HF per-expert names) as llama.cpp's converter writes it: each sparse layer's
     experts stacked per projection (blk.N.ffn_{gate,up,down}_exps [E, rows, K], in `qtype`), the router
     blk.N.ffn_gate_inp in float32 (llama-quantize leaves it so), Qwen2-MoE's shared expert and its 1-D gate,
-    and the expert metadata."""
+    and the expert metadata. expert_types: {stacked tensor's GGUF name: GGML type} written in that type instead."""
     cfg, sd = source.config, source.state_dict
     arch, e = MOE_GGUF_ARCH[cfg.architecture], cfg.moe.experts
     block = "block_sparse_moe" if cfg.architecture == "mixtral" else "mlp"
@@ -201,8 +201,12 @@ def write_tiny_moe_gguf(path, source, qtype=None, **kw) -> str:
                if e.shared_intermediate_size else {})}
     dense = {k: v for k, v in sd.items() if k not in drop}
     meta.update(kw.pop("extra_metadata", {}))
+    import gguf
+
+    raw = {name: (gguf.quants.quantize(np.ascontiguousarray(stacked.pop(name), dtype=np.float32), t), t)
+           for name, t in kw.pop("expert_types", {}).items()}
     return write_tiny_gguf(path, cfg, dense, arch=arch, qtype=qtype, extra_tensors=floats,
-                           quantised_tensors=stacked, extra_metadata=meta, **kw)
+                           quantised_tensors=stacked, extra_metadata=meta, gguf_raw=raw, **kw)
 
 
 def write_tiny_gemma_gguf(path, source, qtype=None, **kw) -> str:

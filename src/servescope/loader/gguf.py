@@ -273,7 +273,7 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
     in the state dict."""
     file_size = os.path.getsize(path)
     norm_offset = family_row(config.architecture).norm_offset
-    state_dict, packed, dequantised, repacked, experts = {}, {}, {}, {}, []
+    state_dict, packed, dequantised, repacked, experts, expert_types = {}, {}, {}, {}, [], {}
     for t in reader.tensors:
         if arch == gguf_gpt_oss.ARCH and gguf_gpt_oss.is_expert_tensor(t.name):  # read by layer, after the loop
             experts.append(t)
@@ -290,6 +290,7 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
             )
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
         if stacked is not None:
+            expert_types[stacked] = t.tensor_type.name  # (settle_experts names them if the layer runs float)
             _read_stacked_experts(t, shape, stacked, config, keep_packed, state_dict, packed, path)
             continue
         runs_packed = len(shape) == 2 and keep_packed and _runs_packed(t, hf_name)
@@ -341,7 +342,7 @@ def _read_tensors(reader, config: ModelConfig, arch: str, path: str, keep_packed
     if arch == gguf_gpt_oss.ARCH:
         gguf_gpt_oss.read_experts(experts, config, keep_packed, state_dict, packed, path)
     gguf_packed.settle_fused(packed, state_dict, config.num_hidden_layers, path)
-    gguf_experts.settle_experts(packed, state_dict, path)
+    gguf_experts.settle_experts(packed, state_dict, path, expert_types)
     return state_dict, packed
 
 

@@ -111,16 +111,18 @@ def split_experts(family: str, layer: str, part: str, tensor, count: int) -> dic
     return {expert_key(family, layer, part, e): tuple(p[e] for p in per) for e in range(count)}
 
 
-def settle_experts(packed: dict, state_dict: dict, path: str) -> None:
+def settle_experts(packed: dict, state_dict: dict, path: str, types: dict | None = None) -> None:
     """A sparse layer runs packed only when all its experts' parts are packed and gate and up share a block
     form (they are concatenated per expert); otherwise its packed parts are dequantised to float32 (a file
-    whose down experts are in a type without a packed kernel, say), and a log line says which layers."""
+    whose down experts are in a type without a packed kernel, say), and one warning per model names those
+    layers and their parts' block types (types: {(layer, "gate" | "up" | "down"): GGML type name}): such a
+    layer's experts run through torch ops, and the C++ decode plan leaves the model to the modules."""
     layers: dict = {}
     for key in state_dict:
         m = _EXPERT_KEY.match(key)
         if m:
             layers.setdefault(m.group(1), []).append(key)
-    floated = []
+    floated: dict = {}  # the parts' types -> the layers of those types run float
     for layer, keys in layers.items():
         got = [packed.get(k) for k in keys]
         forms = {None if g is None else (g[0].dtype, g[1].dim())
@@ -131,10 +133,12 @@ def settle_experts(packed: dict, state_dict: dict, path: str) -> None:
             if g is not None:
                 state_dict[k] = dequantize(g[0], g[1], g[2])
                 del packed[k]
-        floated.append(layer)
+        named = ", ".join(f"{p} {types[(layer, p)]}" for p in _PARTS if (layer, p) in (types or {}))
+        floated.setdefault(named or "block types mixed", []).append(layer)
     if floated:
-        logger.info("%s: experts of layer(s) %s dequantised to float32 (their parts mix block types)", path,
-                    ", ".join(floated))
+        logger.warning("%s: experts run as float32, not packed (a layer's parts mix block types the packed "
+                       "experts cannot): %s", path,
+                       "; ".join(f"layer(s) {', '.join(ls)}: {named}" for named, ls in floated.items()))
 
 
 _EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.\d+\.(\w+)\.weight$")

@@ -22,7 +22,8 @@ from servescope.measure.shape_kernels import (measure_attention, measure_linear_
 logger = logging.getLogger(__name__)
 
 CACHE_NAME = "kernel_tables.json"
-_SOURCES = ("kernels/cpu/csrc", "kernels/cpu/linear.py", "model/linears", "model/attention/cpu.py", "model/moe.py")
+_SOURCES = ("kernels/cpu/csrc", "kernels/cpu/linear.py", "model/linears", "model/attention/cpu.py", "model/moe.py",
+            "model/transforms.py")
 
 
 def kernels_digest() -> str:
@@ -45,7 +46,7 @@ def measure_kernel_table(engine) -> dict:
     cfg, model, backend = engine.model_config, engine.model, engine.runner.backend
     t0 = time.perf_counter()
     linear, cpus = measure_linear_tables(model, cfg, engine.dtype)
-    moe, moe_distinct = measure_moe_table(model, cfg, engine.dtype)
+    moe, moe_distinct = measure_moe_table(model, cfg, engine.dtype, engine.executor.decode_plan)
     attention = measure_attention(backend, cfg, engine.dtype, engine.kv_dtype)
     misc = measure_misc(model, cfg, backend, engine.dtype, engine.kv_dtype)
     parts = {"linear": linear, "misc": misc, "moe": moe, "moe_distinct": moe_distinct, **attention}

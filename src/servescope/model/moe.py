@@ -181,16 +181,25 @@ class PackedExperts(nn.Module):
 
     def _fused(self, x: torch.Tensor):
         """The fused op's handle where it runs this call, else None: float32 / bfloat16 rows on the CPU, at
-        most the modules' quant_gemv row limit of them (so that every expert's rows would have taken
-        quant_gemv in grouped_experts: the same kernels; a long prefill chunk takes grouped_experts' GEMMs),
-        every expert a group-32 QuantLinear (`_fused_op`). Built once, and again after the weights move (the
-        huge-page move replaces the buffers)."""
-        if not self.fused or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        most `fused_rows` of them (so that every expert's rows would have taken quant_gemv in grouped_experts:
+        the same kernels; a long prefill chunk takes grouped_experts' GEMMs)."""
+        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
             return None
+        return self.fused_op() if x.shape[0] <= self.fused_rows(x.dtype) else None
+
+    def fused_rows(self, dtype: torch.dtype) -> int:
+        """Up to how many rows of `dtype` the fused op may run: the modules' quant_gemv row limit (0: never)."""
         g, d = self.gate_up[0], self.down[-1]
-        if not isinstance(g, QuantLinear) or x.shape[0] > min(g.row_limit(x.dtype), d.row_limit(x.dtype)):
+        if not (self.fused and isinstance(g, QuantLinear) and isinstance(d, QuantLinear)):
+            return 0
+        return min(g.row_limit(dtype), d.row_limit(dtype))
+
+    def fused_op(self):
+        """The fused op (MoePacked) over these experts, or None where it does not apply (`_fused_op`): built once,
+        and again after the weights move (the huge-page move replaces the buffers)."""
+        if not (self.fused and isinstance(self.gate_up[0], QuantLinear)):
             return None
-        key = (g.qweight.data_ptr(), d.qweight.data_ptr())
+        key = (self.gate_up[0].qweight.data_ptr(), self.down[-1].qweight.data_ptr())
         cached = self.__dict__.get("_fused_op")
         if cached is None or cached[0] != key:
             cached = (key, _fused_op(self))

@@ -8,7 +8,7 @@ engine's executor (engine/executor.py), not by the model.
 - cpu_decode_plan: the C++ DecodePlan that runs all layers of a decode-only step in one call with the
   same kernels and the same weights as the modules (no copies), wrapped as DecodePlanLayers: the
   model's own `run_layers` signature, so an executor composes it with `embed` and `final_norm` as it
-  composes the model's.
+  composes the model's. Sparse layers are in it where their experts run on the fused op (`_sparse_mlp`).
 Quantisation is model/quantize.py (quantize_int8), applied before these.
 """
 
@@ -21,6 +21,7 @@ from servescope.kernels.cpu import ops as cpu_ops
 from servescope.model.linears.cpu import CpuLinear
 from servescope.model.linears.int8 import Int8Linear
 from servescope.model.linears.packed import QuantLinear
+from servescope.model.moe import PackedExperts, SparseMoeBlock
 
 
 def use_cpu_linears(model: nn.Module) -> nn.Module:
@@ -35,11 +36,13 @@ class DecodePlanLayers:
     """The model's layers as one C++ call, for decode-only steps (one token per sequence) of up to
     max_rows sequences on a cache the C++ kernels read."""
 
-    def __init__(self, plan, max_rows: int, rotary, segments: tuple = ()):
+    def __init__(self, plan, max_rows: int, rotary, segments: tuple = (), sparse: dict | None = None):
         """segments: (first layer, end, window, plan of those layers) for each run of consecutive layers of one
         window: a cache with a block table per group of layers (kvcache/hybrid.py) runs them in turn, each on
-        its group's tables; the same kernels in the same order as the one plan of all layers."""
+        its group's tables; the same kernels in the same order as the one plan of all layers. sparse: {layer
+        index: its PlanSparseMlp} (what the kernel table times as the plan runs it: measure/moe_kernels.py)."""
         self.plan, self.max_rows, self.rotary, self.segments = plan, max_rows, rotary, segments
+        self.sparse = sparse or {}
 
     def serves(self, meta, num_tokens: int, kv_caches: list, backend) -> bool:
         return (meta.is_decode_only and num_tokens <= self.max_rows and backend.name == "torch"
@@ -76,42 +79,88 @@ def cpu_decode_plan(model: nn.Module):
         return None
     dtype = model.model.norm.weight.dtype  # (the embedding may be packed)
     empty = torch.empty(0)
-    norms_of, layers, limits, served = [], [], [], []
+    norms_of, layers, limits, sparse, served = [], [], [], [], []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if isinstance(mlp, SparseMoeBlock):  # its MLP a PlanSparseMlp, the dense MLP's entries left empty
+            part = _sparse_mlp(mod, mlp, dtype)
+            if part is None:
+                return None
+            sparse.append(part[0])
+            served.append(part[1])
+            linears = (attn.qkv_proj, attn.o_proj)
+        else:
+            sparse.append(None)
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(_plan_covers(m, dtype) for m in linears):
             return None
         parts = [m.plan_entry(dtype) for m in linears]
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
-        if hasattr(attn, "q_norm"):
+        if hasattr(attn, "q_norm"):  # (per head, or over all heads: the plan reads which from the widths)
             norms += [attn.q_norm, attn.k_norm]
         norms_of += norms
         qk = [n.weight.detach() for n in norms[2:]] or [empty, empty]
-        layers.append([norms[0].weight.detach(), norms[1].weight.detach(), *qk] + [t for p in parts for t in p[0]])
-        limits.append([n for p in parts for n in p[1]])
+        unused = [empty] * 6 * (4 - len(parts))
+        layers.append([norms[0].weight.detach(), norms[1].weight.detach(), *qk]
+                      + [t for p in parts for t in p[0]] + unused)
+        limits.append([n for p in parts for n in p[1]] + [0] * (8 - 2 * len(parts)))
         served += [p[2] for p in parts]
     if any(n.weight.dtype != dtype or n.eps != cfg.rms_norm_eps for n in norms_of) or dtype not in cpu_ops.DTYPES:
         return None
     windows = [layer.self_attn.window for layer in model.model.layers]
     args = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.attention_scale)
-    plan = mod.DecodePlan(layers, limits, windows, *args)
+    plan = mod.DecodePlan(layers, limits, windows, sparse, *args)
     segments, lo = [], 0
     for i in range(1, len(windows) + 1):  # runs of consecutive layers of one window
         if len(set(windows)) > 1 and (i == len(windows) or windows[i] != windows[lo]):
-            segments.append((lo, i, windows[lo], mod.DecodePlan(layers[lo:i], limits[lo:i], windows[lo:i], *args)))
+            segments.append((lo, i, windows[lo], mod.DecodePlan(layers[lo:i], limits[lo:i], windows[lo:i],
+                                                                sparse[lo:i], *args)))
             lo = i
-    return DecodePlanLayers(plan, min(served), model.rotary, tuple(segments))
+    return DecodePlanLayers(plan, min(served), model.rotary, tuple(segments),
+                            {i: m for i, m in enumerate(sparse) if m is not None})
+
+
+def _sparse_mlp(mod, block: SparseMoeBlock, dtype: torch.dtype):
+    """(the C++ PlanSparseMlp of a sparse layer, the most rows it serves), or None where the plan cannot compute
+    it as the module does: a router other than the softmax top-k (DeepSeek's, gpt-oss's), expert parallelism,
+    experts off the fused op (float or per-channel int8 experts, mixed formats; and above its row limit: the
+    module's grouped_experts), DeepSeek's ungated shared experts. The plan counts each step's tokens per expert
+    into the block's own `routed_tokens`, as the module does (the step record's source)."""
+    experts = block.experts
+    if (block.spec.router != "softmax_topk" or block.expert_parallel is not None or hasattr(block, "shared_experts")
+            or not _plain_router(block.gate, dtype) or not isinstance(experts, PackedExperts) or experts.act != 0):
+        return None
+    op, rows = experts.fused_op(), experts.fused_rows(dtype)
+    if op is None or rows < 1:
+        return None
+    shared, limits, gate = [], [], torch.empty(0)
+    if hasattr(block, "shared_expert"):  # Qwen2-MoE's, scaled by sigmoid(shared_expert_gate(x))
+        linears = (block.shared_expert.gate_up_proj, block.shared_expert.down_proj)
+        if not all(_plan_covers(m, dtype) for m in linears) or not _plain_router(block.shared_expert_gate, dtype):
+            return None
+        parts = [m.plan_entry(dtype) for m in linears]
+        shared, limits = [t for p in parts for t in p[0]], [n for p in parts for n in p[1]]
+        rows = min(rows, *(p[2] for p in parts))
+        gate = block.shared_expert_gate.weight.detach()
+    plan = mod.PlanSparseMlp(block.gate.weight.detach(), block.top_k, block.renormalise, op, block.routed_tokens,
+                             shared, limits, gate)
+    return plan, rows
+
+
+def _plain_router(m: nn.Module, dtype: torch.dtype) -> bool:
+    """An nn.Linear without bias in the activation dtype on the CPU (a router, the shared expert's gate)."""
+    return type(m) is nn.Linear and m.bias is None and m.weight.dtype == dtype and m.weight.device.type == "cpu"
 
 
 def _plan_covers_layer(spec) -> bool:
-    """A layer the plan computes as the modules do: pre-norm, a dense silu MLP, the model's rotary tables, a
-    plain softmax, per-head q/k norms (Gemma's four norms and GELU, a layer's own rotary base, soft-caps, sinks,
-    experts, latent attention and OLMoE's all-heads q/k norm are the modules' alone)."""
-    a = spec.attention
-    return (a.kind != "latent" and spec.norm == "pre" and spec.mlp.kind == "dense" and spec.mlp.activation == "silu"
-            and a.plain_softmax
-            and not a.rope_theta and not a.out_bias and not a.qk_norm_all_heads)
+    """A layer the plan computes as the modules do: pre-norm, a dense silu MLP or experts behind the softmax top-k
+    router (`_sparse_mlp` checks the modules), the model's rotary tables, a plain softmax, q/k norms per head or
+    over all heads (Gemma's four norms and GELU, a layer's own rotary base, soft-caps, sinks, DeepSeek's and
+    gpt-oss's routers and latent attention are the modules' alone)."""
+    a, m = spec.attention, spec.mlp
+    return (a.kind != "latent" and spec.norm == "pre" and m.activation == "silu" and a.plain_softmax
+            and (m.kind == "dense" or (m.kind == "moe" and m.experts.router == "softmax_topk"))
+            and not a.rope_theta and not a.out_bias)
 
 
 def _plan_covers(m: nn.Module, dtype: torch.dtype) -> bool:

@@ -33,9 +33,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "packed group-32 experts (int4 / int8 / MXFP4), biases optional, act 0 silu or 1 clamped SwiGLU")
       .def("run", &MoePacked::run, "run(x, ids, weights) -> [out, counts]: the routed experts' weighted sum")
       .def("num_experts", &MoePacked::num_experts);
+  py::class_<PlanSparseMlp, std::shared_ptr<PlanSparseMlp>>(m, "PlanSparseMlp")
+      .def(py::init<Tensor, int64_t, bool, MoePacked, Tensor, std::vector<Tensor>, std::vector<int64_t>, Tensor>(),
+           "PlanSparseMlp(router, top_k, renormalise, experts, counts, shared, shared_limits, shared_gate): a sparse "
+           "layer's MLP for the DecodePlan (softmax top-k router, MoePacked experts, optional gated shared expert)")
+      .def("run", &PlanSparseMlp::run, "run(x) -> the MLP's output; adds the tokens per expert to counts");
   py::class_<DecodePlan>(m, "DecodePlan")
       .def(py::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>, std::vector<int64_t>,
-                    int64_t, int64_t, int64_t, double, double>())
+                    std::vector<std::shared_ptr<PlanSparseMlp>>, int64_t, int64_t, int64_t, double, double>())
       .def("run_layers", &DecodePlan::run_layers,
            "run_layers(h, residual, cos, sin, kv_caches, slots, block_tables, context_lens) -> [h, residual]");
   m.def("paged_decode", &paged_decode,

@@ -2,7 +2,9 @@
 // issuing the entry points of ops.h.
 #pragma once
 
-#include "ops.h"
+#include <memory>
+
+#include "decode_plan_moe.h"
 
 namespace servescope_ops {
 
@@ -10,18 +12,13 @@ namespace servescope_ops {
 // from Python through nn.Module dispatch their host time was a large share of a float32 batch-1 step
 // of SmolLM2 (docs/BENCHMARKS.md). The plan holds the layers' weights and issues the very same
 // kernels, in the same order with the same roundings, from C++: the result equals the module path
-// bit for bit (tests/model/test_decode_plan.py), only the host time goes.
-struct PlanLinear {
-  at::Tensor w, scale, bias;  // w [N, K] float32 | bfloat16 | int8; scale [N] f32 (int8) or empty; bias [N] f32 or empty
-  at::Tensor packed, packed_bias;  // oneDNN's prepacked weight and the bias in the model dtype (or empty)
-  at::Tensor panels;               // float32 weights as column panels (panel_gemm.h) or empty
-  int64_t gemv_rows, panel_rows;   // the GEMV up to gemv_rows rows, the panel GEMM up to panel_rows, oneDNN
-                                   // above (CpuLinear's dispatch)
-};
-
+// bit for bit (tests/model/test_decode_plan.py), only the host time goes. A sparse layer's MLP is a
+// PlanSparseMlp (decode_plan_moe.h); q/k norms per head (Qwen3) or over all heads at once (OLMoE).
 struct PlanLayer {
-  at::Tensor ln1, ln2, q_norm, k_norm;  // q_norm / k_norm empty unless the model normalises q, k per head
-  PlanLinear qkv, o, gate_up, down;
+  // q_norm / k_norm: empty unless the model normalises q, k; [D]: per head, [H D] / [Hkv D]: over all heads
+  at::Tensor ln1, ln2, q_norm, k_norm;
+  PlanLinear qkv, o, gate_up, down;          // gate_up, down: the dense MLP's (unused where `sparse`)
+  std::shared_ptr<const PlanSparseMlp> sparse;  // a sparse layer's MLP, else null
   int64_t window;  // attention over the last `window` positions (a sliding layer), 0: the whole context
 };
 
@@ -29,11 +26,14 @@ class DecodePlan {
  public:
   // layers: per layer [ln1, ln2, q_norm, k_norm, then for qkv, o, gate_up, down each: w, scale, bias, packed,
   // packed_bias, panels] (empty tensors where absent); limits: per layer, the four projections' row limits
-  // (gemv_rows, panel_rows) in turn; windows: per layer, its attention window (0: the whole context)
+  // (gemv_rows, panel_rows) in turn; windows: per layer, its attention window (0: the whole context);
+  // sparse: per layer, its sparse MLP (None: the dense one of gate_up and down)
   DecodePlan(std::vector<std::vector<at::Tensor>> layers, std::vector<std::vector<int64_t>> limits,
-             std::vector<int64_t> windows, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+             std::vector<int64_t> windows, std::vector<std::shared_ptr<PlanSparseMlp>> sparse, int64_t heads,
+             int64_t kv_heads, int64_t head_dim, double eps, double scale)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
-    TORCH_CHECK(limits.size() == layers.size() && windows.size() == layers.size(), "DecodePlan: limits per layer");
+    TORCH_CHECK(limits.size() == layers.size() && windows.size() == layers.size() && sparse.size() == layers.size(),
+                "DecodePlan: limits, windows and sparse MLPs per layer");
     for (size_t i = 0; i < layers.size(); ++i) {
       const auto& t = layers[i];
       const auto& r = limits[i];
@@ -44,12 +44,9 @@ class DecodePlan {
       l.ln2 = t[1];
       l.q_norm = t[2];
       l.k_norm = t[3];
+      l.sparse = sparse[i];
       PlanLinear* lins[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
-      for (int j = 0; j < 4; ++j) {
-        const at::Tensor* e = &t[4 + 6 * j];
-        *lins[j] = {e[0], e[1], e[2], e[3], e[4], e[5], r[2 * j], r[2 * j + 1]};
-        TORCH_CHECK(!e[5].numel() || e[0].scalar_type() == at::kFloat, "DecodePlan: panels of float32 weights only");
-      }
+      for (int j = 0; j < 4; ++j) *lins[j] = plan_linear(&t[4 + 6 * j], r[2 * j], r[2 * j + 1]);
       TORCH_CHECK(l.qkv.w.size(0) == (heads + 2 * kv_heads) * head_dim, "DecodePlan: qkv rows");
       layers_.push_back(l);
     }
@@ -77,30 +74,28 @@ class DecodePlan {
         residual = r[1];
       }
       auto qkv = linear(x, l.qkv);  // [T, (H + 2 Hkv) D]
-      auto q = qkv.narrow(1, 0, qs).view({t, heads_, head_dim_});
-      auto k = qkv.narrow(1, qs, kvs).view({t, kv_heads_, head_dim_});
+      auto q = qk_normed(qkv.narrow(1, 0, qs), l.q_norm, heads_);
+      auto k = qk_normed(qkv.narrow(1, qs, kvs), l.k_norm, kv_heads_);
       auto v = qkv.narrow(1, qs + kvs, kvs).view({t, kv_heads_, head_dim_});
-      if (l.q_norm.numel()) {
-        q = rms_norm(q, l.q_norm, eps_);
-        k = rms_norm(k, l.k_norm, eps_);
-      }
       auto qk = rotary(q, k, cos, sin);
       const auto& [k_cache, v_cache] = kv_caches[i];
       store_kv(qk[1], v, k_cache, v_cache, slots);
       auto o = paged_decode(qk[0], k_cache, v_cache, block_tables, context_lens, scale_, at::Tensor(), l.window);
       auto r = add_rms_norm(linear(o.reshape({t, qs}), l.o), residual, l.ln2, eps_);
       residual = r[1];
-      h = linear(silu_mul(linear(r[0], l.gate_up)), l.down);
+      h = l.sparse ? l.sparse->run(r[0]) : linear(silu_mul(linear(r[0], l.gate_up)), l.down);
     }
     return {h, residual};
   }
 
  private:
-  static at::Tensor linear(const at::Tensor& x, const PlanLinear& l) {
-    if (x.size(0) <= l.gemv_rows) return gemv(x, l.w, l.scale, l.bias).to(x.scalar_type());
-    if (x.size(0) <= l.panel_rows && l.panels.numel()) return panel_gemm(x, l.panels, l.w.size(0), l.bias);
-    TORCH_CHECK(l.packed.defined() && l.packed.numel(), "DecodePlan: no prepacked weight for this batch");
-    return onednn_linear(x, l.packed, l.packed_bias);
+  // one part of the qkv row [T, n Hd] -> [T, n, D], normalised as the module does: per head ([D] weight),
+  // over the whole part before the head split ([n D] weight: OLMoE), or not at all (empty)
+  at::Tensor qk_normed(const at::Tensor& part, const at::Tensor& w, int64_t n) const {
+    const int64_t t = part.size(0);
+    if (!w.numel()) return part.view({t, n, head_dim_});
+    if (w.numel() == head_dim_) return rms_norm(part.view({t, n, head_dim_}), w, eps_);
+    return rms_norm(part, w, eps_).view({t, n, head_dim_});
   }
 
   std::vector<PlanLayer> layers_;

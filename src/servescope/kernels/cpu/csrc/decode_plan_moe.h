@@ -1,0 +1,62 @@
+// A sparse MLP layer of the DecodePlan (decode_plan.h): model/moe.py's SparseMoeBlock.forward for the softmax
+// top-k router over packed group-32 experts (the fused MoePacked op), with Qwen2-MoE's gated shared expert.
+#pragma once
+
+#include <ATen/ops/linear.h>
+
+#include "plan_linear.h"
+
+namespace servescope_ops {
+
+// Why: the block's forward is about a dozen torch ops around the one fused expert call (router, softmax,
+// top-k, renormalisation, the counts, the shared expert and its gate), whose host time per layer is what
+// the cost model's kernel table does not see. The same ops in the same order here: the router and the
+// routing are the very ATen ops the module calls (so the same kernels and roundings: bit for bit), the
+// experts the same MoePacked, the shared expert the plan's projections (the modules' kernels).
+class PlanSparseMlp {
+ public:
+  // router [E, Dm] (the module's nn.Linear weight, in the activation dtype); renormalise: the kept top-k
+  // weights scaled to sum to 1; counts [E] int64: the block's routed_tokens, to which each call adds its
+  // tokens per expert (the step record's source, model/moe.take_step_routing); shared: the shared expert's
+  // gate_up and down plan_entry tensors (6 each) and their row limits (4), shared_gate [1, Dm] its sigmoid
+  // gate's weight (all empty: no shared expert)
+  PlanSparseMlp(Tensor router, int64_t top_k, bool renormalise, MoePacked experts, Tensor counts,
+                std::vector<Tensor> shared, std::vector<int64_t> shared_limits, Tensor shared_gate)
+      : router_(std::move(router)), top_k_(top_k), renormalise_(renormalise), experts_(std::move(experts)),
+        counts_(std::move(counts)), shared_gate_(std::move(shared_gate)) {
+    TORCH_CHECK(router_.dim() == 2 && router_.size(0) == experts_.num_experts(), "PlanSparseMlp: router [E, Dm]");
+    TORCH_CHECK(counts_.numel() == experts_.num_experts() && counts_.scalar_type() == at::kLong,
+                "PlanSparseMlp: counts [E] int64");
+    TORCH_CHECK(top_k_ > 0 && top_k_ <= experts_.num_experts(), "PlanSparseMlp: 0 < top_k <= E");
+    TORCH_CHECK(shared.empty() == !shared_gate_.numel(), "PlanSparseMlp: a shared expert comes with its gate");
+    if (!shared.empty()) {
+      TORCH_CHECK(shared.size() == 12 && shared_limits.size() == 4, "PlanSparseMlp: 12 shared tensors, 4 limits");
+      shared_gate_up_ = plan_linear(&shared[0], shared_limits[0], shared_limits[1]);
+      shared_down_ = plan_linear(&shared[6], shared_limits[2], shared_limits[3]);
+    }
+  }
+
+  // x [T, Dm] (the post-attention norm's output) -> the MLP's output [T, Dm] in x's dtype
+  Tensor run(const Tensor& x) const {
+    // route(): softmax in float32, the top k, renormalised where asked, back to the logits' dtype
+    const Tensor logits = at::linear(x, router_);
+    auto [weights, ids] = logits.softmax(-1, at::kFloat).topk(top_k_, -1);
+    if (renormalise_) weights = weights.div(weights.sum(at::IntArrayRef{-1}, true));
+    auto r = experts_.run(x, ids, weights.to(logits.scalar_type()));
+    counts_.add_(r[1]);
+    if (!shared_gate_.numel()) return r[0];
+    const Tensor gate = at::linear(x, shared_gate_).sigmoid();
+    return r[0].add(gate.mul(linear(silu_mul(linear(x, shared_gate_up_)), shared_down_)));
+  }
+
+ private:
+  Tensor router_;
+  int64_t top_k_;
+  bool renormalise_;
+  MoePacked experts_;
+  Tensor counts_;
+  PlanLinear shared_gate_up_{}, shared_down_{};
+  Tensor shared_gate_;
+};
+
+}  // namespace servescope_ops
