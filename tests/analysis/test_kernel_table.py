@@ -6,8 +6,8 @@ import pytest
 
 from servescope.analysis.cost_model import step_cost
 from servescope.analysis.hardware import get_hardware
-from servescope.analysis.kernel_table import (AttentionFit, KernelTable, fit_linear_model, interpolate, lookup,
-                                              table_key)
+from servescope.analysis.kernel_table import (TABLE_VERSION, AttentionFit, KernelTable, fit_linear_model, interpolate,
+                                              lookup, table_key)
 from servescope.analysis.op_counts import attended_keys
 from servescope.analysis.presets import load_preset
 
@@ -83,6 +83,30 @@ def test_step_cost_prices_the_timed_ops_from_the_table_and_the_rest_as_before():
     f32 = step_cost(CFG, seqs, hw, "float32").predicted_seconds
     assert f32 == step_cost(CFG, seqs, base, "float32").predicted_seconds
     assert step_cost(CFG, seqs, hw, "bfloat16", num_logits=8).op("lm_head").seconds == pytest.approx(5e-3)
+
+
+def test_the_samplers_rows_are_priced_with_the_head_at_the_steps_logit_rows():
+    sample = [[1, 1e-4], [8, 6e-4]]
+    key = table_key(CFG, "bfloat16", "bfloat16", "bfloat16")
+    hw = get_hardware("H100-SXM").replace(kind="cpu", name="local-cpu",
+                                          kernel_tables={key: {**table_dict(), "sample": sample}})
+    t = lookup(hw.kernel_tables, key)
+    assert t.sample_seconds(4) == pytest.approx(interpolate(sample, 4)) and t.sample_seconds(0) == 0.0
+    c = step_cost(CFG, [(1, 100)] * 4, hw, "bfloat16")
+    assert c.op("lm_head").measured
+    assert c.op("lm_head").seconds == pytest.approx(interpolate(LINEAR["lm_head"], 4) + interpolate(sample, 4))
+    # a prefill chunk that samples nothing pays no sampler; a table without the rows prices none
+    assert step_cost(CFG, [(64, 0)], hw, "bfloat16", num_logits=0).op("lm_head").seconds == 0.0
+    assert KernelTable.from_dict(table_dict()).sample_seconds(4) == 0.0
+    assert KernelTable.from_dict(t.to_dict()) == t
+    with pytest.raises(ValueError, match="sample"):
+        KernelTable.from_dict({**table_dict(), "sample": [[8, 1e-4], [1, 1e-4]]})
+
+
+def test_the_key_changes_with_what_the_table_holds():
+    # a table cached before the sampler's rows and the written caches is measured again, not read back
+    assert table_key(CFG, "bfloat16", "bfloat16", "bfloat16").endswith(f"|v{TABLE_VERSION}")
+    assert TABLE_VERSION >= 3
 
 
 def test_a_malformed_table_is_refused():

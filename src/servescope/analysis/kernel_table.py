@@ -31,6 +31,10 @@ and its attention and per-layer small ops on a grid of (rows, keys), with nothin
   linear layers, attention and small ops add up to, the excess put on the linear layers (their GEMMs
   between the other ops' traffic, the forward's own Python): the linear ops of such a step are
   priced at f(T) times the table's.
+- `sample`: [[rows, seconds]] of the engine's sampler picking greedy tokens from float32 logits over the
+  vocabulary (the argmax every row pays), priced with the head (op group lm_head) at the step's logit rows.
+  The probe's host overhead holds the sampler of a 512-token vocabulary; at 49152 its rows cost what a small
+  model's attention does. [] (a table without it): nothing.
 
 Each time is the kernel's own: the probe subtracts the Python call cost of the same call on a tiny
 shape, which the host overhead per layer (measure/overhead.py) already counts.
@@ -46,7 +50,7 @@ from typing import Optional, Sequence
 from servescope.config import ModelConfig
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-TABLE_VERSION = 2
+TABLE_VERSION = 3  # 3: the sampler's rows; attention timed over written caches
 
 
 @functools.lru_cache(maxsize=64)  # once per (config, dtypes): every step's prediction asks for it
@@ -105,6 +109,7 @@ class KernelTable:
     prefill_factor: list = field(default_factory=lambda: [[1, 1.0]])  # [[tokens, f]]
     moe: list = field(default_factory=list)  # [[tokens, seconds per sparse layer's block]]; [] without experts
     moe_distinct: list = field(default_factory=list)  # [[tokens, distinct experts per layer the timed calls read]]
+    sample: list = field(default_factory=list)  # [[logit rows, seconds of the sampler's greedy pick]]; [] without
 
     def linear_factor(self, tokens: int, has_prefill: bool) -> float:
         if not has_prefill:
@@ -117,6 +122,9 @@ class KernelTable:
 
     def misc_seconds(self, tokens: int) -> float:
         return interpolate(self.misc, tokens)
+
+    def sample_seconds(self, rows: int) -> float:
+        return interpolate(self.sample, rows) if self.sample and rows > 0 else 0.0
 
     def moe_seconds(self, tokens: int, distinct: Optional[float] = None, expert_read_s: float = 0.0) -> float:
         """One sparse layer's MLP block at `tokens` rows; with the step's measured distinct experts per layer,
@@ -157,14 +165,15 @@ class KernelTable:
         return {"key": self.key, "linear": self.linear, "paged": vars(self.paged), "long": vars(self.long),
                 "long_min_tokens": self.long_min_tokens, "paged_max_context": self.paged_max_context,
                 "misc": self.misc, "source": self.source, "grid": self.grid,
-                "prefill_factor": self.prefill_factor, "moe": self.moe, "moe_distinct": self.moe_distinct}
+                "prefill_factor": self.prefill_factor, "moe": self.moe, "moe_distinct": self.moe_distinct,
+                "sample": self.sample}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelTable":
         missing = [p for p in PROJECTIONS if p not in d["linear"]]
         if missing:
             raise ValueError(f"kernel table {d.get('key')!r} lacks {', '.join(missing)}")
-        optional = [(n, d[n]) for n in ("moe", "moe_distinct") if d.get(n)]
+        optional = [(n, d[n]) for n in ("moe", "moe_distinct", "sample") if d.get(n)]
         for name, pts in list(d["linear"].items()) + [("misc", d["misc"])] + optional:
             xs = [p[0] for p in pts]
             if not pts or xs != sorted(xs) or len(set(xs)) != len(xs) or any(p[1] < 0 for p in pts):
@@ -175,7 +184,8 @@ class KernelTable:
                    long_min_tokens=int(d["long_min_tokens"]), paged_max_context=int(d["paged_max_context"]),
                    misc=[list(p) for p in d["misc"]], source=d.get("source", ""), grid=d.get("grid", {}),
                    prefill_factor=[list(p) for p in d.get("prefill_factor", [[1, 1.0]])],
-                   moe=[list(p) for p in d.get("moe", [])], moe_distinct=[list(p) for p in d.get("moe_distinct", [])])
+                   moe=[list(p) for p in d.get("moe", [])], moe_distinct=[list(p) for p in d.get("moe_distinct", [])],
+                   sample=[list(p) for p in d.get("sample", [])])
 
 
 def fit_linear_model(points: Sequence[tuple]) -> AttentionFit:
