@@ -31,6 +31,16 @@ def test_interpolate_is_exact_at_points_linear_between_and_extends_the_last_slop
     assert interpolate(pts, 12) == pytest.approx(8.0)  # slope 0.5 per row past the last point
 
 
+def test_a_relative_fit_weighs_small_points_as_much_as_large_ones():
+    pts = [(1, 129, 7e-6), (1, 2049, 2.8e-4), (8, 4104, 5.5e-4), (32, 4128, 6.1e-4), (32, 32800, 3.9e-3)]
+    worst = {rel: max(abs(fit_linear_model(pts, relative=rel).seconds(r, k) - t) / t for r, k, t in pts)
+             for rel in (False, True)}
+    assert worst[True] < worst[False]
+    exact = [(r, k, 1e-6 + 2e-7 * r + 1e-8 * k) for r, k in ((1, 10), (4, 100), (16, 50), (2, 1000))]
+    f = fit_linear_model(exact, relative=True)
+    assert (f.fixed, f.per_row, f.per_key) == pytest.approx((1e-6, 2e-7, 1e-8), rel=1e-6)
+
+
 def test_fit_recovers_an_exact_linear_model_and_keeps_coefficients_non_negative():
     truth = AttentionFit(2e-5, 3e-7, 4e-9)
     pts = [(r, k, truth.seconds(r, k)) for r, k in ((1, 128), (8, 4096), (32, 4096), (32, 32768), (64, 1000))]
@@ -57,6 +67,13 @@ def test_attention_routes_rows_as_the_cpu_backend_does():
     far = [(1, 2000), (40, 1500)]
     assert t.attention_seconds(far, keys) == pytest.approx(
         t.paged.seconds(1, 2001) + t.long.seconds(40, attended_keys(40, 1500)))
+    # with a fit of their own, short chunks are priced by it and the decode rows by the decode fit
+    split = KernelTable.from_dict({**table_dict(), "short": {"fixed": 2e-6, "per_row": 1e-7, "per_key": 3e-9}})
+    assert split.attention_seconds(mixed, keys) == pytest.approx(
+        split.paged.seconds(2, 101 + 51) + split.short.seconds(40, attended_keys(40, 10))
+        + split.long.seconds(300, attended_keys(300, 0)))
+    assert split.attention_seconds(decode, keys) == t.attention_seconds(decode, keys)
+    assert KernelTable.from_dict(split.to_dict()) == split
     # float32 (long_min 2): every prefill sequence is its own call
     f32 = KernelTable.from_dict(table_dict(long_min=2, paged_max=0))
     assert f32.attention_seconds([(1, 10), (5, 0)], keys) == pytest.approx(

@@ -35,7 +35,7 @@ def small_grids(monkeypatch, tmp_path):
     monkeypatch.setattr(shape_kernels, "MISC_TOKENS", (1, 16))
     monkeypatch.setattr(shape_kernels, "LAYER_TOKENS", (16, 64))
     monkeypatch.setattr(shape_kernels, "PAGED_GRID", ((1, 16), (4, 64), (8, 32)))
-    monkeypatch.setattr(shape_kernels, "SHORT_GRID", ((16, 0), (32, 16)))
+    monkeypatch.setattr(shape_kernels, "SHORT_GRID", ((16, 0), (32, 16), (48, 0)))
     monkeypatch.setattr(shape_kernels, "LONG_GRID", ((128, 0), (130, 64), (256, 0)))
 
 
@@ -61,7 +61,10 @@ def test_the_table_is_measured_once_cached_and_prices_the_steps(small_grids, tmp
     assert all(t > 0 for pts in table.linear.values() for _, t in pts)
     assert table.long_min_tokens == (128 if dtype == "bfloat16" else 2)
     assert [t for t, _ in table.prefill_factor] == [16, 64] and all(f >= 0.5 for _, f in table.prefill_factor)
-    assert len(table.grid["paged"]) == 3 + (2 if dtype == "bfloat16" else 0) and len(table.grid["long"]) == 3
+    assert len(table.grid["paged"]) == 3 and len(table.grid["long"]) == 3
+    # bfloat16's short prefill chunks on the paged kernel: a fit of their own
+    assert len(table.grid["short"]) == (3 if dtype == "bfloat16" else 0)
+    assert (table.short is not None) == (dtype == "bfloat16")
     # the sampler over the model's vocabulary, measured at the head's rows, priced with the head
     assert [r for r, _ in table.sample] == [1, 4] and all(t > 0 for _, t in table.sample)
     # the engine's own predictions now come from it: its StepRecords carry them

@@ -12,11 +12,15 @@ and its attention and per-layer small ops on a grid of (rows, keys), with nothin
   down_proj (one layer's matrix), lm_head (the head). Between grid points time is interpolated
   linearly in M; beyond the last point it grows with the last segment's slope (a GEMM past a few
   hundred rows is compute-bound: linear in M).
-- `attention`: two linear models of one layer's attention call, least-squares fits to the timed grid:
-  `paged` (decode rows, and in bfloat16 the short prefill chunks, each row one query of the paged
-  kernel): seconds = a + b * rows + c * keys; `long` (a prefill sequence of at least `long_min_tokens`
-  tokens, or any prefill where the paged path does not take it): per sequence a + b * tokens + c * keys.
-  keys: attended keys (causal), summed over the rows.
+- `attention`: linear models of one layer's attention call, least-squares fits to the timed grid:
+  `paged` (decode rows, one query per sequence): seconds = a + b * rows + c * keys; `short` (in bfloat16
+  the short prefill chunks, each row one query of the same paged kernel, which reads a sequence's keys
+  once for all its rows: a third of a decode row's time per key here), the same form; `long` (a prefill
+  sequence of at least `long_min_tokens` tokens, or any prefill where the paged path does not take it):
+  per sequence a + b * tokens + c * keys. keys: attended keys (causal), summed over the rows. The paged
+  fits weigh each point by 1 / its time (relative error: a decode over a short context is a few
+  microseconds, one over 32 x 1024 keys milliseconds, and both are common); the long fit does not.
+  A table without `short` prices short chunks with `paged`.
 - `misc`: [[tokens T, seconds per layer]] of the layer's small ops (the two add+RMSNorms, rotary,
   SiLU*up, the KV store), interpolated like `linear`.
 - `moe` (a MoE): [[tokens T, seconds per sparse layer]] of the model's own sparse MLP block (router,
@@ -110,6 +114,7 @@ class KernelTable:
     moe: list = field(default_factory=list)  # [[tokens, seconds per sparse layer's block]]; [] without experts
     moe_distinct: list = field(default_factory=list)  # [[tokens, distinct experts per layer the timed calls read]]
     sample: list = field(default_factory=list)  # [[logit rows, seconds of the sampler's greedy pick]]; [] without
+    short: Optional[AttentionFit] = None  # short prefill chunks on the paged kernel (None: priced with `paged`)
 
     def linear_factor(self, tokens: int, has_prefill: bool) -> float:
         if not has_prefill:
@@ -151,14 +156,21 @@ class KernelTable:
         short = [s for s in seqs if 1 < s[0] < self.long_min_tokens]
         has_long = any(s[0] >= self.long_min_tokens for s in seqs)
         short_to_long = bool(short) and not has_long and max(n + c for n, c in seqs) > self.paged_max_context
+        short_rows = short_keys = 0
         for n, c in seqs:
             if n == 1 or (n < self.long_min_tokens and not short_to_long):
-                paged_rows += n
-                paged_keys += keys_of((n, c))
+                if n == 1 or self.short is None:
+                    paged_rows += n
+                    paged_keys += keys_of((n, c))
+                else:
+                    short_rows += n
+                    short_keys += keys_of((n, c))
             else:
                 total += self.long.seconds(n, keys_of((n, c)))
         if paged_rows:
             total += self.paged.seconds(paged_rows, paged_keys)
+        if short_rows:
+            total += self.short.seconds(short_rows, short_keys)
         return total
 
     def to_dict(self) -> dict:
@@ -166,7 +178,7 @@ class KernelTable:
                 "long_min_tokens": self.long_min_tokens, "paged_max_context": self.paged_max_context,
                 "misc": self.misc, "source": self.source, "grid": self.grid,
                 "prefill_factor": self.prefill_factor, "moe": self.moe, "moe_distinct": self.moe_distinct,
-                "sample": self.sample}
+                "sample": self.sample, "short": None if self.short is None else vars(self.short)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelTable":
@@ -185,15 +197,18 @@ class KernelTable:
                    misc=[list(p) for p in d["misc"]], source=d.get("source", ""), grid=d.get("grid", {}),
                    prefill_factor=[list(p) for p in d.get("prefill_factor", [[1, 1.0]])],
                    moe=[list(p) for p in d.get("moe", [])], moe_distinct=[list(p) for p in d.get("moe_distinct", [])],
-                   sample=[list(p) for p in d.get("sample", [])])
+                   sample=[list(p) for p in d.get("sample", [])],
+                   short=AttentionFit(**d["short"]) if d.get("short") else None)
 
 
-def fit_linear_model(points: Sequence[tuple]) -> AttentionFit:
+def fit_linear_model(points: Sequence[tuple], relative: bool = False) -> AttentionFit:
     """Least squares of seconds = a + b * rows + c * keys over [(rows, keys, seconds)], each coefficient
     kept >= 0 (a coefficient the solve makes negative is dropped and the rest refitted): pure Python,
-    three unknowns."""
+    three unknowns. relative: each point's residual over its seconds (points of very different times)."""
     names = ("fixed", "per_row", "per_key")
     active = [0, 1, 2]
+    if relative:  # rows (1/t, r/t, k/t) -> 1: the same solve on the scaled points
+        points = [(r, k, t, 1.0 / t) for r, k, t in points if t > 0]
     while True:
         coef = _solve(points, active)
         neg = [j for j, v in zip(active, coef) if v < 0]
@@ -208,9 +223,11 @@ def fit_linear_model(points: Sequence[tuple]) -> AttentionFit:
 
 
 def _solve(points: Sequence[tuple], active: list) -> list:
-    """Normal equations of the least-squares fit on the active columns (1, rows, keys)."""
-    rows = [[(1.0, float(r), float(k))[j] for j in active] for r, k, _ in points]
-    ys = [float(t) for _, _, t in points]
+    """Normal equations of the least-squares fit on the active columns (1, rows, keys); a point's optional
+    fourth entry weighs its row and its seconds."""
+    ws = [float(p[3]) if len(p) > 3 else 1.0 for p in points]
+    rows = [[w * (1.0, float(p[0]), float(p[1]))[j] for j in active] for p, w in zip(points, ws)]
+    ys = [w * float(p[2]) for p, w in zip(points, ws)]
     n = len(active)
     a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
     b = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(n)]

@@ -52,7 +52,8 @@ LARGE_RUNS = 3  # passes above ALL_LAYER_ROWS rows (each PASS_BUDGET_S)
 MISC_TOKENS = (1, 8, 64, 512)
 LAYER_TOKENS = (16, 64, 65, 128, 256, 320, 512, 1024, 2048)  # prefills through the model's own layer forward
 PAGED_GRID = ((1, 128), (1, 2048), (8, 512), (32, 128), (32, 1024))  # (decode rows, context each)
-SHORT_GRID = ((32, 0), (64, 512))  # bfloat16 prefill chunks the paged kernel takes: (tokens, context before)
+# bfloat16 prefill chunks the paged kernel takes: (tokens, context before)
+SHORT_GRID = ((16, 0), (32, 0), (32, 256), (64, 512))
 # one prefill: (tokens, context before)
 LONG_GRID = ((128, 0), (512, 0), (256, 512), (128, 1536), (512, 1024), (2048, 0))
 KV_COPIES_BYTES = 1 << 30  # caches cycled so that attention reads its KV from memory, as a step's layers do
@@ -252,13 +253,14 @@ def _attention_seconds(backend, cfg, caches: list, seqs: list, dtype) -> float:
 
 
 def measure_attention(backend, cfg, dtype, kv_dtype) -> dict:
-    """The paged and long fits (kernel_table.AttentionFit as dicts), the routing limits and the grid."""
+    """The paged (decode rows), short (bfloat16's short chunks on the paged kernel) and long fits
+    (kernel_table.AttentionFit as dicts), the routing limits and the grid."""
     bf16 = dtype == torch.bfloat16 and kv_dtype == torch.bfloat16
     long_min = TILED_PREFILL_MIN_TOKENS if bf16 else 2
     paged_pts = [(b, [(1, c)] * b) for b, c in PAGED_GRID]
-    paged_pts += [(n, [(n, c)]) for n, c in SHORT_GRID] if bf16 else []
+    short_pts = [(n, [(n, c)]) for n, c in SHORT_GRID] if bf16 else []
     long_pts = [(n, [(n, c)]) for n, c in LONG_GRID]
-    most = max(sum(n + c for n, c in s) for _, s in paged_pts + long_pts)
+    most = max(sum(n + c for n, c in s) for _, s in paged_pts + short_pts + long_pts)
     blocks = -(-most // BLOCK) + 64
     shape = (blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
     per_copy = 2 * kv_quant.allocate(*shape, kv_dtype, torch.device("cpu")).nbytes
@@ -275,10 +277,12 @@ def measure_attention(backend, cfg, dtype, kv_dtype) -> dict:
             out.append([rows, keys, max(t - tiny, 0.2 * t)])
         return out
 
-    paged, long = timed(paged_pts), timed(long_pts)
-    return {"paged": vars(fit_linear_model(paged)), "long": vars(fit_linear_model(long)),
+    paged, short, long = timed(paged_pts), timed(short_pts), timed(long_pts)
+    short_fit = vars(fit_linear_model(short, relative=True)) if short else None
+    return {"paged": vars(fit_linear_model(paged, relative=True)), "long": vars(fit_linear_model(long)),
+            "short": short_fit if short_fit and any(short_fit.values()) else None,  # none: priced as decode rows
             "long_min_tokens": long_min, "paged_max_context": PAGED_PREFILL_MAX_CONTEXT if bf16 else 0,
-            "grid": {"paged": paged, "long": long}}
+            "grid": {"paged": paged, "short": short, "long": long}}
 
 
 # --------------------------------------------------------------------------- small ops
