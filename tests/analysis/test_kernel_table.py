@@ -31,14 +31,14 @@ def test_interpolate_is_exact_at_points_linear_between_and_extends_the_last_slop
     assert interpolate(pts, 12) == pytest.approx(8.0)  # slope 0.5 per row past the last point
 
 
-def test_a_relative_fit_weighs_small_points_as_much_as_large_ones():
-    pts = [(1, 129, 7e-6), (1, 2049, 2.8e-4), (8, 4104, 5.5e-4), (32, 4128, 6.1e-4), (32, 32800, 3.9e-3)]
-    worst = {rel: max(abs(fit_linear_model(pts, relative=rel).seconds(r, k) - t) / t for r, k, t in pts)
-             for rel in (False, True)}
-    assert worst[True] < worst[False]
-    exact = [(r, k, 1e-6 + 2e-7 * r + 1e-8 * k) for r, k in ((1, 10), (4, 100), (16, 50), (2, 1000))]
-    f = fit_linear_model(exact, relative=True)
-    assert (f.fixed, f.per_row, f.per_key) == pytest.approx((1e-6, 2e-7, 1e-8), rel=1e-6)
+def test_decode_rows_fitted_apart_from_short_chunks_fit_the_decode_points():
+    # decode rows (one query per sequence) against short chunks, which read a sequence's keys once for all their
+    # rows: one fit over both priced the decode rows at half their time
+    decode = [(1, 129, 7e-6), (1, 2049, 2.8e-4), (8, 4104, 5.5e-4), (32, 4128, 6.1e-4), (32, 32800, 3.9e-3)]
+    short = [(32, 528, 2.4e-5), (64, 34848, 2.2e-3)]
+    apart, together = fit_linear_model(decode), fit_linear_model(decode + short)
+    err = lambda f: max(abs(f.seconds(r, k) - t) / t for r, k, t in decode[1:])  # noqa: E731
+    assert err(apart) < 0.15 < err(together)
 
 
 def test_fit_recovers_an_exact_linear_model_and_keeps_coefficients_non_negative():

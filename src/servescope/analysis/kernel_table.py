@@ -17,10 +17,8 @@ and its attention and per-layer small ops on a grid of (rows, keys), with nothin
   the short prefill chunks, each row one query of the same paged kernel, which reads a sequence's keys
   once for all its rows: a third of a decode row's time per key here), the same form; `long` (a prefill
   sequence of at least `long_min_tokens` tokens, or any prefill where the paged path does not take it):
-  per sequence a + b * tokens + c * keys. keys: attended keys (causal), summed over the rows. The paged
-  fits weigh each point by 1 / its time (relative error: a decode over a short context is a few
-  microseconds, one over 32 x 1024 keys milliseconds, and both are common); the long fit does not.
-  A table without `short` prices short chunks with `paged`.
+  per sequence a + b * tokens + c * keys. keys: attended keys (causal), summed over the rows. A table
+  without `short` prices short chunks with `paged`.
 - `misc`: [[tokens T, seconds per layer]] of the layer's small ops (the two add+RMSNorms, rotary,
   SiLU*up, the KV store), interpolated like `linear`.
 - `moe` (a MoE): [[tokens T, seconds per sparse layer]] of the model's own sparse MLP block (router,
@@ -201,14 +199,12 @@ class KernelTable:
                    short=AttentionFit(**d["short"]) if d.get("short") else None)
 
 
-def fit_linear_model(points: Sequence[tuple], relative: bool = False) -> AttentionFit:
+def fit_linear_model(points: Sequence[tuple]) -> AttentionFit:
     """Least squares of seconds = a + b * rows + c * keys over [(rows, keys, seconds)], each coefficient
     kept >= 0 (a coefficient the solve makes negative is dropped and the rest refitted): pure Python,
-    three unknowns. relative: each point's residual over its seconds (points of very different times)."""
+    three unknowns."""
     names = ("fixed", "per_row", "per_key")
     active = [0, 1, 2]
-    if relative:  # rows (1/t, r/t, k/t) -> 1: the same solve on the scaled points
-        points = [(r, k, t, 1.0 / t) for r, k, t in points if t > 0]
     while True:
         coef = _solve(points, active)
         neg = [j for j, v in zip(active, coef) if v < 0]
@@ -223,11 +219,9 @@ def fit_linear_model(points: Sequence[tuple], relative: bool = False) -> Attenti
 
 
 def _solve(points: Sequence[tuple], active: list) -> list:
-    """Normal equations of the least-squares fit on the active columns (1, rows, keys); a point's optional
-    fourth entry weighs its row and its seconds."""
-    ws = [float(p[3]) if len(p) > 3 else 1.0 for p in points]
-    rows = [[w * (1.0, float(p[0]), float(p[1]))[j] for j in active] for p, w in zip(points, ws)]
-    ys = [w * float(p[2]) for p, w in zip(points, ws)]
+    """Normal equations of the least-squares fit on the active columns (1, rows, keys)."""
+    rows = [[(1.0, float(r), float(k))[j] for j in active] for r, k, _ in points]
+    ys = [float(t) for _, _, t in points]
     n = len(active)
     a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
     b = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(n)]

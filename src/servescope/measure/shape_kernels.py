@@ -278,8 +278,8 @@ def measure_attention(backend, cfg, dtype, kv_dtype) -> dict:
         return out
 
     paged, short, long = timed(paged_pts), timed(short_pts), timed(long_pts)
-    short_fit = vars(fit_linear_model(short, relative=True)) if short else None
-    return {"paged": vars(fit_linear_model(paged, relative=True)), "long": vars(fit_linear_model(long)),
+    short_fit = vars(fit_linear_model(short)) if short else None
+    return {"paged": vars(fit_linear_model(paged)), "long": vars(fit_linear_model(long)),
             "short": short_fit if short_fit and any(short_fit.values()) else None,  # none: priced as decode rows
             "long_min_tokens": long_min, "paged_max_context": PAGED_PREFILL_MAX_CONTEXT if bf16 else 0,
             "grid": {"paged": paged, "short": short, "long": long}}
