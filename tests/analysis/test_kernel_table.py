@@ -6,8 +6,8 @@ import pytest
 
 from servescope.analysis.cost_model import step_cost
 from servescope.analysis.hardware import get_hardware
-from servescope.analysis.kernel_table import (AttentionFit, KernelTable, fit_linear_model, interpolate, lookup,
-                                              table_key)
+from servescope.analysis.kernel_table import (TABLE_VERSION, AttentionFit, KernelTable, fit_linear_model, interpolate,
+                                              lookup, table_key)
 from servescope.analysis.op_counts import attended_keys
 from servescope.analysis.presets import load_preset
 
@@ -29,6 +29,16 @@ def test_interpolate_is_exact_at_points_linear_between_and_extends_the_last_slop
     assert interpolate(pts, 1) == 1.0 and interpolate(pts, 4) == 4.0 and interpolate(pts, 8) == 6.0
     assert interpolate(pts, 2) == pytest.approx(2.0) and interpolate(pts, 6) == pytest.approx(5.0)
     assert interpolate(pts, 12) == pytest.approx(8.0)  # slope 0.5 per row past the last point
+
+
+def test_decode_rows_fitted_apart_from_short_chunks_fit_the_decode_points():
+    # decode rows (one query per sequence) against short chunks, which read a sequence's keys once for all their
+    # rows: one fit over both priced the decode rows at half their time
+    decode = [(1, 129, 7e-6), (1, 2049, 2.8e-4), (8, 4104, 5.5e-4), (32, 4128, 6.1e-4), (32, 32800, 3.9e-3)]
+    short = [(32, 528, 2.4e-5), (64, 34848, 2.2e-3)]
+    apart, together = fit_linear_model(decode), fit_linear_model(decode + short)
+    err = lambda f: max(abs(f.seconds(r, k) - t) / t for r, k, t in decode[1:])  # noqa: E731
+    assert err(apart) < 0.15 < err(together)
 
 
 def test_fit_recovers_an_exact_linear_model_and_keeps_coefficients_non_negative():
@@ -57,6 +67,13 @@ def test_attention_routes_rows_as_the_cpu_backend_does():
     far = [(1, 2000), (40, 1500)]
     assert t.attention_seconds(far, keys) == pytest.approx(
         t.paged.seconds(1, 2001) + t.long.seconds(40, attended_keys(40, 1500)))
+    # with a fit of their own, short chunks are priced by it and the decode rows by the decode fit
+    split = KernelTable.from_dict({**table_dict(), "short": {"fixed": 2e-6, "per_row": 1e-7, "per_key": 3e-9}})
+    assert split.attention_seconds(mixed, keys) == pytest.approx(
+        split.paged.seconds(2, 101 + 51) + split.short.seconds(40, attended_keys(40, 10))
+        + split.long.seconds(300, attended_keys(300, 0)))
+    assert split.attention_seconds(decode, keys) == t.attention_seconds(decode, keys)
+    assert KernelTable.from_dict(split.to_dict()) == split
     # float32 (long_min 2): every prefill sequence is its own call
     f32 = KernelTable.from_dict(table_dict(long_min=2, paged_max=0))
     assert f32.attention_seconds([(1, 10), (5, 0)], keys) == pytest.approx(
@@ -83,6 +100,30 @@ def test_step_cost_prices_the_timed_ops_from_the_table_and_the_rest_as_before():
     f32 = step_cost(CFG, seqs, hw, "float32").predicted_seconds
     assert f32 == step_cost(CFG, seqs, base, "float32").predicted_seconds
     assert step_cost(CFG, seqs, hw, "bfloat16", num_logits=8).op("lm_head").seconds == pytest.approx(5e-3)
+
+
+def test_the_samplers_rows_are_priced_with_the_head_at_the_steps_logit_rows():
+    sample = [[1, 1e-4], [8, 6e-4]]
+    key = table_key(CFG, "bfloat16", "bfloat16", "bfloat16")
+    hw = get_hardware("H100-SXM").replace(kind="cpu", name="local-cpu",
+                                          kernel_tables={key: {**table_dict(), "sample": sample}})
+    t = lookup(hw.kernel_tables, key)
+    assert t.sample_seconds(4) == pytest.approx(interpolate(sample, 4)) and t.sample_seconds(0) == 0.0
+    c = step_cost(CFG, [(1, 100)] * 4, hw, "bfloat16")
+    assert c.op("lm_head").measured
+    assert c.op("lm_head").seconds == pytest.approx(interpolate(LINEAR["lm_head"], 4) + interpolate(sample, 4))
+    # a prefill chunk that samples nothing pays no sampler; a table without the rows prices none
+    assert step_cost(CFG, [(64, 0)], hw, "bfloat16", num_logits=0).op("lm_head").seconds == 0.0
+    assert KernelTable.from_dict(table_dict()).sample_seconds(4) == 0.0
+    assert KernelTable.from_dict(t.to_dict()) == t
+    with pytest.raises(ValueError, match="sample"):
+        KernelTable.from_dict({**table_dict(), "sample": [[8, 1e-4], [1, 1e-4]]})
+
+
+def test_the_key_changes_with_what_the_table_holds():
+    # a table cached before the sampler's rows and the written caches is measured again, not read back
+    assert table_key(CFG, "bfloat16", "bfloat16", "bfloat16").endswith(f"|v{TABLE_VERSION}")
+    assert TABLE_VERSION >= 3
 
 
 def test_a_malformed_table_is_refused():

@@ -5,6 +5,7 @@ seconds."""
 import json
 
 import pytest
+import torch
 
 from servescope.analysis.hardware import LOCAL_CPU, get_hardware
 from servescope.analysis.kernel_table import PROJECTIONS, KernelTable, table_key
@@ -34,7 +35,7 @@ def small_grids(monkeypatch, tmp_path):
     monkeypatch.setattr(shape_kernels, "MISC_TOKENS", (1, 16))
     monkeypatch.setattr(shape_kernels, "LAYER_TOKENS", (16, 64))
     monkeypatch.setattr(shape_kernels, "PAGED_GRID", ((1, 16), (4, 64), (8, 32)))
-    monkeypatch.setattr(shape_kernels, "SHORT_GRID", ((16, 0), (32, 16)))
+    monkeypatch.setattr(shape_kernels, "SHORT_GRID", ((16, 0), (32, 16), (48, 0)))
     monkeypatch.setattr(shape_kernels, "LONG_GRID", ((128, 0), (130, 64), (256, 0)))
 
 
@@ -60,7 +61,12 @@ def test_the_table_is_measured_once_cached_and_prices_the_steps(small_grids, tmp
     assert all(t > 0 for pts in table.linear.values() for _, t in pts)
     assert table.long_min_tokens == (128 if dtype == "bfloat16" else 2)
     assert [t for t, _ in table.prefill_factor] == [16, 64] and all(f >= 0.5 for _, f in table.prefill_factor)
-    assert len(table.grid["paged"]) == 3 + (2 if dtype == "bfloat16" else 0) and len(table.grid["long"]) == 3
+    assert len(table.grid["paged"]) == 3 and len(table.grid["long"]) == 3
+    # bfloat16's short prefill chunks on the paged kernel: a fit of their own
+    assert len(table.grid["short"]) == (3 if dtype == "bfloat16" else 0)
+    assert (table.short is not None) == (dtype == "bfloat16")
+    # the sampler over the model's vocabulary, measured at the head's rows, priced with the head
+    assert [r for r, _ in table.sample] == [1, 4] and all(t > 0 for _, t in table.sample)
     # the engine's own predictions now come from it: its StepRecords carry them
     engine.add_request("r", list(range(3, 40)), SamplingParams(max_tokens=3, ignore_eos=True))
     while engine.has_unfinished():
@@ -68,12 +74,35 @@ def test_the_table_is_measured_once_cached_and_prices_the_steps(small_grids, tmp
     cost = engine.step_cost_predictor.predict([(1, 40)], 1)
     assert cost.op("qkv_proj").measured and not cost.op("embedding").measured
     assert cost.op("qkv_proj").seconds == pytest.approx(2 * table.linear_seconds("qkv_proj", 1))
+    assert cost.op("lm_head").seconds == pytest.approx(table.linear_seconds("lm_head", 1) + table.sample_seconds(1))
     assert engine.step_records[-1].predicted_seconds == pytest.approx(
         engine.step_cost_predictor.predictor.predict([(1, engine.step_records[-1].context_lens[0] - 1)], 1).seconds)
     # cached under this CPU, thread count, kernels' sources and shape: a second engine reads it back
     monkeypatch.setattr(kernel_cache, "measure_kernel_table", lambda e: pytest.fail("measured twice"))
     again = local_hardware.with_kernel_table(tiny_engine(tmp_path, dtype, quantization))
     assert again.hardware.kernel_tables[key] == engine.hardware.kernel_tables[key]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_attention_is_timed_over_caches_whose_every_page_is_written(kv_dtype):
+    # calloc's zero pages all map one physical page until written: a context read from them comes from L1
+    cache = shape_kernels.written_cache((4, 16, 2, 32), kv_dtype)
+    assert cache.shape[:3] == (4, 16, 2) and cache.dtype == kv_dtype
+    assert bool((cache.view(torch.uint8) != 0).all())
+    if kv_dtype.is_floating_point:  # the fill reads as a normal, finite number
+        v = cache.float()
+        assert bool(torch.isfinite(v).all()) and bool((v.abs() >= torch.finfo(kv_dtype).tiny).all())
+
+
+def test_the_sampler_is_timed_over_the_models_vocabulary(monkeypatch):
+    monkeypatch.setattr(shape_kernels, "HEAD_ROWS", (1, 3))
+    monkeypatch.setattr(shape_kernels, "RUNS", 1)
+    seen = []
+    real = shape_kernels._sample_seconds
+    monkeypatch.setattr(shape_kernels, "_sample_seconds", lambda v, r: seen.append((v, r)) or real(v, r))
+    pts = shape_kernels.measure_sampling(type("Cfg", (), {"vocab_size": 4096})())
+    assert [r for r, _ in pts] == [1, 3] and all(t > 0 for _, t in pts)
+    assert seen == [(shape_kernels.TINY_VOCAB, 1), (4096, 1), (4096, 3)]  # the tiny call's cost taken off
 
 
 def test_engines_on_other_specs_are_left_alone(small_grids, tmp_path, monkeypatch):

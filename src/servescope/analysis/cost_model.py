@@ -224,7 +224,8 @@ def measured_op_seconds(cfg: ModelConfig, seqs: list, table: KernelTable, T: int
     layers at the step's rows, a MoE's sparse blocks at its rows (their weight reads scaled by the step's
     measured distinct experts: expert_read_s, one expert at the bandwidth), attention by rows and attended
     keys per layer kind (its reads of the cached KV included, so kv_read is 0), the small per-layer ops with
-    the KV store (kv_write 0). A MoE table without its block times leaves the MLP to the roofline."""
+    the KV store (kv_write 0), the head with the sampler's pick over its logits (lm_head). A MoE table without
+    its block times leaves the MLP to the roofline."""
     L = cfg.num_hidden_layers
     sparse = cfg.moe.num_sparse(L) if cfg.moe else 0
     f = table.linear_factor(T, any(n > 1 for n, _ in seqs))  # the Python layer forward of a prefill step
@@ -237,7 +238,7 @@ def measured_op_seconds(cfg: ModelConfig, seqs: list, table: KernelTable, T: int
            "mlp": (L - sparse) * (lin["gate_up_proj"] + lin["down_proj"])
            + sparse * f * table.moe_seconds(T, distinct_experts, expert_read_s),
            "norms_rope_misc": L * table.misc_seconds(T),
-           "lm_head": table.linear_seconds("lm_head", n_logits)}
+           "lm_head": table.linear_seconds("lm_head", n_logits) + table.sample_seconds(n_logits)}
     if sparse and not table.moe:
         del out["mlp"]
     return out

@@ -12,11 +12,13 @@ and its attention and per-layer small ops on a grid of (rows, keys), with nothin
   down_proj (one layer's matrix), lm_head (the head). Between grid points time is interpolated
   linearly in M; beyond the last point it grows with the last segment's slope (a GEMM past a few
   hundred rows is compute-bound: linear in M).
-- `attention`: two linear models of one layer's attention call, least-squares fits to the timed grid:
-  `paged` (decode rows, and in bfloat16 the short prefill chunks, each row one query of the paged
-  kernel): seconds = a + b * rows + c * keys; `long` (a prefill sequence of at least `long_min_tokens`
-  tokens, or any prefill where the paged path does not take it): per sequence a + b * tokens + c * keys.
-  keys: attended keys (causal), summed over the rows.
+- `attention`: linear models of one layer's attention call, least-squares fits to the timed grid:
+  `paged` (decode rows, one query per sequence): seconds = a + b * rows + c * keys; `short` (in bfloat16
+  the short prefill chunks, each row one query of the same paged kernel, which reads a sequence's keys
+  once for all its rows: a third of a decode row's time per key here), the same form; `long` (a prefill
+  sequence of at least `long_min_tokens` tokens, or any prefill where the paged path does not take it):
+  per sequence a + b * tokens + c * keys. keys: attended keys (causal), summed over the rows. A table
+  without `short` prices short chunks with `paged`.
 - `misc`: [[tokens T, seconds per layer]] of the layer's small ops (the two add+RMSNorms, rotary,
   SiLU*up, the KV store), interpolated like `linear`.
 - `moe` (a MoE): [[tokens T, seconds per sparse layer]] of the model's own sparse MLP block (router,
@@ -31,6 +33,10 @@ and its attention and per-layer small ops on a grid of (rows, keys), with nothin
   linear layers, attention and small ops add up to, the excess put on the linear layers (their GEMMs
   between the other ops' traffic, the forward's own Python): the linear ops of such a step are
   priced at f(T) times the table's.
+- `sample`: [[rows, seconds]] of the engine's sampler picking greedy tokens from float32 logits over the
+  vocabulary (the argmax every row pays), priced with the head (op group lm_head) at the step's logit rows.
+  The probe's host overhead holds the sampler of a 512-token vocabulary; at 49152 its rows cost what a small
+  model's attention does. [] (a table without it): nothing.
 
 Each time is the kernel's own: the probe subtracts the Python call cost of the same call on a tiny
 shape, which the host overhead per layer (measure/overhead.py) already counts.
@@ -46,7 +52,7 @@ from typing import Optional, Sequence
 from servescope.config import ModelConfig
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-TABLE_VERSION = 2
+TABLE_VERSION = 3  # 3: the sampler's rows; attention timed over written caches
 
 
 @functools.lru_cache(maxsize=64)  # once per (config, dtypes): every step's prediction asks for it
@@ -105,6 +111,8 @@ class KernelTable:
     prefill_factor: list = field(default_factory=lambda: [[1, 1.0]])  # [[tokens, f]]
     moe: list = field(default_factory=list)  # [[tokens, seconds per sparse layer's block]]; [] without experts
     moe_distinct: list = field(default_factory=list)  # [[tokens, distinct experts per layer the timed calls read]]
+    sample: list = field(default_factory=list)  # [[logit rows, seconds of the sampler's greedy pick]]; [] without
+    short: Optional[AttentionFit] = None  # short prefill chunks on the paged kernel (None: priced with `paged`)
 
     def linear_factor(self, tokens: int, has_prefill: bool) -> float:
         if not has_prefill:
@@ -117,6 +125,9 @@ class KernelTable:
 
     def misc_seconds(self, tokens: int) -> float:
         return interpolate(self.misc, tokens)
+
+    def sample_seconds(self, rows: int) -> float:
+        return interpolate(self.sample, rows) if self.sample and rows > 0 else 0.0
 
     def moe_seconds(self, tokens: int, distinct: Optional[float] = None, expert_read_s: float = 0.0) -> float:
         """One sparse layer's MLP block at `tokens` rows; with the step's measured distinct experts per layer,
@@ -143,28 +154,36 @@ class KernelTable:
         short = [s for s in seqs if 1 < s[0] < self.long_min_tokens]
         has_long = any(s[0] >= self.long_min_tokens for s in seqs)
         short_to_long = bool(short) and not has_long and max(n + c for n, c in seqs) > self.paged_max_context
+        short_rows = short_keys = 0
         for n, c in seqs:
             if n == 1 or (n < self.long_min_tokens and not short_to_long):
-                paged_rows += n
-                paged_keys += keys_of((n, c))
+                if n == 1 or self.short is None:
+                    paged_rows += n
+                    paged_keys += keys_of((n, c))
+                else:
+                    short_rows += n
+                    short_keys += keys_of((n, c))
             else:
                 total += self.long.seconds(n, keys_of((n, c)))
         if paged_rows:
             total += self.paged.seconds(paged_rows, paged_keys)
+        if short_rows:
+            total += self.short.seconds(short_rows, short_keys)
         return total
 
     def to_dict(self) -> dict:
         return {"key": self.key, "linear": self.linear, "paged": vars(self.paged), "long": vars(self.long),
                 "long_min_tokens": self.long_min_tokens, "paged_max_context": self.paged_max_context,
                 "misc": self.misc, "source": self.source, "grid": self.grid,
-                "prefill_factor": self.prefill_factor, "moe": self.moe, "moe_distinct": self.moe_distinct}
+                "prefill_factor": self.prefill_factor, "moe": self.moe, "moe_distinct": self.moe_distinct,
+                "sample": self.sample, "short": None if self.short is None else vars(self.short)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelTable":
         missing = [p for p in PROJECTIONS if p not in d["linear"]]
         if missing:
             raise ValueError(f"kernel table {d.get('key')!r} lacks {', '.join(missing)}")
-        optional = [(n, d[n]) for n in ("moe", "moe_distinct") if d.get(n)]
+        optional = [(n, d[n]) for n in ("moe", "moe_distinct", "sample") if d.get(n)]
         for name, pts in list(d["linear"].items()) + [("misc", d["misc"])] + optional:
             xs = [p[0] for p in pts]
             if not pts or xs != sorted(xs) or len(set(xs)) != len(xs) or any(p[1] < 0 for p in pts):
@@ -175,7 +194,9 @@ class KernelTable:
                    long_min_tokens=int(d["long_min_tokens"]), paged_max_context=int(d["paged_max_context"]),
                    misc=[list(p) for p in d["misc"]], source=d.get("source", ""), grid=d.get("grid", {}),
                    prefill_factor=[list(p) for p in d.get("prefill_factor", [[1, 1.0]])],
-                   moe=[list(p) for p in d.get("moe", [])], moe_distinct=[list(p) for p in d.get("moe_distinct", [])])
+                   moe=[list(p) for p in d.get("moe", [])], moe_distinct=[list(p) for p in d.get("moe_distinct", [])],
+                   sample=[list(p) for p in d.get("sample", [])],
+                   short=AttentionFit(**d["short"]) if d.get("short") else None)
 
 
 def fit_linear_model(points: Sequence[tuple]) -> AttentionFit:

@@ -8,9 +8,11 @@ All on the engine's own objects, so the table follows the kernels whatever they 
   layer order, so the weights come from where a step finds them: all layers at a few rows (a decode
   step streams them), enough for PASS_BUDGET_S at many (compute-bound); per-call times share out the
   calls' back-to-back time. The head at HEAD_ROWS, each call after a one-row pass over every layer;
+- the sampler's pick of greedy tokens from the head's float32 logits over the vocabulary at HEAD_ROWS rows
+  (measure_sampling: a tiny model's vocabulary makes it nothing in the probe's host overhead);
 - attention: the engine's backend on caches of the model's KV heads (decode batches, prefills over
-  cached prefixes), cycling over enough cache copies that the KV comes from memory, fitted to
-  seconds = a + b * rows + c * keys per path (kernel_table.fit_linear_model);
+  cached prefixes), cycling over enough cache copies, every page written (written_cache), that the KV
+  comes from memory, fitted to seconds = a + b * rows + c * keys per path (kernel_table.fit_linear_model);
 - the small per-layer ops (two add+RMSNorms, rotary, SiLU*up, the KV store) at MISC_TOKENS tokens;
 - the model's own layer forward over a prefill of LAYER_TOKENS tokens (prefill_factor).
 The same call on a tiny shape (its dispatch: the probe's host overhead per layer has it) is subtracted.
@@ -28,11 +30,13 @@ import torch
 
 from servescope.analysis.kernel_table import KernelTable, fit_linear_model
 from servescope.analysis.op_counts import attended_keys, layer_windows
+from servescope.config import SamplingParams
 from servescope.kernels import fused_ops
 from servescope.model.attention import kv_quant
 from servescope.model.attention.backend import AttentionMetadata
 from servescope.model.attention.cpu import PAGED_PREFILL_MAX_CONTEXT, TILED_PREFILL_MIN_TOKENS
 from servescope.model.moe import SparseMoeBlock
+from servescope.sampling.sampler import Sampler, SamplingState
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +52,14 @@ LARGE_RUNS = 3  # passes above ALL_LAYER_ROWS rows (each PASS_BUDGET_S)
 MISC_TOKENS = (1, 8, 64, 512)
 LAYER_TOKENS = (16, 64, 65, 128, 256, 320, 512, 1024, 2048)  # prefills through the model's own layer forward
 PAGED_GRID = ((1, 128), (1, 2048), (8, 512), (32, 128), (32, 1024))  # (decode rows, context each)
-SHORT_GRID = ((32, 0), (64, 512))  # bfloat16 prefill chunks the paged kernel takes: (tokens, context before)
+# bfloat16 prefill chunks the paged kernel takes: (tokens, context before)
+SHORT_GRID = ((16, 0), (32, 0), (32, 256), (64, 512))
 # one prefill: (tokens, context before)
 LONG_GRID = ((128, 0), (512, 0), (256, 512), (128, 1536), (512, 1024), (2048, 0))
 KV_COPIES_BYTES = 1 << 30  # caches cycled so that attention reads its KV from memory, as a step's layers do
 BLOCK = 16
+FILL_BYTE = 0x20  # read as a normal number in every KV dtype: bfloat16, float16, float32, fp8 e4m3, int8 + scale
+TINY_VOCAB = 512  # the probe's host-overhead model's vocabulary (measure/overhead.py): its sampler's call
 
 
 def _timed(fn) -> float:
@@ -171,7 +178,41 @@ def _head_table(model, layers, cfg, dtype, overhead: float) -> list:
     return out
 
 
+# --------------------------------------------------------------------------- sampling
+
+def _sample_seconds(vocab: int, rows: int) -> float:
+    """Seconds of the engine's Sampler picking `rows` greedy tokens from float32 logits [rows, vocab]."""
+    sampler = Sampler(vocab)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows))
+    states = [SamplingState.new(SamplingParams(temperature=0.0), [1], "cpu") for _ in range(rows)]
+    with torch.inference_mode():
+        return _median_of(lambda: sampler(logits, states), 4 * RUNS)
+
+
+def measure_sampling(cfg) -> list:
+    """[[rows, seconds]] at HEAD_ROWS of the sampler over the model's vocabulary (greedy rows: the argmax every
+    row pays; a sampled row's softmax and draw are not in it), less its call at one row of the probe's tiny
+    vocabulary, which the host overhead per step already holds. At a 49152-token vocabulary, 32 rows took
+    longer than the 135M model's attention."""
+    tiny = _sample_seconds(TINY_VOCAB, 1)
+    out = []
+    for rows in HEAD_ROWS:
+        t = _sample_seconds(cfg.vocab_size, rows)
+        out.append([rows, max(t - tiny, 0.2 * t)])
+    return out
+
+
 # --------------------------------------------------------------------------- attention
+
+def written_cache(shape: tuple, kv_dtype) -> torch.Tensor:
+    """A KV cache [N, S, Hkv, D] with every page written. kv_quant.allocate's cache is calloc's zero pages: until
+    written they all map one physical page, so a kernel reading a never-written context reads it from L1 (a
+    135M model's decode attention at 32 rows timed 2.3x faster than over a written cache here), while the
+    engine's steps read what their prefills wrote."""
+    t = kv_quant.allocate(*shape, kv_dtype, torch.device("cpu"))
+    t.view(torch.uint8).fill_(FILL_BYTE)
+    return t
+
 
 def _meta(seqs: list, blocks_per_seq: int, first_block: int = 0) -> AttentionMetadata:
     """The metadata of a step over seqs [(new, context before)], decodes first, each sequence's blocks
@@ -212,19 +253,19 @@ def _attention_seconds(backend, cfg, caches: list, seqs: list, dtype) -> float:
 
 
 def measure_attention(backend, cfg, dtype, kv_dtype) -> dict:
-    """The paged and long fits (kernel_table.AttentionFit as dicts), the routing limits and the grid."""
+    """The paged (decode rows), short (bfloat16's short chunks on the paged kernel) and long fits
+    (kernel_table.AttentionFit as dicts), the routing limits and the grid."""
     bf16 = dtype == torch.bfloat16 and kv_dtype == torch.bfloat16
     long_min = TILED_PREFILL_MIN_TOKENS if bf16 else 2
     paged_pts = [(b, [(1, c)] * b) for b, c in PAGED_GRID]
-    paged_pts += [(n, [(n, c)]) for n, c in SHORT_GRID] if bf16 else []
+    short_pts = [(n, [(n, c)]) for n, c in SHORT_GRID] if bf16 else []
     long_pts = [(n, [(n, c)]) for n, c in LONG_GRID]
-    most = max(sum(n + c for n, c in s) for _, s in paged_pts + long_pts)
+    most = max(sum(n + c for n, c in s) for _, s in paged_pts + short_pts + long_pts)
     blocks = -(-most // BLOCK) + 64
     shape = (blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
     per_copy = 2 * kv_quant.allocate(*shape, kv_dtype, torch.device("cpu")).nbytes
     copies = max(1, min(cfg.num_hidden_layers, KV_COPIES_BYTES // per_copy))
-    caches = [(kv_quant.allocate(*shape, kv_dtype, torch.device("cpu")),
-               kv_quant.allocate(*shape, kv_dtype, torch.device("cpu"))) for _ in range(copies)]
+    caches = [(written_cache(shape, kv_dtype), written_cache(shape, kv_dtype)) for _ in range(copies)]
     tiny = _attention_seconds(backend, cfg, caches[:1], [(1, 15)], dtype)
 
     def timed(points):
@@ -236,10 +277,12 @@ def measure_attention(backend, cfg, dtype, kv_dtype) -> dict:
             out.append([rows, keys, max(t - tiny, 0.2 * t)])
         return out
 
-    paged, long = timed(paged_pts), timed(long_pts)
+    paged, short, long = timed(paged_pts), timed(short_pts), timed(long_pts)
+    short_fit = vars(fit_linear_model(short)) if short else None
     return {"paged": vars(fit_linear_model(paged)), "long": vars(fit_linear_model(long)),
+            "short": short_fit if short_fit and any(short_fit.values()) else None,  # none: priced as decode rows
             "long_min_tokens": long_min, "paged_max_context": PAGED_PREFILL_MAX_CONTEXT if bf16 else 0,
-            "grid": {"paged": paged, "long": long}}
+            "grid": {"paged": paged, "short": short, "long": long}}
 
 
 # --------------------------------------------------------------------------- small ops
