@@ -20,7 +20,7 @@ from helpers import (BATCHING_OVERRIDES, assert_batching_changes_nothing, assert
                      edited_checkpoint, paged_logits, random_ids)
 from servescope import LLM
 from servescope.config import ModelConfig
-from servescope.errors import EngineConfigError, InvalidParameterError, ModelLoadError
+from servescope.errors import InvalidParameterError, ModelLoadError
 from servescope.bench.accuracy import compare
 from servescope.model.linears.int8 import Int8Linear
 from servescope.model.linears.packed import QuantLinear
@@ -185,6 +185,5 @@ def test_what_is_not_built_is_refused(gpt_oss):
     with pytest.raises(ModelLoadError, match="mxfp4 but the files hold no MXFP4 expert tensors"):
         LLM(model=str(mxfp4), num_kv_blocks=8, max_model_len=128)
     cfg = LLM(model=str(path), num_kv_blocks=8, max_model_len=128).engine.model_config
-    with pytest.raises(EngineConfigError, match="mixture-of-experts"):  # no sharded experts yet
-        check_parallel(cfg, 2, 1, 2, "cpu")
+    assert check_parallel(cfg, 2, 1, 2, "cpu").tp == 2  # TP inside each expert (tests/parallel: its parity)
     assert not any(_plan_covers_layer(s) for s in cfg.layer_specs())  # the C++ decode plan leaves it to the modules

@@ -130,10 +130,10 @@ def test_decode_plan_serves_int8_kv_bit_for_bit(tiny_path):
 
     if not cpu_ops.available():
         pytest.skip("CPU op extension not built here")
-    from test_decode_plan import _generate_comparing
+    from decode_plan_check import generate_comparing
 
     llm = LLM(model=tiny_path, skip_tokenizer_init=True, kv_cache_dtype="int8", num_kv_blocks=64, max_model_len=256)
     assert llm.engine.runner.executor.decode_plan is not None
-    calls = _generate_comparing(llm, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    calls = generate_comparing(llm, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert calls == {3: 5}, calls
     assert llm.engine.runner.kv_caches[0][0].dtype == torch.int8
