@@ -128,9 +128,14 @@ def test_tensor_parallel_inside_each_expert_equals_one_process(tmp_path, family)
 
 
 def test_packed_experts_are_not_sharded_inside(tmp_path):
+    """Refused with a clear error, and nothing left behind: the process group is gone, so the next parallel
+    engine starts (it failed with "initialize the default process group twice" before)."""
+    import torch.distributed as dist
+
     path, _, _ = make_tiny_mxfp4_gpt_oss(tmp_path)
     with pytest.raises(Exception, match="tensor parallelism shards float experts, not PackedClampedExperts"):
         LLM(model=str(path), num_kv_blocks=8, max_model_len=64, tensor_parallel_size=2)
+    assert not dist.is_initialized()
 
 
 def test_cli_enable_expert_parallel_is_ep_equal_tp():

@@ -129,8 +129,14 @@ class ParallelExecutor(ModelExecutor):
                     "expert_parallel_size=%d over %s", layout.tp, layout.pp, layout.ep, backend)
         blocks = moe_blocks(model)  # (before the stages are cut: stage 0 may hold no sparse layer)
         expert_bytes = blocks[0][1].experts.expert_bytes() if blocks else 0
-        ex = cls.prepare(shard_model(model, ctx), device, config.load.quantization, config.load.gpu_linear,
-                         decode_plan=uses_decode_plan(layout), ctx=ctx, workers=group.workers if group else None)
+        try:  # (a model the transforms refuse, say packed experts under TP: every rank raises the same)
+            ex = cls.prepare(shard_model(model, ctx), device, config.load.quantization, config.load.gpu_linear,
+                             decode_plan=uses_decode_plan(layout), ctx=ctx, workers=group.workers if group else None)
+        except Exception:
+            if group is not None:  # no process group, no worker left behind for the next engine to trip on
+                group.workers.shutdown(0.0)
+            destroy_group()
+            raise
         ex.timeout_s, ex.group, ex.micro_batches = par.distributed_timeout_s, group, par.pipeline_micro_batches
         ex.expert_bytes = expert_bytes
         return ex

@@ -7,7 +7,8 @@
 // expert), each active expert's gate|up matrix runs over its rows, then silu(gate) * up, then its down
 // matrix, and every token sums its experts' outputs times their routing weights. The arithmetic is the
 // reference's too: each expert's rows go through the kernel quant_rows would choose for that many rows
-// (AMX-INT8 tiles from QDOT_AMX_ROWS_* rows where they run, else quant_dot.h's VNNI orders), every
+// (AMX-BF16 tiles for bfloat16 rows from QDOT_AMX_BF16_ROWS_*, AMX-INT8 tiles from QDOT_AMX_ROWS_* rows
+// where they run, else quant_dot.h's VNNI orders), every
 // intermediate is rounded to the activation dtype where the reference's tensors are in it, and a token's
 // sum runs in expert order: the result equals the reference's bit for bit (tests/kernels/).
 //
@@ -121,6 +122,14 @@ void moe_products(const std::vector<QMatrix>& w, const MoeRoute& r, const T* xs,
   for (int64_t x = 0; x < e; ++x) {
     const int64_t m = r.start[x + 1] - r.start[x];
     if (m == 0) continue;
+#if SERVESCOPE_HAS_AMX_BF16
+    if constexpr (std::is_same_v<T, servescope_simd::bf16>) {  // quant_rows' rule for bfloat16 rows, first
+      if (m >= (w[x].int4 ? QDOT_AMX_BF16_ROWS_INT4 : QDOT_AMX_BF16_ROWS_INT8) && amx_ready()) {
+        quant_amx_bf16_rows(w[x], xs + r.start[x] * kp, m, nullptr, y + r.start[x] * n);
+        continue;
+      }
+    }
+#endif
 #if SERVESCOPE_HAS_AMX_INT8
     if (moe_amx(w[x], m)) {
       quant_amx_rows(w[x], xs + r.start[x] * kp, m, nullptr, y + r.start[x] * n);
