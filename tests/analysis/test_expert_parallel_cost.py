@@ -66,7 +66,7 @@ def test_explain_shows_expert_parallelism_for_moe_presets():
     assert all(p["all_to_all_seconds"] > 0 for p in r["phases"])
     one = explain_parallel(cfg, hw, LINKS["nvlink4"], 1, 1, batch=16, ep=4)  # replicated attention
     assert r["weight_bytes_per_rank"] < one["weight_bytes_per_rank"] < 0.5 * cfg.num_parameters() * 2
-    for tp, pp, ep, message in ((1, 1, 3, "dividing the 128 experts"), (4, 1, 2, "EP = TP or TP = 1")):
+    for tp, pp, ep, message in ((1, 1, 3, "does not divide the 128 experts"), (4, 1, 2, "needs EP = TP")):
         with pytest.raises(InvalidParameterError, match=message):
             explain_parallel(cfg, hw, LINKS["nvlink4"], tp, pp, ep=ep)
     odd = dataclasses.replace(cfg, moe=dataclasses.replace(

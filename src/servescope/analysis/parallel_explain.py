@@ -30,6 +30,7 @@ from servescope.analysis.memory_planner import plan_memory
 from servescope.analysis.op_counts import kv_cache_bytes_per_token, resolve_dtypes, weight_bytes
 from servescope.analysis.pipeline_schedule import auto_micro_batches, pipelined_step
 from servescope.config import ModelConfig
+from servescope.config.moe import expert_layout_problem
 from servescope.errors import InvalidParameterError
 
 
@@ -92,7 +93,9 @@ def explain_parallel(cfg: ModelConfig, hw: HardwareSpec, link: LinkSpec, tp: int
     if cfg.num_attention_heads % tp or pp > cfg.num_hidden_layers:
         raise InvalidParameterError("tp", f"TP={tp} must divide the {cfg.num_attention_heads} heads and PP={pp} "
                                           f"be at most the {cfg.num_hidden_layers} layers")
-    _check_experts(cfg, tp, pp, ep)
+    problem = expert_layout_problem(cfg.moe, tp, ep)  # MoE layouts: the rule of config/moe.py
+    if problem:
+        raise InvalidParameterError("ep", problem)
     wdt, adt, kdt = resolve_dtypes(weight_dtype, act_dtype, kv_dtype)
     dtypes = (wdt, kdt, adt, {"float32": 4}.get(adt, 2))
     mid = prompt_len + max(output_len - 2, 0) // 2
@@ -117,21 +120,6 @@ def explain_parallel(cfg: ModelConfig, hw: HardwareSpec, link: LinkSpec, tp: int
         "phases": phases,
         "verdict": verdict(phases, tp, pp, link.name, ep),
     }
-
-
-def _check_experts(cfg: ModelConfig, tp: int, pp: int, ep: int) -> None:
-    """The engine's rule (parallel/layout.py): EP over a mixture's experts, X = T or T = 1, X dividing the
-    experts; a mixture at TP > 1 without EP shards each expert (T dividing its width)."""
-    if cfg.moe is None:
-        if ep > 1:
-            raise InvalidParameterError("ep", f"EP={ep}: the model has no experts to split")
-        return
-    if tp > 1 and ep == 1 and cfg.moe.experts.intermediate_size % tp:
-        raise InvalidParameterError("ep", f"TP={tp} does not divide the experts' width "
-                                          f"{cfg.moe.experts.intermediate_size}: split the experts instead (--ep {tp})")
-    if ep > 1 and (tp not in (1, ep) or cfg.moe.experts.num_experts % ep):
-        raise InvalidParameterError("ep", f"EP={ep} at TP={tp}: needs EP = TP or TP = 1, and EP dividing the "
-                                          f"{cfg.moe.experts.num_experts} experts")
 
 
 def verdict(phases: list, tp: int, pp: int, link: str, ep: int = 1) -> str:

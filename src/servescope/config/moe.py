@@ -201,3 +201,25 @@ def expert_parameters(e: ExpertsSpec, hidden: int) -> tuple:
     shared = 3 * hidden * e.shared_intermediate_size + (hidden if e.shared_intermediate_size and e.shared_gated else 0)
     router = e.num_experts * (hidden + 1 if e.biased else hidden)
     return router + e.num_experts * per_expert + shared, router + e.top_k * per_expert + shared
+
+
+def expert_layout_problem(moe: Optional[MoeConfig], tp: int, ep: int) -> Optional[str]:
+    """The first rule a layout of tp tensor-parallel and ep expert-parallel ranks breaks over a model's experts
+    (None: it keeps them all). The engine (parallel/layout.py), `explain` and the simulator apply this one rule:
+    EP over a mixture's experts only, running over the tensor-parallel ranks (X = T) or with the attention
+    replicated (T = 1), X dividing the experts; without EP, T > 1 shards each expert (T dividing its width);
+    T divides a shared expert's width either way."""
+    if moe is None:
+        return None if ep == 1 else f"expert_parallel_size {ep}: the model has no experts to split"
+    e = moe.experts
+    if ep > 1 and tp not in (1, ep):
+        return (f"expert_parallel_size {ep} at tensor_parallel_size {tp}: needs EP = TP (attention sharded) or "
+                f"TP = 1 (attention replicated)")
+    if e.num_experts % ep:
+        return f"expert_parallel_size {ep} does not divide the {e.num_experts} experts"
+    if tp > 1 and ep == 1 and e.intermediate_size % tp:
+        return (f"tensor_parallel_size {tp} does not divide the experts' width {e.intermediate_size} (or split "
+                f"the experts over the ranks: expert parallelism)")
+    if tp > 1 and e.shared_intermediate_size % tp:
+        return f"tensor_parallel_size {tp} does not divide the shared expert's width {e.shared_intermediate_size}"
+    return None

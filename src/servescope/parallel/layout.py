@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from servescope.config import ModelConfig
+from servescope.config.moe import expert_layout_problem
 from servescope.errors import EngineConfigError
 
 
@@ -61,7 +62,9 @@ def check_parallel(cfg: ModelConfig, tp: int, pp: int, num_devices: int, device_
                    ep: int = 1) -> ParallelLayout:
     """The layout of max(T, X) x P ranks over `cfg`, or EngineConfigError naming what does not divide."""
     h, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    _check_experts(cfg, tp, pp, ep)
+    problem = expert_layout_problem(cfg.moe, tp, ep)  # MoE layouts: the rule of config/moe.py
+    if problem:
+        raise EngineConfigError(problem)
     if cfg.mla is not None and tp * pp > 1:  # a latent layer's shards (heads of kv_b_proj) are not built yet
         raise EngineConfigError("tensor and pipeline parallelism are not implemented for latent attention "
                                 "(DeepSeek) yet")
@@ -87,22 +90,3 @@ def check_parallel(cfg: ModelConfig, tp: int, pp: int, num_devices: int, device_
             f"{f' with expert_parallel_size {ep}' if ep > 1 else ''} = {world} processes, but only "
             f"{num_devices} {device_kind} {'is' if num_devices == 1 else 'are'} available")
     return ParallelLayout(tp, pp, cfg.num_hidden_layers, ep)
-
-
-def _check_experts(cfg: ModelConfig, tp: int, pp: int, ep: int) -> None:
-    """A mixture of experts at TP > 1 shards each expert (X = 1) or splits the experts over the ranks (X = T, or
-    T = 1 with the attention replicated), in any number of stages; a dense model takes no expert parallelism
-    (nothing would be split)."""
-    if cfg.moe is None:
-        if ep > 1:
-            raise EngineConfigError(f"expert_parallel_size {ep}: the model has no experts to split")
-        return
-    e = cfg.moe.experts
-    if tp > 1 and ep == 1 and e.intermediate_size % tp:  # TP inside each expert (parallel/tensor_parallel.py)
-        raise EngineConfigError(f"tensor_parallel_size {tp} does not divide the experts' width {e.intermediate_size} "
-                                "(or split the experts over the ranks: --enable-expert-parallel)")
-    if e.num_experts % ep:
-        raise EngineConfigError(f"expert_parallel_size {ep} does not divide the {e.num_experts} experts")
-    if tp > 1 and e.shared_intermediate_size % tp:
-        raise EngineConfigError(f"tensor_parallel_size {tp} does not divide the shared expert's width "
-                                f"{e.shared_intermediate_size}")

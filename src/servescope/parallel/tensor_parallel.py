@@ -94,7 +94,8 @@ def apply_tensor_parallel(model: nn.Module, ctx: DistContext) -> nn.Module:
     hq, hkv = cfg.num_attention_heads // tp, local_kv_heads(cfg, tp)
     kv0 = _kv_first_head(cfg.num_key_value_heads, tp, shard)
     blocks = [b for _, b in moe_blocks(model)] if ctx.layout.ep == 1 else []  # (experts sharded here)
-    hooked = {id(getattr(b, "shared_expert", None) or getattr(b, "shared_experts", None)) for b in blocks}
+    hooked = {id(s) for b in blocks for s in (getattr(b, "shared_expert", None), getattr(b, "shared_experts", None))
+              if s is not None}  # no hook of their own: the block's all-reduces routed + shared at once
     for parent, name, mod in model.projections():
         if mod is None or name == "lm_head":
             continue

@@ -22,6 +22,7 @@ from servescope.analysis.presets import load_preset
 from servescope.analysis.step_prediction import StepPredictor
 from servescope.sim.step_table import StepTable
 from servescope.config import ModelConfig, SchedulerConfig
+from servescope.config.moe import expert_layout_problem
 from servescope.config.engine import BatchingConfig, KVCacheConfig, ParallelConfig
 from servescope.errors import InvalidParameterError
 
@@ -150,12 +151,9 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
     cfg = load_preset(model) if isinstance(model, str) else model
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    if ep != 1 and cfg.moe is None:
-        raise InvalidParameterError("ep", f"expert parallelism needs a mixture-of-experts model; {cfg.name} "
-                                          f"is dense (EP must be 1)")
-    if ep != 1 and (tp not in (1, ep) or cfg.moe.experts.num_experts % ep):
-        raise InvalidParameterError("ep", f"EP={ep} at TP={tp}: needs EP = TP or TP = 1, and EP dividing the "
-                                          f"{cfg.moe.experts.num_experts} experts (the engine's rule)")
+    problem = expert_layout_problem(cfg.moe, tp, ep)  # the engine's rule
+    if problem:
+        raise InvalidParameterError("ep", problem)
     if cfg.num_attention_heads % tp or cfg.intermediate_size % tp or cfg.num_hidden_layers < pp:
         raise InvalidParameterError("layout", f"{cfg.name} cannot be split TP={tp} x PP={pp} (heads "
                                               f"{cfg.num_attention_heads}, layers {cfg.num_hidden_layers})")
