@@ -64,3 +64,26 @@ def test_deepseek_v2_lite_preset():
     assert 15.6e9 < cfg.num_parameters() < 15.8e9
     assert kv_cache_bytes_per_token(cfg, "bfloat16") == 27 * 576 * 2
     assert cfg.rope_scaling.rope_type == "yarn" and cfg.mla.scale < (128 + 64) ** -0.5 * 1.6
+
+
+def test_deepseek_v3_preset_and_its_explain_at_tp8_ep8():
+    """DeepSeek-V3's published config: 671 B parameters (37 B active: 3 dense layers, 8 of 256 experts and the
+    shared one), 61 layers x (512 + 64) x 2 bytes of latent KV per token in bfloat16 on every rank under TP (the
+    latent serves all heads), and `explain` at TP=8 with EP=8 fits it on 8 H200s only with int8 weights."""
+    from servescope.analysis.collectives import LINKS
+    from servescope.analysis.hardware import get_hardware
+    from servescope.analysis.parallel_explain import explain_parallel
+    from servescope.analysis.presets import load_preset
+    from servescope.config.moe import expert_parameters
+
+    cfg = load_preset("deepseek-v3")
+    assert 670e9 < cfg.num_parameters() < 672e9
+    total, active = expert_parameters(cfg.moe.experts, cfg.hidden_size)
+    dense = cfg.num_parameters() - cfg.moe.num_sparse(cfg.num_hidden_layers) * total
+    assert 36e9 < dense + cfg.moe.num_sparse(cfg.num_hidden_layers) * active < 38e9
+    assert kv_cache_bytes_per_token(cfg, "bfloat16") == 61 * 576 * 2
+    hw, link = get_hardware("h200"), LINKS["nvlink4"]
+    bf16 = explain_parallel(cfg, hw, link, 8, 1, batch=8, ep=8)
+    int8 = explain_parallel(cfg, hw, link, 8, 1, batch=8, ep=8, weight_dtype="int8")
+    assert bf16["max_concurrent_sequences"] == 0 < int8["max_concurrent_sequences"]
+    assert all(p["all_to_all_seconds"] > 0 for p in int8["phases"])

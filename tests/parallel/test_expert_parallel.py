@@ -26,6 +26,7 @@ CASES = {
     # attention sharded by heads, the experts over the same two ranks (vLLM's enable_expert_parallel)
     "qwen3_moe-tp2-ep2": ("qwen3_moe", dict(tensor_parallel_size=2, expert_parallel_size=2)),
     "mixtral-tp2-ep2": ("mixtral", dict(tensor_parallel_size=2, expert_parallel_size=2)),
+    "deepseek_v2-tp2-ep2": ("deepseek_v2", dict(tensor_parallel_size=2, expert_parallel_size=2)),  # latent heads
     # each rank packs its own experts (int8 per channel: per expert, so the same numbers as one process's)
     "olmoe-ep2-int8": ("olmoe", dict(expert_parallel_size=2), dict(quantization="int8")),
 }

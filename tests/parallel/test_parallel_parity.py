@@ -23,6 +23,10 @@ TP_CASES = {
     "mistral-window": dict(sliding_window=64),
     "gemma2-window": dict(sliding_window=16, attn_logit_softcapping=0.05, final_logit_softcapping=2.0),
     "gemma3-window": dict(sliding_window=16, num_hidden_layers=3, sliding_window_pattern=3),
+    # latent attention: heads of the query, kv_b_proj and o_proj per shard, the latent cache whole on both; a dense
+    # first layer, then experts sharded inside each (the shared experts like a dense MLP); V3 with the query LoRA
+    "deepseek_v2": {},
+    "deepseek_v3": {},
 }
 
 
@@ -48,6 +52,7 @@ def test_tensor_parallel_2_with_an_int8_kv_cache_equals_one_process(tmp_path):
     ("mistral", {}, 0),
     ("qwen2", {}, 0),
     ("qwen3", {}, 0),
+    ("deepseek_v2", dict(num_hidden_layers=3), 0),  # latent attention and experts in both stages
     ("llama", dict(num_hidden_layers=3), 3),  # every step cut in 3, decode steps of 2-4 sequences too
     ("llama", dict(num_hidden_layers=3), 1),  # never cut: the stages one after another
 ])

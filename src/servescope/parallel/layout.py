@@ -65,9 +65,6 @@ def check_parallel(cfg: ModelConfig, tp: int, pp: int, num_devices: int, device_
     problem = expert_layout_problem(cfg.moe, tp, ep)  # MoE layouts: the rule of config/moe.py
     if problem:
         raise EngineConfigError(problem)
-    if cfg.mla is not None and tp * pp > 1:  # a latent layer's shards (heads of kv_b_proj) are not built yet
-        raise EngineConfigError("tensor and pipeline parallelism are not implemented for latent attention "
-                                "(DeepSeek) yet")
     if h % tp:
         raise EngineConfigError(f"tensor_parallel_size {tp} does not divide the {h} attention heads")
     if hkv >= tp and hkv % tp:

@@ -12,6 +12,8 @@ vocabulary rows.
   all-reduced by a forward hook on their parent (the attention block, the MLP), whose output is the
   projection's output. One all-reduce each, two per layer.
 - attention sinks (gpt-oss's logit per query head) go with their heads.
+- latent attention (DeepSeek's MLA): the query's and kv_b_proj's rows by heads, o_proj's columns; the latent
+  (kv_a_proj_with_mqa, its norm) and its cache are every shard's whole (one latent row serves every head).
 - KV heads: sharded with the query heads they serve; where Hkv < Tp each shard holds the one KV head
   of its query heads (replicated, as vLLM does).
 - vocabulary parallel: the embedding looks up only its rows (zero elsewhere) and all-reduces; the
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servescope.errors import EngineConfigError
+from servescope.model.mla import LatentAttention
 from servescope.model.moe import ClampedExperts, Experts, moe_blocks
 from servescope.parallel.groups import DistContext
 from servescope.parallel.layout import local_kv_heads
@@ -101,6 +104,12 @@ def apply_tensor_parallel(model: nn.Module, ctx: DistContext) -> nn.Module:
             continue
         if type(mod) is not nn.Linear:
             raise EngineConfigError(f"tensor parallelism shards nn.Linear modules; {name} is {type(mod).__name__}")
+        if isinstance(parent, LatentAttention):
+            if name in ("q_proj", "q_b_proj"):  # the last projection of the query: its rows by heads
+                _shard_latent(parent, name, mod, hq, shard)
+                continue
+            if name in ("q_a_proj", "kv_a_proj_with_mqa"):  # the query's LoRA-down and the latent: every head's
+                continue
         if name == "qkv_proj":
             q, k, _ = parent.qkv_sizes
             spans = [(shard * hq * d, (shard + 1) * hq * d), (q + kv0 * d, q + (kv0 + hkv) * d),
@@ -115,7 +124,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: DistContext) -> nn.Module:
             n = i // tp
             setattr(parent, name, _rows(mod, [(shard * n, (shard + 1) * n), (i + shard * n, i + (shard + 1) * n)]))
         elif name in ("o_proj", "down_proj"):
-            width = hq * d if name == "o_proj" else mod.in_features // tp
+            width = mod.in_features // tp
             setattr(parent, name, _cols(mod, shard * width, (shard + 1) * width, keep_bias=shard == 0))
             if id(parent) not in hooked:  # the parent's output is this projection's partial sum
                 parent.register_forward_hook(lambda _m, _inp, out: all_reduce(out, ctx))
@@ -127,6 +136,16 @@ def apply_tensor_parallel(model: nn.Module, ctx: DistContext) -> nn.Module:
         block.register_forward_hook(lambda _m, _inp, out: all_reduce(out, ctx))  # routed + shared partial sums
     _shard_vocab(model, ctx)
     return model
+
+
+def _shard_latent(attn: LatentAttention, name: str, mod: nn.Linear, hq: int, shard: int) -> None:
+    """Latent attention's heads [s hq, (s + 1) hq): the query's rows (nope | rope per head) and kv_b_proj's
+    (k_nope | v per head: W_UK and W_UV); the latent and its cache stay whole on every shard (they serve all
+    heads, as in vLLM's MLA under TP), o_proj keeps this shard's heads' v columns (row parallel)."""
+    qk, kv = attn.nope + attn.rope, attn.nope + attn.v_dim
+    setattr(attn, name, _rows(mod, [(shard * hq * qk, (shard + 1) * hq * qk)]))
+    attn.kv_b_proj = _rows(attn.kv_b_proj, [(shard * hq * kv, (shard + 1) * hq * kv)])
+    attn.num_heads = hq
 
 
 def _shard_experts(ex: nn.Module, tp: int, shard: int) -> None:
