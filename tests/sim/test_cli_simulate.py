@@ -73,7 +73,9 @@ def test_a_bad_trace_line_is_named(tmp_path, line, message):
     (["--num-speculative-tokens", "2", "--spec-acceptance", "1.5"], "spec-acceptance"),
     (["--model", "no-such-preset"], "unknown preset"),
     (["--hardware", "nope"], "unknown hardware"),
-    (["-ep", "2"], "expert parallelism"),
+    (["-ep", "2"], "no experts to split"),
+    (["--quantization", "fp8", "--hardware", "a100"], "no FP8 tensor cores"),
+    (["--quantization", "int3"], "weight dtype must be one of"),
     (["--context-quantum", "-1"], "context_quantum must be >= 0"),
 ])
 def test_bad_arguments_are_one_clear_error(extra, message, capsys):

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from servescope.analysis.hardware import HardwareSpec
+from servescope.analysis.spec import FP8
 from servescope.analysis.kernel_table import KernelTable, lookup, table_key
 from servescope.analysis.packed_weights import packed_format
 from servescope.analysis.op_counts import (
@@ -177,7 +178,7 @@ def step_cost(
     wdt, adt, kdt = resolve_dtypes(weight_dtype, act_dtype, kv_dtype)
     eff_c, eff_m = _efficiency(efficiency)
     peak = hw.flops(adt) * eff_c  # weight-only int8 still multiplies in the activation dtype
-    linear_peak = integer_gemm_flops(hw, wdt, adt) * eff_c or peak
+    linear_peak = (hw.flops(FP8) if wdt == FP8 else integer_gemm_flops(hw, wdt, adt)) * eff_c or peak
     bw = hw.memory_bandwidth * eff_m
     L = cfg.num_hidden_layers
     T, B = sum(n for n, _ in seqs), len(seqs)

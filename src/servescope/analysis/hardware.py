@@ -4,7 +4,7 @@ looked up by name; "local-cpu" is the local probe's cached measurement (probe.py
 from __future__ import annotations
 
 from servescope.analysis.probe import cached_local_hardware
-from servescope.analysis.spec import DTYPE_BYTES, DTYPES, LOCAL_CPU, HardwareSpec
+from servescope.analysis.spec import DTYPE_BYTES, DTYPES, FP8, LOCAL_CPU, HardwareSpec
 from servescope.errors import InvalidParameterError
 
 __all__ = ["DTYPES", "DTYPE_BYTES", "LOCAL_CPU", "HardwareSpec", "HARDWARE_SPECS", "canonical_hardware_name",
@@ -14,13 +14,15 @@ _T = 1e12  # TFLOP/s or TB/s
 _G = 1e9  # GB/s or GB
 
 
-def _nv(fp32, bf16_sparse, int8_sparse, bw, mem_gb, name, source, notes=""):
-    """An NVIDIA spec from datasheet numbers: FP16 = BF16 tensor; the sparse figures are halved."""
+def _nv(fp32, bf16_sparse, int8_sparse, bw, mem_gb, name, source, notes="", fp8=False):
+    """An NVIDIA spec from datasheet numbers: FP16 = BF16 tensor; the sparse figures are halved. fp8: the part
+    has FP8 tensor cores at its INT8 rate (what the Hopper, L4 and L40S datasheets print for both)."""
     return HardwareSpec(
         name=name,
         kind="gpu",
         peak_flops={"float32": fp32 * _T, "bfloat16": bf16_sparse / 2 * _T,
-                    "float16": bf16_sparse / 2 * _T, "int8": int8_sparse / 2 * _T},
+                    "float16": bf16_sparse / 2 * _T, "int8": int8_sparse / 2 * _T,
+                    **({FP8: int8_sparse / 2 * _T} if fp8 else {})},
         memory_bandwidth=bw,
         memory_bytes=int(mem_gb * _G),
         notes=notes,
@@ -41,24 +43,25 @@ _SPECS = [
     # 80GB HBM3 3.35 TB/s; H100 PCIe column: FP32 51 TF, BF16 1,513* TF, INT8 3,026* TOPS, 80GB HBM2e 2 TB/s.
     _nv(67, 1979, 3958, 3.35 * _T, 80, "H100-SXM",
         "NVIDIA H100 datasheet (SXM5): 67 TF FP32, 1,979 TF BF16 with sparsity (989.5 dense), "
-        "3,958 TOPS INT8 with sparsity, 3.35 TB/s, 80 GB"),
+        "3,958 TOPS INT8 with sparsity, 3,958 TF FP8 with sparsity, 3.35 TB/s, 80 GB", fp8=True),
     _nv(51, 1513, 3026, 2.0 * _T, 80, "H100-PCIe",
         "NVIDIA H100 datasheet (PCIe): 51 TF FP32, 1,513 TF BF16 with sparsity (756.5 dense), "
-        "3,026 TOPS INT8 with sparsity, 2 TB/s, 80 GB"),
+        "3,026 TOPS INT8 with sparsity, 3,026 TF FP8 with sparsity, 2 TB/s, 80 GB", fp8=True),
     # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: same compute as H100 SXM, 141GB HBM3e 4.8 TB/s.
     _nv(67, 1979, 3958, 4.8 * _T, 141, "H200",
         "NVIDIA H200 datasheet (SXM): 67 TF FP32, 1,979 TF BF16 with sparsity (989.5 dense), "
         "3,958 TOPS INT8 with sparsity, 4.8 TB/s, 141 GB",
         "nvidia-smi reports ~140 GiB (143,771 MiB). Measured with PyTorch on one H200 (this project's "
         "device notes): 8192^3 bf16 mm ~788 TFLOP/s (0.8 of peak), device copy ~4.3 TB/s read+write "
-        "(0.9 of peak): efficiency={'compute': 0.8, 'memory': 0.9} is a fair calibration"),
+        "(0.9 of peak): efficiency={'compute': 0.8, 'memory': 0.9} is a fair calibration", fp8=True),
     # NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3 TF, BF16/FP16 242* TF, INT8 485* TOPS, 24GB GDDR6 300 GB/s.
     _nv(30.3, 242, 485, 300 * _G, 24, "L4",
         "NVIDIA L4 datasheet: 30.3 TF FP32, 242 TF BF16 with sparsity (121 dense), 485 TOPS INT8 with sparsity, "
-        "300 GB/s, 24 GB GDDR6"),
+        "485 TF FP8 with sparsity, 300 GB/s, 24 GB GDDR6", fp8=True),
     # NVIDIA L40S datasheet: FP32 91.6 TF, BF16/FP16 362.05 | 733* TF, INT8 733 | 1,466* TOPS, 48GB GDDR6 864 GB/s.
     _nv(91.6, 724.1, 1466, 864 * _G, 48, "L40S",
-        "NVIDIA L40S datasheet: 91.6 TF FP32, 362.05 TF BF16 dense, 733 TOPS INT8 dense, 864 GB/s, 48 GB GDDR6"),
+        "NVIDIA L40S datasheet: 91.6 TF FP32, 362.05 TF BF16 dense, 733 TOPS INT8 dense, 733 TF FP8 dense, 864 GB/s, "
+        "48 GB GDDR6", fp8=True),
     # NVIDIA Ada Lovelace architecture whitepaper (v2.1), appendix table, GeForce RTX 4090: FP32 82.6 TF;
     # FP16/BF16 tensor with FP32 accumulate 165.2 | 330.4* TF (PyTorch accumulates in FP32);
     # INT8 tensor 660.6 | 1321.2* TOPS; 24GB GDDR6X, 1,008 GB/s.
@@ -70,11 +73,12 @@ _SPECS = [
     # with sparsity), INT8 2,614.9 TOPS dense, 192 GB HBM3, 5.3 TB/s.
     HardwareSpec(
         name="MI300X", kind="gpu",
-        peak_flops={"float32": 163.4 * _T, "bfloat16": 1307.4 * _T, "float16": 1307.4 * _T, "int8": 2614.9 * _T},
+        peak_flops={"float32": 163.4 * _T, "bfloat16": 1307.4 * _T, "float16": 1307.4 * _T, "int8": 2614.9 * _T,
+                    FP8: 2614.9 * _T},
         memory_bandwidth=5.3 * _T, memory_bytes=int(192 * _G),
         notes="float32 is the FP32 matrix-core peak; FP32 vector is 81.7 TF",
         source="AMD Instinct MI300X data sheet: 163.4 TF FP32 matrix, 1,307.4 TF BF16 dense, "
-               "2,614.9 TOPS INT8 dense, 5.3 TB/s, 192 GB HBM3",
+               "2,614.9 TOPS INT8 dense, 2,614.9 TF FP8 dense, 5.3 TB/s, 192 GB HBM3",
     ),
 ]
 

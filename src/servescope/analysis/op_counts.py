@@ -49,6 +49,10 @@ KV_DTYPES = FLOAT_DTYPES + ("int8", "fp8_e4m3")
 KV_SCALE_BYTES = 4
 _KV_ELEMENT_BYTES = {"int8": 1, "fp8_e4m3": 1}
 LINEAR_OPS = ("qkv_proj", "attn_out_proj", "mlp", "lm_head")
+# weights of one byte with a scale per output channel: int8 (weight-only: multiplied in the activation dtype) and
+# fp8 (e4m3, multiplied on FP8 tensor cores with the activations rounded to FP8 per token: cost_model.py)
+BYTE_WEIGHTS = ("int8", "fp8")
+WEIGHT_DTYPES = DTYPES + ("fp8",)  # and the packed formats (analysis/packed_weights.py)
 OP_NAMES = ("embedding", "qkv_proj", "attention", "kv_write", "kv_read", "attn_out_proj", "mlp",
             "norms_rope_misc", "lm_head")
 
@@ -63,13 +67,13 @@ _SOFTMAX_FLOPS = 5  # max, subtract, exp, sum, divide per score
 
 def resolve_dtypes(weight_dtype: str, act_dtype: Optional[str] = None,
                    kv_dtype: Optional[str] = None) -> tuple[str, str, str]:
-    """(weight, activation, kv) dtypes. Activations default to the weight dtype (bfloat16 for int8);
+    """(weight, activation, kv) dtypes. Activations default to the weight dtype (bfloat16 for int8 and fp8);
     the KV cache defaults to the activation dtype."""
     packed = packed_format(weight_dtype) is not None
-    if weight_dtype not in DTYPES and not packed:
-        raise InvalidParameterError("weight_dtype", f"weight dtype must be one of {', '.join(DTYPES)} or a packed "
-                                    f"format (int4, int8-g32, q4_0, q4_1, q8_0, ...), got {weight_dtype!r}")
-    act = act_dtype or ("bfloat16" if weight_dtype == "int8" else "float32" if packed else weight_dtype)
+    if weight_dtype not in WEIGHT_DTYPES and not packed:
+        raise InvalidParameterError("weight_dtype", f"weight dtype must be one of {', '.join(WEIGHT_DTYPES)} or a "
+                                    f"packed format (int4, int8-g32, q4_0, q4_1, q8_0, ...), got {weight_dtype!r}")
+    act = act_dtype or ("bfloat16" if weight_dtype in BYTE_WEIGHTS else "float32" if packed else weight_dtype)
     kv = kv_dtype or act
     if act not in FLOAT_DTYPES:
         raise InvalidParameterError("act_dtype",
@@ -95,23 +99,23 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bfloat16") -> in
 
 
 def _linear_weight_bytes(out_features: int, in_features: int, wdt: str, adt: str, bias: bool = False) -> int:
-    """One nn.Linear's weight bytes; int8 adds one scale per output channel in the activation dtype;
+    """One nn.Linear's weight bytes; int8 and fp8 add one scale per output channel in the activation dtype;
     a packed format counts its blocks and scales."""
     fmt = packed_format(wdt)
     if fmt is not None:
         return out_features * fmt.row_bytes(in_features) + (out_features * DTYPE_BYTES[adt] if bias else 0)
     n = out_features * in_features * DTYPE_BYTES[wdt]
-    if wdt == "int8":
+    if wdt in BYTE_WEIGHTS:
         n += out_features * DTYPE_BYTES[adt]
     if bias:
-        n += out_features * DTYPE_BYTES[adt if wdt == "int8" else wdt]
+        n += out_features * DTYPE_BYTES[adt if wdt in BYTE_WEIGHTS else wdt]
     return n
 
 
 def dense_dtype(wdt: str, adt: str) -> str:
-    """Embeddings, norms and lm_head stay unquantised: the activation dtype under int8 (and the norms
+    """Embeddings, norms and lm_head stay unquantised: the activation dtype under int8 and fp8 (and the norms
     under a packed format: table_bytes says what its embedding and head take)."""
-    return adt if wdt == "int8" or packed_format(wdt) is not None else wdt
+    return adt if wdt in BYTE_WEIGHTS or packed_format(wdt) is not None else wdt
 
 
 def table_bytes(cfg: ModelConfig, wdt: str, adt: str) -> tuple[int, int, int]:

@@ -4,7 +4,9 @@ from vendor datasheets.
 Conventions (every spec follows them, so that predictions are comparable):
 - `peak_flops[dtype]` is the dense matmul peak (no 2:4 sparsity). NVIDIA datasheets print the
   with-sparsity figure with an asterisk; the dense figure is half of it. "float32" is plain FP32
-  (CUDA cores), not TF32: PyTorch leaves TF32 matmul off by default.
+  (CUDA cores), not TF32: PyTorch leaves TF32 matmul off by default. "fp8" (FP8 e4m3 inputs, the
+  matmul of FP8 weights with activations rounded to FP8 per token: vLLM's `--quantization fp8`) is there only
+  where the part has FP8 tensor cores.
 - `memory_bandwidth` is bytes/s from the vendor's decimal GB/s or TB/s (1 GB/s = 1e9 B/s).
 - `memory_bytes` is the capacity in the unit the vendor prints. NVIDIA and AMD print "GB" and we take
   it as 1e9 bytes; the physical HBM is larger (an "80GB" part shows ~80 GiB in nvidia-smi), so plans
@@ -41,7 +43,8 @@ from servescope.errors import InvalidParameterError
 LOCAL_CPU = "local-cpu"  # the name of the spec the local probe measures
 
 DTYPES = ("float32", "bfloat16", "float16", "int8")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8": 1}
+FP8 = "fp8"  # a peak only parts with FP8 tensor cores have (Hopper, Ada, MI300): optional in peak_flops
 
 
 
@@ -103,6 +106,9 @@ class HardwareSpec:
 
     def flops(self, dtype: str) -> float:
         """Peak dense FLOP/s for matmuls whose inputs are `dtype`."""
+        if dtype == FP8 and dtype not in self.peak_flops:
+            raise InvalidParameterError("dtype", f"{self.name} has no FP8 tensor cores (fp8 weights need Hopper, "
+                                                 "Ada or MI300): use int8 or bfloat16 weights")
         if dtype not in self.peak_flops:
             raise InvalidParameterError("dtype", f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
         return float(self.peak_flops[dtype])

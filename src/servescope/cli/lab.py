@@ -42,8 +42,9 @@ def add_parser(sub) -> None:
     e.add_argument("--batch", type=positive_int, default=1)
     e.add_argument("--prompt-len", type=positive_int, default=512)
     e.add_argument("--output-len", type=positive_int, default=128)
-    e.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "int8"],
-                   help="weight dtype (int8: weight-only, activations bfloat16)")
+    e.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "int8", "fp8"],
+                   help="weight dtype (int8: weight-only, activations bfloat16; fp8: e4m3 weights multiplied on "
+                        "FP8 tensor cores with activations rounded to FP8 per token, vLLM's --quantization fp8)")
     e.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "int8", "fp8_e4m3"],
                    help="KV cache dtype (default: the activation dtype; int8 / fp8_e4m3 count their "
                         "per-token-per-head float32 scales)")

@@ -26,6 +26,9 @@ def add_parser(sub) -> None:
                    help="a preset (servescope explain --help lists them), random:PRESET, or a config.json")
     m.add_argument("--hardware", default="local-cpu", help="a hardware spec (servescope hardware list)")
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    m.add_argument("--quantization", "-q", default=None, metavar="WEIGHTS",
+                   help="the weights' dtype or packed format: int8 (per channel), fp8 (FP8 tensor cores: Hopper, "
+                        "Ada, MI300), int4, int8-g32, q4_0, q4_1, q8_0 (default: the activation dtype)")
     m.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3"])
     m.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)

@@ -55,7 +55,7 @@ def spec_from_args(args, tp: int = None, host: HostCosts = None):
     model = _preset(args.model)
     host = host if host is not None else host_costs_for(args, hw, resolve_dtype(args.dtype, hw))
     return instance_spec(
-        model, hw, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        model, hw, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         cache=KVCacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                             kv_cache_memory_bytes=args.kv_cache_memory,
                             enable_prefix_caching=not args.no_prefix_caching),

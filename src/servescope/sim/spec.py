@@ -16,8 +16,9 @@ from typing import Optional
 from servescope.analysis.cpu_isa import local_fast_bf16
 from servescope.analysis.collectives import DEFAULT_LINK, LinkSpec, get_link, rank_weights_config
 from servescope.analysis.hardware import HardwareSpec, get_hardware
+from servescope.analysis.spec import FP8
 from servescope.analysis.memory_planner import plan_memory
-from servescope.analysis.op_counts import DTYPE_BYTES, kv_cache_bytes_per_token
+from servescope.analysis.op_counts import DTYPE_BYTES, kv_cache_bytes_per_token, resolve_dtypes
 from servescope.analysis.presets import load_preset
 from servescope.analysis.step_prediction import StepPredictor
 from servescope.sim.step_table import StepTable
@@ -142,12 +143,15 @@ def _gpu_blocks(cfg: ModelConfig, hw: HardwareSpec, wdt: str, kdt: str, adt: str
 
 
 def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dtype: str = "auto",
-                  kv_cache_dtype: str = "auto", cache: KVCacheConfig = KVCacheConfig(),
+                  quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
+                  cache: KVCacheConfig = KVCacheConfig(),
                   batching: BatchingConfig = BatchingConfig(), parallel: ParallelConfig = ParallelConfig(),
                   ep: int = 1, link: "str | LinkSpec | None" = None, spec_decode: SpecDecodeSpec = SpecDecodeSpec(),
                   host: HostCosts = HostCosts(), step_table: Optional[StepTable] = None,
                   context_quantum: int = DEFAULT_CONTEXT_QUANTUM) -> InstanceSpec:
-    """Resolve an instance as engine/builder.py resolves an engine (the config parts are the engine's)."""
+    """Resolve an instance as engine/builder.py resolves an engine (the config parts are the engine's).
+    quantization: the weights' dtype or packed format where it is not the activations' (int8, fp8 on FP8
+    tensor cores, int4, q4_0, ...: analysis/op_counts.resolve_dtypes; None: float weights)."""
     cfg = load_preset(model) if isinstance(model, str) else model
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
@@ -158,6 +162,9 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
         raise InvalidParameterError("layout", f"{cfg.name} cannot be split TP={tp} x PP={pp} (heads "
                                               f"{cfg.num_attention_heads}, layers {cfg.num_hidden_layers})")
     adt = resolve_dtype(dtype, hw)
+    wdt = resolve_dtypes(quantization, adt)[0] if quantization else adt
+    if wdt == FP8:
+        hw.flops(FP8)  # (refused where the part has no FP8 tensor cores)
     kdt = adt if kv_cache_dtype == "auto" else ("fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype)
     kv_tok = kv_cache_bytes_per_token(cfg, kdt)
     max_len = batching.max_model_len or cfg.max_position_embeddings
@@ -168,7 +175,7 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
     elif hw.kind == "cpu":
         blocks = _cpu_blocks(cfg, kv_tok, cache.block_size, batching.max_num_seqs, max_len, hw)
     else:
-        blocks = _gpu_blocks(cfg, hw, adt, kdt, adt, cache.block_size, tp, pp, batching, ep)
+        blocks = _gpu_blocks(cfg, hw, wdt, kdt, adt, cache.block_size, tp, pp, batching, ep)
     if blocks < 1:
         raise InvalidParameterError("kv_cache", "the KV cache holds less than one block")
     if blocks * cache.block_size < max_len:
@@ -187,7 +194,7 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
             raise InvalidParameterError("link", "ranks on the local CPU talk over gloo: pass the measured local link "
                                                 "(`servescope simulate` measures it once), or a named --link")
         link_spec = get_link(link or DEFAULT_LINK.get(hw.name, "pcie4"))
-    return InstanceSpec(model=cfg, hardware=hw, dtypes=(adt, kdt, adt, DTYPE_BYTES[adt]), scheduler=sched,
+    return InstanceSpec(model=cfg, hardware=hw, dtypes=(wdt, kdt, adt, DTYPE_BYTES[adt]), scheduler=sched,
                         num_blocks=int(blocks), block_size=cache.block_size,
                         enable_prefix_caching=cache.enable_prefix_caching, tp=tp, pp=pp, ep=ep,
                         micro_batches=parallel.pipeline_micro_batches, link=link_spec, spec_decode=spec_decode,
@@ -196,8 +203,9 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
 
 def describe(spec: InstanceSpec) -> str:
     """One line: what the instance is."""
-    adt, kdt = spec.dtypes[2], spec.dtypes[1]
-    layout = f"TP={spec.tp} x PP={spec.pp}" + (f" on {spec.link.name}" if spec.link else "")
+    wdt, adt, kdt = spec.dtypes[0], spec.dtypes[2], spec.dtypes[1]
+    layout = (f"TP={spec.tp} x PP={spec.pp}" + (f" with EP={spec.ep}" if spec.ep > 1 else "")
+              + (f" on {spec.link.name}" if spec.link else ""))
     kv_tokens = spec.num_blocks * spec.block_size
     sd = spec.spec_decode
     spec_txt = f", speculative k={sd.k} acceptance {sd.acceptance:g}" if sd.k else ""
@@ -205,8 +213,9 @@ def describe(spec: InstanceSpec) -> str:
             f"host {spec.hardware.step_overhead_s * 1e3:.2f} ms/step + "
             f"{spec.hardware.layer_overhead_s * 1e6:.0f} us/layer + "
             f"{spec.host.per_seq_s * 1e6:.0f} us/seq + {spec.host.per_token_s * 1e6:.0f} us/token ({spec.host.source})")
-    return (f"{spec.model.name} on {spec.hardware.name} ({layout}), {adt} (KV {kdt}), KV cache {spec.num_blocks} "
-            f"blocks = {kv_tokens} tokens, max_num_seqs {spec.scheduler.max_num_seqs}, token budget "
+    weights = "" if wdt == adt else f"{wdt} weights, "
+    return (f"{spec.model.name} on {spec.hardware.name} ({layout}), {weights}{adt} (KV {kdt}), KV cache "
+            f"{spec.num_blocks} blocks = {kv_tokens} tokens, max_num_seqs {spec.scheduler.max_num_seqs}, token budget "
             f"{spec.scheduler.max_num_batched_tokens}"
             f"{'' if spec.scheduler.enable_chunked_prefill else ' (no chunking)'}, "
             f"prefix caching {'on' if spec.enable_prefix_caching else 'off'}{spec_txt}; {host}")
