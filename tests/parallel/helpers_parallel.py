@@ -47,9 +47,11 @@ def max_logit_diff(a: list, b: list) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b) if x.numel())
 
 
-def assert_same_as_single_process(path: str, common: dict | None = None, **parallel) -> list:
-    """The parallel engine's greedy tokens equal one process's, its logits within 1e-4 at every step
-    (common: settings of both engines). Returns the parallel engine's StepRecords."""
+def assert_same_as_single_process(path: str, common: dict | None = None, logit_tol: float = 1e-4,
+                                  **parallel) -> list:
+    """The parallel engine's greedy tokens equal one process's, its logits within logit_tol (1e-4) at every
+    step, and within 1e-4 at nine steps in ten whatever logit_tol is (common: settings of both engines).
+    Returns the parallel engine's StepRecords."""
     kw = {**ENGINE, **(common or {})}
     ref_tokens, ref_logits, ref_stats = run_workload(LLM(model=path, **kw))
     llm = LLM(model=path, **kw, **parallel)
@@ -59,7 +61,9 @@ def assert_same_as_single_process(path: str, common: dict | None = None, **paral
         llm.engine.shutdown(keep_workers=True)  # the next case loads its weights into the same processes
     assert tokens == ref_tokens
     diff = max_logit_diff(logits, ref_logits)
-    assert diff <= 1e-4, f"max |logit diff| {diff:.2e}"
+    assert diff <= logit_tol, f"max |logit diff| {diff:.2e}"
+    steps = [(x - y).abs().max().item() for x, y in zip(logits, ref_logits) if x.numel()]
+    assert sum(d <= 1e-4 for d in steps) >= 0.9 * len(steps), f"steps over 1e-4: {sorted(steps)[-5:]}"
     assert stats == ref_stats
     # the workload exercised what it is meant to: preemption, prefix caching, chunks, mixed steps
     assert stats["preemptions"] > 0 and stats["prefix_hits"] > 0 and stats["mixed"]

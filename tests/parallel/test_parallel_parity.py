@@ -5,6 +5,7 @@ tests, with batching, chunked prefill, prefix caching and preemption in the work
 import pytest
 
 from helpers_parallel import assert_same_as_single_process
+from servescope.errors import EngineConfigError
 from tiny_models import make_tiny_hf_model
 
 TP_CASES = {
@@ -107,3 +108,44 @@ def test_tensor_parallel_keeps_a_block_table_per_group_of_layers(tmp_path):
         assert llm.engine.kv_manager.group_stats() == one.engine.kv_manager.group_stats()
     finally:
         llm.engine.shutdown(keep_workers=True)
+
+
+@pytest.mark.parametrize("family, qtype, parallel", [
+    ("llama", "Q4_0", dict(tensor_parallel_size=2)),  # untied: the file's output blocks cut by vocabulary rows
+    ("llama_plain", "Q8_0", dict(tensor_parallel_size=2)),  # tied: one slice of token_embd is both tables
+    ("llama", "Q4_1", dict(tensor_parallel_size=2)),  # asymmetric blocks: their offsets cut with their scales
+    ("llama", "Q4_0", dict(pipeline_parallel_size=2)),  # stages keep their layers' blocks whole
+])
+def test_packed_gguf_blocks_under_tensor_and_pipeline_parallelism(tmp_path, family, qtype, parallel):
+    """--quantization gguf keeps a llama.cpp file's blocks: TP cuts them (qkv and gate|up by output rows, o and
+    down by whole 32-blocks of input columns, the vocabulary by rows), PP keeps each stage's. Greedy tokens equal
+    one process's. The logits: within 1e-4 at nine steps in ten, within 0.05 at all: a row-parallel all-reduce
+    adds the partial sums in another order (~1e-7), which can move an activation across an int8 rounding
+    boundary in the next layer's group-32 product (the activations are rounded to int8 per block, as llama.cpp
+    does): a change of about one activation quantum there."""
+    import gguf
+    from tiny_gguf import write_tiny_gguf
+
+    from servescope.loader.source import load_model_source
+
+    src = load_model_source(str(make_tiny_hf_model(tmp_path, family, with_tokenizer=False, num_hidden_layers=3)))
+    path = write_tiny_gguf(tmp_path / "m.gguf", src.config, src.state_dict, qtype=gguf.GGMLQuantizationType[qtype])
+    tol = 0.05 if "tensor_parallel_size" in parallel else 1e-4
+    assert_same_as_single_process(path, dict(quantization="gguf", skip_tokenizer_init=True), logit_tol=tol,
+                                  **parallel)
+
+
+def test_packed_gguf_blocks_that_a_shard_would_cut_are_refused(tmp_path):
+    """A row-parallel cut that falls inside a block is refused, naming the projection and the block size."""
+    import gguf
+    from tiny_gguf import write_tiny_gguf
+
+    from servescope import LLM
+    from servescope.errors import WorkerFailedError
+    from servescope.loader.source import load_model_source
+
+    src = load_model_source(str(make_tiny_hf_model(tmp_path, "llama", with_tokenizer=False, intermediate_size=96)))
+    path = write_tiny_gguf(tmp_path / "m.gguf", src.config, src.state_dict, qtype=gguf.GGMLQuantizationType.Q8_0)
+    with pytest.raises((EngineConfigError, WorkerFailedError), match="down_proj's packed input columns at 0..48"):
+        LLM(model=path, quantization="gguf", skip_tokenizer_init=True, tensor_parallel_size=2, num_threads=1,
+            num_kv_blocks=8)

@@ -262,12 +262,6 @@ class EngineConfig:
         if self.parallel.world_size > 1:  # what the parallel workers do not run (yet)
             _require(self.speculative.speculative_method != "draft",
                      "a draft model with tensor/pipeline parallelism is not supported yet (use ngram)")
-            par = self.parallel
-            _require(self.load.quantization != "gguf" or (par.tensor_parallel_size == 1
-                                                          and par.pipeline_parallel_size == 1),
-                     "quantization gguf (packed GGUF blocks) with tensor/pipeline parallelism is not supported "
-                     "yet: the shards cut float weights (int8/int4 quantise each shard; expert parallelism alone "
-                     "keeps each rank's packed experts whole)")
 
     def replace(self, **settings: Any) -> "EngineConfig":
         """A copy with some flat settings or whole parts changed (validated again)."""

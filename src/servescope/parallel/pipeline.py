@@ -42,9 +42,11 @@ def keep_stage(model: nn.Module, ctx: DistContext) -> nn.Module:
     if not ctx.is_last_stage:
         model.lm_head = None
     if not ctx.is_first_stage:
-        w = backbone.embed_tokens.weight
-        # the head (tied) keeps its reference to the full embedding weight; the lookup goes
-        backbone.embed_tokens = nn.Embedding(0, w.shape[1], device=w.device, dtype=w.dtype)
+        emb = backbone.embed_tokens  # an nn.Embedding, or a GGUF's packed table (QuantEmbedding)
+        w = emb.weight if isinstance(emb, nn.Embedding) else emb.scales
+        dtype = w.dtype if isinstance(emb, nn.Embedding) else emb.dtype
+        # the head (tied) keeps its reference to the full embedding table; the lookup goes
+        backbone.embed_tokens = nn.Embedding(0, model.config.hidden_size, device=w.device, dtype=dtype)
     return model
 
 

@@ -36,10 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from servescope.errors import EngineConfigError
+from servescope.model.linears.packed import QuantEmbedding, QuantLinear
 from servescope.model.mla import LatentAttention
 from servescope.model.moe import ClampedExperts, Experts, moe_blocks
 from servescope.parallel.groups import DistContext
 from servescope.parallel.layout import local_kv_heads
+from servescope.parallel.packed_shards import packed_cols, packed_rows, packed_vocab_rows
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -64,8 +66,10 @@ def all_reduce(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return t
 
 
-def _rows(linear: nn.Linear, spans: list) -> nn.Linear:
+def _rows(linear: nn.Module, spans: list) -> nn.Module:
     """A Linear of the output rows in `spans` [(start, stop)...] concatenated (column parallel)."""
+    if type(linear) is QuantLinear:
+        return packed_rows(linear, spans)
     w = torch.cat([linear.weight.detach()[a:b] for a, b in spans])
     out = nn.Linear(linear.in_features, w.shape[0], bias=linear.bias is not None, device=w.device, dtype=w.dtype)
     out.weight = nn.Parameter(w.clone(), requires_grad=False)
@@ -74,8 +78,10 @@ def _rows(linear: nn.Linear, spans: list) -> nn.Linear:
     return out
 
 
-def _cols(linear: nn.Linear, start: int, stop: int, keep_bias: bool) -> nn.Linear:
+def _cols(linear: nn.Module, start: int, stop: int, keep_bias: bool, name: str = "") -> nn.Module:
     """A Linear of the input columns [start, stop) (row parallel); the bias on one shard only."""
+    if type(linear) is QuantLinear:
+        return packed_cols(linear, start, stop, keep_bias, name)
     w = linear.weight.detach()[:, start:stop]
     bias = linear.bias is not None and keep_bias
     out = nn.Linear(stop - start, linear.out_features, bias=bias, device=w.device, dtype=w.dtype)
@@ -102,8 +108,9 @@ def apply_tensor_parallel(model: nn.Module, ctx: DistContext) -> nn.Module:
     for parent, name, mod in model.projections():
         if mod is None or name == "lm_head":
             continue
-        if type(mod) is not nn.Linear:
-            raise EngineConfigError(f"tensor parallelism shards nn.Linear modules; {name} is {type(mod).__name__}")
+        if type(mod) not in (nn.Linear, QuantLinear):
+            raise EngineConfigError(f"tensor parallelism shards nn.Linear modules and packed GGUF ones; {name} is "
+                                    f"{type(mod).__name__}")
         if isinstance(parent, LatentAttention):
             if name in ("q_proj", "q_b_proj"):  # the last projection of the query: its rows by heads
                 _shard_latent(parent, name, mod, hq, shard)
@@ -125,7 +132,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: DistContext) -> nn.Module:
             setattr(parent, name, _rows(mod, [(shard * n, (shard + 1) * n), (i + shard * n, i + (shard + 1) * n)]))
         elif name in ("o_proj", "down_proj"):
             width = mod.in_features // tp
-            setattr(parent, name, _cols(mod, shard * width, (shard + 1) * width, keep_bias=shard == 0))
+            setattr(parent, name, _cols(mod, shard * width, (shard + 1) * width, shard == 0, name))
             if id(parent) not in hooked:  # the parent's output is this projection's partial sum
                 parent.register_forward_hook(lambda _m, _inp, out: all_reduce(out, ctx))
                 hooked.add(id(parent))
@@ -184,6 +191,8 @@ def _shard_vocab(model: nn.Module, ctx: DistContext) -> None:
     """Embedding (on the first stage) and head (on the last) to their vocabulary shards."""
     emb, head = model.model.embed_tokens, model.lm_head
     start, per, real = vocab_shard(model.config.vocab_size, ctx.layout.tp, ctx.shard)
+    if isinstance(emb, QuantEmbedding) or type(head) is QuantLinear:
+        return _shard_packed_vocab(model, ctx, (start, per, real))
     tied = head is not None and head.weight is emb.weight
     if emb.weight.shape[0]:  # a stage that does not embed holds a zero-row embedding
         model.model.embed_tokens = VocabParallelEmbedding(_padded(emb.weight, start, per, real), start, real, ctx)
@@ -192,3 +201,44 @@ def _shard_vocab(model: nn.Module, ctx: DistContext) -> None:
         new.weight = (model.model.embed_tokens.weight if tied
                       else nn.Parameter(_padded(head.weight, start, per, real), requires_grad=False))
         model.lm_head = new
+
+
+def _shard_packed_vocab(model: nn.Module, ctx: DistContext, rows: tuple) -> None:
+    """_shard_vocab where the embedding or the head is packed (a GGUF's token_embd / output blocks): their
+    vocabulary rows sliced from the blocks, a tied pair sharing one slice as in one process."""
+    emb, head = model.model.embed_tokens, model.lm_head
+    start, per, real = rows
+    tied = isinstance(emb, QuantEmbedding) and type(head) is QuantLinear and head.qweight is emb.qweight
+    if isinstance(emb, QuantEmbedding):
+        q, s = packed_vocab_rows(emb.qweight, emb.scales, start, per, real)
+        model.model.embed_tokens = VocabParallelQuantEmbedding(q, s, emb.embedding_dim, emb.dtype, start, real, ctx)
+    elif emb.weight.shape[0]:
+        model.model.embed_tokens = VocabParallelEmbedding(_padded(emb.weight, start, per, real), start, real, ctx)
+    if head is None:
+        return
+    if tied:
+        new = model.model.embed_tokens
+        model.lm_head = QuantLinear(new.qweight, new.scales, head.in_features, None, float_output=True)
+    elif type(head) is QuantLinear:
+        q, s = packed_vocab_rows(head.qweight, head.scales, start, per, real)
+        model.lm_head = QuantLinear(q, s, head.in_features, None, float_output=head.float_output)
+    else:
+        new = nn.Linear(head.in_features, per, bias=False, device=head.weight.device, dtype=head.weight.dtype)
+        new.weight = nn.Parameter(_padded(head.weight, start, per, real), requires_grad=False)
+        model.lm_head = new
+
+
+class VocabParallelQuantEmbedding(QuantEmbedding):
+    """VocabParallelEmbedding over a packed table's rows [start, start + ceil(V/Tp)): the rows looked up
+    dequantised, ids outside give 0, the all-reduce sums exactly one non-zero row per token."""
+
+    def __init__(self, packed, scales, dim: int, dtype: torch.dtype, start: int, num_real: int, ctx: DistContext):
+        super().__init__(packed, scales, dim, dtype)
+        self.start, self.num_real, self._ctx = start, num_real, ctx
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_real)
+        out = super().forward(local.masked_fill(outside, 0))
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return all_reduce(out, self._ctx)
