@@ -6,9 +6,24 @@ table profiled on workloads of its own (labs/sim_validation.profile_steps); then
 serves each workload on the wall clock (sim/driver.drive, the lab's WallClock: the same arrivals as the
 simulation), and the simulator runs 1P1D of the same instance spec with that step table, the KV priced on
 the measured local gloo link (measure/local_hardware.local_gloo_link). Prints measured, simulated and the
-error of median TTFT, median TPOT, p90 TTFT and output throughput per workload.
+error of median TTFT, median TPOT, p90 TTFT and output throughput per workload, then each request's TTFT cut
+into its parts (the real hand-over's timelines, engine/disaggregated.py, beside sim/disagg.py's), as medians
+over the workload's requests in ms:
+
+    wait        arrival -> the prefill engine's first step (real: + the request's trip to the prefill process)
+    prefill     that step -> its token (all its chunks)
+    hand-over   its token -> the KV in the decode process (real, split: export = the blocks gathered, header =
+                the announcement's trip, bytes = the gloo receive)
+    admit       the KV in -> the decode engine's first step with it (real, split: notice = until the engine
+                thread takes it (a running decode step finishes first), adopt = the copy into its cache)
+    first step  the decode engine's step -> the first token
+    ttft        the sum
+
+--send-path first times the hand-over alone: one request at a time (nothing else running) at several prompt
+lengths, the parts above per length, the bytes and what the simulator prices the transfer at.
 
     python benchmarks/disagg_1p1d.py --json benchmarks/results/disagg_1p1d.json
+    python benchmarks/disagg_1p1d.py --send-path --workloads   # the hand-over alone
 """
 
 from __future__ import annotations
@@ -41,13 +56,75 @@ WORKLOADS = {  # name: (prompts, input lengths, output lengths, requests/s)
     "saturation": (32, (64, 256), (48, 96), math.inf),
 }
 METRICS = ("median_ttft_ms", "median_tpot_ms", "p90_ttft_ms", "output_throughput")
+SEND_LENGTHS = (64, 256, 1024, 2048)  # prompt tokens of --send-path
+SEND_REPEATS = 5
+# part: (from stage, to stage) of a timeline; real-only parts marked by their sim stand-in None
+PARTS = {"wait": ("arrival", "scheduled"), "prefill": ("scheduled", "prefilled"), "hand-over": ("prefilled", "landed"),
+         "admit": ("landed", "decode_scheduled"), "first step": ("decode_scheduled", "first_token"),
+         "ttft": ("arrival", "first_token")}
+REAL_ONLY = {"  dispatch": ("arrival", "received"), "  export": ("prefilled", "exported"),
+             "  header": ("exported", "announced"), "  bytes": ("announced", "landed"),
+             "  notice": ("landed", "adopting"), "  adopt": ("adopting", "adopted")}
+
+
+def _med(values: list) -> float:
+    values = sorted(v for v in values if v is not None and math.isfinite(v))
+    return 1e3 * values[len(values) // 2] if values else math.nan
+
+
+def real_timelines(pair: DisaggregatedEngine, finished: list) -> list:
+    """Each finished request's hand-over timeline with the decode engine's first step and first token."""
+    out = []
+    for f in finished:
+        t = dict(pair.timelines.get(f.request_id, {}))
+        if "landed" in t and f.metrics.token_times:
+            t.update(decode_scheduled=f.metrics.first_scheduled_time, first_token=f.metrics.token_times[0])
+            out.append(t)
+    return out
+
+
+def breakdown(real: list, sim: list) -> dict:
+    """{part: (real median ms, simulated median ms or nan)}."""
+    def part(ts, a, b):
+        return _med([t[b] - t[a] for t in ts if t.get(a) is not None and t.get(b) is not None])
+    rows = {name: (part(real, a, b), part(sim, a, b)) for name, (a, b) in PARTS.items()}
+    for name, (a, b) in REAL_ONLY.items():
+        rows[name] = (part(real, a, b), math.nan)
+    order = ["wait", "  dispatch", "prefill", "hand-over", "  export", "  header", "  bytes", "admit", "  notice",
+             "  adopt", "first step", "ttft"]
+    return {name: rows[name] for name in order}
+
+
+def print_breakdown(title: str, rows: dict) -> None:
+    print(f"{title}: median ms per part   measured  simulated")
+    for name, (real, sim) in rows.items():
+        print(f"  {name:<14}{real:>10.1f}{'' if math.isnan(sim) else f'{sim:>11.1f}'}")
+
+
+def send_path(pair: DisaggregatedEngine, sim_dep: Disaggregated, vocab: int) -> dict:
+    """The hand-over alone: SEND_REPEATS requests of each SEND_LENGTHS prompt, one at a time."""
+    out = {}
+    for n in SEND_LENGTHS:
+        reqs = synthetic_workload(SEND_REPEATS, n, 1, vocab, math.inf, seed=3000 + n)
+        real = []
+        for j, r in enumerate(reqs):  # one in flight at a time: nothing else on either engine
+            _, _, done = drive(WallClock(pair), [r], prefix=f"send-{n}-{j}")
+            real += real_timelines(pair, done)
+        rows = breakdown(real, [])
+        sent = real[0]["bytes"] if real else 0
+        priced = 1e3 * sim_dep.transfer_time(sim_dep.sent_tokens(n))
+        print_breakdown(f"send path, {n}-token prompt ({sent / 1e6:.2f} MB sent; the simulator prices "
+                        f"the hand-over at {priced:.1f} ms)", rows)
+        out[n] = {"bytes": sent, "priced_ms": priced, "parts_ms": {k.strip(): v[0] for k, v in rows.items()}}
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--step-table", default=None, help="a table this script profiled before (skips the profile)")
     p.add_argument("--save-table", default=None, help="write the profiled table here")
+    p.add_argument("--send-path", action="store_true", help="time the hand-over alone first (module docstring)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     config = EngineConfig(dtype="auto", num_threads=1, num_kv_blocks=BLOCKS, max_num_seqs=SEQS,
@@ -76,26 +153,32 @@ def main(argv=None) -> int:
                        "kv_link_bandwidth": link.bandwidth, "kv_link_latency_s": link.latency_s},
            "workloads": {}}
     try:
+        if a.send_path:
+            out["send_path"] = send_path(pair, Disaggregated(spec, 1, 1, kv_link=link, keep_steps=False), vocab)
         for i, name in enumerate(a.workloads):
-            n, inp, outp, rate = WORKLOADS[name]
-            reqs = synthetic_workload(n, inp, outp, vocab, rate, seed=2000 + i)
-            first = len(pair.transfers)
-            records, duration, _ = drive(WallClock(pair), reqs, prefix=f"real-{i}")
-            real = bench_result(records, duration).to_dict()
-            sim_dep = Disaggregated(spec, 1, 1, kv_link=link, keep_steps=False)
-            sim = bench_result(*drive(sim_dep, reqs)[:2]).to_dict()
-            sent = pair.transfers[first:]
-            row = {m: {"measured": real[m], "simulated": sim[m], "error": sim[m] / real[m] - 1} for m in METRICS}
-            row["transfers"] = {"count": len(sent), "mean_ms": 1e3 * sum(t[3] for t in sent) / max(len(sent), 1),
-                                "mean_bytes": sum(t[2] for t in sent) / max(len(sent), 1),
-                                "simulated_mean_ms": sim_dep.stats(1.0)["mean_transfer_ms"]}
-            out["workloads"][name] = row
-            print(name, json.dumps(row, indent=1), flush=True)
+            out["workloads"][name] = run_workload(pair, spec, link, name, i, vocab)
     finally:
         pair.shutdown()
     if a.json:
         write_json(a.json, out)
     return 0
+
+
+def run_workload(pair: DisaggregatedEngine, spec, link, name: str, i: int, vocab: int) -> dict:
+    n, inp, outp, rate = WORKLOADS[name]
+    reqs = synthetic_workload(n, inp, outp, vocab, rate, seed=2000 + i)
+    records, duration, done = drive(WallClock(pair), reqs, prefix=f"real-{i}")
+    real = bench_result(records, duration).to_dict()
+    sim_dep = Disaggregated(spec, 1, 1, kv_link=link, keep_steps=False)
+    sim_records, sim_duration, _ = drive(sim_dep, reqs)
+    sim = bench_result(sim_records, sim_duration).to_dict()
+    row = {m: {"measured": real[m], "simulated": sim[m], "error": sim[m] / real[m] - 1} for m in METRICS}
+    print(name, json.dumps(row, indent=1), flush=True)
+    parts = breakdown(real_timelines(pair, done), list(sim_dep.timelines.values()))
+    print_breakdown(name, parts)
+    row["parts_ms"] = {k.strip(): {"measured": r, "simulated": None if math.isnan(s) else s}
+                       for k, (r, s) in parts.items()}
+    return row
 
 
 if __name__ == "__main__":

@@ -26,16 +26,35 @@ from servescope.kvcache.prefix_cache import hash_full_blocks, max_hit_blocks
 from servescope.scheduler.request import Request
 
 
+def gather_blocks(caches, block_ids: Sequence[int]) -> torch.Tensor:
+    """The rows of `block_ids` of every layer's (K, V) cache, copied once into one contiguous CPU tensor
+    [layers, 2, blocks, *a block's shape] (what is sent: no per-layer tensors stacked afterwards)."""
+    k0 = caches[0][0]
+    out = torch.empty((len(caches), 2, len(block_ids), *k0.shape[1:]), dtype=k0.dtype, device=k0.device)
+    idx = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
+    for layer, (k, v) in enumerate(caches):
+        torch.index_select(k, 0, idx, out=out[layer, 0])
+        torch.index_select(v, 0, idx, out=out[layer, 1])
+    return out.cpu()  # one device-to-host copy off a GPU; none on a CPU
+
+
+def scatter_blocks(caches, block_ids: Sequence[int], kv: torch.Tensor) -> None:
+    """gather_blocks' inverse: `kv`'s rows written into `block_ids` of every layer's cache."""
+    k0 = caches[0][0]
+    idx = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
+    kv = kv.to(k0.device)  # one host-to-device copy onto a GPU; none on a CPU
+    for layer, (k, v) in enumerate(caches):
+        k.index_copy_(0, idx, kv[layer, 0])
+        v.index_copy_(0, idx, kv[layer, 1])
+
+
 def export_prompt_kv(engine, prompt_ids: Sequence[int], cache_salt: Optional[str]) -> torch.Tensor:
     """The KV of the prompt's leading full blocks that `engine`'s prefix cache holds (call right after
     the step that finished the request, before another allocation can evict them)."""
     km = engine.kv_manager
     limit = max_hit_blocks(len(prompt_ids), km.block_size)
     blocks = km.cached_run(hash_full_blocks(prompt_ids, km.block_size, limit=limit, salt=cache_salt))
-    idx = torch.tensor(blocks, dtype=torch.long)
-    rows = [torch.stack((k.index_select(0, idx.to(k.device)), v.index_select(0, idx.to(v.device))))
-            for k, v in engine.runner.kv_caches]
-    return torch.stack(rows).cpu()
+    return gather_blocks(engine.runner.kv_caches, blocks)
 
 
 def kv_shape(engine, num_blocks: int) -> tuple:
@@ -62,10 +81,7 @@ def adopt_prompt_kv(engine, request_id: str, prompt_ids: Sequence[int], cache_sa
     if not km.allocate_slots(holder, len(tokens)):
         return 0
     try:
-        idx = torch.tensor(km.get_block_ids(holder.request_id), dtype=torch.long)
-        for layer, (k, v) in enumerate(caches):
-            k.index_copy_(0, idx.to(k.device), kv[layer, 0].to(k.device))
-            v.index_copy_(0, idx.to(v.device), kv[layer, 1].to(v.device))
+        scatter_blocks(caches, km.get_block_ids(holder.request_id), kv)
         holder.num_computed_tokens = len(tokens)  # written: free() leaves the hashed blocks findable
     finally:
         km.free(holder)  # a failed copy frees unwritten blocks (their hashes go): no block leaks

@@ -83,6 +83,10 @@ class Disaggregated:
         self._home: dict = {}
         self.transfer_seconds = 0.0
         self.recomputed = 0
+        # request id -> {stage: time} of its hand-over, the stages engine/disaggregated.py records for real:
+        # scheduled / prefilled (the prefill instance's first step / its token), landed (the KV received),
+        # decode_scheduled / first_token (the decode instance's first step / its first token)
+        self.timelines: dict = {}
 
     @property
     def num_devices(self) -> int:
@@ -147,10 +151,16 @@ class Disaggregated:
             self._origin[f.request_id] = (prompt, max_tokens, f)
             seconds = self.transfer_time(self.sent_tokens(len(prompt)))
             self.transfer_seconds += seconds
-            heapq.heappush(self._transfers, (f.metrics.finished_time + seconds, f.request_id))
+            lands = f.metrics.finished_time + seconds
+            self.timelines[f.request_id] = {"arrival": f.metrics.arrival_time,
+                                            "scheduled": f.metrics.first_scheduled_time,
+                                            "prefilled": f.metrics.finished_time, "landed": lands}
+            heapq.heappush(self._transfers, (lands, f.request_id))
             return None
         self._origin.pop(f.request_id)
         m, d = first.metrics, f.metrics  # the request's metrics: its arrival, the decode instance's tokens
+        self.timelines[f.request_id].update(decode_scheduled=d.first_scheduled_time,
+                                            first_token=d.token_times[0] if d.token_times else None)
         m.token_times = d.token_times
         m.finished_time = d.finished_time
         m.num_cached_tokens = d.num_cached_tokens
