@@ -1,11 +1,11 @@
 """Real 1 prefill + 1 decode disaggregation (engine/disaggregated.py) beside its simulation (sim/disagg.py).
 
-The embedded SmolLM2-135M, one torch thread per engine (two processes on the machine's cores). First the
-plain engine (this process's, later the decode engine) is warmed up and its measured / predicted step
-table profiled on workloads of its own (labs/sim_validation.profile_steps); then the disaggregated pair
-serves each workload on the wall clock (sim/driver.drive, the lab's WallClock: the same arrivals as the
-simulation), and the simulator runs 1P1D of the same instance spec with that step table, the KV priced on
-the measured local gloo link (measure/local_hardware.local_gloo_link). Prints measured, simulated and the
+The embedded SmolLM2-135M, one torch thread per engine (two processes on the machine's cores). First the plain
+engine (this process's, later the decode engine) is warmed up and its measured / predicted step table profiled
+on workloads of its own (labs/sim_validation.profile_steps); then the disaggregated pair serves each workload
+on the wall clock (sim/driver.drive, the lab's WallClock: the same arrivals as the simulation), and the
+simulator runs 1P1D of the same instance spec with that step table, the KV priced on the measured KV send path
+(measure/kv_send.py: the engine's gather, gloo send/recv and scatter). Prints measured, simulated and the
 error of median TTFT, median TPOT, p90 TTFT and output throughput per workload, then each request's TTFT cut
 into its parts (the real hand-over's timelines, engine/disaggregated.py, beside sim/disagg.py's), as medians
 over the workload's requests in ms:
@@ -41,7 +41,7 @@ from servescope.config.engine import BatchingConfig, KVCacheConfig
 from servescope.engine.disaggregated import DisaggregatedEngine
 from servescope.engine.llm_engine import LLMEngine
 from servescope.labs.sim_validation import WallClock, profile_steps
-from servescope.measure.local_hardware import local_gloo_link, probe_local_cpu
+from servescope.measure.local_hardware import local_kv_link, probe_local_cpu
 from servescope.measure.sequence_overhead import host_costs
 from servescope.sim.disagg import Disaggregated
 from servescope.sim.driver import bench_result, drive
@@ -138,14 +138,16 @@ def main(argv=None) -> int:
                                                  max_model_len=MAX_LEN),
                          host=HostCosts(per_seq, per_token, source))
     vocab = spec.model.vocab_size
-    t0 = time.perf_counter()
-    table = StepTable.load(a.step_table) if a.step_table else profile_steps(engine, vocab)
-    print(f"step table ready in {time.perf_counter() - t0:.0f} s", flush=True)
-    if a.save_table:
-        with open(a.save_table, "w") as f:
-            json.dump(table.to_dict(), f)
-    spec = spec.replace(step_table=table)
-    link = local_gloo_link()
+    if a.workloads:  # the hand-over alone (--send-path) needs no step table
+        t0 = time.perf_counter()
+        table = StepTable.load(a.step_table) if a.step_table else profile_steps(engine, vocab)
+        print(f"step table ready in {time.perf_counter() - t0:.0f} s", flush=True)
+        if a.save_table:
+            with open(a.save_table, "w") as f:
+                json.dump(table.to_dict(), f)
+        spec = spec.replace(step_table=table)
+    link = local_kv_link()
+    print(f"KV link: {link.describe()}", flush=True)
     engine.kv_manager.reset_prefix_cache()
     pair = DisaggregatedEngine(engine)
     drive(WallClock(pair), synthetic_workload(8, (16, 600), 8, vocab, math.inf, seed=99), prefix="warm")

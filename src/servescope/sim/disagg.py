@@ -1,17 +1,17 @@
 """Prefill/decode disaggregation: P prefill instances and D decode instances, the KV sent between them.
 
-A request goes to the prefill instance with the fewest outstanding tokens and runs there for one token
-(which is dropped, as vLLM's disaggregation proxy drops it). The KV of the prompt's full blocks that a
-prefix hit can use ((prompt - 1) // block_size of them) then crosses the link: kv_cache_bytes_per_token
-x their tokens, each of the instance's T x P ranks sending its share over its own port at once (bytes /
-ranks / bandwidth + the link's latency). When it lands, the decode instance with the fewest outstanding
+A request goes to the prefill instance with the fewest outstanding tokens and runs there for one token (which
+is dropped, as vLLM's disaggregation proxy drops it). The KV of the prompt's full blocks that a prefix hit can
+use ((prompt - 1) // block_size of them) then crosses the link: kv_cache_bytes_per_token x their tokens, each
+of the instance's T x P ranks sending its share over its own port at once (bytes / ranks / bandwidth + the
+link's latency; between two local engine processes the link is the measured KV send path, measure/kv_send.py:
+gather, header, gloo send/recv, scatter). When it lands, the decode instance with the fewest outstanding
 tokens receives it: the KV goes into that instance's cache as full blocks findable by their hashes (the
-engine's prefix cache: KVCacheManager.allocate_slots hashes them, free() leaves them cached and
-evictable), and the request (its prompt and max_tokens) is added to its scheduler, which admits it with
-those blocks as a prefix hit and computes only the prompt's last partial block, sampling the first
-token there (TTFT = queueing + prefill + transfer + that step). This is what engine/disaggregated.py
-runs for real. If the decode instance's cache cannot take the blocks, the request recomputes its prompt
-there (counted).
+engine's prefix cache: KVCacheManager.allocate_slots hashes them, free() leaves them cached and evictable),
+and the request (its prompt and max_tokens) is added to its scheduler, which admits it with those blocks as a
+prefix hit and computes only the prompt's last partial block, sampling the first token there (TTFT = queueing
++ prefill + transfer + that step). This is what engine/disaggregated.py runs for real. If the decode
+instance's cache cannot take the blocks, the request recomputes its prompt there (counted).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 from typing import Optional, Sequence
 
 from servescope.analysis.probe import cpu_model
-from servescope.analysis.collectives import LOCAL_GLOO, LinkSpec, cached_local_link, get_link
+from servescope.analysis.collectives import LOCAL_GLOO, LinkSpec, cached_local_link, get_link, kv_send_key
 from servescope.config import SamplingParams
 from servescope.errors import InvalidParameterError
 from servescope.kvcache.prefix_cache import max_hit_blocks
@@ -34,16 +34,16 @@ DEFAULT_KV_LINK = {"gpu": "ib-ndr400"}  # prefill and decode instances on differ
 
 
 def kv_link_for(spec: InstanceSpec, name: "str | LinkSpec | None") -> LinkSpec:
-    """The link a finished prefill's KV crosses: named, the network between GPU nodes, or the measured
-    local gloo link between two engine processes of this machine."""
+    """The link a finished prefill's KV crosses: named, the network between GPU nodes, or the measured KV
+    send path between two engine processes of this machine (measure/local_hardware.local_kv_link)."""
     if isinstance(name, LinkSpec):
         return name
     if name is None:
         name = DEFAULT_KV_LINK.get(spec.hardware.kind, LOCAL_GLOO)
     if name == LOCAL_GLOO:
-        link = cached_local_link(f"{cpu_model()} / {os.cpu_count()} cores")  # measure/local_hardware's key
+        link = cached_local_link(kv_send_key(f"{cpu_model()} / {os.cpu_count()} cores"))  # measure's key
         if link is None:
-            raise InvalidParameterError("kv_link", "the local gloo link is not measured (`servescope simulate` "
+            raise InvalidParameterError("kv_link", "the local KV send path is not measured (`servescope simulate` "
                                                    "on local-cpu measures it), or name a link with --kv-link")
         return link
     return get_link(name)

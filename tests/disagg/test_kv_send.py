@@ -1,0 +1,50 @@
+"""The KV send path's pieces: one contiguous gather and its inverse (engine/kv_transfer.py), the probe that times
+the path between two processes by part, and its latency + bytes / bandwidth fit (measure/kv_send.py)."""
+
+import pytest
+import torch
+
+from servescope.engine.kv_transfer import gather_blocks, scatter_blocks
+from servescope.measure import kv_send
+from servescope.measure.kv_send import PARTS, fit_kv_send, measure_kv_send
+
+
+def _caches(layers=3, pool=8, fill=True):
+    make = torch.randn if fill else torch.zeros
+    return [(make(pool, 4, 2, 3), make(pool, 4, 2, 3)) for _ in range(layers)]
+
+
+def test_gather_is_one_contiguous_tensor_and_scatter_puts_it_back():
+    src, dst = _caches(), _caches(fill=False)
+    blocks = [5, 1, 6]
+    kv = gather_blocks(src, blocks)
+    assert kv.shape == (3, 2, 3, 4, 2, 3) and kv.is_contiguous()
+    for layer, (k, v) in enumerate(src):
+        for i, b in enumerate(blocks):
+            assert torch.equal(kv[layer, 0, i], k[b]) and torch.equal(kv[layer, 1, i], v[b])
+    scatter_blocks(dst, [0, 2, 4], kv)
+    assert torch.equal(gather_blocks(dst, [0, 2, 4]), kv)
+    untouched = [1, 3, 5, 6, 7]
+    assert all(not k[untouched].any() and not v[untouched].any() for k, v in dst)
+    assert gather_blocks(src, []).shape == (3, 2, 0, 4, 2, 3)
+
+
+def test_the_fit_recovers_latency_and_bandwidth():
+    latency, bandwidth = 1.5e-3, 2e9
+    measured = {b: {**{p: 0.0 for p in PARTS}, "total": latency + b / bandwidth} for b in (5e5, 2e6, 8e6, 3e7)}
+    link = fit_kv_send(measured)
+    assert link.latency_s == pytest.approx(latency) and link.bandwidth == pytest.approx(bandwidth)
+    assert link.name == "local-gloo" and "gather" in link.notes
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_kv_send({5e5: measured[5e5]})
+
+
+@pytest.mark.timeout(300)
+def test_the_probe_times_every_part_at_every_size():
+    measured = measure_kv_send(counts=(1, 4), runs=2)
+    block = kv_send.LAYERS * 2 * torch.Size(kv_send.BLOCK_SHAPE).numel() * kv_send.DTYPE.itemsize
+    assert sorted(measured) == [block, 4 * block]
+    for parts in measured.values():
+        assert set(parts) == {*PARTS, "total"} and all(parts[p] > 0 for p in PARTS)
+        assert parts["total"] >= parts["bytes"]
+    assert fit_kv_send(measured).bandwidth > 0
