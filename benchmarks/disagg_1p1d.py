@@ -10,7 +10,9 @@ error of median TTFT, median TPOT, p90 TTFT and output throughput per workload, 
 into its parts (the real hand-over's timelines, engine/disaggregated.py, beside sim/disagg.py's), as medians
 over the workload's requests in ms:
 
-    wait        arrival -> the prefill engine's first step (real: + the request's trip to the prefill process)
+    dispatch    arrival -> the prefill process has it (a running decode step ends first: the engine thread takes
+                requests between steps; real: + the trip over the queue)
+    wait        -> the prefill engine's first step with it
     prefill     that step -> its token (all its chunks)
     hand-over   its token -> the KV in the decode process (real, split: export = the blocks gathered, header =
                 the announcement's trip, bytes = the gloo receive)
@@ -58,11 +60,12 @@ WORKLOADS = {  # name: (prompts, input lengths, output lengths, requests/s)
 METRICS = ("median_ttft_ms", "median_tpot_ms", "p90_ttft_ms", "output_throughput")
 SEND_LENGTHS = (64, 256, 1024, 2048)  # prompt tokens of --send-path
 SEND_REPEATS = 5
-# part: (from stage, to stage) of a timeline; real-only parts marked by their sim stand-in None
-PARTS = {"wait": ("arrival", "scheduled"), "prefill": ("scheduled", "prefilled"), "hand-over": ("prefilled", "landed"),
+# part: (from stage, to stage) of a timeline; REAL_ONLY: the real hand-over's finer stages
+PARTS = {"dispatch": ("arrival", "received"), "wait": ("received", "scheduled"),
+         "prefill": ("scheduled", "prefilled"), "hand-over": ("prefilled", "landed"),
          "admit": ("landed", "decode_scheduled"), "first step": ("decode_scheduled", "first_token"),
          "ttft": ("arrival", "first_token")}
-REAL_ONLY = {"  dispatch": ("arrival", "received"), "  export": ("prefilled", "exported"),
+REAL_ONLY = {"  export": ("prefilled", "exported"),
              "  header": ("exported", "announced"), "  bytes": ("announced", "landed"),
              "  notice": ("landed", "adopting"), "  adopt": ("adopting", "adopted")}
 
@@ -90,7 +93,7 @@ def breakdown(real: list, sim: list) -> dict:
     rows = {name: (part(real, a, b), part(sim, a, b)) for name, (a, b) in PARTS.items()}
     for name, (a, b) in REAL_ONLY.items():
         rows[name] = (part(real, a, b), math.nan)
-    order = ["wait", "  dispatch", "prefill", "hand-over", "  export", "  header", "  bytes", "admit", "  notice",
+    order = ["dispatch", "wait", "prefill", "hand-over", "  export", "  header", "  bytes", "admit", "  notice",
              "  adopt", "first step", "ttft"]
     return {name: rows[name] for name in order}
 
@@ -146,7 +149,7 @@ def main(argv=None) -> int:
             with open(a.save_table, "w") as f:
                 json.dump(table.to_dict(), f)
         spec = spec.replace(step_table=table)
-    link = local_kv_link()
+    link = local_kv_link(force=True)  # measured now, on this run's machine and load (then cached)
     print(f"KV link: {link.describe()}", flush=True)
     engine.kv_manager.reset_prefix_cache()
     pair = DisaggregatedEngine(engine)

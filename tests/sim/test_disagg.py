@@ -48,3 +48,30 @@ def test_a_local_transfer_is_priced_on_the_measured_kv_send_path(tmp_path, monke
     assert (link.bandwidth, link.latency_s) == (1e9, 2e-3)
     dep = Disaggregated(spec, 1, 1, kv_link="local-gloo")
     assert dep.transfer_time(160) == pytest.approx(160 * spec.kv_bytes_per_token / 1e9 + 2e-3)
+
+
+def test_the_real_1p1d_takes_a_request_between_its_decode_steps():
+    """front "decode" (servescope's own 1P1D): a request that arrives while the decode engine runs a step goes to
+    the prefill instance when that step ends; through a proxy ("proxy", vLLM's) at once."""
+    spec = _spec()
+    first = synthetic_workload(1, 300, 60, spec.model.vocab_size, seed=5)[0]
+    proxy = Disaggregated(spec, 1, 1, kv_link="ib-ndr400")
+    drive(proxy, [first])
+    t = proxy.timelines["req-0"]
+    mid = (t["first_token"] + proxy.decode[0].clock) / 2  # the decode engine is decoding then
+    late = synthetic_workload(1, 200, 4, spec.model.vocab_size, seed=6)[0]
+    reqs = [first, type(late)(mid, late.prompt, late.output_len)]
+    timelines = {}
+    for front in ("proxy", "decode"):
+        dep = Disaggregated(spec, 1, 1, kv_link="ib-ndr400", front=front)
+        records, _, _ = drive(dep, reqs)
+        assert all(r.success for r in records)
+        timelines[front] = dep.timelines["req-1"]
+    arrival = timelines["proxy"]["arrival"]
+    assert timelines["proxy"]["received"] == arrival
+    waited = timelines["decode"]["received"] - arrival
+    tpot = (proxy.decode[0].clock - t["first_token"]) / 59
+    assert 0 < waited <= tpot * 1.5  # until the running decode step's end: less than about one step
+    assert timelines["decode"]["first_token"] > timelines["proxy"]["first_token"]
+    with pytest.raises(InvalidParameterError, match="front"):
+        Disaggregated(spec, 1, 1, kv_link="ib-ndr400", front="router")

@@ -31,6 +31,7 @@ from servescope.sim.step_time import StepTimer
 from servescope.sim.spec import InstanceSpec
 
 DEFAULT_KV_LINK = {"gpu": "ib-ndr400"}  # prefill and decode instances on different nodes
+FRONTS = ("decode", "proxy")  # where requests come in (Disaggregated's front)
 
 
 def kv_link_for(spec: InstanceSpec, name: "str | LinkSpec | None") -> LinkSpec:
@@ -65,27 +66,32 @@ class Disaggregated:
     """P prefill + D decode instances of `spec` (sim/driver.Served)."""
 
     def __init__(self, spec: InstanceSpec, prefill: int, decode: int, kv_link: "str | LinkSpec | None" = None,
-                 keep_steps: bool = True, seed: int = 0):
+                 keep_steps: bool = True, seed: int = 0, front: Optional[str] = None):
         if prefill < 1 or decode < 1:
             raise InvalidParameterError("disaggregation", "needs at least one prefill and one decode instance")
+        if front not in (None,) + FRONTS:
+            raise InvalidParameterError("front", f"front must be one of {', '.join(FRONTS)}, got {front!r}")
         if not spec.enable_prefix_caching:
             raise InvalidParameterError("disaggregation", "the decode instances take the transferred KV as cached "
                                                           "blocks: prefix caching must be on")
         self.spec = spec
         self.link = kv_link_for(spec, kv_link)
+        # where requests come in: servescope's own 1P1D between local processes takes them in its decode engine's
+        # step loop (engine/disaggregated.py), anything else through a proxy of its own (vLLM's)
+        self.front = front or ("decode" if self.link.name == LOCAL_GLOO else "proxy")
         timer = StepTimer(spec)  # one memo for every instance of the spec
         self.prefill = [SimEngine(spec, f"prefill-{i}", keep_steps, seed + i, timer) for i in range(prefill)]
         self.decode = [SimEngine(spec, f"decode-{i}", keep_steps, seed + prefill + i, timer) for i in range(decode)]
         self.engines = self.prefill + self.decode
         self._time = 0.0
-        self._transfers: list = []  # heap of (lands at, request id)
+        self._events: list = []  # heap of (time, request id, "dispatch" | "land")
         self._origin: dict = {}  # request id -> (prompt, max_tokens, prefill Finished or None)
         self._home: dict = {}
         self.transfer_seconds = 0.0
         self.recomputed = 0
         # request id -> {stage: time} of its hand-over, the stages engine/disaggregated.py records for real:
-        # scheduled / prefilled (the prefill instance's first step / its token), landed (the KV received),
-        # decode_scheduled / first_token (the decode instance's first step / its first token)
+        # received (the prefill instance has it), scheduled / prefilled (its first step / its token), landed (the
+        # KV received), decode_scheduled / first_token (the decode instance's first step / its first token)
         self.timelines: dict = {}
 
     @property
@@ -111,32 +117,50 @@ class Disaggregated:
     # ---------------------------------------------------------------- Served
     def now(self) -> float:
         times = [e.clock for e in self.engines if e.has_unfinished()]
-        if self._transfers:
-            times.append(self._transfers[0][0])
+        if self._events:
+            times.append(self._events[0][0])
         return min(times) if times else self._time
 
     def wait_until(self, t: float) -> None:
         self._time = max(self._time, t)
 
     def has_unfinished(self) -> bool:
-        return bool(self._transfers) or any(e.has_unfinished() for e in self.engines)
+        return bool(self._events) or any(e.has_unfinished() for e in self.engines)
 
     def add(self, request_id: str, prompt: Sequence[int], max_tokens: int, arrival_time: float):
-        i = min(range(len(self.prefill)), key=lambda k: self.prefill[k].outstanding_tokens)
+        """To a prefill instance now, or (front "decode") once the decode engine's running step ends: the real
+        1P1D's engine thread takes a request between its steps."""
         self._origin[request_id] = (tuple(prompt), max_tokens, None)
+        self.timelines[request_id] = {"arrival": arrival_time}
+        front = self.decode[0]
+        if self.front == "decode" and front.has_unfinished() and front.clock > arrival_time:
+            heapq.heappush(self._events, (front.clock, request_id, "dispatch"))
+            return None
+        return self._dispatch(request_id, arrival_time)
+
+    def _dispatch(self, request_id: str, now: float):
+        i = min(range(len(self.prefill)), key=lambda k: self.prefill[k].outstanding_tokens)
+        prompt = self._origin[request_id][0]
         self._home[request_id] = {i}
         engine = self.prefill[i]
-        engine.wait_until(arrival_time)
-        return engine.add_request(request_id, prompt, 1, arrival_time)
+        engine.wait_until(now)
+        timeline = self.timelines[request_id]
+        timeline["received"] = now
+        return engine.add_request(request_id, prompt, 1, timeline["arrival"])
 
     def step(self) -> list:
         busy = [e for e in self.engines if e.has_unfinished()]
         engine = min(busy, key=lambda e: e.clock) if busy else None
-        if self._transfers and (engine is None or self._transfers[0][0] <= engine.clock):
-            lands, rid = heapq.heappop(self._transfers)
-            self._land(rid, lands)
-            self._time = max(self._time, lands)
-            return []
+        if self._events and (engine is None or self._events[0][0] <= engine.clock):
+            t, rid, kind = heapq.heappop(self._events)
+            self._time = max(self._time, t)
+            if kind == "land":
+                self._land(rid, t)
+                return []
+            refused = self._dispatch(rid, t)
+            if refused is not None:
+                self._origin.pop(rid)
+            return [refused] if refused is not None else []
         done = engine.step()
         self._time = max(self._time, engine.clock)
         return [f for f in (self._after(engine, f) for f in done) if f is not None]
@@ -152,10 +176,9 @@ class Disaggregated:
             seconds = self.transfer_time(self.sent_tokens(len(prompt)))
             self.transfer_seconds += seconds
             lands = f.metrics.finished_time + seconds
-            self.timelines[f.request_id] = {"arrival": f.metrics.arrival_time,
-                                            "scheduled": f.metrics.first_scheduled_time,
-                                            "prefilled": f.metrics.finished_time, "landed": lands}
-            heapq.heappush(self._transfers, (lands, f.request_id))
+            self.timelines[f.request_id].update(scheduled=f.metrics.first_scheduled_time,
+                                                prefilled=f.metrics.finished_time, landed=lands)
+            heapq.heappush(self._events, (lands, f.request_id, "land"))
             return None
         self._origin.pop(f.request_id)
         m, d = first.metrics, f.metrics  # the request's metrics: its arrival, the decode instance's tokens
