@@ -10,9 +10,10 @@ error of median TTFT, median TPOT, p90 TTFT and output throughput per workload, 
 into its parts (the real hand-over's timelines, engine/disaggregated.py, beside sim/disagg.py's), as medians
 over the workload's requests in ms:
 
-    dispatch    arrival -> the prefill process has it (a running decode step ends first: the engine thread takes
-                requests between steps; real: + the trip over the queue)
-    wait        -> the prefill engine's first step with it
+    dispatch    arrival -> sent to the prefill process (a running decode step ends first: the engine thread takes
+                requests between steps)
+    wait        -> the prefill engine's first step with it (real, split: taken = until the prefill process reads
+                it: its running step ends first)
     prefill     that step -> its token (all its chunks)
     hand-over   its token -> the KV in the decode process (real, split: export = the blocks gathered, header =
                 the announcement's trip, bytes = the gloo receive)
@@ -48,7 +49,7 @@ from servescope.measure.sequence_overhead import host_costs
 from servescope.sim.disagg import Disaggregated
 from servescope.sim.driver import bench_result, drive
 from servescope.sim.spec import HostCosts, instance_spec
-from servescope.sim.step_table import StepTable
+from servescope.sim.step_table import StepTable, fit_step_table
 from servescope.sim.workload import synthetic_workload
 
 BLOCKS, SEQS, BUDGET, MAX_LEN = 2048, 32, 512, 4096
@@ -58,14 +59,14 @@ WORKLOADS = {  # name: (prompts, input lengths, output lengths, requests/s)
     "saturation": (32, (64, 256), (48, 96), math.inf),
 }
 METRICS = ("median_ttft_ms", "median_tpot_ms", "p90_ttft_ms", "output_throughput")
-SEND_LENGTHS = (64, 256, 1024, 2048)  # prompt tokens of --send-path
+SEND_LENGTHS = (64, 256, 1024, 2048)  # prompt tokens of --send-path (and of the profiled prompt tails)
 SEND_REPEATS = 5
 # part: (from stage, to stage) of a timeline; REAL_ONLY: the real hand-over's finer stages
-PARTS = {"dispatch": ("arrival", "received"), "wait": ("received", "scheduled"),
+PARTS = {"dispatch": ("arrival", "dispatched"), "wait": ("dispatched", "scheduled"),
          "prefill": ("scheduled", "prefilled"), "hand-over": ("prefilled", "landed"),
          "admit": ("landed", "decode_scheduled"), "first step": ("decode_scheduled", "first_token"),
          "ttft": ("arrival", "first_token")}
-REAL_ONLY = {"  export": ("prefilled", "exported"),
+REAL_ONLY = {"  taken": ("dispatched", "received"), "  export": ("prefilled", "exported"),
              "  header": ("exported", "announced"), "  bytes": ("announced", "landed"),
              "  notice": ("landed", "adopting"), "  adopt": ("adopting", "adopted")}
 
@@ -93,8 +94,8 @@ def breakdown(real: list, sim: list) -> dict:
     rows = {name: (part(real, a, b), part(sim, a, b)) for name, (a, b) in PARTS.items()}
     for name, (a, b) in REAL_ONLY.items():
         rows[name] = (part(real, a, b), math.nan)
-    order = ["dispatch", "wait", "prefill", "hand-over", "  export", "  header", "  bytes", "admit", "  notice",
-             "  adopt", "first step", "ttft"]
+    order = ["dispatch", "wait", "  taken", "prefill", "hand-over", "  export", "  header", "  bytes", "admit",
+             "  notice", "  adopt", "first step", "ttft"]
     return {name: rows[name] for name in order}
 
 
@@ -102,6 +103,23 @@ def print_breakdown(title: str, rows: dict) -> None:
     print(f"{title}: median ms per part   measured  simulated")
     for name, (real, sim) in rows.items():
         print(f"  {name:<14}{real:>10.1f}{'' if math.isnan(sim) else f'{sim:>11.1f}'}")
+
+
+def profile(engine: LLMEngine, vocab: int) -> StepTable:
+    """The lab's step table (labs/sim_validation.profile_steps) plus the decode engine's own first steps: a
+    prompt's last partial block over its cached full blocks (each SEND_LENGTHS prompt run twice: the second
+    time a prefix hit, as a landed transfer is). The lab's profile has no such step (its prompts share
+    nothing), so a tail over 2k cached tokens was priced like a 16-token prompt's prefill."""
+    first = len(engine.step_records)
+    profile_steps(engine, vocab)
+    for rep in range(2):
+        for n in SEND_LENGTHS:
+            reqs = synthetic_workload(1, n - 7, 4, vocab, math.inf, seed=4000 + 10 * rep + n)  # a 9-token tail
+            for j in range(2):
+                drive(WallClock(engine), reqs, prefix=f"tail-{rep}-{n}-{j}")
+    engine.kv_manager.reset_prefix_cache()
+    records = list(engine.step_records)[first:]
+    return fit_step_table(records, f"measured on {len(records)} engine steps (the lab's workloads, prompt tails)")
 
 
 def send_path(pair: DisaggregatedEngine, sim_dep: Disaggregated, vocab: int) -> dict:
@@ -143,7 +161,7 @@ def main(argv=None) -> int:
     vocab = spec.model.vocab_size
     if a.workloads:  # the hand-over alone (--send-path) needs no step table
         t0 = time.perf_counter()
-        table = StepTable.load(a.step_table) if a.step_table else profile_steps(engine, vocab)
+        table = StepTable.load(a.step_table) if a.step_table else profile(engine, vocab)
         print(f"step table ready in {time.perf_counter() - t0:.0f} s", flush=True)
         if a.save_table:
             with open(a.save_table, "w") as f:

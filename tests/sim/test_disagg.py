@@ -12,7 +12,7 @@ from servescope.sim.driver import drive
 from servescope.sim.spec import instance_spec
 from servescope.sim.workload import synthetic_workload
 
-STAGES = ("arrival", "scheduled", "prefilled", "landed", "decode_scheduled", "first_token")
+STAGES = ("arrival", "dispatched", "scheduled", "prefilled", "landed", "decode_scheduled", "first_token")
 
 
 def _spec():
@@ -68,8 +68,8 @@ def test_the_real_1p1d_takes_a_request_between_its_decode_steps():
         assert all(r.success for r in records)
         timelines[front] = dep.timelines["req-1"]
     arrival = timelines["proxy"]["arrival"]
-    assert timelines["proxy"]["received"] == arrival
-    waited = timelines["decode"]["received"] - arrival
+    assert timelines["proxy"]["dispatched"] == arrival
+    waited = timelines["decode"]["dispatched"] - arrival
     tpot = (proxy.decode[0].clock - t["first_token"]) / 59
     assert 0 < waited <= tpot * 1.5  # until the running decode step's end: less than about one step
     assert timelines["decode"]["first_token"] > timelines["proxy"]["first_token"]

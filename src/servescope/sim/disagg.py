@@ -90,7 +90,7 @@ class Disaggregated:
         self.transfer_seconds = 0.0
         self.recomputed = 0
         # request id -> {stage: time} of its hand-over, the stages engine/disaggregated.py records for real:
-        # received (the prefill instance has it), scheduled / prefilled (its first step / its token), landed (the
+        # dispatched (sent to a prefill instance), scheduled / prefilled (its first step / its token), landed (the
         # KV received), decode_scheduled / first_token (the decode instance's first step / its first token)
         self.timelines: dict = {}
 
@@ -145,7 +145,7 @@ class Disaggregated:
         engine = self.prefill[i]
         engine.wait_until(now)
         timeline = self.timelines[request_id]
-        timeline["received"] = now
+        timeline["dispatched"] = now
         return engine.add_request(request_id, prompt, 1, timeline["arrival"])
 
     def step(self) -> list:
