@@ -4,7 +4,7 @@ the path between two processes by part, and its latency + bytes / bandwidth fit 
 import pytest
 import torch
 
-from servescope.engine.kv_transfer import gather_blocks, scatter_blocks
+from servescope.engine.kv_transfer import BufferPool, gather_blocks, scatter_blocks
 from servescope.measure import kv_send
 from servescope.measure.kv_send import PARTS, fit_kv_send, measure_kv_send
 
@@ -48,3 +48,31 @@ def test_the_probe_times_every_part_at_every_size():
         assert set(parts) == {*PARTS, "total"} and all(parts[p] > 0 for p in PARTS)
         assert parts["total"] >= parts["bytes"]
     assert fit_kv_send(measured).bandwidth > 0
+
+
+def test_the_pool_reuses_a_buffer_and_keeps_no_more_than_it_may():
+    pool = BufferPool(keep_bytes=1000)
+    a = pool.take((10, 4), torch.float32)  # 160 bytes
+    assert a.shape == (10, 4) and a.dtype == torch.float32
+    pool.give(a)
+    b = pool.take((2, 10), torch.bfloat16)  # 40 bytes: fits in a's buffer
+    assert b.data_ptr() == a.data_ptr()
+    c = pool.take((2, 10), torch.bfloat16)  # a's buffer is lent: a new one
+    assert c.data_ptr() != b.data_ptr()
+    pool.give(b)
+    pool.give(c)
+    pool.give(torch.zeros(3))  # not lent by the pool: ignored
+    assert pool.spare_bytes == 160 + 40
+    big = pool.take((300,), torch.float32)  # 1200 bytes: more than the pool keeps
+    pool.give(big)
+    assert pool.spare_bytes <= 1000
+    assert pool.take((0, 3), torch.float32).numel() == 0
+
+
+def test_gather_into_a_given_buffer_and_refuses_a_wrong_one():
+    src = _caches()
+    out = torch.empty(3, 2, 2, 4, 2, 3)
+    assert gather_blocks(src, [4, 0], out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, gather_blocks(src, [4, 0]))
+    with pytest.raises(ValueError, match="needs"):
+        gather_blocks(src, [4], out)

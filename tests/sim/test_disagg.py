@@ -12,7 +12,7 @@ from servescope.sim.driver import drive
 from servescope.sim.spec import instance_spec
 from servescope.sim.workload import synthetic_workload
 
-STAGES = ("arrival", "dispatched", "scheduled", "prefilled", "landed", "decode_scheduled", "first_token")
+STAGES = ("arrival", "dispatched", "scheduled", "prefilled", "receiving", "landed", "decode_scheduled", "first_token")
 
 
 def _spec():
@@ -52,7 +52,8 @@ def test_a_local_transfer_is_priced_on_the_measured_kv_send_path(tmp_path, monke
 
 def test_the_real_1p1d_takes_a_request_between_its_decode_steps():
     """front "decode" (servescope's own 1P1D): a request that arrives while the decode engine runs a step goes to
-    the prefill instance when that step ends; through a proxy ("proxy", vLLM's) at once."""
+    the prefill instance when that step ends, and so does a finished prefill's KV; through a proxy ("proxy",
+    vLLM's) both at once."""
     spec = _spec()
     first = synthetic_workload(1, 300, 60, spec.model.vocab_size, seed=5)[0]
     proxy = Disaggregated(spec, 1, 1, kv_link="ib-ndr400")
@@ -66,12 +67,17 @@ def test_the_real_1p1d_takes_a_request_between_its_decode_steps():
         dep = Disaggregated(spec, 1, 1, kv_link="ib-ndr400", front=front)
         records, _, _ = drive(dep, reqs)
         assert all(r.success for r in records)
-        timelines[front] = dep.timelines["req-1"]
+        timelines[front] = t1 = dep.timelines["req-1"]
+        assert t1["landed"] - t1["receiving"] == pytest.approx(dep.transfer_time(dep.sent_tokens(200)))
+    assert timelines["proxy"]["receiving"] == timelines["proxy"]["prefilled"]
+    # the decode engine is still decoding req-0 when req-1's prefill ends: its KV starts across at a step's end
+    held = timelines["decode"]["receiving"] - timelines["decode"]["prefilled"]
     arrival = timelines["proxy"]["arrival"]
     assert timelines["proxy"]["dispatched"] == arrival
     waited = timelines["decode"]["dispatched"] - arrival
     tpot = (proxy.decode[0].clock - t["first_token"]) / 59
     assert 0 < waited <= tpot * 1.5  # until the running decode step's end: less than about one step
+    assert 0 < held <= tpot * 1.5
     assert timelines["decode"]["first_token"] > timelines["proxy"]["first_token"]
     with pytest.raises(InvalidParameterError, match="front"):
         Disaggregated(spec, 1, 1, kv_link="ib-ndr400", front="router")

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from servescope.config import EngineConfig, SamplingParams
-from servescope.engine.kv_transfer import adopt_prompt_kv, export_prompt_kv
+from servescope.engine.kv_transfer import BufferPool, adopt_prompt_kv, export_prompt_kv
 from servescope.kvcache.prefix_cache import max_hit_blocks
 from servescope.engine.llm_engine import LLMEngine
 from servescope.errors import InvalidParameterError, WorkerFailedError
@@ -90,6 +90,7 @@ class DisaggregatedEngine:
         self._tickets = itertools.count()
         self._arrived: queue.Queue = queue.Queue()  # (ticket, KV tensor | error message) for the engine thread
         self._failure: Optional[str] = None
+        self._buffers = BufferPool()  # received KV lands in reused memory (kv_transfer.BufferPool: page faults)
         self.timelines: dict = {}  # request id -> {stage: perf_counter time} of its hand-over (module docstring)
         ctx = mp.get_context("spawn")
         self._to_worker, self._from_worker = ctx.Queue(), ctx.Queue()
@@ -170,6 +171,13 @@ class DisaggregatedEngine:
         return self.decode.step() if self.decode.has_unfinished() else []
 
     def _adopt(self, ticket: int, kv, times: dict) -> None:
+        try:
+            self._adopt_kv(ticket, kv, times)
+        finally:
+            if not isinstance(kv, str):
+                self._buffers.give(kv)
+
+    def _adopt_kv(self, ticket: int, kv, times: dict) -> None:
         adopting = time.perf_counter()
         request_id = self._ticket_of.pop(ticket, None)
         if request_id is None:  # aborted while in the prefill process
@@ -204,7 +212,7 @@ class DisaggregatedEngine:
         if msg[0] == "kv":
             _, ticket, shape, dtype, times = msg
             announced = time.perf_counter()
-            kv = torch.empty(shape, dtype=dtype)
+            kv = self._buffers.take(shape, dtype)
             if kv.numel():
                 self._group.recv([kv.view(-1).view(torch.uint8)], 1, 0).wait()
             landed = time.perf_counter()
@@ -278,6 +286,7 @@ def _prefill_worker(rank: int, config: EngineConfig, port: int, inbox, outbox, p
 
 
 def _prefill_loop(engine: LLMEngine, group, inbox, outbox) -> None:
+    buffers = BufferPool()  # the KV is gathered into reused memory; each send ends before the next gather
     salts: dict = {}  # engine request id (the ticket) -> (prompt ids, cache salt, when it was received)
     while True:
         try:  # block while idle; between steps only take what is there
@@ -310,10 +319,11 @@ def _prefill_loop(engine: LLMEngine, group, inbox, outbox) -> None:
         for out in engine.step():
             if out.finished and out.request_id in salts:
                 ids, salt, received = salts.pop(out.request_id)
-                kv = export_prompt_kv(engine, ids, salt)  # one contiguous buffer: sent as it is
+                kv = export_prompt_kv(engine, ids, salt, buffers)  # one contiguous buffer: sent as it is
                 m = out.metrics
                 times = {"received": received, "scheduled": m.first_scheduled_time,
                          "prefilled": m.token_times[-1] if m.token_times else None, "exported": time.perf_counter()}
                 outbox.put(("kv", int(out.request_id), tuple(kv.shape), kv.dtype, times))
                 if kv.numel():
                     group.send([kv.view(-1).view(torch.uint8)], 0, 0).wait()
+                buffers.give(kv)

@@ -3,14 +3,14 @@ timed by part, fitted to latency + bytes / bandwidth (the link sim/disagg.py pri
 
 Two spawned processes, one torch thread each, each with a paged KV cache of LAYERS layers (blocks of
 BLOCK_SHAPE, DTYPE). Per sample the sender gathers a run of scattered blocks of every layer into one
-contiguous buffer (engine/kv_transfer.gather_blocks), puts a header on a multiprocessing queue and sends the
-bytes on a two-rank ProcessGroupGloo; the receiver reads the header, receives into a fresh tensor and scatters
-it into its own cache's blocks (scatter_blocks), then acknowledges (the next sample starts from both processes
-idle, as a hand-over at low load does). Both stamp perf_counter (CLOCK_MONOTONIC: one clock for both
-processes), so each part is timed where it happens: gather, header (put -> read), bytes (the receive),
-scatter. The gloo send/recv alone is the `bytes` part; the fitted link is the whole path's seconds at each
-size (the lower quartile of the samples), fitted as latency + bytes / bandwidth (least squares in relative
-error: the small sizes fix the latency, the large ones the bandwidth).
+contiguous buffer (engine/kv_transfer.gather_blocks, into reused memory: a BufferPool), puts a header on a
+multiprocessing queue and sends the bytes on a two-rank ProcessGroupGloo; the receiver reads the header,
+receives into a reused tensor and scatters it into its own cache's blocks (scatter_blocks), then acknowledges
+(the next sample starts from both processes idle, as a hand-over at low load does). Both stamp perf_counter
+(CLOCK_MONOTONIC: one clock for both processes), so each part is timed where it happens: gather, header (put
+-> read), bytes (the receive), scatter. The gloo send/recv alone is the `bytes` part; the fitted link is the
+whole path's seconds at each size (the lower quartile of the samples), fitted as latency + bytes / bandwidth
+(least squares in relative error: the small sizes fix the latency, the large ones the bandwidth).
 
 A few seconds (most of it the two processes starting); cached per machine like the all-reduce link
 (measure/local_hardware.local_kv_link).
@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from servescope.analysis.collectives import LOCAL_GLOO, LinkSpec
-from servescope.engine.kv_transfer import gather_blocks, scatter_blocks
+from servescope.engine.kv_transfer import BufferPool, block_shape, gather_blocks, scatter_blocks
 from servescope.parallel.groups import free_port
 
 LAYERS, BLOCK_SHAPE, DTYPE = 30, (16, 4, 64), torch.bfloat16  # 8 KiB per layer's K (or V) block
@@ -54,25 +54,28 @@ def _side(rank: int, port: int, counts: tuple, runs: int, header, ack, out) -> N
     group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=TIMEOUT_S))
     pool = 2 * max(counts)
     caches = _caches(pool)
+    buffers = BufferPool()  # reused host memory on both sides, as the engine's
     samples = {n: [] for n in counts}
     for r in range(-1, runs):  # round -1: connections, page faults (not kept)
         for n in counts:
             blocks = _blocks(n, pool, seed=1000 * r + n)
             if rank == 1:  # the prefill process
                 t0 = time.perf_counter()
-                kv = gather_blocks(caches, blocks)
+                kv = gather_blocks(caches, blocks, buffers.take(block_shape(caches, n), DTYPE))
                 t1 = time.perf_counter()
                 header.put((tuple(kv.shape), t0, t1))
                 group.send([kv.view(-1).view(torch.uint8)], 0, 0).wait()
+                buffers.give(kv)
                 ack.get(timeout=TIMEOUT_S)
                 continue
             shape, t0, t1 = header.get(timeout=TIMEOUT_S)
             t2 = time.perf_counter()
-            kv = torch.empty(shape, dtype=DTYPE)
+            kv = buffers.take(shape, DTYPE)
             group.recv([kv.view(-1).view(torch.uint8)], 1, 0).wait()
             t3 = time.perf_counter()
             scatter_blocks(caches, blocks, kv)
             t4 = time.perf_counter()
+            buffers.give(kv)
             ack.put(None)
             if r >= 0:
                 samples[n].append((kv.numel() * kv.element_size(), t1 - t0, t2 - t1, t3 - t2, t4 - t3))
@@ -108,7 +111,7 @@ def measure_kv_send(counts: tuple = BLOCK_COUNTS, runs: int = RUNS) -> dict:
 def _quartile(values: list) -> float:
     """The lower quartile: the path's own cost when both processes run (parallel/link_probe.py's reasoning: on
     a shared machine a neighbour taking a core doubles a sample; the median moves with their load)."""
-    return statistics.quantiles(values, n=4)[0] if len(values) > 1 else values[0]
+    return statistics.quantiles(values, n=4, method="inclusive")[0] if len(values) > 1 else values[0]
 
 
 def _wait(out, procs: list):

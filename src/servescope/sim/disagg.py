@@ -12,6 +12,12 @@ and the request (its prompt and max_tokens) is added to its scheduler, which adm
 prefix hit and computes only the prompt's last partial block, sampling the first token there (TTFT = queueing
 + prefill + transfer + that step). This is what engine/disaggregated.py runs for real. If the decode
 instance's cache cannot take the blocks, the request recomputes its prompt there (counted).
+
+Where requests come in (`front`): through a proxy of their own (vLLM's), at once; or, in servescope's own 1P1D
+(engine/disaggregated.py: the default for the measured local link), through the decode engine's process, which
+acts between its steps: a request goes to the prefill instance, and a finished prefill's KV starts across,
+when the decode engine's running step ends (its engine thread takes requests between steps; its receiver
+thread waits for the interpreter lock, which the C++ decode step holds throughout).
 """
 
 from __future__ import annotations
@@ -84,14 +90,15 @@ class Disaggregated:
         self.decode = [SimEngine(spec, f"decode-{i}", keep_steps, seed + prefill + i, timer) for i in range(decode)]
         self.engines = self.prefill + self.decode
         self._time = 0.0
-        self._events: list = []  # heap of (time, request id, "dispatch" | "land")
+        self._events: list = []  # heap of (time, request id, "dispatch" | "receive" | "land")
         self._origin: dict = {}  # request id -> (prompt, max_tokens, prefill Finished or None)
         self._home: dict = {}
         self.transfer_seconds = 0.0
         self.recomputed = 0
         # request id -> {stage: time} of its hand-over, the stages engine/disaggregated.py records for real:
-        # dispatched (sent to a prefill instance), scheduled / prefilled (its first step / its token), landed (the
-        # KV received), decode_scheduled / first_token (the decode instance's first step / its first token)
+        # dispatched (sent to a prefill instance), scheduled / prefilled (its first step / its token), receiving /
+        # landed (the KV on its way / received), decode_scheduled / first_token (the decode instance's first step
+        # / its first token)
         self.timelines: dict = {}
 
     @property
@@ -132,9 +139,9 @@ class Disaggregated:
         1P1D's engine thread takes a request between its steps."""
         self._origin[request_id] = (tuple(prompt), max_tokens, None)
         self.timelines[request_id] = {"arrival": arrival_time}
-        front = self.decode[0]
-        if self.front == "decode" and front.has_unfinished() and front.clock > arrival_time:
-            heapq.heappush(self._events, (front.clock, request_id, "dispatch"))
+        start = self._front_free_at(arrival_time) if self.front == "decode" else arrival_time
+        if start > arrival_time:
+            heapq.heappush(self._events, (start, request_id, "dispatch"))
             return None
         return self._dispatch(request_id, arrival_time)
 
@@ -157,6 +164,9 @@ class Disaggregated:
             if kind == "land":
                 self._land(rid, t)
                 return []
+            if kind == "receive":  # the KV starts across once the decode process is free
+                self._send(rid, self._front_free_at(t))
+                return []
             refused = self._dispatch(rid, t)
             if refused is not None:
                 self._origin.pop(rid)
@@ -173,12 +183,12 @@ class Disaggregated:
                 self._origin.pop(f.request_id)
                 return f
             self._origin[f.request_id] = (prompt, max_tokens, f)
-            seconds = self.transfer_time(self.sent_tokens(len(prompt)))
-            self.transfer_seconds += seconds
-            lands = f.metrics.finished_time + seconds
-            self.timelines[f.request_id].update(scheduled=f.metrics.first_scheduled_time,
-                                                prefilled=f.metrics.finished_time, landed=lands)
-            heapq.heappush(self._events, (lands, f.request_id, "land"))
+            done_at = f.metrics.finished_time
+            self.timelines[f.request_id].update(scheduled=f.metrics.first_scheduled_time, prefilled=done_at)
+            if self.front == "decode":  # received once the decode process is free (step's "receive")
+                heapq.heappush(self._events, (done_at, f.request_id, "receive"))
+            else:
+                self._send(f.request_id, done_at)
             return None
         self._origin.pop(f.request_id)
         m, d = first.metrics, f.metrics  # the request's metrics: its arrival, the decode instance's tokens
@@ -189,6 +199,19 @@ class Disaggregated:
         m.num_cached_tokens = d.num_cached_tokens
         m.num_preemptions += d.num_preemptions
         return Finished(f.request_id, m, f.error)
+
+    def _send(self, rid: str, start: float) -> None:
+        seconds = self.transfer_time(self.sent_tokens(len(self._origin[rid][0])))
+        self.transfer_seconds += seconds
+        self.timelines[rid].update(receiving=start, landed=start + seconds)
+        heapq.heappush(self._events, (start + seconds, rid, "land"))
+
+    def _front_free_at(self, t: float) -> float:
+        """When the decode process of servescope's 1P1D can act on something that came at `t`: at once when its
+        engine is idle, else when its running step ends (the engine thread takes requests between steps, and
+        the receiver thread waits for the interpreter lock, which the C++ decode step holds throughout)."""
+        front = self.decode[0]
+        return front.clock if front.has_unfinished() and front.clock > t else t
 
     def _land(self, rid: str, now: float) -> None:
         prompt, max_tokens, _ = self._origin[rid]
