@@ -25,6 +25,9 @@ The simulator prices the whole hand-over as one transfer (measure/kv_send.py: ga
 scatter), so its hand-over holds what the real one shows under admit as adopt: compare hand-over + admit.
     ttft        the sum
 
+--co-run times this engine's steps alone and beside the prefill process while it prefills (two engine processes
+on the machine's cores: the step table is profiled on this engine alone), as medians per kind of step.
+
 --send-path first times the hand-over alone: one request at a time (nothing else running) at several prompt
 lengths, the parts above per length, the bytes and what the simulator prices the transfer at.
 
@@ -42,7 +45,7 @@ import time
 import torch
 
 from servescope.cli.output import write_json
-from servescope.config import EngineConfig
+from servescope.config import EngineConfig, SamplingParams
 from servescope.config.engine import BatchingConfig, KVCacheConfig
 from servescope.engine.disaggregated import DisaggregatedEngine
 from servescope.engine.llm_engine import LLMEngine
@@ -153,6 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--step-table", default=None, help="a table this script profiled before (skips the profile)")
     p.add_argument("--save-table", default=None, help="write the profiled table here")
     p.add_argument("--send-path", action="store_true", help="time the hand-over alone first (module docstring)")
+    p.add_argument("--co-run", action="store_true", help="time this engine's steps beside the prefill process")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     config = EngineConfig(dtype="auto", num_threads=1, num_kv_blocks=BLOCKS, max_num_seqs=SEQS,
@@ -183,6 +187,8 @@ def main(argv=None) -> int:
                        "kv_link_bandwidth": link.bandwidth, "kv_link_latency_s": link.latency_s},
            "workloads": {}}
     try:
+        if a.co_run:
+            out["co_run"] = co_run(pair, engine, vocab)
         if a.send_path:
             out["send_path"] = send_path(pair, Disaggregated(spec, 1, 1, kv_link=link, keep_steps=False), vocab)
         for i, name in enumerate(a.workloads):
@@ -192,6 +198,32 @@ def main(argv=None) -> int:
     if a.json:
         write_json(a.json, out)
     return 0
+
+
+def _step_medians(engine: LLMEngine, reqs: list, prefix: str) -> dict:
+    first = len(engine.step_records)
+    drive(WallClock(engine), reqs, prefix=prefix)
+    steps = list(engine.step_records)[first:]
+    return {kind: _med([r.wall_seconds for r in steps if bool(r.num_prefill_tokens) == (kind == "prefill")])
+            for kind in ("prefill", "decode")}
+
+
+def co_run(pair: DisaggregatedEngine, engine: LLMEngine, vocab: int) -> dict:
+    """Median step ms of one workload on this (the decode) engine alone, then again while the prefill process
+    prefills long prompts: what two engine processes on the machine's cores cost each other."""
+    work = lambda seed: synthetic_workload(4, 1024, 24, vocab, math.inf, seed=seed)  # noqa: E731
+    alone = _step_medians(engine, work(5000), "alone")
+    for j, r in enumerate(synthetic_workload(8, 2048, 1, vocab, math.inf, seed=5100)):  # seconds of prefill there
+        pair.add_request(f"busy-{j}", list(r.prompt), SamplingParams(temperature=0.0, max_tokens=1))
+    beside = _step_medians(engine, work(5001), "beside")
+    busy = pair.num_unfinished - engine.num_unfinished  # the prompts not handed over yet at the end
+    while pair.has_unfinished():
+        pair.step()
+    engine.kv_manager.reset_prefix_cache()
+    print(f"co-run: median step ms alone / beside the prefill process ({busy} of its 8 prompts not handed over "
+          "at the end): "
+          + ", ".join(f"{k} {alone[k]:.1f} / {beside[k]:.1f} ({beside[k] / alone[k]:.2f}x)" for k in alone))
+    return {"alone_ms": alone, "beside_ms": beside, "prefill_prompts_left": busy}
 
 
 def run_workload(pair: DisaggregatedEngine, spec, link, name: str, i: int, vocab: int) -> dict:
