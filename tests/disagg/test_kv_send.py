@@ -76,3 +76,26 @@ def test_gather_into_a_given_buffer_and_refuses_a_wrong_one():
     assert torch.equal(out, gather_blocks(src, [4, 0]))
     with pytest.raises(ValueError, match="needs"):
         gather_blocks(src, [4], out)
+
+
+def test_the_local_kv_link_is_measured_once_then_read_from_its_cache(tmp_path, monkeypatch):
+    from servescope.analysis.collectives import cached_local_link, kv_send_key
+    from servescope.engine.hardware import local_link_key
+    from servescope.measure import local_hardware
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def fake(*a, **kw):
+        calls.append(1)
+        return {b: {**{p: 0.0 for p in PARTS}, "total": 1e-3 + b / 1e9} for b in (1e6, 1e7)}
+
+    monkeypatch.setattr(local_hardware, "measure_kv_send", fake)
+    assert local_hardware.local_kv_link(measure=False) is None
+    link = local_hardware.local_kv_link()
+    assert link.bandwidth == pytest.approx(1e9) and link.latency_s == pytest.approx(1e-3) and calls == [1]
+    assert local_hardware.local_kv_link() == link and calls == [1]  # cached: not measured again
+    assert cached_local_link(local_link_key()) is None  # its own key: the all-reduce link's stays apart
+    assert cached_local_link(kv_send_key(local_link_key())) == link
+    local_hardware.local_kv_link(force=True)
+    assert calls == [1, 1]
