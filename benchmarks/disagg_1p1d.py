@@ -132,21 +132,27 @@ def profile(engine: LLMEngine, vocab: int) -> StepTable:
     return fit_step_table(records, f"measured on {len(records)} engine steps (the lab's workloads, prompt tails)")
 
 
-def send_path(pair: DisaggregatedEngine, sim_dep: Disaggregated, vocab: int) -> dict:
-    """The hand-over alone: SEND_REPEATS requests of each SEND_LENGTHS prompt, one at a time."""
+def send_path(pair: DisaggregatedEngine, spec, link, vocab: int) -> dict:
+    """The hand-over alone: SEND_REPEATS requests of each SEND_LENGTHS prompt, one at a time, each simulated
+    alone too (the prefill and the first step on the step table, when one was profiled: the prefill process's
+    steps with nothing beside them)."""
     out = {}
     for n in SEND_LENGTHS:
-        reqs = synthetic_workload(SEND_REPEATS, n, 1, vocab, math.inf, seed=3000 + n)
-        real = []
+        reqs = synthetic_workload(SEND_REPEATS, n, 2, vocab, math.inf, seed=3000 + n)
+        real, sim = [], []
         for j, r in enumerate(reqs):  # one in flight at a time: nothing else on either engine
             _, _, done = drive(WallClock(pair), [r], prefix=f"send-{n}-{j}")
             real += real_timelines(pair, done)
-        rows = breakdown(real, [])
+            sim_dep = Disaggregated(spec, 1, 1, kv_link=link, keep_steps=False)
+            drive(sim_dep, [r])
+            sim += sim_dep.timelines.values()
+        rows = breakdown(real, sim)
         sent = real[0]["bytes"] if real else 0
         priced = 1e3 * sim_dep.transfer_time(sim_dep.sent_tokens(n))
         print_breakdown(f"send path, {n}-token prompt ({sent / 1e6:.2f} MB sent; the simulator prices "
                         f"the hand-over at {priced:.1f} ms)", rows)
-        out[n] = {"bytes": sent, "priced_ms": priced, "parts_ms": {k.strip(): v[0] for k, v in rows.items()}}
+        out[n] = {"bytes": sent, "priced_ms": priced, "parts_ms": {
+            k.strip(): {"measured": r, "simulated": None if math.isnan(s) else s} for k, (r, s) in rows.items()}}
     return out
 
 
@@ -170,7 +176,7 @@ def main(argv=None) -> int:
                                                  max_model_len=MAX_LEN),
                          host=HostCosts(per_seq, per_token, source))
     vocab = spec.model.vocab_size
-    if a.workloads:  # the hand-over alone (--send-path) needs no step table
+    if a.step_table or a.workloads:  # without either, --send-path's simulation prices steps on the cost model
         t0 = time.perf_counter()
         table = StepTable.load(a.step_table) if a.step_table else profile(engine, vocab)
         print(f"step table ready in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -190,7 +196,7 @@ def main(argv=None) -> int:
         if a.co_run:
             out["co_run"] = co_run(pair, engine, vocab)
         if a.send_path:
-            out["send_path"] = send_path(pair, Disaggregated(spec, 1, 1, kv_link=link, keep_steps=False), vocab)
+            out["send_path"] = send_path(pair, spec, link, vocab)
         for i, name in enumerate(a.workloads):
             out["workloads"][name] = run_workload(pair, spec, link, name, i, vocab)
     finally:
