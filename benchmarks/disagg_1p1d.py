@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 import torch
@@ -190,7 +191,8 @@ def main(argv=None) -> int:
     pair = DisaggregatedEngine(engine)
     drive(WallClock(pair), synthetic_workload(8, (16, 600), 8, vocab, math.inf, seed=99), prefix="warm")
     out = {"machine": {"torch_threads_per_engine": torch.get_num_threads(), "kv_link": link.name,
-                       "kv_link_bandwidth": link.bandwidth, "kv_link_latency_s": link.latency_s},
+                       "kv_link_bandwidth": link.bandwidth, "kv_link_latency_s": link.latency_s,
+                       "kv_link_notes": link.notes, "load_average_at_start": os.getloadavg()},
            "workloads": {}}
     try:
         if a.co_run:
@@ -201,6 +203,9 @@ def main(argv=None) -> int:
             out["workloads"][name] = run_workload(pair, spec, link, name, i, vocab)
     finally:
         pair.shutdown()
+    out["machine"]["load_average_at_end"] = os.getloadavg()
+    print(f"load average (1, 5, 15 min) at the start {out['machine']['load_average_at_start']}, at the end "
+          f"{out['machine']['load_average_at_end']} on {os.cpu_count()} cores", flush=True)
     if a.json:
         write_json(a.json, out)
     return 0
