@@ -31,6 +31,8 @@ PROMPTS = [
     "Here are three more facts about the moon:\n1.",
 ]
 MAX_TOKENS = 12
+STAGES = ("arrival", "dispatched", "received", "scheduled", "prefilled", "exported", "announced", "landed",
+          "adopting", "adopted")
 
 
 def _greedy_ids(engine: LLMEngine) -> list:
@@ -66,7 +68,11 @@ def test_greedy_tokens_are_the_single_engines(setup):
                                        extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
     tok = dis.decode.tokenizer
     assert texts == [tok.decode(ids) for ids in expected]
-    assert len(dis.transfers) == 2 and all(blocks >= 1 for _, blocks, _, _ in dis.transfers)
+    sent = [t for t in dis.timelines.values() if "landed" in t]  # the two prompts with a full block
+    assert len(sent) == 2 and all(t["blocks"] >= 1 and t["bytes"] > 0 for t in sent)
+    for t in sent:  # one clock for both processes: every stage of the hand-over in order
+        times = [t[stage] for stage in STAGES]
+        assert times == sorted(times), t
     # a streamed request too: the same text in chunks
     stream = openai_client(server, KEY, strict=False, timeout=120).completions.create(
         model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0.0, stream=True,

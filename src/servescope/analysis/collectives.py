@@ -313,6 +313,12 @@ def link_cache_path() -> Path:
     return Path(base) / "servescope" / "link.json"
 
 
+def kv_send_key(key: str) -> str:
+    """The cache key of the KV send path's link (measure/kv_send.py) on the machine of local link key `key`:
+    a point-to-point hand-over, not the all-reduce ring cached under `key` itself."""
+    return f"{key} / kv send"
+
+
 def cached_local_link(key: str, path: Optional[Path] = None) -> Optional[LinkSpec]:
     """The local gloo link measured on this machine (`key`: its CPU and thread count), or None."""
     path = path or link_cache_path()

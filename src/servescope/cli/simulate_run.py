@@ -46,6 +46,16 @@ def local_link(args, hw):
     return local_gloo_link(measure=True)
 
 
+def local_kv_link(args, hw):
+    """On local-cpu, a prefill instance hands its KV to a decode instance over the engine's send path between
+    two processes (gather, gloo send/recv, scatter): measured once (measure/kv_send.py), unless a link is named."""
+    if hw.kind != "cpu" or args.kv_link not in (None, "local-gloo"):
+        return None
+    from servescope.measure.local_hardware import local_kv_link as measured  # the engine (torch): two processes
+
+    return measured(measure=True)
+
+
 def _preset(model: str) -> str:
     return model[len(RANDOM_PREFIX):] if model.startswith(RANDOM_PREFIX) else model
 
@@ -80,7 +90,7 @@ def workload_from_args(args, vocab_size: int) -> list:
 
 def deployment_from_args(args, spec, keep_steps: bool = True):
     if args.prefill_instances:
-        link = args.kv_link if args.kv_link not in (None, "local-gloo") else local_link(args, spec.hardware)
+        link = args.kv_link if args.kv_link not in (None, "local-gloo") else local_kv_link(args, spec.hardware)
         return Disaggregated(spec, args.prefill_instances, args.decode_instances, kv_link=link or args.kv_link,
                              keep_steps=keep_steps)
     return Deployment(spec, args.replicas, args.router, keep_steps=keep_steps,

@@ -12,11 +12,20 @@ scheduler and KV manager are the engine's own, and TTFT = queueing + prefill + t
 engine's first step, as sim/disagg.py models it.
 
 Channels: requests, aborts and STOP go to the worker on a multiprocessing queue; the worker answers on
-another with ("kv", request id, shape) right before it sends that tensor (bytes) on the gloo group, or
+another with ("kv", request id, shape, dtype, its times) right before it sends that tensor (one contiguous
+buffer, as bytes) on the gloo group, or
 ("error", request id, message) for a request it refused, or ("failed", message) before it exits on a
 bug. A receiver thread here posts the matching gloo receive and hands (request id, KV) to the engine
 thread, which adopts the KV and adds the request between steps. A dead worker (or a broken group) is a
 WorkerFailedError from step(): AsyncEngine then fails every request in flight with it.
+
+Each hand-over's times (perf_counter: CLOCK_MONOTONIC, one clock for both processes) are kept in
+`timelines` (request id -> {stage: time}, the latest TIMELINES of them): dispatched (sent to the worker),
+received (the worker took it), scheduled / prefilled (the prefill engine's first step / its token),
+exported (the KV gathered), announced (the header read here), landed (the bytes received), adopting /
+adopted (the engine thread took it / the KV is in the decode engine's cache and the request queued). The
+decode engine's own metrics add its first step and first token (benchmarks/disagg_1p1d.py lays them
+beside sim/disagg.py's).
 
 CPU tensors over gloo only (NCCL would send the device tensors without the copy; not built here).
 """
@@ -36,7 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from servescope.config import EngineConfig, SamplingParams
-from servescope.engine.kv_transfer import adopt_prompt_kv, export_prompt_kv
+from servescope.engine.kv_transfer import BufferPool, adopt_prompt_kv, export_prompt_kv
 from servescope.kvcache.prefix_cache import max_hit_blocks
 from servescope.engine.llm_engine import LLMEngine
 from servescope.errors import InvalidParameterError, WorkerFailedError
@@ -48,6 +57,7 @@ logger = logging.getLogger(__name__)
 LAYOUTS = ("1P1D",)
 START_TIMEOUT_S = 600.0  # for the prefill process to load its weights
 IDLE_WAIT_S = 0.002  # the engine thread's wait for a transfer when the decode engine has nothing to run
+TIMELINES = 4096  # hand-over timelines kept (the oldest go first)
 
 
 def check_layout(layout: str, config: EngineConfig) -> None:
@@ -80,7 +90,8 @@ class DisaggregatedEngine:
         self._tickets = itertools.count()
         self._arrived: queue.Queue = queue.Queue()  # (ticket, KV tensor | error message) for the engine thread
         self._failure: Optional[str] = None
-        self.transfers = []  # (request id, blocks, bytes, seconds of the receive) of each KV received
+        self._buffers = BufferPool()  # received KV lands in reused memory (kv_transfer.BufferPool: page faults)
+        self.timelines: dict = {}  # request id -> {stage: perf_counter time} of its hand-over (module docstring)
         ctx = mp.get_context("spawn")
         self._to_worker, self._from_worker = ctx.Queue(), ctx.Queue()
         port = free_port()
@@ -124,6 +135,9 @@ class DisaggregatedEngine:
         ticket = next(self._tickets)
         self._pending[request_id] = (text, ids, params, priority, arrival, ticket)
         self._ticket_of[ticket] = request_id
+        while len(self.timelines) >= TIMELINES:
+            del self.timelines[next(iter(self.timelines))]
+        self.timelines[request_id] = {"arrival": arrival, "dispatched": time.perf_counter()}
         self._to_worker.put(("prefill", ticket, ids, params.cache_salt))
 
     def abort(self, request_id: str) -> bool:
@@ -156,7 +170,15 @@ class DisaggregatedEngine:
         self._check_alive()
         return self.decode.step() if self.decode.has_unfinished() else []
 
-    def _adopt(self, ticket: int, kv) -> None:
+    def _adopt(self, ticket: int, kv, times: dict) -> None:
+        try:
+            self._adopt_kv(ticket, kv, times)
+        finally:
+            if not isinstance(kv, str):
+                self._buffers.give(kv)
+
+    def _adopt_kv(self, ticket: int, kv, times: dict) -> None:
+        adopting = time.perf_counter()
         request_id = self._ticket_of.pop(ticket, None)
         if request_id is None:  # aborted while in the prefill process
             return
@@ -166,6 +188,9 @@ class DisaggregatedEngine:
         else:
             adopt_prompt_kv(self.decode, request_id, ids, params.cache_salt, kv)
         self.decode.enqueue(request_id, text, ids, params, priority, arrival)
+        timeline = self.timelines.get(request_id)
+        if timeline is not None:
+            timeline.update(times, adopting=adopting, adopted=time.perf_counter())
 
     # ---------------------------------------------------------------- the worker
     def _receive(self) -> None:
@@ -185,16 +210,16 @@ class DisaggregatedEngine:
 
     def _on_message(self, msg: tuple) -> None:
         if msg[0] == "kv":
-            _, ticket, shape, dtype = msg
-            t0 = time.perf_counter()
-            kv = torch.empty(shape, dtype=dtype)
+            _, ticket, shape, dtype, times = msg
+            announced = time.perf_counter()
+            kv = self._buffers.take(shape, dtype)
             if kv.numel():
                 self._group.recv([kv.view(-1).view(torch.uint8)], 1, 0).wait()
-            seconds = time.perf_counter() - t0
-            self.transfers.append((ticket, shape[2], kv.numel() * kv.element_size(), seconds))
-            self._arrived.put((ticket, kv))
+            landed = time.perf_counter()
+            self._arrived.put((ticket, kv, {**times, "announced": announced, "landed": landed, "blocks": shape[2],
+                                            "bytes": kv.numel() * kv.element_size()}))
         elif msg[0] == "error":
-            self._arrived.put((msg[1], msg[2]))
+            self._arrived.put((msg[1], msg[2], {}))
         elif msg[0] == "failed":
             self._failure = f"the prefill process failed: {msg[1]}"
 
@@ -261,7 +286,8 @@ def _prefill_worker(rank: int, config: EngineConfig, port: int, inbox, outbox, p
 
 
 def _prefill_loop(engine: LLMEngine, group, inbox, outbox) -> None:
-    salts: dict = {}  # engine request id (the ticket) -> (prompt ids, cache salt)
+    buffers = BufferPool()  # the KV is gathered into reused memory; each send ends before the next gather
+    salts: dict = {}  # engine request id (the ticket) -> (prompt ids, cache salt, when it was received)
     while True:
         try:  # block while idle; between steps only take what is there
             msgs = [inbox.get(timeout=None if not engine.has_unfinished() else 0.0)]
@@ -280,19 +306,24 @@ def _prefill_loop(engine: LLMEngine, group, inbox, outbox) -> None:
                     engine.abort(str(msg[1]))
                 continue
             _, ticket, ids, salt = msg
+            received = time.perf_counter()
             try:  # greedy, one token: the decode engine samples every token the client sees
                 one = SamplingParams(max_tokens=1, temperature=0.0, cache_salt=salt)
                 engine.add_request(str(ticket), ids, one)
             except Exception as e:  # noqa: BLE001 - the decode engine prefills it then
                 outbox.put(("error", ticket, f"{type(e).__name__}: {e}"))
                 continue
-            salts[str(ticket)] = (ids, salt)
+            salts[str(ticket)] = (ids, salt, received)
         if not engine.has_unfinished():
             continue
         for out in engine.step():
             if out.finished and out.request_id in salts:
-                ids, salt = salts.pop(out.request_id)
-                kv = export_prompt_kv(engine, ids, salt)
-                outbox.put(("kv", int(out.request_id), tuple(kv.shape), kv.dtype))
+                ids, salt, received = salts.pop(out.request_id)
+                kv = export_prompt_kv(engine, ids, salt, buffers)  # one contiguous buffer: sent as it is
+                m = out.metrics
+                times = {"received": received, "scheduled": m.first_scheduled_time,
+                         "prefilled": m.token_times[-1] if m.token_times else None, "exported": time.perf_counter()}
+                outbox.put(("kv", int(out.request_id), tuple(kv.shape), kv.dtype, times))
                 if kv.numel():
-                    group.send([kv.contiguous().view(-1).view(torch.uint8)], 0, 0).wait()
+                    group.send([kv.view(-1).view(torch.uint8)], 0, 0).wait()
+                buffers.give(kv)

@@ -17,6 +17,8 @@ decode engine recomputes the prompt.
 
 from __future__ import annotations
 
+import math
+import threading
 from typing import Optional, Sequence
 
 import torch
@@ -26,22 +28,104 @@ from servescope.kvcache.prefix_cache import hash_full_blocks, max_hit_blocks
 from servescope.scheduler.request import Request
 
 
-def export_prompt_kv(engine, prompt_ids: Sequence[int], cache_salt: Optional[str]) -> torch.Tensor:
-    """The KV of the prompt's leading full blocks that `engine`'s prefix cache holds (call right after
-    the step that finished the request, before another allocation can evict them)."""
+KEEP_BYTES = 256 << 20  # host buffers a BufferPool keeps for reuse, in all
+
+
+class BufferPool:
+    """Host buffers for KV on its way out or in, reused: fresh memory costs a page fault per page on first
+    touch, which on a VM costs more than the copy into it (47 MB gathered: ~100 ms into fresh memory, ~30 ms
+    into a reused buffer). Spares are kept up to `keep_bytes` in all (the smallest let go first); take and give
+    may be called from different threads."""
+
+    def __init__(self, keep_bytes: int = KEEP_BYTES):
+        self.keep_bytes = keep_bytes
+        self._spare: list = []  # flat uint8 tensors
+        self._lent: dict = {}  # data pointer of a tensor taken -> its flat buffer
+        self._lock = threading.Lock()
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of `shape` and `dtype` over a spare buffer (or a new one): give it back when done with it."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(tuple(shape), dtype=dtype)
+        with self._lock:
+            fits = [i for i, b in enumerate(self._spare) if b.numel() >= nbytes]
+            flat = self._spare.pop(min(fits, key=lambda i: self._spare[i].numel())) if fits else None
+        if flat is None:
+            flat = torch.empty(nbytes, dtype=torch.uint8)
+        out = flat[:nbytes].view(dtype).view(tuple(shape))
+        with self._lock:
+            self._lent[out.data_ptr()] = flat
+        return out
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """Back to the spares (a tensor this pool did not lend: ignored)."""
+        with self._lock:
+            flat = self._lent.pop(tensor.data_ptr(), None) if tensor.numel() else None
+            if flat is None:
+                return
+            self._spare.append(flat)
+            self._spare.sort(key=torch.Tensor.numel)
+            while sum(b.numel() for b in self._spare) > self.keep_bytes:
+                self._spare.pop(0)
+
+    @property
+    def spare_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._spare)
+
+
+def block_shape(caches, num_blocks: int) -> tuple:
+    """The shape gather_blocks gives for `num_blocks` blocks of these caches."""
+    return (len(caches), 2, num_blocks, *caches[0][0].shape[1:])
+
+
+def gather_blocks(caches, block_ids: Sequence[int], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The rows of `block_ids` of every layer's (K, V) cache, copied once into one contiguous CPU tensor
+    [layers, 2, blocks, *a block's shape] (what is sent: no per-layer tensors stacked afterwards): `out` when
+    given (a CPU tensor of that shape and the caches' dtype, e.g. from a BufferPool), else a new one."""
+    k0 = caches[0][0]
+    shape = block_shape(caches, len(block_ids))
+    if out is not None and (tuple(out.shape) != shape or out.dtype != k0.dtype or out.device.type != "cpu"):
+        raise ValueError(f"gather_blocks: out is {tuple(out.shape)} {out.dtype} on {out.device}, needs {shape} "
+                         f"{k0.dtype} on the CPU")
+    on_cpu = k0.device.type == "cpu"
+    dst = out if out is not None and on_cpu else torch.empty(shape, dtype=k0.dtype, device=k0.device)
+    idx = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
+    for layer, (k, v) in enumerate(caches):
+        torch.index_select(k, 0, idx, out=dst[layer, 0])
+        torch.index_select(v, 0, idx, out=dst[layer, 1])
+    if on_cpu:
+        return dst
+    return out.copy_(dst) if out is not None else dst.cpu()  # one device-to-host copy off a GPU
+
+
+def scatter_blocks(caches, block_ids: Sequence[int], kv: torch.Tensor) -> None:
+    """gather_blocks' inverse: `kv`'s rows written into `block_ids` of every layer's cache."""
+    k0 = caches[0][0]
+    idx = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
+    kv = kv.to(k0.device)  # one host-to-device copy onto a GPU; none on a CPU
+    for layer, (k, v) in enumerate(caches):
+        k.index_copy_(0, idx, kv[layer, 0])
+        v.index_copy_(0, idx, kv[layer, 1])
+
+
+def export_prompt_kv(engine, prompt_ids: Sequence[int], cache_salt: Optional[str],
+                     pool: Optional[BufferPool] = None) -> torch.Tensor:
+    """The KV of the prompt's leading full blocks that `engine`'s prefix cache holds, in a buffer of `pool`
+    when given (give it back once sent). Call right after the step that finished the request, before
+    another allocation can evict them."""
     km = engine.kv_manager
     limit = max_hit_blocks(len(prompt_ids), km.block_size)
     blocks = km.cached_run(hash_full_blocks(prompt_ids, km.block_size, limit=limit, salt=cache_salt))
-    idx = torch.tensor(blocks, dtype=torch.long)
-    rows = [torch.stack((k.index_select(0, idx.to(k.device)), v.index_select(0, idx.to(v.device))))
-            for k, v in engine.runner.kv_caches]
-    return torch.stack(rows).cpu()
+    caches = engine.runner.kv_caches
+    out = None if pool is None else pool.take(block_shape(caches, len(blocks)), caches[0][0].dtype)
+    return gather_blocks(caches, blocks, out)
 
 
 def kv_shape(engine, num_blocks: int) -> tuple:
     """The shape export_prompt_kv gives for `num_blocks` blocks of this engine's cache."""
-    k = engine.runner.kv_caches[0][0]
-    return (len(engine.runner.kv_caches), 2, num_blocks, *k.shape[1:])
+    return block_shape(engine.runner.kv_caches, num_blocks)
 
 
 def adopt_prompt_kv(engine, request_id: str, prompt_ids: Sequence[int], cache_salt: Optional[str],
@@ -62,10 +146,7 @@ def adopt_prompt_kv(engine, request_id: str, prompt_ids: Sequence[int], cache_sa
     if not km.allocate_slots(holder, len(tokens)):
         return 0
     try:
-        idx = torch.tensor(km.get_block_ids(holder.request_id), dtype=torch.long)
-        for layer, (k, v) in enumerate(caches):
-            k.index_copy_(0, idx.to(k.device), kv[layer, 0].to(k.device))
-            v.index_copy_(0, idx.to(v.device), kv[layer, 1].to(v.device))
+        scatter_blocks(caches, km.get_block_ids(holder.request_id), kv)
         holder.num_computed_tokens = len(tokens)  # written: free() leaves the hashed blocks findable
     finally:
         km.free(holder)  # a failed copy frees unwritten blocks (their hashes go): no block leaks

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from servescope.analysis.collectives import LinkSpec, cached_local_link, save_local_link
+from servescope.analysis.collectives import LinkSpec, cached_local_link, kv_send_key, save_local_link
 from servescope.analysis.hardware import LOCAL_CPU, HardwareSpec, canonical_hardware_name
 from servescope.analysis.probe import EngineMeasurers, probe_local_hardware
 from servescope.config import EngineConfig
@@ -25,6 +25,7 @@ from servescope.measure.kernel_rates import (measure_decode_attention_flops, mea
                                              measure_packed_gemm_flops)
 from servescope.measure.overhead import measure_host_overhead
 from servescope.measure.kernel_cache import kernel_table_for
+from servescope.measure.kv_send import fit_kv_send, measure_kv_send
 from servescope.parallel.link_probe import fit_local_link, measure_all_reduce
 
 logger = logging.getLogger(__name__)
@@ -99,5 +100,18 @@ def local_gloo_link(measure: bool = True, force: bool = False) -> Optional[LinkS
     link = None if force else cached_local_link(key)
     if link is None and measure:
         link = fit_local_link(measure_all_reduce(), source=f"measured here: gloo, 2 processes ({key})")
+        save_local_link(key, link)
+    return link
+
+
+def local_kv_link(measure: bool = True, force: bool = False) -> Optional[LinkSpec]:
+    """What a prompt's KV costs to hand from one local engine process to another (measure/kv_send.py: the
+    disaggregated engine's own gather, header, gloo send/recv and scatter, fitted to latency + bytes /
+    bandwidth): read from its cache, else measured now (seconds; two spawned processes) when `measure`, else
+    None. sim/disagg.py prices a local transfer on it, not on the all-reduce link above."""
+    key = kv_send_key(local_link_key())
+    link = None if force else cached_local_link(key)
+    if link is None and measure:
+        link = fit_kv_send(measure_kv_send(), source=f"measured here: the KV send path, 2 processes ({key})")
         save_local_link(key, link)
     return link
