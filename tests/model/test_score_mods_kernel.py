@@ -83,3 +83,20 @@ def test_bad_modifications_are_refused():
         cpu_ops._EXT.mod.paged_decode(q, kc, vc, tables, lens, 0.125, torch.empty(0), 0, 0.0, sinks[:3])
     with pytest.raises(RuntimeError, match="softcap"):
         cpu_ops._EXT.mod.paged_decode(q, kc, vc, tables, lens, 0.125, torch.empty(0), 0, -1.0, torch.empty(0))
+
+
+def test_attend_in_pieces_of_queries_equals_one_piece(monkeypatch):
+    """scores.attend holds at most MAX_SCORES scores: a long chunk runs in pieces of queries, with the same
+    numbers (each row's softmax is its own), with a [q, L] mask and a broadcast one alike."""
+    from servescope.model.attention import scores as sc
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 8, 300, 32, generator=g), torch.randn(1, 4, 500, 32, generator=g), torch.randn(
+        1, 4, 500, 32, generator=g)
+    mask = torch.arange(500)[None] <= torch.arange(200, 500)[:, None]  # [q, L]: the chunk's causal rows
+    sinks = torch.randn(8, generator=g)
+    whole = [sc.attend(q, k, v, 0.2, m, 30.0, s) for m, s in ((mask, sinks), (mask[None, None], None))]
+    monkeypatch.setattr(sc, "MAX_SCORES", 8 * 500 * 37)  # pieces of 37 queries
+    pieces = [sc.attend(q, k, v, 0.2, m, 30.0, s) for m, s in ((mask, sinks), (mask[None, None], None))]
+    for a, b in zip(whole, pieces):
+        assert torch.equal(a, b)

@@ -36,6 +36,17 @@ def _cpu_kernels(x: torch.Tensor, cache: torch.Tensor) -> bool:
             and cpu_ops.load() is not None)
 
 
+
+def paged_tokens_beat_attend(group: int, head_dim: int) -> bool:
+    """Whether prefill rows with soft-capped scores or sinks run faster as one query each of the paged decode
+    kernel (the query heads of a KV head share each key and value read; nothing of size [H, q, L] is held) than
+    through scores.attend (BLAS over the chunk's materialised scores). Measured on the Xeon (one thread, 512
+    queries over 1024 keys, float32 / bfloat16; benchmarks/score_mods_prefill.py): paged 2.2-4.4x faster at
+    group 8-16 of head dim 64 (gpt-oss: 64 heads, 8 KV), 1.6-2.3x at group 8 of 128 and group 4 of 64; about
+    even (0.7-1.3x, run to run) at group 4 of 128 and group 2 of 64; 3-8x slower at group 2 of 256 (Gemma 2: 8
+    heads, 4 KV, dim 256), whose wide heads BLAS reuses better. Either is exact per row."""
+    return head_dim <= 16 * group
+
 class CpuAttentionBackend(TorchAttentionBackend):
     # the attention_backend setting that selects it on a CPU (config/engine.py): the executor's C++
     # decode plan reads this backend's cache layout, which is the reference's
@@ -51,8 +62,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 window: int = 0, softcap: float = 0.0, sinks=None) -> torch.Tensor:
         if not _cpu_kernels(q, k_cache):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
-        # soft-capped scores and sinks: the decode rows in the paged kernel (it has both), prefill chunks the
-        # reference's (the bfloat16 prefill paths below compute softmax(q.k * scale) only)
+        # soft-capped scores and sinks: the decode rows in the paged kernel (it has both), prefill chunks too where
+        # it beats the reference's scores.attend (paged_tokens_beat_attend), else the reference's (the bfloat16
+        # prefill paths below compute softmax(q.k * scale) only)
         plain = not softcap and sinks is None
         nd = meta.num_decode_seqs
         if plain and nd < meta.num_seqs and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16:
@@ -62,6 +74,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             if out is not None:
                 return out
         mods = dict(window=window, softcap=softcap, sinks=sinks)
+        if not plain and nd < meta.num_seqs and paged_tokens_beat_attend(q.shape[1] // k_cache.shape[2], q.shape[2]):
+            return self._cpu_paged_tokens(q, k_cache, v_cache, meta, scale, range(meta.num_seqs), **mods)
         if nd and nd == meta.num_seqs:  # decode only: the kernel's output is the result
             return cpu_ops.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, **mods)
         out = torch.empty_like(q)
@@ -116,7 +130,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     @staticmethod
     def _cpu_paged_tokens(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, seqs,
-                          window: int = 0) -> torch.Tensor:
+                          window: int = 0, softcap: float = 0.0, sinks=None) -> torch.Tensor:
         """The tokens of sequences `seqs` (q holds exactly those, in order), each as one query of the
         paged decode kernel against its own sequence's cached keys up to its own position. That is
         causal attention (over the token's last `window` keys when window > 0), exact per token whatever the
@@ -134,4 +148,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
             cached = (meta.block_tables[idx].contiguous(), torch.tensor(ctx_of_tok, dtype=torch.int32, device=q.device))
             meta.scratch[key] = cached
         tables, lens = cached
-        return cpu_ops.paged_decode(q, k_cache, v_cache, tables, lens, scale, window=window)
+        return cpu_ops.paged_decode(q, k_cache, v_cache, tables, lens, scale, window=window, softcap=softcap,
+                                    sinks=sinks)

@@ -17,6 +17,9 @@ from typing import Optional
 import torch
 
 
+MAX_SCORES = 1 << 24  # scores of one attend call (64 MiB of float32; a few such temporaries live at once)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor,
            softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [B, H, q, D]; k, v [B, Hkv, L, D]; mask bool, broadcastable to [B, H, q, L] (True: attend);
@@ -25,6 +28,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask
     real keys then sum to less than one)."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
+    rows = max(1, MAX_SCORES // (b * h * nk))
+    if nq > rows:  # the queries in pieces: at most MAX_SCORES scores held at once (each row's softmax is its own)
+        m = mask.expand(*mask.shape[:-2], nq, nk)
+        return torch.cat([attend(q[:, :, i:i + rows], k, v, scale, m[..., i:i + rows, :], softcap, sinks)
+                          for i in range(0, nq, rows)], dim=2)
     # grouped-query heads without copying K and V per query head: query head i reads KV head i // (H / Hkv), so
     # [B, H, q, D] viewed as [B, Hkv, (H / Hkv) q, D] multiplies each KV head's keys once
     s = torch.matmul(q.reshape(b, hkv, -1, d), k.transpose(-1, -2)).view(b, h, nq, nk) * scale  # [B, H, q, L]
