@@ -244,12 +244,9 @@ inline void quant_amx_bf16_rows(const QMatrix& q, const T* x, int64_t M, const f
       }
       for (int64_t t = 0; t < a.tiles; ++t)  // c[2 t + h] [weight row][activation row] -> y
         for (int64_t h = 0; h < 2; ++h) {
-          const float* cc = c[2 * t + h];
-          const int64_t rows = std::min<int64_t>(AMX_T, M - t * AMX_T);
-          const int64_t nh = n0 + h * AMX_T, cols = std::min<int64_t>(AMX_T, q.n - nh);
-          for (int64_t i = 0; i < rows; ++i)
-            for (int64_t r = 0; r < cols; ++r)
-              y[(t * AMX_T + i) * q.n + nh + r] = cc[r * AMX_T + i] + (bias ? bias[nh + r] : 0.f);
+          const int64_t nh = n0 + h * AMX_T;
+          const int64_t rows = std::min<int64_t>(AMX_T, M - t * AMX_T), cols = std::min<int64_t>(AMX_T, q.n - nh);
+          amx_store_transposed(c[2 * t + h], rows, cols, bias, nh, y + t * AMX_T * q.n, q.n);
         }
     }
     _tile_release();
@@ -275,24 +272,42 @@ inline bool amx_bf16_available() {
 // every run (level to 10% behind at 64-128), so they stay on quant_amx.h: no crossover.
 constexpr int64_t QDOT_AMX_BF16_ROWS_INT4 = 32, QDOT_AMX_BF16_ROWS_INT8 = INT64_MAX;
 
+// The kernel that M rows of T activations (float32 | bfloat16) take against the group-32 matrix q by rows:
+// AMX-BF16 tiles for bfloat16 rows from QDOT_AMX_BF16_ROWS_*, else AMX-INT8 tiles from QDOT_AMX_ROWS_*, where
+// they run; else quant_dot.h's VNNI orders (which pick theirs by rows, QDOT_TILED_ROWS). The one rule that
+// quant_rows' Auto order and the fused MoE op's experts (moe_experts.h) both follow.
+enum class QRowsKernel { Dot, Amx, AmxBf16 };
+
+template <typename T>
+inline QRowsKernel quant_rows_kernel(const QMatrix& q, int64_t M) {
+#if SERVESCOPE_HAS_AMX_BF16
+  if constexpr (std::is_same_v<T, servescope_simd::bf16>)
+    if (M >= (q.int4 ? QDOT_AMX_BF16_ROWS_INT4 : QDOT_AMX_BF16_ROWS_INT8) && amx_ready()) return QRowsKernel::AmxBf16;
+#endif
+#if SERVESCOPE_HAS_AMX_INT8
+  if (M >= (q.int4 ? QDOT_AMX_ROWS_INT4 : QDOT_AMX_ROWS_INT8) && amx_ready()) return QRowsKernel::Amx;
+#endif
+  (void)q, (void)M;
+  return QRowsKernel::Dot;
+}
+
 // The packed GEMV / GEMM entry: x [M, kp] float32 | bfloat16 (bfloat16 for group-32 weights only), bias [N]
-// or null -> y [M, N]. order Auto picks the kernel by rows (QDOT_TILED_ROWS, QDOT_AMX_ROWS_*, and for bfloat16
-// activations QDOT_AMX_BF16_ROWS_*), the others force one (Amx / AmxBf16 only where amx_available() /
-// amx_bf16_available()); groups other than 32 take quant_gemv.h's float kernel.
+// or null -> y [M, N]. order Auto picks the kernel by rows (quant_rows_kernel), the others force one (Amx /
+// AmxBf16 only where amx_available() / amx_bf16_available()); groups other than 32 take quant_gemv.h's float
+// kernel.
 template <typename T>
 inline void quant_rows(const QMatrix& q, const T* x, int64_t M, const float* bias, float* y, QOrder order) {
   if constexpr (std::is_same_v<T, float>)
     if (q.group != 32) return quant_gemv_rows(q, x, M, bias, y);
+  const QRowsKernel k = order == QOrder::Auto     ? quant_rows_kernel<T>(q, M)
+                        : order == QOrder::AmxBf16 ? QRowsKernel::AmxBf16
+                        : order == QOrder::Amx     ? QRowsKernel::Amx
+                                                   : QRowsKernel::Dot;
 #if SERVESCOPE_HAS_AMX_BF16
-  const int64_t bf16_rows = q.int4 ? QDOT_AMX_BF16_ROWS_INT4 : QDOT_AMX_BF16_ROWS_INT8;
-  constexpr bool bf16_x = std::is_same_v<T, servescope_simd::bf16>;
-  if (order == QOrder::AmxBf16 || (order == QOrder::Auto && bf16_x && M >= bf16_rows && amx_ready()))
-    return quant_amx_bf16_rows(q, x, M, bias, y);
+  if (k == QRowsKernel::AmxBf16) return quant_amx_bf16_rows(q, x, M, bias, y);
 #endif
 #if SERVESCOPE_HAS_AMX_INT8
-  const int64_t amx_rows = q.int4 ? QDOT_AMX_ROWS_INT4 : QDOT_AMX_ROWS_INT8;
-  if (order == QOrder::Amx || (order == QOrder::Auto && M >= amx_rows && amx_ready()))
-    return quant_amx_rows(q, x, M, bias, y);
+  if (k == QRowsKernel::Amx) return quant_amx_rows(q, x, M, bias, y);
 #endif
   quant_dot_rows(q, x, M, bias, y, order);
 }
