@@ -7,8 +7,8 @@
 // expert), each active expert's gate|up matrix runs over its rows, then silu(gate) * up, then its down
 // matrix, and every token sums its experts' outputs times their routing weights. The arithmetic is the
 // reference's too: each expert's rows go through the kernel quant_rows would choose for that many rows
-// (AMX-BF16 tiles for bfloat16 rows from QDOT_AMX_BF16_ROWS_*, AMX-INT8 tiles from QDOT_AMX_ROWS_* rows
-// where they run, else quant_dot.h's VNNI orders), every
+// (quant_rows_kernel: AMX-BF16 tiles for bfloat16 rows from QDOT_AMX_BF16_ROWS_*, AMX-INT8 tiles from
+// QDOT_AMX_ROWS_* rows where they run, else quant_dot.h's VNNI orders), every
 // intermediate is rounded to the activation dtype where the reference's tensors are in it, and a token's
 // sum runs in expert order: the result equals the reference's bit for bit (tests/kernels/).
 //
@@ -84,11 +84,6 @@ inline void moe_dot(const QMatrix& q, const QActs& a, int64_t mb, int64_t me, in
 
 constexpr int64_t MOE_COLS = 64;  // output columns per work item of the shared loop
 
-// Whether expert rows of this many run on the AMX kernel (quant_rows' rule)
-inline bool moe_amx(const QMatrix& q, int64_t rows) {
-  return amx_available() && rows >= (q.int4 ? QDOT_AMX_ROWS_INT4 : QDOT_AMX_ROWS_INT8);
-}
-
 template <typename T>
 void moe_products(const std::vector<QMatrix>& w, const MoeRoute& r, const T* xs, float* y);
 
@@ -122,16 +117,15 @@ void moe_products(const std::vector<QMatrix>& w, const MoeRoute& r, const T* xs,
   for (int64_t x = 0; x < e; ++x) {
     const int64_t m = r.start[x + 1] - r.start[x];
     if (m == 0) continue;
+    const QRowsKernel kernel = quant_rows_kernel<T>(w[x], m);  // quant_rows' rule
 #if SERVESCOPE_HAS_AMX_BF16
-    if constexpr (std::is_same_v<T, servescope_simd::bf16>) {  // quant_rows' rule for bfloat16 rows, first
-      if (m >= (w[x].int4 ? QDOT_AMX_BF16_ROWS_INT4 : QDOT_AMX_BF16_ROWS_INT8) && amx_ready()) {
-        quant_amx_bf16_rows(w[x], xs + r.start[x] * kp, m, nullptr, y + r.start[x] * n);
-        continue;
-      }
+    if (kernel == QRowsKernel::AmxBf16) {
+      quant_amx_bf16_rows(w[x], xs + r.start[x] * kp, m, nullptr, y + r.start[x] * n);
+      continue;
     }
 #endif
 #if SERVESCOPE_HAS_AMX_INT8
-    if (moe_amx(w[x], m)) {
+    if (kernel == QRowsKernel::Amx) {
       quant_amx_rows(w[x], xs + r.start[x] * kp, m, nullptr, y + r.start[x] * n);
       continue;
     }

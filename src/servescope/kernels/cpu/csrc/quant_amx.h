@@ -265,6 +265,15 @@ inline void amx_tile(const AmxActs& a, int64_t t, const AmxPanel& p, const uint8
   for (int r = 0; r < AMX_T; ++r) _mm512_storeu_ps(out + r * AMX_T, acc[r]);
 }
 
+// A C tile's float results, c[r * 16 + i] = y[row i][column n0 + r] (weight rows down, activation rows
+// across), into y (row stride ldy; rows < `rows`, columns n0 .. n0 + cols) plus bias[n0 + r] where there is
+// one: the AMX kernels' last step per (panel, activation tile)
+inline void amx_store_transposed(const float* c, int64_t rows, int64_t cols, const float* bias, int64_t n0,
+                                 float* y, int64_t ldy) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t r = 0; r < cols; ++r) y[i * ldy + n0 + r] = c[r * AMX_T + i] + (bias ? bias[n0 + r] : 0.f);
+}
+
 // x [M, kp] float32 | bfloat16 (zeros past K), group-32 packed q, bias [N] or null -> y [M, N]. Panels of
 // 16 weight rows are split over the threads; each unpacks its panel, then every activation tile meets it.
 template <typename T>
@@ -295,10 +304,7 @@ inline void quant_amx_rows(const QMatrix& q, const T* x, int64_t M, const float*
             amx_tile<true>(a, t, pan, pf, rb, out);
           else
             amx_tile<false>(a, t, pan, pf, rb, out);
-          const int64_t rows = std::min<int64_t>(AMX_T, M - t * AMX_T);
-          for (int64_t i = 0; i < rows; ++i)
-            for (int64_t r = 0; r < cols; ++r)
-              y[(t * AMX_T + i) * q.n + n0 + r] = out[r * AMX_T + i] + (bias ? bias[n0 + r] : 0.f);
+          amx_store_transposed(out, std::min<int64_t>(AMX_T, M - t * AMX_T), cols, bias, n0, y + t * AMX_T * q.n, q.n);
         }
       }
     _tile_release();

@@ -6,9 +6,9 @@
 // activation tile. Here a panel of 32 weight rows is dequantised once (the block's scale, and Q4_1's offset,
 // folded in; rounded to bfloat16 as dequantize_rows rounds it) into a row-major bfloat16 buffer that stays in L2,
 // and each pair of activation tiles meets it in TDPBF16PS products over the whole K with fp32 accumulators that
-// never leave the tiles: no per-block store or rescale at all. The dequantisation (~10 vector operations per 32
-// weights) is paid once per panel whatever the rows, so the kernel wins from a few dozen rows on
-// (QDOT_AMX_BF16_ROWS_*, measured).
+// never leave the tiles: no per-block store or rescale at all. The dequantisation (~6 vector operations per 32
+// 4-bit weights: two blocks' tables in one register, amx_bf16_k) is paid once per panel whatever the rows, so
+// the kernel wins from a few dozen rows on (QDOT_AMX_BF16_ROWS_*, measured).
 //
 // Result, for every (m, n): y = sum_k bf16(w[n, k]) bf16(x[m, k]) in float32 (the products exact, summed in
 // float32 by the tiles), w[n, k] the dequantised weight (d u + m, or d (u - 8), or the MXFP4 value times its
@@ -17,10 +17,11 @@
 // arithmetic: a float32 model asked for more than bfloat16 weights). Each activation row is a column of its
 // own in the C tiles, so a row's result does not depend on the other rows of the call.
 //
-// Layout: A = 16 weight rows x 32 k of the panel buffer (bf16 [32][kp], row stride kp), B = one 32-block of
-// 16 activation rows as 16 k-pairs x 16 rows x 2 (re-laid once per call), C = weight row x activation row,
-// transposed into y once per (panel, tile) at the end of K. Tiles: tmm0..3 C (2 weight halves x 2 activation
-// tiles), tmm4 / tmm5 the two A halves, tmm6 / tmm7 the two B tiles.
+// Layout: A = 16 weight rows x one slot (32 k) of the chunk buffer (block-major, amx_bf16_chunk), B = the same
+// slot of 16 activation rows as 16 k-pairs x 16 rows x 2 (re-laid once per call; 4-bit weights' slots hold two
+// blocks' halves, amx_bf16_k: the sum over K is the same, in another float32 order), C = weight row x
+// activation row, transposed into y once per (panel, tile) at the end of K. Tiles: tmm0..3 C (2 weight halves
+// x 2 activation tiles), tmm4 / tmm5 the two A halves, tmm6 / tmm7 the two B tiles.
 //
 // Compiled where the compiler targets AMX-BF16 and AVX512-BF16 as well as AMX-INT8 (extension.py adds the flags
 // on a CPU that has them); used only when the kernel grants the tile state (amx_ready). SERVESCOPE_HAS_AMX_BF16
@@ -41,8 +42,21 @@ namespace servescope_quant {
 
 constexpr int64_t AMX_BF16_PANEL = 2 * AMX_T;  // weight rows dequantised together (the two A halves)
 constexpr int64_t AMX_BF16_KC = 16;            // blocks per dequantised chunk (32 KiB of bfloat16: L1)
+static_assert(AMX_BF16_KC % 2 == 0, "a chunk holds whole pairs of blocks (amx_bf16_k)");
 
-// The activations as B tiles: bf16 bits [tiles][nb][16 k-pairs][16 rows][2]; rows past M are zeros
+// The K order of the tiles (slot b: 32 positions, a block's worth): 4-bit weights' blocks go in pairs (2i,
+// 2i + 1; a last odd block alone), slot 2i holding block 2i's elements 0..15 then block 2i + 1's 0..15 and
+// slot 2i + 1 both blocks' 16..31, the order of the nibbles in the bytes, so that one table permute makes 32
+// weights of two blocks; int8 blocks keep theirs. The element of a row that slot b position p holds:
+inline int64_t amx_bf16_k(int64_t b, int64_t p, int64_t nb, bool paired) {
+  if (!paired || (b % 2 == 0 && b + 1 >= nb)) return b * 32 + p;
+  const int64_t first = b - b % 2;  // the pair's first block
+  if (b == first) return p < 16 ? first * 32 + p : (first + 1) * 32 + p - 16;
+  return p < 16 ? first * 32 + 16 + p : (first + 1) * 32 + p;
+}
+
+// The activations as B tiles: bf16 bits [tiles][nb][16 k-pairs][16 rows][2] in the weights' K order
+// (amx_bf16_k); rows past M are zeros
 struct AmxBf16Acts {
   int64_t tiles = 0, nb = 0;
   std::vector<uint32_t> v;  // one k-pair per element
@@ -52,7 +66,7 @@ inline uint16_t bf16_bits(servescope_simd::bf16 h) { return h.bits; }
 inline uint16_t bf16_bits(float f) { return servescope_simd::float_to_bf16(f).bits; }
 
 template <typename T>
-inline void relay_bf16_acts(const T* x, int64_t M, int64_t kp, AmxBf16Acts& a) {
+inline void relay_bf16_acts(const T* x, int64_t M, int64_t kp, bool paired, AmxBf16Acts& a) {
   a.nb = kp / 32;
   a.tiles = (M + AMX_T - 1) / AMX_T;
   a.v.resize(a.tiles * a.nb * 16 * AMX_T);
@@ -61,9 +75,12 @@ inline void relay_bf16_acts(const T* x, int64_t M, int64_t kp, AmxBf16Acts& a) {
       const int64_t t = m / AMX_T, r = m % AMX_T;
       for (int64_t b = 0; b < a.nb; ++b) {
         uint32_t* dst = a.v.data() + ((t * a.nb + b) * 16) * AMX_T + r;
-        const T* src = x + m * kp + b * 32;
-        for (int j = 0; j < 16; ++j)
-          dst[j * AMX_T] = m < M ? bf16_bits(src[2 * j]) | (uint32_t)bf16_bits(src[2 * j + 1]) << 16 : 0u;
+        // positions 0..15 and 16..31 of the slot: two runs of 16 neighbours in x
+        const T *lo = x + m * kp + amx_bf16_k(b, 0, a.nb, paired), *hi = x + m * kp + amx_bf16_k(b, 16, a.nb, paired);
+        for (int j = 0; j < 16; ++j) {
+          const T* src = j < 8 ? lo + 2 * j : hi + 2 * j - 16;
+          dst[j * AMX_T] = m < M ? bf16_bits(src[0]) | (uint32_t)bf16_bits(src[1]) << 16 : 0u;
+        }
       }
     }
   });
@@ -91,10 +108,11 @@ inline void amx_bf16_scales(const QMatrix& q, int64_t row, int64_t b0, int64_t n
   _mm512_storeu_ps(m, mv);
 }
 
-// Blocks b0 .. b0 + nbk (nbk <= 16) of weight row `row` as bfloat16, block b0 + j's 32 at dst + j * stride:
-// dequantize_rows's arithmetic (u d + m in one fused multiply-add, q d, MXFP4's table value times its scale),
-// rounded to nearest even as it rounds. 4-bit blocks go through a 16-entry bfloat16 table per block (its 16
-// values computed once, then one word permute for the 32 weights); int8 blocks widen to float.
+// Blocks b0 .. b0 + nbk (nbk <= 16, b0 even) of weight row `row` as bfloat16, slot b0 + j's 32 at dst + j *
+// stride (4-bit blocks in the paired K order, amx_bf16_k): dequantize_rows's arithmetic (u d + m in one fused
+// multiply-add, q d, MXFP4's table value times its scale), rounded to nearest even as it rounds. 4-bit blocks
+// go through a 16-entry bfloat16 table per block (its 16 values computed once; a pair's two tables in one
+// register, then one word permute per 32 weights); int8 blocks widen to float.
 inline void amx_bf16_row(const QMatrix& q, int64_t row, int64_t b0, int64_t nbk, uint16_t* dst, int64_t stride) {
   const uint8_t* w = q.w + row * q.row_bytes();
   alignas(64) float ds[16], ms[16];
@@ -103,10 +121,24 @@ inline void amx_bf16_row(const QMatrix& q, int64_t row, int64_t b0, int64_t nbk,
                            : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m256i m4 = _mm256_set1_epi16(15);
   amx_bf16_scales(q, row, b0, nbk, ds, ms);
+  // a pair's indices: words 16..31 (the second block's nibbles) look up the table's second half
+  const __m512i second = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
+  const __m512i m15 = _mm512_set1_epi16(15);
   for (int64_t j = 0; j < nbk; ++j) {
     const int64_t b = b0 + j;
     const __m512 d = _mm512_set1_ps(ds[j]), mo = _mm512_set1_ps(ms[j]);
-    if (q.int4) {
+    if (q.int4 && j + 1 < nbk) {  // blocks b, b + 1 into slots j, j + 1
+      const __m512 d1 = _mm512_set1_ps(ds[j + 1]), mo1 = _mm512_set1_ps(ms[j + 1]);
+      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(vv, d1, mo1), _mm512_fmadd_ps(vv, d, mo));
+      const __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(w + b * 16)));
+      const __m512i lo = _mm512_ternarylogic_epi32(u, m15, second, 0xEA);  // (u & 15) | second
+      const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(u, 4), second);
+      _mm512_storeu_si512(dst + j * stride, _mm512_permutexvar_epi16(lo, table));
+      _mm512_storeu_si512(dst + (j + 1) * stride, _mm512_permutexvar_epi16(hi, table));
+      ++j;
+      continue;
+    }
+    if (q.int4) {  // a last odd block alone, in its own order
       const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(vv, d, mo)));
       const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(w + b * 16)));
       const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(u, m4)),
@@ -219,7 +251,7 @@ template <typename T>
 inline void quant_amx_bf16_rows(const QMatrix& q, const T* x, int64_t M, const float* bias, float* y) {
   static thread_local AmxBf16Acts tls;  // the calling thread's; the workers read it through `a`
   AmxBf16Acts& a = tls;
-  relay_bf16_acts(x, M, q.kp, a);
+  relay_bf16_acts(x, M, q.kp, q.int4, a);
   const int64_t panels = (q.n + AMX_BF16_PANEL - 1) / AMX_BF16_PANEL, nb = a.nb, tstride = nb * 16 * AMX_T;
   parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     amx_bf16_configure();
@@ -244,12 +276,9 @@ inline void quant_amx_bf16_rows(const QMatrix& q, const T* x, int64_t M, const f
       }
       for (int64_t t = 0; t < a.tiles; ++t)  // c[2 t + h] [weight row][activation row] -> y
         for (int64_t h = 0; h < 2; ++h) {
-          const float* cc = c[2 * t + h];
-          const int64_t rows = std::min<int64_t>(AMX_T, M - t * AMX_T);
-          const int64_t nh = n0 + h * AMX_T, cols = std::min<int64_t>(AMX_T, q.n - nh);
-          for (int64_t i = 0; i < rows; ++i)
-            for (int64_t r = 0; r < cols; ++r)
-              y[(t * AMX_T + i) * q.n + nh + r] = cc[r * AMX_T + i] + (bias ? bias[nh + r] : 0.f);
+          const int64_t nh = n0 + h * AMX_T;
+          const int64_t rows = std::min<int64_t>(AMX_T, M - t * AMX_T), cols = std::min<int64_t>(AMX_T, q.n - nh);
+          amx_store_transposed(c[2 * t + h], rows, cols, bias, nh, y + t * AMX_T * q.n, q.n);
         }
     }
     _tile_release();
@@ -268,31 +297,56 @@ inline bool amx_bf16_available() {
 }
 
 // From this many bfloat16 rows of x on, the AMX-BF16 kernel where it runs (benchmarks/quant_rows.py at the 1B
-// shape, one thread's CPU time: its fixed cost, the dequantisation, ~1.2x quant_amx.h's at 1-16 rows for int4;
-// its growth per 16 rows about half quant_amx.h's, no per-block store and rescale). int4 (Q4_0, Q4_1, MXFP4)
-// is level at 32 rows and ahead from 48 (Q4_1, whose offsets cost quant_amx.h a second rescale, from 32).
+// shape, one thread's CPU time: its fixed cost, the dequantisation, ~1.2x quant_amx.h's at 1-16 rows for
+// symmetric int4; its growth per 16 rows about half quant_amx.h's, no per-block store and rescale). With two
+// 4-bit blocks per table permute, symmetric int4 (Q4_0, MXFP4) is ~1.2x ahead from 17 rows (20.2-20.8 against
+// 24.4-25.4 ms at 17-28 rows), where quant_amx.h takes a second activation tile; Q4_1, whose offsets cost
+// quant_amx.h a second rescale per block, is 1.05-1.1x ahead already at 16 (18.2-19.6 against 19.2-21.9).
 // int8 blocks (twice the bytes to widen; quant_amx.h reads them in place) were not ahead up to 128 rows in
 // every run (level to 10% behind at 64-128), so they stay on quant_amx.h: no crossover.
-constexpr int64_t QDOT_AMX_BF16_ROWS_INT4 = 32, QDOT_AMX_BF16_ROWS_INT8 = INT64_MAX;
+constexpr int64_t QDOT_AMX_BF16_ROWS_INT4 = 17, QDOT_AMX_BF16_ROWS_INT4_ASYM = 16;  // 17: 16 (one tile) + 1
+constexpr int64_t QDOT_AMX_BF16_ROWS_INT8 = INT64_MAX;
+
+inline int64_t amx_bf16_rows(const QMatrix& q) {
+  return !q.int4 ? QDOT_AMX_BF16_ROWS_INT8 : q.asym ? QDOT_AMX_BF16_ROWS_INT4_ASYM : QDOT_AMX_BF16_ROWS_INT4;
+}
+
+// The kernel that M rows of T activations (float32 | bfloat16) take against the group-32 matrix q by rows:
+// AMX-BF16 tiles for bfloat16 rows from QDOT_AMX_BF16_ROWS_*, else AMX-INT8 tiles from QDOT_AMX_ROWS_*, where
+// they run; else quant_dot.h's VNNI orders (which pick theirs by rows, QDOT_TILED_ROWS). The one rule that
+// quant_rows' Auto order and the fused MoE op's experts (moe_experts.h) both follow.
+enum class QRowsKernel { Dot, Amx, AmxBf16 };
+
+template <typename T>
+inline QRowsKernel quant_rows_kernel(const QMatrix& q, int64_t M) {
+#if SERVESCOPE_HAS_AMX_BF16
+  if constexpr (std::is_same_v<T, servescope_simd::bf16>)
+    if (M >= amx_bf16_rows(q) && amx_ready()) return QRowsKernel::AmxBf16;
+#endif
+#if SERVESCOPE_HAS_AMX_INT8
+  if (M >= (q.int4 ? QDOT_AMX_ROWS_INT4 : QDOT_AMX_ROWS_INT8) && amx_ready()) return QRowsKernel::Amx;
+#endif
+  (void)q, (void)M;
+  return QRowsKernel::Dot;
+}
 
 // The packed GEMV / GEMM entry: x [M, kp] float32 | bfloat16 (bfloat16 for group-32 weights only), bias [N]
-// or null -> y [M, N]. order Auto picks the kernel by rows (QDOT_TILED_ROWS, QDOT_AMX_ROWS_*, and for bfloat16
-// activations QDOT_AMX_BF16_ROWS_*), the others force one (Amx / AmxBf16 only where amx_available() /
-// amx_bf16_available()); groups other than 32 take quant_gemv.h's float kernel.
+// or null -> y [M, N]. order Auto picks the kernel by rows (quant_rows_kernel), the others force one (Amx /
+// AmxBf16 only where amx_available() / amx_bf16_available()); groups other than 32 take quant_gemv.h's float
+// kernel.
 template <typename T>
 inline void quant_rows(const QMatrix& q, const T* x, int64_t M, const float* bias, float* y, QOrder order) {
   if constexpr (std::is_same_v<T, float>)
     if (q.group != 32) return quant_gemv_rows(q, x, M, bias, y);
+  const QRowsKernel k = order == QOrder::Auto     ? quant_rows_kernel<T>(q, M)
+                        : order == QOrder::AmxBf16 ? QRowsKernel::AmxBf16
+                        : order == QOrder::Amx     ? QRowsKernel::Amx
+                                                   : QRowsKernel::Dot;
 #if SERVESCOPE_HAS_AMX_BF16
-  const int64_t bf16_rows = q.int4 ? QDOT_AMX_BF16_ROWS_INT4 : QDOT_AMX_BF16_ROWS_INT8;
-  constexpr bool bf16_x = std::is_same_v<T, servescope_simd::bf16>;
-  if (order == QOrder::AmxBf16 || (order == QOrder::Auto && bf16_x && M >= bf16_rows && amx_ready()))
-    return quant_amx_bf16_rows(q, x, M, bias, y);
+  if (k == QRowsKernel::AmxBf16) return quant_amx_bf16_rows(q, x, M, bias, y);
 #endif
 #if SERVESCOPE_HAS_AMX_INT8
-  const int64_t amx_rows = q.int4 ? QDOT_AMX_ROWS_INT4 : QDOT_AMX_ROWS_INT8;
-  if (order == QOrder::Amx || (order == QOrder::Auto && M >= amx_rows && amx_ready()))
-    return quant_amx_rows(q, x, M, bias, y);
+  if (k == QRowsKernel::Amx) return quant_amx_rows(q, x, M, bias, y);
 #endif
   quant_dot_rows(q, x, M, bias, y, order);
 }
