@@ -5,19 +5,28 @@ its row limit, ATen's linear above), and against a float64 sum over the experts:
 counts on both sides of the GEMV's row limits (decode batches and prefill chunks), k = 1..8, an expert no token
 chooses, a local range of experts (expert parallelism), 1-3 threads. Where it does not apply the reference runs."""
 
+import os
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from servescope import LLM
 from servescope.kernels.cpu import ops as cpu_ops
 from servescope.model.linears.int8 import Int8Linear
-from servescope.model.moe import ClampedExperts, Experts, PackedExperts, grouped_experts
+from servescope.model.moe_clamped import PackedClampedExperts
+from servescope.model.moe_fused import EXPERT_GEMV_ROWS
+from servescope.model.moe import ClampedExperts, Experts, PackedExperts, grouped_experts, moe_blocks
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny_models import MOE_FAMILIES, make_tiny_hf_model  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="needs the CPU kernel extension")
 
 H, WIDTH, E, UNUSED = 96, 40, 10, 3  # expert UNUSED: no token chooses it; widths need not be 32-blocks
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
-TOKENS = (1, 2, 3, 9, 17, 40)  # GEMV rows (1 f32, <= 2 bf16, <= 16 int8) and ATen's linear above them
+TOKENS = (1, 2, 3, 9, 17, 40)  # experts' rows on both sides of the GEMV's limits (moe_fused, Int8Linear)
 
 
 def _float_experts(dtype, seed: int = 0, n: int = E, h: int = H, width: int = WIDTH) -> Experts:
@@ -122,7 +131,7 @@ def test_a_local_range_of_experts():
     experts = _float_experts(torch.float32, seed=3)
     first, local = 4, 4
     op = cpu_ops.moe_dense(experts.gate_up_proj[first:first + local].unbind(0),
-                           experts.down_proj[first:first + local].unbind(0), 1, first)
+                           experts.down_proj[first:first + local].unbind(0), EXPERT_GEMV_ROWS[torch.float32], first)
     sub = _float_experts(torch.float32, n=local + 1)
     sub.gate_up_proj.data, sub.down_proj.data = (p[first:first + local + 1].clone()
                                                  for p in (experts.gate_up_proj, experts.down_proj))
@@ -134,6 +143,9 @@ def test_a_local_range_of_experts():
         ref = grouped_experts(x, torch.where(inside, ids - first, local), torch.where(inside, weights, 0), sub)[0]
         assert torch.equal(out, ref)
         assert counts.tolist() == [int((ids == first + e).sum()) for e in range(local)]
+    x, ids, weights = _routing(3, 2, torch.float32)
+    out, counts = op.run(x, ids % first, weights)  # no pair routed here: zeros
+    assert not out.any() and not counts.any()
 
 
 def test_where_the_op_does_not_apply_the_reference_runs():
@@ -149,6 +161,9 @@ def test_where_the_op_does_not_apply_the_reference_runs():
     down = [Int8Linear(torch.randn(H, WIDTH), None, torch.float32) for _ in range(E)]
     assert PackedExperts(biased, down)._fused(x) is None
     assert _int8_experts(torch.bfloat16)._fused(x) is None  # float32 rows, bfloat16 activations
+    int8 = _int8_experts(torch.float32)
+    clamped = PackedClampedExperts(list(int8.gate_up), list(int8.down), 7.0, 1.7)  # gpt-oss's, int8
+    assert clamped._fused(x) is None and clamped.fused_rows(torch.float32) == 0
 
 
 def test_moved_weights_rebuild_the_op():
@@ -182,3 +197,30 @@ def test_bad_input_is_refused():
         op.run(x.bfloat16(), ids, weights)
     with pytest.raises(RuntimeError, match="like ids"):
         op.run(x, ids, weights[:, :1])
+
+
+@pytest.mark.parametrize("dtype,quant", [("float32", None), ("bfloat16", None), ("float32", "int8"),
+                                         ("bfloat16", "int8")])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_each_family_s_sparse_blocks_equal_the_reference(tmp_path, family, dtype, quant):
+    """Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE and OLMoE as they load (float experts) and under
+    --quantization int8: every sparse block's forward on the fused op equals it on grouped_experts, at decode
+    batches 1, 3, 9 and a prefill chunk of 40 rows; the decode plan covers the model."""
+    path = make_tiny_hf_model(tmp_path, family, vocab_size=256, with_tokenizer=False)
+    llm = LLM(model=str(path), dtype=dtype, quantization=quant, skip_tokenizer_init=True, num_kv_blocks=16,
+              max_model_len=64)
+    model = llm.engine.runner.executor.model
+    assert llm.engine.runner.executor.decode_plan is not None
+    g = torch.Generator().manual_seed(0)
+    for _, block in moe_blocks(model):
+        assert block.experts.fused_op() is not None
+        for t in (1, 3, 9, 40):
+            x = torch.randn(t, model.config.hidden_size, generator=g).to(block.gate.weight.dtype)
+            with torch.inference_mode():
+                fused = block(x)
+                block.experts.fused = False
+                try:
+                    ref = block(x)
+                finally:
+                    block.experts.fused = True
+            assert torch.equal(fused, ref), f"{family} {dtype} {quant} t={t}"

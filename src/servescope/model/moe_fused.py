@@ -5,7 +5,7 @@
 - float experts (Experts: float32 / bfloat16, what an HF checkpoint loads as) and per-channel int8 ones
   (PackedExperts of Int8Linears: --quantization int8): `moe_dense` (csrc/moe_dense.cpp), at any rows: each
   expert's rows take the kernel its module takes (`expert_linear` for Experts, Int8Linear.forward), so the op
-  equals grouped_experts over the same modules bit for bit.
+  equals grouped_experts over the same modules bit for bit (float experts: the GEMV up to EXPERT_GEMV_ROWS).
 
 A handle is built once per layer and again after the weights move (`cached_op`: the huge-page move replaces
 the buffers). None where no op applies: grouped_experts runs then.
@@ -23,13 +23,19 @@ from servescope.model.linears.int8 import Int8Linear
 from servescope.model.linears.packed import QuantLinear
 
 ANY_ROWS = 1 << 30  # the dense op's row limit: it takes the modules' own kernel at every row count
+# Up to how many rows of one float expert the decode GEMV runs (above: F.linear). Not the dense projections'
+# cpu_linear.MAX_ROWS: those hand larger M to the panel GEMM or oneDNN on prepacked copies of the weight, which
+# experts do not get (a second copy of every expert is more memory than most MoEs can spare); against ATen's
+# GEMM on the unpacked weight (which reorders a bfloat16 weight on every call) the GEMV, reading the weight
+# once, stays ahead up to about these rows (benchmarks/moe_float_plan.py --expert-rows).
+EXPERT_GEMV_ROWS = {torch.float32: 16, torch.bfloat16: 4}
 
 
 def expert_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [n, K] times one float expert's matrix w [N, K] -> [n, N] in x's dtype: the decode GEMV up to its row
-    limit on the CPU (as CpuLinear chooses for a dense projection), else F.linear. (No prepacked oneDNN or
-    panel copies: a second copy of every expert is more memory than most MoEs can spare.)"""
-    if cpu_linear.use_gemv(x, w):
+    """x [n, K] times one float expert's matrix w [N, K] -> [n, N] in x's dtype: the decode GEMV up to
+    EXPERT_GEMV_ROWS on the CPU, else F.linear (what the fused op issues for those rows)."""
+    if (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= EXPERT_GEMV_ROWS.get(w.dtype, 0)
+            and cpu_linear.load() is not None):
         return cpu_linear.gemv(x, w).to(x.dtype)
     return F.linear(x, w)
 
@@ -72,14 +78,17 @@ def float_op(experts: nn.Module):
     if gate_up.device.type != "cpu" or gate_up.dtype not in (torch.float32, torch.bfloat16):
         return None
     try:
-        return cpu_ops.moe_dense(gate_up.unbind(0), down.unbind(0), cpu_linear.MAX_ROWS[gate_up.dtype])
+        return cpu_ops.moe_dense(gate_up.unbind(0), down.unbind(0), EXPERT_GEMV_ROWS[gate_up.dtype])
     except RuntimeError:  # the op's own checks (shapes): grouped_experts runs them
         return None
 
 
 def int8_op(experts: nn.Module):
-    """moe_dense over PackedExperts of bias-free Int8Linears in one activation dtype on the CPU, or None."""
+    """moe_dense over PackedExperts of bias-free Int8Linears in one activation dtype on the CPU, with silu and no
+    expert biases (not gpt-oss's PackedClampedExperts), or None."""
     mods = experts.linears()
+    if experts.act != 0 or any(experts.biases()):
+        return None
     if not all(type(m) is Int8Linear and m.bias is None and m.weight_int8.device.type == "cpu" for m in mods):
         return None
     if len({m.scale.dtype for m in mods}) != 1:

@@ -116,10 +116,11 @@ def moe_dense(gate_up: list, down: list, gemv_rows: int, first: int = 0, scales=
     (csrc/moe_dense.cpp), or None without the extension. gate_up / down: per local expert its [2I, H] gate | up
     and [H, I] down matrix (contiguous), local expert e being the router's expert first + e; scales (int8 only):
     (gate_up float32, down float32, gate_up in the activation dtype, down likewise), a list of [N] per expert
-    each (Int8Linear's `_scale_f32` and `scale`). Each expert's rows run the GEMV up to gemv_rows rows (the
-    modules' cpu_linear.MAX_ROWS of the weight dtype), ATen's linear above, as its module does. The handle's
-    `run(x [T, H], ids [T, k] int64, weights [T, k])` -> (out [T, H] in x's dtype, tokens per local expert [E]
-    int64): grouped_experts over those modules bit for bit. Raises RuntimeError for other weights or shapes."""
+    each (Int8Linear's `_scale_f32` and `scale`). Each expert's rows run the GEMV up to gemv_rows rows, ATen's
+    linear above, as its module does (Int8Linear: cpu_linear.MAX_ROWS; float experts: model/moe_fused.py's).
+    The handle's `run(x [T, H], ids [T, k] int64, weights [T, k])` -> (out [T, H] in x's dtype, tokens per
+    local expert [E] int64): grouped_experts over those modules bit for bit. Raises RuntimeError for other
+    weights or shapes."""
     if _EXT.load() is None:
         return None
     s = [list(p) for p in scales] if scales is not None else [[], [], [], []]

@@ -6,8 +6,8 @@
 // from Python (plus the grouping's and the sum's), whose host time a decode step pays with no weight moved.
 // Here the grouping (moe_route), the gathers and the weighted sum (moe_combine) are loops, and each active
 // expert's two projections issue, from C++, the kernel its module would choose for that many rows: the
-// decode GEMV of kernels.h (gemv_rows, as cpu_linear.gemv calls it) up to the GEMV's row limit of the weight
-// dtype, above it ATen's linear (what Experts.run and Int8Linear's eager path call: over the int8 weight
+// decode GEMV of kernels.h (gemv_rows, as cpu_linear.gemv calls it) up to the module's row limit (float
+// experts: model/moe_fused.py's EXPERT_GEMV_ROWS; Int8Linear: cpu_linear.MAX_ROWS), above it ATen's linear (what Experts.run and Int8Linear's eager path call: over the int8 weight
 // dequantised to the activation dtype, times the scale in that dtype). Each expert's rows go through the
 // same call with the same row count and thread count as in the reference, every intermediate is rounded
 // where the reference's tensors are (the GEMV's float32 result to the activation dtype before silu, the down
