@@ -151,10 +151,12 @@ def test_a_moe_table_times_its_sparse_blocks_and_prices_the_mlp_by_the_steps_rou
     assert all(r.predicted_seconds and r.predicted_seconds > 0 for r in engine.step_records)
 
 
-def test_a_planned_moe_is_timed_as_its_decode_steps_run_it(small_grids, tmp_path):
-    """Packed experts on the fused op: the C++ decode plan runs the sparse MLPs of decode steps, so the table
-    times the plan's (up to its rows), the blocks' forward above; the same routing either way."""
-    engine = tiny_engine(tmp_path, "float32", quantization="int4", config=MOE)
+@pytest.mark.parametrize("quant", ["int4", None, "int8"])
+def test_a_planned_moe_is_timed_as_its_decode_steps_run_it(small_grids, tmp_path, quant):
+    """Experts on a fused op (packed, float as loaded, per-channel int8): the C++ decode plan runs the sparse
+    MLPs of decode steps, so the table times the plan's (up to its rows), the blocks' forward above; the same
+    routing either way."""
+    engine = tiny_engine(tmp_path, "float32", quantization=quant, config=MOE)
     plan, model, cfg = engine.executor.decode_plan, engine.model, engine.model_config
     assert plan is not None and sorted(plan.sparse) == [1, 2]
 

@@ -1,8 +1,10 @@
 """The C++ DecodePlan over sparse layers (csrc/decode_plan_moe.h, model/transforms._sparse_mlp): the router,
-the softmax top-k routing (renormalised or not), the fused MoePacked experts, Qwen2-MoE's gated shared expert
-and OLMoE's q/k norm over all heads, in one call with the dense parts. Every decode step the plan serves must
-equal the module path bit for bit (hidden states and KV cache), on tiny random MoE models with packed experts
-(--quantization modes and a Q4_0 GGUF), at decode batches on both sides of the packed kernels' row orders;
+the softmax top-k routing (renormalised or not), the fused experts (MoePacked, MoeDense), Qwen2-MoE's gated
+shared expert and OLMoE's q/k norm over all heads, in one call with the dense parts. Every decode step the plan
+serves must equal the module path bit for bit (hidden states and KV cache), on tiny random MoE models with
+packed experts (--quantization modes and a Q4_0 GGUF), float experts (float32, bfloat16: the checkpoint as it
+loads) and per-channel int8 ones (--quantization int8), at decode batches on both sides of the kernels' row
+limits;
 the step records' expert fields must be those of an engine without the plan; a layer the plan cannot compute
 as the modules do leaves the model to the modules."""
 
@@ -17,7 +19,7 @@ import pytest
 from servescope import LLM, SamplingParams
 from servescope.kernels.cpu import ops as cpu_ops
 from servescope.loader.source import load_model_source
-from servescope.model.moe import PackedExperts, moe_blocks
+from servescope.model.moe import Experts, PackedExperts, moe_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="CPU op extension not built here")
 
@@ -40,8 +42,7 @@ def _sparse_in_plan(llm) -> bool:
     """The engine has a plan and every sparse layer's experts run the fused op."""
     ex = llm.engine.runner.executor
     blocks = moe_blocks(ex.model)
-    return ex.decode_plan is not None and bool(blocks) and all(
-        isinstance(b.experts, PackedExperts) and b.experts.fused_op() is not None for _, b in blocks)
+    return ex.decode_plan is not None and bool(blocks) and all(b.experts.fused_op() is not None for _, b in blocks)
 
 
 @pytest.mark.parametrize("family,dtype,quant", [
@@ -51,13 +52,20 @@ def _sparse_in_plan(llm) -> bool:
     ("qwen2_moe", "bfloat16", "int4-g32-asym"),
     ("qwen3_moe", "bfloat16", "int4"),  # renormalised, per-head q/k norms, a dense second layer
     ("mixtral", "float32", "int8-g32"),  # renormalised
+    ("mixtral", "bfloat16", None),  # float experts, as the checkpoint loads
+    ("olmoe", "float32", None),
+    ("qwen2_moe", "bfloat16", None),
+    ("qwen3_moe", "float32", None),
+    ("olmoe", "bfloat16", "int8"),  # per-channel int8 experts
+    ("qwen2_moe", "float32", "int8"),
+    ("qwen3_moe", "bfloat16", "int8"),
 ])
 def test_plan_matches_module_path_on_sparse_layers(tmp_path, family, dtype, quant):
     llm = LLM(model=str(_checkpoint(tmp_path, family)), dtype=dtype, quantization=quant, **SMALL)
     assert _sparse_in_plan(llm)
     rows = llm.engine.runner.executor.decode_plan.max_rows
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    for n in (1, 3, 9):  # the packed kernels' streaming and weight-stationary orders (and AMX where it runs)
+    for n in (1, 3, 9):  # the kernels' row orders and limits (packed: streaming, weight-stationary, AMX)
         assert generate_comparing(llm, PROMPTS[:n], sp) == ({n: 5} if n <= rows else {})
 
 
@@ -101,9 +109,11 @@ def test_step_records_count_the_same_experts_with_and_without_the_plan(tmp_path,
 
 
 def test_plan_refuses_layers_it_cannot_compute(tmp_path, monkeypatch):
-    """Float experts (no fused op), and packed ones with the fused op switched off (the reference path):
-    no plan, the modules serve every step."""
+    """Experts with their fused op switched off (the reference path), float or packed: no plan, the modules
+    serve every step."""
     path = str(_checkpoint(tmp_path, "qwen3_moe"))
+    monkeypatch.setattr(Experts, "fused", False)
     assert LLM(model=path, **SMALL).engine.runner.executor.decode_plan is None
     monkeypatch.setattr(PackedExperts, "fused", False)
     assert LLM(model=path, quantization="int4", **SMALL).engine.runner.executor.decode_plan is None
+    assert LLM(model=path, quantization="int8", **SMALL).engine.runner.executor.decode_plan is None

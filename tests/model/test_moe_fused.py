@@ -2,7 +2,8 @@
 runs it) against its reference, model/moe.py's grouped_experts over the same modules, bit for bit (the same
 kernels and roundings), and against a float64 sum over the dequantised experts: every packed group-32
 format, float32 and bfloat16, odd and even token counts, k = 1..8, an expert no token chooses, a local
-range of experts (expert parallelism), 1-3 threads. Where it does not apply the reference runs.
+range of experts (expert parallelism), 1-3 threads. Where it does not apply the reference runs. (Per-channel int8
+and float experts: tests/model/test_moe_dense.py.)
 (tests/kernels/test_quant_gemv_isas.py runs the same op on every ISA path, torch-free.)"""
 
 import pytest
@@ -10,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from servescope.kernels.cpu import ops as cpu_ops
-from servescope.model.linears.int8 import Int8Linear
 from servescope.model.linears.packed import QuantLinear
 from servescope.model.moe import PackedExperts, grouped_experts
 from servescope.quant.packed import dequantize, quantize
@@ -142,9 +142,6 @@ def test_where_the_op_does_not_apply_the_reference_runs():
     g64 = _experts(QuantScheme(4, group=64))  # not group 32
     assert g64._fused(x) is None
     assert torch.equal(g64.grouped(x, ids, weights)[0], grouped_experts(x, ids, weights, g64)[0])
-    w = torch.randn(2 * WIDTH, H)
-    per_channel = PackedExperts([Int8Linear(w, None, torch.float32)] * E, [Int8Linear(w.t(), None, torch.float32)] * E)
-    assert per_channel._fused(x) is None
     experts = _experts(SCHEMES["q4_0"])
     for m in experts.linears():
         m.gemv_rows = 4  # more tokens than the packed GEMV's row limit: a prefill chunk's GEMMs

@@ -59,6 +59,7 @@ class ExpertStats:
             self.down[i] = torch.zeros(e, i2 // 2, dtype=torch.float64)
             self.tokens[i] = torch.zeros(e, dtype=torch.int64)
             ex.run = self._wrap(i, ex)  # (an instance attribute: grouped_experts calls experts.run)
+            ex.fused = False  # grouped_experts, not the fused op (which never calls run)
         return self
 
     def _wrap(self, layer: int, ex: Experts):
@@ -75,6 +76,7 @@ class ExpertStats:
     def __exit__(self, *exc):
         for _, ex in self.blocks:
             ex.__dict__.pop("run", None)
+            ex.__dict__.pop("fused", None)
         return False
 
     def importance(self, layer: int, part: str, e: int):

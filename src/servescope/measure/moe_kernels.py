@@ -19,7 +19,9 @@ def measure_moe_table(model, cfg, dtype, plan=None) -> tuple:
     MLP blocks on MOE_TOKENS rows of random activations, in layer order (all of them up to ALL_LAYER_ROWS rows,
     as many as PASS_BUDGET_S takes beyond); ([], []) for a model without experts. plan: the executor's C++
     decode plan (model/transforms.DecodePlanLayers) or None; up to its rows the sparse MLPs are timed as it runs
-    them (decode steps: `plan.sparse`, without the modules' host work), above them the blocks' forward."""
+    them (decode steps: `plan.sparse`, without the modules' host work), above them the blocks' forward (their
+    experts' fused op where it serves those rows, model/moe_fused.py, else grouped_experts), so packed, float
+    and int8 experts are timed on the kernels their steps run."""
     found = moe_blocks(model)
     blocks = [b for _, b in found]
     planned = [plan.sparse[i].run for i, _ in found] if plan is not None and plan.sparse else None

@@ -10,11 +10,12 @@ weights are stacked per layer ([E, 2I, Dm] gate|up, [E, Dm, I] down: transformer
 expert is a contiguous slice and the checkpoint's per-expert tensors are stacked once at load
 (`stack_expert_checkpoint`).
 
-Packed experts (PackedExperts of group-32 QuantLinears: GGUF Q4_0 / Q4_1 / Q8_0, --quantization int4 /
-int8-g32) on the CPU run that same order as one C++ op per layer (kernels/cpu's moe_packed,
-csrc/moe_experts.h: the grouping, the experts' packed GEMVs, silu and the weighted sum; the same kernels and
-roundings, so the same bits) for up to the modules' packed-GEMV row limit of tokens; `grouped_experts` is
-the reference it is tested against and runs everything else (float experts, GPUs, long prefill chunks).
+On the CPU the experts run that same order as one C++ op per layer (model/moe_fused.py): packed group-32
+experts (GGUF Q4_0 / Q4_1 / Q8_0, --quantization int4 / int8-g32) on moe_packed up to the modules' packed-GEMV
+row limit of tokens, float experts and per-channel int8 ones (--quantization int8) on moe_dense at any rows:
+the grouping, each expert's projections on the kernel its module would choose for its rows, silu and the
+weighted sum, the same roundings, so the same bits. `grouped_experts` is the reference they are tested against
+and runs everything else (GPUs, gpt-oss's float experts, long packed prefill chunks, mixed formats).
 
 Each block counts the tokens routed to each expert (`routed_tokens`, summed over the forwards since the
 engine last took them: `take_routing`), which the step record reports (telemetry/moe.py).
@@ -31,9 +32,8 @@ from torch import nn
 
 from servescope.config import LayerSpec, ModelConfig
 from servescope.kernels import fused_ops
-from servescope.kernels.cpu import ops as cpu_ops
+from servescope.model import moe_fused
 from servescope.model.layers import GatedMLP
-from servescope.model.linears.packed import QuantLinear
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple:
@@ -101,7 +101,11 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e
 
 
 class Experts(nn.Module):
-    """E gated MLPs of width I, stacked: gate_up_proj [E, 2I, Dm] (gate | up), down_proj [E, Dm, I]."""
+    """E gated MLPs of width I, stacked: gate_up_proj [E, 2I, Dm] (gate | up), down_proj [E, Dm, I]. On the CPU
+    `grouped` runs the fused op (moe_fused.float_op) where it applies, `run` each expert on the kernel the op
+    takes for its rows (moe_fused.expert_linear)."""
+
+    fused = True  # whether `grouped` may run the fused op; False: grouped_experts always (the reference)
 
     def __init__(self, num_experts: int, hidden: int, width: int):
         super().__init__()
@@ -110,13 +114,34 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width), requires_grad=False)
 
     def grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
-        """The routed experts' weighted sum and tokens per expert (grouped_experts)."""
-        return grouped_experts(x, ids, weights, self)
+        """The routed experts' weighted sum and tokens per expert (grouped_experts, or the fused op)."""
+        op = self._fused(x)
+        if op is None:
+            return grouped_experts(x, ids, weights, self)
+        out, counts = op.run(x, ids, weights)
+        return out, counts
 
     def run(self, e: int, xs: torch.Tensor, out: torch.Tensor) -> None:
         """Expert e over the rows xs [n, Dm], written into out [n, Dm]."""
-        h = fused_ops.silu_mul(F.linear(xs, self.gate_up_proj[e]))  # [n, 2I] -> [n, I]
-        torch.mm(h, self.down_proj[e].t(), out=out)
+        h = fused_ops.silu_mul(moe_fused.expert_linear(xs, self.gate_up_proj[e]))  # [n, 2I] -> [n, I]
+        out.copy_(moe_fused.expert_linear(h, self.down_proj[e]))
+
+    def _fused(self, x: torch.Tensor):
+        """The fused op where it runs this call (rows in the weights' dtype on the CPU), else None."""
+        if x.device.type != "cpu" or x.dtype != self.gate_up_proj.dtype:
+            return None
+        return self.fused_op()
+
+    def fused_rows(self, dtype: torch.dtype) -> int:
+        """Up to how many rows of `dtype` the fused op may run: any (0: never)."""
+        return moe_fused.ANY_ROWS if dtype == self.gate_up_proj.dtype and self.fused_op() is not None else 0
+
+    def fused_op(self):
+        """The fused op (MoeDense) over these experts, or None where it does not apply: built once per weights."""
+        if not self.fused:
+            return None
+        key = (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr())
+        return moe_fused.cached_op(self, key, lambda: moe_fused.float_op(self))
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights (what a step reads per active expert)."""
@@ -134,7 +159,9 @@ def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.T
 class ClampedExperts(Experts):
     """gpt-oss's experts: Experts' stacked weights plus biases, gate_up_proj_bias [E, 2I] (gate | up) and
     down_proj_bias [E, Dm], and the clamped SwiGLU: gate clamped above at `limit`, up to [-limit, limit],
-    (up + 1) * gate * sigmoid(alpha * gate)."""
+    (up + 1) * gate * sigmoid(alpha * gate). (No fused op: grouped_experts runs them.)"""
+
+    fused = False
 
     def __init__(self, num_experts: int, hidden: int, width: int, limit: float, alpha: float):
         super().__init__(num_experts, hidden, width)
@@ -156,7 +183,7 @@ class PackedExperts(nn.Module):
     Int8Linear): gate_up[e] Dm -> 2I (gate | up), down[e] I -> Dm. A step runs each active expert's two
     modules once over that expert's tokens, so a batch-1 decode reads k experts' packed blocks per layer
     through the packed GEMV (model/linears/packed.py chooses the kernel by rows, as for any projection);
-    where the fused op applies (`_fused`), one C++ call runs all of them."""
+    where a fused op applies (`_fused`: moe_packed, or moe_dense for Int8Linears), one C++ call runs all."""
 
     fused = True  # whether `grouped` may run the fused op; False: grouped_experts always (the reference)
     act, alpha, limit = 0, 0.0, 0.0  # the fused op's activation: silu(gate) * up (model/moe_clamped.py: gpt-oss's)
@@ -180,31 +207,24 @@ class PackedExperts(nn.Module):
         return out, counts
 
     def _fused(self, x: torch.Tensor):
-        """The fused op's handle where it runs this call, else None: float32 / bfloat16 rows on the CPU, at
-        most `fused_rows` of them (so that every expert's rows would have taken quant_gemv in grouped_experts:
-        the same kernels; a long prefill chunk takes grouped_experts' GEMMs)."""
+        """The fused op's handle where it runs this call, else None: float32 / bfloat16 rows on the CPU (int8
+        experts: in their activation dtype), at most `fused_rows` of them (packed experts: so that every expert's
+        rows would have taken quant_gemv in grouped_experts, the same kernels; a long prefill chunk takes
+        grouped_experts' GEMMs)."""
         if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
             return None
         return self.fused_op() if x.shape[0] <= self.fused_rows(x.dtype) else None
 
     def fused_rows(self, dtype: torch.dtype) -> int:
-        """Up to how many rows of `dtype` the fused op may run: the modules' quant_gemv row limit (0: never)."""
-        g, d = self.gate_up[0], self.down[-1]
-        if not (self.fused and isinstance(g, QuantLinear) and isinstance(d, QuantLinear)):
-            return 0
-        return min(g.row_limit(dtype), d.row_limit(dtype))
+        """Up to how many rows of `dtype` the fused op may run: the modules' quant_gemv row limit, any for
+        int8 experts of that activation dtype (0: never)."""
+        return moe_fused.packed_experts_rows(self, dtype) if self.fused else 0
 
     def fused_op(self):
-        """The fused op (MoePacked) over these experts, or None where it does not apply (`_fused_op`): built once,
-        and again after the weights move (the huge-page move replaces the buffers)."""
-        if not (self.fused and isinstance(self.gate_up[0], QuantLinear)):
-            return None
-        key = (self.gate_up[0].qweight.data_ptr(), self.down[-1].qweight.data_ptr())
-        cached = self.__dict__.get("_fused_op")
-        if cached is None or cached[0] != key:
-            cached = (key, _fused_op(self))
-            self.__dict__["_fused_op"] = cached
-        return cached[1]
+        """The fused op (MoePacked, or MoeDense over Int8Linears) over these experts, or None where it does not
+        apply (moe_fused): built once, and again after the weights move (the huge-page move replaces the
+        buffers)."""
+        return moe_fused.packed_experts_op(self) if self.fused else None
 
     def expert_bytes(self) -> int:
         return sum(_module_bytes(m) for m in (self.gate_up[0], self.down[0]))
@@ -216,26 +236,6 @@ class PackedExperts(nn.Module):
     def biases(self) -> tuple:
         """The fused op's per-expert float32 biases (gate|up [2I] list, down [H] list): none here."""
         return [], []
-
-
-def _fused_op(experts: PackedExperts):
-    """kernels/cpu's moe_packed over the experts' packed tensors, or None where it does not apply: a module
-    other than a group-32 QuantLinear without bias on the CPU whose K is whole 32-blocks, mixed formats (MXFP4
-    included), no extension. The experts' own biases (`biases`) and activation (`act`, `alpha`, `limit`) go
-    with them."""
-    for m in experts.linears():
-        if not (isinstance(m, QuantLinear) and m.group32 and not m.float_output
-                and m.qweight.device.type == "cpu" and m.in_features % 32 == 0):
-            return None
-    if any(m.bias is not None for m in experts.linears()):
-        return None
-    gate_up_b, down_b = experts.biases()
-    try:
-        return cpu_ops.moe_packed([(m.qweight, m.scales) for m in experts.gate_up],
-                                  [(m.qweight, m.scales) for m in experts.down], 0, gate_up_b, down_b,
-                                  experts.act, experts.alpha, experts.limit)
-    except RuntimeError:  # the op's own checks (formats, shapes): grouped_experts runs them
-        return None
 
 
 def _module_bytes(m: nn.Module) -> int:

@@ -8,7 +8,8 @@ engine's executor (engine/executor.py), not by the model.
 - cpu_decode_plan: the C++ DecodePlan that runs all layers of a decode-only step in one call with the
   same kernels and the same weights as the modules (no copies), wrapped as DecodePlanLayers: the
   model's own `run_layers` signature, so an executor composes it with `embed` and `final_norm` as it
-  composes the model's. Sparse layers are in it where their experts run on the fused op (`_sparse_mlp`).
+  composes the model's. Sparse layers are in it where their experts run on a fused op (`_sparse_mlp`: packed,
+  float or per-channel int8 experts).
 Quantisation is model/quantize.py (quantize_int8), applied before these.
 """
 
@@ -21,7 +22,7 @@ from servescope.kernels.cpu import ops as cpu_ops
 from servescope.model.linears.cpu import CpuLinear
 from servescope.model.linears.int8 import Int8Linear
 from servescope.model.linears.packed import QuantLinear
-from servescope.model.moe import PackedExperts, SparseMoeBlock
+from servescope.model.moe import ClampedExperts, Experts, PackedExperts, SparseMoeBlock
 
 
 def use_cpu_linears(model: nn.Module) -> nn.Module:
@@ -123,12 +124,14 @@ def cpu_decode_plan(model: nn.Module):
 def _sparse_mlp(mod, block: SparseMoeBlock, dtype: torch.dtype):
     """(the C++ PlanSparseMlp of a sparse layer, the most rows it serves), or None where the plan cannot compute
     it as the module does: a router other than the softmax top-k (DeepSeek's, gpt-oss's), expert parallelism,
-    experts off the fused op (float or per-channel int8 experts, mixed formats; and above its row limit: the
-    module's grouped_experts), DeepSeek's ungated shared experts. The plan counts each step's tokens per expert
-    into the block's own `routed_tokens`, as the module does (the step record's source)."""
+    experts off a fused op (gpt-oss's, mixed formats, the fused op switched off; packed experts above their row
+    limit: the module's grouped_experts), DeepSeek's ungated shared experts. The experts may be packed
+    (MoePacked), float or per-channel int8 (MoeDense). The plan counts each step's tokens per expert into the
+    block's own `routed_tokens`, as the module does (the step record's source)."""
     experts = block.experts
     if (block.spec.router != "softmax_topk" or block.expert_parallel is not None or hasattr(block, "shared_experts")
-            or not _plain_router(block.gate, dtype) or not isinstance(experts, PackedExperts) or experts.act != 0):
+            or not _plain_router(block.gate, dtype) or isinstance(experts, ClampedExperts)
+            or not isinstance(experts, (Experts, PackedExperts)) or getattr(experts, "act", 0) != 0):
         return None
     op, rows = experts.fused_op(), experts.fused_rows(dtype)
     if op is None or rows < 1:

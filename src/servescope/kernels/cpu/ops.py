@@ -4,7 +4,8 @@ csrc/bindings.cpp), compiled on first use for the CPU's instruction set (extensi
 
 One C++ call each for rms_norm, add_rms_norm, rotary, silu_mul (dispatched from kernels/fused_ops.py)
 and store_kv, paged decode attention, causal prefill attention (from model/attention/cpu.py), and an MoE
-layer's routed experts over packed weights (`moe_packed`, from model/moe.py): at batch 1 their eager
+layer's routed experts over packed weights (`moe_packed`) or float / per-channel int8 ones (`moe_dense`), from
+model/moe.py: at batch 1 their eager
 PyTorch versions are dozens of tiny ops per layer whose dispatch overhead exceeds their arithmetic.
 `load()` is None where the extension cannot be built (no compiler, SERVESCOPE_CPU_KERNELS=0, read
 once at the first call); callers then use the torch references, which the tests compare against.
@@ -26,8 +27,9 @@ DTYPES = (torch.float32, torch.bfloat16)
 # (rows of D values then a float32 scale: csrc/kv_quant.h)
 KV_DTYPES = DTYPES + (torch.int8,) + ((torch.float8_e4m3fn,) if hasattr(torch, "float8_e4m3fn") else ())
 # -ffp-contract=off: no fused multiply-adds where the torch reference rounds each step
-# the extension's translation units (csrc/ops.h says why five): ninja compiles them in parallel
-SOURCES = ["bindings.cpp", "cpu_ops.cpp", "prefill_attention.cpp", "quant_ops.cpp", "onednn_linear.cpp"]
+# the extension's translation units (csrc/ops.h says why several): ninja compiles them in parallel
+SOURCES = ["bindings.cpp", "cpu_ops.cpp", "prefill_attention.cpp", "quant_ops.cpp", "onednn_linear.cpp",
+           "moe_dense.cpp"]
 _EXT = CpuExtension("servescope_cpu_ops", SOURCES, "CPU op kernels", extra_cflags=["-ffp-contract=off"])
 _EMPTY = torch.empty(0)
 load = _EXT.load  # the compiled module, or None (see extension.py)
@@ -107,3 +109,19 @@ def moe_packed(gate_up: list, down: list, first: int = 0, gate_up_bias=(), down_
         return None
     return _EXT.mod.MoePacked([w for w, _ in gate_up], [s for _, s in gate_up], [w for w, _ in down],
                               [s for _, s in down], first, list(gate_up_bias), list(down_bias), act, alpha, limit)
+
+
+def moe_dense(gate_up: list, down: list, gemv_rows: int, first: int = 0, scales=None):
+    """One MoE layer's routed experts over float32 / bfloat16 or per-channel int8 weights as one C++ op
+    (csrc/moe_dense.cpp), or None without the extension. gate_up / down: per local expert its [2I, H] gate | up
+    and [H, I] down matrix (contiguous), local expert e being the router's expert first + e; scales (int8 only):
+    (gate_up float32, down float32, gate_up in the activation dtype, down likewise), a list of [N] per expert
+    each (Int8Linear's `_scale_f32` and `scale`). Each expert's rows run the GEMV up to gemv_rows rows, ATen's
+    linear above, as its module does (Int8Linear: cpu_linear.MAX_ROWS; float experts: model/moe_fused.py's).
+    The handle's `run(x [T, H], ids [T, k] int64, weights [T, k])` -> (out [T, H] in x's dtype, tokens per
+    local expert [E] int64): grouped_experts over those modules bit for bit. Raises RuntimeError for other
+    weights or shapes."""
+    if _EXT.load() is None:
+        return None
+    s = [list(p) for p in scales] if scales is not None else [[], [], [], []]
+    return _EXT.mod.MoeDense(list(gate_up), list(down), *s, first, gemv_rows)

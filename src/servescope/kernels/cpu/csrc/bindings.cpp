@@ -8,6 +8,21 @@
 namespace py = pybind11;
 using namespace servescope_ops;
 
+namespace {
+
+// PlanSparseMlp over either fused experts op (a copy of the handle: it shares the weights)
+template <typename Op>
+std::shared_ptr<PlanSparseMlp> sparse_mlp(Tensor router, int64_t top_k, bool renormalise, const Op& experts,
+                                          Tensor counts, std::vector<Tensor> shared, std::vector<int64_t> limits,
+                                          Tensor shared_gate) {
+  auto run = [experts](const Tensor& x, const Tensor& ids, const Tensor& w) { return experts.run(x, ids, w); };
+  return std::make_shared<PlanSparseMlp>(std::move(router), top_k, renormalise, run, experts.num_experts(),
+                                         std::move(counts), std::move(shared), std::move(limits),
+                                         std::move(shared_gate));
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa_info, "isa() -> {isa, lanes, bf16_dot, int8_dot} of this build");
   m.def("rms_norm", &rms_norm, "rms_norm(x, w, eps)");
@@ -33,10 +48,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "packed group-32 experts (int4 / int8 / MXFP4), biases optional, act 0 silu or 1 clamped SwiGLU")
       .def("run", &MoePacked::run, "run(x, ids, weights) -> [out, counts]: the routed experts' weighted sum")
       .def("num_experts", &MoePacked::num_experts);
+  py::class_<MoeDense>(m, "MoeDense")
+      .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>,
+                    std::vector<Tensor>, std::vector<Tensor>, int64_t, int64_t>(),
+           "MoeDense(gate_up, down, gate_up_scale, down_scale, gate_up_scale_act, down_scale_act, first, gemv_rows): "
+           "one layer's float32 / bfloat16 / per-channel int8 experts")
+      .def("run", &MoeDense::run, "run(x, ids, weights) -> [out, counts]: the routed experts' weighted sum")
+      .def("num_experts", &MoeDense::num_experts);
   py::class_<PlanSparseMlp, std::shared_ptr<PlanSparseMlp>>(m, "PlanSparseMlp")
-      .def(py::init<Tensor, int64_t, bool, MoePacked, Tensor, std::vector<Tensor>, std::vector<int64_t>, Tensor>(),
+      .def(py::init(&sparse_mlp<MoePacked>))
+      .def(py::init(&sparse_mlp<MoeDense>),
            "PlanSparseMlp(router, top_k, renormalise, experts, counts, shared, shared_limits, shared_gate): a sparse "
-           "layer's MLP for the DecodePlan (softmax top-k router, MoePacked experts, optional gated shared expert)")
+           "layer's MLP for the DecodePlan (softmax top-k router, MoePacked or MoeDense experts, optional gated "
+           "shared expert)")
       .def("run", &PlanSparseMlp::run, "run(x) -> the MLP's output; adds the tokens per expert to counts");
   py::class_<DecodePlan>(m, "DecodePlan")
       .def(py::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>, std::vector<int64_t>,

@@ -1,8 +1,11 @@
 // A sparse MLP layer of the DecodePlan (decode_plan.h): model/moe.py's SparseMoeBlock.forward for the softmax
-// top-k router over packed group-32 experts (the fused MoePacked op), with Qwen2-MoE's gated shared expert.
+// top-k router over experts on a fused op (MoePacked: packed group-32 experts; MoeDense: float32, bfloat16 or
+// per-channel int8 ones), with Qwen2-MoE's gated shared expert.
 #pragma once
 
 #include <ATen/ops/linear.h>
+
+#include <functional>
 
 #include "plan_linear.h"
 
@@ -15,19 +18,22 @@ namespace servescope_ops {
 // experts the same MoePacked, the shared expert the plan's projections (the modules' kernels).
 class PlanSparseMlp {
  public:
-  // router [E, Dm] (the module's nn.Linear weight, in the activation dtype); renormalise: the kept top-k
+  // a fused experts op's run(x, ids, weights) -> [out, counts] (MoePacked::run, MoeDense::run)
+  using Experts = std::function<std::vector<Tensor>(const Tensor&, const Tensor&, const Tensor&)>;
+
+  // experts: the fused op's run over num_experts experts; router [E, Dm] (the module's nn.Linear weight, in the activation dtype); renormalise: the kept top-k
   // weights scaled to sum to 1; counts [E] int64: the block's routed_tokens, to which each call adds its
   // tokens per expert (the step record's source, model/moe.take_step_routing); shared: the shared expert's
   // gate_up and down plan_entry tensors (6 each) and their row limits (4), shared_gate [1, Dm] its sigmoid
   // gate's weight (all empty: no shared expert)
-  PlanSparseMlp(Tensor router, int64_t top_k, bool renormalise, MoePacked experts, Tensor counts,
+  PlanSparseMlp(Tensor router, int64_t top_k, bool renormalise, Experts experts, int64_t num_experts, Tensor counts,
                 std::vector<Tensor> shared, std::vector<int64_t> shared_limits, Tensor shared_gate)
       : router_(std::move(router)), top_k_(top_k), renormalise_(renormalise), experts_(std::move(experts)),
         counts_(std::move(counts)), shared_gate_(std::move(shared_gate)) {
-    TORCH_CHECK(router_.dim() == 2 && router_.size(0) == experts_.num_experts(), "PlanSparseMlp: router [E, Dm]");
-    TORCH_CHECK(counts_.numel() == experts_.num_experts() && counts_.scalar_type() == at::kLong,
+    TORCH_CHECK(router_.dim() == 2 && router_.size(0) == num_experts, "PlanSparseMlp: router [E, Dm]");
+    TORCH_CHECK(counts_.numel() == num_experts && counts_.scalar_type() == at::kLong,
                 "PlanSparseMlp: counts [E] int64");
-    TORCH_CHECK(top_k_ > 0 && top_k_ <= experts_.num_experts(), "PlanSparseMlp: 0 < top_k <= E");
+    TORCH_CHECK(top_k_ > 0 && top_k_ <= num_experts, "PlanSparseMlp: 0 < top_k <= E");
     TORCH_CHECK(shared.empty() == !shared_gate_.numel(), "PlanSparseMlp: a shared expert comes with its gate");
     if (!shared.empty()) {
       TORCH_CHECK(shared.size() == 12 && shared_limits.size() == 4, "PlanSparseMlp: 12 shared tensors, 4 limits");
@@ -42,7 +48,7 @@ class PlanSparseMlp {
     const Tensor logits = at::linear(x, router_);
     auto [weights, ids] = logits.softmax(-1, at::kFloat).topk(top_k_, -1);
     if (renormalise_) weights = weights.div(weights.sum(at::IntArrayRef{-1}, true));
-    auto r = experts_.run(x, ids, weights.to(logits.scalar_type()));
+    auto r = experts_(x, ids, weights.to(logits.scalar_type()));
     counts_.add_(r[1]);
     if (!shared_gate_.numel()) return r[0];
     const Tensor gate = at::linear(x, shared_gate_).sigmoid();
@@ -53,7 +59,7 @@ class PlanSparseMlp {
   Tensor router_;
   int64_t top_k_;
   bool renormalise_;
-  MoePacked experts_;
+  Experts experts_;
   Tensor counts_;
   PlanLinear shared_gate_up_{}, shared_down_{};
   Tensor shared_gate_;

@@ -1,7 +1,7 @@
 // The CPU op extension's entry points, declared once for its translation units: cpu_ops.cpp (the
-// small per-layer ops of kernels.h), quant_ops.cpp (packed weights), prefill_attention.cpp,
-// onednn_linear.cpp, and bindings.cpp, the only one that sees Python (decode_plan.h issues them all
-// for a decode step).
+// small per-layer ops of kernels.h), quant_ops.cpp (packed weights), moe_dense.cpp (float and int8
+// experts), prefill_attention.cpp, onednn_linear.cpp, and bindings.cpp, the only one that sees Python
+// (decode_plan.h issues them all for a decode step).
 //
 // Why the split and these headers: <torch/extension.h> (the whole C++ frontend and its pybind11 casters)
 // is by far the slowest header to compile, and the extension used to include it in three units, most
@@ -21,6 +21,7 @@
 
 namespace servescope_moe {
 struct MoeWeights;  // moe_experts.h
+struct MoeRoute;
 }
 
 namespace servescope_ops {
@@ -65,6 +66,28 @@ class MoePacked {
  private:
   std::vector<Tensor> tensors_;
   std::shared_ptr<const servescope_moe::MoeWeights> weights_;
+};
+
+// moe_dense.cpp: one MoE layer's routed experts over float32 | bfloat16 or per-channel int8 weights in one call,
+// each expert's rows on the kernel its module chooses (the GEMV up to gemv_rows rows, ATen's linear above).
+class MoeDense {
+ public:
+  // gate_up [2I, H] and down [H, I] per local expert (local expert e: the router's first + e); int8: a float32
+  // scale [N] per matrix (the GEMV's) and the same in the activation dtype (the eager path's); float: none
+  MoeDense(std::vector<Tensor> gate_up, std::vector<Tensor> down, std::vector<Tensor> gate_up_scale,
+           std::vector<Tensor> down_scale, std::vector<Tensor> gate_up_scale_act, std::vector<Tensor> down_scale_act,
+           int64_t first, int64_t gemv_rows);
+  // as MoePacked::run; x in the activation dtype (the float weights' own)
+  std::vector<Tensor> run(Tensor x, Tensor ids, Tensor weights) const;
+  int64_t num_experts() const;
+
+ private:
+  struct Proj {
+    std::vector<Tensor> w, scale, scale_act;
+  };
+  void project(const Proj& p, const servescope_moe::MoeRoute& r, const Tensor& xs, float* y) const;
+  Proj gate_up_, down_;
+  int64_t first_, gemv_rows_;
 };
 
 // prefill_attention.cpp (AVX512-BF16 only; elsewhere "unsupported")
