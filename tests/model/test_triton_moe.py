@@ -57,3 +57,21 @@ def test_no_tokens_give_zeros():
     out, counts = tm.fused_experts(torch.zeros(0, 32), torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2),
                                    ex.gate_up_proj, ex.down_proj, fused_ops.silu_mul)
     assert out.shape == (0, 32) and counts.tolist() == [0, 0, 0, 0]
+
+
+def test_the_experts_op_a_gpu_runs_is_the_triton_one():
+    """Experts.grouped on a CUDA tensor takes moe_fused.triton_op (its run, here in the interpreter on CPU
+    tensors, equals the per-expert loop; the tokens per expert come back on the host), gpt-oss's clamped
+    experts none (biases and their activation are not in the kernels)."""
+    from servescope.model import moe_fused
+    from servescope.model.moe import ClampedExperts
+
+    ex = _experts(8, 32, 16, seed=3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 32, generator=g)
+    weights, ids = torch.randn(6, 8, generator=g).softmax(-1).topk(2, -1)
+    got, counts = moe_fused.triton_op(ex).run(x, ids, weights)
+    want, want_counts = grouped_experts(x, ids, weights, ex)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert counts.device.type == "cpu" and torch.equal(counts, want_counts)
+    assert ClampedExperts.fused is False  # Experts._fused returns None before looking for an op

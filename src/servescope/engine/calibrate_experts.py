@@ -22,9 +22,7 @@ method and of plain rounding (the diagonal's share of the output error)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from servescope.kernels import fused_ops
 from servescope.loader.gguf_experts import expert_key
 from servescope.model.moe import Experts, moe_blocks
 from servescope.quant.packed import dequantize, quantize
@@ -67,10 +65,10 @@ class ExpertStats:
         def counted(e: int, xs: torch.Tensor, out: torch.Tensor) -> None:
             x = xs.double()
             self.gate_up[layer][e] += (x * x).sum(0)
-            h = fused_ops.silu_mul(F.linear(xs, ex.gate_up_proj[e]))  # Experts.run's two products, once
+            h = ex.hidden(e, xs)  # Experts.run's two steps, its down projection's input counted between them
             self.down[layer][e] += (h.double() ** 2).sum(0)
             self.tokens[layer][e] += xs.shape[0]
-            torch.mm(h, ex.down_proj[e].t(), out=out)
+            ex.project_down(e, h, out)
         return counted
 
     def __exit__(self, *exc):

@@ -118,19 +118,24 @@ class Experts(nn.Module):
         op = self._fused(x)
         if op is None:
             return grouped_experts(x, ids, weights, self)
-        out, counts = op.run(x, ids, weights)
-        return out, counts
+        return tuple(op.run(x, ids, weights))
 
     def run(self, e: int, xs: torch.Tensor, out: torch.Tensor) -> None:
-        """Expert e over the rows xs [n, Dm], written into out [n, Dm]."""
-        h = fused_ops.silu_mul(moe_fused.expert_linear(xs, self.gate_up_proj[e]))  # [n, 2I] -> [n, I]
+        """Expert e over the rows xs [n, Dm], written into out [n, Dm]: hidden, then project_down."""
+        self.project_down(e, self.hidden(e, xs), out)
+
+    def hidden(self, e: int, xs: torch.Tensor) -> torch.Tensor:
+        """Expert e's silu(gate) * up of the rows xs [n, Dm]: [n, I], its down projection's input."""
+        return fused_ops.silu_mul(moe_fused.expert_linear(xs, self.gate_up_proj[e]))
+
+    def project_down(self, e: int, h: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(moe_fused.expert_linear(h, self.down_proj[e]))
 
     def _fused(self, x: torch.Tensor):
-        """The fused op where it runs this call (rows in the weights' dtype on the CPU), else None."""
-        if x.device.type != "cpu" or x.dtype != self.gate_up_proj.dtype:
+        """The fused op for rows in the weights' dtype (the CPU's MoeDense; a GPU's Triton GEMMs), else None."""
+        if x.dtype != self.gate_up_proj.dtype or not self.fused:
             return None
-        return self.fused_op()
+        return moe_fused.triton_op(self) if x.is_cuda else self.fused_op() if x.device.type == "cpu" else None
 
     def fused_rows(self, dtype: torch.dtype) -> int:
         """Up to how many rows of `dtype` the fused op may run: any (0: never)."""
@@ -203,8 +208,7 @@ class PackedExperts(nn.Module):
         op = self._fused(x)
         if op is None:
             return grouped_experts(x, ids, weights, self)
-        out, counts = op.run(x, ids, weights)
-        return out, counts
+        return tuple(op.run(x, ids, weights))
 
     def _fused(self, x: torch.Tensor):
         """The fused op's handle where it runs this call, else None: float32 / bfloat16 rows on the CPU (int8

@@ -7,6 +7,8 @@
   expert's rows take the kernel its module takes (`expert_linear` for Experts, Int8Linear.forward), so the op
   equals grouped_experts over the same modules bit for bit (float experts: the GEMV up to EXPERT_GEMV_ROWS).
 
+On a GPU, float Experts run the Triton grouped GEMMs instead (`triton_op`: kernels/triton/moe.py).
+
 A handle is built once per layer and again after the weights move (`cached_op`: the huge-page move replaces
 the buffers). None where no op applies: grouped_experts runs then.
 """
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servescope.kernels import fused_ops
 from servescope.kernels.cpu import linear as cpu_linear
 from servescope.kernels.cpu import ops as cpu_ops
 from servescope.model.linears.int8 import Int8Linear
@@ -119,3 +122,23 @@ def packed_op(experts: nn.Module):
                                   experts.act, experts.alpha, experts.limit)
     except RuntimeError:  # the op's own checks (formats, shapes): grouped_experts runs them
         return None
+
+
+class TritonExperts:
+    """Experts' op on a GPU: the two Triton grouped GEMMs over the stacked weights (kernels/triton/moe.py), no
+    loop over the experts on the host."""
+
+    def __init__(self, experts: nn.Module, kernels):
+        self.experts, self.kernels = experts, kernels
+
+    def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
+        e = self.experts
+        out, counts = self.kernels.fused_experts(x, ids, weights, e.gate_up_proj, e.down_proj, fused_ops.silu_mul)
+        return out, counts.cpu()  # (the blocks' routed_tokens are host counters)
+
+
+def triton_op(experts: nn.Module):
+    """TritonExperts over float Experts where Triton runs (a GPU), else None."""
+    from servescope.kernels.triton import moe as triton_moe  # lazy: a CPU never needs triton's import time
+
+    return TritonExperts(experts, triton_moe) if triton_moe.AVAILABLE else None
