@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from servescope.kvcache.manager import KVCacheManager, SequenceLike
+from servescope.kvcache.window_hit import NO_BLOCK
 
 
 def allocate_decode_steps(kv: KVCacheManager, requests: Sequence[SequenceLike], starts: Sequence[int],
@@ -47,16 +48,17 @@ def allocate_decode_steps(kv: KVCacheManager, requests: Sequence[SequenceLike], 
             for i in phases[j % size]:  # the requests whose position p + j starts a block, in the step's order
                 tables[i].append(blocks[k])
                 k += 1
-    cache = kv._cache_full_blocks
-    for req, end in hashing:
-        cache(req, end)
+    insert, hashed = kv.prefix_cache.insert_blocks, kv._num_hashed
+    for rid, hashes, table, done, full in hashing:  # _cache_full_blocks of each, its hashes already known
+        insert(hashes, table, done, full, NO_BLOCK)
+        hashed[rid] = full
     return True
 
 
 def _bulk_plan(kv: KVCacheManager, requests: Sequence[SequenceLike], starts: Sequence[int], steps: int):
-    """(block tables, the requests by the step of their first new block mod S, blocks to take, (request, its
-    last position + 1) of those that fill a block), or None where the bulk path does not stand for the calls
-    (the module's list)."""
+    """(block tables, the requests by the step of their first new block mod S, blocks to take, (request id, its
+    hashes, its table, its blocks hashed, those full after the steps) of those that fill a block), or None
+    where the bulk path does not stand for the calls (the module's list)."""
     if kv.window:
         return None
     size, blocks_of, hashed = kv.block_size, kv._blocks, kv._num_hashed
@@ -86,8 +88,9 @@ def _bulk_plan(kv: KVCacheManager, requests: Sequence[SequenceLike], starts: Seq
             if full > done:
                 if req.num_tokens < end:
                     return None
-                new_hashes.extend(kv._request_hashes(req, full)[done:full])  # the chain the steps' calls extend
-                hashing.append((req, end))
+                hashes = kv._request_hashes(req, full)  # the chain the steps' calls extend
+                new_hashes.extend(hashes[done:full])
+                hashing.append((rid, hashes, table, done, full))
     if num_new > kv.num_free_blocks:
         return None
     if new_hashes:

@@ -17,6 +17,7 @@ import functools
 import hashlib
 import struct
 from collections import OrderedDict
+from itertools import filterfalse
 from typing import Optional, Sequence
 
 BlockHash = bytes  # 32-byte sha256 digest
@@ -114,6 +115,14 @@ class PrefixCache:
     def hash_of(self, block: int) -> Optional[BlockHash]:
         return self._hash_of.get(block)
 
+    def any_cached(self, blocks: Sequence[int]) -> bool:
+        return any(map(self._hash_of.__contains__, blocks))
+
+    def split_cached(self, blocks: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(the cached blocks, the others), each in the order given."""
+        cached = list(filter(self._hash_of.__contains__, blocks))
+        return cached, [] if len(cached) == len(blocks) else list(filterfalse(self._hash_of.__contains__, blocks))
+
     def is_evictable(self, block: int) -> bool:
         return block in self._evictable
 
@@ -164,10 +173,9 @@ class PrefixCache:
     def add_evictable_all(self, blocks: Sequence[int]) -> None:
         """add_evictable() of each block in order: each cached and not evictable (the caller's ref counts say so:
         a block comes here when its last holder lets go, and an evictable block has none)."""
-        ev, hash_of = self._evictable, self._hash_of
-        for b in blocks:
-            assert b in hash_of, f"block {b} is not cached"
-            ev[b] = None
+        if not all(map(self._hash_of.__contains__, blocks)):
+            raise AssertionError(f"not cached: {[b for b in blocks if b not in self._hash_of]}")
+        self._evictable.update(dict.fromkeys(blocks))
 
     def take(self, block: int) -> None:
         """A cache hit revives an evictable block: it is no longer a candidate for eviction."""

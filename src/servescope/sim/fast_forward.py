@@ -39,23 +39,24 @@ class DecodeRun:
 
     def __init__(self, engine, rows: list):
         self.engine, self.rows = engine, rows
-        self.entries = entries = [engine._live[r.request_id] for r in rows]
-        self.p0 = p0 = [r.num_computed_tokens for r in rows]  # each request's position at the first step
-        self.n_out0 = n_out0 = [len(r.output_token_ids) for r in rows]
-        self.sum0 = sum(p0)
-        kv = engine.kv_manager
+        kv, live, max_len = engine.kv_manager, engine._live, engine._max_model_len
         self.block_size = b = kv.block_size
-        # the step at which each request gets its last token (max_tokens or the context: it finishes there),
-        # and the steps the cache allows (schedule() finishes a request that outgrew it with an error)
-        max_len = engine._max_model_len
-        self.last_step = [min(e[2] - n, max_len - r.num_tokens) - 1 for r, e, n in zip(rows, entries, n_out0)]
-        self.finish_step = min(self.last_step)
-        self.cache_steps = kv.num_blocks * b - max(r.num_tokens for r in rows) + 1
-        # rows by their position mod S: those at the first position of a block at step j (a new block) are
-        # by_phase[-j % S]; with prefix caching those at the last (it fills and is hashed), by_phase[(-j-1) % S]
+        # per request: its live entry, its position at the first step, its outputs then, the step at which it gets
+        # its last token (max_tokens or the context: it finishes there); and by their position mod S: those at the
+        # first position of a block at step j (a new block) are by_phase[-j % S], with prefix caching those at the
+        # last (it fills and is hashed) by_phase[(-j-1) % S]. A decode is one token behind: num_tokens = p + 1.
+        self.entries, self.p0, self.n_out0, self.last_step = entries, p0, n_out0, last_step = [], [], [], []
         self.by_phase = by_phase = [[] for _ in range(b)]
-        for i, p in enumerate(p0):
+        for i, r in enumerate(rows):
+            e, p, n = live[r.request_id], r.num_computed_tokens, len(r.output_token_ids)
+            entries.append(e)
+            p0.append(p)
+            n_out0.append(n)
+            last_step.append(min(e[2] - n, max_len - p - 1) - 1)
             by_phase[p % b].append(i)
+        self.sum0 = sum(p0)
+        self.finish_step = min(last_step)
+        self.cache_steps = kv.num_blocks * b - max(p0)  # (schedule() finishes a request that outgrew the cache)
         self.hashing = kv.enable_prefix_caching and b > 1
         self.free0 = kv.num_free_blocks
         self.allocs = 0  # blocks the planned steps may take (every block start counted)
