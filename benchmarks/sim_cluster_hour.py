@@ -46,18 +46,15 @@ class LazyWorkload:
         self.output_lens = rng.integers(output[0], output[1] + 1, n)
         self.starts = np.concatenate(([0], np.cumsum(self.prompt_lens)))
         self.vocab, self.seed = vocab, seed
-        self._chunks: dict = {}  # chunk index -> its prompts' tokens back to back (the last two drawn)
+        self._chunk = (-1, None)  # (chunk index, its prompts' tokens back to back)
 
     def prompt(self, i: int) -> tuple:
         c = i // CHUNK
-        tokens = self._chunks.get(c)
-        if tokens is None:  # (two kept: prompts are drawn a few requests ahead of the one being added)
+        if self._chunk[0] != c:
             lo, hi = self.starts[c * CHUNK], self.starts[min((c + 1) * CHUNK, len(self.times))]
-            tokens = self._chunks[c] = np.random.default_rng((self.seed, c)).integers(0, self.vocab, hi - lo)
-            for old in [k for k in self._chunks if k < c - 1]:
-                del self._chunks[old]
+            self._chunk = (c, np.random.default_rng((self.seed, c)).integers(0, self.vocab, hi - lo))
         base = self.starts[c * CHUNK]
-        return tuple(tokens[self.starts[i] - base:self.starts[i + 1] - base].tolist())
+        return tuple(self._chunk[1][self.starts[i] - base:self.starts[i + 1] - base].tolist())
 
     def __len__(self) -> int:
         return len(self.times)

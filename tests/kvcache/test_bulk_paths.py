@@ -9,9 +9,7 @@ import pytest
 
 from servescope.kvcache.block_allocator import BlockAllocator, NoFreeBlocksError
 from servescope.kvcache.manager import KVCacheManager
-from servescope.kvcache.prefix_cache import (
-    PrefixCache, extend_block_hashes, hash_block_tokens, hash_full_blocks, salted_root,
-)
+from servescope.kvcache.prefix_cache import PrefixCache, extend_block_hashes, hash_block_tokens, salted_root
 from servescope.kvcache.window_hit import NO_BLOCK
 from test_kv_cache_manager import Seq, make, snapshot
 
@@ -143,21 +141,3 @@ def test_random_workloads_leave_the_one_block_at_a_time_state(seed, caching):
                 m.free(s)
         bulk.check_invariants()
         assert _state(bulk) == _state(ref), step
-
-
-def test_a_prompts_hashes_computed_ahead_are_where_the_managers_chain_starts():
-    """Request.block_hashes (block size, the prompt's chain computed elsewhere) stand for the manager's own
-    hashing of those blocks; computed for another block size they are not used."""
-    toks = [random.Random(3).randrange(50) for _ in range(23)]
-    states = []
-    for ahead in (None, (4, hash_full_blocks(toks, 4, limit=(len(toks) - 1) // 4)), (8, [b"not this size"] * 2)):
-        m = make(num_blocks=20, block_size=4)
-        first, again = Seq("a", toks), Seq("b", toks)
-        first.block_hashes = ahead
-        for s in (first, again):
-            blocks, n = m.get_computed_blocks(s)
-            assert m.allocate_slots(s, s.num_tokens - n, blocks, n)
-            s.num_computed_tokens = s.num_tokens
-        m.check_invariants()
-        states.append((_state(m), m._hashes["a"], m.prefix_cache_hits))
-    assert states[0] == states[1] == states[2] and states[0][2] > 0

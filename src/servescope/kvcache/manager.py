@@ -165,8 +165,7 @@ class KVCacheManager:
         if known is None:
             if num_full <= 0:
                 return []
-            ahead = getattr(request, "block_hashes", None)  # (block size, its leading blocks' chain) or None
-            known = self._hashes[request.request_id] = list(ahead[1]) if ahead and ahead[0] == self.block_size else []
+            known = self._hashes[request.request_id] = []
         if len(known) < num_full:  # extended in place: the list is this request's alone
             extend_block_hashes(known, request.all_token_ids, self.block_size, num_full,
                                 getattr(request, "cache_salt", None))

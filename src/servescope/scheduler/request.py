@@ -72,9 +72,6 @@ class Request:
         # speculative decoding: draft tokens proposed after the last step, verified by the next one
         # (never part of all_token_ids: only verified tokens are, so only they reach the prefix cache)
         self.spec_token_ids: list[int] = []
-        # (block size, the chain hashes of its prompt's leading full blocks under its cache salt) computed ahead
-        # of the KV manager, which starts its own chain from them (kvcache/prefix_cache.hash_full_blocks); or None
-        self.block_hashes: Optional[tuple] = None
 
     @property
     def cache_salt(self):

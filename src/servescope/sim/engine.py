@@ -27,7 +27,6 @@ import numpy as np
 
 from servescope.config import CacheConfig, SamplingParams
 from servescope.kvcache.manager import KVCacheManager
-from servescope.kvcache.prefix_cache import hash_full_blocks, max_hit_blocks
 from servescope.scheduler.request import Request, RequestStatus
 from servescope.scheduler.scheduler import Scheduler
 from servescope.sim.fast_forward import DecodeRun
@@ -87,10 +86,9 @@ class SimEngine:
         return len(self._live)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
-                    arrival_time: float, block_hashes: Optional[list] = None) -> Optional[Finished]:
+                    arrival_time: float) -> Optional[Finished]:
         """Queue a request (arrival_time: the virtual time it was sent). A request the engine would refuse
-        (LLMEngine._check_fits: it cannot fit the context) comes back at once as a Finished with its error.
-        block_hashes: prompt_hashes(prompt_token_ids) computed ahead (the KV manager starts from them), or None."""
+        (LLMEngine._check_fits: it cannot fit the context) comes back at once as a Finished with its error."""
         self.settle()
         # token times as float64s in an array (8 bytes a token, no object per token: a cluster hour holds ~46M)
         metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids),
@@ -100,20 +98,11 @@ class SimEngine:
             return Finished(request_id, metrics, f"{len(prompt_token_ids)} prompt tokens + max_tokens {max_tokens} "
                                                  f"do not fit this model's context of {max_len} tokens")
         req = Request(request_id, prompt_token_ids, self._params, arrival_time=arrival_time)
-        if block_hashes is not None:
-            req.block_hashes = (self.spec.block_size, block_hashes)
         seed = zlib.crc32(request_id.encode())
         self._live[request_id] = (req, metrics, max_tokens, seed, self.stream(seed, 0, max_tokens))
         self.outstanding_tokens += len(prompt_token_ids) + max_tokens
         self.scheduler.add_request(req)
         return None
-
-    def prompt_hashes(self, prompt_token_ids: Sequence[int]) -> list:
-        """The chain hashes of the blocks of a prompt that a prefix hit may use (what the KV manager hashes when
-        it admits the prompt: computed anywhere, ahead of add_request)."""
-        size = self.spec.block_size
-        return hash_full_blocks(prompt_token_ids, size, limit=max_hit_blocks(len(prompt_token_ids), size),
-                                salt=self._params.cache_salt)
 
     # the driver's view (sim/driver.Served)
     def now(self) -> float:

@@ -31,7 +31,6 @@ from servescope.sim.cluster import Deployment
 from servescope.sim.driver import record_of
 
 PREPAY_STEPS = 8  # the shortest planned stretch applied ahead of need (a split one restarts its plan)
-PREPARE_AHEAD = 4  # requests whose prompts a waiting process draws and hashes ahead
 
 
 class _Group:
@@ -43,8 +42,6 @@ class _Group:
         self.engines = [deployment.engines[i] for i in self.indices]
         self.requests, self.arrivals, self.prefix = requests, arrivals, prefix
         self.finished: dict = {}  # request index -> Finished
-        self.prepared: dict = {}  # request index -> (its prompt, its prompt_hashes), made while waiting
-        self.next_to_prepare = 0
         self.last = 0.0  # the latest finish of a step-finished request
         self.time = 0.0  # the latest clock a step reached (the deployment's `_time` rule)
 
@@ -70,32 +67,18 @@ class _Group:
         busy = min((e.next_start() for e in self.engines if e.has_unfinished()), default=math.inf)
         return loads, hits, busy, self.time
 
-    def prepay_until(self, conn, j: int) -> None:
+    def prepay_until(self, conn) -> None:
         """While nothing has come on `conn`: apply, one replica at a time, stretches this group planned
         (SimEngine.settle: the steps the next request routed there or the stretch's end would apply; the
-        stretch goes on from there as a new one with the same steps, sim/fast_forward.py), then draw the
-        prompts of the next PREPARE_AHEAD requests after request j and hash their blocks (what adding one here
-        would do first; the other process does the same, for the request may go to either), so that the
-        work is not waiting for the meeting that needs it while this process waits for the other."""
+        stretch goes on from there as a new one with the same steps, sim/fast_forward.py), so that the work
+        is not waiting for the meeting that needs it while this process waits for the other."""
         while not conn.poll():
             for e in self.engines:
                 if e.planned_steps() >= PREPAY_STEPS:
                     e.settle()
                     break
             else:
-                if not self.prepare_next(j):
-                    return
-
-    def prepare_next(self, j: int) -> bool:
-        """Draw and hash the prompt of the next request after j not yet prepared, up to PREPARE_AHEAD after j;
-        False when there is none."""
-        k = max(self.next_to_prepare, j + 1)
-        if k >= min(j + 1 + PREPARE_AHEAD, len(self.arrivals)):
-            return False
-        prompt = self.requests[k].prompt
-        self.prepared[k] = (prompt, self.engines[0].prompt_hashes(prompt))
-        self.next_to_prepare = k + 1
-        return True
+                return
 
     def run_out(self, start: float) -> dict:
         """Run the replicas to the end; {request index: its record (sim/driver.record_of)} of this group's."""
@@ -112,11 +95,8 @@ class _Group:
     def add(self, j: int, replica: int) -> None:
         """Send request j to the deployment's replica `replica` (one of this group's), as Deployment.add."""
         engine, r, t = self.dep.engines[replica], self.requests[j], self.arrivals[j]
-        prompt, hashes = self.prepared.pop(j, None) or (r.prompt, None)
-        for k in [k for k in self.prepared if k < j]:  # prepared for a request that went to the other process
-            del self.prepared[k]
         engine.wait_until(t)
-        refused = engine.add_request(f"{self.prefix}-{j}", prompt, r.output_len, t, hashes)
+        refused = engine.add_request(f"{self.prefix}-{j}", r.prompt, r.output_len, t)
         if refused is not None:
             self.finished[j] = refused
 
@@ -132,7 +112,7 @@ def _serve(conn, group: _Group, start: float) -> None:
             if upto < 0:
                 break
             conn.send(group.meet(upto, opens_batch))
-            group.prepay_until(conn, upto)
+            group.prepay_until(conn)
         records = group.run_out(start)
         for e in group.engines:
             e.timer = None  # the parent's replicas share its timer (and memo): not sent back
@@ -199,7 +179,7 @@ def _route_all(deployment: Deployment, groups: list, conns: list, owner: list, s
     for j in range(n):
         loads, hits, busy, seen = groups[0].meet(j, opens)
         for conn in conns:
-            groups[0].prepay_until(conn, j)
+            groups[0].prepay_until(conn)
             more = _reply(conn)
             loads = loads + more[0]
             hits = None if hits is None else hits + more[1]
