@@ -308,13 +308,12 @@ class KVCacheManager:
         self._num_hashed.pop(rid, None)
         self._num_slid.pop(rid, None)
         num_written = request.num_computed_tokens // self.block_size
-        is_cached = self.prefix_cache.is_cached
-        if NO_BLOCK not in table and not any(map(is_cached, table[num_written:])):  # _drop of each, in bulk
-            last = self.allocator.decref_all(table[::-1])  # (no unwritten block cached: a cached one is written)
-            self.prefix_cache.add_evictable_all([b for b in last if is_cached(b)])
-            for b in last:
-                if not is_cached(b):
-                    self.allocator.release(b)
+        cache = self.prefix_cache
+        if NO_BLOCK not in table and not cache.any_cached(table[num_written:]):  # _drop of each, in bulk
+            cached, let_go = cache.split_cached(self.allocator.decref_all(table[::-1]))  # (no unwritten one cached)
+            cache.add_evictable_all(cached)
+            for b in let_go:
+                self.allocator.release(b)
             return
         for i in range(len(table) - 1, -1, -1):
             if table[i] != NO_BLOCK:

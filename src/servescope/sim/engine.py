@@ -23,6 +23,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
+
 from servescope.config import CacheConfig, SamplingParams
 from servescope.kvcache.manager import KVCacheManager
 from servescope.scheduler.request import Request, RequestStatus
@@ -68,7 +70,8 @@ class SimEngine:
         self.tokens_scheduled = self.seqs_scheduled = 0
         self.bound_seconds = {"compute": 0.0, "memory": 0.0}
         self.peak_kv_usage = 0.0
-        self._live: dict[str, tuple] = {}  # request id -> (Request, RequestMetrics, max_tokens, stream seed)
+        # request id -> (Request, RequestMetrics, max_tokens, stream seed, its max_tokens stream tokens)
+        self._live: dict[str, tuple] = {}
         self._rng = random.Random(seed)
         self._vocab = spec.model.vocab_size
         self._max_model_len = spec.scheduler.max_model_len
@@ -95,7 +98,8 @@ class SimEngine:
             return Finished(request_id, metrics, f"{len(prompt_token_ids)} prompt tokens + max_tokens {max_tokens} "
                                                  f"do not fit this model's context of {max_len} tokens")
         req = Request(request_id, prompt_token_ids, self._params, arrival_time=arrival_time)
-        self._live[request_id] = (req, metrics, max_tokens, zlib.crc32(request_id.encode()))
+        seed = zlib.crc32(request_id.encode())
+        self._live[request_id] = (req, metrics, max_tokens, seed, self.stream(seed, 0, max_tokens))
         self.outstanding_tokens += len(prompt_token_ids) + max_tokens
         self.scheduler.add_request(req)
         return None
@@ -116,9 +120,9 @@ class SimEngine:
         return (seed + position * _STREAM_MUL) % self._vocab
 
     def stream(self, seed: int, start: int, stop: int) -> list:
-        """The output tokens at positions [start, stop) of the stream `seed` (_token of each)."""
-        vocab = self._vocab
-        return [(seed + n * _STREAM_MUL) % vocab for n in range(start, stop)]
+        """The output tokens at positions [start, stop) of the stream `seed` (_token of each, the same integers:
+        below 2**63 for any position a context holds)."""
+        return ((np.arange(start, stop, dtype=np.int64) * _STREAM_MUL + seed) % self._vocab).tolist()
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list:
@@ -245,7 +249,7 @@ class SimEngine:
         max_len = self._max_model_len
         outstanding = self.outstanding_tokens
         for entry in due:
-            req, metrics, max_tokens, _ = entry
+            req, metrics, max_tokens, _, _ = entry
             times = metrics.token_times
             n_out = len(req.output_token_ids)
             if n_out == len(times) + 1 and n_out < max_tokens and req.num_tokens < max_len:
@@ -262,8 +266,8 @@ class SimEngine:
     def _deliver(self, entry: tuple, now: float) -> Optional[Finished]:
         """Stamp the tokens (the OutputProcessor's RequestMetrics) and finish the request at max_tokens or
         the context length (stops are never hit: the workload's outputs ignore EOS, as bench serve's do).
-        entry: the request's live entry (Request, RequestMetrics, max_tokens, stream seed)."""
-        req, metrics, max_tokens, _ = entry
+        entry: the request's live entry (Request, RequestMetrics, max_tokens, stream seed, stream)."""
+        req, metrics, max_tokens, _, _ = entry
         times = metrics.token_times
         before = len(times)
         n_out = min(len(req.output_token_ids), max_tokens)
@@ -286,7 +290,7 @@ class SimEngine:
         return self._close(rid, now)
 
     def _close(self, rid: str, now: float, error: Optional[str] = None) -> Finished:
-        req, metrics, max_tokens, _ = self._live.pop(rid)
+        req, metrics, max_tokens, _, _ = self._live.pop(rid)
         metrics.finished_time = now
         metrics.first_scheduled_time = req.first_scheduled_time
         metrics.num_cached_tokens = max(req.num_cached_tokens, 0)

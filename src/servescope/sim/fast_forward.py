@@ -18,7 +18,10 @@ prefix cache): the manager's invariants say a request holds ceil(tokens / S) blo
 when the step computing its last token is scheduled, so at any other position the call changes nothing
 -- made with the request exactly as that step's schedule() saw it (its tokens and num_computed_tokens);
 then the times of every step's tokens, the clock, the instance's counters (summed step by step in the
-same order) and, when kept, a StepRecord per step. Every token of the stretch (each request's own stream)
+same order) and, when kept, a StepRecord per step (the KV state as each step leaves it). Without records
+the stretch's calls are one (kvcache/decode_steps.allocate_decode_steps: the blocks taken and hashed in
+bulk, the state the calls leave) and the peak KV usage is the usage after them (nothing frees blocks in
+a stretch). Every token of the stretch (each request's own stream)
 is given to its request before the first call, as the calls need only the tokens before their positions
 (a call hashes the blocks full within min(position + 1, its tokens): the position bounds it either way). A window
 (sliding-window KV that frees blocks) or speculative decoding never fast-forwards.
@@ -28,29 +31,32 @@ from __future__ import annotations
 
 from typing import Optional
 
+from servescope.kvcache.decode_steps import allocate_decode_steps
+
 
 class DecodeRun:
     """The planned stretch of one SimEngine (start() gives one, or None when the next step cannot start one)."""
 
     def __init__(self, engine, rows: list):
         self.engine, self.rows = engine, rows
-        self.entries = entries = [engine._live[r.request_id] for r in rows]
-        self.p0 = p0 = [r.num_computed_tokens for r in rows]  # each request's position at the first step
-        self.n_out0 = n_out0 = [len(r.output_token_ids) for r in rows]
-        self.sum0 = sum(p0)
-        kv = engine.kv_manager
+        kv, live, max_len = engine.kv_manager, engine._live, engine._max_model_len
         self.block_size = b = kv.block_size
-        # the step at which each request gets its last token (max_tokens or the context: it finishes there),
-        # and the steps the cache allows (schedule() finishes a request that outgrew it with an error)
-        max_len = engine._max_model_len
-        self.last_step = [min(e[2] - n, max_len - r.num_tokens) - 1 for r, e, n in zip(rows, entries, n_out0)]
-        self.finish_step = min(self.last_step)
-        self.cache_steps = kv.num_blocks * b - max(r.num_tokens for r in rows) + 1
-        # rows by their position mod S: those at the first position of a block at step j (a new block) are
-        # by_phase[-j % S]; with prefix caching those at the last (it fills and is hashed), by_phase[(-j-1) % S]
+        # per request: its live entry, its position at the first step, its outputs then, the step at which it gets
+        # its last token (max_tokens or the context: it finishes there); and by their position mod S: those at the
+        # first position of a block at step j (a new block) are by_phase[-j % S], with prefix caching those at the
+        # last (it fills and is hashed) by_phase[(-j-1) % S]. A decode is one token behind: num_tokens = p + 1.
+        self.entries, self.p0, self.n_out0, self.last_step = entries, p0, n_out0, last_step = [], [], [], []
         self.by_phase = by_phase = [[] for _ in range(b)]
-        for i, p in enumerate(p0):
+        for i, r in enumerate(rows):
+            e, p, n = live[r.request_id], r.num_computed_tokens, len(r.output_token_ids)
+            entries.append(e)
+            p0.append(p)
+            n_out0.append(n)
+            last_step.append(min(e[2] - n, max_len - p - 1) - 1)
             by_phase[p % b].append(i)
+        self.sum0 = sum(p0)
+        self.finish_step = min(last_step)
+        self.cache_steps = kv.num_blocks * b - max(p0)  # (schedule() finishes a request that outgrew the cache)
         self.hashing = kv.enable_prefix_caching and b > 1
         self.free0 = kv.num_free_blocks
         self.allocs = 0  # blocks the planned steps may take (every block start counted)
@@ -97,38 +103,20 @@ class DecodeRun:
         e, m = self.engine, len(self.plan)
         if not m:
             return []
-        kv, b, rows, p0 = e.kv_manager, self.block_size, self.rows, self.p0
-        stream, n_out0 = e.stream, self.n_out0
-        for i, (req, entry) in enumerate(zip(rows, self.entries)):  # every token of the stretch first: see below
-            req.extend_output_tokens(stream(entry[3], n_out0[i], n_out0[i] + m))
-        touch: dict = {}
-        finishing = m - 1 == self.finish_step
-        peak, busy, bound_seconds = e.peak_kv_usage, e.busy_seconds, e.bound_seconds
-        records = e.steps is not None
-        start, allocate = self.clock0, kv.allocate_slots
-        for j, (seconds, pred, bound, end) in enumerate(self.plan):
-            touched = touch.get(j % b)
-            if touched is None:
-                touched = touch[j % b] = self._touched(j)
-            for i in touched:  # as this step's schedule(): the request at its position, then its allocation
-                req = rows[i]
-                req.num_computed_tokens = p0[i] + j
-                if not allocate(req, 1):
-                    raise RuntimeError(f"{e.name}: a fast-forwarded decode found no free block (the stretch's bound)")
-            if touched or j == 0:
-                peak = max(peak, kv.usage)
-            busy += seconds
-            bound_seconds[bound] += seconds
-            if records and not (finishing and j == m - 1):  # the finishing step's after its finishes, as step()'s
-                e.num_steps += 1
-                e._record_step(pred, start, seconds, 0, len(rows), 0, len(rows), [p + j + 1 for p in p0], 0, 0, 0)
-            start = end
+        rows, p0 = self.rows, self.p0
         ends = [step[3] for step in self.plan]
-        for i, (req, entry) in enumerate(zip(rows, self.entries)):
-            req.num_computed_tokens = p0[i] + m
+        for req, entry, p, n in zip(rows, self.entries, p0, self.n_out0):  # every token first: see the docstring
+            req.extend_output_tokens(entry[4][n:n + m])
+            req.num_computed_tokens = p + m
             entry[1].token_times.extend(ends)
+        finishing = m - 1 == self.finish_step
+        records = e.steps is not None
+        if records:
+            self._apply_steps(m, finishing)
+        else:
+            self._apply_blocks(m)
         n = len(rows) * m
-        e.peak_kv_usage, e.busy_seconds, e.clock = peak, busy, self.clock
+        e.clock = self.clock
         e.tokens_scheduled += n
         e.seqs_scheduled += n
         e.outstanding_tokens -= n  # each step's token of a request that has its first already
@@ -144,6 +132,49 @@ class DecodeRun:
             e.num_steps += m
         self.plan = []
         return done
+
+    def _apply_blocks(self, m: int) -> None:
+        """The KV calls of the m planned steps in one (kvcache/decode_steps.py: the state their calls leave), the
+        engine's busy and bound seconds summed step by step, its peak KV usage (the cache only fills during the
+        steps: the usage after them)."""
+        e = self.engine
+        if not allocate_decode_steps(e.kv_manager, self.rows, self.p0, m):
+            raise RuntimeError(f"{e.name}: a fast-forwarded decode found no free block (the stretch's bound)")
+        e.peak_kv_usage = max(e.peak_kv_usage, e.kv_manager.usage)
+        busy, bound_seconds = e.busy_seconds, e.bound_seconds
+        for seconds, _, bound, _ in self.plan:
+            busy += seconds
+            bound_seconds[bound] += seconds
+        e.busy_seconds = busy
+
+    def _apply_steps(self, m: int, finishing: bool) -> None:
+        """The m planned steps one at a time, each with its StepRecord (the KV state as that step leaves it): each
+        step's allocate_slots(req, 1) where it can change blocks, then its counters."""
+        e, rows, p0, b = self.engine, self.rows, self.p0, self.block_size
+        kv = e.kv_manager
+        touch: dict = {}
+        peak, busy, bound_seconds = e.peak_kv_usage, e.busy_seconds, e.bound_seconds
+        start, allocate = self.clock0, kv.allocate_slots
+        for j, (seconds, pred, bound, end) in enumerate(self.plan):
+            touched = touch.get(j % b)
+            if touched is None:
+                touched = touch[j % b] = self._touched(j)
+            for i in touched:  # as this step's schedule(): the request at its position, then its allocation
+                req = rows[i]
+                req.num_computed_tokens = p0[i] + j
+                if not allocate(req, 1):
+                    raise RuntimeError(f"{e.name}: a fast-forwarded decode found no free block (the stretch's bound)")
+            if touched or j == 0:
+                peak = max(peak, kv.usage)
+            busy += seconds
+            bound_seconds[bound] += seconds
+            e.peak_kv_usage, e.busy_seconds = peak, busy
+            if not (finishing and j == m - 1):  # the finishing step's after its finishes, as step()'s
+                e.num_steps += 1
+                e._record_step(pred, start, seconds, 0, len(rows), 0, len(rows), [p + j + 1 for p in p0], 0, 0, 0)
+            start = end
+        for req, p in zip(rows, p0):
+            req.num_computed_tokens = p + m
 
     def _touched(self, j: int) -> list:
         """The rows whose step j can change blocks, in admission order (schedule()'s): those at a block start,

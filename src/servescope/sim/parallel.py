@@ -167,16 +167,16 @@ def drive_replicas(deployment: Deployment, requests: Sequence, workers: int = 2,
 
 
 def _route_all(deployment: Deployment, groups: list, conns: list, owner: list, start: float, prefix: str) -> None:
-    """Meet the groups at every request and route it (the sequential loop's batches: the module docstring);
-    the children get their last additions with the message that ends their loop."""
+    """Meet the groups at every request and route it (the sequential loop's batches: the module docstring).
+    The children get each request routed to them with the message that opens the next meeting, sent before
+    this process adds one routed here (its replicas only: the children need not wait for it)."""
     arrivals = groups[0].arrivals
+    n = len(arrivals)
     now = time_seen = start
-    pending = [(-1, -1)] * len(conns)  # per child: (request, replica) to add at the next meeting
-    for j in range(len(arrivals)):
-        opens = arrivals[j] > now
-        for c, conn in enumerate(conns):
-            conn.send((*pending[c], j, opens))
-        pending = [(-1, -1)] * len(conns)
+    opens = n > 0 and arrivals[0] > now
+    for conn in conns:
+        conn.send((-1, -1, 0 if n else -1, opens))
+    for j in range(n):
         loads, hits, busy, seen = groups[0].meet(j, opens)
         for conn in conns:
             groups[0].prepay_until(conn)
@@ -190,12 +190,12 @@ def _route_all(deployment: Deployment, groups: list, conns: list, owner: list, s
                 time_seen = max(time_seen, arrivals[j])  # drive's wait_until
             now = busy if busy < math.inf else time_seen
         replica = deployment.choose(f"{prefix}-{j}", loads, hits)
+        opens = j + 1 < n and arrivals[j + 1] > now
+        for c, conn in enumerate(conns):
+            add = (j, replica) if owner[replica] == c + 1 else (-1, -1)
+            conn.send((*add, j + 1 if j + 1 < n else -1, opens))
         if owner[replica] == 0:
             groups[0].add(j, replica)
-        else:
-            pending[owner[replica] - 1] = (j, replica)
-    for c, conn in enumerate(conns):
-        conn.send((*pending[c], -1, False))
 
 
 def _reply(conn):
