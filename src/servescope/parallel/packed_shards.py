@@ -1,7 +1,8 @@
 """Tensor-parallel shards of packed weights (a GGUF's blocks kept packed: `--quantization gguf`; quant/packed.py
-says the bytes): a QuantLinear's output rows (column parallel), whole groups of its input columns (row parallel),
-the vocabulary rows of a packed embedding or head. The blocks are sliced, never requantised, so every shard
-multiplies the file's own bytes and one process's numbers come back up to the order of the partial sums."""
+says the bytes): a QuantLinear's output rows (column parallel) and whole groups of its input columns (row
+parallel); a packed embedding's or head's vocabulary rows are tensor_parallel._padded's, as any table's. The
+blocks are sliced, never requantised, so every shard multiplies the file's own bytes and one process's numbers
+come back up to the order of the partial sums."""
 
 from __future__ import annotations
 
@@ -39,11 +40,3 @@ def packed_cols(mod: QuantLinear, start: int, stop: int, keep_bias: bool, name: 
     return QuantLinear(q.contiguous(), s.contiguous(), stop - start, mod.bias if keep_bias else None,
                        mod.float_output)
 
-
-def packed_vocab_rows(q: torch.Tensor, scales: torch.Tensor, start: int, per: int, real: int) -> tuple:
-    """Rows [start, start + real) of a packed table, padded with zero rows (zero scales: zero weights) to
-    `per` -> (packed, scales)."""
-    out_q = torch.zeros(per, *q.shape[1:], dtype=q.dtype, device=q.device)
-    out_s = torch.zeros(per, *scales.shape[1:], dtype=scales.dtype, device=scales.device)
-    out_q[:real], out_s[:real] = q[start:start + real], scales[start:start + real]
-    return out_q, out_s

@@ -41,7 +41,7 @@ from servescope.model.mla import LatentAttention
 from servescope.model.moe import ClampedExperts, Experts, moe_blocks
 from servescope.parallel.groups import DistContext
 from servescope.parallel.layout import local_kv_heads
-from servescope.parallel.packed_shards import packed_cols, packed_rows, packed_vocab_rows
+from servescope.parallel.packed_shards import packed_cols, packed_rows
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -182,50 +182,39 @@ def vocab_shard(vocab_size: int, tp: int, shard: int) -> tuple:
 
 
 def _padded(weight: torch.Tensor, start: int, per: int, real: int) -> torch.Tensor:
-    out = torch.zeros(per, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    """Rows [start, start + real) of a table (float, or a packed one's blocks or scales), zero rows to `per`
+    (zero scales: zero weights)."""
+    out = torch.zeros(per, *weight.shape[1:], dtype=weight.dtype, device=weight.device)
     out[:real] = weight.detach()[start:start + real]
     return out
 
 
 def _shard_vocab(model: nn.Module, ctx: DistContext) -> None:
-    """Embedding (on the first stage) and head (on the last) to their vocabulary shards."""
+    """Embedding (on the first stage) and head (on the last) to their vocabulary shards, float or packed (a
+    GGUF's token_embd / output blocks, sliced as they are); a tied pair shares one slice as in one process."""
     emb, head = model.model.embed_tokens, model.lm_head
-    start, per, real = vocab_shard(model.config.vocab_size, ctx.layout.tp, ctx.shard)
-    if isinstance(emb, QuantEmbedding) or type(head) is QuantLinear:
-        return _shard_packed_vocab(model, ctx, (start, per, real))
-    tied = head is not None and head.weight is emb.weight
-    if emb.weight.shape[0]:  # a stage that does not embed holds a zero-row embedding
-        model.model.embed_tokens = VocabParallelEmbedding(_padded(emb.weight, start, per, real), start, real, ctx)
-    if head is not None:
-        new = nn.Linear(head.in_features, per, bias=False, device=head.weight.device, dtype=head.weight.dtype)
-        new.weight = (model.model.embed_tokens.weight if tied
-                      else nn.Parameter(_padded(head.weight, start, per, real), requires_grad=False))
-        model.lm_head = new
-
-
-def _shard_packed_vocab(model: nn.Module, ctx: DistContext, rows: tuple) -> None:
-    """_shard_vocab where the embedding or the head is packed (a GGUF's token_embd / output blocks): their
-    vocabulary rows sliced from the blocks, a tied pair sharing one slice as in one process."""
-    emb, head = model.model.embed_tokens, model.lm_head
+    rows = vocab_shard(model.config.vocab_size, ctx.layout.tp, ctx.shard)
     start, per, real = rows
-    tied = isinstance(emb, QuantEmbedding) and type(head) is QuantLinear and head.qweight is emb.qweight
+    tied = head is not None and _table(head) is _table(emb)
     if isinstance(emb, QuantEmbedding):
-        q, s = packed_vocab_rows(emb.qweight, emb.scales, start, per, real)
-        model.model.embed_tokens = VocabParallelQuantEmbedding(q, s, emb.embedding_dim, emb.dtype, start, real, ctx)
-    elif emb.weight.shape[0]:
-        model.model.embed_tokens = VocabParallelEmbedding(_padded(emb.weight, start, per, real), start, real, ctx)
+        model.model.embed_tokens = VocabParallelQuantEmbedding(_padded(emb.qweight, *rows), _padded(emb.scales, *rows),
+                                                               emb.embedding_dim, emb.dtype, start, real, ctx)
+    elif emb.weight.shape[0]:  # a stage that does not embed holds a zero-row embedding
+        model.model.embed_tokens = VocabParallelEmbedding(_padded(emb.weight, *rows), start, real, ctx)
     if head is None:
         return
-    if tied:
-        new = model.model.embed_tokens
-        model.lm_head = QuantLinear(new.qweight, new.scales, head.in_features, None, float_output=True)
-    elif type(head) is QuantLinear:
-        q, s = packed_vocab_rows(head.qweight, head.scales, start, per, real)
-        model.lm_head = QuantLinear(q, s, head.in_features, None, float_output=head.float_output)
-    else:
-        new = nn.Linear(head.in_features, per, bias=False, device=head.weight.device, dtype=head.weight.dtype)
-        new.weight = nn.Parameter(_padded(head.weight, start, per, real), requires_grad=False)
-        model.lm_head = new
+    new = model.model.embed_tokens
+    if type(head) is QuantLinear:
+        q, sc = (new.qweight, new.scales) if tied else (_padded(head.qweight, *rows), _padded(head.scales, *rows))
+        model.lm_head = QuantLinear(q, sc, head.in_features, None, float_output=head.float_output)
+        return
+    model.lm_head = nn.Linear(head.in_features, per, bias=False, device=head.weight.device, dtype=head.weight.dtype)
+    model.lm_head.weight = (new.weight if tied else nn.Parameter(_padded(head.weight, *rows), requires_grad=False))
+
+
+def _table(m: nn.Module) -> torch.Tensor:
+    """The tensor an embedding or a head reads its rows from (a packed one's blocks)."""
+    return m.qweight if isinstance(m, (QuantEmbedding, QuantLinear)) else m.weight
 
 
 class VocabParallelQuantEmbedding(QuantEmbedding):
