@@ -11,7 +11,7 @@ Decode tok/s = batch / median decode step over `--iters` generations of a 16-tok
 (bench/latency.py's runner).
 
     python benchmarks/moe_float_plan.py --threads 2 [--dtypes float32,bfloat16] [--batches 1,4,16] \
-        [--quantization int8] [--json out.json]
+        [--quantization int8] [--model random:olmoe-1b-7b] [--modes reference,plan] [--json out.json]
 
 --expert-rows instead times one expert matrix of the config ([2I, H], eight of them in turn) through the
 decode GEMV and F.linear at 1-64 rows: where model/moe_fused.py's EXPERT_GEMV_ROWS come from.
@@ -44,7 +44,8 @@ def decode_rates(path: str, dtype: str, mode: str, args) -> dict:
     from servescope.model.moe import Experts, PackedExperts  # (torch)
 
     Experts.fused = PackedExperts.fused = mode != "reference"
-    llm = LLM(model=f"random:{path}", dtype=dtype, quantization=args.quantization, num_threads=args.threads,
+    model = path if path.startswith("random:") or os.path.isdir(path) else f"random:{path}"
+    llm = LLM(model=model, dtype=dtype, quantization=args.quantization, num_threads=args.threads,
               max_num_seqs=max(args.batches), max_model_len=512, skip_tokenizer_init=True)
     ex = llm.engine.runner.executor
     assert (ex.decode_plan is not None) == (mode != "reference"), "the plan should cover the model"
@@ -105,6 +106,8 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--modes", default="reference,fused,plan")
     p.add_argument("--json", default=None)
+    p.add_argument("--model", default=None, help="a checkpoint directory or random:PRESET of a real shape (e.g. "
+                                                 "random:olmoe-1b-7b) in place of the built-in mid-size Qwen3-MoE")
     p.add_argument("--expert-rows", action="store_true", help="time one expert matrix: GEMV against F.linear")
     args = p.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -118,9 +121,12 @@ def main() -> int:
         return 0
     result = {"config": CONFIG, "threads": args.threads, "quantization": args.quantization, "rates": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "config.json")
-        with open(path, "w") as f:
-            json.dump(CONFIG, f)
+        path = args.model or os.path.join(tmp, "config.json")
+        if not args.model:
+            with open(path, "w") as f:
+                json.dump(CONFIG, f)
+        else:
+            result["config"] = args.model
         for dtype in args.dtypes.split(","):
             result["rates"][dtype] = {m: decode_rates(path, dtype, m, args) for m in args.modes.split(",")}
     if args.json:
