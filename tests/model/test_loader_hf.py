@@ -74,16 +74,22 @@ def test_hf_matches_transformers_state_dict(tmp_path):
         assert torch.equal(t, ref[name]), name
 
 
-def test_bf16_checkpoint_is_upcast(tmp_path):
+def test_bf16_checkpoint_is_kept_as_stored_and_upcast_by_the_build(tmp_path):
+    """The source holds the file's bfloat16 tensors (mapped, not copied to float32: twice the bytes); the build
+    converts each into its parameter, a float32 model's weight being the bfloat16 value exactly."""
     from safetensors.torch import load_file, save_file
+
+    from servescope.loader.build import build_model
 
     path = make_tiny_hf_model(tmp_path, "llama_plain", vocab_size=512, with_tokenizer=False)
     sd = load_file(path / "model.safetensors")
     save_file({k: v.to(torch.bfloat16) for k, v in sd.items()}, path / "model.safetensors")
     src = load_model_source(str(path))
     name = "model.layers.0.mlp.up_proj.weight"
-    assert src.state_dict[name].dtype == torch.float32
-    assert torch.equal(src.state_dict[name], sd[name].to(torch.bfloat16).float())
+    assert src.state_dict[name].dtype == torch.bfloat16
+    model = build_model(src.config, src.state_dict, torch.float32, torch.device("cpu"))
+    up = model.model.layers[0].mlp.gate_up_proj.weight[src.config.intermediate_size:]
+    assert up.dtype == torch.float32 and torch.equal(up, sd[name].to(torch.bfloat16).float())
 
 
 def test_chat_template_and_generation_config(tmp_path):

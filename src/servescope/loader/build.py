@@ -58,7 +58,12 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device: 
                 max_positions: int | None = None, packed: dict | None = None) -> torch.nn.Module:
     """packed: a GGUF's blocks (LoadedSource.packed), built into their modules before the float parameters
     are allocated (materialize); the build consumes the dict (a fused projection's parts are dropped once
-    concatenated, so that the peak holds each block once)."""
+    concatenated, so that the peak holds each block once).
+
+    The checkpoint's names and shapes are checked whole on meta tensors first (nothing is read); then each
+    layer's tensors are fused and copied into their parameters one layer at a time, so the build holds the
+    model plus one layer's fused or stacked temporaries (an MoE layer's experts), whatever the
+    checkpoint's dtype (safetensors' tensors are mapped from the files: loader/hf.py)."""
     packed = {} if packed is None else packed
     for k, v in packed.items():  # (in place: the build consumes the blocks, so that each is held once)
         packed[k] = tuple(x.to(device) if torch.is_tensor(x) else x for x in v)
@@ -69,10 +74,30 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device: 
           and k not in packed_keys}  # (packed: built on the blocks already, materialize)
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
+    _check_names_and_shapes(model, cfg, {k: v.to("meta") for k, v in sd.items()}, expected)
+    with torch.no_grad():
+        for part in _by_layer(sd, cfg.num_hidden_layers):
+            for name, t in _fused(model, cfg, part).items():
+                expected[name].copy_(t)
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.refresh_bias()
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _fused(model, cfg: ModelConfig, sd: dict) -> dict:
+    """Checkpoint tensors -> the model's names (fused projections, stacked experts); Gemma's (1 + w) norms
+    become plain ones, in float32 (a bfloat16 checkpoint's w + 1 rounded once, into the model's dtype)."""
     sd = model.fuse_checkpoint(sd, cfg.num_hidden_layers)
-    offset = family(cfg.architecture).norm_offset  # Gemma: (1 + w) norms become plain ones
+    offset = family(cfg.architecture).norm_offset
     if offset:
-        sd = {k: v + offset if k.endswith("norm.weight") else v for k, v in sd.items()}
+        sd = {k: v.float() + offset if k.endswith("norm.weight") else v for k, v in sd.items()}
+    return sd
+
+
+def _check_names_and_shapes(model, cfg: ModelConfig, meta_sd: dict, expected: dict) -> None:
+    sd = _fused(model, cfg, meta_sd)
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(set(sd) - set(expected))
     if missing:
@@ -82,11 +107,21 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device: 
     for name, p in expected.items():
         if tuple(sd[name].shape) != tuple(p.shape):
             raise ModelLoadError(f"tensor {name} has shape {tuple(sd[name].shape)}, expected {tuple(p.shape)}")
-    with torch.no_grad():
-        for name, p in expected.items():
-            p.copy_(sd[name].to(dtype))
-    for m in model.modules():
-        if isinstance(m, QuantLinear):
-            m.refresh_bias()
-    model.requires_grad_(False)
-    return model.eval()
+
+
+def _by_layer(sd: dict, num_layers: int):
+    """The state dict in parts: the tensors outside the layers, then each layer's (`model.layers.{i}.`)."""
+    layers: list = [{} for _ in range(num_layers)]
+    rest = {}
+    for k, v in sd.items():
+        i = _layer_index(k)
+        (layers[i] if i is not None and i < num_layers else rest)[k] = v
+    yield rest
+    yield from layers
+
+
+def _layer_index(key: str):
+    if not key.startswith("model.layers."):
+        return None
+    head = key[len("model.layers."):].split(".", 1)[0]
+    return int(head) if head.isdigit() else None

@@ -1,4 +1,4 @@
-"""A loaded checkpoint, whatever its format: LoadedSource (config, HF-named float32 tensors, tokenizer
+"""A loaded checkpoint, whatever its format: LoadedSource (config, HF-named tensors, tokenizer
 location) and the checks every format's loader runs on its tensors against the config."""
 
 from __future__ import annotations
@@ -6,8 +6,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from typing import Optional
-
-import torch
 
 from servescope.config import ModelConfig
 from servescope.config.families import family
@@ -20,7 +18,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoadedSource:
-    """Everything read from a model source. `state_dict` is in HF key names, float32, on CPU."""
+    """Everything read from a model source. `state_dict` is in HF key names, on CPU: float32 from a GGUF
+    (dequantised), as stored from safetensors (mapped from the files, not read until used)."""
 
     config: ModelConfig
     state_dict: dict = field(repr=False)  # dict[str, torch.Tensor]
@@ -135,6 +134,3 @@ def check_state_dict(state_dict: dict, config: ModelConfig, where: str) -> dict:
         logger.debug("%s: ignoring %d unused tensors (%s...)", where, len(extra), ", ".join(extra[:3]))
     return {k: state_dict[k] for k in expected}
 
-
-def to_float32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 else t.to(torch.float32)

@@ -19,7 +19,7 @@ from servescope.config import ModelConfig
 from servescope.config.families import family
 from servescope.errors import InvalidParameterError, ModelLoadError
 from servescope.loader import hf_mxfp4, quantized
-from servescope.loader.checkpoint import LoadedSource, check_state_dict, expected_tensor_shapes, to_float32
+from servescope.loader.checkpoint import LoadedSource, check_state_dict, expected_tensor_shapes
 from servescope.tokenizer.family_templates import family_template
 from servescope.tokenizer.source import TokenizerSource
 
@@ -47,7 +47,7 @@ def load_hf_dir(path: str) -> LoadedSource:
     mode = quantized.saved_mode(path)
     packed = {}
     if hf_mxfp4.is_mxfp4_config(hf_config):  # gpt-oss as released: MXFP4 experts kept packed
-        dense, packed = hf_mxfp4.read_mxfp4(_read_weights(path, keep_dtype=True), expected_tensor_shapes(config),
+        dense, packed = hf_mxfp4.read_mxfp4(_read_weights(path), expected_tensor_shapes(config),
                                             path)
         state_dict = hf_mxfp4.drop_packed_placeholders(check_state_dict(dense, config, path), packed)
     elif mode is None:
@@ -55,7 +55,7 @@ def load_hf_dir(path: str) -> LoadedSource:
     else:  # a `servescope quantize` checkpoint: its packed linears run as they are (loader/quantized.py)
         shapes = expected_tensor_shapes(config)
         shapes.setdefault("lm_head.weight", (config.vocab_size, config.hidden_size))  # (tied: a quantised copy)
-        dense, packed = quantized.read_packed(_read_weights(path, keep_dtype=True), mode, shapes, path,
+        dense, packed = quantized.read_packed(_read_weights(path), mode, shapes, path,
                                               tied=config.tie_word_embeddings)
         state_dict = check_state_dict(dense, config, path)
     # a checkpoint without a template of its own gets its family's (Gemma's turns), else the tokenizer's default
@@ -117,15 +117,17 @@ def weight_files(path: str) -> list[str]:
     raise ModelLoadError(f"{path}: no weights found (expected {SINGLE_FILE} or {INDEX_FILE}){hint}")
 
 
-def _read_weights(path: str, keep_dtype: bool = False) -> dict:
-    """Every tensor of the directory's safetensors files, as float32 (keep_dtype: as stored)."""
+def _read_weights(path: str) -> dict:
+    """Every tensor of the directory's safetensors files, as stored: safetensors maps the files, so a tensor
+    costs no memory of its own until it is read (the build copies each into its parameter, in the model's
+    dtype, a layer at a time: loader/build.py); a float32 copy of a bfloat16 checkpoint here held twice its
+    bytes before the model was even allocated."""
     state_dict = {}
     for file in weight_files(path):
         try:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
-                    t = f.get_tensor(key)
-                    state_dict[key] = t if keep_dtype else to_float32(t)
+                    state_dict[key] = f.get_tensor(key)
         except ModelLoadError:
             raise
         except Exception as e:  # SafetensorError on truncated/corrupt headers, OSError, ...

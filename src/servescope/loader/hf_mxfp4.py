@@ -20,7 +20,6 @@ import re
 import torch
 
 from servescope.errors import ModelLoadError
-from servescope.loader.checkpoint import to_float32
 from servescope.loader.gguf_experts import expert_key
 from servescope.loader.gguf_packed import placeholder
 from servescope.quant import mxfp4
@@ -47,7 +46,7 @@ def read_mxfp4(tensors: dict, shapes: dict, where: str) -> tuple:
         if m is None:
             if name.endswith(("_blocks", "_scales")):
                 raise ModelLoadError(f"{where}: MXFP4 tensor {name}: only gpt-oss's routed experts are read packed")
-            dense[name] = to_float32(t) if t.is_floating_point() else t
+            dense[name] = t
             continue
         layers.setdefault((m.group(1), m.group(2)), {})[m.group(3)] = t
     if not layers:
