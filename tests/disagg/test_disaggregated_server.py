@@ -119,6 +119,41 @@ def test_an_abort_during_the_prefill_leaves_no_block_held_and_its_id_can_come_ba
     dis.decode.kv_manager.check_invariants()
 
 
+def test_a_model_with_windowed_and_full_layers_disaggregates_with_the_single_engines_tokens(tmp_path):
+    """Gemma 2 (alternating windowed and full layers: a block table per group) in two processes: each group's
+    view of the prompt crosses, the decode engine hits it and its greedy tokens are one engine's."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "model"))
+    from tiny_models import make_tiny_hf_model
+
+    path = make_tiny_hf_model(tmp_path, "gemma2", sliding_window=16, num_hidden_layers=2, with_tokenizer=False)
+    kw = dict(model=str(path), max_model_len=256, num_kv_blocks=64, num_threads=1)
+    prompts = [[(11 * i + 5 * j) % 500 + 5 for i in range(40 + 31 * j)] for j in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    single = LLMEngine(**kw)
+    expected = {}
+    for j, p in enumerate(prompts):
+        single.add_request(f"r{j}", p, params)
+        while single.has_unfinished():
+            expected.update({o.request_id: o.outputs[0].token_ids for o in single.step() if o.finished})
+    dis = DisaggregatedEngine(LLMEngine(**kw))
+    try:
+        assert dis.decode.kv_manager.num_groups == 2
+        got, deadline = {}, time.monotonic() + 120
+        for j, p in enumerate(prompts):
+            dis.add_request(f"r{j}", p, params)
+        while len(got) < len(prompts) and time.monotonic() < deadline:
+            got.update({o.request_id: o.outputs[0].token_ids for o in dis.step() if o.finished})
+        assert got == expected
+        assert [dis.timelines[f"r{j}"]["blocks"] for j in range(3)] == [2, 4, 6]  # (40 - 1) // 16, ...
+        km = dis.decode.kv_manager
+        km.check_invariants()
+        assert km.num_used_blocks == 0
+    finally:
+        dis.shutdown()
+
+
 def test_bad_layouts_are_refused_before_anything_loads(capsys):
     assert cli_main(["serve", "--disaggregate", "2P1D"]) == 2
     assert "--disaggregate must be one of 1P1D" in capsys.readouterr().err

@@ -6,6 +6,7 @@ tokens are the single engine's."""
 import pytest
 import torch
 
+from servescope.analysis.kv_layout import handed_over_bytes
 from servescope.config import SamplingParams
 from servescope.engine.kv_transfer import adopt_prompt_kv, export_prompt_kv, kv_shape
 from servescope.engine.llm_engine import LLMEngine
@@ -25,6 +26,11 @@ def _engine(path, **kw):
     return LLMEngine(model=str(path), num_threads=1, max_model_len=256, **{"num_kv_blocks": 64, **kw})
 
 
+def _priced(engine, num_blocks):
+    """The bytes the cost model says a hand-over of num_blocks sends (sim/disagg.py's transfer time)."""
+    return handed_over_bytes(engine.model_config, str(engine.kv_dtype).replace("torch.", ""), num_blocks, 16)
+
+
 def _run(engine, rid, prompt, params=GREEDY):
     engine.add_request(rid, prompt, params)
     while engine.has_unfinished():
@@ -38,13 +44,14 @@ def test_the_prompts_kv_moves_and_the_decode_engine_admits_it_as_a_prefix_hit(mo
     single, prefill, decode = _engine(model_path), _engine(model_path), _engine(model_path)
     expected = _run(single, "a", PROMPT).outputs[0].token_ids
     _run(prefill, "a", PROMPT, SamplingParams(temperature=0.0, max_tokens=1))
-    kv = export_prompt_kv(prefill, PROMPT, None)
-    assert tuple(kv.shape) == kv_shape(prefill, 3)  # (53 - 1) // 16 full blocks
+    kv, n = export_prompt_kv(prefill, PROMPT, None)
+    assert n == 3 and tuple(kv.shape) == kv_shape(prefill, 3)  # (53 - 1) // 16 full blocks
+    assert kv.numel() * kv.element_size() == _priced(prefill, n)
     assert adopt_prompt_kv(decode, "a", PROMPT, None, kv) == 3
     km = decode.kv_manager
     km.check_invariants()
     assert km.num_cached_blocks == 3 and km.num_used_blocks == 0  # cached, evictable: nobody holds them
-    again = export_prompt_kv(decode, PROMPT, None)  # the same rows under the same hashes
+    again, _ = export_prompt_kv(decode, PROMPT, None)  # the same rows under the same hashes
     assert torch.equal(again, kv)
     out = _run(decode, "a", PROMPT)
     assert out.outputs[0].token_ids == expected
@@ -56,8 +63,8 @@ def test_the_prompts_kv_moves_and_the_decode_engine_admits_it_as_a_prefix_hit(mo
 def test_a_salted_prompt_only_hits_under_its_own_salt(model_path):
     prefill, decode = _engine(model_path), _engine(model_path)
     _run(prefill, "a", PROMPT, SamplingParams(temperature=0.0, max_tokens=1, cache_salt="alice"))
-    assert export_prompt_kv(prefill, PROMPT, None).shape[2] == 0  # not findable without the salt
-    kv = export_prompt_kv(prefill, PROMPT, "alice")
+    assert export_prompt_kv(prefill, PROMPT, None)[1] == 0  # not findable without the salt
+    kv, _ = export_prompt_kv(prefill, PROMPT, "alice")
     assert adopt_prompt_kv(decode, "a", PROMPT, "alice", kv) == 3
     salted = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, cache_salt="alice")
     assert _run(decode, "b", PROMPT, SamplingParams(**{**GREEDY.__dict__, "max_tokens": 2})
@@ -70,7 +77,7 @@ def test_the_decode_engine_reads_the_sent_kv(model_path):
     KV instead of recomputing the prompt."""
     prefill, decode, wrong = _engine(model_path), _engine(model_path), _engine(model_path)
     _run(prefill, "a", PROMPT, SamplingParams(temperature=0.0, max_tokens=1))
-    kv = export_prompt_kv(prefill, PROMPT, None)
+    kv, _ = export_prompt_kv(prefill, PROMPT, None)
     adopt_prompt_kv(decode, "a", PROMPT, None, kv)
     adopt_prompt_kv(wrong, "a", PROMPT, None, torch.zeros_like(kv))
     logprobs = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1)
@@ -82,7 +89,7 @@ def test_the_decode_engine_reads_the_sent_kv(model_path):
 def test_no_room_or_a_wrong_shape_changes_nothing(model_path):
     prefill = _engine(model_path)
     _run(prefill, "a", PROMPT, SamplingParams(temperature=0.0, max_tokens=1))
-    kv = export_prompt_kv(prefill, PROMPT, None)
+    kv, _ = export_prompt_kv(prefill, PROMPT, None)
     small = _engine(model_path, num_kv_blocks=17)
     km = small.kv_manager
     hog = Request("hog", list(range(5, 5 + 15 * 16)), SamplingParams(), arrival_time=0.0)
@@ -93,5 +100,62 @@ def test_no_room_or_a_wrong_shape_changes_nothing(model_path):
     with pytest.raises(ValueError, match="does not fit"):
         adopt_prompt_kv(small, "a", PROMPT, None, kv[:1])
     assert (km.num_used_blocks, km.num_cached_blocks, km.num_free_blocks) == before
+    km.free(hog)
+    km.check_invariants()
+
+
+
+# a table per group of layers (kvcache/hybrid.py): Gemma 2 alternates windowed and full layers, gpt-oss likewise
+WINDOW = 16
+LONG = [(11 * i + 5) % 500 + 5 for i in range(101)]  # 6 full blocks and 5 tokens: well past the window
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gpt_oss"])
+def hybrid_path(request, tmp_path_factory):
+    kw = dict(sliding_window=WINDOW, num_hidden_layers=2)
+    if request.param == "gemma2":
+        kw.update(attn_logit_softcapping=0.05, final_logit_softcapping=2.0)
+    return make_tiny_hf_model(tmp_path_factory.mktemp(request.param), request.param, **kw)
+
+
+def test_a_hybrid_cache_sends_the_full_layers_blocks_and_the_windowed_layers_view(hybrid_path):
+    single, prefill, decode = _engine(hybrid_path), _engine(hybrid_path), _engine(hybrid_path)
+    assert decode.kv_manager.num_groups == 2
+    expected = _run(single, "a", LONG).outputs[0].token_ids
+    _run(prefill, "a", LONG, SamplingParams(temperature=0.0, max_tokens=1))
+    kv, n = export_prompt_kv(prefill, LONG, None)
+    # the full layer's 6 blocks, the windowed layer's last (a query at 96 reads keys 81 on: block 5, and its own)
+    assert n == 6 and tuple(kv.shape) == kv_shape(prefill, 6) and kv.shape[0] == 2 * 6 + 2 * 1
+    assert kv.numel() * kv.element_size() == _priced(prefill, n)  # what the simulator prices the hand-over at
+    with pytest.raises(ValueError, match="number of blocks"):
+        adopt_prompt_kv(decode, "a", LONG, None, kv)
+    assert adopt_prompt_kv(decode, "a", LONG, None, kv, n) == 6
+    km = decode.kv_manager
+    km.check_invariants()
+    full, windowed = km.groups
+    # nobody holds a block; the full group caches all 6, the windowed one the view's (the others never written)
+    assert km.num_used_blocks == 0 and full.num_cached_blocks == 6 and windowed.num_cached_blocks == 1
+    again, m = export_prompt_kv(decode, LONG, None)
+    assert m == n and torch.equal(again, kv)
+    out = _run(decode, "a", LONG)
+    assert out.outputs[0].token_ids == expected
+    assert out.metrics.num_cached_tokens == 96  # the decode engine computed 5 prompt tokens, not 101
+    km.check_invariants()
+    assert km.num_used_blocks == 0
+
+
+def test_a_hybrid_adoption_that_does_not_fit_changes_nothing(hybrid_path):
+    prefill = _engine(hybrid_path)
+    _run(prefill, "a", LONG, SamplingParams(temperature=0.0, max_tokens=1))
+    kv, n = export_prompt_kv(prefill, LONG, None)
+    small = _engine(hybrid_path)
+    km = small.kv_manager
+    hog = Request("hog", list(range(5, 5 + 60 * 16)), SamplingParams(), arrival_time=0.0)
+    assert km.allocate_slots(hog, (km.num_blocks - 3) * 16)  # the full group keeps 3 free: 6 do not fit
+    before = [(g.num_used_blocks, g.num_cached_blocks, g.num_free_blocks) for g in km.groups]
+    assert adopt_prompt_kv(small, "a", LONG, None, kv, n) == 0
+    with pytest.raises(ValueError, match="does not fit"):
+        adopt_prompt_kv(small, "a", LONG, None, kv, n - 1)
+    assert [(g.num_used_blocks, g.num_cached_blocks, g.num_free_blocks) for g in km.groups] == before
     km.free(hog)
     km.check_invariants()

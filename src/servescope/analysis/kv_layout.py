@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from servescope.analysis.op_counts import kv_cache_bytes_per_token
 from servescope.config import ModelConfig
-from servescope.config.layers import window_of
+from servescope.config.layers import first_in_view, window_of
 
 
 @dataclass(frozen=True)
@@ -96,3 +96,16 @@ def group_blocks(layers: dict, num_blocks: int, block_size: int, max_num_seqs: i
         spent += out[w] * n
     out[first] = (num_blocks * sum(layers.values()) - spent) // layers[first]
     return out
+
+
+def handed_over_bytes(cfg: ModelConfig, kv_dtype: str, num_blocks: int, block_size: int) -> int:
+    """KV bytes prefill/decode disaggregation sends for a prompt's first num_blocks full blocks
+    (engine/kv_transfer.py): every layer's num_blocks with one block table for all layers; with a table per
+    group of layers (windows that differ between layers: kvcache/hybrid.py) each layer only the blocks a query
+    at num_blocks * block_size reads -- all of a whole-context layer's, a windowed layer's last few."""
+    windows = [spec.attention.window for spec in cfg.layer_specs()]
+    per_layer_block = kv_cache_bytes_per_token(cfg, kv_dtype) // len(windows) * block_size
+    if len(set(windows)) == 1:
+        return per_layer_block * num_blocks * len(windows)
+    view = (num_blocks - min(first_in_view(num_blocks * block_size, w, block_size), num_blocks) for w in windows)
+    return per_layer_block * sum(view)

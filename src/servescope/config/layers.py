@@ -97,6 +97,11 @@ class LayerSpec:
                                                 f"(implemented: {', '.join(NORM_PLACEMENTS)})")
 
 
+def first_in_view(num_computed: int, window: int, block_size: int) -> int:
+    """The first block a query at position num_computed reads in layers of `window` (0: the whole context)."""
+    return max(0, num_computed - window + 1) // block_size if window else 0
+
+
 def window_of(specs) -> int:
     """The window every layer of `specs` attends over, 0 when any layer attends over the whole context
     (then the KV cache keeps every block; config/layers.py's kinds)."""

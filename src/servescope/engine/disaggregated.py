@@ -79,9 +79,6 @@ class DisaggregatedEngine:
 
     def __init__(self, decode: LLMEngine, layout: str = "1P1D", start_timeout_s: float = START_TIMEOUT_S):
         check_layout(layout, decode.config)
-        if decode.kv_manager.num_groups > 1:  # engine/kv_transfer.py copies one table's blocks
-            raise InvalidParameterError("disaggregate", "disaggregation of a model whose layers mix attention "
-                                                        "windows (a block table per group of layers) is not built")
         self.decode, self.layout = decode, layout
         self._pending: dict = {}  # request id -> (text, ids, params, priority, arrival, ticket) meanwhile
         # the worker knows each prefill by a ticket only: KV that arrives for an aborted request (its ticket
@@ -170,14 +167,14 @@ class DisaggregatedEngine:
         self._check_alive()
         return self.decode.step() if self.decode.has_unfinished() else []
 
-    def _adopt(self, ticket: int, kv, times: dict) -> None:
+    def _adopt(self, ticket: int, kv, num_blocks: int, times: dict) -> None:
         try:
-            self._adopt_kv(ticket, kv, times)
+            self._adopt_kv(ticket, kv, num_blocks, times)
         finally:
             if not isinstance(kv, str):
                 self._buffers.give(kv)
 
-    def _adopt_kv(self, ticket: int, kv, times: dict) -> None:
+    def _adopt_kv(self, ticket: int, kv, num_blocks: int, times: dict) -> None:
         adopting = time.perf_counter()
         request_id = self._ticket_of.pop(ticket, None)
         if request_id is None:  # aborted while in the prefill process
@@ -186,7 +183,7 @@ class DisaggregatedEngine:
         if isinstance(kv, str):  # the prefill engine refused it: the decode engine prefills it itself
             logger.warning("prefill of %s failed (%s); the decode engine computes its prompt", request_id, kv)
         else:
-            adopt_prompt_kv(self.decode, request_id, ids, params.cache_salt, kv)
+            adopt_prompt_kv(self.decode, request_id, ids, params.cache_salt, kv, num_blocks)
         self.decode.enqueue(request_id, text, ids, params, priority, arrival)
         timeline = self.timelines.get(request_id)
         if timeline is not None:
@@ -210,16 +207,16 @@ class DisaggregatedEngine:
 
     def _on_message(self, msg: tuple) -> None:
         if msg[0] == "kv":
-            _, ticket, shape, dtype, times = msg
+            _, ticket, shape, dtype, num_blocks, times = msg
             announced = time.perf_counter()
             kv = self._buffers.take(shape, dtype)
             if kv.numel():
                 self._group.recv([kv.view(-1).view(torch.uint8)], 1, 0).wait()
             landed = time.perf_counter()
-            self._arrived.put((ticket, kv, {**times, "announced": announced, "landed": landed, "blocks": shape[2],
-                                            "bytes": kv.numel() * kv.element_size()}))
+            self._arrived.put((ticket, kv, num_blocks, {**times, "announced": announced, "landed": landed,
+                                                        "blocks": num_blocks, "bytes": kv.numel() * kv.element_size()}))
         elif msg[0] == "error":
-            self._arrived.put((msg[1], msg[2], {}))
+            self._arrived.put((msg[1], msg[2], 0, {}))
         elif msg[0] == "failed":
             self._failure = f"the prefill process failed: {msg[1]}"
 
@@ -319,11 +316,11 @@ def _prefill_loop(engine: LLMEngine, group, inbox, outbox) -> None:
         for out in engine.step():
             if out.finished and out.request_id in salts:
                 ids, salt, received = salts.pop(out.request_id)
-                kv = export_prompt_kv(engine, ids, salt, buffers)  # one contiguous buffer: sent as it is
+                kv, num_blocks = export_prompt_kv(engine, ids, salt, buffers)  # one contiguous buffer, sent as it is
                 m = out.metrics
                 times = {"received": received, "scheduled": m.first_scheduled_time,
                          "prefilled": m.token_times[-1] if m.token_times else None, "exported": time.perf_counter()}
-                outbox.put(("kv", int(out.request_id), tuple(kv.shape), kv.dtype, times))
+                outbox.put(("kv", int(out.request_id), tuple(kv.shape), kv.dtype, num_blocks, times))
                 if kv.numel():
                     group.send([kv.view(-1).view(torch.uint8)], 0, 0).wait()
                 buffers.give(kv)

@@ -13,6 +13,11 @@ evictable. The request, added next, is admitted by the decode engine's own sched
 hit over those blocks and computes only the prompt's last partial block (and its first token). Nothing
 of the scheduler or the KV manager changes for it; a cache too full to take the blocks just means the
 decode engine recomputes the prompt.
+
+A cache with a block table per group of layers of one window (kvcache/hybrid.py): n is the longest run of
+full blocks every group can serve as a hit would take it, and each group sends only what a query at n
+blocks reads (its view: a windowed group's last few blocks); the holder's blocks before a windowed group's
+view are given back unwritten, so no hash points at rows that were never sent.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 from servescope.config import SamplingParams
 from servescope.kvcache.prefix_cache import hash_full_blocks, max_hit_blocks
+from servescope.kvcache.window_hit import first_in_view
 from servescope.scheduler.request import Request
 
 
@@ -111,42 +117,83 @@ def scatter_blocks(caches, block_ids: Sequence[int], kv: torch.Tensor) -> None:
 
 
 def export_prompt_kv(engine, prompt_ids: Sequence[int], cache_salt: Optional[str],
-                     pool: Optional[BufferPool] = None) -> torch.Tensor:
-    """The KV of the prompt's leading full blocks that `engine`'s prefix cache holds, in a buffer of `pool`
-    when given (give it back once sent). Call right after the step that finished the request, before
-    another allocation can evict them."""
+                     pool: Optional[BufferPool] = None) -> tuple:
+    """(KV, n): the KV of the prompt's leading n full blocks that `engine`'s prefix cache holds, in a buffer of
+    `pool` when given (give it back once sent). Call right after the step that finished the request, before
+    another allocation can evict them. One block table: [layers, 2, n, *block]. A table per group of layers
+    (kvcache/hybrid.py): each group's blocks that a query at n blocks reads (a windowed group's last ones), the
+    groups one after another as [rows, *block] (`group_parts`), n being the longest run every group serves."""
     km = engine.kv_manager
     limit = max_hit_blocks(len(prompt_ids), km.block_size)
-    blocks = km.cached_run(hash_full_blocks(prompt_ids, km.block_size, limit=limit, salt=cache_salt))
+    hashes = hash_full_blocks(prompt_ids, km.block_size, limit=limit, salt=cache_salt)
     caches = engine.runner.kv_caches
-    out = None if pool is None else pool.take(block_shape(caches, len(blocks)), caches[0][0].dtype)
-    return gather_blocks(caches, blocks, out)
+    if km.num_groups == 1:
+        blocks = km.cached_run(hashes)
+        out = None if pool is None else pool.take(block_shape(caches, len(blocks)), caches[0][0].dtype)
+        return gather_blocks(caches, blocks, out), len(blocks)
+    n, tables = km.cached_tables(hashes)
+    shape = kv_shape(engine, n)
+    kv = pool.take(shape, caches[0][0].dtype) if pool is not None else torch.empty(shape, dtype=caches[0][0].dtype)
+    for (layers, first, view), table in zip(group_parts(engine, n, kv), tables):
+        gather_blocks(layers, table[first:n], view)
+    return kv, n
+
+
+def group_parts(engine, n: int, kv: torch.Tensor) -> list:
+    """Per group of layers of one window (the KV manager's order): (its layers' caches, the first block a query
+    at n blocks reads there, its part of the hybrid KV tensor `kv` as [layers, 2, blocks, *block])."""
+    km, caches = engine.kv_manager, engine.runner.kv_caches
+    parts, offset = [], 0
+    for window in km.windows:
+        layers = [c for c, w in zip(caches, engine.runner.layer_windows) if w == window]
+        first = min(first_in_view(n * km.block_size, window, km.block_size), n)
+        rows = len(layers) * 2 * (n - first)
+        parts.append((layers, first, kv[offset:offset + rows].view(len(layers), 2, n - first, *kv.shape[1:])))
+        offset += rows
+    return parts
 
 
 def kv_shape(engine, num_blocks: int) -> tuple:
     """The shape export_prompt_kv gives for `num_blocks` blocks of this engine's cache."""
-    return block_shape(engine.runner.kv_caches, num_blocks)
+    caches, km = engine.runner.kv_caches, engine.kv_manager
+    if km.num_groups == 1:
+        return block_shape(caches, num_blocks)
+    rows = sum(2 * (num_blocks - min(first_in_view(num_blocks * km.block_size, w, km.block_size), num_blocks))
+               for w in engine.runner.layer_windows)
+    return (rows, *caches[0][0].shape[1:])
 
 
 def adopt_prompt_kv(engine, request_id: str, prompt_ids: Sequence[int], cache_salt: Optional[str],
-                    kv: torch.Tensor) -> int:
-    """Write `kv` (export_prompt_kv's tensor of another engine of the same model and KV layout) into this
-    engine's cache as cached, evictable blocks of the prompt's leading full blocks. Returns the blocks
-    taken; 0 (nothing changed) when the cache has no room or nothing was sent."""
+                    kv: torch.Tensor, num_blocks: Optional[int] = None) -> int:
+    """Write `kv` (export_prompt_kv's tensor of another engine of the same model and KV layout, for the prompt's
+    first num_blocks full blocks; one block table: its shape says) into this engine's cache as cached,
+    evictable blocks of the prompt's leading full blocks. Returns the blocks taken; 0 (nothing changed) when
+    the cache has no room or nothing was sent. A windowed group's blocks before the sent view are given back
+    unwritten (kvcache/hybrid.release_out_of_view): a later hit needs only the view."""
     km = engine.kv_manager
-    num_blocks = kv.shape[2]
-    if num_blocks == 0:
-        return 0
+    hybrid = km.num_groups > 1
+    if num_blocks is None:
+        if hybrid:
+            raise ValueError("a KV cache with a table per group of layers needs the sent KV's number of blocks")
+        num_blocks = kv.shape[2] if kv.dim() > 2 else 0
     caches = engine.runner.kv_caches
     if tuple(kv.shape) != kv_shape(engine, num_blocks) or kv.dtype != caches[0][0].dtype:
         raise ValueError(f"KV of shape {tuple(kv.shape)} {kv.dtype} does not fit this engine's cache "
                          f"{kv_shape(engine, num_blocks)} {caches[0][0].dtype}")
+    if num_blocks == 0:
+        return 0
     tokens = list(prompt_ids[:num_blocks * km.block_size])
     holder = Request(f"{request_id}/kv-in", tokens, SamplingParams(cache_salt=cache_salt), arrival_time=0.0)
     if not km.allocate_slots(holder, len(tokens)):
         return 0
     try:
-        scatter_blocks(caches, km.get_block_ids(holder.request_id), kv)
+        if not hybrid:
+            scatter_blocks(caches, km.get_block_ids(holder.request_id), kv)
+        else:
+            for (layers, first, view), table in zip(group_parts(engine, num_blocks, kv),
+                                                    km.get_group_block_ids(holder.request_id)):
+                scatter_blocks(layers, table[first:num_blocks], view)
+            km.release_out_of_view(holder, len(tokens))
         holder.num_computed_tokens = len(tokens)  # written: free() leaves the hashed blocks findable
     finally:
         km.free(holder)  # a failed copy frees unwritten blocks (their hashes go): no block leaks

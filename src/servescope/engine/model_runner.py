@@ -96,6 +96,7 @@ class ModelRunner:
         # one K and one V tensor per layer: [N, S, Hkv, D] ([..., D + 4] int8 / fp8 rows with their scales); latent
         # attention: its latent rows [N, S, 1, r + R] and an empty V (model/mla.py)
         windows = [spec.attention.window for spec in model_config.layer_specs()]
+        self.layer_windows = tuple(windows)  # (a layer's group: the KV manager's group of its window)
         # the windows of the groups after the first, in the KV manager's order (its tables' order)
         self.group_windows = tuple(sorted(group_blocks))[1:] if group_blocks else ()
         self.kv_caches = kv_caches if kv_caches is not None else [

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from servescope.config import CacheConfig
 from servescope.kvcache.manager import NO_BLOCK, KVCacheManager, SequenceLike, cdiv
-from servescope.kvcache.window_hit import longest_hit
+from servescope.kvcache.window_hit import first_in_view, longest_hit
 from servescope.kvcache.prefix_cache import max_hit_blocks
 
 
@@ -161,6 +161,19 @@ class HybridKVCacheManager:
         """The first group's cached blocks of the leading run of `hashes` that every group holds."""
         runs = [g.cached_run(hashes) for g in self.groups]
         return runs[0][:min(len(r) for r in runs)]
+
+    def cached_tables(self, hashes) -> tuple:
+        """(n, per group the table of the first n blocks, NO_BLOCK where the group does not need the block):
+        the longest leading run of `hashes` that every group can serve from its cache, as a hit would take it
+        (kvcache/window_hit.longest_hit). Touches nothing."""
+        return longest_hit([(g.prefix_cache.lookup, g.window) for g in self.groups], list(hashes), self.block_size)
+
+    def release_out_of_view(self, request: SequenceLike, num_tokens: int) -> None:
+        """In each windowed group, give back as never written the request's blocks before the view of a query
+        at position num_tokens (engine/kv_transfer.py: the KV handed over for them is the view's alone)."""
+        for g in self.groups:
+            if g.window:
+                g._let_go_before(request.request_id, first_in_view(num_tokens, g.window, self.block_size), False)
 
     # -- allocation ------------------------------------------------------------------------
     def allocate_slots(self, request: SequenceLike, num_new_tokens: int, computed_blocks: list | None = None,

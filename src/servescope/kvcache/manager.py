@@ -338,13 +338,15 @@ class KVCacheManager:
     def _release_slid_out(self, rid: str, num_computed: int) -> None:
         """Give back the request's blocks that lie wholly before the window of its next query (position
         num_computed sees keys num_computed - window + 1 on): no layer reads them again."""
-        if not self.window:
-            return
+        if self.window:
+            self._let_go_before(rid, first_in_view(num_computed, self.window, self.block_size), written=True)
+
+    def _let_go_before(self, rid: str, num_blocks: int, written: bool) -> None:  # (not written: hybrid.py)
         table = self._blocks[rid]
-        dead = min(first_in_view(num_computed, self.window, self.block_size), len(table))
+        dead = min(num_blocks, len(table))
         for i in range(self._num_slid.get(rid, 0), dead):
             if table[i] != NO_BLOCK:  # (a hit's blocks out of view were never taken)
-                self._drop(table[i], written=True)
+                self._drop(table[i], written=written)
                 table[i] = NO_BLOCK
         self._num_slid[rid] = max(dead, self._num_slid.get(rid, 0))
 

@@ -15,13 +15,10 @@ from __future__ import annotations
 
 from itertools import accumulate
 
+from servescope.config.layers import first_in_view  # (also the cost model's: analysis/kv_layout.py)
+
 # the table entry of a block that slid out of the window (or was never needed there): never read by the kernels
 NO_BLOCK = -1
-
-
-def first_in_view(num_computed: int, window: int, block_size: int) -> int:
-    """The first block a query at position num_computed reads in layers of `window` (0: the whole context)."""
-    return max(0, num_computed - window + 1) // block_size if window else 0
 
 
 def longest_hit(groups: list, hashes: list, block_size: int) -> tuple:

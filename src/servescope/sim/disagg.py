@@ -26,6 +26,7 @@ import heapq
 import os
 from typing import Optional, Sequence
 
+from servescope.analysis.kv_layout import handed_over_bytes
 from servescope.analysis.probe import cpu_model
 from servescope.analysis.collectives import LOCAL_GLOO, LinkSpec, cached_local_link, get_link, kv_send_key
 from servescope.config import SamplingParams
@@ -118,8 +119,10 @@ class Disaggregated:
         return max_hit_blocks(prompt_len, self.spec.block_size) * self.spec.block_size
 
     def transfer_time(self, num_tokens: int) -> float:
-        ranks = self.spec.tp * self.spec.pp
-        return num_tokens * self.spec.kv_bytes_per_token / ranks / self.link.bandwidth + self.link.latency_s
+        """The hand-over of num_tokens (whole blocks): a hybrid model's windowed layers send their view only."""
+        ranks, s = self.spec.tp * self.spec.pp, self.spec.block_size
+        sent = handed_over_bytes(self.spec.model, self.spec.dtypes[1], num_tokens // s, s)
+        return sent / ranks / self.link.bandwidth + self.link.latency_s
 
     # ---------------------------------------------------------------- Served
     def now(self) -> float:
