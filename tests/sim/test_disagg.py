@@ -52,8 +52,9 @@ def test_a_local_transfer_is_priced_on_the_measured_kv_send_path(tmp_path, monke
 
 def test_the_real_1p1d_takes_a_request_between_its_decode_steps():
     """front "decode" (servescope's own 1P1D): a request that arrives while the decode engine runs a step goes to
-    the prefill instance when that step ends, and so does a finished prefill's KV; through a proxy ("proxy",
-    vLLM's) both at once."""
+    the prefill instance when that step ends; a finished prefill's KV starts across at once (the receiver thread
+    runs beside the step: the kernels release the interpreter lock); through a proxy ("proxy", vLLM's) the
+    request goes at once too."""
     spec = _spec()
     first = synthetic_workload(1, 300, 60, spec.model.vocab_size, seed=5)[0]
     proxy = Disaggregated(spec, 1, 1, kv_link="ib-ndr400")
@@ -69,15 +70,12 @@ def test_the_real_1p1d_takes_a_request_between_its_decode_steps():
         assert all(r.success for r in records)
         timelines[front] = t1 = dep.timelines["req-1"]
         assert t1["landed"] - t1["receiving"] == pytest.approx(dep.transfer_time(dep.sent_tokens(200)))
-    assert timelines["proxy"]["receiving"] == timelines["proxy"]["prefilled"]
-    # the decode engine is still decoding req-0 when req-1's prefill ends: its KV starts across at a step's end
-    held = timelines["decode"]["receiving"] - timelines["decode"]["prefilled"]
+        assert t1["receiving"] == t1["prefilled"]  # the KV starts across as the prefill ends, whatever the front
     arrival = timelines["proxy"]["arrival"]
     assert timelines["proxy"]["dispatched"] == arrival
     waited = timelines["decode"]["dispatched"] - arrival
     tpot = (proxy.decode[0].clock - t["first_token"]) / 59
     assert 0 < waited <= tpot * 1.5  # until the running decode step's end: less than about one step
-    assert 0 < held <= tpot * 1.5
     assert timelines["decode"]["first_token"] > timelines["proxy"]["first_token"]
     with pytest.raises(InvalidParameterError, match="front"):
         Disaggregated(spec, 1, 1, kv_link="ib-ndr400", front="router")

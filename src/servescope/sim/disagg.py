@@ -14,10 +14,10 @@ prefix hit and computes only the prompt's last partial block, sampling the first
 instance's cache cannot take the blocks, the request recomputes its prompt there (counted).
 
 Where requests come in (`front`): through a proxy of their own (vLLM's), at once; or, in servescope's own 1P1D
-(engine/disaggregated.py: the default for the measured local link), through the decode engine's process, which
-acts between its steps: a request goes to the prefill instance, and a finished prefill's KV starts across,
-when the decode engine's running step ends (its engine thread takes requests between steps; its receiver
-thread waits for the interpreter lock, which the C++ decode step holds throughout).
+(engine/disaggregated.py: the default for the measured local link), through the decode engine's process: a
+request goes to the prefill instance when the decode engine's running step ends (its engine thread takes
+requests between steps); a finished prefill's KV starts across at once (the decode process's receiver thread
+runs beside the step: the C++ kernels run without the interpreter lock).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class Disaggregated:
         self.decode = [SimEngine(spec, f"decode-{i}", keep_steps, seed + prefill + i, timer) for i in range(decode)]
         self.engines = self.prefill + self.decode
         self._time = 0.0
-        self._events: list = []  # heap of (time, request id, "dispatch" | "receive" | "land")
+        self._events: list = []  # heap of (time, request id, "dispatch" | "land")
         self._origin: dict = {}  # request id -> (prompt, max_tokens, prefill Finished or None)
         self._home: dict = {}
         self.transfer_seconds = 0.0
@@ -167,9 +167,6 @@ class Disaggregated:
             if kind == "land":
                 self._land(rid, t)
                 return []
-            if kind == "receive":  # the KV starts across once the decode process is free
-                self._send(rid, self._front_free_at(t))
-                return []
             refused = self._dispatch(rid, t)
             if refused is not None:
                 self._origin.pop(rid)
@@ -188,10 +185,7 @@ class Disaggregated:
             self._origin[f.request_id] = (prompt, max_tokens, f)
             done_at = f.metrics.finished_time
             self.timelines[f.request_id].update(scheduled=f.metrics.first_scheduled_time, prefilled=done_at)
-            if self.front == "decode":  # received once the decode process is free (step's "receive")
-                heapq.heappush(self._events, (done_at, f.request_id, "receive"))
-            else:
-                self._send(f.request_id, done_at)
+            self._send(f.request_id, done_at)
             return None
         self._origin.pop(f.request_id)
         m, d = first.metrics, f.metrics  # the request's metrics: its arrival, the decode instance's tokens
@@ -210,9 +204,8 @@ class Disaggregated:
         heapq.heappush(self._events, (start + seconds, rid, "land"))
 
     def _front_free_at(self, t: float) -> float:
-        """When the decode process of servescope's 1P1D can act on something that came at `t`: at once when its
-        engine is idle, else when its running step ends (the engine thread takes requests between steps, and
-        the receiver thread waits for the interpreter lock, which the C++ decode step holds throughout)."""
+        """When the decode process of servescope's 1P1D takes a request that came at `t`: at once when its engine
+        is idle, else when its running step ends (the engine thread takes requests between steps)."""
         front = self.decode[0]
         return front.clock if front.has_unfinished() and front.clock > t else t
 

@@ -24,36 +24,42 @@ std::shared_ptr<PlanSparseMlp> sparse_mlp(Tensor router, int64_t top_k, bool ren
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Every kernel runs without the interpreter lock (its tensors are converted before, its results after): a
+  // decode step in the C++ plan leaves the server's event loop and the 1P1D receiver thread free to run.
+  // Scratch is thread_local in every kernel, and an engine's steps run on one thread.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("isa", &isa_info, "isa() -> {isa, lanes, bf16_dot, int8_dot} of this build");
-  m.def("rms_norm", &rms_norm, "rms_norm(x, w, eps)");
-  m.def("add_rms_norm", &add_rms_norm, "add_rms_norm(x, residual, w, eps) -> [y, x + residual]");
-  m.def("rotary", &rotary, "rotary(q, k, cos, sin) -> [q', k'] (rotate-half)");
-  m.def("silu_mul", &silu_mul, "silu_mul(gate_up) -> silu(gate) * up");
-  m.def("store_kv", &store_kv, "store_kv(k, v, k_cache, v_cache, slot_mapping), in place");
-  m.def("quant_gemv", &quant_gemv,
+  m.def("rms_norm", &rms_norm, nogil, "rms_norm(x, w, eps)");
+  m.def("add_rms_norm", &add_rms_norm, nogil, "add_rms_norm(x, residual, w, eps) -> [y, x + residual]");
+  m.def("rotary", &rotary, nogil, "rotary(q, k, cos, sin) -> [q', k'] (rotate-half)");
+  m.def("silu_mul", &silu_mul, nogil, "silu_mul(gate_up) -> silu(gate) * up");
+  m.def("store_kv", &store_kv, nogil, "store_kv(k, v, k_cache, v_cache, slot_mapping), in place");
+  m.def("quant_gemv", &quant_gemv, nogil,
         "quant_gemv(x, w, scales, bias, order=0): packed int4/int8 weights -> float32; order 1 / 2 / 3 / 4 forces "
         "the streaming / weight-stationary VNNI order, AMX-INT8 or AMX-BF16 (0: by rows)",
         py::arg("x"), py::arg("w"), py::arg("scales"), py::arg("bias"), py::arg("order") = 0);
-  m.def("quant_gemm", &quant_gemm, "quant_gemm(x, w, scales, bias): group-32 packed weights, int8 activations -> float32");
-  m.def("quant_dequantize", &quant_dequantize, "quant_dequantize(w, scales, k) -> float32 [N, k]");
-  m.def("quant_dequantize_into", &quant_dequantize_into,
+  m.def("quant_gemm", &quant_gemm, nogil,
+        "quant_gemm(x, w, scales, bias): group-32 packed weights, int8 activations -> float32");
+  m.def("quant_dequantize", &quant_dequantize, nogil, "quant_dequantize(w, scales, k) -> float32 [N, k]");
+  m.def("quant_dequantize_into", &quant_dequantize_into, nogil,
         "quant_dequantize_into(w, scales, row0, out): rows row0.. into out [rows, k] float32 | bfloat16");
-  m.def("gemv", &gemv, "gemv(x, w, scale, bias): decode GEMV (float32/bfloat16/int8 weights) -> float32");
-  m.def("pack_panels", &pack_panels, "pack_panels(w [N, K] float32 | bfloat16) -> float32 panels for panel_gemm");
-  m.def("panel_gemm", &panel_gemm, "panel_gemm(x, panels, n, bias): float32 GEMM on packed panels -> [M, n]");
+  m.def("gemv", &gemv, nogil, "gemv(x, w, scale, bias): decode GEMV (float32/bfloat16/int8 weights) -> float32");
+  m.def("pack_panels", &pack_panels, nogil,
+        "pack_panels(w [N, K] float32 | bfloat16) -> float32 panels for panel_gemm");
+  m.def("panel_gemm", &panel_gemm, nogil, "panel_gemm(x, panels, n, bias): float32 GEMM on packed panels -> [M, n]");
   py::class_<MoePacked>(m, "MoePacked")
       .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, int64_t,
                     std::vector<Tensor>, std::vector<Tensor>, int64_t, double, double>(),
            "MoePacked(gate_up_w, gate_up_s, down_w, down_s, first, gate_up_b, down_b, act, alpha, limit): one layer's "
            "packed group-32 experts (int4 / int8 / MXFP4), biases optional, act 0 silu or 1 clamped SwiGLU")
-      .def("run", &MoePacked::run, "run(x, ids, weights) -> [out, counts]: the routed experts' weighted sum")
+      .def("run", &MoePacked::run, nogil, "run(x, ids, weights) -> [out, counts]: the routed experts' weighted sum")
       .def("num_experts", &MoePacked::num_experts);
   py::class_<MoeDense>(m, "MoeDense")
       .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>,
                     std::vector<Tensor>, std::vector<Tensor>, int64_t, int64_t>(),
            "MoeDense(gate_up, down, gate_up_scale, down_scale, gate_up_scale_act, down_scale_act, first, gemv_rows): "
            "one layer's float32 / bfloat16 / per-channel int8 experts")
-      .def("run", &MoeDense::run, "run(x, ids, weights) -> [out, counts]: the routed experts' weighted sum")
+      .def("run", &MoeDense::run, nogil, "run(x, ids, weights) -> [out, counts]: the routed experts' weighted sum")
       .def("num_experts", &MoeDense::num_experts);
   py::class_<PlanSparseMlp, std::shared_ptr<PlanSparseMlp>>(m, "PlanSparseMlp")
       .def(py::init(&sparse_mlp<MoePacked>))
@@ -61,16 +67,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "PlanSparseMlp(router, top_k, renormalise, experts, counts, shared, shared_limits, shared_gate): a sparse "
            "layer's MLP for the DecodePlan (softmax top-k router, MoePacked or MoeDense experts, optional gated "
            "shared expert)")
-      .def("run", &PlanSparseMlp::run, "run(x) -> the MLP's output; adds the tokens per expert to counts");
+      .def("run", &PlanSparseMlp::run, nogil, "run(x) -> the MLP's output; adds the tokens per expert to counts");
   py::class_<DecodePlan>(m, "DecodePlan")
       .def(py::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>, std::vector<int64_t>,
                     std::vector<std::shared_ptr<PlanSparseMlp>>, int64_t, int64_t, int64_t, double, double>())
-      .def("run_layers", &DecodePlan::run_layers,
+      .def("run_layers", &DecodePlan::run_layers, nogil,
            "run_layers(h, residual, cos, sin, kv_caches, slots, block_tables, context_lens) -> [h, residual]");
-  m.def("paged_decode", &paged_decode,
+  m.def("paged_decode", &paged_decode, nogil,
         "paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, window, softcap, sinks): window 0 = "
         "whole context, softcap 0 = none, sinks empty = none");
-  m.def("prefill_attention", &prefill_attention,
+  m.def("prefill_attention", &prefill_attention, nogil,
         "prefill_attention(q, k_cache, v_cache, block_table, ctx, scale): causal, one sequence, bfloat16");
-  m.def("prefill_attention_supported", &prefill_attention_supported, "prefill_attention_supported(group, head_dim)");
+  m.def("prefill_attention_supported", &prefill_attention_supported, nogil,
+        "prefill_attention_supported(group, head_dim)");
 }
