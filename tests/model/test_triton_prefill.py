@@ -31,11 +31,11 @@ def _q_dtype(kv_dtype):
     return torch.float32 if kv_quant.is_quantized(kv_dtype) else kv_dtype
 
 
-def _step(seqs, hkv, group, d, kv_dtype, seed, num_decode_seqs=0, q_scale=1.0):
+def _step(seqs, hkv, group, d, kv_dtype, seed, num_decode_seqs=0, q_scale=1.0, q_dtype=None):
     """A step's metadata, q, k, v, and caches whose context was written before (random) and whose new rows
     were just stored by the reference: [(qlen, ctx)] per sequence, decodes first."""
     gen = torch.Generator().manual_seed(seed)
-    qd = _q_dtype(kv_dtype)
+    qd = q_dtype or _q_dtype(kv_dtype)
     n = sum(-(-c // S) for _, c in seqs) + 3
     kc, vc = (kv_quant.allocate(n, S, hkv, d, kv_dtype, DEV) for _ in range(2))
     perm = torch.randperm(n, generator=gen).tolist()
@@ -93,6 +93,17 @@ def test_prefill_matches_reference(kv_dtype, group, head_dim):
     got = _kernel(meta, q, kc, vc, scale)
     assert got.dtype == q.dtype
     _close(got, want, q.dtype)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_prefill_quantised_cache_with_16bit_queries(q_dtype):
+    """A 16-bit model over an int8 cache: rows dequantised in float32, rounded to the queries' dtype, then
+    16-bit products (on a GPU; bfloat16 goes through float32 in the interpreter)."""
+    meta, q, k, v, kc, vc = _step(SEQS, 2, 2, 64, torch.int8, seed=4, q_dtype=q_dtype)
+    want = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125, window=20)
+    got = _kernel(meta, q, kc, vc, 0.125, window=20)
+    assert got.dtype == q_dtype
+    _close(got, want, q_dtype)
 
 
 MODS = {

@@ -18,10 +18,11 @@ in pieces, quantised or not. The key loop covers only the positions some query o
 from its first query's window start to its last query's position; programs past their sequence's
 chunk return at once. The grid comes from host values (B, the longest chunk), never a device read.
 
-Arithmetic: as the decode kernel (attention.py) for float32 and quantised caches (float32 loads,
-IEEE dot products, a quantised row times its scale); a 16-bit cache read by queries of its own dtype
-multiplies in that dtype with float32 accumulation (the tensor cores' path, as SDPA's flash kernel),
-its probabilities rounded to the dtype before the P.V product. Soft-caps and sinks as scores.attend.
+Arithmetic: float32 queries as the decode kernel (attention.py): float32 loads, IEEE dot products, a
+quantised row times its scale. 16-bit queries multiply in their dtype with float32 accumulation (the
+tensor cores' path, as SDPA's flash kernel), over a cache of their dtype or a quantised cache's rows
+dequantised in float32 and rounded to it (as the reference's gather), the probabilities rounded to it
+before the P.V product. Soft-caps and sinks as scores.attend.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _load_kv(cache_ptr, row, d, kv_mask, t_mask, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
              NATIVE: tl.constexpr):
-    # [BLOCK_N, D_PAD] rows of a K or V tile: native dtype, or float32 (times each row's scale when quantised)
+    # [BLOCK_N, D_PAD] rows of a K or V tile: a 16-bit cache's as stored (NATIVE), else float32 (times each
+    # row's scale when quantised)
     x = tl.load(cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    if NATIVE:
-        return x
-    x = x.to(tl.float32)
+    if QUANT or not NATIVE:
+        x = x.to(tl.float32)
     if QUANT:  # each row's float32 scale sits after its D values
         x = x * tl.load((cache_ptr + row + HEAD_DIM).to(tl.pointer_type(tl.float32), bitcast=True),
                         mask=t_mask, other=0.0)[:, None]
@@ -67,7 +68,7 @@ def _paged_prefill_kernel(
     PRECISION: tl.constexpr, QUANT: tl.constexpr, NATIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the last tiles, the longest key loops, start first
     kvh = tl.program_id(1)
     b = tl.program_id(2)
     q_begin = tl.load(query_start_ptr + b)
@@ -106,6 +107,8 @@ def _paged_prefill_kernel(
         kv_row = blk * stride_cn + (tok % BLOCK_SIZE) * stride_cs + kvh * stride_ch  # [BLOCK_N]
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = _load_kv(k_cache_ptr, kv_row, d, kv_mask, t_mask, HEAD_DIM, QUANT, NATIVE)
+        if NATIVE:  # a quantised row, dequantised in float32, rounded to the queries' dtype as the reference does
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [R, BLOCK_N] float32
         if SOFTCAP:
             s = softcap_log2 * _tanh(s / softcap_log2)
@@ -118,6 +121,8 @@ def _paged_prefill_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_kv(v_cache_ptr, kv_row, d, kv_mask, t_mask, HEAD_DIM, QUANT, NATIVE)
+        if NATIVE:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # [R, D]
         m_i = m_new
 
@@ -175,7 +180,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group_pad = triton.next_power_of_2(group)
     block_q, block_n = tiles or prefill_tiles(group, d, s)
     assert block_q * group_pad >= 16, "a score tile needs at least 16 rows (tl.dot)"
-    native = k_cache.dtype in (torch.bfloat16, torch.float16) and q.dtype == k_cache.dtype
+    # 16-bit queries multiply 16-bit operands: their own dtype's cache, or a quantised one's rows dequantised
+    native = q.dtype in (torch.bfloat16, torch.float16) and (quant or q.dtype == k_cache.dtype)
     # Triton 3.x's interpreter (CPU tensors) multiplies bfloat16 dot operands' bit patterns as if they were
     # integers: there bfloat16 goes through float32 (float16 operands, the same code path, are tested there)
     native &= not (q.device.type == "cpu" and q.dtype == torch.bfloat16)
