@@ -137,13 +137,17 @@ def _paged_prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def prefill_tiles(group: int, head_dim: int, block_size: int) -> tuple:
-    """(BLOCK_Q, BLOCK_N) for a GQA group and head dim: 64 score rows (BLOCK_Q queries of the group's padded
-    heads) against 64 keys, 32 past a head dim of 128 (the tiles' registers); keys at least a cache block."""
-    group_pad = triton.next_power_of_2(group)
-    block_q = max(1, 64 // group_pad)
-    block_n = max(triton.next_power_of_2(block_size), 64 if triton.next_power_of_2(head_dim) <= 128 else 32)
-    return block_q, block_n
+def prefill_tiles(group: int, head_dim: int, native: bool) -> tuple:
+    """(BLOCK_Q, BLOCK_N) for a GQA group and head dim: BLOCK_Q queries of the group's padded heads make the score
+    tile's rows. 16-bit products: 64 rows against 64 keys (32 past a head dim of 128); float32 ones hold twice
+    the registers per value: 32 rows against 32 keys (16 rows past 128). Each compiles for sm_90 at 4 warps
+    without register spills (tests/model/test_triton_compile_sm90.py; 64 x 64 in float32 spills 17 KB at D 64)."""
+    d_pad = triton.next_power_of_2(head_dim)
+    if native:
+        rows, block_n = 64, (64 if d_pad <= 128 else 32)
+    else:
+        rows, block_n = (32 if d_pad <= 128 else 16), 32
+    return max(1, rows // triton.next_power_of_2(group)), block_n
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -156,7 +160,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     query_start_loc[b] .. query_start_loc[b + 1] of q are sequence b's chunk, its last keys. Rows of q
     outside every chunk are not written. max_query_len: a host-side bound of the chunks (sizes the grid).
     -> out [T, H, D] in q's dtype. window, softcap, sinks: as paged_decode. tiles: (BLOCK_Q, BLOCK_N)
-    in place of prefill_tiles' (BLOCK_Q * next_power_of_2(G) >= 16)."""
+    in place of prefill_tiles' (BLOCK_Q * next_power_of_2(G) >= 16, BLOCK_N >= 16)."""
     t, h, d = q.shape
     _check_cache(k_cache)
     _check_cache(v_cache)
@@ -178,13 +182,13 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return out
     group = h // hkv
     group_pad = triton.next_power_of_2(group)
-    block_q, block_n = tiles or prefill_tiles(group, d, s)
-    assert block_q * group_pad >= 16, "a score tile needs at least 16 rows (tl.dot)"
     # 16-bit queries multiply 16-bit operands: their own dtype's cache, or a quantised one's rows dequantised
     native = q.dtype in (torch.bfloat16, torch.float16) and (quant or q.dtype == k_cache.dtype)
     # Triton 3.x's interpreter (CPU tensors) multiplies bfloat16 dot operands' bit patterns as if they were
     # integers: there bfloat16 goes through float32 (float16 operands, the same code path, are tested there)
     native &= not (q.device.type == "cpu" and q.dtype == torch.bfloat16)
+    block_q, block_n = tiles or prefill_tiles(group, d, native)
+    assert block_q * group_pad >= 16 and block_n >= 16, "a score tile needs at least 16 rows and 16 keys (tl.dot)"
     precision = "tf32" if native else "ieee"  # tf32: unused by 16-bit operands; ieee: float32 ones, exactly
     _paged_prefill_kernel[(triton.cdiv(max_query_len, block_q), hkv, bsz)](
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
