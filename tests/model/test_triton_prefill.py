@@ -76,8 +76,8 @@ def _kernel(meta, q, kc, vc, scale, **mods):
                                  max_query_len=meta.max_query_len, **mods)
 
 
-def _close(got, want, dtype):
-    tol = TOL.get(dtype, 2e-5)
+def _close(got, want, dtype, tol=None):
+    tol = tol or TOL.get(dtype, 2e-5)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
@@ -115,7 +115,7 @@ MODS = {
 }
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8], ids=str)
 @pytest.mark.parametrize("mod", list(MODS))
 def test_prefill_windows_softcaps_and_sinks_match_reference(kv_dtype, mod):
     """Each score modification alone and together (group 2), against scores.attend's and SDPA's masks; queries
@@ -128,16 +128,19 @@ def test_prefill_windows_softcaps_and_sinks_match_reference(kv_dtype, mod):
     scale = d ** -0.5
     want = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, scale, **mods)
     got = _kernel(meta, q, kc, vc, scale, **mods)
-    _close(got, want, q.dtype)
+    # float16: scores.attend rounds the scores (here up to ~25) to float16 before its softmax, the kernel does not
+    _close(got, want, q.dtype, tol=1e-2 if q.dtype == torch.float16 else None)
     plain = _kernel(meta, q, kc, vc, scale)
     assert (got.float() - plain.float()).abs().max() > 50 * TOL.get(q.dtype, 2e-5)  # the mods change the answer
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("tiles", [(4, 16), (16, 32), (8, 64)])
-def test_prefill_tile_shapes_do_not_change_the_result(tiles):
+def test_prefill_tile_shapes_do_not_change_the_result(tiles, dtype):
     """Key tiles shorter and longer than a cache block, query tiles of 4 to 16 queries (group 4:
-    BLOCK_Q * 4 rows): the same answer, and rows of q outside every chunk are left as they were."""
-    meta, q, k, v, kc, vc = _step(SEQS, 1, 4, 64, torch.float32, seed=5)
+    BLOCK_Q * 4 rows), float32 products in one masked loop and 16-bit ones split into the window's edge, the
+    unmasked tiles and the diagonal: the same answer, and rows of q outside every chunk are left as they were."""
+    meta, q, k, v, kc, vc = _step(SEQS, 1, 4, 64, dtype, seed=5)
     want = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125, window=20)
     out = torch.full_like(q, 7.0)
     sub = slice(1, 3)  # sequences 1 and 2 only: their rows of the flat q
@@ -145,7 +148,7 @@ def test_prefill_tile_shapes_do_not_change_the_result(tiles):
     prefill.paged_prefill(q, kc, vc, meta.block_tables[sub], meta.context_lens[sub], qsl[1:4], 0.125,
                           max_query_len=7, out=out, window=20, tiles=tiles)
     rows = slice(int(qsl[1]), int(qsl[3]))
-    _close(out[rows], want[rows], torch.float32)
+    _close(out[rows], want[rows], dtype)
     assert (out[:rows.start] == 7.0).all() and (out[rows.stop:] == 7.0).all()
 
 

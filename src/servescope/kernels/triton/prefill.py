@@ -15,8 +15,9 @@ loaded once for the whole group. Query i of a chunk of L queries sits at positio
 Every key is read from the cache through the block table, the chunk's own too (the step stores them
 before attention: backend.py), so a chunk sees the same keys whether its prompt ran in one step or
 in pieces, quantised or not. The key loop covers only the positions some query of the tile sees:
-from its first query's window start to its last query's position; programs past their sequence's
-chunk return at once. The grid comes from host values (B, the longest chunk), never a device read.
+from its first query's window start to its last query's position, the tiles that every query sees
+without a mask (16-bit products). Programs past their sequence's chunk return at once; the longest
+tiles start first. The grid comes from host values (B, the longest chunk), never a device read.
 
 Arithmetic: float32 queries as the decode kernel (attention.py): float32 loads, IEEE dot products, a
 quantised row times its scale. 16-bit queries multiply in their dtype with float32 accumulation (the
@@ -50,6 +51,42 @@ def _load_kv(cache_ptr, row, d, kv_mask, t_mask, HEAD_DIM: tl.constexpr, QUANT: 
         x = x * tl.load((cache_ptr + row + HEAD_DIM).to(tl.pointer_type(tl.float32), bitcast=True),
                         mask=t_mask, other=0.0)[:, None]
     return x
+
+
+@triton.jit
+def _attend_keys(acc, m_i, l_i, q, qpos, lo, hi, window, scale_log2, softcap_log2,
+                 k_cache_ptr, v_cache_ptr, bt_row, kvh, stride_cn, stride_cs, stride_ch, d, d_mask, n,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                 QUANT: tl.constexpr, NATIVE: tl.constexpr, SOFTCAP: tl.constexpr, MASK: tl.constexpr):
+    # the online softmax over keys [lo, hi) in tiles of BLOCK_N -> (acc, m_i, l_i) updated. MASK: keys past hi,
+    # after a row's position or before its window are dropped; without it [lo, hi) is whole tiles every row sees
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + n  # [BLOCK_N] key positions; a tile may span several cache blocks
+        t_mask = tok < hi
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        kv_row = blk * stride_cn + (tok % BLOCK_SIZE) * stride_cs + kvh * stride_ch  # [BLOCK_N]
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = _load_kv(k_cache_ptr, kv_row, d, kv_mask, t_mask, HEAD_DIM, QUANT, NATIVE)
+        if NATIVE:  # a quantised row, dequantised in float32, rounded to the queries' dtype as the reference does
+            k = k.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [R, BLOCK_N] float32
+        if SOFTCAP:
+            s = softcap_log2 * _tanh(s / softcap_log2)
+        if MASK:
+            seen = t_mask[None, :] & (tok[None, :] <= qpos[:, None])
+            seen = seen & ((window <= 0) | (tok[None, :] > qpos[:, None] - window))
+            s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: weights 0
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_kv(v_cache_ptr, kv_row, d, kv_mask, t_mask, HEAD_DIM, QUANT, NATIVE)
+        if NATIVE:
+            v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # [R, D]
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -100,31 +137,22 @@ def _paged_prefill_kernel(
     hi = tl.minimum(first_q + BLOCK_Q, ctx)  # one past the last key any query of the tile sees
     lo = tl.where(window > 0, tl.maximum(first_q - window + 1, 0), 0)
     bt_row = block_tables_ptr + b * stride_bt
-    for start in range(lo, hi, BLOCK_N):
-        tok = start + n  # [BLOCK_N] key positions; a tile may span several cache blocks
-        t_mask = tok < hi
-        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        kv_row = blk * stride_cn + (tok % BLOCK_SIZE) * stride_cs + kvh * stride_ch  # [BLOCK_N]
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = _load_kv(k_cache_ptr, kv_row, d, kv_mask, t_mask, HEAD_DIM, QUANT, NATIVE)
-        if NATIVE:  # a quantised row, dequantised in float32, rounded to the queries' dtype as the reference does
-            k = k.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [R, BLOCK_N] float32
-        if SOFTCAP:
-            s = softcap_log2 * _tanh(s / softcap_log2)
-        seen = t_mask[None, :] & (tok[None, :] <= qpos[:, None])
-        seen = seen & ((window <= 0) | (tok[None, :] > qpos[:, None] - window))
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: weights 0
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv(v_cache_ptr, kv_row, d, kv_mask, t_mask, HEAD_DIM, QUANT, NATIVE)
-        if NATIVE:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # [R, D]
-        m_i = m_new
+    cache = (k_cache_ptr, v_cache_ptr, bt_row, kvh, stride_cn, stride_cs, stride_ch)
+    if NATIVE:
+        # keys [lo, a): the window's edge (some queries see them, some not); [a, c): whole tiles that every query
+        # of the tile sees, unmasked; [c, hi): the causal diagonal. Each key is read once. (Float32 products keep
+        # one masked loop: three copies of theirs spill registers on sm_90.)
+        a = tl.where(window > 0, tl.minimum(tl.maximum(hi - window, lo), first_q + 1), lo)  # hi - 1: the last query
+        c = a + (first_q + 1 - a) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, qpos, lo, a, window, scale_log2, softcap_log2, *cache, d,
+                                     d_mask, n, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, QUANT, NATIVE, SOFTCAP, True)
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, qpos, a, c, window, scale_log2, softcap_log2, *cache, d,
+                                     d_mask, n, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, QUANT, NATIVE, SOFTCAP, False)
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, qpos, c, hi, window, scale_log2, softcap_log2, *cache, d,
+                                     d_mask, n, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, QUANT, NATIVE, SOFTCAP, True)
+    else:
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, qpos, lo, hi, window, scale_log2, softcap_log2, *cache, d,
+                                     d_mask, n, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, QUANT, NATIVE, SOFTCAP, True)
 
     if SINKS:  # the sink's logit joins the denominator (its row has no value): rescale to the new max
         sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -139,12 +167,12 @@ def _paged_prefill_kernel(
 
 def prefill_tiles(group: int, head_dim: int, native: bool) -> tuple:
     """(BLOCK_Q, BLOCK_N) for a GQA group and head dim: BLOCK_Q queries of the group's padded heads make the score
-    tile's rows. 16-bit products: 64 rows against 64 keys (32 past a head dim of 128); float32 ones hold twice
-    the registers per value: 32 rows against 32 keys (16 rows past 128). Each compiles for sm_90 at 4 warps
+    tile's rows. 16-bit products: 64 rows against 64 keys (32 against 32 past a head dim of 128); float32 ones
+    hold twice the registers per value: 32 rows against 32 keys (16 rows past 128). Each compiles for sm_90 at 4 warps
     without register spills (tests/model/test_triton_compile_sm90.py; 64 x 64 in float32 spills 17 KB at D 64)."""
     d_pad = triton.next_power_of_2(head_dim)
     if native:
-        rows, block_n = 64, (64 if d_pad <= 128 else 32)
+        rows, block_n = (64, 64) if d_pad <= 128 else (32, 32)
     else:
         rows, block_n = (32 if d_pad <= 128 else 16), 32
     return max(1, rows // triton.next_power_of_2(group)), block_n
