@@ -10,6 +10,8 @@
 Sections (each has a timeout and its own try/except, so one failure keeps the rest of the table):
   kernels        Triton store/decode kernels vs the torch reference; decode kernel GB/s
   moe_kernels    Triton grouped GEMMs of a MoE layer (Qwen3-30B-A3B shape) vs the per-expert torch loop
+  prefill        Triton paged prefill attention vs the torch reference (error); TFLOP/s at Llama-3-8B's shape
+                 against the reference backend and SDPA's flash kernel (fresh prompts, chunks over context)
   hardware       device-to-device copy bandwidth, bf16 matmul rate (8192^3)
   vs_hf_*        our engine (random weights) vs transformers LlamaForCausalLM with the same
                  weights: greedy tokens equal, per-token logprobs; CUDA-graph vs eager decode
@@ -370,6 +372,125 @@ def section_moe_kernels(rec, dev, dry):
         if t == 1:
             read = k * 3 * dm * width * 2
             rec("moe_fused_t1_read", read / s_fused / 1e9, "GB/s", f"{k} experts' {read / 2**20:.1f} MiB")
+
+
+def _prefill_step(seqs, s, hkv, h, d, dt, kv_dt, dev, g):
+    """A prefill-only step over a paged cache: [(query_len, context_len after the step)] -> (meta, q, k, v, kc, vc),
+    the context before each chunk random, the chunk's own keys stored by the reference (as a step does)."""
+    from servescope.model.attention import kv_quant
+    from servescope.model.attention.backend import AttentionMetadata
+    from servescope.model.attention.reference import TorchAttentionBackend
+
+    m = max(-(-c // s) for _, c in seqs)
+    n = sum(-(-c // s) for _, c in seqs)
+    kc, vc = (kv_quant.allocate(n, s, hkv, d, kv_dt, dev) for _ in range(2))
+    perm = torch.randperm(n, generator=g).tolist()
+    rows, slots, qsl, at = [], [], [0], 0
+    for ql, cl in seqs:
+        need = -(-cl // s)
+        rows.append(perm[at:at + need] + [0] * (m - need))
+        at += need
+        slots.append([rows[-1][p // s] * s + p % s for p in range(cl)])
+        qsl.append(qsl[-1] + ql)
+    tables = torch.tensor(rows, dtype=torch.int32, device=dev)
+    all_slots = torch.tensor([x for row in slots for x in row], dtype=torch.int64, device=dev)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([x for row, (ql, _) in zip(slots, seqs) for x in row[len(row) - ql:]],
+                                  dtype=torch.int64, device=dev),
+        block_tables=tables, context_lens=torch.tensor([c for _, c in seqs], dtype=torch.int32, device=dev),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+        query_lens_cpu=[q for q, _ in seqs], context_lens_cpu=[c for _, c in seqs],
+        max_query_len=max(q for q, _ in seqs), max_context_len=max(c for _, c in seqs))
+    every = AttentionMetadata(slot_mapping=all_slots, block_tables=tables, context_lens=meta.context_lens,
+                              query_start_loc=meta.query_start_loc, query_lens_cpu=[], context_lens_cpu=[],
+                              max_query_len=0, max_context_len=0)
+    qd = torch.float32 if kv_quant.is_quantized(kv_dt) else dt
+    ref = TorchAttentionBackend()
+    ref.store_kv(*(torch.randn(len(all_slots), hkv, d, generator=g).to(dev, qd) for _ in range(2)), kc, vc, every)
+    t = qsl[-1]
+    q = torch.randn(t, h, d, generator=g).to(dev, qd)
+    k, v = (torch.randn(t, hkv, d, generator=g).to(dev, qd) for _ in range(2))
+    ref.store_kv(k, v, kc, vc, meta)
+    return meta, q, k, v, kc, vc
+
+
+def _prefill_check(rec, dev, dry) -> None:
+    """The Triton prefill kernel against the torch reference (SDPA; scores.attend with soft-caps and sinks)."""
+    from servescope.kernels.triton.prefill import paged_prefill
+    from servescope.model.attention import kv_quant
+    from servescope.model.attention.reference import TorchAttentionBackend
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+    seqs = [(19, 19), (7, 40), (1, 23)] if dry else [(300, 300), (77, 1000), (1, 50), (129, 129), (512, 700)]
+    kv_dtypes = [torch.float32, torch.bfloat16, torch.int8] + ([] if dry else [torch.float16])
+    d, group, hkv = (64, 2, 2) if dry else (128, 4, 2)
+    mods_list = [{}, dict(window=16 if dry else 256, softcap=4.0, sinks=torch.linspace(-4, 4, hkv * group))]
+    ok, worst = True, {}
+    for kv_dt in kv_dtypes:
+        meta, q, k, v, kc, vc = _prefill_step(seqs, 16, hkv, hkv * group, d, torch.float32 if
+                                              kv_quant.is_quantized(kv_dt) else kv_dt, kv_dt, dev, g)
+        for mods in mods_list:
+            mods = {key: (x.to(dev) if torch.is_tensor(x) else x) for key, x in mods.items()}
+            want = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, d ** -0.5, **mods)
+            got = paged_prefill(q, kc, vc, meta.block_tables, meta.context_lens, meta.query_start_loc, d ** -0.5,
+                                max_query_len=meta.max_query_len, **mods)
+            err = (got.float() - want.float()).abs().max().item()
+            name = str(kv_dt).replace("torch.", "")
+            worst[name] = max(worst.get(name, 0.0), err)
+            ok &= err <= 4 * tol.get(q.dtype, 2e-5)
+    for name, err in worst.items():
+        rec(f"prefill_max_abs_err_{name}", err)
+    rec("prefill_ok", bool(ok), "", f"vs torch reference (D {d}, GQA {group}, S 16; plain, and window + soft-cap + "
+        "sinks; chunks over context, fresh prompts, one token)")
+
+
+def section_prefill(rec, dev, dry):
+    """The Triton paged prefill kernel (kernels/triton/prefill.py): correct against the torch reference, then its
+    time at Llama-3-8B's attention shape (H 32, Hkv 8, D 128, bf16, S 16) against the reference backend (one SDPA
+    per sequence over its gathered K/V: what the Triton backend ran before) and, for fresh prompts, against
+    SDPA's flash kernel on contiguous K/V (no paging, the floor)."""
+    import torch.nn.functional as F
+
+    from servescope.kernels.triton.prefill import paged_prefill
+    from servescope.model.attention.reference import TorchAttentionBackend
+
+    _prefill_check(rec, dev, dry)
+    if dry:
+        return
+    g = torch.Generator(device="cpu").manual_seed(1)
+    h, hkv, d, dt = 32, 8, 128, torch.bfloat16
+    cases = {"prompt2048": [(2048, 2048)], "8x512": [(512, 512)] * 8, "chunk512_ctx4096": [(512, 4096)],
+             "4x_chunk1024_ctx3072": [(1024, 3072)] * 4,
+             "prompt2048_window512_softcap_sinks": [(2048, 2048)]}
+    for name, seqs in cases.items():
+        meta, q, k, v, kc, vc = _prefill_step(seqs, 16, hkv, h, d, dt, dt, dev, g)
+        mods = dict(window=512, softcap=50.0, sinks=torch.zeros(h, device=dev)) if "window" in name else {}
+        window = mods.get("window", 0)
+        # score pairs the queries see (each query its own position and those before, within a window)
+        pairs = sum(min(c - ql + i + 1, window or c) for ql, c in seqs for i in range(ql))
+        flops = 4 * h * d * pairs  # q.k and p.v, 2 flops per multiply-add
+
+        def run(warps=4, tiles=None):
+            return paged_prefill(q, kc, vc, meta.block_tables, meta.context_lens, meta.query_start_loc, d ** -0.5,
+                                 max_query_len=meta.max_query_len, num_warps=warps, tiles=tiles, **mods)
+
+        secs = timed(run, dev, 10)
+        ref = timed(lambda: TorchAttentionBackend().forward(q, k, v, kc, vc, meta, d ** -0.5, **mods), dev, 5)
+        note = f"{secs * 1e6:.0f} us; torch reference {ref * 1e6:.0f} us ({ref / secs:.2f}x)"
+        if all(ql == c for ql, c in seqs) and not mods:
+            qs = [q[i * seqs[0][0]:(i + 1) * seqs[0][0]].transpose(0, 1)[None] for i in range(len(seqs))]
+            ks = [k[i * seqs[0][0]:(i + 1) * seqs[0][0]].transpose(0, 1)[None] for i in range(len(seqs))]
+            qb, kb = torch.cat(qs), torch.cat(ks)  # [B, H, L, D], [B, Hkv, L, D]
+            flash = timed(lambda: F.scaled_dot_product_attention(qb, kb, kb, is_causal=True, enable_gqa=True), dev, 10)
+            note += f"; SDPA causal, contiguous {flash * 1e6:.0f} us ({flash / secs:.2f}x)"
+        rec(f"prefill_{name}", flops / secs / 1e12, "TFLOP/s", note)
+        if name == "prompt2048":  # tile and warp variants of the first case, for the next tuning pass
+            for warps, tiles in ((8, None), (4, (32, 64)), (8, (32, 64)), (4, (16, 32))):
+                t = timed(lambda: run(warps, tiles), dev, 10)
+                rec(f"prefill_{name}_w{warps}_{'x'.join(map(str, tiles or ('default',)))}", flops / t / 1e12,
+                    "TFLOP/s", f"{t * 1e6:.0f} us")
+        kc = vc = None  # frees the caches before the next case's (not del: the closures hold them)
 
 
 def section_hardware(rec, dev, dry):
@@ -757,6 +878,7 @@ def main(argv=None) -> int:
     sec("kernels", lambda r: section_kernels(r, dev, dry), 120)
     sec("quant_kernels", lambda r: section_quant_kernels(r, dev, dry), 60)
     sec("moe_kernels", lambda r: section_moe_kernels(r, dev, dry), 90)
+    sec("prefill", lambda r: section_prefill(r, dev, dry), 120)
     sec("hardware", lambda r: section_hardware(r, dev, dry), 60)
     sec("vs_hf_smollm2_fp32", lambda r: section_vs_hf(
         r, dev, dry, smol_spec, "float32", graph_sizes, True, 1e-3, 4, 24 if quick else 48, backend), 120)

@@ -18,11 +18,12 @@ def test_gpu_script_dry_run_every_section_ok(tmp_path):
     res = json.loads((tmp_path / "gpu_results.json").read_text())
     assert res["mode"] == "dry-run-cpu"
     status = {s["section"]: s["status"] for s in res["sections"]}
-    for name in ("kernels", "quant_kernels", "hardware", "vs_hf_smollm2_fp32", "8b_batch1", "8b_b1_anatomy",
+    for name in ("kernels", "quant_kernels", "prefill", "hardware", "vs_hf_smollm2_fp32", "8b_batch1", "8b_b1_anatomy",
                  "8b_gpu_linear", "8b_vs_transformers"):
         assert status.get(name) == "ok", (name, status)
     metrics = {(r["section"], r["metric"]): r["value"] for r in res["rows"]}
     assert metrics[("vs_hf_smollm2_fp32", "vs_transformers_ok")] is True
     assert metrics[("quant_kernels", "quant_gemv_max_rel_err")] < 1e-4
+    assert metrics[("prefill", "prefill_ok")] is True
     assert metrics[("8b_b1_anatomy", "gemvs_only_ms")] > 0
     assert metrics[("8b_gpu_linear", "triton_b1_decode_tokens_per_s")] > 0

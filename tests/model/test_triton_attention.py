@@ -196,17 +196,19 @@ def test_paged_decode_softcap_and_sinks_match_reference(num_splits, softcap, wit
 
 
 def test_backend_mixed_step_with_softcap_and_sinks_matches_torch_backend():
-    """Decode rows through the Triton kernel, prefill rows through scores.attend, in one flat step."""
+    """Decode rows through the Triton decode kernel, prefill rows through its prefill kernel, in one flat step."""
     gen = torch.Generator().manual_seed(12)
     s, hkv, h, d, n = 16, 2, 6, 64, 32
     seqs = [(1, 21), (1, 48), (9, 9), (7, 40)]
     kc, vc = _caches(n, s, hkv, d, torch.float32, gen)
     tables = _tables([c for _, c in seqs], s, n, gen)
-    qsl = [0]
-    for ql, _ in seqs:
+    slots, qsl = [], [0]
+    for i, (ql, cl) in enumerate(seqs):
+        row = tables[i].tolist()
+        slots.extend(row[p // s] * s + p % s for p in range(cl - ql, cl))
         qsl.append(qsl[-1] + ql)
     meta = AttentionMetadata(
-        slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64, device=DEV), block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEV), block_tables=tables,
         context_lens=torch.tensor([c for _, c in seqs], dtype=torch.int32, device=DEV),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEV),
         query_lens_cpu=[q for q, _ in seqs], context_lens_cpu=[c for _, c in seqs],
@@ -216,6 +218,7 @@ def test_backend_mixed_step_with_softcap_and_sinks_matches_torch_backend():
     v = torch.randn(qsl[-1], hkv, d, generator=gen).to(DEV)
     sinks = torch.linspace(-2.0, 2.0, h).to(DEV)
     mods = dict(window=24, softcap=4.0, sinks=sinks)
+    TorchAttentionBackend().store_kv(k, v, kc, vc, meta)  # a step stores its keys before attention (backend.py)
     ref = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, d ** -0.5, **mods)
     out = TritonAttentionBackend().forward(q, k, v, kc, vc, meta, d ** -0.5, **mods)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)

@@ -21,7 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from servescope.kernels.triton import fused as triton_fused, gemv as triton_gemv
-from servescope.kernels.triton import attention as tk
+from servescope.kernels.triton import attention as tk, prefill as tp
 
 target = GPUTarget("cuda", 90, 32)
 FLOATS = {"eps", "scale_log2", "softcap_log2"}
@@ -32,7 +32,7 @@ def attrs(fn):
     return {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
             if not p.is_constexpr and (p.name.endswith("_ptr") or p.name.startswith("stride") or p.name in ("N", "K"))}
 
-def sig(fn, dtype):
+def sig(fn, dtype, ptrs):
     s = {}
     for p in fn.params:
         if p.is_constexpr:
@@ -40,12 +40,18 @@ def sig(fn, dtype):
         elif p.name.endswith("_ptr"):
             s[p.name] = {"slot_ptr": "*i64", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
                          "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-                         "cos_ptr": "*fp32", "sin_ptr": "*fp32"}.get(p.name, dtype)
+                         "cos_ptr": "*fp32", "sin_ptr": "*fp32", "query_start_ptr": "*i32", **ptrs}.get(p.name, dtype)
         else:
             s[p.name] = "fp32" if p.name in FLOATS else "i32"
     return s
 
-CASES = [  # (kernel, pointer dtype, constexprs, warps)
+def prefill(group, d, native, **mods):
+    block_q, block_n = tp.prefill_tiles(group, d, native)
+    return dict(GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=d, D_PAD=triton.next_power_of_2(d),
+                BLOCK_SIZE=16, BLOCK_Q=block_q, BLOCK_N=block_n, PRECISION="tf32" if native else "ieee",
+                NATIVE=native, **{"QUANT": False, "SOFTCAP": False, "SINKS": False, **mods})
+
+CASES = [  # (kernel, pointer dtype, constexprs, warps[, {pointer: its own dtype}])
     (triton_gemv._gemv_kernel, "*bf16", dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024), 4),
     (triton_gemv._gemv_kernel, "*bf16", dict(HAS_BIAS=True, BLOCK_M=8, BLOCK_N=16, BLOCK_K=256), 4),
     (triton_gemv._gemv_kernel, "*fp32", dict(HAS_BIAS=False, BLOCK_M=2, BLOCK_N=8, BLOCK_K=256), 4),
@@ -67,14 +73,22 @@ CASES = [  # (kernel, pointer dtype, constexprs, warps)
                                             SINKS=True), 4),
     (tk._decode_reduce_kernel, "*bf16", dict(NUM_HEADS=64, HEAD_DIM=64, D_PAD=64, NUM_SPLITS=4, SPLITS_PAD=4,
                                              SINKS=True), 4),
+    # the paged prefill with prefill_tiles' choices: Llama-3-8B (group 4, dim 128) in bf16 16-bit products, over
+    # an int8 cache, and in float32; Gemma-2-2B's soft-capped dim-256 heads; gpt-oss-20b's window and sinks
+    (tp._paged_prefill_kernel, "*bf16", prefill(4, 128, True), 4),
+    (tp._paged_prefill_kernel, "*bf16", prefill(4, 128, True, QUANT=True), 4,
+     {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8"}),
+    (tp._paged_prefill_kernel, "*fp32", prefill(4, 128, False), 4),
+    (tp._paged_prefill_kernel, "*bf16", prefill(2, 256, True, SOFTCAP=True), 4),
+    (tp._paged_prefill_kernel, "*bf16", prefill(8, 64, True, SINKS=True), 4),
 ]
 bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ptxas = os.path.join(bindir, "ptxas-blackwell")
 cuobjdump = os.path.join(bindir, "cuobjdump")
 out = []
-for fn, dt, consts, warps in CASES:
-    k = triton.compile(ASTSource(fn=fn, signature=sig(fn, dt), constexprs=consts, attrs=attrs(fn)), target=target,
-                       options={"num_warps": warps})
+for fn, dt, consts, warps, *ptrs in CASES:
+    src = ASTSource(fn=fn, signature=sig(fn, dt, *(ptrs or [{}])), constexprs=consts, attrs=attrs(fn))
+    k = triton.compile(src, target=target, options={"num_warps": warps})
     loads = None
     if os.path.exists(cuobjdump):
         with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
@@ -106,7 +120,7 @@ def test_every_triton_kernel_compiles_for_sm90_without_spills():
     proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(res) == 13
+    assert len(res) == 18
     for r in res:
         assert r["cubin"], r
         # None: no ptxas to ask (the cubin was still built). The paged decode kernel at head dim 128

@@ -1,6 +1,5 @@
 """Reference attention in plain PyTorch: runs everywhere, is the oracle in tests, and serves what the
-faster backends leave to it (the Triton backend's prefill rows, the CPU backend's steps without the
-C++ extension; cpu.py).
+faster backends leave to it (the CPU backend's steps without the C++ extension; cpu.py).
 
 A quantised cache (int8, fp8: kv_quant.py) is read by gathering and dequantising only the blocks a step
 reads; every key comes from the cache, a prompt's own included.

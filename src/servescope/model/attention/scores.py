@@ -1,9 +1,10 @@
 """Attention whose scores change before the softmax: tanh soft-capping (Gemma 2) and learned sinks (gpt-oss),
 in plain PyTorch, in the order of operations of transformers' eager attention.
 
-SDPA and the tiled prefill kernel compute softmax(q.k * scale) only; a layer with a soft-cap or sinks
-(AttentionSpec.plain_softmax false) has its prefill rows served by `attend` here. Decode rows take the paged
-decode kernels, which compute both: the C++ one on the CPU (csrc/decode_attention.h's ScoreMods) and the
+SDPA and the CPU's tiled prefill kernel compute softmax(q.k * scale) only; a layer with a soft-cap or sinks
+(AttentionSpec.plain_softmax false) has its prefill rows served by `attend` here, except under Triton, whose paged
+prefill kernel (kernels/triton/prefill.py) computes both. Decode rows take the paged decode kernels, which compute
+both: the C++ one on the CPU (csrc/decode_attention.h's ScoreMods) and the
 Triton one on GPUs (kernels/triton/attention.py's SOFTCAP / SINKS), so a decode-only step of such a model
 runs no reference code and CUDA graphs capture it. The C++ decode plan still declines such models.
 
