@@ -52,7 +52,7 @@ from servescope.engine.disaggregated import DisaggregatedEngine
 from servescope.engine.llm_engine import LLMEngine
 from servescope.labs.sim_validation import WallClock, profile_steps
 from servescope.measure.local_hardware import local_kv_link, probe_local_cpu
-from servescope.measure.sequence_overhead import host_costs
+from servescope.measure.detokenise import detokenise_cost
 from servescope.sim.disagg import Disaggregated
 from servescope.sim.driver import bench_result, drive
 from servescope.sim.spec import HostCosts, instance_spec
@@ -171,11 +171,10 @@ def main(argv=None) -> int:
     engine = LLMEngine(config)
     hw = probe_local_cpu()  # after the engine: keyed by the torch threads it set
     dtype = str(engine.dtype).replace("torch.", "")
-    per_seq, per_token, source = host_costs(dtype, with_tokenizer=True)
     spec = instance_spec("smollm2-135m", hw, dtype=dtype, cache=KVCacheConfig(num_kv_blocks=BLOCKS),
                          batching=BatchingConfig(max_num_seqs=SEQS, max_num_batched_tokens=BUDGET,
                                                  max_model_len=MAX_LEN),
-                         host=HostCosts(per_seq, per_token, source))
+                         host=HostCosts(*detokenise_cost(with_tokenizer=True)))
     vocab = spec.model.vocab_size
     if a.step_table or a.workloads:  # without either, --send-path's simulation prices steps on the cost model
         t0 = time.perf_counter()

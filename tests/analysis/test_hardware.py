@@ -64,7 +64,7 @@ def test_spec_validation():
 # Stand-ins for the engine's measurers (measure/local_hardware.py passes the real ones; analysis/ never
 # imports the engine): fixed figures, so the tests can check that they reach the spec unchanged.
 _RATES = [[1, 1e9], [8, 4e9]]
-FAKE_ENGINE = dict(host_overhead=lambda: (2e-4, 3e-6), linear_rates=lambda dt, rows=None: _RATES,
+FAKE_ENGINE = dict(host_overhead=lambda: (2e-4, 3e-6, 4e-5), linear_rates=lambda dt, rows=None: _RATES,
                    decode_attention_flops=lambda dt: 5e9, packed_gemm_flops=lambda: 7e9)
 TINY = dict(bandwidth_bytes=4 * 2**20, matmul_size=64, runs=2)
 
@@ -80,7 +80,7 @@ def test_probe_measures_caches_and_forces(tmp_path, monkeypatch):
     assert spec.memory_bandwidth > 1e8 and spec.flops("float32") > 1e7 and spec.flops("bfloat16") > 1e6
     assert spec.memory_bytes > 2**28
     # the engine's measurements land in the spec as measured
-    assert (spec.step_overhead_s, spec.layer_overhead_s) == (2e-4, 3e-6)
+    assert (spec.step_overhead_s, spec.layer_overhead_s, spec.seq_overhead_s) == (2e-4, 3e-6, 4e-5)
     assert spec.linear_rates == {"float32": _RATES, "bfloat16": _RATES}
     assert spec.decode_attention_flops == {"float32": 5e9, "bfloat16": 5e9} and spec.packed_gemm_flops == 7e9
     stored = json.loads(cache.read_text())
