@@ -137,3 +137,20 @@ def test_get_hardware_local_cpu_reads_the_full_probe_cache(tmp_path, monkeypatch
     monkeypatch.setattr(probe, "measure_read_bandwidth", lambda *a, **k: pytest.fail("re-probed"))
     assert hardware.get_hardware("local-cpu") == full
     assert hardware.get_hardware("CPU").name == "local-cpu"
+
+
+def test_a_spec_cached_before_the_per_sequence_overhead_is_measured_again(tmp_path):
+    pytest.importorskip("torch")
+    from servescope.analysis import probe
+
+    cache = tmp_path / "hardware.json"
+    kw = dict(cache_path=cache, measurers=probe.EngineMeasurers(**FAKE_ENGINE), **TINY)
+    spec = probe.probe_local_hardware(**kw)
+    stored = json.loads(cache.read_text())
+    (key,) = stored
+    del stored[key]["seq_overhead_s"]  # as the probe wrote it before it measured the term
+    cache.write_text(json.dumps(stored))
+    assert probe.cached_local_hardware(cache) is None  # never read back without the term
+    again = probe.probe_local_hardware(**kw)  # measured again, under the same key
+    assert again.seq_overhead_s == 4e-5 and list(json.loads(cache.read_text())) == [key]
+    assert probe.probe_local_hardware(**kw) == again and spec.seq_overhead_s == 4e-5

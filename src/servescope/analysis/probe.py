@@ -58,10 +58,12 @@ from servescope.timing import median_seconds
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 10  # 2: host overheads; 3: linear kernel rates; 4: decode attention; 5: best-of matmul;
+CACHE_VERSION = 9  # 2: host overheads; 3: linear kernel rates; 4: decode attention; 5: best-of matmul;
 # 6: the kernel path and CPU flags in the key, matmuls sized to each dtype's speed, slow_dtypes;
 # 7: the packed integer GEMM's rate; 8: float32's linear rates with the panel GEMM; 9: decode attention
-# reads each tile in cache order (its rate moved); 10: the host overhead per sequence
+# reads each tile in cache order (its rate moved). The host overhead per sequence took no new version: an entry
+# written before it lacks the field and is measured again (_cached_spec), so that the kernel tables, keyed by
+# this version too (measure/kernel_cache.py), stay valid.
 CALL_BUDGET_S = 0.25  # the longest one timed matmul call may take (sizes the matmul of each dtype)
 SLOW_FRACTION = 0.25  # a dtype below this fraction of float32's matmul rate has no fast path here
 SLOW_ROWS = (1, 2)  # the rows a slow dtype's linear kernel is measured at
@@ -196,10 +198,13 @@ def _read_cache(path: Path) -> dict:
 
 
 def _cached_spec(cache: dict, key: str, path: Path) -> Optional[HardwareSpec]:
-    if key not in cache:
+    """The spec stored under `key`, or None: none stored, or one the probe stored before it measured the host
+    overhead per sequence (its per-step overhead without the per-sequence one: it would predict without it)."""
+    entry = cache.get(key)
+    if entry is None or ("step_overhead_s" in entry and "seq_overhead_s" not in entry):
         return None
     try:
-        return HardwareSpec.from_dict(cache[key])
+        return HardwareSpec.from_dict(entry)
     except (TypeError, ValueError):
         logger.warning("ignoring a malformed entry in %s", path)
         return None

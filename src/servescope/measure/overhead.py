@@ -10,10 +10,11 @@ fitting them to the steps they are meant to predict: the same model class, kerne
 on configs whose widths are tiny (hidden 128, one KV head of 64, vocabulary 512) so that the
 arithmetic and memory traffic are negligible, at two depths and two batch sizes (1 and BATCH decodes).
 At batch 1 the difference between the depths is the per-layer cost, the rest the per-step cost (less
-its one sequence's, which the cost model adds per sequence). The slope from batch 1 to BATCH is the per-sequence cost plus, per layer, what each row adds to the
-layer's kernels (attention over one more sequence, norms of one more row); the kernel table prices
-that share at the real model's shapes, so it is taken out: the per-sequence cost is the slope at the
-shallow depth less its layers' share of the slope's growth with depth.
+its one sequence's, which the cost model adds per sequence). The slope from batch 1 to BATCH is the
+per-sequence cost plus, per layer, what each row adds to the layer's kernels (attention over one more
+sequence, norms of one more row); the kernel table prices that share at the real model's shapes, so it
+is taken out: the per-sequence cost is the slope at the shallow depth less its layers' share of the
+slope's growth with depth.
 
 What it cannot see: work that only exists at real sizes (waking the second thread for a large
 kernel, cache misses on the model's own weights) stays in the roofline's terms.
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 DEPTHS = (2, 32)
 BATCH = 32  # the decodes of the per-sequence slope's wider step
+BATCH_STEPS = 16  # decode steps of the wider step (the median of its 15 decodes)
 
 
 def _tiny_config(layers: int) -> dict:
@@ -86,7 +88,8 @@ def split_host_overhead(times: dict, depths: tuple = DEPTHS, batch: int = BATCH)
 
 def measure_host_overhead(dtype: str = "float32", device: str = "cpu") -> tuple:
     """(per-step seconds, per-layer seconds, per-sequence seconds) of this engine's host work here."""
-    times = {(d, b): decode_step_seconds(d, dtype, device, batch=b) for d in DEPTHS for b in (1, BATCH)}
+    times = {(d, b): decode_step_seconds(d, dtype, device, steps=40 if b == 1 else BATCH_STEPS, batch=b)
+             for d in DEPTHS for b in (1, BATCH)}
     per_step, per_layer, per_seq = split_host_overhead(times)
     logger.info("host overhead: %.2f ms per step + %.1f us per layer + %.1f us per sequence", per_step * 1e3,
                 per_layer * 1e6, per_seq * 1e6)
