@@ -1,6 +1,8 @@
 """Real 1 prefill + 1 decode disaggregation (engine/disaggregated.py) beside its simulation (sim/disagg.py).
 
-The embedded SmolLM2-135M, one torch thread per engine (two processes on the machine's cores). First the plain
+The embedded SmolLM2-135M, one torch thread per engine (two processes on the machine's cores), its steps priced
+on the full probe with its kernels timed at its shapes (measure/local_hardware.measured_engine: the engine's
+StepRecords and the simulation read the same spec). First the plain
 engine (this process's, later the decode engine) is warmed up and its measured / predicted step table profiled
 on workloads of its own (labs/sim_validation.profile_steps); then the disaggregated pair serves each workload
 on the wall clock (sim/driver.drive, the lab's WallClock: the same arrivals as the simulation), and the
@@ -51,8 +53,8 @@ from servescope.config.engine import BatchingConfig, KVCacheConfig
 from servescope.engine.disaggregated import DisaggregatedEngine
 from servescope.engine.llm_engine import LLMEngine
 from servescope.labs.sim_validation import WallClock, profile_steps
-from servescope.measure.local_hardware import local_kv_link, probe_local_cpu
-from servescope.measure.sequence_overhead import host_costs
+from servescope.measure.local_hardware import local_kv_link, measured_engine
+from servescope.measure.detokenise import detokenise_cost
 from servescope.sim.disagg import Disaggregated
 from servescope.sim.driver import bench_result, drive
 from servescope.sim.spec import HostCosts, instance_spec
@@ -168,14 +170,16 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     config = EngineConfig(dtype="auto", num_threads=1, num_kv_blocks=BLOCKS, max_num_seqs=SEQS,
                           max_num_batched_tokens=BUDGET, max_model_len=MAX_LEN, hardware="local-cpu")
-    engine = LLMEngine(config)
-    hw = probe_local_cpu()  # after the engine: keyed by the torch threads it set
+    torch.set_num_threads(1)  # the engines' threads, before the probe: its spec is keyed by them
+    # the engine's kernels timed at the model's shapes (its KernelTable, cached after the first run): its
+    # StepRecords and the simulation price steps on the same spec, the prefill of long prompts by its own kernels
+    engine = measured_engine(config)
+    hw = engine.hardware
     dtype = str(engine.dtype).replace("torch.", "")
-    per_seq, per_token, source = host_costs(dtype, with_tokenizer=True)
     spec = instance_spec("smollm2-135m", hw, dtype=dtype, cache=KVCacheConfig(num_kv_blocks=BLOCKS),
                          batching=BatchingConfig(max_num_seqs=SEQS, max_num_batched_tokens=BUDGET,
                                                  max_model_len=MAX_LEN),
-                         host=HostCosts(per_seq, per_token, source))
+                         host=HostCosts(*detokenise_cost(with_tokenizer=True)))
     vocab = spec.model.vocab_size
     if a.step_table or a.workloads:  # without either, --send-path's simulation prices steps on the cost model
         t0 = time.perf_counter()

@@ -132,6 +132,8 @@ def test_efficiency_and_overhead():
     with pytest.raises(InvalidParameterError):
         decode_cost(LLAMA3, 1, 0, H100, efficiency={"flops": 0.5})
     with pytest.raises(InvalidParameterError):
+        H100.replace(seq_overhead_s=-1e-6)
+    with pytest.raises(InvalidParameterError):
         decode_cost(LLAMA3, 1, 0, H100, efficiency={"compute": 0})
 
 
@@ -208,3 +210,17 @@ def test_model_config_roundtrip_tiny():
     cfg = ModelConfig(architecture="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4)
     assert weight_bytes(cfg, "float32") == 4 * cfg.num_parameters()
+
+
+def test_the_host_overhead_per_sequence_grows_with_the_steps_rows_alone():
+    """B * seq_overhead_s on top of the per-step and per-layer overhead: the same for a decode row as for a
+    prefill chunk, whatever its tokens or context; nothing on a spec without it; overhead_s replaces it all."""
+    hw = H100.replace(step_overhead_s=1e-3, layer_overhead_s=1e-5, seq_overhead_s=4e-5)
+    fixed = 1e-3 + 32 * 1e-5
+    for seqs in ([(1, 100)], [(1, 100)] * 8, [(1, 2000)] * 8, [(300, 0), (1, 50), (1, 900)]):
+        with_seq = step_cost(LLAMA3, seqs, hw)
+        without = step_cost(LLAMA3, seqs, hw.replace(seq_overhead_s=0.0))
+        assert with_seq.overhead_seconds == pytest.approx(fixed + len(seqs) * 4e-5)
+        assert with_seq.predicted_seconds - without.predicted_seconds == pytest.approx(len(seqs) * 4e-5)
+        assert [o.seconds for o in with_seq.ops] == [o.seconds for o in without.ops]  # the ops are unchanged
+    assert step_cost(LLAMA3, [(1, 100)] * 8, hw, overhead_s=0.0).overhead_seconds == 0.0

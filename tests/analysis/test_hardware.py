@@ -64,7 +64,7 @@ def test_spec_validation():
 # Stand-ins for the engine's measurers (measure/local_hardware.py passes the real ones; analysis/ never
 # imports the engine): fixed figures, so the tests can check that they reach the spec unchanged.
 _RATES = [[1, 1e9], [8, 4e9]]
-FAKE_ENGINE = dict(host_overhead=lambda: (2e-4, 3e-6), linear_rates=lambda dt, rows=None: _RATES,
+FAKE_ENGINE = dict(host_overhead=lambda: (2e-4, 3e-6, 4e-5), linear_rates=lambda dt, rows=None: _RATES,
                    decode_attention_flops=lambda dt: 5e9, packed_gemm_flops=lambda: 7e9)
 TINY = dict(bandwidth_bytes=4 * 2**20, matmul_size=64, runs=2)
 
@@ -80,7 +80,7 @@ def test_probe_measures_caches_and_forces(tmp_path, monkeypatch):
     assert spec.memory_bandwidth > 1e8 and spec.flops("float32") > 1e7 and spec.flops("bfloat16") > 1e6
     assert spec.memory_bytes > 2**28
     # the engine's measurements land in the spec as measured
-    assert (spec.step_overhead_s, spec.layer_overhead_s) == (2e-4, 3e-6)
+    assert (spec.step_overhead_s, spec.layer_overhead_s, spec.seq_overhead_s) == (2e-4, 3e-6, 4e-5)
     assert spec.linear_rates == {"float32": _RATES, "bfloat16": _RATES}
     assert spec.decode_attention_flops == {"float32": 5e9, "bfloat16": 5e9} and spec.packed_gemm_flops == 7e9
     stored = json.loads(cache.read_text())
@@ -137,3 +137,20 @@ def test_get_hardware_local_cpu_reads_the_full_probe_cache(tmp_path, monkeypatch
     monkeypatch.setattr(probe, "measure_read_bandwidth", lambda *a, **k: pytest.fail("re-probed"))
     assert hardware.get_hardware("local-cpu") == full
     assert hardware.get_hardware("CPU").name == "local-cpu"
+
+
+def test_a_spec_cached_before_the_per_sequence_overhead_is_measured_again(tmp_path):
+    pytest.importorskip("torch")
+    from servescope.analysis import probe
+
+    cache = tmp_path / "hardware.json"
+    kw = dict(cache_path=cache, measurers=probe.EngineMeasurers(**FAKE_ENGINE), **TINY)
+    spec = probe.probe_local_hardware(**kw)
+    stored = json.loads(cache.read_text())
+    (key,) = stored
+    del stored[key]["seq_overhead_s"]  # as the probe wrote it before it measured the term
+    cache.write_text(json.dumps(stored))
+    assert probe.cached_local_hardware(cache) is None  # never read back without the term
+    again = probe.probe_local_hardware(**kw)  # measured again, under the same key
+    assert again.seq_overhead_s == 4e-5 and list(json.loads(cache.read_text())) == [key]
+    assert probe.probe_local_hardware(**kw) == again and spec.seq_overhead_s == 4e-5

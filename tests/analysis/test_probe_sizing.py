@@ -46,7 +46,7 @@ def test_slow_dtypes_are_listed_and_their_gemm_rows_skipped(fake_matmul, tmp_pat
         asked.append((dt, rows))
         return [[m, 1e9] for m in (rows or (1, 8))]
 
-    m = probe.EngineMeasurers(host_overhead=lambda: (1e-4, 1e-6), linear_rates=rates,
+    m = probe.EngineMeasurers(host_overhead=lambda: (1e-4, 1e-6, 2e-5), linear_rates=rates,
                               decode_attention_flops=lambda dt: 1e9, packed_gemm_flops=lambda: 1e9)
     spec = probe.probe_local_hardware(cache_path=tmp_path / "hw.json", measurers=m, bandwidth_bytes=4 * 2**20,
                                       runs=1, kernel_path="avx2 C++ kernels")

@@ -15,6 +15,7 @@ def test_probe_local_cpu_measures_the_engine_and_caches_the_full_spec(tmp_path, 
     spec = local_hardware.probe_local_cpu(bandwidth_bytes=4 * 2**20, matmul_size=64, runs=1)
     # the engine's host work, measured on a tiny model: some microseconds per layer, not seconds
     assert 1e-7 < spec.layer_overhead_s < 5e-3 and 0 <= spec.step_overhead_s < 0.05
+    assert 0 <= spec.seq_overhead_s < 5e-3  # and per sequence of the step: microseconds
     assert set(spec.linear_rates) == {"float32", "bfloat16"}
     stored = json.loads((tmp_path / "servescope" / "hardware.json").read_text())
     assert list(stored) == [probe._cache_key(torch.get_num_threads())]

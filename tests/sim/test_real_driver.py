@@ -1,14 +1,13 @@
 """The driver on the real engine (the lab's WallClock), the step table fitted from its StepRecords, and the
-host costs measured on the engine (a tiny random model: only the plumbing is checked, never a speed)."""
+detokeniser's cost measured on the tokenizer (only the plumbing is checked, never a speed)."""
 
 import json
-import math
 
 import pytest
 
 from servescope.config import EngineConfig
 from servescope.config.engine import BatchingConfig, KVCacheConfig
-from servescope.measure import sequence_overhead
+from servescope.measure import detokenise
 from servescope.engine.llm_engine import LLMEngine
 from servescope.measure.overhead import _tiny_config
 from servescope.labs.sim_validation import WallClock
@@ -47,16 +46,11 @@ def test_the_same_driver_runs_the_engine_on_the_wall_clock(tiny_engine):
     assert sum(s.num_prefill_tokens for s in real_steps) == sum(s.num_prefill_tokens for s in dep.engines[0].steps)
 
 
-def test_host_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
+def test_the_detokeniser_cost_is_measured_once_and_cached(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(sequence_overhead, "default_cache_path", lambda: tmp_path / "hardware.json")
-    monkeypatch.setattr(sequence_overhead, "measure_per_sequence_seconds", lambda dtype: calls.append(dtype) or 2e-5)
-    monkeypatch.setattr(sequence_overhead, "measure_detokenise_seconds", lambda: 4e-6)
-    assert sequence_overhead.host_costs("float32", with_tokenizer=True)[:2] == (2e-5, 4e-6)
-    assert sequence_overhead.host_costs("float32", with_tokenizer=False)[:2] == (2e-5, 0.0)  # no tokenizer
-    assert calls == ["float32"] and (tmp_path / sequence_overhead.CACHE_NAME).is_file()
-
-
-def test_the_per_sequence_slope_is_measured_on_the_engine():
-    per_seq = sequence_overhead.measure_per_sequence_seconds("float32")
-    assert math.isfinite(per_seq) and 0 <= per_seq < 0.01
+    monkeypatch.setattr(detokenise, "default_cache_path", lambda: tmp_path / "hardware.json")
+    monkeypatch.setattr(detokenise, "measure_detokenise_seconds", lambda: calls.append(1) or 4e-6)
+    assert detokenise.detokenise_cost(with_tokenizer=True)[0] == 4e-6
+    assert detokenise.detokenise_cost(with_tokenizer=True)[0] == 4e-6
+    assert detokenise.detokenise_cost(with_tokenizer=False)[0] == 0.0  # no tokenizer
+    assert calls == [1] and (tmp_path / detokenise.CACHE_NAME).is_file()

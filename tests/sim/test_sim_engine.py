@@ -54,11 +54,15 @@ def test_one_request_takes_the_predicted_steps():
 
 def test_host_costs_are_added_per_sequence_and_token():
     base = _spec()
-    host = _spec(host=HostCosts(per_seq_s=1e-3, per_token_s=2e-4))
+    per_seq = base.replace(hardware=base.hardware.replace(seq_overhead_s=1e-3))  # the spec's, as the engine's
+    host = per_seq.replace(host=HostCosts(per_token_s=2e-4))
     reqs = synthetic_workload(4, 32, 3, base.model.vocab_size)  # one prefill step of 4, then decodes of 4
-    d0, d1 = _run(base, reqs)[0], _run(host, reqs)[0]
-    for a, b in zip(d0.engines[0].steps, d1.engines[0].steps):
-        assert b.wall_seconds == pytest.approx(a.wall_seconds + 4 * 1e-3 + 4 * 2e-4)
+    d0, d1, d2 = _run(base, reqs)[0], _run(per_seq, reqs)[0], _run(host, reqs)[0]
+    for a, b, c in zip(d0.engines[0].steps, d1.engines[0].steps, d2.engines[0].steps):
+        # the per-sequence cost is in the prediction itself (once), the detokeniser's on top of it
+        assert b.predicted_seconds == pytest.approx(a.predicted_seconds + 4 * 1e-3)
+        assert b.wall_seconds == pytest.approx(b.predicted_seconds)
+        assert c.wall_seconds == pytest.approx(b.wall_seconds + 4 * 2e-4)
 
 
 def test_later_arrivals_join_between_steps_and_keep_their_arrival_time():

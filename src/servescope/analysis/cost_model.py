@@ -10,9 +10,10 @@ no faster than attention FLOPs / the measured FLOP/s of the decode-attention ker
 group-32 packed weights with float32 activations run the engine's integer kernels (activations rounded
 to int8 per 32-block, int8 dot products): their compute peak is the probe's `packed_gemm_flops` where
 it was measured, not the float32 matmul's.
-The step's prediction is the sum over ops plus a fixed overhead (hw.step_overhead_s +
-L * hw.layer_overhead_s, or `overhead_s`). Summing per-op times assumes ops do not overlap, which
-is how an unfused engine runs (the torch attention backend gathers KV, then calls SDPA).
+The step's prediction is the sum over ops plus the host overhead (hw.step_overhead_s +
+L * hw.layer_overhead_s + B * hw.seq_overhead_s for B sequences, or `overhead_s`). Summing per-op
+times assumes ops do not overlap, which is how an unfused engine runs (the torch attention backend
+gathers KV, then calls SDPA).
 
 The counting functions are re-exported here: this module is the cost model's public face.
 """
@@ -169,7 +170,8 @@ def step_cost(
 
     efficiency: {"compute": f, "memory": g}, fractions of peak FLOP/s and bandwidth achievable
     (default 1.0 each), for calibrating against measured steps.
-    overhead_s: fixed seconds added to the step; default hw.step_overhead_s + L * hw.layer_overhead_s.
+    overhead_s: host seconds added to the step; default hw.step_overhead_s + L * hw.layer_overhead_s
+    + B * hw.seq_overhead_s (B = len(seqs): a verification handed in as 1 + k rows counts 1 + k).
     distinct_experts: a MoE's experts read per sparse layer, as measured (None: expected, analysis/moe.py).
     expert_parallel: N, one expert-parallel rank's step (1/N of the routed experts' work; op_counts.mlp_counts).
     num_logits: rows through lm_head; default one per sequence (what the engine computes).
@@ -214,7 +216,7 @@ def step_cost(
                   kernel_seconds=timed[name] if name in timed else kernel_s(name, w), measured=name in timed)
            for name, f, a, w in raw]
     if overhead_s is None:
-        overhead_s = hw.step_overhead_s + L * hw.layer_overhead_s
+        overhead_s = hw.step_overhead_s + L * hw.layer_overhead_s + B * hw.seq_overhead_s
     return StepCost(ops=ops, num_tokens=T, num_seqs=B, overhead_seconds=float(overhead_s),
                     peak_flops=peak, memory_bandwidth=bw)
 

@@ -181,7 +181,7 @@ class PipelinedStep:
     schedule: PipelineSchedule
     head_seconds: float  # the last stage's final norm and head (its shard, at TP > 1)
     logits_seconds: float  # gathering the vocabulary shards (TP > 1) and sending the logits to rank 0
-    overhead_seconds: float  # the step's fixed host cost on rank 0
+    overhead_seconds: float  # the step's host cost on rank 0 (per step and per sequence)
     compute_only: tuple = ()  # [M][P]: schedule.stage_seconds without the stages' all-reduces
 
     @property
@@ -209,4 +209,4 @@ def pipelined_step(cfg: ModelConfig, seqs: list, hw, tp: int, pp: int, num_micro
         logits = (gather_seconds(n_logits * shard.vocab_size * 4, tp, link)
                   + p2p_seconds(n_logits * cfg.vocab_size * 4, link))
     return PipelinedStep(sched, head_seconds(shard, seqs, hw, n_logits, dtypes, share) if n_logits else 0.0, logits,
-                         hw.step_overhead_s, bare.stage_seconds)
+                         hw.step_overhead_s + len(seqs) * hw.seq_overhead_s, bare.stage_seconds)

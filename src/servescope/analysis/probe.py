@@ -23,10 +23,11 @@ What is measured and why:
 
 What the engine measures, handed in as `EngineMeasurers` (analysis/ never imports the engine;
 measure/local_hardware.py passes the engine's own):
-- step_overhead_s / layer_overhead_s: the engine's own host work per step and per decoder layer,
-  measured on the engine with a model too small to cost anything else (measure/overhead.py). The
-  cost model adds them to every step's prediction; they are measured, not fitted to the steps they
-  predict.
+- step_overhead_s / layer_overhead_s / seq_overhead_s: the engine's own host work per step, per
+  decoder layer and per sequence in the step, measured on the engine with a model too small to cost
+  anything else (measure/overhead.py). The cost model adds them to every step's prediction (the
+  engine's StepRecords and the simulator's clock alike); they are measured, not fitted to the steps
+  they predict.
 - linear_rates: weight bytes/s of the engine's CPU linear kernel at 1..128 rows, float32 and
   bfloat16, on 1024 x 1024 matrices that belong to no model (measure/kernel_rates.py);
   decode_attention_flops: FLOP/s of its paged decode-attention kernel (KV in cache);
@@ -60,7 +61,9 @@ logger = logging.getLogger(__name__)
 CACHE_VERSION = 9  # 2: host overheads; 3: linear kernel rates; 4: decode attention; 5: best-of matmul;
 # 6: the kernel path and CPU flags in the key, matmuls sized to each dtype's speed, slow_dtypes;
 # 7: the packed integer GEMM's rate; 8: float32's linear rates with the panel GEMM; 9: decode attention
-# reads each tile in cache order (its rate moved)
+# reads each tile in cache order (its rate moved). The host overhead per sequence took no new version: an entry
+# written before it lacks the field and is measured again (_cached_spec), so that the kernel tables, keyed by
+# this version too (measure/kernel_cache.py), stay valid.
 CALL_BUDGET_S = 0.25  # the longest one timed matmul call may take (sizes the matmul of each dtype)
 SLOW_FRACTION = 0.25  # a dtype below this fraction of float32's matmul rate has no fast path here
 SLOW_ROWS = (1, 2)  # the rows a slow dtype's linear kernel is measured at
@@ -76,7 +79,7 @@ BUSY_MIN_WINDOW_S = 0.5  # below this the CPU share of the peaks' measurement sa
 class EngineMeasurers:
     """The measurements only the engine can make, as callables (None: not measured).
 
-    host_overhead() -> (seconds per step, seconds per decoder layer);
+    host_overhead() -> (seconds per step, seconds per decoder layer, seconds per sequence in the step);
     linear_rates(dtype name[, rows]) -> [[rows M, weight bytes/s], ...], M ascending;
     decode_attention_flops(dtype name) -> FLOP/s of the paged decode-attention kernel;
     packed_gemm_flops() -> FLOP/s of the integer GEMM over group-32 packed weights, float32 activations.
@@ -195,10 +198,13 @@ def _read_cache(path: Path) -> dict:
 
 
 def _cached_spec(cache: dict, key: str, path: Path) -> Optional[HardwareSpec]:
-    if key not in cache:
+    """The spec stored under `key`, or None: none stored, or one the probe stored before it measured the host
+    overhead per sequence (its per-step overhead without the per-sequence one: it would predict without it)."""
+    entry = cache.get(key)
+    if entry is None or ("step_overhead_s" in entry and "seq_overhead_s" not in entry):
         return None
     try:
-        return HardwareSpec.from_dict(cache[key])
+        return HardwareSpec.from_dict(entry)
     except (TypeError, ValueError):
         logger.warning("ignoring a malformed entry in %s", path)
         return None
@@ -238,11 +244,11 @@ def _measure_engine(m: EngineMeasurers, slow: list) -> dict:
     that part. A slow dtype's linear kernel is measured at the GEMV's rows only (SLOW_ROWS: the C++
     GEMV widens bfloat16 to float32 and runs at the bandwidth anyway; more rows go to a GEMM that
     has no fast path here and would take minutes), beyond which the (slow) peak prices it."""
-    out = {"step_overhead_s": 0.0, "layer_overhead_s": 0.0, "linear_rates": {}, "decode_attention_flops": {},
-           "packed_gemm_flops": 0.0}
+    out = {"step_overhead_s": 0.0, "layer_overhead_s": 0.0, "seq_overhead_s": 0.0, "linear_rates": {},
+           "decode_attention_flops": {}, "packed_gemm_flops": 0.0}
     if m.host_overhead is not None:
         try:
-            out["step_overhead_s"], out["layer_overhead_s"] = m.host_overhead()
+            out["step_overhead_s"], out["layer_overhead_s"], out["seq_overhead_s"] = m.host_overhead()
         except Exception as e:
             logger.warning("host overhead not measured (%s)", e)
     if m.linear_rates is not None:
@@ -299,7 +305,7 @@ def probe_local_hardware(
     engine = _measure_engine(measurers, slow)
     elapsed = time.perf_counter() - t0
     busy = window >= BUSY_MIN_WINDOW_S and cpus_got < BUSY_SHARE * min(threads, len(os.sched_getaffinity(0)))
-    step_oh, layer_oh = engine["step_overhead_s"], engine["layer_overhead_s"]
+    step_oh, layer_oh, seq_oh = engine["step_overhead_s"], engine["layer_overhead_s"], engine["seq_overhead_s"]
     spec = HardwareSpec(
         name=LOCAL_CPU,
         kind="cpu",
@@ -309,7 +315,7 @@ def probe_local_hardware(
         notes=(f"measured by probe_local_hardware on {cpu_model()} with {threads} torch threads in "
                f"{elapsed:.1f} s; int8 = bfloat16 figure (int8 weights are dequantised); "
                f"memory_bytes = physical RAM; host overhead {step_oh * 1e3:.2f} ms per step + "
-               f"{layer_oh * 1e6:.0f} us per layer (measure/overhead.py)"
+               f"{layer_oh * 1e6:.0f} us per layer + {seq_oh * 1e6:.0f} us per sequence (measure/overhead.py)"
                + (f"; no fast path for {', '.join(slow)} here (measured small, never the default)" if slow else "")
                + ("" if measurers.complete else f"; engine measurements: {', '.join(measurers.given) or 'none'}")
                + (f"; the machine was busy (its {threads} threads got {cpus_got:.1f} CPUs): not cached"

@@ -11,9 +11,11 @@ Conventions (every spec follows them, so that predictions are comparable):
 - `memory_bytes` is the capacity in the unit the vendor prints. NVIDIA and AMD print "GB" and we take
   it as 1e9 bytes; the physical HBM is larger (an "80GB" part shows ~80 GiB in nvidia-smi), so plans
   made against these numbers are slightly conservative.
-- `step_overhead_s` / `layer_overhead_s`: fixed time the runtime spends per step and per layer
-  outside the roofline (kernel launches, Python). Zero for datasheet specs; an engine may calibrate
-  them (see `HardwareSpec.replace`) and the cost model adds them to every step.
+- `step_overhead_s` / `layer_overhead_s` / `seq_overhead_s`: time the runtime spends per step, per
+  layer and per sequence (row) of the step outside the roofline (kernel launches, Python, each
+  sequence's scheduling, tensors' rows, sample and bookkeeping). Zero for datasheet specs; the local
+  probe measures them on the engine, an engine may calibrate them (see `HardwareSpec.replace`) and
+  the cost model adds them to every step.
 - `linear_rates`: {weight dtype: [[rows M, weight bytes per second], ...]}, how fast the engine's own
   linear-layer kernels get through their weights at M rows (measured by the local probe, empty for
   datasheet specs). A matmul of few rows is neither at the bandwidth nor at the peak: the cost model
@@ -61,6 +63,7 @@ class HardwareSpec:
     source: str = ""
     step_overhead_s: float = 0.0  # added once per step
     layer_overhead_s: float = 0.0  # added once per decoder layer per step
+    seq_overhead_s: float = 0.0  # added once per sequence (row the cost model is handed) per step
     linear_rates: dict = field(default_factory=dict)  # weight dtype -> [[M, weight bytes/s], ...], M ascending
     decode_attention_flops: dict = field(default_factory=dict)  # activation dtype -> FLOP/s of decode attention
     packed_gemm_flops: float = 0.0  # FLOP/s of the integer GEMM over group-32 packed weights (float32 activations)
@@ -92,7 +95,7 @@ class HardwareSpec:
             raise InvalidParameterError("hardware", f"{self.name}: peak_flops lacks {', '.join(missing)}")
         if any(v <= 0 for v in self.peak_flops.values()) or self.memory_bandwidth <= 0 or self.memory_bytes <= 0:
             raise InvalidParameterError("hardware", f"{self.name}: peaks, bandwidth and memory must be positive")
-        if self.step_overhead_s < 0 or self.layer_overhead_s < 0:
+        if min(self.step_overhead_s, self.layer_overhead_s, self.seq_overhead_s) < 0:
             raise InvalidParameterError("hardware", f"{self.name}: overheads must be >= 0")
         for dt, pts in self.linear_rates.items():
             ms = [p[0] for p in pts]

@@ -37,8 +37,9 @@ def add_parser(sub) -> None:
     m.add_argument("--pipeline-micro-batches", type=int, default=0)
     m.add_argument("--link", default=None, help="link between ranks (default: the GPU's; none: compute only)")
     m.add_argument("--host-overhead", default="auto", choices=["auto", "none"],
-                   help="auto: on local-cpu, the engine's per-sequence and per-token host work, measured once "
-                        "on the engine (cached); none: the cost model's per-step and per-layer overhead only")
+                   help="auto: on local-cpu, the detokeniser's work per output token, measured once on the "
+                        "tokenizer (cached); none: the cost model's host overhead only (the probe's, per step, "
+                        "layer and sequence)")
     e = s.add_argument_group("engine settings (as serve's)")
     e.add_argument("--block-size", type=positive_int, default=16)
     e.add_argument("--num-kv-blocks", type=positive_int, default=None)

@@ -12,24 +12,22 @@ from servescope.config.engine import BatchingConfig, KVCacheConfig, ParallelConf
 from servescope.sim.cluster import Deployment
 from servescope.sim.disagg import Disaggregated
 from servescope.sim.run import simulate, write_trace
-from servescope.sim.spec import (DEFAULT_CONTEXT_QUANTUM, HostCosts, SpecDecodeSpec, describe, instance_spec,
-                                  resolve_dtype)
+from servescope.sim.spec import DEFAULT_CONTEXT_QUANTUM, HostCosts, SpecDecodeSpec, describe, instance_spec
 from servescope.sim.step_table import StepTable
 from servescope.sim.workload import read_trace, synthetic_workload
 
 RANDOM_PREFIX = "random:"
 
 
-def host_costs_for(args, hw, dtype: str) -> HostCosts:
-    """The engine's batch-dependent host work: measured on the local engine for local-cpu (a random:
+def host_costs_for(args, hw) -> HostCosts:
+    """The detokeniser's work per output token: measured on the local tokenizer for local-cpu (a random:
     model has no tokenizer, so nothing is detokenised), none on a datasheet spec."""
     if args.host_overhead == "none" or hw.kind != "cpu":
         return HostCosts()
-    # the engine (torch): only here, to measure the host costs once (cached)
-    from servescope.measure.sequence_overhead import host_costs
+    # the tokenizer: only here, to measure its cost once (cached)
+    from servescope.measure.detokenise import detokenise_cost
 
-    per_seq, per_token, source = host_costs(dtype, with_tokenizer=not args.model.startswith(RANDOM_PREFIX))
-    return HostCosts(per_seq, per_token, source)
+    return HostCosts(*detokenise_cost(with_tokenizer=not args.model.startswith(RANDOM_PREFIX)))
 
 
 def local_link(args, hw):
@@ -63,7 +61,7 @@ def _preset(model: str) -> str:
 def spec_from_args(args, tp: int = None, host: HostCosts = None):
     hw = get_hardware(args.hardware)
     model = _preset(args.model)
-    host = host if host is not None else host_costs_for(args, hw, resolve_dtype(args.dtype, hw))
+    host = host if host is not None else host_costs_for(args, hw)
     return instance_spec(
         model, hw, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         cache=KVCacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -100,7 +98,7 @@ def deployment_from_args(args, spec, keep_steps: bool = True):
 def run_simulate(args, con, write_json) -> int:
     if args.search:
         hw = get_hardware(args.hardware)
-        host = host_costs_for(args, hw, resolve_dtype(args.dtype, hw))
+        host = host_costs_for(args, hw)
         vocab = load_preset(_preset(args.model)).vocab_size
         return run_search(args, workload_from_args(args, vocab), con, hw,
                           lambda tp: spec_from_args(args, tp=tp, host=host))

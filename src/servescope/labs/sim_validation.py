@@ -3,8 +3,8 @@
 Each workload runs twice: for real, on the engine (LLMEngine in this process, requests added at their
 arrival times on the wall clock between steps, as the server's engine thread takes them), and
 simulated (servescope.sim: the same Scheduler and KVCacheManager on a virtual clock, steps priced by
-the cost model on the local probe, plus the engine's host work per sequence and per token, measured on
-a tiny model: measure/sequence_overhead.py). The same driver (sim/driver.py) sends both the same prompts
+the cost model on the local probe, its host overhead per step, layer and sequence included, plus the
+detokeniser's work per token: measure/detokenise.py). The same driver (sim/driver.py) sends both the same prompts
 at the same times; both are summarised by bench/metrics.py. Nothing in the simulation is fitted to
 these runs.
 
@@ -27,7 +27,7 @@ from servescope.config import EngineConfig, SamplingParams
 from servescope.config.engine import BatchingConfig, KVCacheConfig
 from servescope.engine.llm_engine import LLMEngine
 from servescope.measure.local_hardware import with_kernel_table
-from servescope.measure.sequence_overhead import host_costs
+from servescope.measure.detokenise import detokenise_cost
 from servescope.errors import InvalidParameterError
 from servescope.labs.common import LabOptions, LabResult, LabSession, md_table, rel_error, write_report
 from servescope.sim.cluster import Deployment
@@ -159,12 +159,11 @@ def _model_rows(name: str, model, preset: str, workloads, seed: int) -> tuple:
     engine = with_kernel_table(_engine(model, preset))
     hw = engine.hardware
     dtype = str(engine.dtype).replace("torch.", "")
-    per_seq, per_token, source = host_costs(dtype, with_tokenizer=engine.tokenizer is not None)
     spec = instance_spec(preset, hw, dtype=dtype, cache=KVCacheConfig(num_kv_blocks=NUM_KV_BLOCKS,
                                                                       enable_prefix_caching=False),
                          batching=BatchingConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=TOKEN_BUDGET,
                                                  max_model_len=4096),
-                         host=HostCosts(per_seq, per_token, source))
+                         host=HostCosts(*detokenise_cost(with_tokenizer=engine.tokenizer is not None)))
     _warm_up(engine, spec.model.vocab_size)
     table = profile_steps(engine, spec.model.vocab_size)
     specs = {"cost model": spec, "step table": spec.replace(step_table=table)}

@@ -189,7 +189,8 @@ def calibrate(cfg, measured: list, hw, dt: str, wdt: str) -> dict:
     """The raw roofline (peaks only) and the two calibrations A and B fitted on some of the points
     (weights in wdt, activations and KV in dt)."""
     # the roofline alone: the probed peaks without the measured overheads and kernel rates
-    peaks_only = hw.replace(step_overhead_s=0.0, layer_overhead_s=0.0, linear_rates={}, decode_attention_flops={},
+    peaks_only = hw.replace(step_overhead_s=0.0, layer_overhead_s=0.0, seq_overhead_s=0.0, linear_rates={},
+                            decode_attention_flops={},
                             kernel_tables={})
 
     def predict_point(p, e, o, e_dec=None):
@@ -299,7 +300,8 @@ def _sections(opts: LabOptions, engine, hw, cal: dict, table: list, per_phase: d
          f"**Predicted** (what each StepRecord carries): probed {hw.flops(dt) / 1e9:.0f} GFLOP/s {dt}, "
          f"{hw.memory_bandwidth / 1e9:.1f} GB/s, and the host overhead the probe measured on a tiny model "
          f"({hw.step_overhead_s * 1e3:.2f} ms per step + {hw.layer_overhead_s * 1e6:.0f} µs per layer = "
-         f"{oh_total * 1e3:.2f} ms per step here), and the linear ops no faster than the engine's linear "
+         f"{oh_total * 1e3:.2f} ms per step here, + {hw.seq_overhead_s * 1e6:.0f} µs per sequence), and the "
+         f"linear ops no faster than the engine's linear "
          f"kernel measured by the probe at the same row count ({_rates_line(hw, dt)}); and where the probe "
          f"timed the engine's own kernels at this model's shapes ({_table_line(hw)}), the linear layers, "
          "attention and small ops at those times (measure/shape_kernels.py): nothing fitted to these points.\n\n"
@@ -346,6 +348,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
                "mixed": mixed, "hardware": {k: v for k, v in hw.to_dict().items() if k != "kernel_tables"},
                "kernel_tables": hw.kernel_tables, "decode_context": DECODE_CONTEXT, "repeats": per_repeat,
                "host_overhead": {"step_s": hw.step_overhead_s, "layer_s": hw.layer_overhead_s,
+                                 "seq_s": hw.seq_overhead_s,
                                  "per_step_total_s": hw.step_overhead_s + cfg.num_hidden_layers * hw.layer_overhead_s}}
     sections = _sections(opts, engine, hw, cal, table, per_phase, per_repeat)
     sections.append(("Mixed continuous batching (issue 35)", mixed_section(mixed)))

@@ -34,17 +34,16 @@ DEFAULT_CONTEXT_QUANTUM = 16  # tokens: one KV block of the default size
 
 @dataclass(frozen=True)
 class HostCosts:
-    """The engine's host work that the roofline does not see, beyond the spec's per-step and per-layer
-    overhead (HardwareSpec.step_overhead_s / layer_overhead_s, which the cost model already adds):
-    per scheduled sequence (scheduling, the step's tensors, sampling, the token's bookkeeping) and per
-    output token detokenised. Measured on the engine (measure/sequence_overhead.py), 0 on datasheets."""
+    """The engine's host work that the cost model does not price: per output token detokenised (a model
+    with a tokenizer). The host work per step, per layer and per scheduled sequence is the spec's
+    (HardwareSpec.step_overhead_s / layer_overhead_s / seq_overhead_s), in the cost model's prediction
+    as in the engine's StepRecords. Measured on the tokenizer (measure/detokenise.py), 0 on datasheets."""
 
-    per_seq_s: float = 0.0
     per_token_s: float = 0.0
     source: str = "none"
 
     def __post_init__(self):
-        if self.per_seq_s < 0 or self.per_token_s < 0:
+        if self.per_token_s < 0:
             raise InvalidParameterError("host_costs", "host costs must be >= 0")
 
 
@@ -212,7 +211,8 @@ def describe(spec: InstanceSpec) -> str:
     host = (f"step times x measured / predicted ({spec.step_table.source})" if spec.step_table else
             f"host {spec.hardware.step_overhead_s * 1e3:.2f} ms/step + "
             f"{spec.hardware.layer_overhead_s * 1e6:.0f} us/layer + "
-            f"{spec.host.per_seq_s * 1e6:.0f} us/seq + {spec.host.per_token_s * 1e6:.0f} us/token ({spec.host.source})")
+            f"{spec.hardware.seq_overhead_s * 1e6:.0f} us/seq + {spec.host.per_token_s * 1e6:.0f} us/token "
+            f"({spec.host.source})")
     weights = "" if wdt == adt else f"{wdt} weights, "
     return (f"{spec.model.name} on {spec.hardware.name} ({layout}), {weights}{adt} (KV {kdt}), KV cache "
             f"{spec.num_blocks} blocks = {kv_tokens} tokens, max_num_seqs {spec.scheduler.max_num_seqs}, token budget "

@@ -2,11 +2,10 @@
 
 The step's sequences are handed to the cost model exactly as engine/llm_engine.py hands them for its
 own prediction (a verification as 1 + k one-token rows), through analysis/step_prediction.py, which
-adds the collectives at TP x PP and the spec's host overhead per step and per layer. On top comes the
-host work that grows with the batch (`HostCosts`: per scheduled sequence, per output token), which the
-roofline does not see and which matters for small models on a CPU. Or, with a measured step table
-(sim/step_table.py), the prediction times the measured / predicted ratio of steps of its kind, context
-and size.
+adds the collectives at TP x PP and the spec's host overhead per step, per layer and per sequence. On
+top comes the detokeniser's work per output token (`HostCosts`), which the cost model does not price.
+Or, with a measured step table (sim/step_table.py), the prediction times the measured / predicted ratio
+of steps of its kind, context and size.
 
 Predictions are memoised on the step's shape as the cost model sees it: the prefill rows exactly (each
 (num_new, context) in order), the one-token rows (decodes, verification rows) as their count and their
@@ -132,5 +131,4 @@ class StepTimer:
         if self.table is not None:
             ratio = self.table.ratio(decode_only, num_tokens, context_sum / num_seqs)
             return pred.seconds * ratio, pred, bound
-        host = self.host.per_seq_s * num_seqs + self.host.per_token_s * sampled_rows
-        return pred.seconds + host, pred, bound
+        return pred.seconds + self.host.per_token_s * sampled_rows, pred, bound
