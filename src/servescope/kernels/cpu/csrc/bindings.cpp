@@ -70,6 +70,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode,
         "paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, window, softcap, sinks): window 0 = "
         "whole context, softcap 0 = none, sinks empty = none");
+  m.def("latent_decode", &latent_decode,
+        "latent_decode(q, cache, block_tables, context_lens, scale, v_dim): MLA's decode, values the rows' first v_dim");
   m.def("prefill_attention", &prefill_attention,
         "prefill_attention(q, k_cache, v_cache, block_table, ctx, scale): causal, one sequence, bfloat16");
   m.def("prefill_attention_supported", &prefill_attention_supported, "prefill_attention_supported(group, head_dim)");
