@@ -270,6 +270,55 @@ static void check_decode(int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t c
              " ctx=" + std::to_string(ctx_max) + " window=" + std::to_string(window));
 }
 
+// MLA's absorbed decode: one KV head of latent rows [c | k_pe] (d = r + R), the values their first dv features;
+// against the float64 reference, and equal bit for bit to the full-width decode's first dv outputs
+template <typename Q, typename C>
+static void check_latent_decode(int64_t b, int64_t h, int64_t d, int64_t dv, int64_t ctx_max) {
+  const int64_t S = 16, per_seq = (ctx_max + S - 1) / S, nblk = b * per_seq + 1, dp = d + kScalePad<C>;
+  auto q = randv<Q>(b * h * d, 2.f);
+  auto cache = rand_cache<C>(nblk * S, d);
+  std::vector<int32_t> bt(b * per_seq), cl(b);
+  for (int64_t i = 0; i < b; ++i) {
+    cl[i] = (int32_t)std::max<int64_t>(1, ctx_max - 7 * i);
+    for (int64_t j = 0; j < per_seq; ++j) bt[i * per_seq + j] = (int32_t)(nblk - 1 - (i * per_seq + j));
+  }
+  std::vector<Q> out(b * h * dv), full(b * h * d);
+  const float scale = 1.0f / std::sqrt((float)d);
+  latent_decode_rows<Q, C>(q.data(), h * d, d, cache.data(), S, d, dv, bt.data(), per_seq, cl.data(), b, h, scale,
+                           out.data(), h * dv, dv);
+  paged_decode_rows<Q, C>(q.data(), h * d, d, cache.data(), cache.data(), S, 1, d, bt.data(), per_seq, cl.data(), b, h,
+                          scale, full.data(), h * d, d);
+  std::vector<double> want(out.size());
+  bool same = true;
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t hh = 0; hh < h; ++hh) {
+      auto at = [&](int64_t p, int64_t j) { return kv_at(cache.data() + (bt[i * per_seq + p / S] * S + p % S) * dp, j, d); };
+      std::vector<double> sc(cl[i]);
+      double mx = -1e300, den = 0;
+      for (int64_t p = 0; p < cl[i]; ++p) {
+        double s = 0;
+        for (int64_t j = 0; j < d; ++j) s += to_double(q[(i * h + hh) * d + j]) * at(p, j);
+        mx = std::max(mx, sc[p] = s * scale);
+      }
+      for (auto& s : sc) den += (s = std::exp(s - mx));
+      for (int64_t j = 0; j < dv; ++j) {
+        double a = 0;
+        for (int64_t p = 0; p < cl[i]; ++p) a += sc[p] * at(p, j);
+        want[(i * h + hh) * dv + j] = a / den;
+        same = same && std::memcmp(&out[(i * h + hh) * dv + j], &full[(i * h + hh) * d + j], sizeof(Q)) == 0;
+      }
+    }
+  const bool all_f32 = std::is_same_v<Q, float> && (std::is_same_v<C, float> || kQuantKV<C>);
+  const std::string ctx = "b=" + std::to_string(b) + " h=" + std::to_string(h) + " d=" + std::to_string(d) +
+                          " dv=" + std::to_string(dv) + " ctx=" + std::to_string(ctx_max);
+  expect("latent_decode", out.data(), want, all_f32 ? 2e-5 : 2e-2, ctx);
+  ++g_checks;
+  if (!same) {
+    ++g_fail;
+    std::printf("FAIL latent_decode %s: not the full-width decode's first dv outputs\n", ctx.c_str());
+  }
+}
+
 static void check_layer() {  // the vector layer's own pieces: exp, bfloat16 rounding, the transposed lane sum
   std::vector<float> xs;
   for (float x = -100.f; x < 88.f; x += 0.37f) xs.push_back(x);
@@ -438,6 +487,14 @@ int main() {
         check_decode<bf16, bf16>(b, 4, 4, d, 70, window);
         check_decode<float, int8_t>(b, 6, 2, d, 70, window);
       }
+  // MLA: DeepSeek-V2/V3's 512 + 64, a tiny model's 32 + 16, head dims of the register-tiled kernel, odd widths
+  for (auto [d, dv] : std::initializer_list<std::pair<int64_t, int64_t>>{{576, 512}, {48, 32}, {64, 48}, {128, 96}, {40, 33}})
+    for (int64_t b : {1, 3}) {
+      check_latent_decode<float, float>(b, 5, d, dv, 40);
+      check_latent_decode<bf16, bf16>(b, 5, d, dv, 40);
+      check_latent_decode<float, int8_t>(b, 5, d, dv, 40);
+      check_latent_decode<bf16, int8_t>(b, 5, d, dv, 40);
+    }
   check_fp8_widening();
   check_fp8_rounding();
   for (int64_t d : {64, 20}) {

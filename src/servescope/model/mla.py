@@ -11,9 +11,11 @@ k_pe, one "head" (the engine's second cache tensor is [N, S, 1, 0]: nothing). He
 
 - Decode rows use the absorbed form (DeepSeek-V2's paper, vLLM's MLA decode): W_UK folded into the query,
   q_lat[h] = W_UK[h]^T q_nope[h] (r features), so q.k = [q_lat | q_pe] . [c | k_pe] is a single-KV-head
-  attention over the latent rows themselves; the backend's paged decode runs it (the C++ kernel on a CPU)
-  with the latent rows as values too, and W_UV is applied to the first r features of its output. Nothing
-  is expanded per head: a decode step reads r + R values per cached token per layer.
+  attention over the latent rows themselves, whose values are the rows' first r features (c): the backend's
+  latent_decode runs it (on a CPU one C++ kernel, csrc/decode_attention.h's latent_decode_rows, that reads
+  the keys whole and the values' r features only; elsewhere the paged decode over whole rows, cut to r), and
+  W_UV is applied to its output. Nothing is expanded per head: a decode step reads the r + R features of
+  each cached token once per layer.
 - Prefill rows expand the latent to per-head K and V (kv_b_proj over the sequence's cached latents) and
   attend with SDPA: over many queries this costs fewer FLOPs than the absorbed form (n + R and v per head
   instead of r + R twice).
@@ -94,8 +96,8 @@ class LatentAttention(nn.Module):
         w_uk, w_uv = self._absorbed()
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # W_UK folded into the query
         qa = torch.cat((q_lat, q_pe), dim=-1).contiguous()  # [B, H, r + R]
-        o = backend.forward(qa, None, None, cache, cache, decode_rows(meta), self.scale)  # [B, H, r + R]
-        return torch.einsum("bhr,hvr->bhv", o[..., :self.rank], w_uv)  # W_UV after attention
+        o = backend.latent_decode(qa, cache, decode_rows(meta), self.scale, self.rank)  # [B, H, r]
+        return torch.einsum("bhr,hvr->bhv", o, w_uv)  # W_UV after attention
 
     def _expanded_prefill(self, q_nope, q_pe, cache, meta: AttentionMetadata, out) -> None:
         """Each prefill sequence's queries over its cached latents expanded to per-head K [L, H, n + R] and

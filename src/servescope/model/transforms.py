@@ -22,7 +22,9 @@ from servescope.kernels.cpu import ops as cpu_ops
 from servescope.model.linears.cpu import CpuLinear
 from servescope.model.linears.int8 import Int8Linear
 from servescope.model.linears.packed import QuantLinear
+from servescope.model.mla import LatentAttention
 from servescope.model.moe import ClampedExperts, Experts, PackedExperts, SparseMoeBlock
+from servescope.model.plan_deepseek import deepseek_moe, latent_attention, no_attention_entries
 
 
 def use_cpu_linears(model: nn.Module) -> nn.Module:
@@ -80,22 +82,31 @@ def cpu_decode_plan(model: nn.Module):
         return None
     dtype = model.model.norm.weight.dtype  # (the embedding may be packed)
     empty = torch.empty(0)
-    norms_of, layers, limits, sparse, served = [], [], [], [], []
-    for layer in model.model.layers:
+    norms_of, layers, limits, sparse, served, latents = [], [], [], [], [], {}
+    for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        latent = isinstance(attn, LatentAttention)  # its PlanLatentAttention holds its projections
+        own = () if latent else (attn.qkv_proj, attn.o_proj)
         if isinstance(mlp, SparseMoeBlock):  # its MLP a PlanSparseMlp, the dense MLP's entries left empty
             part = _sparse_mlp(mod, mlp, dtype)
             if part is None:
                 return None
             sparse.append(part[0])
             served.append(part[1])
-            linears = (attn.qkv_proj, attn.o_proj)
+            linears = own
         else:
             sparse.append(None)
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            linears = (*own, mlp.gate_up_proj, mlp.down_proj)
         if not all(_plan_covers(m, dtype) for m in linears):
             return None
         parts = [m.plan_entry(dtype) for m in linears]
+        if latent:
+            part = latent_attention(mod, attn, dtype, cfg.rms_norm_eps, _plan_covers)
+            if part is None:
+                return None
+            latents[i], norms_of = part[0], norms_of + part[2]
+            served.append(part[1])
+            parts = no_attention_entries() + parts
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if hasattr(attn, "q_norm"):  # (per head, or over all heads: the plan reads which from the widths)
             norms += [attn.q_norm, attn.k_norm]
@@ -108,9 +119,11 @@ def cpu_decode_plan(model: nn.Module):
         served += [p[2] for p in parts]
     if any(n.weight.dtype != dtype or n.eps != cfg.rms_norm_eps for n in norms_of) or dtype not in cpu_ops.DTYPES:
         return None
-    windows = [layer.self_attn.window for layer in model.model.layers]
+    windows = [getattr(layer.self_attn, "window", 0) for layer in model.model.layers]
     args = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.attention_scale)
     plan = mod.DecodePlan(layers, limits, windows, sparse, *args)
+    for i, latent in latents.items():
+        plan.set_latent(i, latent)
     segments, lo = [], 0
     for i in range(1, len(windows) + 1):  # runs of consecutive layers of one window
         if len(set(windows)) > 1 and (i == len(windows) or windows[i] != windows[lo]):
@@ -123,19 +136,24 @@ def cpu_decode_plan(model: nn.Module):
 
 def _sparse_mlp(mod, block: SparseMoeBlock, dtype: torch.dtype):
     """(the C++ PlanSparseMlp of a sparse layer, the most rows it serves), or None where the plan cannot compute
-    it as the module does: a router other than the softmax top-k (DeepSeek's, gpt-oss's), expert parallelism,
+    it as the module does: a router other than the softmax top-k and DeepSeek's (gpt-oss's), expert parallelism,
     experts off a fused op (gpt-oss's, mixed formats, the fused op switched off; packed experts above their row
-    limit: the module's grouped_experts), DeepSeek's ungated shared experts. The experts may be packed
-    (MoePacked), float or per-channel int8 (MoeDense). The plan counts each step's tokens per expert into the
-    block's own `routed_tokens`, as the module does (the step record's source)."""
-    experts = block.experts
-    if (block.spec.router != "softmax_topk" or block.expert_parallel is not None or hasattr(block, "shared_experts")
-            or not _plain_router(block.gate, dtype) or isinstance(experts, ClampedExperts)
+    limit: the module's grouped_experts). DeepSeek's routers and ungated shared experts: plan_deepseek. The experts
+    may be packed (MoePacked), float or per-channel int8 (MoeDense). The plan counts each step's tokens per expert
+    into the block's own `routed_tokens`, as the module does (the step record's source)."""
+    experts, deepseek = block.experts, block.spec.router in ("deepseek_v2", "deepseek_v3")
+    if ((block.spec.router != "softmax_topk" and not deepseek) or block.expert_parallel is not None
+            or not (deepseek or _plain_router(block.gate, dtype)) or isinstance(experts, ClampedExperts)
             or not isinstance(experts, (Experts, PackedExperts)) or getattr(experts, "act", 0) != 0):
         return None
     op, rows = experts.fused_op(), experts.fused_rows(dtype)
     if op is None or rows < 1:
         return None
+    if deepseek:  # its router routes in float32 (the block's own float32 copy of the weight)
+        plan = mod.PlanSparseMlp(block._float32_router()[0], block.top_k, False, op, block.routed_tokens, [], [],
+                                 torch.empty(0))
+        shared_rows = deepseek_moe(mod, plan, block, dtype, _plan_covers)
+        return None if shared_rows is None else (plan, min(rows, shared_rows))
     shared, limits, gate = [], [], torch.empty(0)
     if hasattr(block, "shared_expert"):  # Qwen2-MoE's, scaled by sigmoid(shared_expert_gate(x))
         linears = (block.shared_expert.gate_up_proj, block.shared_expert.down_proj)
@@ -157,12 +175,13 @@ def _plain_router(m: nn.Module, dtype: torch.dtype) -> bool:
 
 def _plan_covers_layer(spec) -> bool:
     """A layer the plan computes as the modules do: pre-norm, a dense silu MLP or experts behind the softmax top-k
-    router (`_sparse_mlp` checks the modules), the model's rotary tables, a plain softmax, q/k norms per head or
-    over all heads (Gemma's four norms and GELU, a layer's own rotary base, soft-caps, sinks, DeepSeek's and
-    gpt-oss's routers and latent attention are the modules' alone)."""
+    router or DeepSeek's (`_sparse_mlp` checks the modules), the model's rotary tables, a plain softmax, q/k norms per
+    head or over all heads, DeepSeek's latent attention (plan_deepseek; Gemma's four norms and GELU, a layer's own
+    rotary base, soft-caps, sinks, gpt-oss's router are the modules' alone)."""
     a, m = spec.attention, spec.mlp
-    return (a.kind != "latent" and spec.norm == "pre" and m.activation == "silu" and a.plain_softmax
-            and (m.kind == "dense" or (m.kind == "moe" and m.experts.router == "softmax_topk"))
+    routers = ("softmax_topk", "deepseek_v2", "deepseek_v3")
+    return (spec.norm == "pre" and m.activation == "silu" and a.plain_softmax
+            and (m.kind == "dense" or (m.kind == "moe" and m.experts.router in routers))
             and not a.rope_theta and not a.out_bias)
 
 

@@ -82,6 +82,13 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
                                  _EMPTY if out is None else out, window, float(softcap), sinks)
 
 
+def latent_decode(q, cache, block_tables, context_lens, scale: float, v_dim: int) -> torch.Tensor:
+    """MLA's absorbed decode: q [B, H, d] over the latent cache [N, S, 1, d] (int8 / fp8: d + 4), the rows as
+    the keys and their first v_dim features as the values -> [B, H, v_dim]: paged_decode(q, cache, cache, ...)
+    [..., :v_dim] bit for bit, without reading the other d - v_dim features as values."""
+    return _EXT.mod.latent_decode(q, cache, block_tables, context_lens, scale, v_dim)
+
+
 def prefill_attention_supported(group: int, head_dim: int) -> bool:
     """Whether prefill_attention has a kernel for this GQA group and head dim on this CPU (AVX-512 BF16)."""
     return _EXT.mod is not None and _EXT.mod.prefill_attention_supported(group, head_dim)

@@ -78,3 +78,11 @@ class AttentionBackend:
         softcap * tanh(s / softcap); sinks [H]: one more logit per head in the softmax, its weight dropped
         (scores.py; a backend whose kernels have neither hands such a layer to the reference's)."""
         raise NotImplementedError
+
+    def latent_decode(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                      v_dim: int) -> torch.Tensor:
+        """MLA's absorbed decode (model/mla.py): q [B, H, d] (decode rows only) over the latent cache [N, S, 1, d],
+        the latent rows as the keys and their first v_dim features as the values -> [B, H, v_dim]. Here: the
+        backend's own decode with the whole rows as values, cut to v_dim (a backend with a kernel that reads the
+        values' v_dim features only overrides it)."""
+        return self.forward(q, None, None, cache, cache, meta, scale)[..., :v_dim]

@@ -85,6 +85,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out, **mods)
         return out
 
+    def latent_decode(self, q, cache, meta: AttentionMetadata, scale: float, v_dim: int) -> torch.Tensor:
+        """The C++ latent_decode where the kernels serve: the values read as the first v_dim features of each
+        latent row (no second pass over the rope features), each output the full-width paged decode's own."""
+        if not _cpu_kernels(q, cache):
+            return super().latent_decode(q, cache, meta, scale, v_dim)
+        return cpu_ops.latent_decode(q, cache, meta.block_tables, meta.context_lens, scale, v_dim)
+
     @classmethod
     def _cpu_bf16_with_prefill(cls, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         """A bfloat16 step with prefill tokens on the CPU (this layer's K/V already in the cache:

@@ -21,6 +21,30 @@ std::shared_ptr<PlanSparseMlp> sparse_mlp(Tensor router, int64_t top_k, bool ren
                                          std::move(shared_gate));
 }
 
+// DeepSeek's router and shared experts into a PlanSparseMlp (decode_plan_router.h)
+void set_deepseek(PlanSparseMlp& mlp, Tensor router, Tensor bias, bool v3, int64_t top_k, int64_t n_group,
+                  int64_t topk_group, bool norm, double scaling, std::vector<Tensor> shared, std::vector<int64_t> limits) {
+  TORCH_CHECK(shared.empty() || (shared.size() == 12 && limits.size() == 4), "set_deepseek: 12 shared tensors, 4 limits");
+  TORCH_CHECK(router.scalar_type() == at::kFloat && (!v3 || bias.numel() == router.size(0)) && n_group > 0 &&
+                  router.size(0) % n_group == 0 && topk_group <= n_group, "set_deepseek: router, bias, groups");
+  PlanDeepseekMoe d{router, bias, v3, top_k, n_group, topk_group, norm, scaling};
+  if (!shared.empty()) {
+    d.shared_gate_up = plan_linear(&shared[0], limits[0], limits[1]);
+    d.shared_down = plan_linear(&shared[6], limits[2], limits[3]);
+  }
+  mlp.set_deepseek(std::make_shared<const PlanDeepseekMoe>(std::move(d)));
+}
+
+// PlanLatentAttention (decode_plan_mla.h) as DecodePlan.set_latent takes it
+std::shared_ptr<PlanLatentAttention> latent_attention(std::vector<Tensor> linears, std::vector<int64_t> limits,
+                                                      Tensor q_a_norm, Tensor kv_a_norm, Tensor w_uk, Tensor w_uv,
+                                                      int64_t nope, int64_t rope, bool interleave, double eps,
+                                                      double scale) {
+  return std::make_shared<PlanLatentAttention>(std::move(linears), std::move(limits), std::move(q_a_norm),
+                                               std::move(kv_a_norm), std::move(w_uk), std::move(w_uv), nope, rope,
+                                               interleave, eps, scale);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -67,15 +91,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "PlanSparseMlp(router, top_k, renormalise, experts, counts, shared, shared_limits, shared_gate): a sparse "
            "layer's MLP for the DecodePlan (softmax top-k router, MoePacked or MoeDense experts, optional gated "
            "shared expert)")
+      .def("set_deepseek", &set_deepseek,
+           "set_deepseek(router_f32, bias, v3, top_k, n_group, topk_group, norm, scaling, shared, shared_limits): "
+           "DeepSeek's router and ungated shared experts (shared empty: none)")
       .def("run", &PlanSparseMlp::run, nogil, "run(x) -> the MLP's output; adds the tokens per expert to counts");
+  py::class_<PlanLatentAttention, std::shared_ptr<PlanLatentAttention>>(m, "PlanLatentAttention")
+      .def(py::init(&latent_attention),
+           "PlanLatentAttention(linears, limits, q_a_norm, kv_a_norm, w_uk, w_uv, nope, rope, interleave, eps, scale): "
+           "a latent layer's attention for the DecodePlan (DeepSeek-V2/V3's MLA, absorbed decode)");
   py::class_<DecodePlan>(m, "DecodePlan")
       .def(py::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>, std::vector<int64_t>,
                     std::vector<std::shared_ptr<PlanSparseMlp>>, int64_t, int64_t, int64_t, double, double>())
+      .def("set_latent", &DecodePlan::set_latent, "set_latent(i, latent): layer i's attention is MLA's")
       .def("run_layers", &DecodePlan::run_layers, nogil,
            "run_layers(h, residual, cos, sin, kv_caches, slots, block_tables, context_lens) -> [h, residual]");
   m.def("paged_decode", &paged_decode, nogil,
         "paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, window, softcap, sinks): window 0 = "
         "whole context, softcap 0 = none, sinks empty = none");
+  m.def("latent_decode", &latent_decode, nogil,
+        "latent_decode(q, cache, block_tables, context_lens, scale, v_dim): MLA's decode, values the rows' first v_dim");
   m.def("prefill_attention", &prefill_attention, nogil,
         "prefill_attention(q, k_cache, v_cache, block_table, ctx, scale): causal, one sequence, bfloat16");
   m.def("prefill_attention_supported", &prefill_attention_supported, nogil,

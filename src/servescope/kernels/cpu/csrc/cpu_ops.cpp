@@ -222,6 +222,34 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
   return out;
 }
 
+// MLA's absorbed decode: q [B, H, d] over the latent cache [N, S, 1, d] (int8 / fp8: d + 4), the values the
+// first v_dim features of each row (latent_decode_rows) -> [B, H, v_dim] in q's dtype
+at::Tensor latent_decode(at::Tensor q, at::Tensor cache, at::Tensor block_tables, at::Tensor context_lens,
+                         double scale, int64_t v_dim) {
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 4 && cache.is_contiguous() && cache.size(2) == 1,
+              "latent_decode: q [B, H, d], cache [N, S, 1, d]");
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
+  TORCH_CHECK(cache.size(3) == d + (quantized_kv(cache) ? 4 : 0), "latent_decode: the cache's rows are q's width");
+  TORCH_CHECK(v_dim > 0 && v_dim <= d, "latent_decode: 0 < v_dim <= d");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) >= b &&
+                  block_tables.stride(1) == 1, "latent_decode: block_tables int32 [B, M]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() && context_lens.numel() >= b,
+              "latent_decode: context_lens int32 [B]");
+  if (q.stride(2) != 1) q = q.contiguous();
+  auto out = at::empty({b, h, v_dim}, q.options());
+  by_dtype(q, "latent_decode: q", [&](auto qtag) {
+    by_kv_dtype(cache, "latent_decode: cache", [&](auto ctag) {
+      using Q = decltype(qtag);
+      using C = decltype(ctag);
+      latent_decode_rows<Q, C>(data<Q>(q), q.stride(0), q.stride(1), data<C>(cache), cache.size(1), d, v_dim,
+                               block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+                               context_lens.data_ptr<int32_t>(), b, h, (float)scale, data<Q>(out), out.stride(0),
+                               out.stride(1));
+    });
+  });
+  return out;
+}
+
 // x [M, K] (any float dtype; widened to float32), w [N, K] float32 | bfloat16 | int8,
 // scale [N] float32 (int8 only, else empty), bias [N] float32 or empty -> y [M, N] float32.
 // Packed weights (float16 group scales) go to quant_gemv.

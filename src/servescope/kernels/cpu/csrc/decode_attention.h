@@ -34,8 +34,9 @@ constexpr int64_t HT = 8;  // query heads per register tile
 template <typename Q, typename C>
 void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, int64_t S, int64_t hkv, int64_t d,
                 const int32_t* bt, int64_t bts, const int32_t* cl, int64_t b, int64_t h, float scale, Q* out,
-                int64_t os0, int64_t os1, int64_t window, ScoreMods mods) {
+                int64_t os0, int64_t os1, int64_t window, ScoreMods mods, int64_t dv = 0) {
   const int64_t g = h / hkv;
+  if (dv <= 0) dv = d;  // the values: the first dv features of each row (MLA's latent), all d by default
   const int64_t dp = d + kScalePad<C>;  // a row's pitch: D values (and the scale of a quantised cache)
   const int64_t row = hkv * dp;         // elements between consecutive positions of one head in the cache
   int64_t max_ctx = 1;
@@ -97,18 +98,18 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
           den[i] = den[i] * corr + reduce_add(sum);
           if (corr != 1.0f) {
             float* ai = acc + i * d;
-            for (int64_t j = 0; j < d; j += W) storen(ai + j, mul(loadn(ai + j, d - j), set1(corr)), d - j);
+            for (int64_t j = 0; j < dv; j += W) storen(ai + j, mul(loadn(ai + j, dv - j), set1(corr)), dv - j);
           }
         }
         // acc_i += sum_t p[i][t] * v_t
         for (int64_t t = 0; t < n; ++t) {
           const C* vr = vb + t * row;
           const float vs = row_scale(vr, d);  // p (v_q * s) = (p s) v_q
-          for (int64_t j = 0; j < d; j += W) {
-            const vf vv = loadn(vr + j, d - j);
+          for (int64_t j = 0; j < dv; j += W) {
+            const vf vv = loadn(vr + j, dv - j);
             for (int64_t i = 0; i < g; ++i) {
               float* ai = acc + i * d + j;
-              storen(ai, fmadd(set1(sc[i * CH + t] * vs), vv, loadn(ai, d - j)), d - j);
+              storen(ai, fmadd(set1(sc[i * CH + t] * vs), vv, loadn(ai, dv - j)), dv - j);
             }
           }
         }
@@ -118,7 +119,7 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
         Q* o = out + bi * os0 + (kh * g + i) * os1;
         const float all = mods.denominator(den[i], mx[i], kh * g + i);
         const vf inv = set1(all > 0.f ? 1.0f / all : 0.f);
-        for (int64_t j = 0; j < d; j += W) storen(o + j, mul(loadn(acc + i * d + j, d - j), inv), d - j);
+        for (int64_t j = 0; j < dv; j += W) storen(o + j, mul(loadn(acc + i * d + j, dv - j), inv), dv - j);
       }
     }
   });
@@ -435,6 +436,25 @@ void paged_decode_rows(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const 
     decode_fast<Q, C, 128>(q, qs0, qs1, kc, vc, S, hkv, bt, bts, cl, b, h, scale, out, os0, os1, window, mods);
   else
     decode_any<Q, C>(q, qs0, qs1, kc, vc, S, hkv, d, bt, bts, cl, b, h, scale, out, os0, os1, window, mods);
+}
+
+// MLA's absorbed decode (model/mla.py): one KV head whose rows are the latents [c | k_pe] of width d = r + R,
+// read as the keys whole and as the values by their first dv = r features only (the value is c: k_pe is never
+// read twice), out [B, H, dv] at strides (os0, os1). The general kernel computes it directly; head dims 64 and
+// 128 (whose register-tiled kernel holds whole rows) run at full width into a scratch whose first dv features
+// are kept: either way each output equals the full-width kernel's own, bit for bit.
+template <typename Q, typename C>
+void latent_decode_rows(const Q* q, int64_t qs0, int64_t qs1, const C* cache, int64_t S, int64_t d, int64_t dv,
+                        const int32_t* bt, int64_t bts, const int32_t* cl, int64_t b, int64_t h, float scale, Q* out,
+                        int64_t os0, int64_t os1) {
+  if (d != 64 && d != 128) {
+    decode_any<Q, C>(q, qs0, qs1, cache, cache, S, 1, d, bt, bts, cl, b, h, scale, out, os0, os1, 0, {}, dv);
+    return;
+  }
+  std::vector<Q> full(b * h * d);
+  paged_decode_rows<Q, C>(q, qs0, qs1, cache, cache, S, 1, d, bt, bts, cl, b, h, scale, full.data(), h * d, d);
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t j = 0; j < h; ++j) std::memcpy(out + i * os0 + j * os1, full.data() + (i * h + j) * d, dv * sizeof(Q));
 }
 
 }  // namespace servescope_kernels

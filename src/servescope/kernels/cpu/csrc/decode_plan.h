@@ -4,6 +4,7 @@
 
 #include <memory>
 
+#include "decode_plan_mla.h"
 #include "decode_plan_moe.h"
 
 namespace servescope_ops {
@@ -20,6 +21,7 @@ struct PlanLayer {
   PlanLinear qkv, o, gate_up, down;          // gate_up, down: the dense MLP's (unused where `sparse`)
   std::shared_ptr<const PlanSparseMlp> sparse;  // a sparse layer's MLP, else null
   int64_t window;  // attention over the last `window` positions (a sliding layer), 0: the whole context
+  std::shared_ptr<const PlanLatentAttention> latent;  // a latent layer's attention (set_latent), else null
 };
 
 class DecodePlan {
@@ -47,9 +49,16 @@ class DecodePlan {
       l.sparse = sparse[i];
       PlanLinear* lins[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
       for (int j = 0; j < 4; ++j) *lins[j] = plan_linear(&t[4 + 6 * j], r[2 * j], r[2 * j + 1]);
-      TORCH_CHECK(l.qkv.w.size(0) == (heads + 2 * kv_heads) * head_dim, "DecodePlan: qkv rows");
+      TORCH_CHECK(!l.qkv.w.numel() || l.qkv.w.size(0) == (heads + 2 * kv_heads) * head_dim, "DecodePlan: qkv rows");
       layers_.push_back(l);
     }
+  }
+
+  // Layer i's attention is latent (DeepSeek's MLA): its qkv and o entries unused (empty)
+  void set_latent(int64_t i, std::shared_ptr<PlanLatentAttention> latent) {
+    TORCH_CHECK(i >= 0 && i < (int64_t)layers_.size() && !layers_[i].qkv.w.numel() && layers_[i].window == 0 &&
+                    !layers_[i].q_norm.numel(), "DecodePlan: a latent layer has no qkv, window or q/k norms");
+    layers_[i].latent = std::move(latent);
   }
 
   // The layers: from (h, residual) [T, Dm] (residual empty: h is the embeddings; else as the previous
@@ -72,6 +81,14 @@ class DecodePlan {
         auto r = add_rms_norm(h, residual, l.ln1, eps_);
         x = r[0];
         residual = r[1];
+      }
+      if (l.latent || !l.qkv.w.numel()) {  // DeepSeek's latent attention (decode_plan_mla.h), then the MLP
+        TORCH_CHECK(l.latent, "DecodePlan: layer ", i, " has no attention (set_latent)");
+        auto r = add_rms_norm(l.latent->run(x, cos, sin, std::get<0>(kv_caches[i]), slots, block_tables, context_lens),
+                              residual, l.ln2, eps_);
+        residual = r[1];
+        h = l.sparse ? l.sparse->run(r[0]) : linear(silu_mul(linear(r[0], l.gate_up)), l.down);
+        continue;
       }
       auto qkv = linear(x, l.qkv);  // [T, (H + 2 Hkv) D]
       auto q = qk_normed(qkv.narrow(1, 0, qs), l.q_norm, heads_);

@@ -6,7 +6,9 @@
 #include <ATen/ops/linear.h>
 
 #include <functional>
+#include <memory>
 
+#include "decode_plan_router.h"
 #include "plan_linear.h"
 
 namespace servescope_ops {
@@ -42,8 +44,16 @@ class PlanSparseMlp {
     }
   }
 
+  // DeepSeek's block (decode_plan_router.h) in place of the softmax top-k router and the gated shared expert
+  void set_deepseek(std::shared_ptr<const PlanDeepseekMoe> d) {
+    TORCH_CHECK(!shared_gate_.numel() && d->weight.size(0) == router_.size(0) && d->top_k <= router_.size(0),
+                "PlanSparseMlp: DeepSeek's router over these experts, without a gated shared expert");
+    deepseek_ = std::move(d);
+  }
+
   // x [T, Dm] (the post-attention norm's output) -> the MLP's output [T, Dm] in x's dtype
   Tensor run(const Tensor& x) const {
+    if (deepseek_) return deepseek_->run(x, experts_, counts_);  // DeepSeek's router and shared experts
     // route(): softmax in float32, the top k, renormalised where asked, back to the logits' dtype
     const Tensor logits = at::linear(x, router_);
     auto [weights, ids] = logits.softmax(-1, at::kFloat).topk(top_k_, -1);
@@ -63,6 +73,7 @@ class PlanSparseMlp {
   Tensor counts_;
   PlanLinear shared_gate_up_{}, shared_down_{};
   Tensor shared_gate_;
+  std::shared_ptr<const PlanDeepseekMoe> deepseek_;
 };
 
 }  // namespace servescope_ops

@@ -36,6 +36,8 @@ Tensor silu_mul(Tensor gate_up);
 void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slots);
 Tensor paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, double scale,
                     Tensor out, int64_t window = 0, double softcap = 0.0, Tensor sinks = Tensor());
+// MLA's absorbed decode over the latent cache, the values its rows' first v_dim features -> [B, H, v_dim]
+Tensor latent_decode(Tensor q, Tensor cache, Tensor block_tables, Tensor context_lens, double scale, int64_t v_dim);
 Tensor gemv(Tensor x, Tensor w, Tensor scale, Tensor bias);
 Tensor pack_panels(Tensor w);
 Tensor panel_gemm(Tensor x, Tensor panels, int64_t n, Tensor bias);
