@@ -142,7 +142,7 @@ def test_stretches_applied_while_a_process_waits_change_nothing(router, monkeypa
     records, token times and caches are the sequential run's."""
     applied = []
 
-    def always(self, conn):  # as if the other process were always the slower one
+    def always(self, ready):  # as if the other process were always the slower one
         applied.append(sum(e.planned_steps() for e in self.engines))
         for e in self.engines:
             e.settle()
@@ -155,4 +155,4 @@ def test_stretches_applied_while_a_process_waits_change_nothing(router, monkeypa
     assert _kv_state(fast) == _kv_state(stepped)
     assert [(e.clock, e.busy_seconds, e.outstanding_tokens) for e in fast.engines] == \
         [(e.clock, e.busy_seconds, e.outstanding_tokens) for e in stepped.engines]
-    assert (sum(applied) > 0) == (router != "prefix")  # the prefix router's meetings apply them already
+    assert sum(applied) > 0  # (the prefix router's meetings apply them, the steps run ahead after plan more)

@@ -131,6 +131,19 @@ class Deployment:
             return least
         return best
 
+    def could_choose(self, indices: Sequence[int], loads: Sequence[int], hits) -> set:
+        """The replicas among `indices` that _pick could choose for the next request whatever the other
+        replicas' numbers, from these replicas' loads and hits (as choose takes them, in the order of
+        `indices`): least-tokens the first least loaded of them, prefix that and the first with the most
+        hits (then the least load); round-robin all of them (its turn is not among the numbers)."""
+        if self.router == "round-robin" or len(self.engines) == 1:
+            return set(indices)
+        k = min(range(len(indices)), key=loads.__getitem__)
+        out = {indices[k]}
+        if self.router == "prefix":
+            out.add(indices[max(range(len(indices)), key=lambda i: (hits[i], -loads[i]))])
+        return out
+
     @staticmethod
     def cached_prefix(engine: SimEngine, prompt: Sequence[int]) -> int:
         """Tokens of the prompt's leading full blocks that the replica's prefix cache holds now."""

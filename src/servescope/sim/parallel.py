@@ -13,8 +13,17 @@ this process computes the batch's `now` and routes with Deployment.choose on the
 chosen replica's group adds the request before going on. Every replica therefore sees
 the same requests at the same states and takes the same steps, and every float is summed in the same
 order: each request's token times, hence bench serve's report, are identical to the sequential run's
-(tests/sim/test_parallel.py compares them). At the end the children send back their finished requests
+(tests/sim/test_fast_paths.py compares them). At the end the children send back their finished requests
 and their replicas (SimEngine pickles), which replace this process's copies in `deployment.engines`.
+
+Between meetings each group runs ahead (_Group.advance_ahead): having answered for request j, it knows
+which of its replicas the router could send j to (Deployment.could_choose on its own numbers: least-tokens
+its least loaded one, whatever the other groups report); every other replica cannot change before the next
+meeting, so it runs now the steps that meeting runs -- unless a request reached it since the last meeting
+that opened a batch (the `now` that decides whether j + 1 opens one predates it). Then, until the message
+comes, it applies the planned stretches of the replicas j can reach (adding j there applies them), then
+long ones. A replica the request reaches therefore has little left to do when the message comes: the
+receiving group's prefill, not the other replicas' steps, is what the other group waits for.
 
 Only without a concurrency limit: with one, when a request is sent depends on when others finish, which
 the groups learn only at the next meeting.
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import select
 import traceback
 from typing import Sequence
 
@@ -44,18 +54,18 @@ class _Group:
         self.finished: dict = {}  # request index -> Finished
         self.last = 0.0  # the latest finish of a step-finished request
         self.time = 0.0  # the latest clock a step reached (the deployment's `_time` rule)
+        self.touched: set = set()  # replicas that got a request since the last meeting that opened a batch
+        self.first: Sequence = ()  # replicas whose planned stretch prepay_until applies first
 
     def meet(self, j: int, opens_batch: bool) -> tuple:
         """Before request j is routed: run every step that starts before it arrives if it opens a batch; then
         (outstanding tokens, prefix-cached tokens of its prompt or None) of each replica, the earliest clock
         of a busy replica (inf if none), the latest clock a step reached."""
         if opens_batch:
+            self.touched.clear()
             t = self.arrivals[j]
             for e in self.engines:
-                before = e.steps_taken()
-                self._collect(e.advance(t))
-                if e.steps_taken() != before:
-                    self.time = max(self.time, e.next_start())
+                self._advance(e, t)
         loads = [e.load() for e in self.engines]
         hits = None
         if self.dep.router == "prefix":
@@ -67,18 +77,44 @@ class _Group:
         busy = min((e.next_start() for e in self.engines if e.has_unfinished()), default=math.inf)
         return loads, hits, busy, self.time
 
-    def prepay_until(self, conn) -> None:
-        """While nothing has come on `conn`: apply, one replica at a time, stretches this group planned
+    def _advance(self, e, t: float) -> None:
+        before = e.steps_taken()
+        self._collect(e.advance(t))
+        if e.steps_taken() != before:
+            self.time = max(self.time, e.next_start())
+
+    def advance_ahead(self, j: int, loads: list, hits, ready) -> None:
+        """After this group answered meeting j with `loads` and `hits`: run, while ready() is false, the steps
+        that meeting j + 1 runs if it opens a batch, on each replica that request j cannot be routed to
+        (Deployment.could_choose on this group's numbers) and that no request reached since the last meeting
+        that opened a batch. Such a replica, busy, starts its next step at or after the `now` the parent
+        decides j + 1's batch by, so if j + 1 opens none the advance runs no step; if it opens one, the
+        replica's steps are those of that meeting (nothing reaches it before: the module docstring)."""
+        if j + 1 >= len(self.arrivals):
+            return
+        could = self.dep.could_choose(self.indices, loads, hits)
+        self.first = [e for i, e in zip(self.indices, self.engines) if i in could]
+        t = self.arrivals[j + 1]
+        for i, e in zip(self.indices, self.engines):
+            if i in could or i in self.touched:
+                continue
+            if ready():
+                return
+            self._advance(e, t)
+
+    def prepay_until(self, ready) -> None:
+        """Until ready() (a message has come): apply, one replica at a time, stretches this group planned
         (SimEngine.settle: the steps the next request routed there or the stretch's end would apply; the
         stretch goes on from there as a new one with the same steps, sim/fast_forward.py), so that the work
-        is not waiting for the meeting that needs it while this process waits for the other."""
-        while not conn.poll():
-            for e in self.engines:
-                if e.planned_steps() >= PREPAY_STEPS:
-                    e.settle()
-                    break
-            else:
+        is not waiting for the meeting that needs it while this process waits for the other. First the stretch of
+        each replica that the request being routed can reach (advance_ahead's `first`), however short: adding a
+        request there applies it."""
+        while not ready():
+            e = next((e for e in self.first if e.planned_steps()), None) or \
+                next((e for e in self.engines if e.planned_steps() >= PREPAY_STEPS), None)
+            if e is None:
                 return
+            e.settle()
 
     def run_out(self, start: float) -> dict:
         """Run the replicas to the end; {request index: its record (sim/driver.record_of)} of this group's."""
@@ -95,6 +131,7 @@ class _Group:
     def add(self, j: int, replica: int) -> None:
         """Send request j to the deployment's replica `replica` (one of this group's), as Deployment.add."""
         engine, r, t = self.dep.engines[replica], self.requests[j], self.arrivals[j]
+        self.touched.add(replica)
         engine.wait_until(t)
         refused = engine.add_request(f"{self.prefix}-{j}", r.prompt, r.output_len, t)
         if refused is not None:
@@ -105,14 +142,17 @@ def _serve(conn, group: _Group, start: float) -> None:
     """A child's loop: (request to add or -1, its replica, the request to meet for or -1, whether it opens a
     batch) until the last message, then (records, finished, latest finish, its replicas) back."""
     try:
+        ready = _readable([conn])
         while True:
             add, replica, upto, opens_batch = conn.recv()
             if add >= 0:
                 group.add(add, replica)
             if upto < 0:
                 break
-            conn.send(group.meet(upto, opens_batch))
-            group.prepay_until(conn)
+            answer = group.meet(upto, opens_batch)
+            conn.send(answer)
+            group.advance_ahead(upto, answer[0], answer[1], _never)  # (needed before the next answer in any case)
+            group.prepay_until(ready)
         records = group.run_out(start)
         for e in group.engines:
             e.timer = None  # the parent's replicas share its timer (and memo): not sent back
@@ -176,10 +216,13 @@ def _route_all(deployment: Deployment, groups: list, conns: list, owner: list, s
     opens = n > 0 and arrivals[0] > now
     for conn in conns:
         conn.send((-1, -1, 0 if n else -1, opens))
+    all_ready, each_ready = _readable(conns), [_readable([c]) for c in conns]
     for j in range(n):
         loads, hits, busy, seen = groups[0].meet(j, opens)
-        for conn in conns:
-            groups[0].prepay_until(conn)
+        if conns:  # while the children answer: the own replicas that request j cannot reach, to j + 1's arrival
+            groups[0].advance_ahead(j, loads, hits, all_ready)
+        for conn, ready in zip(conns, each_ready):
+            groups[0].prepay_until(ready)
             more = _reply(conn)
             loads = loads + more[0]
             hits = None if hits is None else hits + more[1]
@@ -196,6 +239,20 @@ def _route_all(deployment: Deployment, groups: list, conns: list, owner: list, s
             conn.send((*add, j + 1 if j + 1 < n else -1, opens))
         if owner[replica] == 0:
             groups[0].add(j, replica)
+
+
+def _readable(conns: list):
+    """A check that a message waits on every one of `conns` (Connection.poll builds a selector at every call,
+    ~10 us; a Connection keeps nothing read ahead, so its descriptor being readable is the same test)."""
+    poller = select.poll()
+    for c in conns:
+        poller.register(c.fileno(), select.POLLIN)
+    n = len(conns)
+    return lambda: len(poller.poll(0)) == n
+
+
+def _never() -> bool:
+    return False
 
 
 def _reply(conn):
