@@ -28,8 +28,9 @@ from decode_plan_check import generate_comparing  # noqa: E402
 from tiny_gguf import write_tiny_moe_gguf  # noqa: E402
 from tiny_models import make_tiny_hf_model  # noqa: E402
 
-# Qwen2-MoE's shared expert at a width of whole 32-blocks (the packed modes' group)
-OVERRIDES = {"qwen2_moe": {"shared_expert_intermediate_size": 64}}
+# Qwen2-MoE's shared expert at a width of whole 32-blocks (the packed modes' group); gpt-oss's window shorter
+# than most prompts (its sliding layers read only their last 8 positions)
+OVERRIDES = {"qwen2_moe": {"shared_expert_intermediate_size": 64}, "gpt_oss": {"sliding_window": 8}}
 SMALL = dict(skip_tokenizer_init=True, num_kv_blocks=64, max_model_len=128)
 PROMPTS = [[(i * 7 + j * 13) % 250 + 3 for i in range(n)] for j, n in enumerate((5, 19, 33, 2, 40, 9, 1, 12, 7))]
 
@@ -59,6 +60,10 @@ def _sparse_in_plan(llm) -> bool:
     ("olmoe", "bfloat16", "int8"),  # per-channel int8 experts
     ("qwen2_moe", "float32", "int8"),
     ("qwen3_moe", "bfloat16", "int8"),
+    ("gpt_oss", "float32", None),  # sinks, q/k/v/o biases, alternating windows, biased router, clamped experts
+    ("gpt_oss", "bfloat16", None),
+    ("gpt_oss", "float32", "int4"),  # PackedClampedExperts (MoePacked, act 1)
+    ("gpt_oss", "bfloat16", "int4"),
 ])
 def test_plan_matches_module_path_on_sparse_layers(tmp_path, family, dtype, quant):
     llm = LLM(model=str(_checkpoint(tmp_path, family)), dtype=dtype, quantization=quant, **SMALL)

@@ -9,7 +9,8 @@ engine's executor (engine/executor.py), not by the model.
   same kernels and the same weights as the modules (no copies), wrapped as DecodePlanLayers: the
   model's own `run_layers` signature, so an executor composes it with `embed` and `final_norm` as it
   composes the model's. Sparse layers are in it where their experts run on a fused op (`_sparse_mlp`: packed,
-  float or per-channel int8 experts).
+  float or per-channel int8 experts; gpt-oss's biased router and clamped experts, packed or float); gpt-oss's
+  attention sinks go to the paged decode kernel, its q/k/v and o_proj biases with their projections.
 Quantisation is model/quantize.py (quantize_int8), applied before these.
 """
 
@@ -22,7 +23,7 @@ from servescope.kernels.cpu import ops as cpu_ops
 from servescope.model.linears.cpu import CpuLinear
 from servescope.model.linears.int8 import Int8Linear
 from servescope.model.linears.packed import QuantLinear
-from servescope.model.moe import ClampedExperts, Experts, PackedExperts, SparseMoeBlock
+from servescope.model.moe import Experts, PackedExperts, SparseMoeBlock
 
 
 def use_cpu_linears(model: nn.Module) -> nn.Module:
@@ -80,9 +81,10 @@ def cpu_decode_plan(model: nn.Module):
         return None
     dtype = model.model.norm.weight.dtype  # (the embedding may be packed)
     empty = torch.empty(0)
-    norms_of, layers, limits, sparse, served = [], [], [], [], []
+    norms_of, layers, limits, sparse, served, sinks = [], [], [], [], [], []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        sinks.append(attn.sinks.detach().float().contiguous() if hasattr(attn, "sinks") else empty)
         if isinstance(mlp, SparseMoeBlock):  # its MLP a PlanSparseMlp, the dense MLP's entries left empty
             part = _sparse_mlp(mod, mlp, dtype)
             if part is None:
@@ -110,12 +112,12 @@ def cpu_decode_plan(model: nn.Module):
         return None
     windows = [layer.self_attn.window for layer in model.model.layers]
     args = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.attention_scale)
-    plan = mod.DecodePlan(layers, limits, windows, sparse, *args)
+    plan = mod.DecodePlan(layers, limits, windows, sparse, *args, sinks)
     segments, lo = [], 0
     for i in range(1, len(windows) + 1):  # runs of consecutive layers of one window
         if len(set(windows)) > 1 and (i == len(windows) or windows[i] != windows[lo]):
             segments.append((lo, i, windows[lo], mod.DecodePlan(layers[lo:i], limits[lo:i], windows[lo:i],
-                                                                sparse[lo:i], *args)))
+                                                                sparse[lo:i], *args, sinks[lo:i])))
             lo = i
     return DecodePlanLayers(plan, min(served), model.rotary, tuple(segments),
                             {i: m for i, m in enumerate(sparse) if m is not None})
@@ -123,15 +125,16 @@ def cpu_decode_plan(model: nn.Module):
 
 def _sparse_mlp(mod, block: SparseMoeBlock, dtype: torch.dtype):
     """(the C++ PlanSparseMlp of a sparse layer, the most rows it serves), or None where the plan cannot compute
-    it as the module does: a router other than the softmax top-k (DeepSeek's, gpt-oss's), expert parallelism,
-    experts off a fused op (gpt-oss's, mixed formats, the fused op switched off; packed experts above their row
-    limit: the module's grouped_experts), DeepSeek's ungated shared experts. The experts may be packed
-    (MoePacked), float or per-channel int8 (MoeDense). The plan counts each step's tokens per expert into the
-    block's own `routed_tokens`, as the module does (the step record's source)."""
-    experts = block.experts
-    if (block.spec.router != "softmax_topk" or block.expert_parallel is not None or hasattr(block, "shared_experts")
-            or not _plain_router(block.gate, dtype) or isinstance(experts, ClampedExperts)
-            or not isinstance(experts, (Experts, PackedExperts)) or getattr(experts, "act", 0) != 0):
+    it as the module does: a router other than the softmax top-k and gpt-oss's (DeepSeek's), expert parallelism,
+    experts off a fused op (mixed formats, the fused op switched off; packed experts above their row limit: the
+    module's grouped_experts), DeepSeek's ungated shared experts. The experts may be packed (MoePacked), float or
+    per-channel int8 (MoeDense), gpt-oss's with their biases and clamped SwiGLU on either op. The plan counts
+    each step's tokens per expert into the block's own `routed_tokens`, as the module does (the step record's
+    source)."""
+    experts, gpt_oss = block.experts, block.spec.router == "gpt_oss"
+    if (block.spec.router not in ("softmax_topk", "gpt_oss") or block.expert_parallel is not None
+            or hasattr(block, "shared_experts") or not _plain_router(block.gate, dtype, biased=gpt_oss)
+            or not isinstance(experts, (Experts, PackedExperts))):
         return None
     op, rows = experts.fused_op(), experts.fused_rows(dtype)
     if op is None or rows < 1:
@@ -147,23 +150,27 @@ def _sparse_mlp(mod, block: SparseMoeBlock, dtype: torch.dtype):
         gate = block.shared_expert_gate.weight.detach()
     plan = mod.PlanSparseMlp(block.gate.weight.detach(), block.top_k, block.renormalise, op, block.routed_tokens,
                              shared, limits, gate)
+    if gpt_oss:
+        plan.use_gpt_oss_router(block.gate.bias.detach())
     return plan, rows
 
 
-def _plain_router(m: nn.Module, dtype: torch.dtype) -> bool:
-    """An nn.Linear without bias in the activation dtype on the CPU (a router, the shared expert's gate)."""
-    return type(m) is nn.Linear and m.bias is None and m.weight.dtype == dtype and m.weight.device.type == "cpu"
+def _plain_router(m: nn.Module, dtype: torch.dtype, biased: bool = False) -> bool:
+    """An nn.Linear in the activation dtype on the CPU (a router, the shared expert's gate), with a bias where
+    `biased` (gpt-oss's router), else without."""
+    return (type(m) is nn.Linear and (m.bias is not None) == biased and m.weight.dtype == dtype
+            and m.weight.device.type == "cpu" and (m.bias is None or m.bias.dtype == dtype))
 
 
 def _plan_covers_layer(spec) -> bool:
     """A layer the plan computes as the modules do: pre-norm, a dense silu MLP or experts behind the softmax top-k
-    router (`_sparse_mlp` checks the modules), the model's rotary tables, a plain softmax, q/k norms per head or
-    over all heads (Gemma's four norms and GELU, a layer's own rotary base, soft-caps, sinks, DeepSeek's and
-    gpt-oss's routers and latent attention are the modules' alone)."""
+    or gpt-oss's router (`_sparse_mlp` checks the modules), the model's rotary tables, a softmax with or without
+    sinks, q/k norms per head or over all heads, biases on q/k/v and o_proj (Gemma's four norms and GELU, a
+    layer's own rotary base, soft-caps, DeepSeek's routers and latent attention are the modules' alone)."""
     a, m = spec.attention, spec.mlp
-    return (a.kind != "latent" and spec.norm == "pre" and m.activation == "silu" and a.plain_softmax
-            and (m.kind == "dense" or (m.kind == "moe" and m.experts.router == "softmax_topk"))
-            and not a.rope_theta and not a.out_bias)
+    return (a.kind != "latent" and spec.norm == "pre" and m.activation == "silu" and not a.softcap
+            and (m.kind == "dense" or (m.kind == "moe" and m.experts.router in ("softmax_topk", "gpt_oss")))
+            and not a.rope_theta)
 
 
 def _plan_covers(m: nn.Module, dtype: torch.dtype) -> bool:

@@ -29,6 +29,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "add_rms_norm(x, residual, w, eps) -> [y, x + residual]");
   m.def("rotary", &rotary, "rotary(q, k, cos, sin) -> [q', k'] (rotate-half)");
   m.def("silu_mul", &silu_mul, "silu_mul(gate_up) -> silu(gate) * up");
+  m.def("clamped_swiglu", &clamped_swiglu,
+        "clamped_swiglu(gate_up, limit, alpha) -> (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, "
+        "limit): gpt-oss's activation");
   m.def("store_kv", &store_kv, "store_kv(k, v, k_cache, v_cache, slot_mapping), in place");
   m.def("quant_gemv", &quant_gemv,
         "quant_gemv(x, w, scales, bias, order=0): packed int4/int8 weights -> float32; order 1 / 2 / 3 / 4 forces "
@@ -50,9 +53,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_experts", &MoePacked::num_experts);
   py::class_<MoeDense>(m, "MoeDense")
       .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>,
-                    std::vector<Tensor>, std::vector<Tensor>, int64_t, int64_t>(),
-           "MoeDense(gate_up, down, gate_up_scale, down_scale, gate_up_scale_act, down_scale_act, first, gemv_rows): "
-           "one layer's float32 / bfloat16 / per-channel int8 experts")
+                    std::vector<Tensor>, std::vector<Tensor>, int64_t, int64_t, Tensor, Tensor, int64_t, double,
+                    double>(),
+           "MoeDense(gate_up, down, gate_up_scale, down_scale, gate_up_scale_act, down_scale_act, first, gemv_rows, "
+           "gate_up_bias, down_bias, act, alpha, limit): one layer's float32 / bfloat16 / per-channel int8 experts "
+           "(float ones with gpt-oss's biases and clamped SwiGLU: act 1)")
       .def("run", &MoeDense::run, "run(x, ids, weights) -> [out, counts]: the routed experts' weighted sum")
       .def("num_experts", &MoeDense::num_experts);
   py::class_<PlanSparseMlp, std::shared_ptr<PlanSparseMlp>>(m, "PlanSparseMlp")
@@ -61,10 +66,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "PlanSparseMlp(router, top_k, renormalise, experts, counts, shared, shared_limits, shared_gate): a sparse "
            "layer's MLP for the DecodePlan (softmax top-k router, MoePacked or MoeDense experts, optional gated "
            "shared expert)")
+      .def("use_gpt_oss_router", &PlanSparseMlp::use_gpt_oss_router,
+           "use_gpt_oss_router(router_bias): route as gpt-oss does (top k of the biased logits, softmax over those)")
       .def("run", &PlanSparseMlp::run, "run(x) -> the MLP's output; adds the tokens per expert to counts");
   py::class_<DecodePlan>(m, "DecodePlan")
       .def(py::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>, std::vector<int64_t>,
-                    std::vector<std::shared_ptr<PlanSparseMlp>>, int64_t, int64_t, int64_t, double, double>())
+                    std::vector<std::shared_ptr<PlanSparseMlp>>, int64_t, int64_t, int64_t, double, double,
+                    std::vector<Tensor>>())
       .def("run_layers", &DecodePlan::run_layers,
            "run_layers(h, residual, cos, sin, kv_caches, slots, block_tables, context_lens) -> [h, residual]");
   m.def("paged_decode", &paged_decode,
