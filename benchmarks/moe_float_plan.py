@@ -1,5 +1,5 @@
-"""Decode of a mid-size random Qwen3-MoE in float32 / bfloat16 (and --quantization int8): the fused float / int8
-expert op and the C++ decode plan over it, against the paths before them (issue 37).
+"""Decode of a mid-size random Qwen3-MoE or gpt-oss in float32 / bfloat16 (and --quantization int8 / int4): the fused
+float / int8 / packed expert op and the C++ decode plan over it, against the paths before them (issue 37).
 
 Three ways per dtype, each a fresh engine on the same random config (random weights, `random:` source):
   - reference: the experts through grouped_experts' torch ops (Experts.fused = PackedExperts.fused = False), so
@@ -11,7 +11,11 @@ Decode tok/s = batch / median decode step over `--iters` generations of a 16-tok
 (bench/latency.py's runner).
 
     python benchmarks/moe_float_plan.py --threads 2 [--dtypes float32,bfloat16] [--batches 1,4,16] \
-        [--quantization int8] [--model random:olmoe-1b-7b] [--modes reference,plan] [--json out.json]
+        [--quantization int8] [--model random:olmoe-1b-7b] [--modes reference,plan] [--family gpt_oss] \
+        [--json out.json]
+
+--family gpt_oss: the built-in shape as gpt-oss (sinks, q/k/v/o biases, every other layer windowed, the biased
+top-k-then-softmax router, biased clamped-SwiGLU experts: ClampedExperts float, PackedClampedExperts packed).
 
 --expert-rows instead times one expert matrix of the config ([2I, H], eight of them in turn) through the
 decode GEMV and F.linear at 1-64 rows: where model/moe_fused.py's EXPERT_GEMV_ROWS come from.
@@ -35,6 +39,13 @@ CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "
           "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 32000,
           "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
           "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+# the same width, experts and heads as gpt-oss (its router: top 4 of 32), alternating windows of 128
+GPT_OSS = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "num_hidden_layers": 8,
+           "hidden_size": 1024, "intermediate_size": 512, "num_local_experts": 32, "num_experts_per_tok": 4,
+           "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 32000,
+           "max_position_embeddings": 4096, "sliding_window": 128,
+           "layer_types": ["sliding_attention", "full_attention"] * 4, "tie_word_embeddings": False,
+           "bos_token_id": 1, "eos_token_id": 2}
 
 
 def decode_rates(path: str, dtype: str, mode: str, args) -> dict:
@@ -108,6 +119,8 @@ def main() -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--model", default=None, help="a checkpoint directory or random:PRESET of a real shape (e.g. "
                                                  "random:olmoe-1b-7b) in place of the built-in mid-size Qwen3-MoE")
+    p.add_argument("--family", choices=["qwen3_moe", "gpt_oss"], default="qwen3_moe",
+                   help="the built-in shape's family")
     p.add_argument("--expert-rows", action="store_true", help="time one expert matrix: GEMV against F.linear")
     args = p.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -119,12 +132,13 @@ def main() -> int:
         if args.json:
             write_json(args.json, result)
         return 0
-    result = {"config": CONFIG, "threads": args.threads, "quantization": args.quantization, "rates": {}}
+    config = GPT_OSS if args.family == "gpt_oss" else CONFIG
+    result = {"config": config, "threads": args.threads, "quantization": args.quantization, "rates": {}}
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or os.path.join(tmp, "config.json")
         if not args.model:
             with open(path, "w") as f:
-                json.dump(CONFIG, f)
+                json.dump(config, f)
         else:
             result["config"] = args.model
         for dtype in args.dtypes.split(","):

@@ -4,7 +4,8 @@ shared expert and OLMoE's q/k norm over all heads, in one call with the dense pa
 serves must equal the module path bit for bit (hidden states and KV cache), on tiny random MoE models with
 packed experts (--quantization modes and a Q4_0 GGUF), float experts (float32, bfloat16: the checkpoint as it
 loads) and per-channel int8 ones (--quantization int8), at decode batches on both sides of the kernels' row
-limits;
+limits; gpt-oss whole (sinks, q/k/v/o biases, windows shorter than the prompts, its router, its clamped experts
+float, under --quantization int4 and as released in MXFP4);
 the step records' expert fields must be those of an engine without the plan; a layer the plan cannot compute
 as the modules do leaves the model to the modules."""
 
@@ -20,16 +21,18 @@ from servescope import LLM, SamplingParams
 from servescope.kernels.cpu import ops as cpu_ops
 from servescope.loader.source import load_model_source
 from servescope.model.moe import Experts, PackedExperts, moe_blocks
+from servescope.model.moe_clamped import PackedClampedExperts
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="CPU op extension not built here")
 
 sys.path.insert(0, os.path.dirname(__file__))
 from decode_plan_check import generate_comparing  # noqa: E402
 from tiny_gguf import write_tiny_moe_gguf  # noqa: E402
-from tiny_models import make_tiny_hf_model  # noqa: E402
+from tiny_models import make_tiny_hf_model, make_tiny_mxfp4_gpt_oss  # noqa: E402
 
-# Qwen2-MoE's shared expert at a width of whole 32-blocks (the packed modes' group)
-OVERRIDES = {"qwen2_moe": {"shared_expert_intermediate_size": 64}}
+# Qwen2-MoE's shared expert at a width of whole 32-blocks (the packed modes' group); gpt-oss's window shorter
+# than most prompts (its sliding layers read only their last 8 positions)
+OVERRIDES = {"qwen2_moe": {"shared_expert_intermediate_size": 64}, "gpt_oss": {"sliding_window": 8}}
 SMALL = dict(skip_tokenizer_init=True, num_kv_blocks=64, max_model_len=128)
 PROMPTS = [[(i * 7 + j * 13) % 250 + 3 for i in range(n)] for j, n in enumerate((5, 19, 33, 2, 40, 9, 1, 12, 7))]
 
@@ -59,6 +62,10 @@ def _sparse_in_plan(llm) -> bool:
     ("olmoe", "bfloat16", "int8"),  # per-channel int8 experts
     ("qwen2_moe", "float32", "int8"),
     ("qwen3_moe", "bfloat16", "int8"),
+    ("gpt_oss", "float32", None),  # sinks, q/k/v/o biases, alternating windows, biased router, clamped experts
+    ("gpt_oss", "bfloat16", None),
+    ("gpt_oss", "float32", "int4"),  # PackedClampedExperts (MoePacked, act 1)
+    ("gpt_oss", "bfloat16", "int4"),
 ])
 def test_plan_matches_module_path_on_sparse_layers(tmp_path, family, dtype, quant):
     llm = LLM(model=str(_checkpoint(tmp_path, family)), dtype=dtype, quantization=quant, **SMALL)
@@ -77,6 +84,17 @@ def test_plan_matches_module_path_on_a_q4_0_gguf(tmp_path):
     assert _sparse_in_plan(llm)
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     assert generate_comparing(llm, PROMPTS[:4], sp) == {4: 4}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plan_matches_module_path_on_an_mxfp4_gpt_oss(tmp_path, dtype):
+    """gpt-oss as released: its experts kept in their MXFP4 blocks (PackedClampedExperts on MoePacked, act 1)."""
+    path = make_tiny_mxfp4_gpt_oss(tmp_path, vocab_size=256, with_tokenizer=False, **OVERRIDES["gpt_oss"])[0]
+    llm = LLM(model=str(path), dtype=dtype, **SMALL)
+    assert _sparse_in_plan(llm)
+    assert all(isinstance(b.experts, PackedClampedExperts) for _, b in moe_blocks(llm.engine.runner.executor.model))
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    assert generate_comparing(llm, PROMPTS[:3], sp) == {3: 4}
 
 
 def _moe_fields(llm) -> list:

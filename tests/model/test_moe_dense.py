@@ -1,5 +1,6 @@
-"""The fused MoE op over float and per-channel int8 experts (kernels/cpu's moe_dense, csrc/moe_dense.cpp;
-Experts.grouped and PackedExperts.grouped of Int8Linears run it) against its reference, model/moe.py's
+"""The fused MoE op over float, gpt-oss's clamped float (biases, clamped SwiGLU) and per-channel int8 experts
+(kernels/cpu's moe_dense, csrc/moe_dense.cpp; Experts.grouped, ClampedExperts.grouped and PackedExperts.grouped
+of Int8Linears run it) against its reference, model/moe.py's
 grouped_experts over the same modules, bit for bit (each expert's rows on its module's kernel: the GEMV up to
 its row limit, ATen's linear above), and against a float64 sum over the experts: float32 and bfloat16, token
 counts on both sides of the GEMV's row limits (decode batches and prefill chunks), k = 1..8, an expert no token
@@ -20,6 +21,7 @@ from servescope.model.moe_fused import EXPERT_GEMV_ROWS
 from servescope.model.moe import ClampedExperts, Experts, PackedExperts, grouped_experts, moe_blocks
 
 sys.path.insert(0, os.path.dirname(__file__))
+from moe_op_checks import check_moved_weights_rebuild_the_op, check_run_refuses_bad_input  # noqa: E402
 from tiny_models import MOE_FAMILIES, make_tiny_hf_model  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="needs the CPU kernel extension")
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="needs the CPU k
 H, WIDTH, E, UNUSED = 96, 40, 10, 3  # expert UNUSED: no token chooses it; widths need not be 32-blocks
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 TOKENS = (1, 2, 3, 9, 17, 40)  # experts' rows on both sides of the GEMV's limits (moe_fused, Int8Linear)
+LIMIT, ALPHA = 0.3, 1.702  # gpt-oss's alpha; a limit the random activations cross (both clamps bite)
 
 
 def _float_experts(dtype, seed: int = 0, n: int = E, h: int = H, width: int = WIDTH) -> Experts:
@@ -34,6 +37,17 @@ def _float_experts(dtype, seed: int = 0, n: int = E, h: int = H, width: int = WI
     ex = Experts(n, h, width)
     ex.gate_up_proj.data = (torch.randn(n, 2 * width, h, generator=g) * 0.1).to(dtype)
     ex.down_proj.data = (torch.randn(n, h, width, generator=g) * 0.1).to(dtype)
+    return ex
+
+
+def _clamped_experts(dtype, seed: int = 0) -> ClampedExperts:
+    """gpt-oss's float experts: _float_experts' weights plus random biases."""
+    f = _float_experts(dtype, seed)
+    ex = ClampedExperts(E, H, WIDTH, LIMIT, ALPHA)
+    g = torch.Generator().manual_seed(seed + 100)
+    ex.gate_up_proj.data, ex.down_proj.data = f.gate_up_proj.data, f.down_proj.data
+    ex.gate_up_proj_bias.data = (torch.randn(E, 2 * WIDTH, generator=g) * 0.1).to(dtype)
+    ex.down_proj_bias.data = (torch.randn(E, H, generator=g) * 0.1).to(dtype)
     return ex
 
 
@@ -61,13 +75,23 @@ def _matrices(experts) -> tuple:
 
 
 def _exact(experts, x, ids, weights) -> torch.Tensor:
+    """float64: sum over t's pairs of w * down(act(gate_up x)), with gpt-oss's biases and clamped SwiGLU for
+    ClampedExperts."""
     mats = _matrices(experts)
+    clamped = isinstance(experts, ClampedExperts)
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
-            gate_up, down = mats[int(ids[t, j])]
-            gate, up = (gate_up @ x[t].double()).chunk(2)
-            out[t] += float(weights[t, j]) * (down @ (F.silu(gate) * up))
+            e = int(ids[t, j])
+            gate_up, down = mats[e]
+            if not clamped:
+                gate, up = (gate_up @ x[t].double()).chunk(2)
+                out[t] += float(weights[t, j]) * (down @ (F.silu(gate) * up))
+                continue
+            gate, up = (gate_up @ x[t].double() + experts.gate_up_proj_bias[e].double()).chunk(2)
+            gate, up = gate.clamp(max=LIMIT), up.clamp(-LIMIT, LIMIT)
+            h = (up + 1) * gate * torch.sigmoid(ALPHA * gate)
+            out[t] += float(weights[t, j]) * (down @ h + experts.down_proj_bias[e].double())
     return out
 
 
@@ -93,6 +117,17 @@ def test_float_experts_equal_the_grouped_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_clamped_experts_equal_the_grouped_reference(dtype):
+    """gpt-oss's float experts: each bias added after its projection's rounding to the activation dtype, the
+    clamped SwiGLU on the kernel ClampedExperts.hidden calls, the same bits as ClampedExperts.run expert by
+    expert."""
+    experts = _clamped_experts(dtype)
+    for t in TOKENS:
+        for k in (1, 2, 4, 8):
+            _check(experts, t, k, dtype, exact=k == 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_int8_experts_equal_the_grouped_reference(dtype):
     experts = _int8_experts(dtype)
     for t in TOKENS:
@@ -106,6 +141,7 @@ def test_across_threads(threads):
     torch.set_num_threads(threads)
     try:
         for experts, dtype in ((_float_experts(torch.bfloat16, 2), torch.bfloat16),
+                               (_clamped_experts(torch.float32, 2), torch.float32),
                                (_int8_experts(torch.float32, 2), torch.float32)):
             for t in (1, 4, 33):
                 _check(experts, t, 8, dtype)
@@ -155,8 +191,8 @@ def test_where_the_op_does_not_apply_the_reference_runs():
     assert experts.fused_rows(torch.float32) == 0
     experts.fused = False
     assert experts._fused(x.bfloat16()) is None and experts.fused_rows(torch.bfloat16) == 0
-    clamped = ClampedExperts(E, H, WIDTH, 7.0, 1.7)  # gpt-oss's float experts: biases, clamped SwiGLU
-    assert clamped.fused_op() is None
+    clamped = _clamped_experts(torch.bfloat16)
+    assert clamped._fused(x) is None and clamped._fused(x.bfloat16().to("meta")) is None  # rows' dtype; off the CPU
     biased = [Int8Linear(torch.randn(2 * WIDTH, H), torch.randn(2 * WIDTH), torch.float32) for _ in range(E)]
     down = [Int8Linear(torch.randn(H, WIDTH), None, torch.float32) for _ in range(E)]
     assert PackedExperts(biased, down)._fused(x) is None
@@ -166,17 +202,39 @@ def test_where_the_op_does_not_apply_the_reference_runs():
     assert clamped._fused(x) is None and clamped.fused_rows(torch.float32) == 0
 
 
-def test_moved_weights_rebuild_the_op():
-    experts = _int8_experts(torch.float32)
-    x, ids, weights = _routing(3, 4, torch.float32)
-    first = experts._fused(x)
+def _move_int8(experts):
     for m in experts.linears():
         m.weight_int8 = m.weight_int8.clone()
-    assert experts._fused(x) is not first
-    assert torch.equal(experts.grouped(x, ids, weights)[0], grouped_experts(x, ids, weights, experts)[0])
 
 
-def test_bad_input_is_refused():
+def _move_stacked(experts):
+    for name, p in list(experts.named_parameters()):
+        setattr(experts, name, torch.nn.Parameter(p.detach().clone(), requires_grad=False))
+
+
+# each kind of experts the op runs: (experts, how its weights move)
+KINDS = {"float": (lambda: _float_experts(torch.float32), _move_stacked),
+         "clamped": (lambda: _clamped_experts(torch.float32), _move_stacked),
+         "int8": (lambda: _int8_experts(torch.float32), _move_int8)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_moved_weights_rebuild_the_op(kind):
+    make, move = KINDS[kind]
+    check_moved_weights_rebuild_the_op(make(), move, *_routing(3, 4, torch.float32))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_built_op_refuses_bad_input(kind):
+    experts = KINDS[kind][0]()
+    x, ids, weights = _routing(2, 2, torch.float32)
+    op = experts._fused(x)
+    check_run_refuses_bad_input(op, x, ids, weights)
+    with pytest.raises(RuntimeError, match="activation dtype"):
+        op.run(x.bfloat16(), ids, weights)
+
+
+def test_bad_weights_are_refused():
     ex = _float_experts(torch.float32)
     gate_up, down = list(ex.gate_up_proj.unbind(0)), list(ex.down_proj.unbind(0))
     with pytest.raises(RuntimeError, match="as many"):
@@ -187,16 +245,18 @@ def test_bad_input_is_refused():
         cpu_ops.moe_dense(gate_up[:1] + [gate_up[1].bfloat16()], down[:2], 1)
     with pytest.raises(RuntimeError, match="scale"):
         cpu_ops.moe_dense([w.to(torch.int8) for w in gate_up], [w.to(torch.int8) for w in down], 16)
-    op = cpu_ops.moe_dense(gate_up, down, 1)
-    x, ids, weights = _routing(2, 2, torch.float32)
-    with pytest.raises(RuntimeError, match="int64"):
-        op.run(x, ids.int(), weights)
-    with pytest.raises(RuntimeError, match=r"x \[T, H\]"):
-        op.run(x[:, :64], ids, weights)
-    with pytest.raises(RuntimeError, match="activation dtype"):
-        op.run(x.bfloat16(), ids, weights)
-    with pytest.raises(RuntimeError, match="like ids"):
-        op.run(x, ids, weights[:, :1])
+    c = _clamped_experts(torch.float32)
+    biases = (c.gate_up_proj_bias.detach(), c.down_proj_bias.detach())
+    with pytest.raises(RuntimeError, match="comes with both biases"):
+        cpu_ops.moe_dense(gate_up, down, 1, act=1)
+    with pytest.raises(RuntimeError, match="comes with both biases"):
+        cpu_ops.moe_dense(gate_up, down, 1, biases=biases)
+    with pytest.raises(RuntimeError, match=r"\[E, 2I\]"):
+        cpu_ops.moe_dense(gate_up, down, 1, biases=biases[::-1], act=1)
+    with pytest.raises(RuntimeError, match="weights' dtype"):
+        cpu_ops.moe_dense(gate_up, down, 1, biases=tuple(b.bfloat16() for b in biases), act=1)
+    with pytest.raises(RuntimeError, match="act 0"):
+        cpu_ops.moe_dense(gate_up, down, 1, biases=biases, act=2)
 
 
 @pytest.mark.parametrize("dtype,quant", [("float32", None), ("bfloat16", None), ("float32", "int8"),

@@ -6,6 +6,9 @@ range of experts (expert parallelism), 1-3 threads. Where it does not apply the 
 and float experts: tests/model/test_moe_dense.py.)
 (tests/kernels/test_quant_gemv_isas.py runs the same op on every ISA path, torch-free.)"""
 
+import os
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +18,9 @@ from servescope.model.linears.packed import QuantLinear
 from servescope.model.moe import PackedExperts, grouped_experts
 from servescope.quant.packed import dequantize, quantize
 from servescope.quant.scheme import QuantScheme
+
+sys.path.insert(0, os.path.dirname(__file__))
+from moe_op_checks import check_moved_weights_rebuild_the_op, check_run_refuses_bad_input  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="needs the CPU kernel extension")
 
@@ -152,13 +158,11 @@ def test_where_the_op_does_not_apply_the_reference_runs():
 
 def test_moved_weights_rebuild_the_op():
     """The huge-page move replaces the packed buffers: the op is rebuilt over the new ones."""
-    experts = _experts(SCHEMES["q4_0"])
-    x, ids, weights = _routing(3, 4, torch.float32)
-    first = experts._fused(x)
-    for m in experts.linears():
-        m.qweight = m.qweight.clone()
-    assert experts._fused(x) is not first
-    assert torch.equal(experts.grouped(x, ids, weights)[0], grouped_experts(x, ids, weights, experts)[0])
+    def move(experts):
+        for m in experts.linears():
+            m.qweight = m.qweight.clone()
+
+    check_moved_weights_rebuild_the_op(_experts(SCHEMES["q4_0"]), move, *_routing(3, 4, torch.float32))
 
 
 def test_bad_input_is_refused():
@@ -170,11 +174,4 @@ def test_bad_input_is_refused():
         cpu_ops.moe_packed(pairs(a.gate_up[:2]), pairs(a.down[:3]))
     with pytest.raises(RuntimeError, match=r"\[2I, H\]"):
         cpu_ops.moe_packed(pairs(a.down[:2]), pairs(a.down[:2]))
-    op = cpu_ops.moe_packed(pairs(a.gate_up), pairs(a.down))
-    x, ids, weights = _routing(2, 2, torch.float32)
-    with pytest.raises(RuntimeError, match="int64"):
-        op.run(x, ids.int(), weights)
-    with pytest.raises(RuntimeError, match=r"x \[T, H\]"):
-        op.run(x[:, :64], ids, weights)
-    with pytest.raises(RuntimeError, match="like ids"):
-        op.run(x, ids, weights[:, :1])
+    check_run_refuses_bad_input(cpu_ops.moe_packed(pairs(a.gate_up), pairs(a.down)), *_routing(2, 2, torch.float32))

@@ -15,8 +15,8 @@ from tiny_models import MOE_FAMILIES, make_tiny_hf_model  # noqa: E402
 from servescope.config import ModelConfig  # noqa: E402
 from servescope.config.moe import ExpertsSpec  # noqa: E402
 from servescope.errors import InvalidParameterError  # noqa: E402
-from servescope.model.moe import (Experts, gpt_oss_checkpoint, grouped_experts, route,  # noqa: E402
-                                  stack_expert_checkpoint)
+from servescope.model.moe import Experts, grouped_experts, route  # noqa: E402
+from servescope.model.moe_checkpoint import gpt_oss_checkpoint, stack_expert_checkpoint  # noqa: E402
 
 QWEN_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 64,
             "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 6,

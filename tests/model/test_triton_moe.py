@@ -62,7 +62,7 @@ def test_no_tokens_give_zeros():
 def test_the_experts_op_a_gpu_runs_is_the_triton_one():
     """Experts.grouped on a CUDA tensor takes moe_fused.triton_op (its run, here in the interpreter on CPU
     tensors, equals the per-expert loop; the tokens per expert come back on the host), gpt-oss's clamped
-    experts none (biases and their activation are not in the kernels)."""
+    experts none off the CPU (biases and their activation are not in the kernels)."""
     from servescope.model import moe_fused
     from servescope.model.moe import ClampedExperts
 
@@ -74,4 +74,5 @@ def test_the_experts_op_a_gpu_runs_is_the_triton_one():
     want, want_counts = grouped_experts(x, ids, weights, ex)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert counts.device.type == "cpu" and torch.equal(counts, want_counts)
-    assert ClampedExperts.fused is False  # Experts._fused returns None before looking for an op
+    clamped = ClampedExperts(8, 32, 16, 7.0, 1.7)
+    assert clamped._fused(x.to("meta")) is None  # off the CPU no op has their biases and activation

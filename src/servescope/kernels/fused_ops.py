@@ -88,6 +88,17 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's activation of [n, 2I] (gate | up) -> [n, I]: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g),
+    g = min(gate, limit). On the CPU the C++ kernel (one rounding at the end; the fused expert ops call the same
+    one, so the per-expert modules and the fused op agree bit for bit), else transformers' torch ops."""
+    if gate_up.dim() == 2 and _use_cpu(gate_up, gate_up):
+        return cpu_ops.clamped_swiglu(gate_up, limit, alpha)
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: silu(gate) * up."""
     if _use_fused(gate_up):

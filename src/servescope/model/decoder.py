@@ -34,7 +34,8 @@ from servescope.kernels import fused_ops
 from servescope.model.attention.backend import AttentionBackend, AttentionMetadata
 from servescope.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from servescope.model.mla import LatentAttention
-from servescope.model.moe import SparseMoeBlock, stack_expert_checkpoint
+from servescope.model.moe import SparseMoeBlock
+from servescope.model.moe_checkpoint import stack_expert_checkpoint
 
 # (fused module, its parts in the checkpoint, in the order their outputs are concatenated)
 FUSED_PROJECTIONS = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -216,7 +217,7 @@ class CausalLM(nn.Module):
         """Checkpoint tensors (HF names) -> this model's names: each layer's q/k/v and gate/up
         weights (and biases) concatenated along the output dimension. A layer missing a part is left
         as it is, so that the build reports exactly which tensor is missing."""
-        sd = stack_expert_checkpoint(dict(state_dict))  # per-expert tensors -> stacked (model/moe.py)
+        sd = stack_expert_checkpoint(dict(state_dict))  # per-expert tensors -> stacked (model/moe_checkpoint.py)
         for i in range(num_layers):
             for fused, parts in FUSED_PROJECTIONS:
                 for kind in ("weight", "bias"):

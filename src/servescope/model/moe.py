@@ -12,10 +12,11 @@ expert is a contiguous slice and the checkpoint's per-expert tensors are stacked
 
 On the CPU the experts run that same order as one C++ op per layer (model/moe_fused.py): packed group-32
 experts (GGUF Q4_0 / Q4_1 / Q8_0, --quantization int4 / int8-g32) on moe_packed up to the modules' packed-GEMV
-row limit of tokens, float experts and per-channel int8 ones (--quantization int8) on moe_dense at any rows:
-the grouping, each expert's projections on the kernel its module would choose for its rows, silu and the
-weighted sum, the same roundings, so the same bits. `grouped_experts` is the reference they are tested against
-and runs everything else (GPUs, gpt-oss's float experts, long packed prefill chunks, mixed formats).
+row limit of tokens, float experts (gpt-oss's with their biases and clamped SwiGLU too) and per-channel int8
+ones (--quantization int8) on moe_dense at any rows: the grouping, each expert's projections on the kernel its
+module would choose for its rows, the activation and the weighted sum, the same roundings, so the same bits.
+`grouped_experts` is the reference they are tested against and runs everything else (GPUs, long packed prefill
+chunks, mixed formats).
 
 Each block counts the tokens routed to each expert (`routed_tokens`, summed over the forwards since the
 engine last took them: `take_routing`), which the step record reports (telemetry/moe.py).
@@ -24,7 +25,6 @@ engine last took them: `take_routing`), which the step record reports (telemetry
 from __future__ import annotations
 
 import itertools
-import re
 
 import torch
 import torch.nn.functional as F
@@ -153,20 +153,14 @@ class Experts(nn.Module):
         return (self.gate_up_proj[0].numel() + self.down_proj[0].numel()) * self.gate_up_proj.element_size()
 
 
-def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
-    """gpt-oss's activation of [n, 2I] (gate | up) -> [n, I]: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g),
-    g = min(gate, limit)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
-
-
 class ClampedExperts(Experts):
     """gpt-oss's experts: Experts' stacked weights plus biases, gate_up_proj_bias [E, 2I] (gate | up) and
     down_proj_bias [E, Dm], and the clamped SwiGLU: gate clamped above at `limit`, up to [-limit, limit],
-    (up + 1) * gate * sigmoid(alpha * gate). (No fused op: grouped_experts runs them.)"""
+    (up + 1) * gate * sigmoid(alpha * gate). Each projection on Experts' kernel for its rows, its bias added in
+    the activation dtype after it; on the CPU the fused op (moe_dense with the biases and act 1) runs them, on a
+    GPU grouped_experts (the Triton grouped GEMMs have neither the biases nor the activation)."""
 
-    fused = False
+    act = 1  # the fused op's activation (csrc/moe_experts.h MOE_ACT_CLAMPED_SWIGLU)
 
     def __init__(self, num_experts: int, hidden: int, width: int, limit: float, alpha: float):
         super().__init__(num_experts, hidden, width)
@@ -174,9 +168,21 @@ class ClampedExperts(Experts):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * width), requires_grad=False)
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
 
-    def run(self, e: int, xs: torch.Tensor, out: torch.Tensor) -> None:
-        h = clamped_swiglu(F.linear(xs, self.gate_up_proj[e], self.gate_up_proj_bias[e]), self.limit, self.alpha)
-        torch.addmm(self.down_proj_bias[e], h, self.down_proj[e].t(), out=out)
+    def hidden(self, e: int, xs: torch.Tensor) -> torch.Tensor:
+        g = moe_fused.expert_linear(xs, self.gate_up_proj[e]) + self.gate_up_proj_bias[e]
+        return fused_ops.clamped_swiglu(g, self.limit, self.alpha)
+
+    def project_down(self, e: int, h: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(moe_fused.expert_linear(h, self.down_proj[e]) + self.down_proj_bias[e])
+
+    def _fused(self, x: torch.Tensor):
+        return super()._fused(x) if x.device.type == "cpu" else None
+
+    def fused_op(self):
+        if not self.fused:
+            return None
+        params = (self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias)
+        return moe_fused.cached_op(self, tuple(p.data_ptr() for p in params), lambda: moe_fused.float_op(self))
 
     def expert_bytes(self) -> int:
         biases = self.gate_up_proj_bias[0].numel() + self.down_proj_bias[0].numel()
@@ -326,64 +332,6 @@ class SparseMoeBlock(nn.Module):
         """The swappable linears (the shared expert's; the router stays as it is, as vLLM keeps it)."""
         shared = getattr(self, "shared_expert", None) or getattr(self, "shared_experts", None)
         return shared.projections() if shared is not None else []
-
-
-_GPT_OSS_ROUTER = re.compile(r"(model\.layers\.\d+\.mlp\.)router\.(weight|bias)$")
-_MIXTRAL_ROUTER = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight$")
-_EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
-# a checkpoint's per-expert part -> (stacked parameter, its place along the stacked rows)
-_PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-          "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", 0), "w2": ("down_proj", 0)}
-
-
-def stack_expert_checkpoint(sd: dict) -> dict:
-    """Per-expert checkpoint tensors (`mlp.experts.{e}.gate_proj.weight`, Mixtral's
-    `block_sparse_moe.experts.{e}.w1.weight` ...) -> this model's stacked `mlp.experts.gate_up_proj`
-    [E, 2I, Dm] and `mlp.experts.down_proj` [E, Dm, I]; Mixtral's `block_sparse_moe.gate` -> `mlp.gate`.
-    A layer missing an expert's part keeps its tensors as they are (the build names what is missing).
-    gpt-oss's stacked experts: `gpt_oss_checkpoint`."""
-    gpt_oss_checkpoint(sd)
-    parts: dict = {}  # (layer, stacked name) -> {expert: {slot: tensor}}
-    for key in list(sd):
-        m = _MIXTRAL_ROUTER.match(key)
-        if m:
-            sd[f"model.layers.{m.group(1)}.mlp.gate.weight"] = sd.pop(key)
-            continue
-        m = _EXPERT_TENSOR.match(key)
-        if m and m.group(3) in _PARTS:
-            name, slot = _PARTS[m.group(3)]
-            parts.setdefault((m.group(1), name), {}).setdefault(int(m.group(2)), {})[slot] = key
-    for (layer, name), experts in parts.items():
-        slots = 2 if name == "gate_up_proj" else 1
-        if sorted(experts) != list(range(len(experts))) or any(len(s) != slots for s in experts.values()):
-            continue
-        stacked = [torch.cat([sd.pop(experts[e][s]) for s in range(slots)], dim=0)
-                   for e in range(len(experts))]
-        sd[f"model.layers.{layer}.mlp.experts.{name}"] = torch.stack(stacked)
-    return sd
-
-
-def gpt_oss_checkpoint(sd: dict) -> None:
-    """gpt-oss's expert tensors -> this model's names and layout, in place, in each layer that has gpt-oss's
-    router (`mlp.router`, becoming `mlp.gate`): gate_up_proj [E, Dm, 2I] with gate and up interleaved (even and
-    odd columns) -> [E, 2I] rows gate | up over Dm, its bias [E, 2I] likewise; down_proj [E, I, Dm] -> [E, Dm, I]."""
-    for key in list(sd):
-        m = _GPT_OSS_ROUTER.match(key)
-        if not m:
-            continue
-        mlp = m.group(1)
-        sd[f"{mlp}gate.{m.group(2)}"] = sd.pop(key)
-        if m.group(2) != "weight":
-            continue
-        ex = mlp + "experts."
-        if ex + "gate_up_proj" in sd:
-            w = sd[ex + "gate_up_proj"].transpose(1, 2)  # [E, 2I, Dm], rows interleaved
-            sd[ex + "gate_up_proj"] = torch.cat([w[:, 0::2], w[:, 1::2]], dim=1)
-        if ex + "gate_up_proj_bias" in sd:
-            b = sd[ex + "gate_up_proj_bias"]
-            sd[ex + "gate_up_proj_bias"] = torch.cat([b[:, 0::2], b[:, 1::2]], dim=1)
-        if ex + "down_proj" in sd:
-            sd[ex + "down_proj"] = sd[ex + "down_proj"].transpose(1, 2).contiguous()
 
 
 def moe_blocks(model: nn.Module) -> list:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from servescope.model.moe import PackedExperts, clamped_swiglu
+from servescope.kernels import fused_ops
+from servescope.model.moe import PackedExperts
 
 
 class PackedClampedExperts(PackedExperts):
@@ -32,7 +33,7 @@ class PackedClampedExperts(PackedExperts):
         self.down_proj_bias = nn.Parameter(torch.zeros(n, hidden, device=device), requires_grad=False)
 
     def run(self, e: int, xs: torch.Tensor, out: torch.Tensor) -> None:
-        h = clamped_swiglu(self.gate_up[e](xs) + self.gate_up_proj_bias[e], self.limit, self.alpha)
+        h = fused_ops.clamped_swiglu(self.gate_up[e](xs) + self.gate_up_proj_bias[e], self.limit, self.alpha)
         out.copy_(self.down[e](h) + self.down_proj_bias[e])
 
     def biases(self) -> tuple:

@@ -2,7 +2,8 @@
 
 - packed group-32 experts (PackedExperts of QuantLinears: GGUF Q4_0 / Q4_1 / Q8_0, MXFP4, --quantization int4 /
   int8-g32): `moe_packed` (csrc/moe_experts.h), up to the modules' packed-GEMV row limit;
-- float experts (Experts: float32 / bfloat16, what an HF checkpoint loads as) and per-channel int8 ones
+- float experts (Experts: float32 / bfloat16, what an HF checkpoint loads as; gpt-oss's ClampedExperts with their
+  biases and clamped SwiGLU) and per-channel int8 ones
   (PackedExperts of Int8Linears: --quantization int8): `moe_dense` (csrc/moe_dense.cpp), at any rows: each
   expert's rows take the kernel its module takes (`expert_linear` for Experts, Int8Linear.forward), so the op
   equals grouped_experts over the same modules bit for bit (float experts: the GEMV up to EXPERT_GEMV_ROWS).
@@ -76,13 +77,18 @@ def packed_experts_rows(experts: nn.Module, dtype: torch.dtype) -> int:
 
 
 def float_op(experts: nn.Module):
-    """moe_dense over Experts' stacked float weights (views, no copies), or None (not on the CPU, no extension)."""
+    """moe_dense over Experts' stacked float weights (views, no copies), gpt-oss's ClampedExperts with their
+    stacked biases and activation, or None (not on the CPU, no extension)."""
     gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
     if gate_up.device.type != "cpu" or gate_up.dtype not in (torch.float32, torch.bfloat16):
         return None
+    clamped = {}
+    if hasattr(experts, "gate_up_proj_bias"):  # (ClampedExperts: act 1)
+        clamped = dict(biases=(experts.gate_up_proj_bias.detach(), experts.down_proj_bias.detach()),
+                       act=experts.act, alpha=experts.alpha, limit=experts.limit)
     try:
-        return cpu_ops.moe_dense(gate_up.unbind(0), down.unbind(0), EXPERT_GEMV_ROWS[gate_up.dtype])
-    except RuntimeError:  # the op's own checks (shapes): grouped_experts runs them
+        return cpu_ops.moe_dense(gate_up.unbind(0), down.unbind(0), EXPERT_GEMV_ROWS[gate_up.dtype], **clamped)
+    except RuntimeError:  # the op's own checks (shapes, the biases' dtype): grouped_experts runs them
         return None
 
 

@@ -9,7 +9,8 @@ engine's executor (engine/executor.py), not by the model.
   same kernels and the same weights as the modules (no copies), wrapped as DecodePlanLayers: the
   model's own `run_layers` signature, so an executor composes it with `embed` and `final_norm` as it
   composes the model's. Sparse layers are in it where their experts run on a fused op (`_sparse_mlp`: packed,
-  float or per-channel int8 experts).
+  float or per-channel int8 experts; gpt-oss's biased router and clamped experts, packed or float); gpt-oss's
+  attention sinks go to the paged decode kernel, its q/k/v and o_proj biases with their projections.
 Quantisation is model/quantize.py (quantize_int8), applied before these.
 """
 
@@ -23,8 +24,11 @@ from servescope.model.linears.cpu import CpuLinear
 from servescope.model.linears.int8 import Int8Linear
 from servescope.model.linears.packed import QuantLinear
 from servescope.model.mla import LatentAttention
-from servescope.model.moe import ClampedExperts, Experts, PackedExperts, SparseMoeBlock
+from servescope.model.moe import Experts, PackedExperts, SparseMoeBlock
 from servescope.model.plan_deepseek import deepseek_moe, latent_attention, no_attention_entries
+
+
+PLAN_ROUTERS = ("softmax_topk", "gpt_oss", "deepseek_v2", "deepseek_v3")  # the routers PlanSparseMlp runs
 
 
 def use_cpu_linears(model: nn.Module) -> nn.Module:
@@ -82,11 +86,12 @@ def cpu_decode_plan(model: nn.Module):
         return None
     dtype = model.model.norm.weight.dtype  # (the embedding may be packed)
     empty = torch.empty(0)
-    norms_of, layers, limits, sparse, served, latents = [], [], [], [], [], {}
+    norms_of, layers, limits, sparse, served, latents, sinks = [], [], [], [], [], {}, []
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         latent = isinstance(attn, LatentAttention)  # its PlanLatentAttention holds its projections
         own = () if latent else (attn.qkv_proj, attn.o_proj)
+        sinks.append(attn.sinks.detach().float().contiguous() if hasattr(attn, "sinks") else empty)
         if isinstance(mlp, SparseMoeBlock):  # its MLP a PlanSparseMlp, the dense MLP's entries left empty
             part = _sparse_mlp(mod, mlp, dtype)
             if part is None:
@@ -121,14 +126,14 @@ def cpu_decode_plan(model: nn.Module):
         return None
     windows = [getattr(layer.self_attn, "window", 0) for layer in model.model.layers]
     args = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.attention_scale)
-    plan = mod.DecodePlan(layers, limits, windows, sparse, *args)
+    plan = mod.DecodePlan(layers, limits, windows, sparse, *args, sinks)
     for i, latent in latents.items():
         plan.set_latent(i, latent)
     segments, lo = [], 0
     for i in range(1, len(windows) + 1):  # runs of consecutive layers of one window
         if len(set(windows)) > 1 and (i == len(windows) or windows[i] != windows[lo]):
             segments.append((lo, i, windows[lo], mod.DecodePlan(layers[lo:i], limits[lo:i], windows[lo:i],
-                                                                sparse[lo:i], *args)))
+                                                                sparse[lo:i], *args, sinks[lo:i])))
             lo = i
     return DecodePlanLayers(plan, min(served), model.rotary, tuple(segments),
                             {i: m for i, m in enumerate(sparse) if m is not None})
@@ -136,15 +141,18 @@ def cpu_decode_plan(model: nn.Module):
 
 def _sparse_mlp(mod, block: SparseMoeBlock, dtype: torch.dtype):
     """(the C++ PlanSparseMlp of a sparse layer, the most rows it serves), or None where the plan cannot compute
-    it as the module does: a router other than the softmax top-k and DeepSeek's (gpt-oss's), expert parallelism,
-    experts off a fused op (gpt-oss's, mixed formats, the fused op switched off; packed experts above their row
-    limit: the module's grouped_experts). DeepSeek's routers and ungated shared experts: plan_deepseek. The experts
-    may be packed (MoePacked), float or per-channel int8 (MoeDense). The plan counts each step's tokens per expert
-    into the block's own `routed_tokens`, as the module does (the step record's source)."""
-    experts, deepseek = block.experts, block.spec.router in ("deepseek_v2", "deepseek_v3")
-    if ((block.spec.router != "softmax_topk" and not deepseek) or block.expert_parallel is not None
-            or not (deepseek or _plain_router(block.gate, dtype)) or isinstance(experts, ClampedExperts)
-            or not isinstance(experts, (Experts, PackedExperts)) or getattr(experts, "act", 0) != 0):
+    it as the module does: a router other than the softmax top-k, gpt-oss's and DeepSeek's, expert parallelism,
+    experts off a fused op (mixed formats, the fused op switched off; packed experts above their row limit: the
+    module's grouped_experts). DeepSeek's routers and ungated shared experts: plan_deepseek. The experts may be
+    packed (MoePacked), float or per-channel int8 (MoeDense), gpt-oss's with their biases and clamped SwiGLU on
+    either op. The plan counts each step's tokens per expert into the block's own `routed_tokens`, as the module
+    does (the step record's source)."""
+    experts, router = block.experts, block.spec.router
+    deepseek, gpt_oss = router in ("deepseek_v2", "deepseek_v3"), router == "gpt_oss"
+    if (router not in PLAN_ROUTERS or block.expert_parallel is not None
+            or (hasattr(block, "shared_experts") and not deepseek)
+            or not (deepseek or _plain_router(block.gate, dtype, biased=gpt_oss))
+            or not isinstance(experts, (Experts, PackedExperts))):
         return None
     op, rows = experts.fused_op(), experts.fused_rows(dtype)
     if op is None or rows < 1:
@@ -165,24 +173,28 @@ def _sparse_mlp(mod, block: SparseMoeBlock, dtype: torch.dtype):
         gate = block.shared_expert_gate.weight.detach()
     plan = mod.PlanSparseMlp(block.gate.weight.detach(), block.top_k, block.renormalise, op, block.routed_tokens,
                              shared, limits, gate)
+    if gpt_oss:
+        plan.use_gpt_oss_router(block.gate.bias.detach())
     return plan, rows
 
 
-def _plain_router(m: nn.Module, dtype: torch.dtype) -> bool:
-    """An nn.Linear without bias in the activation dtype on the CPU (a router, the shared expert's gate)."""
-    return type(m) is nn.Linear and m.bias is None and m.weight.dtype == dtype and m.weight.device.type == "cpu"
+def _plain_router(m: nn.Module, dtype: torch.dtype, biased: bool = False) -> bool:
+    """An nn.Linear in the activation dtype on the CPU (a router, the shared expert's gate), with a bias where
+    `biased` (gpt-oss's router), else without."""
+    return (type(m) is nn.Linear and (m.bias is not None) == biased and m.weight.dtype == dtype
+            and m.weight.device.type == "cpu" and (m.bias is None or m.bias.dtype == dtype))
 
 
 def _plan_covers_layer(spec) -> bool:
     """A layer the plan computes as the modules do: pre-norm, a dense silu MLP or experts behind the softmax top-k
-    router or DeepSeek's (`_sparse_mlp` checks the modules), the model's rotary tables, a plain softmax, q/k norms per
-    head or over all heads, DeepSeek's latent attention (plan_deepseek; Gemma's four norms and GELU, a layer's own
-    rotary base, soft-caps, sinks, gpt-oss's router are the modules' alone)."""
+    router, gpt-oss's or DeepSeek's (`_sparse_mlp` checks the modules), the model's rotary tables, a softmax with
+    or without sinks, q/k norms per head or over all heads, biases on q/k/v and o_proj, DeepSeek's latent
+    attention (plan_deepseek; Gemma's four norms and GELU, a layer's own rotary base and soft-caps are the
+    modules' alone)."""
     a, m = spec.attention, spec.mlp
-    routers = ("softmax_topk", "deepseek_v2", "deepseek_v3")
-    return (spec.norm == "pre" and m.activation == "silu" and a.plain_softmax
-            and (m.kind == "dense" or (m.kind == "moe" and m.experts.router in routers))
-            and not a.rope_theta and not a.out_bias)
+    return (spec.norm == "pre" and m.activation == "silu" and not a.softcap
+            and (m.kind == "dense" or (m.kind == "moe" and m.experts.router in PLAN_ROUTERS))
+            and not a.rope_theta)
 
 
 def _plan_covers(m: nn.Module, dtype: torch.dtype) -> bool:

@@ -68,6 +68,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _EXT.mod.silu_mul(gate_up)
 
 
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's activation of [n, 2I] float32 | bfloat16 -> [n, I] (kernels/fused_ops.clamped_swiglu's), in
+    float32 with one rounding to the dtype at the end; a row's bits do not depend on the rows beside it."""
+    return _EXT.mod.clamped_swiglu(gate_up, limit, alpha)
+
+
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     _EXT.mod.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
@@ -118,7 +124,8 @@ def moe_packed(gate_up: list, down: list, first: int = 0, gate_up_bias=(), down_
                               [s for _, s in down], first, list(gate_up_bias), list(down_bias), act, alpha, limit)
 
 
-def moe_dense(gate_up: list, down: list, gemv_rows: int, first: int = 0, scales=None):
+def moe_dense(gate_up: list, down: list, gemv_rows: int, first: int = 0, scales=None, biases=None, act: int = 0,
+              alpha: float = 0.0, limit: float = 0.0):
     """One MoE layer's routed experts over float32 / bfloat16 or per-channel int8 weights as one C++ op
     (csrc/moe_dense.cpp), or None without the extension. gate_up / down: per local expert its [2I, H] gate | up
     and [H, I] down matrix (contiguous), local expert e being the router's expert first + e; scales (int8 only):
@@ -126,9 +133,12 @@ def moe_dense(gate_up: list, down: list, gemv_rows: int, first: int = 0, scales=
     each (Int8Linear's `_scale_f32` and `scale`). Each expert's rows run the GEMV up to gemv_rows rows, ATen's
     linear above, as its module does (Int8Linear: cpu_linear.MAX_ROWS; float experts: model/moe_fused.py's).
     The handle's `run(x [T, H], ids [T, k] int64, weights [T, k])` -> (out [T, H] in x's dtype, tokens per
-    local expert [E] int64): grouped_experts over those modules bit for bit. Raises RuntimeError for other
-    weights or shapes."""
+    local expert [E] int64): grouped_experts over those modules bit for bit. biases (float experts only):
+    (gate_up [E, 2I], down [E, H]) in the activation dtype, each added after its projection's rounding to that
+    dtype (gpt-oss's ClampedExperts); act 0: silu(gate) * up, 1: the clamped SwiGLU (alpha, limit: the kernel of
+    `clamped_swiglu`, which the modules call). Raises RuntimeError for other weights or shapes."""
     if _EXT.load() is None:
         return None
     s = [list(p) for p in scales] if scales is not None else [[], [], [], []]
-    return _EXT.mod.MoeDense(list(gate_up), list(down), *s, first, gemv_rows)
+    b = list(biases) if biases is not None else [_EMPTY, _EMPTY]
+    return _EXT.mod.MoeDense(list(gate_up), list(down), *s, first, gemv_rows, *b, act, alpha, limit)

@@ -57,6 +57,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, nogil, "add_rms_norm(x, residual, w, eps) -> [y, x + residual]");
   m.def("rotary", &rotary, nogil, "rotary(q, k, cos, sin) -> [q', k'] (rotate-half)");
   m.def("silu_mul", &silu_mul, nogil, "silu_mul(gate_up) -> silu(gate) * up");
+  m.def("clamped_swiglu", &clamped_swiglu, nogil,
+        "clamped_swiglu(gate_up, limit, alpha) -> (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, "
+        "limit): gpt-oss's activation");
   m.def("store_kv", &store_kv, nogil, "store_kv(k, v, k_cache, v_cache, slot_mapping), in place");
   m.def("quant_gemv", &quant_gemv, nogil,
         "quant_gemv(x, w, scales, bias, order=0): packed int4/int8 weights -> float32; order 1 / 2 / 3 / 4 forces "
@@ -80,9 +83,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_experts", &MoePacked::num_experts);
   py::class_<MoeDense>(m, "MoeDense")
       .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>,
-                    std::vector<Tensor>, std::vector<Tensor>, int64_t, int64_t>(),
-           "MoeDense(gate_up, down, gate_up_scale, down_scale, gate_up_scale_act, down_scale_act, first, gemv_rows): "
-           "one layer's float32 / bfloat16 / per-channel int8 experts")
+                    std::vector<Tensor>, std::vector<Tensor>, int64_t, int64_t, Tensor, Tensor, int64_t, double,
+                    double>(),
+           "MoeDense(gate_up, down, gate_up_scale, down_scale, gate_up_scale_act, down_scale_act, first, gemv_rows, "
+           "gate_up_bias, down_bias, act, alpha, limit): one layer's float32 / bfloat16 / per-channel int8 experts "
+           "(float ones with gpt-oss's biases and clamped SwiGLU: act 1)")
       .def("run", &MoeDense::run, nogil, "run(x, ids, weights) -> [out, counts]: the routed experts' weighted sum")
       .def("num_experts", &MoeDense::num_experts);
   py::class_<PlanSparseMlp, std::shared_ptr<PlanSparseMlp>>(m, "PlanSparseMlp")
@@ -94,6 +99,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_deepseek", &set_deepseek,
            "set_deepseek(router_f32, bias, v3, top_k, n_group, topk_group, norm, scaling, shared, shared_limits): "
            "DeepSeek's router and ungated shared experts (shared empty: none)")
+      .def("use_gpt_oss_router", &PlanSparseMlp::use_gpt_oss_router,
+           "use_gpt_oss_router(router_bias): route as gpt-oss does (top k of the biased logits, softmax over those)")
       .def("run", &PlanSparseMlp::run, nogil, "run(x) -> the MLP's output; adds the tokens per expert to counts");
   py::class_<PlanLatentAttention, std::shared_ptr<PlanLatentAttention>>(m, "PlanLatentAttention")
       .def(py::init(&latent_attention),
@@ -101,7 +108,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "a latent layer's attention for the DecodePlan (DeepSeek-V2/V3's MLA, absorbed decode)");
   py::class_<DecodePlan>(m, "DecodePlan")
       .def(py::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>, std::vector<int64_t>,
-                    std::vector<std::shared_ptr<PlanSparseMlp>>, int64_t, int64_t, int64_t, double, double>())
+                    std::vector<std::shared_ptr<PlanSparseMlp>>, int64_t, int64_t, int64_t, double, double,
+                    std::vector<Tensor>>())
       .def("set_latent", &DecodePlan::set_latent, "set_latent(i, latent): layer i's attention is MLA's")
       .def("run_layers", &DecodePlan::run_layers, nogil,
            "run_layers(h, residual, cos, sin, kv_caches, slots, block_tables, context_lens) -> [h, residual]");

@@ -14,7 +14,8 @@ namespace servescope_ops {
 // of SmolLM2 (docs/BENCHMARKS.md). The plan holds the layers' weights and issues the very same
 // kernels, in the same order with the same roundings, from C++: the result equals the module path
 // bit for bit (tests/model/test_decode_plan.py), only the host time goes. A sparse layer's MLP is a
-// PlanSparseMlp (decode_plan_moe.h); q/k norms per head (Qwen3) or over all heads at once (OLMoE).
+// PlanSparseMlp (decode_plan_moe.h); q/k norms per head (Qwen3) or over all heads at once (OLMoE); q/k/v and
+// o_proj biases in the projections (Qwen2, gpt-oss), gpt-oss's sinks in the paged decode kernel.
 struct PlanLayer {
   // q_norm / k_norm: empty unless the model normalises q, k; [D]: per head, [H D] / [Hkv D]: over all heads
   at::Tensor ln1, ln2, q_norm, k_norm;
@@ -22,6 +23,7 @@ struct PlanLayer {
   std::shared_ptr<const PlanSparseMlp> sparse;  // a sparse layer's MLP, else null
   int64_t window;  // attention over the last `window` positions (a sliding layer), 0: the whole context
   std::shared_ptr<const PlanLatentAttention> latent;  // a latent layer's attention (set_latent), else null
+  at::Tensor sinks;  // [H] float32: gpt-oss's learned sinks (one more logit per head in the softmax), empty: none
 };
 
 class DecodePlan {
@@ -29,13 +31,18 @@ class DecodePlan {
   // layers: per layer [ln1, ln2, q_norm, k_norm, then for qkv, o, gate_up, down each: w, scale, bias, packed,
   // packed_bias, panels] (empty tensors where absent); limits: per layer, the four projections' row limits
   // (gemv_rows, panel_rows) in turn; windows: per layer, its attention window (0: the whole context);
-  // sparse: per layer, its sparse MLP (None: the dense one of gate_up and down)
+  // sparse: per layer, its sparse MLP (None: the dense one of gate_up and down); sinks: per layer, its attention
+  // sinks [H] float32 (empty: none)
   DecodePlan(std::vector<std::vector<at::Tensor>> layers, std::vector<std::vector<int64_t>> limits,
              std::vector<int64_t> windows, std::vector<std::shared_ptr<PlanSparseMlp>> sparse, int64_t heads,
-             int64_t kv_heads, int64_t head_dim, double eps, double scale)
+             int64_t kv_heads, int64_t head_dim, double eps, double scale, std::vector<at::Tensor> sinks)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
     TORCH_CHECK(limits.size() == layers.size() && windows.size() == layers.size() && sparse.size() == layers.size(),
                 "DecodePlan: limits, windows and sparse MLPs per layer");
+    TORCH_CHECK(sinks.size() == layers.size(), "DecodePlan: sinks per layer");
+    for (const auto& s : sinks)
+      TORCH_CHECK(!s.numel() || (s.scalar_type() == at::kFloat && s.numel() == heads && s.is_contiguous()),
+                  "DecodePlan: sinks [H] float32");
     for (size_t i = 0; i < layers.size(); ++i) {
       const auto& t = layers[i];
       const auto& r = limits[i];
@@ -47,6 +54,7 @@ class DecodePlan {
       l.q_norm = t[2];
       l.k_norm = t[3];
       l.sparse = sparse[i];
+      l.sinks = sinks[i];
       PlanLinear* lins[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
       for (int j = 0; j < 4; ++j) *lins[j] = plan_linear(&t[4 + 6 * j], r[2 * j], r[2 * j + 1]);
       TORCH_CHECK(!l.qkv.w.numel() || l.qkv.w.size(0) == (heads + 2 * kv_heads) * head_dim, "DecodePlan: qkv rows");
@@ -97,7 +105,8 @@ class DecodePlan {
       auto qk = rotary(q, k, cos, sin);
       const auto& [k_cache, v_cache] = kv_caches[i];
       store_kv(qk[1], v, k_cache, v_cache, slots);
-      auto o = paged_decode(qk[0], k_cache, v_cache, block_tables, context_lens, scale_, at::Tensor(), l.window);
+      auto o = paged_decode(qk[0], k_cache, v_cache, block_tables, context_lens, scale_, at::Tensor(), l.window, 0.0,
+                            l.sinks);
       auto r = add_rms_norm(linear(o.reshape({t, qs}), l.o), residual, l.ln2, eps_);
       residual = r[1];
       h = l.sparse ? l.sparse->run(r[0]) : linear(silu_mul(linear(r[0], l.gate_up)), l.down);

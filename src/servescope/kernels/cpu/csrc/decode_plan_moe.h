@@ -1,6 +1,7 @@
 // A sparse MLP layer of the DecodePlan (decode_plan.h): model/moe.py's SparseMoeBlock.forward for the softmax
 // top-k router over experts on a fused op (MoePacked: packed group-32 experts; MoeDense: float32, bfloat16 or
-// per-channel int8 ones), with Qwen2-MoE's gated shared expert.
+// per-channel int8 ones), with Qwen2-MoE's gated shared expert; gpt-oss's biased top-k-then-softmax router
+// over its biased clamped-SwiGLU experts (either op, act 1).
 #pragma once
 
 #include <ATen/ops/linear.h>
@@ -51,9 +52,21 @@ class PlanSparseMlp {
     deepseek_ = std::move(d);
   }
 
+  // gpt-oss's block (router "gpt_oss"): the router's bias [E] (its nn.Linear's, in the activation dtype); run
+  // routes as model/moe.route_gpt_oss does, over experts with their biases and clamped SwiGLU (the fused op's)
+  void use_gpt_oss_router(Tensor router_bias) {
+    TORCH_CHECK(router_bias.dim() == 1 && router_bias.size(0) == router_.size(0) &&
+                    router_bias.scalar_type() == router_.scalar_type(),
+                "PlanSparseMlp: gpt-oss's router bias [E] in the router's dtype");
+    TORCH_CHECK(!renormalise_ && !shared_gate_.numel(), "PlanSparseMlp: gpt-oss's router renormalises nothing and "
+                "has no shared expert");
+    router_bias_ = std::move(router_bias);
+  }
+
   // x [T, Dm] (the post-attention norm's output) -> the MLP's output [T, Dm] in x's dtype
   Tensor run(const Tensor& x) const {
     if (deepseek_) return deepseek_->run(x, experts_, counts_);  // DeepSeek's router and shared experts
+    if (router_bias_.defined()) return run_gpt_oss(x);
     // route(): softmax in float32, the top k, renormalised where asked, back to the logits' dtype
     const Tensor logits = at::linear(x, router_);
     auto [weights, ids] = logits.softmax(-1, at::kFloat).topk(top_k_, -1);
@@ -66,7 +79,16 @@ class PlanSparseMlp {
   }
 
  private:
-  Tensor router_;
+  // route_gpt_oss's ops: the biased router's top k logits, softmaxed over those k in their own dtype
+  Tensor run_gpt_oss(const Tensor& x) const {
+    const Tensor logits = at::linear(x, router_, router_bias_);
+    auto [top, ids] = logits.topk(top_k_, -1);
+    auto r = experts_(x, ids, top.softmax(-1, top.scalar_type()));
+    counts_.add_(r[1]);
+    return r[0];
+  }
+
+  Tensor router_, router_bias_;  // router_bias_: gpt-oss's (undefined: the softmax top-k router's, no bias)
   int64_t top_k_;
   bool renormalise_;
   Experts experts_;

@@ -55,8 +55,9 @@ void expert_rows(const Tensor& w, const Tensor& scale, const Tensor& scale_act, 
 
 MoeDense::MoeDense(std::vector<Tensor> gate_up, std::vector<Tensor> down, std::vector<Tensor> gate_up_scale,
                    std::vector<Tensor> down_scale, std::vector<Tensor> gate_up_scale_act,
-                   std::vector<Tensor> down_scale_act, int64_t first, int64_t gemv_rows)
-    : first_(first), gemv_rows_(gemv_rows) {
+                   std::vector<Tensor> down_scale_act, int64_t first, int64_t gemv_rows, Tensor gate_up_bias,
+                   Tensor down_bias, int64_t act, double alpha, double limit)
+    : first_(first), gemv_rows_(gemv_rows), act_(act), clamped_{gate_up_bias, down_bias, alpha, limit} {
   TORCH_CHECK(!gate_up.empty() && gate_up.size() == down.size(), "MoeDense: as many down as gate_up matrices");
   TORCH_CHECK(first >= 0, "MoeDense: first must be >= 0");
   const auto dtype = gate_up[0].scalar_type();
@@ -81,6 +82,20 @@ MoeDense::MoeDense(std::vector<Tensor> gate_up, std::vector<Tensor> down, std::v
       for (const auto& s : {gate_up_scale[e], down_scale[e]})
         TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous(), "MoeDense: float32 scales [N]");
   }
+  TORCH_CHECK(act == servescope_moe::MOE_ACT_SILU || act == servescope_moe::MOE_ACT_CLAMPED_SWIGLU,
+              "MoeDense: act 0 (silu) or 1 (clamped SwiGLU)");
+  const bool clamped = act == servescope_moe::MOE_ACT_CLAMPED_SWIGLU;
+  TORCH_CHECK(clamped == (gate_up_bias.numel() > 0) && clamped == (down_bias.numel() > 0),
+              "MoeDense: the clamped SwiGLU (act 1) comes with both biases, silu with none");
+  if (clamped) {
+    TORCH_CHECK(!int8, "MoeDense: biases and the clamped SwiGLU over float experts only");
+    const int64_t e = (int64_t)gate_up.size();
+    TORCH_CHECK(gate_up_bias.sizes() == at::IntArrayRef({e, two_i}) && down_bias.sizes() == at::IntArrayRef({e, h}),
+                "MoeDense: biases gate_up [E, 2I] and down [E, H]");
+    TORCH_CHECK(gate_up_bias.scalar_type() == dtype && down_bias.scalar_type() == dtype &&
+                    gate_up_bias.device().is_cpu() && down_bias.device().is_cpu(),
+                "MoeDense: biases on the CPU in the weights' dtype");
+  }
   gate_up_ = {gate_up, gate_up_scale, gate_up_scale_act};
   down_ = {down, down_scale, down_scale_act};
 }
@@ -97,6 +112,32 @@ void MoeDense::project(const Proj& p, const servescope_moe::MoeRoute& r, const T
     expert_rows(p.w[e], p.scale.empty() ? Tensor() : p.scale[e], p.scale_act.empty() ? Tensor() : p.scale_act[e],
                 xs.narrow(0, s, m), xf.data_ptr<float>() + s * k, gemv_rows_, y + s * n);
   }
+}
+
+// gpt-oss's hidden rows [P, I] of the gate|up products g [P, 2I] float32: rounded to the weights' dtype, plus
+// each pair's expert's bias (ATen's add, as the module adds it), then clamped_swiglu, the kernel
+// ClampedExperts.hidden calls (whose rows give the same bits in any batch: the same bits as the module)
+Tensor MoeDense::clamped_hidden(const Tensor& g, const Tensor& expert_of) const {
+  const Tensor gate_up = g.to(clamped_.gate_up_bias.scalar_type()).add(clamped_.gate_up_bias.index_select(0, expert_of));
+  return clamped_swiglu(gate_up, clamped_.limit, clamped_.alpha);
+}
+
+Tensor clamped_swiglu(const Tensor& gate_up, double limit, double alpha) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.device().is_cpu(),
+              "clamped_swiglu: gate_up [n, 2I] on the CPU");
+  const Tensor g = gate_up.contiguous();
+  const int64_t n = g.size(0), inner = g.size(1) / 2;
+  Tensor h = at::empty({n, inner}, g.options());
+  if (g.scalar_type() == at::kFloat)
+    servescope_moe::moe_clamped_swiglu<float, float>(g.data_ptr<float>(), n, inner, (float)alpha, (float)limit,
+                                                     h.data_ptr<float>());
+  else if (g.scalar_type() == at::kBFloat16)
+    servescope_moe::moe_clamped_swiglu<servescope_simd::bf16, servescope_simd::bf16>(
+        (const servescope_simd::bf16*)g.data_ptr(), n, inner, (float)alpha, (float)limit,
+        (servescope_simd::bf16*)h.data_ptr());
+  else
+    TORCH_CHECK(false, "clamped_swiglu: float32 or bfloat16");
+  return h;
 }
 
 std::vector<Tensor> MoeDense::run(Tensor x, Tensor ids, Tensor weights) const {
@@ -120,7 +161,16 @@ std::vector<Tensor> MoeDense::run(Tensor x, Tensor ids, Tensor weights) const {
   const Tensor xs = x.index_select(0, at::from_blob(r.token.data(), {p}, ids.options()));
   Tensor g = at::empty({p, 2 * inner}, f32), d = at::empty({p, hdim}, f32);
   project(gate_up_, r, xs, g.data_ptr<float>());
-  project(down_, r, silu_mul(g.to(x.scalar_type())), d.data_ptr<float>());
+  if (act_ == servescope_moe::MOE_ACT_CLAMPED_SWIGLU) {
+    std::vector<int64_t> expert(p);  // each pair's local expert (its biases' row)
+    for (int64_t i = 0; i < e; ++i) std::fill(expert.begin() + r.start[i], expert.begin() + r.start[i + 1], i);
+    const Tensor expert_of = at::from_blob(expert.data(), {p}, ids.options());
+    project(down_, r, clamped_hidden(g, expert_of), d.data_ptr<float>());
+    // the down projection rounded to x's dtype, plus its bias there (the module's `+ down_proj_bias[e]`)
+    d.copy_(d.to(x.scalar_type()).add(clamped_.down_bias.index_select(0, expert_of)));
+  } else {
+    project(down_, r, silu_mul(g.to(x.scalar_type())), d.data_ptr<float>());
+  }
   auto out = at::empty_like(x);
   if (x.scalar_type() == at::kFloat)
     servescope_moe::moe_combine(r, d.data_ptr<float>(), wts.data_ptr<float>(), t, k, hdim, out.data_ptr<float>());

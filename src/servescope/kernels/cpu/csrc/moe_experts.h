@@ -173,14 +173,16 @@ void moe_activation(const float* g, int64_t p, int64_t inner, T* h, std::vector<
   }
 }
 
-// h [P, I] = gpt-oss's clamped SwiGLU of g [P, 2I] float32 (gate | up halves), in float32 with each input
-// rounded to T first and the result rounded to T (the reference's tensors are in T)
-template <typename T>
-void moe_clamped_swiglu(const float* g, int64_t p, int64_t inner, float alpha, float limit, T* h) {
+// h [P, I] = gpt-oss's clamped SwiGLU of g [P, 2I] (gate | up halves; float32, or T: moe_dense's and the
+// modules' clamped_swiglu), in float32 with each input rounded to T first and the result rounded to T (the
+// reference's tensors are in T). Every element takes the same vector code wherever it lies in its row (the tail
+// through masked loads), so rows give the same bits alone or in any batch.
+template <typename T, typename S = float>
+void moe_clamped_swiglu(const S* g, int64_t p, int64_t inner, float alpha, float limit, T* h) {
   parallel_for(0, p, grain_for(inner), [&](int64_t r0, int64_t r1) {
     const vf one = set1(1.0f), lim = set1(limit), nlim = set1(-limit), na = set1(-alpha);
     for (int64_t i = r0; i < r1; ++i) {
-      const float* gr = g + i * 2 * inner;
+      const S* gr = g + i * 2 * inner;
       for (int64_t j = 0; j < inner; j += W) {
         const int64_t m = std::min<int64_t>(W, inner - j);
         const vf gate = min(rnd<T>(loadn(gr + j, m)), lim);

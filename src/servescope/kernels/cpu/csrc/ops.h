@@ -75,10 +75,13 @@ class MoePacked {
 class MoeDense {
  public:
   // gate_up [2I, H] and down [H, I] per local expert (local expert e: the router's first + e); int8: a float32
-  // scale [N] per matrix (the GEMV's) and the same in the activation dtype (the eager path's); float: none
+  // scale [N] per matrix (the GEMV's) and the same in the activation dtype (the eager path's); float: none.
+  // gpt-oss's float experts (ClampedExperts): gate_up_bias [E, 2I] and down_bias [E, H] in the weights' dtype
+  // (empty: none), act 1 (MOE_ACT_CLAMPED_SWIGLU) with alpha and limit
   MoeDense(std::vector<Tensor> gate_up, std::vector<Tensor> down, std::vector<Tensor> gate_up_scale,
            std::vector<Tensor> down_scale, std::vector<Tensor> gate_up_scale_act, std::vector<Tensor> down_scale_act,
-           int64_t first, int64_t gemv_rows);
+           int64_t first, int64_t gemv_rows, Tensor gate_up_bias, Tensor down_bias, int64_t act, double alpha,
+           double limit);
   // as MoePacked::run; x in the activation dtype (the float weights' own)
   std::vector<Tensor> run(Tensor x, Tensor ids, Tensor weights) const;
   int64_t num_experts() const;
@@ -87,10 +90,21 @@ class MoeDense {
   struct Proj {
     std::vector<Tensor> w, scale, scale_act;
   };
+  // gpt-oss's experts: the stacked biases and the clamped SwiGLU's constants (act 1)
+  struct Clamped {
+    Tensor gate_up_bias, down_bias;
+    double alpha = 0, limit = 0;
+  };
   void project(const Proj& p, const servescope_moe::MoeRoute& r, const Tensor& xs, float* y) const;
+  Tensor clamped_hidden(const Tensor& g, const Tensor& expert_of) const;
   Proj gate_up_, down_;
-  int64_t first_, gemv_rows_;
+  int64_t first_, gemv_rows_, act_;
+  Clamped clamped_;
 };
+
+// moe_dense.cpp: gpt-oss's clamped SwiGLU of gate_up [n, 2I] float32 | bfloat16 -> [n, I] (moe_experts.h's
+// kernel: gate = min(gate, limit), up = clamp(up, -limit, limit), (up + 1) * gate * sigmoid(alpha * gate))
+Tensor clamped_swiglu(const Tensor& gate_up, double limit, double alpha);
 
 // prefill_attention.cpp (AVX512-BF16 only; elsewhere "unsupported")
 Tensor prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int64_t ctx, double scale);
