@@ -15,14 +15,17 @@ and `--new` tokens (bench/latency.py's runner).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
-import statistics
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from servescope.cli.output import write_json  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from moe_float_plan import engine_decode_rates  # noqa: E402
 
 CONFIG = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 2048,
           "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_attention_heads": 16,
@@ -36,7 +39,6 @@ CONFIG = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2
 
 def decode_rates(path: str, mode: str, args) -> dict:
     """{batch: decode tok/s} of one engine, the plan on (mode "plan") or off ("modules")."""
-    from servescope.bench.latency import run_engine_latency  # (torch)
     from servescope.engine.llm import LLM  # (torch)
 
     llm = LLM(model=f"random:{path}", dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
@@ -45,14 +47,10 @@ def decode_rates(path: str, mode: str, args) -> dict:
     assert ex.decode_plan is not None, "the plan should cover the model"
     if mode == "modules":
         ex.layer_paths = [ex.model]
-    out = {}
-    for b in args.batches:
-        res = run_engine_latency(llm, b, 16, args.new, iters=args.iters, measure_bandwidth=False)
-        steps = [s.wall_seconds for s in res["_steps"] if s.phase == "decode" and s.num_decode_seqs == b]
-        out[b] = b / statistics.median(steps)
-        print(f"{args.dtype} {args.quantization or ''} {mode:8s} batch {b:2d}: {out[b]:8.2f} tok/s "
-              f"({len(steps)} steps)", flush=True)
+    out = engine_decode_rates(llm, args, f"{args.dtype} {args.quantization or ''} {mode:8s}")
+    llm.engine.shutdown()
     del llm
+    gc.collect()  # (a real shape's engine is gone before the next mode's is built: two would not fit)
     return out
 
 

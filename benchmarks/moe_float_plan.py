@@ -24,6 +24,7 @@ decode GEMV and F.linear at 1-64 rows: where model/moe_fused.py's EXPERT_GEMV_RO
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -50,7 +51,6 @@ GPT_OSS = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "num
 
 def decode_rates(path: str, dtype: str, mode: str, args) -> dict:
     """{batch: decode tok/s} of one engine built for `mode` (reference | fused | plan)."""
-    from servescope.bench.latency import run_engine_latency  # (torch)
     from servescope.engine.llm import LLM  # (torch)
     from servescope.model.moe import Experts, PackedExperts  # (torch)
 
@@ -62,14 +62,24 @@ def decode_rates(path: str, dtype: str, mode: str, args) -> dict:
     assert (ex.decode_plan is not None) == (mode != "reference"), "the plan should cover the model"
     if mode == "fused":
         ex.layer_paths = [ex.model]
+    out = engine_decode_rates(llm, args, f"{dtype} {args.quantization or ''} {mode:9s}")
+    llm.engine.shutdown()
+    del llm
+    gc.collect()  # (a real shape's engine is gone before the next mode's is built: two would not fit)
+    return out
+
+
+def engine_decode_rates(llm, args, label: str) -> dict:
+    """{batch: decode tok/s} of `llm` at each of args.batches: batch / the median decode step of args.iters
+    generations of a 16-token prompt and args.new tokens; one line printed per batch."""
+    from servescope.bench.latency import run_engine_latency  # (torch)
+
     out = {}
     for b in args.batches:
         res = run_engine_latency(llm, b, 16, args.new, iters=args.iters, measure_bandwidth=False)
         steps = [s.wall_seconds for s in res["_steps"] if s.phase == "decode" and s.num_decode_seqs == b]
         out[b] = b / statistics.median(steps)
-        print(f"{dtype} {args.quantization or ''} {mode:9s} batch {b:2d}: {out[b]:8.1f} tok/s "
-              f"({len(steps)} steps)", flush=True)
-    del llm
+        print(f"{label} batch {b:2d}: {out[b]:8.1f} tok/s ({len(steps)} steps)", flush=True)
     return out
 
 

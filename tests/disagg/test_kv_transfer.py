@@ -28,7 +28,7 @@ def _engine(path, **kw):
 
 def _priced(engine, num_blocks):
     """The bytes the cost model says a hand-over of num_blocks sends (sim/disagg.py's transfer time)."""
-    return handed_over_bytes(engine.model_config, str(engine.kv_dtype).replace("torch.", ""), num_blocks, 16)
+    return handed_over_bytes(engine.model_config, str(engine.kv_dtype).replace("torch.", ""), num_blocks * 16, 16)
 
 
 def _run(engine, rid, prompt, params=GREEDY):

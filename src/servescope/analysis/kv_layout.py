@@ -98,14 +98,14 @@ def group_blocks(layers: dict, num_blocks: int, block_size: int, max_num_seqs: i
     return out
 
 
-def handed_over_bytes(cfg: ModelConfig, kv_dtype: str, num_blocks: int, block_size: int) -> int:
-    """KV bytes prefill/decode disaggregation sends for a prompt's first num_blocks full blocks
-    (engine/kv_transfer.py): every layer's num_blocks with one block table for all layers; with a table per
-    group of layers (windows that differ between layers: kvcache/hybrid.py) each layer only the blocks a query
-    at num_blocks * block_size reads -- all of a whole-context layer's, a windowed layer's last few."""
+def handed_over_bytes(cfg: ModelConfig, kv_dtype: str, num_tokens: int, block_size: int) -> int:
+    """KV bytes prefill/decode disaggregation sends for a prompt's first num_tokens tokens (whole blocks:
+    engine/kv_transfer.py): every layer's tokens with one block table for all layers; with a table per group of
+    layers (windows that differ between layers: kvcache/hybrid.py) each layer only the blocks a query at
+    num_tokens reads -- all of a whole-context layer's, a windowed layer's last few."""
     windows = [spec.attention.window for spec in cfg.layer_specs()]
-    per_layer_block = kv_cache_bytes_per_token(cfg, kv_dtype) // len(windows) * block_size
+    per_layer_token = kv_cache_bytes_per_token(cfg, kv_dtype) // len(windows)
     if len(set(windows)) == 1:
-        return per_layer_block * num_blocks * len(windows)
-    view = (num_blocks - min(first_in_view(num_blocks * block_size, w, block_size), num_blocks) for w in windows)
-    return per_layer_block * sum(view)
+        return per_layer_token * num_tokens * len(windows)
+    seen = (num_tokens - min(first_in_view(num_tokens, w, block_size) * block_size, num_tokens) for w in windows)
+    return per_layer_token * sum(seen)

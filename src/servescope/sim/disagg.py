@@ -120,8 +120,8 @@ class Disaggregated:
 
     def transfer_time(self, num_tokens: int) -> float:
         """The hand-over of num_tokens (whole blocks): a hybrid model's windowed layers send their view only."""
-        ranks, s = self.spec.tp * self.spec.pp, self.spec.block_size
-        sent = handed_over_bytes(self.spec.model, self.spec.dtypes[1], num_tokens // s, s)
+        ranks = self.spec.tp * self.spec.pp
+        sent = handed_over_bytes(self.spec.model, self.spec.dtypes[1], num_tokens, self.spec.block_size)
         return sent / ranks / self.link.bandwidth + self.link.latency_s
 
     # ---------------------------------------------------------------- Served

@@ -278,6 +278,26 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
     return int(max(1, min(want, by_len, _MAX_SPLITS)))
 
 
+def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     sinks: Optional[torch.Tensor]) -> tuple:
+    """The checks the paged decode and prefill kernels share: (block size, KV heads, quantised cache, sinks made
+    contiguous or None)."""
+    h, d = q.shape[1], q.shape[2]
+    _check_cache(k_cache)
+    _check_cache(v_cache)
+    assert k_cache.stride() == v_cache.stride()
+    _, s, hkv, dk = k_cache.shape
+    quant = k_cache.dtype in _QMAX
+    assert dk == d + (4 if quant else 0) and h % hkv == 0, (
+        f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    assert q.stride(2) == 1, "q must be contiguous in the head dim"
+    assert block_tables.stride(1) == 1
+    if sinks is not None:
+        assert sinks.shape == (h,) and sinks.device == q.device, f"sinks {tuple(sinks.shape)} for {h} heads"
+        sinks = sinks.contiguous()
+    return s, hkv, quant, sinks
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, max_context_len: int,
                  out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
@@ -292,18 +312,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     sinks [H]: one more logit per query head in the softmax whose value row is dropped (gpt-oss); both as
     model/attention/scores.attend defines them."""
     bsz, h, d = q.shape
-    _check_cache(k_cache)
-    _check_cache(v_cache)
-    assert k_cache.stride() == v_cache.stride()
-    _, s, hkv, dk = k_cache.shape
-    quant = k_cache.dtype in _QMAX
-    assert dk == d + (4 if quant else 0) and h % hkv == 0, (
-        f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    assert q.stride(2) == 1, "q must be contiguous in the head dim"
-    assert block_tables.stride(1) == 1
-    if sinks is not None:
-        assert sinks.shape == (h,) and sinks.device == q.device, f"sinks {tuple(sinks.shape)} for {h} heads"
-        sinks = sinks.contiguous()
+    s, hkv, quant, sinks = check_paged_args(q, k_cache, v_cache, block_tables, sinks)
     if out is None:
         out = torch.empty_like(q)
     if bsz == 0:

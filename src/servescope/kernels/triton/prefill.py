@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from servescope.kernels.triton.attention import _QMAX, _check_cache, _tanh
+from servescope.kernels.triton.attention import _tanh, check_paged_args
 
 _LOG2E = 1.4426950408889634
 
@@ -190,20 +190,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     -> out [T, H, D] in q's dtype. window, softcap, sinks: as paged_decode. tiles: (BLOCK_Q, BLOCK_N)
     in place of prefill_tiles' (BLOCK_Q * next_power_of_2(G) >= 16, BLOCK_N >= 16)."""
     t, h, d = q.shape
-    _check_cache(k_cache)
-    _check_cache(v_cache)
-    assert k_cache.stride() == v_cache.stride()
-    _, s, hkv, dk = k_cache.shape
-    quant = k_cache.dtype in _QMAX
-    assert dk == d + (4 if quant else 0) and h % hkv == 0, (
-        f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    assert q.stride(2) == 1, "q must be contiguous in the head dim"
-    assert block_tables.stride(1) == 1
+    s, hkv, quant, sinks = check_paged_args(q, k_cache, v_cache, block_tables, sinks)
     bsz = block_tables.shape[0]
     assert context_lens.shape == (bsz,) and query_start_loc.shape == (bsz + 1,)
-    if sinks is not None:
-        assert sinks.shape == (h,) and sinks.device == q.device, f"sinks {tuple(sinks.shape)} for {h} heads"
-        sinks = sinks.contiguous()
     if out is None:
         out = torch.empty_like(q)
     if bsz == 0 or t == 0 or max_query_len <= 0:
