@@ -40,6 +40,18 @@ def _run(engine, rid, prompt, params=GREEDY):
     raise AssertionError("no output")
 
 
+def _decodes_from_the_sent_kv(decode, prompt, kv, n, expected):
+    """The decode engine that adopted `kv` (n blocks) exports the same rows under the same hashes, then runs the
+    prompt as a prefix hit over them: the single engine's greedy tokens, no block held afterwards."""
+    again, m = export_prompt_kv(decode, prompt, None)
+    assert m == n and torch.equal(again, kv)
+    out = _run(decode, "a", prompt)
+    assert out.outputs[0].token_ids == expected
+    assert out.metrics.num_cached_tokens == n * 16
+    decode.kv_manager.check_invariants()
+    assert decode.kv_manager.num_used_blocks == 0
+
+
 def test_the_prompts_kv_moves_and_the_decode_engine_admits_it_as_a_prefix_hit(model_path):
     single, prefill, decode = _engine(model_path), _engine(model_path), _engine(model_path)
     expected = _run(single, "a", PROMPT).outputs[0].token_ids
@@ -51,13 +63,7 @@ def test_the_prompts_kv_moves_and_the_decode_engine_admits_it_as_a_prefix_hit(mo
     km = decode.kv_manager
     km.check_invariants()
     assert km.num_cached_blocks == 3 and km.num_used_blocks == 0  # cached, evictable: nobody holds them
-    again, _ = export_prompt_kv(decode, PROMPT, None)  # the same rows under the same hashes
-    assert torch.equal(again, kv)
-    out = _run(decode, "a", PROMPT)
-    assert out.outputs[0].token_ids == expected
-    assert out.metrics.num_cached_tokens == 48  # the decode engine computed 5 prompt tokens, not 53
-    km.check_invariants()
-    assert km.num_used_blocks == 0
+    _decodes_from_the_sent_kv(decode, PROMPT, kv, 3, expected)  # 48 cached: it computes 5 prompt tokens, not 53
 
 
 def test_a_salted_prompt_only_hits_under_its_own_salt(model_path):
@@ -135,13 +141,7 @@ def test_a_hybrid_cache_sends_the_full_layers_blocks_and_the_windowed_layers_vie
     full, windowed = km.groups
     # nobody holds a block; the full group caches all 6, the windowed one the view's (the others never written)
     assert km.num_used_blocks == 0 and full.num_cached_blocks == 6 and windowed.num_cached_blocks == 1
-    again, m = export_prompt_kv(decode, LONG, None)
-    assert m == n and torch.equal(again, kv)
-    out = _run(decode, "a", LONG)
-    assert out.outputs[0].token_ids == expected
-    assert out.metrics.num_cached_tokens == 96  # the decode engine computed 5 prompt tokens, not 101
-    km.check_invariants()
-    assert km.num_used_blocks == 0
+    _decodes_from_the_sent_kv(decode, LONG, kv, n, expected)  # 96 cached: it computes 5 prompt tokens, not 101
 
 
 def test_a_hybrid_adoption_that_does_not_fit_changes_nothing(hybrid_path):
