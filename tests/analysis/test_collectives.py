@@ -8,8 +8,8 @@ import json
 import pytest
 
 from servescope.analysis.collectives import (
-    LINKS, LinkSpec, all_reduce_seconds, cached_local_link, fit_link, gather_seconds, p2p_seconds, ring_steps,
-    ring_terms, save_local_link, shard_config, step_comm_cost,
+    LINKS, LinkSpec, all_reduce_seconds, cached_local_link, fit_all_to_all, fit_link, gather_seconds, p2p_seconds,
+    ring_steps, ring_terms, save_local_link, shard_config, step_comm_cost,
 )
 from servescope.analysis.hardware import get_hardware
 from servescope.analysis.parallel_explain import explain_parallel
@@ -125,6 +125,14 @@ def test_local_link_cache_round_trip(tmp_path):
     assert cached_local_link("cpu A", path) == link
     assert cached_local_link("cpu B", path) is None
     assert "cpu A" in json.loads(path.read_text())
+    # its all-to-all fit rides in the same entry
+    both = fit_all_to_all({0: 2e-4, 1 << 20: 1.2e-3}, link)
+    save_local_link("cpu A", both, path)
+    assert cached_local_link("cpu A", path) == both and both.a2a_bandwidth > 0
+    # an entry of the all-reduce alone (before the all-to-all was measured) reads back without it
+    entry = {k: v for k, v in json.loads(path.read_text())["cpu A"].items() if not k.startswith("a2a")}
+    path.write_text(json.dumps({"cpu A": entry}))
+    assert cached_local_link("cpu A", path) == link
     # an entry written by an older model (its measured table) is measured again, not misread
     path.write_text(json.dumps({"cpu A": {"name": "local-gloo", "bandwidth": 1e9, "latency_s": 1e-4,
                                           "all_reduce_table": [[8192, 1e-4]], "table_ranks": 2}}))

@@ -86,9 +86,40 @@ def test_step_prediction_adds_the_expert_parallel_collectives_at_tp_1():
     alone = StepPredictor(cfg, hw, dtypes).predict(seqs, 8)
     ep = StepPredictor(cfg, hw, dtypes, link=LINKS["nvlink4"], ep=2).predict(seqs, 8)
     want = step_comm_cost(cfg, 8, 8, 1, 1, LINKS["nvlink4"], 2, ep=2)
-    assert ep.comm_seconds == pytest.approx(want.seconds) and want.all_to_all_seconds > 0
+    # the collectives, and inside them the wait for the busier rank's experts (analysis/parallel_skew.py)
+    assert ep.wait_seconds > 0 and want.all_to_all_seconds > 0
+    assert ep.comm_seconds == pytest.approx(want.seconds + ep.wait_seconds)
     assert ep.cost.predicted_seconds < alone.cost.predicted_seconds  # half the routed experts' rows and weights
     assert ep.seconds == pytest.approx(ep.cost.predicted_seconds + ep.comm_seconds)
+
+
+def test_a_measured_all_to_all_is_priced_from_its_own_fit():
+    """The local link's all-to-all, fitted to its measured times: a call + bytes at its rate, instead of the
+    all-reduce fit's latency and bandwidth; a datasheet link keeps pairwise exchange."""
+    from servescope.analysis.collectives import all_to_all_seconds, fit_all_to_all
+
+    ring = LinkSpec("local-gloo", bandwidth=2e9, latency_s=2e-4, call_s=1.5e-4, step_s=5e-5,
+                    max_segment_bytes=1 << 20)
+    times = {b: 300e-6 + b / 1.5e9 for b in (0, 4096, 65536, 1 << 20, 16 << 20)}
+    link = fit_all_to_all(times, ring)
+    assert link.a2a_call_s == pytest.approx(300e-6, rel=1e-6) and link.a2a_bandwidth == pytest.approx(1.5e9)
+    assert link.call_s == ring.call_s and "all-to-all 300 us per call" in link.describe()
+    for b, t in times.items():
+        assert all_to_all_seconds(b, 2, link) == pytest.approx(t)
+    sizes = [0, 1024, 1 << 20, 1 << 24]
+    for lk in (link, LINK):  # monotone in bytes, and not falling with more ranks
+        assert all(all_to_all_seconds(a, 2, lk) < all_to_all_seconds(b, 2, lk) for a, b in zip(sizes, sizes[1:]))
+        assert all_to_all_seconds(4096, 2, lk) <= all_to_all_seconds(4096, 4, lk) <= all_to_all_seconds(4096, 8, lk)
+        assert all_to_all_seconds(4096, 1, lk) == 0.0
+    assert all_to_all_seconds(4096, 4, LINK) == pytest.approx(4096 / 1e9 + 3 * 10e-6)  # pairwise, 3 messages
+    assert expert_parallel_cost(load_preset("mixtral-8x7b"), 10, 2, link)[0] > \
+        expert_parallel_cost(load_preset("mixtral-8x7b"), 10, 2, ring)[0]  # slower than the ring's latency said
+    # a fit that would make the call negative keeps the bytes alone; times that do not grow are refused
+    flat = fit_all_to_all({4096: 1e-6, 1 << 20: 1e-3}, ring)
+    assert flat.a2a_call_s >= 0 and flat.a2a_bandwidth > 0
+    for bad in ({4096: 1e-4}, {4096: 1e-3, 1 << 20: 1e-4}):
+        with pytest.raises(InvalidParameterError):
+            fit_all_to_all(bad, ring)
 
 
 def test_tensor_parallel_inside_each_expert_and_expert_parallel_stages_are_priced():

@@ -18,6 +18,22 @@ def test_probe_times_every_size_and_the_fit_predicts_them():
         assert all_reduce_seconds(b, 2, link) == pytest.approx(t, rel=1.0)
 
 
+@pytest.mark.timeout(300)
+def test_all_to_all_probe_times_every_size_and_its_fit_predicts_them():
+    """gloo's all_to_all_single between two processes, as expert parallelism's dispatch calls it, timed at the
+    bytes one rank sends the other (0: the call alone) and fitted to a call + bytes / bandwidth."""
+    from servescope.analysis.collectives import all_to_all_seconds, fit_all_to_all
+    from servescope.parallel.link_probe import measure_all_to_all
+
+    sizes = (0, 16 * 1024, 256 * 1024, 4 << 20)
+    measured = measure_all_to_all(sizes, runs=3)
+    assert sorted(measured) == list(sizes) and all(t > 0 for t in measured.values())
+    link = fit_all_to_all(measured, fit_local_link({8192: 1e-4, 1 << 20: 1e-3, 1 << 24: 2e-2}))
+    assert link.a2a_bandwidth > 0 and link.a2a_call_s >= 0
+    for b, t in measured.items():  # two terms, four noisy sizes: a loose check
+        assert all_to_all_seconds(b, 2, link) == pytest.approx(t, rel=1.0)
+
+
 def test_socket_buffer_is_read_from_the_kernel(tmp_path):
     f = tmp_path / "tcp_rmem"
     f.write_text("4096\t131072\t33554432\n")

@@ -15,8 +15,11 @@ An expert-parallel step over N ranks (parallel/expert_parallel.py) adds per spar
 expert all-gathered ([N, E] int64), the dispatch and the combine all-to-alls (each rank's slice of
 Tr = ceil(T/N) tokens as Tr k rows [Dm], of which (N-1)/N leave it under uniform routing), and the slices'
 outputs all-gathered ([N Tr, Dm]); with tensor-parallel attention its sparse layers all-reduce only a shared
-expert's output. An all-to-all is priced as pairwise exchange: bytes sent / bandwidth + (N-1) x latency; an
-all-gather as the ring: (N-1) x (bytes per rank / bandwidth + latency). Against vLLM's all-reduce of [T, Dm]
+expert's output. An all-to-all is priced from its own measurement where the link has one (the local gloo link:
+parallel/link_probe.measure_all_to_all, a call's cost + bytes sent / its rate), else as pairwise exchange:
+bytes sent / bandwidth + (N-1) x latency; an all-gather as the ring: (N-1) x (bytes per rank / bandwidth +
+latency). What a rank's collectives also hold, waiting for the slower rank, is priced apart
+(analysis/parallel_skew.py: the busiest rank's experts over the mean rank's). Against vLLM's all-reduce of [T, Dm]
 partial sums (its TP + EP without data parallelism), the all-to-alls move (N-1)/N T Dm (2k/N + 1) bytes per
 rank to the all-reduce's 2 (N-1)/N T Dm: more at N = 2 for k >= 2 (1.5x at k = 2), less once N > 2k.
 
@@ -71,19 +74,26 @@ class LinkSpec:
     max_segment_bytes: int = 0
     buffer_bytes: int = 0  # C: a segment's bytes up to it go into the socket buffer (0: none modelled)
     buffered_bandwidth: float = 0.0  # of those bytes (0: free, the fit found no cost)
+    # its all-to-all measured on its own (a2a_bandwidth > 0: a2a_call_s + bytes sent / a2a_bandwidth, fitted by
+    # fit_all_to_all); 0: priced as pairwise exchange on latency_s and bandwidth (a datasheet link)
+    a2a_call_s: float = 0.0
+    a2a_bandwidth: float = 0.0
 
     def __post_init__(self):
         if self.bandwidth <= 0 or min(self.latency_s, self.call_s, self.step_s, self.max_segment_bytes,
-                                      self.buffer_bytes, self.buffered_bandwidth) < 0:
+                                      self.buffer_bytes, self.buffered_bandwidth, self.a2a_call_s,
+                                      self.a2a_bandwidth) < 0:
             raise InvalidParameterError("link", f"{self.name}: bandwidth must be > 0, latencies and the segment >= 0")
 
     def describe(self) -> str:
         """One line: the link's terms."""
         if self.max_segment_bytes:
             buffered = f"{self.buffered_bandwidth / 1e9:.2f} GB/s" if self.buffered_bandwidth else "free"
+            a2a = (f"; all-to-all {self.a2a_call_s * 1e6:.0f} us per call + bytes at "
+                   f"{self.a2a_bandwidth / 1e9:.2f} GB/s" if self.a2a_bandwidth else "")
             return (f"{self.name}: gloo ring, {self.call_s * 1e6:.0f} us per all-reduce + {self.step_s * 1e6:.0f} us "
                     f"per step; a segment's first {self.buffer_bytes // 1024} KiB {buffered}, the rest "
-                    f"{self.bandwidth / 1e9:.2f} GB/s")
+                    f"{self.bandwidth / 1e9:.2f} GB/s{a2a}")
         return f"{self.name}: {self.bandwidth / 1e9:.3g} GB/s, {self.latency_s * 1e6:.3g} us per hop"
 
 
@@ -152,8 +162,14 @@ def p2p_seconds(num_bytes: float, link: LinkSpec) -> float:
 
 
 def all_to_all_seconds(bytes_sent: float, ranks: int, link: LinkSpec) -> float:
-    """One rank's all-to-all, bytes_sent to the other ranks: pairwise exchange, N - 1 messages."""
-    return bytes_sent / link.bandwidth + (ranks - 1) * link.latency_s if ranks > 1 else 0.0
+    """One rank's all-to-all, bytes_sent to the other ranks. A link whose all-to-all was measured
+    (a2a_bandwidth > 0, two ranks): one call's cost + the bytes at its rate (gloo's alltoallv posts the N - 1
+    sends together, so more ranks add bytes, not calls); else pairwise exchange, N - 1 messages of latency_s."""
+    if ranks <= 1:
+        return 0.0
+    if link.a2a_bandwidth:
+        return link.a2a_call_s + bytes_sent / link.a2a_bandwidth
+    return bytes_sent / link.bandwidth + (ranks - 1) * link.latency_s
 
 
 def all_gather_seconds(bytes_per_rank: float, ranks: int, link: LinkSpec) -> float:
@@ -253,6 +269,21 @@ def fit_link(measured: dict, ranks: int, name: str = LOCAL_GLOO, source: str = "
     return LinkSpec(name, 1.0 / full[3], call_s + step_s, source or f"fitted to {len(pts)} measured all-reduce sizes",
                     call_s=call_s, step_s=step_s, max_segment_bytes=max_segment_bytes, buffer_bytes=buffer_bytes,
                     buffered_bandwidth=1.0 / inv_buffered if inv_buffered > 0 else 0.0)
+
+
+def fit_all_to_all(measured: dict, link: LinkSpec) -> LinkSpec:
+    """`link` with its all-to-all fitted to measured times {bytes sent to the other rank: seconds} of two ranks:
+    (a2a_call_s, a2a_bandwidth) of call + bytes / bandwidth, in relative error as fit_link (the call's cost is
+    dropped where the data would make it negative)."""
+    pts = sorted((float(b), float(t)) for b, t in measured.items() if t > 0)
+    if len({b for b, _ in pts}) < 2:
+        raise InvalidParameterError("link", "fitting an all-to-all needs its times at two sizes or more")
+    coef = _least_squares([[1.0 / t, b / t] for b, t in pts], [1.0] * len(pts))
+    if coef is None or coef[0] < 0:
+        coef = [0.0, sum(b / t for b, t in pts) / sum((b / t) ** 2 for b, t in pts)]  # bytes alone
+    if coef[1] <= 0:
+        raise InvalidParameterError("link", f"all-to-all times do not grow with size: {pts}")
+    return dataclasses.replace(link, a2a_call_s=coef[0], a2a_bandwidth=1.0 / coef[1])
 
 
 def _least_squares(rows: list, y: list):

@@ -14,7 +14,8 @@ adds 2L + 1 all-reduces of the step's activations plus the gather of the logits.
 T x P ranks share the one machine (each rank's work at 1/(T x P) of it). Expert parallelism (--ep X, a
 mixture of experts: X = T, or T = 1 with the attention replicated on X ranks) gives each rank 1/X of the
 routed experts' rows and weights and adds, per sparse layer, the dispatch and combine all-to-alls and two
-all-gathers (collectives.expert_parallel_cost), inside each pipeline stage at P > 1. A mixture at TP > 1
+all-gathers (collectives.expert_parallel_cost), inside each pipeline stage at P > 1, and (at P = 1) the wait for
+the busiest rank's experts (analysis/parallel_skew.py). A mixture at TP > 1
 without EP shards each expert's width instead (vLLM's default; one all-reduce after each sparse layer).
 """
 
@@ -28,6 +29,7 @@ from servescope.analysis.cost_model import step_cost
 from servescope.analysis.hardware import HardwareSpec
 from servescope.analysis.memory_planner import plan_memory
 from servescope.analysis.op_counts import kv_cache_bytes_per_token, resolve_dtypes, weight_bytes
+from servescope.analysis.parallel_skew import expert_wait_seconds
 from servescope.analysis.pipeline_schedule import auto_micro_batches, pipelined_step
 from servescope.config import ModelConfig
 from servescope.config.moe import expert_layout_problem
@@ -68,13 +70,15 @@ def _phase(name: str, cfg: ModelConfig, seqs: list, num_logits: int, hw: Hardwar
     single = step_cost(cfg, seqs, hw, wdt, kdt, adt, num_logits=num_logits).predicted_seconds
     compute = step_cost(shard_config(cfg, tp, ep), seqs, hw, wdt, kdt, adt, num_logits=num_logits,
                         expert_parallel=ep).predicted_seconds
+    # expert parallelism: each sparse layer waits for the busiest rank's experts (analysis/parallel_skew.py)
+    wait = expert_wait_seconds(shard_config(cfg, tp, ep), seqs, hw, (wdt, kdt, adt), ep, num_logits)
     if hw.kind == "cpu":  # one machine: its busy ranks share the cores and the memory bandwidth it has
-        compute *= max(tp, ep)
+        compute, wait = compute * max(tp, ep), wait * max(tp, ep)
     comm = step_comm_cost(cfg, sum(n for n, _ in seqs), num_logits, tp, pp, link, act_bytes, ep)
-    total = compute + comm.seconds
+    total = compute + comm.seconds + wait
     return {"name": name, "single_device_seconds": single, "compute_seconds": compute,
             "all_reduce_seconds": comm.all_reduce_seconds, "gather_seconds": comm.gather_seconds,
-            "all_to_all_seconds": comm.all_to_all_seconds,
+            "all_to_all_seconds": comm.all_to_all_seconds, "expert_wait_seconds": wait,
             "p2p_seconds": comm.p2p_seconds, "comm_seconds": comm.seconds, "comm_bytes": comm.bytes,
             "step_seconds": total, "speedup": single / total if total else None,
             "comm_share": comm.seconds / total if total else 0.0,

@@ -3,8 +3,10 @@
 What a StepRecord's `predicted_seconds` means, in one place: the roofline of one tensor-parallel rank's
 shard (cost_model.step_cost on collectives.shard_config, the host overhead included), plus the step's
 collectives on the link at TP > 1 (collectives.step_comm_cost), or at PP > 1 the stages' schedule over
-the step's micro-batches (pipeline_schedule.pipelined_step). The engine annotates its steps with it
-(engine/step_cost.py) and the simulator advances its clock by it (sim/step_time.py).
+the step's micro-batches (pipeline_schedule.pipelined_step); under expert parallelism the wait for the
+busiest rank's experts at every sparse layer's combine (analysis/parallel_skew.py), counted with the
+collectives, inside which a rank measures it. The engine annotates its steps with it (engine/step_cost.py)
+and the simulator advances its clock by it (sim/step_time.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Optional
 from servescope.analysis.collectives import LinkSpec, shard_config, step_comm_cost
 from servescope.analysis.cost_model import StepCost, step_cost
 from servescope.analysis.hardware import HardwareSpec
+from servescope.analysis.parallel_skew import expert_wait_seconds
 from servescope.analysis.pipeline_schedule import auto_micro_batches, pipelined_step
 from servescope.config import ModelConfig
 
@@ -22,8 +25,10 @@ from servescope.config import ModelConfig
 @dataclass(frozen=True)
 class StepPrediction:
     seconds: float  # the whole step: compute, host overhead and collectives
-    comm_seconds: Optional[float]  # the collectives' share (None: no link to price them on)
+    comm_seconds: Optional[float]  # the collectives' share, wait included (None: no link to price them on)
     cost: StepCost  # the rank's roofline (FLOPs, bytes, bound per op group)
+    wait_seconds: float = 0.0  # expert parallelism: waiting for the busiest rank's experts (in seconds)
+    all_to_all_seconds: float = 0.0  # expert parallelism: the dispatch and combine all-to-alls (in comm_seconds)
 
 
 @dataclass(frozen=True)
@@ -51,13 +56,16 @@ class StepPredictor:
         wdt, kdt, adt, act_bytes = self.dtypes
         cost = step_cost(self.shard, seqs, self.hw, wdt, kdt, adt, num_logits=num_logits,
                          distinct_experts=distinct_experts, expert_parallel=self.ep)
-        if self.pp > 1:
+        wait = expert_wait_seconds(self.shard, seqs, self.hw, (wdt, kdt, adt), self.ep, num_logits, distinct_experts)
+        if self.pp > 1:  # (the wait: every stage's sparse layers over the step's tokens, one after another)
             m = auto_micro_batches(sum(n for n, _ in seqs if n > 1), self.pp, self.micro_batches)
             step = pipelined_step(self.cfg, seqs, self.hw, self.tp, self.pp, m, self.link, self.dtypes,
                                   num_logits=num_logits, ep=self.ep)
-            return StepPrediction(step.step_seconds, step.comm_seconds if self.link is not None else None, cost)
+            comm = step.comm_seconds + wait if self.link is not None else None
+            return StepPrediction(step.step_seconds + wait, comm, cost, wait)
         if self.link is not None and max(self.tp, self.ep) > 1:
             comm = step_comm_cost(self.cfg, sum(n for n, _ in seqs), num_logits, self.tp, self.pp, self.link,
                                   act_bytes, self.ep)
-            return StepPrediction(cost.predicted_seconds + comm.seconds, comm.seconds, cost)
-        return StepPrediction(cost.predicted_seconds, None, cost)
+            return StepPrediction(cost.predicted_seconds + comm.seconds + wait, comm.seconds + wait, cost, wait,
+                                  comm.all_to_all_seconds)
+        return StepPrediction(cost.predicted_seconds + wait, None, cost, wait)

@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from servescope.analysis.collectives import LinkSpec, cached_local_link, kv_send_key, save_local_link
+from servescope.analysis.collectives import (LinkSpec, cached_local_link, fit_all_to_all, kv_send_key,
+                                             save_local_link)
 from servescope.analysis.hardware import LOCAL_CPU, HardwareSpec, canonical_hardware_name
 from servescope.analysis.probe import EngineMeasurers, probe_local_hardware
 from servescope.config import EngineConfig
@@ -26,7 +27,7 @@ from servescope.measure.kernel_rates import (measure_decode_attention_flops, mea
 from servescope.measure.overhead import measure_host_overhead
 from servescope.measure.kernel_cache import kernel_table_for
 from servescope.measure.kv_send import fit_kv_send, measure_kv_send
-from servescope.parallel.link_probe import fit_local_link, measure_all_reduce
+from servescope.parallel.link_probe import fit_local_link, measure_all_reduce, measure_all_to_all
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +95,15 @@ def with_kernel_table(engine: LLMEngine, force: bool = False) -> LLMEngine:
 
 
 def local_gloo_link(measure: bool = True, force: bool = False) -> Optional[LinkSpec]:
-    """This machine's gloo all-reduce between two local processes (parallel/link_probe.py): read from
-    its cache, else measured now (a few seconds; two spawned processes) when `measure`, else None."""
+    """This machine's gloo all-reduce and all-to-all between two local processes (parallel/link_probe.py):
+    read from its cache, else measured now (seconds; two spawned processes each) when `measure`, else None
+    (a cached link without its all-to-all, from before it was measured: that part measured now, or as it is)."""
     key = local_link_key()
     link = None if force else cached_local_link(key)
     if link is None and measure:
         link = fit_local_link(measure_all_reduce(), source=f"measured here: gloo, 2 processes ({key})")
+    if link is not None and not link.a2a_bandwidth and measure:
+        link = fit_all_to_all(measure_all_to_all(), link)
         save_local_link(key, link)
     return link
 

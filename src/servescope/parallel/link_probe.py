@@ -1,7 +1,9 @@
-"""Measure this machine's gloo all-reduce between local processes (the link of a CPU-parallel
+"""Measure this machine's gloo collectives between local processes (the link of a CPU-parallel
 engine): seconds per size, from two processes on localhost, one thread each. The engine's probe
-(measure/local_hardware.local_gloo_link) measures PROBE_SIZES and fits gloo's ring to them
-(analysis/collectives.fit_link); a few seconds, most of it the two processes starting."""
+(measure/local_hardware.local_gloo_link) measures the all-reduce at PROBE_SIZES and fits gloo's ring to
+them (analysis/collectives.fit_link), and the all-to-all (all_to_all_single, what expert parallelism's
+dispatch and combine call) at A2A_PROBE_SIZES, fitted to a call's cost + bytes / bandwidth
+(collectives.fit_all_to_all); a few seconds, most of it the two processes starting."""
 
 from __future__ import annotations
 
@@ -19,23 +21,37 @@ from servescope.parallel.groups import free_port
 DEFAULT_SIZES = tuple(8 * 1024 * 4 ** i for i in range(7))  # 8 KiB ... 32 MiB
 SIZES_TO_64M = DEFAULT_SIZES + (64 * 2 ** 20,)
 PROBE_SIZES = SIZES_TO_64M  # what the engine's probe of its local link measures
+# the bytes one rank sends the other in an all-to-all: expert parallelism's dispatch of Tr k / 2 rows [Dm] at
+# EP = 2 (a decode step's few KiB up to a 2048-token prefill's tens of MiB); 0: the call alone
+A2A_PROBE_SIZES = (0,) + tuple(4 * 1024 * 4 ** i for i in range(7))  # 0, 4 KiB ... 16 MiB
 WARM_UP = 3  # timed all-reduces per size before the samples (after one untimed)
 SAMPLE_S = 20e-3  # one sample: this long of back-to-back all-reduces of one size
 MAX_REPS = 200
 
 
-def _rank(rank: int, world: int, port: int, sizes: tuple, runs: int, out) -> None:
+def _collective(kind: str, size: int, world: int):
+    """One call of the collective `kind` over `size` bytes (all_reduce: the buffer; all_to_all: the bytes sent
+    to each other rank, as many kept), ready to repeat."""
+    if kind == "all_reduce":
+        buf = torch.zeros(size // 4, dtype=torch.float32)  # zeros: sums of ones would reach inf after ~128 rounds
+        return lambda: dist.all_reduce(buf)
+    inp = torch.zeros(world * (size // 4), dtype=torch.float32)
+    out = torch.empty_like(inp)
+    splits = [size // 4] * world
+    return lambda: dist.all_to_all_single(out, inp, splits, splits)
+
+
+def _rank(rank: int, world: int, port: int, sizes: tuple, runs: int, out, kind: str = "all_reduce") -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    # zeros: repeated sums of ones would reach inf after ~128 rounds
-    bufs = {size: torch.zeros(size // 4, dtype=torch.float32) for size in sizes}
-    warm = torch.zeros(len(sizes), dtype=torch.float64)  # seconds per all-reduce in the warm-up
-    for i, buf in enumerate(bufs.values()):
-        dist.all_reduce(buf)  # connections, buffers, page faults
+    bufs = {size: _collective(kind, size, world) for size in sizes}
+    warm = torch.zeros(len(sizes), dtype=torch.float64)  # seconds per call in the warm-up
+    for i, call in enumerate(bufs.values()):
+        call()  # connections, buffers, page faults
         t0 = time.perf_counter()
         for _ in range(WARM_UP):
-            dist.all_reduce(buf)
+            call()
         warm[i] = (time.perf_counter() - t0) / WARM_UP
     # back-to-back repeats per sample (~SAMPLE_S of them), as the engine issues them: one all-reduce
     # alone on a shared machine mostly times the scheduler's wake-up of the peer. Sized from the
@@ -45,11 +61,11 @@ def _rank(rank: int, world: int, port: int, sizes: tuple, runs: int, out) -> Non
     reps = {size: max(1, min(MAX_REPS, int(SAMPLE_S / float(t)))) for size, t in zip(sizes, warm)}
     times = {size: [] for size in sizes}
     for _ in range(runs):  # rounds over every size: a noisy moment spreads over all of them
-        for size, buf in bufs.items():
+        for size, call in bufs.items():
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(reps[size]):
-                dist.all_reduce(buf)
+                call()
             times[size].append((time.perf_counter() - t0) / reps[size])
     dist.destroy_process_group()
     if rank == 0:
@@ -63,10 +79,21 @@ def measure_all_reduce(sizes: tuple = SIZES_TO_64M, runs: int = 15, world: int =
     another process taking a core doubles a sample, so the median moves with the neighbours' load from
     one minute to the next, while the lower quartile is the link's own speed when both processes run
     (what the cost model predicts) and repeats within a few percent."""
+    return _measure("all_reduce", sizes, runs, world, statistic)
+
+
+def measure_all_to_all(sizes: tuple = A2A_PROBE_SIZES, runs: int = 15, world: int = 2,
+                       statistic: str = "quartile") -> dict:
+    """{bytes sent to each other rank: seconds} of a float32 gloo all_to_all_single over `world` local
+    processes, equal splits (the lower quartile of the rounds' samples, as measure_all_reduce's)."""
+    return _measure("all_to_all", sizes, runs, world, statistic)
+
+
+def _measure(kind: str, sizes: tuple, runs: int, world: int, statistic: str) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, tuple(sizes), runs, out), daemon=True)
+    procs = [ctx.Process(target=_rank, args=(r, world, port, tuple(sizes), runs, out, kind), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
