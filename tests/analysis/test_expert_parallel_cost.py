@@ -96,7 +96,7 @@ def test_step_prediction_adds_the_expert_parallel_collectives_at_tp_1():
 def test_a_measured_all_to_all_is_priced_from_its_own_fit():
     """The local link's all-to-all, fitted to its measured times: a call + bytes at its rate, instead of the
     all-reduce fit's latency and bandwidth; a datasheet link keeps pairwise exchange."""
-    from servescope.analysis.collectives import all_to_all_seconds, fit_all_to_all
+    from servescope.analysis.collectives import all_gather_seconds, all_to_all_seconds, fit_all_to_all
 
     ring = LinkSpec("local-gloo", bandwidth=2e9, latency_s=2e-4, call_s=1.5e-4, step_s=5e-5,
                     max_segment_bytes=1 << 20)
@@ -112,6 +112,10 @@ def test_a_measured_all_to_all_is_priced_from_its_own_fit():
         assert all_to_all_seconds(4096, 2, lk) <= all_to_all_seconds(4096, 4, lk) <= all_to_all_seconds(4096, 8, lk)
         assert all_to_all_seconds(4096, 1, lk) == 0.0
     assert all_to_all_seconds(4096, 4, LINK) == pytest.approx(4096 / 1e9 + 3 * 10e-6)  # pairwise, 3 messages
+    # an all-gather's ring steps: each one exchange as the all-to-all measured it (at N = 2, the one step)
+    assert all_gather_seconds(4096, 2, link) == pytest.approx(times[4096] - 4096 / 1.5e9 + 4096 / 1.5e9)
+    assert all_gather_seconds(4096, 4, link) == pytest.approx(3 * all_gather_seconds(4096, 2, link))
+    assert all_gather_seconds(4096, 2, LINK) == pytest.approx(4096 / 1e9 + 10e-6)
     assert expert_parallel_cost(load_preset("mixtral-8x7b"), 10, 2, link)[0] > \
         expert_parallel_cost(load_preset("mixtral-8x7b"), 10, 2, ring)[0]  # slower than the ring's latency said
     # a fit that would make the call negative keeps the bytes alone; times that do not grow are refused

@@ -18,10 +18,14 @@ outputs all-gathered ([N Tr, Dm]); with tensor-parallel attention its sparse lay
 expert's output. An all-to-all is priced from its own measurement where the link has one (the local gloo link:
 parallel/link_probe.measure_all_to_all, a call's cost + bytes sent / its rate), else as pairwise exchange:
 bytes sent / bandwidth + (N-1) x latency; an all-gather as the ring: (N-1) x (bytes per rank / bandwidth +
-latency). What a rank's collectives also hold, waiting for the slower rank, is priced apart
-(analysis/parallel_skew.py: the busiest rank's experts over the mean rank's). Against vLLM's all-reduce of [T, Dm]
-partial sums (its TP + EP without data parallelism), the all-to-alls move (N-1)/N T Dm (2k/N + 1) bytes per
-rank to the all-reduce's 2 (N-1)/N T Dm: more at N = 2 for k >= 2 (1.5x at k = 2), less once N > 2k.
+latency), each step on a measured link as one exchange of the all-to-all's. What a rank's collectives also
+hold, waiting for the slower rank, is priced apart (analysis/parallel_skew.py: the busiest rank's experts over
+the mean rank's). The measured all-to-all is timed as a step issues it, each call after some compute on one
+rank while the other waits in it (parallel/link_probe.measure_all_to_all): the cost of waking the waiting
+peer, which the back-to-back all-reduces of the ring fit never pay, is in its call cost.
+Against vLLM's all-reduce of [T, Dm] partial sums (its TP + EP without data parallelism), the all-to-alls move
+(N-1)/N T Dm (2k/N + 1) bytes per rank to the all-reduce's 2 (N-1)/N T Dm: more at N = 2 for k >= 2 (1.5x at
+k = 2), less once N > 2k.
 
 The local link (gloo between processes of one machine, measured by parallel/link_probe.py) is not an
 alpha-beta line: torch's ProcessGroupGloo runs gloo's ring all-reduce (gloo/allreduce.cc, `ring`), which
@@ -173,8 +177,14 @@ def all_to_all_seconds(bytes_sent: float, ranks: int, link: LinkSpec) -> float:
 
 
 def all_gather_seconds(bytes_per_rank: float, ranks: int, link: LinkSpec) -> float:
-    """Ring all-gather of each rank's bytes_per_rank: N - 1 steps of one rank's part."""
-    return (ranks - 1) * (bytes_per_rank / link.bandwidth + link.latency_s) if ranks > 1 else 0.0
+    """Ring all-gather of each rank's bytes_per_rank: N - 1 steps of one rank's part, each one exchange with the
+    neighbours: on a link whose all-to-all was measured, that exchange as measured (one call's cost + the bytes
+    at its rate: at N = 2 the step is the same send and receive with the peer), else latency_s + the bytes."""
+    if ranks <= 1:
+        return 0.0
+    if link.a2a_bandwidth:
+        return (ranks - 1) * (link.a2a_call_s + bytes_per_rank / link.a2a_bandwidth)
+    return (ranks - 1) * (bytes_per_rank / link.bandwidth + link.latency_s)
 
 
 @dataclass(frozen=True)

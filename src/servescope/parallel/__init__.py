@@ -11,7 +11,7 @@
 - microbatch.py       where rank 0 cuts a pipeline step, and each micro-batch's slice of the step
 - plan.py             each step's plan as int64 tensors, broadcast from rank 0
 - launcher.py         worker processes (torch.multiprocessing), liveness, shutdown, a parked group for reuse
-- link_probe.py       this machine's gloo all-reduce time per size (the cost model's local link)
+- link_probe.py       this machine's gloo all-reduce and all-to-all times per size (the cost model's local link)
 
 The engine calls this package (engine/parallel_executor.py, engine/parallel_worker.py); the model never
 knows it is sharded.

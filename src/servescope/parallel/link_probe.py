@@ -24,8 +24,13 @@ PROBE_SIZES = SIZES_TO_64M  # what the engine's probe of its local link measures
 # the bytes one rank sends the other in an all-to-all: expert parallelism's dispatch of Tr k / 2 rows [Dm] at
 # EP = 2 (a decode step's few KiB up to a 2048-token prefill's tens of MiB); 0: the call alone
 A2A_PROBE_SIZES = (0,) + tuple(4 * 1024 * 4 ** i for i in range(7))  # 0, 4 KiB ... 16 MiB
-WARM_UP = 3  # timed all-reduces per size before the samples (after one untimed)
-SAMPLE_S = 20e-3  # one sample: this long of back-to-back all-reduces of one size
+# Before each timed all-to-all rank 0 computes this long while the other rank already waits inside the call:
+# an expert-parallel step's pattern (a sparse layer's work between its collectives, one rank arriving after
+# the other, whose threads have gone to sleep), not the back-to-back calls of the all-reduce probe, where
+# both ranks stay awake. The call then holds waking the waiting peer, which back-to-back calls never pay.
+A2A_LEAD_S = 1e-3
+WARM_UP = 3  # timed calls per size before the samples (after one untimed)
+SAMPLE_S = 20e-3  # one sample: this long of calls of one size (back to back for the all-reduce)
 MAX_REPS = 200
 
 
@@ -41,7 +46,32 @@ def _collective(kind: str, size: int, world: int):
     return lambda: dist.all_to_all_single(out, inp, splits, splits)
 
 
-def _rank(rank: int, world: int, port: int, sizes: tuple, runs: int, out, kind: str = "all_reduce") -> None:
+def _busy(seconds: float) -> None:
+    """Compute (a spin on the CPU) for `seconds`."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _sample(call, reps: int, lead_s: float) -> float:
+    """Seconds per call over `reps` calls: back to back (lead_s 0), or each after lead_s of rank 0's compute
+    (the call alone timed; rank 0's figure is the one kept)."""
+    if not lead_s:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            call()
+        return (time.perf_counter() - t0) / reps
+    total = 0.0
+    for _ in range(reps):
+        _busy(lead_s)
+        t0 = time.perf_counter()
+        call()
+        total += time.perf_counter() - t0
+    return total / reps
+
+
+def _rank(rank: int, world: int, port: int, sizes: tuple, runs: int, out, kind: str = "all_reduce",
+          lead_s: float = 0.0) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -58,15 +88,13 @@ def _rank(rank: int, world: int, port: int, sizes: tuple, runs: int, out, kind: 
     # warm-up (the slower rank's: both must issue as many), not from a guessed speed, so that a
     # slow link does not make the probe minutes long
     dist.all_reduce(warm, op=dist.ReduceOp.MAX)
-    reps = {size: max(1, min(MAX_REPS, int(SAMPLE_S / float(t)))) for size, t in zip(sizes, warm)}
+    reps = {size: max(1, min(MAX_REPS, int(SAMPLE_S / (float(t) + lead_s)))) for size, t in zip(sizes, warm)}
     times = {size: [] for size in sizes}
+    lead = lead_s if rank == 0 else 0.0  # (the other rank goes straight into each call and waits there)
     for _ in range(runs):  # rounds over every size: a noisy moment spreads over all of them
         for size, call in bufs.items():
             dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(reps[size]):
-                call()
-            times[size].append((time.perf_counter() - t0) / reps[size])
+            times[size].append(_sample(call, reps[size], lead))
     dist.destroy_process_group()
     if rank == 0:
         out.put(times)
@@ -85,15 +113,16 @@ def measure_all_reduce(sizes: tuple = SIZES_TO_64M, runs: int = 15, world: int =
 def measure_all_to_all(sizes: tuple = A2A_PROBE_SIZES, runs: int = 15, world: int = 2,
                        statistic: str = "quartile") -> dict:
     """{bytes sent to each other rank: seconds} of a float32 gloo all_to_all_single over `world` local
-    processes, equal splits (the lower quartile of the rounds' samples, as measure_all_reduce's)."""
-    return _measure("all_to_all", sizes, runs, world, statistic)
+    processes, equal splits, each call after A2A_LEAD_S of rank 0's compute with the others waiting in it, as
+    an expert-parallel step issues them (the lower quartile of the rounds' samples, as measure_all_reduce's)."""
+    return _measure("all_to_all", sizes, runs, world, statistic, A2A_LEAD_S)
 
 
-def _measure(kind: str, sizes: tuple, runs: int, world: int, statistic: str) -> dict:
+def _measure(kind: str, sizes: tuple, runs: int, world: int, statistic: str, lead_s: float = 0.0) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, tuple(sizes), runs, out, kind), daemon=True)
+    procs = [ctx.Process(target=_rank, args=(r, world, port, tuple(sizes), runs, out, kind, lead_s), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
