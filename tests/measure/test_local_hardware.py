@@ -49,3 +49,22 @@ def test_the_local_link_entry_holds_its_all_to_all(tmp_path, monkeypatch):
     assert calls[-1] == "a2a" and calls.count("ar") == 1
     assert completed.bandwidth == older.bandwidth and completed.a2a_bandwidth == link.a2a_bandwidth
     assert local_hardware.local_gloo_link(measure=False) == completed
+
+
+def test_an_expert_parallel_engine_keeps_the_probe_without_a_kernel_table(monkeypatch):
+    """Its sparse blocks run collectives, and a table times a whole block where each rank runs 1/N of it: the
+    probe's rates price it (as a tensor-parallel engine's)."""
+    from types import SimpleNamespace
+
+    from servescope.analysis.hardware import LOCAL_CPU
+
+    def timed(*a, **k):
+        raise AssertionError("the kernels were timed")
+
+    monkeypatch.setattr(local_hardware, "kernel_table_for", timed)
+    monkeypatch.setattr(local_hardware.cpu_ops, "available", lambda: True)
+    used = []
+    predictor = SimpleNamespace(tp=1, pp=1, ep=2)
+    cost = SimpleNamespace(predictor=predictor, hw=SimpleNamespace(name=LOCAL_CPU), use_hardware=used.append)
+    engine = SimpleNamespace(step_cost_predictor=cost, device=torch.device("cpu"))
+    assert local_hardware.with_kernel_table(engine) is engine and not used

@@ -80,10 +80,11 @@ def measured_engine(config: EngineConfig) -> LLMEngine:
 def with_kernel_table(engine: LLMEngine, force: bool = False) -> LLMEngine:
     """`engine`, its step predictions now priced by its own kernels timed at its model's shapes and dtypes
     (measure/shape_kernels.py: measured once per CPU, model shape and dtypes, then read from the cache), where
-    it predicts on the local CPU's probe with one rank; any other engine as it is."""
+    it predicts on the local CPU's probe with one rank; any other engine as it is (an expert-parallel one too: its
+    sparse blocks hold collectives, and the table would time a whole block where a rank runs 1/N of it)."""
     cost = engine.step_cost_predictor
     if (cost is None or engine.device.type != "cpu" or cost.hw.name != LOCAL_CPU
-            or cost.predictor.tp * cost.predictor.pp > 1 or not cpu_ops.available()):
+            or max(cost.predictor.tp, cost.predictor.ep) * cost.predictor.pp > 1 or not cpu_ops.available()):
         return engine
     try:
         table = kernel_table_for(engine, force=force)
