@@ -3,7 +3,7 @@ engine): seconds per size, from two processes on localhost, one thread each. The
 (measure/local_hardware.local_gloo_link) measures the all-reduce at PROBE_SIZES and fits gloo's ring to
 them (analysis/collectives.fit_link), and the all-to-all (all_to_all_single, what expert parallelism's
 dispatch and combine call) at A2A_PROBE_SIZES, fitted to a call's cost + bytes / bandwidth
-(collectives.fit_all_to_all); a few seconds, most of it the two processes starting."""
+(collectives.fit_all_to_all); seconds each, much of it the two processes starting."""
 
 from __future__ import annotations
 
