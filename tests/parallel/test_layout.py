@@ -99,3 +99,22 @@ def test_a_shard_keeps_half_the_weights_and_kv(num_kv_heads):
     ratio = num_kv_blocks(cache, batching, shard_cfg, torch.float32, torch.device("cpu")) / \
         num_kv_blocks(cache, batching, cfg, torch.float32, torch.device("cpu"))
     assert ratio == (2 if num_kv_heads == 2 else 1)
+
+
+def test_ranks_on_the_cpu_share_the_cores_unless_threads_are_asked_for(monkeypatch):
+    from servescope.config import EngineConfig
+    from servescope.engine.weights import rank_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cfg = EngineConfig(model="m")
+    assert rank_threads(cfg) is None  # one process: torch's default
+    assert rank_threads(cfg.replace(tensor_parallel_size=2)) == 4
+    assert rank_threads(cfg.replace(tensor_parallel_size=2, pipeline_parallel_size=2)) == 2
+    assert rank_threads(cfg.replace(tensor_parallel_size=2, expert_parallel_size=2)) == 4  # EP runs over TP's ranks
+    assert rank_threads(cfg.replace(tensor_parallel_size=2, num_threads=3)) == 3  # asked for: as asked
+    assert rank_threads(cfg.replace(tensor_parallel_size=2, device="cuda")) is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # torchrun, one rank on this machine: all its cores
+    assert rank_threads(cfg.replace(tensor_parallel_size=2)) == 8
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0}, raising=False)
+    assert rank_threads(cfg.replace(tensor_parallel_size=2)) == 1  # never below one
