@@ -1,10 +1,11 @@
 """Real 1 prefill + 1 decode disaggregation (engine/disaggregated.py) beside its simulation (sim/disagg.py).
 
-The embedded SmolLM2-135M, one torch thread per engine (two processes on the machine's cores), its steps priced
-on the full probe with its kernels timed at its shapes (measure/local_hardware.measured_engine: the engine's
-StepRecords and the simulation read the same spec). First the plain
-engine (this process's, later the decode engine) is warmed up and its measured / predicted step table profiled
-on workloads of its own (labs/sim_validation.profile_steps); then the disaggregated pair serves each workload
+The embedded SmolLM2-135M (or --model llama-3.2-1b: the 1B shape, random weights, fewer prompts), one torch
+thread per engine (two processes on the machine's cores), its steps priced on the full probe with its kernels
+timed at its shapes (measure/local_hardware.measured_engine: the engine's StepRecords and the simulation read
+the same spec). First the plain engine (this process's, later the decode engine) is warmed up and its measured /
+predicted step table profiled on workloads of its own (labs/sim_validation.profile_steps; its bins printed);
+then the disaggregated pair serves each workload
 on the wall clock (sim/driver.drive, the lab's WallClock: the same arrivals as the simulation), and the
 simulator runs 1P1D of the same instance spec with that step table, the KV priced on the measured KV send path
 (measure/kv_send.py: the engine's gather, gloo send/recv and scatter). Prints measured, simulated and the
@@ -35,6 +36,7 @@ lengths, the parts above per length, the bytes and what the simulator prices the
 
     python benchmarks/disagg_1p1d.py --json benchmarks/results/disagg_1p1d.json
     python benchmarks/disagg_1p1d.py --send-path --workloads   # the hand-over alone
+    python benchmarks/disagg_1p1d.py --model llama-3.2-1b --json benchmarks/results/disagg_1p1d_1b.json
 """
 
 from __future__ import annotations
@@ -58,15 +60,26 @@ from servescope.measure.detokenise import detokenise_cost
 from servescope.sim.disagg import Disaggregated
 from servescope.sim.driver import bench_result, drive
 from servescope.sim.spec import HostCosts, instance_spec
-from servescope.sim.step_table import StepTable, fit_step_table
+from servescope.sim.step_table import StepTable, fit_step_table, step_bins
 from servescope.sim.workload import synthetic_workload
 
 BLOCKS, SEQS, BUDGET, MAX_LEN = 2048, 32, 512, 4096
-WORKLOADS = {  # name: (prompts, input lengths, output lengths, requests/s)
-    "low rate": (24, (64, 256), (32, 96), 1.0),
-    "long prompts": (12, (1024, 2048), (16, 48), 0.5),
-    "saturation": (32, (64, 256), (48, 96), math.inf),
+# --model: (what the engine loads, the simulator's preset, profile repeats, workloads); each workload's
+# (prompts, input lengths, output lengths, requests/s), sized to the model's speed on one thread
+MODELS = {
+    "smollm2-135m": (None, "smollm2-135m", 2, {
+        "low rate": (24, (64, 256), (32, 96), 1.0),
+        "long prompts": (12, (1024, 2048), (16, 48), 0.5),
+        "saturation": (32, (64, 256), (48, 96), math.inf),
+    }),
+    "llama-3.2-1b": ("random:llama-3.2-1b", "llama-3.2-1b", 1, {
+        "low rate": (8, (64, 256), (16, 32), 0.1),
+        "long prompts": (4, (1024, 1536), (8, 16), 0.04),
+        "saturation": (12, (64, 256), (16, 32), math.inf),
+    }),
 }
+WORKLOADS = MODELS["smollm2-135m"][3]
+SATURATION_PREFILLS = 16  # prompts of a profiled batch prefilled at once for one token, as the prefill process does
 METRICS = ("median_ttft_ms", "median_tpot_ms", "p90_ttft_ms", "output_throughput")
 SEND_LENGTHS = (64, 256, 1024, 2048)  # prompt tokens of --send-path (and of the profiled prompt tails)
 SEND_REPEATS = 5
@@ -118,21 +131,39 @@ def print_breakdown(title: str, rows: dict) -> None:
         print(f"  {name:<14}{real:>10.1f}{'' if math.isnan(sim) else f'{sim:>11.1f}'}")
 
 
-def profile(engine: LLMEngine, vocab: int) -> StepTable:
-    """The lab's step table (labs/sim_validation.profile_steps) plus the decode engine's own first steps: a
-    prompt's last partial block over its cached full blocks (each SEND_LENGTHS prompt run twice: the second
-    time a prefix hit, as a landed transfer is). The lab's profile has no such step (its prompts share
-    nothing), so a tail over 2k cached tokens was priced like a 16-token prompt's prefill."""
+def profile(engine: LLMEngine, vocab: int, repeats: int) -> tuple:
+    """(the step table, the steps it was fitted on): the lab's profile (labs/sim_validation.profile_steps)
+    plus the decode engine's own first steps: a prompt's last partial block over its cached full blocks (each
+    SEND_LENGTHS prompt run twice: the second time a prefix hit, as a landed transfer is; the lab's profile
+    has no such step, so a tail over 2k cached tokens was priced like a 16-token prompt's prefill), and the
+    prefill process's: SATURATION_PREFILLS prompts at once, each for its one token (budget-sized steps of a
+    few prompts, one carried over from the step before; the lab's steps at those contexts and sizes are
+    prefill chunks beside decodes)."""
     first = len(engine.step_records)
-    profile_steps(engine, vocab)
+    profile_steps(engine, vocab, repeats=repeats)
     for rep in range(2):
         for n in SEND_LENGTHS:
             reqs = synthetic_workload(1, n - 7, 4, vocab, math.inf, seed=4000 + 10 * rep + n)  # a 9-token tail
             for j in range(2):
                 drive(WallClock(engine), reqs, prefix=f"tail-{rep}-{n}-{j}")
+        reqs = synthetic_workload(SATURATION_PREFILLS, (64, 256), 1, vocab, math.inf, seed=4500 + rep)
+        drive(WallClock(engine), reqs, prefix=f"prefills-{rep}")
     engine.kv_manager.reset_prefix_cache()
     records = list(engine.step_records)[first:]
-    return fit_step_table(records, f"measured on {len(records)} engine steps (the lab's workloads, prompt tails)")
+    return fit_step_table(records, f"measured on {len(records)} engine steps (the lab's workloads, prompt tails, "
+                                   "prefill batches)"), records
+
+
+def print_bins(records: list) -> list:
+    """The table's bins (sim/step_table.step_bins): each one's steps, their median measured / predicted and the
+    ratio the table holds after the shrinkage towards its neighbours."""
+    rows = step_bins(records)
+    print("step table bins: kind, context, tokens (the bin's medians), steps, median measured / predicted -> "
+          "the table's ratio")
+    for r in rows:
+        print(f"  {r['kind']:<8}{r['context']:>8.0f}{r['tokens']:>7.0f}{r['steps']:>5}{r['median']:>7.2f} -> "
+              f"{r['ratio']:.2f}")
+    return [{k: v for k, v in r.items() if k != "bin"} for r in rows]
 
 
 def send_path(pair: DisaggregatedEngine, spec, link, vocab: int) -> dict:
@@ -161,6 +192,7 @@ def send_path(pair: DisaggregatedEngine, spec, link, vocab: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", choices=list(MODELS), help="the model and its workloads")
     p.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--step-table", default=None, help="a table this script profiled before (skips the profile)")
     p.add_argument("--save-table", default=None, help="write the profiled table here")
@@ -168,7 +200,8 @@ def main(argv=None) -> int:
     p.add_argument("--co-run", action="store_true", help="time this engine's steps beside the prefill process")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    config = EngineConfig(dtype="auto", num_threads=1, num_kv_blocks=BLOCKS, max_num_seqs=SEQS,
+    model, preset, repeats, workloads = MODELS[a.model]
+    config = EngineConfig(model=model, dtype="auto", num_threads=1, num_kv_blocks=BLOCKS, max_num_seqs=SEQS,
                           max_num_batched_tokens=BUDGET, max_model_len=MAX_LEN, hardware="local-cpu")
     torch.set_num_threads(1)  # the engines' threads, before the probe: its spec is keyed by them
     # the engine's kernels timed at the model's shapes (its KernelTable, cached after the first run): its
@@ -176,14 +209,19 @@ def main(argv=None) -> int:
     engine = measured_engine(config)
     hw = engine.hardware
     dtype = str(engine.dtype).replace("torch.", "")
-    spec = instance_spec("smollm2-135m", hw, dtype=dtype, cache=KVCacheConfig(num_kv_blocks=BLOCKS),
+    spec = instance_spec(preset, hw, dtype=dtype, cache=KVCacheConfig(num_kv_blocks=BLOCKS),
                          batching=BatchingConfig(max_num_seqs=SEQS, max_num_batched_tokens=BUDGET,
                                                  max_model_len=MAX_LEN),
-                         host=HostCosts(*detokenise_cost(with_tokenizer=True)))
+                         host=HostCosts(*detokenise_cost(with_tokenizer=engine.tokenizer is not None)))
     vocab = spec.model.vocab_size
+    out = {"model": a.model, "workloads": {}}
     if a.step_table or a.workloads:  # without either, --send-path's simulation prices steps on the cost model
         t0 = time.perf_counter()
-        table = StepTable.load(a.step_table) if a.step_table else profile(engine, vocab)
+        if a.step_table:
+            table = StepTable.load(a.step_table)
+        else:
+            table, records = profile(engine, vocab, repeats)
+            out["step_bins"] = print_bins(records)
         print(f"step table ready in {time.perf_counter() - t0:.0f} s", flush=True)
         if a.save_table:
             with open(a.save_table, "w") as f:
@@ -194,17 +232,16 @@ def main(argv=None) -> int:
     engine.kv_manager.reset_prefix_cache()
     pair = DisaggregatedEngine(engine)
     drive(WallClock(pair), synthetic_workload(8, (16, 600), 8, vocab, math.inf, seed=99), prefix="warm")
-    out = {"machine": {"torch_threads_per_engine": torch.get_num_threads(), "kv_link": link.name,
-                       "kv_link_bandwidth": link.bandwidth, "kv_link_latency_s": link.latency_s,
-                       "kv_link_notes": link.notes, "load_average_at_start": os.getloadavg()},
-           "workloads": {}}
+    out["machine"] = {"torch_threads_per_engine": torch.get_num_threads(), "kv_link": link.name,
+                      "kv_link_bandwidth": link.bandwidth, "kv_link_latency_s": link.latency_s,
+                      "kv_link_notes": link.notes, "load_average_at_start": os.getloadavg()}
     try:
         if a.co_run:
             out["co_run"] = co_run(pair, engine, vocab)
         if a.send_path:
             out["send_path"] = send_path(pair, spec, link, vocab)
         for i, name in enumerate(a.workloads):
-            out["workloads"][name] = run_workload(pair, spec, link, name, i, vocab)
+            out["workloads"][name] = run_workload(pair, spec, link, name, workloads[name], i, vocab)
     finally:
         pair.shutdown()
     out["machine"]["load_average_at_end"] = os.getloadavg()
@@ -241,8 +278,8 @@ def co_run(pair: DisaggregatedEngine, engine: LLMEngine, vocab: int) -> dict:
     return {"alone_ms": alone, "beside_ms": beside, "prefill_prompts_left": busy}
 
 
-def run_workload(pair: DisaggregatedEngine, spec, link, name: str, i: int, vocab: int) -> dict:
-    n, inp, outp, rate = WORKLOADS[name]
+def run_workload(pair: DisaggregatedEngine, spec, link, name: str, workload: tuple, i: int, vocab: int) -> dict:
+    n, inp, outp, rate = workload
     reqs = synthetic_workload(n, inp, outp, vocab, rate, seed=2000 + i)
     records, duration, done = drive(WallClock(pair), reqs, prefix=f"real-{i}")
     real = bench_result(records, duration).to_dict()

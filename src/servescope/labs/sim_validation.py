@@ -111,7 +111,7 @@ def _warm_up(engine: LLMEngine, vocab: int) -> None:
     drive(WallClock(engine), reqs, prefix="warm")
 
 
-def profile_steps(engine: LLMEngine, vocab: int, seed: int = 1000) -> StepTable:
+def profile_steps(engine: LLMEngine, vocab: int, seed: int = 1000, repeats: int = PROFILE_REPEATS) -> StepTable:
     """The measured / predicted table of this engine (sim/step_table.py), from workloads of its own: decode
     steps at batch 1..32 over ~128-token prompts and at batch 1..4 over ~1k and ~2k, prefill chunks of
     16..2048-token prompts."""
@@ -119,7 +119,7 @@ def profile_steps(engine: LLMEngine, vocab: int, seed: int = 1000) -> StepTable:
     shapes = [(b, (96, 160), 16) for b in (1, 2, 4, 8, 16, 32)] + [(b, (n - 64, n + 64), 12) for n in (1024, 2048)
                                                                  for b in (1, 2, 4)]
     shapes += [(1, n, 2) for n in (16, 32, 64, 128, 256, 512, 1024, 2048)]
-    for rep in range(PROFILE_REPEATS):  # medians over repeats: one sample per shape is at the mercy of noise
+    for rep in range(repeats):  # medians over repeats: one sample per shape is at the mercy of noise
         for i, (batch, prompt, out) in enumerate(shapes):
             reqs = synthetic_workload(batch, prompt, out, vocab, math.inf, seed=seed + 100 * rep + i)
             drive(WallClock(engine), reqs, prefix=f"profile-{rep}-{i}")

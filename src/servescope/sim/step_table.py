@@ -10,6 +10,20 @@ prediction by the ratio at its kind, context and size: log-log interpolation alo
 context bin, then along the context between the nearest bins measured at that size (the nearest bin
 outside them), as Vidur profiles operators before it simulates.
 
+A bin's ratio is not trusted alone: its median log ratio, over n steps, is weighed n : PRIOR_STEPS against
+its neighbours' (their medians weighed by their steps x exp(-d^2 / 2), d the distance in bins, so the bins
+next to it count and those far away hardly do). A bin of one or two steps (a burst of load, a step unlike
+the rest) moves the table by at most n / (n + PRIOR_STEPS) of its deviation from its neighbours; a bin of
+many steps keeps close to its own median. This is the empirical-Bayes estimate of a bin's ratio when
+neighbouring bins' ratios are alike, PRIOR_STEPS standing for the within-bin variance of the log ratio over
+the variance of the bins' true log ratios around their neighbours'. Estimated on a profile of the 1P1D
+benchmark (benchmarks/disagg_1p1d.py prints the bins, their steps, their medians and the table's ratios)
+that quotient ran from 0.3 to unbounded with the estimator (standard deviation or median deviation), led by
+the very tails it should guard against, so it is fixed: with 4, a bin of one shape's steps (each profiled
+shape runs twice) keeps a third of its own weight, and the bins of the lab's swept shapes (12 to 47 steps)
+three quarters or more. Without it, a prefill bin of two steps at 1.83x its prediction priced the 1P1D
+prefill process's steps (several prompts at small contexts) far too slow: saturation's TTFT +32%.
+
 "Measured" is the step's period: from its start to the next step's start when the engine stepped
 again at once, so the work between two steps (the outputs handed back, the requests added) counts, as
 it does in the engine's TPOT; a table therefore replaces HostCosts.
@@ -27,6 +41,7 @@ from servescope.errors import InvalidParameterError
 from servescope.telemetry.step_record import step_period
 
 KINDS = ("decode", "prefill")
+PRIOR_STEPS = 4.0  # the neighbours' weight against a bin's own steps (module docstring)
 
 
 def _interp(x: float, pts) -> float:
@@ -94,8 +109,9 @@ class StepTable:
             raise InvalidParameterError("step_table", f"{path} is not JSON: {e}") from None
 
 
-def fit_step_table(records, source: str = "") -> StepTable:
-    """The table of StepRecords that carry a prediction (in the order the engine ran them)."""
+def _bins(records) -> dict:
+    """{kind: {(context bin, tokens bin): [(context, tokens, measured / predicted), ...]}} of the records that
+    carry a prediction."""
     records = list(records)
     bins: dict = {k: {} for k in KINDS}
     for i, r in enumerate(records):
@@ -105,14 +121,55 @@ def fit_step_table(records, source: str = "") -> StepTable:
         context = max((sum(r.context_lens) - r.num_tokens) / len(r.context_lens), 1.0)  # before the step
         key = (int(math.log2(context)), int(math.log2(max(r.num_tokens, 1))))
         bins[kind].setdefault(key, []).append((context, r.num_tokens, step_period(records, i) / r.predicted_seconds))
+    return bins
+
+
+def _shrunk(bins: dict, prior_steps: float) -> dict:
+    """{bin: ratio}: each bin's median log ratio, of n steps, weighed n : prior_steps against its neighbours'
+    (their median log ratios weighed by their steps x exp(-d^2 / 2), d the distance in bins)."""
+    medians = {k: statistics.median(x for _, _, x in v) for k, v in bins.items()}
+    if not prior_steps or len(bins) < 2:
+        return medians
+    logs = {k: math.log(m) for k, m in medians.items()}
+    out = {}
+    for k, v in bins.items():
+        w = {j: len(bins[j]) * math.exp(-((j[0] - k[0]) ** 2 + (j[1] - k[1]) ** 2) / 2) for j in bins if j != k}
+        total = sum(w.values())
+        prior = sum(w[j] * logs[j] for j in w) / total if total > 0 else logs[k]
+        out[k] = math.exp((len(v) * logs[k] + prior_steps * prior) / (len(v) + prior_steps))
+    return out
+
+
+def step_bins(records, prior_steps: float = PRIOR_STEPS) -> list:
+    """What the table of `records` holds, bin by bin: [{kind, context, tokens, steps, median, ratio}, ...]
+    (context, tokens: the medians of the bin's steps; median: of their measured / predicted; ratio: the
+    table's, after the shrinkage)."""
+    if not prior_steps >= 0:
+        raise InvalidParameterError("prior_steps", f"must be >= 0, got {prior_steps}")
+    rows = []
+    for kind, bins in _bins(records).items():
+        fitted = _shrunk(bins, prior_steps)
+        for k, pts in sorted(bins.items()):
+            rows.append({"kind": kind, "context": statistics.median(c for c, _, _ in pts),
+                         "tokens": statistics.median(t for _, t, _ in pts), "steps": len(pts),
+                         "median": statistics.median(x for _, _, x in pts), "ratio": fitted[k], "bin": k})
+    return rows
+
+
+def fit_step_table(records, source: str = "", prior_steps: float = PRIOR_STEPS) -> StepTable:
+    """The table of StepRecords that carry a prediction (in the order the engine ran them). prior_steps = 0
+    keeps each bin's own median, however few its steps."""
+    if not prior_steps >= 0:
+        raise InvalidParameterError("prior_steps", f"must be >= 0, got {prior_steps}")
+    bins = _bins(records)
     out = {}
     for kind in KINDS:
+        fitted = _shrunk(bins[kind], prior_steps)
         by_ctx: dict = {}
-        for (cb, _), pts in sorted(bins[kind].items()):
-            by_ctx.setdefault(cb, []).append(pts)
-        out[kind] = tuple((statistics.median(c for g in groups for c, _, _ in g),
-                           tuple((statistics.median(t for _, t, _ in g), statistics.median(x for _, _, x in g))
-                                 for g in groups))
+        for key, pts in sorted(bins[kind].items()):
+            by_ctx.setdefault(key[0], []).append((pts, fitted[key]))
+        out[kind] = tuple((statistics.median(c for pts, _ in groups for c, _, _ in pts),
+                           tuple((statistics.median(t for _, t, _ in pts), ratio) for pts, ratio in groups))
                           for _, groups in sorted(by_ctx.items()))
         if not out[kind]:
             raise InvalidParameterError("step_table", "fitting a step table needs decode steps and prefill steps")
