@@ -5,7 +5,7 @@ serves must equal the module path bit for bit (hidden states and KV cache), on t
 packed experts (--quantization modes and a Q4_0 GGUF), float experts (float32, bfloat16: the checkpoint as it
 loads) and per-channel int8 ones (--quantization int8), at decode batches on both sides of the kernels' row
 limits; gpt-oss whole (sinks, q/k/v/o biases, windows shorter than the prompts, its router, its clamped experts
-float, under --quantization int4 and as released in MXFP4);
+float, under --quantization int4 / int8 and as released in MXFP4);
 the step records' expert fields must be those of an engine without the plan; a layer the plan cannot compute
 as the modules do leaves the model to the modules."""
 
@@ -66,6 +66,8 @@ def _sparse_in_plan(llm) -> bool:
     ("gpt_oss", "bfloat16", None),
     ("gpt_oss", "float32", "int4"),  # PackedClampedExperts (MoePacked, act 1)
     ("gpt_oss", "bfloat16", "int4"),
+    ("gpt_oss", "float32", "int8"),  # PackedClampedExperts of Int8Linears (MoeDense, act 1)
+    ("gpt_oss", "bfloat16", "int8"),
 ])
 def test_plan_matches_module_path_on_sparse_layers(tmp_path, family, dtype, quant):
     llm = LLM(model=str(_checkpoint(tmp_path, family)), dtype=dtype, quantization=quant, **SMALL)

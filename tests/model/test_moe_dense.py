@@ -1,6 +1,6 @@
-"""The fused MoE op over float, gpt-oss's clamped float (biases, clamped SwiGLU) and per-channel int8 experts
-(kernels/cpu's moe_dense, csrc/moe_dense.cpp; Experts.grouped, ClampedExperts.grouped and PackedExperts.grouped
-of Int8Linears run it) against its reference, model/moe.py's
+"""The fused MoE op over float, gpt-oss's clamped float (biases, clamped SwiGLU), per-channel int8 and gpt-oss's
+clamped int8 experts (kernels/cpu's moe_dense, csrc/moe_dense.cpp; Experts.grouped, ClampedExperts.grouped and
+PackedExperts.grouped of Int8Linears run it) against its reference, model/moe.py's
 grouped_experts over the same modules, bit for bit (each expert's rows on its module's kernel: the GEMV up to
 its row limit, ATen's linear above), and against a float64 sum over the experts: float32 and bfloat16, token
 counts on both sides of the GEMV's row limits (decode batches and prefill chunks), k = 1..8, an expert no token
@@ -57,6 +57,15 @@ def _int8_experts(dtype, seed: int = 0) -> PackedExperts:
                          [Int8Linear(w, None, dtype) for w in ex.down_proj])
 
 
+def _int8_clamped_experts(dtype, seed: int = 0) -> PackedClampedExperts:
+    """gpt-oss's experts under --quantization int8: _clamped_experts' weights as Int8Linears, its biases."""
+    c = _clamped_experts(dtype, seed)
+    ex = PackedClampedExperts([Int8Linear(w.float(), None, dtype) for w in c.gate_up_proj],
+                              [Int8Linear(w.float(), None, dtype) for w in c.down_proj], LIMIT, ALPHA)
+    ex.gate_up_proj_bias, ex.down_proj_bias = c.gate_up_proj_bias, c.down_proj_bias
+    return ex
+
+
 def _routing(t: int, k: int, dtype, seed: int = 1) -> tuple:
     """x [t, H], ids [t, k] (k distinct experts per token, never UNUSED), weights [t, k] in dtype."""
     g = torch.Generator().manual_seed(seed)
@@ -76,9 +85,9 @@ def _matrices(experts) -> tuple:
 
 def _exact(experts, x, ids, weights) -> torch.Tensor:
     """float64: sum over t's pairs of w * down(act(gate_up x)), with gpt-oss's biases and clamped SwiGLU for
-    ClampedExperts."""
+    ClampedExperts and PackedClampedExperts."""
     mats = _matrices(experts)
-    clamped = isinstance(experts, ClampedExperts)
+    clamped = isinstance(experts, (ClampedExperts, PackedClampedExperts))
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
@@ -133,6 +142,17 @@ def test_int8_experts_equal_the_grouped_reference(dtype):
     for t in TOKENS:
         for k in (1, 3, 8):
             _check(experts, t, k, dtype, exact=k == 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_int8_clamped_experts_equal_the_grouped_reference(dtype):
+    """gpt-oss under --quantization int8: each expert's projections on Int8Linear's kernel for its rows (the int8
+    GEMV up to its row limit, the dequantised linear above), each bias added after the rounding to the activation
+    dtype, the clamped SwiGLU: the same bits as PackedClampedExperts.run expert by expert."""
+    experts = _int8_clamped_experts(dtype)
+    for t in TOKENS:
+        for k in (1, 2, 4, 8):
+            _check(experts, t, k, dtype, exact=k == 2)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -197,8 +217,8 @@ def test_where_the_op_does_not_apply_the_reference_runs():
     down = [Int8Linear(torch.randn(H, WIDTH), None, torch.float32) for _ in range(E)]
     assert PackedExperts(biased, down)._fused(x) is None
     assert _int8_experts(torch.bfloat16)._fused(x) is None  # float32 rows, bfloat16 activations
-    int8 = _int8_experts(torch.float32)
-    clamped = PackedClampedExperts(list(int8.gate_up), list(int8.down), 7.0, 1.7)  # gpt-oss's, int8
+    clamped = _int8_clamped_experts(torch.float32)  # gpt-oss's, int8, with biases of another dtype
+    clamped.down_proj_bias = torch.nn.Parameter(clamped.down_proj_bias.detach().bfloat16(), requires_grad=False)
     assert clamped._fused(x) is None and clamped.fused_rows(torch.float32) == 0
 
 
@@ -215,7 +235,8 @@ def _move_stacked(experts):
 # each kind of experts the op runs: (experts, how its weights move)
 KINDS = {"float": (lambda: _float_experts(torch.float32), _move_stacked),
          "clamped": (lambda: _clamped_experts(torch.float32), _move_stacked),
-         "int8": (lambda: _int8_experts(torch.float32), _move_int8)}
+         "int8": (lambda: _int8_experts(torch.float32), _move_int8),
+         "int8-clamped": (lambda: _int8_clamped_experts(torch.float32), _move_int8)}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -253,17 +274,24 @@ def test_bad_weights_are_refused():
         cpu_ops.moe_dense(gate_up, down, 1, biases=biases)
     with pytest.raises(RuntimeError, match=r"\[E, 2I\]"):
         cpu_ops.moe_dense(gate_up, down, 1, biases=biases[::-1], act=1)
-    with pytest.raises(RuntimeError, match="weights' dtype"):
+    with pytest.raises(RuntimeError, match="activation dtype"):
         cpu_ops.moe_dense(gate_up, down, 1, biases=tuple(b.bfloat16() for b in biases), act=1)
+    q = _int8_clamped_experts(torch.float32)
+    weights = [[m.weight_int8 for m in ms] for ms in (q.gate_up, q.down)]
+    scales = [[m._scale_f32 for m in ms] for ms in (q.gate_up, q.down)] + [[m.scale for m in ms]
+                                                                         for ms in (q.gate_up, q.down)]
+    with pytest.raises(RuntimeError, match="activation dtype"):  # int8: the biases in the scales' dtype
+        cpu_ops.moe_dense(*weights, 16, scales=scales, biases=tuple(b.bfloat16() for b in biases), act=1)
+    assert cpu_ops.moe_dense(*weights, 16, scales=scales, biases=biases, act=1, alpha=ALPHA, limit=LIMIT) is not None
     with pytest.raises(RuntimeError, match="act 0"):
         cpu_ops.moe_dense(gate_up, down, 1, biases=biases, act=2)
 
 
 @pytest.mark.parametrize("dtype,quant", [("float32", None), ("bfloat16", None), ("float32", "int8"),
                                          ("bfloat16", "int8")])
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", (*MOE_FAMILIES, "gpt_oss"))
 def test_each_family_s_sparse_blocks_equal_the_reference(tmp_path, family, dtype, quant):
-    """Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE and OLMoE as they load (float experts) and under
+    """Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE, OLMoE and gpt-oss as they load (float experts) and under
     --quantization int8: every sparse block's forward on the fused op equals it on grouped_experts, at decode
     batches 1, 3, 9 and a prefill chunk of 40 rows; the decode plan covers the model."""
     path = make_tiny_hf_model(tmp_path, family, vocab_size=256, with_tokenizer=False)

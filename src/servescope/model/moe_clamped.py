@@ -7,7 +7,8 @@ experts the same way (model/quantize.py). The biases are stacked parameters name
 name. `run` is the reference: the packed projection, plus the bias, clamped SwiGLU, the packed down projection
 plus its bias; the fused C++ op (csrc/moe_experts.h, act MOE_ACT_CLAMPED_SWIGLU) adds each bias in float32
 after the products and runs the activation in float32 (float32 models: the reference's values up to float32
-rounding of the activation's exponential).
+rounding of the activation's exponential). `--quantization int8` makes the experts Int8Linears instead: their op is
+moe_dense (csrc/moe_dense.cpp, act 1, the stacked biases in the activation dtype), equal to `run` bit for bit.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
   int8-g32): `moe_packed` (csrc/moe_experts.h), up to the modules' packed-GEMV row limit;
 - float experts (Experts: float32 / bfloat16, what an HF checkpoint loads as; gpt-oss's ClampedExperts with their
   biases and clamped SwiGLU) and per-channel int8 ones
-  (PackedExperts of Int8Linears: --quantization int8): `moe_dense` (csrc/moe_dense.cpp), at any rows: each
+  (PackedExperts of Int8Linears: --quantization int8; gpt-oss's PackedClampedExperts of them with their biases and
+  clamped SwiGLU): `moe_dense` (csrc/moe_dense.cpp), at any rows: each
   expert's rows take the kernel its module takes (`expert_linear` for Experts, Int8Linear.forward), so the op
   equals grouped_experts over the same modules bit for bit (float experts: the GEMV up to EXPERT_GEMV_ROWS).
 
@@ -57,7 +58,8 @@ def packed_experts_op(experts: nn.Module):
     """PackedExperts' op: MoeDense over Int8Linears, MoePacked over QuantLinears, None otherwise."""
     g, d = experts.gate_up[0], experts.down[-1]
     if type(g) is Int8Linear:
-        key = (g.weight_int8.data_ptr(), getattr(d, "weight_int8", g.weight_int8).data_ptr())
+        key = (g.weight_int8.data_ptr(), getattr(d, "weight_int8", g.weight_int8).data_ptr(),
+               *(b.data_ptr() for b in _stacked_biases(experts)))
         return cached_op(experts, key, lambda: int8_op(experts))
     if not isinstance(g, QuantLinear):
         return None
@@ -92,11 +94,19 @@ def float_op(experts: nn.Module):
         return None
 
 
+def _stacked_biases(experts: nn.Module) -> tuple:
+    """gpt-oss's stacked expert biases (gate_up [E, 2I], down [E, H]; PackedClampedExperts), () where none."""
+    if not hasattr(experts, "gate_up_proj_bias"):
+        return ()
+    return experts.gate_up_proj_bias.detach(), experts.down_proj_bias.detach()
+
+
 def int8_op(experts: nn.Module):
-    """moe_dense over PackedExperts of bias-free Int8Linears in one activation dtype on the CPU, with silu and no
-    expert biases (not gpt-oss's PackedClampedExperts), or None."""
-    mods = experts.linears()
-    if experts.act != 0 or any(experts.biases()):
+    """moe_dense over PackedExperts of bias-free Int8Linears in one activation dtype on the CPU: silu, or gpt-oss's
+    clamped SwiGLU with the stacked expert biases in that dtype (PackedClampedExperts: each bias added after its
+    projection's rounding, as its `run` adds it), else None."""
+    mods, biases = experts.linears(), _stacked_biases(experts)
+    if not biases and (experts.act != 0 or any(experts.biases())):
         return None
     if not all(type(m) is Int8Linear and m.bias is None and m.weight_int8.device.type == "cpu" for m in mods):
         return None
@@ -104,10 +114,11 @@ def int8_op(experts: nn.Module):
         return None
     scales = [[m._scale_f32 for m in ms] for ms in (experts.gate_up, experts.down)]
     scales += [[m.scale for m in ms] for ms in (experts.gate_up, experts.down)]
+    clamped = dict(biases=biases, act=experts.act, alpha=experts.alpha, limit=experts.limit) if biases else {}
     try:
         return cpu_ops.moe_dense([m.weight_int8 for m in experts.gate_up], [m.weight_int8 for m in experts.down],
-                                 cpu_linear.MAX_ROWS[torch.int8], scales=scales)
-    except RuntimeError:
+                                 cpu_linear.MAX_ROWS[torch.int8], scales=scales, **clamped)
+    except RuntimeError:  # the op's own checks (shapes, the biases' dtype): grouped_experts runs them
         return None
 
 

@@ -10,7 +10,8 @@ engine's executor (engine/executor.py), not by the model.
   model's own `run_layers` signature, so an executor composes it with `embed` and `final_norm` as it
   composes the model's. Sparse layers are in it where their experts run on a fused op (`_sparse_mlp`: packed,
   float or per-channel int8 experts; gpt-oss's biased router and clamped experts, packed or float); gpt-oss's
-  attention sinks go to the paged decode kernel, its q/k/v and o_proj biases with their projections.
+  attention sinks go to the paged decode kernel, its q/k/v and o_proj biases with their projections; Gemma 2 / 3's
+  sandwich norms, GELU-tanh MLP, soft-caps and local rotary tables are set per layer (model/plan_gemma.py).
 Quantisation is model/quantize.py (quantize_int8), applied before these.
 """
 
@@ -26,6 +27,7 @@ from servescope.model.linears.packed import QuantLinear
 from servescope.model.mla import LatentAttention
 from servescope.model.moe import Experts, PackedExperts, SparseMoeBlock
 from servescope.model.plan_deepseek import deepseek_moe, latent_attention, no_attention_entries
+from servescope.model.plan_gemma import gemma_parts, layer_norms
 
 
 PLAN_ROUTERS = ("softmax_topk", "gpt_oss", "deepseek_v2", "deepseek_v3")  # the routers PlanSparseMlp runs
@@ -43,13 +45,15 @@ class DecodePlanLayers:
     """The model's layers as one C++ call, for decode-only steps (one token per sequence) of up to
     max_rows sequences on a cache the C++ kernels read."""
 
-    def __init__(self, plan, max_rows: int, rotary, segments: tuple = (), sparse: dict | None = None):
+    def __init__(self, plan, max_rows: int, rotary, segments: tuple = (), sparse: dict | None = None,
+                 rotary_local=None):
         """segments: (first layer, end, window, plan of those layers) for each run of consecutive layers of one
         window: a cache with a block table per group of layers (kvcache/hybrid.py) runs them in turn, each on
         its group's tables; the same kernels in the same order as the one plan of all layers. sparse: {layer
-        index: its PlanSparseMlp} (what the kernel table times as the plan runs it: measure/moe_kernels.py)."""
+        index: its PlanSparseMlp} (what the kernel table times as the plan runs it: measure/moe_kernels.py).
+        rotary_local: the tables of the layers with their own rotary base (Gemma 3's local layers), None: none."""
         self.plan, self.max_rows, self.rotary, self.segments = plan, max_rows, rotary, segments
-        self.sparse = sparse or {}
+        self.sparse, self.rotary_local = sparse or {}, rotary_local
 
     def serves(self, meta, num_tokens: int, kv_caches: list, backend) -> bool:
         return (meta.is_decode_only and num_tokens <= self.max_rows and backend.name == "torch"
@@ -59,13 +63,14 @@ class DecodePlanLayers:
         """As CausalLM.run_layers: (h, residual) [T, Dm] in and out (residual None: h is the embeddings)."""
         cos, sin = self.rotary.table(positions)
         empty = h.new_empty(0)
+        local = self.rotary_local.table(positions) if self.rotary_local is not None else (empty, empty)
         if not meta.window_groups:
             return self.plan.run_layers(h, empty if residual is None else residual, cos, sin, kv_caches,
-                                        meta.slot_mapping, meta.block_tables, meta.context_lens)
+                                        meta.slot_mapping, meta.block_tables, meta.context_lens, *local)
         for lo, hi, window, plan in self.segments:
             m = meta.for_window(window)
             h, residual = plan.run_layers(h, empty if residual is None else residual, cos, sin, kv_caches[lo:hi],
-                                          m.slot_mapping, m.block_tables, m.context_lens)
+                                          m.slot_mapping, m.block_tables, m.context_lens, *local)
         return h, residual
 
 
@@ -86,9 +91,12 @@ def cpu_decode_plan(model: nn.Module):
         return None
     dtype = model.model.norm.weight.dtype  # (the embedding may be packed)
     empty = torch.empty(0)
-    norms_of, layers, limits, sparse, served, latents, sinks = [], [], [], [], [], {}, []
+    norms_of, layers, limits, sparse, served, latents, sinks, gemma = [], [], [], [], [], {}, [], {}
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        gemma[i] = gemma_parts(model, layer)  # () where the layer has none of Gemma's parts
+        if gemma[i] is None:
+            return None
         latent = isinstance(attn, LatentAttention)  # its PlanLatentAttention holds its projections
         own = () if latent else (attn.qkv_proj, attn.o_proj)
         sinks.append(attn.sinks.detach().float().contiguous() if hasattr(attn, "sinks") else empty)
@@ -112,11 +120,11 @@ def cpu_decode_plan(model: nn.Module):
             latents[i], norms_of = part[0], norms_of + part[2]
             served.append(part[1])
             parts = no_attention_entries() + parts
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
-        if hasattr(attn, "q_norm"):  # (per head, or over all heads: the plan reads which from the widths)
-            norms += [attn.q_norm, attn.k_norm]
-        norms_of += norms
-        qk = [n.weight.detach() for n in norms[2:]] or [empty, empty]
+        norms = layer_norms(layer)  # (Gemma's sandwich: four; the last two go to set_gemma)
+        # q/k norms: per head, or over all heads (the plan reads which from the widths)
+        qk_norms = [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else []
+        norms_of += norms + qk_norms
+        qk = [n.weight.detach() for n in qk_norms] or [empty, empty]
         unused = [empty] * 6 * (4 - len(parts))
         layers.append([norms[0].weight.detach(), norms[1].weight.detach(), *qk]
                       + [t for p in parts for t in p[0]] + unused)
@@ -126,17 +134,25 @@ def cpu_decode_plan(model: nn.Module):
         return None
     windows = [getattr(layer.self_attn, "window", 0) for layer in model.model.layers]
     args = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.attention_scale)
-    plan = mod.DecodePlan(layers, limits, windows, sparse, *args, sinks)
-    for i, latent in latents.items():
-        plan.set_latent(i, latent)
+
+    def plan_of(lo: int, hi: int):  # the DecodePlan of layers lo..hi-1, their latent and Gemma parts set
+        plan = mod.DecodePlan(layers[lo:hi], limits[lo:hi], windows[lo:hi], sparse[lo:hi], *args, sinks[lo:hi])
+        for i in range(lo, hi):
+            if i in latents:
+                plan.set_latent(i - lo, latents[i])
+            if gemma[i]:
+                plan.set_gemma(i - lo, *gemma[i])
+        return plan
+
     segments, lo = [], 0
     for i in range(1, len(windows) + 1):  # runs of consecutive layers of one window
         if len(set(windows)) > 1 and (i == len(windows) or windows[i] != windows[lo]):
-            segments.append((lo, i, windows[lo], mod.DecodePlan(layers[lo:i], limits[lo:i], windows[lo:i],
-                                                                sparse[lo:i], *args, sinks[lo:i])))
+            segments.append((lo, i, windows[lo], plan_of(lo, i)))
             lo = i
-    return DecodePlanLayers(plan, min(served), model.rotary, tuple(segments),
-                            {i: m for i, m in enumerate(sparse) if m is not None})
+    local = any(g and g[-1] for g in gemma.values())
+    return DecodePlanLayers(plan_of(0, len(layers)), min(served), model.rotary, tuple(segments),
+                            {i: m for i, m in enumerate(sparse) if m is not None},
+                            model.rotary_local if local else None)
 
 
 def _sparse_mlp(mod, block: SparseMoeBlock, dtype: torch.dtype):
@@ -186,15 +202,17 @@ def _plain_router(m: nn.Module, dtype: torch.dtype, biased: bool = False) -> boo
 
 
 def _plan_covers_layer(spec) -> bool:
-    """A layer the plan computes as the modules do: pre-norm, a dense silu MLP or experts behind the softmax top-k
-    router, gpt-oss's or DeepSeek's (`_sparse_mlp` checks the modules), the model's rotary tables, a softmax with
-    or without sinks, q/k norms per head or over all heads, biases on q/k/v and o_proj, DeepSeek's latent
-    attention (plan_deepseek; Gemma's four norms and GELU, a layer's own rotary base and soft-caps are the
-    modules' alone)."""
-    a, m = spec.attention, spec.mlp
-    return (spec.norm == "pre" and m.activation == "silu" and not a.softcap
-            and (m.kind == "dense" or (m.kind == "moe" and m.experts.router in PLAN_ROUTERS))
-            and not a.rope_theta)
+    """A layer the plan computes as the modules do: pre-norm or Gemma's sandwich, a dense silu or GELU-tanh MLP or
+    silu experts behind the softmax top-k router, gpt-oss's or DeepSeek's (`_sparse_mlp` checks the modules), the
+    model's rotary tables or the local ones (Gemma 3), a softmax with or without sinks, with or without soft-capped
+    scores, q/k norms per head or over all heads, biases on q/k/v and o_proj, DeepSeek's latent attention
+    (plan_deepseek; Gemma's parts: plan_gemma)."""
+    m = spec.mlp
+    if spec.norm not in ("pre", "sandwich"):
+        return False
+    if m.kind == "moe":
+        return m.activation == "silu" and m.experts.router in PLAN_ROUTERS
+    return m.kind == "dense" and m.activation in ("silu", "gelu_pytorch_tanh")
 
 
 def _plan_covers(m: nn.Module, dtype: torch.dtype) -> bool:

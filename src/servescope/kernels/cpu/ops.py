@@ -133,10 +133,11 @@ def moe_dense(gate_up: list, down: list, gemv_rows: int, first: int = 0, scales=
     each (Int8Linear's `_scale_f32` and `scale`). Each expert's rows run the GEMV up to gemv_rows rows, ATen's
     linear above, as its module does (Int8Linear: cpu_linear.MAX_ROWS; float experts: model/moe_fused.py's).
     The handle's `run(x [T, H], ids [T, k] int64, weights [T, k])` -> (out [T, H] in x's dtype, tokens per
-    local expert [E] int64): grouped_experts over those modules bit for bit. biases (float experts only):
-    (gate_up [E, 2I], down [E, H]) in the activation dtype, each added after its projection's rounding to that
-    dtype (gpt-oss's ClampedExperts); act 0: silu(gate) * up, 1: the clamped SwiGLU (alpha, limit: the kernel of
-    `clamped_swiglu`, which the modules call). Raises RuntimeError for other weights or shapes."""
+    local expert [E] int64): grouped_experts over those modules bit for bit. biases: (gate_up [E, 2I], down
+    [E, H]) in the activation dtype, each added after its projection's rounding to that dtype (gpt-oss's
+    ClampedExperts, and PackedClampedExperts of Int8Linears); act 0: silu(gate) * up, 1: the clamped SwiGLU
+    (alpha, limit: the kernel of `clamped_swiglu`, which the modules call). Raises RuntimeError for other weights
+    or shapes."""
     if _EXT.load() is None:
         return None
     s = [list(p) for p in scales] if scales is not None else [[], [], [], []]

@@ -111,8 +111,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<std::shared_ptr<PlanSparseMlp>>, int64_t, int64_t, int64_t, double, double,
                     std::vector<Tensor>>())
       .def("set_latent", &DecodePlan::set_latent, "set_latent(i, latent): layer i's attention is MLA's")
+      .def("set_gemma", &DecodePlan::set_gemma,
+           "set_gemma(i, post_attn, post_ff, gelu_tanh, softcap, local_rope): layer i's Gemma 2 / 3 parts (the "
+           "sandwich's extra norms or empty, the GELU-tanh MLP, the attention soft-cap, the local rotary tables)")
       .def("run_layers", &DecodePlan::run_layers, nogil,
-           "run_layers(h, residual, cos, sin, kv_caches, slots, block_tables, context_lens) -> [h, residual]");
+           "run_layers(h, residual, cos, sin, kv_caches, slots, block_tables, context_lens, cos_local, sin_local) -> "
+           "[h, residual] (cos_local, sin_local: the local layers' tables, empty where no layer is local)");
   m.def("paged_decode", &paged_decode, nogil,
         "paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, window, softcap, sinks): window 0 = "
         "whole context, softcap 0 = none, sinks empty = none");

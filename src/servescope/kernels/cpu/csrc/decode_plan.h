@@ -4,6 +4,7 @@
 
 #include <memory>
 
+#include "decode_plan_gemma.h"
 #include "decode_plan_mla.h"
 #include "decode_plan_moe.h"
 
@@ -15,7 +16,8 @@ namespace servescope_ops {
 // kernels, in the same order with the same roundings, from C++: the result equals the module path
 // bit for bit (tests/model/test_decode_plan.py), only the host time goes. A sparse layer's MLP is a
 // PlanSparseMlp (decode_plan_moe.h); q/k norms per head (Qwen3) or over all heads at once (OLMoE); q/k/v and
-// o_proj biases in the projections (Qwen2, gpt-oss), gpt-oss's sinks in the paged decode kernel.
+// o_proj biases in the projections (Qwen2, gpt-oss), gpt-oss's sinks in the paged decode kernel; Gemma 2 / 3's
+// sandwich norms, GELU-tanh MLP, soft-caps and local rotary tables (decode_plan_gemma.h).
 struct PlanLayer {
   // q_norm / k_norm: empty unless the model normalises q, k; [D]: per head, [H D] / [Hkv D]: over all heads
   at::Tensor ln1, ln2, q_norm, k_norm;
@@ -24,6 +26,7 @@ struct PlanLayer {
   int64_t window;  // attention over the last `window` positions (a sliding layer), 0: the whole context
   std::shared_ptr<const PlanLatentAttention> latent;  // a latent layer's attention (set_latent), else null
   at::Tensor sinks;  // [H] float32: gpt-oss's learned sinks (one more logit per head in the softmax), empty: none
+  PlanGemmaLayer gemma;  // Gemma's parts (set_gemma); default: none of them
 };
 
 class DecodePlan {
@@ -65,20 +68,34 @@ class DecodePlan {
   // Layer i's attention is latent (DeepSeek's MLA): its qkv and o entries unused (empty)
   void set_latent(int64_t i, std::shared_ptr<PlanLatentAttention> latent) {
     TORCH_CHECK(i >= 0 && i < (int64_t)layers_.size() && !layers_[i].qkv.w.numel() && layers_[i].window == 0 &&
-                    !layers_[i].q_norm.numel(), "DecodePlan: a latent layer has no qkv, window or q/k norms");
+                    !layers_[i].q_norm.numel() && !layers_[i].gemma.softcap && !layers_[i].gemma.local_rope,
+                "DecodePlan: a latent layer has no qkv, window, q/k norms, soft-cap or local rotary tables");
     layers_[i].latent = std::move(latent);
+  }
+
+  // Layer i is Gemma's (decode_plan_gemma.h): post_attn, post_ff its post_attention_layernorm and
+  // post_feedforward_layernorm weights (empty: none; the layer's ln2 is its pre_feedforward_layernorm), the dense
+  // MLP's GELU-tanh, the attention soft-cap, the local rotary tables
+  void set_gemma(int64_t i, at::Tensor post_attn, at::Tensor post_ff, bool gelu_tanh, double softcap, bool local_rope) {
+    TORCH_CHECK(i >= 0 && i < (int64_t)layers_.size() && !layers_[i].latent, "DecodePlan: set_gemma of a layer");
+    const PlanLayer& l = layers_[i];
+    TORCH_CHECK(!gelu_tanh || !l.sparse, "DecodePlan: GELU-tanh in a dense MLP only");
+    TORCH_CHECK(post_attn.numel() == post_ff.numel() && (!post_attn.numel() || post_attn.numel() == l.ln2.numel()),
+                "DecodePlan: both sandwich norms [Dm] or neither");
+    TORCH_CHECK(softcap >= 0.0, "DecodePlan: softcap >= 0");
+    layers_[i].gemma = {std::move(post_attn), std::move(post_ff), gelu_tanh, softcap, local_rope};
   }
 
   // The layers: from (h, residual) [T, Dm] (residual empty: h is the embeddings; else as the previous
   // pipeline stage handed them on) -> [h, residual] for the next stage or the model's final norm.
-  // cos/sin [T, 1, D/2] float32, kv_caches per layer (K, V) [N, S, Hkv, D] (the ModelRunner's list as it
-  // is), slots [T] int64, block_tables [T, M] int32, context_lens [T] int32 (one decode token per sequence).
+  // cos/sin [T, 1, D/2] float32 (cos_local / sin_local: the local layers' tables, empty where none is local),
+  // kv_caches per layer (K, V) [N, S, Hkv, D] (the ModelRunner's list as it is), slots [T] int64, block_tables
+  // [T, M] int32, context_lens [T] int32 (one decode token per sequence).
   std::vector<at::Tensor> run_layers(at::Tensor h, at::Tensor residual, at::Tensor cos, at::Tensor sin,
                                         const std::vector<std::tuple<at::Tensor, at::Tensor>>& kv_caches,
-                                        at::Tensor slots, at::Tensor block_tables,
-                                        at::Tensor context_lens) const {
+                                        at::Tensor slots, at::Tensor block_tables, at::Tensor context_lens,
+                                        at::Tensor cos_local, at::Tensor sin_local) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "DecodePlan: caches per layer");
-    const int64_t t = h.size(0), qs = heads_ * head_dim_, kvs = kv_heads_ * head_dim_;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const PlanLayer& l = layers_[i];
       at::Tensor x;
@@ -90,31 +107,55 @@ class DecodePlan {
         x = r[0];
         residual = r[1];
       }
-      if (l.latent || !l.qkv.w.numel()) {  // DeepSeek's latent attention (decode_plan_mla.h), then the MLP
+      at::Tensor a;
+      if (l.latent || !l.qkv.w.numel()) {  // DeepSeek's latent attention (decode_plan_mla.h)
         TORCH_CHECK(l.latent, "DecodePlan: layer ", i, " has no attention (set_latent)");
-        auto r = add_rms_norm(l.latent->run(x, cos, sin, std::get<0>(kv_caches[i]), slots, block_tables, context_lens),
-                              residual, l.ln2, eps_);
-        residual = r[1];
-        h = l.sparse ? l.sparse->run(r[0]) : linear(silu_mul(linear(r[0], l.gate_up)), l.down);
-        continue;
+        a = l.latent->run(x, cos, sin, std::get<0>(kv_caches[i]), slots, block_tables, context_lens);
+      } else {
+        const bool local = l.gemma.local_rope;
+        TORCH_CHECK(!local || (cos_local.defined() && cos_local.numel()), "DecodePlan: layer ", i,
+                    " is rotated with the local tables: none given");
+        a = attention(l, x, local ? cos_local : cos, local ? sin_local : sin, kv_caches[i], slots, block_tables,
+                      context_lens);
       }
-      auto qkv = linear(x, l.qkv);  // [T, (H + 2 Hkv) D]
-      auto q = qk_normed(qkv.narrow(1, 0, qs), l.q_norm, heads_);
-      auto k = qk_normed(qkv.narrow(1, qs, kvs), l.k_norm, kv_heads_);
-      auto v = qkv.narrow(1, qs + kvs, kvs).view({t, kv_heads_, head_dim_});
-      auto qk = rotary(q, k, cos, sin);
-      const auto& [k_cache, v_cache] = kv_caches[i];
-      store_kv(qk[1], v, k_cache, v_cache, slots);
-      auto o = paged_decode(qk[0], k_cache, v_cache, block_tables, context_lens, scale_, at::Tensor(), l.window, 0.0,
-                            l.sinks);
-      auto r = add_rms_norm(linear(o.reshape({t, qs}), l.o), residual, l.ln2, eps_);
+      if (l.gemma.post_attn.numel()) a = rms_norm(a, l.gemma.post_attn, eps_);
+      auto r = add_rms_norm(a, residual, l.ln2, eps_);
       residual = r[1];
-      h = l.sparse ? l.sparse->run(r[0]) : linear(silu_mul(linear(r[0], l.gate_up)), l.down);
+      h = mlp(l, r[0]);
     }
     return {h, residual};
   }
 
  private:
+  // the layer's attention of its normed input x [T, Dm] -> o_proj's output [T, Dm] (K, V of the step stored)
+  at::Tensor attention(const PlanLayer& l, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                       const std::tuple<at::Tensor, at::Tensor>& kv, const at::Tensor& slots,
+                       const at::Tensor& block_tables, const at::Tensor& context_lens) const {
+    const int64_t t = x.size(0), qs = heads_ * head_dim_, kvs = kv_heads_ * head_dim_;
+    auto qkv = linear(x, l.qkv);  // [T, (H + 2 Hkv) D]
+    auto q = qk_normed(qkv.narrow(1, 0, qs), l.q_norm, heads_);
+    auto k = qk_normed(qkv.narrow(1, qs, kvs), l.k_norm, kv_heads_);
+    auto v = qkv.narrow(1, qs + kvs, kvs).view({t, kv_heads_, head_dim_});
+    auto qk = rotary(q, k, cos, sin);
+    const auto& [k_cache, v_cache] = kv;
+    store_kv(qk[1], v, k_cache, v_cache, slots);
+    auto o = paged_decode(qk[0], k_cache, v_cache, block_tables, context_lens, scale_, at::Tensor(), l.window,
+                          l.gemma.softcap, l.sinks);
+    return linear(o.reshape({t, qs}), l.o);
+  }
+
+  // the layer's MLP of its normed input x [T, Dm] -> [T, Dm] (Gemma's: post_feedforward_layernorm's output)
+  at::Tensor mlp(const PlanLayer& l, const at::Tensor& x) const {
+    at::Tensor out;
+    if (l.sparse) {
+      out = l.sparse->run(x);
+    } else {
+      auto gate_up = linear(x, l.gate_up);
+      out = linear(l.gemma.gelu_tanh ? gelu_tanh_mul(gate_up) : silu_mul(gate_up), l.down);
+    }
+    return l.gemma.post_ff.numel() ? rms_norm(out, l.gemma.post_ff, eps_) : out;
+  }
+
   // one part of the qkv row [T, n Hd] -> [T, n, D], normalised as the module does: per head ([D] weight),
   // over the whole part before the head split ([n D] weight: OLMoE), or not at all (empty)
   at::Tensor qk_normed(const at::Tensor& part, const at::Tensor& w, int64_t n) const {

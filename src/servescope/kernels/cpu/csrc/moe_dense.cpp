@@ -1,6 +1,7 @@
 // One MoE layer's routed experts over float (float32 | bfloat16) or per-channel int8 weights in one call: the
 // fused op for the experts most checkpoints load as (Mixtral, Qwen2/3-MoE, OLMoE from HF in bfloat16 or
-// float32, or --quantization int8), beside moe_experts.h's for packed group-32 ones. Declared in ops.h.
+// float32, or --quantization int8), beside moe_experts.h's for packed group-32 ones; gpt-oss's biases and clamped
+// SwiGLU over either (ClampedExperts; PackedClampedExperts of Int8Linears). Declared in ops.h.
 //
 // Why: model/moe.py's grouped_experts, the reference, issues about four torch ops per active expert and layer
 // from Python (plus the grouping's and the sum's), whose host time a decode step pays with no weight moved.
@@ -87,14 +88,14 @@ MoeDense::MoeDense(std::vector<Tensor> gate_up, std::vector<Tensor> down, std::v
   const bool clamped = act == servescope_moe::MOE_ACT_CLAMPED_SWIGLU;
   TORCH_CHECK(clamped == (gate_up_bias.numel() > 0) && clamped == (down_bias.numel() > 0),
               "MoeDense: the clamped SwiGLU (act 1) comes with both biases, silu with none");
-  if (clamped) {
-    TORCH_CHECK(!int8, "MoeDense: biases and the clamped SwiGLU over float experts only");
+  if (clamped) {  // (int8 experts: the biases in their activation dtype, the scale_act's)
     const int64_t e = (int64_t)gate_up.size();
     TORCH_CHECK(gate_up_bias.sizes() == at::IntArrayRef({e, two_i}) && down_bias.sizes() == at::IntArrayRef({e, h}),
                 "MoeDense: biases gate_up [E, 2I] and down [E, H]");
-    TORCH_CHECK(gate_up_bias.scalar_type() == dtype && down_bias.scalar_type() == dtype &&
+    const auto act_dtype = int8 ? gate_up_scale_act[0].scalar_type() : dtype;
+    TORCH_CHECK(gate_up_bias.scalar_type() == act_dtype && down_bias.scalar_type() == act_dtype &&
                     gate_up_bias.device().is_cpu() && down_bias.device().is_cpu(),
-                "MoeDense: biases on the CPU in the weights' dtype");
+                "MoeDense: biases on the CPU in the activation dtype");
   }
   gate_up_ = {gate_up, gate_up_scale, gate_up_scale_act};
   down_ = {down, down_scale, down_scale_act};
