@@ -6,9 +6,11 @@ process turns into 503s naming it, without a hang, and shutdown leaves no proces
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -47,12 +49,31 @@ def _greedy_ids(engine: LLMEngine) -> list:
     return out
 
 
+def _disaggregated_meanwhile(decode: LLMEngine, meanwhile):
+    """(DisaggregatedEngine(decode), meanwhile()): the prefill process starts (spawn, imports, weights:
+    seconds of a core of its own) while `meanwhile` runs here. The constructor only reads the decode
+    engine's config, and no request reaches the new engine before meanwhile has returned."""
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(DisaggregatedEngine, decode)
+        try:
+            result = meanwhile()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                starting.result().shutdown()
+            raise
+        return starting.result(), result
+
+
 @pytest.fixture(scope="module")
 def setup():
     engine = LLMEngine(max_model_len=1024, num_kv_blocks=256, num_threads=1)
-    expected = _greedy_ids(engine)
-    engine.kv_manager.reset_prefix_cache()  # the decode engine starts as cold as the single one did
-    dis = DisaggregatedEngine(engine)
+
+    def reference():
+        expected = _greedy_ids(engine)
+        engine.kv_manager.reset_prefix_cache()  # the decode engine starts as cold as the single one did
+        return expected
+
+    dis, expected = _disaggregated_meanwhile(engine, reference)
     ae = AsyncEngine(dis)
     server = LiveServer(build_app(ae, model_name=MODEL, api_key=KEY)).start()
     yield dis, ae, server, expected
@@ -131,13 +152,17 @@ def test_a_model_with_windowed_and_full_layers_disaggregates_with_the_single_eng
     kw = dict(model=str(path), max_model_len=256, num_kv_blocks=64, num_threads=1)
     prompts = [[(11 * i + 5 * j) % 500 + 5 for i in range(40 + 31 * j)] for j in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    single = LLMEngine(**kw)
-    expected = {}
-    for j, p in enumerate(prompts):
-        single.add_request(f"r{j}", p, params)
-        while single.has_unfinished():
-            expected.update({o.request_id: o.outputs[0].token_ids for o in single.step() if o.finished})
-    dis = DisaggregatedEngine(LLMEngine(**kw))
+    single, decode = LLMEngine(**kw), LLMEngine(**kw)
+
+    def reference():
+        expected = {}
+        for j, p in enumerate(prompts):
+            single.add_request(f"r{j}", p, params)
+            while single.has_unfinished():
+                expected.update({o.request_id: o.outputs[0].token_ids for o in single.step() if o.finished})
+        return expected
+
+    dis, expected = _disaggregated_meanwhile(decode, reference)
     try:
         assert dis.decode.kv_manager.num_groups == 2
         got, deadline = {}, time.monotonic() + 120

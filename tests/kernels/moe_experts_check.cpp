@@ -54,6 +54,18 @@ static double weight(const QMatrix& q, int64_t n, int64_t k) {
   return q.asym ? d * u + half_to_float(sp[1]) : (q.int4 ? d * (u - 8) : d * u);
 }
 
+// every expert's weights decoded once (weight() per element), [n * kp + k]
+struct Decoded {
+  std::vector<std::vector<double>> gate_up, down;
+};
+
+static std::vector<double> decode(const QMatrix& q) {
+  std::vector<double> out(q.n * q.kp);
+  for (int64_t n = 0; n < q.n; ++n)
+    for (int64_t k = 0; k < q.kp; ++k) out[n * q.kp + k] = weight(q, n, k);
+  return out;
+}
+
 template <typename T>
 static float val(T v) {
   if constexpr (std::is_same_v<T, float>) return v; else return bf16_to_float(v);
@@ -101,7 +113,7 @@ static std::vector<float> reference(const MoeWeights& ex, const std::vector<T>& 
 
 // float64 over the dequantised weights; returns the largest |error| / the largest |value|
 template <typename T>
-static double exact_error(const MoeWeights& ex, const std::vector<T>& x, const std::vector<int64_t>& ids,
+static double exact_error(const MoeWeights& ex, const Decoded& dw, const std::vector<T>& x, const std::vector<int64_t>& ids,
                           const std::vector<float>& wts, const std::vector<T>& got, int64_t t, int64_t k) {
   double err = 0, big = 1e-30;
   for (int64_t i = 0; i < t; ++i) {
@@ -114,8 +126,8 @@ static double exact_error(const MoeWeights& ex, const std::vector<T>& x, const s
       for (int64_t n = 0; n < I; ++n) {
         double gs = gpt_oss ? ex.gate_up_bias[e][n] : 0, us = gpt_oss ? ex.gate_up_bias[e][n + I] : 0;
         for (int64_t c = 0; c < H; ++c) {
-          gs += weight(ex.gate_up[e], n, c) * val(x[i * H + c]);
-          us += weight(ex.gate_up[e], n + I, c) * val(x[i * H + c]);
+          gs += dw.gate_up[e][n * H + c] * val(x[i * H + c]);
+          us += dw.gate_up[e][(n + I) * H + c] * val(x[i * H + c]);
         }
         if (gpt_oss) {
           gs = std::min(gs, (double)LIMIT);
@@ -127,7 +139,7 @@ static double exact_error(const MoeWeights& ex, const std::vector<T>& x, const s
       }
       for (int64_t c = 0; c < H; ++c) {
         double s = gpt_oss ? ex.down_bias[e][c] : 0;
-        for (int64_t n = 0; n < I; ++n) s += weight(ex.down[e], c, n) * h[n];
+        for (int64_t n = 0; n < I; ++n) s += dw.down[e][c * I + n] * h[n];
         o[c] += wts[i * k + j] * s;
       }
     }
@@ -140,7 +152,7 @@ static double exact_error(const MoeWeights& ex, const std::vector<T>& x, const s
 }
 
 template <typename T>
-static int check(std::mt19937& g, const MoeWeights& ex, int64_t t, int64_t k, double* worst) {
+static int check(std::mt19937& g, const MoeWeights& ex, const Decoded& dw, int64_t t, int64_t k, double* worst) {
   std::vector<T> x(t * H);
   for (auto& v : x) {
     const float f = (float)((int)(g() % 200) - 100) / 50.f;
@@ -162,7 +174,7 @@ static int check(std::mt19937& g, const MoeWeights& ex, int64_t t, int64_t k, do
   for (int64_t i = 0; i < t * H; ++i) bad += val(out[i]) != ref[i];
   for (int64_t e = 0; e < E; ++e) bad += counts[e] != std::count(ids.begin(), ids.end(), FIRST + e);
   bad += counts[UNUSED - FIRST] != 0;
-  const double err = exact_error(ex, x, ids, wts, out, t, k);
+  const double err = exact_error(ex, dw, x, ids, wts, out, t, k);
   *worst = std::max(*worst, err);
   bad += !(err < (std::is_same_v<T, float> ? 0.05 : 0.1));  // (relative to the largest output)
   return bad;
@@ -185,9 +197,11 @@ int run(double* worst_out) {
         for (int64_t e = 0; e < E; ++e) ex.gate_up_bias.push_back(gu[e].bias.data()), ex.down_bias.push_back(dn[e].bias.data());
         ex.act = MOE_ACT_CLAMPED_SWIGLU, ex.alpha = ALPHA, ex.limit = LIMIT;
       }
+      Decoded dw;
+      for (int64_t e = 0; e < E; ++e) dw.gate_up.push_back(decode(ex.gate_up[e])), dw.down.push_back(decode(ex.down[e]));
       for (int64_t t : {1, 2, 3, 5, 8, 17})
         for (int64_t k = 1; k <= 8; ++k)
-          bad += check<float>(g, ex, t, k, &worst) + check<bf16>(g, ex, t, k, &worst);
+          bad += check<float>(g, ex, dw, t, k, &worst) + check<bf16>(g, ex, dw, t, k, &worst);
     }
   *worst_out = worst;
   return bad;

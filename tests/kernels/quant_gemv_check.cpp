@@ -97,24 +97,39 @@ static int check(std::mt19937& g, bool i4, bool asym, int64_t N, int64_t kp, int
       if (const bf16 h = deqb[(n - 1) * kc + k]; h.bits != float_to_bf16(deq[n * kp + k]).bits && !flushed(deq[n * kp + k], h))
         ++bad;
   if (deqb.back().bits != 0x1234) ++bad;
+  // the reference's factors, each computed once (the float64 sums below take them in the same order):
+  // the decoded weights, the activations on their int8 grid with the grid's step, and the bfloat16 roundings
+  std::vector<double> vals(N * kp), deq_bf(N * kp), xs(M * kp), steps(M * kp, 0.0), xr_f(M * kp);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < kp; ++k) {
+      int64_t gi = k / group, b = k / 32, j = k % 32;
+      const uint16_t* sp = s.data() + (n * G + gi) * (asym ? 2 : 1);
+      double d = half_to_float(sp[0]);
+      double u = i4 ? (double)((w[n * kp / 2 + b * 16 + (j % 16)] >> (j < 16 ? 0 : 4)) & 15)
+                    : (double)(int8_t)w[n * kp + k];
+      double val = asym ? d * u + half_to_float(sp[1]) : (i4 ? d * (u - 8) : d * u);
+      if (mx) val = (double)e8m0_half(e[n * G + b]) * MXFP4_VALUES[(int)u];
+      if (std::abs(deq[n * kp + k] - val) > 1e-5) ++bad;
+      vals[n * kp + k] = val;
+      deq_bf[n * kp + k] = bf16_to_float(float_to_bf16(deq[n * kp + k]));
+    }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < kp; ++k) {
+      const int64_t i = m * kp + k;
+      xs[i] = group == 32 ? act_value(x, m, kp, k, &steps[i]) : x[i];
+      xr_f[i] = bf16_to_float(xr[i]);
+    }
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n) {
       double ref = bias[n], exact = bias[n], bound = 0, ref_bf = bias[n], bound_bf = 0;
+      const double* vn = vals.data() + n * kp;
       for (int64_t k = 0; k < kp; ++k) {
-        int64_t gi = k / group, b = k / 32, j = k % 32;
-        const uint16_t* sp = s.data() + (n * G + gi) * (asym ? 2 : 1);
-        double d = half_to_float(sp[0]);
-        double u = i4 ? (double)((w[n * kp / 2 + b * 16 + (j % 16)] >> (j < 16 ? 0 : 4)) & 15)
-                      : (double)(int8_t)w[n * kp + k];
-        double val = asym ? d * u + half_to_float(sp[1]) : (i4 ? d * (u - 8) : d * u);
-        if (mx) val = (double)e8m0_half(e[n * G + b]) * MXFP4_VALUES[(int)u];
-        if (m == 0 && std::abs(deq[n * kp + k] - val) > 1e-5) ++bad;
-        double step = 0, xa = group == 32 ? act_value(x, m, kp, k, &step) : x[m * kp + k];
+        const double val = vn[k], xa = xs[m * kp + k], xe = x[m * kp + k];
         ref += val * xa;
-        exact += val * x[m * kp + k];
-        ref_bf += (double)bf16_to_float(float_to_bf16(deq[n * kp + k])) * bf16_to_float(xr[m * kp + k]);
-        bound_bf += std::abs(val * x[m * kp + k]) / 128;  // two roundings of 2^-9 each, and their product
-        bound += std::abs(val) * step / 2;
+        exact += val * xe;
+        ref_bf += deq_bf[n * kp + k] * xr_f[m * kp + k];
+        bound_bf += std::abs(val * xe) / 128;  // two roundings of 2^-9 each, and their product
+        bound += std::abs(val) * steps[m * kp + k] / 2;
       }
       if (std::abs(ref - y[m * N + n]) > 1e-3 * (1 + std::abs(ref))) ++bad;
       if (group == 32 && std::abs(ref - yg[m * N + n]) > 1e-3 * (1 + std::abs(ref))) ++bad;

@@ -110,7 +110,15 @@ def _run(cmd: list) -> str:
 
 def _jobs() -> dict:
     """Every kernels_check build this machine can make: {name: (command without -o, run it?, runner)}."""
+    # the NEON build first: its run under qemu (one core) overlaps the x86 builds
     jobs = {}
+    native = machine_arch() in ("aarch64", "arm64")
+    cross = shutil.which("g++") if native else shutil.which("aarch64-linux-gnu-g++")
+    qemu = None if native else shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
+    if cross and (native or qemu):
+        # the baseline every aarch64 CPU has (the kernels use no dotprod / bf16 instructions yet)
+        jobs["neon"] = ([cross, *COMMON, "-DSERVESCOPE_ISA_NEON", "-march=armv8-a", "-static", CHECK], True,
+                        [qemu] if qemu else [])
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler and machine_arch() in ("x86_64", "amd64"):
         for isa in ("avx512", "avx2", "scalar"):
@@ -119,13 +127,6 @@ def _jobs() -> dict:
             # run natively where this CPU has the ISA, else compile (the path is at least built)
             jobs[isa] = ([compiler, *COMMON, *isa_cflags(isa, flags), CHECK] + ([] if runnable else ["-c"]),
                          runnable, [])
-    native = machine_arch() in ("aarch64", "arm64")
-    cross = shutil.which("g++") if native else shutil.which("aarch64-linux-gnu-g++")
-    qemu = None if native else shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
-    if cross and (native or qemu):
-        # the baseline every aarch64 CPU has (the kernels use no dotprod / bf16 instructions yet)
-        jobs["neon"] = ([cross, *COMMON, "-DSERVESCOPE_ISA_NEON", "-march=armv8-a", "-static", CHECK], True,
-                        [qemu] if qemu else [])
     return jobs
 
 
@@ -135,6 +136,16 @@ JOBS = _jobs()
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     yield from build_all({k: c for k, (c, _, _) in JOBS.items()}, tmp_path_factory.mktemp("isa_paths"))
+
+
+# (first: the NEON build is the first job, and its qemu run overlaps the x86 builds)
+def test_aarch64_kernels_under_qemu(built):
+    """The NEON path, cross-compiled and run under user-mode qemu (or natively on an ARM machine)."""
+    if "neon" not in JOBS:
+        pytest.skip("aarch64 check needs g++-aarch64-linux-gnu and qemu-user (apt-get install qemu-user "
+                    "g++-aarch64-linux-gnu; `make test` installs them where it runs as root)")
+    exe = built["neon"].result()
+    assert _run([*JOBS["neon"][2], exe]).startswith("neon ok")
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
@@ -147,12 +158,3 @@ def test_x86_kernels_against_float64(isa, built):
     exe = built[isa].result()
     if JOBS[isa][1]:
         assert _run([exe]).startswith(isa)
-
-
-def test_aarch64_kernels_under_qemu(built):
-    """The NEON path, cross-compiled and run under user-mode qemu (or natively on an ARM machine)."""
-    if "neon" not in JOBS:
-        pytest.skip("aarch64 check needs g++-aarch64-linux-gnu and qemu-user (apt-get install qemu-user "
-                    "g++-aarch64-linux-gnu; `make test` installs them where it runs as root)")
-    exe = built["neon"].result()
-    assert _run([*JOBS["neon"][2], exe]).startswith("neon ok")

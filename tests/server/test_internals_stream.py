@@ -115,6 +115,23 @@ def _stalled_viewer(url: str) -> socket.socket:
     return s
 
 
+def _small_send_buffer(live, client: socket.socket) -> None:
+    """The server's end of `client` with a small send buffer: a viewer that never reads blocks the server's
+    writes after a few frames, not after the megabytes the system lets a loopback socket buffer (which took
+    seconds of frames to fill)."""
+    port = client.getsockname()[1]
+
+    def server_end():
+        for proto in list(live.server.server_state.connections):
+            transport = getattr(proto, "transport", None)
+            if transport is not None and (transport.get_extra_info("peername") or (None, None))[1] == port:
+                return transport.get_extra_info("socket")
+        return None
+
+    assert _wait_for(lambda: server_end() is not None)
+    server_end().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+
 def _fast(broadcaster, interval_s: float):
     """Run the broadcaster faster for a test (frames pile up sooner), restored afterwards."""
     class Ctx:
@@ -132,6 +149,7 @@ def test_a_stalled_viewer_never_holds_up_the_engine(tiny_server):
     broadcaster = tiny_server.server.config.app.state.broadcaster
     with _fast(broadcaster, 0.005):
         stalled = _stalled_viewer(tiny_server.url)
+        _small_send_buffer(tiny_server, stalled)
         try:
             assert _wait_for(lambda: any(v.queue.dropped for v in broadcaster.viewers))
             reader = DashboardViewer(tiny_server.url, TINY_KEY).start(wait_s=120)
@@ -181,6 +199,7 @@ def test_1000_steps_per_second_do_not_grow_memory(tiny_server, tiny_async_engine
     asyncio.run(tiny_async_engine.run_on_engine(
         lambda e: setattr(e, "step_records", collections.deque(history, maxlen=2000))))
     stalled = _stalled_viewer(tiny_server.url)
+    _small_send_buffer(tiny_server, stalled)
     reader = DashboardViewer(tiny_server.url, TINY_KEY).start(wait_s=120)
     try:
         with _fast(broadcaster, 0.02):
