@@ -165,8 +165,9 @@ def test_a_stalled_viewer_never_holds_up_the_engine(tiny_server):
     assert _wait_for(lambda: not broadcaster.viewers)  # a closed connection lets go of its viewer
 
 
-def _pump_steps(async_engine, seconds: float, per_call: int = 100) -> tuple:
-    """Append synthetic step records on the engine thread, as fast as it takes them; (steps, seconds)."""
+def _pump_steps(async_engine, seconds: float, per_call: int = 100, min_steps: int = 0) -> tuple:
+    """Append synthetic step records on the engine thread, as fast as it takes them, for `seconds` and until
+    min_steps were appended (at most 60 s more on a slow machine); (steps, seconds)."""
     async def pump():
         t0, n = time.monotonic(), 0
 
@@ -181,7 +182,7 @@ def _pump_steps(async_engine, seconds: float, per_call: int = 100) -> tuple:
                     kv_usage=20 / 96, num_running=4, num_waiting=0, num_preemptions_total=0))
                 n += 1
 
-        while time.monotonic() - t0 < seconds:
+        while time.monotonic() - t0 < seconds or (n < min_steps and time.monotonic() - t0 < seconds + 60):
             await async_engine.run_on_engine(inject)
             await asyncio.sleep(0.005)
         return n, time.monotonic() - t0
@@ -214,10 +215,12 @@ def test_1000_steps_per_second_do_not_grow_memory(tiny_server, tiny_async_engine
             tracemalloc.start()
             _pump_steps(tiny_async_engine, 1.5)
             base = tracemalloc.get_traced_memory()[0]
-            n, secs = _pump_steps(tiny_async_engine, 3.0)
+            n, secs = _pump_steps(tiny_async_engine, 3.0, min_steps=3000)
             grown = tracemalloc.get_traced_memory()[0] - base
             tracemalloc.stop()
-        assert n / secs >= 1000, f"the premise: {n / secs:.0f} steps/s"
+        # the premise, as a count (not a rate, which a loaded machine decides): 3000 steps or more went by,
+        # at whatever pace the machine allowed (a thousand or more a second on a quiet one)
+        assert n >= 3000, f"the premise: {n} steps in {secs:.1f} s"
         assert grown < 1_000_000, f"memory grew {grown} bytes over {n} steps"
         stuck = max(broadcaster.viewers, key=lambda v: v.queue.dropped)
         assert len(stuck.queue) <= broadcaster.queue_size and stuck.queue.dropped > 0
