@@ -86,3 +86,24 @@ def test_the_router_only_chooses_among_each_groups_could_choose(router):
         assert chosen in dep.could_choose(group, [loads[i] for i in group],
                                           None if hits is None else [hits[i] for i in group])
     assert len(dep.could_choose([0, 1, 2], [1, 5, 5], [0, 32, 16])) == (2 if router == "prefix" else 1)
+
+
+def test_records_built_while_waiting_are_the_sequential_ones(monkeypatch):
+    """A group builds the records of its finished requests while it waits (prepay_until, once nothing is left
+    to apply); run_out builds only the rest. Waiting out every meeting in full, most records exist before the
+    run's end, and they (the refused request's too) are the sequential run's."""
+    _always(monkeypatch, [])
+    built_before_the_end: list = []
+    run_out = parallel._Group.run_out
+
+    def counting(self):
+        built_before_the_end.append((len(self.records), len(self.finished)))
+        return run_out(self)
+
+    monkeypatch.setattr(parallel._Group, "run_out", counting)
+    spec, reqs = _spec(), _workload(150, 400.0)
+    sequential = drive(Deployment(spec, 4, "least-tokens"), reqs)
+    _same(sequential, drive_replicas(Deployment(spec, 4, "least-tokens"), reqs, 2))
+    (built, finished), = built_before_the_end  # this process's group (the child's counts stay in the child)
+    assert 0 < built <= finished and finished - built < len(reqs) // 2
+    assert any(not r.success for r in sequential[0])  # the refused request has its record either way

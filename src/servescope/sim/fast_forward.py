@@ -29,6 +29,7 @@ is given to its request before the first call, as the calls need only the tokens
 
 from __future__ import annotations
 
+from array import array
 from typing import Optional
 
 from servescope.kvcache.decode_steps import allocate_decode_steps
@@ -104,7 +105,7 @@ class DecodeRun:
         if not m:
             return []
         rows, p0 = self.rows, self.p0
-        ends = [step[3] for step in self.plan]
+        ends = array("d", [step[3] for step in self.plan])  # (an array extends an array by copying its bytes)
         for req, entry, p, n in zip(rows, self.entries, p0, self.n_out0):  # every token first: see the docstring
             req.extend_output_tokens(entry[4][n:n + m])
             req.num_computed_tokens = p + m

@@ -41,17 +41,20 @@ from servescope.sim.cluster import Deployment
 from servescope.sim.driver import record_of
 
 PREPAY_STEPS = 8  # the shortest planned stretch applied ahead of need (a split one restarts its plan)
+RECORD_BATCH = 8  # records built between two looks for a message (one look ~1 us, one record ~20 us)
 
 
 class _Group:
     """Replicas of one process: `indices` into the deployment's engines."""
 
     def __init__(self, deployment: Deployment, indices: Sequence[int], requests: Sequence, arrivals: list,
-                 prefix: str):
+                 prefix: str, start: float):
         self.dep, self.indices = deployment, list(indices)
         self.engines = [deployment.engines[i] for i in self.indices]
-        self.requests, self.arrivals, self.prefix = requests, arrivals, prefix
+        self.requests, self.arrivals, self.prefix, self.start = requests, arrivals, prefix, start
         self.finished: dict = {}  # request index -> Finished
+        self.records: dict = {}  # request index -> its record (sim/driver.record_of), built while waiting
+        self.unrecorded: list = []  # finished requests without their record yet
         self.last = 0.0  # the latest finish of a step-finished request
         self.time = 0.0  # the latest clock a step reached (the deployment's `_time` rule)
         self.touched: set = set()  # replicas that got a request since the last meeting that opened a batch
@@ -113,19 +116,33 @@ class _Group:
             e = next((e for e in self.first if e.planned_steps()), None) or \
                 next((e for e in self.engines if e.planned_steps() >= PREPAY_STEPS), None)
             if e is None:
+                self.record(ready)
                 return
             e.settle()
 
-    def run_out(self, start: float) -> dict:
+    def record(self, ready) -> None:
+        """Build the records of finished requests (a finished request's are final) until ready(), RECORD_BATCH
+        between two looks, so that the end of the run has few left to build."""
+        todo, records, finished, requests, arrivals = self.unrecorded, self.records, self.finished, \
+            self.requests, self.arrivals
+        while todo and not ready():
+            for j in todo[-RECORD_BATCH:]:
+                records[j] = record_of(requests[j], finished[j], arrivals[j], self.start)
+            del todo[-RECORD_BATCH:]
+
+    def run_out(self) -> dict:
         """Run the replicas to the end; {request index: its record (sim/driver.record_of)} of this group's."""
         for e in self.engines:
             self._collect(e.advance(math.inf))
             e.settle()
-        return {j: record_of(self.requests[j], f, self.arrivals[j], start) for j, f in self.finished.items()}
+        self.record(_never)
+        return self.records
 
     def _collect(self, finished: list) -> None:
         for f in finished:
-            self.finished[int(f.request_id.rsplit("-", 1)[1])] = f
+            j = int(f.request_id.rsplit("-", 1)[1])
+            self.finished[j] = f
+            self.unrecorded.append(j)
             self.last = max(self.last, f.metrics.finished_time)
 
     def add(self, j: int, replica: int) -> None:
@@ -136,9 +153,10 @@ class _Group:
         refused = engine.add_request(f"{self.prefix}-{j}", r.prompt, r.output_len, t)
         if refused is not None:
             self.finished[j] = refused
+            self.unrecorded.append(j)
 
 
-def _serve(conn, group: _Group, start: float) -> None:
+def _serve(conn, group: _Group) -> None:
     """A child's loop: (request to add or -1, its replica, the request to meet for or -1, whether it opens a
     batch) until the last message, then (records, finished, latest finish, its replicas) back."""
     try:
@@ -153,7 +171,7 @@ def _serve(conn, group: _Group, start: float) -> None:
             conn.send(answer)
             group.advance_ahead(upto, answer[0], answer[1], _never)  # (needed before the next answer in any case)
             group.prepay_until(ready)
-        records = group.run_out(start)
+        records = group.run_out()
         for e in group.engines:
             e.timer = None  # the parent's replicas share its timer (and memo): not sent back
         conn.send(("done", records, group.finished, group.last, group.engines))
@@ -171,7 +189,7 @@ def drive_replicas(deployment: Deployment, requests: Sequence, workers: int = 2,
     start = deployment.now()
     arrivals = [start + r.arrival for r in requests]
     bounds = [n_rep * g // workers for g in range(workers + 1)]
-    groups = [_Group(deployment, range(bounds[g], bounds[g + 1]), requests, arrivals, prefix)
+    groups = [_Group(deployment, range(bounds[g], bounds[g + 1]), requests, arrivals, prefix, start)
               for g in range(workers)]
     owner = [g for g in range(workers) for _ in groups[g].indices]
     ctx = multiprocessing.get_context("fork")  # the children inherit the deployment and the workload as they are
@@ -179,13 +197,13 @@ def drive_replicas(deployment: Deployment, requests: Sequence, workers: int = 2,
     try:
         for g in groups[1:]:
             parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child_end, g, start), daemon=True)
+            proc = ctx.Process(target=_serve, args=(child_end, g), daemon=True)
             proc.start()
             child_end.close()
             conns.append(parent_end)
             procs.append(proc)
         _route_all(deployment, groups, conns, owner, start, prefix)
-        records = groups[0].run_out(start)  # the records of each group's requests built in its process
+        records = groups[0].run_out()  # the records of each group's requests built in its process
         finished, last = dict(groups[0].finished), max(start, groups[0].last)
         for g, conn in zip(groups[1:], conns):
             _, more, done, child_last, engines = _reply(conn)
