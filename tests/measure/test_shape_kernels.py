@@ -13,7 +13,7 @@ from servescope.analysis.op_counts import routed_expert_bytes
 from servescope.config import EngineConfig, SamplingParams
 from servescope.engine.llm_engine import LLMEngine
 from servescope.kernels.cpu import ops as cpu_ops
-from servescope.measure import decode_layers, kernel_cache, local_hardware, moe_kernels, shape_kernels
+from servescope.measure import kernel_cache, local_hardware, moe_kernels, shape_kernels
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 128,
         "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
@@ -34,7 +34,6 @@ def small_grids(monkeypatch, tmp_path):
     monkeypatch.setattr(kernel_cache, "BUSY_SHARE", 0.0)  # a test run at low priority is never "quiet"
     monkeypatch.setattr(shape_kernels, "MISC_TOKENS", (1, 16))
     monkeypatch.setattr(shape_kernels, "LAYER_TOKENS", (16, 64))
-    monkeypatch.setattr(decode_layers, "DECODE_ROWS", (1, 4, 300))  # 300: past max_num_seqs, not timed
     monkeypatch.setattr(shape_kernels, "PAGED_GRID", ((1, 16), (4, 64), (8, 32)))
     monkeypatch.setattr(shape_kernels, "SHORT_GRID", ((16, 0), (32, 16), (48, 0)))
     monkeypatch.setattr(shape_kernels, "LONG_GRID", ((128, 0), (130, 64), (256, 0)))
@@ -62,9 +61,6 @@ def test_the_table_is_measured_once_cached_and_prices_the_steps(small_grids, tmp
     assert all(t > 0 for pts in table.linear.values() for _, t in pts)
     assert table.long_min_tokens == (128 if dtype == "bfloat16" else 2)
     assert [t for t, _ in table.prefill_factor] == [16, 64] and all(f >= 0.5 for _, f in table.prefill_factor)
-    # a decode step's layers as the executor runs them (the C++ plan here), at the rows the engine can batch
-    assert [b for b, _ in table.decode_factor] == [1, 4] and all(f >= 0.5 for _, f in table.decode_factor)
-    assert engine.executor.decode_plan is not None
     assert len(table.grid["paged"]) == 3 and len(table.grid["long"]) == 3
     # bfloat16's short prefill chunks on the paged kernel: a fit of their own
     assert len(table.grid["short"]) == (3 if dtype == "bfloat16" else 0)
@@ -77,10 +73,7 @@ def test_the_table_is_measured_once_cached_and_prices_the_steps(small_grids, tmp
         engine.step()
     cost = engine.step_cost_predictor.predict([(1, 40)], 1)
     assert cost.op("qkv_proj").measured and not cost.op("embedding").measured
-    # a decode-only step: the table's projection times the decode factor at its rows
-    decode_f = table.linear_factor(1, False)
-    assert decode_f == pytest.approx(table.decode_factor[0][1])
-    assert cost.op("qkv_proj").seconds == pytest.approx(2 * decode_f * table.linear_seconds("qkv_proj", 1))
+    assert cost.op("qkv_proj").seconds == pytest.approx(2 * table.linear_seconds("qkv_proj", 1))
     assert cost.op("lm_head").seconds == pytest.approx(table.linear_seconds("lm_head", 1) + table.sample_seconds(1))
     assert engine.step_records[-1].predicted_seconds == pytest.approx(
         engine.step_cost_predictor.predictor.predict([(1, engine.step_records[-1].context_lens[0] - 1)], 1).seconds)
@@ -149,8 +142,8 @@ def test_a_moe_table_times_its_sparse_blocks_and_prices_the_mlp_by_the_steps_rou
     cost = engine.step_cost_predictor.predictor.predict([(1, 20)], 1, distinct_experts=2.0).cost
     read_s = routed_expert_bytes(cfg, wdt, adt) / engine.hardware.memory_bandwidth
     assert 0 < read_s and table.moe_seconds(1, 2.0, read_s) < table.moe_seconds(1)
-    mlp = table.linear_seconds("gate_up_proj", 1) + table.linear_seconds("down_proj", 1)
-    want = table.linear_factor(1, False) * (mlp + 2 * table.moe_seconds(1, 2.0, read_s))
+    want = (table.linear_seconds("gate_up_proj", 1) + table.linear_seconds("down_proj", 1)
+            + 2 * table.moe_seconds(1, 2.0, read_s))
     assert cost.op("mlp").measured and cost.op("mlp").seconds == pytest.approx(want)
     engine.add_request("r", list(range(3, 40)), SamplingParams(max_tokens=3, ignore_eos=True))
     while engine.has_unfinished():
@@ -197,17 +190,3 @@ def test_moe_seconds_scale_with_the_measured_experts_and_the_table_round_trips()
     assert KernelTable.from_dict(t.to_dict()) == t
     with pytest.raises(ValueError, match="moe"):
         KernelTable.from_dict({**t.to_dict(), "moe": [[8, 1e-3], [1, 1e-3]]})  # rows must ascend
-
-
-def test_the_decode_factor_prices_decode_only_steps_flat_beyond_its_rows():
-    nothing = {"fixed": 0.0, "per_row": 0.0, "per_key": 0.0}
-    d = {"key": "k", "linear": {p: [[1, 1e-3], [64, 2e-3]] for p in PROJECTIONS}, "paged": nothing, "long": nothing,
-         "long_min_tokens": 128, "paged_max_context": 1024, "misc": [[1, 0.0]],
-         "prefill_factor": [[16, 2.0], [64, 3.0]], "decode_factor": [[1, 1.0], [8, 1.2], [32, 1.4]]}
-    table = KernelTable.from_dict(d)
-    assert KernelTable.from_dict(table.to_dict()) == table
-    assert [table.linear_factor(b, False) for b in (1, 4, 8, 20, 32, 64)] == pytest.approx([1.0, 1.0 + 0.2 * 3 / 7, 1.2,
-                                                                                             1.3, 1.4, 1.4])
-    assert table.linear_factor(16, True) == 2.0  # a step with prefill tokens: the prefill factor
-    del d["decode_factor"]  # a table measured before the decode factor: decode steps at the parts' sum
-    assert KernelTable.from_dict(d).linear_factor(32, False) == 1.0

@@ -33,9 +33,6 @@ and its attention and per-layer small ops on a grid of (rows, keys), with nothin
   linear layers, attention and small ops add up to, the excess put on the linear layers (their GEMMs
   between the other ops' traffic, the forward's own Python): the linear ops of such a step are
   priced at f(T) times the table's.
-- `decode_factor`: [[rows B, f]]: the same for a decode-only step of B sequences, whose layers run as the
-  executor runs them (the C++ decode plan, or the modules), measured by measure/decode_layers.py: the
-  linear ops of a decode-only step are priced at f(B) times the table's (flat beyond the grid's ends).
 - `sample`: [[rows, seconds]] of the engine's sampler picking greedy tokens from float32 logits over the
   vocabulary (the argmax every row pays), priced with the head (op group lm_head) at the step's logit rows.
   The probe's host overhead holds the sampler of a 512-token vocabulary; at 49152 its rows cost what a small
@@ -55,7 +52,7 @@ from typing import Optional, Sequence
 from servescope.config import ModelConfig
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-TABLE_VERSION = 4  # 3: the sampler's rows; attention timed over written caches; 4: decode_factor
+TABLE_VERSION = 3  # 3: the sampler's rows; attention timed over written caches
 
 
 @functools.lru_cache(maxsize=64)  # once per (config, dtypes): every step's prediction asks for it
@@ -112,7 +109,6 @@ class KernelTable:
     source: str = ""
     grid: dict = field(default_factory=dict)  # the attention points timed (for the record)
     prefill_factor: list = field(default_factory=lambda: [[1, 1.0]])  # [[tokens, f]]
-    decode_factor: list = field(default_factory=lambda: [[1, 1.0]])  # [[decode rows, f]]
     moe: list = field(default_factory=list)  # [[tokens, seconds per sparse layer's block]]; [] without experts
     moe_distinct: list = field(default_factory=list)  # [[tokens, distinct experts per layer the timed calls read]]
     sample: list = field(default_factory=list)  # [[logit rows, seconds of the sampler's greedy pick]]; [] without
@@ -120,8 +116,7 @@ class KernelTable:
 
     def linear_factor(self, tokens: int, has_prefill: bool) -> float:
         if not has_prefill:
-            pts = self.decode_factor
-            return interpolate(pts, min(max(tokens, pts[0][0]), pts[-1][0])) if len(pts) > 1 else float(pts[0][1])
+            return 1.0
         pts = self.prefill_factor
         return interpolate(pts, tokens) if tokens >= pts[0][0] else float(pts[0][1])
 
@@ -180,8 +175,7 @@ class KernelTable:
         return {"key": self.key, "linear": self.linear, "paged": vars(self.paged), "long": vars(self.long),
                 "long_min_tokens": self.long_min_tokens, "paged_max_context": self.paged_max_context,
                 "misc": self.misc, "source": self.source, "grid": self.grid,
-                "prefill_factor": self.prefill_factor, "decode_factor": self.decode_factor, "moe": self.moe,
-                "moe_distinct": self.moe_distinct,
+                "prefill_factor": self.prefill_factor, "moe": self.moe, "moe_distinct": self.moe_distinct,
                 "sample": self.sample, "short": None if self.short is None else vars(self.short)}
 
     @classmethod
@@ -200,7 +194,6 @@ class KernelTable:
                    long_min_tokens=int(d["long_min_tokens"]), paged_max_context=int(d["paged_max_context"]),
                    misc=[list(p) for p in d["misc"]], source=d.get("source", ""), grid=d.get("grid", {}),
                    prefill_factor=[list(p) for p in d.get("prefill_factor", [[1, 1.0]])],
-                   decode_factor=[list(p) for p in d.get("decode_factor", [[1, 1.0]])],
                    moe=[list(p) for p in d.get("moe", [])], moe_distinct=[list(p) for p in d.get("moe_distinct", [])],
                    sample=[list(p) for p in d.get("sample", [])],
                    short=AttentionFit(**d["short"]) if d.get("short") else None)

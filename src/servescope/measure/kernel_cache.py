@@ -15,7 +15,6 @@ import torch
 
 from servescope.analysis.kernel_table import table_key
 from servescope.analysis.probe import BUSY_MIN_WINDOW_S, BUSY_SHARE, _cache_key, default_cache_path, torch_threads
-from servescope.measure.decode_layers import measure_decode_factor
 from servescope.measure.moe_kernels import measure_moe_table
 from servescope.measure.shape_kernels import (measure_attention, measure_linear_tables, measure_misc,
                                               measure_prefill_factor, measure_sampling)
@@ -52,8 +51,6 @@ def measure_kernel_table(engine) -> dict:
     misc = measure_misc(model, cfg, backend, engine.dtype, engine.kv_dtype)
     parts = {"linear": linear, "misc": misc, "moe": moe, "moe_distinct": moe_distinct, **attention}
     factor = measure_prefill_factor(model, cfg, backend, parts, engine.dtype, engine.kv_dtype)
-    decode = measure_decode_factor(engine.executor, cfg, backend, parts, engine.dtype, engine.kv_dtype,
-                                   engine.config.batching.max_num_seqs)
     sample = measure_sampling(cfg)
     took = time.perf_counter() - t0
     logger.info("kernel table for %s measured in %.0f s", table_key(cfg, wdt, adt, kdt), took)
@@ -63,8 +60,8 @@ def measure_kernel_table(engine) -> dict:
         logger.warning("the machine was busy while the kernel table was measured (its %d threads got %.1f "
                        "CPUs): the table serves this run only and is not cached", threads, cpus)
     return {"key": table_key(cfg, wdt, adt, kdt), "linear": linear, "misc": misc, **attention,
-            "prefill_factor": factor, "decode_factor": decode, "sample": sample, "moe": moe,
-            "moe_distinct": moe_distinct, "busy": busy, "cpus": cpus,
+            "prefill_factor": factor, "sample": sample, "moe": moe, "moe_distinct": moe_distinct, "busy": busy,
+            "cpus": cpus,
             "source": f"measured on the loaded model's modules and attention backend in {took:.0f} s "
                       f"(measure/kernel_cache.py, kernels {kernels_digest()})"}
 

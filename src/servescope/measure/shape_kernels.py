@@ -358,23 +358,19 @@ def _layer_seconds(model, cfg, backend, tokens: int, dtype, kv_dtype) -> float:
         return statistics.median(_timed(lambda: run(layers[:n], caches)) for _ in range(LARGE_RUNS)) / n
 
 
-def layer_factor(parts: KernelTable, cfg, seqs: list, layer_s: float) -> float:
-    """f: one layer's measured time over what the table's parts add up to for a step of seqs, the excess put on
-    the linear layers (kernel_table.py: prefill_factor, decode_factor)."""
-    t = sum(n for n, _ in seqs)
-    L = cfg.num_hidden_layers
-    sparse = cfg.moe.num_sparse(L) if cfg.moe else 0
-    lin = (parts.linear_seconds("qkv_proj", t) + parts.linear_seconds("o_proj", t)
-           + (L - sparse) / L * (parts.linear_seconds("gate_up_proj", t) + parts.linear_seconds("down_proj", t))
-           + sparse / L * parts.moe_seconds(t))  # per layer, as measured_op_seconds prices a step
-    attention = sum(count * parts.attention_seconds(seqs, lambda s, w=w: attended_keys(s[0], s[1], w))
-                    for w, count in layer_windows(cfg).items())  # as the cost model prices it
-    rest = attention / L + parts.misc_seconds(t)
-    return max((layer_s - rest) / lin, 0.5) if lin > 0 else 1.0
-
-
 def measure_prefill_factor(model, cfg, backend, partial: dict, dtype, kv_dtype) -> list:
     """[[tokens, f]]: a prefill's layer forward over what the table's parts add up to (kernel_table.py)."""
     parts = KernelTable.from_dict({**partial, "key": "partial", "prefill_factor": [[1, 1.0]]})
-    return [[t, layer_factor(parts, cfg, [(t, 0)], _layer_seconds(model, cfg, backend, t, dtype, kv_dtype))]
-            for t in LAYER_TOKENS]
+    out = []
+    L = cfg.num_hidden_layers
+    sparse = cfg.moe.num_sparse(L) if cfg.moe else 0
+    for t in LAYER_TOKENS:
+        layer = _layer_seconds(model, cfg, backend, t, dtype, kv_dtype)
+        lin = (parts.linear_seconds("qkv_proj", t) + parts.linear_seconds("o_proj", t)
+               + (L - sparse) / L * (parts.linear_seconds("gate_up_proj", t) + parts.linear_seconds("down_proj", t))
+               + sparse / L * parts.moe_seconds(t))  # per layer, as measured_op_seconds prices a step
+        attention = sum(count * parts.attention_seconds([(t, 0)], lambda s, w=w: attended_keys(s[0], s[1], w))
+                        for w, count in layer_windows(cfg).items())  # as the cost model prices it
+        rest = attention / cfg.num_hidden_layers + parts.misc_seconds(t)
+        out.append([t, max((layer - rest) / lin, 0.5) if lin > 0 else 1.0])
+    return out
