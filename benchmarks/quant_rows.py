@@ -11,7 +11,7 @@ interleaved rounds, and prints the medians (ms) and the fastest packed path per 
   amx        quant_gemv's AMX-INT8 kernel (csrc/quant_amx.h), where the CPU has it
   amx-bf16   quant_gemv's AMX-BF16 kernel (csrc/quant_amx_bf16.h: each panel dequantised to bfloat16 once),
              where the CPU has it
-  gemm       quant_gemm, the panel GEMM (re-lays the weights per call; float32 activations only)
+  gemm       the panel GEMM (quant_gemv's order 5: re-lays the weights per call)
   deq+dnn    the weights dequantised to the activation dtype in tiles, then oneDNN's GEMM
              (QuantLinear._prefill)
   dense      a bfloat16 / float32 dense weight prepacked for oneDNN (what the packed formats must beat)
@@ -77,8 +77,7 @@ def paths(mod, dtype) -> dict:
         out["amx"] = lambda lin, x: mod.quant_gemv(x, lin.qweight, lin.scales, empty, 3)
     if mod.isa().get("amx_bf16") == "1":
         out["amx-bf16"] = lambda lin, x: mod.quant_gemv(x, lin.qweight, lin.scales, empty, 4)
-    if dtype == torch.float32:
-        out["gemm"] = lambda lin, x: mod.quant_gemm(x, lin.qweight, lin.scales, empty)
+    out["gemm"] = lambda lin, x: mod.quant_gemv(x, lin.qweight, lin.scales, empty, 5)
     return out
 
 

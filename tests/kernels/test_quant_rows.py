@@ -1,12 +1,12 @@
 """The packed group-32 kernels for a batched decode step (csrc/quant_dot.h's streaming and weight-stationary
-VNNI orders, csrc/quant_amx.h's AMX-INT8 tiles and csrc/quant_amx_bf16.h's AMX-BF16 tiles where the CPU has
-them), each forced through quant_gemv's `order`: the integer ones against a dequantise-then-float64 reference
-with the activations rounded to int8 per block, the AMX-BF16 one with weights and activations rounded to bfloat16
-(and within those roundings of the exact product), for
-every group-32 format (int4 / int8, symmetric / asymmetric: Q4_0, Q8_0, Q4_1 and the K-quants as loaded),
-K not a multiple of 32 or of any chunk, 1..256 rows (partial tiles of every kernel), float32 and bfloat16
-activations; batching invariance (a row's bits do not depend on how many rows share the call) within each
-kernel; the default order, and QuantLinear, up to GROUP32_MAX_ROWS rows without dequantising."""
+VNNI orders, csrc/quant_gemm.h's panel GEMM, csrc/quant_amx.h's AMX-INT8 tiles and csrc/quant_amx_bf16.h's
+AMX-BF16 tiles where the CPU has them), each forced through quant_gemv's `order`: the integer ones against a
+dequantise-then-float64 reference with the activations rounded to int8 per block, the AMX-BF16 one with weights
+and activations rounded to bfloat16 (and within those roundings of the exact product), for every group-32 format
+(int4 / int8, symmetric / asymmetric: Q4_0, Q8_0, Q4_1 and the K-quants as loaded), K not a multiple of 32 or of
+any chunk, 1..256 rows (partial tiles of every kernel), float32 and bfloat16 activations; batching invariance (a
+row's bits do not depend on how many rows share the call) within each kernel; the default order, and
+QuantLinear, up to GROUP32_MAX_ROWS rows without dequantising."""
 
 import pytest
 import torch
@@ -18,7 +18,7 @@ from servescope.quant.scheme import QuantScheme
 
 G32 = [QuantScheme(b, 32, a) for b in (4, 8) for a in (False, True)]
 ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 256)
-STREAM, TILED, AMX, AMX_BF16 = 1, 2, 3, 4
+STREAM, TILED, AMX, AMX_BF16, GEMM = 1, 2, 3, 4, 5
 
 
 def _ext():
@@ -29,7 +29,7 @@ def _ext():
 
 
 def _orders(mod) -> list:
-    return [STREAM, TILED] + ([AMX] if mod.isa().get("amx_int8") == "1" else [])
+    return [STREAM, TILED, GEMM] + ([AMX] if mod.isa().get("amx_int8") == "1" else [])
 
 
 def _has_amx_bf16(mod) -> bool:
@@ -37,7 +37,7 @@ def _has_amx_bf16(mod) -> bool:
 
 
 @pytest.mark.parametrize("scheme", G32, ids=str)
-@pytest.mark.parametrize("n, k", [(37, 100), (20, 1000), (9, 31)])
+@pytest.mark.parametrize("n, k", [(37, 100), (20, 1000), (9, 31), (70, 600)])
 def test_every_kernel_matches_float64_reference_at_every_row_count(scheme, n, k):
     mod = _ext()
     torch.manual_seed(3)
@@ -143,12 +143,51 @@ def test_default_order_agrees_with_each_row_alone():
         assert torch.allclose(y, alone[:m], atol=1e-4, rtol=1e-5)
 
 
+def test_default_order_takes_the_panel_gemm_from_its_crossover():
+    """Where no AMX runs, order 0 gives the VNNI orders' bits below the panel GEMM's crossover (isa()'s qgemm_rows,
+    int4 / int8) and the GEMM's from it; a build without a crossover ("-") never takes it."""
+    mod = _ext()
+    info = mod.isa()
+    if info.get("amx_int8") == "1":
+        pytest.skip("AMX-INT8 takes these rows here")
+    torch.manual_seed(10)
+    crossover = dict(zip((4, 8), map(int, info["qgemm_rows"].split("/")))) if info["qgemm_rows"] != "-" else {}
+    for scheme in (QuantScheme(4, 32), QuantScheme(4, 32, True), QuantScheme(8, 32)):
+        packed, scales = qp.quantize(torch.randn(70, 160), scheme)
+        x = torch.randn(12, 160)
+        for m in range(1, len(x) + 1):
+            takes_gemm = scheme.bits in crossover and m >= crossover[scheme.bits]
+            expected = GEMM if takes_gemm else TILED if m > 1 else STREAM
+            auto = mod.quant_gemv(x[:m], packed, scales, torch.empty(0))
+            assert torch.equal(auto, mod.quant_gemv(x[:m], packed, scales, torch.empty(0), expected)), (scheme, m)
+            if takes_gemm:  # the kernels' float sums differ in order: the switch is seen in the bits
+                assert not torch.equal(auto, mod.quant_gemv(x[:m], packed, scales, torch.empty(0), TILED))
+
+
+@pytest.mark.parametrize("asym", [False, True])
+def test_panel_gemm_full_panels_match_the_vnni_order(asym):
+    """The panel GEMM's vector re-layout (whole panels of 32 columns; K in 64-byte chunks and 16-block scale
+    chunks, with their partial last ones) against the weight-stationary VNNI order, int4 and int8, at the 1B
+    shape's widths and odd ones."""
+    mod = _ext()
+    torch.manual_seed(11)
+    for bits in (4, 8):
+        for n, k in ((64, 2048), (96, 1000), (128, 608)):
+            packed, scales = qp.quantize(torch.randn(n, k), QuantScheme(bits, 32, asym))
+            x = torch.randn(9, k)
+            a = mod.quant_gemv(x, packed, scales, torch.empty(0), GEMM)
+            b = mod.quant_gemv(x, packed, scales, torch.empty(0), TILED)
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-5), (bits, n, k)
+
+
 def test_bad_orders_are_refused():
     mod = _ext()
     packed, scales = qp.quantize(torch.randn(8, 64), QuantScheme(4, 32))
     with pytest.raises(RuntimeError, match="order"):
-        mod.quant_gemv(torch.randn(2, 64), packed, scales, torch.empty(0), 5)
+        mod.quant_gemv(torch.randn(2, 64), packed, scales, torch.empty(0), 6)
     g64 = qp.quantize(torch.randn(8, 128), QuantScheme(4, 64))
+    with pytest.raises(RuntimeError, match="panel GEMM"):
+        mod.quant_gemv(torch.randn(2, 128), *g64, torch.empty(0), GEMM)
     with pytest.raises(RuntimeError, match="AMX"):
         mod.quant_gemv(torch.randn(2, 128), *g64, torch.empty(0), AMX)
     with pytest.raises(RuntimeError, match="AMX-BF16"):

@@ -52,7 +52,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // decode step in the C++ plan leaves the server's event loop and the 1P1D receiver thread free to run.
   // Scratch is thread_local in every kernel, and an engine's steps run on one thread.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("isa", &isa_info, "isa() -> {isa, lanes, bf16_dot, int8_dot} of this build");
+  m.def("isa", &isa_info, "isa() -> {isa, lanes, bf16_dot, int8_dot, amx_int8, amx_bf16, qgemm_rows, panel} of this build");
   m.def("rms_norm", &rms_norm, nogil, "rms_norm(x, w, eps)");
   m.def("add_rms_norm", &add_rms_norm, nogil, "add_rms_norm(x, residual, w, eps) -> [y, x + residual]");
   m.def("rotary", &rotary, nogil, "rotary(q, k, cos, sin) -> [q', k'] (rotate-half)");
@@ -62,8 +62,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "limit): gpt-oss's activation");
   m.def("store_kv", &store_kv, nogil, "store_kv(k, v, k_cache, v_cache, slot_mapping), in place");
   m.def("quant_gemv", &quant_gemv, nogil,
-        "quant_gemv(x, w, scales, bias, order=0): packed int4/int8 weights -> float32; order 1 / 2 / 3 / 4 forces "
-        "the streaming / weight-stationary VNNI order, AMX-INT8 or AMX-BF16 (0: by rows)",
+        "quant_gemv(x, w, scales, bias, order=0): packed int4/int8 weights -> float32; order 1 / 2 / 3 / 4 / 5 "
+        "forces the streaming / weight-stationary VNNI order, AMX-INT8, AMX-BF16 or the panel GEMM (0: by rows)",
         py::arg("x"), py::arg("w"), py::arg("scales"), py::arg("bias"), py::arg("order") = 0);
   m.def("quant_gemm", &quant_gemm, nogil,
         "quant_gemm(x, w, scales, bias): group-32 packed weights, int8 activations -> float32");

@@ -310,6 +310,7 @@ std::map<std::string, std::string> isa_info() {
           {"int8_dot", SERVESCOPE_HAS_INT8_DOT ? "1" : "0"},
           {"amx_int8", quant_amx_available() ? "1" : "0"},
           {"amx_bf16", quant_amx_bf16_available() ? "1" : "0"},
+          {"qgemm_rows", quant_gemm_rows_from()},
           {"panel", std::to_string(PANEL_MR) + "x" + std::to_string(PANEL_NB)}};
 }
 

@@ -124,6 +124,10 @@ void moe_products(const std::vector<QMatrix>& w, const MoeRoute& r, const T* xs,
       continue;
     }
 #endif
+    if (kernel == QRowsKernel::Gemm) {
+      quant_gemm_rows(w[x], xs + r.start[x] * kp, m, nullptr, y + r.start[x] * n);
+      continue;
+    }
 #if SERVESCOPE_HAS_AMX_INT8
     if (kernel == QRowsKernel::Amx) {
       quant_amx_rows(w[x], xs + r.start[x] * kp, m, nullptr, y + r.start[x] * n);

@@ -29,6 +29,7 @@
 #pragma once
 
 #include "quant_amx.h"
+#include "quant_gemm.h"
 
 #if SERVESCOPE_HAS_AMX_INT8 && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define SERVESCOPE_HAS_AMX_BF16 1
@@ -315,7 +316,20 @@ inline int64_t amx_bf16_rows(const QMatrix& q) {
 // AMX-BF16 tiles for bfloat16 rows from QDOT_AMX_BF16_ROWS_*, else AMX-INT8 tiles from QDOT_AMX_ROWS_*, where
 // they run; else quant_dot.h's VNNI orders (which pick theirs by rows, QDOT_TILED_ROWS). The one rule that
 // quant_rows' Auto order and the fused MoE op's experts (moe_experts.h) both follow.
-enum class QRowsKernel { Dot, Amx, AmxBf16 };
+enum class QRowsKernel { Dot, Amx, AmxBf16, Gemm };
+
+// From this many rows on, where no AMX tiles run, quant_gemm.h's panel GEMM (its weights re-laid per call so that
+// a vector holds 16 columns' bytes: per 32-block one float rescale per 16 columns and row, where the VNNI orders
+// of quant_dot.h rescale every block of every (row, column) pair; compute-bound past a few rows, the GEMM's
+// inner loop is nearly all vpdpbusd). The crossover, measured on a Zen 4 (AVX-512 VNNI, benchmarks/quant_rows.py;
+// docs/BENCHMARKS.md, "packed rows on a CPU without AMX"): from 4 rows for int4 (3: the VNNI orders 9.0 against 10.6
+// ms), from 2 for int8 (whose VNNI orders are twice the work per byte). The other paths re-lay their panels a
+// scalar 4 bytes at a time, which the VNNI orders beat at decode sizes: they keep them.
+#if defined(SERVESCOPE_ISA_AVX512)
+constexpr int64_t QGEMM_ROWS_INT4 = 4, QGEMM_ROWS_INT8 = 2;
+#else
+constexpr int64_t QGEMM_ROWS_INT4 = INT64_MAX, QGEMM_ROWS_INT8 = INT64_MAX;
+#endif
 
 template <typename T>
 inline QRowsKernel quant_rows_kernel(const QMatrix& q, int64_t M) {
@@ -326,8 +340,7 @@ inline QRowsKernel quant_rows_kernel(const QMatrix& q, int64_t M) {
 #if SERVESCOPE_HAS_AMX_INT8
   if (M >= (q.int4 ? QDOT_AMX_ROWS_INT4 : QDOT_AMX_ROWS_INT8) && amx_ready()) return QRowsKernel::Amx;
 #endif
-  (void)q, (void)M;
-  return QRowsKernel::Dot;
+  return M >= (q.int4 ? QGEMM_ROWS_INT4 : QGEMM_ROWS_INT8) ? QRowsKernel::Gemm : QRowsKernel::Dot;
 }
 
 // The packed GEMV / GEMM entry: x [M, kp] float32 | bfloat16 (bfloat16 for group-32 weights only), bias [N]
@@ -341,7 +354,9 @@ inline void quant_rows(const QMatrix& q, const T* x, int64_t M, const float* bia
   const QRowsKernel k = order == QOrder::Auto     ? quant_rows_kernel<T>(q, M)
                         : order == QOrder::AmxBf16 ? QRowsKernel::AmxBf16
                         : order == QOrder::Amx     ? QRowsKernel::Amx
+                        : order == QOrder::Gemm    ? QRowsKernel::Gemm
                                                    : QRowsKernel::Dot;
+  if (k == QRowsKernel::Gemm) return quant_gemm_rows(q, x, M, bias, y);
 #if SERVESCOPE_HAS_AMX_BF16
   if (k == QRowsKernel::AmxBf16) return quant_amx_bf16_rows(q, x, M, bias, y);
 #endif

@@ -315,9 +315,9 @@ inline void qdot_tiled_range(const QMatrix& q, const QActs& a, int64_t m0, int64
 }
 
 // Which kernel runs: Auto picks by rows (QDOT_TILED_ROWS here, QDOT_AMX_ROWS_* in quant_amx.h,
-// QDOT_AMX_BF16_ROWS_* in quant_amx_bf16.h); the others force one (the tests and benchmarks/quant_rows.py,
+// QDOT_AMX_BF16_ROWS_* and QGEMM_ROWS_* in quant_amx_bf16.h); the others force one (the tests and benchmarks/quant_rows.py,
 // which measured the crossovers)
-enum class QOrder : int64_t { Auto = 0, Stream = 1, Tiled = 2, Amx = 3, AmxBf16 = 4 };
+enum class QOrder : int64_t { Auto = 0, Stream = 1, Tiled = 2, Amx = 3, AmxBf16 = 4, Gemm = 5 };
 // From this many rows of x on, the weight-stationary order (docs/BENCHMARKS.md, issue 35 section: it is
 // ahead from 2 rows on the Xeon; at 1 row the streaming order's four quarter streams win)
 constexpr int64_t QDOT_TILED_ROWS = 2;

@@ -44,8 +44,10 @@ struct GemmActs {
   std::vector<int32_t> corr;
 };
 
-// x [M, kp] float32 (zeros past K) -> a; off: 8 (symmetric int4), kS8Bias (int8) or 0 (asymmetric int4)
-inline void quantize_gemm_acts(const float* x, int64_t M, int64_t kp, int32_t off, GemmActs& a) {
+// x [M, kp] float32 | bfloat16 (zeros past K) -> a; off: 8 (symmetric int4), kS8Bias (int8) or 0 (asymmetric
+// int4). The rounding is quant_dot.h's (quantize_block), so every kernel sees the same int8 rows.
+template <typename T>
+inline void quantize_gemm_acts(const T* x, int64_t M, int64_t kp, int32_t off, GemmActs& a) {
   a.nb = kp / QBLOCK;
   a.q.resize(M * kp);
   a.dx.resize(M * a.nb);
@@ -54,9 +56,8 @@ inline void quantize_gemm_acts(const float* x, int64_t M, int64_t kp, int32_t of
   parallel_for(0, M, grain_for(kp), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < a.nb; ++b) {
-        const float* xb = x + m * kp + b * QBLOCK;
-        const float d = absmax32(xb) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-        const int32_t sum = round_i8x32(xb, id, a.q.data() + m * kp + b * QBLOCK);
+        float d;
+        const int32_t sum = quantize_block(x + m * kp + b * QBLOCK, a.q.data() + m * kp + b * QBLOCK, &d);
         a.dx[m * a.nb + b] = d;
         a.sx[m * a.nb + b] = d * (float)sum;
         a.corr[m * a.nb + b] = -off * sum;
@@ -64,12 +65,112 @@ inline void quantize_gemm_acts(const float* x, int64_t M, int64_t kp, int32_t of
   });
 }
 
+#if defined(SERVESCOPE_ISA_AVX512)
+// r[c] lane i <- r[i] lane c: 16 rows of 16 dwords transposed in registers (unpack by 32 and 64 bits within
+// the 128-bit lanes, then two rounds of 128-bit lane shuffles)
+inline void transpose16x16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);  // per lane: r[i][0] r[i+1][0] r[i][1] r[i+1][1]
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // u[g + e], lane l: rows g .. g + 3 at dword 4 l + e
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88), v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xDD);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xDD);
+    r[e] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[8 + e] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    r[12 + e] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+}
+
+// build_panel's scales for the W columns of vector s: 16 blocks of each of the 16 rows at a time, transposed
+inline void build_panel_scales(const QMatrix& q, int64_t n0, int64_t s, float* pd, float* pm) {
+  const int64_t nb = q.kp / QBLOCK;
+  if (q.mx()) {
+    for (int64_t c = 0; c < W; ++c)
+      for (int64_t b = 0; b < nb; ++b) pd[b * GEMM_NP + s * W + c] = e8m0_half(q.e8m0[(n0 + s * W + c) * nb + b]);
+    return;
+  }
+  // float16 scales: d per block, or (d, m) pairs when asymmetric (split into two halves of 16 by a permute)
+  const int64_t sc = q.asym ? 2 : 1;
+  alignas(64) static constexpr int16_t kSplit[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                                     1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  const __m512i split = _mm512_load_si512(kSplit);
+  for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+    const int64_t n = std::min<int64_t>(16, nb - b0);
+    __m512i dm[2][16];
+    for (int i = 0; i < 16; ++i) {
+      const __m512i h = loadbn(q.scales + ((n0 + s * W + i) * nb + b0) * sc, n * sc * 2);
+      const __m512i hs = q.asym ? _mm512_permutexvar_epi16(split, h) : h;
+      dm[0][i] = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_castsi512_si256(hs)));
+      if (q.asym) dm[1][i] = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(hs, 1)));
+    }
+    for (int t = 0; t < sc; ++t) {
+      transpose16x16(dm[t]);
+      float* out = t ? pm : pd;
+      for (int64_t c = 0; c < n; ++c) _mm512_storeu_si512(out + (b0 + c) * GEMM_NP + s * W, dm[t][c]);
+    }
+  }
+}
+
+// build_panel's bytes for a whole panel (all NP columns present): 64 bytes of each of 16 rows at a time (int4: 4
+// blocks, int8: 2), transposed so that dword c of every row lands in one vector: one pass over the rows' bytes in
+// registers where the scalar re-layout moves 4 bytes at a time. The panel's vectors s = 0 .. NR - 1 of a chunk are
+// built together, so that its quads' cache lines are written whole, in order. Then the scales, the same way.
+inline void build_panel_vector(const QMatrix& q, int64_t n0, int8_t* panel, float* pd, float* pm) {
+  const int64_t nb = q.kp / QBLOCK, rb = q.row_bytes(), block_bytes = q.int4 ? 16 : 32, per = 64 / block_bytes;
+  const int8_t* table = q.mx() ? MXFP4_UNSIGNED : nullptr;
+  // 16 row streams at a stride (and the scales, a separate array) wait on memory unless the panel's reads were
+  // started earlier: each panel prefetches the next one's weights and scales
+  const bool next = n0 + 2 * GEMM_NP <= q.n;
+  if (next && !q.mx()) {
+    const int64_t scale_bytes = nb * (q.asym ? 4 : 2);
+    const uint8_t* ns = (const uint8_t*)(q.scales) + (n0 + GEMM_NP) * scale_bytes;
+    for (int64_t o = 0; o < GEMM_NP * scale_bytes; o += 64) _mm_prefetch((const char*)(ns + o), _MM_HINT_T1);
+  }
+  __m512i r[16];
+  for (int64_t b0 = 0; b0 < nb; b0 += per) {
+    const int64_t bytes = std::min(per, nb - b0) * block_bytes;
+    for (int64_t s = 0; s < GEMM_NR; ++s) {
+      const uint8_t* w = q.w + (n0 + s * W) * rb + b0 * block_bytes;
+      for (int i = 0; i < 16; ++i) r[i] = loadbn(w + i * rb, bytes);
+      if (next)  // the next panel's bytes into L2 while this one is built and multiplied
+        for (int i = 0; i < 16; ++i) _mm_prefetch((const char*)(w + (GEMM_NP + i) * rb), _MM_HINT_T1);
+      transpose16x16(r);
+      for (int64_t c = 0; c < bytes / 4; ++c) {
+        const int64_t quad = q.int4 ? (b0 + c / 4) * 8 + c % 4 : b0 * 8 + c;  // int4: + 4 for the high nibbles
+        int8_t* p = panel + (quad * GEMM_NP + s * W) * 4;
+        if (!q.int4) {
+          storeb(p, r[c]);
+          continue;
+        }
+        const vb lo = low_nibbles(r[c]), hi = high_nibbles(r[c]);
+        storeb(p, table ? lut16(lo, table) : lo);
+        storeb(p + 4 * GEMM_NP * 4, table ? lut16(hi, table) : hi);
+      }
+    }
+  }
+  for (int64_t s = 0; s < GEMM_NR; ++s) build_panel_scales(q, n0, s, pd, pm);
+}
+#endif
+
 // Columns n0 .. n0 + NP of q re-laid for the tile: bytes [kp / 4][NP][4] (int4 as its 0..15 values, MXFP4 as
 // MXFP4_UNSIGNED's,
 // int8 as stored) and float scales [nb][NP] (d, then m when asymmetric); columns past N are zeros.
 inline void build_panel(const QMatrix& q, int64_t n0, int8_t* panel, float* pd, float* pm) {
   const int64_t nb = q.kp / QBLOCK, rb = q.row_bytes(), sc = q.asym ? 2 : 1, quads = q.kp / 4;
   const int64_t cols = std::min<int64_t>(GEMM_NP, q.n - n0);
+#if defined(SERVESCOPE_ISA_AVX512)
+  if (cols == GEMM_NP) return build_panel_vector(q, n0, panel, pd, pm);
+#endif
   for (int64_t c = 0; c < GEMM_NP; ++c) {
     if (c >= cols) {
       for (int64_t j = 0; j < quads; ++j) std::memset(panel + (j * GEMM_NP + c) * 4, 0, 4);
@@ -151,10 +252,11 @@ inline void gemm_panel_rows(const GemmActs& a, int64_t M, int64_t kp, const int8
   for (; m < M; ++m) gemm_tile<I4, ASYM, 1>(a, kp, m, panel, pd, pm, out + m * ldo, ldo);
 }
 
-// x [M, kp] float32 (zeros past K), group-32 packed q, bias [N] or null -> y [M, N] float32. The panels
-// of NP columns are split over the threads; each thread re-lays its panel, then runs every row of x
+// x [M, kp] float32 | bfloat16 (zeros past K), group-32 packed q, bias [N] or null -> y [M, N] float32. The
+// panels of NP columns are split over the threads; each thread re-lays its panel, then runs every row of x
 // over it. A partial last panel goes through a scratch tile so nothing past column N is written.
-inline void quant_gemm_rows(const QMatrix& q, const float* x, int64_t M, const float* bias, float* y) {
+template <typename T>
+inline void quant_gemm_rows(const QMatrix& q, const T* x, int64_t M, const float* bias, float* y) {
   static thread_local GemmActs tls;  // the calling thread's; the workers read it through `a`
   GemmActs& a = tls;
   const int32_t off = q.mx() ? MXFP4_OFFSET : q.int4 ? (q.asym ? 0 : 8) : kS8Bias;

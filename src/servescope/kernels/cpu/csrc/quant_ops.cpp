@@ -59,12 +59,15 @@ at::Tensor padded_rows(const at::Tensor& x, const QMatrix& q, const at::Tensor& 
 namespace servescope_ops {
 
 // x [M, K] (K <= kp; float32, or bfloat16 for group-32 weights, else widened to float32), bias [N] float32
-// or empty, order (QOrder: 0 by rows, 1 streaming, 2 weight-stationary, 3 AMX-INT8, 4 AMX-BF16) -> y [M, N]
+// or empty, order (QOrder: 0 by rows, 1 streaming, 2 weight-stationary, 3 AMX-INT8, 4 AMX-BF16, 5 panel GEMM)
+// -> y [M, N]
 // float32
 at::Tensor quant_gemv(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor bias, int64_t order) {
   const QMatrix q = describe(w, scales);
-  TORCH_CHECK(order >= 0 && order <= 4,
-              "quant_gemv: order must be 0 (by rows), 1 (streaming), 2 (tiled), 3 (AMX-INT8) or 4 (AMX-BF16)");
+  TORCH_CHECK(order >= 0 && order <= 5,
+              "quant_gemv: order must be 0 (by rows), 1 (streaming), 2 (tiled), 3 (AMX-INT8), 4 (AMX-BF16) or 5 "
+              "(the panel GEMM)");
+  TORCH_CHECK(order != 5 || q.group == QBLOCK, "quant_gemv: the panel GEMM needs group-32 weights");
   TORCH_CHECK(order != 3 || (servescope_quant::amx_available() && q.group == QBLOCK),
               "quant_gemv: the AMX kernel needs AMX-INT8 here and group-32 weights");
   TORCH_CHECK(order != 4 || (servescope_quant::amx_bf16_available() && q.group == QBLOCK),
@@ -83,6 +86,11 @@ at::Tensor quant_gemv(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor 
 
 bool quant_amx_available() { return servescope_quant::amx_available(); }
 bool quant_amx_bf16_available() { return servescope_quant::amx_bf16_available(); }
+std::string quant_gemm_rows_from() {
+  using servescope_quant::QGEMM_ROWS_INT4, servescope_quant::QGEMM_ROWS_INT8;
+  if (QGEMM_ROWS_INT4 == INT64_MAX) return "-";
+  return std::to_string(QGEMM_ROWS_INT4) + "/" + std::to_string(QGEMM_ROWS_INT8);
+}
 
 // the same for group-32 weights and many rows: the prefill GEMM with integer dot products (quant_gemm.h)
 at::Tensor quant_gemm(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor bias) {
