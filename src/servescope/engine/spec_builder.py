@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from servescope.config import EngineConfig, SpeculativeConfig
+from servescope.config import EngineConfig, ParallelConfig, SpeculativeConfig
 from servescope.engine.model_runner import ModelRunner
 from servescope.engine.spec_decode import SpecDecoder
 from servescope.engine.step_cost import StepCostPredictor
@@ -56,8 +56,11 @@ def build_draft_proposer(config: EngineConfig, loaded, runner: ModelRunner, samp
     """(the DraftProposer, a StepCostPredictor for its forwards or None when the engine predicts nothing).
     The draft's weights are a second LoadedModel (engine/weights.py), never sharded."""
     spec = config.speculative
+    # the draft runs in this process whatever the target's layout (a parallel target's rank 0: the draft keeps
+    # its own cache over the target's first table, as the scheduler hands it out)
     draft_config = config.replace(model=spec.speculative_model or config.load.model,
-                                  quantization=spec.speculative_quantization, speculative=SpeculativeConfig())
+                                  quantization=spec.speculative_quantization, speculative=SpeculativeConfig(),
+                                  parallel=ParallelConfig())
     device = resolve_device(draft_config)
     dtype, kv_dtype = resolve_dtypes(draft_config, device)
     draft = load_model(draft_config, device, dtype)  # no worker entry point: a draft is never parallel
