@@ -112,6 +112,21 @@ def test_tensor_parallel_keeps_a_block_table_per_group_of_layers(tmp_path):
         llm.engine.shutdown(keep_workers=True)
 
 
+@pytest.mark.parametrize("family, overrides", [
+    ("gpt_oss", dict(sliding_window=16)),  # a windowed stage and a full one; sinks, experts in both
+    ("gemma2", dict(sliding_window=16, num_hidden_layers=4)),  # both kinds in each stage
+])
+def test_pipeline_parallel_2_with_a_table_per_group_equals_one_process(tmp_path, family, overrides):
+    from servescope.kvcache.hybrid import HybridKVCacheManager
+
+    def tables_per_group(llm):
+        assert isinstance(llm.engine.kv_manager, HybridKVCacheManager)
+
+    path = str(make_tiny_hf_model(tmp_path, family, **overrides))
+    assert_same_as_single_process(path, dict(disable_hybrid_kv_cache_manager=False), pipeline_parallel_size=2,
+                                  on_engine=tables_per_group)
+
+
 def test_pipeline_parallel_keeps_a_block_table_per_group_of_layers(tmp_path):
     """Gemma 3's shape (two local layers to one global) at PP=2: stage 0 holds the local layers only, stage 1 the
     global one. Rank 0 keeps the hybrid manager's table per group, the plan carries every group's, each stage

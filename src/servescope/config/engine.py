@@ -75,7 +75,7 @@ class KVCacheConfig:
     enable_prefix_caching: bool = True
     no_kv_cache: bool = False  # recompute the whole sequence every step (the labs' baseline)
     # one block table for all layers even where they mix windows (vLLM's flag of the same name): the memory use
-    # of a model without kvcache/hybrid.py, and the layout tensor / pipeline parallel engines keep
+    # of a model without kvcache/hybrid.py
     disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self):
