@@ -74,23 +74,26 @@ def test_pipeline_parallel_2_equals_one_process(tmp_path, family, overrides, mic
         assert any(r.num_prefill_tokens >= 16 and r.pipeline_micro_batches > 1 for r in recs)
 
 
-def test_tensor_parallel_2_with_ngram_speculation_equals_one_process(tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_tensor_parallel_2_with_speculation_equals_one_process(tmp_path, method):
     """Verification rows (1 + k one-token rows per speculating request) go to the workers like any
-    step's rows: n-gram speculation at TP=2 keeps the single process's greedy tokens."""
+    step's rows: n-gram speculation at TP=2 keeps the single process's greedy tokens, and so does a draft
+    model (the target's weights, whole in rank 0's process on a cache of its own)."""
     from servescope import LLM
     from helpers_parallel import ENGINE, PARAMS
 
     path = str(make_tiny_hf_model(tmp_path, "llama"))
     prompts = [[5, 6, 7, 8, 9, 10] * 6, [100, 200, 300, 100, 200]]
     want = [o.outputs[0].token_ids for o in LLM(model=path, **ENGINE).generate(prompts, PARAMS)]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
     llm = LLM(model=path, **ENGINE, tensor_parallel_size=2, speculative=spec)
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
-        drafted = llm.engine.spec.num_draft_tokens
+        drafted, rate = llm.engine.spec.num_draft_tokens, llm.engine.spec.acceptance_rate
     finally:
         llm.engine.shutdown(keep_workers=True)
     assert got == want and drafted > 0
+    assert method == "ngram" or rate > 0.9  # the target's own weights: its drafts are the target's tokens
 
 
 def test_tensor_parallel_keeps_a_block_table_per_group_of_layers(tmp_path):

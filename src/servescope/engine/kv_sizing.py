@@ -10,8 +10,8 @@ import torch
 from servescope.analysis.kv_layout import group_blocks, layers_per_window
 from servescope.config import BatchingConfig, EngineConfig, KVCacheConfig, ModelConfig
 from servescope.errors import EngineConfigError
-from servescope.parallel.layout import stage_layers
 from servescope.model.attention import kv_quant
+from servescope.parallel.layout import stage_layers
 
 logger = logging.getLogger(__name__)
 
