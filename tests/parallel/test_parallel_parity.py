@@ -135,12 +135,12 @@ def test_pipeline_parallel_keeps_a_block_table_per_group_of_layers(tmp_path):
     global one. Rank 0 keeps the hybrid manager's table per group, the plan carries every group's, each stage
     allocates the pools of its own layers' groups and its layers read their group's (micro-batches cut them too):
     over the workload (chunks, prefix hits, preemption) the tokens and logits of one process, and the windowed
-    group holds at most cdiv(w + 1, S) + 1 blocks per decoding sequence while the full group keeps every block.
+    group holds at most cdiv(w, S) + 1 blocks per decoding sequence while the full group keeps every block.
     Then with room to spare and a draft model (on rank 0, its own cache over the full group's table): the windowed
     pool smaller than the full one, which holds what stage 1's one full layer had before (a stage cannot lend its
     windowed layers' saved bytes to another stage), greedy tokens those of one process without speculation,
-    nearly every draft of the target's own weights accepted, the windowed group at most cdiv(w + 1 + k, S) + 1
-    blocks per decoding sequence (a verification's 1 + k tokens, the draft's lookahead)."""
+    nearly every draft of the target's own weights accepted, the windowed group at most cdiv(w + k, S) + 1
+    blocks per decoding sequence (a verification's 1 + k positions from the last token, the draft's lookahead)."""
     import sys
     from servescope import LLM
     from helpers_parallel import ENGINE, PARAMS, ROUND_1, ROUND_2
@@ -154,7 +154,7 @@ def test_pipeline_parallel_keeps_a_block_table_per_group_of_layers(tmp_path):
     most = []
     assert_same_as_single_process(path, dict(disable_hybrid_kv_cache_manager=False), pipeline_parallel_size=2,
                                   on_engine=lambda llm: most.append(track_window_holdings(llm.engine.kv_manager, 1)))
-    assert most[0] == most[1] and most[1][16] <= cdiv(16 + 1, 16) + 1 < most[1][0]
+    assert most[0] == most[1] and most[1][16] <= cdiv(16, 16) + 1 < most[1][0]
     kw = {**ENGINE, "disable_hybrid_kv_cache_manager": False, "num_kv_blocks": 40, "max_num_seqs": 2}
     one = LLM(model=path, **kw)
     want = [o.outputs[0].token_ids for r in (ROUND_1, ROUND_2) for o in one.generate(r, PARAMS)]
@@ -170,7 +170,7 @@ def test_pipeline_parallel_keeps_a_block_table_per_group_of_layers(tmp_path):
         most = track_window_holdings(km, 1 + k)
         assert [o.outputs[0].token_ids for r in (ROUND_1, ROUND_2) for o in llm.generate(r, PARAMS)] == want
         assert llm.engine.spec.acceptance_rate > 0.95 and km.prefix_cache_hits > 0
-        assert most[16] <= cdiv(16 + 1 + k, 16) + 1 < most[0]
+        assert most[16] <= cdiv(16 + k, 16) + 1 < most[0]
         draft = llm.engine.spec.proposer.runner
         assert {c.shape[0] for c, _ in draft.kv_caches} == {pools[0]} and len(draft.kv_caches) == 3
     finally:
