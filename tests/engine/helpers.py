@@ -217,3 +217,22 @@ def llama_cpp_convert(root: str, hf_dir, out) -> None:
            "--outfile", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def track_window_holdings(km, max_step_tokens: int) -> dict:
+    """Wrap a HybridKVCacheManager's allocate_slots: the returned dict fills with, per group's window, the most
+    blocks one sequence held after any allocation of at most max_step_tokens positions (a decode, a
+    verification's 1 + k tokens, a draft's lookahead), and checks the tables grow alike at every call."""
+    most = {w: 0 for w in km.windows}
+    inner = km.allocate_slots
+
+    def allocate(request, num_new_tokens, *args, **kwargs):
+        ok = inner(request, num_new_tokens, *args, **kwargs)
+        lookahead = kwargs.get("num_lookahead_tokens", args[2] if len(args) > 2 else 0)
+        if ok and num_new_tokens + lookahead <= max_step_tokens:
+            for w, held in zip(km.windows, km.held_blocks_per_group(request.request_id)):
+                most[w] = max(most[w], held)
+        return ok
+
+    km.allocate_slots = allocate
+    return most

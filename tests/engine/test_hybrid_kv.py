@@ -177,3 +177,46 @@ def test_disable_hybrid_kv_cache_manager_keeps_one_table(hybrid):
                  disable_hybrid_kv_cache_manager=True).engine
     assert type(engine.kv_manager) is KVCacheManager and engine.kv_manager.num_blocks == 64
     assert {k.shape[0] for k, _ in engine.runner.kv_caches} == {64}
+
+
+DRAFT = {"method": "draft", "num_speculative_tokens": 3, "adaptive": False}
+
+
+@pytest.mark.parametrize("draft", ["self", "own"])
+def test_a_draft_model_keeps_the_windowed_groups_freeing(tmp_path, draft):
+    """Gemma 3's shape under draft-model speculation, prompts past the window, chunked, with prefix hits: greedy
+    tokens those of one table and no speculation; the windowed group still holds at most cdiv(w + k, S) + 1
+    blocks per decoding sequence (its window, a verification's 1 + k positions from the last token or the draft's
+    lookahead) while the full group keeps every block. A self-draft reads the target's cache through each layer's
+    own group's table; a draft given by path keeps its own cache over the full group's table (it attends over the
+    whole context). Both are the target's weights unquantised: nearly every draft is accepted, which it could not
+    be if the draft attended over wrong KV (the verification alone keeps the tokens right whatever it reads)."""
+    from helpers import track_window_holdings
+    from test_batching import PARAMS
+
+    path = str(make_tiny_hf_model(tmp_path, "gemma3", sliding_window=WINDOW, num_hidden_layers=3,
+                                  sliding_window_pattern=3))
+    gen = torch.Generator().manual_seed(3)
+    motif, shared = torch.randint(3, 49152, (6,), generator=gen).tolist(), random_ids(40, 7)
+    prompts = [shared + motif * 5, shared + random_ids(30, 8), motif * 9]
+    kw = dict(num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, max_num_seqs=4)
+    one = LLM(model=path, **kw, disable_hybrid_kv_cache_manager=True)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, PARAMS)]
+    spec = {**DRAFT, **({"model": path} if draft == "own" else {})}
+    llm = LLM(model=path, **kw, speculative=spec)
+    km, engine = llm.engine.kv_manager, llm.engine
+    assert isinstance(km, HybridKVCacheManager) and km.windows == (0, WINDOW)
+    assert km.groups[1].num_blocks < 64 < km.groups[0].num_blocks
+    most = track_window_holdings(km, 1 + 3)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)] == want
+    prop = engine.spec.proposer
+    assert engine.spec.acceptance_rate > 0.95 and km.prefix_cache_hits > 0
+    assert most[WINDOW] <= cdiv(WINDOW + 3, 16) + 1 < most[0]
+    if draft == "self":
+        assert prop.shares_target_kv and prop.runner.kv_caches is engine.runner.kv_caches
+        assert prop.runner.group_windows == engine.runner.group_windows == (WINDOW,)
+    else:
+        assert not prop.shares_target_kv and prop.num_prefill_forwards > 0
+        assert {k.shape[0] for k, _ in prop.runner.kv_caches} == {km.groups[0].num_blocks}
+    km.check_invariants()
+    assert km.num_used_blocks == 0

@@ -183,6 +183,20 @@ def test_the_pools_keep_the_uniform_caches_bytes():
     assert small == {0: 20, 512: 20}
 
 
+def test_pipeline_stages_each_fit_their_own_layers_pools():
+    """Gemma 3's 5:1 over two stages of 3 layers (3 windowed | 2 windowed + the full one): every stage holds the
+    pools of its layers' groups over the same block ids in no more than num_blocks blocks of each of its layers;
+    the full pool is what the stage holding it leaves, less than one process's (which lends it every windowed
+    layer's saved bytes), and a stage with no full layer bounds nothing."""
+    layers, stages = {0: 1, 512: 5}, ({512: 3}, {512: 2, 0: 1})
+    kw = dict(num_blocks=10_000, block_size=16, max_num_seqs=8, max_step_tokens=1, max_num_batched_tokens=256)
+    one, staged = group_blocks(layers, **kw), group_blocks(layers, **kw, stages=stages)
+    assert staged[512] == one[512] and staged[0] == 10_000 * 3 - staged[512] * 2 < one[0]
+    for held in stages:
+        assert sum(staged[w] * n for w, n in held.items()) <= 10_000 * sum(held.values())
+    assert group_blocks(layers, **kw, stages=(layers,)) == one  # one stage: one process's split
+
+
 def test_a_windowed_pool_smaller_than_one_sequence_binds_the_length():
     roomy = make({0: 100, 64: 20}, step=32)
     assert roomy.num_blocks == 100  # one sequence needs at most cdiv(64 + 32, 16) + 1 = 7 windowed blocks

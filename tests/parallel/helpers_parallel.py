@@ -11,8 +11,9 @@ from servescope import LLM, SamplingParams
 ROUND_1 = [[5, 6, 7, 8, 9] * 7, [100, 200, 300], list(range(1000, 1100)), [7] * 20]
 ROUND_2 = [ROUND_1[2][:64] + [11, 12], ROUND_1[0] + [13], [4, 4, 4]]  # 4 and 2 full blocks seen before
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-# one block table for all layers in both engines: the parallel ones keep one (kv_sizing.kv_group_blocks), and the
-# workload's scheduling (preemptions, hits) must be the same for the steps to compare
+# one block table for all layers in both engines unless a test asks for a table per group (kv_sizing.kv_group_blocks:
+# a pipeline stage cannot lend its windowed layers' saved bytes to another stage's full layers, so its pools may
+# differ from one process's); the workload's scheduling (preemptions, hits) must be the same for the steps to compare
 ENGINE = dict(num_kv_blocks=12, max_model_len=144, max_num_seqs=4, max_num_batched_tokens=32, num_threads=1,
               disable_hybrid_kv_cache_manager=True)
 
@@ -48,14 +49,20 @@ def max_logit_diff(a: list, b: list) -> float:
 
 
 def assert_same_as_single_process(path: str, common: dict | None = None, logit_tol: float = 1e-4,
-                                  **parallel) -> list:
+                                  on_engine=None, **parallel) -> list:
     """The parallel engine's greedy tokens equal one process's, its logits within logit_tol (1e-4) at every
-    step, and within 1e-4 at nine steps in ten whatever logit_tol is (common: settings of both engines).
+    step, and within 1e-4 at nine steps in ten whatever logit_tol is (common: settings of both engines;
+    on_engine(llm): called on each engine, the single process's first, before the workload).
     Returns the parallel engine's StepRecords."""
     kw = {**ENGINE, **(common or {})}
-    ref_tokens, ref_logits, ref_stats = run_workload(LLM(model=path, **kw))
+    one = LLM(model=path, **kw)
+    if on_engine is not None:
+        on_engine(one)
+    ref_tokens, ref_logits, ref_stats = run_workload(one)
     llm = LLM(model=path, **kw, **parallel)
     try:
+        if on_engine is not None:
+            on_engine(llm)
         tokens, logits, stats = run_workload(llm)
     finally:
         llm.engine.shutdown(keep_workers=True)  # the next case loads its weights into the same processes

@@ -102,3 +102,25 @@ def test_stage_decode_plans_chained_equal_the_whole_plan(runner):
     h, r = stages[1].run_layers(h, r, pos, staged_kv[2:], m)
     assert torch.equal(model.final_norm(h, r), want)
     assert all(torch.equal(x, y) for (k, v), (k2, v2) in zip(whole_kv, staged_kv) for x, y in ((k, k2), (v, v2)))
+
+
+def test_a_further_groups_reader_and_writer_are_not_cut_apart(runner):
+    """A cache with a table per group of layers: a hazard in a further group's tables forbids the cut as one in
+    the first group's does (ModelRunner lays each group's slots and tables in the step; the metadata is the
+    runner's of a model whose groups are the first's windows plus one)."""
+    from servescope.engine.model_runner import ModelRunner
+
+    s = runner.block_size
+    grouped = ModelRunner(runner.executor, runner.cfg, runner.backend, 16, s, runner.kv_dtype, runner.device,
+                          kv_caches=runner.kv_caches, group_blocks={0: 16, 8: 16})
+    toks = list(range(2 * s + 1))
+
+    def seq(computed, new, first, further):
+        return SimpleNamespace(**vars(_seq(toks, computed, new, first)), group_block_ids=(first, further))
+
+    # the first group's tables share nothing; in the further group sequence 0 reads block 3, which 1 writes
+    batch = grouped.prepare([seq(s, 1, [5, 6], [3, 4]), seq(0, s, [7], [3])])
+    assert forbidden_spans(batch.meta, s) == ((0, s + 1),) and choose_cuts(batch.meta, 2, s) == []
+    piece = micro_batches(batch.input_ids, batch.positions, batch.meta, [1])[1]  # each group's rows sliced
+    assert piece.meta.for_window(8).block_tables.tolist() == [[3, 0]]  # (rows padded to the step's widest)
+    assert piece.meta.for_window(8).slot_mapping.tolist() == [3 * s + p for p in range(s)]

@@ -2,6 +2,8 @@
 tokens identical to one process and logits within 1e-4 at every step, for every family of the parity
 tests, with batching, chunked prefill, prefix caching and preemption in the workload."""
 
+from pathlib import Path
+
 import pytest
 
 from helpers_parallel import assert_same_as_single_process
@@ -72,23 +74,26 @@ def test_pipeline_parallel_2_equals_one_process(tmp_path, family, overrides, mic
         assert any(r.num_prefill_tokens >= 16 and r.pipeline_micro_batches > 1 for r in recs)
 
 
-def test_tensor_parallel_2_with_ngram_speculation_equals_one_process(tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_tensor_parallel_2_with_speculation_equals_one_process(tmp_path, method):
     """Verification rows (1 + k one-token rows per speculating request) go to the workers like any
-    step's rows: n-gram speculation at TP=2 keeps the single process's greedy tokens."""
+    step's rows: n-gram speculation at TP=2 keeps the single process's greedy tokens, and so does a draft
+    model (the target's weights, whole in rank 0's process on a cache of its own)."""
     from servescope import LLM
     from helpers_parallel import ENGINE, PARAMS
 
     path = str(make_tiny_hf_model(tmp_path, "llama"))
     prompts = [[5, 6, 7, 8, 9, 10] * 6, [100, 200, 300, 100, 200]]
     want = [o.outputs[0].token_ids for o in LLM(model=path, **ENGINE).generate(prompts, PARAMS)]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
     llm = LLM(model=path, **ENGINE, tensor_parallel_size=2, speculative=spec)
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
-        drafted = llm.engine.spec.num_draft_tokens
+        drafted, rate = llm.engine.spec.num_draft_tokens, llm.engine.spec.acceptance_rate
     finally:
         llm.engine.shutdown(keep_workers=True)
     assert got == want and drafted > 0
+    assert method == "ngram" or rate > 0.9  # the target's own weights: its drafts are the target's tokens
 
 
 def test_tensor_parallel_keeps_a_block_table_per_group_of_layers(tmp_path):
@@ -106,6 +111,68 @@ def test_tensor_parallel_keeps_a_block_table_per_group_of_layers(tmp_path):
     try:
         assert isinstance(llm.engine.kv_manager, HybridKVCacheManager)
         assert llm.engine.kv_manager.group_stats() == one.engine.kv_manager.group_stats()
+    finally:
+        llm.engine.shutdown(keep_workers=True)
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("gpt_oss", dict(sliding_window=16)),  # a windowed stage and a full one; sinks, experts in both
+    ("gemma2", dict(sliding_window=16, num_hidden_layers=4)),  # both kinds in each stage
+])
+def test_pipeline_parallel_2_with_a_table_per_group_equals_one_process(tmp_path, family, overrides):
+    from servescope.kvcache.hybrid import HybridKVCacheManager
+
+    def tables_per_group(llm):
+        assert isinstance(llm.engine.kv_manager, HybridKVCacheManager)
+
+    path = str(make_tiny_hf_model(tmp_path, family, **overrides))
+    assert_same_as_single_process(path, dict(disable_hybrid_kv_cache_manager=False), pipeline_parallel_size=2,
+                                  on_engine=tables_per_group)
+
+
+def test_pipeline_parallel_keeps_a_block_table_per_group_of_layers(tmp_path):
+    """Gemma 3's shape (two local layers to one global) at PP=2: stage 0 holds the local layers only, stage 1 the
+    global one. Rank 0 keeps the hybrid manager's table per group, the plan carries every group's, each stage
+    allocates the pools of its own layers' groups and its layers read their group's (micro-batches cut them too):
+    over the workload (chunks, prefix hits, preemption) the tokens and logits of one process, and the windowed
+    group holds at most cdiv(w, S) + 1 blocks per decoding sequence while the full group keeps every block.
+    Then with room to spare and a draft model (on rank 0, its own cache over the full group's table): the windowed
+    pool smaller than the full one, which holds what stage 1's one full layer had before (a stage cannot lend its
+    windowed layers' saved bytes to another stage), greedy tokens those of one process without speculation,
+    nearly every draft of the target's own weights accepted, the windowed group at most cdiv(w + k, S) + 1
+    blocks per decoding sequence (a verification's 1 + k positions from the last token, the draft's lookahead)."""
+    import sys
+    from servescope import LLM
+    from helpers_parallel import ENGINE, PARAMS, ROUND_1, ROUND_2
+    from servescope.kvcache.hybrid import HybridKVCacheManager
+    from servescope.kvcache.manager import cdiv
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "engine"))
+    from helpers import track_window_holdings
+
+    path = str(make_tiny_hf_model(tmp_path, "gemma3", **TP_CASES["gemma3-window"]))
+    most = []
+    assert_same_as_single_process(path, dict(disable_hybrid_kv_cache_manager=False), pipeline_parallel_size=2,
+                                  on_engine=lambda llm: most.append(track_window_holdings(llm.engine.kv_manager, 1)))
+    assert most[0] == most[1] and most[1][16] <= cdiv(16, 16) + 1 < most[1][0]
+    kw = {**ENGINE, "disable_hybrid_kv_cache_manager": False, "num_kv_blocks": 40, "max_num_seqs": 2}
+    one = LLM(model=path, **kw)
+    want = [o.outputs[0].token_ids for r in (ROUND_1, ROUND_2) for o in one.generate(r, PARAMS)]
+    k = 3
+    llm = LLM(model=path, **kw, pipeline_parallel_size=2,
+              speculative={"method": "draft", "num_speculative_tokens": k, "adaptive": False})
+    try:
+        km = llm.engine.kv_manager
+        assert isinstance(km, HybridKVCacheManager)
+        pools = {g["window"]: g["num_blocks"] for g in km.group_stats()}
+        assert pools[16] < pools[0] == 40  # stage 1: its one full layer in 40 blocks' bytes of one layer
+        assert [c.shape[0] for c, _ in llm.engine.runner.kv_caches] == [pools[16]] * 2  # stage 0: local layers
+        most = track_window_holdings(km, 1 + k)
+        assert [o.outputs[0].token_ids for r in (ROUND_1, ROUND_2) for o in llm.generate(r, PARAMS)] == want
+        assert llm.engine.spec.acceptance_rate > 0.95 and km.prefix_cache_hits > 0
+        assert most[16] <= cdiv(16 + k, 16) + 1 < most[0]
+        draft = llm.engine.spec.proposer.runner
+        assert {c.shape[0] for c, _ in draft.kv_caches} == {pools[0]} and len(draft.kv_caches) == 3
     finally:
         llm.engine.shutdown(keep_workers=True)
 

@@ -73,8 +73,8 @@ def test_lookahead_reserved_without_hashing_and_given_back():
     h = Harness(num_blocks=8, block_size=4)
     req = _decoding(h, prompt=3)  # 4 tokens, 3 computed: 1 block
     cached = h.kv.num_cached_blocks
-    blocks = h.sched.reserve_lookahead("a", 6)  # positions 3..8: 3 blocks
-    assert blocks == h.blocks("a") and len(blocks) == 3 and h.kv.num_cached_blocks == cached
+    tables = h.sched.reserve_lookahead("a", 6)  # positions 3..8: 3 blocks (one table for all layers)
+    assert tables == (h.blocks("a"),) and len(tables[0]) == 3 and h.kv.num_cached_blocks == cached
     h.kv.check_invariants()
     assert h.sched.reserve_lookahead("a", 40) is None and len(h.blocks("a")) == 3  # no room: unchanged
     out = h.sched.schedule()  # no drafts after all: a plain decode

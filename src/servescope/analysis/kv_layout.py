@@ -3,8 +3,9 @@ the tokens each group's layers hold per sequence, and how the engine splits a me
 
 The engine keeps a block table per group of layers of one window (kvcache/hybrid.py, vLLM's hybrid allocator
 idea) when a model mixes windows (Gemma 2, Gemma 3, gpt-oss): a windowed group holds at most cdiv(w, S) + 1
-blocks per sequence, the full group every block; `group_blocks` sizes each group's pool. One table for all layers
-remains where per-group tables are not built (tensor / pipeline parallelism, a draft model): there a hybrid keeps
+blocks per sequence, the full group every block; `group_blocks` sizes each group's pool (per pipeline stage: each
+holds its layers' groups). One table for all layers remains where per-group tables are not built
+(disable_hybrid_kv_cache_manager; a draft model over a target without full-attention layers): there a hybrid keeps
 every block in every layer (`blocks_held`, the planner's max_concurrent_sequences); an all-windowed model
 (Mistral) gives back what slid out either way (config/layers.window_of). Latent attention (MLA) is a group of kind
 "latent": one row of kv_lora_rank + qk_rope_head_dim values per token and layer instead of K and V per KV head.
@@ -77,7 +78,7 @@ def layers_per_window(cfg: ModelConfig) -> dict:
 
 
 def group_blocks(layers: dict, num_blocks: int, block_size: int, max_num_seqs: int, max_step_tokens: int,
-                 max_num_batched_tokens: int) -> dict:
+                 max_num_batched_tokens: int, stages: tuple = ()) -> dict:
     """The pools of a cache with a block table per group (kvcache/hybrid.py) in the memory of num_blocks blocks
     of every layer: window -> blocks. layers: window -> its layers (layers_per_window).
 
@@ -85,16 +86,19 @@ def group_blocks(layers: dict, num_blocks: int, block_size: int, max_num_seqs: i
     (its window, and the tokens one step adds: 1 + drafts for a decode) -- plus one step's prefill chunks
     (cdiv(max_num_batched_tokens, S) + 1), never more than num_blocks; the first group (full attention, or the
     widest window) gets the rest of the bytes: with L layers in all and L_g in group g,
-    N_first = (num_blocks * L - sum of N_g * L_g over the others) // L_first."""
+    N_first = (num_blocks * L - sum of N_g * L_g over the others) // L_first.
+
+    stages: per pipeline stage, its layers per window (() : one process holds them all). Every stage keeps the
+    pools of the groups its layers belong to, over the same block ids, in no more than num_blocks blocks of each
+    of its own layers; N_first is then the least that the stages holding first-group layers leave for it."""
     first = 0 if 0 in layers else max(layers)
-    spent, out = 0, {}
-    for w, n in layers.items():
-        if w == first:
-            continue
-        per_seq = math.ceil((w + max_step_tokens) / block_size) + 1
-        out[w] = min(num_blocks, max_num_seqs * per_seq + math.ceil(max_num_batched_tokens / block_size) + 1)
-        spent += out[w] * n
-    out[first] = (num_blocks * sum(layers.values()) - spent) // layers[first]
+    out = {}
+    for w in layers:
+        if w != first:
+            per_seq = math.ceil((w + max_step_tokens) / block_size) + 1
+            out[w] = min(num_blocks, max_num_seqs * per_seq + math.ceil(max_num_batched_tokens / block_size) + 1)
+    out[first] = min((num_blocks * sum(held.values()) - sum(out[w] * n for w, n in held.items() if w != first))
+                     // held[first] for held in (stages or (layers,)) if held.get(first))
     return out
 
 

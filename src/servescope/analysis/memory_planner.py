@@ -50,7 +50,7 @@ class MemoryPlan:
     fits: bool  # weights + activations fit at all and at least one sequence fits
     # per attention kind (analysis/kv_layout.py): bytes per token, tokens held per sequence with one table and
     # needed by the kind; and the sequences that fit with a block table per group (what the engine does for a
-    # hybrid in one process without a draft model: kvcache/hybrid.py)
+    # hybrid: kvcache/hybrid.py; one process's split, whose full layers get the windowed layers' saved bytes)
     kv_groups: tuple = ()
     max_concurrent_sequences_per_group_tables: int = 0
 

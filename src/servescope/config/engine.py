@@ -75,7 +75,7 @@ class KVCacheConfig:
     enable_prefix_caching: bool = True
     no_kv_cache: bool = False  # recompute the whole sequence every step (the labs' baseline)
     # one block table for all layers even where they mix windows (vLLM's flag of the same name): the memory use
-    # of a model without kvcache/hybrid.py, and the layout tensor / pipeline parallel engines keep
+    # of a model without kvcache/hybrid.py
     disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self):
@@ -259,9 +259,6 @@ class EngineConfig:
         _require(self.batching.max_num_batched_tokens >= self.cache.block_size,
                  f"max_num_batched_tokens ({self.batching.max_num_batched_tokens}) is below one KV block "
                  f"({self.cache.block_size} tokens)")
-        if self.parallel.world_size > 1:  # what the parallel workers do not run (yet)
-            _require(self.speculative.speculative_method != "draft",
-                     "a draft model with tensor/pipeline parallelism is not supported yet (use ngram)")
 
     def replace(self, **settings: Any) -> "EngineConfig":
         """A copy with some flat settings or whole parts changed (validated again)."""

@@ -143,6 +143,13 @@ class ModelConfig:
                  for k, s in set(zip(kinds[:n], sparse[:n]))}
         return tuple(specs[ks] for ks in zip(kinds[:n], sparse[:n]))
 
+    def layers_config(self, layers: range) -> "ModelConfig":
+        """The config of this model's consecutive `layers` alone (a pipeline stage's: their attention kinds and
+        MLPs, as layer_specs() gives them; the rest of the model's shape unchanged)."""
+        lo, hi = layers.start, layers.stop
+        moe = dataclasses.replace(self.moe, sparse_layers=self.moe.sparse_layers[lo:hi]) if self.moe else None
+        return dataclasses.replace(self, num_hidden_layers=hi - lo, layer_types=self.layer_types[lo:hi], moe=moe)
+
     def _attention_spec(self, kind: str) -> AttentionSpec:
         sliding = kind == "sliding"
         if kind == "latent":

@@ -91,10 +91,10 @@ def build_engine(config: EngineConfig, shared: Optional[LoadedModel] = None,
     shard_cfg = executor.shard_config(cfg)  # this process's heads and layers (a parallel engine: fewer)
     check_kv_layout(shard_cfg, kv_dtype)
     blocks = num_kv_blocks(config.cache, config.batching, shard_cfg, kv_dtype, device)
-    group_blocks = kv_group_blocks(config, shard_cfg, blocks)  # None: one block table for all layers
+    # None: one block table for all layers; else every group's pool (a pipeline stage allocates its layers' groups)
+    group_blocks = kv_group_blocks(config, cfg, blocks)
     hybrid = None if group_blocks is None else HybridKVCacheManager(
-        runtime_configs(config, blocks, 1)[0], group_blocks, layers_per_window(shard_cfg),
-        max_step_tokens(config, shard_cfg))
+        runtime_configs(config, blocks, 1)[0], group_blocks, layers_per_window(cfg), max_step_tokens(config, cfg))
     max_len = resolve_max_model_len(config, cfg, blocks if hybrid is None else hybrid.num_blocks)
     backend = executor.attention_backend(config.load.attention_backend)
     runner = ModelRunner(executor, shard_cfg, backend, blocks, config.cache.block_size, kv_dtype, device,

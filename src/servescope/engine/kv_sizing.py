@@ -11,6 +11,7 @@ from servescope.analysis.kv_layout import group_blocks, layers_per_window
 from servescope.config import BatchingConfig, EngineConfig, KVCacheConfig, ModelConfig
 from servescope.errors import EngineConfigError
 from servescope.model.attention import kv_quant
+from servescope.parallel.layout import stage_layers
 
 logger = logging.getLogger(__name__)
 
@@ -100,18 +101,20 @@ def num_kv_blocks(cache: KVCacheConfig, batching: BatchingConfig, cfg: ModelConf
 
 
 def kv_group_blocks(config: EngineConfig, cfg: ModelConfig, num_blocks: int) -> Optional[dict]:
-    """window -> the blocks of each group's pool, where cfg's layers mix attention windows and the engine keeps a
-    block table per group (kvcache/hybrid.py), in the memory of num_blocks blocks of every layer; None: one table
-    for all layers -- one kind of layer; a draft model (it reads the target's tables over all its own layers);
-    pipeline stages (each holds some of the layers, so some of the kinds; the step plan carries every group's
-    table under tensor parallelism, whose ranks hold every layer); disable_hybrid_kv_cache_manager."""
+    """window -> the blocks of each group's pool, where cfg's layers (the whole model's) mix attention windows and
+    the engine keeps a block table per group (kvcache/hybrid.py), in the memory of num_blocks blocks of every
+    layer (of every pipeline stage's layers: each stage holds the pools of its own layers' groups); None: one
+    table for all layers -- one kind of layer; disable_hybrid_kv_cache_manager; a draft model with its own cache
+    over a target without full-attention layers (it reads the first group's table over all its layers, which
+    must hold every block: spec/draft.py)."""
     layers = layers_per_window(cfg)
-    if (len(layers) < 2 or config.speculative.speculative_method == "draft"
-            or config.cache.disable_hybrid_kv_cache_manager or config.parallel.pipeline_parallel_size > 1):
+    if (len(layers) < 2 or config.cache.disable_hybrid_kv_cache_manager
+            or (config.speculative.speculative_method == "draft" and 0 not in layers)):
         return None
-    batching = config.batching
+    batching, pp = config.batching, config.parallel.pipeline_parallel_size
+    stages = tuple(layers_per_window(cfg.layers_config(r)) for r in stage_layers(cfg.num_hidden_layers, pp))
     return group_blocks(layers, num_blocks, config.cache.block_size, batching.max_num_seqs,
-                        1 + (config.speculative.num_speculative_tokens or 0), max_step_tokens(config, cfg))
+                        1 + (config.speculative.num_speculative_tokens or 0), max_step_tokens(config, cfg), stages)
 
 
 def max_step_tokens(config: EngineConfig, cfg: ModelConfig) -> int:

@@ -99,6 +99,9 @@ class ModelRunner:
         self.layer_windows = tuple(windows)  # (a layer's group: the KV manager's group of its window)
         # the windows of the groups after the first, in the KV manager's order (its tables' order)
         self.group_windows = tuple(sorted(group_blocks))[1:] if group_blocks else ()
+        self.group_blocks = dict(group_blocks) if group_blocks else None
+        # the blocks of the first group's pool, which ScheduledSequence.block_ids index (one table: all blocks)
+        self.table_blocks = group_blocks[min(group_blocks)] if group_blocks else num_blocks
         self.kv_caches = kv_caches if kv_caches is not None else [
             (kv_quant.allocate(n, block_size, heads, k_dim, kv_dtype, device),
              kv_quant.allocate(n, block_size, heads, v_dim, kv_dtype, device))
@@ -159,12 +162,18 @@ class ModelRunner:
 
     def one_token_rows(self, ids, positions: list, tables: list) -> StepBatch:
         """The batch of n one-token decode rows (a draft model's step, spec/draft.py): row i feeds ids[i]
-        at positions[i] through block table tables[i]; its logits are row i. ids: a host list, or a
-        device tensor [n] (the previous draft step's argmaxes, never copied to the host)."""
+        at positions[i] through its block tables tables[i] (one per group of layers, the KV manager's order:
+        Scheduler.reserve_lookahead); its logits are row i. ids: a host list, or a device tensor [n] (the
+        previous draft step's argmaxes, never copied to the host)."""
         s, n = self.block_size, len(positions)
-        slots = [b[p // s] * s + p % s for p, b in zip(positions, tables)]
+        first = [t[0] for t in tables]
+        slots = [b[p // s] * s + p % s for p, b in zip(positions, first)]
+        groups = [([], []) for _ in self.group_windows]
+        if groups:
+            for p, t in zip(positions, tables):
+                _group_rows(groups, t[1:], p, 1, s, False)
         batch = self._batch(ids if isinstance(ids, list) else [0] * n, list(positions), slots, [1] * n,
-                            [p + 1 for p in positions], tables, n)
+                            [p + 1 for p in positions], first, n, groups=groups)
         if not isinstance(ids, list):
             batch.input_ids.copy_(ids)  # a view of the step's buffer
         return batch

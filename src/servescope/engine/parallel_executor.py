@@ -159,13 +159,14 @@ class ParallelExecutor(ModelExecutor):
 
     # ---------------------------------------------------------------- what this rank holds
     def shard_config(self, cfg: ModelConfig) -> ModelConfig:
-        """This rank's heads, MLP columns and layers (on rank 0: stage 0's, the most of any stage, so
-        that the KV blocks it sizes fit every rank)."""
-        tp = self.ctx.layout.tp
-        return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
+        """This rank's heads, MLP columns and its stage's layers with their kinds (on rank 0: stage 0's, the most
+        of any stage, so that the KV blocks it sizes fit every rank)."""
+        tp, layout = self.ctx.layout.tp, self.ctx.layout
+        stage = cfg.layers_config(layout.stage_layers(self.ctx.stage))
+        assert stage.num_hidden_layers == len(self.model.model.layers), "the stage's layers are the model's"
+        return dataclasses.replace(stage, num_attention_heads=cfg.num_attention_heads // tp,
                                    num_key_value_heads=local_kv_heads(cfg, tp),
-                                   intermediate_size=cfg.intermediate_size // tp,
-                                   num_hidden_layers=len(self.model.model.layers))
+                                   intermediate_size=cfg.intermediate_size // tp)
 
     def start_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         """Every worker allocates a KV cache of the same blocks for its own heads and layers."""

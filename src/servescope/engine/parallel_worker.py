@@ -83,9 +83,10 @@ def _serve(ex: ParallelExecutor, config: EngineConfig, model_config, backend, de
             return plan.rebuild_config(msg)
         if msg.command == plan.ALLOCATE_KV:
             blocks, block_size, dtype_index = msg.header[1:4]
-            shard_cfg = ex.shard_config(model_config)  # (rank 0's groups of layers: the same rule, same inputs)
-            runner = ModelRunner(ex, shard_cfg, backend, blocks, block_size, plan.KV_DTYPES[dtype_index], device,
-                                 group_blocks=kv_group_blocks(config, shard_cfg, blocks))
+            # the pools of every group, by rank 0's rule on the same inputs; the stage's layers take their groups'
+            runner = ModelRunner(ex, ex.shard_config(model_config), backend, blocks, block_size,
+                                 plan.KV_DTYPES[dtype_index], device,
+                                 group_blocks=kv_group_blocks(config, model_config, blocks))
             continue
         t, b, max_blocks, decodes, _ = msg.dims
         buf, logits_rows, cuts, widths = msg.step_parts()

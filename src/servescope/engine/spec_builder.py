@@ -2,14 +2,15 @@
 sampling, or speculative decoding with its proposer and k chooser) and, for draft-model speculation,
 the draft's weights (a second LoadedModel, engine/weights.py) checked against the target, with a
 ModelRunner over the target's block geometry (spec/draft.py: the draft reads and writes through the
-target's block tables): on the target's own KV cache for self-speculation, else on a cache of its own."""
+target's block tables): on the target's own KV cache for self-speculation (a table per group of layers:
+each layer its group's), else on a cache of its own over the first group's table (full attention)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Optional
 
-from servescope.config import EngineConfig, SpeculativeConfig
+from servescope.config import EngineConfig, ParallelConfig, SpeculativeConfig
 from servescope.engine.model_runner import ModelRunner
 from servescope.engine.spec_decode import SpecDecoder
 from servescope.engine.step_cost import StepCostPredictor
@@ -55,15 +56,23 @@ def build_draft_proposer(config: EngineConfig, loaded, runner: ModelRunner, samp
     """(the DraftProposer, a StepCostPredictor for its forwards or None when the engine predicts nothing).
     The draft's weights are a second LoadedModel (engine/weights.py), never sharded."""
     spec = config.speculative
+    # the draft runs in this process whatever the target's layout (a parallel target's rank 0: the draft keeps
+    # its own cache over the target's first table, as the scheduler hands it out)
     draft_config = config.replace(model=spec.speculative_model or config.load.model,
-                                  quantization=spec.speculative_quantization, speculative=SpeculativeConfig())
+                                  quantization=spec.speculative_quantization, speculative=SpeculativeConfig(),
+                                  parallel=ParallelConfig())
     device = resolve_device(draft_config)
     dtype, kv_dtype = resolve_dtypes(draft_config, device)
     draft = load_model(draft_config, device, dtype)  # no worker entry point: a draft is never parallel
     check_draft(draft, loaded, max_model_len)
     shared = shares_target_kv(spec, draft.model_config, loaded.model_config, kv_dtype, runner)
-    draft_runner = ModelRunner(draft.executor, draft.model_config, runner.backend, runner.num_blocks,
-                               runner.block_size, kv_dtype, device, kv_caches=runner.kv_caches if shared else None)
+    if shared:  # the target's cache, each layer through its own group's table
+        draft_runner = ModelRunner(draft.executor, draft.model_config, runner.backend, runner.num_blocks,
+                                   runner.block_size, kv_dtype, device, kv_caches=runner.kv_caches,
+                                   group_blocks=runner.group_blocks)
+    else:  # a cache of its own over the first group's table (the full-attention group's: every block)
+        draft_runner = ModelRunner(draft.executor, draft.model_config, runner.backend, runner.table_blocks,
+                                   runner.block_size, kv_dtype, device)
     logger.info("draft model %s (%s): %d layers, %.1f MiB of weights, %s",
                 draft.source_path, spec.speculative_quantization or "unquantised",
                 draft.model_config.num_hidden_layers, draft.executor.weight_bytes / 2**20,
@@ -83,6 +92,7 @@ def shares_target_kv(spec: SpeculativeConfig, draft_cfg, target_cfg, kv_dtype, r
     the target's cache is sharded (a parallel executor's workers hold it)."""
     same_shape = all(getattr(draft_cfg, a) == getattr(target_cfg, a)
                      for a in ("num_hidden_layers", "num_key_value_heads", "head_dim"))
+    same_shape = same_shape and tuple(s.attention.window for s in draft_cfg.layer_specs()) == runner.layer_windows
     return (spec.speculative_model is None and same_shape and kv_dtype == runner.kv_dtype
             and len(runner.kv_caches) == draft_cfg.num_hidden_layers
             and runner.executor.shard_config(target_cfg) == target_cfg)

@@ -69,12 +69,12 @@ class SpecDecoder(TokenDecider):
                 # a grammar-constrained request decodes plainly: verifying drafts would need its matcher
                 # advanced through them and rolled back on rejection (not built)
                 continue
-            blocks = None
+            tables = None
             if self.proposer.needs_lookahead:
-                blocks = scheduler.reserve_lookahead(req.request_id, k)
-                if blocks is None:
+                tables = scheduler.reserve_lookahead(req.request_id, k)  # per group of layers
+                if tables is None:
                     continue  # no room for the draft's KV: this request decodes plainly
-            items.append((req, k, blocks, state))
+            items.append((req, k, tables, state))
         for (req, _, _, _), (drafts, q) in zip(items, self.proposer.propose_batch(items)):
             req.spec_token_ids = list(drafts)
             if q is not None:

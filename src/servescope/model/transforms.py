@@ -46,13 +46,14 @@ class DecodePlanLayers:
     max_rows sequences on a cache the C++ kernels read."""
 
     def __init__(self, plan, max_rows: int, rotary, segments: tuple = (), sparse: dict | None = None,
-                 rotary_local=None):
+                 rotary_local=None, window: int = 0):
         """segments: (first layer, end, window, plan of those layers) for each run of consecutive layers of one
         window: a cache with a block table per group of layers (kvcache/hybrid.py) runs them in turn, each on
         its group's tables; the same kernels in the same order as the one plan of all layers. sparse: {layer
         index: its PlanSparseMlp} (what the kernel table times as the plan runs it: measure/moe_kernels.py).
         rotary_local: the tables of the layers with their own rotary base (Gemma 3's local layers), None: none."""
         self.plan, self.max_rows, self.rotary, self.segments = plan, max_rows, rotary, segments
+        self.window = window  # of every layer, where there are no segments
         self.sparse, self.rotary_local = sparse or {}, rotary_local
 
     def serves(self, meta, num_tokens: int, kv_caches: list, backend) -> bool:
@@ -64,9 +65,11 @@ class DecodePlanLayers:
         cos, sin = self.rotary.table(positions)
         empty = h.new_empty(0)
         local = self.rotary_local.table(positions) if self.rotary_local is not None else (empty, empty)
-        if not meta.window_groups:
+        if not meta.window_groups or not self.segments:  # one table, or layers of one window (a pipeline stage
+            # may hold one kind of layer): the one plan on that window's group's tables
+            m = meta.for_window(self.window)
             return self.plan.run_layers(h, empty if residual is None else residual, cos, sin, kv_caches,
-                                        meta.slot_mapping, meta.block_tables, meta.context_lens, *local)
+                                        m.slot_mapping, m.block_tables, m.context_lens, *local)
         for lo, hi, window, plan in self.segments:
             m = meta.for_window(window)
             h, residual = plan.run_layers(h, empty if residual is None else residual, cos, sin, kv_caches[lo:hi],
@@ -152,7 +155,7 @@ def cpu_decode_plan(model: nn.Module):
     local = any(g and g[-1] for g in gemma.values())
     return DecodePlanLayers(plan_of(0, len(layers)), min(served), model.rotary, tuple(segments),
                             {i: m for i, m in enumerate(sparse) if m is not None},
-                            model.rotary_local if local else None)
+                            model.rotary_local if local else None, windows[0] if not segments else 0)
 
 
 def _sparse_mlp(mod, block: SparseMoeBlock, dtype: torch.dtype):

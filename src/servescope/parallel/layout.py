@@ -43,14 +43,18 @@ class ParallelLayout:
         return stage * self.width + shard
 
     def stage_layers(self, stage: int) -> range:
-        """The layers of `stage`: consecutive, the first L % P stages one layer more (so that stage 0,
-        whose KV cache rank 0 sizes for everyone, holds the most)."""
-        base, extra = divmod(self.num_layers, self.pp)
-        start = stage * base + min(stage, extra)
-        return range(start, start + base + (stage < extra))
+        return stage_layers(self.num_layers, self.pp)[stage]
 
     def tp_group_ranks(self, stage: int) -> list:
         return [self.rank_of(stage, s) for s in range(self.width)]
+
+
+def stage_layers(num_layers: int, pp: int) -> list:
+    """Each stage's layers: consecutive, the first L % P stages one layer more (so that stage 0, whose KV cache
+    rank 0 sizes for everyone, holds the most)."""
+    base, extra = divmod(num_layers, pp)
+    starts = [s * base + min(s, extra) for s in range(pp)]
+    return [range(start, start + base + (s < extra)) for s, start in enumerate(starts)]
 
 
 def local_kv_heads(cfg: ModelConfig, tp: int) -> int:

@@ -12,6 +12,7 @@ block a *later* sequence of the same step writes; rank 0 never cuts between two 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -45,19 +46,20 @@ def forbidden_spans(meta: AttentionMetadata, block_size: int) -> tuple:
     i < j where i reads a KV block that j writes in this step (a prefix hit on a block computed in
     the same step, or a verification's rows)."""
     qsl = _token_starts(meta.query_lens_cpu)
-    tables = meta.block_tables.tolist()
-    slots = meta.slot_mapping.tolist()
-    first_reader: dict = {}
-    for i, (row, ctx) in enumerate(zip(tables, meta.context_lens_cpu)):
-        for blk in row[:-(-ctx // block_size)]:
-            first_reader.setdefault(blk, i)
-    spans = []
-    for j in range(meta.num_seqs):
-        written = {s // block_size for s in slots[qsl[j]:qsl[j + 1]]}
-        i = min((first_reader.get(blk, j) for blk in written), default=j)
-        if i < j:
-            spans.append((qsl[i], qsl[j + 1]))
-    return tuple(spans)
+    spans = set()
+    for group in (meta, *meta.window_groups.values()):  # a table per group of layers: each group's blocks
+        tables = group.block_tables.tolist()
+        slots = group.slot_mapping.tolist()
+        first_reader: dict = {}
+        for i, (row, ctx) in enumerate(zip(tables, meta.context_lens_cpu)):
+            for blk in row[:-(-ctx // block_size)]:
+                first_reader.setdefault(blk, i)
+        for j in range(meta.num_seqs):
+            written = {s // block_size for s in slots[qsl[j]:qsl[j + 1]]}
+            i = min((first_reader.get(blk, j) for blk in written), default=j)
+            if i < j:
+                spans.add((qsl[i], qsl[j + 1]))
+    return tuple(sorted(spans))
 
 
 def choose_cuts(meta: AttentionMetadata, num_micro: int, block_size: int) -> list:
@@ -79,7 +81,7 @@ def _slice_meta(meta: AttentionMetadata, lo: int, hi: int) -> AttentionMetadata:
         ctxs.append(meta.context_lens_cpu[i] - (qsl[i + 1] - b))  # its tokens after hi are not there yet
     starts = _token_starts(qlens)
     dev = meta.context_lens.device
-    return AttentionMetadata(
+    piece = AttentionMetadata(
         slot_mapping=meta.slot_mapping[lo:hi],
         block_tables=meta.block_tables[first:last + 1],
         context_lens=torch.tensor(ctxs, dtype=torch.int32, device=dev),
@@ -88,6 +90,11 @@ def _slice_meta(meta: AttentionMetadata, lo: int, hi: int) -> AttentionMetadata:
         # decodes lead the step; a piece of a prefill is never one, even when it is one token
         num_decode_seqs=max(0, min(meta.num_decode_seqs, last + 1) - first),
     )
+    for window, g in meta.window_groups.items():  # each further group's slots and tables, the rest shared
+        piece.window_groups[window] = dataclasses.replace(
+            piece, slot_mapping=g.slot_mapping[lo:hi], block_tables=g.block_tables[first:last + 1], scratch={},
+            window_groups={})
+    return piece
 
 
 def micro_batches(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -355,16 +355,17 @@ class Scheduler:
             if num_spec:
                 self.kv_manager.rollback(req, req.num_tokens)
 
-    def reserve_lookahead(self, request_id: str, num_tokens: int) -> Optional[list]:
+    def reserve_lookahead(self, request_id: str, num_tokens: int) -> Optional[tuple]:
         """Blocks for num_tokens positions past a running request's computed ones (a draft model writes
-        its own KV there before the next step verifies), without hashing anything. The block table,
-        or None (nothing changed) when the cache has no room."""
+        its own KV there before the next step verifies), without hashing anything. The request's block
+        table per group of layers (the KV manager's order; one table for all layers: a 1-tuple), or None
+        (nothing changed) when the cache has no room."""
         req = self._requests.get(request_id)
         if req is None or req.status is not RequestStatus.RUNNING:
             return None
         if not self.kv_manager.allocate_slots(req, 0, num_lookahead_tokens=num_tokens):
             return None
-        return self.kv_manager.get_block_ids(request_id)
+        return self.kv_manager.get_group_block_ids(request_id) or (self.kv_manager.get_block_ids(request_id),)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """Finish a request wherever it is (waiting, mid-prefill, decoding) and free its blocks

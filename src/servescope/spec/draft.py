@@ -15,7 +15,12 @@ draft's k - 1 unverified positions (Scheduler.reserve_lookahead), never hashed.
            writes the KV of the last token and of its own drafts at positions the target's verification
            step rewrites before any of its rows reads them (all rows store before any attends). So each
            proposal is exactly k one-token decodes: no prompt prefill, no catch-up rows, no second cache.
-  own      (any other draft) the draft has its own cache (its own layers' K and V) at the same slots.
+           With a block table per group of layers (kvcache/hybrid.py) each draft layer is the target's layer
+           of the same window, so it reads and writes its own group's table, lookahead slots reserved in
+           every group.
+  own      (any other draft) the draft has its own cache (its own layers' K and V) at the same slots: with
+           a table per group of layers, the full-attention group's (its first; the engine keeps tables per
+           group under a draft only where the target has full-attention layers), which holds every block.
            Per request the proposer remembers how many leading positions of it are valid: after a
            verification min(what it wrote, the target's verified count); a preemption resets it (the
            blocks are new). The first forward catches up on the tokens the draft has not seen (the whole
@@ -58,7 +63,8 @@ class DraftProposer:
         self.propose_seconds = 0.0  # whole proposals (forwards, sampling, copies)
 
     def propose_batch(self, items: list) -> list:
-        """items: (request, k, block ids, sampling state) -> [(drafts, q [k, V] or None when greedy)]."""
+        """items: (request, k, its block table per group of layers (Scheduler.reserve_lookahead), sampling state)
+        -> [(drafts, q [k, V] or None when greedy)]."""
         if not items:
             return []
         t0 = time.perf_counter()
@@ -104,7 +110,7 @@ class DraftProposer:
         step's drafts, never copied to the host)."""
         t0 = time.perf_counter()
         pos = [req.num_tokens - 1 + j for req, _, _, _ in its]
-        batch = self.runner.one_token_rows(ids, pos, [blocks for _, _, blocks, _ in its])
+        batch = self.runner.one_token_rows(ids, pos, [tables for _, _, tables, _ in its])
         r = self.runner
         logits = r.executor.run(batch, r.kv_caches, r.backend, batch.logits_indices)  # [n, V]
         dt = time.perf_counter() - t0
@@ -115,7 +121,7 @@ class DraftProposer:
     def _catch_up(self, its: list, plain: bool, drafts: list, probs: list) -> torch.Tensor:
         """Own cache: the first forward, over the tokens the draft has not seen; draft 1 of each request."""
         t0 = time.perf_counter()
-        seqs = [self._catch_up_seq(req, blocks) for req, _, blocks, _ in its]
+        seqs = [self._catch_up_seq(req, tables[0]) for req, _, tables, _ in its]  # (own cache: the first table)
         # one-token queries first (decodes and catch-ups laid out as rows), prompts last
         order = sorted(range(len(its)), key=lambda i: seqs[i].num_new_tokens > 1 and not seqs[i].spec_token_ids)
         logits = self.runner.execute([seqs[i] for i in order], list(range(len(seqs))))  # [P, V]
