@@ -137,6 +137,16 @@ inline void build_panel_vector(const QMatrix& q, int64_t n0, int8_t* panel, floa
     for (int64_t o = 0; o < GEMM_NP * scale_bytes; o += 64) _mm_prefetch((const char*)(ns + o), _MM_HINT_T1);
   }
   __m512i r[16];
+  // dword c of the chunk's rows (r[c] after the transpose) to its quad of the panel: a loop the compiler unrolls
+  // for whole chunks, so that r stays in registers (a runtime index would put it on the stack)
+  auto put = [&](int64_t b0, int64_t s, int64_t c) {
+    const int64_t quad = q.int4 ? (b0 + c / 4) * 8 + c % 4 : b0 * 8 + c;  // int4: + 4 for the high nibbles
+    int8_t* p = panel + (quad * GEMM_NP + s * W) * 4;
+    if (!q.int4) return storeb(p, r[c]);
+    const vb lo = low_nibbles(r[c]), hi = high_nibbles(r[c]);
+    storeb(p, table ? lut16(lo, table) : lo);
+    storeb(p + 4 * GEMM_NP * 4, table ? lut16(hi, table) : hi);
+  };
   for (int64_t b0 = 0; b0 < nb; b0 += per) {
     const int64_t bytes = std::min(per, nb - b0) * block_bytes;
     for (int64_t s = 0; s < GEMM_NR; ++s) {
@@ -145,16 +155,11 @@ inline void build_panel_vector(const QMatrix& q, int64_t n0, int8_t* panel, floa
       if (next)  // the next panel's bytes into L2 while this one is built and multiplied
         for (int i = 0; i < 16; ++i) _mm_prefetch((const char*)(w + (GEMM_NP + i) * rb), _MM_HINT_T1);
       transpose16x16(r);
-      for (int64_t c = 0; c < bytes / 4; ++c) {
-        const int64_t quad = q.int4 ? (b0 + c / 4) * 8 + c % 4 : b0 * 8 + c;  // int4: + 4 for the high nibbles
-        int8_t* p = panel + (quad * GEMM_NP + s * W) * 4;
-        if (!q.int4) {
-          storeb(p, r[c]);
-          continue;
-        }
-        const vb lo = low_nibbles(r[c]), hi = high_nibbles(r[c]);
-        storeb(p, table ? lut16(lo, table) : lo);
-        storeb(p + 4 * GEMM_NP * 4, table ? lut16(hi, table) : hi);
+      if (bytes == 64) {
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < 16; ++c) put(b0, s, c);
+      } else {
+        for (int64_t c = 0; c < bytes / 4; ++c) put(b0, s, c);
       }
     }
   }
