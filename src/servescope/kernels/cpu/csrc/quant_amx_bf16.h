@@ -321,12 +321,15 @@ enum class QRowsKernel { Dot, Amx, AmxBf16, Gemm };
 // From this many rows on, where no AMX tiles run, quant_gemm.h's panel GEMM (its weights re-laid per call so that
 // a vector holds 16 columns' bytes: per 32-block one float rescale per 16 columns and row, where the VNNI orders
 // of quant_dot.h rescale every block of every (row, column) pair; compute-bound past a few rows, the GEMM's
-// inner loop is nearly all vpdpbusd). The crossover, measured on a Zen 4 (AVX-512 VNNI, benchmarks/quant_rows.py;
-// docs/BENCHMARKS.md, "packed rows on a CPU without AMX"): from 4 rows for int4 (3: the VNNI orders 9.0 against 10.6
-// ms), from 2 for int8 (whose VNNI orders are twice the work per byte). The other paths re-lay their panels a
-// scalar 4 bytes at a time, which the VNNI orders beat at decode sizes: they keep them.
+// inner loop is nearly all vpdpbusd). The crossovers, measured on a Zen 4 (benchmarks/quant_rows.py; docs/BENCHMARKS.md,
+// "packed rows on a CPU without AMX"): AVX-512 (VNNI) from 4 rows for int4 (at 3 the VNNI orders take 9.0 ms
+// against 10.6) and 2 for int8 (whose VNNI orders do twice the work per byte); the AVX2 build (no VNNI: maddubs
+// + madd) from 8 (level with the streaming order there, 1.2x ahead at 16) and 4. Other paths re-lay their panels
+// a scalar 4 bytes at a time, which the VNNI orders beat at decode sizes: they keep them.
 #if defined(SERVESCOPE_ISA_AVX512)
 constexpr int64_t QGEMM_ROWS_INT4 = 4, QGEMM_ROWS_INT8 = 2;
+#elif defined(SERVESCOPE_ISA_AVX2)
+constexpr int64_t QGEMM_ROWS_INT4 = 8, QGEMM_ROWS_INT8 = 4;
 #else
 constexpr int64_t QGEMM_ROWS_INT4 = INT64_MAX, QGEMM_ROWS_INT8 = INT64_MAX;
 #endif

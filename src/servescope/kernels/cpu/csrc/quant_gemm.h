@@ -65,10 +65,12 @@ inline void quantize_gemm_acts(const T* x, int64_t M, int64_t kp, int32_t off, G
   });
 }
 
+#if defined(SERVESCOPE_ISA_AVX512) || defined(SERVESCOPE_ISA_AVX2)
+#define SERVESCOPE_VECTOR_PANELS 1
 #if defined(SERVESCOPE_ISA_AVX512)
 // r[c] lane i <- r[i] lane c: 16 rows of 16 dwords transposed in registers (unpack by 32 and 64 bits within
 // the 128-bit lanes, then two rounds of 128-bit lane shuffles)
-inline void transpose16x16(__m512i (&r)[16]) {
+inline void transpose_dwords(__m512i (&r)[16]) {
   __m512i t[16], u[16];
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);  // per lane: r[i][0] r[i+1][0] r[i][1] r[i+1][1]
@@ -91,7 +93,52 @@ inline void transpose16x16(__m512i (&r)[16]) {
   }
 }
 
-// build_panel's scales for the W columns of vector s: 16 blocks of each of the 16 rows at a time, transposed
+// row i's float16 scales of blocks b0 .. b0 + n (interleaved (d, m) pairs when asym) as floats: d[i], m[i]
+inline void load_scales(const uint16_t* h, int64_t n, bool asym, __m512i& d, __m512i& m) {
+  alignas(64) static constexpr int16_t kSplit[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                                     1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  const __m512i raw = loadbn(h, n * (asym ? 4 : 2));
+  const __m512i hs = asym ? _mm512_permutexvar_epi16(_mm512_load_si512(kSplit), raw) : raw;
+  d = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_castsi512_si256(hs)));
+  if (asym) m = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(hs, 1)));
+}
+#else
+// r[c] lane i <- r[i] lane c: 8 rows of 8 dwords (unpack by 32 and 64 bits within the 128-bit lanes, then
+// one round of lane permutes)
+inline void transpose_dwords(__m256i (&r)[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 8; g += 4) {  // u[g + e], lane l: rows g .. g + 3 at dword 4 l + e
+    u[g] = _mm256_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm256_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm256_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm256_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    r[e] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x20);
+    r[4 + e] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x31);
+  }
+}
+
+inline void load_scales(const uint16_t* h, int64_t n, bool asym, __m256i& d, __m256i& m) {
+  if (!asym) {
+    alignas(16) uint16_t t[8] = {};
+    std::memcpy(t, h, n * 2);
+    d = _mm256_castps_si256(_mm256_cvtph_ps(_mm_load_si128((const __m128i*)t)));
+    return;
+  }
+  alignas(32) uint16_t t[16] = {}, dm[16];
+  std::memcpy(t, h, n * 4);
+  for (int i = 0; i < 8; ++i) dm[i] = t[2 * i], dm[8 + i] = t[2 * i + 1];
+  d = _mm256_castps_si256(_mm256_cvtph_ps(_mm_load_si128((const __m128i*)dm)));
+  m = _mm256_castps_si256(_mm256_cvtph_ps(_mm_load_si128((const __m128i*)(dm + 8))));
+}
+#endif
+
+// build_panel's scales for the W columns of vector s: W blocks of each of the W rows at a time, transposed
 inline void build_panel_scales(const QMatrix& q, int64_t n0, int64_t s, float* pd, float* pm) {
   const int64_t nb = q.kp / QBLOCK;
   if (q.mx()) {
@@ -99,36 +146,29 @@ inline void build_panel_scales(const QMatrix& q, int64_t n0, int64_t s, float* p
       for (int64_t b = 0; b < nb; ++b) pd[b * GEMM_NP + s * W + c] = e8m0_half(q.e8m0[(n0 + s * W + c) * nb + b]);
     return;
   }
-  // float16 scales: d per block, or (d, m) pairs when asymmetric (split into two halves of 16 by a permute)
   const int64_t sc = q.asym ? 2 : 1;
-  alignas(64) static constexpr int16_t kSplit[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
-                                                     1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-  const __m512i split = _mm512_load_si512(kSplit);
-  for (int64_t b0 = 0; b0 < nb; b0 += 16) {
-    const int64_t n = std::min<int64_t>(16, nb - b0);
-    __m512i dm[2][16];
-    for (int i = 0; i < 16; ++i) {
-      const __m512i h = loadbn(q.scales + ((n0 + s * W + i) * nb + b0) * sc, n * sc * 2);
-      const __m512i hs = q.asym ? _mm512_permutexvar_epi16(split, h) : h;
-      dm[0][i] = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_castsi512_si256(hs)));
-      if (q.asym) dm[1][i] = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(hs, 1)));
-    }
+  for (int64_t b0 = 0; b0 < nb; b0 += W) {
+    const int64_t n = std::min<int64_t>(W, nb - b0);
+    vb dm[2][W] = {};
+    for (int i = 0; i < W; ++i) load_scales(q.scales + ((n0 + s * W + i) * nb + b0) * sc, n, q.asym, dm[0][i], dm[1][i]);
     for (int t = 0; t < sc; ++t) {
-      transpose16x16(dm[t]);
+      transpose_dwords(dm[t]);
       float* out = t ? pm : pd;
-      for (int64_t c = 0; c < n; ++c) _mm512_storeu_si512(out + (b0 + c) * GEMM_NP + s * W, dm[t][c]);
+      for (int64_t c = 0; c < n; ++c) storeb(out + (b0 + c) * GEMM_NP + s * W, dm[t][c]);
     }
   }
 }
 
-// build_panel's bytes for a whole panel (all NP columns present): 64 bytes of each of 16 rows at a time (int4: 4
-// blocks, int8: 2), transposed so that dword c of every row lands in one vector: one pass over the rows' bytes in
-// registers where the scalar re-layout moves 4 bytes at a time. The panel's vectors s = 0 .. NR - 1 of a chunk are
-// built together, so that its quads' cache lines are written whole, in order. Then the scales, the same way.
+// build_panel's bytes for a whole panel (all NP columns present): 4W bytes of each of W rows at a time (one
+// vector each: int4 W / 4 blocks, int8 W / 8), transposed so that dword c of every row lands in one vector: one
+// pass over the rows' bytes in registers where the scalar re-layout moves 4 bytes at a time. The panel's vectors
+// s = 0 .. NR - 1 of a chunk are built together, so that its quads' cache lines are written whole, in order.
+// Then the scales, the same way.
 inline void build_panel_vector(const QMatrix& q, int64_t n0, int8_t* panel, float* pd, float* pm) {
-  const int64_t nb = q.kp / QBLOCK, rb = q.row_bytes(), block_bytes = q.int4 ? 16 : 32, per = 64 / block_bytes;
+  constexpr int64_t CHUNK = 4 * W;
+  const int64_t nb = q.kp / QBLOCK, rb = q.row_bytes(), block_bytes = q.int4 ? 16 : 32, per = CHUNK / block_bytes;
   const int8_t* table = q.mx() ? MXFP4_UNSIGNED : nullptr;
-  // 16 row streams at a stride (and the scales, a separate array) wait on memory unless the panel's reads were
+  // W row streams at a stride (and the scales, a separate array) wait on memory unless the panel's reads were
   // started earlier: each panel prefetches the next one's weights and scales
   const bool next = n0 + 2 * GEMM_NP <= q.n;
   if (next && !q.mx()) {
@@ -136,7 +176,7 @@ inline void build_panel_vector(const QMatrix& q, int64_t n0, int8_t* panel, floa
     const uint8_t* ns = (const uint8_t*)(q.scales) + (n0 + GEMM_NP) * scale_bytes;
     for (int64_t o = 0; o < GEMM_NP * scale_bytes; o += 64) _mm_prefetch((const char*)(ns + o), _MM_HINT_T1);
   }
-  __m512i r[16];
+  vb r[W];
   // dword c of the chunk's rows (r[c] after the transpose) to its quad of the panel: a loop the compiler unrolls
   // for whole chunks, so that r stays in registers (a runtime index would put it on the stack)
   auto put = [&](int64_t b0, int64_t s, int64_t c) {
@@ -151,13 +191,13 @@ inline void build_panel_vector(const QMatrix& q, int64_t n0, int8_t* panel, floa
     const int64_t bytes = std::min(per, nb - b0) * block_bytes;
     for (int64_t s = 0; s < GEMM_NR; ++s) {
       const uint8_t* w = q.w + (n0 + s * W) * rb + b0 * block_bytes;
-      for (int i = 0; i < 16; ++i) r[i] = loadbn(w + i * rb, bytes);
+      for (int i = 0; i < W; ++i) r[i] = loadbn(w + i * rb, bytes);
       if (next)  // the next panel's bytes into L2 while this one is built and multiplied
-        for (int i = 0; i < 16; ++i) _mm_prefetch((const char*)(w + (GEMM_NP + i) * rb), _MM_HINT_T1);
-      transpose16x16(r);
-      if (bytes == 64) {
+        for (int i = 0; i < W; ++i) _mm_prefetch((const char*)(w + (GEMM_NP + i) * rb), _MM_HINT_T1);
+      transpose_dwords(r);
+      if (bytes == CHUNK) {
 #pragma GCC unroll 16
-        for (int64_t c = 0; c < 16; ++c) put(b0, s, c);
+        for (int64_t c = 0; c < W; ++c) put(b0, s, c);
       } else {
         for (int64_t c = 0; c < bytes / 4; ++c) put(b0, s, c);
       }
@@ -173,7 +213,7 @@ inline void build_panel_vector(const QMatrix& q, int64_t n0, int8_t* panel, floa
 inline void build_panel(const QMatrix& q, int64_t n0, int8_t* panel, float* pd, float* pm) {
   const int64_t nb = q.kp / QBLOCK, rb = q.row_bytes(), sc = q.asym ? 2 : 1, quads = q.kp / 4;
   const int64_t cols = std::min<int64_t>(GEMM_NP, q.n - n0);
-#if defined(SERVESCOPE_ISA_AVX512)
+#if SERVESCOPE_VECTOR_PANELS
   if (cols == GEMM_NP) return build_panel_vector(q, n0, panel, pd, pm);
 #endif
   for (int64_t c = 0; c < GEMM_NP; ++c) {
