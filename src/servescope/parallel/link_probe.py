@@ -32,7 +32,7 @@ A2A_PROBE_SIZES = (0,) + tuple(4 * 1024 * 4 ** i for i in range(7))  # 0, 4 KiB 
 # layer's all-gather and before its combine (attention, the experts), each long enough for a waiting peer's
 # threads to have gone to sleep, which back-to-back calls never let them do.
 LEAD_S = 1e-3
-EP_LAYERS = 4  # sparse layers per probed step
+EP_LAYERS = 8  # sparse layers per probed step
 COUNTS_INTS = 64  # a probed layer's tokens per expert: [E] int64 (its all-gather's bytes are a few hundred)
 PLAN_INTS = 10  # a probed plan's payload: a one-token decode step's (plan.py: 3 T + 3 B + 1 + its blocks)
 WARM_UP = 3  # timed calls per size before the samples (after one untimed)
@@ -110,8 +110,11 @@ def measure_step_collectives(sizes: tuple = A2A_PROBE_SIZES, runs: int = 15, wor
     """{kind: {bytes: seconds}} of the collectives besides the all-reduce that a parallel step issues, timed in a
     step's order over `world` local processes (_step_rank): "plan", the step plan's two broadcasts {payload
     bytes: s}; "all_to_all", expert parallelism's dispatch and combine {bytes sent to each other rank: s};
-    "all_gather", its tokens-per-expert and outputs' all-gathers {bytes per rank: s}. Per size, the lower quartile
-    of the rounds' samples (as measure_all_reduce's)."""
+    "all_gather", its tokens-per-expert and outputs' all-gathers, per call {their mean bytes per rank: s}. Per
+    size, the lower quartile of the rounds' samples (as measure_all_reduce's), each sample one step's mean per
+    call: a call right after another is often ~1 ms slower than one after compute (its peer's thread not woken
+    at once), so a lone call's quartile would miss what a step pays, while a step's mean over its layers holds
+    it."""
     return _measure("step", sizes, runs, world, statistic)
 
 
@@ -129,13 +132,15 @@ def _step_rank(rank: int, world: int, port: int, sizes: tuple, runs: int, out) -
     times = {"plan": {}, "all_to_all": {}, "all_gather": {}}
 
     def step(size: int, a2a, mine, outs) -> dict:
-        t = {}
+        """One probed step: {kind: (bytes, seconds per call)}. A layer's two calls of a kind are averaged (the one
+        after compute, the one right after a call: a step always pays both), the all-gathers at their mean bytes
+        (the tokens per expert's and the slice's: call + bytes / rate is linear, so the mean prices the pair)."""
         if rank == 0:
             _busy(LEAD_S)
         t0 = time.perf_counter()
         dist.broadcast(header, src=0)
         dist.broadcast(payload, src=0)
-        t["plan"] = time.perf_counter() - t0
+        t = {"plan": time.perf_counter() - t0, "all_to_all": 0.0, "all_gather": 0.0}
         for _ in range(EP_LAYERS):
             _busy(LEAD_S)
             t0 = time.perf_counter()
@@ -149,21 +154,26 @@ def _step_rank(rank: int, world: int, port: int, sizes: tuple, runs: int, out) -
             t4 = time.perf_counter()
             gather(outs, mine)
             t5 = time.perf_counter()
-            for key, dt in ((("all_gather", counts.numel() * 8), t1 - t0), (("all_to_all", size), t2 - t1 + t4 - t3),
-                            (("all_gather", mine.numel() * 4), t5 - t4)):
-                t[key] = t.get(key, 0.0) + dt / (2 if key[0] == "all_to_all" else 1) / EP_LAYERS
-        return t
+            t["all_to_all"] += (t2 - t1 + t4 - t3) / 2 / EP_LAYERS
+            t["all_gather"] += (t1 - t0 + t5 - t4) / 2 / EP_LAYERS
+        nbytes = {"plan": payload.numel() * 8, "all_to_all": size,
+                  "all_gather": (counts.numel() * 8 + mine.numel() * 4) // 2}
+        return {kind: (nbytes[kind], seconds) for kind, seconds in t.items()}
 
     bufs = {size: (_collective("all_to_all", size, world), torch.zeros(max(1, size // 4)),
                    torch.empty(world * max(1, size // 4))) for size in sizes}
     for size, buf in bufs.items():
         step(size, *buf)  # connections, buffers, page faults
     for _ in range(runs):
+        plans = []  # the round's plans, one a step: their mean is the round's sample, as a layer's calls are
         for size, buf in bufs.items():
             dist.barrier()
-            for key, dt in step(size, *buf).items():
-                kind, nbytes = key if isinstance(key, tuple) else (key, PLAN_INTS * 8)
-                times[kind].setdefault(nbytes, []).append(dt)
+            for kind, (nbytes, dt) in step(size, *buf).items():
+                if kind == "plan":
+                    plans.append(dt)
+                else:
+                    times[kind].setdefault(nbytes, []).append(dt)
+        times["plan"].setdefault(payload.numel() * 8, []).append(sum(plans) / len(plans))
     dist.destroy_process_group()
     if rank == 0:
         out.put(times)
