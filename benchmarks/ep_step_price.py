@@ -11,9 +11,13 @@ and, of that, its all-to-alls (all_to_all_seconds) -- and what the cost model pr
 on the link the engine probed, `local-gloo`, its all-to-all measured on its own, and the wait for the busier
 rank's experts, analysis/parallel_skew.py). Printed per batch: the medians of each and the errors
 (predicted - measured) / measured, then the prediction's parts: the rank's compute (host overhead included),
-the all-to-alls, the other collectives (all-gathers, the step plan's broadcast is not priced) and the wait. The
-model is a mid-size random Qwen3-MoE (8 layers, hidden 1024, 32 experts of 512, top 8) unless --model names
-another.
+the all-to-alls, the other collectives (the all-gathers and the step plan's broadcasts) and the wait; then rank
+0's collectives by kind, as it issued them (timed here around torch.distributed's calls in this process, rank
+0's, each call counted in the step it fell in): per step the calls of each kind and their median ms per call
+(the plan's two broadcasts together; the tokens-per-expert all-gather, the dispatch, the combine and the
+outputs' all-gather of each sparse layer), beside the price of one (collectives.plan_seconds, all_gather_seconds,
+all_to_all_seconds on the probed link; the combine's wait for the busier rank apart). The model is a mid-size
+random Qwen3-MoE (8 layers, hidden 1024, 32 experts of 512, top 8) unless --model names another.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -36,7 +41,9 @@ def measure(model: str, args) -> dict:
 
     from servescope.measure.local_hardware import local_gloo_link  # (torch) measured here once, then cached
 
-    print(local_gloo_link(measure=True).describe(), flush=True)
+    link = local_gloo_link(measure=True)
+    print(link.describe(), flush=True)
+    calls = CallLog()
     llm = LLM(model=model, dtype=args.dtype, num_threads=args.threads or None, expert_parallel_size=args.ep,
               max_num_seqs=max(args.batches), max_model_len=512, skip_tokenizer_init=True)
     print(f"torch threads on rank 0: {torch_threads()}", flush=True)
@@ -62,11 +69,16 @@ def measure(model: str, args) -> dict:
                   + f"  [{med['steps']} steps]", flush=True)
             med.update(breakdown(llm, steps))
             print(f"    predicted: compute {med['p_compute'] * 1e3:6.2f} ms, all-to-all {med['p_a2a'] * 1e3:5.2f}, "
-                  f"other collectives {med['p_other'] * 1e3:5.2f}, wait {med['p_wait'] * 1e3:5.2f}; measured: "
-                  f"compute {med['m_compute'] * 1e3:6.2f}, all-to-all (its wait in it) "
-                  f"{med['all_to_all_seconds'] * 1e3:5.2f}, "
-                  f"other collectives {med['m_other'] * 1e3:5.2f}", flush=True)
+                  f"other collectives {med['p_other'] * 1e3:5.2f} (plan {med['p_plan'] * 1e3:4.2f}), wait "
+                  f"{med['p_wait'] * 1e3:5.2f}; measured: compute {med['m_compute'] * 1e3:6.2f}, all-to-all (its "
+                  f"wait in it) {med['all_to_all_seconds'] * 1e3:5.2f}, other collectives {med['m_other'] * 1e3:5.2f}",
+                  flush=True)
+            med["calls"] = calls.by_kind(steps)
+            print("    per call, measured / priced: " + ", ".join(
+                f"{k} {c['calls']:g}/step {c['seconds'] * 1e3:5.2f} / {price(llm, link, k, b) * 1e3:4.2f} ms"
+                for k, c in med["calls"].items()), flush=True)
     finally:
+        calls.remove()
         llm.engine.shutdown()
     return out
 
@@ -88,9 +100,75 @@ def breakdown(llm, steps: list) -> dict:
                               sum(active) / len(active) if active else None)
         comm = p.comm_seconds or 0.0
         parts.append({"p_compute": p.seconds - comm, "p_a2a": p.all_to_all_seconds, "p_wait": p.wait_seconds,
-                      "p_other": comm - p.all_to_all_seconds - p.wait_seconds, "m_compute": s.compute_seconds,
+                      "p_other": comm - p.all_to_all_seconds - p.wait_seconds, "p_plan": p.plan_seconds,
+                      "m_compute": s.compute_seconds,
                       "m_other": s.comm_seconds - s.all_to_all_seconds})
     return {k: statistics.median(d[k] for d in parts) for k in parts[0]}
+
+
+class CallLog:
+    """Rank 0's collectives as this process issues them: torch.distributed's broadcast, all-gather and
+    all_to_all_single wrapped to log (kind, start, end) on perf_counter, the clock of StepRecord.start_time."""
+
+    KINDS = {"broadcast": "plan", "all_gather_single": "all-gather", "all_gather_into_tensor": "all-gather",
+             "all_to_all_single": "all-to-all"}
+
+    def __init__(self):
+        import torch.distributed as dist  # (torch)
+
+        self.dist, self.log, self.saved = dist, [], {}
+        for name, kind in self.KINDS.items():
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self.saved[name] = fn
+                setattr(dist, name, self._wrap(fn, kind))
+
+    def _wrap(self, fn, kind):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.log.append((kind, t0, time.perf_counter()))
+            return out
+        return timed
+
+    def remove(self) -> None:
+        for name, fn in self.saved.items():
+            setattr(self.dist, name, fn)
+
+    def by_kind(self, steps: list) -> dict:
+        """{kind: {calls per step, median seconds per call}} over `steps`: the plan (its broadcasts, timed
+        together), and per sparse layer, in the order a layer issues them, the tokens-per-expert all-gather
+        ("counts"), the dispatch, the combine and the outputs' all-gather ("outputs")."""
+        names = {"all-gather": ("counts", "outputs"), "all-to-all": ("dispatch", "combine"), "plan": ("plan",)}
+        per = {k: [] for k in ("plan", "counts", "dispatch", "combine", "outputs")}
+        calls = {k: [] for k in per}
+        for s in steps:
+            seen = {k: 0 for k in names}
+            step = {k: [] for k in per}
+            for kind, t0, t1 in self.log:
+                if s.start_time <= t0 < s.start_time + s.wall_seconds:
+                    step[names[kind][seen[kind] % len(names[kind])]].append(t1 - t0)
+                    seen[kind] += 1
+            for k, ts in step.items():
+                calls[k].append(len(ts))
+                per[k] += [sum(ts)] if k == "plan" and ts else ts
+        return {k: {"calls": statistics.median(calls[k]), "seconds": statistics.median(ts)}
+                for k, ts in per.items() if ts}
+
+
+def price(llm, link, kind: str, batch: int) -> float:
+    """The cost model's seconds for one call of `kind` (CallLog.by_kind's) in a decode step of `batch` tokens."""
+    from servescope.analysis.collectives import (all_gather_seconds, all_to_all_seconds, plan_bytes,
+                                                 plan_seconds)
+
+    cfg, ep = llm.engine.model_config, llm.engine.step_cost_predictor.predictor.ep
+    e = cfg.moe.experts
+    rows = -(-batch // ep) * cfg.hidden_size * 4  # a rank's slice [Tr, Dm], float32
+    return {"plan": lambda: plan_seconds(plan_bytes(batch, batch), ep, link),
+            "counts": lambda: all_gather_seconds(e.num_experts * 8, ep, link),
+            "outputs": lambda: all_gather_seconds(rows, ep, link),
+            "dispatch": lambda: all_to_all_seconds(rows * e.top_k * (ep - 1) / ep, ep, link),
+            "combine": lambda: all_to_all_seconds(rows * e.top_k * (ep - 1) / ep, ep, link)}[kind]()
 
 
 def main(argv=None) -> int:

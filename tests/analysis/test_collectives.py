@@ -8,9 +8,10 @@ import json
 import pytest
 
 from servescope.analysis.collectives import (
-    LINKS, LinkSpec, all_reduce_seconds, cached_local_link, fit_all_to_all, fit_link, gather_seconds, p2p_seconds,
-    ring_steps, ring_terms, save_local_link, shard_config, step_comm_cost,
+    LINKS, LinkSpec, all_reduce_seconds, cached_local_link, gather_seconds, p2p_seconds, ring_steps, ring_terms,
+    save_local_link, shard_config, step_comm_cost,
 )
+from servescope.analysis.link_fit import fit_link, fit_step_collectives
 from servescope.analysis.hardware import get_hardware
 from servescope.analysis.parallel_explain import explain_parallel
 from servescope.analysis.presets import load_preset
@@ -125,12 +126,14 @@ def test_local_link_cache_round_trip(tmp_path):
     assert cached_local_link("cpu A", path) == link
     assert cached_local_link("cpu B", path) is None
     assert "cpu A" in json.loads(path.read_text())
-    # its all-to-all fit rides in the same entry
-    both = fit_all_to_all({0: 2e-4, 1 << 20: 1.2e-3}, link)
+    # the step's other collectives ride in the same entry
+    both = fit_step_collectives({"all_to_all": {0: 2e-4, 1 << 20: 1.2e-3}, "all_gather": {8: 3e-4, 1 << 20: 1.3e-3},
+                                 "plan": {80: 5e-4}}, link)
     save_local_link("cpu A", both, path)
-    assert cached_local_link("cpu A", path) == both and both.a2a_bandwidth > 0
-    # an entry of the all-reduce alone (before the all-to-all was measured) reads back without it
-    entry = {k: v for k, v in json.loads(path.read_text())["cpu A"].items() if not k.startswith("a2a")}
+    assert cached_local_link("cpu A", path) == both and both.a2a_bandwidth > 0 and both.ag_bandwidth > 0
+    # an entry of the all-reduce alone (before those were measured) reads back without them
+    measured_apart = ("a2a", "ag_", "plan")
+    entry = {k: v for k, v in json.loads(path.read_text())["cpu A"].items() if not k.startswith(measured_apart)}
     path.write_text(json.dumps({"cpu A": entry}))
     assert cached_local_link("cpu A", path) == link
     # an entry written by an older model (its measured table) is measured again, not misread

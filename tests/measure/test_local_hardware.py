@@ -27,27 +27,31 @@ def test_probe_local_cpu_measures_the_engine_and_caches_the_full_spec(tmp_path, 
     assert local_hardware.hardware_for_device(torch.device("cpu"), "h100").name == "H100-SXM"
 
 
-def test_the_local_link_entry_holds_its_all_to_all(tmp_path, monkeypatch):
-    """local_gloo_link measures the all-reduce and the all-to-all once and caches both in one entry; an entry
-    cached before the all-to-all was measured gets it added, its all-reduce fit kept."""
-    from servescope.analysis.collectives import cached_local_link, fit_link, save_local_link
+def test_the_local_link_entry_holds_the_step_collectives(tmp_path, monkeypatch):
+    """local_gloo_link measures the all-reduce and the step's other collectives once and caches both in one entry;
+    an entry cached before those were measured gets them added, its all-reduce fit kept."""
+    from servescope.analysis.collectives import cached_local_link, save_local_link
+    from servescope.analysis.link_fit import fit_link
     from servescope.engine.hardware import local_link_key
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
     monkeypatch.setattr(local_hardware, "measure_all_reduce",
                         lambda: calls.append("ar") or {8192: 1e-4, 1 << 20: 1e-3, 1 << 24: 2e-2})
-    monkeypatch.setattr(local_hardware, "measure_all_to_all",
-                        lambda: calls.append("a2a") or {0: 2e-4, 1 << 20: 1.2e-3, 1 << 24: 1.7e-2})
+    step = {"all_to_all": {0: 2e-4, 1 << 20: 1.2e-3, 1 << 24: 1.7e-2}, "all_gather": {8: 3e-4, 1 << 20: 1.4e-3},
+            "plan": {80: 6e-4}}
+    monkeypatch.setattr(local_hardware, "measure_step_collectives", lambda: calls.append("a2a") or step)
     link = local_hardware.local_gloo_link()
     assert calls == ["ar", "a2a"] and link.a2a_bandwidth > 0 and link.max_segment_bytes
+    assert link.ag_bandwidth > 0 and link.plan_s > 0
     assert local_hardware.local_gloo_link() == link and calls == ["ar", "a2a"]  # read back, not measured again
     assert cached_local_link(local_link_key()) == link
-    older = fit_link({8192: 2e-4, 1 << 20: 2e-3, 1 << 24: 3e-2}, 2)  # no all-to-all in it
+    older = fit_link({8192: 2e-4, 1 << 20: 2e-3, 1 << 24: 3e-2}, 2)  # none of the step's collectives in it
     save_local_link(local_link_key(), older)
     completed = local_hardware.local_gloo_link()
     assert calls[-1] == "a2a" and calls.count("ar") == 1
     assert completed.bandwidth == older.bandwidth and completed.a2a_bandwidth == link.a2a_bandwidth
+    assert completed.plan_s == link.plan_s
     assert local_hardware.local_gloo_link(measure=False) == completed
 
 

@@ -19,19 +19,29 @@ def test_probe_times_every_size_and_the_fit_predicts_them():
 
 
 @pytest.mark.timeout(300)
-def test_all_to_all_probe_times_every_size_and_its_fit_predicts_them():
-    """gloo's all_to_all_single between two processes, as expert parallelism's dispatch calls it, timed at the
-    bytes one rank sends the other (0: the call alone) and fitted to a call + bytes / bandwidth."""
-    from servescope.analysis.collectives import all_to_all_seconds, fit_all_to_all
-    from servescope.parallel.link_probe import measure_all_to_all
+def test_step_collectives_probe_times_every_kind_and_size_and_their_fits_predict_them():
+    """The collectives a parallel step issues besides the all-reduce, timed between two processes in a step's
+    order: the plan's broadcasts at a decode step's payload, all_to_all_single at the bytes one rank sends the
+    other (0: the call alone), the all-gathers at the tokens per expert's bytes and each size's slice; fitted to a
+    call + bytes / bandwidth each (the plan: one figure)."""
+    from servescope.analysis.collectives import all_gather_seconds, all_to_all_seconds, plan_seconds
+    from servescope.analysis.link_fit import fit_step_collectives
+    from servescope.parallel.link_probe import COUNTS_INTS, PLAN_INTS, measure_step_collectives
 
     sizes = (0, 16 * 1024, 256 * 1024, 4 << 20)
-    measured = measure_all_to_all(sizes, runs=3)
-    assert sorted(measured) == list(sizes) and all(t > 0 for t in measured.values())
-    link = fit_all_to_all(measured, fit_local_link({8192: 1e-4, 1 << 20: 1e-3, 1 << 24: 2e-2}))
-    assert link.a2a_bandwidth > 0 and link.a2a_call_s >= 0
-    for b, t in measured.items():  # two terms, four noisy sizes: a loose check
+    measured = measure_step_collectives(sizes, runs=3)
+    assert sorted(measured) == ["all_gather", "all_to_all", "plan"]
+    assert sorted(measured["all_to_all"]) == list(sizes) and list(measured["plan"]) == [PLAN_INTS * 8]
+    # a layer's two all-gathers (the tokens per expert, the slice) timed as a pair, at their mean bytes
+    assert sorted(measured["all_gather"]) == [(COUNTS_INTS * 8 + max(4, b)) // 2 for b in sizes]
+    assert all(t > 0 for by_size in measured.values() for t in by_size.values())
+    link = fit_step_collectives(measured, fit_local_link({8192: 1e-4, 1 << 20: 1e-3, 1 << 24: 2e-2}))
+    assert link.a2a_bandwidth > 0 and link.ag_bandwidth > 0 and link.plan_s > 0
+    for b, t in measured["all_to_all"].items():  # two terms, four noisy sizes: a loose check
         assert all_to_all_seconds(b, 2, link) == pytest.approx(t, rel=1.0)
+    for b, t in measured["all_gather"].items():
+        assert all_gather_seconds(b, 2, link) == pytest.approx(t, rel=1.0)
+    assert plan_seconds(PLAN_INTS * 8, 2, link) == pytest.approx(measured["plan"][PLAN_INTS * 8], rel=0.01)
 
 
 def test_socket_buffer_is_read_from_the_kernel(tmp_path):
@@ -47,7 +57,7 @@ def test_tp_step_predictions_use_the_gloo_ring(monkeypatch):
     """StepRecords of a TP=2 engine add the collectives as the measured link's ring model predicts them."""
     import torch
 
-    from servescope.analysis.collectives import LinkSpec, gather_seconds
+    from servescope.analysis.collectives import LinkSpec, gather_seconds, plan_bytes, plan_seconds
     from servescope.analysis.hardware import get_hardware
     from servescope.analysis.presets import load_preset
     from servescope.engine import step_cost
@@ -62,5 +72,6 @@ def test_tp_step_predictions_use_the_gloo_ring(monkeypatch):
     act = 4 * cfg.hidden_size * 4  # [T, Dm] float32: 64 KiB, inside the socket buffer
     reduces = (2 * cfg.num_hidden_layers + 1) * (2e-4 + 4 * 1e-4 + act / 4e9)
     logits = gather_seconds(4 * -(-cfg.vocab_size // 2) * 4, 2, link)  # the [B, V/2] shards on shard 0
-    assert rec.predicted_comm_seconds == pytest.approx(reduces + logits)
+    plan = plan_seconds(plan_bytes(4, 4), 2, link)  # rank 0's broadcasts of the step plan, before any of them
+    assert rec.predicted_comm_seconds == pytest.approx(reduces + logits + plan)
     assert all_reduce_seconds(act, 2, link) == pytest.approx(2e-4 + 4 * 1e-4 + act / 4e9)

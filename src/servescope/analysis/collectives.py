@@ -15,14 +15,19 @@ An expert-parallel step over N ranks (parallel/expert_parallel.py) adds per spar
 expert all-gathered ([N, E] int64), the dispatch and the combine all-to-alls (each rank's slice of
 Tr = ceil(T/N) tokens as Tr k rows [Dm], of which (N-1)/N leave it under uniform routing), and the slices'
 outputs all-gathered ([N Tr, Dm]); with tensor-parallel attention its sparse layers all-reduce only a shared
-expert's output. An all-to-all is priced from its own measurement where the link has one (the local gloo link:
-parallel/link_probe.measure_all_to_all, a call's cost + bytes sent / its rate), else as pairwise exchange:
-bytes sent / bandwidth + (N-1) x latency; an all-gather as the ring: (N-1) x (bytes per rank / bandwidth +
-latency), each step on a measured link as one exchange of the all-to-all's. What a rank's collectives also
-hold, waiting for the slower rank, is priced apart (analysis/parallel_skew.py: the busiest rank's experts over
-the mean rank's). The measured all-to-all is timed as a step issues it, each call after some compute on one
-rank while the other waits in it (parallel/link_probe.measure_all_to_all): the cost of waking the waiting
-peer, which the back-to-back all-reduces of the ring fit never pay, is in its call cost.
+expert's output. Every parallel step (TP, PP, EP) also starts with rank 0 broadcasting its step plan
+(parallel/plan.py: a header, then the payload of int64s), two broadcasts the other ranks wait in.
+An all-to-all, an all-gather and the plan are priced from their own measurement where the link has one (the
+local gloo link: parallel/link_probe.measure_step_collectives, each a call's cost + bytes / its rate, the plan
+one figure), else as pairwise exchange (bytes sent / bandwidth + (N-1) x latency), the ring ((N-1) x (bytes
+per rank / bandwidth + latency)) and a binomial tree of ceil(log2 N) hops per broadcast. The local link's
+are measured as a step issues them: the plan after rank 0's own work with the others waiting in it, then
+sparse layers of compute on every rank, the tokens-per-expert all-gather, the dispatch at once after it,
+compute, the combine and the outputs' all-gather at once after it. A call that follows another call costs
+more than one after compute (gloo between processes: the first rank out is already waiting in the next call
+while the last one is still being woken from the first), and the back-to-back all-reduces of the ring fit
+pay neither the wake-up of a waiting peer nor that. What a rank's collectives also hold, waiting for the
+slower rank, is priced apart (analysis/parallel_skew.py: the busiest rank's experts over the mean rank's).
 Against vLLM's all-reduce of [T, Dm] partial sums (its TP + EP without data parallelism), the all-to-alls move
 (N-1)/N T Dm (2k/N + 1) bytes per rank to the all-reduce's 2 (N-1)/N T Dm: more at N = 2 for k >= 2 (1.5x at
 k = 2), less once N > 2k.
@@ -44,7 +49,7 @@ bytes streamed while the peer drains it. Two regime changes: up to 2N MiB (4 MiB
 all-reduce takes 4(N-1) steps whatever its size, above it one more per MiB and phase; segments up to
 C (128 KiB here: all-reduces up to 4C at N = 2) never wait on the peer's reads. The probe reads C
 from the kernel (parallel/link_probe.socket_buffer_bytes) and fits the four rates to its measured
-sizes (fit_link); the datasheet links keep the alpha-beta formula above.
+sizes (analysis/link_fit.fit_link); the datasheet links keep the alpha-beta formula above.
 """
 
 from __future__ import annotations
@@ -78,23 +83,29 @@ class LinkSpec:
     max_segment_bytes: int = 0
     buffer_bytes: int = 0  # C: a segment's bytes up to it go into the socket buffer (0: none modelled)
     buffered_bandwidth: float = 0.0  # of those bytes (0: free, the fit found no cost)
-    # its all-to-all measured on its own (a2a_bandwidth > 0: a2a_call_s + bytes sent / a2a_bandwidth, fitted by
-    # fit_all_to_all); 0: priced as pairwise exchange on latency_s and bandwidth (a datasheet link)
+    # measured as a parallel step issues them (link_fit.fit_step_collectives); 0: priced from latency_s and
+    # bandwidth (a datasheet link). The all-to-all: a2a_call_s + bytes sent / a2a_bandwidth; the all-gather: per
+    # ring step ag_call_s + one rank's bytes / ag_bandwidth; the step plan's two broadcasts: plan_s + its bytes
+    # at the all-to-all's rate
     a2a_call_s: float = 0.0
     a2a_bandwidth: float = 0.0
+    ag_call_s: float = 0.0
+    ag_bandwidth: float = 0.0
+    plan_s: float = 0.0
 
     def __post_init__(self):
         if self.bandwidth <= 0 or min(self.latency_s, self.call_s, self.step_s, self.max_segment_bytes,
                                       self.buffer_bytes, self.buffered_bandwidth, self.a2a_call_s,
-                                      self.a2a_bandwidth) < 0:
+                                      self.a2a_bandwidth, self.ag_call_s, self.ag_bandwidth, self.plan_s) < 0:
             raise InvalidParameterError("link", f"{self.name}: bandwidth must be > 0, latencies and the segment >= 0")
 
     def describe(self) -> str:
         """One line: the link's terms."""
         if self.max_segment_bytes:
             buffered = f"{self.buffered_bandwidth / 1e9:.2f} GB/s" if self.buffered_bandwidth else "free"
-            a2a = (f"; all-to-all {self.a2a_call_s * 1e6:.0f} us per call + bytes at "
-                   f"{self.a2a_bandwidth / 1e9:.2f} GB/s" if self.a2a_bandwidth else "")
+            a2a = (f"; all-to-all {self.a2a_call_s * 1e6:.0f} us per call + bytes at {self.a2a_bandwidth / 1e9:.2f} "
+                   f"GB/s, all-gather {self.ag_call_s * 1e6:.0f} us + bytes at {self.ag_bandwidth / 1e9:.2f} GB/s, "
+                   f"step plan {self.plan_s * 1e6:.0f} us (as a step issues them)" if self.a2a_bandwidth else "")
             return (f"{self.name}: gloo ring, {self.call_s * 1e6:.0f} us per all-reduce + {self.step_s * 1e6:.0f} us "
                     f"per step; a segment's first {self.buffer_bytes // 1024} KiB {buffered}, the rest "
                     f"{self.bandwidth / 1e9:.2f} GB/s{a2a}")
@@ -178,29 +189,51 @@ def all_to_all_seconds(bytes_sent: float, ranks: int, link: LinkSpec) -> float:
 
 def all_gather_seconds(bytes_per_rank: float, ranks: int, link: LinkSpec) -> float:
     """Ring all-gather of each rank's bytes_per_rank: N - 1 steps of one rank's part, each one exchange with the
-    neighbours: on a link whose all-to-all was measured, that exchange as measured (one call's cost + the bytes
-    at its rate: at N = 2 the step is the same send and receive with the peer), else latency_s + the bytes."""
+    neighbours: on a link whose all-gather was measured, as measured (its call's cost + the bytes at its rate: at
+    N = 2 the one step), else latency_s + the bytes."""
     if ranks <= 1:
         return 0.0
-    if link.a2a_bandwidth:
-        return (ranks - 1) * (link.a2a_call_s + bytes_per_rank / link.a2a_bandwidth)
+    if link.ag_bandwidth:
+        return (ranks - 1) * (link.ag_call_s + bytes_per_rank / link.ag_bandwidth)
     return (ranks - 1) * (bytes_per_rank / link.bandwidth + link.latency_s)
+
+
+def plan_bytes(num_tokens: int, num_logits: int, header_ints: int = 9) -> float:
+    """The bytes of a step plan (parallel/plan.py, int64s): the header, then per token its id, position and KV
+    slot, per sampled row its context length, query start and logits row, one more query start. A step's
+    sequences are counted as its sampled rows (a prefill chunk that samples nothing sends its two ints less)
+    and the block tables are left out (a few ints per sequence at short contexts)."""
+    return 8.0 * (header_ints + 3 * num_tokens + 3 * num_logits + 1)
+
+
+def plan_seconds(num_bytes: float, ranks: int, link: LinkSpec) -> float:
+    """Rank 0's broadcasts of a step plan of num_bytes (the header's and the payload's) to the other ranks: on a
+    link that measured them, plan_s + the bytes at its all-to-all's rate (measured at two ranks: rank 0 posts one
+    send per other rank, so more ranks add bytes); else a binomial tree's ceil(log2 N) hops per broadcast."""
+    if ranks <= 1:
+        return 0.0
+    if link.plan_s:
+        return link.plan_s + (ranks - 1) * num_bytes / (link.a2a_bandwidth or link.bandwidth)
+    return math.ceil(math.log2(ranks)) * (2 * link.latency_s + num_bytes / link.bandwidth)
 
 
 @dataclass(frozen=True)
 class CommCost:
     """The collectives of one step on one rank: seconds and bytes, by kind (an expert-parallel step's
-    all-gathers in gather_seconds, its dispatch and combine in all_to_all_seconds)."""
+    all-gathers in gather_seconds, its dispatch and combine in all_to_all_seconds; the step plan's broadcasts in
+    plan_seconds)."""
 
     all_reduce_seconds: float = 0.0
     gather_seconds: float = 0.0
     p2p_seconds: float = 0.0
     bytes: float = 0.0
     all_to_all_seconds: float = 0.0
+    plan_seconds: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return self.all_reduce_seconds + self.gather_seconds + self.p2p_seconds + self.all_to_all_seconds
+        return (self.all_reduce_seconds + self.gather_seconds + self.p2p_seconds + self.all_to_all_seconds
+                + self.plan_seconds)
 
 
 def expert_parallel_cost(cfg: ModelConfig, num_tokens: int, ep: int, link: LinkSpec, act_bytes: int = 4) -> tuple:
@@ -237,9 +270,12 @@ def step_comm_cost(cfg: ModelConfig, num_tokens: int, num_logits: int, tp: int, 
     logits = p2p_seconds(num_logits * cfg.vocab_size * 4, link) if pp > 1 else 0.0
     p2p = (pp - 1) * p2p_seconds(2 * act, link) + logits
     a2a, ep_gathers, ep_bytes = expert_parallel_cost(cfg, num_tokens, ep, link, act_bytes)
+    world = max(tp, ep) * pp  # (parallel/layout.py: a stage's ranks are its TP shards or its EP ranks)
+    plan = plan_bytes(num_tokens, num_logits)
     moved = n_reduce * act * (2 * (tp - 1) / tp if tp > 1 else 0) + (tp - 1) * shard_logits \
-        + (pp - 1) * 2 * act + (num_logits * cfg.vocab_size * 4 if pp > 1 else 0) + ep_bytes
-    return CommCost(ar, ga + ep_gathers, p2p, moved, a2a)
+        + (pp - 1) * 2 * act + (num_logits * cfg.vocab_size * 4 if pp > 1 else 0) + ep_bytes \
+        + (world - 1) * plan
+    return CommCost(ar, ga + ep_gathers, p2p, moved, a2a, plan_seconds(plan, world, link))
 
 
 def get_link(name: str, local: "LinkSpec | None" = None) -> LinkSpec:
@@ -251,69 +287,6 @@ def get_link(name: str, local: "LinkSpec | None" = None) -> LinkSpec:
     if name not in LINKS:
         raise InvalidParameterError("link", f"unknown link {name!r}; known: {', '.join(list(LINKS) + [LOCAL_GLOO])}")
     return LINKS[name]
-
-
-def fit_link(measured: dict, ranks: int, name: str = LOCAL_GLOO, source: str = "",
-             max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES, buffer_bytes: int = 0) -> LinkSpec:
-    """The gloo ring's (call_s, step_s, buffered_bandwidth, bandwidth) that best fit measured all-reduce
-    times {bytes: seconds} over `ranks` with the socket buffer `buffer_bytes` (0: one rate for every
-    byte), in relative error (least squares weighted by 1/t^2, so that 8 KiB counts as much as 64 MiB);
-    a term the data would make negative is dropped (zero) and the others refitted."""
-    pts = sorted((float(b), float(t)) for b, t in measured.items() if t > 0)
-    if len(pts) < 2:
-        raise InvalidParameterError("link", "fitting a link needs all-reduce times at two sizes or more")
-    rows = [[x / t for x in ring_terms(b, ranks, max_segment_bytes, buffer_bytes)] for b, t in pts]  # relative
-    free = [0, 1, 2, 3] if buffer_bytes else [0, 1, 3]  # call_s, step_s, 1 / buffered_bandwidth, 1 / bandwidth
-    while True:
-        coef = _least_squares([[r[j] for j in free] for r in rows], [1.0] * len(rows))
-        if coef is None:  # dependent columns (e.g. every size below 2N MiB: as many steps each)
-            free.remove(next(j for j in (2, 1, 0) if j in free))
-            continue
-        full = dict(zip(free, coef))
-        if full[3] <= 0:
-            raise InvalidParameterError("link", f"all-reduce times do not grow with size: {pts}")
-        if all(c >= 0 for c in coef):
-            break
-        free.remove(min((j for j in free if j != 3), key=full.get))  # the most negative other term
-    call_s, step_s, inv_buffered = full.get(0, 0.0), full.get(1, 0.0), full.get(2, 0.0)
-    return LinkSpec(name, 1.0 / full[3], call_s + step_s, source or f"fitted to {len(pts)} measured all-reduce sizes",
-                    call_s=call_s, step_s=step_s, max_segment_bytes=max_segment_bytes, buffer_bytes=buffer_bytes,
-                    buffered_bandwidth=1.0 / inv_buffered if inv_buffered > 0 else 0.0)
-
-
-def fit_all_to_all(measured: dict, link: LinkSpec) -> LinkSpec:
-    """`link` with its all-to-all fitted to measured times {bytes sent to the other rank: seconds} of two ranks:
-    (a2a_call_s, a2a_bandwidth) of call + bytes / bandwidth, in relative error as fit_link (the call's cost is
-    dropped where the data would make it negative)."""
-    pts = sorted((float(b), float(t)) for b, t in measured.items() if t > 0)
-    if len({b for b, _ in pts}) < 2:
-        raise InvalidParameterError("link", "fitting an all-to-all needs its times at two sizes or more")
-    coef = _least_squares([[1.0 / t, b / t] for b, t in pts], [1.0] * len(pts))
-    if coef is None or coef[0] < 0:
-        coef = [0.0, sum(b / t for b, t in pts) / sum((b / t) ** 2 for b, t in pts)]  # bytes alone
-    if coef[1] <= 0:
-        raise InvalidParameterError("link", f"all-to-all times do not grow with size: {pts}")
-    return dataclasses.replace(link, a2a_call_s=coef[0], a2a_bandwidth=1.0 / coef[1])
-
-
-def _least_squares(rows: list, y: list):
-    """x minimising sum (row . x - y)^2, or None where the columns are (nearly) dependent: the normal
-    equations of the columns scaled to unit norm (seconds and bytes differ by ten orders), solved by
-    Gaussian elimination."""
-    n = len(rows[0])
-    norm = [math.sqrt(sum(r[j] ** 2 for r in rows)) or 1.0 for j in range(n)]
-    z = [[r[j] / norm[j] for j in range(n)] for r in rows]
-    a = [[sum(r[i] * r[j] for r in z) for j in range(n)] + [sum(r[i] * v for r, v in zip(z, y))] for i in range(n)]
-    for c in range(n):
-        p = max(range(c, n), key=lambda i: abs(a[i][c]))
-        if abs(a[p][c]) < 1e-9:
-            return None
-        a[c], a[p] = a[p], a[c]
-        for i in range(n):
-            if i != c:
-                f = a[i][c] / a[c][c]
-                a[i] = [u - f * v for u, v in zip(a[i], a[c])]
-    return [a[j][n] / a[j][j] / norm[j] for j in range(n)]
 
 
 def shard_config(cfg: ModelConfig, tp: int, ep: int = 1) -> ModelConfig:

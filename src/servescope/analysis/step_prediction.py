@@ -3,9 +3,10 @@
 What a StepRecord's `predicted_seconds` means, in one place: the roofline of one tensor-parallel rank's
 shard (cost_model.step_cost on collectives.shard_config, the host overhead included), plus the step's
 collectives on the link at TP > 1 (collectives.step_comm_cost), or at PP > 1 the stages' schedule over
-the step's micro-batches (pipeline_schedule.pipelined_step); under expert parallelism the wait for the
-busiest rank's experts at every sparse layer's combine (analysis/parallel_skew.py), counted with the
-collectives, inside which a rank measures it. The engine annotates its steps with it (engine/step_cost.py)
+the step's micro-batches (pipeline_schedule.pipelined_step), each after rank 0's broadcasts of the step plan
+(collectives.plan_seconds); under expert parallelism the wait for the busiest rank's experts at every
+sparse layer's combine (analysis/parallel_skew.py), counted with the collectives, inside which a rank
+measures it. The engine annotates its steps with it (engine/step_cost.py)
 and the simulator advances its clock by it (sim/step_time.py).
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from servescope.analysis.collectives import LinkSpec, shard_config, step_comm_cost
+from servescope.analysis.collectives import LinkSpec, plan_bytes, plan_seconds, shard_config, step_comm_cost
 from servescope.analysis.cost_model import StepCost, step_cost
 from servescope.analysis.hardware import HardwareSpec
 from servescope.analysis.parallel_skew import expert_wait_seconds
@@ -29,6 +30,7 @@ class StepPrediction:
     cost: StepCost  # the rank's roofline (FLOPs, bytes, bound per op group)
     wait_seconds: float = 0.0  # expert parallelism: waiting for the busiest rank's experts (in seconds)
     all_to_all_seconds: float = 0.0  # expert parallelism: the dispatch and combine all-to-alls (in comm_seconds)
+    plan_seconds: float = 0.0  # a parallel step: rank 0's broadcasts of the step plan (in comm_seconds)
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,13 @@ class StepPredictor:
             m = auto_micro_batches(sum(n for n, _ in seqs if n > 1), self.pp, self.micro_batches)
             step = pipelined_step(self.cfg, seqs, self.hw, self.tp, self.pp, m, self.link, self.dtypes,
                                   num_logits=num_logits, ep=self.ep)
-            comm = step.comm_seconds + wait if self.link is not None else None
-            return StepPrediction(step.step_seconds + wait, comm, cost, wait)
+            plan = 0.0 if self.link is None else plan_seconds(
+                plan_bytes(sum(n for n, _ in seqs), num_logits), max(self.tp, self.ep) * self.pp, self.link)
+            comm = step.comm_seconds + plan + wait if self.link is not None else None
+            return StepPrediction(step.step_seconds + plan + wait, comm, cost, wait, plan_seconds=plan)
         if self.link is not None and max(self.tp, self.ep) > 1:
             comm = step_comm_cost(self.cfg, sum(n for n, _ in seqs), num_logits, self.tp, self.pp, self.link,
                                   act_bytes, self.ep)
             return StepPrediction(cost.predicted_seconds + comm.seconds + wait, comm.seconds + wait, cost, wait,
-                                  comm.all_to_all_seconds)
+                                  comm.all_to_all_seconds, comm.plan_seconds)
         return StepPrediction(cost.predicted_seconds + wait, None, cost, wait)

@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from servescope.analysis.collectives import (LinkSpec, cached_local_link, fit_all_to_all, kv_send_key,
-                                             save_local_link)
+from servescope.analysis.collectives import LinkSpec, cached_local_link, kv_send_key, save_local_link
 from servescope.analysis.hardware import LOCAL_CPU, HardwareSpec, canonical_hardware_name
+from servescope.analysis.link_fit import fit_step_collectives
 from servescope.analysis.probe import EngineMeasurers, probe_local_hardware
 from servescope.config import EngineConfig
 from servescope.engine.hardware import default_hardware, local_link_key
@@ -27,7 +27,7 @@ from servescope.measure.kernel_rates import (measure_decode_attention_flops, mea
 from servescope.measure.overhead import measure_host_overhead
 from servescope.measure.kernel_cache import kernel_table_for
 from servescope.measure.kv_send import fit_kv_send, measure_kv_send
-from servescope.parallel.link_probe import fit_local_link, measure_all_reduce, measure_all_to_all
+from servescope.parallel.link_probe import fit_local_link, measure_all_reduce, measure_step_collectives
 
 logger = logging.getLogger(__name__)
 
@@ -96,15 +96,16 @@ def with_kernel_table(engine: LLMEngine, force: bool = False) -> LLMEngine:
 
 
 def local_gloo_link(measure: bool = True, force: bool = False) -> Optional[LinkSpec]:
-    """This machine's gloo all-reduce and all-to-all between two local processes (parallel/link_probe.py):
-    read from its cache, else measured now (seconds; two spawned processes each) when `measure`, else None
-    (a cached link without its all-to-all, from before it was measured: that part measured now, or as it is)."""
+    """This machine's gloo all-reduce and the other collectives of a parallel step (the step plan's broadcasts,
+    expert parallelism's all-to-alls and all-gathers) between two local processes (parallel/link_probe.py): read
+    from its cache, else measured now (seconds; two spawned processes each) when `measure`, else None (a cached
+    link without the step's collectives, from before they were measured so: those measured now, or as it is)."""
     key = local_link_key()
     link = None if force else cached_local_link(key)
     if link is None and measure:
         link = fit_local_link(measure_all_reduce(), source=f"measured here: gloo, 2 processes ({key})")
-    if link is not None and not link.a2a_bandwidth and measure:
-        link = fit_all_to_all(measure_all_to_all(), link)
+    if link is not None and not (link.a2a_bandwidth and link.ag_bandwidth) and measure:
+        link = fit_step_collectives(measure_step_collectives(), link)
         save_local_link(key, link)
     return link
 

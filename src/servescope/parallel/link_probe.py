@@ -1,9 +1,10 @@
 """Measure this machine's gloo collectives between local processes (the link of a CPU-parallel
 engine): seconds per size, from two processes on localhost, one thread each. The engine's probe
 (measure/local_hardware.local_gloo_link) measures the all-reduce at PROBE_SIZES and fits gloo's ring to
-them (analysis/collectives.fit_link), and the all-to-all (all_to_all_single, what expert parallelism's
-dispatch and combine call) at A2A_PROBE_SIZES, fitted to a call's cost + bytes / bandwidth
-(collectives.fit_all_to_all); seconds each, much of it the two processes starting."""
+them (analysis/link_fit.fit_link), and the other collectives a parallel step issues, in a step's order
+(measure_step_collectives: the step plan's broadcasts, and expert parallelism's all-gathers and
+all_to_all_single at A2A_PROBE_SIZES), fitted to a call's cost + bytes / bandwidth each
+(link_fit.fit_step_collectives); seconds each, much of it the two processes starting."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from servescope.analysis.collectives import LinkSpec, fit_link
+from servescope.analysis.collectives import LinkSpec
+from servescope.analysis.link_fit import fit_link
 from servescope.parallel.groups import free_port
+from servescope.parallel.plan import HEADER_LEN
 
 DEFAULT_SIZES = tuple(8 * 1024 * 4 ** i for i in range(7))  # 8 KiB ... 32 MiB
 SIZES_TO_64M = DEFAULT_SIZES + (64 * 2 ** 20,)
@@ -24,11 +27,14 @@ PROBE_SIZES = SIZES_TO_64M  # what the engine's probe of its local link measures
 # the bytes one rank sends the other in an all-to-all: expert parallelism's dispatch of Tr k / 2 rows [Dm] at
 # EP = 2 (a decode step's few KiB up to a 2048-token prefill's tens of MiB); 0: the call alone
 A2A_PROBE_SIZES = (0,) + tuple(4 * 1024 * 4 ** i for i in range(7))  # 0, 4 KiB ... 16 MiB
-# Before each timed all-to-all rank 0 computes this long while the other rank already waits inside the call:
-# an expert-parallel step's pattern (a sparse layer's work between its collectives, one rank arriving after
-# the other, whose threads have gone to sleep), not the back-to-back calls of the all-reduce probe, where
-# both ranks stay awake. The call then holds waking the waiting peer, which back-to-back calls never pay.
-A2A_LEAD_S = 1e-3
+# The compute between a step's collectives in the probe of them: rank 0's own before the plan (the scheduler,
+# the last step's head and sampling) while the others wait in its broadcast, every rank's before a sparse
+# layer's all-gather and before its combine (attention, the experts), each long enough for a waiting peer's
+# threads to have gone to sleep, which back-to-back calls never let them do.
+LEAD_S = 1e-3
+EP_LAYERS = 8  # sparse layers per probed step
+COUNTS_INTS = 64  # a probed layer's tokens per expert: [E] int64 (its all-gather's bytes are a few hundred)
+PLAN_INTS = 10  # a probed plan's payload: a one-token decode step's (plan.py: 3 T + 3 B + 1 + its blocks)
 WARM_UP = 3  # timed calls per size before the samples (after one untimed)
 SAMPLE_S = 20e-3  # one sample: this long of calls of one size (back to back for the all-reduce)
 MAX_REPS = 200
@@ -53,25 +59,15 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def _sample(call, reps: int, lead_s: float) -> float:
-    """Seconds per call over `reps` calls: back to back (lead_s 0), or each after lead_s of rank 0's compute
-    (the call alone timed; rank 0's figure is the one kept)."""
-    if not lead_s:
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            call()
-        return (time.perf_counter() - t0) / reps
-    total = 0.0
+def _sample(call, reps: int) -> float:
+    """Seconds per call over `reps` calls back to back (rank 0's figure is the one kept)."""
+    t0 = time.perf_counter()
     for _ in range(reps):
-        _busy(lead_s)
-        t0 = time.perf_counter()
         call()
-        total += time.perf_counter() - t0
-    return total / reps
+    return (time.perf_counter() - t0) / reps
 
 
-def _rank(rank: int, world: int, port: int, sizes: tuple, runs: int, out, kind: str = "all_reduce",
-          lead_s: float = 0.0) -> None:
+def _rank(rank: int, world: int, port: int, sizes: tuple, runs: int, out, kind: str = "all_reduce") -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -88,13 +84,12 @@ def _rank(rank: int, world: int, port: int, sizes: tuple, runs: int, out, kind: 
     # warm-up (the slower rank's: both must issue as many), not from a guessed speed, so that a
     # slow link does not make the probe minutes long
     dist.all_reduce(warm, op=dist.ReduceOp.MAX)
-    reps = {size: max(1, min(MAX_REPS, int(SAMPLE_S / (float(t) + lead_s)))) for size, t in zip(sizes, warm)}
+    reps = {size: max(1, min(MAX_REPS, int(SAMPLE_S / float(t)))) for size, t in zip(sizes, warm)}
     times = {size: [] for size in sizes}
-    lead = lead_s if rank == 0 else 0.0  # (the other rank goes straight into each call and waits there)
     for _ in range(runs):  # rounds over every size: a noisy moment spreads over all of them
         for size, call in bufs.items():
             dist.barrier()
-            times[size].append(_sample(call, reps[size], lead))
+            times[size].append(_sample(call, reps[size]))
     dist.destroy_process_group()
     if rank == 0:
         out.put(times)
@@ -110,19 +105,88 @@ def measure_all_reduce(sizes: tuple = SIZES_TO_64M, runs: int = 15, world: int =
     return _measure("all_reduce", sizes, runs, world, statistic)
 
 
-def measure_all_to_all(sizes: tuple = A2A_PROBE_SIZES, runs: int = 15, world: int = 2,
-                       statistic: str = "quartile") -> dict:
-    """{bytes sent to each other rank: seconds} of a float32 gloo all_to_all_single over `world` local
-    processes, equal splits, each call after A2A_LEAD_S of rank 0's compute with the others waiting in it, as
-    an expert-parallel step issues them (the lower quartile of the rounds' samples, as measure_all_reduce's)."""
-    return _measure("all_to_all", sizes, runs, world, statistic, A2A_LEAD_S)
+def measure_step_collectives(sizes: tuple = A2A_PROBE_SIZES, runs: int = 15, world: int = 2,
+                             statistic: str = "quartile") -> dict:
+    """{kind: {bytes: seconds}} of the collectives besides the all-reduce that a parallel step issues, timed in a
+    step's order over `world` local processes (_step_rank): "plan", the step plan's two broadcasts {payload
+    bytes: s}; "all_to_all", expert parallelism's dispatch and combine {bytes sent to each other rank: s};
+    "all_gather", its tokens-per-expert and outputs' all-gathers, per call {their mean bytes per rank: s}. Per
+    size, the lower quartile of the rounds' samples (as measure_all_reduce's), each sample one step's mean per
+    call: a call right after another is often ~1 ms slower than one after compute (its peer's thread not woken
+    at once), so a lone call's quartile would miss what a step pays, while a step's mean over its layers holds
+    it."""
+    return _measure("step", sizes, runs, world, statistic)
 
 
-def _measure(kind: str, sizes: tuple, runs: int, world: int, statistic: str, lead_s: float = 0.0) -> dict:
+def _step_rank(rank: int, world: int, port: int, sizes: tuple, runs: int, out) -> None:
+    """One rank of measure_step_collectives: per size, steps of the plan's broadcasts (after LEAD_S of rank 0's
+    work, the others waiting) and EP_LAYERS sparse layers: LEAD_S of every rank's compute, the tokens-per-expert
+    all-gather, the dispatch at once, LEAD_S, the combine, the outputs' all-gather at once (each rank's slice of
+    the size's bytes). Each sample: one step's seconds per call of each kind, rank 0's."""
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch < 2.13's name)
+    header, payload = torch.zeros(HEADER_LEN, dtype=torch.int64), torch.zeros(PLAN_INTS, dtype=torch.int64)
+    counts, every = torch.zeros(COUNTS_INTS, dtype=torch.int64), torch.empty(world * COUNTS_INTS, dtype=torch.int64)
+    times = {"plan": {}, "all_to_all": {}, "all_gather": {}}
+
+    def step(size: int, a2a, mine, outs) -> dict:
+        """One probed step: {kind: (bytes, seconds per call)}. A layer's two calls of a kind are averaged (the one
+        after compute, the one right after a call: a step always pays both), the all-gathers at their mean bytes
+        (the tokens per expert's and the slice's: call + bytes / rate is linear, so the mean prices the pair)."""
+        if rank == 0:
+            _busy(LEAD_S)
+        t0 = time.perf_counter()
+        dist.broadcast(header, src=0)
+        dist.broadcast(payload, src=0)
+        t = {"plan": time.perf_counter() - t0, "all_to_all": 0.0, "all_gather": 0.0}
+        for _ in range(EP_LAYERS):
+            _busy(LEAD_S)
+            t0 = time.perf_counter()
+            gather(every, counts)
+            t1 = time.perf_counter()
+            a2a()
+            t2 = time.perf_counter()
+            _busy(LEAD_S)
+            t3 = time.perf_counter()
+            a2a()
+            t4 = time.perf_counter()
+            gather(outs, mine)
+            t5 = time.perf_counter()
+            t["all_to_all"] += (t2 - t1 + t4 - t3) / 2 / EP_LAYERS
+            t["all_gather"] += (t1 - t0 + t5 - t4) / 2 / EP_LAYERS
+        nbytes = {"plan": payload.numel() * 8, "all_to_all": size,
+                  "all_gather": (counts.numel() * 8 + mine.numel() * 4) // 2}
+        return {kind: (nbytes[kind], seconds) for kind, seconds in t.items()}
+
+    bufs = {size: (_collective("all_to_all", size, world), torch.zeros(max(1, size // 4)),
+                   torch.empty(world * max(1, size // 4))) for size in sizes}
+    for size, buf in bufs.items():
+        step(size, *buf)  # connections, buffers, page faults
+    for _ in range(runs):
+        plans = []  # the round's plans, one a step: their mean is the round's sample, as a layer's calls are
+        for size, buf in bufs.items():
+            dist.barrier()
+            for kind, (nbytes, dt) in step(size, *buf).items():
+                if kind == "plan":
+                    plans.append(dt)
+                else:
+                    times[kind].setdefault(nbytes, []).append(dt)
+        times["plan"].setdefault(payload.numel() * 8, []).append(sum(plans) / len(plans))
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(times)
+
+
+def _measure(kind: str, sizes: tuple, runs: int, world: int, statistic: str) -> dict:
+    """Run `kind`'s probe ("all_reduce", or "step": _step_rank) over `world` spawned processes; rank 0's samples,
+    each size's reduced by `statistic` ({bytes: s}; {kind: {bytes: s}} for "step")."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, tuple(sizes), runs, out, kind, lead_s), daemon=True)
+    target, args = (_step_rank, ()) if kind == "step" else (_rank, (kind,))
+    procs = [ctx.Process(target=target, args=(r, world, port, tuple(sizes), runs, out) + args, daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -135,6 +199,8 @@ def _measure(kind: str, sizes: tuple, runs: int, world: int, statistic: str, lea
                 p.kill()
     pick = {"quartile": lambda ts: statistics.quantiles(ts, n=4)[0] if len(ts) > 1 else ts[0],
             "median": statistics.median, "min": min}[statistic]
+    if kind == "step":
+        return {k: {size: pick(ts) for size, ts in by_size.items()} for k, by_size in result.items()}
     return {size: pick(ts) for size, ts in result.items()}
 
 
