@@ -73,9 +73,16 @@ def test_group32_float32_linear_ops_take_the_integer_gemm_peak():
     # the critical batch solves on each op's own peak: a faster linear peak moves it further out
     assert critical_batch_size(SMOL, fast, "int4", act_dtype="float32") > critical_batch_size(
         SMOL, cpu, "int4", act_dtype="float32")
+    # bfloat16 rows too where the CPU's kernels run them on the integer GEMM (packed_gemm_bfloat16), only there
+    both = fast.replace(packed_gemm_bfloat16=True)
+    s = prefill_cost(SMOL, 512, hw=both, weight_dtype="q4_0", act_dtype="bfloat16")
+    assert s.op("mlp").compute_seconds == pytest.approx(s.op("mlp").flops / 250e9)
+    s = prefill_cost(SMOL, 512, hw=both, weight_dtype="int4-g64", act_dtype="bfloat16")
+    assert s.op("mlp").compute_seconds == pytest.approx(s.op("mlp").flops / 400e9)
     with pytest.raises(InvalidParameterError):
         cpu.replace(packed_gemm_flops=-1.0)
     assert HardwareSpec.from_dict(fast.to_dict()) == fast
+    assert HardwareSpec.from_dict(both.to_dict()) == both
 
 
 def test_embedded_gguf_weight_bytes_match_the_file():

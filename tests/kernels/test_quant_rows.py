@@ -196,8 +196,8 @@ def test_bad_orders_are_refused():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quant_linear_keeps_group32_batches_on_the_integer_kernels(dtype, monkeypatch):
-    """Up to group32_max_rows(dtype) rows QuantLinear calls quant_gemv (never the dequantising path) and the
-    plan is told the same limit; other groups stop at MAX_ROWS."""
+    """Up to group32_max_rows(dtype) rows (300 where that is unlimited) QuantLinear calls quant_gemv (never the
+    dequantising path) and the plan is told the same limit; other groups stop at MAX_ROWS."""
     _ext()
     torch.manual_seed(7)
     lin = torch.nn.Linear(96, 24, bias=True)
@@ -206,7 +206,7 @@ def test_quant_linear_keeps_group32_batches_on_the_integer_kernels(dtype, monkey
     assert q.row_limit(dtype) == limit and q.plan_entry(dtype)[1:] == ((limit, 0), limit)
     assert ql.QuantLinear.from_linear(lin, QuantScheme(4, 64)).row_limit(dtype) == ql.MAX_ROWS
     monkeypatch.setattr(ql.QuantLinear, "_prefill", lambda *a: pytest.fail("dequantised a decode batch"))
-    x = torch.randn(limit, 96).to(dtype)
+    x = torch.randn(min(limit, 300), 96).to(dtype)
     xa = qp.gemv_activations(x.float(), 96, 32)[0]
     ref = xa @ qp.dequantize(q.qweight, q.scales, 96, torch.float64).T + lin.bias.double()
     y = q(x)
@@ -214,13 +214,19 @@ def test_quant_linear_keeps_group32_batches_on_the_integer_kernels(dtype, monkey
     assert torch.allclose(y.double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
 
 
-@pytest.mark.parametrize("amx_bf16", [True, False])
-def test_group32_row_limit_by_dtype_and_cpu(amx_bf16, monkeypatch):
+@pytest.mark.parametrize("amx_bf16, panel_gemm", [(True, False), (False, False), (False, True)])
+def test_group32_row_limit_by_dtype_and_cpu(amx_bf16, panel_gemm, monkeypatch):
     """bfloat16 activations on a CPU whose bfloat16 GEMM runs on AMX tiles leave quant_gemv past
-    GROUP32_MAX_ROWS_BF16_AMX rows (dequantise + oneDNN measured faster there); float32 activations, and
-    bfloat16 elsewhere, stay on it up to GROUP32_MAX_ROWS; a module's fixed gemv_rows overrides both."""
+    GROUP32_MAX_ROWS_BF16_AMX rows (dequantise + oneDNN measured faster there); where the kernels take their integer
+    panel GEMM instead they never leave it (a prefill chunk included); float32 activations, and bfloat16
+    elsewhere, stay on it up to GROUP32_MAX_ROWS; a module's fixed gemv_rows overrides all."""
     _ext()
     monkeypatch.setattr(ql, "_BF16_ON_AMX", amx_bf16)
+    monkeypatch.setattr(ql, "panel_gemm_takes_rows", lambda: panel_gemm)
+    if panel_gemm:
+        assert ql.group32_max_rows(torch.bfloat16) == ql.GROUP32_MAX_ROWS_GEMM
+        assert ql.group32_max_rows(torch.float32) == ql.GROUP32_MAX_ROWS
+        return
     bf16_limit = ql.GROUP32_MAX_ROWS_BF16_AMX if amx_bf16 else ql.GROUP32_MAX_ROWS
     assert ql.group32_max_rows(torch.bfloat16) == bf16_limit
     assert ql.group32_max_rows(torch.float32) == ql.GROUP32_MAX_ROWS

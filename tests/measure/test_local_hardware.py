@@ -72,3 +72,16 @@ def test_an_expert_parallel_engine_keeps_the_probe_without_a_kernel_table(monkey
     cost = SimpleNamespace(predictor=predictor, hw=SimpleNamespace(name=LOCAL_CPU), use_hardware=used.append)
     engine = SimpleNamespace(step_cost_predictor=cost, device=torch.device("cpu"))
     assert local_hardware.with_kernel_table(engine) is engine and not used
+
+
+def test_the_local_spec_says_whether_bfloat16_rows_take_the_integer_gemm(monkeypatch):
+    """Not a measurement the probe stores: this build's kernels' route for bfloat16 rows, on every local spec
+    (the cached one too), which the cost model's integer peak follows (analysis/cost_model.integer_gemm_flops)."""
+    from servescope.engine import hardware
+
+    spec = get_hardware("h100").replace(kind="cpu")
+    for route in (True, False):
+        monkeypatch.setattr(hardware, "panel_gemm_takes_rows", lambda: route)
+        assert hardware.with_kernel_routes(spec).packed_gemm_bfloat16 is route
+        monkeypatch.setattr(hardware, "cached_local_hardware", lambda: spec)
+        assert hardware.local_cpu_without_engine().packed_gemm_bfloat16 is route

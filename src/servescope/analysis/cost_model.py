@@ -250,12 +250,15 @@ def measured_op_seconds(cfg: ModelConfig, seqs: list, table: KernelTable, T: int
 def integer_gemm_flops(hw: HardwareSpec, weight_dtype: str, act_dtype: str) -> float:
     """The measured FLOP/s of the engine's integer matmul for these weights, or 0 where its linear ops
     multiply in the activation dtype: the integer kernels take group-32 packed weights (int4, int8-g32,
-    q4_0 / q4_1 / q8_0) with float32 activations on the CPU; other groups, bfloat16 activations and the
-    GPU's Triton kernels dequantise and multiply in the activation dtype."""
+    q4_0 / q4_1 / q8_0) with float32 activations on the CPU, and bfloat16 ones where the CPU's kernels run
+    them on the panel GEMM too (hw.packed_gemm_bfloat16); other groups, bfloat16 activations elsewhere and
+    the GPU's Triton kernels dequantise and multiply in the activation dtype."""
     fmt = packed_format(weight_dtype)
-    if hw.kind != "cpu" or act_dtype != "float32" or fmt is None or fmt.group != 32:
+    if hw.kind != "cpu" or fmt is None or fmt.group != 32:
         return 0.0
-    return float(hw.packed_gemm_flops)
+    if act_dtype == "float32" or (act_dtype == "bfloat16" and hw.packed_gemm_bfloat16):
+        return float(hw.packed_gemm_flops)
+    return 0.0
 
 
 def prefill_cost(cfg: ModelConfig, prompt_len: int, batch: int = 1, hw: Optional[HardwareSpec] = None,

@@ -67,6 +67,9 @@ class HardwareSpec:
     linear_rates: dict = field(default_factory=dict)  # weight dtype -> [[M, weight bytes/s], ...], M ascending
     decode_attention_flops: dict = field(default_factory=dict)  # activation dtype -> FLOP/s of decode attention
     packed_gemm_flops: float = 0.0  # FLOP/s of the integer GEMM over group-32 packed weights (float32 activations)
+    # whether that GEMM also multiplies bfloat16 rows at every row count (a local CPU whose kernels take their
+    # integer panel GEMM, not AMX: model/linears/packed.group32_max_rows); else bfloat16 rows price as bfloat16
+    packed_gemm_bfloat16: bool = False
     kernel_path: str = ""  # the CPU kernel path the probe measured ("avx2", "avx512 C++ kernels"); "" for datasheets
     slow_dtypes: list = field(default_factory=list)  # dtypes with no fast matmul here (never picked by default)
     # table key -> analysis/kernel_table.KernelTable as a dict: the engine's kernels timed at one model's

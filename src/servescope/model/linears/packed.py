@@ -57,6 +57,11 @@ GROUP32_MAX_ROWS = 256
 # (measured on the Sapphire Rapids-class Xeon: docs/BENCHMARKS.md, "packed decode on AMX" section)
 GROUP32_MAX_ROWS_BF16_AMX = 128
 _BF16_ON_AMX = "amx_bf16" in cpu_flags()  # read once: /proc/cpuinfo does not change under a process
+# ... with bfloat16 activations where the CPU kernels take their integer panel GEMM for many rows
+# (csrc/quant_gemm.h: AVX-512 / AVX2 without AMX): no limit, a prefill chunk too, which it multiplies faster than
+# dequantising + oneDNN's bfloat16 GEMM at every row count measured (1.4x at 512 rows on a Zen 4:
+# docs/BENCHMARKS.md, "packed rows on a CPU without AMX"), and so prefill rounds as decode does
+GROUP32_MAX_ROWS_GEMM = 1 << 62
 GPU_MAX_ROWS = 8  # likewise on a GPU, the Triton GEMV's (kernels/triton/quant.py MAX_M)
 # The most weights the prefill path dequantises for one GEMM call (16 MiB of float32): every projection
 # of a small model in one piece, a large model's matrices and a big vocabulary's head in row tiles
@@ -66,7 +71,20 @@ _EMPTY = torch.empty(0)
 
 def group32_max_rows(dtype: torch.dtype) -> int:
     """Up to how many rows group-32 packed weights run quant_gemv with `dtype` activations on this CPU."""
-    return GROUP32_MAX_ROWS_BF16_AMX if dtype == torch.bfloat16 and _BF16_ON_AMX else GROUP32_MAX_ROWS
+    if dtype != torch.bfloat16:
+        return GROUP32_MAX_ROWS
+    if _BF16_ON_AMX:
+        return GROUP32_MAX_ROWS_BF16_AMX
+    return GROUP32_MAX_ROWS_GEMM if panel_gemm_takes_rows() else GROUP32_MAX_ROWS
+
+
+def panel_gemm_takes_rows() -> bool:
+    """Whether this CPU's kernels multiply many rows on the integer panel GEMM (isa()'s qgemm_rows), not AMX."""
+    mod = cpu_ops.load()
+    if mod is None:
+        return False
+    info = mod.isa()
+    return info.get("qgemm_rows", "-") != "-" and info.get("amx_int8") != "1"
 
 
 def _triton_quant():
