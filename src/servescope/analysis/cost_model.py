@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from servescope.analysis.hardware import HardwareSpec
 from servescope.analysis.spec import FP8
@@ -46,9 +46,10 @@ __all__ = [
 
 # --------------------------------------------------------------------------- step cost
 
-@dataclass(frozen=True)
-class OpCost:
-    """One op group in one step. `bytes` includes `weight_bytes`."""
+class OpCost(NamedTuple):
+    """One op group in one step. `bytes` includes `weight_bytes`. A named tuple: immutable like a frozen
+    dataclass and several times cheaper to build (a step builds one per op group; the simulator predicts
+    every distinct step shape)."""
 
     name: str
     flops: float
@@ -123,8 +124,12 @@ class StepCost:
     def bound(self) -> str:
         """The bound of the ops that dominate time: compare the time spent in compute-bound ops
         with the time spent in memory-bound ops."""
-        t_compute = sum(o.seconds for o in self.ops if o.bound == "compute")
-        t_memory = sum(o.seconds for o in self.ops if o.bound == "memory")
+        t_compute = t_memory = 0.0  # (one pass, each sum in op order)
+        for o in self.ops:
+            if o.compute_seconds > o.memory_seconds:
+                t_compute += o.seconds
+            else:
+                t_memory += o.seconds
         return "compute" if t_compute > t_memory else "memory"
 
     def op(self, name: str) -> OpCost:
@@ -211,9 +216,10 @@ def step_cost(
     table = lookup(hw.kernel_tables, table_key(cfg, wdt, adt, kdt)) if hw.kernel_tables else None
     read_s = routed_expert_bytes(cfg, wdt, adt) / hw.memory_bandwidth if cfg.moe and table is not None else 0.0
     timed = measured_op_seconds(cfg, seqs, table, T, n_logits, distinct_experts, read_s) if table is not None else {}
-    ops = [OpCost(name=name, flops=float(f), bytes=float(a + w), weight_bytes=float(w),
-                  compute_seconds=f / (linear_peak if name in LINEAR_OPS else peak), memory_seconds=(a + w) / bw,
-                  kernel_seconds=timed[name] if name in timed else kernel_s(name, w), measured=name in timed)
+    # kernel_s is 0 for every op on a spec without measured linear or decode-attention rates (a datasheet's)
+    rated = bool(hw.linear_rates.get(wdt) or hw.decode_attention_flops.get(adt))
+    ops = [OpCost(name, float(f), float(a + w), float(w), f / (linear_peak if name in LINEAR_OPS else peak),
+                  (a + w) / bw, timed[name] if name in timed else kernel_s(name, w) if rated else 0.0, name in timed)
            for name, f, a, w in raw]
     if overhead_s is None:
         overhead_s = hw.step_overhead_s + L * hw.layer_overhead_s + B * hw.seq_overhead_s

@@ -145,6 +145,12 @@ def _layer_linear_bytes(cfg: ModelConfig, wdt: str, adt: str) -> dict[str, int]:
     }
 
 
+@functools.lru_cache(maxsize=64)  # a config is frozen; every step's counts read these
+def _weight_sizes(cfg: ModelConfig, wdt: str, adt: str, kdt: str) -> tuple:
+    """(_layer_linear_bytes, table_bytes, kv_cache_bytes_per_token) of the config in these dtypes."""
+    return _layer_linear_bytes(cfg, wdt, adt), table_bytes(cfg, wdt, adt), kv_cache_bytes_per_token(cfg, kdt)
+
+
 def mlp_counts(cfg: ModelConfig, num_tokens: int, wdt: str, adt: str,
                distinct: Optional[float] = None, expert_parallel: int = 1) -> tuple[int, int, int]:
     """(FLOPs, activation bytes, weight bytes) of every layer's MLP for `num_tokens` tokens. A dense layer:
@@ -264,13 +270,21 @@ def layer_keys(cfg: ModelConfig, seqs: Sequence[tuple[int, int]], read_only: boo
     """Keys attended, summed over the layers and the sequences: each layer kind over its own window.
     read_only: the cached keys a step reads instead (each sequence's context, min(context, window) for a
     sliding layer), per layer."""
-    total = 0
-    for window, count in layer_windows(cfg).items():
-        if read_only:
-            total += count * sum(min(c, window) if window else c for _, c in seqs)
-        else:
-            total += count * sum(attended_keys(n, c, window) for n, c in seqs)
-    return total
+    return layer_keys_and_reads(cfg, seqs)[1 if read_only else 0]
+
+
+def layer_keys_and_reads(cfg: ModelConfig, seqs: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """(layer_keys(cfg, seqs), layer_keys(cfg, seqs, read_only=True)) in one pass over the rows per layer kind
+    (a step's cost asks for both)."""
+    keys = reads = 0
+    for window, count in _layer_windows(cfg):
+        k = r = 0
+        for n, c in seqs:
+            k += attended_keys(n, c, window)
+            r += min(c, window) if window else c
+        keys += count * k
+        reads += count * r
+    return keys, reads
 
 
 def kv_cache_bytes_held(cfg: ModelConfig, kv_dtype: str, context: int) -> int:
@@ -307,13 +321,11 @@ def step_op_counts(cfg: ModelConfig, seqs: Sequence[tuple[int, int]], wdt: str, 
     L, d, i, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, q, kv = cfg.num_attention_heads, cfg.q_size, cfg.kv_size
     T = sum(n for n, _ in seqs)
-    keys = layer_keys(cfg, seqs)  # summed over the layers, each over its own window
+    # keys summed over the layers, each over its own window; cached tokens read, summed over the layers
+    keys, read_per_layer = layer_keys_and_reads(cfg, seqs)
     attn_flops = attention_flops(cfg, seqs) if cfg.mla else 4 * H * cfg.head_dim * keys
-    read_per_layer = layer_keys(cfg, seqs, read_only=True)  # cached tokens read, summed over the layers
     mm = _projection_flops(cfg, T, n_logits)
-    lin_w = _layer_linear_bytes(cfg, wdt, adt)
-    emb_row, head_w, _ = table_bytes(cfg, wdt, adt)
-    kv_tok = kv_cache_bytes_per_token(cfg, kdt)
+    lin_w, (emb_row, head_w, _), kv_tok = _weight_sizes(cfg, wdt, adt, kdt)
 
     # (name, flops, activation/KV bytes, weight bytes)
     raw = [

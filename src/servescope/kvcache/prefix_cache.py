@@ -175,7 +175,9 @@ class PrefixCache:
         a block comes here when its last holder lets go, and an evictable block has none)."""
         if not all(map(self._hash_of.__contains__, blocks)):
             raise AssertionError(f"not cached: {[b for b in blocks if b not in self._hash_of]}")
-        self._evictable.update(dict.fromkeys(blocks))
+        evictable = self._evictable
+        for b in blocks:  # (an OrderedDict takes keys one by one about twice as fast as from update(dict))
+            evictable[b] = None
 
     def take(self, block: int) -> None:
         """A cache hit revives an evictable block: it is no longer a candidate for eviction."""
