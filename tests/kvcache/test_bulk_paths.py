@@ -141,3 +141,23 @@ def test_random_workloads_leave_the_one_block_at_a_time_state(seed, caching):
                 m.free(s)
         bulk.check_invariants()
         assert _state(bulk) == _state(ref), step
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_a_requests_hashes_grown_step_by_step_are_its_salted_chain(salt):
+    """The manager reads a request's salt for its first block alone; the chain it grows over a chunked prefill
+    and decodes is hash_full_blocks' of all its tokens under that salt (a second salt: other hashes)."""
+    m = make(num_blocks=32, block_size=4)
+    seq = Seq("a", list(range(10)))
+    seq.cache_salt = salt
+    for chunk in (3, 4, 3):  # a chunked prefill, then decodes
+        assert m.allocate_slots(seq, chunk)
+        seq.num_computed_tokens += chunk
+    for tok in range(20):
+        seq.all_token_ids.append(100 + tok)
+        assert m.allocate_slots(seq, 1)
+        seq.num_computed_tokens += 1
+    want = _one_by_one(seq.all_token_ids, 4, salt)
+    assert m._hashes["a"] == want[:len(m._hashes["a"])] and len(m._hashes["a"]) == seq.num_computed_tokens // 4
+    assert want != _one_by_one(seq.all_token_ids, 4, "tenant-b")
+    m.check_invariants()

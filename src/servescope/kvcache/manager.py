@@ -167,8 +167,9 @@ class KVCacheManager:
                 return []
             known = self._hashes[request.request_id] = []
         if len(known) < num_full:  # extended in place: the list is this request's alone
+            # (the salt roots the first block alone: not looked up once the chain has started)
             extend_block_hashes(known, request.all_token_ids, self.block_size, num_full,
-                                getattr(request, "cache_salt", None))
+                                getattr(request, "cache_salt", None) if not known else None)
         return known
 
     # -- allocation ------------------------------------------------------------------------

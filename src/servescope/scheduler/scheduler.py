@@ -187,12 +187,12 @@ class Scheduler:
         i = 0
         while i < len(running) and token_budget > 0:
             req = running[i]
-            start = req.num_computed_tokens
-            num_new = req.num_tokens - start
+            start, num_tokens = req.num_computed_tokens, req.num_tokens
+            num_new = num_tokens - start
             if num_new <= 0:  # nothing to compute (the engine sampled no token for it); skip
                 i += 1
                 continue
-            if req.num_tokens > cache_tokens:
+            if num_tokens > cache_tokens:
                 # It outgrew the whole cache: no amount of preemption helps.
                 running.pop(i)
                 self._finish_outgrown(req)
@@ -345,6 +345,9 @@ class Scheduler:
             req.num_computed_tokens += seq.num_new_tokens - num_spec
             if seq.will_sample:
                 toks = sampled.get(rid)
+                if type(toks) is int and not num_spec:  # one token, no drafts: every decode row, at once
+                    req.append_output_token(toks)
+                    continue
                 toks = () if toks is None else (toks,) if isinstance(toks, int) else list(toks)
                 assert len(toks) <= num_spec + 1, f"{rid}: {len(toks)} tokens for {num_spec} drafts"
                 if len(toks) > 1:
