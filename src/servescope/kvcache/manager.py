@@ -167,8 +167,7 @@ class KVCacheManager:
                 return []
             known = self._hashes[request.request_id] = []
         if len(known) < num_full:  # extended in place: the list is this request's alone
-            # (the salt roots the first block alone: not looked up once the chain has started)
-            extend_block_hashes(known, request.all_token_ids, self.block_size, num_full,
+            extend_block_hashes(known, request.all_token_ids, self.block_size, num_full,  # (a salt roots block 0 alone)
                                 getattr(request, "cache_salt", None) if not known else None)
         return known
 

@@ -192,8 +192,7 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute (the engine sampled no token for it); skip
                 i += 1
                 continue
-            if num_tokens > cache_tokens:
-                # It outgrew the whole cache: no amount of preemption helps.
+            if num_tokens > cache_tokens:  # it outgrew the whole cache: no amount of preemption helps
                 running.pop(i)
                 self._finish_outgrown(req)
                 finished.append(req)
@@ -327,13 +326,11 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, sampled: dict) -> None:
         """Advance num_computed_tokens by what the step computed and append sampled tokens.
 
-        sampled: request id -> its token, or its tokens (a speculating request: the accepted drafts
-        then the target's own token). The KV of rejected drafts is rolled back: num_computed_tokens
-        counts only verified positions and blocks past the request's tokens go back to the free list.
-        Blocks that the sampled tokens will fill are hashed when the step that computes their
-        KV is scheduled (allocate_slots), so nothing is hashed here. Requests finished since
-        schedule() (aborted in between) are skipped.
-        """
+        sampled: request id -> its token, or its tokens (a speculating request: the accepted drafts then the
+        target's own token). The KV of rejected drafts is rolled back: num_computed_tokens counts only verified
+        positions and blocks past the request's tokens go back to the free list. Blocks that the sampled tokens
+        will fill are hashed when the step that computes their KV is scheduled (allocate_slots), so nothing is
+        hashed here. Requests finished since schedule() (aborted in between) are skipped."""
         requests, running = self._requests, RequestStatus.RUNNING
         for seq in output.scheduled:
             req = seq.request
