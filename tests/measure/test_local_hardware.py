@@ -74,14 +74,16 @@ def test_an_expert_parallel_engine_keeps_the_probe_without_a_kernel_table(monkey
     assert local_hardware.with_kernel_table(engine) is engine and not used
 
 
-def test_the_local_spec_says_whether_bfloat16_rows_take_the_integer_gemm(monkeypatch):
-    """Not a measurement the probe stores: this build's kernels' route for bfloat16 rows, on every local spec
-    (the cached one too), which the cost model's integer peak follows (analysis/cost_model.integer_gemm_flops)."""
+def test_the_local_spec_records_whether_bfloat16_rows_take_the_integer_gemm(tmp_path, monkeypatch):
+    """This build's kernels' route for bfloat16 rows of packed weights is recorded by the probe beside its
+    measurements (and read back with the cached spec), and the cost model's integer peak follows it
+    (analysis/cost_model.integer_gemm_flops)."""
     from servescope.engine import hardware
 
-    spec = get_hardware("h100").replace(kind="cpu")
     for route in (True, False):
         monkeypatch.setattr(hardware, "panel_gemm_takes_rows", lambda: route)
-        assert hardware.with_kernel_routes(spec).packed_gemm_bfloat16 is route
-        monkeypatch.setattr(hardware, "cached_local_hardware", lambda: spec)
-        assert hardware.local_cpu_without_engine().packed_gemm_bfloat16 is route
+        assert hardware.kernel_routes()["packed_gemm_bfloat16"] is route
+        spec = probe.probe_local_hardware(cache_path=tmp_path / f"hw-{route}.json", bandwidth_bytes=2**20,
+                                          matmul_size=64, runs=1, **hardware.kernel_routes())
+        assert spec.packed_gemm_bfloat16 is route
+        assert probe.probe_local_hardware(cache_path=tmp_path / f"hw-{route}.json") == spec

@@ -278,6 +278,7 @@ def probe_local_hardware(
     runs: int = 5,
     measurers: Optional[EngineMeasurers] = None,
     kernel_path: str = "",
+    packed_gemm_bfloat16: bool = False,
 ) -> HardwareSpec:
     """A HardwareSpec named 'local-cpu' for this machine, measured once and cached.
 
@@ -285,7 +286,8 @@ def probe_local_hardware(
     result is reused whatever they are (pass force=True to re-measure). measurers: the engine's
     own measurements (measure/local_hardware.py passes them); without them the overheads are 0 and
     there are no kernel rates, and the result is cached under its own key (see the module doc).
-    kernel_path: the engine's CPU kernel path ("avx2 C++ kernels"), recorded in the spec.
+    kernel_path: the engine's CPU kernel path ("avx2 C++ kernels"), recorded in the spec; packed_gemm_bfloat16:
+    whether its kernels run bfloat16 rows of packed weights on the integer GEMM (model/linears/packed.py), likewise.
     """
     import torch  # lazy: importing servescope.analysis must not import torch (2.5 s here)
 
@@ -324,6 +326,7 @@ def probe_local_hardware(
                 + ", ".join(f"{dt} {n}^3" for dt, n in sizes.items())
                 + f" (best of {runs}); torch {torch.__version__}"),
         kernel_path=kernel_path or local_isa(),
+        packed_gemm_bfloat16=packed_gemm_bfloat16,
         slow_dtypes=slow,
         **engine,
     )

@@ -30,17 +30,17 @@ _GPU_KEYS = ("h200", "h100", "a100", "l40s", "l4", "4090", "mi300x")
 def local_cpu_without_engine() -> HardwareSpec:
     """The full probe's cached spec of this CPU, else the plain probe's (measured once, then cached)."""
     spec = cached_local_hardware()
-    if spec is None:
-        logger.info("no full hardware probe cached for this CPU: predicting from bandwidth and matmul peaks "
-                    "only (`servescope hardware probe` also measures the engine's overheads and kernels)")
-        spec = probe_local_hardware(kernel_path=cpu_ops.kernel_path())
-    return with_kernel_routes(spec)
+    if spec is not None:
+        return spec
+    logger.info("no full hardware probe cached for this CPU: predicting from bandwidth and matmul peaks "
+                "only (`servescope hardware probe` also measures the engine's overheads and kernels)")
+    return probe_local_hardware(**kernel_routes())
 
 
-def with_kernel_routes(spec: HardwareSpec) -> HardwareSpec:
-    """The local spec with what this build's kernels do that the probe does not store: whether bfloat16 rows
-    run the integer panel GEMM (a property of the code and the CPU, not a measurement)."""
-    return spec.replace(packed_gemm_bfloat16=panel_gemm_takes_rows())
+def kernel_routes() -> dict:
+    """What the probe records of this build's kernels beside its measurements: their path, and whether bfloat16
+    rows of packed weights run the integer panel GEMM (the cost model prices them at its rate then)."""
+    return {"kernel_path": cpu_ops.kernel_path(), "packed_gemm_bfloat16": panel_gemm_takes_rows()}
 
 
 def gpu_datasheet(device: torch.device) -> HardwareSpec:

@@ -19,7 +19,7 @@ from servescope.analysis.hardware import LOCAL_CPU, HardwareSpec, canonical_hard
 from servescope.analysis.link_fit import fit_step_collectives
 from servescope.analysis.probe import EngineMeasurers, probe_local_hardware
 from servescope.config import EngineConfig
-from servescope.engine.hardware import default_hardware, local_link_key, with_kernel_routes
+from servescope.engine.hardware import default_hardware, kernel_routes, local_link_key
 from servescope.engine.llm_engine import LLMEngine
 from servescope.kernels.cpu import ops as cpu_ops
 from servescope.measure.kernel_rates import (measure_decode_attention_flops, measure_linear_rates,
@@ -42,8 +42,7 @@ def probe_local_cpu(force: bool = False, **probe_options) -> HardwareSpec:
     """The local CPU's spec: measured once (bandwidth, matmul peaks, the engine's kernel rates and host
     overhead), then read from the cache. probe_options: probe_local_hardware's sizes and cache path
     (tests run a tiny probe)."""
-    return with_kernel_routes(probe_local_hardware(force=force, measurers=ENGINE_MEASURERS,
-                                                   kernel_path=cpu_ops.kernel_path(), **probe_options))
+    return probe_local_hardware(force=force, measurers=ENGINE_MEASURERS, **kernel_routes(), **probe_options)
 
 
 def resolve_hardware(name: Optional[str]) -> HardwareSpec:
