@@ -34,6 +34,7 @@ model, the prefill GEMM included, in bfloat16.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -78,6 +79,7 @@ def group32_max_rows(dtype: torch.dtype) -> int:
     return GROUP32_MAX_ROWS_GEMM if panel_gemm_takes_rows() else GROUP32_MAX_ROWS
 
 
+@functools.cache  # asked by every bfloat16 forward's row limit: the build's answer, read once per process
 def panel_gemm_takes_rows() -> bool:
     """Whether this CPU's kernels multiply many rows on the integer panel GEMM (isa()'s qgemm_rows), not AMX."""
     mod = cpu_ops.load()
