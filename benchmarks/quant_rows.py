@@ -12,6 +12,8 @@ interleaved rounds, and prints the medians (ms) and the fastest packed path per 
   amx-bf16   quant_gemv's AMX-BF16 kernel (csrc/quant_amx_bf16.h: each panel dequantised to bfloat16 once),
              where the CPU has it
   gemm       the panel GEMM (quant_gemv's order 5: re-lays the weights per call)
+  kept       the same GEMM over weights kept in its panel layout (csrc/quant_kept.h: laid out once at load,
+             what the engine runs where the CPU's kernels keep panels; a copy of each matrix here)
   deq+dnn    the weights dequantised to the activation dtype in tiles, then oneDNN's GEMM
              (QuantLinear._prefill)
   dense      a bfloat16 / float32 dense weight prepacked for oneDNN (what the packed formats must beat)
@@ -39,7 +41,7 @@ import torch
 from servescope.bench.envinfo import environment_info
 from servescope.kernels.cpu import linear as cpu_linear
 from servescope.kernels.cpu import ops as cpu_ops
-from servescope.model.linears.packed import QuantLinear
+from servescope.model.linears.packed import QuantLinear, kept_panel, to_panels
 
 SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # qkv, o, gate_up, down of Llama-3.2-1B
 FORMATS = {"q4_0": (4, False), "q8_0": (8, False), "q4_1": (4, True)}
@@ -78,6 +80,8 @@ def paths(mod, dtype) -> dict:
     if mod.isa().get("amx_bf16") == "1":
         out["amx-bf16"] = lambda lin, x: mod.quant_gemv(x, lin.qweight, lin.scales, empty, 4)
     out["gemm"] = lambda lin, x: mod.quant_gemv(x, lin.qweight, lin.scales, empty, 5)
+    if kept_panel():
+        out["kept"] = lambda lin, x: mod.quant_gemv(x, *lin.kept, empty, 0)
     return out
 
 
@@ -105,6 +109,8 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     formats = {f: [lin for _ in range(args.layers) for lin in packed_layer(*FORMATS[f], g)]
                for f in args.formats.split(",")}
+    for lin in (lin for lins in formats.values() for lin in lins if kept_panel()):
+        lin.kept = to_panels(lin.qweight, lin.scales, kept_panel())
     results = {}
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)

@@ -13,8 +13,9 @@
 // batching invariance and float32 = bfloat16 activations as the others. MXFP4 (E8M0 scales, e2m1 nibbles)
 // goes through the same group-32 kernels, the prefill GEMM and the dequantisation.
 #include "quant_amx_bf16.h"
-#include "quant_gemm.h"
+#include "quant_kept.h"
 #include <cstdio>
+#include <cstring>
 #include <random>
 namespace quant_gemv_check {
 using namespace servescope_quant;
@@ -142,6 +143,46 @@ static int check(std::mt19937& g, bool i4, bool asym, int64_t N, int64_t kp, int
   return bad;
 }
 
+// quant_kept.h's kernel over the kept panel layout (each panel's dwords and float16 scales transposed, as
+// model/linears/packed.py's to_panels lays them) against quant_gemm.h's per-call re-laid panels on the row layout:
+// the same bits for every row count (tiles and their remainders), and each row alone the same bits as in the batch
+static int check_kept(std::mt19937& g, bool i4, bool asym, int64_t kp) {
+  int bad = 0;
+#if SERVESCOPE_VECTOR_PANELS
+  constexpr int64_t NP = KEPT_PANEL;
+  const int64_t N = 2 * NP, rb = i4 ? kp / 2 : kp, nb = kp / 32, S = asym ? 2 : 1;
+  std::vector<uint8_t> w(N * rb), wk(N * rb);
+  for (auto& b : w) b = g() & 0xFF;
+  std::vector<uint16_t> s(N * nb * S), sk(N * nb * S);
+  for (auto& h : s) h = 0x3000 + (g() & 0x3FF);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t p = n / NP, c = n % NP;
+    for (int64_t d = 0; d < rb / 4; ++d) std::memcpy(&wk[((p * (rb / 4) + d) * NP + c) * 4], &w[n * rb + d * 4], 4);
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t t = 0; t < S; ++t) sk[((p * nb + b) * S + t) * NP + c] = s[(n * nb + b) * S + t];
+  }
+  const QMatrix q{w.data(), N, kp, 32, i4, asym, s.data()};
+  QMatrix qk{wk.data(), N, kp, 32, i4, asym, sk.data()};
+  qk.panel = NP;
+  for (int64_t M : {1, 2, 3, 4, 5, 9}) {
+    std::vector<float> x(M * kp), bias(N), ref(M * N), got(M * N), one(N);
+    for (auto& v : x) v = (float)((int)(g() % 200) - 100) / 50.f;
+    for (auto& v : bias) v = (float)((int)(g() % 200) - 100) / 10.f;
+    quant_gemm_rows(q, x.data(), M, bias.data(), ref.data());
+    quant_rows(qk, x.data(), M, bias.data(), got.data(), QOrder::Auto);
+    if (std::memcmp(ref.data(), got.data(), M * N * sizeof(float))) ++bad;
+    for (int64_t m = 0; m < M; ++m) {
+      quant_rows(qk, x.data() + m * kp, 1, bias.data(), one.data(), QOrder::Auto);
+      if (std::memcmp(one.data(), got.data() + m * N, N * sizeof(float))) ++bad;
+    }
+  }
+  if (bad) printf("kept panels i4=%d asym=%d kp=%ld: bad=%d\n", (int)i4, (int)asym, (long)kp, bad);
+#else
+  (void)g, (void)i4, (void)asym, (void)kp;
+#endif
+  return bad;
+}
+
 // The activation rounding itself: ties go to even (as std::lrint, torch.round and the kernel's reference
 // in quant/packed.py gemv_activations), values clamp to +-127, and the sum is the int8 values' sum.
 static int check_rounding() {
@@ -182,6 +223,9 @@ int run() {
       for (int s = 0; s < num_shapes; ++s)
         for (int64_t group : {32, 64})
           if (shapes[s][1] % group == 0) bad += check(g, i4, asym, shapes[s][0], shapes[s][1], group, shapes[s][2]);
+  for (int i4 = 0; i4 < 2; ++i4)
+    for (int asym = 0; asym < 2; ++asym)
+      for (int64_t kp : {96, 288}) bad += check_kept(g, i4, asym, kp);
   for (int s = 0; s < num_shapes; ++s)  // MXFP4
     bad += check(g, true, false, shapes[s][0], shapes[s][1], 32, shapes[s][2], true);
   return bad;

@@ -24,7 +24,7 @@ from servescope.analysis.packed_weights import gguf_format_name
 from servescope.errors import InvalidParameterError
 from servescope.model.linears.huge_pages import move_to_huge_pages
 from servescope.model.linears.int8 import Int8Linear
-from servescope.model.linears.packed import QuantEmbedding, QuantLinear
+from servescope.model.linears.packed import QuantEmbedding, QuantLinear, kept_panel
 from servescope.model.moe import ClampedExperts, Experts, PackedExperts, moe_blocks
 from servescope.model.moe_clamped import PackedClampedExperts
 from servescope.quant.packed import quantize
@@ -158,10 +158,29 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     packed += [m for _, block in moe_blocks(model) if isinstance(block.experts, PackedExperts)
                for m in block.experts.linears() if isinstance(m, QuantLinear)]
     packed += [m for m in model.modules() if isinstance(m, QuantEmbedding)]
+    keep_panels(model)
     moved = move_to_huge_pages(packed)
     if moved:
         logger.info("packed weights: %.1f MiB moved to huge pages", moved / 2**20)
     return model
+
+
+def keep_panels(model: nn.Module) -> int:
+    """Every packed projection (the head too) in the CPU kernels' kept panels where they keep them (QuantLinear.
+    keep_panels; the experts keep their rows: the fused MoE op reads those); a tied embedding reads the head's
+    new buffers. Returns how many projections were laid out anew."""
+    rows = kept_panel()
+    if not rows:
+        return 0
+    laid = {}  # a projection's old buffer -> the projection (a tied embedding shares the head's)
+    for _, _, m in model.projections():
+        old = m.qweight if isinstance(m, QuantLinear) else None
+        if old is not None and m.keep_panels(rows):
+            laid[old.data_ptr()] = m
+    for emb in model.modules():
+        if isinstance(emb, QuantEmbedding) and emb.qweight.data_ptr() in laid:
+            emb.share_panels(laid[emb.qweight.data_ptr()])
+    return len(laid)
 
 
 def weight_format(model: nn.Module, mode: str | None) -> str | None:
@@ -175,5 +194,4 @@ def weight_format(model: nn.Module, mode: str | None) -> str | None:
     lin = next((c for _, _, c in model.projections() if isinstance(c, QuantLinear)), None)
     if lin is None:
         return None
-    group = lin.qweight.shape[1] * (2 if lin.bits == 4 else 1) // lin.scales.shape[1]
-    return gguf_format_name(lin.bits, group, lin.scales.dim() == 3)
+    return gguf_format_name(lin.bits, lin.group, lin.asym)

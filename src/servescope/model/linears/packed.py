@@ -24,6 +24,14 @@ CPU time on the Zen 4; docs/BENCHMARKS.md, issue 15 section). On a GPU decode-si
 Triton GEMV over the same bytes (kernels/triton/quant.py); the rest, and a CPU without the extension,
 dequantise with torch.
 
+Kept panels: where the CPU's kernels multiply many rows on the integer panel GEMM (AVX-512 / AVX2 without AMX:
+kept_panel()), model/quantize.keep_panels lays every projection's group-32 int4 / int8 weights out once at load
+in the GEMM's panels (to_panels: each panel's dwords transposed, the same bytes), and csrc/quant_kept.h
+multiplies them in place at every row count, one row included: the per-call re-layout, which cost about as
+much as 16 rows' products, is gone, and a row's bits no longer depend on the batch it is in. A tied
+embedding reads its rows out of the head's panels (QuantEmbedding.share_panels); the experts keep the row
+layout (the fused MoE op reads it), and so do MXFP4 blocks and matrices whose rows are not whole panels.
+
 Precision: a float32 model with packed weights keeps float32 activations everywhere except inside the
 group-32 products, which round them to int8 per block (decode and prefill alike: one arithmetic, the
 accuracy table of docs/BENCHMARKS.md measures it); it is not moved to bfloat16, even on a CPU whose
@@ -89,6 +97,35 @@ def panel_gemm_takes_rows() -> bool:
     return info.get("qgemm_rows", "-") != "-" and info.get("amx_int8") != "1"
 
 
+@functools.cache  # the build's answer, read once per process
+def kept_panel() -> int:
+    """The rows of a kept panel (csrc/quant_kept.h) on this CPU's kernels: 0 where they keep none (AMX tiles read
+    the row layout; NEON and scalar builds have no vector panels; no extension)."""
+    mod = cpu_ops.load()
+    return int(mod.isa().get("kept_panel", "0")) if mod is not None and panel_gemm_takes_rows() else 0
+
+
+def to_panels(q: torch.Tensor, s: torch.Tensor, rows: int) -> tuple:
+    """Packed weights [N, row_bytes] and float16 scales [N, G] | [N, G, 2] in the kernels' kept panels of `rows`
+    rows (csrc/quant_kept.h): q [N / rows, row_bytes / 4, rows, 4], s [N / rows, G, rows] | [N / rows, G, 2, rows];
+    the same bytes, each panel's dwords transposed."""
+    n, rb = q.shape
+    p = n // rows
+    qp = q.view(p, rows, rb // 4, 4).transpose(1, 2).contiguous()
+    if s.dim() == 2:
+        return qp, s.view(p, rows, s.shape[1]).transpose(1, 2).contiguous()
+    return qp, s.view(p, rows, s.shape[1], 2).permute(0, 2, 3, 1).contiguous()
+
+
+def from_panels(qp: torch.Tensor, sp: torch.Tensor) -> tuple:
+    """to_panels undone: (q [N, row_bytes], s [N, G] | [N, G, 2]), new tensors."""
+    p, d, rows, _ = qp.shape
+    q = qp.transpose(1, 2).reshape(p * rows, d * 4)
+    if sp.dim() == 3:
+        return q, sp.transpose(1, 2).reshape(p * rows, sp.shape[1])
+    return q, sp.permute(0, 3, 1, 2).reshape(p * rows, sp.shape[1], 2)
+
+
 def _triton_quant():
     """kernels/triton/quant.py where Triton runs (a GPU), else None."""
     # lazy: importing triton is start-up time a CPU never needs
@@ -119,7 +156,31 @@ class QuantLinear(torch.nn.Module):
         kp = packed.shape[1] * (2 if packed.dtype == torch.uint8 else 1)
         self.group32 = kp == scales.shape[1] * BLOCK  # one scale per 32-block: the integer GEMM's form
         self.mxfp4 = mxfp4.is_mxfp4(scales)  # E8M0 scales over e2m1 nibbles (quant/mxfp4.py)
+        self.group, self.asym = kp // scales.shape[1], scales.dim() == 3
         self.gemv_rows = None  # a fixed row limit for quant_gemv (tests); None: row_limit's by dtype and CPU
+        self.panel = 0  # the rows of the kernels' kept panels the buffers are laid out in (keep_panels), 0: rows
+
+    def keep_panels(self, rows: int) -> bool:
+        """Lay qweight / scales out in the CPU kernels' kept panels of `rows` rows (kept_panel(); to_panels), so
+        that every call multiplies them in place (csrc/quant_kept.h) instead of re-laying each panel per call.
+        Only group-32 int4 / int8 weights (not MXFP4) on the CPU whose rows are whole panels; False (nothing
+        changed) for the rest. A layout for the kernels of this process: buffers in it are not for saving."""
+        if (self.panel or not rows or not self.group32 or self.mxfp4 or self.out_features % rows
+                or self.qweight.device.type != "cpu"):
+            return False
+        self.qweight, self.scales = to_panels(self.qweight, self.scales, rows)
+        self.panel = rows
+        return True
+
+    def plain_weights(self, start: int = 0, stop: int | None = None) -> tuple:
+        """(packed rows, scales) of output rows [start, stop) in the row layout, whatever the buffers' layout."""
+        stop = self.out_features if stop is None else stop
+        if not self.panel:
+            return self.qweight[start:stop], self.scales[start:stop]
+        p0, p1 = start // self.panel, -(-stop // self.panel)
+        q, s = from_panels(self.qweight[p0:p1], self.scales[p0:p1])
+        off = p0 * self.panel
+        return q[start - off:stop - off], s[start - off:stop - off]
 
     def refresh_bias(self) -> None:
         """After the bias parameter was allocated and loaded in place (a module built on the meta device)."""
@@ -160,7 +221,7 @@ class QuantLinear(torch.nn.Module):
         elif mod is not None and x2.dtype in (torch.float32, torch.bfloat16):
             y = self._prefill(mod, x2.contiguous())
         else:
-            w = dequantize(self.qweight, self.scales, self.in_features, x.dtype)
+            w = dequantize(*self.plain_weights(), self.in_features, x.dtype)
             y = F.linear(x2, w, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
 
@@ -172,15 +233,22 @@ class QuantLinear(torch.nn.Module):
         bias = self._bias_as(x2.dtype)
         buf = _scratch(rows * k, x2.dtype)
         if rows == n:  # one tile: the GEMM's result is the output
-            mod.quant_dequantize_into(self.qweight, self.scales, 0, buf.view(n, k))
+            self._dequantize_into(mod, 0, buf.view(n, k))
             return _gemm(x2, buf.view(n, k), bias)
         y = torch.empty(x2.shape[0], n, dtype=x2.dtype)
         for n0 in range(0, n, rows):
             r = min(rows, n - n0)
             w = buf[: r * k].view(r, k)
-            mod.quant_dequantize_into(self.qweight, self.scales, n0, w)
+            self._dequantize_into(mod, n0, w)
             y[:, n0:n0 + r] = _gemm(x2, w, None if bias is None else bias[n0:n0 + r])
         return y
+
+    def _dequantize_into(self, mod, n0: int, out: torch.Tensor) -> None:
+        """Output rows n0 .. n0 + len(out) dequantised into out (the C++ kernel reads the row layout)."""
+        if not self.panel:
+            return mod.quant_dequantize_into(self.qweight, self.scales, n0, out)
+        q, s = self.plain_weights(n0, n0 + out.shape[0])
+        mod.quant_dequantize_into(q.contiguous(), s.contiguous(), 0, out)
 
     def _bias_as(self, dtype: torch.dtype):
         if self.bias is None or self.bias.dtype == dtype:
@@ -207,12 +275,22 @@ class QuantEmbedding(torch.nn.Module):
         self.register_buffer("qweight", packed)
         self.register_buffer("scales", scales)
         self.embedding_dim, self.num_embeddings, self.dtype = dim, packed.shape[0], dtype
+        self.panel = 0  # the rows of a kept panel when the buffers are a tied head's in that layout
+
+    def share_panels(self, head: QuantLinear) -> None:
+        """Read the tied head's buffers after QuantLinear.keep_panels laid them out anew."""
+        self.qweight, self.scales, self.panel = head.qweight, head.scales, head.panel
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        scales = self.scales[flat]
+        if self.panel:  # row i: panel i // P, column i % P of each of its dword runs and scales
+            p, c = flat // self.panel, flat % self.panel
+            packed = self.qweight[p, :, c, :].reshape(flat.shape[0], -1)
+            scales = self.scales[p, :, c] if self.scales.dim() == 3 else self.scales[p, :, :, c]
+        else:
+            packed, scales = self.qweight[flat], self.scales[flat]
         scales = scales[:, None] if scales.dim() == 1 else scales  # (per-row scales: one group)
-        rows = dequantize(self.qweight[flat], scales, self.embedding_dim, torch.float32)
+        rows = dequantize(packed, scales, self.embedding_dim, torch.float32)
         return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
 
 

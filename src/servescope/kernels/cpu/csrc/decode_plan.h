@@ -60,7 +60,10 @@ class DecodePlan {
       l.sinks = sinks[i];
       PlanLinear* lins[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
       for (int j = 0; j < 4; ++j) *lins[j] = plan_linear(&t[4 + 6 * j], r[2 * j], r[2 * j + 1]);
-      TORCH_CHECK(!l.qkv.w.numel() || l.qkv.w.size(0) == (heads + 2 * kv_heads) * head_dim, "DecodePlan: qkv rows");
+      const at::Tensor& qkv = l.qkv.w;  // (kept panels: [N / NP, ., NP, 4])
+      TORCH_CHECK(!qkv.numel() || (qkv.dim() == 4 ? qkv.size(0) * qkv.size(2) : qkv.size(0)) ==
+                                      (heads + 2 * kv_heads) * head_dim,
+                  "DecodePlan: qkv rows");
       layers_.push_back(l);
     }
   }

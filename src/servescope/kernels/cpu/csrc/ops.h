@@ -50,6 +50,7 @@ bool quant_amx_available();  // the AMX-INT8 kernel (quant_amx.h) compiled in an
 bool quant_amx_bf16_available();  // the AMX-BF16 kernel (quant_amx_bf16.h) likewise
 // "int4/int8": from how many rows order 0 takes the panel GEMM where no AMX runs ("-" where it never does)
 std::string quant_gemm_rows_from();
+int64_t quant_kept_panel();  // the columns of a kept panel in this build (quant_kept.h), 0: none
 Tensor quant_dequantize(Tensor w, Tensor scales, int64_t k);
 void quant_dequantize_into(Tensor w, Tensor scales, int64_t row0, Tensor out);
 

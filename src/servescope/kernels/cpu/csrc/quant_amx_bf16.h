@@ -29,7 +29,7 @@
 #pragma once
 
 #include "quant_amx.h"
-#include "quant_gemm.h"
+#include "quant_kept.h"
 
 #if SERVESCOPE_HAS_AMX_INT8 && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define SERVESCOPE_HAS_AMX_BF16 1
@@ -349,9 +349,10 @@ inline QRowsKernel quant_rows_kernel(const QMatrix& q, int64_t M) {
 // The packed GEMV / GEMM entry: x [M, kp] float32 | bfloat16 (bfloat16 for group-32 weights only), bias [N]
 // or null -> y [M, N]. order Auto picks the kernel by rows (quant_rows_kernel), the others force one (Amx /
 // AmxBf16 only where amx_available() / amx_bf16_available()); groups other than 32 take quant_gemv.h's float
-// kernel.
+// kernel; weights in kept panels (q.panel) take quant_kept.h's kernel at every M.
 template <typename T>
 inline void quant_rows(const QMatrix& q, const T* x, int64_t M, const float* bias, float* y, QOrder order) {
+  if (q.panel) return quant_gemm_kept(q, x, M, bias, y);
   if constexpr (std::is_same_v<T, float>)
     if (q.group != 32) return quant_gemv_rows(q, x, M, bias, y);
   const QRowsKernel k = order == QOrder::Auto     ? quant_rows_kernel<T>(q, M)

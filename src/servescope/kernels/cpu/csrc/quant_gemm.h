@@ -16,8 +16,9 @@
 // of such a vector with the 4 activation bytes of one row broadcast to every lane adds 4 products to
 // each column's int32 sum. A tile of MR rows x NP columns keeps MR * NR int32 sums for the block and
 // MR * NR float totals in registers; per block the panel's scales are one float vector per NR. The
-// re-layout costs O(N K) per call against the GEMM's O(M N K), which is why quant_linear.py sends only
-// calls of more than MAX_ROWS rows here.
+// re-layout costs O(N K) per call against the GEMM's O(M N K), about as much as 16 rows' products at the 1B
+// shape: where the engine can, it lays the weights out in these panels once at load instead (quant_kept.h),
+// and this per-call form serves the weights it cannot (the experts, MXFP4, rows not whole panels).
 #pragma once
 
 #include "quant_dot.h"

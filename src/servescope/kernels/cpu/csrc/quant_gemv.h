@@ -61,6 +61,10 @@ struct QMatrix {
   // MXFP4 (int4 bytes of e2m1 nibbles in the same order, group 32, symmetric): E8M0 scale bytes [N, kp / 32]
   // instead of `scales`; value 2^(e - 127) * e2m1(u) = e8m0_half(e) * MXFP4_VALUES[u] (simd.h)
   const uint8_t* e8m0 = nullptr;
+  // 0: rows as above; else the columns per panel of quant_gemm.h's kept panel layout (weights and scales
+  // transposed per panel at load time: model/linears/packed.py's QuantLinear.keep_panels), which only
+  // quant_gemm.h's kept-panel kernel reads
+  int64_t panel = 0;
   bool mx() const { return e8m0 != nullptr; }
   int64_t row_bytes() const { return int4 ? kp / 2 : kp; }
   int64_t groups() const { return kp / group; }

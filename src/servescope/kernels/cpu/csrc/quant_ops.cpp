@@ -7,7 +7,6 @@
 
 #include "moe_experts.h"
 #include "quant_amx_bf16.h"
-#include "quant_gemm.h"
 #include "ops.h"
 
 using servescope_quant::QBLOCK;
@@ -15,9 +14,34 @@ using servescope_quant::QMatrix;
 
 namespace {
 
+// kept panels (quant_kept.h): w uint8 | int8 [N / NP, row_bytes / 4, NP, 4], scales float16 [N / NP, nb, NP]
+// (symmetric) | [N / NP, nb, 2, NP] (asymmetric), NP this build's panel width
+QMatrix describe_kept(const at::Tensor& w, const at::Tensor& scales) {
+  constexpr int64_t NP = servescope_quant::KEPT_PANEL;
+  TORCH_CHECK(NP && w.size(2) == NP && w.size(3) == 4 && w.is_contiguous() && scales.is_contiguous(),
+              "quant: kept panels [N / ", NP, ", row_bytes / 4, ", NP, ", 4] (this build's panel width; none on ",
+              "builds without vector panels)");
+  TORCH_CHECK(w.scalar_type() == at::kByte || w.scalar_type() == at::kChar, "quant: w uint8 (int4) or int8");
+  QMatrix q;
+  q.w = (const uint8_t*)w.data_ptr();
+  q.int4 = w.scalar_type() == at::kByte;
+  q.n = w.size(0) * NP;
+  q.kp = w.size(1) * 4 * (q.int4 ? 2 : 1);
+  q.group = QBLOCK;
+  q.asym = scales.dim() == 4;
+  const int64_t nb = q.kp / QBLOCK;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.size(0) == w.size(0) && scales.size(1) == nb &&
+                  scales.size(-1) == NP && (scales.dim() == 3 || (q.asym && scales.size(2) == 2)),
+              "quant: kept panels' scales float16 [N / NP, nb, NP] or [N / NP, nb, 2, NP]");
+  q.scales = (const uint16_t*)scales.data_ptr();
+  q.panel = NP;
+  return q;
+}
+
 // w uint8 [N, kp/2] (int4) | int8 [N, kp]; scales float16 [N, G] (symmetric) | [N, G, 2] (asymmetric);
 // MXFP4: w uint8 [N, kp/2] of e2m1 nibbles, scales uint8 [N, kp/32] (E8M0)
 QMatrix describe(const at::Tensor& w, const at::Tensor& scales) {
+  if (w.dim() == 4) return describe_kept(w, scales);
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && scales.is_contiguous(), "quant: w [N, bytes], contiguous");
   TORCH_CHECK(w.scalar_type() == at::kByte || w.scalar_type() == at::kChar, "quant: w uint8 (int4) or int8");
   if (scales.scalar_type() == at::kByte) {
@@ -68,6 +92,7 @@ at::Tensor quant_gemv(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor 
               "quant_gemv: order must be 0 (by rows), 1 (streaming), 2 (tiled), 3 (AMX-INT8), 4 (AMX-BF16) or 5 "
               "(the panel GEMM)");
   TORCH_CHECK(order != 5 || q.group == QBLOCK, "quant_gemv: the panel GEMM needs group-32 weights");
+  TORCH_CHECK(!q.panel || order == 0 || order == 5, "quant_gemv: kept panels run the panel GEMM (order 0 or 5)");
   TORCH_CHECK(order != 3 || (servescope_quant::amx_available() && q.group == QBLOCK),
               "quant_gemv: the AMX kernel needs AMX-INT8 here and group-32 weights");
   TORCH_CHECK(order != 4 || (servescope_quant::amx_bf16_available() && q.group == QBLOCK),
@@ -86,6 +111,7 @@ at::Tensor quant_gemv(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor 
 
 bool quant_amx_available() { return servescope_quant::amx_available(); }
 bool quant_amx_bf16_available() { return servescope_quant::amx_bf16_available(); }
+int64_t quant_kept_panel() { return servescope_quant::KEPT_PANEL; }
 std::string quant_gemm_rows_from() {
   using servescope_quant::QGEMM_ROWS_INT4, servescope_quant::QGEMM_ROWS_INT8;
   if (QGEMM_ROWS_INT4 == INT64_MAX) return "-";
@@ -98,6 +124,11 @@ at::Tensor quant_gemm(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor 
   TORCH_CHECK(q.group == QBLOCK, "quant_gemm: group-32 scales only");
   const auto xf = padded_rows(x, q, bias, "quant_gemm");
   auto y = at::empty({xf.size(0), q.n}, xf.options());
+  if (q.panel) {
+    servescope_quant::quant_gemm_kept(q, xf.data_ptr<float>(), xf.size(0), bias.numel() ? bias.data_ptr<float>() : nullptr,
+                                      y.data_ptr<float>());
+    return y;
+  }
   servescope_quant::quant_gemm_rows(q, xf.data_ptr<float>(), xf.size(0), bias.numel() ? bias.data_ptr<float>() : nullptr,
                                     y.data_ptr<float>());
   return y;
@@ -106,6 +137,7 @@ at::Tensor quant_gemm(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor 
 // rows row0 .. row0 + out.size(0) of the packed matrix into out [rows, k] float32 | bfloat16 (contiguous)
 void quant_dequantize_into(at::Tensor w, at::Tensor scales, int64_t row0, at::Tensor out) {
   const QMatrix q = describe(w, scales);
+  TORCH_CHECK(!q.panel, "quant_dequantize: kept panels (QuantLinear.plain_weights gives the rows)");
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.device().is_cpu(), "quant_dequantize: out [rows, k], contiguous");
   const int64_t rows = out.size(0), k = out.size(1);
   TORCH_CHECK(k <= q.kp && k > q.kp - q.group, "quant_dequantize: k against the packed K");
@@ -135,7 +167,7 @@ std::vector<QMatrix> describe_all(const std::vector<at::Tensor>& w, const std::v
   for (size_t e = 0; e < w.size(); ++e) {
     out.push_back(describe(w[e], s[e]));
     const QMatrix &q = out.back(), &q0 = out[0];
-    TORCH_CHECK(q.group == QBLOCK, "MoePacked: ", what, ": group-32 scales only");
+    TORCH_CHECK(q.group == QBLOCK && !q.panel, "MoePacked: ", what, ": group-32 scales in rows only");
     TORCH_CHECK(q.int4 == q0.int4 && q.asym == q0.asym && q.mx() == q0.mx() && q.n == q0.n && q.kp == q0.kp,
                 "MoePacked: ", what, ": every expert in one format and shape");
   }
