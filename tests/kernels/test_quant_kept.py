@@ -78,6 +78,8 @@ def test_what_cannot_read_kept_panels_refuses_them():
 @pytest.mark.parametrize("scheme", G32, ids=str)
 def test_quant_linear_keeps_panels_and_its_results(scheme):
     mod, rows = _panel()
+    if scheme.bits == 8 and not ql.kept_int8():
+        pytest.skip("int8 keeps its rows where the CPU has no int8 dot products")
     torch.manual_seed(2)
     lin = ql.QuantLinear.from_linear(torch.nn.Linear(96, 2 * rows, bias=True), scheme)
     q, s = lin.qweight.clone(), lin.scales.clone()
@@ -94,17 +96,21 @@ def test_quant_linear_keeps_panels_and_its_results(scheme):
     assert lin.weight_bytes() == q.numel() + s.numel() * 2
 
 
-def test_quant_linear_keeps_rows_it_cannot_lay_out():
+def test_quant_linear_keeps_rows_it_cannot_lay_out(monkeypatch):
     _, rows = _panel()
     odd = ql.QuantLinear.from_linear(torch.nn.Linear(64, rows + 1), QuantScheme(4, 32, False))
     g64 = ql.QuantLinear.from_linear(torch.nn.Linear(128, rows), QuantScheme(4, 64, False))
-    for lin in (odd, g64):
+    int8 = ql.QuantLinear.from_linear(torch.nn.Linear(64, rows), QuantScheme(8, 32, False))
+    monkeypatch.setattr(ql, "kept_int8", lambda: False)  # a CPU without int8 dot products
+    for lin in (odd, g64, int8):
         q = lin.qweight
         assert not lin.keep_panels(rows) and lin.panel == 0 and lin.qweight is q
 
 
 def test_a_tied_embedding_reads_the_heads_panels():
     _, rows = _panel()
+    if not ql.kept_int8():
+        pytest.skip("int8 (the 4-bit modes' head) keeps its rows where the CPU has no int8 dot products")
     head = ql.QuantLinear.from_linear(torch.nn.Linear(64, 3 * rows, bias=False), QuantScheme(8, 32, False),
                                       float_output=True)
     emb = ql.QuantEmbedding(head.qweight, head.scales, 64, torch.float32)

@@ -105,6 +105,14 @@ def kept_panel() -> int:
     return int(mod.isa().get("kept_panel", "0")) if mod is not None and panel_gemm_takes_rows() else 0
 
 
+@functools.cache
+def kept_int8() -> bool:
+    """Whether this CPU's kernels keep int8 weights in panels too (csrc/quant_kept.h KEPT_INT8: with int8 dot
+    products; without them int8 keeps the row layout, whose streaming order is faster at one row there)."""
+    mod = cpu_ops.load()
+    return mod is not None and mod.isa().get("kept_int8") == "1"
+
+
 def to_panels(q: torch.Tensor, s: torch.Tensor, rows: int) -> tuple:
     """Packed weights [N, row_bytes] and float16 scales [N, G] | [N, G, 2] in the kernels' kept panels of `rows`
     rows (csrc/quant_kept.h): q [N / rows, row_bytes / 4, rows, 4], s [N / rows, G, rows] | [N / rows, G, 2, rows];
@@ -163,10 +171,11 @@ class QuantLinear(torch.nn.Module):
     def keep_panels(self, rows: int) -> bool:
         """Lay qweight / scales out in the CPU kernels' kept panels of `rows` rows (kept_panel(); to_panels), so
         that every call multiplies them in place (csrc/quant_kept.h) instead of re-laying each panel per call.
-        Only group-32 int4 / int8 weights (not MXFP4) on the CPU whose rows are whole panels; False (nothing
+        Only group-32 int4 / int8 weights (not MXFP4; int8 where kept_int8()) on the CPU whose rows are whole
+        panels; False (nothing
         changed) for the rest. A layout for the kernels of this process: buffers in it are not for saving."""
         if (self.panel or not rows or not self.group32 or self.mxfp4 or self.out_features % rows
-                or self.qweight.device.type != "cpu"):
+                or self.qweight.device.type != "cpu" or (self.bits == 8 and not kept_int8())):
             return False
         self.qweight, self.scales = to_panels(self.qweight, self.scales, rows)
         self.panel = rows

@@ -312,6 +312,7 @@ std::map<std::string, std::string> isa_info() {
           {"amx_bf16", quant_amx_bf16_available() ? "1" : "0"},
           {"qgemm_rows", quant_gemm_rows_from()},
           {"kept_panel", std::to_string(quant_kept_panel())},
+          {"kept_int8", quant_kept_int8() ? "1" : "0"},
           {"panel", std::to_string(PANEL_MR) + "x" + std::to_string(PANEL_NB)}};
 }
 

@@ -51,6 +51,7 @@ bool quant_amx_bf16_available();  // the AMX-BF16 kernel (quant_amx_bf16.h) like
 // "int4/int8": from how many rows order 0 takes the panel GEMM where no AMX runs ("-" where it never does)
 std::string quant_gemm_rows_from();
 int64_t quant_kept_panel();  // the columns of a kept panel in this build (quant_kept.h), 0: none
+bool quant_kept_int8();       // whether int8 weights are kept too (quant_kept.h's KEPT_INT8)
 Tensor quant_dequantize(Tensor w, Tensor scales, int64_t k);
 void quant_dequantize_into(Tensor w, Tensor scales, int64_t row0, Tensor out);
 

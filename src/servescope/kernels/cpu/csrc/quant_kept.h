@@ -33,14 +33,22 @@ inline vf load_halves(const uint16_t* h) {
 #endif
 }
 
-// out[m * ldo + c] for rows m0 .. m0 + MR of a against kept panel p's NP columns
-template <bool I4, bool ASYM, int MR>
-inline void kept_tile(const GemmActs& a, const QMatrix& q, int64_t p, int64_t m0, float* out, int64_t ldo) {
-  constexpr int NR = GEMM_NR;
+// Whether int8 weights are kept: where the CPU has int8 dot products (VNNI). Without them an int8 product is a
+// sign fix-up, maddubs and madd per vector and row, and one row over kept panels ran 1.5x the K-major streaming
+// order's time on the AVX2 build (benchmarks/quant_rows.py, docs/BENCHMARKS.md); int4's unsigned nibbles need
+// no fix-up and were level at one row, ahead at 2-8.
+constexpr bool KEPT_INT8 = SERVESCOPE_HAS_INT8_DOT;
+
+// out[m * ldo + c] for rows m0 .. m0 + MR of a against the NR vectors of columns from vector s0 of kept panel p
+// (AVX2, 16 registers: its 2-row int4 tile spills over both vectors of a panel, so it takes one at a time)
+template <bool I4, bool ASYM, int MR, int NR>
+inline void kept_tile(const GemmActs& a, const QMatrix& q, int64_t p, int64_t s0, int64_t m0, float* out,
+                      int64_t ldo) {
   constexpr int64_t S = ASYM ? 2 : 1, NP = GEMM_NP;
   const int64_t nb = a.nb, kp = q.kp;
-  const uint8_t* pw = q.w + p * q.row_bytes() * NP;
-  const uint16_t* ps = q.scales + p * nb * S * NP;
+  const uint8_t* pw = q.w + p * q.row_bytes() * NP + s0 * W * 4;
+  const uint16_t* ps = q.scales + p * nb * S * NP + s0 * W;
+  out += s0 * W;
   const int8_t* xq[MR];
   for (int m = 0; m < MR; ++m) xq[m] = a.q.data() + (m0 + m) * kp;
   vf tot[MR][NR];
@@ -62,7 +70,7 @@ inline void kept_tile(const GemmActs& a, const QMatrix& q, int64_t p, int64_t m0
         }
         for (int m = 0; m < MR; ++m) {
           const vb xl = bcast4(xq[m] + b * QBLOCK + 4 * j), xh = bcast4(xq[m] + b * QBLOCK + 16 + 4 * j);
-          for (int s = 0; s < NR; ++s) acc[m][s] = dot_u4(dot_u4(acc[m][s], lo[s], xl), hi[s], xh);
+          for (int s = 0; s < NR; ++s) acc[m][s] = dot_u4x2(acc[m][s], lo[s], xl, hi[s], xh);
         }
       }
     } else {
@@ -97,13 +105,19 @@ inline void kept_tile(const GemmActs& a, const QMatrix& q, int64_t p, int64_t m0
 // every row of a against kept panel p: tiles of GEMM_MR rows, then one tile of the rest
 template <bool I4, bool ASYM>
 inline void kept_panel_rows(const GemmActs& a, const QMatrix& q, int64_t p, int64_t M, float* out, int64_t ldo) {
+#if defined(SERVESCOPE_ISA_AVX2)  // 2-row tiles one vector of columns at a time; a last row over both
+  const int64_t whole = M - M % GEMM_MR;
+  for (int64_t s0 = 0; s0 < GEMM_NR; ++s0)
+    for (int64_t m = 0; m < whole; m += GEMM_MR) kept_tile<I4, ASYM, GEMM_MR, 1>(a, q, p, s0, m, out + m * ldo, ldo);
+  if (whole < M) kept_tile<I4, ASYM, 1, GEMM_NR>(a, q, p, 0, whole, out + whole * ldo, ldo);
+#else
+  constexpr int NR = GEMM_NR;
   int64_t m = 0;
-  for (; m + GEMM_MR <= M; m += GEMM_MR) kept_tile<I4, ASYM, GEMM_MR>(a, q, p, m, out + m * ldo, ldo);
+  for (; m + GEMM_MR <= M; m += GEMM_MR) kept_tile<I4, ASYM, GEMM_MR, NR>(a, q, p, 0, m, out + m * ldo, ldo);
   const int64_t rest = M - m;
-  if (rest == 1) kept_tile<I4, ASYM, 1>(a, q, p, m, out + m * ldo, ldo);
-#if !defined(SERVESCOPE_ISA_AVX2)  // (AVX2's tile is 2 rows: at most one left)
-  if (rest == 2) kept_tile<I4, ASYM, 2>(a, q, p, m, out + m * ldo, ldo);
-  if (rest == 3) kept_tile<I4, ASYM, 3>(a, q, p, m, out + m * ldo, ldo);
+  if (rest == 1) kept_tile<I4, ASYM, 1, NR>(a, q, p, 0, m, out + m * ldo, ldo);
+  if (rest == 2) kept_tile<I4, ASYM, 2, NR>(a, q, p, 0, m, out + m * ldo, ldo);
+  if (rest == 3) kept_tile<I4, ASYM, 3, NR>(a, q, p, 0, m, out + m * ldo, ldo);
 #endif
 }
 
@@ -133,6 +147,7 @@ inline void quant_gemm_kept(const QMatrix& q, const T* x, int64_t M, const float
 }
 #else
 constexpr int64_t KEPT_PANEL = 0;  // no kept panels on this path (its GEMM re-lays a scalar 4 bytes at a time)
+constexpr bool KEPT_INT8 = false;
 
 template <typename T>
 inline void quant_gemm_kept(const QMatrix&, const T*, int64_t, const float*, float*) {}

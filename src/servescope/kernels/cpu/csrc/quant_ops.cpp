@@ -112,6 +112,7 @@ at::Tensor quant_gemv(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor 
 bool quant_amx_available() { return servescope_quant::amx_available(); }
 bool quant_amx_bf16_available() { return servescope_quant::amx_bf16_available(); }
 int64_t quant_kept_panel() { return servescope_quant::KEPT_PANEL; }
+bool quant_kept_int8() { return servescope_quant::KEPT_INT8; }
 std::string quant_gemm_rows_from() {
   using servescope_quant::QGEMM_ROWS_INT4, servescope_quant::QGEMM_ROWS_INT8;
   if (QGEMM_ROWS_INT4 == INT64_MAX) return "-";
