@@ -1,12 +1,14 @@
 """Metric arithmetic on hand-made timelines with known answers (vLLM's definitions)."""
 
 import json
+from array import array
 import math
 
 import numpy as np
 import pytest
 
 from servescope.bench.metrics import (
+    LatencyStats,
     RequestRecord,
     compute_metrics,
     max_concurrency_seen,
@@ -141,3 +143,32 @@ def test_record_validation():
         RequestRecord(success=True, prompt_len=-1)
     with pytest.raises(ValueError):
         RequestRecord(success=True, prompt_len=1, ttft=-0.1)
+
+
+def test_a_record_keeps_its_itls_as_float64s_and_reports_them_as_a_list():
+    """RequestRecord.itl is an array("d") whatever sequence of numbers it is given (the simulator's pooling
+    reads it as float64s in bulk); equal gaps compare equal, and to_dict writes plain floats."""
+    given = [0.25, 1, np.float64(0.5)]
+    r = RequestRecord(success=True, prompt_len=3, output_len=4, ttft=0.1, itl=given, latency=1.85)
+    assert isinstance(r.itl, array) and r.itl.typecode == "d" and r.itl.tolist() == [0.25, 1.0, 0.5]
+    assert r == RequestRecord(success=True, prompt_len=3, output_len=4, ttft=0.1, itl=(0.25, 1.0, 0.5), latency=1.85)
+    d = compute_metrics([r], 2.0).to_dict(include_records=True)
+    assert d["records"][0]["itl_s"] == [0.25, 1.0, 0.5] and all(type(x) is float for x in d["records"][0]["itl_s"])
+    assert d["mean_itl_ms"] == pytest.approx(1750.0 / 3)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 1001])
+def test_latency_stats_equal_numpy_on_an_untouched_copy_bit_for_bit(n):
+    """from_seconds partitions its own copy in place for the order statistics: every number is still numpy's
+    on the values as given (mean and std in their order), and the input is left as it was."""
+    rng = np.random.default_rng(n)
+    values = rng.exponential(0.05, n)
+    values[rng.integers(0, n, n // 3)] = 0.0125  # ties
+    before = values.copy()
+    ps = (50.0, 90.0, 99.0, 99.9, 0.0, 100.0)
+    s = LatencyStats.from_seconds(values, ps)
+    ms = before * 1000.0
+    assert np.array_equal(values, before)
+    assert s.mean_ms == float(np.mean(ms)) and s.std_ms == float(np.std(ms)) and s.median_ms == float(np.median(ms))
+    assert s.percentiles_ms == {p: float(np.percentile(ms, p)) for p in ps}
+    assert list(s.percentiles_ms) == list(ps)

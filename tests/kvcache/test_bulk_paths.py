@@ -161,3 +161,56 @@ def test_a_requests_hashes_grown_step_by_step_are_its_salted_chain(salt):
     assert m._hashes["a"] == want[:len(m._hashes["a"])] and len(m._hashes["a"]) == seq.num_computed_tokens // 4
     assert want != _one_by_one(seq.all_token_ids, 4, "tenant-b")
     m.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_hashes_set_before_admission_leave_the_state_computed_ones_leave(seed, salt):
+    """set_block_hashes (a simulator hashes a prompt ahead, hash_full_blocks under the request's salt): random
+    admissions with shared prefixes, chunks, decodes and frees leave the same hashes, tables, cache and LRU as
+    the manager's own hashing; a request that holds blocks refuses them."""
+    from servescope.kvcache.prefix_cache import hash_full_blocks
+    rng = random.Random(seed)
+    ahead, own = make(num_blocks=30, block_size=4), make(num_blocks=30, block_size=4)
+    prefixes = [[rng.randrange(40) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
+    live = {}
+    for step in range(300):
+        if rng.random() < 0.4 or not live:
+            toks = rng.choice(prefixes) + [rng.randrange(40) for _ in range(rng.randrange(0, 12))]
+            pair = (Seq(f"r{step}", toks), Seq(f"r{step}", toks))
+            for s in pair:
+                s.cache_salt = salt
+            ahead.set_block_hashes(pair[0].request_id, hash_full_blocks(toks, 4, salt=salt))
+            chunk = rng.choice([None, 3])
+            for m, s in zip((ahead, own), pair):
+                blocks, n = m.get_computed_blocks(s)
+                new = s.num_tokens - n if chunk is None else min(chunk, s.num_tokens - n)
+                if m.allocate_slots(s, new, blocks, n):
+                    s.num_computed_tokens = n + new
+            if ahead.get_block_ids(pair[0].request_id):
+                live[pair[0].request_id] = pair
+            else:
+                for m, s in zip((ahead, own), pair):
+                    m.free(s)  # (not admitted: the hashes set ahead go with it, as the scheduler frees a refusal)
+        elif rng.random() < 0.75:
+            rid = rng.choice(sorted(live))
+            tok = rng.randrange(40)
+            for m, s in zip((ahead, own), live[rid]):
+                if s.num_computed_tokens == s.num_tokens:
+                    s.all_token_ids.append(tok)
+                if m.allocate_slots(s, s.num_tokens - s.num_computed_tokens):
+                    s.num_computed_tokens = s.num_tokens
+        else:
+            rid = rng.choice(sorted(live))
+            for m, s in zip((ahead, own), live.pop(rid)):
+                m.free(s)
+        ahead.check_invariants()
+        assert _state(ahead) == _state(own), step
+        assert ahead._hashes.keys() == own._hashes.keys(), step
+        for rid, hashes in own._hashes.items():  # (the ones set ahead may reach further: every full prompt block)
+            longer = ahead._hashes[rid]
+            assert longer[:len(hashes)] == hashes and longer == hash_full_blocks(
+                live[rid][0].all_token_ids, 4, salt=salt)[:len(longer)], step
+    rid = next(iter(live))
+    with pytest.raises(ValueError, match="holds blocks"):
+        ahead.set_block_hashes(rid, [])

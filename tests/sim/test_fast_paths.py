@@ -125,3 +125,54 @@ def test_the_inline_delivery_gives_the_plain_ones_records(k, monkeypatch):
     plain_dep = Deployment(spec, 3, "least-tokens")
     _same(fast, drive(plain_dep, reqs))
     assert all(e.outstanding_tokens == 0 for e in plain_dep.engines)
+
+
+def test_requests_prepared_ahead_are_used_and_change_no_record(monkeypatch):
+    """The group that the router will likely send the next request to prepares it while it waits (the prompt's
+    block hashes, the output stream: SimEngine.prepare); the guess is often right, and right or wrong the
+    records are the sequential run's."""
+    from servescope.sim import parallel
+    used: list = []
+    add, prepare = parallel._Group.add, parallel._Group.prepare
+
+    def counting(self, j, replica):
+        used.append(self.prepared[0] == j)
+        add(self, j, replica)
+
+    monkeypatch.setattr(parallel._Group, "add", counting)
+    monkeypatch.setattr(parallel._Group, "prepare", lambda self, ready: prepare(self, lambda: False))  # always
+    spec, reqs = _spec(), _workload(120, 400.0)
+    for guess in ("router's", "random"):
+        if guess == "random":
+            rng = random.Random(0)
+            monkeypatch.setattr(Deployment, "likely_next", lambda self, loads: rng.randrange(len(loads)))
+        used.clear()
+        _same(drive(Deployment(spec, 4, "least-tokens"), reqs),
+              drive_replicas(Deployment(spec, 4, "least-tokens"), reqs, 2))
+        assert any(used) and not all(used)  # (this process's adds: prepared ones and others)
+
+
+def test_a_prepared_request_is_the_one_added_plainly():
+    """SimEngine.prepare's hashes and stream are the ones add_request computes: the same blocks, hashes and
+    token times either way, with prefix hits among the requests."""
+    spec = instance_spec("smollm2-135m", "H100", cache=KVCacheConfig(num_kv_blocks=1024),
+                         batching=BatchingConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024))
+    reqs = _workload(60, 400.0, seed=4)
+    runs = []
+    for ahead in (False, True):
+        e = SimEngine(spec, keep_steps=False, fast_forward=False)
+        done = []
+        for i, r in enumerate(reqs):
+            while e.has_unfinished() and e.clock < r.arrival:
+                done += e.step()
+            e.wait_until(r.arrival)
+            prepared = e.prepare(f"r{i}", r.prompt, r.output_len) if ahead else None
+            refused = e.add_request(f"r{i}", r.prompt, r.output_len, r.arrival, prepared)
+            done += [refused] if refused else []
+        while e.has_unfinished():
+            done += e.step()
+        km = e.kv_manager
+        runs.append(([(f.request_id, list(f.metrics.token_times), f.metrics.num_cached_tokens) for f in done],
+                     dict(km.prefix_cache._block_of), km.allocator.free_block_ids()))
+    assert runs[0] == runs[1]
+    assert any(cached for _, _, cached in runs[0][0])

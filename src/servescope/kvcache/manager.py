@@ -3,21 +3,20 @@
 Invariants (check_invariants() asserts them; tests call it after every sequence of operations):
   - every block is in exactly one of: the free list, the evictable LRU, used (ref count >= 1);
   - a block's ref count equals the number of request block tables that hold it;
-  - block i of a request holds the KV of its tokens [i*S, (i+1)*S) (S = block_size); a request
-    holds exactly ceil(tokens allocated / S) blocks;
-  - a block is cached (hashed) only while it is full and its hash is final: the hash of block i
-    of a request is the chain hash of that request's first (i+1)*S tokens;
-  - a block is hashed when the step that computes its last token is scheduled (allocate_slots),
-    so a request admitted later in the same step can hit it: the engine writes all KV of a
-    layer before any attention of that layer reads it.
-  - with a window (every layer of the model attends over its last `window` positions), a block whose
-    every position lies before the window of the request's next query goes back at once (a cached
-    one stays findable, evictable): its table entry becomes NO_BLOCK, so block i still means tokens
-    [i*S, (i+1)*S) and a decoding request holds at most cdiv(window, S) + 1 blocks. A prefix hit
-    needs only the blocks its next query sees (kvcache/window_hit.py): NO_BLOCK before them.
-    A model whose layers mix windows gets a block table per group of layers (kvcache/hybrid.py: one
-    manager like this one per group, each with its own window and pool); one table for all layers of
-    such a model (window 0) keeps every block.
+  - block i of a request holds the KV of its tokens [i*S, (i+1)*S) (S = block_size); a request holds exactly
+    ceil(tokens allocated / S) blocks;
+  - a block is cached (hashed) only while it is full and its hash is final: the hash of block i of a request
+    is the chain hash of that request's first (i+1)*S tokens;
+  - a block is hashed when the step that computes its last token is scheduled (allocate_slots), so a request
+    admitted later in the same step can hit it: the engine writes all KV of a layer before any attention of
+    that layer reads it.
+  - with a window (every layer of the model attends over its last `window` positions), a block whose every
+    position lies before the window of the request's next query goes back at once (a cached one stays
+    findable, evictable): its table entry becomes NO_BLOCK, so block i still means tokens [i*S, (i+1)*S) and
+    a decoding request holds at most cdiv(window, S) + 1 blocks. A prefix hit needs only the blocks its next
+    query sees (kvcache/window_hit.py): NO_BLOCK before them. A model whose layers mix windows gets a block
+    table per group of layers (kvcache/hybrid.py: one manager like this one per group, each with its own
+    window and pool); one table for all layers of such a model (window 0) keeps every block.
 Pure Python, no torch: tested on plain integers.
 """
 
@@ -118,10 +117,10 @@ class KVCacheManager:
         return ()
 
     def block_map(self) -> tuple[list[int], list[str | None]]:
-        """Each block's state and first owner, for live views: (states, owners), both of length
-        num_blocks. States: BLOCK_FREE, BLOCK_USED (held, not findable), BLOCK_CACHED (held and in
-        the prefix cache, so a later request can share it), BLOCK_EVICTABLE (in the prefix cache,
-        held by nobody, reused last). owners[b] is a request id holding b (None when none does)."""
+        """Each block's state and first owner, for live views: (states, owners), both of length num_blocks.
+        States: BLOCK_FREE, BLOCK_USED (held, not findable), BLOCK_CACHED (held and in the prefix cache, so a
+        later request can share it), BLOCK_EVICTABLE (in the prefix cache, held by nobody, reused last).
+        owners[b] is a request id holding b (None when none does)."""
         states = [BLOCK_FREE] * self.num_blocks
         owners: list[str | None] = [None] * self.num_blocks
         for rid, table in self._blocks.items():
@@ -139,10 +138,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: SequenceLike) -> tuple[list[int], int]:
         """Longest cached prefix of the request's FULL blocks, and how many tokens it covers.
 
-        Never all tokens: the last token must be recomputed because its logits are needed, so at
-        most (num_tokens - 1) // S blocks can hit (a fully cached prompt drops its last block).
-        Touches nothing: allocate_slots() takes the blocks.
-        """
+        Never all tokens: the last token must be recomputed because its logits are needed, so at most
+        (num_tokens - 1) // S blocks can hit (a fully cached prompt drops its last block). Touches nothing:
+        allocate_slots() takes the blocks."""
         if not self.enable_prefix_caching or request.request_id in self._blocks:
             return [], 0
         max_hit = max_hit_blocks(request.num_tokens, self.block_size)
@@ -171,6 +169,13 @@ class KVCacheManager:
                                 getattr(request, "cache_salt", None) if not known else None)
         return known
 
+    def set_block_hashes(self, request_id: str, hashes: Sequence[BlockHash]) -> None:
+        """A request's leading full blocks' hashes computed before it holds blocks (hash_full_blocks of its tokens
+        under its salt, e.g. by a simulator while it waits): taken and extended as the manager's own."""
+        if request_id in self._blocks:
+            raise ValueError(f"request {request_id} holds blocks: its hashes are the manager's")
+        self._hashes[request_id] = list(hashes)
+
     # -- allocation ------------------------------------------------------------------------
     def allocate_slots(
         self,
@@ -180,15 +185,14 @@ class KVCacheManager:
         num_computed_from_cache: int = 0,
         num_lookahead_tokens: int = 0,
     ) -> bool:
-        """Make the request hold blocks for num_computed_tokens + num_computed_from_cache +
-        num_new_tokens tokens (call before advancing request.num_computed_tokens).
+        """Make the request hold blocks for num_computed_tokens + num_computed_from_cache + num_new_tokens
+        tokens (call before advancing request.num_computed_tokens).
 
-        computed_blocks/num_computed_from_cache come from get_computed_blocks() and are only
-        given at admission, when the request holds nothing. Returns False, changing nothing, if
-        free + evictable blocks do not suffice. Afterwards every block that the scheduled tokens
-        fill is hashed into the prefix cache. num_lookahead_tokens: slots for that many more
-        positions (a draft model's KV of unverified tokens), never hashed.
-        """
+        computed_blocks/num_computed_from_cache come from get_computed_blocks() and are only given at
+        admission, when the request holds nothing. Returns False, changing nothing, if free + evictable blocks
+        do not suffice. Afterwards every block that the scheduled tokens fill is hashed into the prefix cache.
+        num_lookahead_tokens: slots for that many more positions (a draft model's KV of unverified tokens),
+        never hashed."""
         rid = request.request_id
         held = self._blocks.get(rid, [])
         if held and not computed_blocks and not num_lookahead_tokens and not self.window:
@@ -277,9 +281,8 @@ class KVCacheManager:
         self._num_hashed[rid] = num_full
 
     def rollback(self, request: SequenceLike, num_tokens: int) -> int:
-        """Give back the blocks past the first num_tokens tokens (slots of rejected draft tokens, or an
-        unused lookahead). Such a block holds no verified token, so it was never hashed. Returns the
-        number of blocks freed."""
+        """Give back the blocks past the first num_tokens tokens (slots of rejected draft tokens, or an unused
+        lookahead). Such a block holds no verified token, so it was never hashed. Returns how many it freed."""
         table = self._blocks.get(request.request_id)
         if not table:
             return 0
@@ -297,11 +300,10 @@ class KVCacheManager:
     def free(self, request: SequenceLike) -> None:
         """Drop the request's hold on its blocks (call before resetting num_computed_tokens).
 
-        Blocks go back from the tail of the sequence first, so that in the evictable LRU the
-        tail is evicted before the prefix it extends (prefixes are the blocks others can hit).
-        A cached block whose KV was never written (hashed for a step that did not complete,
-        i.e. at or past num_computed_tokens) loses its hash instead of becoming evictable.
-        """
+        Blocks go back from the tail of the sequence first, so that in the evictable LRU the tail is evicted
+        before the prefix it extends (prefixes are the blocks others can hit). A cached block whose KV was
+        never written (hashed for a step that did not complete, i.e. at or past num_computed_tokens) loses its
+        hash instead of becoming evictable."""
         rid = request.request_id
         table = self._blocks.pop(rid, [])
         self._hashes.pop(rid, None)
@@ -359,8 +361,8 @@ class KVCacheManager:
         return self.num_held_blocks(request_id) * self.block_size
 
     def reset_prefix_cache(self) -> int:
-        """Forget every hash (e.g. after weights change). Evictable blocks become free; blocks in
-        use keep their KV but can no longer be hit. Returns the number of hashes dropped."""
+        """Forget every hash (e.g. after weights change). Evictable blocks become free; blocks in use keep their
+        KV but can no longer be hit. Returns the number of hashes dropped."""
         n = self.prefix_cache.num_cached
         for b in self.prefix_cache.clear():
             self.allocator.release(b)
@@ -390,9 +392,7 @@ class KVCacheManager:
         evictable = set(cache.evictable_blocks())
         for b in range(self.num_blocks):
             states = (b in free) + (b in evictable) + (alloc.ref_count(b) > 0)
-            assert states == 1, (
-                f"block {b}: free={b in free} evictable={b in evictable} ref={alloc.ref_count(b)}"
-            )
+            assert states == 1, f"block {b}: free={b in free} evictable={b in evictable} ref={alloc.ref_count(b)}"
             assert alloc.ref_count(b) == owners[b], f"block {b}: ref {alloc.ref_count(b)} but {owners[b]} owners"
             if b in free:
                 assert not cache.is_cached(b), f"free block {b} is still cached"

@@ -131,6 +131,14 @@ class Deployment:
             return least
         return best
 
+    def likely_next(self, loads: Sequence[int]) -> int:
+        """The replica the next request will likely be routed to, from each replica's outstanding tokens now (the
+        request just routed counted in): round-robin's next turn, else the least loaded one (a guess: the loads
+        move before the next arrival, and the prefix router's hits are not looked at)."""
+        if self.router == "round-robin":
+            return self._next % len(loads)
+        return min(range(len(loads)), key=loads.__getitem__)
+
     def could_choose(self, indices: Sequence[int], loads: Sequence[int], hits) -> set:
         """The replicas among `indices` that _pick could choose for the next request whatever the other
         replicas' numbers, from these replicas' loads and hits (as choose takes them, in the order of

@@ -48,15 +48,17 @@ def record_of(req: SimRequest, finished, sent: float, start: float) -> RequestRe
                          itl=chunk_gaps(times), latency=times[-1] - sent, start_time=sent - start)
 
 
-def chunk_gaps(times) -> tuple:
+def chunk_gaps(times) -> array:
     """The ITLs of a request's token times: tokens that came out of one step (accepted drafts) reach a client
     as one chunk, so the gaps are those between chunks -- b - a of each neighbouring pair of times with b != a
     (the b of a chunk's first token, the a of the chunk before's last, equal to its first). In float64 as
-    Python computes them (IEEE subtraction either way; b - a == 0 exactly when b == a), with no Python float
-    made per token but the results."""
+    Python computes them (IEEE subtraction either way; b - a == 0 exactly when b == a), as float64s in an
+    array("d") (RequestRecord.itl's form: no Python float made per token)."""
     t = np.frombuffer(times, dtype=np.float64) if isinstance(times, array) else np.asarray(times, dtype=np.float64)
     gaps = t[1:] - t[:-1]
-    return tuple(gaps[gaps != 0].tolist())
+    out = array("d")
+    out.frombytes(gaps[gaps != 0].tobytes())
+    return out
 
 
 def drive(engine: Served, requests: Sequence[SimRequest], max_concurrency: Optional[int] = None,

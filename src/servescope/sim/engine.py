@@ -27,6 +27,7 @@ import numpy as np
 
 from servescope.config import CacheConfig, SamplingParams
 from servescope.kvcache.manager import KVCacheManager
+from servescope.kvcache.prefix_cache import hash_full_blocks
 from servescope.scheduler.request import Request, RequestStatus
 from servescope.scheduler.scheduler import Scheduler
 from servescope.sim.fast_forward import DecodeRun
@@ -86,9 +87,10 @@ class SimEngine:
         return len(self._live)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
-                    arrival_time: float) -> Optional[Finished]:
+                    arrival_time: float, prepared: Optional[tuple] = None) -> Optional[Finished]:
         """Queue a request (arrival_time: the virtual time it was sent). A request the engine would refuse
-        (LLMEngine._check_fits: it cannot fit the context) comes back at once as a Finished with its error."""
+        (LLMEngine._check_fits: it cannot fit the context) comes back at once as a Finished with its error.
+        prepared: prepare()'s result for this request, computed ahead (either part may be None: computed here)."""
         self.settle()
         # token times as float64s in an array (8 bytes a token, no object per token: a cluster hour holds ~46M)
         metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids),
@@ -99,10 +101,24 @@ class SimEngine:
                                                  f"do not fit this model's context of {max_len} tokens")
         req = Request(request_id, prompt_token_ids, self._params, arrival_time=arrival_time)
         seed = zlib.crc32(request_id.encode())
-        self._live[request_id] = (req, metrics, max_tokens, seed, self.stream(seed, 0, max_tokens))
+        hashes, stream = prepared if prepared is not None else (None, None)
+        if stream is None:
+            stream = self.stream(seed, 0, max_tokens)
+        if hashes is not None:
+            self.kv_manager.set_block_hashes(request_id, hashes)
+        self._live[request_id] = (req, metrics, max_tokens, seed, stream)
         self.outstanding_tokens += len(prompt_token_ids) + max_tokens
         self.scheduler.add_request(req)
         return None
+
+    def prepare(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int) -> tuple:
+        """What add_request computes from the request alone, for add_request(prepared=) later: the hashes of the
+        prompt's full blocks under the requests' cache salt (None without prefix caching), its output stream.
+        The same on every replica of this spec (sim/parallel.py computes it while a process would wait)."""
+        kv = self.kv_manager
+        hashes = hash_full_blocks(prompt_token_ids, kv.block_size, salt=self._params.cache_salt) \
+            if kv.enable_prefix_caching else None
+        return hashes, self.stream(zlib.crc32(request_id.encode()), 0, max_tokens)
 
     # the driver's view (sim/driver.Served)
     def now(self) -> float:

@@ -25,6 +25,12 @@ comes, it applies the planned stretches of the replicas j can reach (adding j th
 long ones. A replica the request reaches therefore has little left to do when the message comes: the
 receiving group's prefill, not the other replicas' steps, is what the other group waits for.
 
+What adding a request needs from the request alone (its prompt, its prompt blocks' hashes, its output
+stream: SimEngine.prepare) is computed ahead by a group that the request before it leaves waiting: this
+process when a child took that request (sent with the routing if the next goes to a child), else the child
+whose replica the router will likely choose next (Deployment.likely_next); a wrong guess costs only time
+that was waited anyway, and adding a request without it computes it then.
+
 Only without a concurrency limit: with one, when a request is sent depends on when others finish, which
 the groups learn only at the next meeting.
 """
@@ -40,6 +46,7 @@ from typing import Sequence
 from servescope.sim.cluster import Deployment
 from servescope.sim.driver import record_of
 
+_NOTHING = (-1, None, None)  # _Group.prepared when nothing is
 PREPAY_STEPS = 8  # the shortest planned stretch applied ahead of need (a split one restarts its plan)
 RECORD_BATCH = 8  # records built between two looks for a message (one look ~1 us, one record ~20 us)
 
@@ -59,6 +66,8 @@ class _Group:
         self.time = 0.0  # the latest clock a step reached (the deployment's `_time` rule)
         self.touched: set = set()  # replicas that got a request since the last meeting that opened a batch
         self.first: Sequence = ()  # replicas whose planned stretch prepay_until applies first
+        self.to_prepare = -1  # the next request, when this group is to prepare it (prepare), or -1
+        self.prepared: tuple = _NOTHING  # (request index, its prompt or None, SimEngine.prepare's result)
 
     def meet(self, j: int, opens_batch: bool) -> tuple:
         """Before request j is routed: run every step that starts before it arrives if it opens a batch; then
@@ -105,6 +114,18 @@ class _Group:
                 return
             self._advance(e, t)
 
+    def prepare(self, ready) -> None:
+        """Unless ready(): draw the prompt of the next request, when this group is to prepare it (`to_prepare`), and
+        compute what adding it needs from it alone (SimEngine.prepare: its blocks' hashes, its output stream), so
+        that adding it, on the path both processes wait on, does not (the module docstring)."""
+        j = self.to_prepare
+        if j < 0 or ready():
+            return
+        self.to_prepare = -1
+        r = self.requests[j]
+        prompt = r.prompt
+        self.prepared = (j, prompt, self.engines[0].prepare(f"{self.prefix}-{j}", prompt, r.output_len))
+
     def prepay_until(self, ready) -> None:
         """Until ready() (a message has come): apply, one replica at a time, stretches this group planned
         (SimEngine.settle: the steps the next request routed there or the stretch's end would apply; the
@@ -150,7 +171,12 @@ class _Group:
         engine, r, t = self.dep.engines[replica], self.requests[j], self.arrivals[j]
         self.touched.add(replica)
         engine.wait_until(t)
-        refused = engine.add_request(f"{self.prefix}-{j}", r.prompt, r.output_len, t)
+        k, prompt, prepared = self.prepared
+        if k != j:
+            prompt, prepared = None, None
+        self.prepared = _NOTHING
+        refused = engine.add_request(f"{self.prefix}-{j}", r.prompt if prompt is None else prompt, r.output_len, t,
+                                     prepared)
         if refused is not None:
             self.finished[j] = refused
             self.unrecorded.append(j)
@@ -162,14 +188,17 @@ def _serve(conn, group: _Group) -> None:
     try:
         ready = _readable([conn])
         while True:
-            add, replica, upto, opens_batch = conn.recv()
+            add, replica, shipped, upto, opens_batch, group.to_prepare = conn.recv()
             if add >= 0:
+                if shipped is not None:  # its hashes, computed by the parent while this process ran the one before
+                    group.prepared = (add, None, (shipped, None))
                 group.add(add, replica)
             if upto < 0:
                 break
             answer = group.meet(upto, opens_batch)
             conn.send(answer)
             group.advance_ahead(upto, answer[0], answer[1], _never)  # (needed before the next answer in any case)
+            group.prepare(ready)
             group.prepay_until(ready)
         records = group.run_out()
         for e in group.engines:
@@ -233,11 +262,12 @@ def _route_all(deployment: Deployment, groups: list, conns: list, owner: list, s
     now = time_seen = start
     opens = n > 0 and arrivals[0] > now
     for conn in conns:
-        conn.send((-1, -1, 0 if n else -1, opens))
+        conn.send((-1, -1, None, 0 if n else -1, opens, -1))
     all_ready, each_ready = _readable(conns), [_readable([c]) for c in conns]
     for j in range(n):
         loads, hits, busy, seen = groups[0].meet(j, opens)
         if conns:  # while the children answer: the own replicas that request j cannot reach, to j + 1's arrival
+            groups[0].prepare(all_ready)
             groups[0].advance_ahead(j, loads, hits, all_ready)
         for conn, ready in zip(conns, each_ready):
             groups[0].prepay_until(ready)
@@ -252,11 +282,26 @@ def _route_all(deployment: Deployment, groups: list, conns: list, owner: list, s
             now = busy if busy < math.inf else time_seen
         replica = deployment.choose(f"{prefix}-{j}", loads, hits)
         opens = j + 1 < n and arrivals[j + 1] > now
+        went, likely = owner[replica], -1
+        if conns and j + 1 < n:  # the group the next request will likely go to
+            r, after = groups[0].requests[j], list(loads)
+            after[replica] += r.prompt_len + r.output_len  # (add_request's outstanding tokens)
+            likely = owner[deployment.likely_next(after)]
+        k, _, prepared = groups[0].prepared
+        # prepared here for a child's replica: the hashes go with the routing (a prompt or a stream would cost the
+        # pipe's pickling about what drawing it again does)
+        ship = prepared[0] if k == j and went else None
         for c, conn in enumerate(conns):
-            add = (j, replica) if owner[replica] == c + 1 else (-1, -1)
-            conn.send((*add, j + 1 if j + 1 < n else -1, opens))
-        if owner[replica] == 0:
+            add = (j, replica, ship) if went == c + 1 else (-1, -1, None)
+            conn.send((*add, j + 1 if j + 1 < n else -1, opens, j + 1 if likely == c + 1 and not went else -1))
+        if went:
+            groups[0].prepared = _NOTHING
+        else:
             groups[0].add(j, replica)
+        # request j + 1 is prepared by a group that request j keeps free: this one when a child took j (shipped with
+        # the routing when j + 1 goes to a child), the likely child when this one took j (or this one, if it is the
+        # likely one and the children answer late)
+        groups[0].to_prepare = j + 1 if conns and j + 1 < n and (went or likely == 0) else -1
 
 
 def _readable(conns: list):
