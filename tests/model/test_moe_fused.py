@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from servescope.kernels.cpu import ops as cpu_ops
-from servescope.model.linears.packed import QuantLinear
+from servescope.model.linears.packed import QuantLinear, kept_int8, kept_panel
 from servescope.model.moe import PackedExperts, grouped_experts
 from servescope.quant.packed import dequantize, quantize
 from servescope.quant.scheme import QuantScheme
@@ -47,7 +47,7 @@ def _routing(t: int, k: int, dtype, seed: int = 1) -> tuple:
 
 def _exact(experts: PackedExperts, x, ids, weights, first: int = 0, local: int = E) -> torch.Tensor:
     """float64: sum over t's pairs with experts first .. first + local - 1 of w * down(silu(gate) * up)."""
-    deq = lambda m: dequantize(m.qweight, m.scales, m.in_features, torch.float64)  # noqa: E731
+    deq = lambda m: dequantize(*m.plain_weights(), m.in_features, torch.float64)  # noqa: E731
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
@@ -63,10 +63,22 @@ def _assert_near_exact(out, exact, dtype):
     assert err < (0.05 if dtype == torch.float32 else 0.1), f"relative error {err:.3f}"
 
 
+def _kept(experts: PackedExperts, scheme: QuantScheme) -> PackedExperts:
+    """The experts in the CPU kernels' kept panels (model/quantize.keep_panels), or a skip where none are kept."""
+    rows = kept_panel()
+    if not rows or (scheme.bits == 8 and not kept_int8()):
+        pytest.skip("this CPU's kernels keep no panels for this format")
+    assert all(m.keep_panels(rows) for m in experts.linears())
+    return experts
+
+
+@pytest.mark.parametrize("layout", ["rows", "kept"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("fmt", SCHEMES)
-def test_fused_op_equals_the_grouped_reference(fmt, dtype):
+def test_fused_op_equals_the_grouped_reference(fmt, dtype, layout):
     experts = _experts(SCHEMES[fmt])
+    if layout == "kept":
+        experts = _kept(experts, SCHEMES[fmt])
     for t in (1, 2, 5, 16, 33):  # 16 and 33 tokens: experts with enough rows for the AMX kernel where it runs
         for k in range(1, 9):
             x, ids, weights = _routing(t, k, dtype, seed=t * 10 + k)

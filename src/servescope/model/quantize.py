@@ -166,9 +166,9 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
 
 
 def keep_panels(model: nn.Module) -> int:
-    """Every packed projection (the head too) in the CPU kernels' kept panels where they keep them (QuantLinear.
-    keep_panels; the experts keep their rows: the fused MoE op reads those); a tied embedding reads the head's
-    new buffers. Returns how many projections were laid out anew."""
+    """Every packed projection (the head too) and every packed expert in the CPU kernels' kept panels where they
+    keep them (QuantLinear.keep_panels; a block's experts all or none: the fused MoE op reads one layout); a tied
+    embedding reads the head's new buffers. Returns how many matrices were laid out anew."""
     rows = kept_panel()
     if not rows:
         return 0
@@ -177,6 +177,12 @@ def keep_panels(model: nn.Module) -> int:
         old = m.qweight if isinstance(m, QuantLinear) else None
         if old is not None and m.keep_panels(rows):
             laid[old.data_ptr()] = m
+    for _, block in moe_blocks(model):  # every expert of a block or none: the fused op takes one layout
+        lins = block.experts.linears() if isinstance(block.experts, PackedExperts) else []
+        if lins and all(isinstance(m, QuantLinear) and m.can_keep_panels(rows) for m in lins):
+            for m in lins:
+                laid[m.qweight.data_ptr()] = m
+                m.keep_panels(rows)
     for emb in model.modules():
         if isinstance(emb, QuantEmbedding) and emb.qweight.data_ptr() in laid:
             emb.share_panels(laid[emb.qweight.data_ptr()])

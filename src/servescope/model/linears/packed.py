@@ -174,12 +174,16 @@ class QuantLinear(torch.nn.Module):
         Only group-32 int4 / int8 weights (not MXFP4; int8 where kept_int8()) on the CPU whose rows are whole
         panels; False (nothing
         changed) for the rest. A layout for the kernels of this process: buffers in it are not for saving."""
-        if (self.panel or not rows or not self.group32 or self.mxfp4 or self.out_features % rows
-                or self.qweight.device.type != "cpu" or (self.bits == 8 and not kept_int8())):
+        if not self.can_keep_panels(rows):
             return False
         self.qweight, self.scales = to_panels(self.qweight, self.scales, rows)
         self.panel = rows
         return True
+
+    def can_keep_panels(self, rows: int) -> bool:
+        """Whether keep_panels(rows) would lay these weights out (it has not yet)."""
+        return not (self.panel or not rows or not self.group32 or self.mxfp4 or self.out_features % rows
+                    or self.qweight.device.type != "cpu" or (self.bits == 8 and not kept_int8()))
 
     def plain_weights(self, start: int = 0, stop: int | None = None) -> tuple:
         """(packed rows, scales) of output rows [start, stop) in the row layout, whatever the buffers' layout."""

@@ -109,9 +109,41 @@ void moe_projection(const std::vector<QMatrix>& w, const MoeRoute& r, const T* x
   });
 }
 
+// moe_products over experts kept in panels (quant_kept.h; their QuantLinears run that kernel at every row count):
+// the rows rounded to int8 once for all experts (row by row, as each expert's own call would), then one shared
+// loop over every active expert's panels, cut by cost (rows x columns)
+template <typename T>
+void moe_kept_products(const std::vector<QMatrix>& w, const MoeRoute& r, const T* xs, float* y) {
+#if SERVESCOPE_VECTOR_PANELS
+  const int64_t e = (int64_t)w.size(), n = w[0].n, panels = n / GEMM_NP;
+  std::vector<int64_t> item_e, item_p, cum{0};
+  for (int64_t x = 0; x < e; ++x) {
+    const int64_t m = r.start[x + 1] - r.start[x];
+    for (int64_t p = 0; m && p < panels; ++p) {
+      item_e.push_back(x);
+      item_p.push_back(p);
+      cum.push_back(cum.back() + m * GEMM_NP);
+    }
+  }
+  if (item_e.empty()) return;
+  static thread_local GemmActs tls;  // the calling thread's; the workers read it through `a`
+  GemmActs& a = tls;
+  quantize_gemm_acts(xs, r.start[e], w[0].kp, kept_offset(w[0]), a);
+  parallel_by_cost(cum, num_threads(), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t x = item_e[i], p = item_p[i];
+      kept_rows(a, w[x], p, r.start[x], r.start[x + 1], y + p * GEMM_NP);
+    }
+  });
+#else
+  (void)w, (void)r, (void)xs, (void)y;
+#endif
+}
+
 // moe_projection's products (no bias)
 template <typename T>
 void moe_products(const std::vector<QMatrix>& w, const MoeRoute& r, const T* xs, float* y) {
+  if (w[0].panel) return moe_kept_products(w, r, xs, y);
   const int64_t e = (int64_t)w.size(), kp = w[0].kp, n = w[0].n;
   std::vector<int64_t> item_e, item_n, cum{0};  // the shared loop's items: expert, first column; costs
   for (int64_t x = 0; x < e; ++x) {

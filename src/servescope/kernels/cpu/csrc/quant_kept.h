@@ -102,24 +102,41 @@ inline void kept_tile(const GemmActs& a, const QMatrix& q, int64_t p, int64_t s0
     for (int s = 0; s < NR; ++s) store(out + m * ldo + s * W, tot[m][s]);
 }
 
-// every row of a against kept panel p: tiles of GEMM_MR rows, then one tile of the rest
+// rows mb .. me of a against kept panel p (out: row 0's first column of the panel): tiles of GEMM_MR rows, then
+// one tile of the rest
 template <bool I4, bool ASYM>
-inline void kept_panel_rows(const GemmActs& a, const QMatrix& q, int64_t p, int64_t M, float* out, int64_t ldo) {
+inline void kept_panel_rows(const GemmActs& a, const QMatrix& q, int64_t p, int64_t mb, int64_t me, float* out,
+                            int64_t ldo) {
 #if defined(SERVESCOPE_ISA_AVX2)  // 2-row tiles one vector of columns at a time; a last row over both
-  const int64_t whole = M - M % GEMM_MR;
+  const int64_t whole = me - (me - mb) % GEMM_MR;
   for (int64_t s0 = 0; s0 < GEMM_NR; ++s0)
-    for (int64_t m = 0; m < whole; m += GEMM_MR) kept_tile<I4, ASYM, GEMM_MR, 1>(a, q, p, s0, m, out + m * ldo, ldo);
-  if (whole < M) kept_tile<I4, ASYM, 1, GEMM_NR>(a, q, p, 0, whole, out + whole * ldo, ldo);
+    for (int64_t m = mb; m < whole; m += GEMM_MR) kept_tile<I4, ASYM, GEMM_MR, 1>(a, q, p, s0, m, out + m * ldo, ldo);
+  if (whole < me) kept_tile<I4, ASYM, 1, GEMM_NR>(a, q, p, 0, whole, out + whole * ldo, ldo);
 #else
   constexpr int NR = GEMM_NR;
-  int64_t m = 0;
-  for (; m + GEMM_MR <= M; m += GEMM_MR) kept_tile<I4, ASYM, GEMM_MR, NR>(a, q, p, 0, m, out + m * ldo, ldo);
-  const int64_t rest = M - m;
+  int64_t m = mb;
+  for (; m + GEMM_MR <= me; m += GEMM_MR) kept_tile<I4, ASYM, GEMM_MR, NR>(a, q, p, 0, m, out + m * ldo, ldo);
+  const int64_t rest = me - m;
   if (rest == 1) kept_tile<I4, ASYM, 1, NR>(a, q, p, 0, m, out + m * ldo, ldo);
   if (rest == 2) kept_tile<I4, ASYM, 2, NR>(a, q, p, 0, m, out + m * ldo, ldo);
   if (rest == 3) kept_tile<I4, ASYM, 3, NR>(a, q, p, 0, m, out + m * ldo, ldo);
 #endif
 }
+
+// kept_panel_rows for q's format; out [*, q.n] at panel p's first column
+inline void kept_rows(const GemmActs& a, const QMatrix& q, int64_t p, int64_t mb, int64_t me, float* out) {
+  if (q.int4 && q.asym)
+    kept_panel_rows<true, true>(a, q, p, mb, me, out, q.n);
+  else if (q.int4)
+    kept_panel_rows<true, false>(a, q, p, mb, me, out, q.n);
+  else if (q.asym)
+    kept_panel_rows<false, true>(a, q, p, mb, me, out, q.n);
+  else
+    kept_panel_rows<false, false>(a, q, p, mb, me, out, q.n);
+}
+
+// the activations' offset for q's format (quant_gemm.h's quantize_gemm_acts)
+inline int32_t kept_offset(const QMatrix& q) { return q.int4 ? (q.asym ? 0 : 8) : kS8Bias; }
 
 // x [M, kp] float32 | bfloat16 (zeros past K), kept-panel q (group 32, int4 or int8, not MXFP4), bias [N] or
 // null -> y [M, N]: the panels split over the threads, each run against every row of x
@@ -127,18 +144,11 @@ template <typename T>
 inline void quant_gemm_kept(const QMatrix& q, const T* x, int64_t M, const float* bias, float* y) {
   static thread_local GemmActs tls;  // the calling thread's; the workers read it through `a`
   GemmActs& a = tls;
-  quantize_gemm_acts(x, M, q.kp, q.int4 ? (q.asym ? 0 : 8) : kS8Bias, a);
+  quantize_gemm_acts(x, M, q.kp, kept_offset(q), a);
   parallel_for(0, q.n / GEMM_NP, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       float* out = y + p * GEMM_NP;
-      if (q.int4 && q.asym)
-        kept_panel_rows<true, true>(a, q, p, M, out, q.n);
-      else if (q.int4)
-        kept_panel_rows<true, false>(a, q, p, M, out, q.n);
-      else if (q.asym)
-        kept_panel_rows<false, true>(a, q, p, M, out, q.n);
-      else
-        kept_panel_rows<false, false>(a, q, p, M, out, q.n);
+      kept_rows(a, q, p, 0, M, out);
       if (bias)
         for (int64_t m = 0; m < M; ++m)
           for (int64_t c = 0; c < GEMM_NP; ++c) out[m * q.n + c] += bias[p * GEMM_NP + c];

@@ -168,9 +168,10 @@ std::vector<QMatrix> describe_all(const std::vector<at::Tensor>& w, const std::v
   for (size_t e = 0; e < w.size(); ++e) {
     out.push_back(describe(w[e], s[e]));
     const QMatrix &q = out.back(), &q0 = out[0];
-    TORCH_CHECK(q.group == QBLOCK && !q.panel, "MoePacked: ", what, ": group-32 scales in rows only");
-    TORCH_CHECK(q.int4 == q0.int4 && q.asym == q0.asym && q.mx() == q0.mx() && q.n == q0.n && q.kp == q0.kp,
-                "MoePacked: ", what, ": every expert in one format and shape");
+    TORCH_CHECK(q.group == QBLOCK, "MoePacked: ", what, ": group-32 scales only");
+    TORCH_CHECK(q.int4 == q0.int4 && q.asym == q0.asym && q.mx() == q0.mx() && q.n == q0.n && q.kp == q0.kp &&
+                    q.panel == q0.panel,
+                "MoePacked: ", what, ": every expert in one format, shape and layout");
   }
   TORCH_CHECK(bias.empty() || bias.size() == w.size(), "MoePacked: ", what, ": one bias per expert or none");
   for (auto& b : bias) {
