@@ -16,8 +16,11 @@ a norm or bias that is ignored or misplaced.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -127,10 +130,42 @@ def make_tiny_hf_model(tmp_path, family: str, *, seed: int = 0, max_shard_size=N
     overrides: transformers config fields (num_hidden_layers=4, tie_word_embeddings=True, ...).
     max_shard_size: e.g. "200KB" to write a sharded checkpoint with model.safetensors.index.json.
     """
-    import transformers
-
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose from {sorted(FAMILIES)}")
+    out = Path(tmp_path) / f"tiny-{family}"
+    n = 1
+    while out.exists():
+        n += 1
+        out = Path(tmp_path) / f"tiny-{family}-{n}"
+    # the same arguments write the same files (seeded): a suite asks for a few dozen distinct checkpoints some
+    # hundreds of times, so each is written once per process and copied (a copy: a test may edit its own)
+    key = repr((family, seed, max_shard_size, with_tokenizer, sorted(overrides.items())))
+    if key not in _WRITTEN:
+        written = _write_tiny_hf_model(Path(_cache_dir()) / str(len(_WRITTEN)), family, seed, max_shard_size,
+                                       with_tokenizer, overrides)
+        _WRITTEN[key] = written, torch.get_rng_state()
+    written, rng_after = _WRITTEN[key]
+    shutil.copytree(written, out)
+    torch.set_rng_state(rng_after)  # torch's global generator as writing the checkpoint leaves it, as before
+    return out
+
+
+# repr of make_tiny_hf_model's arguments -> (the directory written for them in this process, torch's global RNG
+# state after writing it)
+_WRITTEN: dict = {}
+
+
+@functools.lru_cache(maxsize=1)
+def _cache_dir() -> str:
+    path = tempfile.mkdtemp(prefix="servescope-tiny-models-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def _write_tiny_hf_model(out: Path, family: str, seed: int, max_shard_size, with_tokenizer: bool,
+                         overrides: dict) -> Path:
+    import transformers
+
     spec = dict(FAMILIES[family])
     model_cls = getattr(transformers, spec.pop("_cls"))
     config_cls = getattr(transformers, spec.pop("_cfg"))
@@ -158,11 +193,6 @@ def make_tiny_hf_model(tmp_path, family: str, *, seed: int = 0, max_shard_size=N
         if config.tie_word_embeddings:
             model.tie_weights()
 
-    out = Path(tmp_path) / f"tiny-{family}"
-    n = 1
-    while out.exists():
-        n += 1
-        out = Path(tmp_path) / f"tiny-{family}-{n}"
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kw)
     if with_tokenizer:
