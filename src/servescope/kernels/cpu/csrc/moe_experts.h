@@ -128,7 +128,7 @@ void moe_kept_products(const std::vector<QMatrix>& w, const MoeRoute& r, const T
   if (item_e.empty()) return;
   static thread_local GemmActs tls;  // the calling thread's; the workers read it through `a`
   GemmActs& a = tls;
-  quantize_gemm_acts(xs, r.start[e], w[0].kp, kept_offset(w[0]), a);
+  quantize_gemm_acts(xs, r.start[e], w[0].kp, gemm_offset(w[0]), a);
   parallel_by_cost(cum, num_threads(), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t x = item_e[i], p = item_p[i];

@@ -246,6 +246,33 @@ inline void build_panel(const QMatrix& q, int64_t n0, int8_t* panel, float* pd, 
         }
 }
 
+// The pieces of a tile of MR rows x NR column vectors that every layout shares (gemm_tile here, quant_kept.h's
+// kept_tile): the block's int32 sums start at the row's correction; the block's sums, rescaled, join the float
+// totals (per column the block's scale dv, and offset mv when asymmetric, times the row's dx / sx)
+template <bool I4, bool ASYM, int MR, int NR>
+inline void tile_block_start(const GemmActs& a, int64_t m0, int64_t b, vi (&acc)[MR][NR]) {
+  for (int m = 0; m < MR; ++m) {
+    const vi c = (I4 ? !ASYM : kS8Bias != 0) ? seti(a.corr[(m0 + m) * a.nb + b]) : zeroi();
+    for (int s = 0; s < NR; ++s) acc[m][s] = c;
+  }
+}
+
+template <bool ASYM, int MR, int NR>
+inline void tile_block_end(const GemmActs& a, int64_t m0, int64_t b, const vi (&acc)[MR][NR], const vf* dv,
+                           const vf* mv, vf (&tot)[MR][NR]) {
+  for (int m = 0; m < MR; ++m) {
+    const vf dx = set1(a.dx[(m0 + m) * a.nb + b]);
+    for (int s = 0; s < NR; ++s) tot[m][s] = fmadd(to_float(acc[m][s]), mul(dv[s], dx), tot[m][s]);
+    if constexpr (ASYM) {
+      const vf sx = set1(a.sx[(m0 + m) * a.nb + b]);
+      for (int s = 0; s < NR; ++s) tot[m][s] = fmadd(mv[s], sx, tot[m][s]);
+    }
+  }
+}
+
+// the activations' offset for q's format (quantize_gemm_acts' off)
+inline int32_t gemm_offset(const QMatrix& q) { return q.mx() ? MXFP4_OFFSET : q.int4 ? (q.asym ? 0 : 8) : kS8Bias; }
+
 // out[m * ldo + c] for rows m0 .. m0 + MR of a against the panel's NP columns
 template <bool I4, bool ASYM, int MR>
 inline void gemm_tile(const GemmActs& a, int64_t kp, int64_t m0, const int8_t* panel, const float* pd,
@@ -259,10 +286,7 @@ inline void gemm_tile(const GemmActs& a, int64_t kp, int64_t m0, const int8_t* p
     for (int s = 0; s < NR; ++s) tot[m][s] = zero();
   for (int64_t b = 0; b < nb; ++b) {
     vi acc[MR][NR];
-    for (int m = 0; m < MR; ++m) {
-      const vi c = (I4 ? !ASYM : kS8Bias != 0) ? seti(a.corr[(m0 + m) * nb + b]) : zeroi();
-      for (int s = 0; s < NR; ++s) acc[m][s] = c;
-    }
+    tile_block_start<I4, ASYM>(a, m0, b, acc);
     const int8_t* pb = panel + b * 8 * GEMM_NP * 4;
     for (int j = 0; j < 8; ++j) {
       vb w[NR];
@@ -277,14 +301,7 @@ inline void gemm_tile(const GemmActs& a, int64_t kp, int64_t m0, const int8_t* p
       dv[s] = load(pd + b * GEMM_NP + s * W);
       if constexpr (ASYM) mv[s] = load(pm + b * GEMM_NP + s * W);
     }
-    for (int m = 0; m < MR; ++m) {
-      const vf dx = set1(a.dx[(m0 + m) * nb + b]);
-      for (int s = 0; s < NR; ++s) tot[m][s] = fmadd(to_float(acc[m][s]), mul(dv[s], dx), tot[m][s]);
-      if constexpr (ASYM) {
-        const vf sx = set1(a.sx[(m0 + m) * nb + b]);
-        for (int s = 0; s < NR; ++s) tot[m][s] = fmadd(mv[s], sx, tot[m][s]);
-      }
-    }
+    tile_block_end<ASYM>(a, m0, b, acc, dv, mv, tot);
   }
   for (int m = 0; m < MR; ++m)
     for (int s = 0; s < NR; ++s) store(out + m * ldo + s * W, tot[m][s]);
@@ -305,8 +322,7 @@ template <typename T>
 inline void quant_gemm_rows(const QMatrix& q, const T* x, int64_t M, const float* bias, float* y) {
   static thread_local GemmActs tls;  // the calling thread's; the workers read it through `a`
   GemmActs& a = tls;
-  const int32_t off = q.mx() ? MXFP4_OFFSET : q.int4 ? (q.asym ? 0 : 8) : kS8Bias;
-  quantize_gemm_acts(x, M, q.kp, off, a);
+  quantize_gemm_acts(x, M, q.kp, gemm_offset(q), a);
   const int64_t panels = (q.n + GEMM_NP - 1) / GEMM_NP, nb = a.nb;
   parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<int8_t> panel(q.kp * GEMM_NP);

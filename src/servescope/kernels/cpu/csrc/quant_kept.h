@@ -56,10 +56,7 @@ inline void kept_tile(const GemmActs& a, const QMatrix& q, int64_t p, int64_t s0
     for (int s = 0; s < NR; ++s) tot[m][s] = zero();
   for (int64_t b = 0; b < nb; ++b) {
     vi acc[MR][NR];
-    for (int m = 0; m < MR; ++m) {
-      const vi c = (I4 ? !ASYM : kS8Bias != 0) ? seti(a.corr[(m0 + m) * nb + b]) : zeroi();
-      for (int s = 0; s < NR; ++s) acc[m][s] = c;
-    }
+    tile_block_start<I4, ASYM>(a, m0, b, acc);
     if constexpr (I4) {
       const uint8_t* pb = pw + b * 16 * NP;  // the block's 4 quads of packed bytes
       for (int j = 0; j < 4; ++j) {
@@ -89,14 +86,7 @@ inline void kept_tile(const GemmActs& a, const QMatrix& q, int64_t p, int64_t s0
       dv[s] = load_halves(ps + b * S * NP + s * W);
       if constexpr (ASYM) mv[s] = load_halves(ps + (b * S + 1) * NP + s * W);
     }
-    for (int m = 0; m < MR; ++m) {
-      const vf dx = set1(a.dx[(m0 + m) * nb + b]);
-      for (int s = 0; s < NR; ++s) tot[m][s] = fmadd(to_float(acc[m][s]), mul(dv[s], dx), tot[m][s]);
-      if constexpr (ASYM) {
-        const vf sx = set1(a.sx[(m0 + m) * nb + b]);
-        for (int s = 0; s < NR; ++s) tot[m][s] = fmadd(mv[s], sx, tot[m][s]);
-      }
-    }
+    tile_block_end<ASYM>(a, m0, b, acc, dv, mv, tot);
   }
   for (int m = 0; m < MR; ++m)
     for (int s = 0; s < NR; ++s) store(out + m * ldo + s * W, tot[m][s]);
@@ -135,16 +125,13 @@ inline void kept_rows(const GemmActs& a, const QMatrix& q, int64_t p, int64_t mb
     kept_panel_rows<false, false>(a, q, p, mb, me, out, q.n);
 }
 
-// the activations' offset for q's format (quant_gemm.h's quantize_gemm_acts)
-inline int32_t kept_offset(const QMatrix& q) { return q.int4 ? (q.asym ? 0 : 8) : kS8Bias; }
-
 // x [M, kp] float32 | bfloat16 (zeros past K), kept-panel q (group 32, int4 or int8, not MXFP4), bias [N] or
 // null -> y [M, N]: the panels split over the threads, each run against every row of x
 template <typename T>
 inline void quant_gemm_kept(const QMatrix& q, const T* x, int64_t M, const float* bias, float* y) {
   static thread_local GemmActs tls;  // the calling thread's; the workers read it through `a`
   GemmActs& a = tls;
-  quantize_gemm_acts(x, M, q.kp, kept_offset(q), a);
+  quantize_gemm_acts(x, M, q.kp, gemm_offset(q), a);
   parallel_for(0, q.n / GEMM_NP, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       float* out = y + p * GEMM_NP;
