@@ -4,16 +4,21 @@ blocks with a mask for a chunk after cached tokens, as model/attention/reference
 
     python benchmarks/prefill_attention_f32.py [--shapes 32/8/64,24/8/128] [--points 16:0,64:0,512:0,256:768]
         [--threads 2] [--rounds 5] [--json FILE]
+    python benchmarks/prefill_attention_f32.py --model FILE.gguf [--prompt-tokens 512,2048]
 
 Shapes are query heads / KV heads / head dim (default: Llama-3.2-1B's and 3B's); points are prompt tokens :
 tokens already cached. One layer's call per point, median of the rounds; prints both times, the ratio and the
-kernel's largest difference from SDPA. To compare trees, point PYTHONPATH (and TORCH_EXTENSIONS_DIR) at each.
+kernel's largest difference from SDPA. With --model: the engine's own prefills of fresh prompts (prefix caching
+off, three each after one warm-up), TTFT and the seconds spent in SDPA and the tiled kernel, timed where the
+backend calls them. To compare trees, point PYTHONPATH (and TORCH_EXTENSIONS_DIR) at each.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +66,36 @@ def one_point(h: int, hkv: int, d: int, t: int, cached: int, rounds: int) -> dic
             "max_abs_diff": diff}
 
 
+def engine_prefills(model: str, lengths: list, threads: int) -> list:
+    """[{tokens, ttft_s per prefill, attention_s per prefill}] of the engine on `model` (float32 activations for a
+    GGUF): the attention calls of the CPU backend timed by wrapping SDPA and the tiled kernel."""
+    from servescope.bench.latency import run_engine_latency  # (the engine: only this mode loads it)
+    from servescope.engine.llm import LLM  # (likewise)
+
+    llm = LLM(model=model, quantization="gguf" if model.endswith(".gguf") else None, num_threads=threads,
+              max_num_seqs=4, max_model_len=max(lengths) + 8, enable_prefix_caching=False)
+    spent = [0.0]
+    for mod, name in ((F, "scaled_dot_product_attention"), (cpu_ops, "prefill_attention")):
+        real = getattr(mod, name)
+
+        def timed(*a, _real=real, **kw):
+            t = time.perf_counter()
+            out = _real(*a, **kw)
+            spent[0] += time.perf_counter() - t
+            return out
+        setattr(mod, name, timed)
+    rows = []
+    for n in lengths:
+        run_engine_latency(llm, 1, n, 1, iters=1, measure_bandwidth=False)
+        spent[0] = 0.0
+        res = run_engine_latency(llm, 1, n, 1, iters=3, measure_bandwidth=False)
+        ttfts = [r["ttft_s"] for r in res["iterations"]]
+        rows.append({"tokens": n, "ttft_s": ttfts, "attention_s": spent[0] / len(ttfts)})
+        print(f"{n:>6} tokens: TTFT median {statistics.median(ttfts):.3f} s of {[round(t, 3) for t in ttfts]}, "
+              f"attention {spent[0] / len(ttfts):.3f} s a prefill")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="32/8/64,24/8/128")
@@ -68,7 +103,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--model", default=None, help="time the engine's prefills on this model instead")
+    ap.add_argument("--prompt-tokens", default="512,2048")
     args = ap.parse_args()
+    if args.model:
+        torch.set_num_threads(args.threads)
+        rows = engine_prefills(args.model, [int(n) for n in args.prompt_tokens.split(",")], args.threads)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"threads": args.threads, "model": args.model, "rows": rows}, f, indent=1)
+        return
     shapes, points = _pairs(args.shapes, "/", 3, "--shapes"), _pairs(args.points, ":", 2, "--points")
     torch.set_num_threads(args.threads)
     if cpu_ops.load() is None:
