@@ -1,12 +1,14 @@
-// Every CPU kernel of src/servescope/kernels/cpu/csrc/kernels.h against a float64 reference, with no
+// Every CPU kernel of src/servescope/kernels/cpu/csrc/kernels.h (and prefill_f32.h) against a float64 reference, with no
 // torch: compiled once per ISA by tests/kernels/test_isa_paths.py (natively where the CPU runs it,
 // and for aarch64 with a cross compiler, run under qemu-aarch64). Prints one line per failure and
 // "<isa> ok: <n> checks" at the end; the exit status is the number of failures (capped).
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "kernels.h"
+#include "prefill_f32.h"
 
 using namespace servescope_kernels;
 
@@ -439,6 +441,54 @@ static void check_quantize_row(int64_t d) {  // each value within its quantisati
   }
 }
 
+// float32 causal prefill (prefill_f32.h): T tokens at positions ctx - T .. ctx - 1 over scattered blocks, against
+// the float64 reference; then the same prompt in two chunks, which must give the same bits token for token
+template <int G, int D>
+static void check_prefill_f32(int64_t T, int64_t ctx, int64_t hkv) {
+  const int64_t S = 16, h = hkv * G, nb = (ctx + S - 1) / S + 1;
+  auto q = randv<float>(T * h * D, 2.f), kc = randv<float>(nb * S * hkv * D, 2.f), vc = randv<float>(nb * S * hkv * D);
+  std::vector<int32_t> bt(nb);
+  for (int64_t i = 0; i < nb; ++i) bt[i] = (int32_t)(nb - 1 - i);
+  const float scale = 1.0f / std::sqrt((float)D);
+  std::vector<float> out(T * h * D), parts(T * h * D);
+  servescope_prefill::prefill_f32_run<G, D>(q.data(), h * D, D, kc.data(), vc.data(), S, hkv, bt.data(), T, ctx, scale,
+                                            out.data(), h * D, D);
+  std::vector<double> want(out.size());
+  auto at = [&](const std::vector<float>& c, int64_t p, int64_t kh, int64_t j) {
+    return (double)c[((bt[p / S] * S + p % S) * hkv + kh) * D + j];
+  };
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t hh = 0; hh < h; ++hh) {
+      const int64_t pos = ctx - T + t, kh = hh / G;
+      std::vector<double> sc(pos + 1);
+      double mx = -1e300, den = 0;
+      for (int64_t p = 0; p <= pos; ++p) {
+        double s = 0;
+        for (int64_t j = 0; j < D; ++j) s += (double)q[(t * h + hh) * D + j] * at(kc, p, kh, j);
+        mx = std::max(mx, sc[p] = s * scale);
+      }
+      for (auto& s : sc) den += (s = std::exp(s - mx));
+      for (int64_t j = 0; j < D; ++j) {
+        double a = 0;
+        for (int64_t p = 0; p <= pos; ++p) a += sc[p] * at(vc, p, kh, j);
+        want[(t * h + hh) * D + j] = a / den;
+      }
+    }
+  const std::string ctxs = "G=" + std::to_string(G) + " D=" + std::to_string(D) + " T=" + std::to_string(T) +
+                           " ctx=" + std::to_string(ctx);
+  expect("prefill_f32", out.data(), want, 2e-5, ctxs);
+  const int64_t first = T / 3 + 1;  // chunks [0, first) and [first, T), each over the keys up to its last token
+  servescope_prefill::prefill_f32_run<G, D>(q.data(), h * D, D, kc.data(), vc.data(), S, hkv, bt.data(), first,
+                                            ctx - T + first, scale, parts.data(), h * D, D);
+  servescope_prefill::prefill_f32_run<G, D>(q.data() + first * h * D, h * D, D, kc.data(), vc.data(), S, hkv, bt.data(),
+                                            T - first, ctx, scale, parts.data() + first * h * D, h * D, D);
+  ++g_checks;
+  if (std::memcmp(out.data(), parts.data(), out.size() * sizeof(float)) != 0) {
+    ++g_fail;
+    std::printf("FAIL prefill_f32 in chunks differs from one call (%s)\n", ctxs.c_str());
+  }
+}
+
 int main() {
   check_layer();
   for (int64_t n : {64, 100, 576}) {
@@ -495,6 +545,12 @@ int main() {
       check_latent_decode<float, int8_t>(b, 5, d, dv, 40);
       check_latent_decode<bf16, int8_t>(b, 5, d, dv, 40);
     }
+  for (auto [T, ctx] : std::initializer_list<std::pair<int64_t, int64_t>>{{1, 1}, {37, 37}, {40, 90}, {20, 300}}) {
+    check_prefill_f32<3, 64>(T, ctx, 2);
+    check_prefill_f32<4, 128>(T, ctx, 1);
+    check_prefill_f32<8, 64>(T, ctx, 1);
+    check_prefill_f32<1, 64>(T, ctx, 2);
+  }
   check_fp8_widening();
   check_fp8_rounding();
   for (int64_t d : {64, 20}) {

@@ -335,8 +335,10 @@ def test_prefill_attention_rejects_what_it_cannot_do():
         cpu_ops.prefill_attention(torch.zeros(3, 9, 64).bfloat16(), kc, kc, torch.arange(4).int(), 3, 0.1)
     with pytest.raises(RuntimeError, match="block_table"):  # the table does not cover ctx
         cpu_ops.prefill_attention(torch.zeros(3, 2, 64).bfloat16(), kc, kc, torch.arange(1).int(), 20, 0.1)
-    with pytest.raises(RuntimeError, match="bfloat16"):
+    with pytest.raises(RuntimeError, match="q's dtype"):  # float32 q over a bfloat16 cache
         cpu_ops.prefill_attention(torch.zeros(3, 2, 64), kc, kc, torch.arange(4).int(), 3, 0.1)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        cpu_ops.prefill_attention(torch.zeros(3, 2, 64).half(), kc.half(), kc.half(), torch.arange(4).int(), 3, 0.1)
     assert not cpu_ops.prefill_attention_supported(9, 64) and not cpu_ops.prefill_attention_supported(2, 80)
 
 

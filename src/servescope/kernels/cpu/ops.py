@@ -95,15 +95,16 @@ def latent_decode(q, cache, block_tables, context_lens, scale: float, v_dim: int
     return _EXT.mod.latent_decode(q, cache, block_tables, context_lens, scale, v_dim)
 
 
-def prefill_attention_supported(group: int, head_dim: int) -> bool:
-    """Whether prefill_attention has a kernel for this GQA group and head dim on this CPU (AVX-512 BF16)."""
-    return _EXT.mod is not None and _EXT.mod.prefill_attention_supported(group, head_dim)
+def prefill_attention_supported(group: int, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether prefill_attention has a kernel for this GQA group, head dim and dtype on this CPU (bfloat16: AVX-512
+    BF16; float32: every ISA path)."""
+    return _EXT.mod is not None and _EXT.mod.prefill_attention_supported(group, head_dim, dtype == torch.float32)
 
 
 def prefill_attention(q, k_cache, v_cache, block_table, ctx: int, scale: float) -> torch.Tensor:
     """Causal attention of one sequence's T prefill tokens (positions ctx - T .. ctx - 1) over its
-    keys 0 .. ctx - 1 in the paged cache (this step's already stored). q [T, H, D] bfloat16;
-    block_table [>= ceil(ctx / S)] int32 -> [T, H, D]."""
+    keys 0 .. ctx - 1 in the paged cache (this step's already stored). q [T, H, D] bfloat16 or float32, the
+    caches q's dtype; block_table [>= ceil(ctx / S)] int32 -> [T, H, D]."""
     return _EXT.mod.prefill_attention(q, k_cache, v_cache, block_table, ctx, scale)
 
 

@@ -29,6 +29,14 @@ PAGED_PREFILL_MAX_CONTEXT = 1024
 # (csrc/prefill_attention.cpp; 16 tokens per item; GQA groups 1-8, head dims 64/128): faster than the
 # per-token path above and than SDPA from this many tokens on, slower below (docs/BENCHMARKS.md)
 TILED_PREFILL_MIN_TOKENS = 128
+# float32 prefill sequences of at least this many tokens in the step go to the tiled kernel (prefill_f32.h), the
+# rest to SDPA: on AVX-512 it beat SDPA 1.3-2.4x from 32-64 tokens on at the Llama-3.2-1B / 3B heads, about even
+# or slower at 16 (benchmarks/prefill_attention_f32.py, docs/BENCHMARKS.md)
+TILED_F32_MIN_TOKENS = 32
+# the kernel paths that take them, and up to what context (None: any). The AVX2 build (8 tokens per item, 16
+# registers: twice the broadcasts per FMA) beat SDPA up to ~1k keys and lost beyond (0.7-0.9x at 2048 on a Zen 4);
+# NEON and the scalar build are not routed (unmeasured; SDPA is vectorised there): the kernel is tested on them
+TILED_F32_MAX_CONTEXT = {"avx512": None, "avx2": 1024}
 
 
 def _cpu_kernels(x: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -82,8 +90,31 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if nd:
             cpu_ops.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale, out=out[:nd],
                                  **mods)
-        self._attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out, **mods)
+        tiled = self._f32_tiled(q, k_cache, meta) if plain and not window else {}
+        for i, (lo, hi) in tiled.items():
+            out[lo:hi] = cpu_ops.prefill_attention(q[lo:hi], k_cache, v_cache, meta.block_tables[i],
+                                                   meta.context_lens_cpu[i], scale)
+        self._attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out, skip=tiled, **mods)
         return out
+
+    @staticmethod
+    def _f32_tiled(q, k_cache, meta: AttentionMetadata) -> dict:
+        """{sequence: (first token, end)} of a float32 step's prefill sequences the tiled kernel takes (at least
+        TILED_F32_MIN_TOKENS of them, heads it covers, a float32 cache); worked out once per step."""
+        tiled = meta.scratch.get("cpu_f32_tiled")
+        if tiled is None:
+            tiled = meta.scratch["cpu_f32_tiled"] = {}
+            isa = cpu_ops.isa()
+            if (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and isa in TILED_F32_MAX_CONTEXT
+                    and cpu_ops.prefill_attention_supported(q.shape[1] // k_cache.shape[2], q.shape[2], q.dtype)):
+                most = TILED_F32_MAX_CONTEXT[isa] or float("inf")
+                start = meta.num_decode_seqs
+                for i in range(meta.num_decode_seqs, meta.num_seqs):
+                    n = meta.query_lens_cpu[i]
+                    if n >= TILED_F32_MIN_TOKENS and meta.context_lens_cpu[i] <= most:
+                        tiled[i] = (start, start + n)
+                    start += n
+        return tiled
 
     def latent_decode(self, q, cache, meta: AttentionMetadata, scale: float, v_dim: int) -> torch.Tensor:
         """The C++ latent_decode where the kernels serve: the values read as the first v_dim features of each

@@ -47,15 +47,19 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _attend_prefills(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out,
-                         window: int = 0, softcap: float = 0.0, sinks=None) -> None:
+                         window: int = 0, softcap: float = 0.0, sinks=None, skip=()) -> None:
         """The sequences after the decodes (tokens from num_decode_seqs on), each a causal attention of
         its new tokens over its cached keys (the last `window` of them per query when window > 0), written
-        into out [T, H, D]. softcap, sinks: scores.attend's."""
+        into out [T, H, D]; those in `skip` left as they are (another kernel wrote them). softcap, sinks:
+        scores.attend's."""
         mods = dict(softcap=softcap, sinks=sinks)
         start = meta.num_decode_seqs
         for i in range(start, meta.num_seqs):
             qlen = meta.query_lens_cpu[i]
             ctx = meta.context_lens_cpu[i]
+            if i in skip:
+                start += qlen
+                continue
             qi = q[start:start + qlen]  # [q, H, D]
             if ctx == qlen and not kv_quant.is_quantized(k_cache.dtype) and not (window and qlen > window):
                 # nothing cached before: causal attention over this step's own k, v (a quantised cache is

@@ -123,7 +123,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("latent_decode", &latent_decode, nogil,
         "latent_decode(q, cache, block_tables, context_lens, scale, v_dim): MLA's decode, values the rows' first v_dim");
   m.def("prefill_attention", &prefill_attention, nogil,
-        "prefill_attention(q, k_cache, v_cache, block_table, ctx, scale): causal, one sequence, bfloat16");
+        "prefill_attention(q, k_cache, v_cache, block_table, ctx, scale): causal, one sequence, bfloat16 or float32");
   m.def("prefill_attention_supported", &prefill_attention_supported, nogil,
-        "prefill_attention_supported(group, head_dim)");
+        "prefill_attention_supported(group, head_dim, float32)");
 }

@@ -110,9 +110,9 @@ class MoeDense {
 // kernel: gate = min(gate, limit), up = clamp(up, -limit, limit), (up + 1) * gate * sigmoid(alpha * gate))
 Tensor clamped_swiglu(const Tensor& gate_up, double limit, double alpha);
 
-// prefill_attention.cpp (AVX512-BF16 only; elsewhere "unsupported")
+// prefill_attention.cpp (bfloat16: AVX512-BF16 only, elsewhere "unsupported"; float32: every ISA)
 Tensor prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int64_t ctx, double scale);
-bool prefill_attention_supported(int64_t group, int64_t head_dim);
+bool prefill_attention_supported(int64_t group, int64_t head_dim, bool float32);
 
 // onednn_linear.cpp: oneDNN's GEMM on a prepacked weight (bias empty: none)
 Tensor onednn_linear(const Tensor& x, const Tensor& packed, const Tensor& bias);

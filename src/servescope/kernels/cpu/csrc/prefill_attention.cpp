@@ -1,6 +1,6 @@
-// Causal prefill attention for one sequence on the CPU, bfloat16 q and KV cache: flash attention
-// tiled for AVX-512 BF16 (VDPBF16PS; compiled only where the
-// extension's ISA has it: elsewhere attention/torch_ref.py's paths serve prefill), the keys and values read from the paged cache.
+// Causal prefill attention for one sequence on the CPU, the keys and values read from the paged cache. bfloat16
+// q and KV cache: flash attention tiled for AVX-512 BF16 (VDPBF16PS; compiled only where the extension's ISA has
+// it: elsewhere attention/cpu.py's other paths serve bfloat16 prefill). float32: prefill_f32.h, on every ISA.
 //
 // Shape legend: T query tokens (positions ctx - T .. ctx - 1), H query heads, Hkv KV heads,
 // G = H / Hkv, D head dim, S block size.
@@ -16,6 +16,7 @@
 
 #include "simd.h"
 #include "ops.h"
+#include "prefill_f32.h"
 
 namespace {
 
@@ -181,42 +182,57 @@ void prefill_run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
 
 namespace servescope_ops {
 
-bool prefill_attention_supported(int64_t group, int64_t head_dim) {
+bool prefill_attention_supported(int64_t group, int64_t head_dim, bool float32) {
+  const bool shape = group >= 1 && group <= 8 && (head_dim == 64 || head_dim == 128);
 #if SERVESCOPE_HAS_BF16_DOT
-  return group >= 1 && group <= 8 && (head_dim == 64 || head_dim == 128);
+  return shape;
 #else
-  return false;
+  return shape && float32;
 #endif
 }
 
-// q [T, H, D] (strides: D contiguous); caches [N, S, Hkv, D] contiguous; block_table [>= ceil(ctx / S)]
-// int32: the sequence's blocks; ctx: its length after this step (>= T) -> [T, H, D].
+// q [T, H, D] (strides: D contiguous); caches [N, S, Hkv, D] contiguous, q's dtype (bfloat16 or float32);
+// block_table [>= ceil(ctx / S)] int32: the sequence's blocks; ctx: its length after this step (>= T) -> [T, H, D].
 at::Tensor prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                 int64_t ctx, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.stride(2) == 1,
-              "prefill_attention: q [T, H, D] bfloat16, D contiguous");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(q.dim() == 3 && (dt == at::kBFloat16 || dt == at::kFloat) && q.stride(2) == 1,
+              "prefill_attention: q [T, H, D] bfloat16 or float32, D contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
-                  k_cache.sizes() == v_cache.sizes(),
-              "prefill_attention: caches [N, S, Hkv, D] bfloat16, contiguous");
+                  k_cache.scalar_type() == dt && v_cache.scalar_type() == dt && k_cache.sizes() == v_cache.sizes(),
+              "prefill_attention: caches [N, S, Hkv, D] of q's dtype, contiguous");
   const int64_t h = q.size(1), d = q.size(2), hkv = k_cache.size(2), S = k_cache.size(1);
   TORCH_CHECK(k_cache.size(3) == d && h % hkv == 0, "prefill_attention: heads / head dim");
   TORCH_CHECK(ctx >= q.size(0) && block_table.dim() == 1 && block_table.scalar_type() == at::kInt &&
                   block_table.is_contiguous() && block_table.size(0) * S >= ctx,
               "prefill_attention: block_table int32 covering ctx >= T tokens");
-  TORCH_CHECK(prefill_attention_supported(h / hkv, d), "prefill_attention: unsupported group ", h / hkv,
+  const bool f32 = dt == at::kFloat;
+  TORCH_CHECK(prefill_attention_supported(h / hkv, d, f32), "prefill_attention: unsupported group ", h / hkv,
               " / head dim ", d);
   auto out = at::empty_like(q);
   if (q.size(0) == 0) return out;
+#define SERVESCOPE_CASES(CASE)                                                                          \
+  CASE(1, 64) CASE(2, 64) CASE(3, 64) CASE(4, 64) CASE(5, 64) CASE(6, 64) CASE(7, 64) CASE(8, 64) CASE(1, 128) \
+  CASE(2, 128) CASE(3, 128) CASE(4, 128) CASE(5, 128) CASE(6, 128) CASE(7, 128) CASE(8, 128)
+  if (f32) {
+#define SERVESCOPE_F32(G_, D_)                                                                                     \
+  if (h / hkv == G_ && d == D_) {                                                                                  \
+    servescope_prefill::prefill_f32_run<G_, D_>(q.data_ptr<float>(), q.stride(0), q.stride(1),                     \
+                                                k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), S, hkv,      \
+                                                block_table.data_ptr<int32_t>(), q.size(0), ctx, (float)scale,     \
+                                                out.data_ptr<float>(), out.stride(0), out.stride(1));              \
+    return out;                                                                                                    \
+  }
+    SERVESCOPE_CASES(SERVESCOPE_F32)
+#undef SERVESCOPE_F32
+  }
 #if SERVESCOPE_HAS_BF16_DOT
-#define SERVESCOPE_CASE(G_, D_) \
+#define SERVESCOPE_BF16(G_, D_) \
   if (h / hkv == G_ && d == D_) { prefill_run<G_, D_>(q, k_cache, v_cache, block_table, ctx, scale, out); return out; }
-  SERVESCOPE_CASE(1, 64) SERVESCOPE_CASE(2, 64) SERVESCOPE_CASE(3, 64) SERVESCOPE_CASE(4, 64)
-  SERVESCOPE_CASE(5, 64) SERVESCOPE_CASE(6, 64) SERVESCOPE_CASE(7, 64) SERVESCOPE_CASE(8, 64)
-  SERVESCOPE_CASE(1, 128) SERVESCOPE_CASE(2, 128) SERVESCOPE_CASE(3, 128) SERVESCOPE_CASE(4, 128)
-  SERVESCOPE_CASE(5, 128) SERVESCOPE_CASE(6, 128) SERVESCOPE_CASE(7, 128) SERVESCOPE_CASE(8, 128)
-#undef SERVESCOPE_CASE
+  SERVESCOPE_CASES(SERVESCOPE_BF16)
+#undef SERVESCOPE_BF16
 #endif
+#undef SERVESCOPE_CASES
   return out;
 }
 
