@@ -62,6 +62,29 @@ def test_latent_decode_is_the_full_width_decode_cut_to_r(d, r, dtype):
     assert torch.equal(AttentionBackend.latent_decode(backend, q, cache, meta, 0.1, r), got)  # the generic form
 
 
+@pytest.mark.parametrize("heads", [16, 12, 5])
+def test_latent_decode_at_batch_1_splits_its_heads_over_the_threads_and_keeps_its_bits(heads):
+    """One sequence over one latent head is one task per head tile once there are more threads than sequences:
+    every head's output the same bits as on one thread, and the float64 reference's."""
+    gen = torch.Generator().manual_seed(heads)
+    d, r = 576, 512
+    cache = torch.randn(8, 16, 1, d, generator=gen)
+    q = torch.randn(1, heads, d, generator=gen)
+    tables, lens = torch.randperm(8, generator=gen)[:5].view(1, 5).int(), torch.tensor([77], dtype=torch.int32)
+    outs = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(cpu_ops.latent_decode(q, cache, tables, lens, 0.05, r))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    rows = cache[tables[0].long()].flatten(0, 1)[:77, 0].double()  # [L, d]
+    p = torch.softmax(q[0].double() @ rows.T * 0.05, -1)  # [H, L]
+    torch.testing.assert_close(outs[0][0].double(), p @ rows[:, :r], rtol=1e-5, atol=1e-5)
+
+
 def test_latent_decode_refuses_bad_shapes():
     cache, tables = torch.zeros(4, 16, 1, 48), torch.zeros(1, 2, dtype=torch.int32)
     lens = torch.ones(1, dtype=torch.int32)

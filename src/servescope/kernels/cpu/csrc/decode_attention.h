@@ -27,7 +27,9 @@ struct ScoreMods {
 };
 
 // Any head dim: one task per (sequence, KV head); the G query heads of the group share each K and V
-// row (loaded once). Online softmax over chunks of up to CH positions within a block.
+// row (loaded once). Online softmax over chunks of up to CH positions within a block. Where there are fewer
+// (sequence, KV head) pairs than threads (MLA's one latent head at batch 1: one task for the whole layer), each
+// pair's heads are split into tasks of HT (each reads the rows again; a head's arithmetic is the same either way).
 constexpr int64_t CH = 32;
 constexpr int64_t HT = 8;  // query heads per register tile
 
@@ -41,7 +43,8 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
   const int64_t row = hkv * dp;         // elements between consecutive positions of one head in the cache
   int64_t max_ctx = 1;
   for (int64_t i = 0; i < b; ++i) max_ctx = std::max<int64_t>(max_ctx, cl[i]);
-  parallel_for(0, b * hkv, grain_for(max_ctx * g * d, 32768), [&](int64_t i0, int64_t i1) {
+  const int64_t parts = b * hkv < num_threads() ? (g + HT - 1) / HT : 1, per = (g + parts - 1) / parts;
+  parallel_for(0, b * hkv * parts, grain_for(max_ctx * per * d, 32768), [&](int64_t i0, int64_t i1) {
     std::vector<float> buf(2 * g * d + g * CH + 2 * g);
     float* qf = buf.data();   // [G, D] queries in float32
     float* acc = qf + g * d;  // [G, D] running sum of p * v
@@ -49,8 +52,9 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
     float* mx = sc + g * CH;  // [G] running max
     float* den = mx + g;      // [G] running sum of p
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t bi = item / hkv, kh = item % hkv;
-      for (int64_t i = 0; i < g; ++i) {
+      const int64_t bi = item / parts / hkv, kh = item / parts % hkv;
+      const int64_t h0 = item % parts * per, h1 = std::min(g, h0 + per);  // this task's heads of the group
+      for (int64_t i = h0; i < h1; ++i) {
         const Q* qi = q + bi * qs0 + (kh * g + i) * qs1;
         for (int64_t j = 0; j < d; j += W) storen(qf + i * d + j, loadn(qi + j, d - j), d - j);
         mx[i] = -std::numeric_limits<float>::infinity();
@@ -67,8 +71,8 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
         // scores[i][t] = scale * q_i . k_t
         for (int64_t t = 0; t < n; ++t) {
           const C* kr = kb + t * row;
-          for (int64_t i0h = 0; i0h < g; i0h += HT) {
-            const int64_t nh = std::min<int64_t>(HT, g - i0h);
+          for (int64_t i0h = h0; i0h < h1; i0h += HT) {
+            const int64_t nh = std::min<int64_t>(HT, h1 - i0h);
             vf a[HT];
             for (int64_t i = 0; i < nh; ++i) a[i] = zero();
             for (int64_t j = 0; j < d; j += W) {
@@ -80,7 +84,7 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
           }
         }
         // online softmax: rescale the running sums by exp(old max - new max)
-        for (int64_t i = 0; i < g; ++i) {
+        for (int64_t i = h0; i < h1; ++i) {
           float* s = sc + i * CH;
           if (mods.softcap > 0.f)
             for (int64_t t = 0; t < n; t += W) storen(s + t, vsoftcap(loadn(s + t, n - t), mods.softcap), n - t);
@@ -107,7 +111,7 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
           const float vs = row_scale(vr, d);  // p (v_q * s) = (p s) v_q
           for (int64_t j = 0; j < dv; j += W) {
             const vf vv = loadn(vr + j, dv - j);
-            for (int64_t i = 0; i < g; ++i) {
+            for (int64_t i = h0; i < h1; ++i) {
               float* ai = acc + i * d + j;
               storen(ai, fmadd(set1(sc[i * CH + t] * vs), vv, loadn(ai, dv - j)), dv - j);
             }
@@ -115,7 +119,7 @@ void decode_any(const Q* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, 
         }
         p += n;
       }
-      for (int64_t i = 0; i < g; ++i) {
+      for (int64_t i = h0; i < h1; ++i) {
         Q* o = out + bi * os0 + (kh * g + i) * os1;
         const float all = mods.denominator(den[i], mx[i], kh * g + i);
         const vf inv = set1(all > 0.f ? 1.0f / all : 0.f);
