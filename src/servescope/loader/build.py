@@ -74,7 +74,7 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device: 
           and k not in packed_keys}  # (packed: built on the blocks already, materialize)
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
-    _check_names_and_shapes(model, cfg, {k: v.to("meta") for k, v in sd.items()}, expected)
+    _check_names_and_shapes(model, cfg, {k: v.to("meta").as_subclass(_ShapeOnly) for k, v in sd.items()}, expected)
     with torch.no_grad():
         for part in _by_layer(sd, cfg.num_hidden_layers):
             for name, t in _fused(model, cfg, part).items():
@@ -96,8 +96,46 @@ def _fused(model, cfg: ModelConfig, sd: dict) -> dict:
     return sd
 
 
+class _ShapeOnly(torch.Tensor):
+    """A meta tensor whose torch.cat and torch.stack are worked out from the shapes alone. torch's meta
+    kernels of those two are Python decompositions, and the first call of one imports torch._dynamo (and
+    Triton): seconds of CPU in a process that builds a model without transformers having imported it
+    already (a parallel worker, a CLI run). Every other op runs as on a plain meta tensor; inputs whose
+    shapes do not join go to torch's own op, which raises its own error."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.cat or func is torch.stack:
+            tensors, dim = args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0)
+            shape = _joined_shape([tuple(t.shape) for t in tensors], dim, func is torch.stack)
+            if shape is not None and not kwargs.get("out"):
+                dtype = tensors[0].dtype
+                for t in tensors[1:]:
+                    dtype = torch.promote_types(dtype, t.dtype)
+                return torch.empty(shape, dtype=dtype, device="meta").as_subclass(cls)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _joined_shape(shapes: list, dim: int, new_dim: bool):
+    """The shape of torch.cat (new_dim False) or torch.stack (True) of tensors of `shapes` along `dim`;
+    None where they do not join (or the call is not one of those)."""
+    if not shapes or any(len(s) != len(shapes[0]) for s in shapes):
+        return None
+    rank = len(shapes[0]) + new_dim
+    if not isinstance(dim, int) or not -rank <= dim < rank:
+        return None
+    dim %= rank
+    if new_dim:
+        return (*shapes[0][:dim], len(shapes), *shapes[0][dim:]) if all(s == shapes[0] for s in shapes) else None
+    rest = [s[:dim] + s[dim + 1:] for s in shapes]
+    if any(r != rest[0] for r in rest):
+        return None
+    return (*shapes[0][:dim], sum(s[dim] for s in shapes), *shapes[0][dim + 1:])
+
+
 def _check_names_and_shapes(model, cfg: ModelConfig, meta_sd: dict, expected: dict) -> None:
-    sd = _fused(model, cfg, meta_sd)
+    sd = model.fuse_checkpoint(meta_sd, cfg.num_hidden_layers)  # (_fused's norm offsets change values only)
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(set(sd) - set(expected))
     if missing:
