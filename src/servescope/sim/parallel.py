@@ -129,8 +129,8 @@ class _Group:
         advance_ahead left (j can reach them, or a request reached them) are brought to j + 1's arrival by plans
         alone (SimEngine.plan_until, after their stretches are applied: what prepay_until does first), which
         confirm() keeps and undo() drops, so the state either case leaves is the one meeting it leaves."""
-        if self.dep.router == "prefix":
-            return None  # (its answer reads the caches as the steps leave them)
+        if not _answers_ahead(self.dep):
+            return None
         t, planned, time = self.arrivals[j + 1], [], self.time
         self.first = []  # (applied below: what prepay_until would apply first)
         for i, e in zip(self.indices, self.engines):
@@ -254,7 +254,7 @@ def _serve(conn: Pipe, group: _Group, parent_end: Pipe) -> None:
                 conn.send(answer)
             group.advance_ahead(upto, answer[0], answer[1], _never)  # (needed before the next answer in any case)
             ahead = group.speculate(upto) if upto + 1 < n else None
-            if upto + 1 < n:
+            if upto + 1 < n and _answers_ahead(group.dep):
                 conn.send(ahead)
             group.prepare(ready)
             group.prepay_until(ready)
@@ -324,16 +324,22 @@ def _route_all(deployment: Deployment, groups: list, conns: list, owner: list, s
     for conn in conns:
         conn.send((-1, -1, None, 0 if n else -1, opens, -1))
     all_ready, each_ready = readable(conns), [readable([c]) for c in conns]
-    went = 0
+    ahead, went = _answers_ahead(deployment), 0
     for j in range(n):
         loads, hits, busy, seen = groups[0].meet(j, opens)
+        # from j = 1 on each child sent an answer ahead (_Group.speculate), this meeting's unless request j - 1 went
+        # to it or the meeting opens no batch: then dropped at once, so that only the answer to come counts as ready
+        take = [ahead and j > 0 and went != c + 1 and opens for c in range(len(conns))]
+        for conn, taken in zip(conns, take):
+            if ahead and j and not taken:
+                _reply(conn)
         if conns:  # while the children answer: the own replicas that request j cannot reach, to j + 1's arrival
             groups[0].prepare(all_ready)
             groups[0].advance_ahead(j, loads, hits, all_ready)
-        for c, (conn, ready) in enumerate(zip(conns, each_ready)):
+        for conn, ready, taken in zip(conns, each_ready, take):
             groups[0].prepay_until(ready)
-            more = _reply(conn)  # (from j = 1 on, the answer it sent ahead: _Group.speculate)
-            if j and (more is None or went == c + 1 or not opens):  # not this meeting's: its answer follows
+            more = _reply(conn)
+            if taken and more is None:  # (none could be had: its answer follows)
                 groups[0].prepay_until(ready)
                 more = _reply(conn)
             loads = loads + more[0]
@@ -366,6 +372,12 @@ def _route_all(deployment: Deployment, groups: list, conns: list, owner: list, s
         # the routing when j + 1 goes to a child), the likely child when this one took j (or this one, if it is the
         # likely one and the children answer late)
         groups[0].to_prepare = j + 1 if conns and j + 1 < n and (went or likely == 0) else -1
+
+
+def _answers_ahead(deployment: Deployment) -> bool:
+    """Whether the children send answers ahead (_Group.speculate): not for the prefix router, whose answers read
+    the caches as the steps leave them."""
+    return deployment.router != "prefix"
 
 
 def _never() -> bool:
