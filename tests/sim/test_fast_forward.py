@@ -138,16 +138,14 @@ def test_a_concurrency_limit_steps_one_at_a_time_with_the_same_results(monkeypat
 @pytest.mark.parametrize("router", ["round-robin", "least-tokens", "prefix"])
 def test_stretches_applied_while_a_process_waits_change_nothing(router, monkeypatch):
     """sim/parallel.py applies planned stretches while it waits for the other process (a stretch split
-    anywhere); here every planned stretch is applied at every wait, in the parent and the children (but the
-    plans of a child's answer sent ahead, kept until the meeting says whether they stand: _Group.speculate), and
-    the records, token times and caches are the sequential run's."""
+    anywhere); here every planned stretch is applied at every wait, in the parent and the children, and the
+    records, token times and caches are the sequential run's."""
     applied = []
 
     def always(self, ready):  # as if the other process were always the slower one
         applied.append(sum(e.planned_steps() for e in self.engines))
         for e in self.engines:
-            if e not in self.ahead[0]:
-                e.settle()
+            e.settle()
 
     monkeypatch.setattr(parallel._Group, "prepay_until", always)
     spec, reqs = _spec(blocks=96), _workload(150, 300.0, seed=9)

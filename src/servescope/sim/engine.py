@@ -216,26 +216,6 @@ class SimEngine:
         if self._run is not None and self.commit():
             raise RuntimeError(f"{self.name}: requests finished outside advance()")
 
-    def plan_until(self, t: float) -> bool:
-        """advance(t) where it would only plan: with nothing planned, plan the stretch of the steps that start before
-        t. False, planning nothing, where advance(t) would run a step or apply a stretch (sim/parallel.py answers
-        a meeting ahead with what this leaves, and drop_plan() undoes it when the meeting turns out otherwise)."""
-        if self._run is not None:
-            return False
-        if self.clock >= t or not self.has_unfinished():
-            return True
-        run = DecodeRun.start(self) if self.fast_forward else None
-        if run is None:
-            return False
-        run.extend_to(t)
-        if not run.blocked:
-            self._run = run
-        return not run.blocked
-
-    def drop_plan(self) -> None:
-        """Forget the planned steps, none applied: the state as before they were planned (advance plans them again)."""
-        self._run = None
-
     def next_start(self) -> float:
         """When the next step that is not planned starts: the clock after the planned steps."""
         return self.clock if self._run is None else self._run.clock

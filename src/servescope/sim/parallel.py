@@ -31,12 +31,6 @@ process when a child took that request (sent with the routing if the next goes t
 whose replica the router will likely choose next (Deployment.likely_next); a wrong guess costs only time
 that was waited anyway, and adding a request without it computes it then.
 
-A child also answers the next meeting ahead (_Group.speculate): having run ahead, it plans the replicas the
-request being routed can reach (and those a request reached within the batch) to the next arrival, without
-applying anything (SimEngine.plan_until), and sends the answer that meeting would get should the request not
-come to it and the meeting open a batch. In those cases the parent takes that answer instead of waiting for
-the child's, and the child keeps the plans; else it drops them (the state as before) and answers as usual.
-
 Only without a concurrency limit: with one, when a request is sent depends on when others finish, which
 the groups learn only at the next meeting.
 """
@@ -45,13 +39,18 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
+import pickle
+import select
+import struct
 import traceback
 from typing import Sequence
 
 from servescope.sim.cluster import Deployment
 from servescope.sim.driver import record_of
-from servescope.sim.pipe import Pipe, readable
 
+_LEN = struct.Struct("<Q")  # a message's length, before it on the pipe
+_READ = 1 << 16  # bytes one read asks for: a meeting's message whole
 _NOTHING = (-1, None, None)  # _Group.prepared when nothing is
 PREPAY_STEPS = 8  # the shortest planned stretch applied ahead of need (a split one restarts its plan)
 RECORD_BATCH = 8  # records built between two looks for a message (one look ~1 us, one record ~20 us)
@@ -72,8 +71,6 @@ class _Group:
         self.time = 0.0  # the latest clock a step reached (the deployment's `_time` rule)
         self.touched: set = set()  # replicas that got a request since the last meeting that opened a batch
         self.first: Sequence = ()  # replicas whose planned stretch prepay_until applies first
-        self.could: set = set()  # replicas the request being routed can reach (advance_ahead's)
-        self.ahead: tuple = ((), None, 0.0)  # (replicas planned by speculate, its answer, the time it leaves)
         self.to_prepare = -1  # the next request, when this group is to prepare it (prepare), or -1
         self.prepared: tuple = _NOTHING  # (request index, its prompt or None, SimEngine.prepare's result)
 
@@ -114,7 +111,6 @@ class _Group:
             return
         could = self.dep.could_choose(self.indices, loads, hits)
         self.first = [e for i, e in zip(self.indices, self.engines) if i in could]
-        self.could = could
         t = self.arrivals[j + 1]
         for i, e in zip(self.indices, self.engines):
             if i in could or i in self.touched:
@@ -122,46 +118,6 @@ class _Group:
             if ready():
                 return
             self._advance(e, t)
-
-    def speculate(self, j: int):
-        """After advance_ahead(j, ..., _never): meeting j + 1's answer if request j does not come here and j + 1 opens
-        a batch, or None where it cannot be had without applying anything the other case would not. The replicas
-        advance_ahead left (j can reach them, or a request reached them) are brought to j + 1's arrival by plans
-        alone (SimEngine.plan_until, after their stretches are applied: what prepay_until does first), which
-        confirm() keeps and undo() drops, so the state either case leaves is the one meeting it leaves."""
-        if not _answers_ahead(self.dep):
-            return None
-        t, planned, time = self.arrivals[j + 1], [], self.time
-        self.first = []  # (applied below: what prepay_until would apply first)
-        for i, e in zip(self.indices, self.engines):
-            if i not in self.could and i not in self.touched:
-                continue
-            e.settle()
-            before = e.steps_taken()
-            if not e.plan_until(t):
-                self.ahead = (planned, None, 0.0)
-                self.undo()
-                return None
-            planned.append(e)
-            if e.steps_taken() != before:
-                time = max(time, e.next_start())
-        busy = min((e.next_start() for e in self.engines if e.has_unfinished()), default=math.inf)
-        answer = ([e.load() for e in self.engines], None, busy, time)
-        self.ahead = (planned, answer, time)
-        return answer
-
-    def confirm(self) -> tuple:
-        """The meeting speculate() answered, as it speculated: its plans kept, its answer."""
-        _, answer, self.time = self.ahead
-        self.touched.clear()
-        self.ahead = ((), None, 0.0)
-        return answer
-
-    def undo(self) -> None:
-        """Drop speculate()'s plans: the state of the meeting before it."""
-        for e in self.ahead[0]:
-            e.drop_plan()
-        self.ahead = ((), None, 0.0)
 
     def prepare(self, ready) -> None:
         """Unless ready(): draw the prompt of the next request, when this group is to prepare it (`to_prepare`), and
@@ -183,9 +139,8 @@ class _Group:
         each replica that the request being routed can reach (advance_ahead's `first`), however short: adding a
         request there applies it."""
         while not ready():
-            spec = self.ahead[0]  # (speculate's plans stay unapplied until the meeting says which case it is)
-            e = next((e for e in self.first if e.planned_steps() and e not in spec), None) or \
-                next((e for e in self.engines if e.planned_steps() >= PREPAY_STEPS and e not in spec), None)
+            e = next((e for e in self.first if e.planned_steps()), None) or \
+                next((e for e in self.engines if e.planned_steps() >= PREPAY_STEPS), None)
             if e is None:
                 self.record(ready)
                 return
@@ -232,30 +187,70 @@ class _Group:
             self.unrecorded.append(j)
 
 
-def _serve(conn: Pipe, group: _Group, parent_end: Pipe) -> None:
+class _Pipe:
+    """One process's end of two pipes to another: pickled messages behind their length, a meeting's read in one
+    system call (a multiprocessing Connection reads a message's length and its body apart, each through more
+    Python, and the two processes exchange two messages a request). fileno(): what a poll for a message polls."""
+
+    def __init__(self, read_fd: int, write_fd: int):
+        self.read_fd, self.write_fd = read_fd, write_fd
+        self._rest = b""  # what a read took past its message (a child's error after its answer)
+
+    @classmethod
+    def pair(cls) -> tuple:
+        a_read, b_write = os.pipe()
+        b_read, a_write = os.pipe()
+        return cls(a_read, a_write), cls(b_read, b_write)
+
+    def fileno(self) -> int:
+        return self.read_fd
+
+    def send(self, obj) -> None:
+        body = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+        view = memoryview(_LEN.pack(len(body)) + body)
+        while view:
+            view = view[os.write(self.write_fd, view):]
+
+    def recv(self):
+        data = self._rest or self._read(_READ)
+        while len(data) < _LEN.size:
+            data += self._read(_READ)
+        end = _LEN.size + _LEN.unpack_from(data)[0]
+        if len(data) < end:
+            data = bytearray(data)
+            while len(data) < end:
+                data += self._read(max(end - len(data), _READ))
+        self._rest = bytes(data[end:])
+        return pickle.loads(memoryview(data)[_LEN.size:end])
+
+    def _read(self, n: int) -> bytes:
+        data = os.read(self.read_fd, n)
+        if not data:
+            raise EOFError
+        return data
+
+    def close(self) -> None:
+        os.close(self.read_fd)
+        os.close(self.write_fd)
+
+
+def _serve(conn: _Pipe, group: _Group, parent_end: _Pipe) -> None:
     """A child's loop: (request to add or -1, its replica, the request to meet for or -1, whether it opens a
     batch) until the last message, then (records, finished, latest finish, its replicas) back."""
     try:
         parent_end.close()  # (the parent's end, inherited: closed, a parent that dies ends this process's reads)
-        ready, n, ahead = readable([conn]), len(group.arrivals), None
+        ready = _readable([conn])
         while True:
             add, replica, shipped, upto, opens_batch, group.to_prepare = conn.recv()
-            if ahead is not None and add < 0 and opens_batch and upto >= 0:
-                answer = group.confirm()  # the meeting speculated: the parent took the answer sent ahead
-            else:
-                group.undo()
-                if add >= 0:
-                    if shipped is not None:  # its hashes, computed by the parent while this process ran the one before
-                        group.prepared = (add, None, (shipped, None))
-                    group.add(add, replica)
-                if upto < 0:
-                    break
-                answer = group.meet(upto, opens_batch)
-                conn.send(answer)
+            if add >= 0:
+                if shipped is not None:  # its hashes, computed by the parent while this process ran the one before
+                    group.prepared = (add, None, (shipped, None))
+                group.add(add, replica)
+            if upto < 0:
+                break
+            answer = group.meet(upto, opens_batch)
+            conn.send(answer)
             group.advance_ahead(upto, answer[0], answer[1], _never)  # (needed before the next answer in any case)
-            ahead = group.speculate(upto) if upto + 1 < n else None
-            if upto + 1 < n and _answers_ahead(group.dep):
-                conn.send(ahead)
             group.prepare(ready)
             group.prepay_until(ready)
         records = group.run_out()
@@ -283,7 +278,7 @@ def drive_replicas(deployment: Deployment, requests: Sequence, workers: int = 2,
     conns, procs = [], []
     try:
         for g in groups[1:]:
-            parent_end, child_end = Pipe.pair()
+            parent_end, child_end = _Pipe.pair()
             proc = ctx.Process(target=_serve, args=(child_end, g, parent_end), daemon=True)
             proc.start()
             child_end.close()
@@ -323,25 +318,15 @@ def _route_all(deployment: Deployment, groups: list, conns: list, owner: list, s
     opens = n > 0 and arrivals[0] > now
     for conn in conns:
         conn.send((-1, -1, None, 0 if n else -1, opens, -1))
-    all_ready, each_ready = readable(conns), [readable([c]) for c in conns]
-    ahead, went = _answers_ahead(deployment), 0
+    all_ready, each_ready = _readable(conns), [_readable([c]) for c in conns]
     for j in range(n):
         loads, hits, busy, seen = groups[0].meet(j, opens)
-        # from j = 1 on each child sent an answer ahead (_Group.speculate), this meeting's unless request j - 1 went
-        # to it or the meeting opens no batch: then dropped at once, so that only the answer to come counts as ready
-        take = [ahead and j > 0 and went != c + 1 and opens for c in range(len(conns))]
-        for conn, taken in zip(conns, take):
-            if ahead and j and not taken:
-                _reply(conn)
         if conns:  # while the children answer: the own replicas that request j cannot reach, to j + 1's arrival
             groups[0].prepare(all_ready)
             groups[0].advance_ahead(j, loads, hits, all_ready)
-        for conn, ready, taken in zip(conns, each_ready, take):
+        for conn, ready in zip(conns, each_ready):
             groups[0].prepay_until(ready)
             more = _reply(conn)
-            if taken and more is None:  # (none could be had: its answer follows)
-                groups[0].prepay_until(ready)
-                more = _reply(conn)
             loads = loads + more[0]
             hits = None if hits is None else hits + more[1]
             busy, seen = min(busy, more[2]), max(seen, more[3])
@@ -374,10 +359,14 @@ def _route_all(deployment: Deployment, groups: list, conns: list, owner: list, s
         groups[0].to_prepare = j + 1 if conns and j + 1 < n and (went or likely == 0) else -1
 
 
-def _answers_ahead(deployment: Deployment) -> bool:
-    """Whether the children send answers ahead (_Group.speculate): not for the prefix router, whose answers read
-    the caches as the steps leave them."""
-    return deployment.router != "prefix"
+def _readable(conns: list):
+    """A check that a message waits on every one of `conns` (Connection.poll builds a selector at every call,
+    ~10 us; a Connection keeps nothing read ahead, so its descriptor being readable is the same test)."""
+    poller = select.poll()
+    for c in conns:
+        poller.register(c.fileno(), select.POLLIN)
+    n = len(conns)
+    return lambda: len(poller.poll(0)) == n
 
 
 def _never() -> bool:
