@@ -41,20 +41,22 @@ class LazyWorkload:
 
     def __init__(self, n: int, rate: float, prompt: tuple, output: tuple, vocab: int, seed: int = 0):
         rng = np.random.default_rng(seed)
-        self.times = arrival_times(n, rate, 1.0, seed)
-        self.prompt_lens = rng.integers(prompt[0], prompt[1] + 1, n)
-        self.output_lens = rng.integers(output[0], output[1] + 1, n)
-        self.starts = np.concatenate(([0], np.cumsum(self.prompt_lens)))
+        # Python numbers, read per request (a numpy scalar read costs several times a list's)
+        self.times = arrival_times(n, rate, 1.0, seed).tolist()
+        prompt_lens = rng.integers(prompt[0], prompt[1] + 1, n)
+        self.prompt_lens, self.output_lens = prompt_lens.tolist(), rng.integers(output[0], output[1] + 1, n).tolist()
+        self.starts = np.concatenate(([0], np.cumsum(prompt_lens))).tolist()
         self.vocab, self.seed = vocab, seed
         self._chunk = (-1, None)  # (chunk index, its prompts' tokens back to back)
 
-    def prompt(self, i: int) -> tuple:
+    def prompt(self, i: int) -> list:
+        """Request i's prompt tokens (a new list: the engine copies it into its Request)."""
         c = i // CHUNK
         if self._chunk[0] != c:
             lo, hi = self.starts[c * CHUNK], self.starts[min((c + 1) * CHUNK, len(self.times))]
             self._chunk = (c, np.random.default_rng((self.seed, c)).integers(0, self.vocab, hi - lo))
         base = self.starts[c * CHUNK]
-        return tuple(self._chunk[1][self.starts[i] - base:self.starts[i + 1] - base].tolist())
+        return self._chunk[1][self.starts[i] - base:self.starts[i + 1] - base].tolist()
 
     def __len__(self) -> int:
         return len(self.times)
@@ -71,7 +73,7 @@ class LazyRequest:
         self.arrival, self.prompt_len, self.output_len = float(w.times[i]), int(w.prompt_lens[i]), int(w.output_lens[i])
 
     @property
-    def prompt(self) -> tuple:
+    def prompt(self) -> list:
         return self.w.prompt(self.i)
 
 

@@ -57,8 +57,9 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     num_groups = 1  # one block table for all layers (kvcache/hybrid.py: one per group of layers)
 
-    def __init__(self, config: CacheConfig, window: int = 0):
+    def __init__(self, config: CacheConfig, window: int = 0, extend_hashes=extend_block_hashes):
         self.config = config
+        self.extend_hashes = extend_hashes  # the hashes' chain: sha256, or a simulator's extend_fast_hashes
         # every layer's attention window (config/layers.window_of); 0: some layer reads the whole context
         self.window = window
         self.block_size = config.block_size
@@ -124,9 +125,7 @@ class KVCacheManager:
         states = [BLOCK_FREE] * self.num_blocks
         owners: list[str | None] = [None] * self.num_blocks
         for rid, table in self._blocks.items():
-            for b in table:
-                if b == NO_BLOCK:
-                    continue
+            for b in (b for b in table if b != NO_BLOCK):
                 if owners[b] is None:
                     owners[b] = rid
                 states[b] = BLOCK_CACHED if self.prefix_cache.is_cached(b) else BLOCK_USED
@@ -165,13 +164,13 @@ class KVCacheManager:
                 return []
             known = self._hashes[request.request_id] = []
         if len(known) < num_full:  # extended in place: the list is this request's alone
-            extend_block_hashes(known, request.all_token_ids, self.block_size, num_full,  # (a salt roots block 0 alone)
-                                getattr(request, "cache_salt", None) if not known else None)
+            self.extend_hashes(known, request.all_token_ids, self.block_size, num_full,  # (a salt roots block 0 alone)
+                               getattr(request, "cache_salt", None) if not known else None)
         return known
 
     def set_block_hashes(self, request_id: str, hashes: Sequence[BlockHash]) -> None:
         """A request's leading full blocks' hashes computed before it holds blocks (hash_full_blocks of its tokens
-        under its salt, e.g. by a simulator while it waits): taken and extended as the manager's own."""
+        under its salt by extend_hashes, e.g. a simulator's while it waits): taken and extended as the manager's own."""
         if request_id in self._blocks:
             raise ValueError(f"request {request_id} holds blocks: its hashes are the manager's")
         self._hashes[request_id] = list(hashes)

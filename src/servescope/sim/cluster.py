@@ -159,7 +159,8 @@ class Deployment:
         if not km.enable_prefix_caching:
             return 0
         cache, n = km.prefix_cache, 0
-        for h in hash_full_blocks(prompt, km.block_size, limit=(len(prompt) - 1) // km.block_size):
+        for h in hash_full_blocks(prompt, km.block_size, limit=(len(prompt) - 1) // km.block_size,
+                                  extend=km.extend_hashes):
             if cache.lookup(h) is None:
                 break
             n += 1

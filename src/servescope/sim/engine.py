@@ -27,7 +27,7 @@ import numpy as np
 
 from servescope.config import CacheConfig, SamplingParams
 from servescope.kvcache.manager import KVCacheManager
-from servescope.kvcache.prefix_cache import hash_full_blocks
+from servescope.kvcache.prefix_cache import extend_fast_hashes, hash_full_blocks
 from servescope.scheduler.request import Request, RequestStatus
 from servescope.scheduler.scheduler import Scheduler
 from servescope.sim.fast_forward import DecodeRun
@@ -58,8 +58,11 @@ class SimEngine:
         self.spec, self.name, self.fast_forward = spec, name, fast_forward
         self._run: Optional[DecodeRun] = None  # the planned stretch, not yet applied (commit)
         self.clock = 0.0  # virtual seconds
+        # blocks hashed by the tuple-hash chain: the simulator's caches meet no engine's, and it hashes every
+        # prompt and output block of a workload (prefix_cache.extend_fast_hashes)
         self.kv_manager = KVCacheManager(CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks,
-                                                     enable_prefix_caching=spec.enable_prefix_caching))
+                                                     enable_prefix_caching=spec.enable_prefix_caching),
+                                         extend_hashes=extend_fast_hashes)
         self.scheduler = Scheduler(spec.scheduler, self.kv_manager, clock=self.now)  # a bound method: pickles
         self.timer = timer or StepTimer(spec)  # replicas of one spec share one (and its memo)
         self.steps: Optional[list] = [] if keep_steps else None
@@ -116,8 +119,8 @@ class SimEngine:
         prompt's full blocks under the requests' cache salt (None without prefix caching), its output stream.
         The same on every replica of this spec (sim/parallel.py computes it while a process would wait)."""
         kv = self.kv_manager
-        hashes = hash_full_blocks(prompt_token_ids, kv.block_size, salt=self._params.cache_salt) \
-            if kv.enable_prefix_caching else None
+        hashes = hash_full_blocks(prompt_token_ids, kv.block_size, salt=self._params.cache_salt,
+                                  extend=kv.extend_hashes) if kv.enable_prefix_caching else None
         return hashes, self.stream(zlib.crc32(request_id.encode()), 0, max_tokens)
 
     # the driver's view (sim/driver.Served)

@@ -39,13 +39,18 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
+import pickle
 import select
+import struct
 import traceback
 from typing import Sequence
 
 from servescope.sim.cluster import Deployment
 from servescope.sim.driver import record_of
 
+_LEN = struct.Struct("<Q")  # a message's length, before it on the pipe
+_READ = 1 << 16  # bytes one read asks for: a meeting's message whole
 _NOTHING = (-1, None, None)  # _Group.prepared when nothing is
 PREPAY_STEPS = 8  # the shortest planned stretch applied ahead of need (a split one restarts its plan)
 RECORD_BATCH = 8  # records built between two looks for a message (one look ~1 us, one record ~20 us)
@@ -182,10 +187,58 @@ class _Group:
             self.unrecorded.append(j)
 
 
-def _serve(conn, group: _Group) -> None:
+class _Pipe:
+    """One process's end of two pipes to another: pickled messages behind their length, a meeting's read in one
+    system call (a multiprocessing Connection reads a message's length and its body apart, each through more
+    Python, and the two processes exchange two messages a request). fileno(): what a poll for a message polls."""
+
+    def __init__(self, read_fd: int, write_fd: int):
+        self.read_fd, self.write_fd = read_fd, write_fd
+        self._rest = b""  # what a read took past its message (a child's error after its answer)
+
+    @classmethod
+    def pair(cls) -> tuple:
+        a_read, b_write = os.pipe()
+        b_read, a_write = os.pipe()
+        return cls(a_read, a_write), cls(b_read, b_write)
+
+    def fileno(self) -> int:
+        return self.read_fd
+
+    def send(self, obj) -> None:
+        body = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+        view = memoryview(_LEN.pack(len(body)) + body)
+        while view:
+            view = view[os.write(self.write_fd, view):]
+
+    def recv(self):
+        data = self._rest or self._read(_READ)
+        while len(data) < _LEN.size:
+            data += self._read(_READ)
+        end = _LEN.size + _LEN.unpack_from(data)[0]
+        if len(data) < end:
+            data = bytearray(data)
+            while len(data) < end:
+                data += self._read(max(end - len(data), _READ))
+        self._rest = bytes(data[end:])
+        return pickle.loads(memoryview(data)[_LEN.size:end])
+
+    def _read(self, n: int) -> bytes:
+        data = os.read(self.read_fd, n)
+        if not data:
+            raise EOFError
+        return data
+
+    def close(self) -> None:
+        os.close(self.read_fd)
+        os.close(self.write_fd)
+
+
+def _serve(conn: _Pipe, group: _Group, parent_end: _Pipe) -> None:
     """A child's loop: (request to add or -1, its replica, the request to meet for or -1, whether it opens a
     batch) until the last message, then (records, finished, latest finish, its replicas) back."""
     try:
+        parent_end.close()  # (the parent's end, inherited: closed, a parent that dies ends this process's reads)
         ready = _readable([conn])
         while True:
             add, replica, shipped, upto, opens_batch, group.to_prepare = conn.recv()
@@ -225,8 +278,8 @@ def drive_replicas(deployment: Deployment, requests: Sequence, workers: int = 2,
     conns, procs = [], []
     try:
         for g in groups[1:]:
-            parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child_end, g), daemon=True)
+            parent_end, child_end = _Pipe.pair()
+            proc = ctx.Process(target=_serve, args=(child_end, g, parent_end), daemon=True)
             proc.start()
             child_end.close()
             conns.append(parent_end)
@@ -248,6 +301,8 @@ def drive_replicas(deployment: Deployment, requests: Sequence, workers: int = 2,
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()
+        for conn in conns:
+            conn.close()
     deployment.resync()
     n = len(requests)
     return [records[j] for j in range(n)], max(last - start, 1e-9), [finished[j] for j in range(n)]
