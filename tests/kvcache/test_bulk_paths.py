@@ -11,7 +11,7 @@ from servescope.kvcache.block_allocator import BlockAllocator, NoFreeBlocksError
 from servescope.kvcache.manager import KVCacheManager
 from servescope.kvcache.prefix_cache import PrefixCache, extend_block_hashes, hash_block_tokens, salted_root
 from servescope.kvcache.window_hit import NO_BLOCK
-from test_kv_cache_manager import Seq, make, snapshot
+from test_kv_cache_manager import Seq, free_each, grow_each, make, snapshot
 
 
 def _one_by_one(tokens, block_size, salt=None):
@@ -128,11 +128,7 @@ def test_random_workloads_leave_the_one_block_at_a_time_state(seed, caching):
         elif op < 0.8:  # a decode (or the rest of a chunked prompt) of a live request
             rid = rng.choice(sorted(live))
             tok = rng.randrange(50)
-            for m, s in zip((bulk, ref), live[rid]):
-                if s.num_computed_tokens == s.num_tokens:
-                    s.all_token_ids.append(tok)
-                if m.allocate_slots(s, s.num_tokens - s.num_computed_tokens):
-                    s.num_computed_tokens = s.num_tokens
+            grow_each((bulk, ref), live[rid], tok)
         else:  # finish or preempt; sometimes before the step's KV is written (unwritten hashed blocks)
             rid = rng.choice(sorted(live))
             back = rng.choice([0, 0, 1, 5])
@@ -195,15 +191,10 @@ def test_hashes_set_before_admission_leave_the_state_computed_ones_leave(seed, s
         elif rng.random() < 0.75:
             rid = rng.choice(sorted(live))
             tok = rng.randrange(40)
-            for m, s in zip((ahead, own), live[rid]):
-                if s.num_computed_tokens == s.num_tokens:
-                    s.all_token_ids.append(tok)
-                if m.allocate_slots(s, s.num_tokens - s.num_computed_tokens):
-                    s.num_computed_tokens = s.num_tokens
+            grow_each((ahead, own), live[rid], tok)
         else:
             rid = rng.choice(sorted(live))
-            for m, s in zip((ahead, own), live.pop(rid)):
-                m.free(s)
+            free_each((ahead, own), live.pop(rid))
         ahead.check_invariants()
         assert _state(ahead) == _state(own), step
         assert ahead._hashes.keys() == own._hashes.keys(), step

@@ -12,7 +12,7 @@ import pytest
 from servescope.config import CacheConfig
 from servescope.kvcache.manager import KVCacheManager
 from servescope.kvcache.prefix_cache import _FAST_ROOT, _int_root, extend_fast_hashes, hash_full_blocks, salted_root
-from test_kv_cache_manager import Seq, make, snapshot
+from test_kv_cache_manager import Seq, free_each, grow_each, make, snapshot
 
 
 def _one_by_one(tokens, block_size, salt=None):
@@ -82,15 +82,10 @@ def test_a_manager_on_the_tuple_chain_keeps_the_sha256_managers_blocks(seed):
         elif rng.random() < 0.75:
             rid = rng.choice(sorted(live))
             tok = rng.randrange(40)
-            for m, s in zip((fast, sha), live[rid]):
-                if s.num_computed_tokens == s.num_tokens:
-                    s.all_token_ids.append(tok)
-                if m.allocate_slots(s, s.num_tokens - s.num_computed_tokens):
-                    s.num_computed_tokens = s.num_tokens
+            grow_each((fast, sha), live[rid], tok)
         else:
             rid = rng.choice(sorted(live))
-            for m, s in zip((fast, sha), live.pop(rid)):
-                m.free(s)
+            free_each((fast, sha), live.pop(rid))
         fast.check_invariants()
         assert snapshot(fast) == snapshot(sha), step
         assert sorted(fast.prefix_cache._hash_of) == sorted(sha.prefix_cache._hash_of), step

@@ -39,6 +39,21 @@ def refs(m, blocks):
     return [m.allocator.ref_count(b) for b in blocks]
 
 
+def grow_each(managers, seqs, tok: int) -> None:
+    """One decode (or the rest of a chunked prompt) of the same request in each manager: the token appended where
+    the request has computed all it holds, then its slots allocated (twin managers kept in step by random tests)."""
+    for m, s in zip(managers, seqs):
+        if s.num_computed_tokens == s.num_tokens:
+            s.all_token_ids.append(tok)
+        if m.allocate_slots(s, s.num_tokens - s.num_computed_tokens):
+            s.num_computed_tokens = s.num_tokens
+
+
+def free_each(managers, seqs) -> None:
+    for m, s in zip(managers, seqs):
+        m.free(s)
+
+
 def snapshot(m):
     return (
         m.allocator.free_block_ids(),
