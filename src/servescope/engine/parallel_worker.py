@@ -21,6 +21,7 @@ from servescope.engine.model_runner import ModelRunner, step_batch_from_buffer
 from servescope.engine.parallel_executor import (ParallelExecutor, local_step, parallel_layout, shard_model,
                                                  uses_decode_plan)
 from servescope.engine.weights import build_weights, resolve_device, resolve_dtypes
+from servescope.kernels.cpu import ops as cpu_ops
 from servescope.parallel import plan
 from servescope.parallel.groups import (WORKER_TIMEOUT_S, backend_for, context, destroy_group, init_group,
                                        mark_ready, torchrun_rank, worker_store)
@@ -69,6 +70,8 @@ def _build(config: EngineConfig, rank: int) -> tuple:
         torch.cuda.set_device(device)
     dtype, _ = resolve_dtypes(config, device)
     model_config, model, _tok, _path = build_weights(config, device, dtype, count_devices=False)
+    if device.type == "cpu":
+        cpu_ops.cache_host_memory()  # this rank runs its share of every step (kernels/cpu/csrc/host_cache.cpp)
     return model, model_config, parallel_layout(config, model_config, device, count_devices=False), device
 
 

@@ -131,6 +131,8 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     if device.type == "cpu":
         cpu_ops.load_in_background()  # a first run compiles the kernels while the weights load
     model_config, model, tokenizer, path = build_weights(config, device, dtype)
+    if device.type == "cpu":  # steps reuse their large blocks (kernels/cpu/csrc/host_cache.cpp); the loading's
+        cpu_ops.cache_host_memory()  # transient copies, freed before, went back to the OS
     layout = parallel_layout(config, model_config, device)
     if layout is None:
         executor = ModelExecutor.prepare(model, device, load.quantization, load.gpu_linear)

@@ -29,7 +29,7 @@ KV_DTYPES = DTYPES + (torch.int8,) + ((torch.float8_e4m3fn,) if hasattr(torch, "
 # -ffp-contract=off: no fused multiply-adds where the torch reference rounds each step
 # the extension's translation units (csrc/ops.h says why several): ninja compiles them in parallel
 SOURCES = ["bindings.cpp", "cpu_ops.cpp", "prefill_attention.cpp", "quant_ops.cpp", "onednn_linear.cpp",
-           "moe_dense.cpp"]
+           "moe_dense.cpp", "host_cache.cpp"]
 _EXT = CpuExtension("servescope_cpu_ops", SOURCES, "CPU op kernels", extra_cflags=["-ffp-contract=off"])
 _EMPTY = torch.empty(0)
 load = _EXT.load  # the compiled module, or None (see extension.py)
@@ -57,6 +57,27 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float) -> tuple:
     y, h = _EXT.mod.add_rms_norm(x, residual, w, eps)
     return y, h
+
+
+HOST_CACHE_BYTES = 1 << 30  # the freed large blocks kept for the next step's tensors (csrc/host_cache.cpp)
+
+
+def cache_host_memory(limit_bytes: int = HOST_CACHE_BYTES) -> bool:
+    """Install the caching allocator of csrc/host_cache.cpp for torch's CPU tensors of 1 MiB and more, once
+    per process (a later call sets the limit): each step's large activations then reuse the blocks the step
+    before freed instead of faulting fresh pages in. False where the extension is not built."""
+    mod = load()
+    if mod is None:
+        return False
+    mod.host_cache_install(int(limit_bytes))
+    return True
+
+
+def host_cache_stats() -> dict:
+    """{installed, limit_bytes, cached_bytes, in_use_bytes, hits, misses, dropped} of the caching allocator
+    ({} where the extension is not built)."""
+    mod = load()
+    return {} if mod is None else {k: int(v) for k, v in mod.host_cache_stats().items()}
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:

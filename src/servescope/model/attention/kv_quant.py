@@ -24,8 +24,8 @@ prefill too): a prompt computed in one step or in chunks then sees the same quan
 from __future__ import annotations
 
 import math
+import mmap
 
-import numpy as np
 import torch
 
 SCALE_BYTES = 4  # one float32 per row
@@ -61,15 +61,17 @@ def allocate(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dty
 
 
 def _zeroed(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros, but on the CPU from calloc (numpy): a large cache then comes as the kernel's zero pages,
-    faulted in when a block is first written, instead of being memset at start-up (a second or so per GiB,
-    for a run that may touch a few MiB of it). 64-byte aligned, as torch's own allocator would give."""
+    """torch.zeros, but on the CPU an anonymous mapping of its own: a large cache then comes as the kernel's
+    zero pages, faulted in when a block is first written, instead of being memset at start-up (a second or
+    so per GiB, for a run that may touch a few MiB of it), whatever the C allocator's settings
+    (engine/host_memory.py moves large blocks onto the heap, where a calloc may clear them). Page-aligned."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(nbytes + 64, dtype=np.uint8)
-    off = -raw.ctypes.data % 64
-    return torch.from_numpy(raw[off:off + nbytes]).view(dtype).view(shape)
+    if not nbytes:
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)  # keeps `region` alive
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple:

@@ -53,6 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Scratch is thread_local in every kernel, and an engine's steps run on one thread.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("isa", &isa_info, "isa() -> {isa, lanes, bf16_dot, int8_dot, amx_int8, amx_bf16, qgemm_rows, panel} of this build");
+  m.def("host_cache_install", &host_cache_install, "host_cache_install(limit_bytes): cache torch's large CPU blocks");
+  m.def("host_cache_stats", &host_cache_stats, "host_cache_stats() -> {installed, limit_bytes, cached_bytes, ...}");
   m.def("rms_norm", &rms_norm, nogil, "rms_norm(x, w, eps)");
   m.def("add_rms_norm", &add_rms_norm, nogil, "add_rms_norm(x, residual, w, eps) -> [y, x + residual]");
   m.def("rotary", &rotary, nogil, "rotary(q, k, cos, sin) -> [q', k'] (rotate-half)");

@@ -1,7 +1,7 @@
 // The CPU op extension's entry points, declared once for its translation units: cpu_ops.cpp (the
 // small per-layer ops of kernels.h), quant_ops.cpp (packed weights), moe_dense.cpp (float and int8
-// experts), prefill_attention.cpp, onednn_linear.cpp, and bindings.cpp, the only one that sees Python
-// (decode_plan.h issues them all for a decode step).
+// experts), prefill_attention.cpp, onednn_linear.cpp, host_cache.cpp (torch's CPU allocator), and
+// bindings.cpp, the only one that sees Python (decode_plan.h issues them all for a decode step).
 //
 // Why the split and these headers: <torch/extension.h> (the whole C++ frontend and its pybind11 casters)
 // is by far the slowest header to compile, and the extension used to include it in three units, most
@@ -27,6 +27,10 @@ struct MoeRoute;
 namespace servescope_ops {
 
 using at::Tensor;
+
+// host_cache.cpp: torch's CPU allocator kept from returning large blocks to the OS between steps
+void host_cache_install(int64_t limit_bytes);
+std::map<std::string, int64_t> host_cache_stats();
 
 // cpu_ops.cpp
 Tensor rms_norm(Tensor x, Tensor w, double eps);
