@@ -27,7 +27,11 @@ from servescope.analysis.step_prediction import StepPrediction
 from servescope.scheduler.output import SchedulerOutput
 from servescope.sim.spec import InstanceSpec
 
-CACHE_ENTRIES = 1 << 16
+# Entries the memo holds before it starts afresh. A steady decode batch's shapes are a few hundred (count x
+# rounded mean context); a step with a prefill in it is nearly always a new shape (its prompt's exact rows), and
+# each entry keeps a prediction with its ops (~3 KB): a larger memo only holds more of those, which a cluster
+# hour allocates by the hundred megabytes and reads back from main memory.
+CACHE_ENTRIES = 1 << 12
 
 
 def step_seqs(out: SchedulerOutput) -> tuple:
