@@ -26,6 +26,20 @@ if _no_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_finish(session):
+    """Start the background jobs (tests/background_jobs.py) of the modules this session runs, in their order."""
+    if not session.config.option.collectonly:
+        import background_jobs
+
+        background_jobs.start([item.module.__name__ for item in session.items if getattr(item, "module", None)])
+
+
+def pytest_unconfigure(config):
+    import background_jobs
+
+    background_jobs.stop()
+
+
 @pytest.fixture(scope="session")
 def smollm2_llm():
     """The embedded model in float32 with a small KV cache, shared by the end-to-end tests.

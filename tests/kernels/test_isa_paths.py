@@ -7,18 +7,17 @@ g++-aarch64-linux-gnu and qemu-user, which `make test` installs where it can).""
 from __future__ import annotations
 
 import shutil
-import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 
+import background_jobs  # tests/, on sys.path (tests/conftest.py's folder)
+
 from servescope.analysis.cpu_isa import (cpu_flags, has_fast_bf16, isa_signature, library_caps, machine_arch,
                                          onednn_allows_bf16, select_isa, supported_isas)
 from servescope.errors import InvalidParameterError
 from servescope.kernels.cpu.extension import CpuExtension, isa_cflags
-
-from parallel_build import build_all  # tests/kernels, on sys.path as the test file's folder
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "src" / "servescope" / "kernels" / "cpu" / "csrc"
@@ -102,12 +101,6 @@ def test_a_onednn_cap_below_bf16_makes_bfloat16_slow():
         "ATEN_CPU_CAPABILITY=avx2,MKL_ENABLE_INSTRUCTIONS=avx2"
 
 
-def _run(cmd: list) -> str:
-    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and " ok: " in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
-    return r.stdout
-
-
 def _jobs() -> dict:
     """Every kernels_check build this machine can make: {name: (command without -o, run it?, runner)}."""
     # the NEON build first: its run under qemu (one core) overlaps the x86 builds
@@ -131,30 +124,40 @@ def _jobs() -> dict:
 
 
 JOBS = _jobs()
+# each build compiled, then run where it can, in the background while the tests before these run
+# (tests/background_jobs.py); the NEON build first, its qemu run being the longest
+for _name, (_cmd, _runnable, _runner) in JOBS.items():
+    _exe = background_jobs.workdir() / f"isa_paths-{_name}"
+    background_jobs.register(f"isa_paths/{_name}", [[*_cmd, "-o", _exe]] + ([[*_runner, _exe]] if _runnable else []),
+                             __name__)
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    yield from build_all({k: c for k, (c, _, _) in JOBS.items()}, tmp_path_factory.mktemp("isa_paths"))
+def _checked(name: str) -> str:
+    """The output of the kernels check build `name` (compiled, and run where it can: every check ok)."""
+    compiled, *ran = background_jobs.result(f"isa_paths/{name}")
+    assert compiled.returncode == 0, f"{' '.join(map(str, compiled.args))}\n{compiled.stderr[-3000:]}"
+    if not JOBS[name][1]:
+        return ""
+    (r,) = ran
+    assert r.returncode == 0 and " ok: " in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    return r.stdout
 
 
-# (first: the NEON build is the first job, and its qemu run overlaps the x86 builds)
-def test_aarch64_kernels_under_qemu(built):
+def test_aarch64_kernels_under_qemu():
     """The NEON path, cross-compiled and run under user-mode qemu (or natively on an ARM machine)."""
     if "neon" not in JOBS:
         pytest.skip("aarch64 check needs g++-aarch64-linux-gnu and qemu-user (apt-get install qemu-user "
                     "g++-aarch64-linux-gnu; `make test` installs them where it runs as root)")
-    exe = built["neon"].result()
-    assert _run([*JOBS["neon"][2], exe]).startswith("neon ok")
+    assert _checked("neon").startswith("neon ok")
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
-def test_x86_kernels_against_float64(isa, built):
+def test_x86_kernels_against_float64(isa):
     """Run natively where this CPU has the ISA, else compile (the path is at least built)."""
     if machine_arch() not in ("x86_64", "amd64"):
         pytest.skip("x86 paths are checked on x86 machines (this one is %s)" % machine_arch())
     if isa not in JOBS:
         pytest.skip("no C++ compiler here")
-    exe = built[isa].result()
+    out = _checked(isa)
     if JOBS[isa][1]:
-        assert _run([exe]).startswith(isa)
+        assert out.startswith(isa)

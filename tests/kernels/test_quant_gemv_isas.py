@@ -9,14 +9,12 @@ g++-aarch64-linux-gnu and qemu-user are installed."""
 import os
 import re
 import shutil
-import subprocess
 
 import pytest
 
+import background_jobs  # tests/, on sys.path (tests/conftest.py's folder)
 from servescope.analysis.cpu_isa import cpu_flags, machine_arch, supported_isas
 from servescope.kernels.cpu.extension import ISA_CFLAGS
-
-from parallel_build import build_all  # tests/kernels, on sys.path as the test file's folder
 
 HERE = os.path.dirname(__file__)
 CSRC = os.path.join(HERE, "..", "..", "src", "servescope", "kernels", "cpu", "csrc")
@@ -56,50 +54,51 @@ def isa_jobs(src: str = SRC) -> dict:
 
 
 JOBS = isa_jobs()
+# each build compiled, then run where this CPU can, in the background while the tests before these run
+# (tests/background_jobs.py); the NEON builds first, their qemu runs being the longest
+for _name, (_cmd, _runner, _) in JOBS.items():
+    _exe = background_jobs.workdir() / f"quant_isas-{_name}"
+    background_jobs.register(f"quant_isas/{_name}", [[*_cmd, "-o", _exe]] + ([[*_runner, _exe]] if _runner is not None
+                                                                            else []), __name__)
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    yield from build_all({k: c for k, (c, _, _) in JOBS.items()}, tmp_path_factory.mktemp("quant_isas"))
-
-
-def check_build(built, name, jobs=JOBS):
-    """Run the build `name` of `jobs` where this CPU can: it must print bad=0 (and its int8_dot)."""
+def check_build(name, jobs=JOBS):
+    """The build `name` of `jobs` compiled, and run where this CPU can: it must print bad=0 (and its int8_dot)."""
     if name not in jobs:
         pytest.skip(f"{name}: no compiler for it here (g++, or g++-aarch64-linux-gnu and qemu-user)")
-    exe = built[name].result()
+    compiled, *ran = background_jobs.result(f"quant_isas/{name}")
+    assert compiled.returncode == 0, f"{' '.join(map(str, compiled.args))}\n{compiled.stderr[-3000:]}"
     _, runner, int8_dot = jobs[name]
     if runner is None:  # compiled only: this CPU lacks the ISA
         return ""
-    out = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
+    (out,) = ran
     assert out.returncode == 0 and re.search(r"\bbad=0\b", out.stdout), out.stdout + out.stderr
     if int8_dot is not None:
         assert f"int8_dot={int(int8_dot)}" in out.stdout, out.stdout
     return out.stdout
 
 
-# (first: the NEON builds are the first jobs, and their qemu runs overlap the x86 builds)
 @pytest.mark.parametrize("arch", ["armv8.2-a+dotprod", "armv8-a"], ids=["dotprod", "plain"])
-def test_neon_path_under_qemu(arch, built):
-    check_build(built, f"neon-{arch}")
+def test_neon_path_under_qemu(arch):
+    check_build(f"neon-{arch}")
 
 
-def test_avx512_amx_path(built):
+def test_avx512_amx_path():
     """The AMX-INT8 and AMX-BF16 kernels beside the VNNI ones; where the CPU has the tiles they must also run."""
     if machine_arch() not in ("x86_64", "amd64"):
         pytest.skip("x86 paths need an x86 g++")
-    out = check_build(built, "avx512-amx")
+    out = check_build("avx512-amx")
     if "amx_int8" in cpu_flags() and JOBS["avx512-amx"][1] is not None:
         assert "amx=1" in out and "amx_bf16=1" in out, out
 
 
-def test_scalar_path(built):
-    check_build(built, "scalar")
+def test_scalar_path():
+    check_build("scalar")
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
 @pytest.mark.parametrize("vnni", [True, False], ids=["vnni", "no-vnni"])
-def test_x86_paths(isa, vnni, built):
+def test_x86_paths(isa, vnni):
     if machine_arch() not in ("x86_64", "amd64"):
         pytest.skip("x86 paths need an x86 g++")
-    check_build(built, f"{isa}-{vnni}")
+    check_build(f"{isa}-{vnni}")

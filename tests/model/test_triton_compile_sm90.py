@@ -2,15 +2,17 @@
 with ptxas (bundled with the triton wheel), without register spills. The interpreter runs the
 kernels' arithmetic in the other tests but never compiles them: a kernel that does not lower (a
 type the compiler rejects, a layout it cannot build) would otherwise first fail on a lent GPU.
-Runs in a child process: the interpreter flag of the other tests must not be set while compiling."""
+Runs in a child process: the interpreter flag of the other tests must not be set while compiling; the
+process runs in the background while the tests before this one run (tests/background_jobs.py)."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import background_jobs  # tests/, on sys.path (tests/conftest.py's folder)
 
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,15 +111,26 @@ print(json.dumps(out))
 '''
 
 
-def test_every_triton_kernel_compiles_for_sm90_without_spills():
+def _has_nvidia_backend() -> bool:
     try:
         import triton.backends.nvidia  # noqa: F401
     except ImportError:
+        return False
+    return True
+
+
+HAS_NVIDIA = _has_nvidia_backend()
+if HAS_NVIDIA:
+    background_jobs.register("sm90/compile", [background_jobs.Command(
+        [sys.executable, "-c", CHILD], env={**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+                                           "PYTHONPATH": str(ROOT / "src"), "TRITON_DEFAULT_FP_FUSION": "1"})],
+        __name__)
+
+
+def test_every_triton_kernel_compiles_for_sm90_without_spills():
+    if not HAS_NVIDIA:
         pytest.skip("this triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT / "src")
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
+    (proc,) = background_jobs.result("sm90/compile")
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(res) == 18

@@ -29,6 +29,7 @@ MODEL, HARDWARE, TP = "llama-3-70b", "H100", 8
 SLOS = {"ttft": 2000.0, "tpot": 100.0}
 TARGET = 0.9
 DURATION_S = 30.0  # seconds of arrivals per point
+QUICK_DURATION_S = 15.0  # --quick: half the requests per point, the same rates, layouts and routers
 VALIDATION = Path("lab-out/simulate/results.json")
 
 
@@ -37,15 +38,15 @@ def _spec():
                          batching=BatchingConfig(max_num_seqs=128, max_num_batched_tokens=4096))
 
 
-def _synthetic(rate: float, vocab: int, seed: int) -> list:
-    return synthetic_workload(max(int(rate * DURATION_S), 20), (1024, 3072), (128, 512), vocab, rate, seed=seed)
+def _synthetic(rate: float, vocab: int, seed: int, duration: float) -> list:
+    return synthetic_workload(max(int(rate * duration), 20), (1024, 3072), (128, 512), vocab, rate, seed=seed)
 
 
-def _sessions(rate: float, vocab: int, seed: int) -> list:
+def _sessions(rate: float, vocab: int, seed: int, duration: float) -> list:
     """Multi-turn chats: each session's turn t sends its whole history (previous turns' prompts and
     answers stand in as one growing token stream) plus a new question; turns of a session arrive in order."""
     rng = random.Random(seed)
-    n = max(int(rate * DURATION_S), 20)
+    n = max(int(rate * duration), 20)
     num_sessions = max(n // 4, 1)
     streams = [[rng.randrange(vocab) for _ in range(6144)] for _ in range(num_sessions)]
     turns = [0] * num_sessions
@@ -68,19 +69,19 @@ def _point(make_deployment, requests) -> dict:
             "sim_wall_s": run.wall_seconds}
 
 
-def colocated_vs_disaggregated(spec, rates) -> dict:
+def colocated_vs_disaggregated(spec, rates, duration: float) -> dict:
     vocab = spec.model.vocab_size
     layouts = {"2 x TP8 colocated": lambda: Deployment(spec, 2, "least-tokens", keep_steps=False),
                "1P + 1D x TP8": lambda: Disaggregated(spec, 1, 1, keep_steps=False)}
-    return {name: [dict(_point(make, _synthetic(r, vocab, i)), offered=r) for i, r in enumerate(rates)]
+    return {name: [dict(_point(make, _synthetic(r, vocab, i, duration)), offered=r) for i, r in enumerate(rates)]
             for name, make in layouts.items()}
 
 
-def saturation_rate(spec, replicas: int, router: str, lo: float, hi: float, steps: int) -> float:
+def saturation_rate(spec, replicas: int, router: str, lo: float, hi: float, steps: int, duration: float) -> float:
     """The highest offered rate (within [lo, hi], bisection) at which TARGET of the requests meet the SLOs."""
     vocab = spec.model.vocab_size
     ok = lambda rate: _point(lambda: Deployment(spec, replicas, router, keep_steps=False),  # noqa: E731
-                             _sessions(rate, vocab, 7))["attainment"] >= TARGET
+                             _sessions(rate, vocab, 7, duration))["attainment"] >= TARGET
     if not ok(lo):
         return 0.0
     for _ in range(steps):
@@ -119,11 +120,13 @@ def _plot(cvd: dict, scaling: dict, out: Path) -> Path:
 def run(opts: LabOptions, session: LabSession) -> LabResult:
     spec = _spec()
     rates = [4.0, 12.0, 20.0] if opts.quick else [4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 28.0]
-    cvd = colocated_vs_disaggregated(spec, rates)
+    duration = QUICK_DURATION_S if opts.quick else DURATION_S
+    cvd = colocated_vs_disaggregated(spec, rates, duration)
     replica_counts = [1, 2] if opts.quick else [1, 2, 4, 8]
     steps = 3 if opts.quick else 5
-    single = saturation_rate(spec, 1, "least-tokens", 0.5, 12.0, steps)  # one replica: every router is the same
-    scaling = {router: {n: single if n == 1 else saturation_rate(spec, n, router, 0.5 * n, 12.0 * n, steps)
+    # one replica: every router is the same
+    single = saturation_rate(spec, 1, "least-tokens", 0.5, 12.0, steps, duration)
+    scaling = {router: {n: single if n == 1 else saturation_rate(spec, n, router, 0.5 * n, 12.0 * n, steps, duration)
                         for n in replica_counts} for router in ROUTERS}
     plot = _plot(cvd, scaling, opts.out)
     rows = [[name, p["offered"], p["goodput"], f"{p['attainment']:.0%}", p["p90_ttft_ms"], p["p90_tpot_ms"]]
