@@ -86,6 +86,22 @@ def test_past_its_limit_a_freed_block_goes_back_to_the_os(cache):
 
 
 @needs_ext
+def test_a_full_cache_gives_its_oldest_blocks_back_for_a_new_one(cache):
+    """A cache filled with another workload's sizes must not turn the current step's blocks away (found in the full
+    suite: earlier tests had left the cache full, and the thread above faulted every page again)."""
+    cpu_ops.cache_host_memory(64 * MIB)
+    for mib in range(5, 13):  # 5..12 MiB, eight distinct classes, 68 MiB freed in all: the cache full
+        torch.empty(mib * MIB // 4)
+    full = cache()
+    assert 64 * MIB - 12 * MIB < full["cached_bytes"] <= 64 * MIB
+    torch.empty(20 * MIB // 4)  # freed: takes the room of the oldest
+    kept = cache()
+    assert kept["cached_bytes"] <= 64 * MIB and kept["dropped"] > full["dropped"]
+    torch.empty(20 * MIB // 4)  # served by the block just freed
+    assert cache()["hits"] == kept["hits"] + 1
+
+
+@needs_ext
 def test_a_cpu_engine_installs_it(smollm2_llm):
     assert cpu_ops.host_cache_stats()["installed"] == 1
 

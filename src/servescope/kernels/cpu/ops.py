@@ -74,8 +74,8 @@ def cache_host_memory(limit_bytes: int = HOST_CACHE_BYTES) -> bool:
 
 
 def host_cache_stats() -> dict:
-    """{installed, limit_bytes, cached_bytes, in_use_bytes, hits, misses, dropped} of the caching allocator
-    ({} where the extension is not built)."""
+    """{installed, limit_bytes, cached_bytes, in_use_bytes, hits, misses, dropped (blocks given back to the OS:
+    the oldest kept ones past the limit)} of the caching allocator ({} where the extension is not built)."""
     mod = load()
     return {} if mod is None else {k: int(v) for k, v in mod.host_cache_stats().items()}
 

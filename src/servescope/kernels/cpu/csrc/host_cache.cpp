@@ -10,14 +10,17 @@
 // not hold for the server's engine thread (an aligned block freed in a thread's arena goes back with its heap).
 //
 // Blocks are rounded up to one of 8 size classes per doubling (at most 12.5% over), so a step of 1000 tokens
-// reuses the blocks of one of 1024; at most `limit` bytes of freed blocks are kept (the rest are freed), so the
-// process holds about its steps' peak of large activations beyond what is in use. Smaller requests go to the
+// reuses the blocks of one of 1024; at most `limit` bytes of freed blocks are kept, the oldest freed first past it
+// (a cache full of another workload's sizes must not turn the current one's blocks away), so the process holds
+// about its recent steps' large activations beyond what is in use. Smaller requests go to the
 // allocator that was installed before (glibc's bins already reuse small blocks). Thread-safe; installed once.
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
+#include <deque>
+#include <list>
 #include <map>
 #include <mutex>
 #include <string>
@@ -45,8 +48,23 @@ struct HostCache final : c10::Allocator {
   size_t limit = 0;
   std::mutex mu;
   std::unordered_map<void*, size_t> live;                // block -> its class size
-  std::unordered_map<size_t, std::vector<void*>> spare;  // class size -> freed blocks kept
+  using Order = std::list<std::pair<size_t, void*>>;  // freed blocks kept, oldest first: (class size, block)
+  Order order;
+  std::unordered_map<size_t, std::deque<Order::iterator>> spare;  // class size -> its kept blocks, oldest first
   size_t cached = 0, in_use = 0, hits = 0, misses = 0, dropped = 0;
+
+  // free the oldest kept blocks until `room` more bytes fit under the limit (the lock held); they are appended
+  // to `out`, to be freed once the lock is released
+  void evict(size_t room, std::vector<void*>& out) {
+    while (!order.empty() && cached + room > limit) {
+      auto [c, p] = order.front();
+      auto& q = spare[c];
+      q.pop_front();  // a class's blocks are in `order`'s order: its oldest is `order`'s front
+      order.pop_front();
+      cached -= c;
+      out.push_back(p);
+    }
+  }
 
   c10::DataPtr allocate(size_t n) override {
     if (n < kMinBytes) return fallback->allocate(n);
@@ -55,8 +73,9 @@ struct HostCache final : c10::Allocator {
     {
       std::lock_guard<std::mutex> g(mu);
       auto it = spare.find(c);
-      if (it != spare.end() && !it->second.empty()) {
-        p = it->second.back();
+      if (it != spare.end() && !it->second.empty()) {  // the class's newest: the likeliest still in cache
+        p = it->second.back()->second;
+        order.erase(it->second.back());
         it->second.pop_back();
         cached -= c;
         ++hits;
@@ -75,26 +94,31 @@ struct HostCache final : c10::Allocator {
     return {p, p, &release, c10::Device(c10::DeviceType::CPU)};
   }
 
-  // a block of ours goes back to its class (or to the OS past the limit); any other pointer to `fallback`
+  // a block of ours goes back to its class, the oldest kept ones to the OS if it needs their room (a block larger
+  // than the limit goes to the OS itself); any other pointer to `fallback`
   void put(void* p) {
-    size_t c = 0;
+    std::vector<void*> out;
+    bool ours = false;
     {
       std::lock_guard<std::mutex> g(mu);
       auto it = live.find(p);
       if (it != live.end()) {
-        c = it->second;
+        ours = true;
+        const size_t c = it->second;
         live.erase(it);
         in_use -= c;
-        if (cached + c <= limit) {
-          spare[c].push_back(p);
+        if (c <= limit) {
+          evict(c, out);
+          spare[c].push_back(order.insert(order.end(), {c, p}));
           cached += c;
-          return;
+        } else {
+          out.push_back(p);
         }
-        ++dropped;
+        dropped += out.size();
       }
     }
-    if (c) std::free(p);
-    else fallback->raw_deleter()(p);
+    for (void* q : out) std::free(q);
+    if (!ours) fallback->raw_deleter()(p);
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
@@ -123,16 +147,12 @@ void host_cache_install(int64_t limit_bytes) {
     c10::SetCPUAllocator(c, /*priority=*/1);
   });
   HostCache* c = cache();
-  std::vector<void*> out;  // kept blocks past a lowered limit go back to the OS
+  std::vector<void*> out;  // kept blocks past a lowered limit go back to the OS, the oldest first
   {
     std::lock_guard<std::mutex> g(c->mu);
     c->limit = size_t(limit_bytes);
-    for (auto& [size, blocks] : c->spare)
-      while (c->cached > c->limit && !blocks.empty()) {
-        out.push_back(blocks.back());
-        blocks.pop_back();
-        c->cached -= size;
-      }
+    c->evict(0, out);
+    c->dropped += out.size();
   }
   for (void* p : out) std::free(p);
 }
