@@ -11,7 +11,7 @@ from servescope.kvcache.block_allocator import BlockAllocator, NoFreeBlocksError
 from servescope.kvcache.manager import KVCacheManager
 from servescope.kvcache.prefix_cache import PrefixCache, extend_block_hashes, hash_block_tokens, salted_root
 from servescope.kvcache.window_hit import NO_BLOCK
-from test_kv_cache_manager import Seq, free_each, grow_each, make, snapshot
+from test_kv_cache_manager import Seq, admit_each, free_each, grow_each, make, snapshot
 
 
 def _one_by_one(tokens, block_size, salt=None):
@@ -115,13 +115,7 @@ def test_random_workloads_leave_the_one_block_at_a_time_state(seed, caching):
         if op < 0.35 or not live:  # admit, often on a shared prefix (hits, same-content duplicates)
             toks = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(0, 14))]
             pair = (Seq(f"r{step}", toks), Seq(f"r{step}", toks))
-            chunk = rng.choice([None, 3, 9])
-            for m, s in zip((bulk, ref), pair):
-                blocks, n = m.get_computed_blocks(s)
-                new = s.num_tokens - n if chunk is None else min(chunk, s.num_tokens - n)
-                ok = m.allocate_slots(s, new, blocks, n)
-                if ok:
-                    s.num_computed_tokens = n + new
+            admit_each((bulk, ref), pair, rng.choice([None, 3, 9]))
             assert (bulk.get_block_ids(pair[0].request_id) != []) == (ref.get_block_ids(pair[1].request_id) != [])
             if bulk.get_block_ids(pair[0].request_id):
                 live[pair[0].request_id] = pair
@@ -177,17 +171,11 @@ def test_hashes_set_before_admission_leave_the_state_computed_ones_leave(seed, s
             for s in pair:
                 s.cache_salt = salt
             ahead.set_block_hashes(pair[0].request_id, hash_full_blocks(toks, 4, salt=salt))
-            chunk = rng.choice([None, 3])
-            for m, s in zip((ahead, own), pair):
-                blocks, n = m.get_computed_blocks(s)
-                new = s.num_tokens - n if chunk is None else min(chunk, s.num_tokens - n)
-                if m.allocate_slots(s, new, blocks, n):
-                    s.num_computed_tokens = n + new
+            admit_each((ahead, own), pair, rng.choice([None, 3]))
             if ahead.get_block_ids(pair[0].request_id):
                 live[pair[0].request_id] = pair
-            else:
-                for m, s in zip((ahead, own), pair):
-                    m.free(s)  # (not admitted: the hashes set ahead go with it, as the scheduler frees a refusal)
+            else:  # not admitted: the hashes set ahead go with it, as the scheduler frees a refusal
+                free_each((ahead, own), pair)
         elif rng.random() < 0.75:
             rid = rng.choice(sorted(live))
             tok = rng.randrange(40)

@@ -12,7 +12,7 @@ import pytest
 from servescope.config import CacheConfig
 from servescope.kvcache.manager import KVCacheManager
 from servescope.kvcache.prefix_cache import _FAST_ROOT, _int_root, extend_fast_hashes, hash_full_blocks, salted_root
-from test_kv_cache_manager import Seq, free_each, grow_each, make, snapshot
+from test_kv_cache_manager import Seq, admit_each, free_each, grow_each, make, snapshot
 
 
 def _one_by_one(tokens, block_size, salt=None):
@@ -68,17 +68,11 @@ def test_a_manager_on_the_tuple_chain_keeps_the_sha256_managers_blocks(seed):
             pair = (Seq(f"r{step}", toks), Seq(f"r{step}", toks))
             if rng.random() < 0.5:  # hashed ahead, as the simulator does
                 fast.set_block_hashes(pair[0].request_id, hash_full_blocks(toks, 4, extend=extend_fast_hashes))
-            chunk = rng.choice([None, 3])
-            for m, s in zip((fast, sha), pair):
-                blocks, n = m.get_computed_blocks(s)
-                new = s.num_tokens - n if chunk is None else min(chunk, s.num_tokens - n)
-                if m.allocate_slots(s, new, blocks, n):
-                    s.num_computed_tokens = n + new
+            admit_each((fast, sha), pair, rng.choice([None, 3]))
             if fast.get_block_ids(pair[0].request_id):
                 live[pair[0].request_id] = pair
             else:
-                for m, s in zip((fast, sha), pair):
-                    m.free(s)
+                free_each((fast, sha), pair)
         elif rng.random() < 0.75:
             rid = rng.choice(sorted(live))
             tok = rng.randrange(40)

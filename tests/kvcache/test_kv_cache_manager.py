@@ -39,6 +39,16 @@ def refs(m, blocks):
     return [m.allocator.ref_count(b) for b in blocks]
 
 
+def admit_each(managers, seqs, chunk=None) -> None:
+    """The same new request admitted in each manager: its cached prefix looked up, then its prompt's slots (at most
+    `chunk` tokens of it; None: all) allocated (twin managers kept in step by random tests)."""
+    for m, s in zip(managers, seqs):
+        blocks, n = m.get_computed_blocks(s)
+        new = s.num_tokens - n if chunk is None else min(chunk, s.num_tokens - n)
+        if m.allocate_slots(s, new, blocks, n):
+            s.num_computed_tokens = n + new
+
+
 def grow_each(managers, seqs, tok: int) -> None:
     """One decode (or the rest of a chunked prompt) of the same request in each manager: the token appended where
     the request has computed all it holds, then its slots allocated (twin managers kept in step by random tests)."""

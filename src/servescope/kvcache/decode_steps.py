@@ -39,7 +39,7 @@ def allocate_decode_steps(kv: KVCacheManager, requests: Sequence[SequenceLike], 
     plan = _bulk_plan(kv, requests, starts, steps)
     if plan is None:
         return _one_by_one(kv, requests, starts, steps)
-    tables, phases, num_new, hashing, new_hashes = plan
+    tables, phases, num_new, hashing = plan
     if num_new:
         blocks: list = []
         kv._allocate_blocks(num_new, blocks)  # free list first, then eviction: the order the steps take them in
@@ -48,14 +48,9 @@ def allocate_decode_steps(kv: KVCacheManager, requests: Sequence[SequenceLike], 
             for i in phases[j % size]:  # the requests whose position p + j starts a block, in the step's order
                 tables[i].append(blocks[k])
                 k += 1
-    cache, hashed = kv.prefix_cache, kv._num_hashed
-    new_blocks = [b for _, _, table, done, full in hashing for b in table[done:full]]
-    if cache.any_cached(new_blocks):  # (not where the manager's invariants hold: a block is hashed once full)
-        for rid, hashes, table, done, full in hashing:  # _cache_full_blocks of each, its hashes already known
-            cache.insert_blocks(hashes, table, done, full, NO_BLOCK)
-    else:  # the same inserts, each succeeding (_bulk_plan checked the hashes), in their order
-        cache.insert_new(new_hashes, new_blocks)
-    for rid, _, _, _, full in hashing:
+    insert, hashed = kv.prefix_cache.insert_blocks, kv._num_hashed
+    for rid, hashes, table, done, full in hashing:  # _cache_full_blocks of each, its hashes already known
+        insert(hashes, table, done, full, NO_BLOCK)
         hashed[rid] = full
     return True
 
@@ -102,7 +97,7 @@ def _bulk_plan(kv: KVCacheManager, requests: Sequence[SequenceLike], starts: Seq
         lookup = kv.prefix_cache.lookup
         if len(set(new_hashes)) != len(new_hashes) or any(lookup(h) is not None for h in new_hashes):
             return None
-    return tables, phases, num_new, hashing, new_hashes
+    return tables, phases, num_new, hashing
 
 
 def _one_by_one(kv: KVCacheManager, requests: Sequence[SequenceLike], starts: Sequence[int], steps: int) -> bool:

@@ -184,12 +184,6 @@ class PrefixCache:
                 block_of[h] = b
                 hash_of[b] = h
 
-    def insert_new(self, hashes: Sequence[BlockHash], blocks: Sequence[int]) -> None:
-        """insert(hashes[i], blocks[i]) of each pair in order where every one succeeds: no hash cached nor given
-        twice, no block with a hash (the caller's checks)."""
-        self._block_of.update(zip(hashes, blocks))
-        self._hash_of.update(zip(blocks, hashes))
-
     def uncache(self, block: int) -> None:
         """Forget a block's hash (it must not be evictable: evict() or take() it first)."""
         assert block not in self._evictable, f"uncache of evictable block {block}"

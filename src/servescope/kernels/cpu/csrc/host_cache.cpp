@@ -142,8 +142,7 @@ void host_cache_install(int64_t limit_bytes) {
   TORCH_CHECK(limit_bytes >= 0, "host_cache_install: a limit of at least 0 bytes");
   std::call_once(installed, [&] {
     HostCache* c = cache();
-    c->fallback = c10::GetCPUAllocator();
-    c->limit = size_t(limit_bytes);
+    c->fallback = c10::GetCPUAllocator();  // (its limit is set below, as on every later call)
     c10::SetCPUAllocator(c, /*priority=*/1);
   });
   HostCache* c = cache();
