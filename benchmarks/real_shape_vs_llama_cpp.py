@@ -17,6 +17,7 @@ lengths for both; random prompts, ignore_eos) against `servescope serve --quanti
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import statistics
@@ -42,7 +43,8 @@ def gguf_path(args, gtype: str) -> str:
 
 
 def ours_single_stream(gguf: str, args) -> dict:
-    """Decode batch 1 and prefill 512 of servescope on the file's own blocks."""
+    """Decode batch 1 and prefill 512 of servescope on the file's own blocks; with --rounds R > 1, then
+    R rounds of llama-bench tg128 and our decode in turn (paired_decode)."""
     import torch  # (here: the serving half runs without torch in this process)
 
     from servescope.bench.latency import run_engine_latency  # (likewise)
@@ -56,9 +58,25 @@ def ours_single_stream(gguf: str, args) -> dict:
     out = {"decode_b1_tokens_per_s": dec["decode_tokens_per_s"],
            "prefill512_tokens_per_s": 512 / statistics.median(ttfts), "prefill512_ttft_s": ttfts,
            "weight_bytes": llm.engine.weight_bytes}
+    if args.rounds > 1:
+        out["paired_decode"] = paired_decode(
+            gguf, args, functools.partial(run_engine_latency, llm, 1, 16, 128, iters=1, measure_bandwidth=False))
     del llm
     gc.collect()
     return out
+
+
+def paired_decode(gguf: str, args, ours) -> dict:
+    """llama-bench tg128 (one repetition) and ours() (our decode run, the model loaded) in turn, --rounds
+    times: this kind of VM's read bandwidth moves by up to 1.7x within minutes, and batch-1 decode follows
+    it, so a ratio of two runs minutes apart says more about the minute than the engines. Each round's
+    ratio is of two runs seconds apart; the median of those is the figure."""
+    rounds = []
+    for _ in range(args.rounds):
+        tg = lct.run_llama_bench(gguf, args.threads, prompt=0, reps=1)["tg128"]["tokens_per_s"]
+        dec = ours()["decode_tokens_per_s"]
+        rounds.append({"tg128": tg, "servescope": dec, "ratio": dec / tg})
+    return {"rounds": rounds, "median_ratio": statistics.median(r["ratio"] for r in rounds)}
 
 
 def serve_pair(args, gguf: str, streams: int, tmp: str) -> dict:
@@ -112,6 +130,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--types", default="Q4_0,Q8_0")
     ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="> 1: also decode b1 paired with llama-bench tg128 in turn this many times")
     ap.add_argument("--serve-type", default="Q4_0")
     ap.add_argument("--streams", default="8,32")
     ap.add_argument("--prompts-per-stream", type=int, default=2)
@@ -139,6 +159,11 @@ def main() -> int:
                                     "prefill_ratio": pre / pp}
             print(f"{gtype}: tg128 {tg:.1f}, ours decode b1 {dec:.1f} tok/s ({dec / tg:.2f}x); "
                   f"pp512 {pp:.1f}, ours prefill 512 {pre:.1f} ({pre / pp:.2f}x)", flush=True)
+            if "paired_decode" in ours:
+                paired = ours["paired_decode"]
+                print(f"{gtype}: decode b1 in turn with tg128, {len(paired['rounds'])} rounds: " + ", ".join(
+                      f"{r['servescope']:.1f}/{r['tg128']:.1f}" for r in paired["rounds"])
+                      + f"; median ratio {paired['median_ratio']:.2f}x", flush=True)
     if not args.skip_serve:
         gguf = gguf_path(args, args.serve_type)
         with tempfile.TemporaryDirectory() as tmp:
