@@ -7,8 +7,9 @@ from servescope.analysis.collectives import LINKS, LinkSpec
 from servescope.analysis.hardware import get_hardware
 from servescope.analysis.parallel_explain import explain_parallel
 from servescope.analysis.pipeline_schedule import (
-    auto_micro_batches, cut_points, pipeline_step, schedule, split_seqs, stage_layers,
+    auto_micro_batches, cut_points, pipeline_step, schedule, split_seqs,
 )
+from servescope.analysis.kv_stages import stage_layers
 from servescope.analysis.presets import load_preset
 
 
@@ -43,7 +44,7 @@ def test_schedule_recurrence_by_hand():
 
 
 def test_stage_layers_and_auto_rule():
-    assert stage_layers(30, 2) == [15, 15] and stage_layers(3, 2) == [2, 1]
+    assert stage_layers(30, 2) == [range(0, 15), range(15, 30)] and stage_layers(3, 2) == [range(0, 2), range(2, 3)]
     # by prefill tokens: a decode-only step (0 prefill tokens) stays whole
     assert auto_micro_batches(0, 2) == 1 and auto_micro_batches(15, 2) == 1 and auto_micro_batches(16, 2) == 2
     assert auto_micro_batches(16, 1) == 1
