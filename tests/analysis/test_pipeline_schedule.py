@@ -92,3 +92,17 @@ def test_explain_pp_on_one_cpu_shares_the_machine():
     prefill = r["phases"][0]
     assert prefill["pipeline"]["micro_batches"] == 2 and prefill["pipeline"]["overlap_speedup"] > 1.1
     assert prefill["speedup"] < 1.0
+
+
+def test_each_stage_is_priced_on_its_own_layers_kinds():
+    """Gemma 3's five local layers to one global over two stages: stage 0 holds three local layers, stage 1 two
+    local and the global one, which reads the whole context. A long decode costs stage 1 more (priced as the
+    first three layers, it would cost the same)."""
+    from tiny_models import tiny_model_config
+
+    cfg = tiny_model_config("gemma3", num_hidden_layers=6, sliding_window_pattern=6, sliding_window=64,
+                            max_position_embeddings=131072)
+    dt = ("bfloat16", "bfloat16", "bfloat16", 2)
+    step = pipeline_step(cfg, [(1, 100_000)] * 8, get_hardware("h100"), 2, 1, None, dtypes=dt)
+    local, with_global = step.stage_seconds[0]
+    assert with_global > 2 * local
