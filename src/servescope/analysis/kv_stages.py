@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from servescope.analysis.kv_layout import first_group_limits, group_blocks, layers_per_window
+from servescope.analysis.kv_layout import first_group_limits, first_window, group_blocks, layers_per_window
 from servescope.analysis.op_counts import kv_cache_bytes_per_token
 from servescope.config import ModelConfig
 
@@ -87,8 +87,7 @@ def stage_pools(cfg: ModelConfig, kv_dtype: str, num_blocks: int, block_size: in
     per_layer = kv_cache_bytes_per_token(cfg, kv_dtype) // cfg.num_hidden_layers
     configs = stage_configs(cfg, pp)
     held = [layers_per_window(c) for c in configs]
-    first = (0 if 0 in pools else max(pools)) if pools else None
-    limits = (first_group_limits(tuple(held), first, pools, num_blocks) if pools
+    limits = (first_group_limits(tuple(held), first_window(pools), pools, num_blocks) if pools
               else [num_blocks] * pp)
     out, start = [], 0
     for s, (c, windows) in enumerate(zip(configs, held)):
