@@ -7,8 +7,9 @@ from servescope.analysis.collectives import LINKS, LinkSpec
 from servescope.analysis.hardware import get_hardware
 from servescope.analysis.parallel_explain import explain_parallel
 from servescope.analysis.pipeline_schedule import (
-    auto_micro_batches, cut_points, pipeline_step, schedule, split_seqs, stage_layers,
+    auto_micro_batches, cut_points, pipeline_step, schedule, split_seqs,
 )
+from servescope.analysis.kv_stages import stage_layers
 from servescope.analysis.presets import load_preset
 
 
@@ -43,7 +44,7 @@ def test_schedule_recurrence_by_hand():
 
 
 def test_stage_layers_and_auto_rule():
-    assert stage_layers(30, 2) == [15, 15] and stage_layers(3, 2) == [2, 1]
+    assert stage_layers(30, 2) == [range(0, 15), range(15, 30)] and stage_layers(3, 2) == [range(0, 2), range(2, 3)]
     # by prefill tokens: a decode-only step (0 prefill tokens) stays whole
     assert auto_micro_batches(0, 2) == 1 and auto_micro_batches(15, 2) == 1 and auto_micro_batches(16, 2) == 2
     assert auto_micro_batches(16, 1) == 1
@@ -91,3 +92,17 @@ def test_explain_pp_on_one_cpu_shares_the_machine():
     prefill = r["phases"][0]
     assert prefill["pipeline"]["micro_batches"] == 2 and prefill["pipeline"]["overlap_speedup"] > 1.1
     assert prefill["speedup"] < 1.0
+
+
+def test_each_stage_is_priced_on_its_own_layers_kinds():
+    """Gemma 3's five local layers to one global over two stages: stage 0 holds three local layers, stage 1 two
+    local and the global one, which reads the whole context. A long decode costs stage 1 more (priced as the
+    first three layers, it would cost the same)."""
+    from tiny_models import tiny_model_config
+
+    cfg = tiny_model_config("gemma3", num_hidden_layers=6, sliding_window_pattern=6, sliding_window=64,
+                            max_position_embeddings=131072)
+    dt = ("bfloat16", "bfloat16", "bfloat16", 2)
+    step = pipeline_step(cfg, [(1, 100_000)] * 8, get_hardware("h100"), 2, 1, None, dtypes=dt)
+    local, with_global = step.stage_seconds[0]
+    assert with_global > 2 * local

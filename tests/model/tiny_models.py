@@ -150,6 +150,15 @@ def make_tiny_hf_model(tmp_path, family: str, *, seed: int = 0, max_shard_size=N
     return out
 
 
+def tiny_model_config(family: str, **overrides):
+    """The ModelConfig make_tiny_hf_model's checkpoint would load with, without writing one (shapes only: the
+    planner, the simulator, a runner's caches)."""
+    from servescope.config import ModelConfig
+
+    spec = {k: v for k, v in FAMILIES[family].items() if not k.startswith("_")}
+    return ModelConfig.from_hf_dict({**_BASE, **spec, **overrides, "architectures": [FAMILIES[family]["_cls"]]})
+
+
 # repr of make_tiny_hf_model's arguments -> (the directory written for them in this process, torch's global RNG
 # state after writing it)
 _WRITTEN: dict = {}

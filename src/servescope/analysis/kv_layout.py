@@ -91,15 +91,28 @@ def group_blocks(layers: dict, num_blocks: int, block_size: int, max_num_seqs: i
     stages: per pipeline stage, its layers per window (() : one process holds them all). Every stage keeps the
     pools of the groups its layers belong to, over the same block ids, in no more than num_blocks blocks of each
     of its own layers; N_first is then the least that the stages holding first-group layers leave for it."""
-    first = 0 if 0 in layers else max(layers)
+    first = first_window(layers)
     out = {}
     for w in layers:
         if w != first:
             per_seq = math.ceil((w + max_step_tokens) / block_size) + 1
             out[w] = min(num_blocks, max_num_seqs * per_seq + math.ceil(max_num_batched_tokens / block_size) + 1)
-    out[first] = min((num_blocks * sum(held.values()) - sum(out[w] * n for w, n in held.items() if w != first))
-                     // held[first] for held in (stages or (layers,)) if held.get(first))
+    out[first] = min(n for n in first_group_limits(stages or (layers,), first, out, num_blocks) if n is not None)
     return out
+
+
+def first_window(windows) -> int:
+    """The first group's window: full attention (0) where some layer has it, else the widest window (the group
+    that gets the rest of the bytes and binds a sequence's length)."""
+    return 0 if 0 in windows else max(windows)
+
+
+def first_group_limits(stages: tuple, first: int, others: dict, num_blocks: int) -> list:
+    """Per stage (its layers per window), the first group's pool that its num_blocks blocks of each of its layers
+    leave after the other groups' pools (others: window -> blocks), or None where it holds no first-group layer:
+    group_blocks takes the least (the stage that runs out first; analysis/kv_stages.py)."""
+    return [(num_blocks * sum(held.values()) - sum(others[w] * n for w, n in held.items() if w != first))
+            // held[first] if held.get(first) else None for held in stages]
 
 
 def handed_over_bytes(cfg: ModelConfig, kv_dtype: str, num_tokens: int, block_size: int) -> int:

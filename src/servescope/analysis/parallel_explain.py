@@ -6,10 +6,11 @@ the link dominates.
 A CPU spec is one machine: the T ranks of a stage run at once and share its cores and memory
 bandwidth, so each rank's 1/T of the work takes as long as the whole did (TP over processes on one
 CPU cannot cut the step; it only adds the collectives). On GPUs each rank is a device of the spec.
-Pipeline stages (P > 1) divide each rank's weights and KV cache by P; the step time is the pipeline
-schedule of its micro-batches (analysis/pipeline_schedule.py: fill, the bottleneck stage's work, its
-stalls, the hand-overs), as the engine cuts the step (`micro_batches`, 0: its auto rule); one
-micro-batch runs the stages one after another. Tensor parallelism divides each layer's work by T and
+Pipeline stages (P > 1) divide each rank's weights and KV cache by P (each stage's KV pools as the
+engine sizes them, a hybrid's stages holding different mixes of layer kinds: analysis/kv_stages.py); the
+step time is the pipeline schedule of its micro-batches (analysis/pipeline_schedule.py: fill, the
+bottleneck stage's work, its stalls, the hand-overs), as the engine cuts the step (`micro_batches`, 0: its
+auto rule); one micro-batch runs the stages one after another. Tensor parallelism divides each layer's work by T and
 adds 2L + 1 all-reduces of the step's activations plus the gather of the logits. On a CPU spec the
 T x P ranks share the one machine (each rank's work at 1/(T x P) of it). Expert parallelism (--ep X, a
 mixture of experts: X = T, or T = 1 with the attention replicated on X ranks) gives each rank 1/X of the
@@ -21,14 +22,13 @@ without EP shards each expert's width instead (vLLM's default; one all-reduce af
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 from servescope.analysis.collectives import LinkSpec, rank_weights_config, shard_config, step_comm_cost
 from servescope.analysis.cost_model import step_cost
 from servescope.analysis.hardware import HardwareSpec
 from servescope.analysis.memory_planner import plan_memory
-from servescope.analysis.op_counts import kv_cache_bytes_per_token, resolve_dtypes, weight_bytes
+from servescope.analysis.op_counts import resolve_dtypes, weight_bytes
 from servescope.analysis.parallel_skew import expert_wait_seconds
 from servescope.analysis.pipeline_schedule import auto_micro_batches, pipelined_step
 from servescope.config import ModelConfig
@@ -107,20 +107,23 @@ def explain_parallel(cfg: ModelConfig, hw: HardwareSpec, link: LinkSpec, tp: int
     if output_len > 1:
         phases.append(_phase("decode", cfg, [(1, mid)] * batch, batch, hw, link, tp, pp, dtypes, micro_batches, ep))
     shard = rank_weights_config(cfg, tp, ep)
-    # one rank's memory: its shard of 1/P of the layers (the embedding and head counted on every rank,
-    # a slight over-count for P > 1); every rank holds the same KV blocks
-    rank_cfg = dataclasses.replace(shard, num_hidden_layers=-(-cfg.num_hidden_layers // pp))
-    single_plan = plan_memory(cfg, hw.memory_bytes, wdt, kdt, context_len=prompt_len + output_len, act_dtype=adt,
-                              max_num_batched_tokens=max(prompt_len * batch, 16), max_num_seqs=batch)
-    rank_plan = plan_memory(rank_cfg, hw.memory_bytes, wdt, kdt, context_len=prompt_len + output_len, act_dtype=adt,
-                            max_num_batched_tokens=max(prompt_len * batch, 16), max_num_seqs=batch)
+    # one rank's memory: its shard of its stage's layers (the embedding and head counted on every rank, a slight
+    # over-count for P > 1); the blocks sized from stage 0's layers, each stage's pools as the engine allocates
+    # them (analysis/kv_stages.py: a hybrid's stages hold different mixes of kinds)
+    kw = dict(context_len=prompt_len + output_len, act_dtype=adt, max_num_batched_tokens=max(prompt_len * batch, 16),
+              max_num_seqs=batch)
+    single_plan = plan_memory(cfg, hw.memory_bytes, wdt, kdt, **kw)
+    rank_plan = plan_memory(shard, hw.memory_bytes, wdt, kdt, pp=pp, **kw)
     return {
         "tp": tp, "pp": pp, "ep": ep,
         "link": {"name": link.name, "bandwidth": link.bandwidth, "latency_s": link.latency_s, "source": link.source},
         "weight_bytes_per_rank": weight_bytes(shard, wdt, adt) / pp,
-        "kv_cache_bytes_per_token_per_rank": kv_cache_bytes_per_token(shard, kdt) / pp,
+        "kv_cache_bytes_per_token_per_rank": rank_plan.kv_bytes_per_token,
         "max_concurrent_sequences": rank_plan.max_concurrent_sequences,
+        "max_concurrent_sequences_per_group_tables": rank_plan.max_concurrent_sequences_per_group_tables,
         "max_concurrent_sequences_one_device": single_plan.max_concurrent_sequences,
+        "kv_stages": rank_plan.to_dict()["stages"], "kv_binding_stage": rank_plan.binding_stage,
+        "kv_num_blocks": rank_plan.num_kv_blocks, "kv_block_size": rank_plan.block_size,
         "phases": phases,
         "verdict": verdict(phases, tp, pp, link.name, ep),
     }

@@ -25,6 +25,7 @@ from typing import Optional
 from servescope.analysis.collectives import (LinkSpec, all_reduce_seconds, expert_parallel_cost, gather_seconds,
                                              p2p_seconds, shard_config)
 from servescope.analysis.cost_model import step_cost
+from servescope.analysis.kv_stages import stage_configs
 from servescope.config import ModelConfig
 
 
@@ -111,12 +112,6 @@ def schedule(stage_seconds: list, handover_seconds: list) -> PipelineSchedule:
                             total - start_last[0] - busy_last, (p - 1) * sum(handover_seconds))
 
 
-def stage_layers(num_layers: int, pp: int) -> list:
-    """Layers per stage, as parallel/layout.py splits them (the first L % P stages one more)."""
-    base, extra = divmod(num_layers, pp)
-    return [base + (s < extra) for s in range(pp)]
-
-
 def pipeline_step(cfg: ModelConfig, seqs: list, hw, pp: int, num_micro: int, link: Optional[LinkSpec],
                   tp: int = 1, dtypes: tuple = ("float32", "float32", "float32", 4),
                   share: float = 1.0, ep: int = 1) -> PipelineSchedule:
@@ -128,13 +123,13 @@ def pipeline_step(cfg: ModelConfig, seqs: list, hw, pp: int, num_micro: int, lin
     inside each stage (a rank's share of the routed experts, and the stage's all-to-alls and all-gathers)."""
     wdt, kdt, adt, act_bytes = dtypes
     pieces = split_seqs(seqs, cut_points(sum(n for n, _ in seqs), num_micro))
-    per_stage = stage_layers(cfg.num_hidden_layers, pp)
+    per_stage = stage_configs(cfg, pp)  # each stage's own layers: their attention kinds and MLPs
     rows, handover = [], []
     for piece in pieces:
         act = sum(n for n, _ in piece) * cfg.hidden_size * act_bytes  # one [t, Dm] activation
         row = []
-        for s, n_layers in enumerate(per_stage):
-            stage_cfg = dataclasses.replace(cfg, num_hidden_layers=n_layers)
+        for s, stage_cfg in enumerate(per_stage):
+            n_layers = stage_cfg.num_hidden_layers
             cost = step_cost(stage_cfg, piece, hw, wdt, kdt, adt, num_logits=0,
                              overhead_s=n_layers * hw.layer_overhead_s, expert_parallel=ep)
             # the head runs once, after the pipeline (head_seconds); only stage 0 embeds

@@ -215,6 +215,8 @@ def run_explain(args) -> int:
     con.print(render_explain_table(result))
     if "parallel" in result:
         con.print(parallel_table(result["parallel"]))
+        if result["parallel"]["pp"] > 1:
+            con.print(kv_stage_table(result["parallel"]))
         con.print(result["parallel"]["verdict"])
     if args.plot:
         con.print(f"roofline written to {result['plot']}")
@@ -279,6 +281,29 @@ def parallel_table(p: dict):
                       f"hand-over {pipe['handover_seconds'] * 1e3:.3g} ms",
                       f"1 mb: {pipe['one_micro_batch_step_seconds'] * 1e3:.3g} ms",
                       f"{pipe['overlap_speedup']:.2f}x", "")
+    return t
+
+
+def kv_stage_table(p: dict):
+    """Each pipeline stage's KV pools as its process allocates them (analysis/kv_stages.py): its layers per group,
+    their bytes per token, the group's pool, and the stage that runs out first."""
+    from rich.table import Table  # lazy: rich is 0.13 s of `--help` (cli/output.py)
+
+    size, stages = p["kv_block_size"], p["kv_stages"]
+    t = Table(title=f"KV cache per stage: {p['kv_num_blocks']} blocks of {size} tokens sized from stage 0's layers; "
+                    f"stage {p['kv_binding_stage']} runs out first")
+    cols = ("stage", "layers", "groups: layers, KV per token, pool", "KV allocated / budget", "first group's limit")
+    for col in cols:
+        t.add_column(col, justify="left" if col.startswith("groups") else "right")
+    for st in stages:
+        groups = "; ".join(f"{'full' if not w else f'window {w}'}: {n}, {st['bytes_per_token'][w] / 1024:.3g} KiB, "
+                           f"{st['pool_blocks'][w]} blocks ({st['pool_blocks'][w] * size} tokens)"
+                           for w, n in st["group_layers"].items())
+        limit = st["first_group_limit"]
+        t.add_row(str(st["stage"]) + (" (binds)" if st["stage"] == p["kv_binding_stage"] else ""),
+                  f"{st['first_layer']}-{st['first_layer'] + st['num_layers'] - 1}", groups,
+                  f"{st['kv_bytes'] / 2**30:.3g} / {st['budget_bytes'] / 2**30:.3g} GiB",
+                  "-" if limit is None else f"{limit} blocks")
     return t
 
 

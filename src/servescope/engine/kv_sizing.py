@@ -7,11 +7,11 @@ from typing import Optional
 
 import torch
 
-from servescope.analysis.kv_layout import group_blocks, layers_per_window
+from servescope.analysis.kv_layout import layers_per_window
+from servescope.analysis.kv_stages import engine_group_blocks
 from servescope.config import BatchingConfig, EngineConfig, KVCacheConfig, ModelConfig
 from servescope.errors import EngineConfigError
 from servescope.model.attention import kv_quant
-from servescope.parallel.layout import stage_layers
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +111,9 @@ def kv_group_blocks(config: EngineConfig, cfg: ModelConfig, num_blocks: int) -> 
     if (len(layers) < 2 or config.cache.disable_hybrid_kv_cache_manager
             or (config.speculative.speculative_method == "draft" and 0 not in layers)):
         return None
-    batching, pp = config.batching, config.parallel.pipeline_parallel_size
-    stages = tuple(layers_per_window(cfg.layers_config(r)) for r in stage_layers(cfg.num_hidden_layers, pp))
-    return group_blocks(layers, num_blocks, config.cache.block_size, batching.max_num_seqs,
-                        1 + (config.speculative.num_speculative_tokens or 0), max_step_tokens(config, cfg), stages)
+    return engine_group_blocks(cfg, num_blocks, config.cache.block_size, config.batching.max_num_seqs,
+                               1 + (config.speculative.num_speculative_tokens or 0), max_step_tokens(config, cfg),
+                               config.parallel.pipeline_parallel_size)
 
 
 def max_step_tokens(config: EngineConfig, cfg: ModelConfig) -> int:

@@ -28,13 +28,22 @@ from dataclasses import replace
 from servescope.config import CacheConfig
 from servescope.kvcache.manager import NO_BLOCK, KVCacheManager, SequenceLike, cdiv
 from servescope.kvcache.window_hit import first_in_view, longest_hit
-from servescope.kvcache.prefix_cache import max_hit_blocks
+from servescope.kvcache.prefix_cache import extend_block_hashes, max_hit_blocks
+
+
+def binding_blocks(pools: dict, block_size: int, max_step_tokens: int) -> int:
+    """The blocks that bind one sequence's length with a table per group (pools: window -> blocks): the least pool
+    of a full group, or of a windowed one smaller than one sequence may ever need (its window and one step's
+    tokens: cdiv(w + step, S) + 1 blocks). The simulator sizes its max_model_len by it, as the engine does."""
+    return min(n for w, n in pools.items() if not w or n < cdiv(w + max_step_tokens, block_size) + 1)
 
 
 class HybridKVCacheManager:
-    def __init__(self, config: CacheConfig, group_blocks: dict, group_layers: dict, max_step_tokens: int):
+    def __init__(self, config: CacheConfig, group_blocks: dict, group_layers: dict, max_step_tokens: int,
+                 extend_hashes=extend_block_hashes):
         """group_blocks: window -> the blocks of its pool (0: full attention); group_layers: window -> its layers;
-        max_step_tokens: the most tokens one step adds to one sequence (a chunk, or 1 + drafts / lookahead)."""
+        max_step_tokens: the most tokens one step adds to one sequence (a chunk, or 1 + drafts / lookahead);
+        extend_hashes: the blocks' hash chain (KVCacheManager's: sha256, or a simulator's)."""
         if len(group_blocks) < 2 or set(group_blocks) != set(group_layers):
             raise ValueError(f"a hybrid KV cache needs two or more groups, got {group_blocks} / {group_layers}")
         self.config = config
@@ -43,17 +52,13 @@ class HybridKVCacheManager:
         # the full group first (0 sorts first), then the windows in ascending order
         self.windows = tuple(sorted(group_blocks))
         self.layers = tuple(group_layers[w] for w in self.windows)
-        self.groups = tuple(KVCacheManager(replace(config, num_blocks=group_blocks[w]), window=w)
-                            for w in self.windows)
+        self.groups = tuple(KVCacheManager(replace(config, num_blocks=group_blocks[w]), window=w,
+                                           extend_hashes=extend_hashes) for w in self.windows)
+        self.extend_hashes = extend_hashes
         for g in self.groups[1:]:  # a block's chain hash is its tokens', whatever the group: computed once
             g._hashes = self.groups[0]._hashes
         self.window = self.windows[0]
-        self.num_blocks = min(g.num_blocks for g in self.groups if self._binds(g, max_step_tokens))
-
-    def _binds(self, group: KVCacheManager, max_step_tokens: int) -> bool:
-        """Whether the group's pool limits one sequence's length: a full group always; a windowed one when it
-        holds fewer blocks than one sequence may ever need (its window and one step's tokens)."""
-        return not group.window or group.num_blocks < cdiv(group.window + max_step_tokens, self.block_size) + 1
+        self.num_blocks = binding_blocks(group_blocks, self.block_size, max_step_tokens)
 
     @property
     def num_groups(self) -> int:

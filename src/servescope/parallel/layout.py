@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from servescope.analysis.kv_stages import stage_layers  # the one split rule: the planner's and simulator's too
 from servescope.config import ModelConfig
 from servescope.config.moe import expert_layout_problem
 from servescope.errors import EngineConfigError
@@ -47,14 +48,6 @@ class ParallelLayout:
 
     def tp_group_ranks(self, stage: int) -> list:
         return [self.rank_of(stage, s) for s in range(self.width)]
-
-
-def stage_layers(num_layers: int, pp: int) -> list:
-    """Each stage's layers: consecutive, the first L % P stages one layer more (so that stage 0, whose KV cache
-    rank 0 sizes for everyone, holds the most)."""
-    base, extra = divmod(num_layers, pp)
-    starts = [s * base + min(s, extra) for s in range(pp)]
-    return [range(start, start + base + (s < extra)) for s, start in enumerate(starts)]
 
 
 def local_kv_heads(cfg: ModelConfig, tp: int) -> int:

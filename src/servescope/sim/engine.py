@@ -26,6 +26,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from servescope.config import CacheConfig, SamplingParams
+from servescope.analysis.kv_layout import layers_per_window
+from servescope.kvcache.hybrid import HybridKVCacheManager
 from servescope.kvcache.manager import KVCacheManager
 from servescope.kvcache.prefix_cache import extend_fast_hashes, hash_full_blocks
 from servescope.scheduler.request import Request, RequestStatus
@@ -60,9 +62,12 @@ class SimEngine:
         self.clock = 0.0  # virtual seconds
         # blocks hashed by the tuple-hash chain: the simulator's caches meet no engine's, and it hashes every
         # prompt and output block of a workload (prefix_cache.extend_fast_hashes)
-        self.kv_manager = KVCacheManager(CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks,
-                                                     enable_prefix_caching=spec.enable_prefix_caching),
-                                         extend_hashes=extend_fast_hashes)
+        # a hybrid's table per group of layers, its pools as the engine's stages size them (InstanceSpec.group_blocks)
+        cache = CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks,
+                            enable_prefix_caching=spec.enable_prefix_caching)
+        self.kv_manager = (KVCacheManager(cache, extend_hashes=extend_fast_hashes) if spec.group_blocks is None else
+                           HybridKVCacheManager(cache, spec.group_blocks, layers_per_window(spec.model),
+                                                spec.max_step_tokens, extend_hashes=extend_fast_hashes))
         self.scheduler = Scheduler(spec.scheduler, self.kv_manager, clock=self.now)  # a bound method: pickles
         self.timer = timer or StepTimer(spec)  # replicas of one spec share one (and its memo)
         self.steps: Optional[list] = [] if keep_steps else None
@@ -355,8 +360,7 @@ class SimEngine:
             kv_blocks_cached=km.num_cached_blocks, kv_usage=km.usage, num_running=sched.num_running,
             num_waiting=sched.num_waiting, num_preemptions_total=sched.num_preemptions,
             num_spec_seqs=num_spec, num_draft_tokens=drafted,
-            num_accepted_tokens=accepted, kv_bytes_used=km.num_used_blocks * self.spec.block_size
-            * self.spec.kv_bytes_per_token,
+            num_accepted_tokens=accepted, kv_bytes_used=int(km.used_kv_tokens() * self.spec.kv_bytes_per_token),
             predicted_seconds=pred.seconds, flops=cost.flops, bytes=cost.bytes,
             flops_by_group={o.name: o.flops for o in cost.ops}, bytes_by_group={o.name: o.bytes for o in cost.ops},
             bound=cost.bound, hardware=self.spec.hardware.name,

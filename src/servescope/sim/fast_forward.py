@@ -24,7 +24,8 @@ bulk, the state the calls leave) and the peak KV usage is the usage after them (
 a stretch). Every token of the stretch (each request's own stream)
 is given to its request before the first call, as the calls need only the tokens before their positions
 (a call hashes the blocks full within min(position + 1, its tokens): the position bounds it either way). A window
-(sliding-window KV that frees blocks) or speculative decoding never fast-forwards.
+(sliding-window KV that frees blocks), a table per group of layers (a hybrid's windowed groups free blocks too)
+or speculative decoding never fast-forwards.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class DecodeRun:
 
     @classmethod
     def start(cls, engine) -> Optional["DecodeRun"]:
-        if engine.spec.spec_decode.k or engine.kv_manager.window:
+        if engine.spec.spec_decode.k or engine.kv_manager.window or engine.spec.group_blocks is not None:
             return None
         rows = engine.scheduler.decode_batch()
         return cls(engine, rows) if rows else None

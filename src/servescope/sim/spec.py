@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from servescope.analysis.cpu_isa import local_fast_bf16
-from servescope.analysis.collectives import DEFAULT_LINK, LinkSpec, get_link, rank_weights_config
+from servescope.analysis.collectives import DEFAULT_LINK, LinkSpec, get_link, rank_weights_config, shard_config
 from servescope.analysis.hardware import HardwareSpec, get_hardware
 from servescope.analysis.spec import FP8
+from servescope.analysis.kv_stages import engine_group_blocks, stage_configs
 from servescope.analysis.memory_planner import plan_memory
 from servescope.analysis.op_counts import DTYPE_BYTES, kv_cache_bytes_per_token, resolve_dtypes
 from servescope.analysis.presets import load_preset
+from servescope.kvcache.hybrid import binding_blocks
 from servescope.analysis.step_prediction import StepPredictor
 from servescope.sim.step_table import StepTable
 from servescope.config import ModelConfig, SchedulerConfig
@@ -72,6 +74,10 @@ class InstanceSpec:
     scheduler: SchedulerConfig
     num_blocks: int
     block_size: int = 16
+    # window -> the blocks of each group's pool where the engine keeps a table per group of layers (a hybrid:
+    # analysis/kv_stages.engine_group_blocks, over the pipeline's stages as the engine sizes them); None: one table
+    group_blocks: Optional[dict] = None
+    max_step_tokens: int = 0  # the most one step adds to a sequence, as the engine's hybrid manager is told
     enable_prefix_caching: bool = True
     tp: int = 1
     pp: int = 1
@@ -116,8 +122,7 @@ def resolve_dtype(dtype: str, hw: HardwareSpec) -> str:
     return "bfloat16" if local_fast_bf16() and "bfloat16" not in hw.slow_dtypes else "float32"
 
 
-def _cpu_blocks(cfg: ModelConfig, kv_bytes_tok: int, block_size: int, max_num_seqs: int, max_len: int,
-                hw: HardwareSpec) -> int:
+def _cpu_blocks(kv_bytes_tok: int, block_size: int, max_num_seqs: int, max_len: int, hw: HardwareSpec) -> int:
     """engine/kv_sizing.num_kv_blocks's CPU default: max_num_seqs full contexts, at most 1 GiB or a
     quarter of the memory."""
     per_block = kv_bytes_tok * block_size
@@ -128,12 +133,11 @@ def _cpu_blocks(cfg: ModelConfig, kv_bytes_tok: int, block_size: int, max_num_se
 def _gpu_blocks(cfg: ModelConfig, hw: HardwareSpec, wdt: str, kdt: str, adt: str, block_size: int,
                 tp: int, pp: int, batching: BatchingConfig, ep: int = 1) -> int:
     """KV blocks the memory planner leaves on each GPU of a TP x PP (x EP) instance (its shard of the weights,
-    its experts, its KV heads, its stage's layers), times nothing: every rank holds the same block ids."""
-    shard = rank_weights_config(cfg, tp, ep)
-    stage = dataclasses.replace(shard, num_hidden_layers=-(-cfg.num_hidden_layers // pp))
-    plan = plan_memory(stage, hw.memory_bytes, wdt, kdt, context_len=block_size, block_size=block_size,
-                       act_dtype=adt, max_num_batched_tokens=batching.max_num_batched_tokens,
-                       max_num_seqs=batching.max_num_seqs, memory_utilization=GPU_MEMORY_UTILIZATION)
+    its experts, its KV heads, stage 0's layers, which size the blocks as on the engine's rank 0), times nothing:
+    every rank holds the same block ids."""
+    plan = plan_memory(rank_weights_config(cfg, tp, ep), hw.memory_bytes, wdt, kdt, context_len=block_size,
+                       block_size=block_size, act_dtype=adt, max_num_batched_tokens=batching.max_num_batched_tokens,
+                       max_num_seqs=batching.max_num_seqs, memory_utilization=GPU_MEMORY_UTILIZATION, pp=pp)
     if plan.num_kv_blocks < 1:
         raise InvalidParameterError(
             "layout", f"{cfg.name} does not fit on {hw.name} at TP={tp} x PP={pp}: weights "
@@ -165,24 +169,29 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
     if wdt == FP8:
         hw.flops(FP8)  # (refused where the part has no FP8 tensor cores)
     kdt = adt if kv_cache_dtype == "auto" else ("fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype)
-    kv_tok = kv_cache_bytes_per_token(cfg, kdt)
+    # rank 0's bytes per token (its KV heads, stage 0's layers): what the engine sizes a byte budget by
+    kv_tok = kv_cache_bytes_per_token(stage_configs(shard_config(cfg, tp, ep), pp)[0], kdt)
     max_len = batching.max_model_len or cfg.max_position_embeddings
     if cache.num_kv_blocks is not None:
         blocks = cache.num_kv_blocks
     elif cache.kv_cache_memory_bytes is not None:
         blocks = cache.kv_cache_memory_bytes // (kv_tok * cache.block_size)
     elif hw.kind == "cpu":
-        blocks = _cpu_blocks(cfg, kv_tok, cache.block_size, batching.max_num_seqs, max_len, hw)
+        blocks = _cpu_blocks(kv_tok, cache.block_size, batching.max_num_seqs, max_len, hw)
     else:
         blocks = _gpu_blocks(cfg, hw, wdt, kdt, adt, cache.block_size, tp, pp, batching, ep)
     if blocks < 1:
         raise InvalidParameterError("kv_cache", "the KV cache holds less than one block")
-    if blocks * cache.block_size < max_len:
-        if batching.max_model_len is not None:
-            raise InvalidParameterError("max_model_len", f"the KV cache holds {blocks * cache.block_size} tokens, "
-                                                         f"fewer than max_model_len={max_len}")
-        max_len = blocks * cache.block_size
     chunked = batching.enable_chunked_prefill
+    step_max = batching.max_num_batched_tokens if chunked else max(batching.max_num_batched_tokens, max_len)
+    pools = None if cache.disable_hybrid_kv_cache_manager else engine_group_blocks(
+        cfg, blocks, cache.block_size, batching.max_num_seqs, 1 + spec_decode.k, step_max, pp)
+    binds = blocks if pools is None else binding_blocks(pools, cache.block_size, step_max)
+    if binds * cache.block_size < max_len:
+        if batching.max_model_len is not None:
+            raise InvalidParameterError("max_model_len", f"the KV cache holds {binds * cache.block_size} tokens, "
+                                                         f"fewer than max_model_len={max_len}")
+        max_len = binds * cache.block_size
     sched = SchedulerConfig(max_num_seqs=batching.max_num_seqs,
                             max_num_batched_tokens=batching.max_num_batched_tokens if chunked
                             else max(batching.max_num_batched_tokens, max_len),
@@ -194,7 +203,8 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
                                                 "(`servescope simulate` measures it once), or a named --link")
         link_spec = get_link(link or DEFAULT_LINK.get(hw.name, "pcie4"))
     return InstanceSpec(model=cfg, hardware=hw, dtypes=(wdt, kdt, adt, DTYPE_BYTES[adt]), scheduler=sched,
-                        num_blocks=int(blocks), block_size=cache.block_size,
+                        num_blocks=int(blocks), block_size=cache.block_size, group_blocks=pools,
+                        max_step_tokens=step_max,
                         enable_prefix_caching=cache.enable_prefix_caching, tp=tp, pp=pp, ep=ep,
                         micro_batches=parallel.pipeline_micro_batches, link=link_spec, spec_decode=spec_decode,
                         host=host, step_table=step_table, context_quantum=context_quantum)
@@ -215,7 +225,15 @@ def describe(spec: InstanceSpec) -> str:
             f"({spec.host.source})")
     weights = "" if wdt == adt else f"{wdt} weights, "
     return (f"{spec.model.name} on {spec.hardware.name} ({layout}), {weights}{adt} (KV {kdt}), KV cache "
-            f"{spec.num_blocks} blocks = {kv_tokens} tokens, max_num_seqs {spec.scheduler.max_num_seqs}, token budget "
+            f"{spec.num_blocks} blocks = {kv_tokens} tokens{_pools(spec.group_blocks)}, "
+            f"max_num_seqs {spec.scheduler.max_num_seqs}, token budget "
             f"{spec.scheduler.max_num_batched_tokens}"
             f"{'' if spec.scheduler.enable_chunked_prefill else ' (no chunking)'}, "
             f"prefix caching {'on' if spec.enable_prefix_caching else 'off'}{spec_txt}; {host}")
+
+
+def _pools(pools: Optional[dict]) -> str:
+    """A hybrid's pools per group of layers (the engine's table per group), or nothing with one table."""
+    if not pools:
+        return ""
+    return " (pools: " + ", ".join(f"{'full' if not w else f'window {w}'} {n}" for w, n in sorted(pools.items())) + ")"
