@@ -51,7 +51,6 @@ def test_the_simulators_pools_are_the_engines(family, shape, pp):
     assert one_table.group_blocks is None and type(SimEngine(one_table).kv_manager) is KVCacheManager
 
 
-@pytest.mark.slow  # two engine processes start
 def test_the_simulator_preempts_where_the_pipeline_engine_does(tmp_path):
     """Gemma 2's five layers over two processes (three and two layers, one full layer each): the full pool is
     stage 1's 71 blocks, not one process's 86, so two sequences of 560 + 64 tokens no longer fit together. The
