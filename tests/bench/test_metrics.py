@@ -78,6 +78,18 @@ def test_itl_pools_all_gaps():
     assert r.itl.percentiles_ms[90.0] == pytest.approx(np.percentile(gaps, 90)) == pytest.approx(100.0)
 
 
+def test_itl_pool_is_every_success_s_gaps_in_request_order_bit_for_bit():
+    # mean and std sum in the pool's order: the pool must be the successes' gaps, request by request, exactly
+    rng = np.random.default_rng(3)
+    recs = [rec(0.1, rng.random(int(n)).tolist(), int(n) + 1) for n in rng.integers(0, 40, 300)]
+    recs[7] = RequestRecord(success=False, prompt_len=5, latency=0.1, start_time=0.0, error="boom")
+    pool = np.concatenate([np.asarray(r.itl.tolist()) for r in recs if r.success]) * 1000.0
+    s = compute_metrics(recs, 1.0).itl
+    assert (s.mean_ms, s.std_ms, s.median_ms) == (float(np.mean(pool)), float(np.std(pool)), float(np.median(pool)))
+    assert s.percentiles_ms[90.0] == float(np.percentile(pool, 90))
+    assert compute_metrics([C, D], 1.0).itl.mean_ms == 0.0  # no gap at all: zeros, as vLLM
+
+
 def test_tpot_uses_e2e_not_itl_mean():
     # A chunk carrying several tokens: 5 tokens in 2 chunks. TPOT divides by tokens, ITL by chunks.
     r = rec(0.1, [0.4], output_len=5)

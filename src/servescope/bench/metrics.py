@@ -224,8 +224,9 @@ def compute_metrics(
     tpots = [r.tpot for r in ok if r.tpot is not None]
     # For goodput a request with a single output token has TPOT 0: it cannot miss a TPOT SLO.
     all_tpots = [r.tpot if r.tpot is not None else 0.0 for r in ok]
-    # pooled in request order, straight from the records' float64 arrays
-    itls = np.concatenate([np.frombuffer(r.itl, dtype=np.float64) for r in ok]) if ok else np.zeros(0)
+    # pooled in request order, straight from the records' float64 arrays: their bytes joined in one pass (an array
+    # per record to concatenate costs more than the copy itself at a cluster hour's 180k records)
+    itls = np.frombuffer(b"".join([r.itl for r in ok]), dtype=np.float64)
 
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_len for r in ok)
