@@ -4,8 +4,9 @@ Compiling the C++ check programs for every ISA and running them (some under qemu
 Triton kernel for sm_90, is a minute or more of CPU in processes that need nothing from the session.
 Most tests keep one core busy (Python) and leave the other idle, so a module registers that work here
 at import (`register`), tests/conftest.py starts the jobs of the modules the session selected once
-collection ends, and a test takes its job's result (`result`) and checks it as it would have checked
-its own subprocess. The commands are the ones the test ran itself; only when they run changes.
+collection ends and runs those modules after all the others, and a test takes its job's result
+(`result`) and checks it as it would have checked its own subprocess. The commands are the ones the
+test ran itself; only when they run changes.
 
 Jobs run niced (the tests running meanwhile keep their cores), on one thread per CPU. A job's commands
 run in order, each only if the one before it succeeded. Time limits count from the moment a test asks
@@ -65,6 +66,12 @@ def register(name: str, commands: list, owner: str) -> str:
             raise RuntimeError(f"background job {name!r} registered twice")
         _jobs[name] = _Job(cmds, owner)
     return name
+
+
+def owners() -> set:
+    """The __name__ of every module that registered a job."""
+    with _lock:
+        return {job.owner for job in _jobs.values()}
 
 
 def _prefix() -> list:

@@ -26,6 +26,17 @@ if _no_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The modules that hand work to tests/background_jobs.py run last, each in one piece and in its
+    place among them: their jobs then have the whole session's idle core to finish in, where in
+    path order their tests would wait for them (the tests' own order and fixtures are unchanged)."""
+    import background_jobs
+
+    owners = background_jobs.owners()
+    items[:] = sorted(items, key=lambda item: getattr(item, "module", None) is not None
+                      and item.module.__name__ in owners)
+
+
 def pytest_collection_finish(session):
     """Start the background jobs (tests/background_jobs.py) of the modules this session runs, in their order."""
     if not session.config.option.collectonly:
@@ -49,6 +60,17 @@ def smollm2_llm():
     llm = LLM(num_kv_blocks=512, max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=512)
     yield llm
     assert not llm.engine.has_unfinished()
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_llm):
+    """smollm2_engine(**settings): what LLMEngine(**settings) builds, on the session's SmolLM2 weights
+    (loading them again costs seconds): its own settings, KV cache and scheduler."""
+    from servescope.config import EngineConfig
+
+    def build(**settings):
+        return smollm2_llm.engine.with_config(**EngineConfig(**settings).flat())
+    return build
 
 
 @pytest.fixture(scope="session")

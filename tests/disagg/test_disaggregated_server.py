@@ -65,8 +65,8 @@ def _disaggregated_meanwhile(decode: LLMEngine, meanwhile):
 
 
 @pytest.fixture(scope="module")
-def setup():
-    engine = LLMEngine(max_model_len=1024, num_kv_blocks=256, num_threads=1)
+def setup(smollm2_engine):
+    engine = smollm2_engine(max_model_len=1024, num_kv_blocks=256, num_threads=1)
 
     def reference():
         expected = _greedy_ids(engine)

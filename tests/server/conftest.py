@@ -1,6 +1,6 @@
-"""One engine (the embedded SmolLM2-135M, float32, on the CPU) per test session, behind real uvicorn
-servers on 127.0.0.1: `server` (API key, the default limits) and `small_queue_server` (max_queue 4),
-both sharing one AsyncEngine."""
+"""One engine (the embedded SmolLM2-135M on the CPU, with LLMEngine()'s settings, on the weights the
+session's smollm2_llm loaded) per test session, behind real uvicorn servers on 127.0.0.1: `server`
+(API key, the default limits) and `small_queue_server` (max_queue 4), both sharing one AsyncEngine."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ SMALL_QUEUE = 4
 
 
 @pytest.fixture(scope="session")
-def async_engine():
-    ae = AsyncEngine(LLMEngine())
+def async_engine(smollm2_engine):
+    ae = AsyncEngine(smollm2_engine())  # LLMEngine()'s settings on the session's weights
     yield ae
     ae.shutdown()
 
