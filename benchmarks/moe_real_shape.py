@@ -17,7 +17,10 @@ converted by llama.cpp's own convert_hf_to_gguf.py and quantised by llama-quanti
     the path before the fused C++ op), for an A/B in one tree;
   - with --kernel-table, the cost model's error on each batch's decode steps and on a 512-token prefill,
     the engine predicting with its kernels timed at this model's shapes (measure/local_hardware.
-    with_kernel_table: measured once per CPU and shape, cached).
+    with_kernel_table: measured once per CPU and shape, cached), and which bandwidth priced them: the
+    probe's cached figure or a spot check's (analysis/bandwidth.py). Beside it the same steps priced as the
+    cache holds them (`..._as_cached`: the probe's cached bandwidth, the table's times as timed, no spot
+    check), to show what the spot check changed on the very same steps.
 
     python benchmarks/moe_real_shape.py --gguf DIR/gguf/olmoe-1b-7b-Q4_0.gguf --llama-cpp /work/llama.cpp \
         --threads 2 [--batches 1,4,16] [--reference-experts] [--kernel-table] [--json out.json]
@@ -65,6 +68,35 @@ def step_bytes(llm, active_per_layer: list) -> dict:
             "read_bytes": shared + one * sum(active_per_layer), "floor_bytes": shared + one * k * len(blocks)}
 
 
+def as_cached_predictor(engine):
+    """The engine's step predictor on the spec as the cache holds it: the probe's cached bandwidth and rates
+    (no spot check) and the kernel tables' times as they were timed (no bandwidth to re-price them from)."""
+    import dataclasses  # (stdlib)
+
+    from servescope.analysis.probe import cached_local_hardware  # (torch)
+
+    pred = engine.step_cost_predictor.predictor
+    cached = cached_local_hardware(spot_check=lambda: None)
+    if cached is None:
+        return None
+    tables = {k: {**t, "bandwidth": 0.0} for k, t in pred.hw.kernel_tables.items()}
+    return dataclasses.replace(pred, hw=cached.replace(kernel_tables=tables))
+
+
+def error_as_cached(predictor, steps: list):
+    """Median (predicted - measured) / measured of `steps` (decode-only or one prefill sequence) re-priced."""
+    errs = []
+    for s in steps:
+        if s.num_prefill_seqs:
+            seqs = [(s.num_prefill_tokens, s.context_lens[0] - s.num_prefill_tokens)]
+        else:
+            seqs = [(1, c - 1) for c in s.context_lens]
+        active = s.moe_experts_active
+        t = predictor.predict(seqs, len(seqs), sum(active) / len(active) if active else None).seconds
+        errs.append((t - s.wall_seconds) / s.wall_seconds)
+    return statistics.median(errs) if errs else None
+
+
 def ours(gguf: str, args) -> dict:
     import torch  # (the engine half)
 
@@ -78,18 +110,33 @@ def ours(gguf: str, args) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model=gguf, quantization="gguf", num_threads=args.threads, max_num_seqs=max(args.batches),
               max_model_len=1024)
+    cached_pred = None
     out = {"load_seconds": time.perf_counter() - t0, "weight_bytes": llm.engine.weight_bytes, "batches": {},
            "experts": "grouped_experts (torch ops)" if args.reference_experts else "fused op where it applies"}
     if args.kernel_table:
         from servescope.measure.local_hardware import with_kernel_table  # (torch)
 
         t0 = time.perf_counter()
+        from servescope.analysis.bandwidth import bandwidth_origin  # (after the engine's imports)
+
         with_kernel_table(llm.engine)
         out["kernel_table_seconds"] = time.perf_counter() - t0
+        hw = llm.engine.hardware
+        out["bandwidth"] = {"priced_at": hw.memory_bandwidth, "probed": hw.probed_bandwidth, "spot": hw.spot_bandwidth,
+                            "origin": bandwidth_origin(hw) or "the probe's own figure (no spot check)",
+                            "kernel_tables": {k: t.get("bandwidth") for k, t in hw.kernel_tables.items()}}
+        print(f"bandwidth: {out['bandwidth']['origin']}; kernel table timed at "
+              + ", ".join(f"{(b or 0) / 1e9:.1f} GB/s" for b in out["bandwidth"]["kernel_tables"].values()), flush=True)
+        cached_pred = as_cached_predictor(llm.engine)
         pre = run_engine_latency(llm, 1, 512, 1, iters=args.iters, measure_bandwidth=False)
-        errs = [s.prediction_error for s in pre["_steps"] if s.phase == "prefill"]
-        out["prefill_512_prediction_error"] = statistics.median(e for e in errs if e is not None)
-        print(f"prefill 512: prediction error {100 * out['prefill_512_prediction_error']:+.1f}%", flush=True)
+        steps = [s for s in pre["_steps"] if s.phase == "prefill"]
+        out["prefill_512_prediction_error"] = statistics.median(
+            s.prediction_error for s in steps if s.prediction_error is not None)
+        if cached_pred is not None:
+            out["prefill_512_prediction_error_as_cached"] = error_as_cached(cached_pred, steps)
+        print(f"prefill 512: prediction error {100 * out['prefill_512_prediction_error']:+.1f}%"
+              + (f" (as cached {100 * out['prefill_512_prediction_error_as_cached']:+.1f}%)"
+                 if cached_pred is not None else ""), flush=True)
     for b in args.batches:
         res = run_engine_latency(llm, b, 16, args.new, iters=args.iters, measure_bandwidth=True)
         dec = [s for s in res["_steps"] if s.phase == "decode" and s.num_decode_seqs == b]
@@ -102,6 +149,8 @@ def ours(gguf: str, args) -> dict:
         errs = [s.prediction_error for s in dec if s.prediction_error is not None]
         if args.kernel_table and errs:
             row["decode_prediction_error"] = statistics.median(errs)
+            if cached_pred is not None:
+                row["decode_prediction_error_as_cached"] = error_as_cached(cached_pred, dec)
         row.update(step_bytes(llm, active))
         row["read_bytes_per_s"] = row["read_bytes"] / step
         if row["session_bandwidth"]:
@@ -113,7 +162,9 @@ def ours(gguf: str, args) -> dict:
               f"({row['read_bytes'] / row['floor_bytes']:.3f}x the floor's), "
               f"{row['read_bytes_per_s'] / 1e9:.1f} GB/s of {(row['session_bandwidth'] or 0) / 1e9:.1f}"
               + (f", prediction error {100 * row['decode_prediction_error']:+.1f}%"
-                 if "decode_prediction_error" in row else ""), flush=True)
+                 if "decode_prediction_error" in row else "")
+              + (f" (as cached {100 * row['decode_prediction_error_as_cached']:+.1f}%)"
+                 if "decode_prediction_error_as_cached" in row else ""), flush=True)
     return out
 
 

@@ -12,6 +12,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "model"))
 
 # Tests run on 2 shared cores: keep torch from oversubscribing them.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# A cached probe is read with a spot check of the read bandwidth (analysis/bandwidth.py), which moves with
+# this machine's other tenants: off, so that predictions in tests do not; the tests of the spot check hand
+# theirs in.
+os.environ.setdefault("SERVESCOPE_BANDWIDTH_SPOT_CHECK", "0")
 
 
 def _no_cuda() -> bool:

@@ -21,6 +21,7 @@ from rich.console import Group
 from rich.table import Table
 
 from servescope.analysis.cost_model import critical_batch_size, step_cost
+from servescope.analysis.bandwidth import bandwidth_origin
 from servescope.analysis.hardware import HardwareSpec
 from servescope.analysis.memory_planner import plan_memory
 from servescope.analysis.moe import moe_summary
@@ -79,7 +80,8 @@ def explain(cfg: ModelConfig, hw: HardwareSpec, batch: int = 1, prompt_len: int 
         "model": cfg.name or cfg.architecture,
         "hardware": {"name": hw.name, "kind": hw.kind, "peak_flops": hw.flops(adt),
                      "memory_bandwidth": hw.memory_bandwidth, "memory_bytes": hw.memory_bytes,
-                     "ridge_point": hw.ridge_point(adt)},
+                     "ridge_point": hw.ridge_point(adt), "probed_bandwidth": hw.probed_bandwidth,
+                     "spot_bandwidth": hw.spot_bandwidth, "bandwidth_origin": bandwidth_origin(hw)},
         "workload": {"batch": batch, "prompt_len": prompt_len, "output_len": output_len,
                      "weight_dtype": wdt, "act_dtype": adt, "kv_dtype": kdt},
         "num_parameters": cfg.num_parameters(),
@@ -172,6 +174,8 @@ def render_explain_table(result: dict):
         *_kv_group_rows(mem),
         (f"critical batch (context {result['critical_batch_size_context']})",
          "never compute-bound" if crit is None else f"{crit:.1f}"),
+        ("memory bandwidth", f"{hw['memory_bandwidth'] / 1e9:,.1f} GB/s"
+         + (f" ({hw['bandwidth_origin']})" if hw.get("bandwidth_origin") else "")),
         ("ridge point", f"{hw['ridge_point']:.0f} FLOP/B"),
         ("TTFT", _secs(result["ttft_seconds"])),
         ("TPOT", _secs(result["tpot_seconds"])),

@@ -38,6 +38,10 @@ and its attention and per-layer small ops on a grid of (rows, keys), with nothin
   The probe's host overhead holds the sampler of a 512-token vocabulary; at 49152 its rows cost what a small
   model's attention does. [] (a table without it): nothing.
 
+`bandwidth`: the read bandwidth a spot check measured while the table was timed (analysis/bandwidth.py; 0:
+not taken). The cost model re-prices the table's times from it to the spec's bandwidth (their memory share
+moves with it: a table timed in a fast minute of a shared VM would under-predict every slow one).
+
 Each time is the kernel's own: the probe subtracts the Python call cost of the same call on a tiny
 shape, which the host overhead per layer (measure/overhead.py) already counts.
 """
@@ -52,7 +56,7 @@ from typing import Optional, Sequence
 from servescope.config import ModelConfig
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-TABLE_VERSION = 3  # 3: the sampler's rows; attention timed over written caches
+TABLE_VERSION = 4  # 3: the sampler's rows; attention timed over written caches; 4: the bandwidth it was timed at
 
 
 @functools.lru_cache(maxsize=64)  # once per (config, dtypes): every step's prediction asks for it
@@ -113,6 +117,7 @@ class KernelTable:
     moe_distinct: list = field(default_factory=list)  # [[tokens, distinct experts per layer the timed calls read]]
     sample: list = field(default_factory=list)  # [[logit rows, seconds of the sampler's greedy pick]]; [] without
     short: Optional[AttentionFit] = None  # short prefill chunks on the paged kernel (None: priced with `paged`)
+    bandwidth: float = 0.0  # bytes/s read while the table was timed (0: unknown, its times priced as they are)
 
     def linear_factor(self, tokens: int, has_prefill: bool) -> float:
         if not has_prefill:
@@ -176,7 +181,8 @@ class KernelTable:
                 "long_min_tokens": self.long_min_tokens, "paged_max_context": self.paged_max_context,
                 "misc": self.misc, "source": self.source, "grid": self.grid,
                 "prefill_factor": self.prefill_factor, "moe": self.moe, "moe_distinct": self.moe_distinct,
-                "sample": self.sample, "short": None if self.short is None else vars(self.short)}
+                "sample": self.sample, "short": None if self.short is None else vars(self.short),
+                "bandwidth": self.bandwidth}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelTable":
@@ -196,7 +202,8 @@ class KernelTable:
                    prefill_factor=[list(p) for p in d.get("prefill_factor", [[1, 1.0]])],
                    moe=[list(p) for p in d.get("moe", [])], moe_distinct=[list(p) for p in d.get("moe_distinct", [])],
                    sample=[list(p) for p in d.get("sample", [])],
-                   short=AttentionFit(**d["short"]) if d.get("short") else None)
+                   short=AttentionFit(**d["short"]) if d.get("short") else None,
+                   bandwidth=float(d.get("bandwidth") or 0.0))
 
 
 def fit_linear_model(points: Sequence[tuple]) -> AttentionFit:

@@ -10,7 +10,9 @@ or when the key changes.
 
 What is measured and why:
 - bandwidth: `x.sum()` over a float32 tensor much larger than the last-level cache (default 512 MiB):
-  a pure streaming read, which is what decode does with the weights.
+  a pure streaming read, which is what decode does with the weights. It moves with the other tenants
+  of a shared VM, so a cached spec is always read with a spot check of it beside it (analysis/bandwidth.py:
+  the same sum, tens of ms), whose figure prices the memory-bound terms where the two disagree.
 - float32 / bfloat16 / float16: `torch.mm` of n x n matrices (2 n^3 FLOPs), the fastest of the runs
   (the bandwidth is a median: its slow and fast phases on a shared VM last minutes). n is sized to the
   dtype's speed: one 256^3 call first, then the largest n <= matmul_size whose call takes at most
@@ -52,9 +54,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from servescope.analysis.bandwidth import PROBE_BYTES, checked_spec, default_spot_check, measure_read_bandwidth
 from servescope.analysis.cpu_isa import cpu_flags, isa_signature, library_caps, local_isa
 from servescope.analysis.spec import LOCAL_CPU, HardwareSpec
-from servescope.timing import median_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,9 @@ KERNEL_DTYPES = ("float32", "bfloat16")  # the activation dtypes the engine's CP
 # processes took the cores): its figures are used for the run that measured them but never cached, or
 # every later prediction would inherit them (one such entry predicted 7x the measured decode step).
 BUSY_SHARE = 0.6
+# A cached probe is of this machine only if its memory is this close to the machine's (the count moves a
+# little with ballooning; a VM resized under the same CPU key moves it by GiBs)
+SAME_MEMORY = 0.02
 BUSY_MIN_WINDOW_S = 0.5  # below this the CPU share of the peaks' measurement says nothing (tests' tiny probes)
 
 
@@ -125,16 +130,6 @@ def total_memory_bytes() -> int:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return 8 * 2**30  # unknown platform: a modest guess, stated in notes by the caller
-
-
-def measure_read_bandwidth(num_bytes: int = 512 * 2**20, runs: int = 5, buf=None, warmup: int = 1) -> float:
-    """Bytes/s of a streaming float32 read (torch sum), median of `runs`. buf: a float32 tensor to read
-    instead of a fresh one of num_bytes (for repeated samples without allocating between them)."""
-    import torch  # lazy: importing servescope.analysis must not import torch (2.5 s here)
-
-    x = torch.ones(num_bytes // 4, dtype=torch.float32) if buf is None else buf  # ones: every page touched
-    t = median_seconds(lambda: x.sum(), runs, warmup)
-    return x.numel() * 4 / t
 
 
 def measure_matmul_flops(dtype_name: str, n: int = 2048, runs: int = 5) -> float:
@@ -198,16 +193,37 @@ def _read_cache(path: Path) -> dict:
 
 
 def _cached_spec(cache: dict, key: str, path: Path) -> Optional[HardwareSpec]:
-    """The spec stored under `key`, or None: none stored, or one the probe stored before it measured the host
-    overhead per sequence (its per-step overhead without the per-sequence one: it would predict without it)."""
+    """The spec stored under `key`, or None: none stored, one the probe stored before it measured the host
+    overhead per sequence (its per-step overhead without the per-sequence one: it would predict without it),
+    or one measured on a machine with another amount of memory (a VM resized under the same CPU key)."""
     entry = cache.get(key)
     if entry is None or ("step_overhead_s" in entry and "seq_overhead_s" not in entry):
+        return None
+    here = total_memory_bytes()
+    if abs((entry.get("memory_bytes") or 0) / here - 1.0) > SAME_MEMORY:
+        logger.warning("the cached probe in %s was measured on a machine with %.1f GiB of memory, this one has "
+                       "%.1f GiB: not used", path, (entry.get("memory_bytes") or 0) / 2**30, here / 2**30)
         return None
     try:
         return HardwareSpec.from_dict(entry)
     except (TypeError, ValueError):
         logger.warning("ignoring a malformed entry in %s", path)
         return None
+
+
+def _spec_in_use(cache: dict, key: str, path: Path, spot_check: Optional[Callable] = None) -> Optional[HardwareSpec]:
+    """The one way a cached probe is used: the entry under `key` with a spot check of the bandwidth beside it
+    (analysis/bandwidth.checked_spec), or None where none is cached. spot_check: () -> bytes/s (None: the
+    default, which SERVESCOPE_BANDWIDTH_SPOT_CHECK=0 switches off; one returning None takes no figure)."""
+    cached = _cached_spec(cache, key, path)
+    if cached is None:
+        return None
+    check = spot_check if spot_check is not None else default_spot_check()
+    spec = checked_spec(cached, check() if check is not None else None)
+    if spec.memory_bandwidth != cached.memory_bandwidth:
+        logger.info("the read bandwidth moved since the probe: %.1f GB/s now against %.1f cached; the memory-bound "
+                    "terms follow the spot check", spec.memory_bandwidth / 1e9, cached.memory_bandwidth / 1e9)
+    return spec
 
 
 def _write_cache(path: Path, cache: dict) -> None:
@@ -220,11 +236,13 @@ def _write_cache(path: Path, cache: dict) -> None:
         logger.warning("could not write hardware cache %s: %s", path, e)
 
 
-def cached_local_hardware(cache_path: Optional[Path] = None) -> Optional[HardwareSpec]:
-    """The full probe's cached spec for this CPU and thread count, or None when there is none
-    (this never measures: measuring needs the engine's measurers, see measure/local_hardware.py)."""
+def cached_local_hardware(cache_path: Optional[Path] = None,
+                          spot_check: Optional[Callable] = None) -> Optional[HardwareSpec]:
+    """The full probe's cached spec for this CPU and thread count with its bandwidth spot-checked
+    (_spec_in_use), or None when there is none (this never probes: measuring needs the engine's
+    measurers, see measure/local_hardware.py)."""
     path = Path(cache_path) if cache_path is not None else default_cache_path()
-    return _cached_spec(_read_cache(path), _cache_key(torch_threads()), path)
+    return _spec_in_use(_read_cache(path), _cache_key(torch_threads()), path, spot_check)
 
 
 def _measure_peaks(bandwidth_bytes: int, matmul_size: int, runs: int) -> tuple:
@@ -273,12 +291,13 @@ def _measure_engine(m: EngineMeasurers, slow: list) -> dict:
 def probe_local_hardware(
     force: bool = False,
     cache_path: Optional[Path] = None,
-    bandwidth_bytes: int = 512 * 2**20,
+    bandwidth_bytes: int = PROBE_BYTES,
     matmul_size: int = 2048,
     runs: int = 5,
     measurers: Optional[EngineMeasurers] = None,
     kernel_path: str = "",
     packed_gemm_bfloat16: bool = False,
+    spot_check: Optional[Callable] = None,
 ) -> HardwareSpec:
     """A HardwareSpec named 'local-cpu' for this machine, measured once and cached.
 
@@ -288,6 +307,7 @@ def probe_local_hardware(
     there are no kernel rates, and the result is cached under its own key (see the module doc).
     kernel_path: the engine's CPU kernel path ("avx2 C++ kernels"), recorded in the spec; packed_gemm_bfloat16:
     whether its kernels run bfloat16 rows of packed weights on the integer GEMM (model/linears/packed.py), likewise.
+    A cached spec is used with its bandwidth spot-checked (_spec_in_use; spot_check as there).
     """
     import torch  # lazy: importing servescope.analysis must not import torch (2.5 s here)
 
@@ -296,7 +316,7 @@ def probe_local_hardware(
     path = Path(cache_path) if cache_path is not None else default_cache_path()
     key = _cache_key(threads, measurers.given)
     cache = _read_cache(path)
-    cached = None if force else _cached_spec(cache, key, path)
+    cached = None if force else _spec_in_use(cache, key, path, spot_check)
     if cached is not None:
         return cached
 

@@ -30,6 +30,10 @@ Conventions (every spec follows them, so that predictions are comparable):
 - `kernel_tables` (local probe only): the engine's kernels timed at a model's own shapes and dtypes
   (analysis/kernel_table.py); where one matches a step's model, it prices the linear layers, attention
   and the small per-layer ops instead of the peaks and the rates above.
+- `probed_bandwidth` / `spot_bandwidth` (a cached local probe only): the bandwidth the probe measured and
+  a spot check's taken when the cached spec was read (analysis/bandwidth.py); `memory_bandwidth` is the
+  one that prices the steps (the spot figure where the two differ beyond the tolerance). 0: no spot
+  check (a fresh probe, a datasheet).
 - `kernel_path` / `slow_dtypes` (local probe only): which CPU kernels were measured (their ISA), and
   the dtypes whose matmul is emulated here (bfloat16 without bf16 instructions: ~500x slower).
 """
@@ -70,6 +74,8 @@ class HardwareSpec:
     # whether that GEMM also multiplies bfloat16 rows at every row count (a local CPU whose kernels take their
     # integer panel GEMM, not AMX: model/linears/packed.group32_max_rows); else bfloat16 rows price as bfloat16
     packed_gemm_bfloat16: bool = False
+    probed_bandwidth: float = 0.0  # bytes/s the cached probe measured, beside a spot check (0: none taken)
+    spot_bandwidth: float = 0.0  # bytes/s of the spot check taken when the cached probe was read (0: none)
     kernel_path: str = ""  # the CPU kernel path the probe measured ("avx2", "avx512 C++ kernels"); "" for datasheets
     slow_dtypes: list = field(default_factory=list)  # dtypes with no fast matmul here (never picked by default)
     # table key -> analysis/kernel_table.KernelTable as a dict: the engine's kernels timed at one model's
@@ -105,6 +111,8 @@ class HardwareSpec:
             if not pts or any(m < 1 for m in ms) or ms != sorted(ms) or any(p[1] <= 0 for p in pts):
                 raise InvalidParameterError("hardware", f"{self.name}: linear_rates[{dt!r}] must be "
                                             "[[M >= 1, bytes/s > 0], ...] with M ascending")
+        if min(self.probed_bandwidth, self.spot_bandwidth) < 0:
+            raise InvalidParameterError("hardware", f"{self.name}: probed and spot bandwidths must be >= 0")
         if self.packed_gemm_flops < 0:
             raise InvalidParameterError("hardware", f"{self.name}: packed_gemm_flops must be >= 0")
         if any(v <= 0 for v in self.decode_attention_flops.values()):

@@ -29,7 +29,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from servescope.analysis.probe import measure_read_bandwidth
+from servescope.analysis.bandwidth import measure_read_bandwidth
 from servescope.bench.datasets import random_requests
 from servescope.config import SamplingParams
 

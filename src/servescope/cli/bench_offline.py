@@ -98,6 +98,7 @@ def _print_throughput(con, results: dict, ratios: dict) -> None:
 # --------------------------------------------------------------------------------------- latency
 
 def run_latency(args) -> int:
+    from servescope.analysis.bandwidth import bandwidth_origin  # lazy: as the engine's imports below
     from servescope.bench import comparison  # lazy: the engine and torch (module doc)
     from servescope.bench.latency import run_engine_latency
     from servescope.measure.local_hardware import hardware_for_device  # lazy: torch
@@ -109,11 +110,14 @@ def run_latency(args) -> int:
     if args.input_len + args.output_len > e.max_model_len:
         return error(f"input {args.input_len} + output {args.output_len} tokens exceed the model's context "
                      f"({e.max_model_len})")
-    hw = hardware_for_device(e.device, args.hardware)  # the spec the engine's step predictions use
+    # the spec the engine's step predictions use (resolving it again would take a second spot check)
+    hw = e.hardware or hardware_for_device(e.device, args.hardware)
     dtype = str(e.dtype).replace("torch.", "")
+    origin = bandwidth_origin(hw)
     con.print(f"latency: batch {args.batch_size}, input {args.input_len}, output {args.output_len}, "
               f"{dtype}, {args.iters} iterations; roofline: {hw.name} "
-              f"({hw.memory_bandwidth / 1e9:.1f} GB/s, {hw.flops(dtype) / 1e9:.0f} GFLOP/s {dtype})")
+              f"({hw.memory_bandwidth / 1e9:.1f} GB/s, {hw.flops(dtype) / 1e9:.0f} GFLOP/s {dtype})"
+              + (f"; bandwidth {origin}" if origin else ""))
     ours = run_engine_latency(
         llm, args.batch_size, args.input_len, args.output_len, iters=args.iters, warmup=not args.no_warmup,
         seed=args.seed, hardware=hw, dtype=dtype,

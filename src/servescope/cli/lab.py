@@ -17,6 +17,7 @@ import math
 import sys
 from pathlib import Path
 
+from servescope.analysis.bandwidth import bandwidth_origin
 from servescope.analysis.cpu_isa import library_caps
 from servescope.analysis.collectives import DEFAULT_LINK, LOCAL_GLOO, get_link
 from servescope.analysis.explain import explain, render_explain_table
@@ -151,6 +152,8 @@ def run_hardware(args) -> int:
                      f"{spec.packed_gemm_flops / 1e9:,.0f} GFLOP/s" if spec.packed_gemm_flops else "")
                   + (f"; torch's kernels capped by {caps}" if caps else ""))
         con.print(spec.notes)
+        if bandwidth_origin(spec):  # a cached probe: the bandwidth spot-checked beside it
+            con.print(f"read bandwidth: {bandwidth_origin(spec)}")
         return 0
     # the local CPU is listed when it was probed already: listing reads the probe's cache, never probes
     local = cached_local_hardware()

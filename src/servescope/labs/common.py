@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from servescope.analysis.bandwidth import bandwidth_origin
 from servescope.analysis.roofline import attainable_flops
 from servescope.config import EngineConfig, SamplingParams
 from servescope.engine.llm_engine import LLMEngine
@@ -323,7 +324,8 @@ def context_line(opts: LabOptions, engine, hw) -> str:
             f"{engine.weight_bytes / 2**20:.0f} MiB of weights, {engine.model_config.num_hidden_layers} layers), "
             f"torch {torch.__version__} with {torch.get_num_threads()} threads; predictions: roofline of "
             f"`{hw.name}` ({hw.flops(act_dtype_name(opts)) / 1e9:.0f} GFLOP/s {act_dtype_name(opts)}, "
-            f"{hw.memory_bandwidth / 1e9:.1f} GB/s{', probed' if hw.kind == 'cpu' else ''})."
+            f"{hw.memory_bandwidth / 1e9:.1f} GB/s{', probed' if hw.kind == 'cpu' else ''}"
+            + (f"; {bandwidth_origin(hw)}" if bandwidth_origin(hw) else "") + ")."
             + load + (" **Quick mode: tiny sizes, the effect may not show.**" if opts.quick else ""))
 
 

@@ -22,6 +22,7 @@ import random
 
 import torch
 
+from servescope.analysis.bandwidth import bandwidth_origin
 from servescope.analysis.cost_model import step_cost
 from servescope.measure.local_hardware import probe_local_cpu
 from servescope.labs.validate_mixed import measure_mixed, mixed_section
@@ -99,7 +100,8 @@ def _repeat_line(per_repeat: list) -> str:
     for i, r in enumerate(per_repeat):
         dec = [abs(p["error"]) for p in r["points"] if p["phase"] == "decode"]
         pre = [abs(p["error"]) for p in r["points"] if p["phase"] == "prefill"]
-        parts.append(f"repeat {i + 1}: probe {r['memory_bandwidth'] / 1e9:.1f} GB/s, {r['peak_flops'] / 1e9:.0f} "
+        parts.append(f"repeat {i + 1}: {r['memory_bandwidth'] / 1e9:.1f} GB/s ({r['bandwidth_origin']}), "
+                     f"{r['peak_flops'] / 1e9:.0f} "
                      f"GFLOP/s; decode max |error| {100 * max(dec):.0f}% ({sum(e <= TOLERANCE for e in dec)}/"
                      f"{len(dec)} within 25%), prefill max {100 * max(pre):.0f}%")
     return "; ".join(parts)
@@ -180,6 +182,7 @@ def combine_repeats(runs: list, dt: str) -> tuple:
     hw = last.replace(memory_bandwidth=median([h.memory_bandwidth for h, _ in runs]),
                       peak_flops={k: median([h.peak_flops[k] for h, _ in runs]) for k in last.peak_flops})
     per_repeat = [{"memory_bandwidth": h.memory_bandwidth, "peak_flops": h.flops(dt),
+                   "bandwidth_origin": bandwidth_origin(h) or "the probe's own figure",
                    "points": [{"phase": p[0], "size": p[1], "measured_s": p[2], "predicted_s": p[3],
                                "error": rel_error(p[3], p[2])} for p in m]} for h, m in runs]
     return measured, hw, per_repeat

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from servescope.analysis.bandwidth import default_spot_check
 from servescope.analysis.kernel_table import table_key
 from servescope.analysis.probe import BUSY_MIN_WINDOW_S, BUSY_SHARE, _cache_key, default_cache_path, torch_threads
 from servescope.measure.moe_kernels import measure_moe_table
@@ -40,10 +41,14 @@ def kernels_digest() -> str:
 
 
 def measure_kernel_table(engine) -> dict:
-    """The KernelTable (as a dict) of a loaded CPU engine's model at its shapes and dtypes."""
+    """The KernelTable (as a dict) of a loaded CPU engine's model at its shapes and dtypes, with the read
+    bandwidth spot-checked before and after timing it (their mean prices the table's times: see
+    analysis/kernel_table.py; none where the spot check is switched off)."""
     pred = engine.step_cost_predictor.predictor
     wdt, kdt, adt, _ = pred.dtypes
     cfg, model, backend = engine.model_config, engine.model, engine.runner.backend
+    spot = default_spot_check()
+    bandwidth = [spot()] if spot is not None else []
     t0 = time.perf_counter()
     linear, cpus = measure_linear_tables(model, cfg, engine.dtype)
     moe, moe_distinct = measure_moe_table(model, cfg, engine.dtype, engine.executor.decode_plan)
@@ -53,6 +58,7 @@ def measure_kernel_table(engine) -> dict:
     factor = measure_prefill_factor(model, cfg, backend, parts, engine.dtype, engine.kv_dtype)
     sample = measure_sampling(cfg)
     took = time.perf_counter() - t0
+    bandwidth += [spot()] if spot is not None else []
     logger.info("kernel table for %s measured in %.0f s", table_key(cfg, wdt, adt, kdt), took)
     threads = min(torch.get_num_threads(), os.cpu_count() or 1)
     busy = took >= BUSY_MIN_WINDOW_S and cpus < BUSY_SHARE * threads
@@ -61,7 +67,8 @@ def measure_kernel_table(engine) -> dict:
                        "CPUs): the table serves this run only and is not cached", threads, cpus)
     return {"key": table_key(cfg, wdt, adt, kdt), "linear": linear, "misc": misc, **attention,
             "prefill_factor": factor, "sample": sample, "moe": moe, "moe_distinct": moe_distinct, "busy": busy,
-            "cpus": cpus,
+            "cpus": cpus, "bandwidth": sum(bandwidth) / len(bandwidth) if bandwidth else 0.0,
+            "bandwidth_samples": bandwidth,
             "source": f"measured on the loaded model's modules and attention backend in {took:.0f} s "
                       f"(measure/kernel_cache.py, kernels {kernels_digest()})"}
 

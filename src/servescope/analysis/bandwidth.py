@@ -1,0 +1,123 @@
+"""The read bandwidth that prices a step: the probe's cached figure, checked against a spot check.
+
+A probe is measured once and cached, but on a shared VM the read bandwidth moves by 2x from minute
+to minute with the other tenants' traffic, and a cache key (CPU model, flags, threads) cannot tell
+whether the machine under it still reads as it did. So whenever a cached probe is used, a spot check
+(`spot_read_bandwidth`: the probe's own method, `torch.sum` over a float32 buffer several times the
+last-level cache, on a smaller buffer: tens of ms) is taken beside it, and `checked_spec` yields the
+spec in use:
+
+- within TOLERANCE of the cached figure: the cached spec, as it was measured (a spot check is a
+  sample of a noisy quantity; the probe's median is the better figure when they agree);
+- beyond it: the memory-bound terms follow the spot check. The roofline's bandwidth term becomes
+  the spot figure; the probe's linear-kernel rates (weight bytes/s at M rows) are re-priced by
+  `rescaled_seconds` with the probe's bandwidth as their reference. Compute-bound terms (matmul
+  peaks, the packed GEMM's and decode attention's FLOP/s, host overheads) stay as cached.
+
+Both figures stay in the spec (`probed_bandwidth`, `spot_bandwidth`) and `bandwidth_origin` says
+which one priced the steps. A KernelTable records the spot bandwidth it was timed at and the cost model
+re-prices its ops to the spec's bandwidth with the same `rescaled_seconds` (analysis/cost_model.py).
+
+Tests (and anyone reproducing a run on the cached figures) switch the spot check off with
+SERVESCOPE_BANDWIDTH_SPOT_CHECK=0, or hand a spot check in (`spot_check=lambda: 40e9`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+from servescope.analysis.spec import HardwareSpec
+from servescope.timing import median_seconds
+
+# A spot check's median moves by a few percent between back-to-back runs on a quiet machine; beyond
+# this a cached figure no longer describes the machine, and half the issue floor's 20% is left for
+# everything else the cost model gets wrong.
+TOLERANCE = 0.10
+SPOT_CHECK_ENV = "SERVESCOPE_BANDWIDTH_SPOT_CHECK"
+SPOT_RUNS = 5
+SPOT_LLC_MULTIPLE = 4  # the spot buffer is this many last-level caches: a stream from DRAM, not a cache hit
+SPOT_MIN_BYTES = 64 * 2**20  # where the last-level cache is not reported
+PROBE_BYTES = 512 * 2**20  # the full probe's buffer (analysis/probe.py), the spot buffer's cap
+
+
+def measure_read_bandwidth(num_bytes: int = PROBE_BYTES, runs: int = 5, buf=None, warmup: int = 1) -> float:
+    """Bytes/s of a streaming float32 read (torch sum), median of `runs`. buf: a float32 tensor to read
+    instead of a fresh one of num_bytes (for repeated samples without allocating between them)."""
+    import torch  # lazy: importing servescope.analysis must not import torch (2.5 s here)
+
+    x = torch.ones(num_bytes // 4, dtype=torch.float32) if buf is None else buf  # ones: every page touched
+    t = median_seconds(lambda: x.sum(), runs, warmup)
+    return x.numel() * 4 / t
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size from sysfs (0 where it is not reported)."""
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    best = 0
+    try:
+        for index in os.listdir(root):
+            with open(os.path.join(root, index, "size")) as f:
+                text = f.read().strip().upper()
+            scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+            best = max(best, int(text.rstrip("KMG")) * scale)
+    except (OSError, ValueError):
+        return best
+    return best
+
+
+def spot_bytes() -> int:
+    return min(max(SPOT_LLC_MULTIPLE * last_level_cache_bytes(), SPOT_MIN_BYTES), PROBE_BYTES)
+
+
+def spot_read_bandwidth() -> float:
+    """The read bandwidth now, by the probe's method on a buffer sized to stream from memory (tens of ms)."""
+    return measure_read_bandwidth(spot_bytes(), SPOT_RUNS)
+
+
+def default_spot_check() -> Optional[Callable[[], float]]:
+    """spot_read_bandwidth, or None where SERVESCOPE_BANDWIDTH_SPOT_CHECK=0 switches it off."""
+    return None if os.environ.get(SPOT_CHECK_ENV, "1").strip() == "0" else spot_read_bandwidth
+
+
+def rescaled_seconds(seconds: float, num_bytes: float, measured_at: float, priced_at: float) -> float:
+    """A time measured at bandwidth `measured_at`, priced at `priced_at`: its memory share (the bytes at the
+    measured bandwidth, at most the whole time) moves with the bandwidth, the rest (compute, call overhead)
+    stays. A GEMV at batch 1 is nearly all memory share; a 512-row GEMM nearly none. Unknown bandwidths
+    (0) leave the time as measured."""
+    if measured_at <= 0 or priced_at <= 0 or measured_at == priced_at or seconds <= 0:
+        return seconds
+    share = min(seconds, num_bytes / measured_at)
+    return seconds + share * (measured_at / priced_at - 1.0)
+
+
+def _rescaled_rates(rates: dict, measured_at: float, priced_at: float) -> dict:
+    """linear_rates ({dtype: [[M, weight bytes/s]]}) re-priced: one byte's time rescaled."""
+    return {dt: [[m, 1.0 / rescaled_seconds(1.0 / r, 1.0, measured_at, priced_at)] for m, r in pts]
+            for dt, pts in rates.items()}
+
+
+def checked_spec(cached: HardwareSpec, spot: Optional[float], tolerance: float = TOLERANCE) -> HardwareSpec:
+    """The spec in use for a cached probe and a spot check of the bandwidth now (None or 0: not taken, the
+    cached spec as it is). See the module doc."""
+    if not spot or spot <= 0:
+        return cached
+    if tolerance < 0:
+        raise ValueError(f"the bandwidth tolerance must be >= 0, got {tolerance}")
+    probed = cached.memory_bandwidth
+    if abs(spot / probed - 1.0) <= tolerance:
+        return cached.replace(probed_bandwidth=probed, spot_bandwidth=float(spot))
+    return cached.replace(memory_bandwidth=float(spot), probed_bandwidth=probed, spot_bandwidth=float(spot),
+                          linear_rates=_rescaled_rates(cached.linear_rates, probed, spot))
+
+
+def bandwidth_origin(hw: HardwareSpec, tolerance: float = TOLERANCE) -> str:
+    """Which bandwidth priced the steps, in words ("" for a spec without a spot check)."""
+    if not hw.spot_bandwidth or not hw.probed_bandwidth:
+        return ""
+    gap = hw.spot_bandwidth / hw.probed_bandwidth - 1.0
+    spot, probed = f"{hw.spot_bandwidth / 1e9:.1f} GB/s", f"{hw.probed_bandwidth / 1e9:.1f} GB/s"
+    if hw.memory_bandwidth == hw.probed_bandwidth:
+        return f"priced at the probe's cached {probed} (a spot check reads {spot}, {gap:+.0%}: within {tolerance:.0%})"
+    return (f"priced at a spot check's {spot} ({gap:+.0%} against the probe's cached {probed}, beyond "
+            f"{tolerance:.0%}: the memory-bound terms follow the spot check)")
