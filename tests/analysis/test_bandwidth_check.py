@@ -126,12 +126,3 @@ def test_a_cached_probe_of_a_machine_with_other_memory_is_not_used(tmp_path):
     path = tmp_path / "hw.json"
     _write_cache(path, other, probe._cache_key(probe.torch_threads()))
     assert probe.cached_local_hardware(path, spot_check=lambda: None) is None
-
-
-def test_the_spot_buffer_streams_from_memory(monkeypatch):
-    monkeypatch.setattr(bandwidth, "last_level_cache_bytes", lambda: 32 * 2**20)
-    assert bandwidth.spot_bytes() == 4 * 32 * 2**20
-    monkeypatch.setattr(bandwidth, "last_level_cache_bytes", lambda: 0)
-    assert bandwidth.spot_bytes() == bandwidth.SPOT_MIN_BYTES
-    monkeypatch.setattr(bandwidth, "last_level_cache_bytes", lambda: 2**30)
-    assert bandwidth.spot_bytes() == bandwidth.PROBE_BYTES

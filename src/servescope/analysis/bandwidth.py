@@ -3,9 +3,8 @@
 A probe is measured once and cached, but on a shared VM the read bandwidth moves by 2x from minute
 to minute with the other tenants' traffic, and a cache key (CPU model, flags, threads) cannot tell
 whether the machine under it still reads as it did. So whenever a cached probe is used, a spot check
-(`spot_read_bandwidth`: the probe's own method, `torch.sum` over a float32 buffer several times the
-last-level cache, on a smaller buffer: tens of ms) is taken beside it, and `checked_spec` yields the
-spec in use:
+(`spot_read_bandwidth`: the probe's own method on the probe's own 512 MiB, ~0.1 s) is taken beside it,
+and `checked_spec` yields the spec in use:
 
 - within TOLERANCE of the cached figure: the cached spec, as it was measured (a spot check is a
   sample of a noisy quantity; the probe's median is the better figure when they agree);
@@ -36,9 +35,10 @@ from servescope.timing import median_seconds
 TOLERANCE = 0.10
 SPOT_CHECK_ENV = "SERVESCOPE_BANDWIDTH_SPOT_CHECK"
 SPOT_RUNS = 5
-SPOT_LLC_MULTIPLE = 4  # the spot buffer is this many last-level caches: a stream from DRAM, not a cache hit
-SPOT_MIN_BYTES = 64 * 2**20  # where the last-level cache is not reported
-PROBE_BYTES = 512 * 2**20  # the full probe's buffer (analysis/probe.py), the spot buffer's cap
+# The full probe's buffer (analysis/probe.py), and the spot check's: a smaller one is not the same measurement
+# (one of twice the last-level cache read up to 2x high now and then, partly from cache, and the check then
+# priced every memory-bound term at that bandwidth; docs/BENCHMARKS.md)
+PROBE_BYTES = 512 * 2**20
 
 
 def measure_read_bandwidth(num_bytes: int = PROBE_BYTES, runs: int = 5, buf=None, warmup: int = 1) -> float:
@@ -51,28 +51,9 @@ def measure_read_bandwidth(num_bytes: int = PROBE_BYTES, runs: int = 5, buf=None
     return x.numel() * 4 / t
 
 
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache's size from sysfs (0 where it is not reported)."""
-    root = "/sys/devices/system/cpu/cpu0/cache"
-    best = 0
-    try:
-        for index in os.listdir(root):
-            with open(os.path.join(root, index, "size")) as f:
-                text = f.read().strip().upper()
-            scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-            best = max(best, int(text.rstrip("KMG")) * scale)
-    except (OSError, ValueError):
-        return best
-    return best
-
-
-def spot_bytes() -> int:
-    return min(max(SPOT_LLC_MULTIPLE * last_level_cache_bytes(), SPOT_MIN_BYTES), PROBE_BYTES)
-
-
 def spot_read_bandwidth() -> float:
-    """The read bandwidth now, by the probe's method on a buffer sized to stream from memory (tens of ms)."""
-    return measure_read_bandwidth(spot_bytes(), SPOT_RUNS)
+    """The read bandwidth now, by the probe's method on the probe's buffer size."""
+    return measure_read_bandwidth(PROBE_BYTES, SPOT_RUNS)
 
 
 def default_spot_check() -> Optional[Callable[[], float]]:

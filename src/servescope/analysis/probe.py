@@ -12,7 +12,7 @@ What is measured and why:
 - bandwidth: `x.sum()` over a float32 tensor much larger than the last-level cache (default 512 MiB):
   a pure streaming read, which is what decode does with the weights. It moves with the other tenants
   of a shared VM, so a cached spec is always read with a spot check of it beside it (analysis/bandwidth.py:
-  the same sum, tens of ms), whose figure prices the memory-bound terms where the two disagree.
+  the same sum over the same 512 MiB, ~0.1 s), whose figure prices the memory-bound terms where the two disagree.
 - float32 / bfloat16 / float16: `torch.mm` of n x n matrices (2 n^3 FLOPs), the fastest of the runs
   (the bandwidth is a median: its slow and fast phases on a shared VM last minutes). n is sized to the
   dtype's speed: one 256^3 call first, then the largest n <= matmul_size whose call takes at most
