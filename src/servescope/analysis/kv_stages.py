@@ -27,6 +27,12 @@ from servescope.analysis.op_counts import kv_cache_bytes_per_token
 from servescope.config import ModelConfig
 
 
+def step_token_limit(chunked: bool, max_num_batched_tokens: int, max_model_len: int) -> int:
+    """The most tokens one step adds to one sequence: a chunk with chunked prefill, else a whole prompt (the
+    engine's hybrid manager, its scheduler's token budget and the simulator's both take this rule)."""
+    return max_num_batched_tokens if chunked else max(max_num_batched_tokens, max_model_len)
+
+
 def stage_layers(num_layers: int, pp: int) -> list:
     """Each stage's layers: consecutive, the first L % P stages one layer more (so that stage 0, whose KV cache
     rank 0 sizes for everyone, holds the most)."""

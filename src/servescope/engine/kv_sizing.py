@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from servescope.analysis.kv_layout import layers_per_window
-from servescope.analysis.kv_stages import engine_group_blocks
+from servescope.analysis.kv_stages import engine_group_blocks, step_token_limit
 from servescope.config import BatchingConfig, EngineConfig, KVCacheConfig, ModelConfig
 from servescope.errors import EngineConfigError
 from servescope.model.attention import kv_quant
@@ -119,6 +119,5 @@ def kv_group_blocks(config: EngineConfig, cfg: ModelConfig, num_blocks: int) -> 
 def max_step_tokens(config: EngineConfig, cfg: ModelConfig) -> int:
     """The most tokens one step adds to one sequence: a chunk, or a whole prompt without chunked prefill."""
     batching = config.batching
-    if batching.enable_chunked_prefill and not config.cache.no_kv_cache:
-        return batching.max_num_batched_tokens
-    return max(batching.max_num_batched_tokens, batching.max_model_len or cfg.max_position_embeddings)
+    return step_token_limit(batching.enable_chunked_prefill and not config.cache.no_kv_cache,
+                            batching.max_num_batched_tokens, batching.max_model_len or cfg.max_position_embeddings)

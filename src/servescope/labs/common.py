@@ -320,12 +320,13 @@ def context_line(opts: LabOptions, engine, hw) -> str:
     except OSError:
         load = ""
     quant = f", {opts.quantization}" if opts.quantization else ""
+    origin = bandwidth_origin(hw)
     return (f"Model `{engine.model_config.name or engine.source_path}` ({opts.dtype}{quant}, "
             f"{engine.weight_bytes / 2**20:.0f} MiB of weights, {engine.model_config.num_hidden_layers} layers), "
             f"torch {torch.__version__} with {torch.get_num_threads()} threads; predictions: roofline of "
             f"`{hw.name}` ({hw.flops(act_dtype_name(opts)) / 1e9:.0f} GFLOP/s {act_dtype_name(opts)}, "
             f"{hw.memory_bandwidth / 1e9:.1f} GB/s{', probed' if hw.kind == 'cpu' else ''}"
-            + (f"; {bandwidth_origin(hw)}" if bandwidth_origin(hw) else "") + ")."
+            + (f"; {origin}" if origin else "") + ")."
             + load + (" **Quick mode: tiny sizes, the effect may not show.**" if opts.quick else ""))
 
 

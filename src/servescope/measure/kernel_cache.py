@@ -68,7 +68,6 @@ def measure_kernel_table(engine) -> dict:
     return {"key": table_key(cfg, wdt, adt, kdt), "linear": linear, "misc": misc, **attention,
             "prefill_factor": factor, "sample": sample, "moe": moe, "moe_distinct": moe_distinct, "busy": busy,
             "cpus": cpus, "bandwidth": sum(bandwidth) / len(bandwidth) if bandwidth else 0.0,
-            "bandwidth_samples": bandwidth,
             "source": f"measured on the loaded model's modules and attention backend in {took:.0f} s "
                       f"(measure/kernel_cache.py, kernels {kernels_digest()})"}
 

@@ -17,7 +17,7 @@ from servescope.analysis.cpu_isa import local_fast_bf16
 from servescope.analysis.collectives import DEFAULT_LINK, LinkSpec, get_link, rank_weights_config, shard_config
 from servescope.analysis.hardware import HardwareSpec, get_hardware
 from servescope.analysis.spec import FP8
-from servescope.analysis.kv_stages import engine_group_blocks, stage_configs
+from servescope.analysis.kv_stages import engine_group_blocks, stage_configs, step_token_limit
 from servescope.analysis.memory_planner import plan_memory
 from servescope.analysis.op_counts import DTYPE_BYTES, kv_cache_bytes_per_token, resolve_dtypes
 from servescope.analysis.presets import load_preset
@@ -183,7 +183,7 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
     if blocks < 1:
         raise InvalidParameterError("kv_cache", "the KV cache holds less than one block")
     chunked = batching.enable_chunked_prefill
-    step_max = batching.max_num_batched_tokens if chunked else max(batching.max_num_batched_tokens, max_len)
+    step_max = step_token_limit(chunked, batching.max_num_batched_tokens, max_len)
     pools = None if cache.disable_hybrid_kv_cache_manager else engine_group_blocks(
         cfg, blocks, cache.block_size, batching.max_num_seqs, 1 + spec_decode.k, step_max, pp)
     binds = blocks if pools is None else binding_blocks(pools, cache.block_size, step_max)
@@ -193,8 +193,7 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
                                                          f"fewer than max_model_len={max_len}")
         max_len = binds * cache.block_size
     sched = SchedulerConfig(max_num_seqs=batching.max_num_seqs,
-                            max_num_batched_tokens=batching.max_num_batched_tokens if chunked
-                            else max(batching.max_num_batched_tokens, max_len),
+                            max_num_batched_tokens=step_token_limit(chunked, batching.max_num_batched_tokens, max_len),
                             max_model_len=max_len, enable_chunked_prefill=chunked, block_size=cache.block_size)
     link_spec = link if isinstance(link, LinkSpec) else None
     if max(tp, ep) * pp > 1 and link_spec is None and link != "none":
