@@ -126,3 +126,43 @@ def test_a_cached_probe_of_a_machine_with_other_memory_is_not_used(tmp_path):
     path = tmp_path / "hw.json"
     _write_cache(path, other, probe._cache_key(probe.torch_threads()))
     assert probe.cached_local_hardware(path, spot_check=lambda: None) is None
+
+
+def test_a_spot_check_is_the_median_of_the_recent_history(tmp_path):
+    # a VM that jumps between two levels: one fast read moves the figure by one place, not to its own value
+    now = [1000.0]
+    h = bandwidth.BandwidthHistory(tmp_path / "bw.json", "cpu|threads=2", clock=lambda: now[0])
+    assert h.add(30 * GB) == 30 * GB  # a first sample is all there is
+    for b in (32, 31, 33):
+        now[0] += 10
+        h.add(b * GB)
+    now[0] += 10
+    assert h.add(62 * GB) == 32 * GB
+    assert [b for _, b in h.recent()] == [30 * GB, 32 * GB, 31 * GB, 33 * GB, 62 * GB]
+    # samples older than the window, or beyond the count, no longer count
+    now[0] += bandwidth.HISTORY_SECONDS - 5
+    assert h.add(60 * GB) == pytest.approx(61 * GB)  # only 62 and 60 are within the hour
+    for _ in range(bandwidth.HISTORY_SAMPLES):
+        h.add(40 * GB)
+    assert len(h.recent()) == bandwidth.HISTORY_SAMPLES and h.add(90 * GB) == 40 * GB
+    # another key (thread count) has its own history; a broken file is an empty one; a bad sample is refused
+    assert bandwidth.BandwidthHistory(tmp_path / "bw.json", "cpu|threads=1", clock=lambda: now[0]).recent() == []
+    (tmp_path / "bw.json").write_text("{not json")
+    assert h.recent() == [] and h.add(20 * GB) == 20 * GB
+    with pytest.raises(ValueError, match="bandwidth"):
+        h.add(0.0)
+    assert [b for _, b in h.recent()] == [20 * GB]
+
+
+def test_the_default_spot_check_keeps_its_samples_beside_the_probe_cache(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    reads = iter([30 * GB, 60 * GB, 31 * GB])
+    monkeypatch.setattr(bandwidth, "measure_read_bandwidth", lambda *a, **k: next(reads))
+    monkeypatch.setenv(bandwidth.SPOT_CHECK_ENV, "0")  # off: nothing sampled, nothing written
+    bandwidth.record_sample(50 * GB)
+    assert bandwidth.default_spot_check() is None and not (tmp_path / "servescope" / "bandwidth.json").exists()
+    monkeypatch.setenv(bandwidth.SPOT_CHECK_ENV, "1")
+    check = bandwidth.default_spot_check()
+    assert [check(), check(), check()] == [30 * GB, 45 * GB, 31 * GB]
+    assert (tmp_path / "servescope" / "bandwidth.json").exists()
