@@ -2,6 +2,7 @@
 memory-bound terms follow the spot check where the two disagree beyond the tolerance."""
 
 import json
+import math
 
 import pytest
 
@@ -32,7 +33,8 @@ def test_a_spot_check_far_off_the_cached_bandwidth_prices_the_memory_bound_terms
     # the GEMV's rate was 80% bandwidth: that share halves in time; the GEMM's was 1/30 of it: it barely moves
     (m1, r1), (m512, r512) = spec.linear_rates["bfloat16"]
     assert (m1, m512) == (1, 512)
-    assert 1 / r1 == pytest.approx(1 / (24 * GB) - 0.5 / (30 * GB))
+    t1, m1_ = 1 / (24 * GB), 1 / (30 * GB)
+    assert 1 / r1 == pytest.approx(math.sqrt(t1**2 - m1_**2 + (m1_ / 2) ** 2)) and 1 / r1 < t1
     assert r512 == pytest.approx(1 * GB, rel=0.02) and r512 > 1 * GB
     # compute-bound terms stay as cached
     for field in ("peak_flops", "decode_attention_flops", "packed_gemm_flops", "step_overhead_s",
@@ -61,8 +63,12 @@ def test_a_spot_check_within_the_tolerance_keeps_the_cached_spec():
 def test_rescaled_seconds_moves_only_the_memory_share():
     # all memory: the time follows the bandwidth
     assert rescaled_seconds(1e-3, 30e6, 30 * GB, 60 * GB) == pytest.approx(0.5e-3)
-    # a tenth memory: only that tenth halves
-    assert rescaled_seconds(1e-3, 3e6, 30 * GB, 60 * GB) == pytest.approx(0.95e-3)
+    # a tenth memory: it hides under the rest, which stays; the time barely moves
+    assert rescaled_seconds(1e-3, 3e6, 30 * GB, 60 * GB) == pytest.approx(math.sqrt(0.99e-6 + 0.05e-3**2))
+    assert 0.99e-3 < rescaled_seconds(1e-3, 3e6, 30 * GB, 60 * GB) < 1e-3
+    # half memory: between the two
+    half = rescaled_seconds(1e-3, 15e6, 30 * GB, 15 * GB)
+    assert half == pytest.approx(math.sqrt(0.75e-6 + 1e-6)) and 1e-3 < half < 1.5e-3
     # more bytes than the time could read (a cached re-read): the whole time is the share, no more
     assert rescaled_seconds(1e-3, 90e6, 30 * GB, 15 * GB) == pytest.approx(2e-3)
     # an unknown bandwidth or the same one: as measured
@@ -80,8 +86,9 @@ def test_a_kernel_table_is_priced_at_the_specs_bandwidth_from_its_own():
     assert at_table.op("qkv_proj").seconds == pytest.approx(CFG.num_hidden_layers * t.linear_seconds("qkv_proj", 1))
     for name in ("qkv_proj", "attn_out_proj", "mlp", "lm_head"):
         op = at_slow.op(name)
-        share = min(at_table.op(name).seconds, op.bytes / (30 * GB))
-        assert op.measured and op.seconds == pytest.approx(at_table.op(name).seconds + 2 * share)
+        t0 = at_table.op(name).seconds
+        share = min(t0, op.bytes / (30 * GB))
+        assert op.measured and op.seconds == pytest.approx(math.sqrt(t0**2 - share**2 + (3 * share) ** 2))
     assert at_slow.predicted_seconds > at_table.predicted_seconds
     # a table without its bandwidth (timed with the spot check off) is priced as timed
     untimed = {**table, "bandwidth": 0.0}
