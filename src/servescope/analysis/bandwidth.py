@@ -10,20 +10,37 @@ and `checked_spec` yields the spec in use:
   sample of a noisy quantity; the probe's median is the better figure when they agree);
 - beyond it: the memory-bound terms follow the spot check. The roofline's bandwidth term becomes
   the spot figure; the probe's linear-kernel rates (weight bytes/s at M rows) are re-priced by
-  `rescaled_seconds` with the probe's bandwidth as their reference. Compute-bound terms (matmul
+  `rescaled_seconds` (the memory part of a time moves, overlapped with the rest) with the probe's
+  bandwidth as their reference. Compute-bound terms (matmul
   peaks, the packed GEMM's and decode attention's FLOP/s, host overheads) stay as cached.
 
 Both figures stay in the spec (`probed_bandwidth`, `spot_bandwidth`) and `bandwidth_origin` says
-which one priced the steps. A KernelTable records the spot bandwidth it was timed at and the cost model
-re-prices its ops to the spec's bandwidth with the same `rescaled_seconds` (analysis/cost_model.py).
+which one priced the steps. A KernelTable (the engine's own kernels timed at its model's shapes) records
+the spot bandwidth it was timed at, but its times are priced as timed: a plain read's bandwidth did not
+say how they move (analysis/cost_model._timed_ops).
+
+A spot check's figure is not one sample: the bandwidth of a shared VM can also jump between two levels
+(30-37 and 51-62 GB/s on one 2-CPU VM) every few seconds, for minutes on end, so a single 0.1 s read
+priced a whole run at whichever level it happened to catch (docs/VALIDATION.md: the 135M decode steps
+of one run -18% with a spot check at 62 GB/s, within 4% at 35-37). Every sample the probe and the spot
+checks take is kept in a small history beside the probe's cache (`BandwidthHistory`: the last
+HISTORY_SAMPLES of the last HISTORY_SECONDS, per CPU and thread count), and the figure a spot check
+returns is the median of that history with the new sample in it: the machine's typical bandwidth of the
+last hour, which one lucky or unlucky read moves by one place in the order, not to its own value.
 
 Tests (and anyone reproducing a run on the cached figures) switch the spot check off with
-SERVESCOPE_BANDWIDTH_SPOT_CHECK=0, or hand a spot check in (`spot_check=lambda: 40e9`).
+SERVESCOPE_BANDWIDTH_SPOT_CHECK=0 (nothing is sampled or written then), or hand a spot check in
+(`spot_check=lambda: 40e9`).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import time
+from pathlib import Path
+from statistics import median
 from typing import Callable, Optional
 
 from servescope.analysis.spec import HardwareSpec
@@ -39,6 +56,11 @@ SPOT_RUNS = 5
 # (one of twice the last-level cache read up to 2x high now and then, partly from cache, and the check then
 # priced every memory-bound term at that bandwidth; docs/BENCHMARKS.md)
 PROBE_BYTES = 512 * 2**20
+# The history a spot check's figure is the median of: long enough to hold both levels of a VM that jumps
+# between two every few seconds, short enough that a machine whose memory changed for good (another host)
+# reads as the new one within an hour (or 8 engine starts)
+HISTORY_SAMPLES = 15
+HISTORY_SECONDS = 3600.0
 
 
 def measure_read_bandwidth(num_bytes: int = PROBE_BYTES, runs: int = 5, buf=None, warmup: int = 1) -> float:
@@ -51,9 +73,65 @@ def measure_read_bandwidth(num_bytes: int = PROBE_BYTES, runs: int = 5, buf=None
     return x.numel() * 4 / t
 
 
+class BandwidthHistory:
+    """The read-bandwidth samples of this CPU and thread count, kept in a JSON file ({key: [[unix time,
+    bytes/s], ...]}) beside the probe's cache. An unreadable file is an empty history; writes are atomic
+    (a concurrent reader sees the old file or the new one; a concurrent writer's sample may be lost)."""
+
+    def __init__(self, path: Path, key: str, clock: Callable[[], float] = time.time):
+        self.path, self.key, self.clock = Path(path), key, clock
+
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def recent(self, data: Optional[dict] = None) -> list:
+        """[[time, bytes/s]] of the last HISTORY_SECONDS, at most HISTORY_SAMPLES, oldest first."""
+        now = self.clock()
+        rows = (self._read() if data is None else data).get(self.key, [])
+        ok = [[float(t), float(b)] for t, b in (r for r in rows if isinstance(r, list) and len(r) == 2)
+              if now - HISTORY_SECONDS <= float(t) <= now and float(b) > 0]
+        return ok[-HISTORY_SAMPLES:]
+
+    def add(self, bytes_per_s: float) -> float:
+        """Keep a sample; the median of the recent ones, this one included."""
+        if not bytes_per_s > 0:
+            raise ValueError(f"a read bandwidth must be > 0 bytes/s, got {bytes_per_s}")
+        data = self._read()
+        rows = (self.recent(data) + [[self.clock(), float(bytes_per_s)]])[-HISTORY_SAMPLES:]
+        data[self.key] = rows
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(self.path)
+        except OSError:
+            pass  # a read-only cache: this sample still counts, just not for the next start
+        return median(b for _, b in rows)
+
+
+def local_history() -> BandwidthHistory:
+    """This machine's history (the probe's cache directory, its CPU and torch's thread count)."""
+    from servescope.analysis import probe  # probe imports this module
+
+    return BandwidthHistory(probe.default_cache_path().with_name("bandwidth.json"),
+                            f"{probe.cpu_model()}|threads={probe.torch_threads()}")
+
+
+def record_sample(bytes_per_s: float) -> None:
+    """A sample taken by other means (the full probe's read) kept in the history, unless the spot check is
+    switched off (tests: nothing is written then)."""
+    if default_spot_check() is not None:
+        local_history().add(bytes_per_s)
+
+
 def spot_read_bandwidth() -> float:
-    """The read bandwidth now, by the probe's method on the probe's buffer size."""
-    return measure_read_bandwidth(PROBE_BYTES, SPOT_RUNS)
+    """The read bandwidth now, by the probe's method on the probe's buffer size, as the median of the recent
+    history with this sample in it (see the module doc)."""
+    return local_history().add(measure_read_bandwidth(PROBE_BYTES, SPOT_RUNS))
 
 
 def default_spot_check() -> Optional[Callable[[], float]]:
@@ -62,14 +140,19 @@ def default_spot_check() -> Optional[Callable[[], float]]:
 
 
 def rescaled_seconds(seconds: float, num_bytes: float, measured_at: float, priced_at: float) -> float:
-    """A time measured at bandwidth `measured_at`, priced at `priced_at`: its memory share (the bytes at the
-    measured bandwidth, at most the whole time) moves with the bandwidth, the rest (compute, call overhead)
-    stays. A GEMV at batch 1 is nearly all memory share; a 512-row GEMM nearly none. Unknown bandwidths
-    (0) leave the time as measured."""
+    """A time measured at bandwidth `measured_at`, priced at `priced_at`. Its memory part m (the bytes at the
+    measured bandwidth, at most the whole time) moves with the bandwidth; the rest c is what the time holds
+    beyond it, and the two overlap: time = sqrt(c^2 + m^2), a smooth max. So a GEMV at batch 1 (nearly all
+    memory) follows the bandwidth, while a 16-row decode GEMM whose reads hide under its arithmetic barely
+    moves: measured on a VM whose read bandwidth jumped between ~31 and ~45 GB/s, a 135M decode step at
+    batch 1 took 10.2 and 8.2 ms in the two, at batch 16 the same 29 ms (an additive c + m priced the
+    latter 10% faster at the faster level; docs/VALIDATION.md). Unknown bandwidths (0) leave the time as
+    measured."""
     if measured_at <= 0 or priced_at <= 0 or measured_at == priced_at or seconds <= 0:
         return seconds
-    share = min(seconds, num_bytes / measured_at)
-    return seconds + share * (measured_at / priced_at - 1.0)
+    memory = min(seconds, num_bytes / measured_at)
+    rest_sq = max(seconds * seconds - memory * memory, 0.0)
+    return math.sqrt(rest_sq + (memory * measured_at / priced_at) ** 2)
 
 
 def _rescaled_rates(rates: dict, measured_at: float, priced_at: float) -> dict:
@@ -99,6 +182,7 @@ def bandwidth_origin(hw: HardwareSpec, tolerance: float = TOLERANCE) -> str:
     gap = hw.spot_bandwidth / hw.probed_bandwidth - 1.0
     spot, probed = f"{hw.spot_bandwidth / 1e9:.1f} GB/s", f"{hw.probed_bandwidth / 1e9:.1f} GB/s"
     if hw.memory_bandwidth == hw.probed_bandwidth:
-        return f"priced at the probe's cached {probed} (a spot check reads {spot}, {gap:+.0%}: within {tolerance:.0%})"
-    return (f"priced at a spot check's {spot} ({gap:+.0%} against the probe's cached {probed}, beyond "
-            f"{tolerance:.0%}: the memory-bound terms follow the spot check)")
+        return (f"priced at the probe's cached {probed} (a spot check, the recent samples' median, reads {spot}, "
+                f"{gap:+.0%}: within {tolerance:.0%})")
+    return (f"priced at a spot check's {spot} (the recent samples' median; {gap:+.0%} against the probe's cached "
+            f"{probed}, beyond {tolerance:.0%}: the memory-bound terms follow the spot check)")

@@ -54,7 +54,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from servescope.analysis.bandwidth import PROBE_BYTES, checked_spec, default_spot_check, measure_read_bandwidth
+from servescope.analysis.bandwidth import (PROBE_BYTES, checked_spec, default_spot_check, measure_read_bandwidth,
+                                           record_sample)
 from servescope.analysis.cpu_isa import cpu_flags, isa_signature, library_caps, local_isa
 from servescope.analysis.spec import LOCAL_CPU, HardwareSpec
 
@@ -248,6 +249,8 @@ def cached_local_hardware(cache_path: Optional[Path] = None,
 def _measure_peaks(bandwidth_bytes: int, matmul_size: int, runs: int) -> tuple:
     """(read bandwidth, {dtype: matmul FLOP/s}, {dtype: n measured at}, slow dtypes) of this machine."""
     bw = measure_read_bandwidth(bandwidth_bytes, runs)
+    if bandwidth_bytes == PROBE_BYTES:  # the spot checks' measurement: one more sample of their history
+        record_sample(bw)
     peaks, sizes = {}, {}
     for dt in ("float32", "bfloat16", "float16"):
         peaks[dt], sizes[dt] = sized_matmul_flops(dt, matmul_size, runs)

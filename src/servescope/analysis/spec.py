@@ -75,7 +75,7 @@ class HardwareSpec:
     # integer panel GEMM, not AMX: model/linears/packed.group32_max_rows); else bfloat16 rows price as bfloat16
     packed_gemm_bfloat16: bool = False
     probed_bandwidth: float = 0.0  # bytes/s the cached probe measured, beside a spot check (0: none taken)
-    spot_bandwidth: float = 0.0  # bytes/s of the spot check taken when the cached probe was read (0: none)
+    spot_bandwidth: float = 0.0  # bytes/s of the spot check (the recent samples' median) when the probe was read
     kernel_path: str = ""  # the CPU kernel path the probe measured ("avx2", "avx512 C++ kernels"); "" for datasheets
     slow_dtypes: list = field(default_factory=list)  # dtypes with no fast matmul here (never picked by default)
     # table key -> analysis/kernel_table.KernelTable as a dict: the engine's kernels timed at one model's

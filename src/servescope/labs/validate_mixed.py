@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 
+from servescope.analysis.bandwidth import bandwidth_origin
 from servescope.labs.common import (blocks_for, md_table, median, percentile, random_prompt, run_to_completion,
                                     warm_up)
 
@@ -75,7 +76,9 @@ def measure_mixed(session, seed: int, quick: bool = False) -> dict:
     records = run_mixed(engine, requests)
     steps = [[r.phase, r.num_prefill_tokens + r.num_decode_tokens, len(r.context_lens), r.wall_seconds,
               r.predicted_seconds] for r in records]
-    return {"phases": phase_errors(records), "requests": len(requests), "steps": steps}
+    hw = engine.hardware
+    priced = bandwidth_origin(hw) if hw is not None else ""
+    return {"phases": phase_errors(records), "requests": len(requests), "steps": steps, "bandwidth": priced}
 
 
 def mixed_section(result: dict) -> str:
@@ -86,6 +89,7 @@ def mixed_section(result: dict) -> str:
             f"{OUTPUT_TOKENS[0]}-{OUTPUT_TOKENS[1]} output tokens (quick mode: fewer, shorter), at most "
             f"{CONCURRENCY} running, chunked prefill with a {TOKEN_BUDGET}-token budget; each step's "
             "measured wall time against its StepRecord's prediction. Floors (issue 35): median |error| <= "
-            f"{100 * MEDIAN_FLOOR:.0f}%, p90 <= {100 * P90_FLOOR:.0f}% per phase.\n\n"
+            f"{100 * MEDIAN_FLOOR:.0f}%, p90 <= {100 * P90_FLOOR:.0f}% per phase."
+            + (f" Its engine's steps were {result['bandwidth']}." if result.get("bandwidth") else "") + "\n\n"
             + md_table(["phase", "steps", "median |err| %", "p90 |err| %", "median signed %",
                         "measured s (sum)", "predicted s (sum)", "floor"], rows))
