@@ -137,3 +137,31 @@ def test_bad_stage_counts_are_refused():
         plan_memory(gemma2(4), MEMORY, pp=5)
     with pytest.raises(InvalidParameterError, match="pipeline stages"):
         plan_memory(gemma2(4), MEMORY, pp=0)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("pp", [2, 3])
+def test_each_stages_weight_bytes_are_what_keep_stage_leaves_its_rank(tied, pp):
+    # the model each rank keeps (parallel/pipeline.keep_stage), its distinct tensors' bytes, against the planner's
+    from servescope.analysis.kv_stages import stage_weight_bytes
+    from servescope.model.decoder import CausalLM
+    from servescope.parallel.groups import DistContext
+    from servescope.parallel.layout import ParallelLayout
+    from servescope.parallel.pipeline import keep_stage
+
+    cfg = tiny_model_config("llama", num_hidden_layers=5, tie_word_embeddings=tied)
+    whole = sum(p.numel() * 4 for p in CausalLM(cfg).parameters())
+    assert stage_weight_bytes(cfg, "float32", "float32", 1, 0) == whole
+    layout = ParallelLayout(tp=1, pp=pp, num_layers=cfg.num_hidden_layers)
+    held = []
+    for stage in range(pp):
+        model = keep_stage(CausalLM(cfg), DistContext(layout, rank=layout.rank_of(stage, 0)))
+        tensors = {id(t): t for t in list(model.parameters()) + ([model.lm_head.weight] if model.lm_head else [])}
+        held.append(sum(t.numel() * 4 for t in tensors.values()))
+        assert stage_weight_bytes(cfg, "float32", "float32", pp, stage) == held[-1], stage
+    table = cfg.vocab_size * cfg.hidden_size * 4
+    # every piece once, but a tied table on both end stages (the first embeds with it, the last reads it as its
+    # head) and the final norm's vector on every stage
+    assert sum(held) == whole + (table if tied else 0) + (pp - 1) * cfg.hidden_size * 4
+    plan = plan_memory(cfg, MEMORY, "float32", "float32", context_len=256, block_size=S, pp=pp)
+    assert plan.weight_bytes == held[0]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from servescope.analysis.kv_layout import first_group_limits, first_window, group_blocks, layers_per_window
-from servescope.analysis.op_counts import kv_cache_bytes_per_token
+from servescope.analysis.op_counts import kv_cache_bytes_per_token, table_bytes, weight_bytes
 from servescope.config import ModelConfig
 
 
@@ -47,6 +47,19 @@ def stage_configs(cfg: ModelConfig, pp: int) -> list:
     """Each stage's layers as a model config of their own (their attention kinds and MLPs:
     ModelConfig.layers_config)."""
     return [cfg.layers_config(r) for r in stage_layers(cfg.num_hidden_layers, pp)]
+
+
+def stage_weight_bytes(cfg: ModelConfig, wdt: str, adt: str, pp: int, stage: int) -> int:
+    """Weight bytes the rank of pipeline stage `stage` holds, as parallel/pipeline.keep_stage leaves its model: its
+    layers and the final norm (every stage keeps the backbone's); stage 0 the embedding table; the last stage the
+    head (a tied head keeps the table as its head there, so a tied model holds the table on both end stages). One
+    stage: weight_bytes."""
+    if pp == 1:
+        return weight_bytes(cfg, wdt, adt)
+    part = stage_configs(cfg, pp)[stage]
+    row, head, both = table_bytes(part, wdt, adt)
+    layers_and_norm = weight_bytes(part, wdt, adt) - both
+    return layers_and_norm + (cfg.vocab_size * row if stage == 0 else 0) + (head if stage == pp - 1 else 0)
 
 
 def engine_group_blocks(cfg: ModelConfig, num_blocks: int, block_size: int, max_num_seqs: int, step_tokens: int,

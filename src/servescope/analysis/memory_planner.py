@@ -13,8 +13,9 @@ from typing import Optional
 
 from servescope.analysis.hardware import DTYPE_BYTES
 from servescope.analysis.kv_layout import blocks_held, kv_groups, per_group_capacity
-from servescope.analysis.kv_stages import binding_stage, engine_group_blocks, stage_configs, stage_pools
-from servescope.analysis.op_counts import kv_cache_bytes_per_token, resolve_dtypes, weight_bytes
+from servescope.analysis.kv_stages import (binding_stage, engine_group_blocks, stage_configs, stage_pools,
+                                           stage_weight_bytes)
+from servescope.analysis.op_counts import kv_cache_bytes_per_token, resolve_dtypes
 from servescope.config import BatchingConfig, ModelConfig
 from servescope.errors import InvalidParameterError
 
@@ -92,7 +93,7 @@ def plan_memory(cfg: ModelConfig, memory_bytes: int, weight_dtype: str = "bfloat
     wdt, adt, kdt = resolve_dtypes(weight_dtype, act_dtype, kv_dtype)
     budget = int(memory_bytes * memory_utilization)
     configs = stage_configs(cfg, pp)
-    w = weight_bytes(configs[0], wdt, adt)  # (the embedding and head counted on every stage: an over-count)
+    w = stage_weight_bytes(cfg, wdt, adt, pp, 0)  # rank 0's: stage 0's layers and the embedding
     act = (activation_bytes(cfg, max_num_batched_tokens, adt, max_num_seqs)
            if activation_reserve_bytes is None else int(activation_reserve_bytes))
     per_tok = kv_cache_bytes_per_token(configs[0], kdt)
