@@ -59,6 +59,7 @@ class SimEngine:
                  timer: Optional[StepTimer] = None, fast_forward: bool = True):
         self.spec, self.name, self.fast_forward = spec, name, fast_forward
         self._run: Optional[DecodeRun] = None  # the planned stretch, not yet applied (commit)
+        self.decode_layout: Optional[tuple] = None  # fast_forward._layout's, computed at the first stretch
         self.clock = 0.0  # virtual seconds
         # blocks hashed by the tuple-hash chain: the simulator's caches meet no engine's, and it hashes every
         # prompt and output block of a workload (prefix_cache.extend_fast_hashes)

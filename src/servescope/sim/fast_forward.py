@@ -68,12 +68,9 @@ class DecodeRun:
         self.hashing = kv.enable_prefix_caching and b > 1
         # windowed layers (one window for all, or a hybrid's windowed groups): a block slides out at the position
         # whose query no longer sees it, so the steps are applied one at a time (their calls free blocks)
-        groups = getattr(kv, "groups", (kv,))
-        self.windows = tuple(g.window for g in groups if g.window)
-        # the step offsets within a block (position mod S) where a call can change blocks: a block starts, one
-        # fills (hashed), one slides out of a window (first_in_view moves at (p - w + 1) % S == 0)
-        self.offsets = {0} | ({b - 1} if self.hashing else set()) | {(w - 1) % b for w in self.windows}
-        self.free0 = min(g.num_free_blocks for g in groups)  # (every group takes a block where a block starts)
+        groups, self.windows, self.offsets = _layout(engine)
+        # (every group takes a block where a block starts)
+        self.free0 = kv.num_free_blocks if len(groups) == 1 else min(g.num_free_blocks for g in groups)
         self.allocs = 0  # blocks the planned steps may take (every block start counted)
         self.clock0 = self.clock = engine.clock
         self.plan: list = []  # per planned step: (seconds, prediction, bound, its end)
@@ -201,3 +198,19 @@ class DecodeRun:
         if len(phases) == 1:
             return by_phase[phases.pop()]
         return sorted(chain.from_iterable(by_phase[p] for p in phases))
+
+
+def _layout(engine) -> tuple:
+    """(the KV manager's groups of layers, their windows, the step offsets within a block -- position mod S --
+    where a call can change blocks: a block starts, one fills (hashed), one slides out of a window, as
+    first_in_view moves at (p - w + 1) % S == 0), computed once per engine."""
+    layout = engine.decode_layout
+    if layout is None:
+        kv = engine.kv_manager
+        b = kv.block_size
+        groups = getattr(kv, "groups", (kv,))
+        windows = tuple(g.window for g in groups if g.window)
+        hashing = kv.enable_prefix_caching and b > 1
+        offsets = frozenset({0} | ({b - 1} if hashing else set()) | {(w - 1) % b for w in windows})
+        layout = engine.decode_layout = (groups, windows, offsets)
+    return layout
