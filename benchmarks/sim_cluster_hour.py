@@ -47,14 +47,17 @@ class LazyWorkload:
         self.prompt_lens, self.output_lens = prompt_lens.tolist(), rng.integers(output[0], output[1] + 1, n).tolist()
         self.starts = np.concatenate(([0], np.cumsum(prompt_lens))).tolist()
         self.vocab, self.seed = vocab, seed
-        self._chunk = (-1, None)  # (chunk index, its prompts' tokens back to back)
+        # every token id as one Python int, drawn tokens as references to them: a prompt's list is then copied
+        # pointers, not 1k new ints made per request
+        self._ints = np.arange(vocab).astype(object)
+        self._chunk = (-1, None)  # (chunk index, its prompts' tokens back to back, as an object array of _ints)
 
     def prompt(self, i: int) -> list:
         """Request i's prompt tokens (a new list: the engine copies it into its Request)."""
         c = i // CHUNK
         if self._chunk[0] != c:
             lo, hi = self.starts[c * CHUNK], self.starts[min((c + 1) * CHUNK, len(self.times))]
-            self._chunk = (c, np.random.default_rng((self.seed, c)).integers(0, self.vocab, hi - lo))
+            self._chunk = (c, self._ints[np.random.default_rng((self.seed, c)).integers(0, self.vocab, hi - lo)])
         base = self.starts[c * CHUNK]
         return self._chunk[1][self.starts[i] - base:self.starts[i + 1] - base].tolist()
 
@@ -111,9 +114,11 @@ def main(argv=None) -> int:
     p.add_argument("--check-every", type=int, default=0, help="compare every Nth memoised step with its exact one")
     p.add_argument("--workers", type=int, default=1, help="processes the 8 replicas run in (sim/parallel.py)")
     p.add_argument("--no-fast-forward", action="store_true", help="step every replica one step at a time")
+    p.add_argument("--model", default="llama-3-70b", help="model preset (e.g. gemma-3-1b: a hybrid of windows)")
+    p.add_argument("--tp", type=int, default=8, help="tensor-parallel GPUs per replica")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    spec = instance_spec("llama-3-70b", "H100", parallel=ParallelConfig(tensor_parallel_size=8),
+    spec = instance_spec(a.model, "H100", parallel=ParallelConfig(tensor_parallel_size=a.tp),
                          batching=BatchingConfig(max_num_seqs=128, max_num_batched_tokens=4096))
     spec = spec.replace(context_quantum=a.context_quantum)
     reqs = LazyWorkload(int(a.rate * a.seconds), a.rate, (512, 1536), (128, 384), spec.model.vocab_size)
@@ -136,7 +141,7 @@ def main(argv=None) -> int:
            "p99_ttft_ms": r.ttft.percentiles_ms[99.0], "median_tpot_ms": r.tpot.median_ms,
            "p90_tpot_ms": r.tpot.percentiles_ms[90.0], "p99_tpot_ms": r.tpot.percentiles_ms[99.0],
            "output_throughput": r.output_throughput, "router": a.router, "rate": a.rate,
-           "context_quantum": a.context_quantum, "fast_forward": fast_forward}
+           "context_quantum": a.context_quantum, "fast_forward": fast_forward, "model": a.model, "tp": a.tp}
     if errors:
         rel = np.abs(np.array(errors))
         out["memo_check"] = {"steps": len(errors), "mean_error": float(np.mean(errors)),

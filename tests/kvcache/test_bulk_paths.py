@@ -49,7 +49,7 @@ def test_allocator_and_cache_in_bulk_as_one_at_a_time():
     with pytest.raises(AssertionError):
         a.reuse([5])  # on the free list
     assert a.reuse([2, 0]) == [2, 0] and (a.ref_count(2), a.ref_count(0)) == (1, 1)
-    c, d = PrefixCache(), PrefixCache()
+    c, d = PrefixCache(16), PrefixCache(16)
     for cache in (c, d):
         for blk in (7, 3, 9, 1):
             cache.insert(hash_block_tokens(None, [blk]), blk)

@@ -23,7 +23,7 @@ def test_hash_full_blocks_ignores_partial_block_and_extends():
 
 
 def test_insert_lookup_and_duplicates():
-    c = PrefixCache()
+    c = PrefixCache(16)
     h = hash_block_tokens(None, [1, 2])
     assert c.insert(h, 5)
     assert c.lookup(h) == 5
@@ -34,7 +34,7 @@ def test_insert_lookup_and_duplicates():
 
 
 def test_lru_eviction_order():
-    c = PrefixCache()
+    c = PrefixCache(16)
     hs = [hash_block_tokens(None, [i]) for i in range(3)]
     for i, h in enumerate(hs):
         c.insert(h, 10 + i)

@@ -1,7 +1,7 @@
 """Fast-forward (sim/fast_forward.py): stretches of steps that only decode, planned and applied in bulk, give
 exactly what stepping one at a time gives -- every request's token times, every StepRecord, the instances'
-counters, the KV caches' blocks -- on workloads with queues, prefix sharing, preemption, finishes, idle gaps
-and every router; and it can be turned off."""
+counters, the KV caches' blocks -- on workloads with queues, prefix sharing, preemption, finishes, idle gaps,
+every router and windowed layers (one table, or a hybrid's table per group); and it can be turned off."""
 
 import random
 
@@ -16,6 +16,7 @@ from servescope.sim.run import simulate
 from servescope.sim.spec import SpecDecodeSpec, instance_spec
 from servescope.sim.workload import SimRequest
 from test_fast_paths import _same
+from tiny_models import tiny_model_config
 
 
 def _spec(blocks=64, caching=True, quantum=None, **kw):
@@ -24,6 +25,15 @@ def _spec(blocks=64, caching=True, quantum=None, **kw):
                          batching=BatchingConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024),
                          **kw)
     return spec if quantum is None else spec.replace(context_quantum=quantum)
+
+
+def _windowed_spec(family: str, window: int, blocks: int, **shape):
+    """A tiny model whose layers attend over windows: all of them (mistral: one table that slides), or a hybrid
+    (gemma2 alternating, gemma3 two local to one global: a table per group, kvcache/hybrid.py)."""
+    cfg = tiny_model_config(family, sliding_window=window, **shape)
+    return instance_spec(cfg, "H100", kv_cache_dtype="float32", link="none",
+                         cache=KVCacheConfig(num_kv_blocks=blocks),
+                         batching=BatchingConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024))
 
 
 def _workload(n: int, rate: float, seed: int = 0, shared: bool = True) -> list:
@@ -61,8 +71,10 @@ def _kv_state(dep) -> list:
     for e in dep.engines:
         km = e.kv_manager
         km.check_invariants()
-        out.append((km.block_map(), km.allocator.free_block_ids(), km.prefix_cache.evictable_blocks(),
-                    km.prefix_cache_queries, km.prefix_cache_hits, e.scheduler.num_preemptions))
+        groups = getattr(km, "groups", (km,))  # a hybrid's every group of layers
+        out.append((km.block_map(), [g.allocator.free_block_ids() for g in groups],
+                    [g.prefix_cache.evictable_blocks() for g in groups], km.prefix_cache_queries,
+                    km.prefix_cache_hits, e.scheduler.num_preemptions, e.peak_kv_usage))
     return out
 
 
@@ -72,6 +84,13 @@ CASES = {  # name: (spec, replicas, router, workload)
     "low rate with idle gaps, one replica": (_spec(blocks=256), 1, "round-robin", _workload(40, 2.0, seed=2)),
     "no prefix caching, round-robin": (_spec(caching=False), 2, "round-robin", _workload(150, 300.0, seed=3)),
     "exact step shapes (quantum 0)": (_spec(quantum=0), 2, "least-tokens", _workload(100, 200.0, seed=4)),
+    "hybrid, window off the block grid, prefix sharing": (_windowed_spec("gemma2", 40, 96, num_hidden_layers=4), 3,
+                                                           "prefix", _workload(150, 400.0, seed=10)),
+    "hybrid, window on the block grid, preemption": (
+        _windowed_spec("gemma3", 64, 72, num_hidden_layers=6, sliding_window_pattern=3), 2, "least-tokens",
+        _workload(150, 4000.0, seed=11)),
+    "every layer windowed (one table)": (_windowed_spec("mistral", 48, 64, num_hidden_layers=2), 2, "least-tokens",
+                                         _workload(120, 200.0, seed=12)),
     "speculative decoding (never fast-forwards)": (_spec(spec_decode=SpecDecodeSpec(k=3, acceptance=0.6)), 2,
                                                    "least-tokens", _workload(80, 200.0, seed=5)),
 }
@@ -115,6 +134,22 @@ def test_simulate_fast_forwards_by_default_with_the_same_report(workers, monkeyp
     assert on.result.to_dict() == off.result.to_dict() and on.stats == off.stats
     if workers == 1:
         assert planned[0] > 0  # (a worker process's stretches are not counted here)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "window" in c])
+def test_windowed_stretches_without_records_give_the_step_by_step_state(case, monkeypatch):
+    """Without StepRecords (a cluster run's way) a windowed stretch's steps are applied one at a time too (blocks
+    slide out during it): the same records, counters, peak usage and caches as stepping."""
+    spec, replicas, router, reqs = CASES[case]
+    stepped = Deployment(spec, replicas, router, keep_steps=False, fast_forward=False)
+    one_by_one = drive(stepped, reqs)
+    planned = _planned(monkeypatch)
+    fast = Deployment(spec, replicas, router, keep_steps=False)
+    _same(one_by_one, drive_replicas(fast, reqs, 1))
+    assert fast.stats(1.0) == stepped.stats(1.0) and _kv_state(fast) == _kv_state(stepped)
+    assert [(e.clock, e.busy_seconds, e.outstanding_tokens, e.num_steps) for e in fast.engines] == \
+        [(e.clock, e.busy_seconds, e.outstanding_tokens, e.num_steps) for e in stepped.engines]
+    assert planned[1] >= 10
 
 
 def test_turned_off_it_never_plans(monkeypatch):

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from servescope.analysis.collectives import shard_config
 from servescope.analysis.kv_layout import first_group_limits, first_window, group_blocks, layers_per_window
 from servescope.analysis.op_counts import kv_cache_bytes_per_token, table_bytes, weight_bytes
 from servescope.config import ModelConfig
@@ -31,6 +32,13 @@ def step_token_limit(chunked: bool, max_num_batched_tokens: int, max_model_len: 
     """The most tokens one step adds to one sequence: a chunk with chunked prefill, else a whole prompt (the
     engine's hybrid manager, its scheduler's token budget and the simulator's both take this rule)."""
     return max_num_batched_tokens if chunked else max(max_num_batched_tokens, max_model_len)
+
+
+def rank0_kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, tp: int = 1, pp: int = 1) -> int:
+    """One token's K and V on the engine's rank 0: its tensor-parallel shard's KV heads (analysis/collectives.
+    shard_config, parallel/layout.local_kv_heads's rule) over pipeline stage 0's layers -- the shard config the
+    engine's rank 0 sizes its cache and its StepRecords' kv_bytes_used from (telemetry/step_record.kv_bytes_used)."""
+    return kv_cache_bytes_per_token(stage_configs(shard_config(cfg, tp), pp)[0], kv_dtype)
 
 
 def stage_layers(num_layers: int, pp: int) -> list:

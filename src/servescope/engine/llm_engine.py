@@ -30,7 +30,7 @@ from servescope.sampling.sampler import SamplingState, make_generator
 from servescope.scheduler.output import SchedulerOutput
 from servescope.scheduler.request import Request
 from servescope.telemetry.moe import record_expert_parallel, record_routing
-from servescope.telemetry.step_record import StepRecord
+from servescope.telemetry.step_record import StepRecord, kv_bytes_used
 
 STEP_HISTORY = 100_000  # step records kept in memory (a few hundred bytes each)
 
@@ -270,7 +270,7 @@ class LLMEngine:
             kv_blocks_cached=km.num_cached_blocks, kv_usage=km.usage,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_preemptions_total=self.scheduler.num_preemptions, grammar_mask_seconds=decision.mask_seconds,
-            kv_bytes_used=int(km.used_kv_tokens() * self.kv_bytes_per_token))
+            kv_bytes_used=kv_bytes_used(km, self.kv_bytes_per_token))
         rec.num_spec_seqs, rec.num_draft_tokens, rec.num_accepted_tokens = (
             decision.num_spec_seqs, decision.num_draft_tokens, decision.num_accepted_tokens)
         if out.scheduled:

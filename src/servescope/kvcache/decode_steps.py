@@ -93,10 +93,8 @@ def _bulk_plan(kv: KVCacheManager, requests: Sequence[SequenceLike], starts: Seq
                 hashing.append((rid, hashes, table, done, full))
     if num_new > kv.num_free_blocks:
         return None
-    if new_hashes:
-        lookup = kv.prefix_cache.lookup
-        if len(set(new_hashes)) != len(new_hashes) or any(lookup(h) is not None for h in new_hashes):
-            return None
+    if new_hashes and (len(set(new_hashes)) != len(new_hashes) or kv.prefix_cache.any_known(new_hashes)):
+        return None
     return tables, phases, num_new, hashing
 
 

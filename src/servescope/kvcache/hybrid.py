@@ -158,8 +158,7 @@ class HybridKVCacheManager:
         if not self.enable_prefix_caching or request.request_id in first._blocks:
             return [], 0
         max_hit = max_hit_blocks(request.num_tokens, self.block_size)
-        hashes = first._request_hashes(request, max_hit)[:max_hit]
-        n, tables = longest_hit([(g.prefix_cache.lookup, g.window) for g in self.groups], hashes, self.block_size)
+        n, tables = self.cached_tables(first._request_hashes(request, max_hit)[:max_hit])
         return (tables, n * self.block_size) if n else ([], 0)
 
     def cached_run(self, hashes) -> list:

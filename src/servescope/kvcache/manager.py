@@ -23,6 +23,9 @@ Pure Python, no torch: tested on plain integers.
 from __future__ import annotations
 
 import logging
+from functools import partial
+from itertools import takewhile
+from operator import is_not
 from typing import Protocol, Sequence
 
 from servescope.config import CacheConfig
@@ -66,7 +69,7 @@ class KVCacheManager:
         self.num_blocks = config.num_blocks
         self.enable_prefix_caching = config.enable_prefix_caching
         self.allocator = BlockAllocator(config.num_blocks)
-        self.prefix_cache = PrefixCache()
+        self.prefix_cache = PrefixCache(config.num_blocks)
         self._blocks: dict[str, list[int]] = {}  # request id -> block table
         self._hashes: dict[str, list[BlockHash]] = {}  # request id -> hashes of its full blocks so far
         self._num_hashed: dict[str, int] = {}  # request id -> its leading blocks already offered to the cache
@@ -143,19 +146,16 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.request_id in self._blocks:
             return [], 0
         max_hit = max_hit_blocks(request.num_tokens, self.block_size)
-        n, (blocks,) = longest_hit([(self.prefix_cache.lookup, self.window)],
-                                   self._request_hashes(request, max_hit)[:max_hit], self.block_size)
+        n, (blocks,) = self.cached_tables(self._request_hashes(request, max_hit)[:max_hit])
         return blocks, n * self.block_size
+
+    def cached_tables(self, hashes) -> tuple:
+        """(n, [its table]): the hit of a request whose full blocks hash so (get_computed_blocks's rule)."""
+        return longest_hit([(self.prefix_cache.lookup, self.window)], list(hashes), self.block_size)
 
     def cached_run(self, hashes) -> list:
         """The cached blocks of the leading run of `hashes` (up to the first miss). Touches nothing."""
-        blocks: list[int] = []
-        for h in hashes:
-            b = self.prefix_cache.lookup(h)
-            if b is None:
-                break
-            blocks.append(b)
-        return blocks
+        return list(takewhile(partial(is_not, None), map(self.prefix_cache.lookup, hashes)))
 
     def _request_hashes(self, request: SequenceLike, num_full: int) -> list[BlockHash]:
         known = self._hashes.get(request.request_id)

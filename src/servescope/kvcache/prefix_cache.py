@@ -19,7 +19,8 @@ import functools
 import hashlib
 import struct
 from collections import OrderedDict
-from itertools import filterfalse
+from itertools import compress, repeat
+from operator import is_not, not_
 from typing import Optional, Sequence
 
 BlockHash = bytes  # 32-byte sha256 digest
@@ -100,8 +101,12 @@ def extend_fast_hashes(hashes: list, token_ids: Sequence[int], block_size: int, 
         return hashes
     parent = hashes[-1] if hashes else _FAST_ROOT if salt is None else _int_root(salted_root(salt))
     append = hashes.append
-    for a in range(k * block_size, n * block_size, block_size):
-        parent = hash((parent, *token_ids[a:a + block_size]))
+    if n == k + 1:  # a decode filling its block
+        append(hash((parent, *token_ids[k * block_size:n * block_size])))
+        return hashes
+    # the blocks as tuples of block_size tokens, cut by zip from one iterator over their span (no slice per block)
+    for block in zip(*[iter(token_ids[k * block_size:n * block_size])] * block_size):
+        parent = hash((parent, *block))
         append(parent)
     return hashes
 
@@ -124,37 +129,52 @@ def _int64_bytes(token_ids: Sequence[int]) -> bytes:
 
 
 class PrefixCache:
-    """hash <-> block maps plus the evictable LRU (first entry = least recently freed = evicted first)."""
+    """hash <-> block maps plus the evictable LRU (first entry = least recently freed = evicted first).
 
-    def __init__(self):
+    The block -> hash side is a list indexed by block id (blocks are 0..num_blocks-1; None: no hash), so that the
+    per-block tests over a request's whole table (free, the bulk inserts) read a list, not a dict of every cached
+    block."""
+
+    def __init__(self, num_blocks: int):
         self._block_of: dict[BlockHash, int] = {}
-        self._hash_of: dict[int, BlockHash] = {}
+        self._hash_of: list = [None] * num_blocks  # block -> its hash, None while it has none
         self._evictable: OrderedDict[int, None] = OrderedDict()
 
     # -- lookups ---------------------------------------------------------------------------
     def lookup(self, h: BlockHash) -> Optional[int]:
         return self._block_of.get(h)
 
+    def any_known(self, hashes) -> bool:
+        """Whether any of the hashes is cached (one set operation)."""
+        return not self._block_of.keys().isdisjoint(hashes)
+
     def is_cached(self, block: int) -> bool:
-        return block in self._hash_of
+        return self._hash_of[block] is not None
 
     def hash_of(self, block: int) -> Optional[BlockHash]:
-        return self._hash_of.get(block)
+        return self._hash_of[block]
 
     def any_cached(self, blocks: Sequence[int]) -> bool:
-        return any(map(self._hash_of.__contains__, blocks))
+        return any(map(is_not, map(self._hash_of.__getitem__, blocks), repeat(None)))
 
     def split_cached(self, blocks: Sequence[int]) -> tuple[list[int], list[int]]:
         """(the cached blocks, the others), each in the order given."""
-        cached = list(filter(self._hash_of.__contains__, blocks))
-        return cached, [] if len(cached) == len(blocks) else list(filterfalse(self._hash_of.__contains__, blocks))
+        flags = list(map(is_not, map(self._hash_of.__getitem__, blocks), repeat(None)))
+        cached = list(compress(blocks, flags))
+        if len(cached) == len(blocks):
+            return cached, []
+        return cached, list(compress(blocks, map(not_, flags)))
+
+    def cached_blocks(self) -> list[int]:
+        """The blocks that have a hash, in block order."""
+        return [b for b, h in enumerate(self._hash_of) if h is not None]
 
     def is_evictable(self, block: int) -> bool:
         return block in self._evictable
 
     @property
     def num_cached(self) -> int:
-        return len(self._hash_of)
+        return len(self._block_of)
 
     @property
     def num_evictable(self) -> int:
@@ -168,7 +188,7 @@ class PrefixCache:
     def insert(self, h: BlockHash, block: int) -> bool:
         """Cache a full block under h. False (and nothing changes) if h is already cached by
         another block, or this block already has a hash."""
-        if h in self._block_of or block in self._hash_of:
+        if h in self._block_of or self._hash_of[block] is not None:
             return False
         self._block_of[h] = block
         self._hash_of[block] = h
@@ -180,27 +200,30 @@ class PrefixCache:
         block_of, hash_of = self._block_of, self._hash_of
         for i in range(start, stop):
             h, b = hashes[i], blocks[i]
-            if b != skip and h not in block_of and b not in hash_of:
+            if b != skip and h not in block_of and hash_of[b] is None:
                 block_of[h] = b
                 hash_of[b] = h
 
     def uncache(self, block: int) -> None:
         """Forget a block's hash (it must not be evictable: evict() or take() it first)."""
         assert block not in self._evictable, f"uncache of evictable block {block}"
-        h = self._hash_of.pop(block)
+        h = self._hash_of[block]
+        if h is None:
+            raise KeyError(block)
+        self._hash_of[block] = None
         del self._block_of[h]
 
     def add_evictable(self, block: int) -> None:
         """A cached block's last owner let go: it becomes the most recently freed evictable block."""
-        assert block in self._hash_of, f"block {block} is not cached"
+        assert self._hash_of[block] is not None, f"block {block} is not cached"
         assert block not in self._evictable, f"block {block} is already evictable"
         self._evictable[block] = None
 
     def add_evictable_all(self, blocks: Sequence[int]) -> None:
         """add_evictable() of each block in order: each cached and not evictable (the caller's ref counts say so:
         a block comes here when its last holder lets go, and an evictable block has none)."""
-        if not all(map(self._hash_of.__contains__, blocks)):
-            raise AssertionError(f"not cached: {[b for b in blocks if b not in self._hash_of]}")
+        if None in map(self._hash_of.__getitem__, blocks):
+            raise AssertionError(f"not cached: {[b for b in blocks if self._hash_of[b] is None]}")
         evictable = self._evictable
         for b in blocks:  # (an OrderedDict takes keys one by one about twice as fast as from update(dict))
             evictable[b] = None
@@ -219,11 +242,12 @@ class PrefixCache:
         """evict() n times: the n least recently freed evictable blocks, in that order, their hashes dropped."""
         if n > len(self._evictable):
             raise KeyError(f"{n} evictions asked for, {len(self._evictable)} evictable blocks")
-        popitem, hash_pop, block_of = self._evictable.popitem, self._hash_of.pop, self._block_of
+        popitem, hash_of, block_of = self._evictable.popitem, self._hash_of, self._block_of
         out = []
         for _ in range(n):
             b = popitem(last=False)[0]
-            del block_of[hash_pop(b)]
+            del block_of[hash_of[b]]
+            hash_of[b] = None
             out.append(b)
         return out
 
@@ -232,12 +256,12 @@ class PrefixCache:
         evictable = list(self._evictable)
         self._evictable.clear()
         self._block_of.clear()
-        self._hash_of.clear()
+        self._hash_of[:] = [None] * len(self._hash_of)
         return evictable
 
     def check_invariants(self) -> None:
-        assert len(self._block_of) == len(self._hash_of)
+        assert len(self._block_of) == len(self._hash_of) - self._hash_of.count(None)
         for h, b in self._block_of.items():
-            assert self._hash_of.get(b) == h, f"block {b}: hash maps disagree"
+            assert self._hash_of[b] == h, f"block {b}: hash maps disagree"
         for b in self._evictable:
-            assert b in self._hash_of, f"evictable block {b} is not cached"
+            assert self._hash_of[b] is not None, f"evictable block {b} is not cached"

@@ -5,7 +5,8 @@
   least-tokens  the replica with the fewest outstanding tokens (prompt tokens until the first token,
                 then the outputs still to come), SGLang's and vLLM's production routers' load measure;
   prefix        the replica whose prefix cache holds the longest prefix of the prompt (its real block
-                hashes, looked up without touching the cache), unless that replica's load exceeds the
+                hashes, looked up without touching the cache, as the engine's hit rule takes them: a hybrid's
+                every group of layers, KVCacheManager.cached_tables), unless that replica's load exceeds the
                 least loaded one's by more than `balance_tokens`, then least-tokens (SGLang's
                 cache-aware router's rule).
 One replica is the single-engine case. Time: every replica has its own clock; the deployment always
@@ -18,7 +19,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from servescope.errors import InvalidParameterError
-from servescope.kvcache.prefix_cache import hash_full_blocks
+from servescope.kvcache.prefix_cache import hash_full_blocks, max_hit_blocks
 from servescope.sim.engine import SimEngine
 from servescope.sim.spec import InstanceSpec
 from servescope.sim.step_time import StepTimer
@@ -154,17 +155,15 @@ class Deployment:
 
     @staticmethod
     def cached_prefix(engine: SimEngine, prompt: Sequence[int]) -> int:
-        """Tokens of the prompt's leading full blocks that the replica's prefix cache holds now."""
+        """Tokens of the prompt that a prefix hit on the replica would take now: the engine's own rule
+        (the KV manager's cached_tables, get_computed_blocks's: with a table per group of layers, the longest
+        prefix every group can serve, a windowed group the blocks the next query reads). Touches nothing."""
         km = engine.kv_manager
         if not km.enable_prefix_caching:
             return 0
-        cache, n = km.prefix_cache, 0
-        for h in hash_full_blocks(prompt, km.block_size, limit=(len(prompt) - 1) // km.block_size,
-                                  extend=km.extend_hashes):
-            if cache.lookup(h) is None:
-                break
-            n += 1
-        return n * km.block_size
+        hashes = hash_full_blocks(prompt, km.block_size, limit=max_hit_blocks(len(prompt), km.block_size),
+                                  extend=km.extend_hashes)
+        return km.cached_tables(hashes)[0] * km.block_size
 
     # ---------------------------------------------------------------- what happened
     def stats(self, duration: float) -> dict:

@@ -36,7 +36,7 @@ from servescope.sim.fast_forward import DecodeRun
 from servescope.sim.spec import InstanceSpec
 from servescope.sim.step_time import StepTimer
 from servescope.telemetry.request_metrics import RequestMetrics
-from servescope.telemetry.step_record import StepRecord
+from servescope.telemetry.step_record import StepRecord, kv_bytes_used
 
 _STREAM_MUL = 2654435761  # Knuth's multiplicative hash: a request's output stream, position by position
 
@@ -59,6 +59,7 @@ class SimEngine:
                  timer: Optional[StepTimer] = None, fast_forward: bool = True):
         self.spec, self.name, self.fast_forward = spec, name, fast_forward
         self._run: Optional[DecodeRun] = None  # the planned stretch, not yet applied (commit)
+        self.decode_layout: Optional[tuple] = None  # fast_forward._layout's, computed at the first stretch
         self.clock = 0.0  # virtual seconds
         # blocks hashed by the tuple-hash chain: the simulator's caches meet no engine's, and it hashes every
         # prompt and output block of a workload (prefix_cache.extend_fast_hashes)
@@ -360,7 +361,7 @@ class SimEngine:
             kv_blocks_cached=km.num_cached_blocks, kv_usage=km.usage, num_running=sched.num_running,
             num_waiting=sched.num_waiting, num_preemptions_total=sched.num_preemptions,
             num_spec_seqs=num_spec, num_draft_tokens=drafted,
-            num_accepted_tokens=accepted, kv_bytes_used=int(km.used_kv_tokens() * self.spec.kv_bytes_per_token),
+            num_accepted_tokens=accepted, kv_bytes_used=kv_bytes_used(km, self.spec.kv_bytes_per_token),
             predicted_seconds=pred.seconds, flops=cost.flops, bytes=cost.bytes,
             flops_by_group={o.name: o.flops for o in cost.ops}, bytes_by_group={o.name: o.bytes for o in cost.ops},
             bound=cost.bound, hardware=self.spec.hardware.name,

@@ -23,14 +23,20 @@ the stretch's calls are one (kvcache/decode_steps.allocate_decode_steps: the blo
 bulk, the state the calls leave) and the peak KV usage is the usage after them (nothing frees blocks in
 a stretch). Every token of the stretch (each request's own stream)
 is given to its request before the first call, as the calls need only the tokens before their positions
-(a call hashes the blocks full within min(position + 1, its tokens): the position bounds it either way). A window
-(sliding-window KV that frees blocks), a table per group of layers (a hybrid's windowed groups free blocks too)
-or speculative decoding never fast-forwards.
+(a call hashes the blocks full within min(position + 1, its tokens): the position bounds it either way).
+
+Windowed layers (one window for every layer, or a hybrid's windowed groups of layers: a table per group) free a
+block at the position whose query no longer sees it ((p - window + 1) % S == 0), so in such a stretch the calls
+are made step by step as with records -- at each step those of the rows at a block start, a block fill or a
+slide, and at its first step every row's (a chunk before it may have left blocks to give back) -- and the bound
+is the least of the groups' free blocks at the start (a block start takes a block in every group; blocks freed
+meanwhile are not counted). Speculative decoding never fast-forwards.
 """
 
 from __future__ import annotations
 
 from array import array
+from itertools import chain
 from typing import Optional
 
 from servescope.kvcache.decode_steps import allocate_decode_steps
@@ -60,7 +66,11 @@ class DecodeRun:
         self.finish_step = min(last_step)
         self.cache_steps = kv.num_blocks * b - max(p0)  # (schedule() finishes a request that outgrew the cache)
         self.hashing = kv.enable_prefix_caching and b > 1
-        self.free0 = kv.num_free_blocks
+        # windowed layers (one window for all, or a hybrid's windowed groups): a block slides out at the position
+        # whose query no longer sees it, so the steps are applied one at a time (their calls free blocks)
+        groups, self.windows, self.offsets = _layout(engine)
+        # (every group takes a block where a block starts)
+        self.free0 = kv.num_free_blocks if len(groups) == 1 else min(g.num_free_blocks for g in groups)
         self.allocs = 0  # blocks the planned steps may take (every block start counted)
         self.clock0 = self.clock = engine.clock
         self.plan: list = []  # per planned step: (seconds, prediction, bound, its end)
@@ -69,7 +79,7 @@ class DecodeRun:
 
     @classmethod
     def start(cls, engine) -> Optional["DecodeRun"]:
-        if engine.spec.spec_decode.k or engine.kv_manager.window or engine.spec.group_blocks is not None:
+        if engine.spec.spec_decode.k:
             return None
         rows = engine.scheduler.decode_batch()
         return cls(engine, rows) if rows else None
@@ -113,8 +123,8 @@ class DecodeRun:
             entry[1].token_times.extend(ends)
         finishing = m - 1 == self.finish_step
         records = e.steps is not None
-        if records:
-            self._apply_steps(m, finishing)
+        if records or self.windows:
+            self._apply_steps(m, finishing, records)
         else:
             self._apply_blocks(m)
         n = len(rows) * m
@@ -149,16 +159,18 @@ class DecodeRun:
             bound_seconds[bound] += seconds
         e.busy_seconds = busy
 
-    def _apply_steps(self, m: int, finishing: bool) -> None:
-        """The m planned steps one at a time, each with its StepRecord (the KV state as that step leaves it): each
-        step's allocate_slots(req, 1) where it can change blocks, then its counters."""
+    def _apply_steps(self, m: int, finishing: bool, records: bool) -> None:
+        """The m planned steps one at a time, with records each with its StepRecord (the KV state as that step
+        leaves it): each step's allocate_slots(req, 1) where it can change blocks, then its counters."""
         e, rows, p0, b = self.engine, self.rows, self.p0, self.block_size
         kv = e.kv_manager
         touch: dict = {}
         peak, busy, bound_seconds = e.peak_kv_usage, e.busy_seconds, e.bound_seconds
         start, allocate = self.clock0, kv.allocate_slots
         for j, (seconds, pred, bound, end) in enumerate(self.plan):
-            touched = touch.get(j % b)
+            # (with windows every row at the first step: a block may have slid out before it, e.g. a prefill's
+            # chunk, and the first call after that gives it back whatever its position)
+            touched = list(range(len(rows))) if j == 0 and self.windows else touch.get(j % b)
             if touched is None:
                 touched = touch[j % b] = self._touched(j)
             for i in touched:  # as this step's schedule(): the request at its position, then its allocation
@@ -171,7 +183,7 @@ class DecodeRun:
             busy += seconds
             bound_seconds[bound] += seconds
             e.peak_kv_usage, e.busy_seconds = peak, busy
-            if not (finishing and j == m - 1):  # the finishing step's after its finishes, as step()'s
+            if records and not (finishing and j == m - 1):  # the finishing step's after its finishes, as step()'s
                 e.num_steps += 1
                 e._record_step(pred, start, seconds, 0, len(rows), 0, len(rows), [p + j + 1 for p in p0], 0, 0, 0)
             start = end
@@ -180,8 +192,25 @@ class DecodeRun:
 
     def _touched(self, j: int) -> list:
         """The rows whose step j can change blocks, in admission order (schedule()'s): those at a block start,
-        and with prefix caching those filling one."""
+        with prefix caching those filling one, with windows those whose oldest block slides out (`offsets`)."""
         b, by_phase = self.block_size, self.by_phase
-        if not self.hashing:  # block size 1 (a block starts and fills at every position), or no prefix caching
-            return by_phase[-j % b]
-        return sorted(by_phase[-j % b] + by_phase[(-j - 1) % b])
+        phases = {(o - j) % b for o in self.offsets}
+        if len(phases) == 1:
+            return by_phase[phases.pop()]
+        return sorted(chain.from_iterable(by_phase[p] for p in phases))
+
+
+def _layout(engine) -> tuple:
+    """(the KV manager's groups of layers, their windows, the step offsets within a block -- position mod S --
+    where a call can change blocks: a block starts, one fills (hashed), one slides out of a window, as
+    first_in_view moves at (p - w + 1) % S == 0), computed once per engine."""
+    layout = engine.decode_layout
+    if layout is None:
+        kv = engine.kv_manager
+        b = kv.block_size
+        groups = getattr(kv, "groups", (kv,))
+        windows = tuple(g.window for g in groups if g.window)
+        hashing = kv.enable_prefix_caching and b > 1
+        offsets = frozenset({0} | ({b - 1} if hashing else set()) | {(w - 1) % b for w in windows})
+        layout = engine.decode_layout = (groups, windows, offsets)
+    return layout

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from servescope.analysis.cpu_isa import local_fast_bf16
-from servescope.analysis.collectives import DEFAULT_LINK, LinkSpec, get_link, rank_weights_config, shard_config
+from servescope.analysis.collectives import DEFAULT_LINK, LinkSpec, get_link, rank_weights_config
 from servescope.analysis.hardware import HardwareSpec, get_hardware
 from servescope.analysis.spec import FP8
-from servescope.analysis.kv_stages import engine_group_blocks, stage_configs, step_token_limit
+from servescope.analysis.kv_stages import engine_group_blocks, rank0_kv_bytes_per_token, step_token_limit
 from servescope.analysis.memory_planner import plan_memory
-from servescope.analysis.op_counts import DTYPE_BYTES, kv_cache_bytes_per_token, resolve_dtypes
+from servescope.analysis.op_counts import DTYPE_BYTES, resolve_dtypes
 from servescope.analysis.presets import load_preset
 from servescope.kvcache.hybrid import binding_blocks
 from servescope.analysis.step_prediction import StepPredictor
@@ -102,7 +102,8 @@ class InstanceSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return kv_cache_bytes_per_token(self.model, self.dtypes[1])
+        """One token's K and V on rank 0, as the engine's StepRecords count kv_bytes_used (not the whole model's)."""
+        return rank0_kv_bytes_per_token(self.model, self.dtypes[1], self.tp, self.pp)
 
     def predictor(self) -> StepPredictor:
         return StepPredictor(self.model, self.hardware, self.dtypes, self.tp, self.pp, self.micro_batches,
@@ -170,7 +171,7 @@ def instance_spec(model: str | ModelConfig, hardware: str | HardwareSpec, *, dty
         hw.flops(FP8)  # (refused where the part has no FP8 tensor cores)
     kdt = adt if kv_cache_dtype == "auto" else ("fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype)
     # rank 0's bytes per token (its KV heads, stage 0's layers): what the engine sizes a byte budget by
-    kv_tok = kv_cache_bytes_per_token(stage_configs(shard_config(cfg, tp, ep), pp)[0], kdt)
+    kv_tok = rank0_kv_bytes_per_token(cfg, kdt, tp, pp)
     max_len = batching.max_model_len or cfg.max_position_embeddings
     if cache.num_kv_blocks is not None:
         blocks = cache.num_kv_blocks

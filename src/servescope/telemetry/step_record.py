@@ -28,7 +28,8 @@ class StepRecord:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     grammar_mask_seconds: float = 0.0  # structured outputs: filling + applying the batch's token masks
-    # bytes of the referenced KV blocks (K and V of every layer; an int8 / fp8 cache's scales included)
+    # bytes of the referenced KV blocks on rank 0 (K and V of every layer it holds: its KV heads, its pipeline
+    # stage's layers; an int8 / fp8 cache's scales included): kv_bytes_used()
     kv_bytes_used: int = 0
     # from the cost model (None when prediction is off)
     predicted_seconds: Optional[float] = None
@@ -108,3 +109,11 @@ def step_period(records: list, i: int) -> float:
         if r.wall_seconds <= gap <= 2 * r.wall_seconds:
             return gap
     return r.wall_seconds
+
+
+def kv_bytes_used(kv_manager, bytes_per_token: int) -> int:
+    """StepRecord.kv_bytes_used: the tokens' worth of KV its used blocks hold (KVCacheManager.used_kv_tokens) times
+    one token's bytes on rank 0 (the engine's shard config: its tensor-parallel KV heads, pipeline stage 0's
+    layers; a simulated instance's analysis/kv_stages.rank0_kv_bytes_per_token). The engine and the simulator
+    both report it so."""
+    return int(kv_manager.used_kv_tokens() * bytes_per_token)
