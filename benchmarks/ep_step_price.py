@@ -10,9 +10,10 @@ and, of that, its all-to-alls (all_to_all_seconds) -- and what the cost model pr
 (predicted_seconds, with predicted_comm_seconds for the collectives: analysis/collectives.expert_parallel_cost
 on the link the engine probed, `local-gloo`, its all-to-all measured on its own, and the wait for the busier
 rank's experts and for the ranks' spread on equal work, analysis/parallel_skew.py). Printed per batch: the
-medians of each and the errors (predicted - measured) / measured, then the prediction's parts: the rank's compute (host overhead included),
-the all-to-alls, the other collectives (the all-gathers and the step plan's broadcasts) and the wait, and the
-step's error priced with the routing's skew alone (the link's desync 0, as before it was measured); then rank
+medians of each and the errors (predicted - measured) / measured, then the prediction's parts: the rank's
+compute (host overhead included), the all-to-alls, the other collectives (the all-gathers and the step plan's
+broadcasts) and the wait, and the step's error priced with the routing's skew alone (the link's desync 0, as
+before it was measured); then rank
 0's collectives by kind, as it issued them (timed here around torch.distributed's calls in this process, rank
 0's, each call counted in the step it fell in): per step the calls of each kind and their median ms per call
 (the plan's two broadcasts together; the tokens-per-expert all-gather, the dispatch, the combine and the
