@@ -36,8 +36,9 @@ EP_LAYERS = 8  # sparse layers per probed step
 COUNTS_INTS = 64  # a probed layer's tokens per expert: [E] int64 (its all-gather's bytes are a few hundred)
 PLAN_INTS = 10  # a probed plan's payload: a one-token decode step's (plan.py: 3 T + 3 B + 1 + its blocks)
 # The ranks' spread on equal work (LinkSpec.desync): rounds of every rank reading DESYNC_BYTES at once (memory-bound,
-# as a sparse layer's experts read their weights: tens of MiB on one thread), each timing its own
-DESYNC_BYTES = 32 << 20
+# as a sparse layer's experts read their weights: tens of MiB on one thread, past the last-level cache), each
+# timing its own
+DESYNC_BYTES = 64 << 20
 DESYNC_ROUNDS = 24
 WARM_UP = 3  # timed calls per size before the samples (after one untimed)
 SAMPLE_S = 20e-3  # one sample: this long of calls of one size (back to back for the all-reduce)
