@@ -9,9 +9,11 @@ StepRecord carries what rank 0 measured -- the step's wall time, its time inside
 and, of that, its all-to-alls (all_to_all_seconds) -- and what the cost model predicted for it
 (predicted_seconds, with predicted_comm_seconds for the collectives: analysis/collectives.expert_parallel_cost
 on the link the engine probed, `local-gloo`, its all-to-all measured on its own, and the wait for the busier
-rank's experts, analysis/parallel_skew.py). Printed per batch: the medians of each and the errors
-(predicted - measured) / measured, then the prediction's parts: the rank's compute (host overhead included),
-the all-to-alls, the other collectives (the all-gathers and the step plan's broadcasts) and the wait; then rank
+rank's experts and for the ranks' spread on equal work, analysis/parallel_skew.py). Printed per batch: the
+medians of each and the errors (predicted - measured) / measured, then the prediction's parts: the rank's
+compute (host overhead included), the all-to-alls, the other collectives (the all-gathers and the step plan's
+broadcasts) and the wait, and the step's error priced with the routing's skew alone (the link's desync 0, as
+before it was measured); then rank
 0's collectives by kind, as it issued them (timed here around torch.distributed's calls in this process, rank
 0's, each call counted in the step it fell in): per step the calls of each kind and their median ms per call
 (the plan's two broadcasts together; the tokens-per-expert all-gather, the dispatch, the combine and the
@@ -71,7 +73,8 @@ def measure(model: str, args) -> dict:
             print(f"    predicted: compute {med['p_compute'] * 1e3:6.2f} ms, all-to-all {med['p_a2a'] * 1e3:5.2f}, "
                   f"other collectives {med['p_other'] * 1e3:5.2f} (plan {med['p_plan'] * 1e3:4.2f}), wait "
                   f"{med['p_wait'] * 1e3:5.2f}; measured: compute {med['m_compute'] * 1e3:6.2f}, all-to-all (its "
-                  f"wait in it) {med['all_to_all_seconds'] * 1e3:5.2f}, other collectives {med['m_other'] * 1e3:5.2f}",
+                  f"wait in it) {med['all_to_all_seconds'] * 1e3:5.2f}, other collectives {med['m_other'] * 1e3:5.2f}; "
+                  f"step error with the routing's skew alone (no ranks' spread) {med['skew_only_error']:+.1%}",
                   flush=True)
             med["calls"] = calls.by_kind(steps)
             print("    per call, measured / priced: " + ", ".join(
@@ -92,17 +95,23 @@ def torch_threads() -> int:
 def breakdown(llm, steps: list) -> dict:
     """Medians of the prediction's parts over decode `steps` (the engine's own predictor, each step's contexts
     and measured distinct experts) and of the measured compute and collectives besides the all-to-alls."""
+    import dataclasses  # (stdlib)
+
     predictor = llm.engine.step_cost_predictor.predictor
+    # the same steps priced without the ranks' spread on equal work (the routing's skew alone: LinkSpec.desync 0)
+    skew_only = dataclasses.replace(predictor, link=dataclasses.replace(predictor.link, desync=0.0))
     parts = []
     for s in steps:
         active = s.moe_experts_active
-        p = predictor.predict([(1, c - 1) for c in s.context_lens], len(s.context_lens),
-                              sum(active) / len(active) if active else None)
+        seqs, distinct = [(1, c - 1) for c in s.context_lens], sum(active) / len(active) if active else None
+        p = predictor.predict(seqs, len(s.context_lens), distinct)
         comm = p.comm_seconds or 0.0
         parts.append({"p_compute": p.seconds - comm, "p_a2a": p.all_to_all_seconds, "p_wait": p.wait_seconds,
                       "p_other": comm - p.all_to_all_seconds - p.wait_seconds, "p_plan": p.plan_seconds,
                       "m_compute": s.compute_seconds,
-                      "m_other": s.comm_seconds - s.all_to_all_seconds})
+                      "m_other": s.comm_seconds - s.all_to_all_seconds,
+                      "skew_only_error": skew_only.predict(seqs, len(s.context_lens), distinct).seconds
+                      / s.wall_seconds - 1})
     return {k: statistics.median(d[k] for d in parts) for k in parts[0]}
 
 

@@ -195,3 +195,30 @@ def test_explain_parallel_on_one_cpu_shares_the_machine():
     r = explain_parallel(load_preset("llama-3-8b"), cpu, LINK, 2, 1, batch=1, weight_dtype="float32")
     for p in r["phases"]:
         assert p["speedup"] < 1.05 and p["step_seconds"] > p["single_device_seconds"] * 0.95
+
+
+def test_the_ranks_spread_on_equal_work_is_fitted_robustly():
+    """link_fit.relative_spread: each round's variance over its chi-square median, so that it reads the sd of one
+    rank's time on Gaussian samples and a round in which one rank lost its core moves it little."""
+    import random
+
+    from servescope.analysis.link_fit import relative_spread
+
+    rng = random.Random(0)
+    for ranks in (2, 4):
+        rounds = [[rng.gauss(5e-3, 5e-4) for _ in range(ranks)] for _ in range(4000)]
+        assert relative_spread(rounds) == pytest.approx(0.1, rel=0.05)
+    rounds = [[rng.gauss(5e-3, 5e-4), rng.gauss(5e-3, 5e-4)] for _ in range(24)]
+    slow = rounds[:-2] + [[5e-3, 5e-2], [5e-2, 5e-3]]  # two rounds of 24 with one rank stalled 10x
+    assert relative_spread(slow) < 2 * relative_spread(rounds) + 0.05
+    assert relative_spread([[1.0], [2.0]]) == 0.0 and relative_spread([]) == 0.0
+    for bad in ([[1.0, 0.0]], [[1.0, 2.0], [1.0, 2.0, 3.0]]):
+        with pytest.raises(InvalidParameterError):
+            relative_spread(bad)
+    # the probe's figure rides on the link (0 where it was not measured); a negative one is refused
+    base = fit_link({8192: 1e-4, 1 << 20: 1e-3, 1 << 24: 2e-2}, ranks=2)
+    step = {"all_to_all": {0: 2e-4, 1 << 20: 1.2e-3}, "all_gather": {8: 3e-4, 1 << 20: 1.3e-3}, "plan": {80: 5e-4}}
+    assert fit_step_collectives(step, base).desync == 0.0
+    assert fit_step_collectives({**step, "desync": {1 << 25: 0.07}}, base).desync == 0.07
+    with pytest.raises(InvalidParameterError):
+        LinkSpec("x", 1e9, 1e-6, desync=-0.1)

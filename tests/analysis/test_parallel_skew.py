@@ -100,3 +100,26 @@ def test_the_wait_is_the_cost_model_at_the_busiest_load_and_the_predictor_adds_i
     # measured routing: the mean from it, the spread uniform routing's
     measured = expert_wait_seconds(shard, seqs, hw, DTYPES, 2, distinct_experts=20.0)
     assert 0 < measured <= wait * 1.5
+
+
+def test_the_ranks_spread_on_equal_work_adds_to_the_wait():
+    """LinkSpec.desync: each sync after t seconds of a rank's work waits e_N desync t more, the experts' segment
+    added as a variance to the routing's skew; 0 leaves the routing's wait alone."""
+    from servescope.analysis.cost_model import step_cost
+
+    cfg, hw = load_preset("qwen3-30b-a3b"), get_hardware("h100")
+    seqs, shard = [(1, 256)] * 4, shard_config(cfg, 1, 2)
+    load = expert_wait_seconds(shard, seqs, hw, DTYPES, 2)
+    assert expert_wait_seconds(shard, seqs, hw, DTYPES, 2, desync=0.0) == load
+    ops = {o.name: o.seconds for o in step_cost(shard, seqs, hw, *DTYPES, expert_parallel=2).ops}
+    rest = sum(t for name, t in ops.items() if name not in ("mlp", "lm_head", "embedding"))
+    spread = expected_max_normal(2) * 0.1
+    wait = expert_wait_seconds(shard, seqs, hw, DTYPES, 2, desync=0.1)
+    assert wait == pytest.approx(math.hypot(load, spread * ops["mlp"]) + spread * rest, rel=1e-9)
+    assert load < wait < expert_wait_seconds(shard, seqs, hw, DTYPES, 2, desync=0.2)
+    # the predictor takes it from its link, and so does explain's phase
+    link = dataclasses.replace(LINKS["nvlink4"], desync=0.1)
+    linked = StepPredictor(cfg, hw, DTYPES + (2,), link=link, ep=2).predict(seqs, 4)
+    assert linked.wait_seconds == pytest.approx(wait)
+    assert linked.comm_seconds == pytest.approx(step_comm_cost(cfg, 4, 4, 1, 1, link, 2, ep=2).seconds + wait)
+    assert expert_wait_seconds(cfg, seqs, hw, DTYPES, 1, desync=0.1) == 0.0  # one rank waits for nobody

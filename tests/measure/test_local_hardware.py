@@ -1,5 +1,6 @@
 """measure/local_hardware.py hands the engine's own measurers to the pure probe: the full probe."""
 
+import dataclasses
 import json
 
 import torch
@@ -39,11 +40,11 @@ def test_the_local_link_entry_holds_the_step_collectives(tmp_path, monkeypatch):
     monkeypatch.setattr(local_hardware, "measure_all_reduce",
                         lambda: calls.append("ar") or {8192: 1e-4, 1 << 20: 1e-3, 1 << 24: 2e-2})
     step = {"all_to_all": {0: 2e-4, 1 << 20: 1.2e-3, 1 << 24: 1.7e-2}, "all_gather": {8: 3e-4, 1 << 20: 1.4e-3},
-            "plan": {80: 6e-4}}
+            "plan": {80: 6e-4}, "desync": {1 << 25: 0.05}}
     monkeypatch.setattr(local_hardware, "measure_step_collectives", lambda: calls.append("a2a") or step)
     link = local_hardware.local_gloo_link()
     assert calls == ["ar", "a2a"] and link.a2a_bandwidth > 0 and link.max_segment_bytes
-    assert link.ag_bandwidth > 0 and link.plan_s > 0
+    assert link.ag_bandwidth > 0 and link.plan_s > 0 and link.desync == 0.05
     assert local_hardware.local_gloo_link() == link and calls == ["ar", "a2a"]  # read back, not measured again
     assert cached_local_link(local_link_key()) == link
     older = fit_link({8192: 2e-4, 1 << 20: 2e-3, 1 << 24: 3e-2}, 2)  # none of the step's collectives in it
@@ -53,6 +54,9 @@ def test_the_local_link_entry_holds_the_step_collectives(tmp_path, monkeypatch):
     assert completed.bandwidth == older.bandwidth and completed.a2a_bandwidth == link.a2a_bandwidth
     assert completed.plan_s == link.plan_s
     assert local_hardware.local_gloo_link(measure=False) == completed
+    # an entry from before the ranks' spread was measured: the step's collectives measured again, with it
+    save_local_link(local_link_key(), dataclasses.replace(completed, desync=0.0))
+    assert local_hardware.local_gloo_link().desync == 0.05 and calls.count("a2a") == 3
 
 
 def test_an_expert_parallel_engine_keeps_the_probe_without_a_kernel_table(monkeypatch):

@@ -23,14 +23,15 @@ def test_step_collectives_probe_times_every_kind_and_size_and_their_fits_predict
     """The collectives a parallel step issues besides the all-reduce, timed between two processes in a step's
     order: the plan's broadcasts at a decode step's payload, all_to_all_single at the bytes one rank sends the
     other (0: the call alone), the all-gathers at the tokens per expert's bytes and each size's slice; fitted to a
-    call + bytes / bandwidth each (the plan: one figure)."""
+    call + bytes / bandwidth each (the plan: one figure); and the ranks' spread on equal work, kept on the link."""
     from servescope.analysis.collectives import all_gather_seconds, all_to_all_seconds, plan_seconds
     from servescope.analysis.link_fit import fit_step_collectives
-    from servescope.parallel.link_probe import COUNTS_INTS, PLAN_INTS, measure_step_collectives
+    from servescope.parallel.link_probe import COUNTS_INTS, DESYNC_BYTES, PLAN_INTS, measure_step_collectives
 
     sizes = (0, 16 * 1024, 256 * 1024, 4 << 20)
     measured = measure_step_collectives(sizes, runs=3)
-    assert sorted(measured) == ["all_gather", "all_to_all", "plan"]
+    assert sorted(measured) == ["all_gather", "all_to_all", "desync", "plan"]
+    assert list(measured["desync"]) == [DESYNC_BYTES] and measured["desync"][DESYNC_BYTES] >= 0
     assert sorted(measured["all_to_all"]) == list(sizes) and list(measured["plan"]) == [PLAN_INTS * 8]
     # a layer's two all-gathers (the tokens per expert, the slice) timed as a pair, at their mean bytes
     assert sorted(measured["all_gather"]) == [(COUNTS_INTS * 8 + max(4, b)) // 2 for b in sizes]
@@ -42,6 +43,7 @@ def test_step_collectives_probe_times_every_kind_and_size_and_their_fits_predict
     for b, t in measured["all_gather"].items():
         assert all_gather_seconds(b, 2, link) == pytest.approx(t, rel=1.0)
     assert plan_seconds(PLAN_INTS * 8, 2, link) == pytest.approx(measured["plan"][PLAN_INTS * 8], rel=0.01)
+    assert link.desync == measured["desync"][DESYNC_BYTES]
 
 
 def test_socket_buffer_is_read_from_the_kernel(tmp_path):

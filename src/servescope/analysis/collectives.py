@@ -92,12 +92,18 @@ class LinkSpec:
     ag_call_s: float = 0.0
     ag_bandwidth: float = 0.0
     plan_s: float = 0.0
+    # the spread (sd / mean) of one rank's time for the same memory-bound work while the other ranks run theirs
+    # (link_probe's step probe; 0: not measured): what each rank waits for at a sync beyond the routing's skew
+    # (analysis/parallel_skew.expert_wait_seconds)
+    desync: float = 0.0
 
     def __post_init__(self):
         if self.bandwidth <= 0 or min(self.latency_s, self.call_s, self.step_s, self.max_segment_bytes,
                                       self.buffer_bytes, self.buffered_bandwidth, self.a2a_call_s,
-                                      self.a2a_bandwidth, self.ag_call_s, self.ag_bandwidth, self.plan_s) < 0:
+                                      self.a2a_bandwidth, self.ag_call_s, self.ag_bandwidth, self.plan_s,
+                                      self.desync) < 0:
             raise InvalidParameterError("link", f"{self.name}: bandwidth must be > 0, latencies and the segment >= 0")
+
 
     def describe(self) -> str:
         """One line: the link's terms."""
@@ -106,6 +112,7 @@ class LinkSpec:
             a2a = (f"; all-to-all {self.a2a_call_s * 1e6:.0f} us per call + bytes at {self.a2a_bandwidth / 1e9:.2f} "
                    f"GB/s, all-gather {self.ag_call_s * 1e6:.0f} us + bytes at {self.ag_bandwidth / 1e9:.2f} GB/s, "
                    f"step plan {self.plan_s * 1e6:.0f} us (as a step issues them)" if self.a2a_bandwidth else "")
+            a2a += f"; ranks' equal work spread {100 * self.desync:.1f}%" if self.desync else ""
             return (f"{self.name}: gloo ring, {self.call_s * 1e6:.0f} us per all-reduce + {self.step_s * 1e6:.0f} us "
                     f"per step; a segment's first {self.buffer_bytes // 1024} KiB {buffered}, the rest "
                     f"{self.bandwidth / 1e9:.2f} GB/s{a2a}")

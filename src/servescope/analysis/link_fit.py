@@ -61,15 +61,34 @@ def fit_step_collectives(measured: dict, link: LinkSpec) -> LinkSpec:
     """`link` with the collectives a step issues fitted to their times at two ranks, {kind: {bytes: seconds}}
     for the kinds of STEP_COLLECTIVES: the all-to-all's {bytes sent to the other rank: s} and the all-gather's
     {bytes per rank: s}, each a call + bytes / rate; the plan's {payload bytes: s} of its two broadcasts, their
-    median less the payload at the all-to-all's rate (plan_s)."""
+    median less the payload at the all-to-all's rate (plan_s); "desync" where measured: {work bytes: the ranks'
+    spread on it} (relative_spread), their median (desync; 0 where absent)."""
     missing = [k for k in STEP_COLLECTIVES if not measured.get(k)]
     if missing:
         raise InvalidParameterError("link", f"the step's collectives lack measured times of: {', '.join(missing)}")
     a2a_call, a2a_bw = fit_call_and_rate(measured["all_to_all"], "all-to-all")
     ag_call, ag_bw = fit_call_and_rate(measured["all_gather"], "all-gather")
     plan = statistics.median(t - b / a2a_bw for b, t in measured["plan"].items())
+    desync = statistics.median(measured.get("desync", {}).values() or [0.0])
     return dataclasses.replace(link, a2a_call_s=a2a_call, a2a_bandwidth=a2a_bw, ag_call_s=ag_call,
-                               ag_bandwidth=ag_bw, plan_s=max(0.0, plan))
+                               ag_bandwidth=ag_bw, plan_s=max(0.0, plan), desync=desync)
+
+
+def relative_spread(rounds: list) -> float:
+    """The sd of one rank's time about its round's mean over the mean time, from rounds [[each rank's seconds]] of
+    the same work started together: LinkSpec.desync. Each round's unbiased variance is a chi-square of N - 1
+    degrees over N - 1 times it; their median over that distribution's median (exact at N = 2, Wilson-Hilferty
+    above), so that a round in which another process took a rank's core does not set it. 0 for one rank."""
+    rows = [[float(t) for t in r] for r in rounds if len(r) > 1]
+    if not rows:
+        return 0.0
+    if min(min(r) for r in rows) <= 0 or len({len(r) for r in rows}) > 1:
+        raise InvalidParameterError("link", f"equal work timed at {rows}: as many ranks each round, times > 0")
+    k = len(rows[0]) - 1
+    z = statistics.NormalDist().inv_cdf(0.75)
+    median_ratio = z * z if k == 1 else (1 - 2 / (9 * k)) ** 3  # median of chi-square(k) / k
+    var = statistics.median(statistics.variance(r) for r in rows) / median_ratio
+    return math.sqrt(var) / statistics.mean(t for r in rows for t in r)
 
 
 def _least_squares(rows: list, y: list):

@@ -71,7 +71,8 @@ def _phase(name: str, cfg: ModelConfig, seqs: list, num_logits: int, hw: Hardwar
     compute = step_cost(shard_config(cfg, tp, ep), seqs, hw, wdt, kdt, adt, num_logits=num_logits,
                         expert_parallel=ep).predicted_seconds
     # expert parallelism: each sparse layer waits for the busiest rank's experts (analysis/parallel_skew.py)
-    wait = expert_wait_seconds(shard_config(cfg, tp, ep), seqs, hw, (wdt, kdt, adt), ep, num_logits)
+    wait = expert_wait_seconds(shard_config(cfg, tp, ep), seqs, hw, (wdt, kdt, adt), ep, num_logits,
+                               desync=link.desync)
     if hw.kind == "cpu":  # one machine: its busy ranks share the cores and the memory bandwidth it has
         compute, wait = compute * max(tp, ep), wait * max(tp, ep)
     comm = step_comm_cost(cfg, sum(n for n, _ in seqs), num_logits, tp, pp, link, act_bytes, ep)

@@ -22,6 +22,14 @@ e_N the expected maximum of N standard normals (0.564 at N = 2, 1.029 at N = 4).
 k = 8, N = 2: 4.99 distinct experts on the busier rank against the exact hypergeometric 4.94.
 The busiest rank is then priced by the cost model itself, as a rank whose share is that load (expert_parallel
 N' = kT / rows, distinct experts N' x its distinct), so the wait is in the same rates as the step's compute.
+
+Equal work is not equal time either: two ranks reading their weights at once on one machine's memory finish
+apart (rank 0 waited in the combine about as often and as long as the other rank did in it: not a skew of the
+routing). A link whose probe measured it (LinkSpec.desync: the sd of one rank's time for the same memory-bound
+work over its mean, parallel/link_probe.py) adds per sync after a segment of t seconds of a rank's work a spread
+of sd desync x t, independent of the load's: the experts' segment waits e_N sqrt(s_load^2 + (desync t)^2) (the
+two spreads added as variances), the rest of the layer's work (attention, norms, router: before the
+tokens-per-expert all-gather) e_N desync t.
 """
 
 from __future__ import annotations
@@ -73,10 +81,12 @@ def busiest_rank_load(num_experts: int, top_k: int, tokens: int, ranks: int) -> 
 
 
 def expert_wait_seconds(cfg: ModelConfig, seqs: list, hw: HardwareSpec, dtypes: tuple, ep: int,
-                        num_logits: Optional[int] = None, distinct_experts: Optional[float] = None) -> float:
+                        num_logits: Optional[int] = None, distinct_experts: Optional[float] = None,
+                        desync: float = 0.0) -> float:
     """A rank's expected wait per step for the busiest rank's experts, over the step's sparse layers: the cost
     model's step at the busiest rank's load less at the mean rank's (0 at EP = 1, for a dense model, for an
-    empty step). cfg: the rank's model (collectives.shard_config); dtypes (weight, kv, activation);
+    empty step), with desync > 0 (LinkSpec.desync) the ranks' spread on equal work added (the module
+    docstring). cfg: the rank's model (collectives.shard_config); dtypes (weight, kv, activation);
     distinct_experts: the step's measured distinct experts per layer over every rank (None: uniform routing's)."""
     if ep <= 1 or cfg.moe is None:
         return 0.0
@@ -91,9 +101,16 @@ def expert_wait_seconds(cfg: ModelConfig, seqs: list, hw: HardwareSpec, dtypes: 
     wdt, kdt, adt = dtypes
     share = e.top_k * tokens / rows_max  # the busiest rank priced as a rank of share N' = kT / its rows
 
-    def mlp(n: float, total_distinct: float) -> float:
+    def ops(n: float, total_distinct: float) -> dict:
         cost = step_cost(cfg, seqs, hw, wdt, kdt, adt, num_logits=num_logits, distinct_experts=total_distinct,
                          expert_parallel=n)
-        return next(o.seconds for o in cost.ops if o.name == "mlp")
+        return {o.name: o.seconds for o in cost.ops}
 
-    return max(0.0, mlp(share, distinct_max * share) - mlp(ep, distinct * ep))
+    mean = ops(ep, distinct * ep)
+    load = max(0.0, ops(share, distinct_max * share)["mlp"] - mean["mlp"])
+    if desync <= 0:
+        return load
+    spread = expected_max_normal(ep) * desync  # the expected maximum's excess per second of every rank's work
+    # the layers' own work besides the experts: not the head (rank 0's alone, before the next step's plan)
+    rest = sum(t for name, t in mean.items() if name not in ("mlp", "lm_head", "embedding"))
+    return math.hypot(load, spread * mean["mlp"]) + spread * rest

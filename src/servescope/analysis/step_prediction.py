@@ -58,7 +58,8 @@ class StepPredictor:
         wdt, kdt, adt, act_bytes = self.dtypes
         cost = step_cost(self.shard, seqs, self.hw, wdt, kdt, adt, num_logits=num_logits,
                          distinct_experts=distinct_experts, expert_parallel=self.ep)
-        wait = expert_wait_seconds(self.shard, seqs, self.hw, (wdt, kdt, adt), self.ep, num_logits, distinct_experts)
+        wait = expert_wait_seconds(self.shard, seqs, self.hw, (wdt, kdt, adt), self.ep, num_logits, distinct_experts,
+                                   self.link.desync if self.link is not None else 0.0)
         if self.pp > 1:  # (the wait: every stage's sparse layers over the step's tokens, one after another)
             m = auto_micro_batches(sum(n for n, _ in seqs if n > 1), self.pp, self.micro_batches)
             step = pipelined_step(self.cfg, seqs, self.hw, self.tp, self.pp, m, self.link, self.dtypes,

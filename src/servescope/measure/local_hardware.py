@@ -98,12 +98,13 @@ def local_gloo_link(measure: bool = True, force: bool = False) -> Optional[LinkS
     """This machine's gloo all-reduce and the other collectives of a parallel step (the step plan's broadcasts,
     expert parallelism's all-to-alls and all-gathers) between two local processes (parallel/link_probe.py): read
     from its cache, else measured now (seconds; two spawned processes each) when `measure`, else None (a cached
-    link without the step's collectives, from before they were measured so: those measured now, or as it is)."""
+    link without the step's collectives or the ranks' spread on equal work, from before they were measured so:
+    those measured now, or as it is)."""
     key = local_link_key()
     link = None if force else cached_local_link(key)
     if link is None and measure:
         link = fit_local_link(measure_all_reduce(), source=f"measured here: gloo, 2 processes ({key})")
-    if link is not None and not (link.a2a_bandwidth and link.ag_bandwidth) and measure:
+    if link is not None and not (link.a2a_bandwidth and link.ag_bandwidth and link.desync) and measure:
         link = fit_step_collectives(measure_step_collectives(), link)
         save_local_link(key, link)
     return link

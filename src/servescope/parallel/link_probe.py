@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from servescope.analysis.collectives import LinkSpec
-from servescope.analysis.link_fit import fit_link
+from servescope.analysis.link_fit import fit_link, relative_spread
 from servescope.parallel.groups import free_port
 from servescope.parallel.plan import HEADER_LEN
 
@@ -35,6 +35,11 @@ LEAD_S = 1e-3
 EP_LAYERS = 8  # sparse layers per probed step
 COUNTS_INTS = 64  # a probed layer's tokens per expert: [E] int64 (its all-gather's bytes are a few hundred)
 PLAN_INTS = 10  # a probed plan's payload: a one-token decode step's (plan.py: 3 T + 3 B + 1 + its blocks)
+# The ranks' spread on equal work (LinkSpec.desync): rounds of every rank reading DESYNC_BYTES at once (memory-bound,
+# as a sparse layer's experts read their weights: tens of MiB on one thread, past the last-level cache), each
+# timing its own
+DESYNC_BYTES = 64 << 20
+DESYNC_ROUNDS = 24
 WARM_UP = 3  # timed calls per size before the samples (after one untimed)
 SAMPLE_S = 20e-3  # one sample: this long of calls of one size (back to back for the all-reduce)
 MAX_REPS = 200
@@ -110,7 +115,8 @@ def measure_step_collectives(sizes: tuple = A2A_PROBE_SIZES, runs: int = 15, wor
     """{kind: {bytes: seconds}} of the collectives besides the all-reduce that a parallel step issues, timed in a
     step's order over `world` local processes (_step_rank): "plan", the step plan's two broadcasts {payload
     bytes: s}; "all_to_all", expert parallelism's dispatch and combine {bytes sent to each other rank: s};
-    "all_gather", its tokens-per-expert and outputs' all-gathers, per call {their mean bytes per rank: s}. Per
+    "all_gather", its tokens-per-expert and outputs' all-gathers, per call {their mean bytes per rank: s}; and
+    "desync": {DESYNC_BYTES: the ranks' spread on equal work} (link_fit.relative_spread of their times). Per
     size, the lower quartile of the rounds' samples (as measure_all_reduce's), each sample one step's mean per
     call: a call right after another is often ~1 ms slower than one after compute (its peer's thread not woken
     at once), so a lone call's quartile would miss what a step pays, while a step's mean over its layers holds
@@ -174,9 +180,27 @@ def _step_rank(rank: int, world: int, port: int, sizes: tuple, runs: int, out) -
                 else:
                     times[kind].setdefault(nbytes, []).append(dt)
         times["plan"].setdefault(payload.numel() * 8, []).append(sum(plans) / len(plans))
+    rounds = _equal_work(gather, world)
     dist.destroy_process_group()
+    times["desync"] = {DESYNC_BYTES: rounds}
     if rank == 0:
         out.put(times)
+
+
+def _equal_work(gather, world: int) -> list:
+    """DESYNC_ROUNDS rounds of every rank reading DESYNC_BYTES at once after a barrier: [[each rank's seconds]]
+    per round (every rank's, all-gathered)."""
+    buf = torch.ones(DESYNC_BYTES // 4)
+    buf.sum()  # page faults
+    mine = torch.zeros(DESYNC_ROUNDS, dtype=torch.float64)
+    for i in range(DESYNC_ROUNDS):
+        dist.barrier()
+        t0 = time.perf_counter()
+        buf.sum()
+        mine[i] = time.perf_counter() - t0
+    every = torch.empty(world * DESYNC_ROUNDS, dtype=torch.float64)
+    gather(every, mine)
+    return every.view(world, DESYNC_ROUNDS).t().tolist()
 
 
 def _measure(kind: str, sizes: tuple, runs: int, world: int, statistic: str) -> dict:
@@ -200,7 +224,9 @@ def _measure(kind: str, sizes: tuple, runs: int, world: int, statistic: str) -> 
     pick = {"quartile": lambda ts: statistics.quantiles(ts, n=4)[0] if len(ts) > 1 else ts[0],
             "median": statistics.median, "min": min}[statistic]
     if kind == "step":
-        return {k: {size: pick(ts) for size, ts in by_size.items()} for k, by_size in result.items()}
+        spread = {size: relative_spread(rounds) for size, rounds in result.pop("desync").items()}
+        return {**{k: {size: pick(ts) for size, ts in by_size.items()} for k, by_size in result.items()},
+                "desync": spread}
     return {size: pick(ts) for size, ts in result.items()}
 
 
