@@ -43,6 +43,8 @@ from pathlib import Path
 from statistics import median
 from typing import Callable, Optional
 
+from servescope.analysis.cache_dir import cache_dir
+from servescope.analysis.cpu_isa import cpu_model
 from servescope.analysis.spec import HardwareSpec
 from servescope.timing import median_seconds
 
@@ -114,11 +116,10 @@ class BandwidthHistory:
 
 
 def local_history() -> BandwidthHistory:
-    """This machine's history (the probe's cache directory, its CPU and torch's thread count)."""
-    from servescope.analysis import probe  # probe imports this module
+    """This machine's history (beside the probe's cache; its CPU and torch's thread count)."""
+    import torch  # lazy: importing servescope.analysis must not import torch (2.5 s here)
 
-    return BandwidthHistory(probe.default_cache_path().with_name("bandwidth.json"),
-                            f"{probe.cpu_model()}|threads={probe.torch_threads()}")
+    return BandwidthHistory(cache_dir() / "bandwidth.json", f"{cpu_model()}|threads={torch.get_num_threads()}")
 
 
 def record_sample(bytes_per_s: float) -> None:

@@ -57,13 +57,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from servescope.config import ModelConfig
 from servescope.errors import InvalidParameterError
+from servescope.analysis.cache_dir import cache_dir
 
 LOCAL_GLOO = "local-gloo"  # the link the local probe measures (parallel/link_probe.py)
 GLOO_MAX_SEGMENT_BYTES = 1 << 20  # gloo's AllreduceOptionsImpl::kMaxSegmentSize (ProcessGroupGloo keeps it)
@@ -330,8 +330,7 @@ def rank_weights_config(cfg: ModelConfig, tp: int, ep: int = 1) -> ModelConfig:
 
 # ------------------------------------------------------------------ the measured local link, cached
 def link_cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "servescope" / "link.json"
+    return cache_dir() / "link.json"
 
 
 def kv_send_key(key: str) -> str:

@@ -48,15 +48,15 @@ import json
 import logging
 import math
 import os
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from servescope.analysis.cache_dir import cache_dir
 from servescope.analysis.bandwidth import (PROBE_BYTES, checked_spec, default_spot_check, measure_read_bandwidth,
                                            record_sample)
-from servescope.analysis.cpu_isa import cpu_flags, isa_signature, library_caps, local_isa
+from servescope.analysis.cpu_isa import cpu_flags, cpu_model, isa_signature, library_caps, local_isa
 from servescope.analysis.spec import LOCAL_CPU, HardwareSpec
 
 logger = logging.getLogger(__name__)
@@ -110,20 +110,7 @@ ENGINE_MEASUREMENTS = tuple(f.name for f in dataclasses.fields(EngineMeasurers))
 
 
 def default_cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "servescope" / "hardware.json"
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name, from /proc/cpuinfo where there is one."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown-cpu"
+    return cache_dir() / "hardware.json"
 
 
 def total_memory_bytes() -> int:
