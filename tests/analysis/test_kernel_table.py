@@ -120,10 +120,47 @@ def test_the_samplers_rows_are_priced_with_the_head_at_the_steps_logit_rows():
         KernelTable.from_dict({**table_dict(), "sample": [[8, 1e-4], [1, 1e-4]]})
 
 
+def test_a_decode_only_step_on_the_plan_has_its_layers_priced_at_the_measured_factor():
+    key = table_key(CFG, "bfloat16", "bfloat16", "bfloat16")
+    spec = get_hardware("H100-SXM").replace(kind="cpu", name="local-cpu")
+    plain = spec.replace(kernel_tables={key: table_dict()})
+    hw = spec.replace(kernel_tables={key: {**table_dict(), "decode_factor": [[1, 1.1], [8, 1.3], [32, 1.2]],
+                                           "decode_rows": 48}})
+    t = lookup(hw.kernel_tables, key)
+    layers = ("qkv_proj", "attention", "attn_out_proj", "mlp", "norms_rope_misc")
+
+    def ratios(seqs, **kw):
+        a, b = step_cost(CFG, seqs, hw, "bfloat16", **kw), step_cost(CFG, seqs, plain, "bfloat16", **kw)
+        return {o.name: o.seconds / b.op(o.name).seconds for o in a.ops if b.op(o.name).seconds > 0}
+
+    # between the points interpolated, beyond the first and the last held flat, on every op the plan runs
+    for rows, f in ((1, 1.1), (4, 1.1 + 0.2 * 3 / 7), (8, 1.3), (20, 1.25), (32, 1.2), (40, 1.2)):
+        assert t.layers_factor([(1, 100)] * rows) == pytest.approx(f)
+        r = ratios([(1, 100)] * rows)
+        assert all(r[name] == pytest.approx(f) for name in layers), (rows, r)
+        # the head, the sampler and the embedding are not the plan's
+        assert r["lm_head"] == pytest.approx(1.0) and r["embedding"] == pytest.approx(1.0)
+    # more rows than the plan serves run the model's forward; a step with prefill tokens runs it too, and its
+    # linear ops keep the prefill factor alone
+    assert t.layers_factor([(1, 100)] * 49) == 1.0
+    assert all(v == pytest.approx(1.0) for v in ratios([(1, 9)] * 49).values())
+    assert t.layers_factor([(1, 100), (5, 0)]) == 1.0
+    assert all(v == pytest.approx(1.0) for v in ratios([(1, 100), (5, 0)]).values())
+    assert t.layers_factor([]) == 1.0
+    # a table without the plan's factor (or measured where no plan runs: decode_rows 0) prices the kernels as timed
+    assert KernelTable.from_dict(table_dict()).layers_factor([(1, 100)] * 4) == 1.0
+    no_plan = KernelTable.from_dict({**table_dict(), "decode_factor": [[1, 1.4]], "decode_rows": 0})
+    assert no_plan.layers_factor([(1, 100)]) == 1.0
+    assert KernelTable.from_dict(t.to_dict()) == t
+    with pytest.raises(ValueError, match="decode_factor"):
+        KernelTable.from_dict({**table_dict(), "decode_factor": [[8, 1.1], [1, 1.2]], "decode_rows": 8})
+
+
 def test_the_key_changes_with_what_the_table_holds():
-    # a table cached before the sampler's rows and the written caches is measured again, not read back
+    # a table cached before the sampler's rows, the written caches and the decode plan's factor is measured
+    # again, not read back
     assert table_key(CFG, "bfloat16", "bfloat16", "bfloat16").endswith(f"|v{TABLE_VERSION}")
-    assert TABLE_VERSION >= 3
+    assert TABLE_VERSION >= 5
 
 
 def test_a_malformed_table_is_refused():

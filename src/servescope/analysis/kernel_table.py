@@ -28,11 +28,17 @@ and its attention and per-layer small ops on a grid of (rows, keys), with nothin
   experts over the timed calls' (at batch 1 both are k). A sparse layer has no gate_up_proj / down_proj
   rows of its own: a model without dense layers holds [[1, 0.0]] there.
 - `prefill_factor`: [[tokens T, f]]: a step with prefill tokens runs the model's own layer forward in
-  Python (a decode-only step runs the C++ decode plan, which calls the kernels back to back as the
-  `linear` times were taken), and that forward of a T-token prefill took f times what the table's
-  linear layers, attention and small ops add up to, the excess put on the linear layers (their GEMMs
-  between the other ops' traffic, the forward's own Python): the linear ops of such a step are
-  priced at f(T) times the table's.
+  Python (a decode-only step runs the C++ decode plan: `decode_factor`), and that forward of a T-token
+  prefill took f times what the table's linear layers, attention and small ops add up to, the excess put
+  on the linear layers (their GEMMs between the other ops' traffic, the forward's own Python): the linear
+  ops of such a step are priced at f(T) times the table's.
+- `decode_factor`: [[rows B, f]]: a decode-only step of B <= `decode_rows` sequences runs the C++ decode plan,
+  all layers' kernels back to back in one call, and that call (less the host overhead per layer priced beside
+  it) took f times what the table's linear layers, attention and small ops add up to at B rows
+  (measure/decode_factor.py; at two threads the layers ran slower together than their kernels one at a time):
+  all the layers' ops of such a step are priced at f(B) times the table's. Between points interpolated, beyond
+  the first and the last held flat (a ratio, not a time); decode_rows 0 (no plan) or more rows (the model's
+  forward runs them): 1.
 - `sample`: [[rows, seconds]] of the engine's sampler picking greedy tokens from float32 logits over the
   vocabulary (the argmax every row pays), priced with the head (op group lm_head) at the step's logit rows.
   The probe's host overhead holds the sampler of a 512-token vocabulary; at 49152 its rows cost what a small
@@ -56,7 +62,8 @@ from typing import Optional, Sequence
 from servescope.config import ModelConfig
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-TABLE_VERSION = 4  # 3: the sampler's rows; attention timed over written caches; 4: the bandwidth it was timed at
+# 3: the sampler's rows; attention timed over written caches; 4: the bandwidth it was timed at; 5: decode_factor
+TABLE_VERSION = 5
 
 
 @functools.lru_cache(maxsize=64)  # once per (config, dtypes): every step's prediction asks for it
@@ -118,12 +125,23 @@ class KernelTable:
     sample: list = field(default_factory=list)  # [[logit rows, seconds of the sampler's greedy pick]]; [] without
     short: Optional[AttentionFit] = None  # short prefill chunks on the paged kernel (None: priced with `paged`)
     bandwidth: float = 0.0  # bytes/s read while the table was timed (0: unknown, its times priced as they are)
+    decode_factor: list = field(default_factory=lambda: [[1, 1.0]])  # [[decode rows, f]] of the C++ decode plan
+    decode_rows: int = 0  # the most rows a decode-only step runs on the plan (0: no plan)
 
     def linear_factor(self, tokens: int, has_prefill: bool) -> float:
         if not has_prefill:
             return 1.0
         pts = self.prefill_factor
         return interpolate(pts, tokens) if tokens >= pts[0][0] else float(pts[0][1])
+
+    def layers_factor(self, seqs: Sequence[tuple]) -> float:
+        """What a step's layers cost over the table's sum of their kernels: f(B) of a decode-only step of B
+        sequences the C++ decode plan runs (decode_factor), 1 for any other step."""
+        rows = len(seqs)
+        if not rows or rows > self.decode_rows or any(n != 1 for n, _ in seqs):
+            return 1.0
+        pts = self.decode_factor
+        return interpolate(pts, min(max(rows, pts[0][0]), pts[-1][0]))  # held flat beyond the points
 
     def linear_seconds(self, name: str, rows: int) -> float:
         return interpolate(self.linear[name], rows) if rows > 0 else 0.0
@@ -182,14 +200,14 @@ class KernelTable:
                 "misc": self.misc, "source": self.source, "grid": self.grid,
                 "prefill_factor": self.prefill_factor, "moe": self.moe, "moe_distinct": self.moe_distinct,
                 "sample": self.sample, "short": None if self.short is None else vars(self.short),
-                "bandwidth": self.bandwidth}
+                "bandwidth": self.bandwidth, "decode_factor": self.decode_factor, "decode_rows": self.decode_rows}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelTable":
         missing = [p for p in PROJECTIONS if p not in d["linear"]]
         if missing:
             raise ValueError(f"kernel table {d.get('key')!r} lacks {', '.join(missing)}")
-        optional = [(n, d[n]) for n in ("moe", "moe_distinct", "sample") if d.get(n)]
+        optional = [(n, d[n]) for n in ("moe", "moe_distinct", "sample", "decode_factor") if d.get(n)]
         for name, pts in list(d["linear"].items()) + [("misc", d["misc"])] + optional:
             xs = [p[0] for p in pts]
             if not pts or xs != sorted(xs) or len(set(xs)) != len(xs) or any(p[1] < 0 for p in pts):
@@ -203,7 +221,9 @@ class KernelTable:
                    moe=[list(p) for p in d.get("moe", [])], moe_distinct=[list(p) for p in d.get("moe_distinct", [])],
                    sample=[list(p) for p in d.get("sample", [])],
                    short=AttentionFit(**d["short"]) if d.get("short") else None,
-                   bandwidth=float(d.get("bandwidth") or 0.0))
+                   bandwidth=float(d.get("bandwidth") or 0.0),
+                   decode_factor=[list(p) for p in d.get("decode_factor") or [[1, 1.0]]],
+                   decode_rows=int(d.get("decode_rows") or 0))
 
 
 def fit_linear_model(points: Sequence[tuple]) -> AttentionFit:
