@@ -48,6 +48,14 @@ def test_fit_recovers_an_exact_linear_model_and_keeps_coefficients_non_negative(
     assert fit.fixed == pytest.approx(truth.fixed, rel=1e-6)
     assert fit.per_row == pytest.approx(truth.per_row, rel=1e-6)
     assert fit.per_key == pytest.approx(truth.per_key, rel=1e-6)
+    # with a term per cached token before the sequence (a path that gathers its context)
+    truth = AttentionFit(3e-6, 2e-6, 3e-8, 5e-7)
+    pts = [(n, attended_keys(n, c), c, truth.seconds(n, attended_keys(n, c), c))
+           for n, c in ((2, 0), (16, 0), (31, 0), (2, 128), (16, 128), (2, 512), (31, 512))]
+    fit = fit_linear_model(pts, per_context=True)
+    assert [getattr(fit, n) for n in ("fixed", "per_row", "per_key", "per_context")] == pytest.approx(
+        [3e-6, 2e-6, 3e-8, 5e-7], rel=1e-6)
+    assert fit_linear_model([(r, k, t) for r, k, _, t in pts]).per_context == 0.0
     # times that fall with the rows: the row term would be negative, so it is dropped and the rest refitted
     falling = [(1, 100, 5e-6), (10, 100, 4e-6), (20, 200, 3e-6)]
     fit = fit_linear_model(falling)
@@ -74,10 +82,21 @@ def test_attention_routes_rows_as_the_cpu_backend_does():
         + split.long.seconds(300, attended_keys(300, 0)))
     assert split.attention_seconds(decode, keys) == t.attention_seconds(decode, keys)
     assert KernelTable.from_dict(split.to_dict()) == split
-    # float32 (long_min 2): every prefill sequence is its own call
+    # a table without a short fit and long_min 2 (a quantised cache): every prefill sequence is its own call
     f32 = KernelTable.from_dict(table_dict(long_min=2, paged_max=0))
     assert f32.attention_seconds([(1, 10), (5, 0)], keys) == pytest.approx(
         f32.paged.seconds(1, 11) + f32.long.seconds(5, 15))
+    # float32's short chunks: an SDPA call each over its gathered context, whatever the context (no limit: 0)
+    sdpa = {"fixed": 1e-6, "per_row": 2e-6, "per_key": 3e-8, "per_context": 5e-7}
+    f32 = KernelTable.from_dict({**table_dict(long_min=32, paged_max=0), "short": sdpa, "short_per_sequence": True})
+    steps = [(1, 10), (5, 0), (20, 3000), (40, 100)]
+    assert f32.attention_seconds(steps, keys) == pytest.approx(
+        f32.paged.seconds(1, 11) + f32.short.seconds(5, 15, 0) + f32.short.seconds(20, attended_keys(20, 3000), 3000)
+        + f32.long.seconds(40, attended_keys(40, 100)))
+    assert f32.attention_seconds([(20, 3000)], keys) == pytest.approx(
+        f32.short.seconds(20, attended_keys(20, 3000), 3000))  # no long sequence, far context: still SDPA's
+    assert f32.short.seconds(20, 100, 3000) - f32.short.seconds(20, 100, 0) == pytest.approx(3000 * 5e-7)
+    assert KernelTable.from_dict(f32.to_dict()) == f32
 
 
 def test_step_cost_prices_the_timed_ops_from_the_table_and_the_rest_as_before():

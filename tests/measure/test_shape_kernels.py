@@ -14,6 +14,7 @@ from servescope.config import EngineConfig, SamplingParams
 from servescope.engine.llm_engine import LLMEngine
 from servescope.kernels.cpu import ops as cpu_ops
 from servescope.measure import decode_factor, kernel_cache, local_hardware, moe_kernels, shape_kernels
+from servescope.model.attention.cpu import TILED_F32_MIN_TOKENS
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 128,
         "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
@@ -36,6 +37,7 @@ def small_grids(monkeypatch, tmp_path):
     monkeypatch.setattr(shape_kernels, "LAYER_TOKENS", (16, 64))
     monkeypatch.setattr(shape_kernels, "PAGED_GRID", ((1, 16), (4, 64), (8, 32)))
     monkeypatch.setattr(shape_kernels, "SHORT_GRID", ((16, 0), (32, 16), (48, 0)))
+    monkeypatch.setattr(shape_kernels, "SHORT_F32_GRID", ((2, 0), (16, 0), (4, 32), (20, 64)))
     monkeypatch.setattr(shape_kernels, "LONG_GRID", ((128, 0), (130, 64), (256, 0)))
     monkeypatch.setattr(decode_factor, "DECODE_ROWS", (1, 4))
     monkeypatch.setattr(decode_factor, "DECODE_CONTEXT", 32)
@@ -61,15 +63,17 @@ def test_the_table_is_measured_once_cached_and_prices_the_steps(small_grids, tmp
     assert set(table.linear) == set(PROJECTIONS)
     assert [r for r, _ in table.linear["qkv_proj"]] == [1, 2, 9, 64]
     assert all(t > 0 for pts in table.linear.values() for _, t in pts)
-    assert table.long_min_tokens == (128 if dtype == "bfloat16" else 2)
+    assert table.long_min_tokens == (128 if dtype == "bfloat16" else TILED_F32_MIN_TOKENS)
     assert [t for t, _ in table.prefill_factor] == [16, 64] and all(f >= 0.5 for _, f in table.prefill_factor)
     # the engine's own decode plan timed over its layers at the decode rows it serves
     assert engine.executor.decode_plan is not None and table.decode_rows == engine.executor.decode_plan.max_rows
     assert [r for r, _ in table.decode_factor] == [1, 4] and all(f >= 0.5 for _, f in table.decode_factor)
     assert len(table.grid["paged"]) == 3 and len(table.grid["long"]) == 3
-    # bfloat16's short prefill chunks on the paged kernel: a fit of their own
-    assert len(table.grid["short"]) == (3 if dtype == "bfloat16" else 0)
-    assert (table.short is not None) == (dtype == "bfloat16")
+    # short prefill chunks, a fit of their own: bfloat16's on the paged kernel (one call for all of them), float32's
+    # on SDPA (a call each, over its gathered context: the fit has a term per cached token)
+    assert len(table.grid["short"]) == (3 if dtype == "bfloat16" else 4) and table.short is not None
+    assert table.short_per_sequence == (dtype == "float32")
+    assert all(len(p) == (4 if dtype == "float32" else 3) for p in table.grid["short"])
     # the sampler over the model's vocabulary, measured at the head's rows, priced with the head
     assert [r for r, _ in table.sample] == [1, 4] and all(t > 0 for _, t in table.sample)
     # the engine's own predictions now come from it: its StepRecords carry them

@@ -15,10 +15,14 @@ and its attention and per-layer small ops on a grid of (rows, keys), with nothin
 - `attention`: linear models of one layer's attention call, least-squares fits to the timed grid:
   `paged` (decode rows, one query per sequence): seconds = a + b * rows + c * keys; `short` (in bfloat16
   the short prefill chunks, each row one query of the same paged kernel, which reads a sequence's keys
-  once for all its rows: a third of a decode row's time per key here), the same form; `long` (a prefill
-  sequence of at least `long_min_tokens` tokens, or any prefill where the paged path does not take it):
-  per sequence a + b * tokens + c * keys. keys: attended keys (causal), summed over the rows. A table
-  without `short` prices short chunks with `paged`.
+  once for all its rows: a third of a decode row's time per key here), the same form; in float32
+  (`short_per_sequence`) the chunks below the tiled kernel's tokens, each an SDPA call of its own over its
+  cached keys gathered (a copy of the whole context whatever the rows), per sequence a + b * tokens + c * keys
+  + d * context: the tiled kernel's fit priced them at its intercept, several times their time; `long` (a
+  prefill sequence of at least `long_min_tokens` tokens, or any prefill where the paged path does not take
+  it): per sequence a + b * tokens + c * keys. keys: attended keys (causal), summed over the rows. A table
+  without `short` prices short chunks with `paged`. `paged_max_context`: a step whose short chunks see more
+  context (and no long one) runs them on `long` (0: no limit).
 - `misc`: [[tokens T, seconds per layer]] of the layer's small ops (the two add+RMSNorms, rotary,
   SiLU*up, the KV store), interpolated like `linear`.
 - `moe` (a MoE): [[tokens T, seconds per sparse layer]] of the model's own sparse MLP block (router,
@@ -98,14 +102,16 @@ def interpolate(points: Sequence, x: float) -> float:
 
 @dataclass(frozen=True)
 class AttentionFit:
-    """seconds = fixed + per_row * rows + per_key * keys (one layer's call)."""
+    """seconds = fixed + per_row * rows + per_key * keys + per_context * context (one layer's call; context: the
+    tokens cached before the call's sequence, which a path that gathers them copies whatever its rows)."""
 
     fixed: float
     per_row: float
     per_key: float
+    per_context: float = 0.0
 
-    def seconds(self, rows: int, keys: int) -> float:
-        return max(self.fixed + self.per_row * rows + self.per_key * keys, 0.0)
+    def seconds(self, rows: int, keys: int, context: int = 0) -> float:
+        return max(self.fixed + self.per_row * rows + self.per_key * keys + self.per_context * context, 0.0)
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,7 @@ class KernelTable:
     paged: AttentionFit
     long: AttentionFit
     long_min_tokens: int  # prefill sequences of this many tokens or more take the `long` path
-    paged_max_context: int  # a step whose short chunks see more context than this runs them on `long`
+    paged_max_context: int  # a step whose short chunks see more context than this runs them on `long` (0: none)
     misc: list  # [[tokens, seconds per layer], ...]
     source: str = ""
     grid: dict = field(default_factory=dict)  # the attention points timed (for the record)
@@ -124,6 +130,7 @@ class KernelTable:
     moe_distinct: list = field(default_factory=list)  # [[tokens, distinct experts per layer the timed calls read]]
     sample: list = field(default_factory=list)  # [[logit rows, seconds of the sampler's greedy pick]]; [] without
     short: Optional[AttentionFit] = None  # short prefill chunks on the paged kernel (None: priced with `paged`)
+    short_per_sequence: bool = False  # each short chunk a call of its own (float32's SDPA), not one for them all
     bandwidth: float = 0.0  # bytes/s read while the table was timed (0: unknown, its times priced as they are)
     decode_factor: list = field(default_factory=lambda: [[1, 1.0]])  # [[decode rows, f]] of the C++ decode plan
     decode_rows: int = 0  # the most rows a decode-only step runs on the plan (0: no plan)
@@ -171,18 +178,21 @@ class KernelTable:
     def attention_seconds(self, seqs: Sequence[tuple], keys_of) -> float:
         """One layer's attention over seqs [(new, context before)]; keys_of((n, c)) -> attended keys of
         one sequence in this layer. The rows the paged kernel takes are one call; each long sequence
-        one call of its own."""
+        one call of its own, and each short one where short_per_sequence."""
         paged_rows = paged_keys = 0
         total = 0.0
         short = [s for s in seqs if 1 < s[0] < self.long_min_tokens]
         has_long = any(s[0] >= self.long_min_tokens for s in seqs)
-        short_to_long = bool(short) and not has_long and max(n + c for n, c in seqs) > self.paged_max_context
+        short_to_long = (bool(short) and not has_long and self.paged_max_context > 0
+                         and max(n + c for n, c in seqs) > self.paged_max_context)
         short_rows = short_keys = 0
         for n, c in seqs:
             if n == 1 or (n < self.long_min_tokens and not short_to_long):
                 if n == 1 or self.short is None:
                     paged_rows += n
                     paged_keys += keys_of((n, c))
+                elif self.short_per_sequence:
+                    total += self.short.seconds(n, keys_of((n, c)), c)
                 else:
                     short_rows += n
                     short_keys += keys_of((n, c))
@@ -200,6 +210,7 @@ class KernelTable:
                 "misc": self.misc, "source": self.source, "grid": self.grid,
                 "prefill_factor": self.prefill_factor, "moe": self.moe, "moe_distinct": self.moe_distinct,
                 "sample": self.sample, "short": None if self.short is None else vars(self.short),
+                "short_per_sequence": self.short_per_sequence,
                 "bandwidth": self.bandwidth, "decode_factor": self.decode_factor, "decode_rows": self.decode_rows}
 
     @classmethod
@@ -221,19 +232,21 @@ class KernelTable:
                    moe=[list(p) for p in d.get("moe", [])], moe_distinct=[list(p) for p in d.get("moe_distinct", [])],
                    sample=[list(p) for p in d.get("sample", [])],
                    short=AttentionFit(**d["short"]) if d.get("short") else None,
+                   short_per_sequence=bool(d.get("short_per_sequence")),
                    bandwidth=float(d.get("bandwidth") or 0.0),
                    decode_factor=[list(p) for p in d.get("decode_factor") or [[1, 1.0]]],
                    decode_rows=int(d.get("decode_rows") or 0))
 
 
-def fit_linear_model(points: Sequence[tuple]) -> AttentionFit:
-    """Least squares of seconds = a + b * rows + c * keys over [(rows, keys, seconds)], each coefficient
-    kept >= 0 (a coefficient the solve makes negative is dropped and the rest refitted): pure Python,
-    three unknowns."""
-    names = ("fixed", "per_row", "per_key")
-    active = [0, 1, 2]
+def fit_linear_model(points: Sequence[tuple], per_context: bool = False) -> AttentionFit:
+    """Least squares of seconds = a + b * rows + c * keys over [(rows, keys, seconds)] (per_context: + d * context
+    over [(rows, keys, context, seconds)]), each coefficient kept >= 0 (a coefficient the solve makes negative is
+    dropped and the rest refitted): pure Python, three or four unknowns."""
+    names = ("fixed", "per_row", "per_key", "per_context")
+    cols = [tuple(p) if per_context else (p[0], p[1], 0, p[2]) for p in points]
+    active = [0, 1, 2, 3] if per_context else [0, 1, 2]
     while True:
-        coef = _solve(points, active)
+        coef = _solve(cols, active)
         neg = [j for j, v in zip(active, coef) if v < 0]
         if not neg:
             out = dict.fromkeys(names, 0.0)
@@ -246,9 +259,10 @@ def fit_linear_model(points: Sequence[tuple]) -> AttentionFit:
 
 
 def _solve(points: Sequence[tuple], active: list) -> list:
-    """Normal equations of the least-squares fit on the active columns (1, rows, keys)."""
-    rows = [[(1.0, float(r), float(k))[j] for j in active] for r, k, _ in points]
-    ys = [float(t) for _, _, t in points]
+    """Normal equations of the least-squares fit on the active columns (1, rows, keys, context) of
+    [(rows, keys, context, seconds)]."""
+    rows = [[(1.0, float(r), float(k), float(c))[j] for j in active] for r, k, c, _ in points]
+    ys = [float(t) for *_, t in points]
     n = len(active)
     a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
     b = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(n)]
