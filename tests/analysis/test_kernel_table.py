@@ -6,8 +6,8 @@ import pytest
 
 from servescope.analysis.cost_model import step_cost
 from servescope.analysis.hardware import get_hardware
-from servescope.analysis.kernel_table import (TABLE_VERSION, AttentionFit, KernelTable, fit_linear_model, interpolate,
-                                              lookup, table_key)
+from servescope.analysis.kernel_table import (TABLE_VERSION, AttentionFit, KernelTable, decode_factor,
+                                              fit_linear_model, interpolate, lookup, table_key)
 from servescope.analysis.op_counts import attended_keys
 from servescope.analysis.presets import load_preset
 
@@ -141,38 +141,52 @@ def test_the_samplers_rows_are_priced_with_the_head_at_the_steps_logit_rows():
 
 def test_a_decode_only_step_on_the_plan_has_its_layers_priced_at_the_measured_factor():
     key = table_key(CFG, "bfloat16", "bfloat16", "bfloat16")
-    spec = get_hardware("H100-SXM").replace(kind="cpu", name="local-cpu")
+    L = CFG.num_hidden_layers
+    spec = get_hardware("H100-SXM").replace(kind="cpu", name="local-cpu", layer_overhead_s=2e-5)
+    host = L * spec.layer_overhead_s  # the plan's time holds the host overhead priced per layer beside it
+    # [[rows, the plan's seconds, its kernels' seconds]]: factors 1.1, 1.3, 1.2 once the host overhead is taken off
+    plan = [[1, host + 1.1 * 4e-3, 4e-3], [8, host + 1.3 * 6e-3, 6e-3], [32, host + 1.2 * 2e-2, 2e-2]]
     plain = spec.replace(kernel_tables={key: table_dict()})
-    hw = spec.replace(kernel_tables={key: {**table_dict(), "decode_factor": [[1, 1.1], [8, 1.3], [32, 1.2]],
-                                           "decode_rows": 48}})
+    hw = spec.replace(kernel_tables={key: {**table_dict(), "decode_plan": plan, "decode_rows": 48}})
     t = lookup(hw.kernel_tables, key)
     layers = ("qkv_proj", "attention", "attn_out_proj", "mlp", "norms_rope_misc")
 
-    def ratios(seqs, **kw):
-        a, b = step_cost(CFG, seqs, hw, "bfloat16", **kw), step_cost(CFG, seqs, plain, "bfloat16", **kw)
+    def ratios(seqs, hw=hw, plain=plain):
+        a, b = step_cost(CFG, seqs, hw, "bfloat16"), step_cost(CFG, seqs, plain, "bfloat16")
         return {o.name: o.seconds / b.op(o.name).seconds for o in a.ops if b.op(o.name).seconds > 0}
 
     # between the points interpolated, beyond the first and the last held flat, on every op the plan runs
     for rows, f in ((1, 1.1), (4, 1.1 + 0.2 * 3 / 7), (8, 1.3), (20, 1.25), (32, 1.2), (40, 1.2)):
-        assert t.layers_factor([(1, 100)] * rows) == pytest.approx(f)
+        assert t.layers_factor([(1, 100)] * rows, host) == pytest.approx(f)
         r = ratios([(1, 100)] * rows)
         assert all(r[name] == pytest.approx(f) for name in layers), (rows, r)
         # the head, the sampler and the embedding are not the plan's
         assert r["lm_head"] == pytest.approx(1.0) and r["embedding"] == pytest.approx(1.0)
+    # the factor follows the spec's own per-layer overhead (a probe measured again): none, the plan's whole time
+    bare = spec.replace(layer_overhead_s=0.0)
+    r = ratios([(1, 100)], bare.replace(kernel_tables=hw.kernel_tables),
+               bare.replace(kernel_tables=plain.kernel_tables))
+    assert r["mlp"] == pytest.approx((host + 1.1 * 4e-3) / 4e-3)
     # more rows than the plan serves run the model's forward; a step with prefill tokens runs it too, and its
     # linear ops keep the prefill factor alone
-    assert t.layers_factor([(1, 100)] * 49) == 1.0
+    assert t.layers_factor([(1, 100)] * 49, host) == 1.0
     assert all(v == pytest.approx(1.0) for v in ratios([(1, 9)] * 49).values())
-    assert t.layers_factor([(1, 100), (5, 0)]) == 1.0
+    assert t.layers_factor([(1, 100), (5, 0)], host) == 1.0
     assert all(v == pytest.approx(1.0) for v in ratios([(1, 100), (5, 0)]).values())
-    assert t.layers_factor([]) == 1.0
-    # a table without the plan's factor (or measured where no plan runs: decode_rows 0) prices the kernels as timed
+    assert t.layers_factor([], host) == 1.0
+    # a table without the plan's times (or measured where no plan runs: decode_rows 0) prices the kernels as timed
     assert KernelTable.from_dict(table_dict()).layers_factor([(1, 100)] * 4) == 1.0
-    no_plan = KernelTable.from_dict({**table_dict(), "decode_factor": [[1, 1.4]], "decode_rows": 0})
-    assert no_plan.layers_factor([(1, 100)]) == 1.0
+    assert KernelTable.from_dict({**table_dict(), "decode_plan": plan, "decode_rows": 0}).layers_factor([(1, 9)]) == 1
     assert KernelTable.from_dict(t.to_dict()) == t
-    with pytest.raises(ValueError, match="decode_factor"):
-        KernelTable.from_dict({**table_dict(), "decode_factor": [[8, 1.1], [1, 1.2]], "decode_rows": 8})
+    with pytest.raises(ValueError, match="decode_plan"):
+        KernelTable.from_dict({**table_dict(), "decode_plan": plan[::-1], "decode_rows": 8})
+
+
+def test_the_decode_factor_is_the_plans_time_less_its_layers_host_overhead_over_their_kernels():
+    assert decode_factor(1e-3, 1e-3, 0.0) == pytest.approx(1.0)
+    assert decode_factor(1.3e-3, 1e-3, 1e-4) == pytest.approx(1.2)
+    assert decode_factor(1e-3, 1e-3, 9e-4) == 0.5  # nearly all of it host overhead: a measurement gone wrong
+    assert decode_factor(1e-3, 0.0, 0.0) == 1.0  # nothing priced: nothing to scale
 
 
 def test_the_key_changes_with_what_the_table_holds():

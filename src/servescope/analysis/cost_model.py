@@ -235,7 +235,8 @@ def _timed_ops(cfg: ModelConfig, seqs: list, table: KernelTable, hw: HardwareSpe
     their bytes count there."""
     measured_at = table.bandwidth or hw.memory_bandwidth
     read_s = routed_expert_bytes(cfg, *dtypes) / measured_at if cfg.moe else 0.0
-    timed = measured_op_seconds(cfg, seqs, table, *rows, distinct_experts, read_s)
+    timed = measured_op_seconds(cfg, seqs, table, *rows, distinct_experts, read_s,
+                                cfg.num_hidden_layers * hw.layer_overhead_s)
     if measured_at == hw.memory_bandwidth:
         return timed
     op_bytes = {name: a + w for name, _, a, w in raw}
@@ -246,7 +247,8 @@ def _timed_ops(cfg: ModelConfig, seqs: list, table: KernelTable, hw: HardwareSpe
 
 
 def measured_op_seconds(cfg: ModelConfig, seqs: list, table: KernelTable, T: int, n_logits: int,
-                        distinct_experts: Optional[float] = None, expert_read_s: float = 0.0) -> dict:
+                        distinct_experts: Optional[float] = None, expert_read_s: float = 0.0,
+                        layers_host_s: float = 0.0) -> dict:
     """{op group: seconds} of the op groups a KernelTable times at this model's shapes: the linear
     layers at the step's rows, a MoE's sparse blocks at its rows (their weight reads scaled by the step's
     measured distinct experts: expert_read_s, one expert at the bandwidth), attention by rows and attended
@@ -254,10 +256,11 @@ def measured_op_seconds(cfg: ModelConfig, seqs: list, table: KernelTable, T: int
     the KV store (kv_write 0), the head with the sampler's pick over its logits (lm_head). A MoE table without
     its block times leaves the MLP to the roofline. The layers of a prefill step (the Python layer forward) have
     their linear ops scaled by the table's prefill_factor, those of a decode-only step on the C++ decode plan all
-    their ops by its decode_factor (kernel_table.py)."""
+    their ops by its decode factor (kernel_table.py; layers_host_s: the host overhead added for the step's layers,
+    which the plan's measured time holds)."""
     L = cfg.num_hidden_layers
     sparse = cfg.moe.num_sparse(L) if cfg.moe else 0
-    g = table.layers_factor(seqs)  # the decode plan's layers together against their kernels one at a time
+    g = table.layers_factor(seqs, layers_host_s)  # the decode plan's layers together against their kernels
     f = g * table.linear_factor(T, any(n > 1 for n, _ in seqs))  # the Python layer forward of a prefill step
     lin = {name: f * table.linear_seconds(name, T)
            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}

@@ -32,17 +32,19 @@ and its attention and per-layer small ops on a grid of (rows, keys), with nothin
   experts over the timed calls' (at batch 1 both are k). A sparse layer has no gate_up_proj / down_proj
   rows of its own: a model without dense layers holds [[1, 0.0]] there.
 - `prefill_factor`: [[tokens T, f]]: a step with prefill tokens runs the model's own layer forward in
-  Python (a decode-only step runs the C++ decode plan: `decode_factor`), and that forward of a T-token
+  Python (a decode-only step runs the C++ decode plan: `decode_plan`), and that forward of a T-token
   prefill took f times what the table's linear layers, attention and small ops add up to, the excess put
   on the linear layers (their GEMMs between the other ops' traffic, the forward's own Python): the linear
   ops of such a step are priced at f(T) times the table's.
-- `decode_factor`: [[rows B, f]]: a decode-only step of B <= `decode_rows` sequences runs the C++ decode plan,
-  all layers' kernels back to back in one call, and that call (less the host overhead per layer priced beside
-  it) took f times what the table's linear layers, attention and small ops add up to at B rows
-  (measure/decode_factor.py; at two threads the layers ran slower together than their kernels one at a time):
-  all the layers' ops of such a step are priced at f(B) times the table's. Between points interpolated, beyond
-  the first and the last held flat (a ratio, not a time); decode_rows 0 (no plan) or more rows (the model's
-  forward runs them): 1.
+- `decode_plan`: [[rows B, seconds of the plan, seconds of its kernels]]: a decode-only step of B <=
+  `decode_rows` sequences runs the C++ decode plan, all layers' kernels back to back in one call, timed whole
+  over B rows (measure/decode_plan.py), beside what the table's linear layers, attention and small ops add
+  up to for the same layers. The decode factor f(B) = (plan - the host overhead per layer the cost model adds
+  for every layer, which the plan's time holds) / kernels prices all the layers' ops of such a step at f(B)
+  times the table's (at two threads the layers ran slower together than their kernels one at a time); taken
+  with the spec's own overhead at each prediction, so a probe measured again keeps it right. Between points
+  interpolated, beyond the first and the last held flat (a ratio, not a time); decode_rows 0 (no plan) or
+  more rows (the model's forward runs them): 1.
 - `sample`: [[rows, seconds]] of the engine's sampler picking greedy tokens from float32 logits over the
   vocabulary (the argmax every row pays), priced with the head (op group lm_head) at the step's logit rows.
   The probe's host overhead holds the sampler of a 512-token vocabulary; at 49152 its rows cost what a small
@@ -66,7 +68,8 @@ from typing import Optional, Sequence
 from servescope.config import ModelConfig
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-# 3: the sampler's rows; attention timed over written caches; 4: the bandwidth it was timed at; 5: decode_factor
+# 3: the sampler's rows; attention timed over written caches; 4: the bandwidth it was timed at; 5: the decode plan
+# timed whole, float32's short chunks fitted apart
 TABLE_VERSION = 5
 
 
@@ -132,7 +135,7 @@ class KernelTable:
     short: Optional[AttentionFit] = None  # short prefill chunks on the paged kernel (None: priced with `paged`)
     short_per_sequence: bool = False  # each short chunk a call of its own (float32's SDPA), not one for them all
     bandwidth: float = 0.0  # bytes/s read while the table was timed (0: unknown, its times priced as they are)
-    decode_factor: list = field(default_factory=lambda: [[1, 1.0]])  # [[decode rows, f]] of the C++ decode plan
+    decode_plan: list = field(default_factory=list)  # [[decode rows, plan seconds, its kernels' seconds]]
     decode_rows: int = 0  # the most rows a decode-only step runs on the plan (0: no plan)
 
     def linear_factor(self, tokens: int, has_prefill: bool) -> float:
@@ -141,13 +144,15 @@ class KernelTable:
         pts = self.prefill_factor
         return interpolate(pts, tokens) if tokens >= pts[0][0] else float(pts[0][1])
 
-    def layers_factor(self, seqs: Sequence[tuple]) -> float:
-        """What a step's layers cost over the table's sum of their kernels: f(B) of a decode-only step of B
-        sequences the C++ decode plan runs (decode_factor), 1 for any other step."""
+    def layers_factor(self, seqs: Sequence[tuple], layers_host_s: float = 0.0) -> float:
+        """What a step's layers cost over the table's sum of their kernels: the decode factor f(B) of a
+        decode-only step of B sequences the C++ decode plan runs, 1 for any other step. layers_host_s: the host
+        overhead the cost model adds for the step's layers (L x the spec's per layer), which the plan's time
+        holds."""
         rows = len(seqs)
-        if not rows or rows > self.decode_rows or any(n != 1 for n, _ in seqs):
+        if not self.decode_plan or not rows or rows > self.decode_rows or any(n != 1 for n, _ in seqs):
             return 1.0
-        pts = self.decode_factor
+        pts = [[r, decode_factor(plan, kernels, layers_host_s)] for r, plan, kernels in self.decode_plan]
         return interpolate(pts, min(max(rows, pts[0][0]), pts[-1][0]))  # held flat beyond the points
 
     def linear_seconds(self, name: str, rows: int) -> float:
@@ -211,18 +216,18 @@ class KernelTable:
                 "prefill_factor": self.prefill_factor, "moe": self.moe, "moe_distinct": self.moe_distinct,
                 "sample": self.sample, "short": None if self.short is None else vars(self.short),
                 "short_per_sequence": self.short_per_sequence,
-                "bandwidth": self.bandwidth, "decode_factor": self.decode_factor, "decode_rows": self.decode_rows}
+                "bandwidth": self.bandwidth, "decode_plan": self.decode_plan, "decode_rows": self.decode_rows}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelTable":
         missing = [p for p in PROJECTIONS if p not in d["linear"]]
         if missing:
             raise ValueError(f"kernel table {d.get('key')!r} lacks {', '.join(missing)}")
-        optional = [(n, d[n]) for n in ("moe", "moe_distinct", "sample", "decode_factor") if d.get(n)]
+        optional = [(n, d[n]) for n in ("moe", "moe_distinct", "sample", "decode_plan") if d.get(n)]
         for name, pts in list(d["linear"].items()) + [("misc", d["misc"])] + optional:
             xs = [p[0] for p in pts]
-            if not pts or xs != sorted(xs) or len(set(xs)) != len(xs) or any(p[1] < 0 for p in pts):
-                raise ValueError(f"kernel table {d.get('key')!r}: {name} must be [[x, seconds >= 0], ...], "
+            if not pts or xs != sorted(xs) or len(set(xs)) != len(xs) or any(min(p[1:]) < 0 for p in pts):
+                raise ValueError(f"kernel table {d.get('key')!r}: {name} must be [[x, seconds >= 0, ...], ...], "
                                  "x ascending")
         return cls(key=d["key"], linear={k: [list(p) for p in v] for k, v in d["linear"].items()},
                    paged=AttentionFit(**d["paged"]), long=AttentionFit(**d["long"]),
@@ -234,8 +239,16 @@ class KernelTable:
                    short=AttentionFit(**d["short"]) if d.get("short") else None,
                    short_per_sequence=bool(d.get("short_per_sequence")),
                    bandwidth=float(d.get("bandwidth") or 0.0),
-                   decode_factor=[list(p) for p in d.get("decode_factor") or [[1, 1.0]]],
+                   decode_plan=[list(p) for p in d.get("decode_plan", [])],
                    decode_rows=int(d.get("decode_rows") or 0))
+
+
+def decode_factor(plan_s: float, kernels_s: float, layers_host_s: float) -> float:
+    """The decode plan's time less the host overhead priced beside it for its layers, over its kernels' (at least
+    0.5: a ratio below that is a measurement gone wrong, not a plan faster than its kernels by half)."""
+    if kernels_s <= 0:
+        return 1.0
+    return max((plan_s - layers_host_s) / kernels_s, 0.5)
 
 
 def fit_linear_model(points: Sequence[tuple], per_context: bool = False) -> AttentionFit:

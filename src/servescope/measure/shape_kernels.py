@@ -1,6 +1,6 @@
 """The engine's kernels timed at one loaded model's own shapes (analysis/kernel_table.py says what the
 table holds and how the cost model reads it); measure/kernel_cache.py assembles the table (with a MoE's
-sparse blocks: measure/moe_kernels.py, and the C++ decode plan's layers together: measure/decode_factor.py)
+sparse blocks: measure/moe_kernels.py, and the C++ decode plan's layers together: measure/decode_plan.py)
 and caches it once per CPU, model shape and dtypes.
 
 All on the engine's own objects, so the table follows the kernels whatever they become:

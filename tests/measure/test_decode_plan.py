@@ -1,5 +1,5 @@
-"""measure/decode_factor.py: the C++ decode plan's layers timed together against the kernel table's sum of their
-kernels (the table's decode_factor). Injected timings and a stand-in plan: deterministic, milliseconds."""
+"""measure/decode_plan.py: the C++ decode plan's layers timed together beside the kernel table's sum of their
+kernels (the table's decode_plan). Injected timings and a stand-in plan: deterministic, milliseconds."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ import torch
 from servescope.analysis.kernel_table import KernelTable, table_key
 from servescope.analysis.op_counts import attended_keys
 from servescope.config import ModelConfig
-from servescope.measure import decode_factor
+from servescope.measure import decode_plan
 
 CFG = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 3,
                                 "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
@@ -38,9 +38,9 @@ class StandInPlan:
 
 @pytest.fixture
 def small(monkeypatch):
-    monkeypatch.setattr(decode_factor, "DECODE_ROWS", (1, 2, 4, 8))
-    monkeypatch.setattr(decode_factor, "DECODE_CONTEXT", 20)
-    monkeypatch.setattr(decode_factor, "RUNS", 3)
+    monkeypatch.setattr(decode_plan, "DECODE_ROWS", (1, 2, 4, 8))
+    monkeypatch.setattr(decode_plan, "DECODE_CONTEXT", 20)
+    monkeypatch.setattr(decode_plan, "RUNS", 3)
 
 
 def test_the_layers_are_priced_as_the_cost_model_prices_a_decode_step():
@@ -48,35 +48,29 @@ def test_the_layers_are_priced_as_the_cost_model_prices_a_decode_step():
     L, rows, ctx = CFG.num_hidden_layers, 4, 20
     lin = sum(table.linear_seconds(p, rows) for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     want = L * (lin + table.paged.seconds(rows, rows * attended_keys(1, ctx)) + table.misc_seconds(rows))
-    assert decode_factor.layers_seconds(CFG, table, rows, ctx) == pytest.approx(want)
+    assert decode_plan.layers_seconds(CFG, table, rows, ctx) == pytest.approx(want)
 
 
-def test_the_factor_is_the_plans_time_less_the_layers_host_overhead_over_their_kernels(small, monkeypatch):
-    plan_s, per_layer = 2e-3, 1e-4
-    monkeypatch.setattr(decode_factor, "_timed", lambda fn: fn() or plan_s)  # every run of the plan: plan_s
+def test_the_plan_is_timed_at_the_rows_it_serves_beside_the_tables_kernels(small, monkeypatch):
+    plan_s = 2e-3
+    monkeypatch.setattr(decode_plan, "_timed", lambda fn: fn() or plan_s)  # every run of the plan: plan_s
     plan = StandInPlan(max_rows=6)
-    pts, rows = decode_factor.measure_decode_factor(plan, CFG, None, PARTIAL, torch.float32, torch.float32, per_layer)
+    pts, rows = decode_plan.measure_decode_plan(plan, CFG, None, PARTIAL, torch.float32, torch.float32)
     table = KernelTable.from_dict(PARTIAL)
-    assert [r for r, _ in pts] == [1, 2, 4] and rows == 6  # 8 rows: the plan does not serve them
-    for r, f in pts:
-        kernels = decode_factor.layers_seconds(CFG, table, r, 20)
-        assert f == pytest.approx((plan_s - CFG.num_hidden_layers * per_layer) / kernels)
+    assert [r for r, *_ in pts] == [1, 2, 4] and rows == 6  # 8 rows: the plan does not serve them
+    assert all(p == [r, plan_s, pytest.approx(decode_plan.layers_seconds(CFG, table, r, 20))] for p in pts
+               for r in [p[0]])
     # each row count: a warm-up and RUNS timed runs, every sequence at the context, one cache pair per layer
     assert [r[0] for r in plan.runs] == [1] * 4 + [2] * 4 + [4] * 4
     assert all(pos == [20] * n and ctx == [21] * n and caches == CFG.num_hidden_layers
                for n, pos, ctx, caches in plan.runs)
+    # what the cost model makes of it: the plan's time less the host overhead per layer, over the kernels
+    priced = KernelTable.from_dict({**PARTIAL, "decode_plan": pts, "decode_rows": rows})
+    host = CFG.num_hidden_layers * 1e-4
+    assert priced.layers_factor([(1, 20)] * 2, host) == pytest.approx((plan_s - host) / pts[1][2])
 
 
-def test_no_plan_or_a_plan_that_serves_no_step_gives_no_factor(small, monkeypatch):
-    monkeypatch.setattr(decode_factor, "_timed", lambda fn: fn() or 1.0)
-    assert decode_factor.measure_decode_factor(None, CFG, None, PARTIAL, torch.float32, torch.float32, 0.0) == (
-        [[1, 1.0]], 0)
-    assert decode_factor.measure_decode_factor(StandInPlan(0), CFG, None, PARTIAL, torch.float32, torch.float32,
-                                               0.0) == ([[1, 1.0]], 0)
-
-
-def test_a_factor_below_half_is_taken_as_a_measurement_gone_wrong():
-    assert decode_factor.decode_factor(1e-3, 1e-3, 10, 0.0) == pytest.approx(1.0)
-    assert decode_factor.decode_factor(1e-3, 1e-3, 10, 5e-5) == pytest.approx(0.5)
-    assert decode_factor.decode_factor(1e-3, 1e-3, 10, 1e-4) == 0.5  # all of it host overhead: clamped
-    assert decode_factor.decode_factor(1e-3, 0.0, 10, 0.0) == 1.0  # nothing priced: nothing to scale
+def test_no_plan_or_a_plan_that_serves_no_step_gives_no_times(small, monkeypatch):
+    monkeypatch.setattr(decode_plan, "_timed", lambda fn: fn() or 1.0)
+    assert decode_plan.measure_decode_plan(None, CFG, None, PARTIAL, torch.float32, torch.float32) == ([], 0)
+    assert decode_plan.measure_decode_plan(StandInPlan(0), CFG, None, PARTIAL, torch.float32, torch.float32) == ([], 0)

@@ -1,5 +1,5 @@
-"""The loaded engine's C++ decode plan timed over whole decode steps' layers, against what the kernel table prices
-those layers at: the table's `decode_factor` (analysis/kernel_table.py says how the cost model reads it).
+"""The loaded engine's C++ decode plan timed over whole decode steps' layers, beside what the kernel table prices
+those layers at: the table's `decode_plan`, whence the cost model's decode factor (analysis/kernel_table.py).
 
 The table times each kernel on its own (measure/shape_kernels.py). A decode-only step runs them back to back in one
 C++ call (model/transforms.DecodePlanLayers), and at two threads and a few dozen rows the layers ran slower together
@@ -7,9 +7,8 @@ than their kernels one at a time (the threads' wake-ups and joins in each parall
 kernels: whatever it is, the plan's own time holds it). Here the plan runs its layers as a decode step does: the
 engine's own plan on random hidden states at DECODE_ROWS sequences of DECODE_CONTEXT cached tokens each, over caches
 whose every page is written (shape_kernels.written_cache), cycling over as many copies as KV_COPIES_BYTES allows so
-that each layer reads its KV from memory, as a step's layers do. The factor at each row count is the plan's time,
-less the host overhead per layer the cost model adds for every layer (measured on a tiny model's steps, whose plan
-runs the same calls), over the table's sum of the same layers' kernels at those rows and keys.
+that each layer reads its KV from memory, as a step's layers do. Beside each time: the table's sum of the same
+layers' kernels at those rows and keys, as the cost model adds them up.
 """
 
 from __future__ import annotations
@@ -34,14 +33,6 @@ def layers_seconds(cfg, table: KernelTable, rows: int, context: int) -> float:
     cost model's own sum: cost_model.measured_op_seconds; the head and the sampler are not the plan's)."""
     ops = measured_op_seconds(cfg, [(1, context)] * rows, table, rows, rows)
     return sum(ops.get(name, 0.0) for name in LAYER_OPS)
-
-
-def decode_factor(plan_seconds: float, kernels_seconds: float, layers: int, layer_overhead_s: float) -> float:
-    """The plan's time less the per-layer host overhead priced beside it, over its kernels' (at least 0.5: a
-    ratio below that is a measurement gone wrong, not a plan faster than its kernels by half)."""
-    if kernels_seconds <= 0:
-        return 1.0
-    return max((plan_seconds - layers * layer_overhead_s) / kernels_seconds, 0.5)
 
 
 def _caches(cfg, rows: int, blocks_per_seq: int, kv_dtype) -> list:
@@ -76,11 +67,12 @@ def plan_seconds(plan, cfg, backend, rows: int, context: int, caches: list, dtyp
         return statistics.median(_timed(step) for _ in range(runs))
 
 
-def measure_decode_factor(plan, cfg, backend, partial: dict, dtype, kv_dtype, layer_overhead_s: float) -> tuple:
-    """([[rows, f]] at the DECODE_ROWS the plan serves, the most rows it serves): ([[1, 1.0]], 0) without a plan
-    (every decode step runs the model's forward, which the table's kernels price as they are)."""
+def measure_decode_plan(plan, cfg, backend, partial: dict, dtype, kv_dtype) -> tuple:
+    """([[rows, seconds of the plan's layers, the table's seconds of their kernels]] at the DECODE_ROWS the plan
+    serves, the most rows it serves): ([], 0) without a plan (every decode step runs the model's forward, which the
+    table's kernels price as they are)."""
     if plan is None:
-        return [[1, 1.0]], 0
+        return [], 0
     parts = KernelTable.from_dict({**partial, "key": "partial"})
     blocks_per_seq = -(-(DECODE_CONTEXT + 1) // BLOCK)
     caches = _caches(cfg, max(DECODE_ROWS), blocks_per_seq, kv_dtype)  # the smaller steps use its first blocks
@@ -89,6 +81,5 @@ def measure_decode_factor(plan, cfg, backend, partial: dict, dtype, kv_dtype, la
         t = plan_seconds(plan, cfg, backend, rows, DECODE_CONTEXT, caches, dtype)
         if t is None:
             break
-        kernels = layers_seconds(cfg, parts, rows, DECODE_CONTEXT)
-        out.append([rows, decode_factor(t, kernels, cfg.num_hidden_layers, layer_overhead_s)])
-    return (out, plan.max_rows) if out else ([[1, 1.0]], 0)
+        out.append([rows, t, layers_seconds(cfg, parts, rows, DECODE_CONTEXT)])
+    return (out, plan.max_rows) if out else ([], 0)
