@@ -186,6 +186,7 @@ def test_the_decode_factor_is_the_plans_time_less_its_layers_host_overhead_over_
     assert decode_factor(1e-3, 1e-3, 0.0) == pytest.approx(1.0)
     assert decode_factor(1.3e-3, 1e-3, 1e-4) == pytest.approx(1.2)
     assert decode_factor(1e-3, 1e-3, 9e-4) == 0.5  # nearly all of it host overhead: a measurement gone wrong
+    assert decode_factor(1e-1, 1e-3, 0.0) == 2.0  # a time slice lost in the plan's timing: likewise
     assert decode_factor(1e-3, 0.0, 0.0) == 1.0  # nothing priced: nothing to scale
 
 

@@ -52,7 +52,7 @@ def test_the_layers_are_priced_as_the_cost_model_prices_a_decode_step():
 
 
 def test_the_plan_is_timed_at_the_rows_it_serves_beside_the_tables_kernels(small, monkeypatch):
-    plan_s = 2e-3
+    plan_s = 3e-4  # about 1.4x what the table's kernels of those layers add up to
     monkeypatch.setattr(decode_plan, "_timed", lambda fn: fn() or plan_s)  # every run of the plan: plan_s
     plan = StandInPlan(max_rows=6)
     pts, rows = decode_plan.measure_decode_plan(plan, CFG, None, PARTIAL, torch.float32, torch.float32)
@@ -66,8 +66,9 @@ def test_the_plan_is_timed_at_the_rows_it_serves_beside_the_tables_kernels(small
                for n, pos, ctx, caches in plan.runs)
     # what the cost model makes of it: the plan's time less the host overhead per layer, over the kernels
     priced = KernelTable.from_dict({**PARTIAL, "decode_plan": pts, "decode_rows": rows})
-    host = CFG.num_hidden_layers * 1e-4
-    assert priced.layers_factor([(1, 20)] * 2, host) == pytest.approx((plan_s - host) / pts[1][2])
+    host = CFG.num_hidden_layers * 1e-5
+    f = priced.layers_factor([(1, 20)] * 2, host)
+    assert 1 < f < 2 and f == pytest.approx((plan_s - host) / pts[1][2])
 
 
 def test_no_plan_or_a_plan_that_serves_no_step_gives_no_times(small, monkeypatch):

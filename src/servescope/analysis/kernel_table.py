@@ -244,11 +244,12 @@ class KernelTable:
 
 
 def decode_factor(plan_s: float, kernels_s: float, layers_host_s: float) -> float:
-    """The decode plan's time less the host overhead priced beside it for its layers, over its kernels' (at least
-    0.5: a ratio below that is a measurement gone wrong, not a plan faster than its kernels by half)."""
+    """The decode plan's time less the host overhead priced beside it for its layers, over its kernels', within
+    [0.5, 2]: outside it a measurement went wrong (a time slice lost to another process in one of the timings on a
+    shared machine), not a plan faster than its kernels by half or twice as slow."""
     if kernels_s <= 0:
         return 1.0
-    return max((plan_s - layers_host_s) / kernels_s, 0.5)
+    return min(max((plan_s - layers_host_s) / kernels_s, 0.5), 2.0)
 
 
 def fit_linear_model(points: Sequence[tuple], per_context: bool = False) -> AttentionFit:
