@@ -6,8 +6,8 @@ import pytest
 
 from servescope.analysis.cost_model import step_cost
 from servescope.analysis.hardware import get_hardware
-from servescope.analysis.kernel_table import (TABLE_VERSION, AttentionFit, KernelTable, fit_linear_model, interpolate,
-                                              lookup, table_key)
+from servescope.analysis.kernel_table import (TABLE_VERSION, AttentionFit, KernelTable, decode_factor,
+                                              fit_linear_model, interpolate, lookup, table_key)
 from servescope.analysis.op_counts import attended_keys
 from servescope.analysis.presets import load_preset
 
@@ -48,6 +48,14 @@ def test_fit_recovers_an_exact_linear_model_and_keeps_coefficients_non_negative(
     assert fit.fixed == pytest.approx(truth.fixed, rel=1e-6)
     assert fit.per_row == pytest.approx(truth.per_row, rel=1e-6)
     assert fit.per_key == pytest.approx(truth.per_key, rel=1e-6)
+    # with a term per cached token before the sequence (a path that gathers its context)
+    truth = AttentionFit(3e-6, 2e-6, 3e-8, 5e-7)
+    pts = [(n, attended_keys(n, c), c, truth.seconds(n, attended_keys(n, c), c))
+           for n, c in ((2, 0), (16, 0), (31, 0), (2, 128), (16, 128), (2, 512), (31, 512))]
+    fit = fit_linear_model(pts, per_context=True)
+    assert [getattr(fit, n) for n in ("fixed", "per_row", "per_key", "per_context")] == pytest.approx(
+        [3e-6, 2e-6, 3e-8, 5e-7], rel=1e-6)
+    assert fit_linear_model([(r, k, t) for r, k, _, t in pts]).per_context == 0.0
     # times that fall with the rows: the row term would be negative, so it is dropped and the rest refitted
     falling = [(1, 100, 5e-6), (10, 100, 4e-6), (20, 200, 3e-6)]
     fit = fit_linear_model(falling)
@@ -74,10 +82,21 @@ def test_attention_routes_rows_as_the_cpu_backend_does():
         + split.long.seconds(300, attended_keys(300, 0)))
     assert split.attention_seconds(decode, keys) == t.attention_seconds(decode, keys)
     assert KernelTable.from_dict(split.to_dict()) == split
-    # float32 (long_min 2): every prefill sequence is its own call
+    # a table without a short fit and long_min 2 (a quantised cache): every prefill sequence is its own call
     f32 = KernelTable.from_dict(table_dict(long_min=2, paged_max=0))
     assert f32.attention_seconds([(1, 10), (5, 0)], keys) == pytest.approx(
         f32.paged.seconds(1, 11) + f32.long.seconds(5, 15))
+    # float32's short chunks: an SDPA call each over its gathered context, whatever the context (no limit: 0)
+    sdpa = {"fixed": 1e-6, "per_row": 2e-6, "per_key": 3e-8, "per_context": 5e-7}
+    f32 = KernelTable.from_dict({**table_dict(long_min=32, paged_max=0), "short": sdpa, "short_per_sequence": True})
+    steps = [(1, 10), (5, 0), (20, 3000), (40, 100)]
+    assert f32.attention_seconds(steps, keys) == pytest.approx(
+        f32.paged.seconds(1, 11) + f32.short.seconds(5, 15, 0) + f32.short.seconds(20, attended_keys(20, 3000), 3000)
+        + f32.long.seconds(40, attended_keys(40, 100)))
+    assert f32.attention_seconds([(20, 3000)], keys) == pytest.approx(
+        f32.short.seconds(20, attended_keys(20, 3000), 3000))  # no long sequence, far context: still SDPA's
+    assert f32.short.seconds(20, 100, 3000) - f32.short.seconds(20, 100, 0) == pytest.approx(3000 * 5e-7)
+    assert KernelTable.from_dict(f32.to_dict()) == f32
 
 
 def test_step_cost_prices_the_timed_ops_from_the_table_and_the_rest_as_before():
@@ -120,10 +139,62 @@ def test_the_samplers_rows_are_priced_with_the_head_at_the_steps_logit_rows():
         KernelTable.from_dict({**table_dict(), "sample": [[8, 1e-4], [1, 1e-4]]})
 
 
+def test_a_decode_only_step_on_the_plan_has_its_layers_priced_at_the_measured_factor():
+    key = table_key(CFG, "bfloat16", "bfloat16", "bfloat16")
+    L = CFG.num_hidden_layers
+    spec = get_hardware("H100-SXM").replace(kind="cpu", name="local-cpu", layer_overhead_s=2e-5)
+    host = L * spec.layer_overhead_s  # the plan's time holds the host overhead priced per layer beside it
+    # [[rows, the plan's seconds, its kernels' seconds]]: factors 1.1, 1.3, 1.2 once the host overhead is taken off
+    plan = [[1, host + 1.1 * 4e-3, 4e-3], [8, host + 1.3 * 6e-3, 6e-3], [32, host + 1.2 * 2e-2, 2e-2]]
+    plain = spec.replace(kernel_tables={key: table_dict()})
+    hw = spec.replace(kernel_tables={key: {**table_dict(), "decode_plan": plan, "decode_rows": 48}})
+    t = lookup(hw.kernel_tables, key)
+    layers = ("qkv_proj", "attention", "attn_out_proj", "mlp", "norms_rope_misc")
+
+    def ratios(seqs, hw=hw, plain=plain):
+        a, b = step_cost(CFG, seqs, hw, "bfloat16"), step_cost(CFG, seqs, plain, "bfloat16")
+        return {o.name: o.seconds / b.op(o.name).seconds for o in a.ops if b.op(o.name).seconds > 0}
+
+    # between the points interpolated, beyond the first and the last held flat, on every op the plan runs
+    for rows, f in ((1, 1.1), (4, 1.1 + 0.2 * 3 / 7), (8, 1.3), (20, 1.25), (32, 1.2), (40, 1.2)):
+        assert t.layers_factor([(1, 100)] * rows, host) == pytest.approx(f)
+        r = ratios([(1, 100)] * rows)
+        assert all(r[name] == pytest.approx(f) for name in layers), (rows, r)
+        # the head, the sampler and the embedding are not the plan's
+        assert r["lm_head"] == pytest.approx(1.0) and r["embedding"] == pytest.approx(1.0)
+    # the factor follows the spec's own per-layer overhead (a probe measured again): none, the plan's whole time
+    bare = spec.replace(layer_overhead_s=0.0)
+    r = ratios([(1, 100)], bare.replace(kernel_tables=hw.kernel_tables),
+               bare.replace(kernel_tables=plain.kernel_tables))
+    assert r["mlp"] == pytest.approx((host + 1.1 * 4e-3) / 4e-3)
+    # more rows than the plan serves run the model's forward; a step with prefill tokens runs it too, and its
+    # linear ops keep the prefill factor alone
+    assert t.layers_factor([(1, 100)] * 49, host) == 1.0
+    assert all(v == pytest.approx(1.0) for v in ratios([(1, 9)] * 49).values())
+    assert t.layers_factor([(1, 100), (5, 0)], host) == 1.0
+    assert all(v == pytest.approx(1.0) for v in ratios([(1, 100), (5, 0)]).values())
+    assert t.layers_factor([], host) == 1.0
+    # a table without the plan's times (or measured where no plan runs: decode_rows 0) prices the kernels as timed
+    assert KernelTable.from_dict(table_dict()).layers_factor([(1, 100)] * 4) == 1.0
+    assert KernelTable.from_dict({**table_dict(), "decode_plan": plan, "decode_rows": 0}).layers_factor([(1, 9)]) == 1
+    assert KernelTable.from_dict(t.to_dict()) == t
+    with pytest.raises(ValueError, match="decode_plan"):
+        KernelTable.from_dict({**table_dict(), "decode_plan": plan[::-1], "decode_rows": 8})
+
+
+def test_the_decode_factor_is_the_plans_time_less_its_layers_host_overhead_over_their_kernels():
+    assert decode_factor(1e-3, 1e-3, 0.0) == pytest.approx(1.0)
+    assert decode_factor(1.3e-3, 1e-3, 1e-4) == pytest.approx(1.2)
+    assert decode_factor(1e-3, 1e-3, 9e-4) == 0.5  # nearly all of it host overhead: a measurement gone wrong
+    assert decode_factor(1e-1, 1e-3, 0.0) == 2.0  # a time slice lost in the plan's timing: likewise
+    assert decode_factor(1e-3, 0.0, 0.0) == 1.0  # nothing priced: nothing to scale
+
+
 def test_the_key_changes_with_what_the_table_holds():
-    # a table cached before the sampler's rows and the written caches is measured again, not read back
+    # a table cached before the sampler's rows, the written caches and the decode plan's factor is measured
+    # again, not read back
     assert table_key(CFG, "bfloat16", "bfloat16", "bfloat16").endswith(f"|v{TABLE_VERSION}")
-    assert TABLE_VERSION >= 3
+    assert TABLE_VERSION >= 5
 
 
 def test_a_malformed_table_is_refused():

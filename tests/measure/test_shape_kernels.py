@@ -13,7 +13,8 @@ from servescope.analysis.op_counts import routed_expert_bytes
 from servescope.config import EngineConfig, SamplingParams
 from servescope.engine.llm_engine import LLMEngine
 from servescope.kernels.cpu import ops as cpu_ops
-from servescope.measure import kernel_cache, local_hardware, moe_kernels, shape_kernels
+from servescope.measure import decode_plan, kernel_cache, local_hardware, moe_kernels, shape_kernels
+from servescope.model.attention.cpu import TILED_F32_MIN_TOKENS
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 128,
         "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
@@ -36,7 +37,10 @@ def small_grids(monkeypatch, tmp_path):
     monkeypatch.setattr(shape_kernels, "LAYER_TOKENS", (16, 64))
     monkeypatch.setattr(shape_kernels, "PAGED_GRID", ((1, 16), (4, 64), (8, 32)))
     monkeypatch.setattr(shape_kernels, "SHORT_GRID", ((16, 0), (32, 16), (48, 0)))
+    monkeypatch.setattr(shape_kernels, "SHORT_F32_GRID", ((2, 0), (16, 0), (4, 32), (20, 64)))
     monkeypatch.setattr(shape_kernels, "LONG_GRID", ((128, 0), (130, 64), (256, 0)))
+    monkeypatch.setattr(decode_plan, "DECODE_ROWS", (1, 4))
+    monkeypatch.setattr(decode_plan, "DECODE_CONTEXT", 32)
 
 
 def tiny_engine(tmp_path, dtype: str, quantization=None, config=TINY) -> LLMEngine:
@@ -59,12 +63,17 @@ def test_the_table_is_measured_once_cached_and_prices_the_steps(small_grids, tmp
     assert set(table.linear) == set(PROJECTIONS)
     assert [r for r, _ in table.linear["qkv_proj"]] == [1, 2, 9, 64]
     assert all(t > 0 for pts in table.linear.values() for _, t in pts)
-    assert table.long_min_tokens == (128 if dtype == "bfloat16" else 2)
+    assert table.long_min_tokens == (128 if dtype == "bfloat16" else TILED_F32_MIN_TOKENS)
     assert [t for t, _ in table.prefill_factor] == [16, 64] and all(f >= 0.5 for _, f in table.prefill_factor)
+    # the engine's own decode plan timed over its layers at the decode rows it serves
+    assert engine.executor.decode_plan is not None and table.decode_rows == engine.executor.decode_plan.max_rows
+    assert [r for r, *_ in table.decode_plan] == [1, 4] and all(min(p) > 0 for p in table.decode_plan)
     assert len(table.grid["paged"]) == 3 and len(table.grid["long"]) == 3
-    # bfloat16's short prefill chunks on the paged kernel: a fit of their own
-    assert len(table.grid["short"]) == (3 if dtype == "bfloat16" else 0)
-    assert (table.short is not None) == (dtype == "bfloat16")
+    # short prefill chunks, a fit of their own: bfloat16's on the paged kernel (one call for all of them), float32's
+    # on SDPA (a call each, over its gathered context: the fit has a term per cached token)
+    assert len(table.grid["short"]) == (3 if dtype == "bfloat16" else 4) and table.short is not None
+    assert table.short_per_sequence == (dtype == "float32")
+    assert all(len(p) == (4 if dtype == "float32" else 3) for p in table.grid["short"])
     # the sampler over the model's vocabulary, measured at the head's rows, priced with the head
     assert [r for r, _ in table.sample] == [1, 4] and all(t > 0 for _, t in table.sample)
     # the engine's own predictions now come from it: its StepRecords carry them
@@ -73,7 +82,9 @@ def test_the_table_is_measured_once_cached_and_prices_the_steps(small_grids, tmp
         engine.step()
     cost = engine.step_cost_predictor.predict([(1, 40)], 1)
     assert cost.op("qkv_proj").measured and not cost.op("embedding").measured
-    assert cost.op("qkv_proj").seconds == pytest.approx(2 * table.linear_seconds("qkv_proj", 1))
+    layers_host = 2 * engine.hardware.layer_overhead_s  # the plan's per-layer host time, priced beside its layers
+    assert cost.op("qkv_proj").seconds == pytest.approx(2 * table.linear_seconds("qkv_proj", 1)
+                                                        * table.layers_factor([(1, 40)], layers_host))
     assert cost.op("lm_head").seconds == pytest.approx(table.linear_seconds("lm_head", 1) + table.sample_seconds(1))
     assert engine.step_records[-1].predicted_seconds == pytest.approx(
         engine.step_cost_predictor.predictor.predict([(1, engine.step_records[-1].context_lens[0] - 1)], 1).seconds)
@@ -143,7 +154,8 @@ def test_a_moe_table_times_its_sparse_blocks_and_prices_the_mlp_by_the_steps_rou
     read_s = routed_expert_bytes(cfg, wdt, adt) / engine.hardware.memory_bandwidth
     assert 0 < read_s and table.moe_seconds(1, 2.0, read_s) < table.moe_seconds(1)
     want = (table.linear_seconds("gate_up_proj", 1) + table.linear_seconds("down_proj", 1)
-            + 2 * table.moe_seconds(1, 2.0, read_s))
+            + 2 * table.moe_seconds(1, 2.0, read_s)) * table.layers_factor(
+                [(1, 20)], cfg.num_hidden_layers * engine.hardware.layer_overhead_s)  # a decode step on the plan
     assert cost.op("mlp").measured and cost.op("mlp").seconds == pytest.approx(want)
     engine.add_request("r", list(range(3, 40)), SamplingParams(max_tokens=3, ignore_eos=True))
     while engine.has_unfinished():

@@ -236,29 +236,35 @@ def _timed_ops(cfg: ModelConfig, seqs: list, table: KernelTable, hw: HardwareSpe
     table was timed at (its `bandwidth`) stays its record and prices the routed experts' read."""
     measured_at = table.bandwidth or hw.memory_bandwidth
     read_s = routed_expert_bytes(cfg, *dtypes) / measured_at if cfg.moe else 0.0
-    return measured_op_seconds(cfg, seqs, table, *rows, distinct_experts, read_s)
+    return measured_op_seconds(cfg, seqs, table, *rows, distinct_experts, read_s,
+                               cfg.num_hidden_layers * hw.layer_overhead_s)
 
 
 def measured_op_seconds(cfg: ModelConfig, seqs: list, table: KernelTable, T: int, n_logits: int,
-                        distinct_experts: Optional[float] = None, expert_read_s: float = 0.0) -> dict:
+                        distinct_experts: Optional[float] = None, expert_read_s: float = 0.0,
+                        layers_host_s: float = 0.0) -> dict:
     """{op group: seconds} of the op groups a KernelTable times at this model's shapes: the linear
     layers at the step's rows, a MoE's sparse blocks at its rows (their weight reads scaled by the step's
     measured distinct experts: expert_read_s, one expert at the bandwidth), attention by rows and attended
     keys per layer kind (its reads of the cached KV included, so kv_read is 0), the small per-layer ops with
     the KV store (kv_write 0), the head with the sampler's pick over its logits (lm_head). A MoE table without
-    its block times leaves the MLP to the roofline."""
+    its block times leaves the MLP to the roofline. The layers of a prefill step (the Python layer forward) have
+    their linear ops scaled by the table's prefill_factor, those of a decode-only step on the C++ decode plan all
+    their ops by its decode factor (kernel_table.py; layers_host_s: the host overhead added for the step's layers,
+    which the plan's measured time holds)."""
     L = cfg.num_hidden_layers
     sparse = cfg.moe.num_sparse(L) if cfg.moe else 0
-    f = table.linear_factor(T, any(n > 1 for n, _ in seqs))  # the Python layer forward of a prefill step
+    g = table.layers_factor(seqs, layers_host_s)  # the decode plan's layers together against their kernels
+    f = g * table.linear_factor(T, any(n > 1 for n, _ in seqs))  # the Python layer forward of a prefill step
     lin = {name: f * table.linear_seconds(name, T)
            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
-    attention = sum(count * table.attention_seconds(seqs, lambda s, w=window: attended_keys(s[0], s[1], w))
-                    for window, count in layer_windows(cfg).items())
+    attention = g * sum(count * table.attention_seconds(seqs, lambda s, w=window: attended_keys(s[0], s[1], w))
+                        for window, count in layer_windows(cfg).items())
     out = {"qkv_proj": L * lin["qkv_proj"], "attention": attention, "kv_write": 0.0, "kv_read": 0.0,
            "attn_out_proj": L * lin["o_proj"],
            "mlp": (L - sparse) * (lin["gate_up_proj"] + lin["down_proj"])
            + sparse * f * table.moe_seconds(T, distinct_experts, expert_read_s),
-           "norms_rope_misc": L * table.misc_seconds(T),
+           "norms_rope_misc": g * L * table.misc_seconds(T),
            "lm_head": table.linear_seconds("lm_head", n_logits) + table.sample_seconds(n_logits)}
     if sparse and not table.moe:
         del out["mlp"]

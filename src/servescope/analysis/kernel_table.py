@@ -15,10 +15,14 @@ and its attention and per-layer small ops on a grid of (rows, keys), with nothin
 - `attention`: linear models of one layer's attention call, least-squares fits to the timed grid:
   `paged` (decode rows, one query per sequence): seconds = a + b * rows + c * keys; `short` (in bfloat16
   the short prefill chunks, each row one query of the same paged kernel, which reads a sequence's keys
-  once for all its rows: a third of a decode row's time per key here), the same form; `long` (a prefill
-  sequence of at least `long_min_tokens` tokens, or any prefill where the paged path does not take it):
-  per sequence a + b * tokens + c * keys. keys: attended keys (causal), summed over the rows. A table
-  without `short` prices short chunks with `paged`.
+  once for all its rows: a third of a decode row's time per key here), the same form; in float32
+  (`short_per_sequence`) the chunks below the tiled kernel's tokens, each an SDPA call of its own over its
+  cached keys gathered (a copy of the whole context whatever the rows), per sequence a + b * tokens + c * keys
+  + d * context: the tiled kernel's fit priced them at its intercept, several times their time; `long` (a
+  prefill sequence of at least `long_min_tokens` tokens, or any prefill where the paged path does not take
+  it): per sequence a + b * tokens + c * keys. keys: attended keys (causal), summed over the rows. A table
+  without `short` prices short chunks with `paged`. `paged_max_context`: a step whose short chunks see more
+  context (and no long one) runs them on `long` (0: no limit).
 - `misc`: [[tokens T, seconds per layer]] of the layer's small ops (the two add+RMSNorms, rotary,
   SiLU*up, the KV store), interpolated like `linear`.
 - `moe` (a MoE): [[tokens T, seconds per sparse layer]] of the model's own sparse MLP block (router,
@@ -28,11 +32,19 @@ and its attention and per-layer small ops on a grid of (rows, keys), with nothin
   experts over the timed calls' (at batch 1 both are k). A sparse layer has no gate_up_proj / down_proj
   rows of its own: a model without dense layers holds [[1, 0.0]] there.
 - `prefill_factor`: [[tokens T, f]]: a step with prefill tokens runs the model's own layer forward in
-  Python (a decode-only step runs the C++ decode plan, which calls the kernels back to back as the
-  `linear` times were taken), and that forward of a T-token prefill took f times what the table's
-  linear layers, attention and small ops add up to, the excess put on the linear layers (their GEMMs
-  between the other ops' traffic, the forward's own Python): the linear ops of such a step are
-  priced at f(T) times the table's.
+  Python (a decode-only step runs the C++ decode plan: `decode_plan`), and that forward of a T-token
+  prefill took f times what the table's linear layers, attention and small ops add up to, the excess put
+  on the linear layers (their GEMMs between the other ops' traffic, the forward's own Python): the linear
+  ops of such a step are priced at f(T) times the table's.
+- `decode_plan`: [[rows B, seconds of the plan, seconds of its kernels]]: a decode-only step of B <=
+  `decode_rows` sequences runs the C++ decode plan, all layers' kernels back to back in one call, timed whole
+  over B rows (measure/decode_plan.py), beside what the table's linear layers, attention and small ops add
+  up to for the same layers. The decode factor f(B) = (plan - the host overhead per layer the cost model adds
+  for every layer, which the plan's time holds) / kernels prices all the layers' ops of such a step at f(B)
+  times the table's (at two threads the layers ran slower together than their kernels one at a time); taken
+  with the spec's own overhead at each prediction, so a probe measured again keeps it right. Between points
+  interpolated, beyond the first and the last held flat (a ratio, not a time); decode_rows 0 (no plan) or
+  more rows (the model's forward runs them): 1.
 - `sample`: [[rows, seconds]] of the engine's sampler picking greedy tokens from float32 logits over the
   vocabulary (the argmax every row pays), priced with the head (op group lm_head) at the step's logit rows.
   The probe's host overhead holds the sampler of a 512-token vocabulary; at 49152 its rows cost what a small
@@ -56,7 +68,9 @@ from typing import Optional, Sequence
 from servescope.config import ModelConfig
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-TABLE_VERSION = 4  # 3: the sampler's rows; attention timed over written caches; 4: the bandwidth it was timed at
+# 3: the sampler's rows; attention timed over written caches; 4: the bandwidth it was timed at; 5: the decode plan
+# timed whole, float32's short chunks fitted apart
+TABLE_VERSION = 5
 
 
 @functools.lru_cache(maxsize=64)  # once per (config, dtypes): every step's prediction asks for it
@@ -91,14 +105,16 @@ def interpolate(points: Sequence, x: float) -> float:
 
 @dataclass(frozen=True)
 class AttentionFit:
-    """seconds = fixed + per_row * rows + per_key * keys (one layer's call)."""
+    """seconds = fixed + per_row * rows + per_key * keys + per_context * context (one layer's call; context: the
+    tokens cached before the call's sequence, which a path that gathers them copies whatever its rows)."""
 
     fixed: float
     per_row: float
     per_key: float
+    per_context: float = 0.0
 
-    def seconds(self, rows: int, keys: int) -> float:
-        return max(self.fixed + self.per_row * rows + self.per_key * keys, 0.0)
+    def seconds(self, rows: int, keys: int, context: int = 0) -> float:
+        return max(self.fixed + self.per_row * rows + self.per_key * keys + self.per_context * context, 0.0)
 
 
 @dataclass(frozen=True)
@@ -108,7 +124,7 @@ class KernelTable:
     paged: AttentionFit
     long: AttentionFit
     long_min_tokens: int  # prefill sequences of this many tokens or more take the `long` path
-    paged_max_context: int  # a step whose short chunks see more context than this runs them on `long`
+    paged_max_context: int  # a step whose short chunks see more context than this runs them on `long` (0: none)
     misc: list  # [[tokens, seconds per layer], ...]
     source: str = ""
     grid: dict = field(default_factory=dict)  # the attention points timed (for the record)
@@ -117,13 +133,27 @@ class KernelTable:
     moe_distinct: list = field(default_factory=list)  # [[tokens, distinct experts per layer the timed calls read]]
     sample: list = field(default_factory=list)  # [[logit rows, seconds of the sampler's greedy pick]]; [] without
     short: Optional[AttentionFit] = None  # short prefill chunks on the paged kernel (None: priced with `paged`)
+    short_per_sequence: bool = False  # each short chunk a call of its own (float32's SDPA), not one for them all
     bandwidth: float = 0.0  # bytes/s read while the table was timed (0: unknown, its times priced as they are)
+    decode_plan: list = field(default_factory=list)  # [[decode rows, plan seconds, its kernels' seconds]]
+    decode_rows: int = 0  # the most rows a decode-only step runs on the plan (0: no plan)
 
     def linear_factor(self, tokens: int, has_prefill: bool) -> float:
         if not has_prefill:
             return 1.0
         pts = self.prefill_factor
         return interpolate(pts, tokens) if tokens >= pts[0][0] else float(pts[0][1])
+
+    def layers_factor(self, seqs: Sequence[tuple], layers_host_s: float = 0.0) -> float:
+        """What a step's layers cost over the table's sum of their kernels: the decode factor f(B) of a
+        decode-only step of B sequences the C++ decode plan runs, 1 for any other step. layers_host_s: the host
+        overhead the cost model adds for the step's layers (L x the spec's per layer), which the plan's time
+        holds."""
+        rows = len(seqs)
+        if not self.decode_plan or not rows or rows > self.decode_rows or any(n != 1 for n, _ in seqs):
+            return 1.0
+        pts = [[r, decode_factor(plan, kernels, layers_host_s)] for r, plan, kernels in self.decode_plan]
+        return interpolate(pts, min(max(rows, pts[0][0]), pts[-1][0]))  # held flat beyond the points
 
     def linear_seconds(self, name: str, rows: int) -> float:
         return interpolate(self.linear[name], rows) if rows > 0 else 0.0
@@ -153,18 +183,21 @@ class KernelTable:
     def attention_seconds(self, seqs: Sequence[tuple], keys_of) -> float:
         """One layer's attention over seqs [(new, context before)]; keys_of((n, c)) -> attended keys of
         one sequence in this layer. The rows the paged kernel takes are one call; each long sequence
-        one call of its own."""
+        one call of its own, and each short one where short_per_sequence."""
         paged_rows = paged_keys = 0
         total = 0.0
         short = [s for s in seqs if 1 < s[0] < self.long_min_tokens]
         has_long = any(s[0] >= self.long_min_tokens for s in seqs)
-        short_to_long = bool(short) and not has_long and max(n + c for n, c in seqs) > self.paged_max_context
+        short_to_long = (bool(short) and not has_long and self.paged_max_context > 0
+                         and max(n + c for n, c in seqs) > self.paged_max_context)
         short_rows = short_keys = 0
         for n, c in seqs:
             if n == 1 or (n < self.long_min_tokens and not short_to_long):
                 if n == 1 or self.short is None:
                     paged_rows += n
                     paged_keys += keys_of((n, c))
+                elif self.short_per_sequence:
+                    total += self.short.seconds(n, keys_of((n, c)), c)
                 else:
                     short_rows += n
                     short_keys += keys_of((n, c))
@@ -182,18 +215,19 @@ class KernelTable:
                 "misc": self.misc, "source": self.source, "grid": self.grid,
                 "prefill_factor": self.prefill_factor, "moe": self.moe, "moe_distinct": self.moe_distinct,
                 "sample": self.sample, "short": None if self.short is None else vars(self.short),
-                "bandwidth": self.bandwidth}
+                "short_per_sequence": self.short_per_sequence,
+                "bandwidth": self.bandwidth, "decode_plan": self.decode_plan, "decode_rows": self.decode_rows}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelTable":
         missing = [p for p in PROJECTIONS if p not in d["linear"]]
         if missing:
             raise ValueError(f"kernel table {d.get('key')!r} lacks {', '.join(missing)}")
-        optional = [(n, d[n]) for n in ("moe", "moe_distinct", "sample") if d.get(n)]
+        optional = [(n, d[n]) for n in ("moe", "moe_distinct", "sample", "decode_plan") if d.get(n)]
         for name, pts in list(d["linear"].items()) + [("misc", d["misc"])] + optional:
             xs = [p[0] for p in pts]
-            if not pts or xs != sorted(xs) or len(set(xs)) != len(xs) or any(p[1] < 0 for p in pts):
-                raise ValueError(f"kernel table {d.get('key')!r}: {name} must be [[x, seconds >= 0], ...], "
+            if not pts or xs != sorted(xs) or len(set(xs)) != len(xs) or any(min(p[1:]) < 0 for p in pts):
+                raise ValueError(f"kernel table {d.get('key')!r}: {name} must be [[x, seconds >= 0, ...], ...], "
                                  "x ascending")
         return cls(key=d["key"], linear={k: [list(p) for p in v] for k, v in d["linear"].items()},
                    paged=AttentionFit(**d["paged"]), long=AttentionFit(**d["long"]),
@@ -203,17 +237,30 @@ class KernelTable:
                    moe=[list(p) for p in d.get("moe", [])], moe_distinct=[list(p) for p in d.get("moe_distinct", [])],
                    sample=[list(p) for p in d.get("sample", [])],
                    short=AttentionFit(**d["short"]) if d.get("short") else None,
-                   bandwidth=float(d.get("bandwidth") or 0.0))
+                   short_per_sequence=bool(d.get("short_per_sequence")),
+                   bandwidth=float(d.get("bandwidth") or 0.0),
+                   decode_plan=[list(p) for p in d.get("decode_plan", [])],
+                   decode_rows=int(d.get("decode_rows") or 0))
 
 
-def fit_linear_model(points: Sequence[tuple]) -> AttentionFit:
-    """Least squares of seconds = a + b * rows + c * keys over [(rows, keys, seconds)], each coefficient
-    kept >= 0 (a coefficient the solve makes negative is dropped and the rest refitted): pure Python,
-    three unknowns."""
-    names = ("fixed", "per_row", "per_key")
-    active = [0, 1, 2]
+def decode_factor(plan_s: float, kernels_s: float, layers_host_s: float) -> float:
+    """The decode plan's time less the host overhead priced beside it for its layers, over its kernels', within
+    [0.5, 2]: outside it a measurement went wrong (a time slice lost to another process in one of the timings on a
+    shared machine), not a plan faster than its kernels by half or twice as slow."""
+    if kernels_s <= 0:
+        return 1.0
+    return min(max((plan_s - layers_host_s) / kernels_s, 0.5), 2.0)
+
+
+def fit_linear_model(points: Sequence[tuple], per_context: bool = False) -> AttentionFit:
+    """Least squares of seconds = a + b * rows + c * keys over [(rows, keys, seconds)] (per_context: + d * context
+    over [(rows, keys, context, seconds)]), each coefficient kept >= 0 (a coefficient the solve makes negative is
+    dropped and the rest refitted): pure Python, three or four unknowns."""
+    names = ("fixed", "per_row", "per_key", "per_context")
+    cols = [tuple(p) if per_context else (p[0], p[1], 0, p[2]) for p in points]
+    active = [0, 1, 2, 3] if per_context else [0, 1, 2]
     while True:
-        coef = _solve(points, active)
+        coef = _solve(cols, active)
         neg = [j for j, v in zip(active, coef) if v < 0]
         if not neg:
             out = dict.fromkeys(names, 0.0)
@@ -226,9 +273,10 @@ def fit_linear_model(points: Sequence[tuple]) -> AttentionFit:
 
 
 def _solve(points: Sequence[tuple], active: list) -> list:
-    """Normal equations of the least-squares fit on the active columns (1, rows, keys)."""
-    rows = [[(1.0, float(r), float(k))[j] for j in active] for r, k, _ in points]
-    ys = [float(t) for _, _, t in points]
+    """Normal equations of the least-squares fit on the active columns (1, rows, keys, context) of
+    [(rows, keys, context, seconds)]."""
+    rows = [[(1.0, float(r), float(k), float(c))[j] for j in active] for r, k, c, _ in points]
+    ys = [float(t) for *_, t in points]
     n = len(active)
     a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
     b = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(n)]

@@ -1,6 +1,7 @@
 """A loaded engine's KernelTable (analysis/kernel_table.py): measured by measure/shape_kernels.py (the projections,
-attention, small ops, the layer forward, the sampler) and measure/moe_kernels.py (a MoE's sparse blocks), cached
-once per CPU, thread count, kernels' sources and the model's shape and dtypes."""
+attention, small ops, the layer forward, the sampler), measure/moe_kernels.py (a MoE's sparse blocks) and
+measure/decode_plan.py (the C++ decode plan's layers together), cached once per CPU, thread count, kernels'
+sources and the model's shape and dtypes."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from servescope.analysis.bandwidth import default_spot_check
 from servescope.analysis.kernel_table import table_key
 from servescope.analysis.probe import BUSY_MIN_WINDOW_S, BUSY_SHARE, _cache_key, default_cache_path, torch_threads
+from servescope.measure.decode_plan import measure_decode_plan
 from servescope.measure.moe_kernels import measure_moe_table
 from servescope.measure.shape_kernels import (measure_attention, measure_linear_tables, measure_misc,
                                               measure_prefill_factor, measure_sampling)
@@ -56,6 +58,8 @@ def measure_kernel_table(engine) -> dict:
     misc = measure_misc(model, cfg, backend, engine.dtype, engine.kv_dtype)
     parts = {"linear": linear, "misc": misc, "moe": moe, "moe_distinct": moe_distinct, **attention}
     factor = measure_prefill_factor(model, cfg, backend, parts, engine.dtype, engine.kv_dtype)
+    decode, decode_rows = measure_decode_plan(engine.executor.decode_plan, cfg, backend, parts, engine.dtype,
+                                              engine.kv_dtype)
     sample = measure_sampling(cfg)
     took = time.perf_counter() - t0
     bandwidth += [spot()] if spot is not None else []
@@ -66,7 +70,8 @@ def measure_kernel_table(engine) -> dict:
         logger.warning("the machine was busy while the kernel table was measured (its %d threads got %.1f "
                        "CPUs): the table serves this run only and is not cached", threads, cpus)
     return {"key": table_key(cfg, wdt, adt, kdt), "linear": linear, "misc": misc, **attention,
-            "prefill_factor": factor, "sample": sample, "moe": moe, "moe_distinct": moe_distinct, "busy": busy,
+            "prefill_factor": factor, "decode_plan": decode, "decode_rows": decode_rows, "sample": sample,
+            "moe": moe, "moe_distinct": moe_distinct, "busy": busy,
             "cpus": cpus, "bandwidth": sum(bandwidth) / len(bandwidth) if bandwidth else 0.0,
             "source": f"measured on the loaded model's modules and attention backend in {took:.0f} s "
                       f"(measure/kernel_cache.py, kernels {kernels_digest()})"}

@@ -1,6 +1,7 @@
 """The engine's kernels timed at one loaded model's own shapes (analysis/kernel_table.py says what the
 table holds and how the cost model reads it); measure/kernel_cache.py assembles the table (with a MoE's
-sparse blocks: measure/moe_kernels.py) and caches it once per CPU, model shape and dtypes.
+sparse blocks: measure/moe_kernels.py, and the C++ decode plan's layers together: measure/decode_plan.py)
+and caches it once per CPU, model shape and dtypes.
 
 All on the engine's own objects, so the table follows the kernels whatever they become:
 - the projections (CpuLinear, QuantLinear, ... whatever the engine's transforms put there; a sparse layer's
@@ -34,7 +35,7 @@ from servescope.config import SamplingParams
 from servescope.kernels import fused_ops
 from servescope.model.attention import kv_quant
 from servescope.model.attention.backend import AttentionMetadata
-from servescope.model.attention.cpu import PAGED_PREFILL_MAX_CONTEXT, TILED_PREFILL_MIN_TOKENS
+from servescope.model.attention.cpu import PAGED_PREFILL_MAX_CONTEXT, TILED_F32_MIN_TOKENS, TILED_PREFILL_MIN_TOKENS
 from servescope.model.moe import SparseMoeBlock
 from servescope.sampling.sampler import Sampler, SamplingState
 
@@ -54,6 +55,8 @@ LAYER_TOKENS = (16, 64, 65, 128, 256, 320, 512, 1024, 2048)  # prefills through 
 PAGED_GRID = ((1, 128), (1, 2048), (8, 512), (32, 128), (32, 1024))  # (decode rows, context each)
 # bfloat16 prefill chunks the paged kernel takes: (tokens, context before)
 SHORT_GRID = ((16, 0), (32, 0), (32, 256), (64, 512))
+# float32 prefill chunks below the tiled kernel's tokens (SDPA, each over its gathered context): (tokens, context)
+SHORT_F32_GRID = tuple((n, c) for c in (0, 128, 512) for n in (2, TILED_F32_MIN_TOKENS // 2, TILED_F32_MIN_TOKENS - 1))
 # one prefill: (tokens, context before)
 LONG_GRID = ((128, 0), (512, 0), (256, 512), (128, 1536), (512, 1024), (2048, 0))
 KV_COPIES_BYTES = 1 << 30  # caches cycled so that attention reads its KV from memory, as a step's layers do
@@ -253,12 +256,13 @@ def _attention_seconds(backend, cfg, caches: list, seqs: list, dtype) -> float:
 
 
 def measure_attention(backend, cfg, dtype, kv_dtype) -> dict:
-    """The paged (decode rows), short (bfloat16's short chunks on the paged kernel) and long fits
-    (kernel_table.AttentionFit as dicts), the routing limits and the grid."""
+    """The paged (decode rows), short (bfloat16's short chunks on the paged kernel, float32's on SDPA) and long
+    fits (kernel_table.AttentionFit as dicts), the routing limits and the grid."""
     bf16 = dtype == torch.bfloat16 and kv_dtype == torch.bfloat16
-    long_min = TILED_PREFILL_MIN_TOKENS if bf16 else 2
+    f32 = dtype == torch.float32 and kv_dtype == torch.float32
+    long_min = TILED_PREFILL_MIN_TOKENS if bf16 else TILED_F32_MIN_TOKENS if f32 else 2
     paged_pts = [(b, [(1, c)] * b) for b, c in PAGED_GRID]
-    short_pts = [(n, [(n, c)]) for n, c in SHORT_GRID] if bf16 else []
+    short_pts = [(n, [(n, c)]) for n, c in (SHORT_GRID if bf16 else SHORT_F32_GRID if f32 else ())]
     long_pts = [(n, [(n, c)]) for n, c in LONG_GRID]
     most = max(sum(n + c for n, c in s) for _, s in paged_pts + short_pts + long_pts)
     blocks = -(-most // BLOCK) + 64
@@ -268,19 +272,20 @@ def measure_attention(backend, cfg, dtype, kv_dtype) -> dict:
     caches = [(written_cache(shape, kv_dtype), written_cache(shape, kv_dtype)) for _ in range(copies)]
     tiny = _attention_seconds(backend, cfg, caches[:1], [(1, 15)], dtype)
 
-    def timed(points):
+    def timed(points, context: bool = False):  # [rows, keys, (context before, where asked,) seconds]
         out = []
         for _, seqs in points:
             t = _attention_seconds(backend, cfg, caches, seqs, dtype)
             rows = sum(n for n, _ in seqs)
             keys = sum(attended_keys(n, c) for n, c in seqs)
-            out.append([rows, keys, max(t - tiny, 0.2 * t)])
+            out.append([rows, keys, *([sum(c for _, c in seqs)] if context else []), max(t - tiny, 0.2 * t)])
         return out
 
-    paged, short, long = timed(paged_pts), timed(short_pts), timed(long_pts)
-    short_fit = vars(fit_linear_model(short)) if short else None
+    paged, short, long = timed(paged_pts), timed(short_pts, context=f32), timed(long_pts)
+    short_fit = vars(fit_linear_model(short, per_context=f32)) if short else None
     return {"paged": vars(fit_linear_model(paged)), "long": vars(fit_linear_model(long)),
             "short": short_fit if short_fit and any(short_fit.values()) else None,  # none: priced as decode rows
+            "short_per_sequence": f32,  # float32's short chunks: an SDPA call each
             "long_min_tokens": long_min, "paged_max_context": PAGED_PREFILL_MAX_CONTEXT if bf16 else 0,
             "grid": {"paged": paged, "short": short, "long": long}}
 
