@@ -75,20 +75,25 @@ def test_rescaled_seconds_moves_only_the_memory_share():
     assert rescaled_seconds(1e-3, 30e6, 0.0, 60 * GB) == 1e-3 == rescaled_seconds(1e-3, 30e6, 30 * GB, 30 * GB)
 
 
-def test_a_kernel_tables_times_are_priced_as_timed_whatever_the_specs_bandwidth():
-    # the engine's own kernels timed at its shapes: a plain read's bandwidth does not say how they move
+def test_a_kernel_table_is_priced_at_the_specs_bandwidth_from_its_own():
     table = {**table_dict(), "bandwidth": 30 * GB}
     fast = cached_spec(bw=30 * GB, kernel_tables={table["key"]: table})
     slow = checked_spec(fast.replace(kernel_tables={}), 10 * GB).replace(kernel_tables={table["key"]: table})
-    assert slow.memory_bandwidth == 10 * GB
     decode = [(1, 100)]
     at_table, at_slow = step_cost(CFG, decode, fast), step_cost(CFG, decode, slow)
     t = KernelTable.from_dict(table)
+    # at the table's own bandwidth: the table's times as timed
     assert at_table.op("qkv_proj").seconds == pytest.approx(CFG.num_hidden_layers * t.linear_seconds("qkv_proj", 1))
-    for name in ("qkv_proj", "attn_out_proj", "mlp", "lm_head", "attention"):
-        assert at_slow.op(name).measured and at_slow.op(name).seconds == at_table.op(name).seconds
-    # the spec's own bandwidth still prices what the table does not time (the embedding's rows)
-    assert at_slow.op("embedding").seconds > at_table.op("embedding").seconds
+    for name in ("qkv_proj", "attn_out_proj", "mlp", "lm_head"):
+        op = at_slow.op(name)
+        t0 = at_table.op(name).seconds
+        share = min(t0, op.bytes / (30 * GB))
+        assert op.measured and op.seconds == pytest.approx(math.sqrt(t0**2 - share**2 + (3 * share) ** 2))
+    assert at_slow.predicted_seconds > at_table.predicted_seconds
+    # a table without its bandwidth (timed with the spot check off) is priced as timed
+    untimed = {**table, "bandwidth": 0.0}
+    plain = slow.replace(kernel_tables={table["key"]: untimed})
+    assert step_cost(CFG, decode, plain).op("qkv_proj").seconds == at_table.op("qkv_proj").seconds
 
 
 def _write_cache(path, spec, key):

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
+from servescope.analysis.bandwidth import rescaled_seconds
 from servescope.analysis.hardware import HardwareSpec
 from servescope.analysis.spec import FP8
 from servescope.analysis.kernel_table import KernelTable, lookup, table_key
@@ -214,7 +215,7 @@ def step_cost(
         return w / (rate * eff_m) if rate else 0.0
 
     table = lookup(hw.kernel_tables, table_key(cfg, wdt, adt, kdt)) if hw.kernel_tables else None
-    timed = _timed_ops(cfg, seqs, table, hw, (wdt, adt), (T, n_logits), distinct_experts) if table else {}
+    timed = _timed_ops(cfg, seqs, table, hw, raw, (wdt, adt), (T, n_logits), distinct_experts) if table else {}
     # kernel_s is 0 for every op on a spec without measured linear or decode-attention rates (a datasheet's)
     rated = bool(hw.linear_rates.get(wdt) or hw.decode_attention_flops.get(adt))
     ops = [OpCost(name, float(f), float(a + w), float(w), f / (linear_peak if name in LINEAR_OPS else peak),
@@ -226,18 +227,23 @@ def step_cost(
                     peak_flops=peak, memory_bandwidth=bw)
 
 
-def _timed_ops(cfg: ModelConfig, seqs: list, table: KernelTable, hw: HardwareSpec, dtypes: tuple, rows: tuple,
-               distinct_experts: Optional[float]) -> dict:
-    """measured_op_seconds as the table timed them, whatever bandwidth the spec prices its other terms at. A
-    plain read's bandwidth is no measure of how these kernels' times move: on a VM whose read bandwidth
-    jumped between ~31 and ~45 GB/s every few minutes, a 135M decode step at batch 16 took the same 29 ms at
-    both levels and the batch-1 step 1.24x for the read's 1.42x, and re-pricing the table's times at a
-    spot check of the fast level under-predicted whole runs by 15-20% (docs/VALIDATION.md). The bandwidth the
-    table was timed at (its `bandwidth`) stays its record and prices the routed experts' read."""
+def _timed_ops(cfg: ModelConfig, seqs: list, table: KernelTable, hw: HardwareSpec, raw: list, dtypes: tuple,
+               rows: tuple, distinct_experts: Optional[float]) -> dict:
+    """measured_op_seconds at the spec's bandwidth: each op's time re-priced from the bandwidth the table was
+    timed at (analysis/bandwidth.rescaled_seconds: its bytes' part moves, overlapped with the rest, so a batch-1
+    GEMV follows the bandwidth and a many-row step barely moves; a table without one is priced as timed). The
+    table's attention holds the KV reads and its small ops the KV store, so their bytes count there."""
     measured_at = table.bandwidth or hw.memory_bandwidth
     read_s = routed_expert_bytes(cfg, *dtypes) / measured_at if cfg.moe else 0.0
-    return measured_op_seconds(cfg, seqs, table, *rows, distinct_experts, read_s,
-                               cfg.num_hidden_layers * hw.layer_overhead_s)
+    timed = measured_op_seconds(cfg, seqs, table, *rows, distinct_experts, read_s,
+                                cfg.num_hidden_layers * hw.layer_overhead_s)
+    if measured_at == hw.memory_bandwidth:
+        return timed
+    op_bytes = {name: a + w for name, _, a, w in raw}
+    op_bytes["attention"] = op_bytes.get("attention", 0.0) + op_bytes.get("kv_read", 0.0)
+    op_bytes["norms_rope_misc"] = op_bytes.get("norms_rope_misc", 0.0) + op_bytes.get("kv_write", 0.0)
+    return {name: rescaled_seconds(t, op_bytes.get(name, 0.0), measured_at, hw.memory_bandwidth)
+            for name, t in timed.items()}
 
 
 def measured_op_seconds(cfg: ModelConfig, seqs: list, table: KernelTable, T: int, n_logits: int,
