@@ -16,8 +16,8 @@ and `checked_spec` yields the spec in use:
 
 Both figures stay in the spec (`probed_bandwidth`, `spot_bandwidth`) and `bandwidth_origin` says
 which one priced the steps. A KernelTable (the engine's own kernels timed at its model's shapes) records
-the spot bandwidth it was timed at, but its times are priced as timed: a plain read's bandwidth did not
-say how they move (analysis/cost_model._timed_ops).
+the checked bandwidth it was timed at and the cost model re-prices its ops to the spec's with the same
+`rescaled_seconds` (analysis/cost_model._timed_ops).
 
 A spot check's figure is not one sample: the bandwidth of a shared VM can also jump between two levels
 (30-37 and 51-62 GB/s on one 2-CPU VM) every few seconds, for minutes on end, so a single 0.1 s read
