@@ -87,9 +87,9 @@ def test_auto_dtype_is_bfloat16_only_with_bf16_instructions(monkeypatch):
 
 
 def test_a_probe_on_a_busy_machine_is_used_but_not_cached(fake_matmul, tmp_path, monkeypatch, caplog):
-    from servescope.analysis import probe
+    from servescope.analysis import busy, probe
 
-    monkeypatch.setattr(probe, "BUSY_MIN_WINDOW_S", 0.0)
+    monkeypatch.setattr(busy, "BUSY_MIN_WINDOW_S", 0.0)
     monkeypatch.setattr(probe, "process_cpu_seconds", lambda: 0.0)  # other processes had the cores
     path = tmp_path / "hw.json"
     spec = probe.probe_local_hardware(cache_path=path, bandwidth_bytes=4 * 2**20, runs=1)

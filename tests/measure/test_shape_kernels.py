@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from servescope.analysis import busy
 from servescope.analysis.hardware import LOCAL_CPU, get_hardware
 from servescope.analysis.kernel_table import PROJECTIONS, KernelTable, table_key
 from servescope.analysis.op_counts import routed_expert_bytes
@@ -32,7 +33,8 @@ def small_grids(monkeypatch, tmp_path):
     monkeypatch.setattr(shape_kernels, "RUNS", 1)
     monkeypatch.setattr(moe_kernels, "RUNS", 1)
     monkeypatch.setattr(moe_kernels, "MOE_TOKENS", (1, 4, 32))
-    monkeypatch.setattr(kernel_cache, "BUSY_SHARE", 0.0)  # a test run at low priority is never "quiet"
+    monkeypatch.setattr(busy, "BUSY_SHARE", 0.0)  # a test run at low priority is never "quiet"
+    monkeypatch.setattr(busy, "OTHERS_MAX", float("inf"))
     monkeypatch.setattr(shape_kernels, "MISC_TOKENS", (1, 16))
     monkeypatch.setattr(shape_kernels, "LAYER_TOKENS", (16, 64))
     monkeypatch.setattr(shape_kernels, "PAGED_GRID", ((1, 16), (4, 64), (8, 32)))
@@ -126,8 +128,8 @@ def test_engines_on_other_specs_are_left_alone(small_grids, tmp_path, monkeypatc
 
 
 def test_a_table_measured_on_a_busy_machine_serves_the_run_but_is_not_cached(small_grids, tmp_path, monkeypatch):
-    monkeypatch.setattr(kernel_cache, "BUSY_SHARE", 1e6)  # no run gets a million CPUs per thread
-    monkeypatch.setattr(kernel_cache, "BUSY_MIN_WINDOW_S", 0.0)
+    monkeypatch.setattr(busy, "BUSY_SHARE", 1e6)  # no run gets a million CPUs per thread
+    monkeypatch.setattr(busy, "BUSY_MIN_WINDOW_S", 0.0)
     engine = local_hardware.with_kernel_table(tiny_engine(tmp_path, "float32"))
     assert len(engine.hardware.kernel_tables) == 1
     assert not kernel_cache.cache_path().exists()

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from servescope.analysis.busy import CpuMeter
 from servescope.analysis.cache_dir import cache_dir
 from servescope.analysis.bandwidth import (PROBE_BYTES, checked_spec, default_spot_check, measure_read_bandwidth,
                                            record_sample)
@@ -71,14 +72,11 @@ CALL_BUDGET_S = 0.25  # the longest one timed matmul call may take (sizes the ma
 SLOW_FRACTION = 0.25  # a dtype below this fraction of float32's matmul rate has no fast path here
 SLOW_ROWS = (1, 2)  # the rows a slow dtype's linear kernel is measured at
 KERNEL_DTYPES = ("float32", "bfloat16")  # the activation dtypes the engine's CPU kernels are measured in
-# A probe whose threads got less than this share of the CPUs they asked for ran on a busy machine (other
-# processes took the cores): its figures are used for the run that measured them but never cached, or
-# every later prediction would inherit them (one such entry predicted 7x the measured decode step).
-BUSY_SHARE = 0.6
+# A probe taken on a busy machine (analysis/busy.py) serves the run that measured it but is never cached, or every
+# later prediction would inherit it (one such entry predicted 7x the measured decode step).
 # A cached probe is of this machine only if its memory is this close to the machine's (the count moves a
 # little with ballooning; a VM resized under the same CPU key moves it by GiBs)
 SAME_MEMORY = 0.02
-BUSY_MIN_WINDOW_S = 0.5  # below this the CPU share of the peaks' measurement says nothing (tests' tiny probes)
 
 
 @dataclass(frozen=True)
@@ -310,13 +308,12 @@ def probe_local_hardware(
     if cached is not None:
         return cached
 
-    t0, cpu0 = time.perf_counter(), process_cpu_seconds()
+    t0, meter = time.perf_counter(), CpuMeter(own=process_cpu_seconds)
     bw, peaks, sizes, slow = _measure_peaks(bandwidth_bytes, matmul_size, runs)
-    window = time.perf_counter() - t0
-    cpus_got = (process_cpu_seconds() - cpu0) / max(window, 1e-9)
+    seen = meter.window()
     engine = _measure_engine(measurers, slow)
     elapsed = time.perf_counter() - t0
-    busy = window >= BUSY_MIN_WINDOW_S and cpus_got < BUSY_SHARE * min(threads, len(os.sched_getaffinity(0)))
+    busy = seen.busy(min(threads, len(os.sched_getaffinity(0))))
     step_oh, layer_oh, seq_oh = engine["step_overhead_s"], engine["layer_overhead_s"], engine["seq_overhead_s"]
     spec = HardwareSpec(
         name=LOCAL_CPU,
@@ -330,8 +327,7 @@ def probe_local_hardware(
                f"{layer_oh * 1e6:.0f} us per layer + {seq_oh * 1e6:.0f} us per sequence (measure/overhead.py)"
                + (f"; no fast path for {', '.join(slow)} here (measured small, never the default)" if slow else "")
                + ("" if measurers.complete else f"; engine measurements: {', '.join(measurers.given) or 'none'}")
-               + (f"; the machine was busy (its {threads} threads got {cpus_got:.1f} CPUs): not cached"
-                  if busy else "")),
+               + (f"; the machine was busy ({seen.describe(threads)}): not cached" if busy else "")),
         source=(f"probe: torch.sum over {bandwidth_bytes / 2**20:.0f} MiB float32 (median of {runs}), torch.mm "
                 + ", ".join(f"{dt} {n}^3" for dt, n in sizes.items())
                 + f" (best of {runs}); torch {torch.__version__}"),
@@ -343,9 +339,9 @@ def probe_local_hardware(
     logger.info("probed %s (%s): %.1f GB/s, fp32 %.0f GFLOP/s, bf16 %.0f GFLOP/s (%.1f s)",
                 cpu_model(), spec.kernel_path, bw / 1e9, peaks["float32"] / 1e9, peaks["bfloat16"] / 1e9, elapsed)
     if busy:
-        logger.warning("the machine was busy during the hardware probe (its %d threads got %.1f CPUs): its "
-                       "figures serve this run only and are not cached; `servescope hardware probe --force` on "
-                       "a quiet machine records lasting ones", threads, cpus_got)
+        logger.warning("the machine was busy during the hardware probe (%s): its figures serve this run only and "
+                       "are not cached; `servescope hardware probe --force` on a quiet machine records lasting ones",
+                       seen.describe(threads))
         return spec
     cache[key] = spec.to_dict()
     _write_cache(path, cache)

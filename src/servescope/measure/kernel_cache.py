@@ -16,7 +16,8 @@ import torch
 
 from servescope.analysis.bandwidth import default_spot_check
 from servescope.analysis.kernel_table import table_key
-from servescope.analysis.probe import BUSY_MIN_WINDOW_S, BUSY_SHARE, _cache_key, default_cache_path, torch_threads
+from servescope.analysis.busy import CpuMeter, Window
+from servescope.analysis.probe import _cache_key, default_cache_path, torch_threads
 from servescope.measure.decode_plan import measure_decode_plan
 from servescope.measure.moe_kernels import measure_moe_table
 from servescope.measure.shape_kernels import (measure_attention, measure_linear_tables, measure_misc,
@@ -51,7 +52,7 @@ def measure_kernel_table(engine) -> dict:
     cfg, model, backend = engine.model_config, engine.model, engine.runner.backend
     spot = default_spot_check()
     bandwidth = [spot()] if spot is not None else []
-    t0 = time.perf_counter()
+    t0, meter = time.perf_counter(), CpuMeter()
     linear, cpus = measure_linear_tables(model, cfg, engine.dtype)
     moe, moe_distinct = measure_moe_table(model, cfg, engine.dtype, engine.executor.decode_plan)
     attention = measure_attention(backend, cfg, engine.dtype, engine.kv_dtype)
@@ -65,14 +66,17 @@ def measure_kernel_table(engine) -> dict:
     bandwidth += [spot()] if spot is not None else []
     logger.info("kernel table for %s measured in %.0f s", table_key(cfg, wdt, adt, kdt), took)
     threads = min(torch.get_num_threads(), os.cpu_count() or 1)
-    busy = took >= BUSY_MIN_WINDOW_S and cpus < BUSY_SHARE * threads
+    # the share its threads got is the linear tables' (the rest holds single-threaded parts); the others' CPUs
+    # are the whole measurement's
+    seen = Window(took, cpus, meter.window().others)
+    busy = seen.busy(threads)
     if busy:
-        logger.warning("the machine was busy while the kernel table was measured (its %d threads got %.1f "
-                       "CPUs): the table serves this run only and is not cached", threads, cpus)
+        logger.warning("the machine was busy while the kernel table was measured (%s): the table serves this "
+                       "run only and is not cached", seen.describe(threads))
     return {"key": table_key(cfg, wdt, adt, kdt), "linear": linear, "misc": misc, **attention,
             "prefill_factor": factor, "decode_plan": decode, "decode_rows": decode_rows, "sample": sample,
-            "moe": moe, "moe_distinct": moe_distinct, "busy": busy,
-            "cpus": cpus, "bandwidth": sum(bandwidth) / len(bandwidth) if bandwidth else 0.0,
+            "moe": moe, "moe_distinct": moe_distinct, "busy": busy, "cpus": cpus, "others_cpus": seen.others,
+            "bandwidth": sum(bandwidth) / len(bandwidth) if bandwidth else 0.0,
             "source": f"measured on the loaded model's modules and attention backend in {took:.0f} s "
                       f"(measure/kernel_cache.py, kernels {kernels_digest()})"}
 
