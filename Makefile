@@ -76,7 +76,7 @@ demo: $(STAMP)
 	$(VENV)/bin/servescope generate --chat "What is the capital of France?" --max-tokens 48
 
 test: install-test
-	$(PY) -m pytest tests -q -p no:cacheprovider
+	$(PY) -m pytest tests -q -p no:cacheprovider --durations=20
 
 test-fast: install-test
 	$(PY) -m pytest tests -q -p no:cacheprovider -m "not slow"
