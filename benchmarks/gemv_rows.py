@@ -3,7 +3,8 @@
 A decode step at batch M multiplies M rows by every weight. The GEMV (csrc/kernels.h) reads each weight
 once for all M rows; oneDNN's blocked GEMM (the path above kernels/cpu/linear.py MAX_ROWS) has a fixed
 cost of its own at small M. This times one pass over SmolLM2-135M's 30 layers of weight shapes (qkv,
-o, gate_up, down: 420 MB in float32, far above the caches) with each, for M in --rows and each dtype,
+o, gate_up, down: 420 MB in float32, far above the caches; `--shape llama-3.2-1b`: that shape's 16 layers)
+with each, for M in --rows and each dtype,
 in --rounds interleaved rounds, and prints the medians and the largest M where the GEMV is faster:
 the evidence for MAX_ROWS (and, in float32, for PANEL_MAX_ROWS: the panel GEMM's row).
 
@@ -23,8 +24,9 @@ import torch
 from servescope.bench.envinfo import environment_info
 from servescope.kernels.cpu import linear as cpu_linear
 
-LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down of SmolLM2-135M
-LAYERS = 30
+# qkv, o, gate_up, down (N, K) and the layers of each --shape
+SHAPES = {"smollm2-135m": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30),
+          "llama-3.2-1b": ([(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)], 16)}
 
 
 def one_pass(fn, mats, xs) -> float:
@@ -40,8 +42,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rows", default="1,2,3,4,6,8,12,16")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    LAYER_SHAPES, LAYERS = SHAPES[args.shape]
     torch.set_num_threads(args.threads)
     if not cpu_linear.available():
         print("the CPU kernel extension is not available here", file=sys.stderr)
@@ -72,7 +76,7 @@ def main() -> int:
                     times[(p, m)].append(one_pass(fn, mats, xs))
         table = {m: {p: statistics.median(times[(p, m)]) * 1e3 for p in dpaths} for m in rows}
         faster = [m for m in rows if table[m]["gemv"] < table[m]["onednn"]]
-        results[name] = {"ms": table, "gemv_faster_up_to": max(faster) if faster else 0}
+        results[name] = {"shape": args.shape, "ms": table, "gemv_faster_up_to": max(faster) if faster else 0}
         print(f"{name}: one pass over {LAYERS} layers (ms, median of {args.rounds})")
         print("  rows  " + "".join(f"{m:>8}" for m in rows))
         for p in dpaths:

@@ -20,12 +20,13 @@ from servescope.kernels.cpu import ops as cpu_ops
 logger = logging.getLogger(__name__)
 
 # Up to how many rows (tokens) the GEMV beats oneDNN's GEMM on prepacked weights, by weight dtype,
-# as measured over SmolLM2's layers by benchmarks/gemv_rows.py (docs/BENCHMARKS.md has the tables per
+# as measured over a model's layers by benchmarks/gemv_rows.py (docs/BENCHMARKS.md has the tables per
 # CPU): the GEMV streams the weights close to a plain read, but its work grows with the rows while
-# oneDNN's blocked kernel stays near the weight-read time for a few rows. bfloat16 stops at 2 (right
-# on the Xeon with AMX, a little slow at 2 on the Zen 4, whose oneDNN has bf16 dot products); float32
-# at 1, since the panel GEMM below beats the GEMV from 2 rows on. int8 has no fast eager kernel for
-# float32 activations.
+# oneDNN's blocked kernel stays near the weight-read time for a few rows. bfloat16 stops at 2: on the
+# Xeon oneDNN runs it on AMX tiles; on the Zen 4 (AVX-512 BF16 dot products) the GEMV is 1.18x oneDNN
+# at 2 rows of the Llama-3.2-1B shape and 0.85x at 3 (SmolLM2-135M's narrower matrices: 1.42x at 3, level
+# at 4; the real sizes decide). float32 at 1, since the panel GEMM below beats the GEMV from 2 rows on.
+# int8 has no fast eager kernel for float32 activations.
 MAX_ROWS = {torch.float32: 1, torch.bfloat16: 2, torch.int8: 16}
 # float32 from MAX_ROWS + 1 up to this many rows: the GEMM on weights packed in column panels
 # (csrc/panel_gemm.h), oneDNN above; measured the same way, on the AVX-512 and AVX2 paths, where the

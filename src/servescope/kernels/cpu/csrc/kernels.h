@@ -182,7 +182,7 @@ constexpr int GEMV_MB = W / 4;
 static_assert(GEMV_MB >= 1 && GEMV_MB * 4 == W, "rows4_block: one transpose_sum of W accumulators");
 
 template <typename WT, int MB>
-inline void rows4_block(const float* x, int64_t K, const WT* const* wr, float* y, int64_t N, int64_t n) {
+inline void rows4_block(const float* x, int64_t K, const WT* const* wr, float* y, int64_t N, const int64_t* cols) {
   static_assert(MB >= 1 && MB <= GEMV_MB, "rows4_block: MB x rows of x");
   vf a[W];
   for (int i = 0; i < W; ++i) a[i] = zero();
@@ -201,48 +201,47 @@ inline void rows4_block(const float* x, int64_t K, const WT* const* wr, float* y
   float sums[W];
   store(sums, transpose_sum(a));
   for (int m = 0; m < MB; ++m)
-    for (int s = 0; s < 4; ++s) y[m * N + n + s] = sums[m * 4 + s];
+    for (int s = 0; s < 4; ++s) y[m * N + cols[s]] = sums[m * 4 + s];
 }
 
 // x [M, K] float32, w [N, K], scale [N] or null, bias [N] or null -> y [M, N]. Each task owns a
-// contiguous range of the weight's rows. With one row of x (decode at batch 1) the range is read as
-// four quarters in lockstep (rows4_dot): over SmolLM2's 121 matrices that reads at 94% of a streaming
-// sum against 77-81% for one stream per thread (AVX-512, 2 threads). With more rows of x, four
-// consecutive weight rows are read in lockstep and every block of GEMV_MB rows of x is multiplied
-// with them while they sit in L1 (rows4_block), so the weights still cross memory once per step.
-// The rows left over (fewer than 4 at the end of a task) go one at a time (row_dot).
+// contiguous range of the weight's rows, read as four quarters in lockstep: over SmolLM2's 121 matrices
+// that reads at 94% of a streaming sum against 77-81% for one stream per thread (AVX-512, 2 threads).
+// With one row of x (decode at batch 1) each quarter's row is dotted with it (rows4_dot); with more,
+// every block of GEMV_MB rows of x is multiplied with the four rows while they sit in L1 (rows4_block),
+// so the weights still cross memory once per step. (Four consecutive rows, one stream per thread, read
+// at half the one-row path's rate at K = 576 on a Zen 4: bfloat16 15 against 29-33 GB/s, so 2-4 rows
+// of x took 1.8-2.2x one row's time; docs/BENCHMARKS.md.) The rows left over (fewer than 4 at the end
+// of a task) go one at a time (row_dot).
 template <typename WT, int MB = GEMV_MB>
-void rows4_blocks(const float* x, int64_t M, int64_t K, const WT* const* wr, float* y, int64_t N, int64_t n) {
+void rows4_blocks(const float* x, int64_t M, int64_t K, const WT* const* wr, float* y, int64_t N,
+                  const int64_t* cols) {
   int64_t m0 = 0;
-  for (; m0 + MB <= M; m0 += MB) rows4_block<WT, MB>(x + m0 * K, K, wr, y + m0 * N, N, n);
+  for (; m0 + MB <= M; m0 += MB) rows4_block<WT, MB>(x + m0 * K, K, wr, y + m0 * N, N, cols);
   if constexpr (MB > 1)
-    if (m0 < M) rows4_blocks<WT, MB - 1>(x + m0 * K, M - m0, K, wr, y + m0 * N, N, n);
+    if (m0 < M) rows4_blocks<WT, MB - 1>(x + m0 * K, M - m0, K, wr, y + m0 * N, N, cols);
 }
 
 template <typename WT>
 void gemv_rows(const float* x, int64_t M, int64_t K, const WT* w, int64_t N, const float* scale, const float* bias,
                float* y) {
   parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    int64_t first = n0;  // rows before this one are done by rows4_dot / rows4_blocks
-    if (M == 1) {
-      const int64_t q = (n1 - n0) / 4;
-      for (int64_t i = 0; i < q; ++i) {
-        const WT* wr[4];
-        float* out[4];
-        for (int s = 0; s < 4; ++s) {
-          wr[s] = w + (n0 + s * q + i) * K;
-          out[s] = y + n0 + s * q + i;
-        }
-        rows4_dot<WT>(x, K, wr, out);
+    const int64_t q = (n1 - n0) / 4;  // the range's four quarters; rows from n0 + 4 q on go one at a time
+    for (int64_t i = 0; i < q; ++i) {
+      const WT* wr[4];
+      int64_t cols[4];
+      for (int s = 0; s < 4; ++s) {
+        cols[s] = n0 + s * q + i;
+        wr[s] = w + cols[s] * K;
       }
-      first = n0 + 4 * q;
-    } else {
-      for (; first + 4 <= n1; first += 4) {
-        const WT* wr[4] = {w + first * K, w + (first + 1) * K, w + (first + 2) * K, w + (first + 3) * K};
-        rows4_blocks<WT>(x, M, K, wr, y, N, first);
+      if (M == 1) {
+        float* out[4] = {y + cols[0], y + cols[1], y + cols[2], y + cols[3]};
+        rows4_dot<WT>(x, K, wr, out);
+      } else {
+        rows4_blocks<WT>(x, M, K, wr, y, N, cols);
       }
     }
-    for (int64_t n = first; n < n1; ++n) {
+    for (int64_t n = n0 + 4 * q; n < n1; ++n) {
       const WT* wr = w + n * K;
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const float* xm = x + m0 * K;
