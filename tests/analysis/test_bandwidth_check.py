@@ -166,6 +166,7 @@ def test_the_default_spot_check_keeps_its_samples_beside_the_probe_cache(tmp_pat
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     reads = iter([30 * GB, 60 * GB, 31 * GB])
     monkeypatch.setattr(bandwidth, "measure_read_bandwidth", lambda *a, **k: next(reads))
+    monkeypatch.setattr(bandwidth, "CpuMeter", lambda: FakeMeter(0.0))  # the test machine's neighbours aside
     monkeypatch.setenv(bandwidth.SPOT_CHECK_ENV, "0")  # off: nothing sampled, nothing written
     bandwidth.record_sample(50 * GB)
     assert bandwidth.default_spot_check() is None and not (tmp_path / "servescope" / "bandwidth.json").exists()
@@ -173,3 +174,39 @@ def test_the_default_spot_check_keeps_its_samples_beside_the_probe_cache(tmp_pat
     check = bandwidth.default_spot_check()
     assert [check(), check(), check()] == [30 * GB, 45 * GB, 31 * GB]
     assert (tmp_path / "servescope" / "bandwidth.json").exists()
+
+
+class FakeMeter:
+    """A CpuMeter whose window saw the rest of the machine take `others` CPUs."""
+
+    def __init__(self, others):
+        self.others = others
+
+    def window(self):
+        from servescope.analysis.busy import Window
+
+        return Window(0.1, 2.0, self.others)
+
+
+def test_a_read_on_a_busy_machine_counts_for_its_run_but_is_not_kept(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(bandwidth.SPOT_CHECK_ENV, "1")
+    reads = iter([34 * GB, 36 * GB, 20 * GB, 21 * GB, 35 * GB])
+    others = iter([0.0, 0.05, 1.0, 0.9, None])  # None: no /proc/stat, the read is taken as quiet
+    monkeypatch.setattr(bandwidth, "measure_read_bandwidth", lambda *a, **k: next(reads))
+    monkeypatch.setattr(bandwidth, "CpuMeter", lambda: FakeMeter(next(others)))
+    check = bandwidth.default_spot_check()
+    got = [check() for _ in range(5)]
+    # the two busy reads (20, 21) each count once in their own median, and never in a later one
+    assert got == [34 * GB, 35 * GB, 34 * GB, 34 * GB, 35 * GB]
+    kept = [b for _, b in bandwidth.local_history().recent()]
+    assert kept == [34 * GB, 36 * GB, 35 * GB]
+
+
+def test_quiet_read_follows_the_rest_of_the_machine():
+    from servescope.analysis.busy import Window
+
+    assert bandwidth.quiet_read(Window(0.1, 2.0, None))
+    assert bandwidth.quiet_read(Window(0.1, 2.0, bandwidth.READ_OTHERS_MAX))
+    assert not bandwidth.quiet_read(Window(0.1, 2.0, bandwidth.READ_OTHERS_MAX + 0.1))

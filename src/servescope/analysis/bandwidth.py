@@ -26,7 +26,9 @@ of one run -18% with a spot check at 62 GB/s, within 4% at 35-37). Every sample 
 checks take is kept in a small history beside the probe's cache (`BandwidthHistory`: the last
 HISTORY_SAMPLES of the last HISTORY_SECONDS, per CPU and thread count), and the figure a spot check
 returns is the median of that history with the new sample in it: the machine's typical bandwidth of the
-last hour, which one lucky or unlucky read moves by one place in the order, not to its own value.
+last hour, which one lucky or unlucky read moves by one place in the order, not to its own value. A read taken
+while the rest of the machine was at work (analysis/busy.py: its CPUs over the read) counts in its own run's
+median but is not kept (`quiet_read`): a history filled while neighbours ran priced a whole quiet run slow.
 
 Tests (and anyone reproducing a run on the cached figures) switch the spot check off with
 SERVESCOPE_BANDWIDTH_SPOT_CHECK=0 (nothing is sampled or written then), or hand a spot check in
@@ -43,6 +45,7 @@ from pathlib import Path
 from statistics import median
 from typing import Callable, Optional
 
+from servescope.analysis.busy import CpuMeter
 from servescope.analysis.cache_dir import cache_dir
 from servescope.analysis.cpu_isa import cpu_model
 from servescope.analysis.spec import HardwareSpec
@@ -63,6 +66,9 @@ PROBE_BYTES = 512 * 2**20
 # reads as the new one within an hour (or 8 engine starts)
 HISTORY_SAMPLES = 15
 HISTORY_SECONDS = 3600.0
+# The most CPUs the rest of the machine may take during a read for it to be kept in the history: a 0.1 s read
+# sees /proc/stat's 10 ms ticks, so a few ticks of noise are ~0.1 CPU; a neighbour's process at work is ~1.
+READ_OTHERS_MAX = 0.5
 
 
 def measure_read_bandwidth(num_bytes: int = PROBE_BYTES, runs: int = 5, buf=None, warmup: int = 1) -> float:
@@ -98,12 +104,15 @@ class BandwidthHistory:
               if now - HISTORY_SECONDS <= float(t) <= now and float(b) > 0]
         return ok[-HISTORY_SAMPLES:]
 
-    def add(self, bytes_per_s: float) -> float:
-        """Keep a sample; the median of the recent ones, this one included."""
+    def add(self, bytes_per_s: float, keep: bool = True) -> float:
+        """Keep a sample (keep=False: count it in this median only, and write nothing); the median of the recent
+        ones, this one included."""
         if not bytes_per_s > 0:
             raise ValueError(f"a read bandwidth must be > 0 bytes/s, got {bytes_per_s}")
         data = self._read()
         rows = (self.recent(data) + [[self.clock(), float(bytes_per_s)]])[-HISTORY_SAMPLES:]
+        if not keep:
+            return median(b for _, b in rows)
         data[self.key] = rows
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,17 +131,27 @@ def local_history() -> BandwidthHistory:
     return BandwidthHistory(cache_dir() / "bandwidth.json", f"{cpu_model()}|threads={torch.get_num_threads()}")
 
 
-def record_sample(bytes_per_s: float) -> None:
+def record_sample(bytes_per_s: float, quiet: bool = True) -> None:
     """A sample taken by other means (the full probe's read) kept in the history, unless the spot check is
-    switched off (tests: nothing is written then)."""
-    if default_spot_check() is not None:
+    switched off (tests: nothing is written then) or the read was not quiet (`quiet_read`)."""
+    if default_spot_check() is not None and quiet:
         local_history().add(bytes_per_s)
+
+
+def quiet_read(window) -> bool:
+    """Whether a read's window (analysis/busy.Window) saw the rest of the machine take at most READ_OTHERS_MAX
+    CPUs (unknown: quiet). A read taken while neighbours ran measures them too (20-22 GB/s where the quiet machine
+    read 34), and a history of such reads priced every memory-bound step slow; it still counts in the run that
+    took it (one sample of the median), but is not kept for the next."""
+    return window.others is None or window.others <= READ_OTHERS_MAX
 
 
 def spot_read_bandwidth() -> float:
     """The read bandwidth now, by the probe's method on the probe's buffer size, as the median of the recent
-    history with this sample in it (see the module doc)."""
-    return local_history().add(measure_read_bandwidth(PROBE_BYTES, SPOT_RUNS))
+    history with this sample in it (see the module doc); a read on a busy machine is not kept (quiet_read)."""
+    meter = CpuMeter()
+    bw = measure_read_bandwidth(PROBE_BYTES, SPOT_RUNS)
+    return local_history().add(bw, keep=quiet_read(meter.window()))
 
 
 def default_spot_check() -> Optional[Callable[[], float]]:

@@ -56,7 +56,7 @@ from typing import Callable, Optional
 from servescope.analysis.busy import CpuMeter
 from servescope.analysis.cache_dir import cache_dir
 from servescope.analysis.bandwidth import (PROBE_BYTES, checked_spec, default_spot_check, measure_read_bandwidth,
-                                           record_sample)
+                                           quiet_read, record_sample)
 from servescope.analysis.cpu_isa import cpu_flags, cpu_model, isa_signature, library_caps, local_isa
 from servescope.analysis.spec import LOCAL_CPU, HardwareSpec
 
@@ -233,9 +233,10 @@ def cached_local_hardware(cache_path: Optional[Path] = None,
 
 def _measure_peaks(bandwidth_bytes: int, matmul_size: int, runs: int) -> tuple:
     """(read bandwidth, {dtype: matmul FLOP/s}, {dtype: n measured at}, slow dtypes) of this machine."""
+    meter = CpuMeter(own=process_cpu_seconds)
     bw = measure_read_bandwidth(bandwidth_bytes, runs)
     if bandwidth_bytes == PROBE_BYTES:  # the spot checks' measurement: one more sample of their history
-        record_sample(bw)
+        record_sample(bw, quiet_read(meter.window()))
     peaks, sizes = {}, {}
     for dt in ("float32", "bfloat16", "float16"):
         peaks[dt], sizes[dt] = sized_matmul_flops(dt, matmul_size, runs)
