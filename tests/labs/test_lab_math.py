@@ -140,8 +140,10 @@ def test_simulate_lab_counts_steps_by_kind_and_their_period_over_the_prediction(
     real = [rec(0.0, 0.1, 64, 0, 0.08), rec(0.101, 0.010, 0, 1, 0.011), rec(0.112, 0.010, 0, 1, 0.011),
             rec(0.123, 0.010, 0, 1, 0.011)]
     sim = [rec(0.0, 0.08, 64, 0, 0.08)] + [rec(0.1, 0.011, 0, 1, 0.011)] * 2 + [rec(0.2, 0.02, 0, 2, 0.02)]
+    sim += [rec(0.3, 0.02, 0, 3, 0.02), rec(0.4, 0.03, 0, 4, 0.03), rec(0.5, 0.03, 0, 5, 0.03)]
     kinds = {(k["kind"], k["seqs"]): k for k in step_kinds(real, sim)}
-    assert set(kinds) == {("prefill", 1), ("decode", 1), ("decode", 2)}
+    assert set(kinds) == {("prefill", 1), ("decode", 1), ("decode", 2), ("decode", 4), ("decode", 8)}
+    assert kinds["decode", 4]["simulated steps"] == 2 and kinds["decode", 4]["simulated ms"] == pytest.approx(25.0)
     d1 = kinds["decode", 1]
     assert d1["engine steps"] == 3 and d1["simulated steps"] == 2
     assert d1["engine period ms"] == pytest.approx(11.0)

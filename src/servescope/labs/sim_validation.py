@@ -146,7 +146,8 @@ def _simulate(spec, w: Workload, reqs):
 
 
 def step_kinds(real_steps: list, sim_steps: list) -> list:
-    """Which steps a workload ran, by kind (decode-only or with prefill tokens) and sequences in the step: per kind
+    """Which steps a workload ran, by kind (decode-only or with prefill tokens) and sequences in the step (bins: 1,
+    2, 3-4, 5-8, ...; "seqs" the bin's upper end): per kind
     the engine's steps, their median period (start to the next step's start, as a TPOT counts it) and its median
     over the step's prediction, and the simulator's steps and their median seconds. Where a simulated metric
     misses, this says whether the steps are priced wrong (the ratio) or the simulation ran other steps (counts)."""
@@ -167,7 +168,9 @@ def step_kinds(real_steps: list, sim_steps: list) -> list:
 
 
 def _kind(r) -> tuple:
-    return "prefill" if r.num_prefill_tokens else "decode", r.num_prefill_seqs + r.num_decode_seqs
+    """(decode or prefill, the step's sequences as a power-of-two bin: 1, 2, 3-4, 5-8, ... by its upper end)."""
+    seqs = r.num_prefill_seqs + r.num_decode_seqs
+    return "prefill" if r.num_prefill_tokens else "decode", 1 << max(seqs - 1, 0).bit_length()
 
 
 def _compare(reals: list, sims: dict) -> dict:
@@ -241,10 +244,14 @@ def _table(rows: list, mode: str) -> str:
 def _steps_table(rows: list) -> str:
     headers = ["model", "workload", "kind", "sequences", "engine steps", "engine period (ms)", "measured / predicted",
                "simulated steps", "simulated (ms)"]
-    body = [[r["model"], r["workload"], k["kind"], k["seqs"], k["engine steps"], _num(k["engine period ms"]),
+    body = [[r["model"], r["workload"], k["kind"], _seqs_bin(k["seqs"]), k["engine steps"], _num(k["engine period ms"]),
              _num(k["measured / predicted"]), k["simulated steps"], _num(k["simulated ms"])]
             for r in rows for k in r["steps"]]
     return md_table(headers, body)
+
+
+def _seqs_bin(hi: int) -> str:
+    return str(hi) if hi <= 2 else f"{hi // 2 + 1}-{hi}"
 
 
 def _num(x) -> str:
