@@ -4,7 +4,8 @@ Each workload runs twice: for real, on the engine (LLMEngine in this process, re
 arrival times on the wall clock between steps, as the server's engine thread takes them), and
 simulated (servescope.sim: the same Scheduler and KVCacheManager on a virtual clock, steps priced by
 the cost model on the local probe, its host overhead per step, layer and sequence included, plus the
-detokeniser's work per token: measure/detokenise.py). The same driver (sim/driver.py) sends both the same prompts
+detokeniser's work per token: measure/detokenise.py, and the engine's work between two steps, measured on the
+lab's profile). The same driver (sim/driver.py) sends both the same prompts
 at the same times; both are summarised by bench/metrics.py. Nothing in the simulation is fitted to
 these runs.
 
@@ -147,10 +148,10 @@ def _simulate(spec, w: Workload, reqs):
 
 def step_kinds(real_steps: list, sim_steps: list) -> list:
     """Which steps a workload ran, by kind (decode-only or with prefill tokens) and sequences in the step (bins: 1,
-    2, 3-4, 5-8, ...; "seqs" the bin's upper end): per kind
-    the engine's steps, their median period (start to the next step's start, as a TPOT counts it) and its median
-    over the step's prediction, and the simulator's steps and their median seconds. Where a simulated metric
-    misses, this says whether the steps are priced wrong (the ratio) or the simulation ran other steps (counts)."""
+    2, 3-4, 5-8, ...; "seqs" the bin's upper end): per kind the engine's steps, their median period (start to the
+    next step's start, as a TPOT counts it) and its median over the step's prediction, and the simulator's steps
+    and their median seconds. Where a simulated metric misses, this says whether the steps are priced wrong (the
+    ratio) or the simulation ran other steps (the counts)."""
     kinds: dict = {}
     for i, r in enumerate(real_steps):
         if r.predicted_seconds:
