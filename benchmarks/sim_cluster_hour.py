@@ -47,17 +47,17 @@ class LazyWorkload:
         self.prompt_lens, self.output_lens = prompt_lens.tolist(), rng.integers(output[0], output[1] + 1, n).tolist()
         self.starts = np.concatenate(([0], np.cumsum(prompt_lens))).tolist()
         self.vocab, self.seed = vocab, seed
-        # every token id as one Python int, drawn tokens as references to them: a prompt's list is then copied
-        # pointers, not 1k new ints made per request
-        self._ints = np.arange(vocab).astype(object)
-        self._chunk = (-1, None)  # (chunk index, its prompts' tokens back to back, as an object array of _ints)
+        # (chunk index, its prompts' tokens back to back, int64). A prompt's list is made from its slice when read:
+        # its ints made then cost less than drawing the chunk as references to shared int objects did (an object
+        # array gathered from a vocabulary's worth of ints touches a random one of them per token)
+        self._chunk = (-1, None)
 
     def prompt(self, i: int) -> list:
         """Request i's prompt tokens (a new list: the engine copies it into its Request)."""
         c = i // CHUNK
         if self._chunk[0] != c:
             lo, hi = self.starts[c * CHUNK], self.starts[min((c + 1) * CHUNK, len(self.times))]
-            self._chunk = (c, self._ints[np.random.default_rng((self.seed, c)).integers(0, self.vocab, hi - lo)])
+            self._chunk = (c, np.random.default_rng((self.seed, c)).integers(0, self.vocab, hi - lo))
         base = self.starts[c * CHUNK]
         return self._chunk[1][self.starts[i] - base:self.starts[i + 1] - base].tolist()
 

@@ -124,3 +124,30 @@ def test_fit_decode_efficiency_bisects_and_clamps():
 
 def test_error_summary_of_nothing():
     assert error_summary([])["count"] == 0
+
+
+def test_simulate_lab_counts_steps_by_kind_and_their_period_over_the_prediction():
+    from servescope.labs.sim_validation import step_kinds
+
+    def rec(t, wall, prefill, decodes, pred):
+        return StepRecord(step=0, start_time=t, wall_seconds=wall, num_prefill_seqs=int(bool(prefill)),
+                          num_decode_seqs=decodes, num_prefill_tokens=prefill, num_decode_tokens=decodes,
+                          context_lens=[100] * (decodes + bool(prefill)), kv_blocks_used=0, kv_blocks_free=0,
+                          kv_blocks_cached=0, kv_usage=0, num_running=1, num_waiting=0, num_preemptions_total=0,
+                          predicted_seconds=pred)
+
+    # the engine: a prefill, then three decodes of one sequence back to back (periods 0.011), the last alone
+    real = [rec(0.0, 0.1, 64, 0, 0.08), rec(0.101, 0.010, 0, 1, 0.011), rec(0.112, 0.010, 0, 1, 0.011),
+            rec(0.123, 0.010, 0, 1, 0.011)]
+    sim = [rec(0.0, 0.08, 64, 0, 0.08)] + [rec(0.1, 0.011, 0, 1, 0.011)] * 2 + [rec(0.2, 0.02, 0, 2, 0.02)]
+    sim += [rec(0.3, 0.02, 0, 3, 0.02), rec(0.4, 0.03, 0, 4, 0.03), rec(0.5, 0.03, 0, 5, 0.03)]
+    kinds = {(k["kind"], k["seqs"]): k for k in step_kinds(real, sim)}
+    assert set(kinds) == {("prefill", 1), ("decode", 1), ("decode", 2), ("decode", 4), ("decode", 8)}
+    assert kinds["decode", 4]["simulated steps"] == 2 and kinds["decode", 4]["simulated ms"] == pytest.approx(25.0)
+    d1 = kinds["decode", 1]
+    assert d1["engine steps"] == 3 and d1["simulated steps"] == 2
+    assert d1["engine period ms"] == pytest.approx(11.0)
+    assert d1["measured / predicted"] == pytest.approx(1.0)  # periods 11, 11 and the last one's wall 10 ms
+    assert kinds["prefill", 1]["measured / predicted"] == pytest.approx(0.101 / 0.08)
+    assert kinds["decode", 2]["engine steps"] == 0 and kinds["decode", 2]["engine period ms"] is None
+    assert kinds["decode", 2]["simulated ms"] == pytest.approx(20.0)

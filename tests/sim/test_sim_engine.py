@@ -6,6 +6,7 @@ import math
 import pytest
 
 from servescope.analysis.step_prediction import StepPredictor
+from servescope.errors import InvalidParameterError
 from servescope.config.engine import BatchingConfig, KVCacheConfig
 from servescope.kvcache.manager import KVCacheManager
 from servescope.scheduler.scheduler import Scheduler
@@ -63,6 +64,20 @@ def test_host_costs_are_added_per_sequence_and_token():
         assert b.predicted_seconds == pytest.approx(a.predicted_seconds + 4 * 1e-3)
         assert b.wall_seconds == pytest.approx(b.predicted_seconds)
         assert c.wall_seconds == pytest.approx(b.wall_seconds + 4 * 2e-4)
+
+
+def test_the_work_between_steps_is_added_once_per_step_whatever_its_size():
+    base = _spec()
+    between = base.replace(host=HostCosts(per_step_s=3e-3))
+    reqs = synthetic_workload(4, 32, 3, base.model.vocab_size)  # one prefill step of 4, then decodes of 4
+    d0, d1 = _run(base, reqs)[0], _run(between, reqs)[0]
+    s0, s1 = d0.engines[0].steps, d1.engines[0].steps
+    assert len(s0) == len(s1) >= 3
+    for a, b in zip(s0, s1):  # the prediction is the engine's own step; the step lasts its period
+        assert b.predicted_seconds == pytest.approx(a.predicted_seconds)
+        assert b.wall_seconds == pytest.approx(a.wall_seconds + 3e-3)
+    with pytest.raises(InvalidParameterError):
+        HostCosts(per_step_s=-1e-3)
 
 
 def test_later_arrivals_join_between_steps_and_keep_their_arrival_time():

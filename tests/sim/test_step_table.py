@@ -5,7 +5,7 @@ import math
 import pytest
 
 from servescope.errors import InvalidParameterError
-from servescope.sim.step_table import PRIOR_STEPS, fit_step_table, step_bins
+from servescope.sim.step_table import PRIOR_STEPS, between_steps_seconds, fit_step_table, step_bins
 from servescope.telemetry.step_record import StepRecord
 
 
@@ -72,3 +72,14 @@ def test_a_negative_prior_is_refused(bad):
         fit_step_table(_steps(WELL_MEASURED), prior_steps=bad)
     with pytest.raises(InvalidParameterError):
         step_bins(_steps(WELL_MEASURED), prior_steps=bad)
+
+
+def test_the_work_between_steps_is_the_median_gap_of_steps_run_back_to_back():
+    steps = _steps([(5, 0, 1, 128, 1.0)])  # 0.1 s each, 10 s apart: none followed at once
+    assert between_steps_seconds(steps) == 0.0
+    t = 0.0
+    for r, gap in zip(steps, (2e-3, 1e-3, 3e-3, 50.0, None)):  # a long idle gap is not work between steps
+        r.start_time = t
+        t += r.wall_seconds + (gap or 0.0)
+    assert between_steps_seconds(steps) == pytest.approx(2e-3)
+    assert between_steps_seconds(steps[:1]) == 0.0 and between_steps_seconds([]) == 0.0

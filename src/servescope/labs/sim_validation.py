@@ -4,7 +4,8 @@ Each workload runs twice: for real, on the engine (LLMEngine in this process, re
 arrival times on the wall clock between steps, as the server's engine thread takes them), and
 simulated (servescope.sim: the same Scheduler and KVCacheManager on a virtual clock, steps priced by
 the cost model on the local probe, its host overhead per step, layer and sequence included, plus the
-detokeniser's work per token: measure/detokenise.py). The same driver (sim/driver.py) sends both the same prompts
+detokeniser's work per token: measure/detokenise.py, and the engine's work between two steps, measured on the
+lab's profile). The same driver (sim/driver.py) sends both the same prompts
 at the same times; both are summarised by bench/metrics.py. Nothing in the simulation is fitted to
 these runs.
 
@@ -18,8 +19,10 @@ Floors (issue 40): median TTFT, median TPOT and output throughput within 10%, p9
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -34,7 +37,8 @@ from servescope.sim.cluster import Deployment
 from servescope.sim.driver import bench_result, drive
 from servescope.sim.engine import Finished
 from servescope.sim.spec import HostCosts, describe, instance_spec
-from servescope.sim.step_table import StepTable, fit_step_table
+from servescope.sim.step_table import StepTable, between_steps_seconds, fit_step_table
+from servescope.telemetry.step_record import step_period
 from servescope.sim.workload import synthetic_workload
 
 FLOORS = {"median_ttft_ms": 0.10, "median_tpot_ms": 0.10, "output_throughput": 0.10, "p90_ttft_ms": 0.20}
@@ -128,14 +132,46 @@ def profile_steps(engine: LLMEngine, vocab: int, seed: int = 1000, repeats: int 
 
 
 def _measure(engine: LLMEngine, w: Workload, vocab: int, seed: int, label: str):
+    """(bench serve's result, the requests, the engine's StepRecords of the run)."""
     reqs = synthetic_workload(w.num_prompts, w.input_len, w.output_len, vocab, w.request_rate, seed=seed)
+    first = len(engine.step_records)
     records, duration, _ = drive(WallClock(engine), reqs, w.max_concurrency, prefix=f"real-{label}")
-    return bench_result(records, duration), reqs
+    return bench_result(records, duration), reqs, list(engine.step_records)[first:]
 
 
 def _simulate(spec, w: Workload, reqs):
-    records, duration, _ = drive(Deployment(spec, keep_steps=False), reqs, w.max_concurrency)
-    return bench_result(records, duration)
+    """(bench serve's result, the simulated StepRecords)."""
+    dep = Deployment(spec)
+    records, duration, _ = drive(dep, reqs, w.max_concurrency)
+    return bench_result(records, duration), dep.engines[0].steps
+
+
+def step_kinds(real_steps: list, sim_steps: list) -> list:
+    """Which steps a workload ran, by kind (decode-only or with prefill tokens) and sequences in the step (bins: 1,
+    2, 3-4, 5-8, ...; "seqs" the bin's upper end): per kind the engine's steps, their median period (start to the
+    next step's start, as a TPOT counts it) and its median over the step's prediction, and the simulator's steps
+    and their median seconds. Where a simulated metric misses, this says whether the steps are priced wrong (the
+    ratio) or the simulation ran other steps (the counts)."""
+    kinds: dict = {}
+    for i, r in enumerate(real_steps):
+        if r.predicted_seconds:
+            period = step_period(real_steps, i)
+            kinds.setdefault(_kind(r), ([], []))[0].append((period, period / r.predicted_seconds))
+    for r in sim_steps:
+        kinds.setdefault(_kind(r), ([], []))[1].append(r.wall_seconds)
+    out = []
+    for (kind, seqs), (real, sim) in sorted(kinds.items()):
+        out.append({"kind": kind, "seqs": seqs, "engine steps": len(real),
+                    "engine period ms": statistics.median(p for p, _ in real) * 1e3 if real else None,
+                    "measured / predicted": statistics.median(q for _, q in real) if real else None,
+                    "simulated steps": len(sim), "simulated ms": statistics.median(sim) * 1e3 if sim else None})
+    return out
+
+
+def _kind(r) -> tuple:
+    """(decode or prefill, the step's sequences as a power-of-two bin: 1, 2, 3-4, 5-8, ... by its upper end)."""
+    seqs = r.num_prefill_seqs + r.num_decode_seqs
+    return "prefill" if r.num_prefill_tokens else "decode", 1 << max(seqs - 1, 0).bit_length()
 
 
 def _compare(reals: list, sims: dict) -> dict:
@@ -165,19 +201,27 @@ def _model_rows(name: str, model, preset: str, workloads, seed: int) -> tuple:
                                                  max_model_len=4096),
                          host=HostCosts(*detokenise_cost(with_tokenizer=engine.tokenizer is not None)))
     _warm_up(engine, spec.model.vocab_size)
+    first = len(engine.step_records)
     table = profile_steps(engine, spec.model.vocab_size)
+    # the engine's work between two steps, on the profile's back-to-back steps (not these runs)
+    between = between_steps_seconds(list(engine.step_records)[first:])
+    spec = spec.replace(host=dataclasses.replace(spec.host, per_step_s=between, source=f"{spec.host.source}; "
+                                                 "between steps: the median over the profile's steps"))
     specs = {"cost model": spec, "step table": spec.replace(step_table=table)}
     out = []
     for i, w in enumerate(workloads):
-        reals, sims = [], {mode: [] for mode in specs}
+        reals, sims, kinds = [], {mode: [] for mode in specs}, None
         for rep in range(REAL_REPEATS):  # the same prompts and times: the spread is the machine's
-            real, reqs = _measure(engine, w, spec.model.vocab_size, seed + i, f"{seed + i}-{rep}")
+            real, reqs, real_steps = _measure(engine, w, spec.model.vocab_size, seed + i, f"{seed + i}-{rep}")
             reals.append(real)
             for mode, sp in specs.items():
-                sims[mode].append(_simulate(sp, w, reqs))
+                result, sim_steps = _simulate(sp, w, reqs)
+                sims[mode].append(result)
+                if kinds is None:  # the first run's steps against the cost model's
+                    kinds = step_kinds(real_steps, sim_steps)
         out.append({"model": name, "workload": w.name, "rate": w.request_rate, "prompts": w.num_prompts,
                     "input_len": w.input_len, "output_len": w.output_len, "metrics": _compare(reals, sims),
-                    "step_table": table.to_dict()})
+                    "steps": kinds, "step_table": table.to_dict()})
     engine.shutdown()
     return out, describe(spec)
 
@@ -196,6 +240,23 @@ def _table(rows: list, mode: str) -> str:
                      f"{err:+.1%} {'ok' if abs(err) <= floor else 'MISS'}"]
         body.append(line)
     return md_table(headers, body)
+
+
+def _steps_table(rows: list) -> str:
+    headers = ["model", "workload", "kind", "sequences", "engine steps", "engine period (ms)", "measured / predicted",
+               "simulated steps", "simulated (ms)"]
+    body = [[r["model"], r["workload"], k["kind"], _seqs_bin(k["seqs"]), k["engine steps"], _num(k["engine period ms"]),
+             _num(k["measured / predicted"]), k["simulated steps"], _num(k["simulated ms"])]
+            for r in rows for k in r["steps"]]
+    return md_table(headers, body)
+
+
+def _seqs_bin(hi: int) -> str:
+    return str(hi) if hi <= 2 else f"{hi // 2 + 1}-{hi}"
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
 
 
 def _met(rows: list, mode: str) -> int:
@@ -224,6 +285,7 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     sections = [("Simulated with the cost model alone (probe + measured host costs)", _table(rows, "cost model")),
                 ("Simulated with a measured step table (profiled on other workloads first)",
                  _table(rows, "step table")),
+                ("Steps by kind (each workload's first run; simulated: the cost model alone)", _steps_table(rows)),
                 ("Instances simulated", "\n".join(specs)),
                 ("Floors", f"cost model: {summary['cost model']['floors_met']} of {total}, step table: "
                            f"{summary['step table']['floors_met']} of {total} within their floors (median TTFT, "

@@ -37,15 +37,20 @@ DEFAULT_CONTEXT_QUANTUM = 16  # tokens: one KV block of the default size
 @dataclass(frozen=True)
 class HostCosts:
     """The engine's host work that the cost model does not price: per output token detokenised (a model
-    with a tokenizer). The host work per step, per layer and per scheduled sequence is the spec's
-    (HardwareSpec.step_overhead_s / layer_overhead_s / seq_overhead_s), in the cost model's prediction
-    as in the engine's StepRecords. Measured on the tokenizer (measure/detokenise.py), 0 on datasheets."""
+    with a tokenizer), and per step the work between two steps (per_step_s: from a step's end as its
+    StepRecord times it -- the tokens out, the record written -- to the next step's start: the outputs handed
+    back, the loop that steps the engine; a TPOT counts it, a step's wall time and so its prediction do not).
+    The host work per step, per layer and per scheduled sequence is the spec's (HardwareSpec.step_overhead_s /
+    layer_overhead_s / seq_overhead_s), in the cost model's prediction as in the engine's StepRecords.
+    Measured: per token on the tokenizer (measure/detokenise.py), between steps on the engine's own
+    back-to-back steps (sim/step_table.between_steps_seconds); 0 on datasheets."""
 
     per_token_s: float = 0.0
     source: str = "none"
+    per_step_s: float = 0.0
 
     def __post_init__(self):
-        if self.per_token_s < 0:
+        if self.per_token_s < 0 or self.per_step_s < 0:
             raise InvalidParameterError("host_costs", "host costs must be >= 0")
 
 
@@ -222,7 +227,7 @@ def describe(spec: InstanceSpec) -> str:
             f"host {spec.hardware.step_overhead_s * 1e3:.2f} ms/step + "
             f"{spec.hardware.layer_overhead_s * 1e6:.0f} us/layer + "
             f"{spec.hardware.seq_overhead_s * 1e6:.0f} us/seq + {spec.host.per_token_s * 1e6:.0f} us/token "
-            f"({spec.host.source})")
+            f"+ {spec.host.per_step_s * 1e3:.2f} ms between steps ({spec.host.source})")
     weights = "" if wdt == adt else f"{wdt} weights, "
     return (f"{spec.model.name} on {spec.hardware.name} ({layout}), {weights}{adt} (KV {kdt}), KV cache "
             f"{spec.num_blocks} blocks = {kv_tokens} tokens{_pools(spec.group_blocks)}, "

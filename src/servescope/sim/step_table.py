@@ -174,3 +174,12 @@ def fit_step_table(records, source: str = "", prior_steps: float = PRIOR_STEPS) 
         if not out[kind]:
             raise InvalidParameterError("step_table", "fitting a step table needs decode steps and prefill steps")
     return StepTable(out["decode"], out["prefill"], source)
+
+
+def between_steps_seconds(records) -> float:
+    """The engine's host work between two steps (sim/spec.HostCosts.per_step_s): the median, over the StepRecords
+    (in the order the engine ran them) followed at once by another step (step_period's rule), of the time from a
+    step's end as its record times it to the next step's start. 0 when no step was followed at once."""
+    gaps = [step_period(records, i) - r.wall_seconds for i, r in enumerate(records[:-1])]
+    gaps = [g for g in gaps if g > 0]
+    return statistics.median(gaps) if gaps else 0.0

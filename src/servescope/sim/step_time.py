@@ -3,7 +3,9 @@
 The step's sequences are handed to the cost model exactly as engine/llm_engine.py hands them for its
 own prediction (a verification as 1 + k one-token rows), through analysis/step_prediction.py, which
 adds the collectives at TP x PP and the spec's host overhead per step, per layer and per sequence. On
-top comes the detokeniser's work per output token (`HostCosts`), which the cost model does not price.
+top comes what the cost model does not price (`HostCosts`): the detokeniser's work per output token and the
+engine's work between two steps, so that a step lasts its period (start to the next step's start), as a
+TPOT counts it.
 Or, with a measured step table (sim/step_table.py), the prediction times the measured / predicted ratio
 of steps of its kind, context and size.
 
@@ -135,4 +137,4 @@ class StepTimer:
         if self.table is not None:
             ratio = self.table.ratio(decode_only, num_tokens, context_sum / num_seqs)
             return pred.seconds * ratio, pred, bound
-        return pred.seconds + self.host.per_token_s * sampled_rows, pred, bound
+        return pred.seconds + self.host.per_step_s + self.host.per_token_s * sampled_rows, pred, bound
