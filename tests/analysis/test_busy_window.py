@@ -6,6 +6,12 @@ import pytest
 from servescope.analysis import busy
 
 
+@pytest.fixture(autouse=True)
+def others_max(monkeypatch):
+    """The module's own figure (the suite's conftest turns the sign off for everything else)."""
+    monkeypatch.setattr(busy, "OTHERS_MAX", 0.25)
+
+
 class Clock:
     """A clock the test moves by hand."""
 
@@ -46,6 +52,15 @@ def test_a_neighbour_taking_cpu_makes_it_busy_even_at_full_share():
     assert w.cpus_got == pytest.approx(2.0) and w.others == pytest.approx(1.0)
     assert w.busy(2)
     assert "the rest of the machine 1.00" in w.describe(2)
+
+
+def test_the_figure_comes_from_the_environment():
+    assert busy.others_max({}) == 0.25
+    assert busy.others_max({busy.OTHERS_ENV: "1.5"}) == 1.5
+    assert busy.others_max({busy.OTHERS_ENV: "inf"}) == float("inf")
+    for bad in ("lots", "-1", "nan"):
+        with pytest.raises(ValueError, match=busy.OTHERS_ENV):
+            busy.others_max({busy.OTHERS_ENV: bad})
 
 
 def test_a_short_window_says_nothing():
