@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from servescope.analysis.busy import CpuMeter
 from servescope.analysis.kernel_table import KernelTable, fit_linear_model
 from servescope.analysis.op_counts import attended_keys, layer_windows
 from servescope.config import SamplingParams
@@ -136,7 +137,7 @@ def measure_linear_tables(model, cfg, dtype) -> tuple:
     """({projection: [[rows, seconds per call], ...]} of the model's own linear modules, the CPUs its
     threads got while they ran: the share of the machine the measurement had)."""
     layers = list(model.model.layers)
-    t0, cpu0 = time.perf_counter(), time.process_time()
+    meter = CpuMeter()
     overhead = call_overhead(dtype)
     table = {n: [] for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
     with torch.inference_mode():
@@ -157,7 +158,7 @@ def measure_linear_tables(model, cfg, dtype) -> tuple:
             for name, times in calls.items():  # per call of that projection (a sparse layer has no MLP rows)
                 t = sum(times) / len(times) * scale
                 table[name].append([rows, max(t - overhead, 0.2 * t)])
-        cpus = (time.process_time() - cpu0) / max(time.perf_counter() - t0, 1e-9)
+        cpus = meter.window().cpus_got
         table["lm_head"] = _head_table(model, layers, cfg, dtype, overhead)
     for name, pts in table.items():
         if not pts:  # no layer has this projection (every MLP sparse): nothing of it runs
