@@ -21,6 +21,10 @@ os.environ.setdefault("SERVESCOPE_BANDWIDTH_SPOT_CHECK", "0")
 # count as busy and be taken again by every later engine: the sign is off here (tests/analysis/test_busy_window.py
 # sets its own figure).
 os.environ.setdefault("SERVESCOPE_BUSY_OTHERS_CPUS", "inf")
+# The GEMV's row limit for a bfloat16 weight is measured per machine and shape (kernels/cpu/gemv_limits.py): fixed
+# at linear.MAX_ROWS here, so that no test's kernel choice depends on a timing (tests/kernels/test_gemv_limits.py
+# sets its own).
+os.environ.setdefault("SERVESCOPE_GEMV_ROWS", "fixed")
 
 
 def _no_cuda() -> bool:

@@ -89,12 +89,20 @@ def _machine_key() -> str:
     return f"{_cache_key(torch_threads())}|kernels={kernels_digest()}"
 
 
+def gemv_limits_key(model) -> str:
+    """The GEMV row limits the model's linear modules run with (kernels/cpu/gemv_limits.py: measured per machine
+    and shape): a table timed with other limits timed other kernels at those rows."""
+    limits = sorted({(tuple(m.weight.shape), str(m.weight.dtype), m.gemv_rows) for m in model.modules()
+                     if isinstance(getattr(m, "gemv_rows", None), int)})
+    return hashlib.sha1(repr(limits).encode()).hexdigest()[:10]
+
+
 def kernel_table_for(engine, force: bool = False) -> dict:
     """The engine's KernelTable dict, read from the cache (this CPU, thread count, kernels' sources and
     the model's shape and dtypes) or measured now and cached."""
     pred = engine.step_cost_predictor.predictor
     wdt, kdt, adt, _ = pred.dtypes
-    key = f"{_machine_key()}|{table_key(pred.cfg, wdt, adt, kdt)}"
+    key = f"{_machine_key()}|{table_key(pred.cfg, wdt, adt, kdt)}|gemv={gemv_limits_key(engine.model)}"
     path = cache_path()
     try:
         cache = json.loads(path.read_text())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 import torch
 
@@ -25,8 +26,9 @@ logger = logging.getLogger(__name__)
 # oneDNN's blocked kernel stays near the weight-read time for a few rows. bfloat16 stops at 2: on the
 # Xeon oneDNN runs it on AMX tiles; on the Zen 4 (AVX-512 BF16 dot products) the GEMV is 1.18x oneDNN
 # at 2 rows of the Llama-3.2-1B shape and 0.85x at 3 (SmolLM2-135M's narrower matrices: 1.42x at 3, level
-# at 4; the real sizes decide). float32 at 1, since the panel GEMM below beats the GEMV from 2 rows on.
-# int8 has no fast eager kernel for float32 activations.
+# at 4; the real sizes decide: a bfloat16 weight beside a oneDNN copy has its own limit measured at its shape,
+# kernels/cpu/gemv_limits.py, and this is its default). float32 at 1, since the panel GEMM below beats the GEMV
+# from 2 rows on. int8 has no fast eager kernel for float32 activations.
 MAX_ROWS = {torch.float32: 1, torch.bfloat16: 2, torch.int8: 16}
 # float32 from MAX_ROWS + 1 up to this many rows: the GEMM on weights packed in column panels
 # (csrc/panel_gemm.h), oneDNN above; measured the same way, on the AVX-512 and AVX2 paths, where the
@@ -56,8 +58,10 @@ def panel_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias=None) -> torc
     return _EXT.mod.panel_gemm(x, panels, n, _EMPTY if bias is None else bias)
 
 
-def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and _EXT.mod is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS.get(w.dtype, 0)
+def use_gemv(x: torch.Tensor, w: torch.Tensor, rows: Optional[int] = None) -> bool:
+    """Whether x goes to the GEMV: up to `rows` rows (None: MAX_ROWS of w's dtype)."""
+    limit = MAX_ROWS.get(w.dtype, 0) if rows is None else rows
+    return x.device.type == "cpu" and _EXT.mod is not None and x.dim() == 2 and x.shape[0] <= limit
 
 
 def pack_for_onednn(w: torch.Tensor):
