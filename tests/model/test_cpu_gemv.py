@@ -33,6 +33,24 @@ def test_gemv_float32(m, k, n):
     torch.testing.assert_close(cpu_linear.gemv(x, w, None, bias), _ref(x, w, bias=bias), atol=1e-4, rtol=1e-4)
 
 
+# bfloat16 rows of x on a bfloat16 weight: from 2 rows on, bfloat16 dot products where the CPU has them (AVX512-BF16:
+# csrc/kernels.h gemv_rows_bf16_dot), the float32 path elsewhere and at 1 row: every block of 4 rows of x and its
+# remainders (2..17), K with and without a 32-wide tail, a range's rows left after its quarters (n = 7, 33, 130)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17])
+@pytest.mark.parametrize("k", [33, 64, 130, 576])
+@pytest.mark.parametrize("n", [7, 33, 130])
+def test_gemv_bfloat16_rows_of_bfloat16(m, k, n):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g)
+    tol = dict(atol=1e-5 * k ** 0.5, rtol=1e-5)  # the products exact, float32 sums
+    torch.testing.assert_close(cpu_linear.gemv(x, w), _ref(x, w), **tol)
+    torch.testing.assert_close(cpu_linear.gemv(x, w, None, bias), _ref(x, w, bias=bias), **tol)
+    # the same values as float32 rows (the float32 path): the two agree to float32 sums
+    torch.testing.assert_close(cpu_linear.gemv(x, w), cpu_linear.gemv(x.float(), w), **tol)
+
+
 # rows: one tile and every remainder shape (the tiles of equal height), two row blocks (257, 300);
 # K: 3, a K chunk and a half (300), several chunks (1536); N: inside one panel, one panel and a tail
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 13, 64, 257])

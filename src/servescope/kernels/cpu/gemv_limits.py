@@ -5,8 +5,8 @@ the rows, while oneDNN's blocked GEMM on the prepacked weight stays near its own
 they cross depends on the CPU and on the shape: on the Zen 4 VM (AVX-512 BF16, no AMX), over SmolLM2-135M's layers
 (K = 576) the GEMV is 1.6x oneDNN at 3 rows and level at 4, over Llama-3.2-1B's (K = 2048) level at 3; on the Xeon
 oneDNN runs AMX tiles and wins from 3 rows on (benchmarks/gemv_rows.py). One constant (linear.MAX_ROWS) can only be
-right for one of them, so each distinct bfloat16 (N, K) is timed once per machine: both kernels at 2, 3, ...
-rows over enough copies of the weight to miss the caches (a layer's weights are evicted by the other layers'
+right for one of them, so each distinct bfloat16 (N, K) is timed once per machine: both kernels at 2, 3, ... 8, 10,
+... 16 rows over enough copies of the weight to miss the caches (a layer's weights are evicted by the other layers'
 between two uses), alternating, medians; the limit is the last row count before oneDNN is faster. Cached
 ($XDG_CACHE_HOME/servescope/gemv_limits.json) under the CPU, its ISA, the thread count and a digest of the
 kernels' sources; a timing taken while the rest of the machine was busy (analysis/busy.py) serves this process
@@ -38,7 +38,10 @@ logger = logging.getLogger(__name__)
 
 CACHE_NAME = "gemv_limits.json"
 ENV = "SERVESCOPE_GEMV_ROWS"
-MOST_ROWS = 8  # the most rows tried (the GEMV's arithmetic at 8 rows of a real shape loses everywhere seen)
+# the row counts tried, in order, until oneDNN is faster at one (the GEMV serves any count; with bfloat16 dot products
+# it was level with oneDNN at 12-16 rows of SmolLM2-135M's matrices on the Zen 4 VM)
+TRIED_ROWS = (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16)
+MOST_ROWS = TRIED_ROWS[-1]
 PASS_BYTES = 48 << 20  # one timed pass reads at least this much weight: past a 32 MiB last-level cache
 MAX_COPIES = 128
 SAMPLES = 5
@@ -69,7 +72,7 @@ def measured(env=os.environ) -> bool:
 
 def limit_from_times(times: dict) -> int:
     """{rows: (GEMV seconds, oneDNN seconds)} -> the most rows r such that the GEMV was no slower at every row
-    count from 2 to r (1: at 1 row the GEMV always serves)."""
+    count tried from 2 to r (1: at 1 row the GEMV always serves; counts between two tried ones go as the lower)."""
     limit = 1
     for rows in sorted(times):
         gemv, onednn = times[rows]
@@ -104,7 +107,7 @@ def measure_limit(w: torch.Tensor, most: int = MOST_ROWS) -> tuple:
         c = torch.randn(w.shape).to(w.dtype) * 0.02
         copies.append((c, cpu_linear.pack_for_onednn(c)))
     meter, times = CpuMeter(), {}
-    for rows in range(2, most + 1):
+    for rows in (r for r in TRIED_ROWS if r <= most):
         times[rows] = time_rows(w, rows, copies)
         if times[rows][0] > times[rows][1]:
             break

@@ -264,6 +264,82 @@ void gemv_rows(const float* x, int64_t M, int64_t K, const WT* w, int64_t N, con
   });
 }
 
+#if SERVESCOPE_HAS_BF16_DOT
+// ---------------------------------------------------------------------------------------------
+// bfloat16 rows of x against a bfloat16 weight with VDPBF16PS (AVX512-BF16): 2-16 rows (decode batches). The
+// float32 path above widens every weight element and multiplies it once per row of x, so from 3-4 rows on its
+// arithmetic, not the weight read, sets its time (SmolLM2's K = 576 matrices on a Zen 4: 4 rows took 1.5x one
+// row's time). Here a bfloat16 pair of x and of the weight is multiplied exactly and summed in float32 by one
+// instruction, 32 products of 64 bytes of weight, no widening: four weight rows (the quarters of gemv_rows, read
+// in lockstep) against MB rows of x in MB x 4 accumulators, summed across lanes by one transpose_sum. x must be
+// bfloat16 already (a bfloat16 model's activations are), so nothing is rounded that was not; the sum's order and
+// rounding differ from the float32 path's (each pair's two products summed before the accumulation).
+__attribute__((always_inline)) inline __m512bh bf16_chunk(const bf16* p, int64_t n) {  // 32, or the first n and 0s
+  return (__m512bh)(n >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16((__mmask32)((1u << n) - 1), p));
+}
+
+template <int MB>
+inline void rows4_block_dot(const bf16* x, int64_t K, const bf16* const* wr, float* y, int64_t N,
+                            const int64_t* cols) {
+  static_assert(MB >= 1 && MB * 4 <= W, "rows4_block_dot: MB x rows of x");
+  vf a[W];
+  for (int i = 0; i < W; ++i) a[i] = zero();
+  // one 32-wide step at k: full (n = 32) or the rows' last, partial one
+  auto step = [&](int64_t k, int64_t n) __attribute__((always_inline)) {
+    __m512bh wv[4];
+    for (int s = 0; s < 4; ++s) wv[s] = bf16_chunk(wr[s] + k, n);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = bf16_chunk(x + m * K + k, n);
+      for (int s = 0; s < 4; ++s) a[m * 4 + s] = _mm512_dpbf16_ps(a[m * 4 + s], xv, wv[s]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) step(k, 32);
+  if (k < K) step(k, K - k);
+  float sums[W];
+  store(sums, transpose_sum(a));
+  for (int m = 0; m < MB; ++m)
+    for (int s = 0; s < 4; ++s) y[m * N + cols[s]] = sums[m * 4 + s];
+}
+
+template <int MB = W / 4>
+void rows4_blocks_dot(const bf16* x, int64_t M, int64_t K, const bf16* const* wr, float* y, int64_t N,
+                      const int64_t* cols) {
+  int64_t m0 = 0;
+  for (; m0 + MB <= M; m0 += MB) rows4_block_dot<MB>(x + m0 * K, K, wr, y + m0 * N, N, cols);
+  if constexpr (MB > 1)
+    if (m0 < M) rows4_blocks_dot<MB - 1>(x + m0 * K, M - m0, K, wr, y + m0 * N, N, cols);
+}
+
+// x [M, K] bfloat16, w [N, K] bfloat16, bias [N] or null -> y [M, N] float32: gemv_rows' split of the weight's
+// rows over the threads and into quarters; the rows left at a range's end (fewer than 4) one at a time.
+inline void gemv_rows_bf16_dot(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const float* bias,
+                               float* y) {
+  parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    const int64_t q = (n1 - n0) / 4;
+    for (int64_t i = 0; i < q; ++i) {
+      const bf16* wr[4];
+      int64_t cols[4];
+      for (int s = 0; s < 4; ++s) {
+        cols[s] = n0 + s * q + i;
+        wr[s] = w + cols[s] * K;
+      }
+      rows4_blocks_dot(x, M, K, wr, y, N, cols);
+    }
+    for (int64_t n = n0 + 4 * q; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 32)
+          a = _mm512_dpbf16_ps(a, bf16_chunk(x + m * K + k, K - k), bf16_chunk(w + n * K + k, K - k));
+        y[m * N + n] = reduce_add(a);
+      }
+    if (bias)
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t m = 0; m < M; ++m) y[m * N + n] += bias[n];
+  });
+}
+#endif
+
 }  // namespace servescope_kernels
 
 #include "decode_attention.h"
