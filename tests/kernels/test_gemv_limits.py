@@ -73,6 +73,21 @@ def test_a_limit_timed_on_a_busy_machine_serves_the_process_only(measuring):
     assert not measuring.exists()
 
 
+def test_cached_only_reads_the_cache_and_times_nothing(measuring):
+    w, packed = _bf16()
+    if packed is None:
+        pytest.skip("no oneDNN bfloat16 here")
+
+    def never(w):
+        raise AssertionError("timed")
+    with gemv_limits.cached_only():  # nothing cached: the default, nothing timed, nothing remembered
+        assert gemv_limits.gemv_rows(w, packed, measure=never) == cpu_linear.MAX_ROWS[torch.bfloat16]
+    assert gemv_limits.gemv_rows(w, packed, measure=lambda w: (6, {}, False)) == 6  # timed outside, cached
+    gemv_limits._LIMITS.clear()
+    with gemv_limits.cached_only():
+        assert gemv_limits.gemv_rows(w, packed, measure=never) == 6
+
+
 def test_nothing_is_measured_where_there_is_no_choice(measuring, monkeypatch):
     def never(w):
         raise AssertionError("timed")

@@ -32,6 +32,7 @@ from servescope.analysis.pipeline_schedule import auto_micro_batches
 from servescope.config import EngineConfig, ModelConfig
 from servescope.engine.executor import ExecutorStepStats, ModelExecutor
 from servescope.errors import EngineConfigError, WorkerFailedError
+from servescope.kernels.cpu.gemv_limits import cached_only
 from servescope.model.moe import moe_blocks
 from servescope.parallel import plan
 from servescope.parallel.expert_parallel import apply_expert_parallel
@@ -99,6 +100,14 @@ class ParallelExecutor(ModelExecutor):
         self._finalizer = weakref.finalize(self, _stop, workers, ctx.rank == 0, self._health)
         self.stage_routing = ([], [])  # rank 0 of a pipeline: the later stages' routing of the last step
         self.expert_bytes = 0  # one routed expert's bytes (set before the stages are cut: stage 0 may hold none)
+
+    @classmethod
+    def prepare(cls, *args, **kwargs) -> "ParallelExecutor":
+        """ModelExecutor.prepare with the GEMV's row limits read from the cache, none timed here: every rank
+        builds its shards at once, and a rank timing its kernels while the others time theirs would measure
+        them as load (kernels/cpu/gemv_limits.cached_only)."""
+        with cached_only():
+            return super().prepare(*args, **kwargs)
 
     @classmethod
     def start(cls, config: EngineConfig, model, device: torch.device, layout: ParallelLayout,

@@ -13,6 +13,9 @@ faster. Cached ($XDG_CACHE_HOME/servescope/gemv_limits.json) under the CPU, its 
 of the kernels' sources; a timing taken while the rest of the machine was busy (analysis/busy.py) serves this
 process only.
 
+Inside `cached_only()` (a parallel engine's ranks: each would time its shards while the others time theirs, see them
+as load and time again at every start) a limit not cached is not timed: linear.MAX_ROWS serves.
+
 SERVESCOPE_GEMV_ROWS=fixed keeps linear.MAX_ROWS (the tests do, so that a kernel choice never depends on a
 timing); any other value, or none, measures.
 """
@@ -26,6 +29,7 @@ import logging
 import os
 import statistics
 import time
+from contextlib import contextmanager
 from typing import Callable, Optional
 
 import torch
@@ -51,6 +55,7 @@ SAMPLES = 5
 # ran decode at batch 16 4-11% slower than oneDNN in two rounds)
 MARGIN = 0.95
 _LIMITS: dict = {}  # this process's: shape key -> rows
+_TIMING = [True]  # False inside cached_only()
 
 
 def shape_key(w: torch.Tensor) -> str:
@@ -121,6 +126,16 @@ def measure_limit(w: torch.Tensor, most: int = MOST_ROWS) -> tuple:
     return limit_from_times(times), times, busy
 
 
+@contextmanager
+def cached_only():
+    """Within it, gemv_rows reads a limit from this process or the cache and times none (the default serves)."""
+    before, _TIMING[0] = _TIMING[0], False
+    try:
+        yield
+    finally:
+        _TIMING[0] = before
+
+
 def _read(path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -151,6 +166,8 @@ def gemv_rows(w: torch.Tensor, packed, measure: Optional[Callable] = None) -> in
     if cached is not None:
         _LIMITS[key] = int(cached["rows"])
         return _LIMITS[key]
+    if not _TIMING[0]:
+        return default
     t0 = time.perf_counter()
     rows, times, busy = (measure or measure_limit)(w)
     _LIMITS[key] = rows
