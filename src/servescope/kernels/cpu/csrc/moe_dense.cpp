@@ -7,7 +7,8 @@
 // from Python (plus the grouping's and the sum's), whose host time a decode step pays with no weight moved.
 // Here the grouping (moe_route), the gathers and the weighted sum (moe_combine) are loops, and each active
 // expert's two projections issue, from C++, the kernel its module would choose for that many rows: the
-// decode GEMV of kernels.h (gemv_rows, as cpu_linear.gemv calls it) up to the module's row limit (float
+// decode GEMV of kernels.h (gemv_rows, or gemv_rows_bf16_dot for 2+ bfloat16 rows on bfloat16 weights where the CPU
+// has AVX512-BF16: as cpu_linear.gemv calls them) up to the module's row limit (float
 // experts: model/moe_fused.py's EXPERT_GEMV_ROWS; Int8Linear: cpu_linear.MAX_ROWS), above it ATen's linear (what Experts.run and Int8Linear's eager path call: over the int8 weight
 // dequantised to the activation dtype, times the scale in that dtype). Each expert's rows go through the
 // same call with the same row count and thread count as in the reference, every intermediate is rounded
@@ -37,6 +38,15 @@ void expert_rows(const Tensor& w, const Tensor& scale, const Tensor& scale_act, 
                  int64_t gemv_rows, float* y) {
   const int64_t m = rows.size(0), k = w.size(1), n = w.size(0);
   if (m <= gemv_rows) {
+#if SERVESCOPE_HAS_BF16_DOT
+    // bfloat16 rows on a bfloat16 expert, 2 or more: the dot-product GEMV, as cpu_linear.gemv chooses it
+    if (m >= 2 && w.scalar_type() == at::kBFloat16 && rows.scalar_type() == at::kBFloat16) {
+      const Tensor xb = rows.contiguous();
+      servescope_kernels::gemv_rows_bf16_dot((const servescope_simd::bf16*)xb.data_ptr(), m, k,
+                                             (const servescope_simd::bf16*)w.data_ptr(), n, nullptr, y);
+      return;
+    }
+#endif
     const float* s = scale.numel() ? scale.data_ptr<float>() : nullptr;
     if (w.scalar_type() == at::kFloat)
       servescope_kernels::gemv_rows<float>(xf, m, k, w.data_ptr<float>(), n, s, nullptr, y);
