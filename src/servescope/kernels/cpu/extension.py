@@ -54,11 +54,12 @@ def isa_cflags(isa: str, flags) -> list:
     return out
 
 
-def headers_digest(csrc_dir: str) -> str:
+def headers_digest(csrc_dir: str, patterns: tuple = ("*.h",)) -> str:
     """A digest of csrc/*.h: torch's build cache hashes the sources it is given, not the headers they
-    include, so the digest goes into the flags and an edited header rebuilds the extension."""
+    include, so the digest goes into the flags and an edited header rebuilds the extension. patterns: other
+    files of csrc/ as well (gemv_limits.py keys its timings on the .cpp files too)."""
     h = hashlib.sha1()
-    for path in sorted(glob.glob(os.path.join(csrc_dir, "*.h"))):
+    for path in sorted(p for pattern in patterns for p in glob.glob(os.path.join(csrc_dir, pattern))):
         with open(path, "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:12]

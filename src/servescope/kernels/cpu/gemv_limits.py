@@ -22,8 +22,6 @@ timing); any other value, or none, measures.
 
 from __future__ import annotations
 
-import glob
-import hashlib
 import json
 import logging
 import os
@@ -36,8 +34,9 @@ import torch
 
 from servescope.analysis.busy import CpuMeter
 from servescope.analysis.cache_dir import cache_dir
-from servescope.analysis.cpu_isa import cpu_flags, cpu_model, isa_signature, local_isa
+from servescope.analysis.probe import _cache_key
 from servescope.kernels.cpu import linear as cpu_linear
+from servescope.kernels.cpu.extension import headers_digest
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +61,10 @@ def shape_key(w: torch.Tensor) -> str:
     return f"{w.shape[0]}x{w.shape[1]}|{str(w.dtype).replace('torch.', '')}"
 
 
-def _sources_digest() -> str:
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-    h = hashlib.sha1()
-    for path in sorted(glob.glob(os.path.join(root, "*.h")) + glob.glob(os.path.join(root, "*.cpp"))):
-        with open(path, "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()[:12]
-
-
 def machine_key() -> str:
-    return (f"{cpu_model()}|{isa_signature(cpu_flags(), local_isa())}|threads={torch.get_num_threads()}"
-            f"|csrc={_sources_digest()}|margin={MARGIN}")
+    """The probe's key of this CPU and thread count, the kernels' sources, the rule's margin."""
+    csrc = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+    return f"{_cache_key(torch.get_num_threads())}|csrc={headers_digest(csrc, ('*.h', '*.cpp'))}|margin={MARGIN}"
 
 
 def measured(env=os.environ) -> bool:

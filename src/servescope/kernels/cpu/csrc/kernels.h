@@ -222,26 +222,37 @@ void rows4_blocks(const float* x, int64_t M, int64_t K, const WT* const* wr, flo
     if (m0 < M) rows4_blocks<WT, MB - 1>(x + m0 * K, M - m0, K, wr, y + m0 * N, N, cols);
 }
 
+// The weight rows [n0, n1) of a thread's range as four quarters read in lockstep: fn(wr, cols) for each i of the
+// q = (n1 - n0) / 4 rows of a quarter (wr[s], cols[s]: row n0 + s q + i of each quarter). Returns the first row left
+// over (n0 + 4 q): the caller takes those one at a time.
+template <typename WT, typename Fn>
+inline int64_t for_each_quarter_row(int64_t n0, int64_t n1, const WT* w, int64_t K, Fn&& fn) {
+  const int64_t q = (n1 - n0) / 4;
+  for (int64_t i = 0; i < q; ++i) {
+    const WT* wr[4];
+    int64_t cols[4];
+    for (int s = 0; s < 4; ++s) {
+      cols[s] = n0 + s * q + i;
+      wr[s] = w + cols[s] * K;
+    }
+    fn(wr, cols);
+  }
+  return n0 + 4 * q;
+}
+
 template <typename WT>
 void gemv_rows(const float* x, int64_t M, int64_t K, const WT* w, int64_t N, const float* scale, const float* bias,
                float* y) {
   parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    const int64_t q = (n1 - n0) / 4;  // the range's four quarters; rows from n0 + 4 q on go one at a time
-    for (int64_t i = 0; i < q; ++i) {
-      const WT* wr[4];
-      int64_t cols[4];
-      for (int s = 0; s < 4; ++s) {
-        cols[s] = n0 + s * q + i;
-        wr[s] = w + cols[s] * K;
-      }
+    const int64_t rest = for_each_quarter_row(n0, n1, w, K, [&](const WT* const* wr, const int64_t* cols) {
       if (M == 1) {
         float* out[4] = {y + cols[0], y + cols[1], y + cols[2], y + cols[3]};
         rows4_dot<WT>(x, K, wr, out);
       } else {
         rows4_blocks<WT>(x, M, K, wr, y, N, cols);
       }
-    }
-    for (int64_t n = n0 + 4 * q; n < n1; ++n) {
+    });
+    for (int64_t n = rest; n < n1; ++n) {
       const WT* wr = w + n * K;
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const float* xm = x + m0 * K;
@@ -316,17 +327,10 @@ void rows4_blocks_dot(const bf16* x, int64_t M, int64_t K, const bf16* const* wr
 inline void gemv_rows_bf16_dot(const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const float* bias,
                                float* y) {
   parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    const int64_t q = (n1 - n0) / 4;
-    for (int64_t i = 0; i < q; ++i) {
-      const bf16* wr[4];
-      int64_t cols[4];
-      for (int s = 0; s < 4; ++s) {
-        cols[s] = n0 + s * q + i;
-        wr[s] = w + cols[s] * K;
-      }
+    const int64_t rest = for_each_quarter_row(n0, n1, w, K, [&](const bf16* const* wr, const int64_t* cols) {
       rows4_blocks_dot(x, M, K, wr, y, N, cols);
-    }
-    for (int64_t n = n0 + 4 * q; n < n1; ++n)
+    });
+    for (int64_t n = rest; n < n1; ++n)
       for (int64_t m = 0; m < M; ++m) {
         __m512 a = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 32)

@@ -38,15 +38,7 @@ void expert_rows(const Tensor& w, const Tensor& scale, const Tensor& scale_act, 
                  int64_t gemv_rows, float* y) {
   const int64_t m = rows.size(0), k = w.size(1), n = w.size(0);
   if (m <= gemv_rows) {
-#if SERVESCOPE_HAS_BF16_DOT
-    // bfloat16 rows on a bfloat16 expert, 2 or more: the dot-product GEMV, as cpu_linear.gemv chooses it
-    if (m >= 2 && w.scalar_type() == at::kBFloat16 && rows.scalar_type() == at::kBFloat16) {
-      const Tensor xb = rows.contiguous();
-      servescope_kernels::gemv_rows_bf16_dot((const servescope_simd::bf16*)xb.data_ptr(), m, k,
-                                             (const servescope_simd::bf16*)w.data_ptr(), n, nullptr, y);
-      return;
-    }
-#endif
+    if (gemv_bf16_dot_into(rows, w, nullptr, y)) return;  // 2+ bfloat16 rows: as cpu_linear.gemv chooses
     const float* s = scale.numel() ? scale.data_ptr<float>() : nullptr;
     if (w.scalar_type() == at::kFloat)
       servescope_kernels::gemv_rows<float>(xf, m, k, w.data_ptr<float>(), n, s, nullptr, y);

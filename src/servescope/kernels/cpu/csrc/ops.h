@@ -43,6 +43,10 @@ Tensor paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table
 // MLA's absorbed decode over the latent cache, the values its rows' first v_dim features -> [B, H, v_dim]
 Tensor latent_decode(Tensor q, Tensor cache, Tensor block_tables, Tensor context_lens, double scale, int64_t v_dim);
 Tensor gemv(Tensor x, Tensor w, Tensor scale, Tensor bias);
+// bfloat16 rows [m, K], m >= 2, on a bfloat16 weight [N, K] through kernels.h's dot-product GEMV where the CPU has
+// AVX512-BF16: y [m, N] float32 written (bias [N] float32 or null) and true; false, nothing written, anywhere else.
+// The one place that rule lives: gemv() and moe_dense's experts both ask it.
+bool gemv_bf16_dot_into(const Tensor& rows, const Tensor& w, const float* bias, float* y);
 Tensor pack_panels(Tensor w);
 Tensor panel_gemm(Tensor x, Tensor panels, int64_t n, Tensor bias);
 std::map<std::string, std::string> isa_info();
