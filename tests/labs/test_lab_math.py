@@ -126,21 +126,24 @@ def test_error_summary_of_nothing():
     assert error_summary([])["count"] == 0
 
 
+def _step(t, wall, prefill, decodes, pred):
+    """A StepRecord of a step at t taking `wall` seconds: a prefill of `prefill` tokens and `decodes` decodes, each
+    sequence at context 100 after it, predicted at `pred` seconds."""
+    return StepRecord(step=0, start_time=t, wall_seconds=wall, num_prefill_seqs=int(bool(prefill)),
+                      num_decode_seqs=decodes, num_prefill_tokens=prefill, num_decode_tokens=decodes,
+                      context_lens=[100] * (decodes + bool(prefill)), kv_blocks_used=0, kv_blocks_free=0,
+                      kv_blocks_cached=0, kv_usage=0, num_running=1, num_waiting=0, num_preemptions_total=0,
+                      predicted_seconds=pred)
+
+
 def test_simulate_lab_counts_steps_by_kind_and_their_period_over_the_prediction():
     from servescope.labs.sim_validation import step_kinds
 
-    def rec(t, wall, prefill, decodes, pred):
-        return StepRecord(step=0, start_time=t, wall_seconds=wall, num_prefill_seqs=int(bool(prefill)),
-                          num_decode_seqs=decodes, num_prefill_tokens=prefill, num_decode_tokens=decodes,
-                          context_lens=[100] * (decodes + bool(prefill)), kv_blocks_used=0, kv_blocks_free=0,
-                          kv_blocks_cached=0, kv_usage=0, num_running=1, num_waiting=0, num_preemptions_total=0,
-                          predicted_seconds=pred)
-
     # the engine: a prefill, then three decodes of one sequence back to back (periods 0.011), the last alone
-    real = [rec(0.0, 0.1, 64, 0, 0.08), rec(0.101, 0.010, 0, 1, 0.011), rec(0.112, 0.010, 0, 1, 0.011),
-            rec(0.123, 0.010, 0, 1, 0.011)]
-    sim = [rec(0.0, 0.08, 64, 0, 0.08)] + [rec(0.1, 0.011, 0, 1, 0.011)] * 2 + [rec(0.2, 0.02, 0, 2, 0.02)]
-    sim += [rec(0.3, 0.02, 0, 3, 0.02), rec(0.4, 0.03, 0, 4, 0.03), rec(0.5, 0.03, 0, 5, 0.03)]
+    real = [_step(0.0, 0.1, 64, 0, 0.08), _step(0.101, 0.010, 0, 1, 0.011), _step(0.112, 0.010, 0, 1, 0.011),
+            _step(0.123, 0.010, 0, 1, 0.011)]
+    sim = [_step(0.0, 0.08, 64, 0, 0.08)] + [_step(0.1, 0.011, 0, 1, 0.011)] * 2 + [_step(0.2, 0.02, 0, 2, 0.02)]
+    sim += [_step(0.3, 0.02, 0, 3, 0.02), _step(0.4, 0.03, 0, 4, 0.03), _step(0.5, 0.03, 0, 5, 0.03)]
     kinds = {(k["kind"], k["seqs"]): k for k in step_kinds(real, sim)}
     assert set(kinds) == {("prefill", 1), ("decode", 1), ("decode", 2), ("decode", 4), ("decode", 8)}
     assert kinds["decode", 4]["simulated steps"] == 2 and kinds["decode", 4]["simulated ms"] == pytest.approx(25.0)
@@ -151,3 +154,50 @@ def test_simulate_lab_counts_steps_by_kind_and_their_period_over_the_prediction(
     assert kinds["prefill", 1]["measured / predicted"] == pytest.approx(0.101 / 0.08)
     assert kinds["decode", 2]["engine steps"] == 0 and kinds["decode", 2]["engine period ms"] is None
     assert kinds["decode", 2]["simulated ms"] == pytest.approx(20.0)
+
+
+def test_simulate_lab_sensitivity_says_how_far_a_step_time_error_moves_each_metric():
+    import math as _math
+
+    from servescope.config.engine import KVCacheConfig
+    from servescope.errors import InvalidParameterError
+    from servescope.labs.sim_validation import FLOORS, Workload, sensitivity
+    from servescope.sim.spec import instance_spec
+    from servescope.sim.step_table import StepTable
+    from servescope.sim.workload import synthetic_workload
+
+    flat = StepTable(((1.0, ((1.0, 1.0),)),), ((1.0, ((1.0, 1.0),)),))
+    spec = instance_spec("smollm2-135m", "H100", cache=KVCacheConfig(num_kv_blocks=512, enable_prefix_caching=False))
+    # everything at once: every time scales with the steps, the throughput inversely
+    w = Workload("saturation", 16, (64, 128), (8, 16), _math.inf)
+    reqs = synthetic_workload(16, (64, 128), (8, 16), 1000, _math.inf, seed=0)
+    s = sensitivity(spec.replace(step_table=flat), w, reqs)
+    assert set(s) == set(FLOORS) | {"busy"} and s["busy"] == pytest.approx(1.0, abs=0.02)
+    for k in ("median_ttft_ms", "median_tpot_ms", "p90_ttft_ms"):
+        assert s[k] == pytest.approx(1.0, abs=0.05), k
+    assert s["output_throughput"] == pytest.approx(-1.0, abs=0.05)
+    # one request every 10 s on an engine that needs milliseconds: idle, the offered load sets the throughput
+    w = Workload("low rate", 4, (64, 128), (8, 16), 0.1)
+    reqs = synthetic_workload(4, (64, 128), (8, 16), 1000, 0.1, seed=0)
+    s = sensitivity(spec.replace(step_table=flat), w, reqs)
+    assert s["busy"] < 0.05 and abs(s["output_throughput"]) < 0.05
+    assert s["median_ttft_ms"] == pytest.approx(1.0, abs=0.05) and s["median_tpot_ms"] == pytest.approx(1.0, abs=0.05)
+    with pytest.raises(InvalidParameterError, match="step table"):
+        sensitivity(spec, w, reqs)
+
+
+def test_simulate_lab_says_how_far_a_runs_steps_were_from_the_step_table():
+    from servescope.labs.sim_validation import table_drift
+    from servescope.sim.step_table import StepTable
+
+    # decode steps priced at 2x their prediction, prefill steps at 3x
+    table = StepTable(((1.0, ((1.0, 2.0),)),), ((1.0, ((1.0, 3.0),)),))
+    as_priced = [_step(0.0, 0.3, 64, 0, 0.1), _step(10.0, 0.02, 0, 1, 0.01), _step(20.0, 0.04, 0, 2, 0.02)]
+    assert table_drift(as_priced, table) == pytest.approx({"decode": 1.0, "prefill": 1.0})
+    # the decode steps a fifth longer in total (one of them 1.6x), the prefill 10% shorter
+    slower = [_step(0.0, 0.27, 64, 0, 0.1), _step(10.0, 0.02, 0, 1, 0.01), _step(20.0, 0.052, 0, 2, 0.02)]
+    assert table_drift(slower, table) == pytest.approx({"decode": 1.2, "prefill": 0.9})
+    # back to back, a step's period (to the next start) is what counts; steps without a prediction do not
+    back_to_back = [_step(0.0, 0.02, 0, 1, 0.01), _step(0.025, 0.02, 0, 1, 0.01), _step(0.05, 0.02, 0, 1, None)]
+    assert table_drift(back_to_back, table) == pytest.approx({"decode": 1.25, "prefill": None})
+    assert table_drift([_step(0.0, 0.02, 0, 1, None)], table) == {"decode": None, "prefill": None}

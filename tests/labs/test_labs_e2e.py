@@ -276,6 +276,13 @@ def test_simulate(session, tmp_path, monkeypatch):
             assert m["measured"] > 0, (r["workload"], metric)
             assert abs(m["step table error"]) < 1.0, (r["workload"], metric, m)
             assert abs(m["cost model error"]) < 4.0, (r["workload"], metric, m)
+    # how far a step-time error moves each metric, on the simulator alone: all at once, every time follows the
+    # steps and the throughput goes inversely; at the low rate the offered load sets the throughput
+    sat = rows[1]["sensitivity"]
+    assert sat["busy"] > 0.9 and sat["output_throughput"] == pytest.approx(-1.0, abs=0.1)
+    assert sat["median_ttft_ms"] == pytest.approx(1.0, abs=0.1)
+    assert 0 < rows[0]["sensitivity"]["busy"] < sat["busy"] and abs(rows[0]["sensitivity"]["output_throughput"]) < 0.5
+    assert "How far a step-time error moves each metric" in result.report.read_text()
 
 
 def test_moe(session, tmp_path):

@@ -83,3 +83,14 @@ def test_the_work_between_steps_is_the_median_gap_of_steps_run_back_to_back():
         t += r.wall_seconds + (gap or 0.0)
     assert between_steps_seconds(steps) == pytest.approx(2e-3)
     assert between_steps_seconds(steps[:1]) == 0.0 and between_steps_seconds([]) == 0.0
+
+
+def test_a_scaled_table_multiplies_every_ratio_and_refuses_a_non_positive_factor():
+    table = fit_step_table(_steps(WELL_MEASURED + [(12, 0, 4, 2048, 1.6)]), "profile")
+    twice = table.scaled(2.0)
+    for decode_only, tokens, context in ((True, 1, 128), (True, 4, 2048), (False, 512, 96), (False, 300, 5000)):
+        assert twice.ratio(decode_only, tokens, context) == pytest.approx(2 * table.ratio(decode_only, tokens, context))
+    assert twice.source == "profile (x2)" and table.scaled(1.0).to_dict()["decode"] == table.to_dict()["decode"]
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(InvalidParameterError, match="must be > 0"):
+            table.scaled(bad)

@@ -47,6 +47,7 @@ MAX_NUM_SEQS = 32
 TOKEN_BUDGET = 512
 PROFILE_REPEATS = 2
 REAL_REPEATS = 2  # each workload measured twice: the spread says how far a floor can be trusted here
+SENSITIVITY = 0.05  # the uniform step-time error whose effect on each metric the report shows (sensitivity())
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,16 @@ class Workload:
     max_concurrency: object = None
 
 
-# per model: (engine model name, simulator preset, workloads); sized to the model's speed on 2 cores
+# per model: (engine model name, simulator preset, workloads); sized to the model's speed on 2 cores. The long
+# prompts arrive at about half the engine's capacity for them (135M: ~1.3 s of 512-token chunks a prompt, 1B: ~10 s):
+# at 0.5 req/s the 135M engine was ~90% busy, where whether a request's last tokens meet the next prompt's chunks
+# (~450 ms a step) or run alone (~15 ms) turns on a few ms: its median TPOT moved 3-6% per 1% of step time and
+# two identical engine runs came out 38-50% apart (docs/VALIDATION.md). Saturation is the queueing workload.
 MODELS = {
     "smollm2-135m": (None, "smollm2-135m", (
         Workload("low rate", 24, (64, 256), (32, 96), 1.0),
         Workload("saturation", 48, (64, 256), (48, 96), math.inf),
-        Workload("long prompts", 12, (1024, 2048), (16, 48), 0.5),
+        Workload("long prompts", 12, (1024, 2048), (16, 48), 0.15),
     )),
     "llama-3.2-1b": ("random:llama-3.2-1b", "llama-3.2-1b", (
         Workload("low rate", 8, (64, 256), (16, 48), 0.1),
@@ -146,6 +151,45 @@ def _simulate(spec, w: Workload, reqs):
     return bench_result(records, duration), dep.engines[0].steps
 
 
+def sensitivity(spec, w: Workload, reqs, e: float = SENSITIVITY) -> dict:
+    """How far a step-time error moves each metric: {metric: elasticity} of the simulation on `spec`'s step table,
+    (metric with every step 1 + e times as long - with 1 - e) / (2 e x metric), and "busy": the simulated
+    instance's step seconds over the run's duration. An elasticity of 1: the metric is off by as much as the steps
+    are (TTFT, TPOT of an engine that keeps up); ~0: the offered load sets it (throughput below saturation); well
+    above 1: the workload sits at a knee (a request's last tokens either meet another prompt's chunks or run alone),
+    where a floor of 10% asks the step times for a few percent and the engine's own repeats drift apart."""
+    if spec.step_table is None:
+        raise InvalidParameterError("spec", "sensitivity() scales a step table; this spec has none")
+    runs = {}
+    for f in (1.0 - e, 1.0, 1.0 + e):
+        dep = Deployment(spec.replace(step_table=spec.step_table.scaled(f)))
+        records, duration, _ = drive(dep, reqs, w.max_concurrency)
+        busy = sum(r.wall_seconds for r in dep.engines[0].steps) / duration
+        runs[f] = bench_result(records, duration).to_dict(), busy
+    base = runs[1.0][0]
+    out = {k: (runs[1.0 + e][0][k] - runs[1.0 - e][0][k]) / (2 * e * base[k]) if base[k] else 0.0 for k in FLOORS}
+    return out | {"busy": runs[1.0][1]}
+
+
+def table_drift(records: list, table: StepTable) -> dict:
+    """How far a run's steps were from the step table, per kind: {"decode": x, "prefill": y}, each the summed
+    periods of the run's StepRecords of that kind (decode-only, or with prefill tokens) that carry a prediction
+    over the table's summed price of them (the prediction times the table's ratio at the step's kind, tokens and
+    context, as the simulator's clock takes it); None where the run had no such step. 1: the run's steps took what
+    the profile's took, in total, as a TPOT or a TTFT sums them; 1.2: a fifth longer, whether the machine moved
+    between the profile and the run or the workload's steps differ from the profile's. A metric's miss with both
+    at 1 is the scheduling's (which steps ran), not the step times'."""
+    periods, prices = {"decode": 0.0, "prefill": 0.0}, {"decode": 0.0, "prefill": 0.0}
+    for i, r in enumerate(records):
+        if not r.predicted_seconds or r.wall_seconds <= 0 or not r.context_lens:
+            continue
+        kind = "prefill" if r.num_prefill_tokens else "decode"
+        context = max((sum(r.context_lens) - r.num_tokens) / len(r.context_lens), 1.0)  # before the step
+        periods[kind] += step_period(records, i)
+        prices[kind] += r.predicted_seconds * table.ratio(kind == "decode", r.num_tokens, context)
+    return {k: periods[k] / prices[k] if prices[k] > 0 else None for k in periods}
+
+
 def step_kinds(real_steps: list, sim_steps: list) -> list:
     """Which steps a workload ran, by kind (decode-only or with prefill tokens) and sequences in the step (bins: 1,
     2, 3-4, 5-8, ...; "seqs" the bin's upper end): per kind the engine's steps, their median period (start to the
@@ -210,10 +254,11 @@ def _model_rows(name: str, model, preset: str, workloads, seed: int) -> tuple:
     specs = {"cost model": spec, "step table": spec.replace(step_table=table)}
     out = []
     for i, w in enumerate(workloads):
-        reals, sims, kinds = [], {mode: [] for mode in specs}, None
+        reals, sims, kinds, drift = [], {mode: [] for mode in specs}, None, []
         for rep in range(REAL_REPEATS):  # the same prompts and times: the spread is the machine's
             real, reqs, real_steps = _measure(engine, w, spec.model.vocab_size, seed + i, f"{seed + i}-{rep}")
             reals.append(real)
+            drift.append(table_drift(real_steps, table))
             for mode, sp in specs.items():
                 result, sim_steps = _simulate(sp, w, reqs)
                 sims[mode].append(result)
@@ -221,7 +266,9 @@ def _model_rows(name: str, model, preset: str, workloads, seed: int) -> tuple:
                     kinds = step_kinds(real_steps, sim_steps)
         out.append({"model": name, "workload": w.name, "rate": w.request_rate, "prompts": w.num_prompts,
                     "input_len": w.input_len, "output_len": w.output_len, "metrics": _compare(reals, sims),
-                    "steps": kinds, "step_table": table.to_dict()})
+                    "sensitivity": sensitivity(specs["step table"], w, reqs), "steps_over_table": drift,
+                    "steps": kinds,
+                    "step_table": table.to_dict()})
     engine.shutdown()
     return out, describe(spec)
 
@@ -240,6 +287,20 @@ def _table(rows: list, mode: str) -> str:
                      f"{err:+.1%} {'ok' if abs(err) <= floor else 'MISS'}"]
         body.append(line)
     return md_table(headers, body)
+
+
+def _sensitivity_table(rows: list) -> str:
+    headers = ["model", "workload", "rate (req/s)", "simulated busy", *FLOORS,
+               "engine steps / table: decode / prefill (each run)"]
+    body = [[r["model"], r["workload"], r["rate"], f"{r['sensitivity']['busy']:.0%}"]
+            + [f"{r['sensitivity'][k]:.2f}" for k in FLOORS]
+            + [", ".join(" / ".join(_num2(d[k]) for k in ("decode", "prefill")) for d in r["steps_over_table"])]
+            for r in rows]
+    return md_table(headers, body)
+
+
+def _num2(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _steps_table(rows: list) -> str:
@@ -285,6 +346,11 @@ def run(opts: LabOptions, session: LabSession) -> LabResult:
     sections = [("Simulated with the cost model alone (probe + measured host costs)", _table(rows, "cost model")),
                 ("Simulated with a measured step table (profiled on other workloads first)",
                  _table(rows, "step table")),
+                (f"How far a step-time error moves each metric (the step table's simulation with every step "
+                 f"{1 - SENSITIVITY:g}x and {1 + SENSITIVITY:g}x as long: the metric's change over the steps', 1 = "
+                 "as far; well above 1, the workload sits at a knee where no simulation, nor the engine's own "
+                 "second run, keeps within 10%), and how far each run's steps were from the step table (their periods "
+                 "over the table's price of them, summed per kind: 1 = as profiled)", _sensitivity_table(rows)),
                 ("Steps by kind (each workload's first run; simulated: the cost model alone)", _steps_table(rows)),
                 ("Instances simulated", "\n".join(specs)),
                 ("Floors", f"cost model: {summary['cost model']['floors_met']} of {total}, step table: "

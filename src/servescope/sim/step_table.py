@@ -87,6 +87,14 @@ class StepTable:
             near = [(c, pts) for c, pts in rows if dist(pts) == best]
         return _interp(max(context, 1.0), [(c, _interp(tokens, pts)) for c, pts in near])
 
+    def scaled(self, factor: float) -> "StepTable":
+        """The same table with every ratio times `factor` (every step `factor` times as long): what a uniform
+        error in the step times does to a simulation (labs/sim_validation.py's sensitivity)."""
+        if not factor > 0:
+            raise InvalidParameterError("factor", f"must be > 0, got {factor}")
+        rows = {k: tuple((c, tuple((t, r * factor) for t, r in pts)) for c, pts in getattr(self, k)) for k in KINDS}
+        return StepTable(rows["decode"], rows["prefill"], f"{self.source} (x{factor:g})".lstrip())
+
     def to_dict(self) -> dict:
         table = {k: [[c, [list(p) for p in pts]] for c, pts in getattr(self, k)] for k in KINDS}
         return table | {"source": self.source}
