@@ -1,6 +1,6 @@
-"""measure/shape_kernels.py (+ moe_kernels.py, kernel_cache.py): the engine's kernels timed at the loaded model's
-shapes, cached, and read by the engine's step predictions (with_kernel_table). Tiny random models and small grids:
-seconds."""
+"""measure/shape_kernels.py (+ linear_kernels.py, moe_kernels.py, kernel_cache.py): the engine's kernels timed at
+the loaded model's shapes, cached, and read by the engine's step predictions (with_kernel_table). Tiny random models
+and small grids: seconds."""
 
 import json
 
@@ -14,7 +14,7 @@ from servescope.analysis.op_counts import routed_expert_bytes
 from servescope.config import EngineConfig, SamplingParams
 from servescope.engine.llm_engine import LLMEngine
 from servescope.kernels.cpu import ops as cpu_ops
-from servescope.measure import decode_plan, kernel_cache, local_hardware, moe_kernels, shape_kernels
+from servescope.measure import decode_plan, kernel_cache, linear_kernels, local_hardware, moe_kernels, shape_kernels
 from servescope.model.attention.cpu import TILED_F32_MIN_TOKENS
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 128,
@@ -28,8 +28,8 @@ pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the CPU kernel 
 @pytest.fixture
 def small_grids(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(shape_kernels, "ROWS", (1, 2, 9, 64))
-    monkeypatch.setattr(shape_kernels, "HEAD_ROWS", (1, 4))
+    monkeypatch.setattr(linear_kernels, "ROWS", (1, 2, 9, 64))
+    monkeypatch.setattr(linear_kernels, "HEAD_ROWS", (1, 4))
     monkeypatch.setattr(shape_kernels, "RUNS", 1)
     monkeypatch.setattr(moe_kernels, "RUNS", 1)
     monkeypatch.setattr(moe_kernels, "MOE_TOKENS", (1, 4, 32))
@@ -108,14 +108,14 @@ def test_attention_is_timed_over_caches_whose_every_page_is_written(kv_dtype):
 
 
 def test_the_sampler_is_timed_over_the_models_vocabulary(monkeypatch):
-    monkeypatch.setattr(shape_kernels, "HEAD_ROWS", (1, 3))
+    monkeypatch.setattr(linear_kernels, "HEAD_ROWS", (1, 3))
     monkeypatch.setattr(shape_kernels, "RUNS", 1)
     seen = []
-    real = shape_kernels._sample_seconds
-    monkeypatch.setattr(shape_kernels, "_sample_seconds", lambda v, r: seen.append((v, r)) or real(v, r))
-    pts = shape_kernels.measure_sampling(type("Cfg", (), {"vocab_size": 4096})())
+    real = linear_kernels._sample_seconds
+    monkeypatch.setattr(linear_kernels, "_sample_seconds", lambda v, r: seen.append((v, r)) or real(v, r))
+    pts = linear_kernels.measure_sampling(type("Cfg", (), {"vocab_size": 4096})())
     assert [r for r, _ in pts] == [1, 3] and all(t > 0 for _, t in pts)
-    assert seen == [(shape_kernels.TINY_VOCAB, 1), (4096, 1), (4096, 3)]  # the tiny call's cost taken off
+    assert seen == [(linear_kernels.TINY_VOCAB, 1), (4096, 1), (4096, 3)]  # the tiny call's cost taken off
 
 
 def test_engines_on_other_specs_are_left_alone(small_grids, tmp_path, monkeypatch):
@@ -204,3 +204,33 @@ def test_moe_seconds_scale_with_the_measured_experts_and_the_table_round_trips()
     assert KernelTable.from_dict(t.to_dict()) == t
     with pytest.raises(ValueError, match="moe"):
         KernelTable.from_dict({**t.to_dict(), "moe": [[8, 1e-3], [1, 1e-3]]})  # rows must ascend
+
+
+def test_a_row_count_slower_than_a_larger_one_is_flagged():
+    assert linear_kernels.undercut_rows({1: 1.0, 2: 1.1, 64: 2.0, 128: 4.0, 192: 9.0, 256: 9.5, 320: 6.0}, 0.05) \
+        == [192, 256]
+    assert linear_kernels.undercut_rows({1: 1.0, 2: 1.04, 3: 1.0}, 0.05) == []  # within the tolerance
+    assert linear_kernels.undercut_rows({1: 1.0, 2: 2.0, 4: 4.0}, 0.05) == []
+
+
+def test_a_slow_spell_over_some_rows_is_timed_again_and_a_real_step_up_kept(monkeypatch):
+    """The sweep's points that a larger row count undercuts are timed again after it, and keep the quicker
+    timing; the others are timed once. Here rows 192 and 256 fall in a 'spell' (3x) on their first timing only,
+    and 65 is a kernel's real step up (slower than 64, not than anything larger): it stays."""
+    monkeypatch.setattr(linear_kernels, "ROWS", (16, 64, 65, 128, 192, 256, 320))
+    monkeypatch.setattr(linear_kernels, "call_overhead", lambda dtype: 0.0)
+    monkeypatch.setattr(linear_kernels, "_head_table", lambda *a: [[1, 1e-3]])
+    timed: list = []
+
+    def fake(layers, cfg, dtype, rows, overhead):
+        timed.append(rows)
+        t = rows * 1e-4 * (1.3 if rows == 65 else 1.0) * (3.0 if rows in (192, 256) and timed.count(rows) == 1 else 1)
+        return {"qkv_proj": t, "o_proj": t / 2, "gate_up_proj": 2 * t, "down_proj": t}
+
+    monkeypatch.setattr(linear_kernels, "_time_rows", fake)
+    model = type("M", (), {"model": type("I", (), {"layers": []})()})()
+    table, _ = linear_kernels.measure_linear_tables(model, None, torch.bfloat16)
+    assert sorted(timed) == sorted(list(linear_kernels.ROWS) + [192, 256])
+    qkv = dict((r, t) for r, t in table["qkv_proj"])
+    assert qkv[192] == pytest.approx(192e-4) and qkv[256] == pytest.approx(256e-4)
+    assert qkv[65] == pytest.approx(65e-4 * 1.3) and table["lm_head"] == [[1, 1e-3]]

@@ -69,8 +69,8 @@ from servescope.config import ModelConfig
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 # 3: the sampler's rows; attention timed over written caches; 4: the bandwidth it was timed at; 5: the decode plan
-# timed whole, float32's short chunks fitted apart
-TABLE_VERSION = 5
+# timed whole, float32's short chunks fitted apart; 6: a row count slower than a larger one timed again
+TABLE_VERSION = 6
 
 
 @functools.lru_cache(maxsize=64)  # once per (config, dtypes): every step's prediction asks for it

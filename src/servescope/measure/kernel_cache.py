@@ -20,8 +20,8 @@ from servescope.analysis.busy import CpuMeter, Window
 from servescope.analysis.probe import _cache_key, default_cache_path, torch_threads
 from servescope.measure.decode_plan import measure_decode_plan
 from servescope.measure.moe_kernels import measure_moe_table
-from servescope.measure.shape_kernels import (measure_attention, measure_linear_tables, measure_misc,
-                                              measure_prefill_factor, measure_sampling)
+from servescope.measure.linear_kernels import measure_linear_tables, measure_sampling
+from servescope.measure.shape_kernels import measure_attention, measure_misc, measure_prefill_factor
 
 logger = logging.getLogger(__name__)
 

@@ -4,13 +4,7 @@ sparse blocks: measure/moe_kernels.py, and the C++ decode plan's layers together
 and caches it once per CPU, model shape and dtypes.
 
 All on the engine's own objects, so the table follows the kernels whatever they become:
-- the projections (CpuLinear, QuantLinear, ... whatever the engine's transforms put there; a sparse layer's
-  MLP is its block, timed whole by moe_kernels.py) at ROWS rows in
-  layer order, so the weights come from where a step finds them: all layers at a few rows (a decode
-  step streams them), enough for PASS_BUDGET_S at many (compute-bound); per-call times share out the
-  calls' back-to-back time. The head at HEAD_ROWS, each call after a one-row pass over every layer;
-- the sampler's pick of greedy tokens from the head's float32 logits over the vocabulary at HEAD_ROWS rows
-  (measure_sampling: a tiny model's vocabulary makes it nothing in the probe's host overhead);
+- the projections, the head and the sampler: measure/linear_kernels.py (with this module's timing settings);
 - attention: the engine's backend on caches of the model's KV heads (decode batches, prefills over
   cached prefixes), cycling over enough cache copies, every page written (written_cache), that the KV
   comes from memory, fitted to seconds = a + b * rows + c * keys per path (kernel_table.fit_linear_model);
@@ -29,24 +23,15 @@ import time
 
 import torch
 
-from servescope.analysis.busy import CpuMeter
 from servescope.analysis.kernel_table import KernelTable, fit_linear_model
 from servescope.analysis.op_counts import attended_keys, layer_windows
-from servescope.config import SamplingParams
 from servescope.kernels import fused_ops
 from servescope.model.attention import kv_quant
 from servescope.model.attention.backend import AttentionMetadata
 from servescope.model.attention.cpu import PAGED_PREFILL_MAX_CONTEXT, TILED_F32_MIN_TOKENS, TILED_PREFILL_MIN_TOKENS
-from servescope.model.moe import SparseMoeBlock
-from servescope.sampling.sampler import Sampler, SamplingState
 
 logger = logging.getLogger(__name__)
 
-# oneDNN's GEMM steps up at some row counts (a 2048-wide bfloat16 one here: +30% from 64 to 65 rows, +45%
-# from 257 to 320): points on both sides of the steps seen, since a mixed step may have any count
-ROWS = (1, 2, 3, 4, 6, 8, 9, 12, 16, 24, 32, 48, 64, 65, 80, 96, 128, 129, 160, 192, 256, 257, 320, 384, 448,
-        512, 768, 1024, 2048)  # the last three: a whole prompt in one step (chunked prefill off)
-HEAD_ROWS = (1, 2, 4, 8, 9, 16, 32, 64)
 ALL_LAYER_ROWS = 16  # up to this many rows every layer is timed (memory-bound: the caches matter)
 PASS_BUDGET_S = 0.3
 RUNS = 5
@@ -63,7 +48,6 @@ LONG_GRID = ((128, 0), (512, 0), (256, 512), (128, 1536), (512, 1024), (2048, 0)
 KV_COPIES_BYTES = 1 << 30  # caches cycled so that attention reads its KV from memory, as a step's layers do
 BLOCK = 16
 FILL_BYTE = 0x20  # read as a normal number in every KV dtype: bfloat16, float16, float32, fp8 e4m3, int8 + scale
-TINY_VOCAB = 512  # the probe's host-overhead model's vocabulary (measure/overhead.py): its sampler's call
 
 
 def _timed(fn) -> float:
@@ -75,135 +59,6 @@ def _timed(fn) -> float:
 def _median_of(fn, runs: int = RUNS) -> float:
     fn()  # warm-up: the kernel's first call at this shape (allocations, oneDNN's primitive)
     return statistics.median(_timed(fn) for _ in range(runs))
-
-
-# --------------------------------------------------------------------------- linear layers
-
-def _layer_projections(layer) -> list:
-    attn = [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj)]
-    if isinstance(layer.mlp, SparseMoeBlock):  # its block is timed whole (measure_moe_table)
-        return attn
-    return attn + [("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]
-
-
-def _inputs(cfg, rows: int, dtype) -> dict:
-    gen = torch.Generator().manual_seed(rows)
-    d, q, i = cfg.hidden_size, cfg.q_size, cfg.intermediate_size
-    x = {w: (torch.randn(rows, w, generator=gen) * 0.5).to(dtype) for w in {d, q, i}}
-    return {"qkv_proj": x[d], "o_proj": x[q], "gate_up_proj": x[d], "down_proj": x[i], "lm_head": x[d]}
-
-
-def _pass(layers, xs: dict) -> list:
-    """[(projection, seconds)] of one call per layer, each timed on its own, in layer order."""
-    out = []
-    for layer in layers:
-        for name, mod in _layer_projections(layer):
-            x = xs[name]
-            out.append((name, _timed(lambda: mod(x))))
-    return out
-
-
-def _back_to_back(layers, xs: dict) -> float:
-    """Seconds of one call per layer and projection, in layer order, with no timer between the calls."""
-    calls = [(mod, xs[name]) for layer in layers for name, mod in _layer_projections(layer)]
-    t0 = time.perf_counter()
-    for mod, x in calls:
-        mod(x)
-    return time.perf_counter() - t0
-
-
-def _per_call(runs: list) -> dict:
-    """{projection: [seconds of each of its calls]}: each call's median over the runs (a time slice lost to
-    another process on a shared machine hits one run of a call, not the median)."""
-    out: dict = {}
-    for j, (name, _) in enumerate(runs[0]):
-        out.setdefault(name, []).append(statistics.median(r[j][1] for r in runs))
-    return out
-
-
-def call_overhead(dtype) -> float:
-    """Seconds of one linear module's call on a 16 x 16 weight at one row: the dispatch a tiny call costs."""
-    # lazy: CpuLinear packs panels with the extension, which measure_linear_tables has loaded by now
-    from servescope.model.linears.cpu import CpuLinear
-
-    lin = CpuLinear(torch.nn.Linear(16, 16, bias=False).to(dtype).requires_grad_(False))
-    x = torch.randn(1, 16).to(dtype)
-    for _ in range(20):
-        lin(x)
-    return statistics.median(_timed(lambda: lin(x)) for _ in range(200))
-
-
-def measure_linear_tables(model, cfg, dtype) -> tuple:
-    """({projection: [[rows, seconds per call], ...]} of the model's own linear modules, the CPUs its
-    threads got while they ran: the share of the machine the measurement had)."""
-    layers = list(model.model.layers)
-    meter = CpuMeter()
-    overhead = call_overhead(dtype)
-    table = {n: [] for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
-    with torch.inference_mode():
-        for rows in ROWS:
-            xs = _inputs(cfg, rows, dtype)
-            _pass(layers[:2], xs)  # warm-up: first calls at this row count
-            if rows <= ALL_LAYER_ROWS:
-                subset = layers
-            else:
-                per_layer = sum(t for _, t in _pass(layers[:1], xs))
-                subset = layers[:max(2, min(len(layers), math.ceil(PASS_BUDGET_S / max(per_layer, 1e-9))))]
-            runs = RUNS if rows <= ALL_LAYER_ROWS else min(RUNS, LARGE_RUNS)
-            calls = _per_call([_pass(subset, xs) for _ in range(runs)])
-            # the calls back to back, as a step makes them, took longer than each timed on its own
-            # (about 10% at a 1B shape's one-row GEMVs here): the pass's time, shared out by the calls'
-            whole = statistics.median(_back_to_back(subset, xs) for _ in range(runs))
-            scale = whole / sum(sum(c) for c in calls.values())
-            for name, times in calls.items():  # per call of that projection (a sparse layer has no MLP rows)
-                t = sum(times) / len(times) * scale
-                table[name].append([rows, max(t - overhead, 0.2 * t)])
-        cpus = meter.window().cpus_got
-        table["lm_head"] = _head_table(model, layers, cfg, dtype, overhead)
-    for name, pts in table.items():
-        if not pts:  # no layer has this projection (every MLP sparse): nothing of it runs
-            table[name] = [[1, 0.0]]
-    return table, cpus
-
-
-def _head_table(model, layers, cfg, dtype, overhead: float) -> list:
-    """The head at HEAD_ROWS, each call right after a one-row pass over every layer (untimed)."""
-    head, one = model.lm_head, _inputs(cfg, 1, dtype)
-    out = []
-    for rows in HEAD_ROWS:
-        x = _inputs(cfg, rows, dtype)["lm_head"]
-        head(x)
-        times = []
-        for _ in range(RUNS):
-            _pass(layers, one)
-            times.append(_timed(lambda: head(x)))
-        t = statistics.median(times)
-        out.append([rows, max(t - overhead, 0.2 * t)])
-    return out
-
-
-# --------------------------------------------------------------------------- sampling
-
-def _sample_seconds(vocab: int, rows: int) -> float:
-    """Seconds of the engine's Sampler picking `rows` greedy tokens from float32 logits [rows, vocab]."""
-    sampler = Sampler(vocab)
-    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows))
-    states = [SamplingState.new(SamplingParams(temperature=0.0), [1], "cpu") for _ in range(rows)]
-    with torch.inference_mode():
-        return _median_of(lambda: sampler(logits, states), 4 * RUNS)
-
-
-def measure_sampling(cfg) -> list:
-    """[[rows, seconds]] at HEAD_ROWS of the sampler over the model's vocabulary (greedy rows: the argmax every
-    row pays; a sampled row's softmax and draw are not in it), less its call at one row of the probe's tiny
-    vocabulary, which the host overhead per step already holds. At a 49152-token vocabulary, 32 rows took
-    longer than the 135M model's attention."""
-    tiny = _sample_seconds(TINY_VOCAB, 1)
-    out = []
-    for rows in HEAD_ROWS:
-        t = _sample_seconds(cfg.vocab_size, rows)
-        out.append([rows, max(t - tiny, 0.2 * t)])
-    return out
 
 
 # --------------------------------------------------------------------------- attention
