@@ -234,3 +234,29 @@ def test_a_slow_spell_over_some_rows_is_timed_again_and_a_real_step_up_kept(monk
     qkv = dict((r, t) for r, t in table["qkv_proj"])
     assert qkv[192] == pytest.approx(192e-4) and qkv[256] == pytest.approx(256e-4)
     assert qkv[65] == pytest.approx(65e-4 * 1.3) and table["lm_head"] == [[1, 1e-3]]
+
+
+def test_the_head_is_swept_the_same_way(monkeypatch):
+    monkeypatch.setattr(linear_kernels, "HEAD_ROWS", (1, 8, 32, 64))
+    monkeypatch.setattr(shape_kernels, "RUNS", 1)
+
+    class Head:
+        rows = 0
+
+        def __call__(self, x):
+            self.rows = x.shape[0]
+
+    head, calls = Head(), []
+
+    def fake_timed(fn):  # 32 rows in a 'spell' (3x) the first time only
+        fn()
+        calls.append(head.rows)
+        return head.rows * 1e-4 * (3.0 if head.rows == 32 and calls.count(32) == 1 else 1.0)
+
+    monkeypatch.setattr(linear_kernels, "_timed", fake_timed)
+    cfg = type("Cfg", (), {"hidden_size": 8, "q_size": 8, "intermediate_size": 16})()
+    model = type("M", (), {"lm_head": head})()
+    pts = linear_kernels._head_table(model, [], cfg, torch.float32, 0.0)
+    assert calls == [1, 8, 32, 64, 32]
+    assert pts == [[1, pytest.approx(1e-4)], [8, pytest.approx(8e-4)], [32, pytest.approx(32e-4)],
+                   [64, pytest.approx(64e-4)]]

@@ -4,8 +4,8 @@ times the rest and holds the timing settings; measure/kernel_cache.py assembles 
 - the projections (CpuLinear, QuantLinear, ... whatever the engine's transforms put there; a sparse layer's MLP is its
   block, timed whole by moe_kernels.py) at ROWS rows in layer order, so the weights come from where a step finds
   them: all layers at a few rows (a decode step streams them), enough for PASS_BUDGET_S at many (compute-bound);
-  per-call times share out the calls' back-to-back time; a row count slower than a larger one timed again
-  (measure_linear_tables). The head at HEAD_ROWS, each call after a one-row pass over every layer;
+  per-call times share out the calls' back-to-back time. The head at HEAD_ROWS, each call after a one-row pass over
+  every layer. In both, a row count that took longer than a larger one is timed again after the sweep (_sweep);
 - the sampler's pick of greedy tokens from the head's float32 logits over the vocabulary at HEAD_ROWS rows
   (measure_sampling: a tiny model's vocabulary makes it nothing in the probe's host overhead).
 The same call on a tiny shape (its dispatch: the probe's host overhead per layer has it) is subtracted.
@@ -108,16 +108,7 @@ def measure_linear_tables(model, cfg, dtype) -> tuple:
     overhead = call_overhead(dtype)
     names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     with torch.inference_mode():
-        points = {rows: _time_rows(layers, cfg, dtype, rows, overhead) for rows in ROWS}
-        for _ in range(RETIME_ROUNDS):
-            suspects = undercut_rows({rows: sum(t.values()) for rows, t in points.items()}, RETIME_TOLERANCE)
-            if not suspects:
-                break
-            for rows in suspects:
-                again = _time_rows(layers, cfg, dtype, rows, overhead)
-                logger.info("kernel table: %d rows took %.3g ms, more than a larger row count; again: %.3g ms", rows,
-                            sum(points[rows].values()) * 1e3, sum(again.values()) * 1e3)
-                points[rows] = {name: min(t, again[name]) for name, t in points[rows].items()}
+        points = _sweep(ROWS, lambda rows: _time_rows(layers, cfg, dtype, rows, overhead))
         cpus = meter.window().cpus_got
         table = {n: [[rows, points[rows][n]] for rows in ROWS if n in points[rows]] for n in names}
         table["lm_head"] = _head_table(model, layers, cfg, dtype, overhead)
@@ -125,6 +116,23 @@ def measure_linear_tables(model, cfg, dtype) -> tuple:
         if not pts:  # no layer has this projection (every MLP sparse): nothing of it runs
             table[name] = [[1, 0.0]]
     return table, cpus
+
+
+def _sweep(counts, time_at) -> dict:
+    """{rows: {name: seconds}} of time_at(rows) at each row count in order, then each count whose total took more
+    than 1 + RETIME_TOLERANCE times a larger count's timed again (RETIME_ROUNDS rounds at most), keeping per name the
+    quicker of its timings."""
+    points = {rows: time_at(rows) for rows in counts}
+    for _ in range(RETIME_ROUNDS):
+        suspects = undercut_rows({rows: sum(t.values()) for rows, t in points.items()}, RETIME_TOLERANCE)
+        if not suspects:
+            break
+        for rows in suspects:
+            again = time_at(rows)
+            logger.info("kernel table: %d rows took %.3g ms, more than a larger row count; again: %.3g ms", rows,
+                        sum(points[rows].values()) * 1e3, sum(again.values()) * 1e3)
+            points[rows] = {name: min(t, again[name]) for name, t in points[rows].items()}
+    return points
 
 
 def undercut_rows(totals: dict, tolerance: float) -> list:
@@ -163,10 +171,11 @@ def _time_rows(layers, cfg, dtype, rows: int, overhead: float) -> dict:
 
 
 def _head_table(model, layers, cfg, dtype, overhead: float) -> list:
-    """The head at HEAD_ROWS, each call right after a one-row pass over every layer (untimed)."""
+    """The head at HEAD_ROWS, each call right after a one-row pass over every layer (untimed); swept as the
+    projections are (_sweep)."""
     head, one = model.lm_head, _inputs(cfg, 1, dtype)
-    out = []
-    for rows in HEAD_ROWS:
+
+    def time_at(rows: int) -> dict:
         x = _inputs(cfg, rows, dtype)["lm_head"]
         head(x)
         times = []
@@ -174,8 +183,10 @@ def _head_table(model, layers, cfg, dtype, overhead: float) -> list:
             _pass(layers, one)
             times.append(_timed(lambda: head(x)))
         t = statistics.median(times)
-        out.append([rows, max(t - overhead, 0.2 * t)])
-    return out
+        return {"lm_head": max(t - overhead, 0.2 * t)}
+
+    points = _sweep(HEAD_ROWS, time_at)
+    return [[rows, points[rows]["lm_head"]] for rows in HEAD_ROWS]
 
 
 # --------------------------------------------------------------------------- sampling
