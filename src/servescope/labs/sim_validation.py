@@ -60,11 +60,12 @@ class Workload:
     max_concurrency: object = None
 
 
-# per model: (engine model name, simulator preset, workloads); sized to the model's speed on 2 cores. The long
-# prompts arrive at about half the engine's capacity for them (135M: ~1.3 s of 512-token chunks a prompt, 1B: ~10 s):
-# at 0.5 req/s the 135M engine was ~90% busy, where whether a request's last tokens meet the next prompt's chunks
-# (~450 ms a step) or run alone (~15 ms) turns on a few ms: its median TPOT moved 3-6% per 1% of step time and
-# two identical engine runs came out 38-50% apart (docs/VALIDATION.md). Saturation is the queueing workload.
+# per model: (engine model name, simulator preset, workloads); sized to the model's speed on 2 cores. 135M's long
+# prompts (~1.3 s of 512-token chunks each) arrive at 0.15 req/s, ~35% busy: at 0.5 req/s the engine was ~90% busy,
+# where whether a request's last tokens meet the next prompt's chunks (~450 ms a step) or run alone (~15 ms) turns
+# on a few ms: its median TPOT moved 3-6% per 1% of step time and two identical engine runs came out 38-50% apart
+# (docs/VALIDATION.md). 1B's four (~10 s each) run nearly back to back, a knee the report's sensitivity shows; their
+# steps are long enough to be priced within a few percent. Saturation is the queueing workload.
 MODELS = {
     "smollm2-135m": (None, "smollm2-135m", (
         Workload("low rate", 24, (64, 256), (32, 96), 1.0),
@@ -294,13 +295,9 @@ def _sensitivity_table(rows: list) -> str:
                "engine steps / table: decode / prefill (each run)"]
     body = [[r["model"], r["workload"], r["rate"], f"{r['sensitivity']['busy']:.0%}"]
             + [f"{r['sensitivity'][k]:.2f}" for k in FLOORS]
-            + [", ".join(" / ".join(_num2(d[k]) for k in ("decode", "prefill")) for d in r["steps_over_table"])]
+            + [", ".join(" / ".join(_num(d[k]) for k in ("decode", "prefill")) for d in r["steps_over_table"])]
             for r in rows]
     return md_table(headers, body)
-
-
-def _num2(x) -> str:
-    return "-" if x is None else f"{x:.2f}"
 
 
 def _steps_table(rows: list) -> str:
