@@ -107,7 +107,7 @@ def test_the_probe_reads_its_cache_through_the_spot_check(tmp_path, monkeypatch)
     monkeypatch.setattr(probe, "measure_read_bandwidth", lambda *a, **k: pytest.fail("re-probed"))
     cached = cached_spec().replace(memory_bytes=probe.total_memory_bytes(), seq_overhead_s=0.0)
     path = tmp_path / "hw.json"
-    _write_cache(path, cached, probe._cache_key(probe.torch_threads()))
+    _write_cache(path, cached, probe.cache_key(probe.torch_threads()))
     stored = path.read_text()
     far = probe.cached_local_hardware(path, spot_check=lambda: 90 * GB)
     assert far.memory_bandwidth == 90 * GB and far.probed_bandwidth == 30 * GB
@@ -131,7 +131,7 @@ def test_a_cached_probe_of_a_machine_with_other_memory_is_not_used(tmp_path):
 
     other = cached_spec().replace(memory_bytes=2 * probe.total_memory_bytes())
     path = tmp_path / "hw.json"
-    _write_cache(path, other, probe._cache_key(probe.torch_threads()))
+    _write_cache(path, other, probe.cache_key(probe.torch_threads()))
     assert probe.cached_local_hardware(path, spot_check=lambda: None) is None
 
 

@@ -84,7 +84,7 @@ def test_probe_measures_caches_and_forces(tmp_path, monkeypatch):
     assert spec.linear_rates == {"float32": _RATES, "bfloat16": _RATES}
     assert spec.decode_attention_flops == {"float32": 5e9, "bfloat16": 5e9} and spec.packed_gemm_flops == 7e9
     stored = json.loads(cache.read_text())
-    assert list(stored) == [probe._cache_key(probe.torch_threads())] and "threads=" in next(iter(stored))
+    assert list(stored) == [probe.cache_key(probe.torch_threads())] and "threads=" in next(iter(stored))
 
     def boom(*a, **k):
         raise AssertionError("the cached result should have been used")
@@ -116,7 +116,7 @@ def test_probe_without_engine_measurers_never_stands_in_for_the_full_one(tmp_pat
     assert pure.step_overhead_s == pure.layer_overhead_s == 0 and not pure.linear_rates
     path = tmp_path / "servescope" / "hardware.json"
     (key,) = json.loads(path.read_text())
-    assert key != probe._cache_key(probe.torch_threads()) and key.endswith("|engine=none")
+    assert key != probe.cache_key(probe.torch_threads()) and key.endswith("|engine=none")
     assert probe.cached_local_hardware() is None
     with pytest.raises(InvalidParameterError, match="not been probed"):
         hardware.get_hardware("local-cpu")

@@ -63,10 +63,10 @@ def test_cache_key_names_the_kernel_path_and_flags(monkeypatch):
     from servescope.analysis import probe
 
     monkeypatch.setenv(cpu_isa.ENV, "scalar")
-    key = probe._cache_key(2)
+    key = probe.cache_key(2)
     assert "|isa=scalar|flags=" in key and "threads=2" in key
     monkeypatch.delenv(cpu_isa.ENV)
-    assert probe._cache_key(2) != key
+    assert probe.cache_key(2) != key
 
 
 def test_auto_dtype_is_bfloat16_only_with_bf16_instructions(monkeypatch):

@@ -59,7 +59,7 @@ def test_explain_bad_hardware_is_one_line_exit_2(capsys):
 
 def _fake_probe_cache(tmp_path, monkeypatch):
     """A cached local-cpu spec so that nothing probes the machine during the test."""
-    from servescope.analysis.probe import _cache_key
+    from servescope.analysis.probe import cache_key
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     spec = {"name": "local-cpu", "kind": "cpu",
@@ -67,7 +67,7 @@ def _fake_probe_cache(tmp_path, monkeypatch):
             "memory_bandwidth": 2e10, "memory_bytes": 8 * 2**30, "notes": "fake", "source": "test"}
     path = tmp_path / "cache" / "servescope" / "hardware.json"
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({_cache_key(torch.get_num_threads()): spec}))
+    path.write_text(json.dumps({cache_key(torch.get_num_threads()): spec}))
 
 
 def test_hardware_list(tmp_path, monkeypatch, capsys):

@@ -19,7 +19,7 @@ def test_probe_local_cpu_measures_the_engine_and_caches_the_full_spec(tmp_path, 
     assert 0 <= spec.seq_overhead_s < 5e-3  # and per sequence of the step: microseconds
     assert set(spec.linear_rates) == {"float32", "bfloat16"}
     stored = json.loads((tmp_path / "servescope" / "hardware.json").read_text())
-    assert list(stored) == [probe._cache_key(torch.get_num_threads())]
+    assert list(stored) == [probe.cache_key(torch.get_num_threads())]
     # what the engine measured is what analysis reads back, and what every name for it resolves to
     monkeypatch.setattr(probe, "measure_read_bandwidth", lambda *a, **k: AssertionError("re-probed"))
     assert get_hardware("local-cpu") == spec

@@ -36,7 +36,7 @@ measure/local_hardware.py passes the engine's own):
   packed_gemm_flops: FLOP/s of its integer GEMM over group-32 packed weights with float32 activations
   (the prefill of int4 / int8-g32 / a GGUF's Q4_0, Q4_1, Q8_0), which beats the float32 peak with VNNI.
 
-Invariant of the cache: the entry under the full key (`_cache_key(threads)`) was measured with all
+Invariant of the cache: the entry under the full key (`cache_key(threads)`) was measured with all
 engine measurers; a probe given fewer is stored under a key that names what it holds, so it
 never stands in for the full one (whose predictions include the host overhead and kernel rates).
 """
@@ -156,7 +156,7 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def _cache_key(threads: int, measured: Optional[tuple] = None) -> str:
+def cache_key(threads: int, measured: Optional[tuple] = None) -> str:
     """The cache entry's key. measured: the names of the engine measurers the entry holds, None for
     all of them (the full probe); any other set, the empty one included, is named in the key."""
     key = f"{cpu_model()}|{isa_signature(cpu_flags(), local_isa())}|threads={threads}|v{CACHE_VERSION}"
@@ -228,7 +228,7 @@ def cached_local_hardware(cache_path: Optional[Path] = None,
     (_spec_in_use), or None when there is none (this never probes: measuring needs the engine's
     measurers, see measure/local_hardware.py)."""
     path = Path(cache_path) if cache_path is not None else default_cache_path()
-    return _spec_in_use(_read_cache(path), _cache_key(torch_threads()), path, spot_check)
+    return _spec_in_use(_read_cache(path), cache_key(torch_threads()), path, spot_check)
 
 
 def _measure_peaks(bandwidth_bytes: int, matmul_size: int, runs: int) -> tuple:
@@ -303,7 +303,7 @@ def probe_local_hardware(
     measurers = measurers or EngineMeasurers()
     threads = torch.get_num_threads()
     path = Path(cache_path) if cache_path is not None else default_cache_path()
-    key = _cache_key(threads, measurers.given)
+    key = cache_key(threads, measurers.given)
     cache = _read_cache(path)
     cached = None if force else _spec_in_use(cache, key, path, spot_check)
     if cached is not None:

@@ -37,7 +37,7 @@ from servescope.sim.cluster import Deployment
 from servescope.sim.driver import bench_result, drive
 from servescope.sim.engine import Finished
 from servescope.sim.spec import HostCosts, describe, instance_spec
-from servescope.sim.step_table import StepTable, between_steps_seconds, fit_step_table
+from servescope.sim.step_table import StepTable, between_steps_seconds, fit_step_table, record_shape
 from servescope.telemetry.step_record import step_period
 from servescope.sim.workload import synthetic_workload
 
@@ -184,8 +184,7 @@ def table_drift(records: list, table: StepTable) -> dict:
     for i, r in enumerate(records):
         if not r.predicted_seconds or r.wall_seconds <= 0 or not r.context_lens:
             continue
-        kind = "prefill" if r.num_prefill_tokens else "decode"
-        context = max((sum(r.context_lens) - r.num_tokens) / len(r.context_lens), 1.0)  # before the step
+        kind, context = record_shape(r)
         periods[kind] += step_period(records, i)
         prices[kind] += r.predicted_seconds * table.ratio(kind == "decode", r.num_tokens, context)
     return {k: periods[k] / prices[k] if prices[k] > 0 else None for k in periods}

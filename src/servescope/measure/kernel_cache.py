@@ -17,7 +17,7 @@ import torch
 from servescope.analysis.bandwidth import default_spot_check
 from servescope.analysis.kernel_table import table_key
 from servescope.analysis.busy import CpuMeter, Window
-from servescope.analysis.probe import _cache_key, default_cache_path, torch_threads
+from servescope.analysis.probe import cache_key, default_cache_path, torch_threads
 from servescope.measure.decode_plan import measure_decode_plan
 from servescope.measure.moe_kernels import measure_moe_table
 from servescope.measure.linear_kernels import measure_linear_tables, measure_sampling
@@ -86,7 +86,7 @@ def cache_path() -> Path:
 
 
 def _machine_key() -> str:
-    return f"{_cache_key(torch_threads())}|kernels={kernels_digest()}"
+    return f"{cache_key(torch_threads())}|kernels={kernels_digest()}"
 
 
 def gemv_limits_key(model) -> str:

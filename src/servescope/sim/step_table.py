@@ -117,6 +117,13 @@ class StepTable:
             raise InvalidParameterError("step_table", f"{path} is not JSON: {e}") from None
 
 
+def record_shape(r) -> tuple:
+    """(kind: "decode" for a decode-only step, else "prefill"; the mean context per sequence before the step, at
+    least 1) of a StepRecord with context_lens: what the table's ratio is looked up at."""
+    return ("prefill" if r.num_prefill_tokens else "decode",
+            max((sum(r.context_lens) - r.num_tokens) / len(r.context_lens), 1.0))
+
+
 def _bins(records) -> dict:
     """{kind: {(context bin, tokens bin): [(context, tokens, measured / predicted), ...]}} of the records that
     carry a prediction."""
@@ -125,8 +132,7 @@ def _bins(records) -> dict:
     for i, r in enumerate(records):
         if not r.predicted_seconds or r.wall_seconds <= 0 or not r.context_lens:
             continue
-        kind = "prefill" if r.num_prefill_tokens else "decode"
-        context = max((sum(r.context_lens) - r.num_tokens) / len(r.context_lens), 1.0)  # before the step
+        kind, context = record_shape(r)
         key = (int(math.log2(context)), int(math.log2(max(r.num_tokens, 1))))
         bins[kind].setdefault(key, []).append((context, r.num_tokens, step_period(records, i) / r.predicted_seconds))
     return bins

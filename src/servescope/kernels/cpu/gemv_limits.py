@@ -34,7 +34,7 @@ import torch
 
 from servescope.analysis.busy import CpuMeter
 from servescope.analysis.cache_dir import cache_dir
-from servescope.analysis.probe import _cache_key
+from servescope.analysis.probe import cache_key
 from servescope.kernels.cpu import linear as cpu_linear
 from servescope.kernels.cpu.extension import headers_digest
 
@@ -64,7 +64,7 @@ def shape_key(w: torch.Tensor) -> str:
 def machine_key() -> str:
     """The probe's key of this CPU and thread count, the kernels' sources, the rule's margin."""
     csrc = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-    return f"{_cache_key(torch.get_num_threads())}|csrc={headers_digest(csrc, ('*.h', '*.cpp'))}|margin={MARGIN}"
+    return f"{cache_key(torch.get_num_threads())}|csrc={headers_digest(csrc, ('*.h', '*.cpp'))}|margin={MARGIN}"
 
 
 def measured(env=os.environ) -> bool:

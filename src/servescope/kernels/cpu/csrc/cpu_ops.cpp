@@ -257,9 +257,10 @@ at::Tensor gemv(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor bias) {
   if (scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kByte) return quant_gemv(x, w, scale, bias, 0);
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: shapes");
   TORCH_CHECK(w.is_contiguous(), "gemv: w must be contiguous");
-  if (scale.numel() == 0 && x.size(0) >= 2 && w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16) {
+  if (scale.numel() == 0 && gemv_bf16_dot_applies(x, w)) {
     auto y = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
-    if (gemv_bf16_dot_into(x, w, bias.numel() ? bias.data_ptr<float>() : nullptr, data<float>(y))) return y;
+    gemv_bf16_dot_into(x, w, bias.numel() ? bias.data_ptr<float>() : nullptr, data<float>(y));
+    return y;
   }
   auto xf = x.to(at::kFloat).contiguous();
   int64_t M = xf.size(0), K = xf.size(1), N = w.size(0);
@@ -281,15 +282,21 @@ at::Tensor gemv(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor bias) {
 
 // bfloat16 rows of x on a bfloat16 weight, 2 rows or more: bfloat16 dot products (kernels.h); one row keeps the
 // float32 path, which streams the weight at the read rate already
-bool gemv_bf16_dot_into(const Tensor& rows, const Tensor& w, const float* bias, float* y) {
+bool gemv_bf16_dot_applies(const Tensor& rows, const Tensor& w) {
 #if SERVESCOPE_HAS_BF16_DOT
-  if (rows.size(0) >= 2 && w.scalar_type() == at::kBFloat16 && rows.scalar_type() == at::kBFloat16) {
-    const auto xb = rows.contiguous();
-    gemv_rows_bf16_dot(data<bf16>(xb), xb.size(0), xb.size(1), data<bf16>(w), w.size(0), bias, y);
-    return true;
-  }
-#endif
+  return rows.size(0) >= 2 && w.scalar_type() == at::kBFloat16 && rows.scalar_type() == at::kBFloat16;
+#else
   return false;
+#endif
+}
+
+bool gemv_bf16_dot_into(const Tensor& rows, const Tensor& w, const float* bias, float* y) {
+  if (!gemv_bf16_dot_applies(rows, w)) return false;
+#if SERVESCOPE_HAS_BF16_DOT
+  const auto xb = rows.contiguous();
+  gemv_rows_bf16_dot(data<bf16>(xb), xb.size(0), xb.size(1), data<bf16>(w), w.size(0), bias, y);
+#endif
+  return true;
 }
 
 // w [N, K] float32 | bfloat16 -> float32 [panel_count(N), K, PANEL_NB]: the layout of panel_gemm.h

@@ -45,7 +45,8 @@ Tensor latent_decode(Tensor q, Tensor cache, Tensor block_tables, Tensor context
 Tensor gemv(Tensor x, Tensor w, Tensor scale, Tensor bias);
 // bfloat16 rows [m, K], m >= 2, on a bfloat16 weight [N, K] through kernels.h's dot-product GEMV where the CPU has
 // AVX512-BF16: y [m, N] float32 written (bias [N] float32 or null) and true; false, nothing written, anywhere else.
-// The one place that rule lives: gemv() and moe_dense's experts both ask it.
+// The one place that rule lives (gemv_bf16_dot_applies): gemv() and moe_dense's experts both ask it.
+bool gemv_bf16_dot_applies(const Tensor& rows, const Tensor& w);
 bool gemv_bf16_dot_into(const Tensor& rows, const Tensor& w, const float* bias, float* y);
 Tensor pack_panels(Tensor w);
 Tensor panel_gemm(Tensor x, Tensor panels, int64_t n, Tensor bias);
